@@ -1,0 +1,1 @@
+//! algorithms (placeholder; being written).

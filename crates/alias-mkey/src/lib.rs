@@ -1,0 +1,1 @@
+//! alias-mkey (placeholder; being written).

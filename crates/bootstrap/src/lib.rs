@@ -1,0 +1,1 @@
+//! bootstrap (placeholder; being written).

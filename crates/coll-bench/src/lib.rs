@@ -1,0 +1,1 @@
+//! coll-bench (placeholder; being written).

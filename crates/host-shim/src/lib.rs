@@ -1,0 +1,1 @@
+//! host-shim (placeholder; being written).

@@ -1,0 +1,1 @@
+//! mpi-ffi (placeholder; being written).

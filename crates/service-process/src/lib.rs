@@ -1,0 +1,1 @@
+//! service-process (placeholder; being written).

@@ -1,0 +1,1 @@
+//! ucx-sys (placeholder; being written).

@@ -1,0 +1,1 @@
+//! Integration tests: real SPs and real mpirun jobs.
