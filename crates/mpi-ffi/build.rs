@@ -1,0 +1,149 @@
+//! Finds the system MPI and generates bindings for it.
+//!
+//! Probe order (every failure reason is printed if all fail):
+//! 1. `MPI_DIR`: `$MPI_DIR/include` and `$MPI_DIR/lib`, linking `-lmpi`.
+//! 2. The compiler wrapper named by `MPICC` (default `mpicc`): `--showme:compile` and
+//!    `--showme:link` (Open MPI), then `-show` (MPICH).
+//! 3. pkg-config: `ompi-c`, then `mpich`.
+
+use std::env;
+use std::path::PathBuf;
+use std::process::Command;
+
+struct Found {
+    include_dirs: Vec<PathBuf>,
+    lib_dirs: Vec<PathBuf>,
+    libs: Vec<String>,
+    how: String,
+}
+
+fn from_flags(flags: &str, how: String) -> Found {
+    let mut found = Found { include_dirs: vec![], lib_dirs: vec![], libs: vec![], how };
+    for word in flags.split_whitespace() {
+        if let Some(dir) = word.strip_prefix("-I") {
+            found.include_dirs.push(dir.into());
+        } else if let Some(dir) = word.strip_prefix("-L") {
+            found.lib_dirs.push(dir.into());
+        } else if let Some(lib) = word.strip_prefix("-l") {
+            found.libs.push(lib.to_string());
+        } else if let Some(dir) = word.strip_prefix("-Wl,-rpath,") {
+            found.lib_dirs.push(dir.into());
+        }
+    }
+    found
+}
+
+fn probe_env() -> Result<Found, String> {
+    let dir = env::var("MPI_DIR").map_err(|_| "MPI_DIR is not set".to_string())?;
+    let dir = PathBuf::from(dir);
+    if !dir.join("include/mpi.h").exists() {
+        return Err(format!("MPI_DIR={} has no include/mpi.h", dir.display()));
+    }
+    Ok(Found {
+        include_dirs: vec![dir.join("include")],
+        lib_dirs: vec![dir.join("lib")],
+        libs: vec!["mpi".into()],
+        how: format!("MPI_DIR={}", dir.display()),
+    })
+}
+
+fn run(cmd: &str, args: &[&str]) -> Result<String, String> {
+    let out = Command::new(cmd)
+        .args(args)
+        .output()
+        .map_err(|e| format!("`{cmd} {}` could not run: {e}", args.join(" ")))?;
+    if !out.status.success() {
+        return Err(format!("`{cmd} {}` exited with {}", args.join(" "), out.status));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn probe_wrapper() -> Result<Found, String> {
+    let mpicc = env::var("MPICC").unwrap_or_else(|_| "mpicc".into());
+    match (run(&mpicc, &["--showme:compile"]), run(&mpicc, &["--showme:link"])) {
+        (Ok(c), Ok(l)) => return Ok(from_flags(&format!("{c} {l}"), format!("{mpicc} --showme"))),
+        (Err(e), _) | (_, Err(e)) => {
+            let show = run(&mpicc, &["-show"]).map_err(|e2| format!("{e}; {e2}"))?;
+            Ok(from_flags(&show, format!("{mpicc} -show")))
+        }
+    }
+}
+
+fn probe_pkg_config() -> Result<Found, String> {
+    let mut errors = vec![];
+    for name in ["ompi-c", "mpich"] {
+        match pkg_config::Config::new().cargo_metadata(false).probe(name) {
+            Ok(lib) => {
+                return Ok(Found {
+                    include_dirs: lib.include_paths,
+                    lib_dirs: lib.link_paths,
+                    libs: lib.libs,
+                    how: format!("pkg-config {name}"),
+                })
+            }
+            Err(e) => errors.push(format!("pkg-config {name}: {e}")),
+        }
+    }
+    Err(errors.join("; "))
+}
+
+fn main() {
+    println!("cargo:rerun-if-env-changed=MPI_DIR");
+    println!("cargo:rerun-if-env-changed=MPICC");
+    println!("cargo:rerun-if-changed=csrc/mpi_ffi.h");
+    println!("cargo:rerun-if-changed=csrc/mpi_ffi.c");
+
+    let mut reasons = vec![];
+    let mut found = None;
+    for probe in [probe_env, probe_wrapper, probe_pkg_config] {
+        match probe() {
+            Ok(f) => {
+                found = Some(f);
+                break;
+            }
+            Err(e) => reasons.push(e),
+        }
+    }
+    let Some(found) = found else {
+        panic!(
+            "no MPI installation found. Tried, in order:\n  - {}\nInstall one (Debian/Ubuntu: \
+             apt-get install openmpi-bin libopenmpi-dev) or set MPI_DIR.",
+            reasons.join("\n  - ")
+        );
+    };
+    println!("cargo:warning=mpi-ffi: MPI found via {}", found.how);
+
+    let mut build = cc::Build::new();
+    build.file("csrc/mpi_ffi.c").warnings(true);
+    for dir in &found.include_dirs {
+        build.include(dir);
+    }
+    build.compile("mpi_ffi_consts");
+
+    for dir in &found.lib_dirs {
+        println!("cargo:rustc-link-search=native={}", dir.display());
+    }
+    for lib in &found.libs {
+        println!("cargo:rustc-link-lib={lib}");
+    }
+    // Lets dependents (the shim, test programs) find the library at run time.
+    if let Some(dir) = found.lib_dirs.first() {
+        println!("cargo:libdir={}", dir.display());
+    }
+
+    let mut bindings = bindgen::Builder::default()
+        .header("csrc/mpi_ffi.h")
+        .allowlist_function("P?MPI_.*|mpiffi_.*")
+        .allowlist_type("MPI_.*|ompi_status_public_t")
+        .allowlist_var("MPIFFI_.*|MPI_MAX_.*")
+        .default_enum_style(bindgen::EnumVariation::Consts)
+        .derive_default(true)
+        .layout_tests(false)
+        .parse_callbacks(Box::new(bindgen::CargoCallbacks::new()));
+    for dir in &found.include_dirs {
+        bindings = bindings.clang_arg(format!("-I{}", dir.display()));
+    }
+    let bindings = bindings.generate().expect("bindgen failed on mpi.h");
+    let out = PathBuf::from(env::var("OUT_DIR").unwrap()).join("mpi_bindings.rs");
+    bindings.write_to_file(out).expect("could not write bindings");
+}
