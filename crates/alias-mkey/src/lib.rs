@@ -1,1 +1,229 @@
-//! alias-mkey (placeholder; being written).
+//! Memory grants and alias keys. A host rank registers a buffer and hands its service process
+//! (SP) a [`Grant`]: the region, the rights on it and what a backend needs to reach it. The SP
+//! adds the owner it learned from the kernel (never from the message) and gets an
+//! [`AliasKey`], which it may pass to peer SPs so that they too can read or write that region.
+//! Every access goes through [`AliasKey::check`]: a range outside the grant, a missing right, a
+//! stale generation or an arithmetic overflow is an [`AccessError`] and nothing is touched.
+//! This crate never decides *what* to copy; it only moves bytes where a grant allows.
+//!
+//! Backends (see [`mover`]):
+//! - `cma`: `process_vm_readv`/`process_vm_writev` against the owning process, staged through a
+//!   bounded SP buffer (Linux has no third-party copy between two other processes).
+//! - `ucx` and the BlueField `xgvmi` path are described in `docs/ARCHITECTURE.md`; the grant
+//!   format already carries their backend data.
+#![deny(unsafe_op_in_unsafe_fn)]
+
+pub mod host;
+pub mod mover;
+
+use serde::{Deserialize, Serialize};
+
+/// Access rights on a granted region.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Rights(u8);
+
+impl Rights {
+    pub const NONE: Rights = Rights(0);
+    pub const READ: Rights = Rights(1);
+    pub const WRITE: Rights = Rights(2);
+    pub const READ_WRITE: Rights = Rights(3);
+
+    pub fn contains(self, other: Rights) -> bool {
+        self.0 & other.0 == other.0
+    }
+
+    pub fn bits(self) -> u8 {
+        self.0
+    }
+}
+
+impl std::fmt::Display for Rights {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let r = if self.contains(Rights::READ) {
+            "r"
+        } else {
+            "-"
+        };
+        let w = if self.contains(Rights::WRITE) {
+            "w"
+        } else {
+            "-"
+        };
+        write!(f, "{r}{w}")
+    }
+}
+
+/// What a backend needs, besides the address, to reach a granted region.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum BackendData {
+    /// Cross-memory attach: the owner's pid (learned by the SP from the socket) is enough.
+    Cma,
+    /// UCX: the owner's worker address and the packed remote key of its `ucp_mem_map`.
+    Ucx {
+        worker_address: Vec<u8>,
+        rkey: Vec<u8>,
+    },
+}
+
+/// A region a host process grants to its SP. Produced by [`host::Registrar`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Grant {
+    /// Host-local registration id; with `generation` it names one registration.
+    pub region: u64,
+    /// Bumped each time the host re-registers the same region id (memory freed or remapped).
+    pub generation: u32,
+    pub addr: u64,
+    pub len: u64,
+    pub rights: Rights,
+    pub backend: BackendData,
+}
+
+/// Who owns a granted region. The SP fills `pid` from the Unix socket's peer credentials.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Owner {
+    pub job: u64,
+    pub world_rank: u32,
+    pub pid: u32,
+}
+
+/// A grant bound to its owner: what SPs pass among themselves to access a host region.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AliasKey {
+    pub owner: Owner,
+    pub grant: Grant,
+}
+
+/// Why an access was refused or failed. Nothing was touched when `check` refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AccessError {
+    #[error("range [{offset}, {offset}+{len}) lies outside the granted {grant_len} bytes")]
+    OutOfRange {
+        offset: u64,
+        len: u64,
+        grant_len: u64,
+    },
+    #[error("offset {offset} + length {len} overflows")]
+    Overflow { offset: u64, len: u64 },
+    #[error("the grant gives rights {have}, the access needs {need}")]
+    NoRight { have: Rights, need: Rights },
+    #[error("grant generation {got} is stale: the region is at generation {have}")]
+    StaleGeneration { have: u32, got: u32 },
+    #[error("the grant's address range overflows the address space")]
+    BadGrant,
+    #[error("{op} on pid {pid} failed: {errno}")]
+    Os {
+        op: &'static str,
+        pid: u32,
+        errno: i32,
+    },
+    #[error("backend {0} is not available in this build")]
+    Unsupported(&'static str),
+}
+
+impl AliasKey {
+    /// Checks an access of `len` bytes at `offset` needing `need`, and returns the absolute
+    /// address in the owner's address space. Zero-length accesses inside (or at the end of) the
+    /// grant are allowed.
+    pub fn check(&self, offset: u64, len: u64, need: Rights) -> Result<u64, AccessError> {
+        let g = &self.grant;
+        if !g.rights.contains(need) {
+            return Err(AccessError::NoRight {
+                have: g.rights,
+                need,
+            });
+        }
+        let end = offset
+            .checked_add(len)
+            .ok_or(AccessError::Overflow { offset, len })?;
+        if end > g.len {
+            return Err(AccessError::OutOfRange {
+                offset,
+                len,
+                grant_len: g.len,
+            });
+        }
+        g.addr.checked_add(g.len).ok_or(AccessError::BadGrant)?;
+        Ok(g.addr + offset)
+    }
+
+    /// Refuses a key older than the generation the SP last saw for the same region.
+    pub fn check_generation(&self, current: u32) -> Result<(), AccessError> {
+        if self.grant.generation < current {
+            return Err(AccessError::StaleGeneration {
+                have: current,
+                got: self.grant.generation,
+            });
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(len: u64, rights: Rights) -> AliasKey {
+        AliasKey {
+            owner: Owner {
+                job: 1,
+                world_rank: 0,
+                pid: 1,
+            },
+            grant: Grant {
+                region: 7,
+                generation: 3,
+                addr: 0x1000,
+                len,
+                rights,
+                backend: BackendData::Cma,
+            },
+        }
+    }
+
+    #[test]
+    fn inside_is_allowed_and_translated() {
+        assert_eq!(
+            key(100, Rights::READ).check(10, 90, Rights::READ),
+            Ok(0x1000 + 10)
+        );
+        assert_eq!(
+            key(100, Rights::READ).check(100, 0, Rights::READ),
+            Ok(0x1000 + 100)
+        );
+    }
+
+    #[test]
+    fn outside_overflow_and_rights_are_refused() {
+        let k = key(100, Rights::READ);
+        assert!(matches!(
+            k.check(10, 91, Rights::READ),
+            Err(AccessError::OutOfRange { .. })
+        ));
+        assert!(matches!(
+            k.check(101, 0, Rights::READ),
+            Err(AccessError::OutOfRange { .. })
+        ));
+        assert!(matches!(
+            k.check(u64::MAX, 2, Rights::READ),
+            Err(AccessError::Overflow { .. })
+        ));
+        assert!(matches!(
+            k.check(0, 1, Rights::WRITE),
+            Err(AccessError::NoRight { .. })
+        ));
+        let mut wrap = key(16, Rights::READ);
+        wrap.grant.addr = u64::MAX - 4;
+        assert_eq!(wrap.check(0, 1, Rights::READ), Err(AccessError::BadGrant));
+    }
+
+    #[test]
+    fn stale_generation_is_refused() {
+        let k = key(1, Rights::READ);
+        assert!(k.check_generation(3).is_ok());
+        assert!(k.check_generation(2).is_ok());
+        assert_eq!(
+            k.check_generation(4),
+            Err(AccessError::StaleGeneration { have: 4, got: 3 })
+        );
+    }
+}
