@@ -1,0 +1,273 @@
+//! The cluster description: nodes, SPs per node, where each SP listens, and the rank layout.
+//!
+//! Written by the launcher as JSON, read by every SP and every host shim. World rank `r` of a
+//! job of `P` ranks on `N` nodes with `R` ranks per node lives on node `r / R` (block) or
+//! `r % N` (cyclic); its local rank is `r % R` (block) or `r / N` (cyclic); it is served by SP
+//! `local_rank % K` of its node, where `K` is SPs per node.
+
+use algorithms::SpId;
+use serde::{Deserialize, Serialize};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Layout {
+    Block,
+    Cyclic,
+}
+
+impl std::str::FromStr for Layout {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "block" => Ok(Layout::Block),
+            "cyclic" => Ok(Layout::Cyclic),
+            other => Err(format!(
+                "unknown layout {other:?} (expected block or cyclic)"
+            )),
+        }
+    }
+}
+
+/// One SP of the cluster.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SpEntry {
+    pub id: SpId,
+    pub node: u32,
+    /// Index of this SP among its node's SPs.
+    pub index: u32,
+    /// TCP address other SPs connect to.
+    pub peer_addr: SocketAddr,
+    /// Unix socket host ranks of this node connect to.
+    pub host_socket: PathBuf,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Cluster {
+    pub nodes: u32,
+    pub sps_per_node: u32,
+    /// Ranks per node; when absent, `ceil(world size / nodes)`.
+    pub ranks_per_node: Option<u32>,
+    pub layout: Layout,
+    /// Indexed by SP id: `sps[i].id == i`, SP `k` of node `n` has id `n * sps_per_node + k`.
+    pub sps: Vec<SpEntry>,
+}
+
+/// Where a world rank lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Placement {
+    pub node: u32,
+    pub local_rank: u32,
+    pub sp: SpId,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    #[error("cannot read cluster description {path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cluster description {path} is not valid JSON: {source}")]
+    Parse {
+        path: PathBuf,
+        source: serde_json::Error,
+    },
+    #[error("invalid cluster description: {0}")]
+    Invalid(String),
+}
+
+impl Cluster {
+    /// Builds and validates a description.
+    pub fn new(
+        nodes: u32,
+        sps_per_node: u32,
+        ranks_per_node: Option<u32>,
+        layout: Layout,
+        sps: Vec<SpEntry>,
+    ) -> Result<Self, ClusterError> {
+        let c = Cluster {
+            nodes,
+            sps_per_node,
+            ranks_per_node,
+            layout,
+            sps,
+        };
+        c.validate()?;
+        Ok(c)
+    }
+
+    pub fn load(path: &Path) -> Result<Self, ClusterError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ClusterError::Io {
+            path: path.into(),
+            source,
+        })?;
+        let c: Cluster = serde_json::from_str(&text).map_err(|source| ClusterError::Parse {
+            path: path.into(),
+            source,
+        })?;
+        c.validate()?;
+        Ok(c)
+    }
+
+    pub fn save(&self, path: &Path) -> std::io::Result<()> {
+        let text = serde_json::to_string_pretty(self).expect("a cluster always serialises");
+        std::fs::write(path, text)
+    }
+
+    pub fn validate(&self) -> Result<(), ClusterError> {
+        let bad = |m: String| Err(ClusterError::Invalid(m));
+        if self.nodes == 0 || self.sps_per_node == 0 {
+            return bad("nodes and sps_per_node must be at least 1".into());
+        }
+        if self.ranks_per_node == Some(0) {
+            return bad("ranks_per_node must be at least 1".into());
+        }
+        let want = self.nodes as u64 * self.sps_per_node as u64;
+        if self.sps.len() as u64 != want {
+            return bad(format!(
+                "{} SP entries for {} nodes x {} SPs per node",
+                self.sps.len(),
+                self.nodes,
+                self.sps_per_node
+            ));
+        }
+        for (i, sp) in self.sps.iter().enumerate() {
+            let expect = (sp.node * self.sps_per_node + sp.index) as usize;
+            if sp.id as usize != i || expect != i || sp.index >= self.sps_per_node {
+                return bad(format!(
+                    "SP entry {i} has id {} node {} index {}: expected id {i} = node * {} + index",
+                    sp.id, sp.node, sp.index, self.sps_per_node
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    pub fn sp(&self, id: SpId) -> Option<&SpEntry> {
+        self.sps.get(id as usize)
+    }
+
+    pub fn sp_id(&self, node: u32, index: u32) -> SpId {
+        node * self.sps_per_node + index
+    }
+
+    /// Ranks per node for a job of `world_size` ranks.
+    pub fn ranks_per_node_for(&self, world_size: u32) -> u32 {
+        self.ranks_per_node
+            .unwrap_or_else(|| world_size.div_ceil(self.nodes))
+            .max(1)
+    }
+
+    /// Where `world_rank` of a job of `world_size` ranks lives.
+    pub fn placement(&self, world_rank: u32, world_size: u32) -> Result<Placement, ClusterError> {
+        if world_rank >= world_size {
+            return Err(ClusterError::Invalid(format!(
+                "rank {world_rank} out of range for {world_size} ranks"
+            )));
+        }
+        let r = self.ranks_per_node_for(world_size);
+        let (node, local_rank) = match self.layout {
+            Layout::Block => (world_rank / r, world_rank % r),
+            Layout::Cyclic => (world_rank % self.nodes, world_rank / self.nodes),
+        };
+        if node >= self.nodes {
+            return Err(ClusterError::Invalid(format!(
+                "rank {world_rank} of {world_size} falls on node {node}, but the cluster has {} \
+                 nodes of {r} ranks",
+                self.nodes
+            )));
+        }
+        let sp = self.sp_id(node, local_rank % self.sps_per_node);
+        Ok(Placement {
+            node,
+            local_rank,
+            sp,
+        })
+    }
+
+    /// A fingerprint of the description; SPs refuse peers that were given a different one.
+    pub fn fingerprint(&self) -> u64 {
+        // FNV-1a over the canonical JSON: stable across processes and builds.
+        let text = serde_json::to_string(self).expect("a cluster always serialises");
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in text.bytes() {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+        h
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cluster(nodes: u32, k: u32, layout: Layout) -> Cluster {
+        let sps = (0..nodes * k)
+            .map(|i| SpEntry {
+                id: i,
+                node: i / k,
+                index: i % k,
+                peer_addr: "127.0.0.1:1".parse().unwrap(),
+                host_socket: format!("/tmp/sp{i}").into(),
+            })
+            .collect();
+        Cluster::new(nodes, k, None, layout, sps).unwrap()
+    }
+
+    #[test]
+    fn block_and_cyclic_placement() {
+        let b = cluster(2, 2, Layout::Block);
+        let p: Vec<_> = (0..4).map(|r| b.placement(r, 4).unwrap()).collect();
+        assert_eq!(p.iter().map(|p| p.node).collect::<Vec<_>>(), [0, 0, 1, 1]);
+        assert_eq!(p.iter().map(|p| p.sp).collect::<Vec<_>>(), [0, 1, 2, 3]);
+        let c = cluster(2, 1, Layout::Cyclic);
+        let p: Vec<_> = (0..4).map(|r| c.placement(r, 4).unwrap()).collect();
+        assert_eq!(p.iter().map(|p| p.node).collect::<Vec<_>>(), [0, 1, 0, 1]);
+        assert_eq!(
+            p.iter().map(|p| p.local_rank).collect::<Vec<_>>(),
+            [0, 0, 1, 1]
+        );
+        assert_eq!(p.iter().map(|p| p.sp).collect::<Vec<_>>(), [0, 1, 0, 1]);
+    }
+
+    #[test]
+    fn every_sp_serves_the_ranks_of_its_node() {
+        for layout in [Layout::Block, Layout::Cyclic] {
+            let c = cluster(4, 3, layout);
+            for size in [1u32, 5, 12, 13, 40] {
+                for r in 0..size {
+                    match c.placement(r, size) {
+                        Ok(p) => assert_eq!(c.sp(p.sp).unwrap().node, p.node),
+                        Err(e) => assert!(layout == Layout::Block && size == 13, "{e}"),
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn invalid_descriptions_are_refused() {
+        let mut c = cluster(2, 2, Layout::Block);
+        c.sps.pop();
+        assert!(c.validate().is_err());
+        let mut c = cluster(2, 2, Layout::Block);
+        c.sps[1].index = 0;
+        assert!(c.validate().is_err());
+        assert!(cluster(1, 1, Layout::Block).placement(3, 2).is_err());
+    }
+
+    #[test]
+    fn roundtrip_and_fingerprint() {
+        let c = cluster(2, 2, Layout::Cyclic);
+        let dir = std::env::temp_dir().join(format!("cluster-test-{}", std::process::id()));
+        c.save(&dir).unwrap();
+        let d = Cluster::load(&dir).unwrap();
+        std::fs::remove_file(&dir).ok();
+        assert_eq!(c, d);
+        assert_eq!(c.fingerprint(), d.fingerprint());
+        assert_ne!(c.fingerprint(), cluster(2, 1, Layout::Cyclic).fingerprint());
+    }
+}

@@ -1,0 +1,489 @@
+//! The wire protocol.
+//!
+//! Every connection (host rank to its SP over a Unix socket, SP to SP over TCP) carries frames:
+//! a `u32` little-endian payload length, then the payload. A length above [`MAX_FRAME_BYTES`] is
+//! refused *before* anything is allocated ([`FrameError::TooLarge`]).
+//!
+//! The first frame each way is a hello whose first bytes never change between versions: the
+//! magic `SPOF`, the protocol version (`u32` LE) and a role byte. A peer with another version
+//! gets a [`Hello::Reject`] saying both versions, readable by any version, and the connection is
+//! closed. After the hello, payloads are bincode-encoded [`HostToSp`], [`SpToHost`] or
+//! [`SpToSp`] values.
+
+use algorithms::{alltoallv, CollKey, CommId, SpId};
+use alias_mkey::{AliasKey, Grant};
+use bincode::Options;
+use serde::{de::DeserializeOwned, Deserialize, Serialize};
+use std::io::{Read, Write};
+
+pub const MAGIC: [u8; 4] = *b"SPOF";
+pub const PROTOCOL_VERSION: u32 = 1;
+/// Largest frame accepted: a descriptor for 65536 ranks (four count vectors) fits.
+pub const MAX_FRAME_BYTES: u32 = 4 << 20;
+
+const ROLE_HOST: u8 = 1;
+const ROLE_SP: u8 = 2;
+const ROLE_WELCOME: u8 = 3;
+const ROLE_REJECT: u8 = 4;
+
+/// Identity of a host rank, sent in its hello.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostHello {
+    pub job: u64,
+    pub world_rank: u32,
+    pub world_size: u32,
+    pub node: u32,
+    pub local_rank: u32,
+}
+
+/// Identity of an SP, sent in its hello to a peer SP.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SpHello {
+    pub sp: SpId,
+    pub cluster_fingerprint: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Hello {
+    Host(HostHello),
+    Sp(SpHello),
+    /// The SP accepted a host or a peer.
+    Welcome {
+        sp: SpId,
+    },
+    /// Refused, with a reason meant for a person.
+    Reject {
+        reason: String,
+    },
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum HelloError {
+    #[error("not a service-process peer (bad magic {0:02x?})")]
+    BadMagic([u8; 4]),
+    #[error("protocol version mismatch: this side speaks {ours}, the peer speaks {theirs}")]
+    Version { ours: u32, theirs: u32 },
+    #[error("malformed hello: {0}")]
+    Malformed(String),
+}
+
+fn options() -> impl Options {
+    bincode::DefaultOptions::new()
+        .with_little_endian()
+        .with_varint_encoding()
+        .with_limit(MAX_FRAME_BYTES as u64)
+        .reject_trailing_bytes()
+}
+
+pub fn encode_hello(hello: &Hello) -> Vec<u8> {
+    encode_hello_with_version(hello, PROTOCOL_VERSION)
+}
+
+/// Like [`encode_hello`] with another version number: for tests of the mismatch path.
+pub fn encode_hello_with_version(hello: &Hello, version: u32) -> Vec<u8> {
+    let mut p = MAGIC.to_vec();
+    p.extend_from_slice(&version.to_le_bytes());
+    let body = match hello {
+        Hello::Host(h) => {
+            p.push(ROLE_HOST);
+            options().serialize(h)
+        }
+        Hello::Sp(s) => {
+            p.push(ROLE_SP);
+            options().serialize(s)
+        }
+        Hello::Welcome { sp } => {
+            p.push(ROLE_WELCOME);
+            options().serialize(sp)
+        }
+        Hello::Reject { reason } => {
+            p.push(ROLE_REJECT);
+            Ok(reason.as_bytes().to_vec())
+        }
+    };
+    p.extend_from_slice(&body.expect("hello bodies always serialise"));
+    p
+}
+
+/// Decodes a hello payload. A reject is decoded whatever its version.
+pub fn decode_hello(p: &[u8]) -> Result<Hello, HelloError> {
+    if p.len() < 9 {
+        return Err(HelloError::Malformed(format!("{} bytes", p.len())));
+    }
+    let magic: [u8; 4] = p[..4].try_into().unwrap();
+    if magic != MAGIC {
+        return Err(HelloError::BadMagic(magic));
+    }
+    let version = u32::from_le_bytes(p[4..8].try_into().unwrap());
+    let (role, body) = (p[8], &p[9..]);
+    if role == ROLE_REJECT {
+        return Ok(Hello::Reject {
+            reason: String::from_utf8_lossy(body).into_owned(),
+        });
+    }
+    if version != PROTOCOL_VERSION {
+        return Err(HelloError::Version {
+            ours: PROTOCOL_VERSION,
+            theirs: version,
+        });
+    }
+    let bad = |e: bincode::Error| HelloError::Malformed(e.to_string());
+    match role {
+        ROLE_HOST => Ok(Hello::Host(options().deserialize(body).map_err(bad)?)),
+        ROLE_SP => Ok(Hello::Sp(options().deserialize(body).map_err(bad)?)),
+        ROLE_WELCOME => Ok(Hello::Welcome {
+            sp: options().deserialize(body).map_err(bad)?,
+        }),
+        other => Err(HelloError::Malformed(format!("unknown role {other}"))),
+    }
+}
+
+/// Which collective a descriptor is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum CollKind {
+    Alltoallv,
+}
+
+/// What a host rank posts for one collective. Every number in it is untrusted: the SP checks
+/// vector lengths, counts and displacements against the grants before anything runs.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PostDesc {
+    pub kind: CollKind,
+    pub comm: CommId,
+    pub seq: u64,
+    pub comm_rank: u32,
+    /// SP serving each comm rank.
+    pub members: Vec<SpId>,
+    /// Mailbox slot that receives the completion, and the token written there.
+    pub slot: u32,
+    pub token: u64,
+    pub send: Grant,
+    pub recv: Grant,
+    /// Bytes, per comm rank.
+    pub send_counts: Vec<u64>,
+    pub send_displs: Vec<u64>,
+    pub recv_counts: Vec<u64>,
+    pub recv_displs: Vec<u64>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum HostToSp {
+    /// Resources of the rank: its cores and the mailbox where completions are written.
+    Register {
+        cores: Vec<u32>,
+        mailbox: Grant,
+        mailbox_slots: u32,
+    },
+    Post(Box<PostDesc>),
+    /// The rank is finalizing: its state at the SP may go.
+    Goodbye,
+}
+
+/// Why the SP refused something a host sent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ErrorCode {
+    /// A descriptor that does not fit its grants or itself (lengths, overflow, ranges).
+    BadDescriptor,
+    /// A post before `Register`, or a second `Register`.
+    NotRegistered,
+    /// The descriptor names a communicator or instance this SP cannot serve for this rank.
+    UnknownComm,
+    Internal,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SpToHost {
+    Registered {
+        sp: SpId,
+    },
+    /// A refused request. `seq` names the post it concerns, if any; its mailbox slot (if it was
+    /// valid) also gets an error status.
+    Error {
+        comm: Option<CommId>,
+        seq: Option<u64>,
+        code: ErrorCode,
+        message: String,
+    },
+}
+
+/// Messages of one collective among SPs.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum CollMsg {
+    Alltoallv(alltoallv::Msg<AliasKey>),
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SpToSp {
+    Coll {
+        key: CollKey,
+        msg: CollMsg,
+    },
+    /// A job ended (or lost a rank) at the sender; receivers abort its instances.
+    JobAbort {
+        job: u64,
+        reason: String,
+    },
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum FrameError {
+    #[error("frame of {len} bytes exceeds the maximum of {max}")]
+    TooLarge { len: u32, max: u32 },
+    #[error("undecodable frame: {0}")]
+    Decode(String),
+    #[error("connection closed")]
+    Closed,
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+}
+
+/// Encodes `msg` as a whole frame (length prefix included).
+pub fn encode<T: Serialize>(msg: &T) -> Vec<u8> {
+    let payload = options()
+        .serialize(msg)
+        .expect("protocol messages always serialise");
+    frame(&payload)
+}
+
+/// Prefixes a payload with its length.
+pub fn frame(payload: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(4 + payload.len());
+    out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    out.extend_from_slice(payload);
+    out
+}
+
+pub fn decode<T: DeserializeOwned>(payload: &[u8]) -> Result<T, FrameError> {
+    options()
+        .deserialize(payload)
+        .map_err(|e| FrameError::Decode(e.to_string()))
+}
+
+/// Splits a byte stream into frames, for nonblocking readers.
+#[derive(Debug)]
+pub struct FrameDecoder {
+    buf: Vec<u8>,
+    start: usize,
+    max: u32,
+}
+
+impl Default for FrameDecoder {
+    fn default() -> Self {
+        Self::new(MAX_FRAME_BYTES)
+    }
+}
+
+impl FrameDecoder {
+    pub fn new(max: u32) -> Self {
+        FrameDecoder {
+            buf: Vec::new(),
+            start: 0,
+            max,
+        }
+    }
+
+    /// Appends bytes read from the stream.
+    pub fn extend(&mut self, data: &[u8]) {
+        if self.start > 0 && self.start == self.buf.len() {
+            self.buf.clear();
+            self.start = 0;
+        }
+        self.buf.extend_from_slice(data);
+    }
+
+    /// The next whole frame's payload, if one is buffered. A length above the maximum is an
+    /// error as soon as its four bytes are in, before the payload is awaited or stored.
+    pub fn next_frame(&mut self) -> Result<Option<Vec<u8>>, FrameError> {
+        let avail = &self.buf[self.start..];
+        if avail.len() < 4 {
+            return Ok(None);
+        }
+        let len = u32::from_le_bytes(avail[..4].try_into().unwrap());
+        if len > self.max {
+            return Err(FrameError::TooLarge { len, max: self.max });
+        }
+        if avail.len() < 4 + len as usize {
+            return Ok(None);
+        }
+        let payload = avail[4..4 + len as usize].to_vec();
+        self.start += 4 + len as usize;
+        if self.start > 64 * 1024 && self.start * 2 > self.buf.len() {
+            self.buf.drain(..self.start);
+            self.start = 0;
+        }
+        Ok(Some(payload))
+    }
+
+    /// Bytes buffered and not yet returned.
+    pub fn pending(&self) -> usize {
+        self.buf.len() - self.start
+    }
+}
+
+/// A blocking channel over any byte stream (a Unix or TCP socket, a pipe): the transport used
+/// by the host shim and by tests.
+pub struct Channel<S> {
+    stream: S,
+}
+
+impl<S: Read + Write> Channel<S> {
+    pub fn new(stream: S) -> Self {
+        Channel { stream }
+    }
+
+    pub fn get_ref(&self) -> &S {
+        &self.stream
+    }
+
+    pub fn send_raw(&mut self, frame: &[u8]) -> Result<(), FrameError> {
+        self.stream.write_all(frame)?;
+        self.stream.flush()?;
+        Ok(())
+    }
+
+    pub fn send<T: Serialize>(&mut self, msg: &T) -> Result<(), FrameError> {
+        self.send_raw(&encode(msg))
+    }
+
+    pub fn send_hello(&mut self, hello: &Hello) -> Result<(), FrameError> {
+        self.send_raw(&frame(&encode_hello(hello)))
+    }
+
+    /// Reads one frame's payload (checking its length before allocating).
+    pub fn recv_raw(&mut self) -> Result<Vec<u8>, FrameError> {
+        let mut len = [0u8; 4];
+        if let Err(e) = self.stream.read_exact(&mut len) {
+            return Err(if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                FrameError::Closed
+            } else {
+                e.into()
+            });
+        }
+        let len = u32::from_le_bytes(len);
+        if len > MAX_FRAME_BYTES {
+            return Err(FrameError::TooLarge {
+                len,
+                max: MAX_FRAME_BYTES,
+            });
+        }
+        let mut payload = vec![0u8; len as usize];
+        self.stream.read_exact(&mut payload)?;
+        Ok(payload)
+    }
+
+    pub fn recv<T: DeserializeOwned>(&mut self) -> Result<T, FrameError> {
+        decode(&self.recv_raw()?)
+    }
+
+    pub fn recv_hello(&mut self) -> Result<Hello, FrameError> {
+        decode_hello(&self.recv_raw()?).map_err(|e| FrameError::Decode(e.to_string()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use alias_mkey::{BackendData, Rights};
+
+    fn grant(len: u64) -> Grant {
+        Grant {
+            region: 1,
+            generation: 0,
+            addr: 4096,
+            len,
+            rights: Rights::READ,
+            backend: BackendData::Cma,
+        }
+    }
+
+    #[test]
+    fn hello_roundtrip_and_version_mismatch() {
+        let h = Hello::Host(HostHello {
+            job: 9,
+            world_rank: 1,
+            world_size: 4,
+            node: 0,
+            local_rank: 1,
+        });
+        assert_eq!(decode_hello(&encode_hello(&h)).unwrap(), h);
+        let old = encode_hello_with_version(&h, 99);
+        let err = decode_hello(&old).unwrap_err();
+        assert!(err.to_string().contains("speaks 1") && err.to_string().contains("speaks 99"));
+        let reject = encode_hello_with_version(
+            &Hello::Reject {
+                reason: "no".into(),
+            },
+            42,
+        );
+        assert_eq!(
+            decode_hello(&reject).unwrap(),
+            Hello::Reject {
+                reason: "no".into()
+            }
+        );
+        assert!(matches!(
+            decode_hello(b"HTTP/1.1 200"),
+            Err(HelloError::BadMagic(_))
+        ));
+    }
+
+    #[test]
+    fn frames_split_anywhere_reassemble() {
+        let msgs: Vec<HostToSp> = (0..5)
+            .map(|i| {
+                HostToSp::Post(Box::new(PostDesc {
+                    kind: CollKind::Alltoallv,
+                    comm: CommId { leader: 0, id: i },
+                    seq: i as u64,
+                    comm_rank: 0,
+                    members: vec![0, 1],
+                    slot: i,
+                    token: 77,
+                    send: grant(10),
+                    recv: grant(20),
+                    send_counts: vec![1, 2],
+                    send_displs: vec![0, 1],
+                    recv_counts: vec![3, 4],
+                    recv_displs: vec![0, 3],
+                }))
+            })
+            .collect();
+        let bytes: Vec<u8> = msgs.iter().flat_map(encode).collect();
+        for step in [1, 3, 7, 64, bytes.len()] {
+            let mut d = FrameDecoder::default();
+            let mut got = vec![];
+            for chunk in bytes.chunks(step) {
+                d.extend(chunk);
+                while let Some(p) = d.next_frame().unwrap() {
+                    got.push(decode::<HostToSp>(&p).unwrap());
+                }
+            }
+            assert_eq!(got, msgs);
+            assert_eq!(d.pending(), 0);
+        }
+    }
+
+    #[test]
+    fn oversized_frame_refused_before_payload() {
+        let mut d = FrameDecoder::new(100);
+        d.extend(&101u32.to_le_bytes());
+        assert!(matches!(
+            d.next_frame(),
+            Err(FrameError::TooLarge { len: 101, max: 100 })
+        ));
+        let mut ch = Channel::new(std::io::Cursor::new(u32::MAX.to_le_bytes().to_vec()));
+        assert!(matches!(ch.recv_raw(), Err(FrameError::TooLarge { .. })));
+    }
+
+    #[test]
+    fn garbage_payload_is_a_decode_error() {
+        assert!(matches!(
+            decode::<SpToSp>(&[0xff; 16]),
+            Err(FrameError::Decode(_))
+        ));
+        // A vector length prefix far larger than the frame must not allocate it.
+        let mut evil = vec![1u8]; // HostToSp::Post
+        evil.extend_from_slice(&[0xfd, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x7f]);
+        assert!(decode::<HostToSp>(&evil).is_err());
+    }
+}
