@@ -1,0 +1,490 @@
+//! `coll-bench`: see `coll-bench --help`.
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use coll_bench::mpi::{wtime, Comm, Datatype, Mpi, MpiError};
+use coll_bench::{compute, parse_size, pattern};
+use mpi_ffi::consts;
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::PathBuf;
+use std::time::Instant;
+
+const DEFAULT_SIZES: &str = "1K,4K,16K,64K,256K,1M,4M";
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "coll-bench",
+    version,
+    about = "Benchmarks for nonblocking MPI collectives (run under mpirun).",
+    long_about = "Benchmarks for nonblocking MPI collectives. An ordinary MPI program: run it under \
+                  mpirun, natively or with the host shim LD_PRELOADed; the same binary serves both."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Communication/computation overlap, OSU method.
+    ///
+    /// Per size: t_pure = mean time of (post; wait) after warmup, a barrier before every
+    /// iteration, then the maximum over ranks of each rank's mean. Then per iteration: post,
+    /// compute for t_pure (a busy loop of arithmetic calibrated once per size, no MPI calls),
+    /// wait; t_overall and t_compute are the means (maximum over ranks).
+    /// overlap_pct = 100 - 100 * (t_overall - t_compute) / t_pure, clamped to [0, 100].
+    ///
+    /// Every iteration sends a pattern derived from (sender, receiver, iteration, byte); the
+    /// receive buffer is pre-filled with a sentinel and checked exactly after the last iteration
+    /// of each phase. A failed check prints rank, peer and offset, and the exit code is 1 (after
+    /// the table). Rank 0 prints the table; --json writes one JSON object per size per line
+    /// with: coll, bytes, ranks, nodes (env SPOFF_NODES, default 1), pure_us, overall_us,
+    /// compute_us, overlap_pct, validated, iters, warmup, mode ("offload" if LD_PRELOAD
+    /// contains host_shim, else "native") and design (null).
+    Overlap(OverlapArgs),
+}
+
+/// Collectives known to the command line. Only the alltoall family is implemented so far; the
+/// others are listed so the interface does not change when they are added.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum Coll {
+    /// MPI_Ialltoallv, every rank sends SIZE bytes to every rank (MPI_BYTE)
+    Ialltoallv,
+    /// MPI_Ialltoall, every rank sends SIZE bytes to every rank (MPI_BYTE)
+    Ialltoall,
+    /// not implemented yet (rejected with an error)
+    Iallgatherv,
+    /// not implemented yet (rejected with an error)
+    Iallgather,
+    /// not implemented yet (rejected with an error)
+    Ibcast,
+}
+
+impl Coll {
+    fn name(self) -> &'static str {
+        match self {
+            Coll::Ialltoallv => "ialltoallv",
+            Coll::Ialltoall => "ialltoall",
+            Coll::Iallgatherv => "iallgatherv",
+            Coll::Iallgather => "iallgather",
+            Coll::Ibcast => "ibcast",
+        }
+    }
+
+    fn implemented(self) -> bool {
+        matches!(self, Coll::Ialltoallv | Coll::Ialltoall)
+    }
+}
+
+#[derive(Args, Debug)]
+struct OverlapArgs {
+    /// Collective to measure.
+    #[arg(long, value_enum)]
+    coll: Coll,
+
+    /// Comma-separated sizes in bytes per pair (each rank sends SIZE bytes to every rank,
+    /// itself included); K/M/G suffixes are 1024-based.
+    #[arg(long, value_delimiter = ',', value_parser = parse_size, default_value = DEFAULT_SIZES)]
+    sizes: Vec<usize>,
+
+    /// Timed iterations per phase and size [default: 16 MiB / SIZE, clamped to 10..=100].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    iters: Option<u32>,
+
+    /// Untimed warmup iterations before each phase [default: iters / 10, at least 2].
+    #[arg(long)]
+    warmup: Option<u32>,
+
+    /// Also write one JSON object per size per line (JSON Lines) to FILE (rank 0 only).
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+
+    /// Test hook (hidden): rank 0 flips one received byte in the pure phase of the first non-zero size, so
+    /// the run must report a validation failure and exit 1.
+    #[arg(long, hide = true)]
+    self_test_corrupt: bool,
+}
+
+fn default_iters(size: usize) -> u32 {
+    ((16usize << 20) / size.max(1)).clamp(10, 100) as u32
+}
+
+fn default_warmup(iters: u32) -> u32 {
+    (iters / 10).max(2)
+}
+
+struct Row {
+    bytes: usize,
+    pure_us: f64,
+    overall_us: f64,
+    compute_us: f64,
+    overlap_pct: f64,
+    validated: bool,
+    iters: u32,
+    warmup: u32,
+}
+
+fn overlap_pct(pure: f64, overall: f64, compute: f64) -> f64 {
+    if pure <= 0.0 {
+        return 0.0;
+    }
+    (100.0 - 100.0 * (overall - compute) / pure).clamp(0.0, 100.0)
+}
+
+/// Everything a size needs: buffers, counts, displacements and the datatype.
+struct Setup {
+    coll: Coll,
+    world: Comm,
+    me: usize,
+    n: usize,
+    size: usize,
+    send: Vec<u8>,
+    recv: Vec<u8>,
+    counts: Vec<i32>,
+    displs: Vec<i32>,
+    byte: Datatype,
+}
+
+impl Setup {
+    fn fill_send(&mut self, iter: u64) {
+        let size = self.size;
+        if size == 0 {
+            return;
+        }
+        for (peer, block) in self.send.chunks_mut(size).enumerate().take(self.n) {
+            pattern::fill(block, self.me as u32, peer as u32, iter);
+        }
+    }
+
+    fn sentinel_recv(&mut self) {
+        self.recv.fill(0xA5);
+    }
+
+    /// Posts the collective and waits; returns the time taken by post + compute + wait and the
+    /// time spent in compute alone.
+    fn run_once(&mut self, compute_steps: Option<u64>) -> Result<(f64, f64), MpiError> {
+        let (send, recv) = (&self.send, &mut self.recv);
+        let t0 = wtime();
+        let req = match self.coll {
+            Coll::Ialltoallv => self.world.ialltoallv(
+                send,
+                &self.counts,
+                &self.displs,
+                recv,
+                &self.counts,
+                &self.displs,
+                &self.byte,
+            )?,
+            Coll::Ialltoall => self
+                .world
+                .ialltoall(send, recv, self.size as i32, &self.byte)?,
+            other => unreachable!("{} is rejected before MPI_Init", other.name()),
+        };
+        let mut compute = 0.0;
+        if let Some(steps) = compute_steps {
+            let c0 = Instant::now();
+            std::hint::black_box(compute::busy(steps));
+            compute = c0.elapsed().as_secs_f64();
+        }
+        req.wait()?;
+        Ok((wtime() - t0, compute))
+    }
+
+    /// Checks what every peer delivered in iteration `iter`; prints the first bad byte per peer.
+    fn validate(&self, iter: u64, phase: &str) -> bool {
+        let mut ok = true;
+        for peer in 0..self.n {
+            let block = &self.recv[peer * self.size..(peer + 1) * self.size];
+            if let Some((off, exp, got)) =
+                pattern::first_mismatch(block, peer as u32, self.me as u32, iter)
+            {
+                eprintln!(
+                    "coll-bench: VALIDATION FAILED: {} bytes={} phase={phase} rank={} peer={peer} \
+                     offset={off} expected=0x{exp:02x} got=0x{got:02x}",
+                    self.coll.name(),
+                    self.size,
+                    self.me
+                );
+                ok = false;
+            }
+        }
+        ok
+    }
+}
+
+/// One phase (pure or with compute): warmup + timed iterations; returns the local means of the
+/// total time and of the compute time, and whether the last iteration's data was right.
+fn phase(
+    s: &mut Setup,
+    phase_id: u64,
+    iters: u32,
+    warmup: u32,
+    steps: Option<u64>,
+    corrupt: bool,
+) -> Result<(f64, f64, bool), MpiError> {
+    let total = warmup + iters;
+    let (mut sum, mut sum_compute) = (0.0, 0.0);
+    for it in 0..total {
+        let iter_id = (phase_id << 32) | it as u64;
+        s.fill_send(iter_id);
+        if it + 1 == total {
+            s.sentinel_recv();
+        }
+        s.world.barrier()?;
+        let (t, c) = s.run_once(steps)?;
+        if it >= warmup {
+            sum += t;
+            sum_compute += c;
+        }
+    }
+    if corrupt && s.me == 0 {
+        let last = s.recv.len() - 1;
+        s.recv[last] ^= 0x01;
+    }
+    let ok = s.validate(
+        (phase_id << 32) | (total - 1) as u64,
+        if steps.is_some() { "compute" } else { "pure" },
+    );
+    Ok((sum / iters as f64, sum_compute / iters as f64, ok))
+}
+
+fn run_size(
+    world: Comm,
+    coll: Coll,
+    size: usize,
+    args: &OverlapArgs,
+    corrupt: bool,
+) -> Result<Row, MpiError> {
+    let me = world.rank()? as usize;
+    let n = world.size()? as usize;
+    let iters = args.iters.unwrap_or_else(|| default_iters(size));
+    let warmup = args.warmup.unwrap_or_else(|| default_warmup(iters));
+    let mut s = Setup {
+        coll,
+        world,
+        me,
+        n,
+        size,
+        // Never empty: two empty Vecs share one dangling address, and MPI rejects
+        // sendbuf == recvbuf (that is what MPI_IN_PLACE is for) even for zero counts.
+        send: vec![0; (n * size).max(1)],
+        recv: vec![0; (n * size).max(1)],
+        counts: vec![size as i32; n],
+        displs: (0..n).map(|j| (j * size) as i32).collect(),
+        byte: Datatype::byte()?,
+    };
+    let (pure_local, _, ok_pure) = phase(&mut s, 1, iters, warmup, None, corrupt)?;
+    let t_pure = world.allreduce_f64(pure_local, consts::OP_MAX())?;
+    // Every rank calibrates for the same target (the slowest rank's t_pure).
+    let steps = compute::calibrate(t_pure);
+    let (overall_local, compute_local, ok_compute) =
+        phase(&mut s, 2, iters, warmup, Some(steps), false)?;
+    let t_overall = world.allreduce_f64(overall_local, consts::OP_MAX())?;
+    let t_compute = world.allreduce_f64(compute_local, consts::OP_MAX())?;
+    let validated = world.all_true(ok_pure && ok_compute)?;
+    Ok(Row {
+        bytes: size,
+        pure_us: t_pure * 1e6,
+        overall_us: t_overall * 1e6,
+        compute_us: t_compute * 1e6,
+        overlap_pct: overlap_pct(t_pure, t_overall, t_compute),
+        validated,
+        iters,
+        warmup,
+    })
+}
+
+/// Reports a failed MPI call and aborts the job (other ranks may be blocked in a collective).
+fn fail(e: MpiError) -> ! {
+    eprintln!("coll-bench: {e}");
+    Mpi::abort(1)
+}
+
+fn mode() -> &'static str {
+    match std::env::var("LD_PRELOAD") {
+        Ok(p) if p.contains("host_shim") => "offload",
+        _ => "native",
+    }
+}
+
+fn nodes() -> Result<u64, String> {
+    match std::env::var("SPOFF_NODES") {
+        Ok(v) => v
+            .trim()
+            .parse::<u64>()
+            .ok()
+            .filter(|&n| n > 0)
+            .ok_or_else(|| format!("SPOFF_NODES={v:?} is not a positive integer")),
+        Err(_) => Ok(1),
+    }
+}
+
+fn json_line(coll: Coll, row: &Row, ranks: usize, nodes: u64, mode: &str) -> String {
+    serde_json::json!({
+        "coll": coll.name(),
+        "bytes": row.bytes,
+        "ranks": ranks,
+        "nodes": nodes,
+        "pure_us": row.pure_us,
+        "overall_us": row.overall_us,
+        "compute_us": row.compute_us,
+        "overlap_pct": row.overlap_pct,
+        "validated": row.validated,
+        "iters": row.iters,
+        "warmup": row.warmup,
+        "mode": mode,
+        "design": serde_json::Value::Null,
+    })
+    .to_string()
+}
+
+fn overlap(args: OverlapArgs) -> i32 {
+    let coll = args.coll;
+    let nodes = match nodes() {
+        Ok(n) => n,
+        Err(e) => {
+            eprintln!("coll-bench: {e}");
+            return 2;
+        }
+    };
+    let mpi = match Mpi::init() {
+        Ok(m) => m,
+        Err(e) => {
+            eprintln!("coll-bench: {e}");
+            return 1;
+        }
+    };
+    let world = mpi.world();
+    let me = world.rank().unwrap_or_else(|e| fail(e));
+    let ranks = world.size().unwrap_or_else(|e| fail(e)) as usize;
+    // Displacements are ints in elements of MPI_BYTE: ranks * size must fit.
+    if let Some(&bad) = args
+        .sizes
+        .iter()
+        .find(|&&s| !matches!(s.checked_mul(ranks), Some(t) if t <= i32::MAX as usize))
+    {
+        if me == 0 {
+            eprintln!(
+                "coll-bench: size {bad} x {ranks} ranks does not fit MPI int displacements \
+                 (at most {} bytes per rank in total)",
+                i32::MAX
+            );
+        }
+        let _ = mpi.finalize();
+        return 2;
+    }
+    let mode = mode();
+    let mut json = None;
+    if me == 0 {
+        if let Some(path) = &args.json {
+            match File::create(path) {
+                Ok(f) => json = Some(BufWriter::new(f)),
+                Err(e) => {
+                    eprintln!("coll-bench: cannot create {}: {e}", path.display());
+                    Mpi::abort(2);
+                }
+            }
+        }
+        println!(
+            "# coll-bench overlap: coll={} ranks={ranks} nodes={nodes} mode={mode}",
+            coll.name()
+        );
+        println!(
+            "{:>10} {:>12} {:>12} {:>12} {:>11} {:>9}",
+            "bytes", "pure_us", "overall_us", "compute_us", "overlap_pct", "validated"
+        );
+    }
+    let mut all_ok = true;
+    for (k, &size) in args.sizes.iter().enumerate() {
+        let corrupt = args.self_test_corrupt && Some(k) == args.sizes.iter().position(|&s| s > 0);
+        let row = run_size(world, coll, size, &args, corrupt).unwrap_or_else(|e| fail(e));
+        all_ok &= row.validated;
+        if me == 0 {
+            println!(
+                "{:>10} {:>12.2} {:>12.2} {:>12.2} {:>11.1} {:>9}",
+                row.bytes,
+                row.pure_us,
+                row.overall_us,
+                row.compute_us,
+                row.overlap_pct,
+                row.validated
+            );
+            let _ = std::io::stdout().flush();
+            if let Some(w) = json.as_mut() {
+                let line = json_line(coll, &row, ranks, nodes, mode);
+                if let Err(e) = writeln!(w, "{line}").and_then(|_| w.flush()) {
+                    eprintln!("coll-bench: writing JSON: {e}");
+                    Mpi::abort(2);
+                }
+            }
+        }
+    }
+    if me == 0 && !all_ok {
+        eprintln!("coll-bench: validation failed for at least one size (see messages above)");
+    }
+    if let Err(e) = mpi.finalize() {
+        eprintln!("coll-bench: {e}");
+        return 1;
+    }
+    if all_ok {
+        0
+    } else {
+        1
+    }
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let code = match cli.command {
+        Command::Overlap(args) => {
+            if !args.coll.implemented() {
+                eprintln!(
+                    "coll-bench: --coll {} is not implemented yet (implemented: ialltoallv, ialltoall)",
+                    args.coll.name()
+                );
+                std::process::exit(2);
+            }
+            overlap(args)
+        }
+    };
+    std::process::exit(code);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overlap_formula() {
+        assert_eq!(overlap_pct(10.0, 10.0, 10.0), 100.0);
+        assert_eq!(overlap_pct(10.0, 20.0, 10.0), 0.0);
+        assert_eq!(overlap_pct(10.0, 15.0, 10.0), 50.0);
+        assert_eq!(overlap_pct(10.0, 30.0, 10.0), 0.0);
+        assert_eq!(overlap_pct(0.0, 1.0, 1.0), 0.0);
+    }
+
+    #[test]
+    fn cli_parses() {
+        let cli = Cli::try_parse_from([
+            "coll-bench",
+            "overlap",
+            "--coll",
+            "ialltoallv",
+            "--sizes",
+            "1K,4M",
+        ])
+        .unwrap();
+        let Command::Overlap(a) = cli.command;
+        assert_eq!(a.sizes, vec![1024, 4 << 20]);
+        assert!(Cli::try_parse_from(["coll-bench", "overlap", "--coll", "nope"]).is_err());
+        assert!(Cli::try_parse_from([
+            "coll-bench",
+            "overlap",
+            "--coll",
+            "ialltoall",
+            "--iters",
+            "0"
+        ])
+        .is_err());
+    }
+}
