@@ -1,1 +1,15 @@
-//! service-process (placeholder; being written).
+//! The service process (SP): the daemon that progresses collectives for host MPI ranks, and the
+//! launcher that starts an emulated cluster of them on one machine. An SP owns no application
+//! data: it only moves bytes between regions that host ranks granted it, and it decides nothing
+//! that the collective's state machine (in `algorithms`) does not ask for.
+//!
+//! Modules: [`server`] (event loop and engine), [`conn`] (framed nonblocking connections),
+//! [`datapath`] (copy worker threads), [`launch`] (the emulated cluster), [`stats`].
+#![deny(unsafe_op_in_unsafe_fn)]
+
+pub mod conn;
+pub mod datapath;
+pub mod launch;
+pub mod server;
+pub mod signals;
+pub mod stats;

@@ -1,0 +1,133 @@
+//! One connection of the event loop: a nonblocking stream with frame reassembly on the way in
+//! and a write buffer on the way out.
+//!
+//! mio's readiness rules apply (see `server`): a readable event means "try", so `read_frames`
+//! reads until `WouldBlock`; `flush` writes until the buffer is empty or `WouldBlock`, and is
+//! called again on the next writable event.
+
+use bootstrap::wire::{FrameDecoder, FrameError};
+use std::io::{self, Read, Write};
+
+pub enum Stream {
+    Unix(mio::net::UnixStream),
+    Tcp(mio::net::TcpStream),
+}
+
+impl Stream {
+    pub fn source(&mut self) -> &mut dyn mio::event::Source {
+        match self {
+            Stream::Unix(s) => s,
+            Stream::Tcp(s) => s,
+        }
+    }
+}
+
+impl Read for Stream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Stream::Unix(s) => s.read(buf),
+            Stream::Tcp(s) => s.read(buf),
+        }
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Stream::Unix(s) => s.write(buf),
+            Stream::Tcp(s) => s.write(buf),
+        }
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// What reading found besides frames.
+#[derive(Debug, PartialEq, Eq)]
+pub enum ReadEnd {
+    /// More may come later.
+    Open,
+    /// The peer closed its side.
+    Closed,
+}
+
+pub struct Conn<R> {
+    pub stream: Stream,
+    pub role: R,
+    decoder: FrameDecoder,
+    out: Vec<u8>,
+    out_pos: usize,
+}
+
+impl<R> Conn<R> {
+    pub fn new(stream: Stream, role: R) -> Self {
+        Conn {
+            stream,
+            role,
+            decoder: FrameDecoder::default(),
+            out: Vec::new(),
+            out_pos: 0,
+        }
+    }
+
+    /// Reads until `WouldBlock` or end of stream, handing every whole frame to `on_frame`.
+    /// Stops early (with the error) on an oversized frame.
+    pub fn read_frames(
+        &mut self,
+        mut on_frame: impl FnMut(Vec<u8>),
+    ) -> Result<ReadEnd, FrameError> {
+        let mut buf = [0u8; 64 * 1024];
+        loop {
+            match self.stream.read(&mut buf) {
+                Ok(0) => {
+                    while let Some(f) = self.decoder.next_frame()? {
+                        on_frame(f);
+                    }
+                    return Ok(ReadEnd::Closed);
+                }
+                Ok(n) => {
+                    self.decoder.extend(&buf[..n]);
+                    while let Some(f) = self.decoder.next_frame()? {
+                        on_frame(f);
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(ReadEnd::Open),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) if e.kind() == io::ErrorKind::ConnectionReset => return Ok(ReadEnd::Closed),
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// Queues a whole frame and tries to send it now.
+    pub fn send(&mut self, frame: &[u8]) -> io::Result<()> {
+        self.out.extend_from_slice(frame);
+        self.flush()
+    }
+
+    /// Writes as much of the buffer as the socket takes.
+    pub fn flush(&mut self) -> io::Result<()> {
+        while self.out_pos < self.out.len() {
+            match self.stream.write(&self.out[self.out_pos..]) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => self.out_pos += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        if self.out_pos == self.out.len() {
+            self.out.clear();
+            self.out_pos = 0;
+        } else if self.out_pos > (1 << 20) {
+            self.out.drain(..self.out_pos);
+            self.out_pos = 0;
+        }
+        Ok(())
+    }
+
+    pub fn pending_out(&self) -> usize {
+        self.out.len() - self.out_pos
+    }
+}

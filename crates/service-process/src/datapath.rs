@@ -1,0 +1,109 @@
+//! The datapath: worker threads that execute copies between granted regions, standing in for
+//! the DPU's DMA engine / DPA kernels.
+//!
+//! The event loop never blocks on a copy. It hands a [`CopyJob`] to the pool over a bounded
+//! crossbeam channel; a worker performs it with its own [`Mover`] and sends the [`CopyDone`]
+//! back, then wakes the loop through its `mio::Waker`. How many copies are active at once is
+//! decided by the engine (the per-SP `max_inflight_reads` gate), not here: the pool just has
+//! enough workers for that many.
+
+use alias_mkey::mover::{CmaMover, Mover};
+use alias_mkey::{AccessError, AliasKey};
+use crossbeam_channel::{Receiver, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+/// One copy to perform.
+#[derive(Debug)]
+pub struct CopyJob {
+    /// Opaque to the pool: the engine's handle for routing the completion.
+    pub ticket: u64,
+    pub src: AliasKey,
+    pub src_offset: u64,
+    pub dst: AliasKey,
+    pub dst_offset: u64,
+    pub len: u64,
+}
+
+#[derive(Debug)]
+pub struct CopyDone {
+    pub ticket: u64,
+    pub result: Result<(), AccessError>,
+}
+
+pub struct Datapath {
+    jobs: Option<Sender<CopyJob>>,
+    done: Receiver<CopyDone>,
+    workers: Vec<JoinHandle<()>>,
+}
+
+impl Datapath {
+    /// Starts `threads` workers, each with a staging buffer of `chunk_bytes`. `wake` is called
+    /// after every completion is queued.
+    pub fn start(threads: usize, chunk_bytes: usize, wake: Arc<mio::Waker>) -> Self {
+        let threads = threads.max(1);
+        let (job_tx, job_rx) = crossbeam_channel::bounded::<CopyJob>(threads * 4);
+        let (done_tx, done_rx) = crossbeam_channel::unbounded::<CopyDone>();
+        let workers = (0..threads)
+            .map(|i| {
+                let rx = job_rx.clone();
+                let tx = done_tx.clone();
+                let wake = wake.clone();
+                std::thread::Builder::new()
+                    .name(format!("datapath-{i}"))
+                    .spawn(move || {
+                        let mut mover = CmaMover::new(chunk_bytes);
+                        for job in rx {
+                            let result = mover.copy(
+                                &job.src,
+                                job.src_offset,
+                                &job.dst,
+                                job.dst_offset,
+                                job.len,
+                            );
+                            if tx
+                                .send(CopyDone {
+                                    ticket: job.ticket,
+                                    result,
+                                })
+                                .is_err()
+                            {
+                                return;
+                            }
+                            let _ = wake.wake();
+                        }
+                    })
+                    .expect("spawning a datapath thread")
+            })
+            .collect();
+        Datapath {
+            jobs: Some(job_tx),
+            done: done_rx,
+            workers,
+        }
+    }
+
+    /// Queues a copy. The engine admits at most as many as the pool can hold, so this does not
+    /// block in practice; it would only wait for a worker to take a job.
+    pub fn submit(&self, job: CopyJob) {
+        self.jobs
+            .as_ref()
+            .expect("datapath used after shutdown")
+            .send(job)
+            .expect("datapath workers exited");
+    }
+
+    /// Completions ready now.
+    pub fn drain(&self) -> impl Iterator<Item = CopyDone> + '_ {
+        self.done.try_iter()
+    }
+}
+
+impl Drop for Datapath {
+    fn drop(&mut self) {
+        self.jobs.take();
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+    }
+}

@@ -1,0 +1,500 @@
+//! The emulated cluster: `service-process launch` starts N x K SP processes on this machine,
+//! waits until each reports ready, runs `mpirun` with the host shim preloaded (or, with
+//! `--native`, without it on the same layout and pinning), returns the program's exit status,
+//! then stops the SPs. It leaves no process behind: children run in their own process groups
+//! with a parent-death signal, Ctrl-C (SIGINT/SIGTERM) is forwarded and then escalated to
+//! SIGKILL, and if an SP dies during the run the job gets `fault_grace` to end on its own (the
+//! shims fail the affected collectives) before it is killed.
+
+use anyhow::{bail, Context, Result};
+use bootstrap::cluster::{Cluster, Layout, SpEntry};
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// File descriptor number under which an SP receives its pre-bound peer listener.
+pub const LISTEN_FD: RawFd = 3;
+
+#[derive(Clone, Debug)]
+pub struct LaunchOpts {
+    pub nodes: u32,
+    pub ranks_per_node: u32,
+    pub sps_per_node: u32,
+    pub layout: Layout,
+    pub sp_cpus: Option<Vec<u32>>,
+    pub rank_cpus: Option<Vec<u32>>,
+    pub native: bool,
+    pub shim: Option<PathBuf>,
+    pub max_inflight_reads: usize,
+    pub mpirun: String,
+    pub mpirun_args: Vec<String>,
+    pub ready_timeout: Duration,
+    pub fault_grace: Duration,
+    pub keep_run_dir: bool,
+    pub program: Vec<String>,
+}
+
+/// Parses a CPU list such as `0,2-3`.
+pub fn parse_cpu_list(s: &str) -> Result<Vec<u32>, String> {
+    let mut out = Vec::new();
+    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (a, b) = match part.split_once('-') {
+            Some((a, b)) => (a, b),
+            None => (part, part),
+        };
+        let a: u32 = a
+            .parse()
+            .map_err(|_| format!("bad CPU number {a:?} in {s:?}"))?;
+        let b: u32 = b
+            .parse()
+            .map_err(|_| format!("bad CPU number {b:?} in {s:?}"))?;
+        if b < a || b - a > 4096 {
+            return Err(format!("bad CPU range {part:?}"));
+        }
+        out.extend(a..=b);
+    }
+    if out.is_empty() {
+        return Err(format!("empty CPU list {s:?}"));
+    }
+    Ok(out)
+}
+
+/// Pins the calling thread (and what it execs) to `cpus`.
+pub fn pin_to(cpus: &[u32]) -> std::io::Result<()> {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET writes inside it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        for &c in cpus {
+            if (c as usize) < libc::CPU_SETSIZE as usize {
+                libc::CPU_SET(c as usize, &mut set);
+            }
+        }
+        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// `rank-exec`: pins this MPI rank, optionally preloads the shim, and execs the program.
+pub fn rank_exec(cpus: Option<&[u32]>, preload: Option<&Path>, program: &[String]) -> Result<()> {
+    let rank: u32 = ["OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok()?.parse().ok())
+        .unwrap_or(0);
+    if let Some(cpus) = cpus {
+        let cpu = cpus[rank as usize % cpus.len()];
+        pin_to(&[cpu]).with_context(|| format!("pinning rank {rank} to CPU {cpu}"))?;
+    }
+    let mut cmd = Command::new(&program[0]);
+    cmd.args(&program[1..]);
+    if let Some(lib) = preload {
+        let old = std::env::var("LD_PRELOAD").unwrap_or_default();
+        let val = if old.is_empty() {
+            lib.display().to_string()
+        } else {
+            format!("{}:{old}", lib.display())
+        };
+        cmd.env("LD_PRELOAD", val);
+    }
+    let err = cmd.exec();
+    bail!("cannot run {}: {err}", program[0])
+}
+
+pub fn new_run_dir() -> Result<PathBuf> {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    let dir = std::env::temp_dir().join(format!("spoff-{}-{nanos:x}", std::process::id()));
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    Ok(dir)
+}
+
+/// Puts the child in its own process group and has it die with the launcher.
+fn supervised(cmd: &mut Command, death_signal: libc::c_int) {
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            libc::setpgid(0, 0);
+            libc::prctl(libc::PR_SET_PDEATHSIG, death_signal as libc::c_ulong);
+            Ok(())
+        });
+    }
+}
+
+fn signal_group(child: &Child, sig: libc::c_int) {
+    // SAFETY: kill(2) on a process group we created; harmless if it is gone.
+    unsafe {
+        libc::kill(-(child.id() as libc::pid_t), sig);
+    }
+}
+
+/// Sends `sig` to each child's group, waits up to `grace`, then SIGKILLs what is left.
+fn stop_all(children: &mut [&mut Child], sig: libc::c_int, grace: Duration) {
+    for c in children.iter() {
+        signal_group(c, sig);
+    }
+    let deadline = Instant::now() + grace;
+    for c in children.iter_mut() {
+        loop {
+            match c.try_wait() {
+                Ok(Some(_)) | Err(_) => break,
+                Ok(None) if Instant::now() >= deadline => {
+                    signal_group(c, libc::SIGKILL);
+                    let _ = c.kill();
+                    let _ = c.wait();
+                    break;
+                }
+                Ok(None) => std::thread::sleep(Duration::from_millis(10)),
+            }
+        }
+        // Whatever the group leader did, leave no member behind.
+        signal_group(c, libc::SIGKILL);
+    }
+}
+
+fn exit_code(s: ExitStatus) -> i32 {
+    s.code().unwrap_or_else(|| 128 + s.signal().unwrap_or(0))
+}
+
+/// One SP child process.
+pub struct Sp {
+    pub id: u32,
+    pub child: Child,
+}
+
+/// What [`spawn_sps`] starts.
+#[derive(Clone, Debug)]
+pub struct SpSetSpec {
+    pub nodes: u32,
+    pub sps_per_node: u32,
+    pub ranks_per_node: u32,
+    pub layout: Layout,
+    pub sp_cpus: Option<Vec<u32>>,
+    pub max_inflight_reads: usize,
+    /// More `serve` arguments, for every SP.
+    pub extra_args: Vec<String>,
+}
+
+/// Writes the cluster description into `run_dir` and starts one `serve` process per SP, each
+/// with its pre-bound peer listener (so no port can be taken between choosing and binding it).
+/// Every stdout line of SP `i` is sent as `(i, line)` on `lines`. Returns the description's
+/// path and the children; call [`wait_ready`] next.
+pub fn spawn_sps(
+    exe: &Path,
+    spec: &SpSetSpec,
+    run_dir: &Path,
+    lines: mpsc::Sender<(u32, String)>,
+) -> Result<(PathBuf, Vec<Sp>)> {
+    let n_sps = spec.nodes * spec.sps_per_node;
+    let listeners: Vec<TcpListener> = (0..n_sps)
+        .map(|_| TcpListener::bind("127.0.0.1:0"))
+        .collect::<Result<_, _>>()
+        .context("binding SP peer listeners on loopback")?;
+    let entries = listeners
+        .iter()
+        .enumerate()
+        .map(|(i, l)| {
+            Ok(SpEntry {
+                id: i as u32,
+                node: i as u32 / spec.sps_per_node,
+                index: i as u32 % spec.sps_per_node,
+                peer_addr: l.local_addr()?,
+                host_socket: run_dir.join(format!("sp-{i}.sock")),
+            })
+        })
+        .collect::<std::io::Result<Vec<_>>>()?;
+    let cluster = Cluster::new(
+        spec.nodes,
+        spec.sps_per_node,
+        Some(spec.ranks_per_node),
+        spec.layout,
+        entries,
+    )?;
+    let path = run_dir.join("cluster.json");
+    cluster.save(&path)?;
+    let mut sps = Vec::new();
+    for (i, l) in listeners.into_iter().enumerate() {
+        let mut cmd = Command::new(exe);
+        cmd.arg("serve")
+            .arg("--cluster")
+            .arg(&path)
+            .arg("--sp-id")
+            .arg(i.to_string())
+            .arg("--listen-fd")
+            .arg(LISTEN_FD.to_string())
+            .arg("--max-inflight-reads")
+            .arg(spec.max_inflight_reads.to_string())
+            .args(&spec.extra_args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped());
+        if let Some(cpus) = &spec.sp_cpus {
+            cmd.arg("--cpus").arg(cpus[i % cpus.len()].to_string());
+        }
+        let fd = l.as_raw_fd();
+        // SAFETY: dup2 is async-signal-safe; the listener stays open in the parent until
+        // after spawn, so `fd` is valid in the child.
+        unsafe {
+            cmd.pre_exec(move || {
+                if fd == LISTEN_FD {
+                    // dup2 onto itself keeps close-on-exec: clear it instead.
+                    if libc::fcntl(fd, libc::F_SETFD, 0) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                } else if libc::dup2(fd, LISTEN_FD) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        supervised(&mut cmd, libc::SIGTERM);
+        let spawned = cmd.spawn().with_context(|| format!("starting SP {i}"));
+        let mut child = match spawned {
+            Ok(c) => c,
+            Err(e) => {
+                stop_sps(&mut sps, Duration::from_secs(2));
+                return Err(e);
+            }
+        };
+        drop(l);
+        let out = child.stdout.take().expect("piped stdout");
+        let tx = lines.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                if tx.send((i as u32, line)).is_err() {
+                    return;
+                }
+            }
+        });
+        sps.push(Sp {
+            id: i as u32,
+            child,
+        });
+    }
+    Ok((path, sps))
+}
+
+/// Waits until every SP printed `READY`. `Ok(false)`: a signal arrived first. An SP that exits
+/// or stays silent past `timeout` is an error naming it. Other lines are echoed to stderr.
+pub fn wait_ready(
+    sps: &mut [Sp],
+    lines: &mpsc::Receiver<(u32, String)>,
+    timeout: Duration,
+    mut signals: Option<&mut crate::signals::SignalPipe>,
+) -> Result<bool> {
+    let deadline = Instant::now() + timeout;
+    let mut ready = vec![false; sps.len()];
+    while ready.iter().any(|r| !r) {
+        if signals.as_mut().is_some_and(|s| s.drain()) {
+            return Ok(false);
+        }
+        for sp in sps.iter_mut() {
+            if let Ok(Some(st)) = sp.child.try_wait() {
+                bail!(
+                    "SP {} exited before it was ready ({st}); see its messages above",
+                    sp.id
+                );
+            }
+        }
+        match lines.recv_timeout(Duration::from_millis(20)) {
+            Ok((id, line)) if line.starts_with("READY") => ready[id as usize] = true,
+            Ok((id, line)) => eprintln!("sp {id}: {line}"),
+            Err(_) if Instant::now() > deadline => {
+                let missing: Vec<usize> = ready
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, r)| !**r)
+                    .map(|(i, _)| i)
+                    .collect();
+                bail!("SPs {missing:?} were not ready within {timeout:?}");
+            }
+            Err(_) => {}
+        }
+    }
+    Ok(true)
+}
+
+/// SIGTERM to every SP, SIGKILL after `grace`.
+pub fn stop_sps(sps: &mut [Sp], grace: Duration) {
+    stop_all(
+        &mut sps.iter_mut().map(|s| &mut s.child).collect::<Vec<_>>(),
+        libc::SIGTERM,
+        grace,
+    );
+}
+
+/// Runs the whole job; returns the exit status to give the user.
+pub fn launch(opts: &LaunchOpts) -> Result<i32> {
+    if opts.nodes == 0 || opts.ranks_per_node == 0 || opts.sps_per_node == 0 {
+        bail!("--nodes, --ranks-per-node and --sps-per-node must be at least 1");
+    }
+    if opts.program.is_empty() {
+        bail!("no program given (usage: service-process launch [OPTIONS] -- PROGRAM [ARGS...])");
+    }
+    let exe = std::env::current_exe().context("locating the service-process binary")?;
+    let shim = match (&opts.shim, opts.native) {
+        (_, true) => None,
+        (Some(p), false) => Some(p.clone()),
+        (None, false) => Some(exe.with_file_name("libhost_shim.so")),
+    };
+    if let Some(s) = &shim {
+        if !s.exists() {
+            bail!(
+                "host shim {} not found (build it with `cargo build -p host-shim`, or pass --shim)",
+                s.display()
+            );
+        }
+    }
+    let mut signals = crate::signals::SignalPipe::install()?;
+    let run_dir = new_run_dir()?;
+    let result = run_job(opts, &exe, shim.as_deref(), &run_dir, &mut signals);
+    if !opts.keep_run_dir {
+        let _ = std::fs::remove_dir_all(&run_dir);
+    }
+    result
+}
+
+fn run_job(
+    opts: &LaunchOpts,
+    exe: &Path,
+    shim: Option<&Path>,
+    run_dir: &Path,
+    signals: &mut crate::signals::SignalPipe,
+) -> Result<i32> {
+    let world = opts.nodes * opts.ranks_per_node;
+    let job_id: u64 = ((std::process::id() as u64) << 32)
+        ^ std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+    let mut sps: Vec<Sp> = Vec::new();
+    let mut cluster_path = None;
+    let (tx, rx) = mpsc::channel::<(u32, String)>();
+    if !opts.native {
+        let spec = SpSetSpec {
+            nodes: opts.nodes,
+            sps_per_node: opts.sps_per_node,
+            ranks_per_node: opts.ranks_per_node,
+            layout: opts.layout,
+            sp_cpus: opts.sp_cpus.clone(),
+            max_inflight_reads: opts.max_inflight_reads,
+            extra_args: vec![],
+        };
+        let (path, children) = spawn_sps(exe, &spec, run_dir, tx.clone())?;
+        sps = children;
+        match wait_ready(&mut sps, &rx, opts.ready_timeout, Some(signals)) {
+            Ok(true) => {}
+            Ok(false) => {
+                stop_sps(&mut sps, Duration::from_secs(2));
+                return Ok(130);
+            }
+            Err(e) => {
+                stop_sps(&mut sps, Duration::from_secs(2));
+                return Err(e);
+            }
+        }
+        cluster_path = Some(path);
+    }
+
+    let mut cmd = Command::new(&opts.mpirun);
+    cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .env("SPOFF_JOB_ID", job_id.to_string())
+        .env("SPOFF_NODES", opts.nodes.to_string())
+        .env("SPOFF_RANKS_PER_NODE", opts.ranks_per_node.to_string())
+        .args(["--oversubscribe", "--bind-to", "none", "-np"])
+        .arg(world.to_string())
+        .args(&opts.mpirun_args);
+    let mut exported = vec!["SPOFF_JOB_ID", "SPOFF_NODES", "SPOFF_RANKS_PER_NODE"];
+    match &cluster_path {
+        Some(p) => {
+            cmd.env("SPOFF_CLUSTER", p);
+            exported.push("SPOFF_CLUSTER");
+        }
+        None => {
+            cmd.env_remove("SPOFF_CLUSTER");
+        }
+    }
+    for var in exported {
+        cmd.arg("-x").arg(var);
+    }
+    cmd.arg(exe).arg("rank-exec");
+    if let Some(cpus) = &opts.rank_cpus {
+        let list: Vec<String> = cpus.iter().map(u32::to_string).collect();
+        cmd.arg("--cpus").arg(list.join(","));
+    }
+    if let Some(shim) = shim {
+        cmd.arg("--preload").arg(shim);
+    }
+    cmd.arg("--").args(&opts.program).stdin(Stdio::null());
+    supervised(&mut cmd, libc::SIGTERM);
+    let mut mpirun = cmd
+        .spawn()
+        .with_context(|| format!("starting {}", opts.mpirun))?;
+
+    let mut fault_at: Option<Instant> = None;
+    let status = loop {
+        if let Some(st) = mpirun.try_wait()? {
+            break exit_code(st);
+        }
+        if signals.drain() {
+            eprintln!("service-process launch: interrupted; stopping the job");
+            let mut all: Vec<&mut Child> = vec![&mut mpirun];
+            all.extend(sps.iter_mut().map(|s| &mut s.child));
+            stop_all(&mut all, libc::SIGTERM, Duration::from_secs(3));
+            return Ok(130);
+        }
+        for sp in sps.iter_mut() {
+            if let Ok(Some(st)) = sp.child.try_wait() {
+                if fault_at.is_none() {
+                    eprintln!(
+                        "service-process launch: SP {} exited during the job ({st}); the job has \
+                         {:?} to end",
+                        sp.id, opts.fault_grace
+                    );
+                    fault_at = Some(Instant::now());
+                }
+            }
+        }
+        if fault_at.is_some_and(|t| t.elapsed() > opts.fault_grace) {
+            eprintln!(
+                "service-process launch: the job did not end after an SP failure; killing it"
+            );
+            stop_all(&mut [&mut mpirun], libc::SIGTERM, Duration::from_secs(3));
+            break 1;
+        }
+        while let Ok((id, line)) = rx.try_recv() {
+            eprintln!("sp {id}: {line}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    stop_sps(&mut sps, Duration::from_secs(5));
+    while let Ok((id, line)) = rx.recv_timeout(Duration::from_millis(50)) {
+        if let Some(stats) = line.strip_prefix("STATS ") {
+            eprintln!("sp {id} stats: {stats}");
+        } else {
+            eprintln!("sp {id}: {line}");
+        }
+    }
+    Ok(status)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_lists() {
+        assert_eq!(parse_cpu_list("0,2-4").unwrap(), vec![0, 2, 3, 4]);
+        assert_eq!(parse_cpu_list("1").unwrap(), vec![1]);
+        assert!(parse_cpu_list("").is_err());
+        assert!(parse_cpu_list("3-1").is_err());
+        assert!(parse_cpu_list("a").is_err());
+    }
+}

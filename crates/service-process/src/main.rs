@@ -1,0 +1,242 @@
+//! `service-process`: the SP daemon (`serve`), the emulated-cluster launcher (`launch`), and the
+//! per-rank wrapper the launcher runs under mpirun (`rank-exec`).
+
+use anyhow::{Context, Result};
+use bootstrap::rendezvous::Backoff;
+use bootstrap::{Cluster, Layout};
+use clap::{Parser, Subcommand};
+use service_process::launch::{self, parse_cpu_list, LaunchOpts};
+use service_process::server::{connect_mesh, ServeConfig, Server};
+use std::os::fd::FromRawFd;
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(Parser)]
+#[command(
+    version,
+    about = "Service processes for DPU-offloaded MPI collectives, emulated on one machine"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run one SP of a cluster: connect to its peers, then serve host ranks until SIGTERM.
+    Serve {
+        /// Cluster description (JSON, as written by `launch`).
+        #[arg(long)]
+        cluster: PathBuf,
+        /// This SP's id in the description.
+        #[arg(long)]
+        sp_id: u32,
+        /// Use this inherited, already bound TCP listener instead of binding the address from
+        /// the description.
+        #[arg(long)]
+        listen_fd: Option<i32>,
+        /// Copies active at once on this SP, across all collectives.
+        #[arg(long, default_value_t = 4)]
+        max_inflight_reads: usize,
+        /// Datapath worker threads (default: --max-inflight-reads).
+        #[arg(long)]
+        datapath_threads: Option<usize>,
+        /// Staging buffer per datapath thread, in bytes.
+        #[arg(long, default_value_t = 1 << 20)]
+        chunk_bytes: usize,
+        /// Pin the SP to these CPUs (e.g. `1` or `0,2-3`).
+        #[arg(long, value_parser = parse_cpu_list)]
+        cpus: Option<Vec<u32>>,
+        /// Seconds to wait for the peer SPs at start-up.
+        #[arg(long, default_value_t = 30)]
+        connect_timeout_secs: u64,
+    },
+    /// Start an emulated cluster (N nodes x K SPs), run PROGRAM under mpirun with the host shim
+    /// preloaded, and stop everything when it exits. Exit status: the program's.
+    Launch {
+        #[arg(long)]
+        nodes: u32,
+        #[arg(long)]
+        ranks_per_node: u32,
+        #[arg(long, default_value_t = 1)]
+        sps_per_node: u32,
+        /// How world ranks map to nodes: block (rank / R) or cyclic (rank % N).
+        #[arg(long, default_value = "block")]
+        layout: Layout,
+        /// CPUs for the SPs, assigned round-robin (stand-ins for the DPU's cores).
+        #[arg(long, value_parser = parse_cpu_list)]
+        sp_cpus: Option<Vec<u32>>,
+        /// CPUs for the ranks, assigned round-robin by world rank.
+        #[arg(long, value_parser = parse_cpu_list)]
+        rank_cpus: Option<Vec<u32>>,
+        /// Run without SPs and without the shim, on the same layout and pinning (the baseline).
+        #[arg(long)]
+        native: bool,
+        /// The host shim to preload (default: libhost_shim.so next to this binary).
+        #[arg(long)]
+        shim: Option<PathBuf>,
+        #[arg(long, default_value_t = 4)]
+        max_inflight_reads: usize,
+        /// The mpirun to use.
+        #[arg(long, default_value = "mpirun")]
+        mpirun: String,
+        /// Extra arguments for mpirun (repeatable), e.g. --mpirun-arg=--mca --mpirun-arg=pml
+        #[arg(long = "mpirun-arg", allow_hyphen_values = true)]
+        mpirun_args: Vec<String>,
+        /// Seconds to wait for the SPs to be ready.
+        #[arg(long, default_value_t = 30)]
+        ready_timeout_secs: u64,
+        /// Seconds the job may run on after an SP died before it is killed.
+        #[arg(long, default_value_t = 30)]
+        fault_grace_secs: u64,
+        /// Keep the run directory (cluster description, sockets) for inspection.
+        #[arg(long)]
+        keep_run_dir: bool,
+        /// The MPI program and its arguments.
+        #[arg(last = true, required = true)]
+        program: Vec<String>,
+    },
+    /// (internal) Run by mpirun for each rank: pin, preload the shim, exec the program.
+    #[command(hide = true)]
+    RankExec {
+        #[arg(long, value_parser = parse_cpu_list)]
+        cpus: Option<Vec<u32>>,
+        #[arg(long)]
+        preload: Option<PathBuf>,
+        #[arg(last = true, required = true)]
+        program: Vec<String>,
+    },
+}
+
+/// Refuses an inherited fd that is not an open socket, rather than adopting it blindly.
+fn check_listener_fd(fd: i32) -> Result<()> {
+    // SAFETY: fstat only writes into `st`; an invalid fd is reported as an error.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    if unsafe { libc::fstat(fd, &mut st) } != 0 {
+        anyhow::bail!("--listen-fd {fd} is not an open file descriptor");
+    }
+    if st.st_mode & libc::S_IFMT != libc::S_IFSOCK {
+        anyhow::bail!("--listen-fd {fd} is not a socket");
+    }
+    Ok(())
+}
+
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("SPOFF_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let code = match run(cli) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("service-process: {e:#}");
+            1
+        }
+    };
+    std::process::exit(code);
+}
+
+fn run(cli: Cli) -> Result<i32> {
+    match cli.cmd {
+        Cmd::Serve {
+            cluster,
+            sp_id,
+            listen_fd,
+            max_inflight_reads,
+            datapath_threads,
+            chunk_bytes,
+            cpus,
+            connect_timeout_secs,
+        } => {
+            init_tracing();
+            if let Some(cpus) = &cpus {
+                launch::pin_to(cpus).context("pinning the SP")?;
+            }
+            let cluster = Cluster::load(&cluster)?;
+            let entry = cluster
+                .sp(sp_id)
+                .with_context(|| format!("SP id {sp_id} is not in the cluster description"))?
+                .clone();
+            let listener = match listen_fd {
+                Some(fd) => {
+                    check_listener_fd(fd)?;
+                    // SAFETY: the launcher passes a bound TCP listener under this number, which
+                    // nothing else in this process owns (checked to be a socket just above).
+                    unsafe { std::net::TcpListener::from_raw_fd(fd) }
+                }
+                None => std::net::TcpListener::bind(entry.peer_addr)
+                    .with_context(|| format!("binding {}", entry.peer_addr))?,
+            };
+            let backoff = Backoff {
+                deadline: Duration::from_secs(connect_timeout_secs),
+                ..Backoff::default()
+            };
+            let peers = connect_mesh(sp_id, &cluster, &listener, backoff)?;
+            let cfg = ServeConfig {
+                sp: sp_id,
+                cluster,
+                peer_listener: listener,
+                host_socket: entry.host_socket.clone(),
+                max_inflight_reads: max_inflight_reads.max(1),
+                datapath_threads: datapath_threads.unwrap_or(max_inflight_reads).max(1),
+                chunk_bytes,
+                connect_backoff: backoff,
+            };
+            let server = Server::new(cfg, peers)?;
+            println!("READY sp={sp_id}");
+            let stats = server.run()?;
+            println!("STATS {}", serde_json::to_string(&stats)?);
+            Ok(0)
+        }
+        Cmd::Launch {
+            nodes,
+            ranks_per_node,
+            sps_per_node,
+            layout,
+            sp_cpus,
+            rank_cpus,
+            native,
+            shim,
+            max_inflight_reads,
+            mpirun,
+            mpirun_args,
+            ready_timeout_secs,
+            fault_grace_secs,
+            keep_run_dir,
+            program,
+        } => {
+            init_tracing();
+            launch::launch(&LaunchOpts {
+                nodes,
+                ranks_per_node,
+                sps_per_node,
+                layout,
+                sp_cpus,
+                rank_cpus,
+                native,
+                shim,
+                max_inflight_reads,
+                mpirun,
+                mpirun_args,
+                ready_timeout: Duration::from_secs(ready_timeout_secs),
+                fault_grace: Duration::from_secs(fault_grace_secs),
+                keep_run_dir,
+                program,
+            })
+        }
+        Cmd::RankExec {
+            cpus,
+            preload,
+            program,
+        } => {
+            launch::rank_exec(cpus.as_deref(), preload.as_deref(), &program)?;
+            Ok(0)
+        }
+    }
+}

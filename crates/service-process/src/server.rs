@@ -1,0 +1,1031 @@
+//! The SP daemon: one mio event loop serving host ranks (Unix socket) and peer SPs (TCP).
+//!
+//! Readiness rules, as mio documents them and as this loop follows them:
+//! - events can be spurious: every handler tries the operation and treats `WouldBlock` as
+//!   "nothing to do";
+//! - mio is edge-triggered: a readable event is drained until `WouldBlock`, a writable event
+//!   flushes the whole out buffer or until `WouldBlock`;
+//! - read/write-closed flags are hints: a connection is closed when a read returns 0 bytes or an
+//!   error, not when a flag says so.
+//!
+//! Tokens: [`LISTEN_HOSTS`], [`WAKER`], [`SIGNALS`] are reserved; connection `k` of the slab has
+//! token `CONN_BASE + k`. Peer SPs are connected before the loop starts (see [`connect_mesh`]),
+//! so "ready" means the whole mesh is up.
+//!
+//! The engine part: a host's post is checked against its grants, then fed to the collective's
+//! state machine (one per `CollKey`, created by the first event that names it, a post or a peer
+//! message alike, so early announcements wait in it). The machine's actions are executed at once:
+//! messages go to peer connections, copies go through the per-SP [`CopyLimiter`] to the datapath
+//! threads, completions are written into the rank's mailbox. Failures never hang a collective: a
+//! lost peer SP fails every instance that involves it, a host rank that disconnects without
+//! saying goodbye aborts its whole job on every SP (`JobAbort`).
+
+use crate::conn::{Conn, ReadEnd, Stream};
+use crate::datapath::{CopyJob, Datapath};
+use crate::stats::Stats;
+use algorithms::alltoallv::{self, Action, Alltoallv, CopyId};
+use algorithms::sched::CopyLimiter;
+use algorithms::{CollKey, CommId, Nanos, SpId, Status};
+use alias_mkey::mover::{CmaMover, Mover};
+use alias_mkey::{AliasKey, BackendData, Grant, Owner, Rights};
+use bootstrap::mailbox;
+use bootstrap::rendezvous::{connect_with_backoff, Backoff};
+use bootstrap::wire::{
+    self, decode, decode_hello, encode, encode_hello, frame, CollKind, CollMsg, ErrorCode, Hello,
+    HostHello, HostToSp, PostDesc, SpHello, SpToHost, SpToSp,
+};
+use bootstrap::Cluster;
+use mio::net::{UnixListener, UnixStream};
+use mio::{Events, Interest, Poll, Token, Waker};
+use slab::Slab;
+use std::collections::{HashMap, HashSet};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tracing::{debug, info, info_span, warn};
+
+pub const LISTEN_HOSTS: Token = Token(0);
+pub const WAKER: Token = Token(1);
+pub const SIGNALS: Token = Token(2);
+const CONN_BASE: usize = 16;
+
+/// Collective instances remembered as finished per job, so that a stray late message cannot
+/// re-create one; beyond this the oldest are forgotten.
+const MAX_FINISHED_PER_JOB: usize = 1 << 16;
+
+pub struct ServeConfig {
+    pub sp: SpId,
+    pub cluster: Cluster,
+    pub peer_listener: std::net::TcpListener,
+    pub host_socket: PathBuf,
+    pub max_inflight_reads: usize,
+    pub datapath_threads: usize,
+    pub chunk_bytes: usize,
+    pub connect_backoff: Backoff,
+}
+
+/// Role of a connection.
+enum Role {
+    /// A host connected; its hello has not arrived yet. `pid` comes from the kernel.
+    NewHost {
+        pid: u32,
+    },
+    Host(HostState),
+    Peer(SpId),
+}
+
+struct HostState {
+    hello: HostHello,
+    pid: u32,
+    mailbox: Option<(AliasKey, u32)>,
+    said_goodbye: bool,
+}
+
+/// A local rank's post of one instance: where its completion goes.
+#[derive(Clone, Copy)]
+struct Posted {
+    conn: usize,
+    slot: u32,
+    token: u64,
+}
+
+struct Instance {
+    sm: Alltoallv<AliasKey>,
+    posted: HashMap<u32, Posted>,
+}
+
+#[derive(Default)]
+struct Job {
+    hosts: HashSet<usize>,
+    failed: Option<Status>,
+    finished: HashSet<(CommId, u64)>,
+    finished_order: std::collections::VecDeque<(CommId, u64)>,
+}
+
+pub struct Server {
+    me: SpId,
+    cluster: Cluster,
+    poll: Poll,
+    hosts_listener: UnixListener,
+    host_socket: PathBuf,
+    conns: Slab<Conn<Role>>,
+    peer_conn: HashMap<SpId, usize>,
+    dead_peers: HashSet<SpId>,
+    jobs: HashMap<u64, Job>,
+    instances: HashMap<CollKey, Instance>,
+    limiter: CopyLimiter<CopyJob>,
+    copies: HashMap<u64, (CollKey, CopyId)>,
+    next_ticket: u64,
+    datapath: Datapath,
+    mover: CmaMover,
+    signals: crate::signals::SignalPipe,
+    start: Instant,
+    pub stats: Stats,
+}
+
+fn now_ns(start: Instant) -> Nanos {
+    start.elapsed().as_nanos() as Nanos
+}
+
+/// Connects to every lower-numbered SP and accepts every higher-numbered one, exchanging
+/// hellos; returns the streams by SP id. Bounded by the backoff's deadline.
+pub fn connect_mesh(
+    me: SpId,
+    cluster: &Cluster,
+    listener: &std::net::TcpListener,
+    backoff: Backoff,
+) -> anyhow::Result<HashMap<SpId, std::net::TcpStream>> {
+    use anyhow::{bail, Context};
+    let fingerprint = cluster.fingerprint();
+    let mut peers = HashMap::new();
+    let hello = Hello::Sp(SpHello {
+        sp: me,
+        cluster_fingerprint: fingerprint,
+    });
+    for peer in 0..me {
+        let addr = cluster
+            .sp(peer)
+            .context("peer missing from cluster")?
+            .peer_addr;
+        let s = connect_with_backoff(addr, backoff)
+            .with_context(|| format!("SP {me}: connecting to SP {peer} at {addr}"))?;
+        s.set_nodelay(true)?;
+        s.set_read_timeout(Some(backoff.deadline))?;
+        let mut ch = wire::Channel::new(s);
+        ch.send_hello(&hello)?;
+        match ch.recv_hello()? {
+            Hello::Welcome { sp } if sp == peer => {}
+            Hello::Reject { reason } => bail!("SP {peer} refused SP {me}: {reason}"),
+            other => bail!("SP {peer} answered the hello with {other:?}"),
+        }
+        let s = ch_into_inner(ch);
+        s.set_read_timeout(None)?;
+        peers.insert(peer, s);
+    }
+    let total = cluster.sps.len() as SpId;
+    let deadline = Instant::now() + backoff.deadline;
+    listener.set_nonblocking(true)?;
+    while (peers.len() as SpId) < total - 1 {
+        let (s, from) = match listener.accept() {
+            Ok(x) => x,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                if Instant::now() > deadline {
+                    let missing: Vec<SpId> =
+                        (me + 1..total).filter(|p| !peers.contains_key(p)).collect();
+                    bail!(
+                        "SP {me}: SPs {missing:?} did not connect within {:?}",
+                        backoff.deadline
+                    );
+                }
+                std::thread::sleep(Duration::from_millis(2));
+                continue;
+            }
+            Err(e) => return Err(e.into()),
+        };
+        s.set_nonblocking(false)?;
+        s.set_nodelay(true)?;
+        s.set_read_timeout(Some(backoff.deadline))?;
+        let mut ch = wire::Channel::new(s);
+        let reject = |ch: &mut wire::Channel<std::net::TcpStream>, reason: String| {
+            warn!(%from, "refusing peer: {reason}");
+            let _ = ch.send_hello(&Hello::Reject { reason });
+        };
+        match ch.recv_hello() {
+            Ok(Hello::Sp(h)) if h.cluster_fingerprint != fingerprint => reject(
+                &mut ch,
+                format!("SP {} has a different cluster description", h.sp),
+            ),
+            Ok(Hello::Sp(h)) if h.sp <= me || h.sp >= total || peers.contains_key(&h.sp) => {
+                reject(&mut ch, format!("unexpected SP id {} at SP {me}", h.sp))
+            }
+            Ok(Hello::Sp(h)) => {
+                ch.send_hello(&Hello::Welcome { sp: me })?;
+                let s = ch_into_inner(ch);
+                s.set_read_timeout(None)?;
+                peers.insert(h.sp, s);
+            }
+            Ok(other) => reject(&mut ch, format!("expected an SP hello, got {other:?}")),
+            Err(e) => warn!(%from, "bad hello from a would-be peer: {e}"),
+        }
+    }
+    Ok(peers)
+}
+
+fn ch_into_inner(ch: wire::Channel<std::net::TcpStream>) -> std::net::TcpStream {
+    ch.get_ref().try_clone().expect("dup of a connected socket")
+}
+
+impl Server {
+    pub fn new(
+        cfg: ServeConfig,
+        peers: HashMap<SpId, std::net::TcpStream>,
+    ) -> anyhow::Result<Server> {
+        let poll = Poll::new()?;
+        let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
+        let _ = std::fs::remove_file(&cfg.host_socket);
+        let mut hosts_listener = UnixListener::bind(&cfg.host_socket)
+            .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", cfg.host_socket.display()))?;
+        poll.registry()
+            .register(&mut hosts_listener, LISTEN_HOSTS, Interest::READABLE)?;
+        let signals = crate::signals::SignalPipe::install()?;
+        poll.registry()
+            .register(&mut signals.source(), SIGNALS, Interest::READABLE)?;
+        let mut server = Server {
+            me: cfg.sp,
+            cluster: cfg.cluster,
+            poll,
+            hosts_listener,
+            host_socket: cfg.host_socket,
+            conns: Slab::new(),
+            peer_conn: HashMap::new(),
+            dead_peers: HashSet::new(),
+            jobs: HashMap::new(),
+            instances: HashMap::new(),
+            limiter: CopyLimiter::new(cfg.max_inflight_reads.max(1)),
+            copies: HashMap::new(),
+            next_ticket: 0,
+            datapath: Datapath::start(cfg.datapath_threads, cfg.chunk_bytes, waker),
+            mover: CmaMover::new(4096),
+            signals,
+            start: Instant::now(),
+            stats: Stats::default(),
+        };
+        for (sp, s) in peers {
+            s.set_nonblocking(true)?;
+            let stream = Stream::Tcp(mio::net::TcpStream::from_std(s));
+            let key = server.add_conn(stream, Role::Peer(sp))?;
+            server.peer_conn.insert(sp, key);
+        }
+        Ok(server)
+    }
+
+    fn add_conn(&mut self, stream: Stream, role: Role) -> io::Result<usize> {
+        let entry = self.conns.vacant_entry();
+        let key = entry.key();
+        let conn = entry.insert(Conn::new(stream, role));
+        self.poll.registry().register(
+            conn.stream.source(),
+            Token(CONN_BASE + key),
+            Interest::READABLE | Interest::WRITABLE,
+        )?;
+        Ok(key)
+    }
+
+    /// Runs until SIGINT/SIGTERM. Returns the stats.
+    pub fn run(mut self) -> anyhow::Result<Stats> {
+        let mut events = Events::with_capacity(256);
+        info!(sp = self.me, socket = %self.host_socket.display(), "serving");
+        loop {
+            if let Err(e) = self.poll.poll(&mut events, None) {
+                if e.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(e.into());
+            }
+            for ev in events.iter() {
+                match ev.token() {
+                    LISTEN_HOSTS => self.accept_hosts(),
+                    WAKER => {}
+                    SIGNALS => {
+                        if self.signals.drain() {
+                            info!(sp = self.me, "stopping on signal");
+                            let _ = std::fs::remove_file(&self.host_socket);
+                            return Ok(self.stats);
+                        }
+                    }
+                    Token(t) => {
+                        let key = t - CONN_BASE;
+                        if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
+                            self.on_readable(key);
+                        }
+                        if ev.is_writable() {
+                            self.flush_conn(key);
+                        }
+                    }
+                }
+            }
+            self.on_copies_done();
+        }
+    }
+
+    fn accept_hosts(&mut self) {
+        loop {
+            match self.hosts_listener.accept() {
+                Ok((s, _)) => {
+                    let pid = match peer_pid(&s) {
+                        Ok(pid) => pid,
+                        Err(e) => {
+                            warn!("cannot read peer credentials of a host connection: {e}");
+                            continue;
+                        }
+                    };
+                    if let Err(e) = self.add_conn(Stream::Unix(s), Role::NewHost { pid }) {
+                        warn!("cannot register a host connection: {e}");
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) => {
+                    warn!("accept on the host socket failed: {e}");
+                    return;
+                }
+            }
+        }
+    }
+
+    fn on_readable(&mut self, key: usize) {
+        let Some(conn) = self.conns.get_mut(key) else {
+            return;
+        };
+        let mut frames = Vec::new();
+        let end = conn.read_frames(|f| frames.push(f));
+        for f in frames {
+            self.on_frame(key, f);
+            if !self.conns.contains(key) {
+                return;
+            }
+        }
+        match end {
+            Ok(ReadEnd::Open) => {}
+            Ok(ReadEnd::Closed) => self.close_conn(key, "closed by the other side"),
+            Err(e) => {
+                // An oversized or undecodable frame: the stream can no longer be trusted.
+                self.send_error(key, None, ErrorCode::BadDescriptor, e.to_string());
+                self.close_conn(key, &e.to_string());
+            }
+        }
+    }
+
+    fn flush_conn(&mut self, key: usize) {
+        if let Some(c) = self.conns.get_mut(key) {
+            if let Err(e) = c.flush() {
+                self.close_conn(key, &format!("write failed: {e}"));
+            }
+        }
+    }
+
+    fn send_frame(&mut self, key: usize, frame: &[u8]) {
+        if let Some(c) = self.conns.get_mut(key) {
+            if let Err(e) = c.send(frame) {
+                self.close_conn(key, &format!("write failed: {e}"));
+            }
+        }
+    }
+
+    fn send_error(
+        &mut self,
+        key: usize,
+        post: Option<&PostDesc>,
+        code: ErrorCode,
+        message: String,
+    ) {
+        self.stats.errors_sent += 1;
+        let msg = SpToHost::Error {
+            comm: post.map(|p| p.comm),
+            seq: post.map(|p| p.seq),
+            code,
+            message,
+        };
+        self.send_frame(key, &encode(&msg));
+    }
+
+    fn on_frame(&mut self, key: usize, payload: Vec<u8>) {
+        let role = match &self.conns[key].role {
+            Role::NewHost { pid } => Err(*pid),
+            Role::Host(_) => Ok(true),
+            Role::Peer(_) => Ok(false),
+        };
+        match role {
+            Err(pid) => self.on_host_hello(key, pid, &payload),
+            Ok(true) => match decode::<HostToSp>(&payload) {
+                Ok(msg) => self.on_host_msg(key, msg),
+                Err(e) => {
+                    self.send_error(key, None, ErrorCode::BadDescriptor, e.to_string());
+                }
+            },
+            Ok(false) => match decode::<SpToSp>(&payload) {
+                Ok(msg) => self.on_peer_msg(key, msg),
+                Err(e) => warn!(sp = self.me, "undecodable message from a peer SP: {e}"),
+            },
+        }
+    }
+
+    fn on_host_hello(&mut self, key: usize, pid: u32, payload: &[u8]) {
+        let reject = |s: &mut Self, reason: String| {
+            warn!(sp = s.me, pid, "refusing host: {reason}");
+            s.send_frame(key, &frame(&encode_hello(&Hello::Reject { reason })));
+            s.close_conn(key, "hello refused");
+        };
+        let hello = match decode_hello(payload) {
+            Ok(Hello::Host(h)) => h,
+            Ok(other) => return reject(self, format!("expected a host hello, got {other:?}")),
+            Err(e) => return reject(self, e.to_string()),
+        };
+        match self.cluster.placement(hello.world_rank, hello.world_size) {
+            Ok(p) if p.sp == self.me => {}
+            Ok(p) => {
+                return reject(
+                    self,
+                    format!(
+                        "rank {} of {} belongs to SP {}, not SP {}",
+                        hello.world_rank, hello.world_size, p.sp, self.me
+                    ),
+                )
+            }
+            Err(e) => return reject(self, e.to_string()),
+        }
+        debug!(
+            sp = self.me,
+            job = hello.job,
+            rank = hello.world_rank,
+            pid,
+            "host connected"
+        );
+        self.jobs.entry(hello.job).or_default().hosts.insert(key);
+        self.conns[key].role = Role::Host(HostState {
+            hello,
+            pid,
+            mailbox: None,
+            said_goodbye: false,
+        });
+        self.send_frame(key, &frame(&encode_hello(&Hello::Welcome { sp: self.me })));
+    }
+
+    fn host(&self, key: usize) -> &HostState {
+        match &self.conns[key].role {
+            Role::Host(h) => h,
+            _ => unreachable!("connection {key} is not a host"),
+        }
+    }
+
+    fn on_host_msg(&mut self, key: usize, msg: HostToSp) {
+        match msg {
+            HostToSp::Register {
+                cores: _,
+                mailbox,
+                mailbox_slots,
+            } => {
+                let h = self.host(key);
+                if h.mailbox.is_some() {
+                    return self.send_error(
+                        key,
+                        None,
+                        ErrorCode::NotRegistered,
+                        "already registered".into(),
+                    );
+                }
+                let need = mailbox::slot_offset(mailbox_slots);
+                if mailbox.len < need
+                    || !mailbox.rights.contains(Rights::READ_WRITE)
+                    || mailbox.backend != BackendData::Cma
+                    || mailbox_slots == 0
+                {
+                    return self.send_error(
+                        key,
+                        None,
+                        ErrorCode::BadDescriptor,
+                        format!(
+                            "mailbox grant of {} bytes ({}) cannot hold {mailbox_slots} slots \
+                             of {} bytes read-write through cma",
+                            mailbox.len,
+                            mailbox.rights,
+                            mailbox::SLOT_BYTES
+                        ),
+                    );
+                }
+                let alias = self.alias(key, mailbox);
+                let sp = self.me;
+                if let Role::Host(h) = &mut self.conns[key].role {
+                    h.mailbox = Some((alias, mailbox_slots));
+                }
+                self.send_frame(key, &encode(&SpToHost::Registered { sp }));
+            }
+            HostToSp::Post(desc) => self.on_post(key, *desc),
+            HostToSp::Goodbye => {
+                if let Role::Host(h) = &mut self.conns[key].role {
+                    h.said_goodbye = true;
+                }
+            }
+        }
+    }
+
+    fn alias(&self, key: usize, grant: Grant) -> AliasKey {
+        let h = self.host(key);
+        AliasKey {
+            owner: Owner {
+                job: h.hello.job,
+                world_rank: h.hello.world_rank,
+                pid: h.pid,
+            },
+            grant,
+        }
+    }
+
+    /// Checks a descriptor against itself, the cluster and its grants.
+    fn check_post(&self, d: &PostDesc) -> Result<(), (ErrorCode, String)> {
+        let bad = |m: String| Err((ErrorCode::BadDescriptor, m));
+        let p = d.members.len();
+        if p == 0 || d.comm_rank as usize >= p {
+            return bad(format!(
+                "comm rank {} outside a communicator of {p}",
+                d.comm_rank
+            ));
+        }
+        for (name, v) in [
+            ("send_counts", &d.send_counts),
+            ("send_displs", &d.send_displs),
+            ("recv_counts", &d.recv_counts),
+            ("recv_displs", &d.recv_displs),
+        ] {
+            if v.len() != p {
+                return bad(format!("{name} has {} entries for {p} ranks", v.len()));
+            }
+        }
+        let n_sps = self.cluster.sps.len() as SpId;
+        if let Some(sp) = d.members.iter().find(|&&sp| sp >= n_sps) {
+            return Err((
+                ErrorCode::UnknownComm,
+                format!("member SP {sp} does not exist"),
+            ));
+        }
+        if d.members[d.comm_rank as usize] != self.me {
+            return Err((
+                ErrorCode::UnknownComm,
+                format!(
+                    "comm rank {} is served by SP {}, not by SP {}",
+                    d.comm_rank, d.members[d.comm_rank as usize], self.me
+                ),
+            ));
+        }
+        for (grant, need, counts, displs, what) in [
+            (
+                &d.send,
+                Rights::READ,
+                &d.send_counts,
+                &d.send_displs,
+                "send",
+            ),
+            (
+                &d.recv,
+                Rights::WRITE,
+                &d.recv_counts,
+                &d.recv_displs,
+                "receive",
+            ),
+        ] {
+            if !grant.rights.contains(need) {
+                return bad(format!("the {what} grant lacks {need} rights"));
+            }
+            if grant.backend != BackendData::Cma {
+                return bad(format!("the {what} grant is not for the cma backend"));
+            }
+            if grant.addr.checked_add(grant.len).is_none() {
+                return bad(format!("the {what} grant wraps the address space"));
+            }
+            for (i, (&c, &o)) in counts.iter().zip(displs.iter()).enumerate() {
+                match o.checked_add(c) {
+                    None => return bad(format!("{what} block {i}: {o} + {c} overflows")),
+                    Some(end) if end > grant.len => {
+                        return bad(format!(
+                            "{what} block {i} [{o}, {end}) lies outside the {} granted bytes",
+                            grant.len
+                        ))
+                    }
+                    Some(_) => {}
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn on_post(&mut self, key: usize, d: PostDesc) {
+        self.stats.posts += 1;
+        let (job, slots) = {
+            let h = self.host(key);
+            match &h.mailbox {
+                Some((_, slots)) => (h.hello.job, *slots),
+                None => {
+                    return self.send_error(
+                        key,
+                        Some(&d),
+                        ErrorCode::NotRegistered,
+                        "post before register".into(),
+                    )
+                }
+            }
+        };
+        if d.slot >= slots {
+            return self.send_error(
+                key,
+                Some(&d),
+                ErrorCode::BadDescriptor,
+                format!("mailbox slot {} outside the {slots} registered", d.slot),
+            );
+        }
+        let ck = CollKey {
+            job,
+            comm: d.comm,
+            seq: d.seq,
+        };
+        let CollKind::Alltoallv = d.kind;
+        if let Err((code, message)) = self.check_post(&d) {
+            let members_ok = code == ErrorCode::BadDescriptor
+                && d.members.len() > d.comm_rank as usize
+                && d.members[d.comm_rank as usize] == self.me;
+            self.send_error(key, Some(&d), code, message);
+            self.write_completion(
+                Posted {
+                    conn: key,
+                    slot: d.slot,
+                    token: d.token,
+                },
+                Status::InvalidPost,
+            );
+            // Peers may already be waiting for this rank: if we know who they are, abort the
+            // instance for every member rather than leave them hanging.
+            if members_ok {
+                let mut sps: Vec<SpId> = d.members.clone();
+                sps.sort_unstable();
+                sps.dedup();
+                let abort = alltoallv::Msg::Abort {
+                    status: Status::InvalidPost,
+                };
+                let frame = encode(&SpToSp::Coll {
+                    key: ck,
+                    msg: CollMsg::Alltoallv(abort),
+                });
+                let me = self.me;
+                for sp in sps.into_iter().filter(|&sp| sp != me) {
+                    if let Some(k) = self.peer_conn.get(&sp).copied() {
+                        self.send_frame(k, &frame);
+                    }
+                }
+                let now = now_ns(self.start);
+                self.instance(ck).sm.abort(now, Status::InvalidPost);
+                self.drive(ck);
+            }
+            return;
+        }
+        if self
+            .jobs
+            .get(&job)
+            .is_some_and(|j| j.finished.contains(&(d.comm, d.seq)))
+        {
+            self.send_error(
+                key,
+                Some(&d),
+                ErrorCode::UnknownComm,
+                format!("collective {:?} seq {} already finished", d.comm, d.seq),
+            );
+            return self.write_completion(
+                Posted {
+                    conn: key,
+                    slot: d.slot,
+                    token: d.token,
+                },
+                Status::InvalidPost,
+            );
+        }
+        let send = self.alias(key, d.send.clone());
+        let recv = self.alias(key, d.recv.clone());
+        let now = now_ns(self.start);
+        let failed = self.jobs.get(&job).and_then(|j| j.failed);
+        let dead: Vec<SpId> = d
+            .members
+            .iter()
+            .copied()
+            .filter(|sp| self.dead_peers.contains(sp))
+            .collect();
+        let posted = Posted {
+            conn: key,
+            slot: d.slot,
+            token: d.token,
+        };
+        let inst = self.instance(ck);
+        let post = alltoallv::Post {
+            rank: d.comm_rank,
+            members: d.members,
+            send_key: send,
+            recv_key: recv,
+            send_counts: d.send_counts,
+            send_displs: d.send_displs,
+            recv_counts: d.recv_counts,
+            recv_displs: d.recv_displs,
+        };
+        match inst.sm.handle_post(now, post) {
+            Ok(()) => {
+                inst.posted.insert(d.comm_rank, posted);
+                if let Some(status) = failed {
+                    inst.sm.abort(now, status);
+                }
+                for sp in dead {
+                    inst.sm.handle_peer_lost(now, sp);
+                }
+                self.drive(ck);
+            }
+            Err(e) => {
+                self.send_error(key, None, ErrorCode::UnknownComm, format!("{e:?}"));
+                self.write_completion(posted, Status::InvalidPost);
+            }
+        }
+    }
+
+    fn instance(&mut self, ck: CollKey) -> &mut Instance {
+        let me = self.me;
+        self.instances.entry(ck).or_insert_with(|| Instance {
+            sm: Alltoallv::new(ck, alltoallv::Config { me }),
+            posted: HashMap::new(),
+        })
+    }
+
+    fn on_peer_msg(&mut self, key: usize, msg: SpToSp) {
+        let Role::Peer(from) = self.conns[key].role else {
+            return;
+        };
+        match msg {
+            SpToSp::Coll {
+                key: ck,
+                msg: CollMsg::Alltoallv(m),
+            } => {
+                let Some(job) = self.jobs.get(&ck.job) else {
+                    debug!(
+                        sp = self.me,
+                        ?ck,
+                        "message for a job with no rank here; dropped"
+                    );
+                    return;
+                };
+                if job.finished.contains(&(ck.comm, ck.seq)) {
+                    debug!(
+                        sp = self.me,
+                        ?ck,
+                        "message for a finished collective; dropped"
+                    );
+                    return;
+                }
+                if matches!(m, alltoallv::Msg::Announce { .. }) {
+                    self.stats.announces_received += 1;
+                }
+                let now = now_ns(self.start);
+                let inst = self.instance(ck);
+                if let Err(e) = inst.sm.handle_msg(now, from, m) {
+                    warn!(sp = self.me, from, ?ck, "protocol error from a peer: {e:?}");
+                }
+                self.drive(ck);
+            }
+            SpToSp::JobAbort { job, reason } => {
+                warn!(sp = self.me, from, job, "job aborted: {reason}");
+                self.fail_job(job, Status::RankFailed, false);
+            }
+        }
+    }
+
+    /// Executes every action the instance has.
+    fn drive(&mut self, ck: CollKey) {
+        let _span = info_span!("drive", ?ck).entered();
+        loop {
+            let Some(inst) = self.instances.get_mut(&ck) else {
+                return;
+            };
+            let Some(action) = inst.sm.poll_action() else {
+                break;
+            };
+            match action {
+                Action::Send { to, msg } => {
+                    let frame = encode(&SpToSp::Coll {
+                        key: ck,
+                        msg: CollMsg::Alltoallv(msg),
+                    });
+                    match self.peer_conn.get(&to).copied() {
+                        Some(k) => {
+                            self.stats.messages_sent += 1;
+                            self.send_frame(k, &frame)
+                        }
+                        None => {
+                            let now = now_ns(self.start);
+                            if let Some(inst) = self.instances.get_mut(&ck) {
+                                inst.sm.handle_peer_lost(now, to);
+                            }
+                        }
+                    }
+                }
+                Action::Copy(c) => {
+                    let ticket = self.next_ticket;
+                    self.next_ticket += 1;
+                    self.copies.insert(ticket, (ck, c.id));
+                    self.limiter.push(CopyJob {
+                        ticket,
+                        src: c.src_key,
+                        src_offset: c.src_offset,
+                        dst: c.dst_key,
+                        dst_offset: c.dst_offset,
+                        len: c.len,
+                    });
+                    self.start_copies();
+                }
+                Action::Complete { rank, status } => {
+                    let posted = inst.posted.get(&rank).copied();
+                    match posted {
+                        Some(p) => self.write_completion(p, status),
+                        None => warn!(
+                            sp = self.me,
+                            ?ck,
+                            rank,
+                            "completion for a rank never posted"
+                        ),
+                    }
+                }
+            }
+        }
+        if self.instances.get(&ck).is_some_and(|i| i.sm.is_finished()) {
+            self.instances.remove(&ck);
+            self.stats.collectives_finished += 1;
+            if let Some(job) = self.jobs.get_mut(&ck.job) {
+                job.finished.insert((ck.comm, ck.seq));
+                job.finished_order.push_back((ck.comm, ck.seq));
+                if job.finished_order.len() > MAX_FINISHED_PER_JOB {
+                    if let Some(old) = job.finished_order.pop_front() {
+                        job.finished.remove(&old);
+                    }
+                }
+            }
+        }
+    }
+
+    fn start_copies(&mut self) {
+        while let Some(job) = self.limiter.pop_startable() {
+            self.stats.copies_started += 1;
+            self.stats.bytes_copied += job.len;
+            self.stats.max_inflight = self.stats.max_inflight.max(self.limiter.in_flight() as u64);
+            self.datapath.submit(job);
+        }
+    }
+
+    fn on_copies_done(&mut self) {
+        let done: Vec<_> = self.datapath.drain().collect();
+        if done.is_empty() {
+            return;
+        }
+        let now = now_ns(self.start);
+        for d in done {
+            self.limiter.finished();
+            let Some((ck, id)) = self.copies.remove(&d.ticket) else {
+                continue;
+            };
+            let status = match &d.result {
+                Ok(()) => Status::Ok,
+                Err(e) => {
+                    warn!(sp = self.me, ?ck, "copy failed: {e}");
+                    self.stats.copies_failed += 1;
+                    Status::AccessError
+                }
+            };
+            if let Some(inst) = self.instances.get_mut(&ck) {
+                inst.sm.handle_copy_done(now, id, status);
+                self.drive(ck);
+            }
+        }
+        self.start_copies();
+    }
+
+    /// Writes a completion into the rank's mailbox: status first, then the token.
+    fn write_completion(&mut self, p: Posted, status: Status) {
+        self.stats.completions += 1;
+        let Some(Conn {
+            role: Role::Host(h),
+            ..
+        }) = self.conns.get(p.conn)
+        else {
+            return;
+        };
+        let Some((mb, slots)) = &h.mailbox else {
+            return;
+        };
+        if p.slot >= *slots {
+            return;
+        }
+        let base = mailbox::slot_offset(p.slot);
+        let code = mailbox::status_code(status).to_le_bytes();
+        let token = p.token.to_le_bytes();
+        let res = self
+            .mover
+            .write(mb, base + mailbox::STATUS_OFFSET, &code)
+            .and_then(|_| self.mover.write(mb, base + mailbox::TOKEN_OFFSET, &token));
+        if let Err(e) = res {
+            warn!(
+                sp = self.me,
+                rank = h.hello.world_rank,
+                "cannot write completion: {e}"
+            );
+        }
+    }
+
+    fn close_conn(&mut self, key: usize, why: &str) {
+        if !self.conns.contains(key) {
+            return;
+        }
+        let mut conn = self.conns.remove(key);
+        let _ = self.poll.registry().deregister(conn.stream.source());
+        match conn.role {
+            Role::NewHost { .. } => {}
+            Role::Peer(sp) => {
+                warn!(sp = self.me, peer = sp, "peer SP lost: {why}");
+                self.peer_conn.remove(&sp);
+                self.dead_peers.insert(sp);
+                let now = now_ns(self.start);
+                let keys: Vec<CollKey> = self.instances.keys().copied().collect();
+                for ck in keys {
+                    if let Some(inst) = self.instances.get_mut(&ck) {
+                        inst.sm.handle_peer_lost(now, sp);
+                    }
+                    self.drive(ck);
+                }
+            }
+            Role::Host(h) => {
+                let job = h.hello.job;
+                if let Some(j) = self.jobs.get_mut(&job) {
+                    j.hosts.remove(&key);
+                }
+                if h.said_goodbye {
+                    debug!(sp = self.me, job, rank = h.hello.world_rank, "host left");
+                } else {
+                    warn!(
+                        sp = self.me,
+                        job,
+                        rank = h.hello.world_rank,
+                        "host rank disconnected without goodbye ({why}); aborting its job"
+                    );
+                    self.fail_job(job, Status::RankFailed, true);
+                }
+                if self.jobs.get(&job).is_some_and(|j| j.hosts.is_empty()) {
+                    // Nothing of the job is left here once its instances are done; instances
+                    // of a failed job finish as their copies drain.
+                    let has_instances = self.instances.keys().any(|k| k.job == job);
+                    if !has_instances {
+                        self.jobs.remove(&job);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Aborts every instance of `job` here (and, if `tell_peers`, on every other SP).
+    fn fail_job(&mut self, job: u64, status: Status, tell_peers: bool) {
+        if let Some(j) = self.jobs.get_mut(&job) {
+            if j.failed.is_some() && !tell_peers {
+                return;
+            }
+            j.failed.get_or_insert(status);
+        } else {
+            return;
+        }
+        if tell_peers {
+            let frame = encode(&SpToSp::JobAbort {
+                job,
+                reason: format!("a rank left SP {}", self.me),
+            });
+            let peers: Vec<usize> = self.peer_conn.values().copied().collect();
+            for k in peers {
+                self.send_frame(k, &frame);
+            }
+        }
+        let now = now_ns(self.start);
+        let keys: Vec<CollKey> = self
+            .instances
+            .keys()
+            .filter(|k| k.job == job)
+            .copied()
+            .collect();
+        for ck in keys {
+            if let Some(inst) = self.instances.get_mut(&ck) {
+                inst.sm.abort(now, status);
+            }
+            self.drive(ck);
+        }
+    }
+}
+
+/// The pid of the process at the other end of a Unix socket, from the kernel.
+fn peer_pid(s: &UnixStream) -> io::Result<u32> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` and `len` are valid for writes of the sizes given; the fd is open.
+    let rc = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(cred.pid as u32)
+}

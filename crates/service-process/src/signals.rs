@@ -1,0 +1,65 @@
+//! SIGINT/SIGTERM as an event of the loop: the handler only writes a byte to a pipe (which is
+//! async-signal-safe); the loop reads the pipe like any other source.
+
+use std::io;
+use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicI32, Ordering};
+
+static WRITE_FD: AtomicI32 = AtomicI32::new(-1);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    let fd = WRITE_FD.load(Ordering::Relaxed);
+    if fd >= 0 {
+        let b = 1u8;
+        // SAFETY: write(2) is async-signal-safe; the buffer is a valid byte.
+        unsafe { libc::write(fd, (&b as *const u8).cast(), 1) };
+    }
+}
+
+pub struct SignalPipe {
+    read_fd: RawFd,
+}
+
+impl SignalPipe {
+    /// Installs handlers for SIGINT and SIGTERM. One per process.
+    pub fn install() -> io::Result<SignalPipe> {
+        let mut fds = [0; 2];
+        // SAFETY: `fds` is valid for two ints.
+        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_NONBLOCK | libc::O_CLOEXEC) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        WRITE_FD.store(fds[1], Ordering::Relaxed);
+        for sig in [libc::SIGINT, libc::SIGTERM] {
+            // SAFETY: a zeroed sigaction with a plain handler is valid; the handler only calls
+            // async-signal-safe functions.
+            unsafe {
+                let mut sa: libc::sigaction = std::mem::zeroed();
+                sa.sa_sigaction = on_signal as *const () as usize;
+                sa.sa_flags = libc::SA_RESTART;
+                libc::sigemptyset(&mut sa.sa_mask);
+                if libc::sigaction(sig, &sa, std::ptr::null_mut()) != 0 {
+                    return Err(io::Error::last_os_error());
+                }
+            }
+        }
+        Ok(SignalPipe { read_fd: fds[0] })
+    }
+
+    pub fn source(&self) -> mio::unix::SourceFd<'_> {
+        mio::unix::SourceFd(&self.read_fd)
+    }
+
+    /// Empties the pipe; true if a signal arrived.
+    pub fn drain(&mut self) -> bool {
+        let mut got = false;
+        let mut buf = [0u8; 64];
+        loop {
+            // SAFETY: `buf` is valid for writes of its length.
+            let n = unsafe { libc::read(self.read_fd, buf.as_mut_ptr().cast(), buf.len()) };
+            if n <= 0 {
+                return got;
+            }
+            got = true;
+        }
+    }
+}

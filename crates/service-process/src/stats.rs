@@ -1,0 +1,18 @@
+//! Counters of one SP, printed at exit (and as JSON for tools).
+
+use serde::Serialize;
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Stats {
+    pub posts: u64,
+    pub completions: u64,
+    pub collectives_finished: u64,
+    pub announces_received: u64,
+    pub messages_sent: u64,
+    pub copies_started: u64,
+    pub copies_failed: u64,
+    pub bytes_copied: u64,
+    /// Most copies active at once (bounded by `max_inflight_reads`).
+    pub max_inflight: u64,
+    pub errors_sent: u64,
+}

@@ -1,0 +1,241 @@
+//! A test harness that starts real SP processes (`service-process serve`) and plays host ranks
+//! from the test process itself: each "rank" is its own Unix connection with its own mailbox,
+//! and its buffers live in this process, which the SPs read and write with CMA exactly as they
+//! would a real MPI rank.
+#![allow(dead_code)]
+
+use algorithms::CommId;
+use alias_mkey::host::Registrar;
+use alias_mkey::{Grant, Rights};
+use bootstrap::mailbox;
+use bootstrap::wire::{Channel, CollKind, Hello, HostHello, HostToSp, PostDesc, SpToHost};
+use bootstrap::{Cluster, Layout};
+use service_process::launch::{self, Sp, SpSetSpec};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+pub struct SpSet {
+    pub sps: Vec<Sp>,
+    pub cluster: Cluster,
+    pub cluster_path: PathBuf,
+    pub run_dir: PathBuf,
+    pub lines: mpsc::Receiver<(u32, String)>,
+}
+
+impl SpSet {
+    pub fn start(nodes: u32, sps_per_node: u32, ranks_per_node: u32, layout: Layout) -> SpSet {
+        let exe = PathBuf::from(env!("CARGO_BIN_EXE_service-process"));
+        let run_dir = launch::new_run_dir().unwrap();
+        let (tx, rx) = mpsc::channel();
+        let spec = SpSetSpec {
+            nodes,
+            sps_per_node,
+            ranks_per_node,
+            layout,
+            sp_cpus: None,
+            max_inflight_reads: 2,
+            extra_args: vec![],
+        };
+        let (path, mut sps) = launch::spawn_sps(&exe, &spec, &run_dir, tx).unwrap();
+        launch::wait_ready(&mut sps, &rx, Duration::from_secs(30), None).unwrap();
+        let cluster = Cluster::load(&path).unwrap();
+        SpSet {
+            sps,
+            cluster,
+            cluster_path: path,
+            run_dir,
+            lines: rx,
+        }
+    }
+
+    pub fn kill(&mut self, sp: u32) {
+        let c = &mut self.sps[sp as usize].child;
+        c.kill().unwrap();
+        c.wait().unwrap();
+    }
+
+    /// True while SP `sp` is still running.
+    pub fn alive(&mut self, sp: u32) -> bool {
+        matches!(self.sps[sp as usize].child.try_wait(), Ok(None))
+    }
+}
+
+impl Drop for SpSet {
+    fn drop(&mut self) {
+        launch::stop_sps(&mut self.sps, Duration::from_secs(3));
+        let _ = std::fs::remove_dir_all(&self.run_dir);
+    }
+}
+
+static NEXT_JOB: AtomicU64 = AtomicU64::new(1);
+
+pub fn new_job() -> u64 {
+    (std::process::id() as u64) << 20 | NEXT_JOB.fetch_add(1, Ordering::Relaxed)
+}
+
+/// One emulated host rank.
+pub struct Host {
+    pub ch: Channel<UnixStream>,
+    pub world_rank: u32,
+    pub sp: u32,
+    mailbox: Box<[u64]>,
+    pub reg: Registrar,
+    next_token: u64,
+}
+
+pub const SLOTS: u32 = 64;
+
+impl Host {
+    /// Connects as `world_rank` of a `world_size` job and registers a mailbox.
+    pub fn connect(set: &SpSet, job: u64, world_rank: u32, world_size: u32) -> Host {
+        let p = set.cluster.placement(world_rank, world_size).unwrap();
+        let path = &set.cluster.sp(p.sp).unwrap().host_socket;
+        let s = UnixStream::connect(path).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut ch = Channel::new(s);
+        ch.send_hello(&Hello::Host(HostHello {
+            job,
+            world_rank,
+            world_size,
+            node: p.node,
+            local_rank: p.local_rank,
+        }))
+        .unwrap();
+        assert_eq!(ch.recv_hello().unwrap(), Hello::Welcome { sp: p.sp });
+        let mailbox =
+            vec![0u64; (SLOTS as u64 * mailbox::SLOT_BYTES / 8) as usize].into_boxed_slice();
+        let mut reg = Registrar::new();
+        let grant = reg.register(
+            mailbox.as_ptr() as u64,
+            SLOTS as u64 * mailbox::SLOT_BYTES,
+            Rights::READ_WRITE,
+        );
+        ch.send(&HostToSp::Register {
+            cores: vec![],
+            mailbox: grant,
+            mailbox_slots: SLOTS,
+        })
+        .unwrap();
+        match ch.recv::<SpToHost>().unwrap() {
+            SpToHost::Registered { sp } => assert_eq!(sp, p.sp),
+            other => panic!("register answered with {other:?}"),
+        }
+        Host {
+            ch,
+            world_rank,
+            sp: p.sp,
+            mailbox,
+            reg,
+            next_token: 1,
+        }
+    }
+
+    pub fn grant<T>(&mut self, buf: &[T], rights: Rights) -> Grant {
+        self.reg.register(
+            buf.as_ptr() as u64,
+            std::mem::size_of_val(buf) as u64,
+            rights,
+        )
+    }
+
+    /// Fills in slot and token and posts; returns (slot, token).
+    pub fn post(&mut self, mut d: PostDesc) -> (u32, u64) {
+        let token = self.next_token;
+        self.next_token += 1;
+        d.token = token;
+        self.ch.send(&HostToSp::Post(Box::new(d.clone()))).unwrap();
+        (d.slot, token)
+    }
+
+    fn token_word(&self, slot: u32) -> u64 {
+        let i = (mailbox::slot_offset(slot) / 8) as usize;
+        // SAFETY: the SP writes the mailbox behind the compiler's back; a volatile read sees it.
+        unsafe { std::ptr::read_volatile(&self.mailbox[i]) }
+    }
+
+    /// Waits for the completion of (slot, token); returns the status code, or None on timeout.
+    pub fn wait(&self, slot: u32, token: u64, timeout: Duration) -> Option<u32> {
+        let t = Instant::now();
+        while t.elapsed() < timeout {
+            if self.token_word(slot) == token {
+                std::sync::atomic::fence(Ordering::Acquire);
+                let i = (mailbox::slot_offset(slot) / 8 + 1) as usize;
+                // SAFETY: as above.
+                let word = unsafe { std::ptr::read_volatile(&self.mailbox[i]) };
+                return Some((word & 0xffff_ffff) as u32);
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        None
+    }
+
+    /// Reads one message from the SP (with the channel's timeout).
+    pub fn recv(&mut self) -> SpToHost {
+        self.ch.recv().unwrap()
+    }
+
+    pub fn goodbye(mut self) {
+        self.ch.send(&HostToSp::Goodbye).unwrap();
+    }
+}
+
+/// A descriptor with everything but slot/token filled.
+#[allow(clippy::too_many_arguments)]
+pub fn desc(
+    comm: CommId,
+    seq: u64,
+    comm_rank: u32,
+    members: Vec<u32>,
+    slot: u32,
+    send: Grant,
+    recv: Grant,
+    counts: (Vec<u64>, Vec<u64>, Vec<u64>, Vec<u64>),
+) -> PostDesc {
+    PostDesc {
+        kind: CollKind::Alltoallv,
+        comm,
+        seq,
+        comm_rank,
+        members,
+        slot,
+        token: 0,
+        send,
+        recv,
+        send_counts: counts.0,
+        send_displs: counts.1,
+        recv_counts: counts.2,
+        recv_displs: counts.3,
+    }
+}
+
+/// SplitMix64, for test inputs from a printed seed.
+pub struct Rng(pub u64);
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+}
+
+pub fn test_seed() -> u64 {
+    let seed = std::env::var("TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+        });
+    eprintln!("TEST_SEED={seed}");
+    seed
+}

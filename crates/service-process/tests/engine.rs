@@ -1,0 +1,558 @@
+//! The SP engine end to end with real SP processes, real sockets and real CMA copies, with this
+#![allow(clippy::needless_range_loop)]
+//! test process playing the host ranks (no MPI here: that is `tests/` at the workspace root).
+
+mod common;
+
+use algorithms::CommId;
+use alias_mkey::Rights;
+use bootstrap::mailbox::{self, STATUS_OK};
+use bootstrap::wire::{self, ErrorCode, Hello, HostHello, SpToHost};
+use bootstrap::Layout;
+use common::*;
+use std::io::Write;
+use std::time::Duration;
+
+const WAIT: Duration = Duration::from_secs(20);
+
+/// One randomized alltoallv over `comm` (world ranks, in comm-rank order).
+struct Op {
+    comm: CommId,
+    seq: u64,
+    members_world: Vec<u32>,
+    counts: Vec<Vec<u64>>, // counts[s][d], comm ranks
+    send: Vec<Vec<u8>>,
+    send_displs: Vec<Vec<u64>>,
+    recv: Vec<Vec<u8>>,
+    recv_displs: Vec<Vec<u64>>,
+}
+
+const SENTINEL: u8 = 0xA5;
+
+fn layout(rng: &mut Rng, sizes: &[u64]) -> (Vec<u64>, u64) {
+    let p = sizes.len();
+    let mut order: Vec<usize> = (0..p).collect();
+    for i in (1..p).rev() {
+        order.swap(i, rng.below(i as u64 + 1) as usize);
+    }
+    let mut displs = vec![0; p];
+    let mut off = 0;
+    for i in order {
+        off += rng.below(3) * 8;
+        displs[i] = off;
+        off += sizes[i];
+    }
+    (displs, off + rng.below(2) * 16)
+}
+
+fn make_op(rng: &mut Rng, comm: CommId, seq: u64, members_world: Vec<u32>, max: u64) -> Op {
+    let p = members_world.len();
+    let all_zero = rng.below(10) == 0;
+    let counts: Vec<Vec<u64>> = (0..p)
+        .map(|_| {
+            (0..p)
+                .map(|_| {
+                    if all_zero || rng.below(4) == 0 {
+                        0
+                    } else {
+                        rng.below(max + 1)
+                    }
+                })
+                .collect()
+        })
+        .collect();
+    let mut op = Op {
+        comm,
+        seq,
+        members_world,
+        counts: counts.clone(),
+        send: vec![],
+        send_displs: vec![],
+        recv: vec![],
+        recv_displs: vec![],
+    };
+    for s in 0..p {
+        let (d, len) = layout(rng, &counts[s]);
+        op.send.push((0..len).map(|_| rng.next() as u8).collect());
+        op.send_displs.push(d);
+        let col: Vec<u64> = (0..p).map(|src| counts[src][s]).collect();
+        let (d, len) = layout(rng, &col);
+        op.recv.push(vec![SENTINEL; len as usize]);
+        op.recv_displs.push(d);
+    }
+    op
+}
+
+impl Op {
+    fn post(
+        &self,
+        hosts: &mut [Host],
+        world_to_host: &dyn Fn(u32) -> usize,
+        slot: u32,
+    ) -> Vec<(usize, u32, u64)> {
+        let p = self.members_world.len();
+        let members: Vec<u32> = self
+            .members_world
+            .iter()
+            .map(|&w| hosts[world_to_host(w)].sp)
+            .collect();
+        let mut posted = vec![];
+        for r in 0..p {
+            let h = world_to_host(self.members_world[r]);
+            let send = hosts[h].grant(&self.send[r], Rights::READ);
+            let recv = hosts[h].grant(&self.recv[r], Rights::WRITE);
+            let d = desc(
+                self.comm,
+                self.seq,
+                r as u32,
+                members.clone(),
+                slot,
+                send,
+                recv,
+                (
+                    self.counts[r].clone(),
+                    self.send_displs[r].clone(),
+                    (0..p).map(|s| self.counts[s][r]).collect(),
+                    self.recv_displs[r].clone(),
+                ),
+            );
+            let (slot, token) = hosts[h].post(d);
+            posted.push((h, slot, token));
+        }
+        posted
+    }
+
+    fn check(&self) {
+        let p = self.members_world.len();
+        for r in 0..p {
+            let mut want = vec![SENTINEL; self.recv[r].len()];
+            for s in 0..p {
+                let c = self.counts[s][r] as usize;
+                let so = self.send_displs[s][r] as usize;
+                let ro = self.recv_displs[r][s] as usize;
+                want[ro..ro + c].copy_from_slice(&self.send[s][so..so + c]);
+            }
+            // SAFETY-free: the SP wrote through CMA; read through volatile loads.
+            let got: Vec<u8> = self.recv[r]
+                .iter()
+                .map(|b| unsafe { std::ptr::read_volatile(b) })
+                .collect();
+            if let Some(i) = (0..want.len()).find(|&i| want[i] != got[i]) {
+                panic!(
+                    "comm {:?} seq {} rank {r}: byte {i} is {:#x}, native alltoallv puts {:#x}",
+                    self.comm, self.seq, got[i], want[i]
+                );
+            }
+        }
+    }
+}
+
+fn run_random_ops(sps_per_node: u32, layout_kind: Layout, seed: u64) {
+    let (nodes, rpn) = (2u32, 2u32);
+    let world = nodes * rpn;
+    let set = SpSet::start(nodes, sps_per_node, rpn, layout_kind);
+    let job = new_job();
+    let mut hosts: Vec<Host> = (0..world)
+        .map(|r| Host::connect(&set, job, r, world))
+        .collect();
+    let mut rng = Rng(seed);
+    let mut seqs = std::collections::HashMap::new();
+    for round in 0..12 {
+        // Two to three collectives outstanding at once, on world or a random sub-communicator.
+        let outstanding = 2 + rng.below(2) as usize;
+        let mut ops = vec![];
+        for k in 0..outstanding {
+            let mut members: Vec<u32> = (0..world).collect();
+            if rng.below(2) == 0 {
+                members.retain(|_| rng.below(3) != 0);
+                if members.is_empty() {
+                    members.push(rng.below(world as u64) as u32);
+                }
+                for i in (1..members.len()).rev() {
+                    members.swap(i, rng.below(i as u64 + 1) as usize);
+                }
+            }
+            let leader = *members.iter().min().unwrap();
+            let comm = CommId {
+                leader,
+                id: 1 + (members.len() as u32) * 100 + leader,
+            };
+            let seq = seqs.entry(comm).or_insert(0u64);
+            let op = make_op(&mut rng, comm, *seq, members, 300);
+            *seq += 1;
+            ops.push((op, k as u32));
+        }
+        let mut all_posted = vec![];
+        for (op, slot) in &ops {
+            all_posted.push(op.post(&mut hosts, &|w| w as usize, *slot));
+        }
+        for (posted, (op, _)) in all_posted.iter().zip(&ops) {
+            for &(h, slot, token) in posted {
+                let st = hosts[h].wait(slot, token, WAIT);
+                assert_eq!(
+                    st,
+                    Some(STATUS_OK),
+                    "seed {seed} round {round}: rank {h} of {:?} got {st:?}",
+                    op.comm
+                );
+            }
+            op.check();
+        }
+    }
+    for h in hosts {
+        h.goodbye();
+    }
+}
+
+#[test]
+fn alltoallv_through_real_sps_matches_reference_block_1sp() {
+    run_random_ops(1, Layout::Block, test_seed());
+}
+
+#[test]
+fn alltoallv_through_real_sps_matches_reference_cyclic_2sp() {
+    run_random_ops(2, Layout::Cyclic, test_seed());
+}
+
+#[test]
+fn alltoallv_block_2sp_and_cyclic_1sp() {
+    let seed = test_seed();
+    run_random_ops(2, Layout::Block, seed);
+    run_random_ops(1, Layout::Cyclic, seed ^ 1);
+}
+
+/// Posts a valid 2-rank alltoallv on (hosts[a], hosts[b]) and checks it completes OK: the SP
+/// still serves after whatever came before.
+fn still_serves(hosts: &mut [Host], a: usize, b: usize, seq: u64) {
+    let mut rng = Rng(seq);
+    let comm = CommId {
+        leader: a.min(b) as u32,
+        id: 77,
+    };
+    let op = make_op(&mut rng, comm, seq, vec![a as u32, b as u32], 64);
+    let posted = op.post(hosts, &|w| w as usize, 5);
+    for (h, slot, token) in posted {
+        assert_eq!(hosts[h].wait(slot, token, WAIT), Some(STATUS_OK));
+    }
+    op.check();
+}
+
+#[test]
+fn hostile_descriptors_get_errors_and_the_sp_keeps_serving() {
+    let set = SpSet::start(2, 1, 2, Layout::Block);
+    let job = new_job();
+    let mut hosts: Vec<Host> = (0..4).map(|r| Host::connect(&set, job, r, 4)).collect();
+    let buf = vec![0u8; 64];
+    let members = vec![hosts[0].sp, hosts[1].sp];
+    let comm = CommId { leader: 0, id: 9 };
+
+    let send = hosts[0].grant(&buf, Rights::READ);
+    let recv = hosts[0].grant(&buf, Rights::WRITE);
+    let cases: Vec<(&str, wire::PostDesc, ErrorCode)> = vec![
+        (
+            "block outside the grant",
+            desc(
+                comm,
+                0,
+                0,
+                members.clone(),
+                1,
+                send.clone(),
+                recv.clone(),
+                (vec![8, 60], vec![0, 8], vec![8, 8], vec![0, 8]),
+            ),
+            ErrorCode::BadDescriptor,
+        ),
+        (
+            "displacement + count overflows",
+            desc(
+                comm,
+                1,
+                0,
+                members.clone(),
+                1,
+                send.clone(),
+                recv.clone(),
+                (vec![8, 2], vec![0, u64::MAX], vec![8, 8], vec![0, 8]),
+            ),
+            ErrorCode::BadDescriptor,
+        ),
+        (
+            "send grant without read rights",
+            desc(
+                comm,
+                2,
+                0,
+                members.clone(),
+                1,
+                recv.clone(),
+                recv.clone(),
+                (vec![8, 8], vec![0, 8], vec![8, 8], vec![0, 8]),
+            ),
+            ErrorCode::BadDescriptor,
+        ),
+        (
+            "vector lengths disagree",
+            desc(
+                comm,
+                3,
+                0,
+                members.clone(),
+                1,
+                send.clone(),
+                recv.clone(),
+                (vec![8], vec![0, 8], vec![8, 8], vec![0, 8]),
+            ),
+            ErrorCode::BadDescriptor,
+        ),
+        (
+            "member SP that does not exist",
+            desc(
+                comm,
+                4,
+                0,
+                vec![members[0], 999],
+                1,
+                send.clone(),
+                recv.clone(),
+                (vec![8, 8], vec![0, 8], vec![8, 8], vec![0, 8]),
+            ),
+            ErrorCode::UnknownComm,
+        ),
+        (
+            "comm rank served by another SP",
+            desc(
+                comm,
+                5,
+                1,
+                vec![members[0], members[0] + 1],
+                1,
+                send.clone(),
+                recv.clone(),
+                (vec![8, 8], vec![0, 8], vec![8, 8], vec![0, 8]),
+            ),
+            ErrorCode::UnknownComm,
+        ),
+        (
+            "mailbox slot outside the mailbox",
+            desc(
+                comm,
+                6,
+                0,
+                members.clone(),
+                SLOTS + 5,
+                send.clone(),
+                recv.clone(),
+                (vec![8, 8], vec![0, 8], vec![8, 8], vec![0, 8]),
+            ),
+            ErrorCode::BadDescriptor,
+        ),
+    ];
+    for (what, d, code) in cases {
+        let (slot, token) = hosts[0].post(d);
+        match hosts[0].recv() {
+            SpToHost::Error {
+                code: got, message, ..
+            } => {
+                assert_eq!(got, code, "{what}: {message}");
+                eprintln!("{what}: refused: {message}");
+            }
+            other => panic!("{what}: expected an error, got {other:?}"),
+        }
+        if slot < SLOTS {
+            assert_eq!(
+                hosts[0].wait(slot, token, WAIT),
+                Some(mailbox::status_code(algorithms::Status::InvalidPost)),
+                "{what}: the rank's request must complete with an error"
+            );
+        }
+    }
+    // Nothing was written into the buffers by any refused post.
+    assert!(buf
+        .iter()
+        .all(|b| unsafe { std::ptr::read_volatile(b) } == 0));
+    still_serves(&mut hosts, 2, 3, 100);
+    still_serves(&mut hosts, 1, 2, 101);
+
+    // An oversized frame closes that connection only.
+    let p = set.cluster.placement(0, 4).unwrap();
+    let path = &set.cluster.sp(p.sp).unwrap().host_socket;
+    let mut raw = std::os::unix::net::UnixStream::connect(path).unwrap();
+    raw.write_all(&u32::MAX.to_le_bytes()).unwrap();
+    raw.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut sink = vec![];
+    let _ = std::io::Read::read_to_end(&mut raw, &mut sink);
+    // Garbage after a valid hello: an error reply, then the connection is closed.
+    let mut h = Host::connect(&set, new_job(), 0, 4);
+    h.ch.send_raw(&wire::frame(&[0xff; 32])).unwrap();
+    assert!(matches!(
+        h.recv(),
+        SpToHost::Error {
+            code: ErrorCode::BadDescriptor,
+            ..
+        }
+    ));
+    still_serves(&mut hosts, 0, 1, 102);
+}
+
+#[test]
+fn wrong_protocol_version_is_refused_with_a_clear_reason() {
+    let set = SpSet::start(1, 1, 1, Layout::Block);
+    let path = &set.cluster.sp(0).unwrap().host_socket;
+    let s = std::os::unix::net::UnixStream::connect(path).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut ch = wire::Channel::new(s);
+    let hello = Hello::Host(HostHello {
+        job: 1,
+        world_rank: 0,
+        world_size: 1,
+        node: 0,
+        local_rank: 0,
+    });
+    ch.send_raw(&wire::frame(&wire::encode_hello_with_version(&hello, 99)))
+        .unwrap();
+    match ch.recv_hello().unwrap() {
+        Hello::Reject { reason } => {
+            assert!(
+                reason.contains("99") && reason.contains("version"),
+                "{reason}"
+            )
+        }
+        other => panic!("expected a reject, got {other:?}"),
+    }
+    // A rank that belongs to another SP is refused too.
+    let set2 = SpSet::start(2, 1, 1, Layout::Block);
+    let s =
+        std::os::unix::net::UnixStream::connect(&set2.cluster.sp(0).unwrap().host_socket).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut ch = wire::Channel::new(s);
+    ch.send_hello(&Hello::Host(HostHello {
+        job: 1,
+        world_rank: 1,
+        world_size: 2,
+        node: 1,
+        local_rank: 0,
+    }))
+    .unwrap();
+    assert!(matches!(ch.recv_hello().unwrap(), Hello::Reject { .. }));
+}
+
+#[test]
+fn a_rank_that_dies_mid_collective_fails_it_everywhere() {
+    let set = SpSet::start(2, 1, 2, Layout::Block);
+    let job = new_job();
+    let mut hosts: Vec<Host> = (0..4).map(|r| Host::connect(&set, job, r, 4)).collect();
+    let mut rng = Rng(7);
+    let comm = CommId { leader: 0, id: 1 };
+    let op = make_op(&mut rng, comm, 0, vec![0, 1, 2, 3], 32);
+    // Ranks 0..3 post; rank 3 "dies" (its connection drops) without posting.
+    let p = op.members_world.len();
+    let members: Vec<u32> = hosts.iter().map(|h| h.sp).collect();
+    let mut posted = vec![];
+    for r in 0..p - 1 {
+        let send = hosts[r].grant(&op.send[r], Rights::READ);
+        let recv = hosts[r].grant(&op.recv[r], Rights::WRITE);
+        let d = desc(
+            comm,
+            0,
+            r as u32,
+            members.clone(),
+            0,
+            send,
+            recv,
+            (
+                op.counts[r].clone(),
+                op.send_displs[r].clone(),
+                (0..p).map(|s| op.counts[s][r]).collect(),
+                op.recv_displs[r].clone(),
+            ),
+        );
+        posted.push((r, hosts[r].post(d)));
+    }
+    drop(hosts.pop());
+    let failed = mailbox::status_code(algorithms::Status::RankFailed);
+    for (r, (slot, token)) in posted {
+        assert_eq!(hosts[r].wait(slot, token, WAIT), Some(failed), "rank {r}");
+    }
+}
+
+#[test]
+fn a_peer_sp_that_dies_fails_the_collectives_that_need_it() {
+    let mut set = SpSet::start(2, 1, 2, Layout::Block);
+    let job = new_job();
+    let mut hosts: Vec<Host> = (0..4).map(|r| Host::connect(&set, job, r, 4)).collect();
+    let mut rng = Rng(8);
+    let comm = CommId { leader: 0, id: 1 };
+    let op = make_op(&mut rng, comm, 0, vec![0, 1, 2, 3], 32);
+    let members: Vec<u32> = hosts.iter().map(|h| h.sp).collect();
+    let p = 4;
+    let mut posted = vec![];
+    // Only the ranks of node 0 post, so they wait on node 1's SP.
+    for r in 0..2 {
+        let send = hosts[r].grant(&op.send[r], Rights::READ);
+        let recv = hosts[r].grant(&op.recv[r], Rights::WRITE);
+        let d = desc(
+            comm,
+            0,
+            r as u32,
+            members.clone(),
+            0,
+            send,
+            recv,
+            (
+                op.counts[r].clone(),
+                op.send_displs[r].clone(),
+                (0..p).map(|s| op.counts[s][r]).collect(),
+                op.recv_displs[r].clone(),
+            ),
+        );
+        posted.push((r, hosts[r].post(d)));
+    }
+    set.kill(1);
+    let failed = mailbox::status_code(algorithms::Status::PeerFailed);
+    for (r, (slot, token)) in posted {
+        assert_eq!(hosts[r].wait(slot, token, WAIT), Some(failed), "rank {r}");
+    }
+    assert!(set.alive(0), "the surviving SP keeps running");
+}
+
+#[test]
+fn posts_after_a_peer_sp_died_fail_instead_of_waiting() {
+    let mut set = SpSet::start(2, 1, 2, Layout::Block);
+    let job = new_job();
+    let mut hosts: Vec<Host> = (0..2).map(|r| Host::connect(&set, job, r, 4)).collect();
+    set.kill(1);
+    // Give SP 0 time to see the loss first: this is the path where the peer is already known
+    // dead when the posts arrive.
+    std::thread::sleep(Duration::from_millis(300));
+    let mut rng = Rng(9);
+    let comm = CommId { leader: 0, id: 1 };
+    let op = make_op(&mut rng, comm, 0, vec![0, 1, 2, 3], 32);
+    let members = vec![0, 0, 1, 1];
+    let p = 4;
+    let mut posted = vec![];
+    for r in 0..2 {
+        let send = hosts[r].grant(&op.send[r], Rights::READ);
+        let recv = hosts[r].grant(&op.recv[r], Rights::WRITE);
+        let d = desc(
+            comm,
+            0,
+            r as u32,
+            members.clone(),
+            0,
+            send,
+            recv,
+            (
+                op.counts[r].clone(),
+                op.send_displs[r].clone(),
+                (0..p).map(|s| op.counts[s][r]).collect(),
+                op.recv_displs[r].clone(),
+            ),
+        );
+        posted.push((r, hosts[r].post(d)));
+    }
+    let failed = mailbox::status_code(algorithms::Status::PeerFailed);
+    for (r, (slot, token)) in posted {
+        assert_eq!(hosts[r].wait(slot, token, WAIT), Some(failed), "rank {r}");
+    }
+}
