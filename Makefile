@@ -1,0 +1,45 @@
+# The two commands of the README: `make demo` and `make test`. Both install the system packages
+# they need (scripts/deps.sh) and build the whole workspace in release mode with two jobs.
+
+CARGO ?= cargo
+JOBS ?= 2
+export CARGO_BUILD_JOBS := $(JOBS)
+# Open MPI refuses to run as root without these; they are set for our jobs only.
+export OMPI_ALLOW_RUN_AS_ROOT := 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+
+BIN := target/release
+SP := $(BIN)/service-process
+BENCH := $(BIN)/coll-bench
+
+.PHONY: all deps build test demo bench fmt clippy clean
+
+all: build
+
+deps:
+	@bash scripts/deps.sh
+
+build: deps
+	$(CARGO) build --release --workspace --bins --lib
+
+# Every test: unit, simulator, SP engine, and the MPI integration tests (real SPs, real mpirun).
+test: build
+	bash scripts/test.sh
+
+# An emulated two-node cluster running the offloaded Ialltoallv overlap benchmark against
+# native Open MPI on the same layout, then the comparison.
+demo: build
+	bash scripts/bench.sh --demo
+
+# The full benchmark; writes docs/BENCHMARKS.md.
+bench: build
+	bash scripts/bench.sh
+
+fmt:
+	$(CARGO) fmt --all
+
+clippy:
+	$(CARGO) clippy --release --workspace --all-targets
+
+clean:
+	$(CARGO) clean

@@ -1,0 +1,252 @@
+//! Integration tests with real processes: SPs started by the launcher, `mpirun` jobs of
+//! unmodified MPI programs with the host shim preloaded. Every offloaded result is compared
+//! byte for byte with the `PMPI_*` result computed in the same run (inside `alltoallv_check`),
+//! and every test checks from the SPs' own counters that offload really happened (or really
+//! did not, for the fallback cases).
+
+use integration_tests::*;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+const JOB_TIMEOUT: Duration = Duration::from_secs(240);
+
+fn check_prog() -> String {
+    artifact("alltoallv_check").display().to_string()
+}
+
+fn alltoallv_matches_native(layout: &str, sps_per_node: &str) {
+    let seed = seed().to_string();
+    let prog = check_prog();
+    let k = sps_per_node;
+    let run = run(
+        launch_cmd(
+            &["--nodes", "2", "--ranks-per-node", "2", "--sps-per-node", k, "--layout", layout],
+            &[&prog, "--ops", "150", "--seed", &seed],
+        ),
+        JOB_TIMEOUT,
+    );
+    run.assert_ok("alltoallv_check under the launcher");
+    assert!(
+        run.stdout.contains("150 ops, 0 mismatches"),
+        "seed {seed}: no clean summary line\n{}",
+        run.stdout
+    );
+    let posts = run.sp_total("posts");
+    assert!(posts > 0, "seed {seed}: the SPs saw no post: nothing was offloaded\n{}", run.stderr);
+    assert_eq!(run.sp_total("copies_failed"), 0, "{}", run.stderr);
+    assert_eq!(run.sp_total("errors_sent"), 0, "{}", run.stderr);
+    assert_eq!(run.sp_stats().len(), 2 * k.parse::<usize>().unwrap(), "every SP reported");
+    eprintln!("{layout} x{k}: {posts} posts offloaded in {:?}", run.elapsed);
+}
+
+#[test]
+fn mpi_alltoallv_matches_native_block_1sp() {
+    alltoallv_matches_native("block", "1");
+}
+
+#[test]
+fn mpi_alltoallv_matches_native_block_2sp() {
+    alltoallv_matches_native("block", "2");
+}
+
+#[test]
+fn mpi_alltoallv_matches_native_cyclic_1sp() {
+    alltoallv_matches_native("cyclic", "1");
+}
+
+#[test]
+fn mpi_alltoallv_matches_native_cyclic_2sp() {
+    alltoallv_matches_native("cyclic", "2");
+}
+
+#[test]
+fn mpi_checker_can_fail() {
+    // The validation program must be able to report a mismatch, or its passes mean nothing.
+    let prog = check_prog();
+    let run = run(
+        launch_cmd(
+            &["--nodes", "2", "--ranks-per-node", "1"],
+            &[&prog, "--ops", "5", "--seed", "1", "--self-test-corrupt"],
+        ),
+        JOB_TIMEOUT,
+    );
+    assert!(!run.ok(), "a corrupted result went unnoticed\n{}", run.stdout);
+}
+
+#[test]
+fn mpi_no_sp_reachable_falls_back_to_native() {
+    // A cluster description whose SP sockets do not exist: the shim says so once per rank and
+    // the job runs natively with correct results.
+    let dir = std::env::temp_dir().join(format!("spoff-nosp-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let sps = (0..2)
+        .map(|i| bootstrap::cluster::SpEntry {
+            id: i,
+            node: i,
+            index: 0,
+            peer_addr: "127.0.0.1:9".parse().unwrap(),
+            host_socket: dir.join(format!("absent-{i}.sock")),
+        })
+        .collect();
+    let cluster =
+        bootstrap::Cluster::new(2, 1, Some(2), bootstrap::Layout::Block, sps).unwrap();
+    let path = dir.join("cluster.json");
+    cluster.save(&path).unwrap();
+    let mut cmd = Command::new("mpirun");
+    cmd.args(["--oversubscribe", "--bind-to", "none", "-np", "4"])
+        .args(["-x", "LD_PRELOAD", "-x", "SPOFF_CLUSTER"])
+        .env("LD_PRELOAD", shim())
+        .env("SPOFF_CLUSTER", &path)
+        .args([&check_prog(), "--ops", "40", "--seed", "3"]);
+    let run = run(cmd, JOB_TIMEOUT);
+    std::fs::remove_dir_all(&dir).ok();
+    run.assert_ok("alltoallv_check with no SP");
+    assert!(run.stdout.contains("40 ops, 0 mismatches"), "{}", run.stdout);
+    let said = run.stderr.lines().filter(|l| l.contains("running natively")).count();
+    assert!(said >= 1 && said <= 4, "expected one fallback line per rank:\n{}", run.stderr);
+}
+
+#[test]
+fn mpi_offload_disabled_by_environment_runs_natively() {
+    let prog = check_prog();
+    let mut cmd =
+        launch_cmd(&["--nodes", "2", "--ranks-per-node", "2"], &[&prog, "--ops", "30", "--seed", "4"]);
+    cmd.env("SPOFF_OFFLOAD", "0");
+    let run = run(cmd, JOB_TIMEOUT);
+    run.assert_ok("alltoallv_check with SPOFF_OFFLOAD=0");
+    assert!(run.stdout.contains("30 ops, 0 mismatches"), "{}", run.stdout);
+    assert_eq!(run.sp_total("posts"), 0, "offload was disabled but the SPs saw posts");
+}
+
+#[test]
+fn mpi_coll_bench_overlap_validates_offloaded_and_native() {
+    let bench = artifact("coll-bench").display().to_string();
+    for native in [false, true] {
+        let json = std::env::temp_dir()
+            .join(format!("spoff-bench-{}-{native}.json", std::process::id()));
+        let json_s = json.display().to_string();
+        let mut args = vec!["--nodes", "2", "--ranks-per-node", "1"];
+        if native {
+            args.push("--native");
+        }
+        let run = run(
+            launch_cmd(
+                &args,
+                &[&bench, "overlap", "--coll", "ialltoallv", "--sizes", "1K,64K", "--iters", "4",
+                  "--warmup", "1", "--json", &json_s],
+            ),
+            JOB_TIMEOUT,
+        );
+        run.assert_ok("coll-bench overlap");
+        let text = std::fs::read_to_string(&json).unwrap();
+        std::fs::remove_file(&json).ok();
+        let rows: Vec<serde_json::Value> =
+            text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        assert_eq!(rows.len(), 2, "{text}");
+        for r in &rows {
+            assert_eq!(r["validated"], true, "{r}");
+            assert_eq!(r["mode"], if native { "native" } else { "offload" }, "{r}");
+            assert_eq!(r["nodes"], 2, "{r}");
+        }
+        if native {
+            assert!(run.sp_stats().is_empty(), "--native must start no SP");
+        } else {
+            assert!(run.sp_total("posts") > 0, "nothing offloaded:\n{}", run.stderr);
+        }
+    }
+}
+
+/// Starts a long job, waits until its SPs are serving, and returns (launcher, marker) where
+/// the marker is a string found in every process of the job.
+fn start_long_job(extra: &[&str]) -> (std::process::Child, String) {
+    let prog = check_prog();
+    let mut args = vec!["--nodes", "2", "--ranks-per-node", "2", "--fault-grace-secs", "20"];
+    args.extend_from_slice(extra);
+    let mut cmd = launch_cmd(&args, &[&prog, "--ops", "1000000", "--seed", "5"]);
+    cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1").env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+    cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null());
+    let child = cmd.spawn().unwrap();
+    let marker = format!("spoff-{}-", child.id());
+    // Wait until the ranks run (their environment names the run directory).
+    let t = Instant::now();
+    while pids_matching(&marker).len() < 2 + 4 {
+        assert!(t.elapsed() < Duration::from_secs(60), "job did not start");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_millis(1500));
+    (child, marker)
+}
+
+fn wait_exit(child: &mut std::process::Child, limit: Duration) -> std::process::ExitStatus {
+    let t = Instant::now();
+    loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            return st;
+        }
+        if t.elapsed() > limit {
+            let _ = child.kill();
+            panic!("the launcher did not end within {limit:?} (hang)");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn assert_nothing_left(marker: &str) {
+    let t = Instant::now();
+    loop {
+        let left = pids_matching(marker);
+        if left.is_empty() {
+            return;
+        }
+        assert!(t.elapsed() < Duration::from_secs(5), "processes left behind: {left:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn mpi_ctrl_c_stops_the_job_and_leaves_nothing() {
+    let (mut child, marker) = start_long_job(&[]);
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    let st = wait_exit(&mut child, Duration::from_secs(20));
+    assert_eq!(st.code(), Some(130), "{st}");
+    assert_nothing_left(&marker);
+}
+
+#[test]
+fn mpi_sp_killed_mid_job_ends_it_with_an_error() {
+    let (mut child, marker) = start_long_job(&[]);
+    let sp = pids_matching(&marker)
+        .into_iter()
+        .find(|&p| {
+            let cmd = std::fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default();
+            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+            cmd.contains(" serve ") && cmd.contains("--sp-id 1 ")
+        })
+        .expect("SP 1 running");
+    // SAFETY: killing a process of our own job.
+    unsafe { libc::kill(sp as i32, libc::SIGKILL) };
+    let st = wait_exit(&mut child, Duration::from_secs(60));
+    assert!(!st.success(), "a job that lost an SP must not report success");
+    assert_nothing_left(&marker);
+}
+
+#[test]
+fn mpi_rank_killed_mid_job_ends_it_with_an_error() {
+    let (mut child, marker) = start_long_job(&[]);
+    let rank = pids_matching(&marker)
+        .into_iter()
+        .find(|&p| {
+            let env = std::fs::read(format!("/proc/{p}/environ")).unwrap_or_default();
+            let env = String::from_utf8_lossy(&env).replace('\0', " ");
+            let cmd = std::fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default();
+            env.contains("OMPI_COMM_WORLD_RANK=1 ")
+                && String::from_utf8_lossy(&cmd).contains("alltoallv_check")
+        })
+        .expect("rank 1 running");
+    // SAFETY: killing a process of our own job.
+    unsafe { libc::kill(rank as i32, libc::SIGKILL) };
+    let st = wait_exit(&mut child, Duration::from_secs(60));
+    assert!(!st.success());
+    assert_nothing_left(&marker);
+}
