@@ -1,0 +1,125 @@
+//! Build script for `ucx-sys`: find UCX, tell cargo how to link it, and run
+//! bindgen over `wrapper.h`.
+//!
+//! Probe order (the first one that succeeds wins):
+//!
+//! 1. `UCX_DIR` environment variable: headers from `$UCX_DIR/include`,
+//!    libraries from `$UCX_DIR/lib` (`ucp`, `uct`, `ucs`). The directory must
+//!    contain `include/ucp/api/ucp.h`.
+//! 2. pkg-config package `ucx`, at least version 1.12 (Debian: `libucx-dev`).
+//!
+//! If every probe fails the build panics with the reason each one failed.
+
+use std::env;
+use std::path::{Path, PathBuf};
+
+const MIN_UCX_VERSION: &str = "1.12";
+
+struct Found {
+    include_paths: Vec<PathBuf>,
+    how: String,
+}
+
+fn probe_ucx_dir() -> Result<Found, String> {
+    let dir = match env::var_os("UCX_DIR") {
+        Some(d) if !d.is_empty() => PathBuf::from(d),
+        _ => return Err("UCX_DIR is not set".to_string()),
+    };
+    let include = dir.join("include");
+    let lib = dir.join("lib");
+    let header = include.join("ucp/api/ucp.h");
+    if !header.is_file() {
+        return Err(format!(
+            "UCX_DIR={} but {} does not exist",
+            dir.display(),
+            header.display()
+        ));
+    }
+    if !lib.is_dir() {
+        return Err(format!(
+            "UCX_DIR={} but {} is not a directory",
+            dir.display(),
+            lib.display()
+        ));
+    }
+    println!("cargo:rustc-link-search=native={}", lib.display());
+    for l in ["ucp", "uct", "ucs"] {
+        println!("cargo:rustc-link-lib={l}");
+    }
+    Ok(Found {
+        include_paths: vec![include],
+        how: format!("UCX_DIR={}", dir.display()),
+    })
+}
+
+fn probe_pkg_config() -> Result<Found, String> {
+    match pkg_config::Config::new()
+        .atleast_version(MIN_UCX_VERSION)
+        .probe("ucx")
+    {
+        Ok(lib) => Ok(Found {
+            include_paths: lib.include_paths.clone(),
+            how: format!("pkg-config ucx {}", lib.version),
+        }),
+        Err(e) => Err(format!("pkg-config ucx >= {MIN_UCX_VERSION}: {e}")),
+    }
+}
+
+fn main() {
+    println!("cargo:rerun-if-changed=wrapper.h");
+    println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo:rerun-if-env-changed=UCX_DIR");
+
+    let probes: [(&str, fn() -> Result<Found, String>); 2] = [
+        ("UCX_DIR", probe_ucx_dir),
+        ("pkg-config", probe_pkg_config),
+    ];
+    let mut reasons = Vec::new();
+    let mut found = None;
+    for (name, probe) in probes {
+        match probe() {
+            Ok(f) => {
+                found = Some(f);
+                break;
+            }
+            Err(e) => reasons.push(format!("  - {name}: {e}")),
+        }
+    }
+    let found = found.unwrap_or_else(|| {
+        panic!(
+            "ucx-sys: could not find UCX (>= {MIN_UCX_VERSION}). Probes tried, in order:\n{}\n\
+             Install the development package (Debian/Ubuntu: `apt-get install libucx-dev`), \
+             or set UCX_DIR to a UCX install prefix containing include/ucp/api/ucp.h and lib/.",
+            reasons.join("\n")
+        )
+    });
+    // Exposed as `ucx_sys::BUILD_PROBE` so a binary can say which UCX it was built against.
+    println!("cargo:rustc-env=UCXSYS_BUILD_PROBE={}", found.how);
+    for p in &found.include_paths {
+        println!("cargo:include={}", p.display());
+    }
+
+    let mut builder = bindgen::Builder::default()
+        .header("wrapper.h")
+        .parse_callbacks(Box::new(bindgen::CargoCallbacks::new()))
+        .allowlist_function("ucp_.*|ucs_status_string")
+        .allowlist_type("uc[ps]_.*")
+        .allowlist_var("UC[PS]_.*")
+        // Never generate Rust enums from C enums: a value the C side returns
+        // that is not listed in the header would be undefined behaviour.
+        .default_enum_style(bindgen::EnumVariation::Consts)
+        .prepend_enum_name(false)
+        .derive_default(true)
+        .layout_tests(true)
+        .generate_comments(false);
+    for p in &found.include_paths {
+        builder = builder.clang_arg(format!("-I{}", Path::new(p).display()));
+    }
+    let bindings = builder
+        .generate()
+        .expect("ucx-sys: bindgen failed on wrapper.h");
+    let out = PathBuf::from(env::var("OUT_DIR").unwrap()).join("bindings.rs");
+    bindings
+        .write_to_file(&out)
+        .expect("ucx-sys: could not write bindings.rs");
+}

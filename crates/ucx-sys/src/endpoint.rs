@@ -1,0 +1,274 @@
+//! Endpoints and the RMA operations issued on them.
+//!
+//! An [`Endpoint`] is created from a peer worker's address bytes. Gets and
+//! puts come in two flavours: `get_nbx`/`put_nbx` return a [`Request`] and
+//! are `unsafe` because the local buffer is only raw memory to UCX until the
+//! request completes; [`Endpoint::get`]/[`Endpoint::put`] borrow a slice and
+//! block, progressing the worker, until the transfer is done.
+//!
+//! Completion of a put only means the local buffer may be reused. To know the
+//! data has reached the remote memory, call [`Endpoint::flush`].
+
+use std::os::raw::c_void;
+use std::ptr;
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+use crate::memory::RemoteKey;
+use crate::raw;
+use crate::request::Request;
+use crate::status::{ptr_is_ptr, ptr_status, Error, Result, Status};
+use crate::worker::Worker;
+
+/// UCP error-handling mode of an endpoint (`ucp_err_handling_mode_t`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorHandling {
+    /// `UCP_ERR_HANDLING_MODE_NONE`: no failure detection. Transports are not
+    /// restricted (shared memory included), but a dead peer can leave
+    /// requests hanging.
+    None,
+    /// `UCP_ERR_HANDLING_MODE_PEER`: requests fail (instead of hanging) when
+    /// the peer dies, and a forced close is well defined. UCX then only
+    /// selects transports that can detect peer failure (not sysv/posix) and
+    /// runs a wire-up handshake and keepalive that need the peer to progress.
+    Peer,
+}
+
+/// How long dropping an endpoint progresses the worker for its close request
+/// before letting UCX finish it in the background.
+pub const CLOSE_WAIT_LIMIT: Duration = Duration::from_secs(5);
+
+/// A connection to a peer worker (`ucp_ep_h`), keeping its [`Worker`] alive.
+pub struct Endpoint {
+    handle: raw::ucp_ep_h,
+    err_mode: ErrorHandling,
+    worker: Rc<Worker>,
+}
+
+impl Endpoint {
+    /// Connects to the worker whose [`Worker::address`] is `remote_address`,
+    /// with [`ErrorHandling::None`].
+    ///
+    /// `None` is the default because it is the only mode that reaches a
+    /// target that never progresses: `Peer` rules out the shared-memory
+    /// transports (they cannot detect peer failure) and adds a keepalive and
+    /// wire-up handshake, so RMA then goes over a transport that needs the
+    /// target to progress. The endpoint creation itself is local in both
+    /// modes; nothing is sent until the first operation.
+    pub fn connect(worker: &Rc<Worker>, remote_address: &[u8]) -> Result<Rc<Endpoint>> {
+        Self::connect_with(worker, remote_address, ErrorHandling::None)
+    }
+
+    /// Like [`Endpoint::connect`] with an explicit error-handling mode.
+    pub fn connect_with(
+        worker: &Rc<Worker>,
+        remote_address: &[u8],
+        err_mode: ErrorHandling,
+    ) -> Result<Rc<Endpoint>> {
+        // UCX parses the address without a length; refuse the obviously
+        // truncated case. A well-formed address is at least a few bytes.
+        if remote_address.len() < 8 {
+            return Err(Error::new("ucp_ep_create", Status::ERR_INVALID_PARAM));
+        }
+        let params = raw::ucp_ep_params_t {
+            field_mask: (raw::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
+                | raw::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE) as u64,
+            address: remote_address.as_ptr() as *const raw::ucp_address_t,
+            err_mode: match err_mode {
+                ErrorHandling::None => raw::UCP_ERR_HANDLING_MODE_NONE,
+                ErrorHandling::Peer => raw::UCP_ERR_HANDLING_MODE_PEER,
+            },
+            ..Default::default()
+        };
+        let mut handle: raw::ucp_ep_h = ptr::null_mut();
+        // SAFETY: the worker is alive; params points at remote_address, which
+        // outlives the call (UCX copies what it needs); handle is a valid
+        // out-pointer.
+        let st = unsafe { raw::ucp_ep_create(worker.as_raw(), &params, &mut handle) };
+        Status(st).check("ucp_ep_create")?;
+        Ok(Rc::new(Endpoint {
+            handle,
+            err_mode,
+            worker: Rc::clone(worker),
+        }))
+    }
+
+    /// The worker this endpoint belongs to.
+    pub fn worker(&self) -> &Rc<Worker> {
+        &self.worker
+    }
+
+    /// The error-handling mode the endpoint was created with.
+    pub fn error_handling(&self) -> ErrorHandling {
+        self.err_mode
+    }
+
+    /// The raw handle. Valid while `self` is alive.
+    pub fn as_raw(&self) -> raw::ucp_ep_h {
+        self.handle
+    }
+
+    fn check_rkey(self: &Rc<Self>, op: &'static str, rkey: &RemoteKey) -> Result<()> {
+        if Rc::ptr_eq(self, rkey.endpoint()) {
+            Ok(())
+        } else {
+            // A key is only valid on the endpoint it was unpacked on.
+            Err(Error::new(op, Status::ERR_INVALID_PARAM))
+        }
+    }
+
+    /// Starts reading `len` bytes at `remote_addr` (covered by `rkey`) into
+    /// `local` (`ucp_get_nbx`).
+    ///
+    /// # Safety
+    /// `local..local+len` must be valid for writes and not be read or written
+    /// by anything else until the returned request has completed (reported
+    /// by [`Request::test`]/[`Request::wait`]) or been dropped.
+    pub unsafe fn get_nbx(
+        self: &Rc<Self>,
+        local: *mut u8,
+        len: usize,
+        remote_addr: u64,
+        rkey: &RemoteKey,
+    ) -> Result<Request> {
+        self.check_rkey("ucp_get_nbx", rkey)?;
+        let param = raw::ucp_request_param_t::default();
+        // SAFETY: ep and rkey are alive (and kept alive by the request); the
+        // caller guarantees the local buffer; param selects contiguous bytes
+        // with no callback.
+        unsafe {
+            let p = raw::ucp_get_nbx(
+                self.handle,
+                local as *mut c_void,
+                len,
+                remote_addr,
+                rkey.as_raw(),
+                &param,
+            );
+            Request::from_status_ptr(p, "ucp_get_nbx", Rc::clone(&self.worker), self.keep(rkey))
+        }
+    }
+
+    /// Starts writing `len` bytes from `local` to `remote_addr` (covered by
+    /// `rkey`) (`ucp_put_nbx`). Completion means `local` may be reused, not
+    /// that the data is remotely visible: see [`Endpoint::flush`].
+    ///
+    /// # Safety
+    /// `local..local+len` must be valid for reads and not be written by
+    /// anything else until the returned request has completed or been
+    /// dropped.
+    pub unsafe fn put_nbx(
+        self: &Rc<Self>,
+        local: *const u8,
+        len: usize,
+        remote_addr: u64,
+        rkey: &RemoteKey,
+    ) -> Result<Request> {
+        self.check_rkey("ucp_put_nbx", rkey)?;
+        let param = raw::ucp_request_param_t::default();
+        // SAFETY: as in get_nbx, with the buffer only read.
+        unsafe {
+            let p = raw::ucp_put_nbx(
+                self.handle,
+                local as *const c_void,
+                len,
+                remote_addr,
+                rkey.as_raw(),
+                &param,
+            );
+            Request::from_status_ptr(p, "ucp_put_nbx", Rc::clone(&self.worker), self.keep(rkey))
+        }
+    }
+
+    fn keep(self: &Rc<Self>, rkey: &RemoteKey) -> Box<dyn std::any::Any> {
+        Box::new((Rc::clone(self), rkey.clone()))
+    }
+
+    /// Reads `buf.len()` bytes from `remote_addr` into `buf`, progressing the
+    /// worker until done.
+    pub fn get(self: &Rc<Self>, buf: &mut [u8], remote_addr: u64, rkey: &RemoteKey) -> Result<()> {
+        // SAFETY: buf is exclusively borrowed until wait() returns, and the
+        // request cannot outlive this call (wait consumes it, and an early
+        // return drops it, which blocks until completion).
+        let req = unsafe { self.get_nbx(buf.as_mut_ptr(), buf.len(), remote_addr, rkey)? };
+        req.wait()
+    }
+
+    /// Writes `buf` to `remote_addr`, progressing the worker until the local
+    /// buffer is released. Call [`Endpoint::flush`] for remote completion.
+    pub fn put(self: &Rc<Self>, buf: &[u8], remote_addr: u64, rkey: &RemoteKey) -> Result<()> {
+        // SAFETY: buf is borrowed until the request completes (see get).
+        let req = unsafe { self.put_nbx(buf.as_ptr(), buf.len(), remote_addr, rkey)? };
+        req.wait()
+    }
+
+    /// Starts a flush of all operations issued on this endpoint
+    /// (`ucp_ep_flush_nbx`).
+    pub fn flush_nbx(self: &Rc<Self>) -> Result<Request> {
+        let param = raw::ucp_request_param_t::default();
+        // SAFETY: the endpoint is alive and kept alive by the request.
+        unsafe {
+            let p = raw::ucp_ep_flush_nbx(self.handle, &param);
+            Request::from_status_ptr(
+                p,
+                "ucp_ep_flush_nbx",
+                Rc::clone(&self.worker),
+                Box::new(Rc::clone(self)),
+            )
+        }
+    }
+
+    /// Blocks until every get/put issued on this endpoint is complete at the
+    /// remote side.
+    pub fn flush(self: &Rc<Self>) -> Result<()> {
+        self.flush_nbx()?.wait()
+    }
+}
+
+impl Drop for Endpoint {
+    /// Closes the endpoint: a forced close (`UCP_EP_CLOSE_FLAG_FORCE`) for
+    /// [`ErrorHandling::Peer`] endpoints, which UCX documents as requiring
+    /// that mode, and a flushing close otherwise. The worker is progressed
+    /// for at most [`CLOSE_WAIT_LIMIT`]; a close still pending after that is
+    /// left to UCX (it is finished or discarded when the worker is
+    /// destroyed).
+    fn drop(&mut self) {
+        let param = raw::ucp_request_param_t {
+            op_attr_mask: raw::UCP_OP_ATTR_FIELD_FLAGS,
+            flags: match self.err_mode {
+                ErrorHandling::Peer => raw::UCP_EP_CLOSE_FLAG_FORCE,
+                ErrorHandling::None => 0,
+            },
+            ..Default::default()
+        };
+        // SAFETY: the endpoint is alive and closed exactly once; requests and
+        // remote keys hold an Rc to it, so none is outstanding.
+        let req = unsafe { raw::ucp_ep_close_nbx(self.handle, &param) };
+        if !ptr_is_ptr(req) {
+            let st = ptr_status(req);
+            debug_assert!(!st.is_err() || st == Status::ERR_CANCELED, "ucp_ep_close_nbx: {st}");
+            return;
+        }
+        let start = Instant::now();
+        loop {
+            // SAFETY: req is a live request until freed below.
+            let st = Status(unsafe { raw::ucp_request_check_status(req) });
+            if st != Status::IN_PROGRESS || start.elapsed() >= CLOSE_WAIT_LIMIT {
+                break;
+            }
+            self.worker.progress();
+        }
+        // SAFETY: freeing a completed request releases it; freeing one still
+        // in flight tells UCX to release it on completion. Done exactly once.
+        unsafe { raw::ucp_request_free(req) };
+    }
+}
+
+impl std::fmt::Debug for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Endpoint")
+            .field("handle", &self.handle)
+            .field("err_mode", &self.err_mode)
+            .finish()
+    }
+}

@@ -1,0 +1,234 @@
+//! Memory registration (local side) and remote keys (remote side).
+//!
+//! The owner of a buffer maps it with [`MemHandle::map`] (an existing
+//! buffer) or [`MemHandle::allocate`] (UCX allocates it), packs a remote key
+//! with [`MemHandle::rkey_pack`], and sends those bytes plus the buffer's
+//! address to the peer by any means. The peer turns the bytes into a
+//! [`RemoteKey`] for one of its endpoints and uses it for get/put.
+
+use std::os::raw::c_void;
+use std::ptr;
+use std::rc::Rc;
+
+use crate::context::Context;
+use crate::endpoint::Endpoint;
+use crate::raw;
+use crate::status::{Error, Result, Status};
+
+/// A registered memory region (`ucp_mem_h`). Unmapped on drop.
+pub struct MemHandle {
+    handle: raw::ucp_mem_h,
+    address: *mut u8,
+    len: usize,
+    context: Rc<Context>,
+}
+
+impl MemHandle {
+    /// Registers an existing buffer for remote access.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must be a valid allocation that stays allocated (and is
+    /// not unmapped or remapped) for as long as the returned handle lives,
+    /// and for as long as any peer may still access it through a key packed
+    /// from it. Remote peers can read and write it at any time without
+    /// synchronising with this process' Rust code: do not hold Rust
+    /// references to it while remote writes may happen.
+    pub unsafe fn map(context: &Rc<Context>, ptr: *mut u8, len: usize) -> Result<MemHandle> {
+        let params = raw::ucp_mem_map_params_t {
+            field_mask: (raw::UCP_MEM_MAP_PARAM_FIELD_ADDRESS | raw::UCP_MEM_MAP_PARAM_FIELD_LENGTH)
+                as u64,
+            address: ptr as *mut c_void,
+            length: len,
+            ..Default::default()
+        };
+        // SAFETY: the caller guarantees the region is valid; the context is
+        // alive; params is fully initialised.
+        unsafe { Self::map_params(context, &params) }
+    }
+
+    /// Lets UCX allocate and register `len` bytes. The memory is freed on
+    /// drop; [`MemHandle::address`] gives its location.
+    pub fn allocate(context: &Rc<Context>, len: usize) -> Result<MemHandle> {
+        let params = raw::ucp_mem_map_params_t {
+            field_mask: (raw::UCP_MEM_MAP_PARAM_FIELD_ADDRESS
+                | raw::UCP_MEM_MAP_PARAM_FIELD_LENGTH
+                | raw::UCP_MEM_MAP_PARAM_FIELD_FLAGS) as u64,
+            address: ptr::null_mut(),
+            length: len,
+            flags: raw::UCP_MEM_MAP_ALLOCATE,
+            ..Default::default()
+        };
+        // SAFETY: with ALLOCATE and a NULL address UCX owns the memory; the
+        // context is alive and params is fully initialised.
+        unsafe { Self::map_params(context, &params) }
+    }
+
+    /// # Safety
+    /// `params` must describe memory that is valid to register.
+    unsafe fn map_params(
+        context: &Rc<Context>,
+        params: &raw::ucp_mem_map_params_t,
+    ) -> Result<MemHandle> {
+        let mut handle: raw::ucp_mem_h = ptr::null_mut();
+        // SAFETY: forwarded from the caller; handle is a valid out-pointer.
+        let st = unsafe { raw::ucp_mem_map(context.as_raw(), params, &mut handle) };
+        Status(st).check("ucp_mem_map")?;
+        let mut attr = raw::ucp_mem_attr_t {
+            field_mask: (raw::UCP_MEM_ATTR_FIELD_ADDRESS | raw::UCP_MEM_ATTR_FIELD_LENGTH) as u64,
+            ..Default::default()
+        };
+        // SAFETY: handle is the live registration just created; attr is a
+        // valid out-struct with the fields we want selected.
+        let st = unsafe { raw::ucp_mem_query(handle, &mut attr) };
+        if let Err(e) = Status(st).check("ucp_mem_query") {
+            // SAFETY: undo the registration created above, exactly once.
+            unsafe { raw::ucp_mem_unmap(context.as_raw(), handle) };
+            return Err(e);
+        }
+        Ok(MemHandle {
+            handle,
+            address: attr.address as *mut u8,
+            len: attr.length,
+            context: Rc::clone(context),
+        })
+    }
+
+    /// Start of the registered region (as reported by `ucp_mem_query`).
+    pub fn address(&self) -> *mut u8 {
+        self.address
+    }
+
+    /// Length of the registered region in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for a zero-length region.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The raw handle. Valid while `self` is alive.
+    pub fn as_raw(&self) -> raw::ucp_mem_h {
+        self.handle
+    }
+
+    /// Packs a remote key for this region (`ucp_rkey_pack`): opaque bytes
+    /// for a peer's [`RemoteKey::unpack`].
+    pub fn rkey_pack(&self) -> Result<Vec<u8>> {
+        let mut buf: *mut c_void = ptr::null_mut();
+        let mut size: usize = 0;
+        // SAFETY: context and memh are alive; buf and size are valid
+        // out-pointers.
+        let st =
+            unsafe { raw::ucp_rkey_pack(self.context.as_raw(), self.handle, &mut buf, &mut size) };
+        Status(st).check("ucp_rkey_pack")?;
+        // SAFETY: on success buf holds `size` bytes, copied and then released
+        // exactly once.
+        let v = unsafe {
+            let v = std::slice::from_raw_parts(buf as *const u8, size).to_vec();
+            raw::ucp_rkey_buffer_release(buf);
+            v
+        };
+        Ok(v)
+    }
+}
+
+impl Drop for MemHandle {
+    fn drop(&mut self) {
+        // SAFETY: the registration is live and unmapped exactly once; the
+        // context is kept alive by our Rc.
+        let st = unsafe { raw::ucp_mem_unmap(self.context.as_raw(), self.handle) };
+        debug_assert!(Status(st).is_ok(), "ucp_mem_unmap: {}", Status(st));
+    }
+}
+
+struct RkeyInner {
+    handle: raw::ucp_rkey_h,
+    // Declared after `handle` only for readability: Drop below destroys the
+    // rkey before this Rc (and so possibly the endpoint) is released, as UCX
+    // requires.
+    endpoint: Rc<Endpoint>,
+}
+
+impl Drop for RkeyInner {
+    fn drop(&mut self) {
+        // SAFETY: the rkey is live, destroyed exactly once, and its endpoint
+        // is still alive (we hold an Rc). Requests using the key hold a clone
+        // of the RemoteKey, so none is outstanding.
+        unsafe { raw::ucp_rkey_destroy(self.handle) };
+    }
+}
+
+/// An unpacked remote key (`ucp_rkey_h`), tied to the endpoint it was
+/// unpacked on. Cloning is cheap (shared handle); the key is destroyed when
+/// the last clone and every request using it are gone.
+#[derive(Clone)]
+pub struct RemoteKey {
+    inner: Rc<RkeyInner>,
+}
+
+/// Smallest packed key UCX 1.13 produces: an 8-byte memory-domain map and a
+/// 1-byte memory type.
+const MIN_PACKED_RKEY_LEN: usize = 9;
+
+impl RemoteKey {
+    /// Unpacks a key packed by a peer's [`MemHandle::rkey_pack`]
+    /// (`ucp_ep_rkey_unpack`).
+    ///
+    /// Inputs shorter than the smallest possible packed key are rejected
+    /// with `UCS_ERR_INVALID_PARAM` before UCX sees them.
+    ///
+    /// # Safety
+    /// `packed` must be exactly the bytes some `ucp_rkey_pack` of a
+    /// compatible UCX produced. `ucp_ep_rkey_unpack` takes no length: it
+    /// trusts the sizes encoded in the buffer, so arbitrary bytes can make it
+    /// read past the slice, and the per-transport unpackers act on what they
+    /// read (shared-memory transports attach segments named in the key).
+    pub unsafe fn unpack(endpoint: &Rc<Endpoint>, packed: &[u8]) -> Result<RemoteKey> {
+        if packed.len() < MIN_PACKED_RKEY_LEN {
+            return Err(Error::new("ucp_ep_rkey_unpack", Status::ERR_INVALID_PARAM));
+        }
+        let mut handle: raw::ucp_rkey_h = ptr::null_mut();
+        // SAFETY: the endpoint is alive; the caller guarantees packed is a
+        // well-formed key; handle is a valid out-pointer.
+        let st = unsafe {
+            raw::ucp_ep_rkey_unpack(endpoint.as_raw(), packed.as_ptr() as *const c_void, &mut handle)
+        };
+        Status(st).check("ucp_ep_rkey_unpack")?;
+        Ok(RemoteKey {
+            inner: Rc::new(RkeyInner {
+                handle,
+                endpoint: Rc::clone(endpoint),
+            }),
+        })
+    }
+
+    /// The endpoint this key was unpacked on.
+    pub fn endpoint(&self) -> &Rc<Endpoint> {
+        &self.inner.endpoint
+    }
+
+    /// The raw handle. Valid while `self` is alive.
+    pub fn as_raw(&self) -> raw::ucp_rkey_h {
+        self.inner.handle
+    }
+}
+
+impl std::fmt::Debug for MemHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemHandle")
+            .field("handle", &self.handle)
+            .field("address", &self.address)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl std::fmt::Debug for RemoteKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteKey")
+            .field("handle", &self.inner.handle)
+            .finish()
+    }
+}

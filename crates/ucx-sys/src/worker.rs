@@ -1,0 +1,135 @@
+//! The UCP worker: the progress engine that endpoints and requests belong to.
+//!
+//! Workers here are created in `UCS_THREAD_MODE_SINGLE`, so a [`Worker`] and
+//! everything hanging off it is `!Send`: use it from one thread.
+//!
+//! # Joining a mio (or any epoll) loop
+//!
+//! Create the context with [`Features::WAKEUP`](crate::Features::WAKEUP) and
+//! register [`Worker::event_fd`] for readability (it is level-style: UCX
+//! owns the fd, never read from or close it). Then:
+//!
+//! 1. On readiness, call [`Worker::progress`] until it returns 0.
+//! 2. Call [`Worker::arm`]. If it returns `Ok(true)` the fd is armed and you
+//!    can go back to waiting. If it returns `Ok(false)` (`UCS_ERR_BUSY`)
+//!    events arrived in between: go back to step 1 without waiting.
+//!
+//! Arm before every wait; a wait without a successful arm may sleep forever.
+//! Note that RMA against a peer does not need the *peer* to progress on the
+//! transports listed in the crate docs, but the local worker must always be
+//! progressed for local requests to complete.
+
+use std::os::fd::RawFd;
+use std::ptr;
+use std::rc::Rc;
+
+use crate::context::{Context, Features};
+use crate::raw;
+use crate::status::{Error, Result, Status};
+
+/// A UCP worker (`ucp_worker_h`), keeping its [`Context`] alive.
+pub struct Worker {
+    handle: raw::ucp_worker_h,
+    context: Rc<Context>,
+}
+
+impl Worker {
+    /// Creates a single-threaded worker on `context`.
+    pub fn new(context: &Rc<Context>) -> Result<Rc<Worker>> {
+        let params = raw::ucp_worker_params_t {
+            field_mask: raw::UCP_WORKER_PARAM_FIELD_THREAD_MODE as u64,
+            thread_mode: raw::UCS_THREAD_MODE_SINGLE,
+            ..Default::default()
+        };
+        let mut handle: raw::ucp_worker_h = ptr::null_mut();
+        // SAFETY: the context is alive (we hold an Rc), params is fully
+        // initialised and handle is a valid out-pointer.
+        let st = unsafe { raw::ucp_worker_create(context.as_raw(), &params, &mut handle) };
+        Status(st).check("ucp_worker_create")?;
+        Ok(Rc::new(Worker {
+            handle,
+            context: Rc::clone(context),
+        }))
+    }
+
+    /// The context this worker belongs to.
+    pub fn context(&self) -> &Rc<Context> {
+        &self.context
+    }
+
+    /// The raw handle. Valid while `self` is alive.
+    pub fn as_raw(&self) -> raw::ucp_worker_h {
+        self.handle
+    }
+
+    /// This worker's address, as opaque bytes to hand to a peer's
+    /// [`Endpoint::connect`](crate::Endpoint::connect).
+    pub fn address(&self) -> Result<Vec<u8>> {
+        let mut addr: *mut raw::ucp_address_t = ptr::null_mut();
+        let mut len: usize = 0;
+        // SAFETY: the worker is alive; addr and len are valid out-pointers.
+        let st = unsafe { raw::ucp_worker_get_address(self.handle, &mut addr, &mut len) };
+        Status(st).check("ucp_worker_get_address")?;
+        // SAFETY: on success UCX returns a buffer of `len` readable bytes,
+        // which we copy before releasing it exactly once.
+        let bytes = unsafe {
+            let v = std::slice::from_raw_parts(addr as *const u8, len).to_vec();
+            raw::ucp_worker_release_address(self.handle, addr);
+            v
+        };
+        Ok(bytes)
+    }
+
+    /// Runs one round of communication progress; returns the number of
+    /// events processed (0 means idle).
+    pub fn progress(&self) -> u32 {
+        // SAFETY: the worker is alive and used from its only thread (the
+        // type is !Send).
+        unsafe { raw::ucp_worker_progress(self.handle) }
+    }
+
+    /// Calls [`Worker::progress`] until it reports no work.
+    pub fn progress_until_idle(&self) {
+        while self.progress() != 0 {}
+    }
+
+    /// The worker's event file descriptor (`ucp_worker_get_efd`). Needs the
+    /// context to have [`Features::WAKEUP`]. Owned by UCX: do not close it.
+    pub fn event_fd(&self) -> Result<RawFd> {
+        if !self.context.features().contains(Features::WAKEUP) {
+            return Err(Error::new("ucp_worker_get_efd", Status::ERR_INVALID_PARAM));
+        }
+        let mut fd: std::os::raw::c_int = -1;
+        // SAFETY: the worker is alive and fd is a valid out-pointer.
+        let st = unsafe { raw::ucp_worker_get_efd(self.handle, &mut fd) };
+        Status(st).check("ucp_worker_get_efd")?;
+        Ok(fd)
+    }
+
+    /// Arms the event fd (`ucp_worker_arm`). `Ok(true)`: armed, safe to
+    /// wait. `Ok(false)`: `UCS_ERR_BUSY`, events are pending, progress again
+    /// before trying to arm.
+    pub fn arm(&self) -> Result<bool> {
+        // SAFETY: the worker is alive.
+        let st = Status(unsafe { raw::ucp_worker_arm(self.handle) });
+        if st == Status::ERR_BUSY {
+            Ok(false)
+        } else {
+            st.check("ucp_worker_arm").map(|()| true)
+        }
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        // SAFETY: endpoints and requests hold an Rc to this worker, so none
+        // is alive now; the handle is destroyed exactly once.
+        unsafe { raw::ucp_worker_destroy(self.handle) };
+    }
+}
+
+impl std::fmt::Debug for Worker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Worker").field("handle", &self.handle).finish()
+    }
+}
