@@ -68,7 +68,11 @@ pub enum Msg<K> {
         len: u64,
     },
     /// `dst`'s SP is done with `src`'s block (read it, or decided not to).
-    Ack { src: Rank, dst: Rank, status: Status },
+    Ack {
+        src: Rank,
+        dst: Rank,
+        status: Status,
+    },
     /// The collective failed; stop and complete everyone with `status`.
     Abort { status: Status },
 }
@@ -150,7 +154,10 @@ impl fmt::Display for PostError {
             PostError::DuplicatePost { rank } => write!(f, "rank {rank} posted twice"),
             PostError::RankLost { rank } => write!(f, "rank {rank} was declared lost"),
             PostError::Overflow { rank, field, index } => {
-                write!(f, "rank {rank}: {field} displacement+count overflows at {index}")
+                write!(
+                    f,
+                    "rank {rank}: {field} displacement+count overflows at {index}"
+                )
             }
         }
     }
@@ -161,9 +168,14 @@ impl std::error::Error for PostError {}
 /// A protocol violation by a peer; the instance is unchanged.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum MsgError {
-    RankOutOfRange { rank: Rank, size: usize },
+    RankOutOfRange {
+        rank: Rank,
+        size: usize,
+    },
     /// The rank the message is about is not served by this SP.
-    NotLocal { rank: Rank },
+    NotLocal {
+        rank: Rank,
+    },
     /// The message came from an SP that does not serve `rank`.
     WrongSender {
         rank: Rank,
@@ -171,12 +183,23 @@ pub enum MsgError {
         got: SpId,
     },
     /// An abort from an SP outside the communicator.
-    NotMember { sp: SpId },
-    DuplicateAnnounce { src: Rank, dst: Rank },
+    NotMember {
+        sp: SpId,
+    },
+    DuplicateAnnounce {
+        src: Rank,
+        dst: Rank,
+    },
     /// Ack for a block that was not announced or is already acknowledged.
-    UnexpectedAck { src: Rank, dst: Rank },
+    UnexpectedAck {
+        src: Rank,
+        dst: Rank,
+    },
     /// `offset + len` overflows `u64`.
-    Overflow { src: Rank, dst: Rank },
+    Overflow {
+        src: Rank,
+        dst: Rank,
+    },
 }
 
 impl fmt::Display for MsgError {
@@ -709,7 +732,15 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
             if self.queued.contains_key(&(dst, src)) {
                 return Err(MsgError::DuplicateAnnounce { src, dst });
             }
-            self.queued.insert((dst, src), Queued { from, key, offset, len });
+            self.queued.insert(
+                (dst, src),
+                Queued {
+                    from,
+                    key,
+                    offset,
+                    len,
+                },
+            );
             self.stats.late_announcements += 1;
             return Ok(());
         }
@@ -748,7 +779,15 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
             if self.queued.contains_key(&(dst, src)) {
                 return Err(MsgError::DuplicateAnnounce { src, dst });
             }
-            self.queued.insert((dst, src), Queued { from, key, offset, len });
+            self.queued.insert(
+                (dst, src),
+                Queued {
+                    from,
+                    key,
+                    offset,
+                    len,
+                },
+            );
             self.stats.late_announcements += 1;
             return Ok(());
         };
@@ -784,7 +823,14 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
         };
         st.recv[s] = RecvState::Done;
         st.recv_pending -= 1;
-        self.send(from, Msg::Ack { src, dst, status: ack });
+        self.send(
+            from,
+            Msg::Ack {
+                src,
+                dst,
+                status: ack,
+            },
+        );
         self.check_complete(dst);
         Ok(())
     }
@@ -1141,7 +1187,10 @@ mod tests {
         net.post(0, post(0, &[0], vec![8], vec![8]));
         assert!(net.msgs.is_empty());
         assert_eq!(net.copies.len(), 1);
-        assert!(net.completes.is_empty(), "complete while own copy in flight");
+        assert!(
+            net.completes.is_empty(),
+            "complete while own copy in flight"
+        );
         net.run();
         assert_eq!(net.status(0), Some(Status::Ok));
 
@@ -1167,7 +1216,10 @@ mod tests {
         assert_eq!(net.status(0), Some(Status::CountMismatch));
         assert_eq!(net.status(1), Some(Status::CountMismatch));
         assert_eq!(net.status(2), Some(Status::Ok));
-        assert!(!net.copied.iter().any(|c| c.src_rank == 0 && c.dst_rank == 1));
+        assert!(!net
+            .copied
+            .iter()
+            .any(|c| c.src_rank == 0 && c.dst_rank == 1));
         assert_eq!(net.copied.len(), 8);
     }
 
@@ -1203,10 +1255,19 @@ mod tests {
             Err(MsgError::DuplicateAnnounce { src: 0, dst: 1 })
         );
         assert_eq!(
-            a.handle_msg(0, 0, Msg::Ack { src: 1, dst: 0, status: Status::Ok }),
+            a.handle_msg(
+                0,
+                0,
+                Msg::Ack {
+                    src: 1,
+                    dst: 0,
+                    status: Status::Ok
+                }
+            ),
             Err(MsgError::UnexpectedAck { src: 1, dst: 0 })
         );
-        a.handle_post(0, post(1, &members, vec![2, 3], vec![2, 3])).unwrap();
+        a.handle_post(0, post(1, &members, vec![2, 3], vec![2, 3]))
+            .unwrap();
         let mut copies = 0;
         while let Some(act) = a.poll_action() {
             copies += matches!(act, Action::Copy(_)) as usize;
@@ -1226,25 +1287,58 @@ mod tests {
         );
         assert_eq!(
             a.handle_msg(0, 7, ann(0, 1, 2)),
-            Err(MsgError::WrongSender { rank: 0, expected: 0, got: 7 })
+            Err(MsgError::WrongSender {
+                rank: 0,
+                expected: 0,
+                got: 7
+            })
         );
         assert_eq!(
             a.handle_msg(
                 0,
                 0,
-                Msg::Announce { src: 0, dst: 1, key: ('s', 0), offset: u64::MAX, len: 2 }
+                Msg::Announce {
+                    src: 0,
+                    dst: 1,
+                    key: ('s', 0),
+                    offset: u64::MAX,
+                    len: 2
+                }
             ),
             Err(MsgError::Overflow { src: 0, dst: 1 })
         );
         // Ack for a block never announced to rank 0 ... rank 1 announced to
         // 0 already; a second ack is unexpected.
-        a.handle_msg(0, 0, Msg::Ack { src: 1, dst: 0, status: Status::Ok }).unwrap();
+        a.handle_msg(
+            0,
+            0,
+            Msg::Ack {
+                src: 1,
+                dst: 0,
+                status: Status::Ok,
+            },
+        )
+        .unwrap();
         assert_eq!(
-            a.handle_msg(0, 0, Msg::Ack { src: 1, dst: 0, status: Status::Ok }),
+            a.handle_msg(
+                0,
+                0,
+                Msg::Ack {
+                    src: 1,
+                    dst: 0,
+                    status: Status::Ok
+                }
+            ),
             Err(MsgError::UnexpectedAck { src: 1, dst: 0 })
         );
         assert_eq!(
-            a.handle_msg(0, 9, Msg::Abort { status: Status::Aborted }),
+            a.handle_msg(
+                0,
+                9,
+                Msg::Abort {
+                    status: Status::Aborted
+                }
+            ),
             Err(MsgError::NotMember { sp: 9 })
         );
         assert_eq!(a.abort_status(), None);
@@ -1264,21 +1358,33 @@ mod tests {
         );
         assert_eq!(
             a.handle_post(0, post(1, &m, vec![0; 2], vec![0; 2])),
-            Err(PostError::NotMine { rank: 1, served_by: 1 })
+            Err(PostError::NotMine {
+                rank: 1,
+                served_by: 1
+            })
         );
         assert_eq!(
             a.handle_post(0, post(0, &m, vec![0; 3], vec![0; 2])),
-            Err(PostError::LengthMismatch { field: "send_counts", len: 3, expected: 2 })
+            Err(PostError::LengthMismatch {
+                field: "send_counts",
+                len: 3,
+                expected: 2
+            })
         );
         let mut p = post(0, &m, vec![0; 2], vec![0; 2]);
         p.recv_displs[1] = u64::MAX;
         p.recv_counts[1] = 1;
         assert_eq!(
             a.handle_post(0, p),
-            Err(PostError::Overflow { rank: 0, field: "recv", index: 1 })
+            Err(PostError::Overflow {
+                rank: 0,
+                field: "recv",
+                index: 1
+            })
         );
         assert_eq!(a.members(), None, "rejected posts leave no trace");
-        a.handle_post(0, post(0, &[0, 0, 1], vec![0; 3], vec![0; 3])).unwrap();
+        a.handle_post(0, post(0, &[0, 0, 1], vec![0; 3], vec![0; 3]))
+            .unwrap();
         assert_eq!(
             a.handle_post(0, post(0, &[0, 0, 1], vec![0; 3], vec![0; 3])),
             Err(PostError::DuplicatePost { rank: 0 })
@@ -1297,7 +1403,10 @@ mod tests {
         // SP 1 aborts before knowing anything about the collective.
         net.sp(1).abort(0, Status::Aborted);
         net.collect(1);
-        assert!(net.msgs.is_empty(), "membership unknown: nobody to tell yet");
+        assert!(
+            net.msgs.is_empty(),
+            "membership unknown: nobody to tell yet"
+        );
         net.post(0, matrix_post(0, &members, &m));
         net.run();
         // SP 1 answered the announcements and told SP 0 about the abort.
@@ -1310,7 +1419,10 @@ mod tests {
         assert_eq!(net.status(2), Some(Status::Aborted));
         assert!(net.sp(1).is_finished());
         // Only the self block of rank 0 may have been copied.
-        assert!(net.copied.iter().all(|c| c.src_rank == 0 && c.dst_rank == 0));
+        assert!(net
+            .copied
+            .iter()
+            .all(|c| c.src_rank == 0 && c.dst_rank == 0));
     }
 
     #[test]
@@ -1349,15 +1461,37 @@ mod tests {
     fn abort_from_peer_completes_later_posts_immediately() {
         let members = [0, 1];
         let mut a: Alltoallv<Tag> = Alltoallv::new(KEY, Config { me: 1 });
-        a.handle_msg(0, 0, Msg::Abort { status: Status::Aborted }).unwrap();
+        a.handle_msg(
+            0,
+            0,
+            Msg::Abort {
+                status: Status::Aborted,
+            },
+        )
+        .unwrap();
         // A second abort is harmless.
-        a.handle_msg(0, 0, Msg::Abort { status: Status::PeerFailed }).unwrap();
-        a.handle_post(0, post(1, &members, vec![1, 1], vec![1, 1])).unwrap();
+        a.handle_msg(
+            0,
+            0,
+            Msg::Abort {
+                status: Status::PeerFailed,
+            },
+        )
+        .unwrap();
+        a.handle_post(0, post(1, &members, vec![1, 1], vec![1, 1]))
+            .unwrap();
         assert_eq!(
             a.poll_action(),
-            Some(Action::Complete { rank: 1, status: Status::Aborted })
+            Some(Action::Complete {
+                rank: 1,
+                status: Status::Aborted
+            })
         );
-        assert_eq!(a.poll_action(), None, "peer-originated abort is not re-broadcast");
+        assert_eq!(
+            a.poll_action(),
+            None,
+            "peer-originated abort is not re-broadcast"
+        );
         assert!(a.is_finished());
     }
 
@@ -1394,13 +1528,22 @@ mod tests {
         let mut a: Alltoallv<Tag> = Alltoallv::new(KEY, Config { me: 0 });
         a.handle_peer_lost(0, 5); // not in the communicator
         a.handle_peer_lost(0, 1);
-        a.handle_post(0, post(0, &[0, 1, 2], vec![1; 3], vec![1; 3])).unwrap();
+        a.handle_post(0, post(0, &[0, 1, 2], vec![1; 3], vec![1; 3]))
+            .unwrap();
         let acts: Vec<_> = std::iter::from_fn(|| a.poll_action()).collect();
         assert_eq!(
             acts,
             vec![
-                Action::Send { to: 2, msg: Msg::Abort { status: Status::PeerFailed } },
-                Action::Complete { rank: 0, status: Status::PeerFailed },
+                Action::Send {
+                    to: 2,
+                    msg: Msg::Abort {
+                        status: Status::PeerFailed
+                    }
+                },
+                Action::Complete {
+                    rank: 0,
+                    status: Status::PeerFailed
+                },
             ]
         );
     }

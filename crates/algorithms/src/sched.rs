@@ -46,7 +46,10 @@ impl<T> CopyLimiter<T> {
     /// One in-flight item is done. Calling it with nothing in flight is a
     /// driver bug (debug assertion; ignored in release builds).
     pub fn finished(&mut self) {
-        debug_assert!(self.in_flight > 0, "CopyLimiter::finished with nothing in flight");
+        debug_assert!(
+            self.in_flight > 0,
+            "CopyLimiter::finished with nothing in flight"
+        );
         self.in_flight = self.in_flight.saturating_sub(1);
     }
 
