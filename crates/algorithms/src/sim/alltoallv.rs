@@ -52,10 +52,14 @@ pub struct CostModel {
     pub copy_fixed_inter_ns: Nanos,
     /// Fixed cost of a copy within a node.
     pub copy_fixed_intra_ns: Nanos,
-    /// Copy bandwidth between nodes (bytes per ns, at least 1).
+    /// Bandwidth between nodes (bytes per ns, at least 1), for copies and
+    /// for messages (each directed node-to-node link sends one message at a
+    /// time; copies do not contend with each other).
     pub inter_node_bytes_per_ns: u64,
-    /// Copy bandwidth within a node (bytes per ns, at least 1).
+    /// Bandwidth within a node (bytes per ns, at least 1), likewise.
     pub intra_node_bytes_per_ns: u64,
+    /// Wire size of a message on top of its fields (CollKey, framing).
+    pub msg_header_bytes: u64,
 }
 
 impl Default for CostModel {
@@ -68,6 +72,7 @@ impl Default for CostModel {
             copy_fixed_intra_ns: 400,
             inter_node_bytes_per_ns: 12,
             intra_node_bytes_per_ns: 48,
+            msg_header_bytes: 32,
         }
     }
 }
@@ -259,20 +264,44 @@ struct Op {
 }
 
 enum Input {
-    Post { op: usize, rank: Rank },
-    Msg { from: SpId, op: usize, msg: Msg<SimKey> },
-    CopyDone { op: usize, copy: Copy<SimKey>, fail: bool },
-    PeerLost { lost: SpId },
-    RankLost { world: u32 },
+    Post {
+        op: usize,
+        rank: Rank,
+    },
+    Msg {
+        from: SpId,
+        key: CollKey,
+        msg: Msg<SimKey>,
+    },
+    CopyDone {
+        op: usize,
+        copy: Copy<SimKey>,
+        fail: bool,
+    },
+    PeerLost {
+        lost: SpId,
+    },
+    RankLost {
+        world: u32,
+    },
 }
 
 enum Ev {
     /// An input reaches an SP's inbox.
-    Input { sp: SpId, input: Input },
+    Input {
+        sp: SpId,
+        input: Input,
+    },
     /// The SP takes the next input from its inbox.
-    SpRun { sp: SpId },
-    Crash { sp: SpId },
-    RankDeath { world: u32 },
+    SpRun {
+        sp: SpId,
+    },
+    Crash {
+        sp: SpId,
+    },
+    RankDeath {
+        world: u32,
+    },
 }
 
 struct SpState {
@@ -294,6 +323,9 @@ struct Sim<'a> {
     sps: Vec<SpState>,
     ops: Vec<Op>,
     inst: BTreeMap<(SpId, usize), Alltoallv<SimKey>>,
+    by_key: BTreeMap<CollKey, usize>,
+    /// Directed node-to-node link -> time it is free to send.
+    link_free: BTreeMap<(u32, u32), Nanos>,
     rank_node: Vec<u32>,
     rank_sp: Vec<SpId>,
     /// Per world rank: (op, comm rank) in op order.
@@ -318,7 +350,9 @@ impl<'a> Sim<'a> {
             what: what.to_string(),
         };
         if cfg.nodes == 0 || cfg.ranks_per_node == 0 || cfg.sps_per_node == 0 {
-            return Err(fail("invalid config: nodes, ranks_per_node, sps_per_node must be > 0"));
+            return Err(fail(
+                "invalid config: nodes, ranks_per_node, sps_per_node must be > 0",
+            ));
         }
         let mut setup = Rng::new(cfg.seed);
         let rng = setup.fork();
@@ -371,7 +405,11 @@ impl<'a> Sim<'a> {
             let p = op.world.len() as u64;
             let (d, s) = (setup.below(p) as usize, setup.below(p) as usize);
             let c = op.recv_counts[d][s];
-            op.recv_counts[d][s] = if c > 0 && setup.chance(1, 2) { c - 1 } else { c + 1 };
+            op.recv_counts[d][s] = if c > 0 && setup.chance(1, 2) {
+                c - 1
+            } else {
+                c + 1
+            };
             Self::layout_recv(&mut setup, op, d);
         }
         if cfg.faults.count_mismatches > 0 {
@@ -417,6 +455,8 @@ impl<'a> Sim<'a> {
             sps,
             ops,
             inst: BTreeMap::new(),
+            by_key: BTreeMap::new(),
+            link_free: BTreeMap::new(),
             rank_node,
             rank_sp,
             rank_ops,
@@ -431,6 +471,12 @@ impl<'a> Sim<'a> {
             bytes_inter: 0,
             max_in_flight: 0,
         };
+        sim.by_key = sim
+            .ops
+            .iter()
+            .enumerate()
+            .map(|(i, o)| (o.key, i))
+            .collect();
         // Posts.
         for wr in 0..w {
             let mut last = 0;
@@ -447,7 +493,13 @@ impl<'a> Sim<'a> {
                 let t = (base + sim.post_delay(wr)).max(last);
                 last = t;
                 let sp = sim.rank_sp[wr as usize];
-                sim.schedule(t, Ev::Input { sp, input: Input::Post { op, rank } });
+                sim.schedule(
+                    t,
+                    Ev::Input {
+                        sp,
+                        input: Input::Post { op, rank },
+                    },
+                );
             }
         }
         // Faults.
@@ -631,7 +683,13 @@ impl<'a> Sim<'a> {
                         }
                     }
                     let sp = self.rank_sp[world as usize];
-                    self.schedule(t, Ev::Input { sp, input: Input::RankLost { world } });
+                    self.schedule(
+                        t,
+                        Ev::Input {
+                            sp,
+                            input: Input::RankLost { world },
+                        },
+                    );
                 }
             }
         }
@@ -698,18 +756,24 @@ impl<'a> Sim<'a> {
                     recv_displs: o.recv_displs[r].clone(),
                 };
                 if let Err(e) = self.instance(sp, op).handle_post(now, post) {
-                    return Err(self.fail(format!("op {op} rank {rank} on SP {sp}: post rejected: {e}")));
+                    return Err(self.fail(format!(
+                        "op {op} rank {rank} on SP {sp}: post rejected: {e}"
+                    )));
                 }
                 touched.push(op);
             }
-            Input::Msg { from, op, msg } => {
+            Input::Msg { from, key, msg } => {
+                // Demultiplex by CollKey, as the SP does.
+                let Some(&op) = self.by_key.get(&key) else {
+                    return Err(self.fail(format!("message for unknown collective {key:?}")));
+                };
                 if self.sps[sp as usize].known_lost.contains(&from) {
                     return Ok(()); // the connection to `from` is gone
                 }
-                let shown = format!("{msg:?}");
+                let shown = msg.clone();
                 if let Err(e) = self.instance(sp, op).handle_msg(now, from, msg) {
                     return Err(self.fail(format!(
-                        "op {op}: SP {sp} rejected {shown} from SP {from}: {e}"
+                        "op {op}: SP {sp} rejected {shown:?} from SP {from}: {e}"
                     )));
                 }
                 touched.push(op);
@@ -762,17 +826,24 @@ impl<'a> Sim<'a> {
                         return Err(self.fail(format!("op {op}: SP {sp} sent to unknown SP {to}")));
                     }
                     self.messages += 1;
-                    let lat = if self.sp_node(sp) == self.sp_node(to) {
-                        self.cfg.cost.intra_node_latency_ns
+                    let link = (self.sp_node(sp), self.sp_node(to));
+                    let c = &self.cfg.cost;
+                    let (lat, bw) = if link.0 == link.1 {
+                        (c.intra_node_latency_ns, c.intra_node_bytes_per_ns)
                     } else {
-                        self.cfg.cost.inter_node_latency_ns
+                        (c.inter_node_latency_ns, c.inter_node_bytes_per_ns)
                     };
+                    let wire = c.msg_header_bytes + Self::msg_bytes(&msg);
+                    let free = self.link_free.entry(link).or_insert(0);
+                    let departed = (*free).max(out) + wire.div_ceil(bw.max(1));
+                    *free = departed;
                     let jitter = self.rng.range(0, self.cfg.faults.msg_jitter_ns);
+                    let key = self.ops[op].key;
                     self.schedule(
-                        out + lat + jitter,
+                        departed + lat + jitter,
                         Ev::Input {
                             sp: to,
-                            input: Input::Msg { from: sp, op, msg },
+                            input: Input::Msg { from: sp, key, msg },
                         },
                     );
                 }
@@ -792,6 +863,16 @@ impl<'a> Sim<'a> {
         Ok(())
     }
 
+    /// Size of the message's fields on the wire (the SimKey standing in for
+    /// a 16-byte remote key descriptor).
+    fn msg_bytes(msg: &Msg<SimKey>) -> u64 {
+        match msg {
+            Msg::Announce { .. } => 4 + 4 + 16 + 8 + 8,
+            Msg::Ack { .. } => 4 + 4 + 1,
+            Msg::Abort { .. } => 1,
+        }
+    }
+
     fn complete(
         &mut self,
         sp: SpId,
@@ -803,7 +884,9 @@ impl<'a> Sim<'a> {
         let o = &self.ops[op];
         let r = rank as usize;
         if o.members.get(r) != Some(&sp) {
-            return Err(self.fail(format!("op {op}: SP {sp} completed rank {rank} it does not serve")));
+            return Err(self.fail(format!(
+                "op {op}: SP {sp} completed rank {rank} it does not serve"
+            )));
         }
         if o.post_ns[r].is_none() {
             return Err(self.fail(format!("op {op}: rank {rank} completed without posting")));
@@ -902,8 +985,14 @@ impl<'a> Sim<'a> {
         }
         let src_len = o.send_buf[c.src_rank as usize].len() as u64;
         let dst_len = o.recv_buf[c.dst_rank as usize].len() as u64;
-        let src_ok = c.src_offset.checked_add(c.len).is_some_and(|e| e <= src_len);
-        let dst_ok = c.dst_offset.checked_add(c.len).is_some_and(|e| e <= dst_len);
+        let src_ok = c
+            .src_offset
+            .checked_add(c.len)
+            .is_some_and(|e| e <= src_len);
+        let dst_ok = c
+            .dst_offset
+            .checked_add(c.len)
+            .is_some_and(|e| e <= dst_len);
         if !src_ok || !dst_ok {
             return Err(self.fail(format!(
                 "op {op}: copy out of bounds (send buffer {src_len} bytes, receive buffer {dst_len} bytes): {c:?}"
@@ -912,7 +1001,12 @@ impl<'a> Sim<'a> {
         Ok(())
     }
 
-    fn check_buffers_open(&self, op: usize, c: &Copy<SimKey>, when: &str) -> Result<(), SimFailure> {
+    fn check_buffers_open(
+        &self,
+        op: usize,
+        c: &Copy<SimKey>,
+        when: &str,
+    ) -> Result<(), SimFailure> {
         let o = &self.ops[op];
         for (rank, what) in [(c.src_rank, "send"), (c.dst_rank, "receive")] {
             if let Some((t, _)) = o.done[rank as usize] {
@@ -950,10 +1044,17 @@ impl<'a> Sim<'a> {
                 let w = o.world[r];
                 let sp = o.members[r];
                 let what = format!("op {i} ({:?}) rank {r} (world {w}, SP {sp})", o.key);
-                let must_complete =
-                    !crashed.contains(&sp) && !(self.host_dead[w as usize] && o.post_ns[r].is_none());
-                match o.done[r] {
-                    None if must_complete => {
+                // A rank of a crashed SP may never complete; a dead host
+                // that never posted has nothing to complete.
+                let exempt =
+                    crashed.contains(&sp) || (self.host_dead[w as usize] && o.post_ns[r].is_none());
+                let status = match o.done[r] {
+                    Some((_, st)) => st,
+                    None if exempt => {
+                        self.check_recv_buffer(i, r, false)?;
+                        continue;
+                    }
+                    None => {
                         let inst = self.inst.get(&(sp, i));
                         return Err(self.fail(format!(
                             "{what} never completed (posted: {:?}, instance: {}) -- deadlock",
@@ -966,25 +1067,24 @@ impl<'a> Sim<'a> {
                             )),
                         )));
                     }
-                    Some((_, st)) if !st.is_ok() && !o.disturbed && o.mismatch.is_empty() => {
-                        return Err(self.fail(format!("{what}: {st} in a fault-free collective")));
-                    }
-                    Some((_, st)) if !o.disturbed && o.mismatch.contains(&(r as Rank)) => {
-                        if st != Status::CountMismatch {
-                            return Err(self.fail(format!("{what}: {st}, expected CountMismatch")));
-                        }
-                    }
-                    Some((_, st)) if !o.disturbed && !o.mismatch.contains(&(r as Rank)) => {
-                        if !st.is_ok() {
-                            return Err(self.fail(format!(
-                                "{what}: {st}, only a count mismatch elsewhere happened"
-                            )));
-                        }
-                    }
-                    Some((_, st)) if st.is_ok() && o.forced_error.contains(&(r as Rank)) => {
-                        return Err(self.fail(format!("{what}: Ok despite a fault on its blocks")));
-                    }
-                    _ => {}
+                };
+                let rank = r as Rank;
+                let expected = if o.disturbed {
+                    None // anything, but see forced_error below
+                } else if o.mismatch.contains(&rank) {
+                    Some(Status::CountMismatch)
+                } else {
+                    Some(Status::Ok)
+                };
+                if expected.is_some_and(|e| e != status) {
+                    return Err(self.fail(format!(
+                        "{what}: {status}, expected {} (mismatched ranks: {:?})",
+                        expected.unwrap_or(Status::Ok),
+                        o.mismatch
+                    )));
+                }
+                if status.is_ok() && o.forced_error.contains(&rank) {
+                    return Err(self.fail(format!("{what}: Ok despite a fault on its blocks")));
                 }
                 let exact = matches!(o.done[r], Some((_, Status::Ok)));
                 self.check_recv_buffer(i, r, exact)?;
@@ -1074,7 +1174,11 @@ impl<'a> Sim<'a> {
             bytes_copied_intra_node: self.bytes_intra,
             bytes_copied_inter_node: self.bytes_inter,
             max_in_flight: self.max_in_flight,
-            late_announcements: self.inst.values().map(|a| a.stats().late_announcements).sum(),
+            late_announcements: self
+                .inst
+                .values()
+                .map(|a| a.stats().late_announcements)
+                .sum(),
             error_completions,
             crashed_sps: self.crashed.clone(),
             dead_ranks: self.dead.clone(),
