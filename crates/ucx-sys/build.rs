@@ -15,6 +15,9 @@ use std::path::{Path, PathBuf};
 
 const MIN_UCX_VERSION: &str = "1.12";
 
+/// A way of finding UCX: what it found, or why it did not.
+type Probe = fn() -> Result<Found, String>;
+
 struct Found {
     include_paths: Vec<PathBuf>,
     how: String,
@@ -70,10 +73,7 @@ fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-env-changed=UCX_DIR");
 
-    let probes: [(&str, fn() -> Result<Found, String>); 2] = [
-        ("UCX_DIR", probe_ucx_dir),
-        ("pkg-config", probe_pkg_config),
-    ];
+    let probes: [(&str, Probe); 2] = [("UCX_DIR", probe_ucx_dir), ("pkg-config", probe_pkg_config)];
     let mut reasons = Vec::new();
     let mut found = None;
     for (name, probe) in probes {

@@ -246,7 +246,10 @@ impl Drop for Endpoint {
         let req = unsafe { raw::ucp_ep_close_nbx(self.handle, &param) };
         if !ptr_is_ptr(req) {
             let st = ptr_status(req);
-            debug_assert!(!st.is_err() || st == Status::ERR_CANCELED, "ucp_ep_close_nbx: {st}");
+            debug_assert!(
+                !st.is_err() || st == Status::ERR_CANCELED,
+                "ucp_ep_close_nbx: {st}"
+            );
             return;
         }
         let start = Instant::now();

@@ -28,27 +28,32 @@
 //! # Transports for memory whose owner never progresses
 //!
 //! A host MPI rank registers its buffer and then does not progress its UCX
-//! worker while the service process reads and writes that buffer, so only
-//! transports that do one-sided RMA without target-side software are usable.
-//! On a single machine with the transports of Debian's UCX 1.13.1 (self,
-//! tcp, sysv, posix, cma), the two-process test in `tests/two_process.rs`
-//! establishes:
+//! worker while the service process reads and writes it, so only one-sided
+//! paths are usable. With Debian's UCX 1.13.1 on one machine (transports
+//! self, tcp, sysv, posix, cma), `tests/two_process.rs` establishes:
 //!
-//! * `UCX_TLS=cma,tcp` (or `cma,tcp,self`): works. Wire-up of the endpoint
-//!   goes over tcp without the target's involvement (UCX's unified-mode
-//!   address carries everything the initiator needs), and the get/put are
-//!   `process_vm_readv`/`process_vm_writev` zero-copy transfers done by the
-//!   initiator alone. Needs ptrace permission over the target process
-//!   (same uid and `kernel.yama.ptrace_scope` 0 or 1 with a parent/child
-//!   relation or `PR_SET_PTRACER`).
-//! * `UCX_TLS=tcp` alone: RMA over tcp is emulated with active messages, so
-//!   it completes only while the target progresses its worker. Unusable for
-//!   a host that never progresses.
-//! * `sysv`/`posix` provide no remote keys for user memory mapped with
-//!   [`MemHandle::map`], so they do not help for host buffers.
+//! * **Works without target progress:** memory the target got from
+//!   [`MemHandle::allocate`] (UCX allocates it from the sysv or posix memory
+//!   domain), reached with `UCX_TLS` = `sysv,posix`, `posix`, `sysv`, `sm`,
+//!   or `tcp,sysv,posix` (also the default `all`), on an endpoint with
+//!   [`ErrorHandling::None`]. Gets complete immediately as loads from the
+//!   attached segment.
+//! * **Needs target progress:** memory registered with [`MemHandle::map`]
+//!   (any user buffer, which is what an MPI rank hands over). `cma` cannot
+//!   be a UCP RMA lane in 1.13 (it has only zero-copy get/put, no put-short
+//!   or bcopy, which RMA lanes require), and sysv/posix cannot register
+//!   foreign memory, so UCP falls back to software emulation over active
+//!   messages (tcp or shm), which only completes while the target
+//!   progresses. `UCX_PROTO_ENABLE=y` does not change this in 1.13.
+//! * **Needs target progress:** any endpoint with [`ErrorHandling::Peer`]:
+//!   sysv/posix cannot detect peer failure, so they are excluded (with only
+//!   them enabled, endpoint creation fails with "unreachable") and the
+//!   operations run over tcp emulation plus a wire-up/keepalive handshake.
 //!
-//! On a BlueField the RMA path will be an RDMA transport (`rc`/`dc`, and the
-//! cross-GVMI memory export that needs UCX >= 1.15); those are also one-sided.
+//! So on this machine a host that never progresses must put the data it
+//! exposes into UCX-allocated memory. On a BlueField, RDMA transports
+//! (`rc`/`dc`) register user memory and are one-sided; the cross-GVMI path
+//! additionally needs `UCP_FEATURE_EXPORTED_MEMH` (UCX >= 1.15).
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]

@@ -46,8 +46,13 @@ impl MemHandle {
         unsafe { Self::map_params(context, &params) }
     }
 
-    /// Lets UCX allocate and register `len` bytes. The memory is freed on
-    /// drop; [`MemHandle::address`] gives its location.
+    /// Lets UCX allocate and register `len` bytes (possibly rounded up; see
+    /// [`MemHandle::len`]). The memory is freed on drop;
+    /// [`MemHandle::address`] gives its location.
+    ///
+    /// With UCX 1.13 this is the only kind of memory a peer can reach over
+    /// shared memory without this process progressing its worker (see the
+    /// crate docs).
     pub fn allocate(context: &Rc<Context>, len: usize) -> Result<MemHandle> {
         let params = raw::ucp_mem_map_params_t {
             field_mask: (raw::UCP_MEM_MAP_PARAM_FIELD_ADDRESS
@@ -193,7 +198,11 @@ impl RemoteKey {
         // SAFETY: the endpoint is alive; the caller guarantees packed is a
         // well-formed key; handle is a valid out-pointer.
         let st = unsafe {
-            raw::ucp_ep_rkey_unpack(endpoint.as_raw(), packed.as_ptr() as *const c_void, &mut handle)
+            raw::ucp_ep_rkey_unpack(
+                endpoint.as_raw(),
+                packed.as_ptr() as *const c_void,
+                &mut handle,
+            )
         };
         Status(st).check("ucp_ep_rkey_unpack")?;
         Ok(RemoteKey {

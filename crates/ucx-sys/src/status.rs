@@ -158,7 +158,11 @@ mod tests {
         assert!(!ptr_is_err(null) && !ptr_is_ptr(null));
         assert_eq!(ptr_status(null), Status::OK);
 
-        for code in [raw::UCS_ERR_NO_MESSAGE, raw::UCS_ERR_BUSY, raw::UCS_ERR_LAST] {
+        for code in [
+            raw::UCS_ERR_NO_MESSAGE,
+            raw::UCS_ERR_BUSY,
+            raw::UCS_ERR_LAST,
+        ] {
             let p = code as isize as usize as raw::ucs_status_ptr_t;
             assert!(ptr_is_err(p), "{code}");
             assert!(!ptr_is_ptr(p), "{code}");

@@ -6,8 +6,9 @@
 //! # Joining a mio (or any epoll) loop
 //!
 //! Create the context with [`Features::WAKEUP`](crate::Features::WAKEUP) and
-//! register [`Worker::event_fd`] for readability (it is level-style: UCX
-//! owns the fd, never read from or close it). Then:
+//! register [`Worker::event_fd`] for readability, e.g. with
+//! `mio::unix::SourceFd` (UCX owns the fd: never read from or close it).
+//! Then:
 //!
 //! 1. On readiness, call [`Worker::progress`] until it returns 0.
 //! 2. Call [`Worker::arm`]. If it returns `Ok(true)` the fd is armed and you
@@ -15,9 +16,11 @@
 //!    events arrived in between: go back to step 1 without waiting.
 //!
 //! Arm before every wait; a wait without a successful arm may sleep forever.
-//! Note that RMA against a peer does not need the *peer* to progress on the
-//! transports listed in the crate docs, but the local worker must always be
-//! progressed for local requests to complete.
+//! Whether the *peer* has to progress depends on the memory and transport
+//! (see the crate docs); the local worker must always be progressed for
+//! local requests to complete. An operation may also complete inside the
+//! `*_nbx` call itself (a shared-memory get does), so check the returned
+//! [`Request`](crate::Request) right away instead of waiting for readiness.
 
 use std::os::fd::RawFd;
 use std::ptr;
@@ -130,6 +133,8 @@ impl Drop for Worker {
 
 impl std::fmt::Debug for Worker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Worker").field("handle", &self.handle).finish()
+        f.debug_struct("Worker")
+            .field("handle", &self.handle)
+            .finish()
     }
 }

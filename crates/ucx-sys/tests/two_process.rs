@@ -60,7 +60,10 @@ impl Peer {
         let (mut addr, mut rkey, mut buf, mut len) = (Vec::new(), Vec::new(), 0, 0);
         loop {
             let mut line = String::new();
-            assert!(stdout.read_line(&mut line).unwrap() > 0, "peer exited early");
+            assert!(
+                stdout.read_line(&mut line).unwrap() > 0,
+                "peer exited early"
+            );
             let line = line.trim();
             // UCX logs to stdout too (UCX_LOG_LEVEL); skip what is not ours.
             match line.split_once(' ') {
@@ -147,7 +150,7 @@ fn get_check_put_flush(ep: &Rc<Endpoint>, rkey: &RemoteKey, peer: &Peer) {
 
 #[test]
 fn ucx_allocated_memory_needs_no_target_progress() {
-    for tls in ["sysv,posix", "posix", "sysv", "sm", "tcp,sysv,posix"] {
+    for tls in ["sysv,posix", "posix", "sysv", "sm", "tcp,sysv,posix", "all"] {
         let peer = Peer::spawn(tls, &["--alloc", "100000"]);
         let (ep, rkey) = connect(tls, &peer, ErrorHandling::None);
         get_check_put_flush(&ep, &rkey, &peer);
@@ -184,12 +187,18 @@ fn registered_user_memory_needs_target_progress() {
         // wait below), and outlives it.
         let mut req = unsafe { ep.get_nbx(buf.as_mut_ptr(), buf.len(), peer.buf, &rkey) }.unwrap();
         let done = req.wait_timeout(Duration::from_millis(500)).unwrap();
-        assert!(!done, "{tls}: get completed although the target never progressed");
+        assert!(
+            !done,
+            "{tls}: get completed although the target never progressed"
+        );
 
         peer.send("progress");
         assert!(req.wait_timeout(Duration::from_secs(30)).unwrap(), "{tls}");
         drop(req);
-        assert_eq!(buf[..8], (0..8).map(|i| pattern(0, i)).collect::<Vec<_>>()[..]);
+        assert_eq!(
+            buf[..8],
+            (0..8).map(|i| pattern(0, i)).collect::<Vec<_>>()[..]
+        );
 
         get_check_put_flush(&ep, &rkey, &peer);
         drop((rkey, ep));

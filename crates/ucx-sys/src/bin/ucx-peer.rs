@@ -24,7 +24,10 @@ use std::os::fd::AsRawFd;
 use ucx_sys::{Context, Features, MemHandle, Worker};
 
 fn pattern(seed: u8, i: usize) -> u8 {
-    (i as u8).wrapping_mul(31).wrapping_add(seed.wrapping_mul(101)).wrapping_add(7)
+    (i as u8)
+        .wrapping_mul(31)
+        .wrapping_add(seed.wrapping_mul(101))
+        .wrapping_add(7)
 }
 
 fn hex(bytes: &[u8]) -> String {
