@@ -15,9 +15,11 @@ const DEFAULT_SIZES: &str = "1K,4K,16K,64K,256K,1M,4M";
 #[command(
     name = "coll-bench",
     version,
-    about = "Benchmarks for nonblocking MPI collectives (run under mpirun).",
-    long_about = "Benchmarks for nonblocking MPI collectives. An ordinary MPI program: run it under \
-                  mpirun, natively or with the host shim LD_PRELOADed; the same binary serves both."
+    about = "Benchmarks for nonblocking MPI collectives (`overlap` runs under mpirun).",
+    long_about = "Benchmarks for nonblocking MPI collectives. An ordinary MPI program: run \
+                  `overlap` under mpirun, natively or with the host shim LD_PRELOADed (the same \
+                  binary serves both); `compare` puts a native and an offloaded result side by \
+                  side and needs no MPI."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -42,6 +44,30 @@ enum Command {
     /// compute_us, overlap_pct, validated, iters, warmup, mode ("offload" if LD_PRELOAD
     /// contains host_shim, else "native") and design (null).
     Overlap(OverlapArgs),
+
+    /// Compares a native and an offloaded `overlap --json` run, size by size.
+    ///
+    /// Joins the two JSON Lines files on (coll, bytes) and prints, per size: pure_us,
+    /// overall_us and overlap_pct of both, the pure-latency ratio native/offload (above 1 means
+    /// the offload is faster) and whether both runs validated. Sizes present in only one file
+    /// are listed too. Exit code 1 if a row did not validate or is missing on one side. Needs
+    /// no MPI: run it directly, not under mpirun.
+    Compare(CompareArgs),
+}
+
+#[derive(Args, Debug)]
+struct CompareArgs {
+    /// JSON Lines file of the native run.
+    #[arg(long, value_name = "FILE")]
+    native: PathBuf,
+
+    /// JSON Lines file of the offloaded run.
+    #[arg(long, value_name = "FILE")]
+    offload: PathBuf,
+
+    /// Print a Markdown table instead of plain text.
+    #[arg(long)]
+    markdown: bool,
 }
 
 /// Collectives known to the command line. Only the alltoall family is implemented so far; the
@@ -433,9 +459,147 @@ fn overlap(args: OverlapArgs) -> i32 {
     }
 }
 
+fn read_rows(path: &PathBuf) -> Result<Vec<serde_json::Value>, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, l)| {
+            serde_json::from_str(l)
+                .map_err(|e| format!("{}:{}: not JSON: {e}", path.display(), i + 1))
+        })
+        .collect()
+}
+
+fn compare(args: CompareArgs) -> i32 {
+    let (native, offload) = match (read_rows(&args.native), read_rows(&args.offload)) {
+        (Ok(n), Ok(o)) => (n, o),
+        (Err(e), _) | (_, Err(e)) => {
+            eprintln!("coll-bench compare: {e}");
+            return 2;
+        }
+    };
+    let key = |r: &serde_json::Value| {
+        (
+            r["coll"].as_str().unwrap_or("?").to_string(),
+            r["bytes"].as_u64().unwrap_or(0),
+        )
+    };
+    let mut keys: Vec<(String, u64)> = native.iter().chain(&offload).map(key).collect();
+    keys.sort();
+    keys.dedup();
+    let find =
+        |rows: &[serde_json::Value], k: &(String, u64)| rows.iter().find(|r| key(r) == *k).cloned();
+    let num = |r: &Option<serde_json::Value>, f: &str| r.as_ref().and_then(|r| r[f].as_f64());
+    let cell = |v: Option<f64>, prec: usize| v.map_or("-".to_string(), |v| format!("{v:.prec$}"));
+    let header = [
+        "coll",
+        "bytes",
+        "native_pure_us",
+        "offload_pure_us",
+        "pure_ratio",
+        "native_overall_us",
+        "offload_overall_us",
+        "native_overlap_pct",
+        "offload_overlap_pct",
+        "validated",
+    ];
+    let mut lines: Vec<Vec<String>> = Vec::new();
+    let mut ok = true;
+    for k in &keys {
+        let (n, o) = (find(&native, k), find(&offload, k));
+        let valid =
+            |r: &Option<serde_json::Value>| r.as_ref().is_some_and(|r| r["validated"] == true);
+        let both_valid = valid(&n) && valid(&o);
+        ok &= both_valid;
+        let ratio = match (num(&n, "pure_us"), num(&o, "pure_us")) {
+            (Some(a), Some(b)) if b > 0.0 => Some(a / b),
+            _ => None,
+        };
+        let validated = match (&n, &o) {
+            (Some(_), Some(_)) => both_valid.to_string(),
+            (None, _) => "no native row".into(),
+            (_, None) => "no offload row".into(),
+        };
+        lines.push(vec![
+            k.0.clone(),
+            k.1.to_string(),
+            cell(num(&n, "pure_us"), 2),
+            cell(num(&o, "pure_us"), 2),
+            cell(ratio, 2),
+            cell(num(&n, "overall_us"), 2),
+            cell(num(&o, "overall_us"), 2),
+            cell(num(&n, "overlap_pct"), 1),
+            cell(num(&o, "overlap_pct"), 1),
+            validated,
+        ]);
+    }
+    let ctx = |rows: &[serde_json::Value]| {
+        rows.first().map_or("-".to_string(), |r| {
+            format!(
+                "ranks={} nodes={} mode={}",
+                r["ranks"],
+                r["nodes"],
+                r["mode"].as_str().unwrap_or("?")
+            )
+        })
+    };
+    if args.markdown {
+        println!(
+            "Native: {}; offload: {}. pure_ratio = native pure_us / offload pure_us.",
+            ctx(&native),
+            ctx(&offload)
+        );
+        println!();
+        println!("| {} |", header.join(" | "));
+        println!(
+            "|{}|",
+            header.iter().map(|_| "---").collect::<Vec<_>>().join("|")
+        );
+        for l in &lines {
+            println!("| {} |", l.join(" | "));
+        }
+    } else {
+        println!(
+            "# native: {}; offload: {}; pure_ratio = native/offload",
+            ctx(&native),
+            ctx(&offload)
+        );
+        let widths: Vec<usize> = (0..header.len())
+            .map(|i| {
+                lines
+                    .iter()
+                    .map(|l| l[i].len())
+                    .chain([header[i].len()])
+                    .max()
+                    .unwrap_or(0)
+            })
+            .collect();
+        let row = |cells: Vec<&str>| {
+            cells
+                .iter()
+                .zip(&widths)
+                .map(|(c, w)| format!("{c:>w$}"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        println!("{}", row(header.to_vec()));
+        for l in &lines {
+            println!("{}", row(l.iter().map(String::as_str).collect()));
+        }
+    }
+    if !ok {
+        eprintln!("coll-bench compare: some sizes did not validate or are missing on one side");
+        return 1;
+    }
+    0
+}
+
 fn main() {
     let cli = Cli::parse();
     let code = match cli.command {
+        Command::Compare(args) => compare(args),
         Command::Overlap(args) => {
             if !args.coll.implemented() {
                 eprintln!(
@@ -474,7 +638,9 @@ mod tests {
             "1K,4M",
         ])
         .unwrap();
-        let Command::Overlap(a) = cli.command;
+        let Command::Overlap(a) = cli.command else {
+            panic!("not overlap")
+        };
         assert_eq!(a.sizes, vec![1024, 4 << 20]);
         assert!(Cli::try_parse_from(["coll-bench", "overlap", "--coll", "nope"]).is_err());
         assert!(Cli::try_parse_from([
