@@ -1,1 +1,437 @@
-//! host-shim (placeholder; being written).
+//! `libhost_shim.so` is LD_PRELOADed into unmodified MPI programs and, through PMPI
+//! interposition, hands their `MPI_Alltoallv` / `MPI_Alltoall` (blocking and nonblocking) to the
+//! rank's service process (SP): it posts a descriptor over a Unix socket with grants on the
+//! buffers, and completes the request when the SP writes a completion token into the rank's
+//! mailbox; it intercepts the whole Wait/Test family so its requests and native ones mix
+//! freely. It never changes what a program computes: anything it does not support (an
+//! intercommunicator, `MPI_IN_PLACE`, a non-contiguous datatype, no SP reachable on some rank)
+//! goes to the native `PMPI_*` function unchanged, it never lets a panic cross into C, never
+//! starts before `MPI_Init` (no ELF constructor), and never touches memory the program did not
+//! name in a call.
+//!
+//! Environment: `SPOFF_CLUSTER` (path of the cluster description; unset = native),
+//! `SPOFF_OFFLOAD=0` (native), `SPOFF_JOB_ID` (u64; otherwise rank 0 draws one),
+//! `SPOFF_VERBOSE=1` (a line per rank on activation).
+//!
+//! Module map: `boundary` (the C boundary), `state` (start-up state machine, shared state,
+//! shutdown), `conn` (the SP connection), `comm` (communicator ids), `coll` (posting
+//! collectives), `request` + `registry` + `slots` (request objects, handle classification,
+//! mailbox slots), `wait` + `backoff` (the Wait/Test family), `layout` (byte arithmetic).
+#![deny(unsafe_op_in_unsafe_fn)]
+// The exported functions keep MPI's names and signatures.
+#![allow(non_snake_case, clippy::missing_safety_doc, clippy::too_many_arguments)]
+
+mod boundary;
+mod coll;
+mod comm;
+mod conn;
+mod request;
+mod state;
+mod wait;
+
+pub mod backoff;
+pub mod layout;
+pub mod registry;
+pub mod slots;
+
+use boundary::{boundary, Flow};
+use coll::Offload;
+use mpi_ffi as ffi;
+use mpi_ffi::consts;
+use std::os::raw::{c_char, c_int, c_void};
+
+pub use state::{state as shim_state, State};
+
+#[no_mangle]
+pub unsafe extern "C" fn MPI_Init(argc: *mut c_int, argv: *mut *mut *mut c_char) -> c_int {
+    boundary(
+        "MPI_Init",
+        // SAFETY: the caller's arguments, passed on unchanged.
+        || unsafe { ffi::PMPI_Init(argc, argv) },
+        |commit| {
+            // SAFETY: as above.
+            let rc = unsafe { ffi::PMPI_Init(argc, argv) };
+            commit.mark();
+            if rc == consts::SUCCESS() {
+                // SAFETY: MPI is initialised, on this thread.
+                unsafe { state::start() };
+            }
+            Flow::Done(rc)
+        },
+    )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn MPI_Init_thread(
+    argc: *mut c_int,
+    argv: *mut *mut *mut c_char,
+    required: c_int,
+    provided: *mut c_int,
+) -> c_int {
+    boundary(
+        "MPI_Init_thread",
+        // SAFETY: the caller's arguments, passed on unchanged.
+        || unsafe { ffi::PMPI_Init_thread(argc, argv, required, provided) },
+        |commit| {
+            // SAFETY: as above.
+            let rc = unsafe { ffi::PMPI_Init_thread(argc, argv, required, provided) };
+            commit.mark();
+            if rc == consts::SUCCESS() {
+                // SAFETY: MPI is initialised, on this thread.
+                unsafe { state::start() };
+            }
+            Flow::Done(rc)
+        },
+    )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn MPI_Finalize() -> c_int {
+    boundary(
+        "MPI_Finalize",
+        // SAFETY: no arguments.
+        || unsafe { ffi::PMPI_Finalize() },
+        |_| {
+            // SAFETY: MPI is initialised (MPI_Finalize precondition).
+            unsafe { state::finish() };
+            Flow::Native
+        },
+    )
+}
+
+/// Completes a nonblocking entry point from the offload outcome.
+unsafe fn nonblocking(outcome: Offload, request: *mut ffi::MPI_Request) -> Flow {
+    match outcome {
+        Offload::Native => Flow::Native,
+        Offload::Posted(addr) => {
+            // SAFETY: the caller's request slot (checked non-null before offloading).
+            unsafe { *request = addr as ffi::MPI_Request };
+            Flow::Done(consts::SUCCESS())
+        }
+        Offload::Failed(rc) => {
+            // SAFETY: as above.
+            unsafe { *request = consts::REQUEST_NULL() };
+            Flow::Done(rc)
+        }
+    }
+}
+
+fn blocking(outcome: Offload) -> Flow {
+    match outcome {
+        Offload::Native => Flow::Native,
+        Offload::Posted(addr) => Flow::Done(wait::wait_and_release(addr)),
+        Offload::Failed(rc) => Flow::Done(rc),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn MPI_Ialltoallv(
+    sendbuf: *const c_void,
+    sendcounts: *const c_int,
+    sdispls: *const c_int,
+    sendtype: ffi::MPI_Datatype,
+    recvbuf: *mut c_void,
+    recvcounts: *const c_int,
+    rdispls: *const c_int,
+    recvtype: ffi::MPI_Datatype,
+    comm: ffi::MPI_Comm,
+    request: *mut ffi::MPI_Request,
+) -> c_int {
+    boundary(
+        "MPI_Ialltoallv",
+        // SAFETY: the caller's arguments, passed on unchanged.
+        || unsafe {
+            ffi::PMPI_Ialltoallv(
+                sendbuf, sendcounts, sdispls, sendtype, recvbuf, recvcounts, rdispls, recvtype,
+                comm, request,
+            )
+        },
+        |commit| {
+            if request.is_null() {
+                return Flow::Native;
+            }
+            // SAFETY: the caller's arguments (MPI preconditions).
+            unsafe {
+                let outcome = coll::alltoallv(
+                    sendbuf, sendcounts, sdispls, sendtype, recvbuf, recvcounts, rdispls,
+                    recvtype, comm, commit,
+                );
+                nonblocking(outcome, request)
+            }
+        },
+    )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn MPI_Alltoallv(
+    sendbuf: *const c_void,
+    sendcounts: *const c_int,
+    sdispls: *const c_int,
+    sendtype: ffi::MPI_Datatype,
+    recvbuf: *mut c_void,
+    recvcounts: *const c_int,
+    rdispls: *const c_int,
+    recvtype: ffi::MPI_Datatype,
+    comm: ffi::MPI_Comm,
+) -> c_int {
+    boundary(
+        "MPI_Alltoallv",
+        // SAFETY: the caller's arguments, passed on unchanged.
+        || unsafe {
+            ffi::PMPI_Alltoallv(
+                sendbuf, sendcounts, sdispls, sendtype, recvbuf, recvcounts, rdispls, recvtype,
+                comm,
+            )
+        },
+        |commit| {
+            // SAFETY: the caller's arguments (MPI preconditions).
+            blocking(unsafe {
+                coll::alltoallv(
+                    sendbuf, sendcounts, sdispls, sendtype, recvbuf, recvcounts, rdispls,
+                    recvtype, comm, commit,
+                )
+            })
+        },
+    )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn MPI_Ialltoall(
+    sendbuf: *const c_void,
+    sendcount: c_int,
+    sendtype: ffi::MPI_Datatype,
+    recvbuf: *mut c_void,
+    recvcount: c_int,
+    recvtype: ffi::MPI_Datatype,
+    comm: ffi::MPI_Comm,
+    request: *mut ffi::MPI_Request,
+) -> c_int {
+    boundary(
+        "MPI_Ialltoall",
+        // SAFETY: the caller's arguments, passed on unchanged.
+        || unsafe {
+            ffi::PMPI_Ialltoall(
+                sendbuf, sendcount, sendtype, recvbuf, recvcount, recvtype, comm, request,
+            )
+        },
+        |commit| {
+            if request.is_null() {
+                return Flow::Native;
+            }
+            // SAFETY: the caller's arguments (MPI preconditions).
+            unsafe {
+                let outcome = coll::alltoall(
+                    sendbuf, sendcount, sendtype, recvbuf, recvcount, recvtype, comm, commit,
+                );
+                nonblocking(outcome, request)
+            }
+        },
+    )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn MPI_Alltoall(
+    sendbuf: *const c_void,
+    sendcount: c_int,
+    sendtype: ffi::MPI_Datatype,
+    recvbuf: *mut c_void,
+    recvcount: c_int,
+    recvtype: ffi::MPI_Datatype,
+    comm: ffi::MPI_Comm,
+) -> c_int {
+    boundary(
+        "MPI_Alltoall",
+        // SAFETY: the caller's arguments, passed on unchanged.
+        || unsafe {
+            ffi::PMPI_Alltoall(sendbuf, sendcount, sendtype, recvbuf, recvcount, recvtype, comm)
+        },
+        |commit| {
+            // SAFETY: the caller's arguments (MPI preconditions).
+            blocking(unsafe {
+                coll::alltoall(
+                    sendbuf, sendcount, sendtype, recvbuf, recvcount, recvtype, comm, commit,
+                )
+            })
+        },
+    )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn MPI_Wait(
+    request: *mut ffi::MPI_Request,
+    status: *mut ffi::MPI_Status,
+) -> c_int {
+    boundary(
+        "MPI_Wait",
+        // SAFETY: the caller's arguments, passed on unchanged.
+        || unsafe { ffi::PMPI_Wait(request, status) },
+        // SAFETY: as above.
+        |commit| unsafe { wait::wait(request, status, commit) },
+    )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn MPI_Test(
+    request: *mut ffi::MPI_Request,
+    flag: *mut c_int,
+    status: *mut ffi::MPI_Status,
+) -> c_int {
+    boundary(
+        "MPI_Test",
+        // SAFETY: the caller's arguments, passed on unchanged.
+        || unsafe { ffi::PMPI_Test(request, flag, status) },
+        // SAFETY: as above.
+        |commit| unsafe { wait::test(request, flag, status, commit) },
+    )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn MPI_Waitall(
+    count: c_int,
+    array_of_requests: *mut ffi::MPI_Request,
+    array_of_statuses: *mut ffi::MPI_Status,
+) -> c_int {
+    boundary(
+        "MPI_Waitall",
+        // SAFETY: the caller's arguments, passed on unchanged.
+        || unsafe { ffi::PMPI_Waitall(count, array_of_requests, array_of_statuses) },
+        // SAFETY: as above.
+        |commit| unsafe { wait::waitall(count, array_of_requests, array_of_statuses, commit) },
+    )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn MPI_Testall(
+    count: c_int,
+    array_of_requests: *mut ffi::MPI_Request,
+    flag: *mut c_int,
+    array_of_statuses: *mut ffi::MPI_Status,
+) -> c_int {
+    boundary(
+        "MPI_Testall",
+        // SAFETY: the caller's arguments, passed on unchanged.
+        || unsafe { ffi::PMPI_Testall(count, array_of_requests, flag, array_of_statuses) },
+        // SAFETY: as above.
+        |commit| unsafe {
+            wait::testall(count, array_of_requests, flag, array_of_statuses, commit)
+        },
+    )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn MPI_Waitany(
+    count: c_int,
+    array_of_requests: *mut ffi::MPI_Request,
+    index: *mut c_int,
+    status: *mut ffi::MPI_Status,
+) -> c_int {
+    boundary(
+        "MPI_Waitany",
+        // SAFETY: the caller's arguments, passed on unchanged.
+        || unsafe { ffi::PMPI_Waitany(count, array_of_requests, index, status) },
+        // SAFETY: as above.
+        |commit| unsafe { wait::waitany(count, array_of_requests, index, status, commit) },
+    )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn MPI_Testany(
+    count: c_int,
+    array_of_requests: *mut ffi::MPI_Request,
+    index: *mut c_int,
+    flag: *mut c_int,
+    status: *mut ffi::MPI_Status,
+) -> c_int {
+    boundary(
+        "MPI_Testany",
+        // SAFETY: the caller's arguments, passed on unchanged.
+        || unsafe { ffi::PMPI_Testany(count, array_of_requests, index, flag, status) },
+        // SAFETY: as above.
+        |commit| unsafe { wait::testany(count, array_of_requests, index, flag, status, commit) },
+    )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn MPI_Waitsome(
+    incount: c_int,
+    array_of_requests: *mut ffi::MPI_Request,
+    outcount: *mut c_int,
+    array_of_indices: *mut c_int,
+    array_of_statuses: *mut ffi::MPI_Status,
+) -> c_int {
+    boundary(
+        "MPI_Waitsome",
+        // SAFETY: the caller's arguments, passed on unchanged.
+        || unsafe {
+            ffi::PMPI_Waitsome(incount, array_of_requests, outcount, array_of_indices, array_of_statuses)
+        },
+        // SAFETY: as above.
+        |commit| unsafe {
+            wait::some(
+                true, incount, array_of_requests, outcount, array_of_indices, array_of_statuses,
+                commit,
+            )
+        },
+    )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn MPI_Testsome(
+    incount: c_int,
+    array_of_requests: *mut ffi::MPI_Request,
+    outcount: *mut c_int,
+    array_of_indices: *mut c_int,
+    array_of_statuses: *mut ffi::MPI_Status,
+) -> c_int {
+    boundary(
+        "MPI_Testsome",
+        // SAFETY: the caller's arguments, passed on unchanged.
+        || unsafe {
+            ffi::PMPI_Testsome(incount, array_of_requests, outcount, array_of_indices, array_of_statuses)
+        },
+        // SAFETY: as above.
+        |commit| unsafe {
+            wait::some(
+                false, incount, array_of_requests, outcount, array_of_indices, array_of_statuses,
+                commit,
+            )
+        },
+    )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn MPI_Request_free(request: *mut ffi::MPI_Request) -> c_int {
+    boundary(
+        "MPI_Request_free",
+        // SAFETY: the caller's arguments, passed on unchanged.
+        || unsafe { ffi::PMPI_Request_free(request) },
+        // SAFETY: as above.
+        |commit| unsafe { wait::request_free(request, commit) },
+    )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn MPI_Request_get_status(
+    request: ffi::MPI_Request,
+    flag: *mut c_int,
+    status: *mut ffi::MPI_Status,
+) -> c_int {
+    boundary(
+        "MPI_Request_get_status",
+        // SAFETY: the caller's arguments, passed on unchanged.
+        || unsafe { ffi::PMPI_Request_get_status(request, flag, status) },
+        // SAFETY: as above.
+        |commit| unsafe { wait::request_get_status(request, flag, status, commit) },
+    )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn MPI_Cancel(request: *mut ffi::MPI_Request) -> c_int {
+    boundary(
+        "MPI_Cancel",
+        // SAFETY: the caller's arguments, passed on unchanged.
+        || unsafe { ffi::PMPI_Cancel(request) },
+        // SAFETY: as above.
+        |commit| unsafe { wait::cancel(request, commit) },
+    )
+}

@@ -1,0 +1,278 @@
+//! Offloading `MPI_Alltoallv` / `MPI_Alltoall` (blocking and nonblocking).
+//!
+//! A call is offloaded when the shim is active, the communicator is an intracommunicator,
+//! neither buffer is `MPI_IN_PLACE`, and both datatypes are contiguous (`layout.rs`); otherwise
+//! the caller runs the native function unchanged. These conditions are the same on every rank
+//! of a correct program, so every member takes the same path. (A program whose ranks describe
+//! the same data with a contiguous type on one rank and, say, a vector type on another would
+//! split; that case is documented as unsupported.)
+//!
+//! Posting: the communicator's id is agreed at its first offloaded use (`comm.rs`), a mailbox
+//! slot is reserved (harvesting completed requests if none is free), the slot's token word is
+//! zeroed, the buffers are granted (send READ, receive WRITE, each the smallest region covering
+//! its peers' bytes) and the descriptor goes to the SP. Once the communicator agreement has run
+//! the call is committed: the other members offload it too, so a failure from then on (a dead
+//! SP connection) is returned as `MPI_ERR_OTHER` with a line on stderr, never turned into a
+//! native call that the other members would not match.
+
+use crate::boundary::{say, Commit};
+use crate::comm;
+use crate::layout::{alltoall_as_v, region_addr, side_bytes, TypeGeometry};
+use crate::request::OffloadRequest;
+use crate::state::{is_active, mailbox_token, topology, with_shim, TRACKED};
+use crate::wait::Waiter;
+use alias_mkey::Rights;
+use bootstrap::wire::{CollKind, HostToSp, PostDesc};
+use mpi_ffi as ffi;
+use mpi_ffi::consts;
+use std::os::raw::{c_int, c_void};
+use std::sync::atomic::Ordering;
+
+/// What became of a call.
+pub enum Offload {
+    /// Not offloaded: run the native function.
+    Native,
+    /// Posted: the request object's address.
+    Posted(usize),
+    /// Offloaded but could not be posted: return this code.
+    Failed(c_int),
+}
+
+/// One side of the exchange as the program gave it.
+struct Side {
+    buf: u64,
+    counts: Vec<i64>,
+    displs: Vec<i64>,
+    ty: TypeGeometry,
+}
+
+unsafe fn geometry(ty: ffi::MPI_Datatype) -> Option<TypeGeometry> {
+    let mut size: c_int = 0;
+    let (mut lb, mut extent, mut true_lb, mut true_extent): (ffi::MPI_Aint, ffi::MPI_Aint, ffi::MPI_Aint, ffi::MPI_Aint) =
+        (0, 0, 0, 0);
+    let ok = consts::SUCCESS();
+    // SAFETY: valid out-pointers; an invalid datatype is reported by an error code.
+    unsafe {
+        if ffi::PMPI_Type_size(ty, &mut size) != ok
+            || ffi::PMPI_Type_get_extent(ty, &mut lb, &mut extent) != ok
+            || ffi::PMPI_Type_get_true_extent(ty, &mut true_lb, &mut true_extent) != ok
+        {
+            return None;
+        }
+    }
+    Some(TypeGeometry {
+        size: size as i64,
+        lb: lb as i64,
+        extent: extent as i64,
+        true_lb: true_lb as i64,
+        true_extent: true_extent as i64,
+    })
+}
+
+/// The checks every entry point shares; the communicator size and both type geometries when
+/// the call may be offloaded.
+unsafe fn eligible(
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    sendtype: ffi::MPI_Datatype,
+    recvtype: ffi::MPI_Datatype,
+    comm: ffi::MPI_Comm,
+) -> Option<(usize, TypeGeometry, TypeGeometry)> {
+    if !is_active() {
+        return None;
+    }
+    let in_place = consts::IN_PLACE();
+    if sendbuf == in_place as *const c_void || recvbuf == in_place || comm == consts::COMM_NULL() {
+        return None;
+    }
+    let (mut inter, mut size): (c_int, c_int) = (0, 0);
+    // SAFETY: valid out-pointers; an invalid communicator is reported by an error code.
+    unsafe {
+        if ffi::PMPI_Comm_test_inter(comm, &mut inter) != consts::SUCCESS() || inter != 0 {
+            return None;
+        }
+        if ffi::PMPI_Comm_size(comm, &mut size) != consts::SUCCESS() || size <= 0 {
+            return None;
+        }
+    }
+    // SAFETY: forwarded.
+    let (st, rt) = unsafe { (geometry(sendtype)?, geometry(recvtype)?) };
+    (st.is_contiguous() && rt.is_contiguous()).then_some((size as usize, st, rt))
+}
+
+/// Copies `n` ints from a caller's array; `None` for a null array.
+unsafe fn read_ints(p: *const c_int, n: usize) -> Option<Vec<i64>> {
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: the caller's array of one entry per peer (MPI precondition).
+    Some(unsafe { std::slice::from_raw_parts(p, n) }.iter().map(|&v| v as i64).collect())
+}
+
+/// # Safety
+/// Arguments as for `MPI_Alltoallv`.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn alltoallv(
+    sendbuf: *const c_void,
+    sendcounts: *const c_int,
+    sdispls: *const c_int,
+    sendtype: ffi::MPI_Datatype,
+    recvbuf: *mut c_void,
+    recvcounts: *const c_int,
+    rdispls: *const c_int,
+    recvtype: ffi::MPI_Datatype,
+    comm: ffi::MPI_Comm,
+    commit: &mut Commit,
+) -> Offload {
+    // SAFETY: forwarded.
+    let Some((n, st, rt)) = (unsafe { eligible(sendbuf, recvbuf, sendtype, recvtype, comm) }) else {
+        return Offload::Native;
+    };
+    // SAFETY: forwarded.
+    let arrays = unsafe {
+        (
+            read_ints(sendcounts, n),
+            read_ints(sdispls, n),
+            read_ints(recvcounts, n),
+            read_ints(rdispls, n),
+        )
+    };
+    let (Some(sc), Some(sd), Some(rc), Some(rd)) = arrays else {
+        return Offload::Native;
+    };
+    let send = Side { buf: sendbuf as u64, counts: sc, displs: sd, ty: st };
+    let recv = Side { buf: recvbuf as u64, counts: rc, displs: rd, ty: rt };
+    // SAFETY: forwarded.
+    unsafe { post(comm, send, recv, commit) }
+}
+
+/// # Safety
+/// Arguments as for `MPI_Alltoall`.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn alltoall(
+    sendbuf: *const c_void,
+    sendcount: c_int,
+    sendtype: ffi::MPI_Datatype,
+    recvbuf: *mut c_void,
+    recvcount: c_int,
+    recvtype: ffi::MPI_Datatype,
+    comm: ffi::MPI_Comm,
+    commit: &mut Commit,
+) -> Offload {
+    // SAFETY: forwarded.
+    let Some((n, st, rt)) = (unsafe { eligible(sendbuf, recvbuf, sendtype, recvtype, comm) }) else {
+        return Offload::Native;
+    };
+    let (sc, sd) = alltoall_as_v(n, sendcount as i64);
+    let (rc, rd) = alltoall_as_v(n, recvcount as i64);
+    let send = Side { buf: sendbuf as u64, counts: sc, displs: sd, ty: st };
+    let recv = Side { buf: recvbuf as u64, counts: rc, displs: rd, ty: rt };
+    // SAFETY: forwarded.
+    unsafe { post(comm, send, recv, commit) }
+}
+
+/// A free mailbox slot, harvesting completions (and waiting) while none is free.
+fn reserve_slot() -> Result<u32, String> {
+    let mut waiter: Option<Waiter> = None;
+    loop {
+        let got = with_shim(|s| {
+            if let Some(why) = &s.conn.broken {
+                return Err(why.clone());
+            }
+            if let Some(slot) = s.slots.take() {
+                return Ok(Some(slot));
+            }
+            s.harvest();
+            s.service_connection();
+            if let Some(why) = &s.conn.broken {
+                return Err(why.clone());
+            }
+            Ok(s.slots.take())
+        })
+        .unwrap_or_else(|| Err("the shim is shut down".into()))?;
+        if let Some(slot) = got {
+            return Ok(slot);
+        }
+        // Every slot belongs to a running collective; they complete without our help.
+        // SAFETY: MPI is initialised while the shim is active.
+        unsafe { waiter.get_or_insert_with(Waiter::new).idle(true) };
+    }
+}
+
+unsafe fn post(comm: ffi::MPI_Comm, send: Side, recv: Side, commit: &mut Commit) -> Offload {
+    let (Ok(s), Ok(r)) = (
+        side_bytes(&send.counts, &send.displs, &send.ty),
+        side_bytes(&recv.counts, &recv.displs, &recv.ty),
+    ) else {
+        // Negative counts and the like: native MPI reports them.
+        return Offload::Native;
+    };
+    let (Some(send_addr), Some(recv_addr)) = (
+        region_addr(send.buf, s.region_offset, s.region_len),
+        region_addr(recv.buf, r.region_offset, r.region_len),
+    ) else {
+        return Offload::Native;
+    };
+    // SAFETY: active shim, valid intracommunicator (checked by `eligible`).
+    let info = match unsafe { comm::info(comm) } {
+        // SAFETY: the info lives as long as `comm`, which outlives this call.
+        Ok(p) => unsafe { &*p },
+        Err(_) => return Offload::Native,
+    };
+    // Every member has now agreed on the communicator and offloads this call.
+    commit.mark();
+    let rank = topology().world_rank;
+    let seq = info.next_seq.fetch_add(1, Ordering::AcqRel);
+    let fail = |why: &str| {
+        say!(
+            "rank {rank}: cannot post alltoallv #{seq} on communicator {}:{}: {why}",
+            info.id.leader,
+            info.id.id
+        );
+        Offload::Failed(consts::ERR_OTHER())
+    };
+    let slot = match reserve_slot() {
+        Ok(slot) => slot,
+        Err(why) => return fail(&why),
+    };
+    let posted = with_shim(|sh| {
+        let token = sh.next_token;
+        sh.next_token += 1;
+        mailbox_token(slot).store(0, Ordering::Release);
+        let desc = PostDesc {
+            kind: CollKind::Alltoallv,
+            comm: info.id,
+            seq,
+            comm_rank: info.comm_rank,
+            members: info.members.clone(),
+            slot,
+            token,
+            send: sh.registrar.register(send_addr, s.region_len, Rights::READ),
+            recv: sh.registrar.register(recv_addr, r.region_len, Rights::WRITE),
+            send_counts: s.counts,
+            send_displs: s.displs,
+            recv_counts: r.counts,
+            recv_displs: r.displs,
+        };
+        match sh.conn.send(&HostToSp::Post(Box::new(desc))) {
+            Ok(()) => {
+                let req = Box::into_raw(Box::new(OffloadRequest::new(slot, token, info.id, seq)));
+                sh.registry.insert(req as usize);
+                TRACKED.fetch_add(1, Ordering::AcqRel);
+                Ok(req as usize)
+            }
+            Err(why) => {
+                // The SP may have read part of it: the slot is never reused, and nothing
+                // outstanding can complete over a broken stream.
+                sh.slots.quarantine(slot);
+                sh.fail_matching(|_| true);
+                Err(why)
+            }
+        }
+    });
+    match posted {
+        Some(Ok(addr)) => Offload::Posted(addr),
+        Some(Err(why)) => fail(&why),
+        None => fail("the shim is shut down"),
+    }
+}

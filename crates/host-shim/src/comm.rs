@@ -1,0 +1,223 @@
+//! Communicator identity for offloaded collectives.
+//!
+//! At its first offloaded collective, a communicator gets a [`CommInfo`]: an id agreed by all
+//! its members, the SP serving each member, and the count of offloaded collectives issued on it
+//! (the `seq` of the next one). The info is cached as an MPI attribute under a keyval created
+//! at start-up with `MPI_COMM_NULL_COPY_FN` (so `MPI_Comm_dup` gives the duplicate its own id)
+//! and a delete callback that frees it (on `MPI_Comm_free`, and for the predefined
+//! communicators inside `MPI_Finalize`).
+//!
+//! The id is `CommId { leader, id }`: `leader` is the communicator's lowest world rank, and `id`
+//! is drawn by the leader from its own counter and broadcast to the others. Every communicator
+//! with that leader contains the leader, whose counter never repeats, so the pair is unique in
+//! the job even when the leader's threads set up communicators concurrently. (An `Allreduce(MAX)`
+//! of per-rank counters, the first design, can hand two communicators the same id when a member
+//! agrees on both at once from two threads.)
+
+use crate::boundary::no_panic;
+use crate::state::topology;
+use algorithms::{CommId, SpId};
+use mpi_ffi as ffi;
+use mpi_ffi::consts;
+use std::os::raw::{c_int, c_void};
+use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, Ordering};
+
+#[derive(Debug)]
+pub struct CommInfo {
+    pub id: CommId,
+    pub comm_rank: u32,
+    /// SP serving each comm rank.
+    pub members: Vec<SpId>,
+    /// `seq` of the next offloaded collective on this communicator.
+    pub next_seq: AtomicU64,
+}
+
+static KEYVAL: AtomicI32 = AtomicI32::new(i32::MIN);
+/// Ids this rank hands out to communicators it leads.
+static NEXT_COMM_ID: AtomicU32 = AtomicU32::new(1);
+
+unsafe extern "C" fn delete_info(
+    _comm: ffi::MPI_Comm,
+    _keyval: c_int,
+    attr: *mut c_void,
+    _extra: *mut c_void,
+) -> c_int {
+    if !attr.is_null() {
+        no_panic("the communicator attribute destructor", || {
+            // SAFETY: every value stored under KEYVAL is a Box<CommInfo> leaked by `info`, and
+            // MPI calls this destructor once per stored value.
+            drop(unsafe { Box::from_raw(attr as *mut CommInfo) });
+        });
+    }
+    consts::SUCCESS()
+}
+
+/// Creates the attribute keyval (at start-up, before offload is agreed).
+///
+/// # Safety
+/// MPI is initialised.
+pub unsafe fn create_keyval() -> Result<(), c_int> {
+    let mut keyval: c_int = 0;
+    // SAFETY: valid callbacks and out-pointer.
+    let rc = unsafe {
+        ffi::PMPI_Comm_create_keyval(
+            consts::COMM_NULL_COPY_FN(),
+            Some(delete_info),
+            &mut keyval,
+            std::ptr::null_mut(),
+        )
+    };
+    if rc != consts::SUCCESS() {
+        return Err(rc);
+    }
+    KEYVAL.store(keyval, Ordering::Release);
+    Ok(())
+}
+
+/// Why a communicator is not offloaded.
+#[derive(Debug)]
+pub enum NotOffloaded {
+    /// An MPI call failed; the native path will report whatever is wrong.
+    Mpi,
+    /// A member is not in `MPI_COMM_WORLD` (dynamic processes).
+    OutsideWorld,
+}
+
+/// The info of `comm`, agreeing on it first if this is the communicator's first offloaded
+/// collective (a collective call: every member must reach it for the same collective).
+///
+/// The returned pointer is valid as long as `comm` is (it is freed with the communicator).
+///
+/// # Safety
+/// MPI is initialised, the shim is active, `comm` is a valid intracommunicator.
+pub unsafe fn info(comm: ffi::MPI_Comm) -> Result<*const CommInfo, NotOffloaded> {
+    let keyval = KEYVAL.load(Ordering::Acquire);
+    let mut found: *mut c_void = std::ptr::null_mut();
+    let mut flag: c_int = 0;
+    // SAFETY: for Comm_get_attr the attribute_val argument points to a void* that receives
+    // the stored value.
+    let rc = unsafe {
+        ffi::PMPI_Comm_get_attr(
+            comm,
+            keyval,
+            (&mut found as *mut *mut c_void).cast(),
+            &mut flag,
+        )
+    };
+    if rc != consts::SUCCESS() {
+        return Err(NotOffloaded::Mpi);
+    }
+    if flag != 0 && !found.is_null() {
+        return Ok(found as *const CommInfo);
+    }
+    // SAFETY: forwarded precondition.
+    let info = Box::new(unsafe { agree(comm)? });
+    let ptr = Box::into_raw(info);
+    // SAFETY: stores the pointer as the attribute value; MPI hands it back to `delete_info`.
+    let rc = unsafe { ffi::PMPI_Comm_set_attr(comm, keyval, ptr.cast()) };
+    if rc != consts::SUCCESS() {
+        // SAFETY: not stored, so still ours alone.
+        drop(unsafe { Box::from_raw(ptr) });
+        return Err(NotOffloaded::Mpi);
+    }
+    Ok(ptr)
+}
+
+/// World ranks of `comm`'s members, in comm rank order.
+unsafe fn world_ranks(comm: ffi::MPI_Comm, size: c_int) -> Result<Vec<c_int>, NotOffloaded> {
+    let mut group: ffi::MPI_Group = std::ptr::null_mut();
+    let mut world_group: ffi::MPI_Group = std::ptr::null_mut();
+    let ranks: Vec<c_int> = (0..size).collect();
+    let mut world: Vec<c_int> = vec![0; size as usize];
+    // SAFETY: valid communicators and out-pointers; arrays of `size` entries.
+    let rc = unsafe {
+        let mut rc = ffi::PMPI_Comm_group(comm, &mut group);
+        if rc == consts::SUCCESS() {
+            rc = ffi::PMPI_Comm_group(consts::COMM_WORLD(), &mut world_group);
+        }
+        if rc == consts::SUCCESS() {
+            rc = ffi::PMPI_Group_translate_ranks(
+                group,
+                size,
+                ranks.as_ptr(),
+                world_group,
+                world.as_mut_ptr(),
+            );
+        }
+        if !group.is_null() {
+            ffi::PMPI_Group_free(&mut group);
+        }
+        if !world_group.is_null() {
+            ffi::PMPI_Group_free(&mut world_group);
+        }
+        rc
+    };
+    if rc != consts::SUCCESS() {
+        return Err(NotOffloaded::Mpi);
+    }
+    Ok(world)
+}
+
+unsafe fn agree(comm: ffi::MPI_Comm) -> Result<CommInfo, NotOffloaded> {
+    let (mut size, mut rank) = (0, 0);
+    // SAFETY: valid communicator and out-pointers.
+    let rc = unsafe {
+        let rc = ffi::PMPI_Comm_size(comm, &mut size);
+        if rc == consts::SUCCESS() {
+            ffi::PMPI_Comm_rank(comm, &mut rank)
+        } else {
+            rc
+        }
+    };
+    if rc != consts::SUCCESS() {
+        return Err(NotOffloaded::Mpi);
+    }
+    // SAFETY: forwarded precondition.
+    let world = unsafe { world_ranks(comm, size)? };
+    let topo = topology();
+    // Every member computes the same: the translation is the same group on every member.
+    let outside = world
+        .iter()
+        .any(|&w| w < 0 || w as u32 >= topo.world_size);
+    let (leader_comm_rank, leader) = world
+        .iter()
+        .enumerate()
+        .min_by_key(|(_, &w)| w)
+        .map(|(i, &w)| (i as c_int, w))
+        .unwrap_or((0, 0));
+    let mut id: u32 = if rank == leader_comm_rank {
+        NEXT_COMM_ID.fetch_add(1, Ordering::AcqRel)
+    } else {
+        0
+    };
+    // The broadcast runs even for a communicator with outside members, so that every member
+    // executes the same calls; the decision below is then the same everywhere.
+    // SAFETY: one u32 in a live variable.
+    let rc = unsafe {
+        ffi::PMPI_Bcast(
+            (&mut id as *mut u32).cast(),
+            1,
+            consts::UINT32_T(),
+            leader_comm_rank,
+            comm,
+        )
+    };
+    if rc != consts::SUCCESS() {
+        return Err(NotOffloaded::Mpi);
+    }
+    if outside {
+        return Err(NotOffloaded::OutsideWorld);
+    }
+    Ok(CommInfo {
+        id: CommId {
+            leader: leader as u32,
+            id,
+        },
+        comm_rank: rank as u32,
+        members: world
+            .iter()
+            .map(|&w| topo.sp_of_world[w as usize])
+            .collect(),
+        next_seq: AtomicU64::new(0),
+    })
+}

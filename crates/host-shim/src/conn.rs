@@ -1,0 +1,296 @@
+//! The control connection to this rank's SP (a Unix stream socket).
+//!
+//! Start-up uses it blocking, with read and write timeouts, through [`wire::Channel`]. After
+//! registration the shim only writes posts (blocking, bounded by the write timeout) and reads
+//! opportunistically with `MSG_DONTWAIT` while waiting ([`Conn::poll_incoming`]), so the SP can
+//! refuse a post or be seen to die. Writes use `send(..., MSG_NOSIGNAL)`: a dead SP must turn
+//! into an error code, never a `SIGPIPE` that kills the MPI program.
+
+use bootstrap::wire::{self, FrameDecoder, FrameError, HostToSp, SpToHost};
+use std::io::{self, Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// Bounds on connecting: total time, first and largest delay between attempts.
+pub const CONNECT_TOTAL: Duration = Duration::from_secs(2);
+const CONNECT_DELAY_MIN: Duration = Duration::from_millis(5);
+const CONNECT_DELAY_MAX: Duration = Duration::from_millis(200);
+/// A connect blocked on a full listen backlog gives up after this.
+const CONNECT_ATTEMPT_TIMEOUT: Duration = Duration::from_millis(500);
+/// Replies during start-up and posts afterwards: a dead or stuck SP cannot hang the rank longer.
+pub const IO_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A `Read + Write` view of the socket whose writes never raise `SIGPIPE`.
+pub struct NoSigPipe<'a>(pub &'a UnixStream);
+
+impl Read for NoSigPipe<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        (&mut &*self.0).read(buf)
+    }
+}
+
+impl Write for NoSigPipe<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        loop {
+            // SAFETY: `buf` is a valid readable slice for its length; the fd is open (owned by
+            // the borrowed stream).
+            let n = unsafe {
+                libc::send(
+                    self.0.as_raw_fd(),
+                    buf.as_ptr().cast(),
+                    buf.len(),
+                    libc::MSG_NOSIGNAL,
+                )
+            };
+            if n >= 0 {
+                return Ok(n as usize);
+            }
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+fn connect_once(path: &Path) -> io::Result<UnixStream> {
+    let bytes = path.as_os_str().as_bytes();
+    // SAFETY: sockaddr_un is plain old data; all-zero is a valid value.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    if bytes.len() >= addr.sun_path.len() || bytes.contains(&0) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "socket path too long or not a valid path",
+        ));
+    }
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    for (d, s) in addr.sun_path.iter_mut().zip(bytes) {
+        *d = *s as libc::c_char;
+    }
+    // SAFETY: plain socket(2) call.
+    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a fresh socket nobody else owns; the stream closes it on drop.
+    let stream = unsafe { UnixStream::from_raw_fd(fd) };
+    // SO_SNDTIMEO also bounds a connect that waits for room in the listener's backlog.
+    stream.set_write_timeout(Some(CONNECT_ATTEMPT_TIMEOUT))?;
+    let len = std::mem::size_of::<libc::sa_family_t>() + bytes.len() + 1;
+    loop {
+        // SAFETY: `addr` is an initialised sockaddr_un and `len` does not exceed its size.
+        let rc = unsafe {
+            libc::connect(
+                fd,
+                (&addr as *const libc::sockaddr_un).cast(),
+                len as libc::socklen_t,
+            )
+        };
+        if rc == 0 {
+            return Ok(stream);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+/// Whether a failed connect may succeed later (the SP is not listening yet, or is busy).
+fn retryable(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::ENOENT | libc::ECONNREFUSED | libc::EAGAIN | libc::ETIMEDOUT | libc::EINPROGRESS)
+    )
+}
+
+/// Connects to `path`, retrying refused or missing sockets with doubling delays for at most
+/// `total`. The stream comes back blocking, with [`IO_TIMEOUT`] on reads and writes.
+pub fn connect(path: &Path, total: Duration) -> io::Result<UnixStream> {
+    let start = Instant::now();
+    let mut delay = CONNECT_DELAY_MIN;
+    loop {
+        match connect_once(path) {
+            Ok(s) => {
+                s.set_read_timeout(Some(IO_TIMEOUT))?;
+                s.set_write_timeout(Some(IO_TIMEOUT))?;
+                return Ok(s);
+            }
+            Err(e) if retryable(&e) && start.elapsed() + delay < total => {
+                std::thread::sleep(delay);
+                delay = (delay * 2).min(CONNECT_DELAY_MAX);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// The registered connection.
+pub struct Conn {
+    stream: UnixStream,
+    decoder: FrameDecoder,
+    pub path: PathBuf,
+    /// Why the connection is unusable, once it is.
+    pub broken: Option<String>,
+}
+
+impl Conn {
+    pub fn new(stream: UnixStream, path: PathBuf) -> Self {
+        Conn {
+            stream,
+            decoder: FrameDecoder::default(),
+            path,
+            broken: None,
+        }
+    }
+
+    /// A blocking channel for the start-up exchange.
+    pub fn channel(&self) -> wire::Channel<NoSigPipe<'_>> {
+        wire::Channel::new(NoSigPipe(&self.stream))
+    }
+
+    /// Sends one message (blocking, bounded by [`IO_TIMEOUT`]). A failure breaks the connection:
+    /// a partly written frame leaves the stream unusable.
+    pub fn send(&mut self, msg: &HostToSp) -> Result<(), String> {
+        if let Some(why) = &self.broken {
+            return Err(why.clone());
+        }
+        let frame = wire::encode(msg);
+        if let Err(e) = NoSigPipe(&self.stream).write_all(&frame) {
+            let why = format!("sending to the service process at {} failed: {e}", self.path.display());
+            self.broken = Some(why.clone());
+            return Err(why);
+        }
+        Ok(())
+    }
+
+    /// Reads whatever the SP has sent without blocking and returns the complete messages. When
+    /// the connection is found closed or broken, `broken` is set (once) and the messages read
+    /// before are still returned.
+    pub fn poll_incoming(&mut self) -> Vec<SpToHost> {
+        let mut out = Vec::new();
+        if self.broken.is_some() {
+            return out;
+        }
+        let mut buf = [0u8; 4096];
+        // Bounded: at most 64 reads per call; the rest waits for the next check.
+        for _ in 0..64 {
+            // SAFETY: `buf` is writable for its length; the fd is open.
+            let n = unsafe {
+                libc::recv(
+                    self.stream.as_raw_fd(),
+                    buf.as_mut_ptr().cast(),
+                    buf.len(),
+                    libc::MSG_DONTWAIT,
+                )
+            };
+            if n == 0 {
+                self.broken = Some(format!(
+                    "the service process at {} closed the connection",
+                    self.path.display()
+                ));
+                break;
+            }
+            if n < 0 {
+                let e = io::Error::last_os_error();
+                match e.kind() {
+                    io::ErrorKind::WouldBlock => break,
+                    io::ErrorKind::Interrupted => continue,
+                    _ => {
+                        self.broken = Some(format!(
+                            "reading from the service process at {} failed: {e}",
+                            self.path.display()
+                        ));
+                        break;
+                    }
+                }
+            }
+            self.decoder.extend(&buf[..n as usize]);
+        }
+        loop {
+            match self.decoder.next_frame() {
+                Ok(Some(p)) => match wire::decode::<SpToHost>(&p) {
+                    Ok(m) => out.push(m),
+                    Err(e) => {
+                        self.broken = Some(format!("undecodable message from the service process: {e}"));
+                        break;
+                    }
+                },
+                Ok(None) => break,
+                Err(e) => {
+                    self.broken = Some(format!("bad frame from the service process: {e}"));
+                    break;
+                }
+            }
+        }
+        out
+    }
+
+    /// Says goodbye (best effort) and closes.
+    pub fn close(mut self) {
+        let _ = self.send(&HostToSp::Goodbye);
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+/// Formats a frame error from the start-up exchange.
+pub fn describe(e: &FrameError) -> String {
+    match e {
+        FrameError::Io(io) if matches!(io.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+            format!("no answer within {} s", IO_TIMEOUT.as_secs())
+        }
+        FrameError::Closed => "the service process closed the connection".into(),
+        other => other.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::net::UnixListener;
+
+    fn tmp(name: &str) -> PathBuf {
+        std::env::temp_dir().join(format!("host-shim-{}-{name}.sock", std::process::id()))
+    }
+
+    #[test]
+    fn missing_socket_fails_within_the_bound() {
+        let t = Instant::now();
+        let err = connect(&tmp("missing"), Duration::from_millis(100)).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::ENOENT));
+        assert!(t.elapsed() < Duration::from_secs(1));
+    }
+
+    #[test]
+    fn connects_and_detects_close_without_sigpipe() {
+        let path = tmp("close");
+        let _ = std::fs::remove_file(&path);
+        let l = UnixListener::bind(&path).unwrap();
+        let s = connect(&path, CONNECT_TOTAL).unwrap();
+        let (peer, _) = l.accept().unwrap();
+        let mut c = Conn::new(s, path.clone());
+        assert!(c.poll_incoming().is_empty());
+        assert!(c.broken.is_none());
+        // The SP sends a refusal, then dies.
+        let msg = SpToHost::Registered { sp: 3 };
+        (&peer).write_all(&wire::encode(&msg)).unwrap();
+        drop(peer);
+        let got = c.poll_incoming();
+        assert_eq!(got, vec![msg]);
+        assert!(c.broken.as_deref().unwrap().contains("closed"));
+        // Writing to the dead peer is an error, not a signal.
+        let mut c2 = Conn::new(c.stream.try_clone().unwrap(), path.clone());
+        for _ in 0..3 {
+            let _ = c2.send(&HostToSp::Goodbye);
+        }
+        assert!(c2.send(&HostToSp::Goodbye).is_err());
+        std::fs::remove_file(&path).ok();
+    }
+}

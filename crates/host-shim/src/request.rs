@@ -1,0 +1,102 @@
+//! Offloaded request objects and their completion.
+//!
+//! A request is created when a collective is posted and lives on the heap; its address is the
+//! `MPI_Request` handle given to the program (see `registry.rs`). Its result is written once,
+//! under the shim lock, by whichever thread first sees the completion (the owner polling in a
+//! Wait/Test call, or another thread harvesting slots); the owner reads it without the lock.
+//! Polling the mailbox needs no lock either: the token word is read with an acquire load, and
+//! only when it equals the posted token is the lock taken to record the status and free the
+//! slot.
+
+use crate::state::{self, mailbox_token, with_shim};
+use algorithms::CommId;
+use mpi_ffi as ffi;
+use mpi_ffi::consts;
+use std::os::raw::c_int;
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+
+#[derive(Debug)]
+pub struct OffloadRequest {
+    pub slot: u32,
+    pub token: u64,
+    pub comm: CommId,
+    pub seq: u64,
+    done: AtomicBool,
+    code: AtomicI32,
+}
+
+impl OffloadRequest {
+    pub fn new(slot: u32, token: u64, comm: CommId, seq: u64) -> Self {
+        OffloadRequest {
+            slot,
+            token,
+            comm,
+            seq,
+            done: AtomicBool::new(false),
+            code: AtomicI32::new(0),
+        }
+    }
+
+    /// The MPI code once the request has completed.
+    pub fn result(&self) -> Option<c_int> {
+        self.done
+            .load(Ordering::Acquire)
+            .then(|| self.code.load(Ordering::Relaxed))
+    }
+
+    /// Records the result (under the shim lock).
+    pub fn finish(&self, code: c_int) {
+        self.code.store(code, Ordering::Relaxed);
+        self.done.store(true, Ordering::Release);
+    }
+}
+
+/// The object behind one of our handles.
+///
+/// # Safety
+/// `addr` was classified as ours (it is in the registry) and the caller owns the handle, so the
+/// object stays alive until the caller frees it.
+pub unsafe fn by_addr<'a>(addr: usize) -> &'a OffloadRequest {
+    // SAFETY: forwarded precondition.
+    unsafe { &*(addr as *const OffloadRequest) }
+}
+
+/// Non-blocking look at one request: its result if it has completed.
+pub fn poll(req: &OffloadRequest) -> Option<c_int> {
+    if let Some(code) = req.result() {
+        return Some(code);
+    }
+    if mailbox_token(req.slot).load(Ordering::Acquire) == req.token {
+        with_shim(|s| s.complete_from_mailbox(req));
+        return req.result();
+    }
+    None
+}
+
+/// Fills `status` (unless it is `MPI_STATUS_IGNORE` or null) as for a completed collective.
+///
+/// # Safety
+/// `status` is null, `MPI_STATUS_IGNORE` or valid for writes.
+pub unsafe fn fill_status(status: *mut ffi::MPI_Status, code: c_int) {
+    if status.is_null() || status == consts::STATUS_IGNORE() {
+        return;
+    }
+    // SAFETY: a valid status object (precondition).
+    unsafe {
+        (*status).MPI_SOURCE = consts::ANY_SOURCE();
+        (*status).MPI_TAG = consts::ANY_TAG();
+        (*status).MPI_ERROR = code;
+        ffi::mpiffi_status_set_count_bytes(status, 0);
+        ffi::PMPI_Status_set_cancelled(status, 0);
+    }
+}
+
+/// Releases a completed request the caller owns: forgets the handle and frees the object.
+pub fn release(addr: usize) {
+    with_shim(|s| s.free_request(addr));
+}
+
+/// The world rank, for messages.
+pub fn my_rank() -> u32 {
+    state::topology().world_rank
+}
