@@ -954,6 +954,7 @@ struct Run {
     max_count: u64,
     verbose: bool,
     corrupt_pending: bool,
+    ops: u64,
     world: CommInfo,
     comms: Vec<CommInfo>,
     types: Vec<Ty>,
@@ -1168,15 +1169,20 @@ impl Run {
             }
         }
         for inst in insts.iter_mut() {
-            if self.corrupt_pending && wrank == 0 {
-                let ext = self.types[inst.ty].extent;
-                let off = (0..inst.n)
-                    .find(|&j| inst.rcounts[j] > 0)
-                    .map(|j| inst.rdispls[j] as usize * ext + self.types[inst.ty].segs[0].0)
-                    .unwrap_or(0);
+            // Flip a received data byte (the first instance that has one); if the whole run
+            // receives nothing on rank 0, a sentinel byte of the very last instance instead.
+            let first_block = (0..inst.n).find(|&j| inst.rcounts[j] > 0);
+            let last_chance = op + 1 == self.ops && inst.plan_idx + 1 == ninst;
+            if self.corrupt_pending && wrank == 0 && (first_block.is_some() || last_chance) {
+                let ty = &self.types[inst.ty];
+                let off =
+                    first_block.map_or(0, |j| inst.rdispls[j] as usize * ty.extent + ty.segs[0].0);
                 inst.recv[off] ^= 0x40;
                 self.corrupt_pending = false;
-                eprintln!("alltoallv_check: --self-test-corrupt: flipped byte {off} of op {op} inst {} on rank 0", inst.plan_idx);
+                eprintln!(
+                    "alltoallv_check: --self-test-corrupt: flipped byte {off} of op {op} inst {} on rank 0",
+                    inst.plan_idx
+                );
             }
             self.checker.compare(
                 op,
@@ -1260,6 +1266,7 @@ fn main() {
         max_count: cli.max_count as u64,
         verbose: cli.verbose,
         corrupt_pending: cli.self_test_corrupt,
+        ops: cli.ops,
         checker: Checker {
             wrank: world.rank,
             mismatches: 0,
