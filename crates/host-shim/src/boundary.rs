@@ -18,7 +18,9 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 macro_rules! say {
     ($($arg:tt)*) => {{
         use std::io::Write as _;
-        let _ = writeln!(std::io::stderr(), "host-shim: {}", format_args!($($arg)*));
+        // One write per line, so lines of concurrent ranks do not interleave.
+        let line = format!("host-shim: {}\n", format_args!($($arg)*));
+        let _ = std::io::stderr().write_all(line.as_bytes());
     }};
 }
 pub(crate) use say;

@@ -26,7 +26,11 @@ use bootstrap::wire::{CollKind, HostToSp, PostDesc};
 use mpi_ffi as ffi;
 use mpi_ffi::consts;
 use std::os::raw::{c_int, c_void};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+/// Post failures reported on stderr before going quiet.
+const REPORTED_POST_FAILURES: u32 = 3;
+static POST_FAILURES: AtomicU32 = AtomicU32::new(0);
 
 /// What became of a call.
 pub enum Offload {
@@ -224,11 +228,18 @@ unsafe fn post(comm: ffi::MPI_Comm, send: Side, recv: Side, commit: &mut Commit)
     let rank = topology().world_rank;
     let seq = info.next_seq.fetch_add(1, Ordering::AcqRel);
     let fail = |why: &str| {
-        say!(
-            "rank {rank}: cannot post alltoallv #{seq} on communicator {}:{}: {why}",
-            info.id.leader,
-            info.id.id
-        );
+        // A dead SP fails every later collective too: report the first few, then stay quiet.
+        match POST_FAILURES.fetch_add(1, Ordering::AcqRel) {
+            n if n < REPORTED_POST_FAILURES => say!(
+                "rank {rank}: cannot post alltoallv #{seq} on communicator {}:{}: {why}",
+                info.id.leader,
+                info.id.id
+            ),
+            REPORTED_POST_FAILURES => say!(
+                "rank {rank}: further offloaded collectives fail with MPI_ERR_OTHER (not reported)"
+            ),
+            _ => {}
+        }
         Offload::Failed(consts::ERR_OTHER())
     };
     let slot = match reserve_slot() {
