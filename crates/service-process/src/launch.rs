@@ -39,6 +39,17 @@ pub struct LaunchOpts {
     pub program: Vec<String>,
 }
 
+/// A CPU list from the command line, such as `0,2-3`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CpuList(pub Vec<u32>);
+
+impl std::str::FromStr for CpuList {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        parse_cpu_list(s).map(CpuList)
+    }
+}
+
 /// Parses a CPU list such as `0,2-3`.
 pub fn parse_cpu_list(s: &str) -> Result<Vec<u32>, String> {
     let mut out = Vec::new();

@@ -5,7 +5,7 @@ use anyhow::{Context, Result};
 use bootstrap::rendezvous::Backoff;
 use bootstrap::{Cluster, Layout};
 use clap::{Parser, Subcommand};
-use service_process::launch::{self, parse_cpu_list, LaunchOpts};
+use service_process::launch::{self, CpuList, LaunchOpts};
 use service_process::server::{connect_mesh, ServeConfig, Server};
 use std::os::fd::FromRawFd;
 use std::path::PathBuf;
@@ -45,8 +45,8 @@ enum Cmd {
         #[arg(long, default_value_t = 1 << 20)]
         chunk_bytes: usize,
         /// Pin the SP to these CPUs (e.g. `1` or `0,2-3`).
-        #[arg(long, value_parser = parse_cpu_list)]
-        cpus: Option<Vec<u32>>,
+        #[arg(long)]
+        cpus: Option<CpuList>,
         /// Seconds to wait for the peer SPs at start-up.
         #[arg(long, default_value_t = 30)]
         connect_timeout_secs: u64,
@@ -64,11 +64,11 @@ enum Cmd {
         #[arg(long, default_value = "block")]
         layout: Layout,
         /// CPUs for the SPs, assigned round-robin (stand-ins for the DPU's cores).
-        #[arg(long, value_parser = parse_cpu_list)]
-        sp_cpus: Option<Vec<u32>>,
+        #[arg(long)]
+        sp_cpus: Option<CpuList>,
         /// CPUs for the ranks, assigned round-robin by world rank.
-        #[arg(long, value_parser = parse_cpu_list)]
-        rank_cpus: Option<Vec<u32>>,
+        #[arg(long)]
+        rank_cpus: Option<CpuList>,
         /// Run without SPs and without the shim, on the same layout and pinning (the baseline).
         #[arg(long)]
         native: bool,
@@ -99,8 +99,8 @@ enum Cmd {
     /// (internal) Run by mpirun for each rank: pin, preload the shim, exec the program.
     #[command(hide = true)]
     RankExec {
-        #[arg(long, value_parser = parse_cpu_list)]
-        cpus: Option<Vec<u32>>,
+        #[arg(long)]
+        cpus: Option<CpuList>,
         #[arg(long)]
         preload: Option<PathBuf>,
         #[arg(last = true, required = true)]
@@ -156,7 +156,7 @@ fn run(cli: Cli) -> Result<i32> {
         } => {
             init_tracing();
             if let Some(cpus) = &cpus {
-                launch::pin_to(cpus).context("pinning the SP")?;
+                launch::pin_to(&cpus.0).context("pinning the SP")?;
             }
             let cluster = Cluster::load(&cluster)?;
             let entry = cluster
@@ -217,8 +217,8 @@ fn run(cli: Cli) -> Result<i32> {
                 ranks_per_node,
                 sps_per_node,
                 layout,
-                sp_cpus,
-                rank_cpus,
+                sp_cpus: sp_cpus.map(|c| c.0),
+                rank_cpus: rank_cpus.map(|c| c.0),
                 native,
                 shim,
                 max_inflight_reads,
@@ -235,7 +235,11 @@ fn run(cli: Cli) -> Result<i32> {
             preload,
             program,
         } => {
-            launch::rank_exec(cpus.as_deref(), preload.as_deref(), &program)?;
+            launch::rank_exec(
+                cpus.as_ref().map(|c| c.0.as_slice()),
+                preload.as_deref(),
+                &program,
+            )?;
             Ok(0)
         }
     }

@@ -1,6 +1,6 @@
 //! The SP engine end to end with real SP processes, real sockets and real CMA copies, with this
-#![allow(clippy::needless_range_loop)]
 //! test process playing the host ranks (no MPI here: that is `tests/` at the workspace root).
+#![allow(clippy::needless_range_loop)]
 
 mod common;
 
