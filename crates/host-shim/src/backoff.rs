@@ -80,7 +80,9 @@ mod tests {
         let seq: Vec<Pause> = (0..SPIN_ROUNDS + YIELD_ROUNDS + 20)
             .map(|_| b.next_pause())
             .collect();
-        assert!(seq[..SPIN_ROUNDS as usize].iter().all(|p| *p == Pause::Spin));
+        assert!(seq[..SPIN_ROUNDS as usize]
+            .iter()
+            .all(|p| *p == Pause::Spin));
         let yields = &seq[SPIN_ROUNDS as usize..(SPIN_ROUNDS + YIELD_ROUNDS) as usize];
         assert!(yields.iter().all(|p| *p == Pause::Yield));
         let sleeps: Vec<Duration> = seq[(SPIN_ROUNDS + YIELD_ROUNDS) as usize..]

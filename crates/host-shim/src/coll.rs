@@ -52,8 +52,12 @@ struct Side {
 
 unsafe fn geometry(ty: ffi::MPI_Datatype) -> Option<TypeGeometry> {
     let mut size: c_int = 0;
-    let (mut lb, mut extent, mut true_lb, mut true_extent): (ffi::MPI_Aint, ffi::MPI_Aint, ffi::MPI_Aint, ffi::MPI_Aint) =
-        (0, 0, 0, 0);
+    let (mut lb, mut extent, mut true_lb, mut true_extent): (
+        ffi::MPI_Aint,
+        ffi::MPI_Aint,
+        ffi::MPI_Aint,
+        ffi::MPI_Aint,
+    ) = (0, 0, 0, 0);
     let ok = consts::SUCCESS();
     // SAFETY: valid out-pointers; an invalid datatype is reported by an error code.
     unsafe {
@@ -86,7 +90,7 @@ unsafe fn eligible(
         return None;
     }
     let in_place = consts::IN_PLACE();
-    if sendbuf == in_place as *const c_void || recvbuf == in_place || comm == consts::COMM_NULL() {
+    if std::ptr::eq(sendbuf, in_place) || recvbuf == in_place || comm == consts::COMM_NULL() {
         return None;
     }
     let (mut inter, mut size): (c_int, c_int) = (0, 0);
@@ -110,7 +114,12 @@ unsafe fn read_ints(p: *const c_int, n: usize) -> Option<Vec<i64>> {
         return None;
     }
     // SAFETY: the caller's array of one entry per peer (MPI precondition).
-    Some(unsafe { std::slice::from_raw_parts(p, n) }.iter().map(|&v| v as i64).collect())
+    Some(
+        unsafe { std::slice::from_raw_parts(p, n) }
+            .iter()
+            .map(|&v| v as i64)
+            .collect(),
+    )
 }
 
 /// # Safety
@@ -129,7 +138,8 @@ pub unsafe fn alltoallv(
     commit: &mut Commit,
 ) -> Offload {
     // SAFETY: forwarded.
-    let Some((n, st, rt)) = (unsafe { eligible(sendbuf, recvbuf, sendtype, recvtype, comm) }) else {
+    let Some((n, st, rt)) = (unsafe { eligible(sendbuf, recvbuf, sendtype, recvtype, comm) })
+    else {
         return Offload::Native;
     };
     // SAFETY: forwarded.
@@ -144,8 +154,18 @@ pub unsafe fn alltoallv(
     let (Some(sc), Some(sd), Some(rc), Some(rd)) = arrays else {
         return Offload::Native;
     };
-    let send = Side { buf: sendbuf as u64, counts: sc, displs: sd, ty: st };
-    let recv = Side { buf: recvbuf as u64, counts: rc, displs: rd, ty: rt };
+    let send = Side {
+        buf: sendbuf as u64,
+        counts: sc,
+        displs: sd,
+        ty: st,
+    };
+    let recv = Side {
+        buf: recvbuf as u64,
+        counts: rc,
+        displs: rd,
+        ty: rt,
+    };
     // SAFETY: forwarded.
     unsafe { post(comm, send, recv, commit) }
 }
@@ -164,13 +184,24 @@ pub unsafe fn alltoall(
     commit: &mut Commit,
 ) -> Offload {
     // SAFETY: forwarded.
-    let Some((n, st, rt)) = (unsafe { eligible(sendbuf, recvbuf, sendtype, recvtype, comm) }) else {
+    let Some((n, st, rt)) = (unsafe { eligible(sendbuf, recvbuf, sendtype, recvtype, comm) })
+    else {
         return Offload::Native;
     };
     let (sc, sd) = alltoall_as_v(n, sendcount as i64);
     let (rc, rd) = alltoall_as_v(n, recvcount as i64);
-    let send = Side { buf: sendbuf as u64, counts: sc, displs: sd, ty: st };
-    let recv = Side { buf: recvbuf as u64, counts: rc, displs: rd, ty: rt };
+    let send = Side {
+        buf: sendbuf as u64,
+        counts: sc,
+        displs: sd,
+        ty: st,
+    };
+    let recv = Side {
+        buf: recvbuf as u64,
+        counts: rc,
+        displs: rd,
+        ty: rt,
+    };
     // SAFETY: forwarded.
     unsafe { post(comm, send, recv, commit) }
 }
@@ -259,7 +290,9 @@ unsafe fn post(comm: ffi::MPI_Comm, send: Side, recv: Side, commit: &mut Commit)
             slot,
             token,
             send: sh.registrar.register(send_addr, s.region_len, Rights::READ),
-            recv: sh.registrar.register(recv_addr, r.region_len, Rights::WRITE),
+            recv: sh
+                .registrar
+                .register(recv_addr, r.region_len, Rights::WRITE),
             send_counts: s.counts,
             send_displs: s.displs,
             recv_counts: r.counts,

@@ -176,9 +176,7 @@ unsafe fn agree(comm: ffi::MPI_Comm) -> Result<CommInfo, NotOffloaded> {
     let world = unsafe { world_ranks(comm, size)? };
     let topo = topology();
     // Every member computes the same: the translation is the same group on every member.
-    let outside = world
-        .iter()
-        .any(|&w| w < 0 || w as u32 >= topo.world_size);
+    let outside = world.iter().any(|&w| w < 0 || w as u32 >= topo.world_size);
     let (leader_comm_rank, leader) = world
         .iter()
         .enumerate()

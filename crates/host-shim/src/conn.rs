@@ -107,7 +107,9 @@ fn connect_once(path: &Path) -> io::Result<UnixStream> {
 fn retryable(e: &io::Error) -> bool {
     matches!(
         e.raw_os_error(),
-        Some(libc::ENOENT | libc::ECONNREFUSED | libc::EAGAIN | libc::ETIMEDOUT | libc::EINPROGRESS)
+        Some(
+            libc::ENOENT | libc::ECONNREFUSED | libc::EAGAIN | libc::ETIMEDOUT | libc::EINPROGRESS
+        )
     )
 }
 
@@ -164,7 +166,10 @@ impl Conn {
         }
         let frame = wire::encode(msg);
         if let Err(e) = NoSigPipe(&self.stream).write_all(&frame) {
-            let why = format!("sending to the service process at {} failed: {e}", self.path.display());
+            let why = format!(
+                "sending to the service process at {} failed: {e}",
+                self.path.display()
+            );
             self.broken = Some(why.clone());
             return Err(why);
         }
@@ -219,7 +224,8 @@ impl Conn {
                 Ok(Some(p)) => match wire::decode::<SpToHost>(&p) {
                     Ok(m) => out.push(m),
                     Err(e) => {
-                        self.broken = Some(format!("undecodable message from the service process: {e}"));
+                        self.broken =
+                            Some(format!("undecodable message from the service process: {e}"));
                         break;
                     }
                 },
@@ -243,7 +249,12 @@ impl Conn {
 /// Formats a frame error from the start-up exchange.
 pub fn describe(e: &FrameError) -> String {
     match e {
-        FrameError::Io(io) if matches!(io.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+        FrameError::Io(io)
+            if matches!(
+                io.kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+            ) =>
+        {
             format!("no answer within {} s", IO_TIMEOUT.as_secs())
         }
         FrameError::Closed => "the service process closed the connection".into(),

@@ -34,10 +34,17 @@ impl TypeGeometry {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LayoutError {
     /// `counts` and `displs` do not have one entry per peer.
-    Length { counts: usize, displs: usize },
-    NegativeCount { peer: usize },
+    Length {
+        counts: usize,
+        displs: usize,
+    },
+    NegativeCount {
+        peer: usize,
+    },
     /// A byte count, offset or the region does not fit the address space.
-    Overflow { peer: usize },
+    Overflow {
+        peer: usize,
+    },
 }
 
 /// One side in bytes, relative to its granted region.

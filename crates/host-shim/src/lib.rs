@@ -153,8 +153,8 @@ pub unsafe extern "C" fn MPI_Ialltoallv(
             // SAFETY: the caller's arguments (MPI preconditions).
             unsafe {
                 let outcome = coll::alltoallv(
-                    sendbuf, sendcounts, sdispls, sendtype, recvbuf, recvcounts, rdispls,
-                    recvtype, comm, commit,
+                    sendbuf, sendcounts, sdispls, sendtype, recvbuf, recvcounts, rdispls, recvtype,
+                    comm, commit,
                 );
                 nonblocking(outcome, request)
             }
@@ -187,8 +187,8 @@ pub unsafe extern "C" fn MPI_Alltoallv(
             // SAFETY: the caller's arguments (MPI preconditions).
             blocking(unsafe {
                 coll::alltoallv(
-                    sendbuf, sendcounts, sdispls, sendtype, recvbuf, recvcounts, rdispls,
-                    recvtype, comm, commit,
+                    sendbuf, sendcounts, sdispls, sendtype, recvbuf, recvcounts, rdispls, recvtype,
+                    comm, commit,
                 )
             })
         },
@@ -243,7 +243,9 @@ pub unsafe extern "C" fn MPI_Alltoall(
         "MPI_Alltoall",
         // SAFETY: the caller's arguments, passed on unchanged.
         || unsafe {
-            ffi::PMPI_Alltoall(sendbuf, sendcount, sendtype, recvbuf, recvcount, recvtype, comm)
+            ffi::PMPI_Alltoall(
+                sendbuf, sendcount, sendtype, recvbuf, recvcount, recvtype, comm,
+            )
         },
         |commit| {
             // SAFETY: the caller's arguments (MPI preconditions).
@@ -363,12 +365,23 @@ pub unsafe extern "C" fn MPI_Waitsome(
         "MPI_Waitsome",
         // SAFETY: the caller's arguments, passed on unchanged.
         || unsafe {
-            ffi::PMPI_Waitsome(incount, array_of_requests, outcount, array_of_indices, array_of_statuses)
+            ffi::PMPI_Waitsome(
+                incount,
+                array_of_requests,
+                outcount,
+                array_of_indices,
+                array_of_statuses,
+            )
         },
         // SAFETY: as above.
         |commit| unsafe {
             wait::some(
-                true, incount, array_of_requests, outcount, array_of_indices, array_of_statuses,
+                true,
+                incount,
+                array_of_requests,
+                outcount,
+                array_of_indices,
+                array_of_statuses,
                 commit,
             )
         },
@@ -387,12 +400,23 @@ pub unsafe extern "C" fn MPI_Testsome(
         "MPI_Testsome",
         // SAFETY: the caller's arguments, passed on unchanged.
         || unsafe {
-            ffi::PMPI_Testsome(incount, array_of_requests, outcount, array_of_indices, array_of_statuses)
+            ffi::PMPI_Testsome(
+                incount,
+                array_of_requests,
+                outcount,
+                array_of_indices,
+                array_of_statuses,
+            )
         },
         // SAFETY: as above.
         |commit| unsafe {
             wait::some(
-                false, incount, array_of_requests, outcount, array_of_indices, array_of_statuses,
+                false,
+                incount,
+                array_of_requests,
+                outcount,
+                array_of_indices,
+                array_of_statuses,
                 commit,
             )
         },

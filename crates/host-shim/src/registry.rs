@@ -35,7 +35,10 @@ impl Registry {
 
     /// Moves a live handle to the detached list (the program freed it before completion).
     pub fn detach(&mut self, addr: usize) {
-        assert!(self.live.remove(&addr), "detaching unknown request {addr:#x}");
+        assert!(
+            self.live.remove(&addr),
+            "detaching unknown request {addr:#x}"
+        );
         self.detached.push(addr);
     }
 
@@ -51,7 +54,10 @@ impl Registry {
 
     /// Every object the shim still owns or tracks: live, then detached.
     pub fn all(&self) -> impl Iterator<Item = usize> + '_ {
-        self.live.iter().copied().chain(self.detached.iter().copied())
+        self.live
+            .iter()
+            .copied()
+            .chain(self.detached.iter().copied())
     }
 
     pub fn detached(&self) -> &[usize] {

@@ -27,9 +27,9 @@ use crate::conn::{self, Conn};
 use crate::registry::Registry;
 use crate::request::OffloadRequest;
 use crate::slots::SlotPool;
+use algorithms::SpId;
 use alias_mkey::host::Registrar;
 use alias_mkey::Rights;
-use algorithms::SpId;
 use bootstrap::mailbox::{self, DEFAULT_SLOTS, SLOT_BYTES, STATUS_OFFSET, TOKEN_OFFSET};
 use bootstrap::wire::{Hello, HostHello, HostToSp, SpToHost};
 use bootstrap::Cluster;
@@ -78,7 +78,9 @@ static TOPOLOGY: OnceLock<Topology> = OnceLock::new();
 
 /// Only called on paths that run when active.
 pub fn topology() -> &'static Topology {
-    TOPOLOGY.get().expect("topology is set before the shim becomes active")
+    TOPOLOGY
+        .get()
+        .expect("topology is set before the shim becomes active")
 }
 
 /// Base address of the mailbox (never unmapped once set).
@@ -175,7 +177,8 @@ impl Shim {
             // SAFETY: every address in the registry is a live OffloadRequest; objects are
             // removed from the registry (under this lock) before they are freed.
             let req = unsafe { &*(a as *const OffloadRequest) };
-            if req.result().is_none() && mailbox_token(req.slot).load(Ordering::Acquire) == req.token
+            if req.result().is_none()
+                && mailbox_token(req.slot).load(Ordering::Acquire) == req.token
             {
                 self.complete_from_mailbox(req);
             }
@@ -199,7 +202,10 @@ impl Shim {
 
     /// Forgets a live handle and frees its object. The caller owns the handle.
     pub fn free_request(&mut self, addr: usize) {
-        assert!(self.registry.remove(addr), "freeing unknown request {addr:#x}");
+        assert!(
+            self.registry.remove(addr),
+            "freeing unknown request {addr:#x}"
+        );
         TRACKED.fetch_sub(1, Ordering::AcqRel);
         // SAFETY: as in `reap_detached`.
         drop(unsafe { Box::from_raw(addr as *mut OffloadRequest) });
@@ -269,7 +275,7 @@ impl Settings {
         let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty());
         Settings {
             cluster: var("SPOFF_CLUSTER").map(PathBuf::from),
-            offload: var("SPOFF_OFFLOAD").map_or(true, |v| v != "0"),
+            offload: var("SPOFF_OFFLOAD").is_none_or(|v| v != "0"),
             job: var("SPOFF_JOB_ID").and_then(|v| v.to_str().and_then(|s| s.trim().parse().ok())),
             verbose: var("SPOFF_VERBOSE").is_some_and(|v| v != "0"),
         }
@@ -383,7 +389,9 @@ unsafe fn start_inner() -> bool {
     // SAFETY: MPI is initialised.
     let local = match unsafe { crate::comm::create_keyval() } {
         Ok(()) => register(&cluster_path, job, rank, size),
-        Err(rc) => Err(format!("cannot create a communicator keyval (MPI error {rc})")),
+        Err(rc) => Err(format!(
+            "cannot create a communicator keyval (MPI error {rc})"
+        )),
     };
 
     // 4. Agree: count the ranks that failed.
@@ -520,21 +528,33 @@ fn map_mailbox(slots: u32) -> Result<*mut u8, String> {
 }
 
 /// Connects to this rank's SP and registers. Errors are one-line reasons.
-fn register(cluster_path: &std::path::Path, job: u64, rank: u32, size: u32) -> Result<Registered, String> {
-    let cluster = Cluster::load(cluster_path).map_err(|e| format!("cannot use the cluster description: {e}"))?;
-    let placement = cluster
-        .placement(rank, size)
-        .map_err(|e| format!("no place in the cluster description {}: {e}", cluster_path.display()))?;
+fn register(
+    cluster_path: &std::path::Path,
+    job: u64,
+    rank: u32,
+    size: u32,
+) -> Result<Registered, String> {
+    let cluster = Cluster::load(cluster_path)
+        .map_err(|e| format!("cannot use the cluster description: {e}"))?;
+    let placement = cluster.placement(rank, size).map_err(|e| {
+        format!(
+            "no place in the cluster description {}: {e}",
+            cluster_path.display()
+        )
+    })?;
     let entry = cluster
         .sp(placement.sp)
         .ok_or_else(|| format!("the cluster description has no SP {}", placement.sp))?;
     let path = entry.host_socket.clone();
-    let stream = conn::connect(&path, conn::CONNECT_TOTAL).map_err(|e| {
-        format!("no service process reachable at {} ({e})", path.display())
-    })?;
+    let stream = conn::connect(&path, conn::CONNECT_TOTAL)
+        .map_err(|e| format!("no service process reachable at {} ({e})", path.display()))?;
     let conn = Conn::new(stream, path.clone());
     let at = |what: &str, e: &bootstrap::wire::FrameError| {
-        format!("service process at {}: {what}: {}", path.display(), conn::describe(e))
+        format!(
+            "service process at {}: {what}: {}",
+            path.display(),
+            conn::describe(e)
+        )
     };
     let mut ch = conn.channel();
     ch.send_hello(&Hello::Host(HostHello {
@@ -545,12 +565,23 @@ fn register(cluster_path: &std::path::Path, job: u64, rank: u32, size: u32) -> R
         local_rank: placement.local_rank,
     }))
     .map_err(|e| at("sending hello", &e))?;
-    let sp = match ch.recv_hello().map_err(|e| at("waiting for its welcome", &e))? {
+    let sp = match ch
+        .recv_hello()
+        .map_err(|e| at("waiting for its welcome", &e))?
+    {
         Hello::Welcome { sp } => sp,
         Hello::Reject { reason } => {
-            return Err(format!("service process at {} refused this rank: {reason}", path.display()))
+            return Err(format!(
+                "service process at {} refused this rank: {reason}",
+                path.display()
+            ))
         }
-        other => return Err(format!("service process at {} answered {other:?}", path.display())),
+        other => {
+            return Err(format!(
+                "service process at {} answered {other:?}",
+                path.display()
+            ))
+        }
     };
     if sp != placement.sp {
         return Err(format!(
@@ -570,7 +601,10 @@ fn register(cluster_path: &std::path::Path, job: u64, rank: u32, size: u32) -> R
         mailbox_slots: slots,
     })
     .map_err(|e| at("sending registration", &e))?;
-    match ch.recv::<SpToHost>().map_err(|e| at("waiting for registration", &e))? {
+    match ch
+        .recv::<SpToHost>()
+        .map_err(|e| at("waiting for registration", &e))?
+    {
         SpToHost::Registered { .. } => {}
         SpToHost::Error { code, message, .. } => {
             return Err(format!(
@@ -579,7 +613,6 @@ fn register(cluster_path: &std::path::Path, job: u64, rank: u32, size: u32) -> R
             ))
         }
     }
-    drop(ch);
     MAILBOX_SLOTS.store(slots, Ordering::Release);
     MAILBOX.store(base, Ordering::Release);
     Ok(Registered {

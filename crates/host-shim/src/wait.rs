@@ -96,7 +96,7 @@ unsafe fn test_miss() {
     let now = Instant::now();
     let due = LAST_TEST_CONN_CHECK
         .try_with(|c| {
-            let due = c.get().map_or(true, |t| now - t >= CONN_CHECK_INTERVAL);
+            let due = c.get().is_none_or(|t| now - t >= CONN_CHECK_INTERVAL);
             if due {
                 c.set(Some(now));
             }
@@ -294,7 +294,11 @@ pub fn wait_and_release(addr: usize) -> c_int {
 
 /// # Safety
 /// Arguments as for `MPI_Wait`.
-pub unsafe fn wait(request: *mut ffi::MPI_Request, status: *mut ffi::MPI_Status, commit: &mut Commit) -> Flow {
+pub unsafe fn wait(
+    request: *mut ffi::MPI_Request,
+    status: *mut ffi::MPI_Status,
+    commit: &mut Commit,
+) -> Flow {
     if !is_active() || request.is_null() {
         return Flow::Native;
     }
@@ -364,7 +368,7 @@ pub unsafe fn waitall(
     };
     commit.mark();
     let mut natives = native_subset(handles, &classes);
-    let mut native_pending = classes.iter().any(|c| *c == Class::Native);
+    let mut native_pending = classes.contains(&Class::Native);
     let mut native_rc = consts::SUCCESS();
     let mut w = Waiter::new();
     while !all_ours_done(&classes) {
@@ -455,7 +459,7 @@ unsafe fn any(
     };
     commit.mark();
     let mut natives = native_subset(handles, &classes);
-    let mut native_active = classes.iter().any(|c| *c == Class::Native);
+    let mut native_active = classes.contains(&Class::Native);
     let mut w = Waiter::new();
     loop {
         if let Some((i, a, code)) = first_done_ours(&classes) {
@@ -472,7 +476,9 @@ unsafe fn any(
         if native_active {
             let (mut idx, mut nflag): (c_int, c_int) = (consts::UNDEFINED(), 0);
             // SAFETY: a temporary array of `count` handles; the caller's status.
-            let rc = unsafe { ffi::PMPI_Testany(count, natives.as_mut_ptr(), &mut idx, &mut nflag, status) };
+            let rc = unsafe {
+                ffi::PMPI_Testany(count, natives.as_mut_ptr(), &mut idx, &mut nflag, status)
+            };
             write_back_natives(handles, &classes, &natives);
             let completed = nflag != 0 && idx != consts::UNDEFINED() && idx >= 0;
             if rc != consts::SUCCESS() || completed {
@@ -563,7 +569,13 @@ unsafe fn some_pass(
         };
         // SAFETY: temporary arrays of `n` entries each.
         let rc = unsafe {
-            ffi::PMPI_Testsome(n, natives.as_mut_ptr(), &mut outc, scratch_indices.as_mut_ptr(), st)
+            ffi::PMPI_Testsome(
+                n,
+                natives.as_mut_ptr(),
+                &mut outc,
+                scratch_indices.as_mut_ptr(),
+                st,
+            )
         };
         write_back_natives(handles, classes, natives);
         if let Combined::Fail(rc) = combine(rc, false) {
@@ -574,7 +586,11 @@ unsafe fn some_pass(
         if outc == consts::UNDEFINED() {
             *native_active = false;
         } else {
-            for (k, &pos) in scratch_indices.iter().enumerate().take(outc.max(0) as usize) {
+            for (k, &pos) in scratch_indices
+                .iter()
+                .enumerate()
+                .take(outc.max(0) as usize)
+            {
                 reported.push((pos as usize, Some(k)));
             }
             native_rc = rc;
@@ -643,7 +659,8 @@ pub unsafe fn some(
     statuses: *mut ffi::MPI_Status,
     commit: &mut Commit,
 ) -> Flow {
-    if !is_active() || incount <= 0 || requests.is_null() || outcount.is_null() || indices.is_null() {
+    if !is_active() || incount <= 0 || requests.is_null() || outcount.is_null() || indices.is_null()
+    {
         return Flow::Native;
     }
     // SAFETY: the caller's array of `incount` handles (MPI precondition).
@@ -654,7 +671,7 @@ pub unsafe fn some(
     commit.mark();
     let n = handles.len();
     let mut natives = native_subset(handles, &classes);
-    let mut native_active = classes.iter().any(|c| *c == Class::Native);
+    let mut native_active = classes.contains(&Class::Native);
     let mut scratch_indices: Vec<c_int> = vec![0; n];
     let mut scratch_statuses: Vec<ffi::MPI_Status> = if ignores(statuses) {
         Vec::new()

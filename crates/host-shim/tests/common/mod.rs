@@ -52,10 +52,13 @@ pub fn scratch(name: &str) -> PathBuf {
 pub fn shim_path() -> PathBuf {
     let exe = std::env::current_exe().unwrap();
     let deps = exe.parent().unwrap();
-    let so = [deps.join("libhost_shim.so"), deps.parent().unwrap().join("libhost_shim.so")]
-        .into_iter()
-        .find(|p| p.exists())
-        .expect("libhost_shim.so was not built next to the test binary");
+    let so = [
+        deps.join("libhost_shim.so"),
+        deps.parent().unwrap().join("libhost_shim.so"),
+    ]
+    .into_iter()
+    .find(|p| p.exists())
+    .expect("libhost_shim.so was not built next to the test binary");
     so
 }
 
@@ -90,20 +93,42 @@ pub fn cluster(dir: &Path, nodes: u32, k: u32) -> (Cluster, PathBuf) {
 }
 
 /// Runs `prog args` on `np` ranks with the shim preloaded and `env` exported.
-pub fn mpirun(np: u32, prog: &Path, args: &[&str], env: &[(&str, &str)], timeout: Duration) -> Output {
+pub fn mpirun(
+    np: u32,
+    prog: &Path,
+    args: &[&str],
+    env: &[(&str, &str)],
+    timeout: Duration,
+) -> Output {
     let mut cmd = Command::new("mpirun");
     cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .args(["--oversubscribe", "--bind-to", "none", "-np", &np.to_string()]);
-    cmd.arg("-x").arg(format!("LD_PRELOAD={}", shim_path().display()));
-    for k in ["SPOFF_CLUSTER", "SPOFF_OFFLOAD", "SPOFF_JOB_ID", "SPOFF_VERBOSE"] {
+        .args([
+            "--oversubscribe",
+            "--bind-to",
+            "none",
+            "-np",
+            &np.to_string(),
+        ]);
+    cmd.arg("-x")
+        .arg(format!("LD_PRELOAD={}", shim_path().display()));
+    for k in [
+        "SPOFF_CLUSTER",
+        "SPOFF_OFFLOAD",
+        "SPOFF_JOB_ID",
+        "SPOFF_VERBOSE",
+    ] {
         cmd.env_remove(k);
     }
     for (k, v) in env {
         cmd.env(k, v).arg("-x").arg(k);
     }
     cmd.arg(prog).args(args);
-    let child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
     let pid = child.id();
     let done = Arc::new(AtomicBool::new(false));
     let d2 = done.clone();
@@ -211,8 +236,12 @@ impl MockSp {
                         Ok((s, _)) => {
                             s.set_nonblocking(false).unwrap();
                             shared.lock().unwrap().conns.push(s.try_clone().unwrap());
-                            let (shared, posts, completed, hosts) =
-                                (shared.clone(), posts.clone(), completed.clone(), hosts.clone());
+                            let (shared, posts, completed, hosts) = (
+                                shared.clone(),
+                                posts.clone(),
+                                completed.clone(),
+                                hosts.clone(),
+                            );
                             conns.push(std::thread::spawn(move || {
                                 serve_host(sp, s, shared, behaviour, posts, completed, hosts)
                             }));
@@ -313,7 +342,8 @@ fn serve_host(
 
 /// Performs one alltoallv and writes every member's completion.
 fn run(inst: Instance) {
-    let posts: Vec<(Owner, alias_mkey::Grant, PostDesc)> = inst.posts.into_iter().map(Option::unwrap).collect();
+    let posts: Vec<(Owner, alias_mkey::Grant, PostDesc)> =
+        inst.posts.into_iter().map(Option::unwrap).collect();
     let n = posts.len();
     let mut mover = CmaMover::default();
     let key = |o: &Owner, g: &alias_mkey::Grant| AliasKey {
@@ -322,8 +352,16 @@ fn run(inst: Instance) {
     };
     let mut status = mailbox::STATUS_OK;
     for (_, _, p) in &posts {
-        assert_eq!(p.members, posts[0].2.members, "members differ between ranks");
-        for v in [&p.send_counts, &p.send_displs, &p.recv_counts, &p.recv_displs] {
+        assert_eq!(
+            p.members, posts[0].2.members,
+            "members differ between ranks"
+        );
+        for v in [
+            &p.send_counts,
+            &p.send_displs,
+            &p.recv_counts,
+            &p.recv_displs,
+        ] {
             assert_eq!(v.len(), n);
         }
     }
