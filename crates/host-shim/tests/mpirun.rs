@@ -193,3 +193,30 @@ fn a_dying_sp_fails_collectives_instead_of_hanging() {
     assert!(stderr.contains("closed the connection"), "{stderr}");
     eprintln!("{stderr}");
 }
+
+#[test]
+fn threads_offload_concurrently_on_their_own_communicators() {
+    need_mpi!();
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = scratch("threads");
+    let prog = build_prog(&dir, "mt_check");
+    let (c, cluster) = cluster(&dir, 2, 1);
+    let sp = MockSp::start(&c, &[0, 1], Behaviour::Serve);
+    let out = mpirun(
+        NP,
+        &prog,
+        &[],
+        &[("SPOFF_CLUSTER", cluster.to_str().unwrap())],
+        TIMEOUT,
+    );
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    if stdout.contains("skipped") {
+        eprintln!("{stdout}");
+        return;
+    }
+    assert!(stdout.contains("mt_check: all ok"), "{stdout}\n{stderr}");
+    assert!(shim_lines(&stderr).is_empty(), "{stderr}");
+    // 3 threads x 20 iterations, every one offloaded.
+    assert_eq!(sp.completed.load(std::sync::atomic::Ordering::Acquire), 60);
+}

@@ -63,15 +63,20 @@ pub fn shim_path() -> PathBuf {
 }
 
 pub fn build_check_prog(dir: &Path) -> PathBuf {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/progs/a2a_check.c");
-    let out = dir.join("a2a_check");
+    build_prog(dir, "a2a_check")
+}
+
+/// Compiles `tests/progs/<name>.c` with `mpicc` into `dir`.
+pub fn build_prog(dir: &Path, name: &str) -> PathBuf {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/progs/{name}.c"));
+    let out = dir.join(name);
     let st = Command::new("mpicc")
-        .args(["-O1", "-Wall", "-o"])
+        .args(["-O1", "-Wall", "-pthread", "-o"])
         .arg(&out)
         .arg(&src)
         .status()
         .unwrap();
-    assert!(st.success(), "mpicc failed");
+    assert!(st.success(), "mpicc failed on {}", src.display());
     out
 }
 
