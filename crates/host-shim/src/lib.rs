@@ -11,7 +11,8 @@
 //!
 //! Environment: `SPOFF_CLUSTER` (path of the cluster description; unset = native),
 //! `SPOFF_OFFLOAD=0` (native), `SPOFF_JOB_ID` (u64; otherwise rank 0 draws one),
-//! `SPOFF_VERBOSE=1` (a line per rank on activation).
+//! `SPOFF_VERBOSE=1` (a line per rank on activation), `SPOFF_MAILBOX_SLOTS` (completion slots,
+//! i.e. offloaded collectives a rank may have outstanding; default 1024).
 //!
 //! Module map: `boundary` (the C boundary), `state` (start-up state machine, shared state,
 //! shutdown), `conn` (the SP connection), `comm` (communicator ids), `coll` (posting

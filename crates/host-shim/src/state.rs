@@ -488,6 +488,20 @@ fn draw_job_id() -> u64 {
     z ^ (z >> 31)
 }
 
+/// Most mailbox slots accepted from `SPOFF_MAILBOX_SLOTS`.
+const MAX_MAILBOX_SLOTS: u32 = 1 << 16;
+
+/// Mailbox slots: `SPOFF_MAILBOX_SLOTS` (1..=65536) or the protocol default. A small value
+/// makes posting harvest completions early (useful in tests); it bounds how many collectives a
+/// rank can have outstanding at once.
+fn mailbox_slots() -> u32 {
+    std::env::var("SPOFF_MAILBOX_SLOTS")
+        .ok()
+        .and_then(|v| v.trim().parse::<u32>().ok())
+        .map(|n| n.clamp(1, MAX_MAILBOX_SLOTS))
+        .unwrap_or(DEFAULT_SLOTS)
+}
+
 /// The rank's cores (its affinity mask), reported to the SP.
 fn affinity_cores() -> Vec<u32> {
     // SAFETY: cpu_set_t is plain data; sched_getaffinity writes at most its size.
@@ -591,7 +605,7 @@ fn register(
         ));
     }
 
-    let slots = DEFAULT_SLOTS;
+    let slots = mailbox_slots();
     let base = map_mailbox(slots)?;
     let mut registrar = Registrar::new();
     let mailbox = registrar.register(base as u64, slots as u64 * SLOT_BYTES, Rights::READ_WRITE);
