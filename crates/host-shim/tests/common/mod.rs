@@ -122,6 +122,7 @@ pub fn mpirun(
         "SPOFF_OFFLOAD",
         "SPOFF_JOB_ID",
         "SPOFF_VERBOSE",
+        "SPOFF_MAILBOX_SLOTS",
     ] {
         cmd.env_remove(k);
     }
