@@ -18,7 +18,12 @@ struct Found {
 }
 
 fn from_flags(flags: &str, how: String) -> Found {
-    let mut found = Found { include_dirs: vec![], lib_dirs: vec![], libs: vec![], how };
+    let mut found = Found {
+        include_dirs: vec![],
+        lib_dirs: vec![],
+        libs: vec![],
+        how,
+    };
     for word in flags.split_whitespace() {
         if let Some(dir) = word.strip_prefix("-I") {
             found.include_dirs.push(dir.into());
@@ -53,14 +58,21 @@ fn run(cmd: &str, args: &[&str]) -> Result<String, String> {
         .output()
         .map_err(|e| format!("`{cmd} {}` could not run: {e}", args.join(" ")))?;
     if !out.status.success() {
-        return Err(format!("`{cmd} {}` exited with {}", args.join(" "), out.status));
+        return Err(format!(
+            "`{cmd} {}` exited with {}",
+            args.join(" "),
+            out.status
+        ));
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 fn probe_wrapper() -> Result<Found, String> {
     let mpicc = env::var("MPICC").unwrap_or_else(|_| "mpicc".into());
-    match (run(&mpicc, &["--showme:compile"]), run(&mpicc, &["--showme:link"])) {
+    match (
+        run(&mpicc, &["--showme:compile"]),
+        run(&mpicc, &["--showme:link"]),
+    ) {
         (Ok(c), Ok(l)) => return Ok(from_flags(&format!("{c} {l}"), format!("{mpicc} --showme"))),
         (Err(e), _) | (_, Err(e)) => {
             let show = run(&mpicc, &["-show"]).map_err(|e2| format!("{e}; {e2}"))?;
@@ -111,7 +123,9 @@ fn main() {
             reasons.join("\n  - ")
         );
     };
-    println!("cargo:warning=mpi-ffi: MPI found via {}", found.how);
+
+    // How MPI was found, for `mpi_ffi::FOUND_VIA`.
+    println!("cargo:rustc-env=MPI_FFI_FOUND_VIA={}", found.how);
 
     let mut build = cc::Build::new();
     build.file("csrc/mpi_ffi.c").warnings(true);
@@ -145,5 +159,7 @@ fn main() {
     }
     let bindings = bindings.generate().expect("bindgen failed on mpi.h");
     let out = PathBuf::from(env::var("OUT_DIR").unwrap()).join("mpi_bindings.rs");
-    bindings.write_to_file(out).expect("could not write bindings");
+    bindings
+        .write_to_file(out)
+        .expect("could not write bindings");
 }

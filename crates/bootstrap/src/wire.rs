@@ -223,6 +223,9 @@ pub enum SpToSp {
         job: u64,
         reason: String,
     },
+    /// The sender is stopping in an orderly way (its connection closes next). Collectives that
+    /// still need it fail as for a lost peer; the receiver just does not report it as a fault.
+    Shutdown,
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -3,9 +3,17 @@
 //! that a small C file takes from the implementation's own macros. It never wraps, owns or
 //! checks anything: callers (the host shim, the benchmark and the test programs) decide what is
 //! safe. Works with Open MPI (the distribution's) and MPICH; see `build.rs` for how MPI is found.
-#![allow(non_upper_case_globals, non_camel_case_types, non_snake_case, clippy::all)]
+#![allow(
+    non_upper_case_globals,
+    non_camel_case_types,
+    non_snake_case,
+    clippy::all
+)]
 
 include!(concat!(env!("OUT_DIR"), "/mpi_bindings.rs"));
+
+/// How the build found MPI (`MPI_DIR=...`, `mpicc --showme`, `pkg-config ...`).
+pub const FOUND_VIA: &str = env!("MPI_FFI_FOUND_VIA");
 
 /// Predefined handles under their MPI names. They are `static`s defined in C, so reading one is
 /// a plain load; they are valid after the library is loaded, before `MPI_Init`.

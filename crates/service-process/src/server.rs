@@ -113,6 +113,8 @@ pub struct Server {
     conns: Slab<Conn<Role>>,
     peer_conn: HashMap<SpId, usize>,
     dead_peers: HashSet<SpId>,
+    /// Peers that announced an orderly shutdown.
+    leaving_peers: HashSet<SpId>,
     jobs: HashMap<u64, Job>,
     instances: HashMap<CollKey, Instance>,
     limiter: CopyLimiter<CopyJob>,
@@ -241,6 +243,7 @@ impl Server {
             conns: Slab::new(),
             peer_conn: HashMap::new(),
             dead_peers: HashSet::new(),
+            leaving_peers: HashSet::new(),
             jobs: HashMap::new(),
             instances: HashMap::new(),
             limiter: CopyLimiter::new(cfg.max_inflight_reads.max(1)),
@@ -291,6 +294,7 @@ impl Server {
                     SIGNALS => {
                         if self.signals.drain() {
                             info!(sp = self.me, "stopping on signal");
+                            self.say_shutdown();
                             let _ = std::fs::remove_file(&self.host_socket);
                             return Ok(self.stats);
                         }
@@ -307,6 +311,24 @@ impl Server {
                 }
             }
             self.on_copies_done();
+        }
+    }
+
+    /// Tells every peer this SP is stopping, with a bounded effort to get it out.
+    fn say_shutdown(&mut self) {
+        let frame = encode(&SpToSp::Shutdown);
+        let peers: Vec<usize> = self.peer_conn.values().copied().collect();
+        for k in peers {
+            if let Some(c) = self.conns.get_mut(k) {
+                let _ = c.send(&frame);
+                let deadline = Instant::now() + Duration::from_millis(100);
+                while c.pending_out() > 0 && Instant::now() < deadline {
+                    if c.flush().is_err() {
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
         }
     }
 
@@ -774,6 +796,10 @@ impl Server {
                 }
                 self.drive(ck);
             }
+            SpToSp::Shutdown => {
+                debug!(sp = self.me, from, "peer SP is shutting down");
+                self.leaving_peers.insert(from);
+            }
             SpToSp::JobAbort { job, reason } => {
                 warn!(sp = self.me, from, job, "job aborted: {reason}");
                 self.fail_job(job, Status::RankFailed, false);
@@ -930,7 +956,11 @@ impl Server {
         match conn.role {
             Role::NewHost { .. } => {}
             Role::Peer(sp) => {
-                warn!(sp = self.me, peer = sp, "peer SP lost: {why}");
+                if self.leaving_peers.contains(&sp) {
+                    debug!(sp = self.me, peer = sp, "peer SP left");
+                } else {
+                    warn!(sp = self.me, peer = sp, "peer SP lost: {why}");
+                }
                 self.peer_conn.remove(&sp);
                 self.dead_peers.insert(sp);
                 let now = now_ns(self.start);
