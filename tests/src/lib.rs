@@ -14,7 +14,10 @@ use std::time::{Duration, Instant};
 pub fn target_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("current exe");
     // target/<profile>/deps/<test binary>
-    exe.parent().and_then(|p| p.parent()).expect("target dir").to_path_buf()
+    exe.parent()
+        .and_then(|p| p.parent())
+        .expect("target dir")
+        .to_path_buf()
 }
 
 /// A built artifact of the workspace; panics with how to build it if it is missing.
@@ -74,7 +77,10 @@ impl Finished {
 
     /// Sum of one counter over every SP.
     pub fn sp_total(&self, field: &str) -> u64 {
-        self.sp_stats().iter().map(|s| s[field].as_u64().unwrap_or(0)).sum()
+        self.sp_stats()
+            .iter()
+            .map(|s| s[field].as_u64().unwrap_or(0))
+            .sum()
     }
 }
 
@@ -82,11 +88,16 @@ impl Finished {
 /// `timeout` (a hang is a failure, not something to wait out).
 pub fn run(mut cmd: Command, timeout: Duration) -> Finished {
     use std::os::unix::process::CommandExt;
-    cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
-    cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1").env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
     cmd.process_group(0);
     let start = Instant::now();
-    let mut child = cmd.spawn().unwrap_or_else(|e| panic!("cannot start {cmd:?}: {e}"));
+    let mut child = cmd
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {cmd:?}: {e}"));
     let mut out = child.stdout.take().unwrap();
     let mut err = child.stderr.take().unwrap();
     let t_out = std::thread::spawn(move || {
@@ -135,11 +146,16 @@ pub fn launch_cmd(args: &[&str], program: &[&str]) -> Command {
 
 /// A seed for randomized inputs: `TEST_SEED` if set, else the clock; always printed.
 pub fn seed() -> u64 {
-    let s = std::env::var("TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos()
-            as u64
-            % 1_000_000_007
-    });
+    let s = std::env::var("TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+                % 1_000_000_007
+        });
     eprintln!("TEST_SEED={s}");
     s
 }
@@ -147,19 +163,28 @@ pub fn seed() -> u64 {
 /// Pids of live processes whose command line or environment contains `needle`.
 pub fn pids_matching(needle: &str) -> Vec<u32> {
     let mut out = vec![];
-    let Ok(dir) = std::fs::read_dir("/proc") else { return out };
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return out;
+    };
     for e in dir.flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
         if pid == std::process::id() {
             continue;
         }
-        let Ok(cmdline) = std::fs::read(e.path().join("cmdline")) else { continue };
+        let Ok(cmdline) = std::fs::read(e.path().join("cmdline")) else {
+            continue;
+        };
         let mut cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
         if let Ok(env) = std::fs::read(e.path().join("environ")) {
             cmdline.push_str(&String::from_utf8_lossy(&env).replace('\0', " "));
         }
         let stat = std::fs::read_to_string(e.path().join("stat")).unwrap_or_default();
-        let zombie = stat.rsplit(')').next().is_some_and(|s| s.trim_start().starts_with('Z'));
+        let zombie = stat
+            .rsplit(')')
+            .next()
+            .is_some_and(|s| s.trim_start().starts_with('Z'));
         if cmdline.contains(needle) && !zombie {
             out.push(pid);
         }

@@ -20,7 +20,16 @@ fn alltoallv_matches_native(layout: &str, sps_per_node: &str) {
     let k = sps_per_node;
     let run = run(
         launch_cmd(
-            &["--nodes", "2", "--ranks-per-node", "2", "--sps-per-node", k, "--layout", layout],
+            &[
+                "--nodes",
+                "2",
+                "--ranks-per-node",
+                "2",
+                "--sps-per-node",
+                k,
+                "--layout",
+                layout,
+            ],
             &[&prog, "--ops", "150", "--seed", &seed],
         ),
         JOB_TIMEOUT,
@@ -32,11 +41,22 @@ fn alltoallv_matches_native(layout: &str, sps_per_node: &str) {
         run.stdout
     );
     let posts = run.sp_total("posts");
-    assert!(posts > 0, "seed {seed}: the SPs saw no post: nothing was offloaded\n{}", run.stderr);
+    assert!(
+        posts > 0,
+        "seed {seed}: the SPs saw no post: nothing was offloaded\n{}",
+        run.stderr
+    );
     assert_eq!(run.sp_total("copies_failed"), 0, "{}", run.stderr);
     assert_eq!(run.sp_total("errors_sent"), 0, "{}", run.stderr);
-    assert_eq!(run.sp_stats().len(), 2 * k.parse::<usize>().unwrap(), "every SP reported");
-    eprintln!("{layout} x{k}: {posts} posts offloaded in {:?}", run.elapsed);
+    assert_eq!(
+        run.sp_stats().len(),
+        2 * k.parse::<usize>().unwrap(),
+        "every SP reported"
+    );
+    eprintln!(
+        "{layout} x{k}: {posts} posts offloaded in {:?}",
+        run.elapsed
+    );
 }
 
 #[test]
@@ -70,7 +90,11 @@ fn mpi_checker_can_fail() {
         ),
         JOB_TIMEOUT,
     );
-    assert!(!run.ok(), "a corrupted result went unnoticed\n{}", run.stdout);
+    assert!(
+        !run.ok(),
+        "a corrupted result went unnoticed\n{}",
+        run.stdout
+    );
 }
 
 #[test]
@@ -88,8 +112,7 @@ fn mpi_no_sp_reachable_falls_back_to_native() {
             host_socket: dir.join(format!("absent-{i}.sock")),
         })
         .collect();
-    let cluster =
-        bootstrap::Cluster::new(2, 1, Some(2), bootstrap::Layout::Block, sps).unwrap();
+    let cluster = bootstrap::Cluster::new(2, 1, Some(2), bootstrap::Layout::Block, sps).unwrap();
     let path = dir.join("cluster.json");
     cluster.save(&path).unwrap();
     let mut cmd = Command::new("mpirun");
@@ -101,29 +124,51 @@ fn mpi_no_sp_reachable_falls_back_to_native() {
     let run = run(cmd, JOB_TIMEOUT);
     std::fs::remove_dir_all(&dir).ok();
     run.assert_ok("alltoallv_check with no SP");
-    assert!(run.stdout.contains("40 ops, 0 mismatches"), "{}", run.stdout);
-    let said = run.stderr.lines().filter(|l| l.contains("running natively")).count();
-    assert!(said >= 1 && said <= 4, "expected one fallback line per rank:\n{}", run.stderr);
+    assert!(
+        run.stdout.contains("40 ops, 0 mismatches"),
+        "{}",
+        run.stdout
+    );
+    let said = run
+        .stderr
+        .lines()
+        .filter(|l| l.contains("running natively"))
+        .count();
+    assert!(
+        said >= 1 && said <= 4,
+        "expected one fallback line per rank:\n{}",
+        run.stderr
+    );
 }
 
 #[test]
 fn mpi_offload_disabled_by_environment_runs_natively() {
     let prog = check_prog();
-    let mut cmd =
-        launch_cmd(&["--nodes", "2", "--ranks-per-node", "2"], &[&prog, "--ops", "30", "--seed", "4"]);
+    let mut cmd = launch_cmd(
+        &["--nodes", "2", "--ranks-per-node", "2"],
+        &[&prog, "--ops", "30", "--seed", "4"],
+    );
     cmd.env("SPOFF_OFFLOAD", "0");
     let run = run(cmd, JOB_TIMEOUT);
     run.assert_ok("alltoallv_check with SPOFF_OFFLOAD=0");
-    assert!(run.stdout.contains("30 ops, 0 mismatches"), "{}", run.stdout);
-    assert_eq!(run.sp_total("posts"), 0, "offload was disabled but the SPs saw posts");
+    assert!(
+        run.stdout.contains("30 ops, 0 mismatches"),
+        "{}",
+        run.stdout
+    );
+    assert_eq!(
+        run.sp_total("posts"),
+        0,
+        "offload was disabled but the SPs saw posts"
+    );
 }
 
 #[test]
 fn mpi_coll_bench_overlap_validates_offloaded_and_native() {
     let bench = artifact("coll-bench").display().to_string();
     for native in [false, true] {
-        let json = std::env::temp_dir()
-            .join(format!("spoff-bench-{}-{native}.json", std::process::id()));
+        let json =
+            std::env::temp_dir().join(format!("spoff-bench-{}-{native}.json", std::process::id()));
         let json_s = json.display().to_string();
         let mut args = vec!["--nodes", "2", "--ranks-per-node", "1"];
         if native {
@@ -132,16 +177,30 @@ fn mpi_coll_bench_overlap_validates_offloaded_and_native() {
         let run = run(
             launch_cmd(
                 &args,
-                &[&bench, "overlap", "--coll", "ialltoallv", "--sizes", "1K,64K", "--iters", "4",
-                  "--warmup", "1", "--json", &json_s],
+                &[
+                    &bench,
+                    "overlap",
+                    "--coll",
+                    "ialltoallv",
+                    "--sizes",
+                    "1K,64K",
+                    "--iters",
+                    "4",
+                    "--warmup",
+                    "1",
+                    "--json",
+                    &json_s,
+                ],
             ),
             JOB_TIMEOUT,
         );
         run.assert_ok("coll-bench overlap");
         let text = std::fs::read_to_string(&json).unwrap();
         std::fs::remove_file(&json).ok();
-        let rows: Vec<serde_json::Value> =
-            text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        let rows: Vec<serde_json::Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
         assert_eq!(rows.len(), 2, "{text}");
         for r in &rows {
             assert_eq!(r["validated"], true, "{r}");
@@ -151,7 +210,11 @@ fn mpi_coll_bench_overlap_validates_offloaded_and_native() {
         if native {
             assert!(run.sp_stats().is_empty(), "--native must start no SP");
         } else {
-            assert!(run.sp_total("posts") > 0, "nothing offloaded:\n{}", run.stderr);
+            assert!(
+                run.sp_total("posts") > 0,
+                "nothing offloaded:\n{}",
+                run.stderr
+            );
         }
     }
 }
@@ -160,11 +223,20 @@ fn mpi_coll_bench_overlap_validates_offloaded_and_native() {
 /// the marker is a string found in every process of the job.
 fn start_long_job(extra: &[&str]) -> (std::process::Child, String) {
     let prog = check_prog();
-    let mut args = vec!["--nodes", "2", "--ranks-per-node", "2", "--fault-grace-secs", "20"];
+    let mut args = vec![
+        "--nodes",
+        "2",
+        "--ranks-per-node",
+        "2",
+        "--fault-grace-secs",
+        "20",
+    ];
     args.extend_from_slice(extra);
     let mut cmd = launch_cmd(&args, &[&prog, "--ops", "1000000", "--seed", "5"]);
-    cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1").env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
-    cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null());
+    cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+    cmd.stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
     let child = cmd.spawn().unwrap();
     let marker = format!("spoff-{}-", child.id());
     // Wait until the ranks run (their environment names the run directory).
@@ -198,7 +270,10 @@ fn assert_nothing_left(marker: &str) {
         if left.is_empty() {
             return;
         }
-        assert!(t.elapsed() < Duration::from_secs(5), "processes left behind: {left:?}");
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "processes left behind: {left:?}"
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
 }
@@ -227,7 +302,10 @@ fn mpi_sp_killed_mid_job_ends_it_with_an_error() {
     // SAFETY: killing a process of our own job.
     unsafe { libc::kill(sp as i32, libc::SIGKILL) };
     let st = wait_exit(&mut child, Duration::from_secs(60));
-    assert!(!st.success(), "a job that lost an SP must not report success");
+    assert!(
+        !st.success(),
+        "a job that lost an SP must not report success"
+    );
     assert_nothing_left(&marker);
 }
 
