@@ -33,6 +33,8 @@ pub struct LaunchOpts {
     pub max_inflight_reads: usize,
     pub mpirun: String,
     pub mpirun_args: Vec<String>,
+    /// Extra arguments for every SP's `serve`.
+    pub sp_args: Vec<String>,
     pub ready_timeout: Duration,
     pub fault_grace: Duration,
     pub keep_run_dir: bool,
@@ -395,7 +397,7 @@ fn run_job(
             layout: opts.layout,
             sp_cpus: opts.sp_cpus.clone(),
             max_inflight_reads: opts.max_inflight_reads,
-            extra_args: vec![],
+            extra_args: opts.sp_args.clone(),
         };
         let (path, children) = spawn_sps(exe, &spec, run_dir, tx.clone())?;
         sps = children;

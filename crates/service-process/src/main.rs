@@ -44,6 +44,10 @@ enum Cmd {
         /// Staging buffer per datapath thread, in bytes.
         #[arg(long, default_value_t = 1 << 20)]
         chunk_bytes: usize,
+        /// Copies up to this many bytes run on the event-loop thread (0: all on datapath
+        /// threads).
+        #[arg(long, default_value_t = 64 * 1024)]
+        inline_copy_bytes: u64,
         /// Pin the SP to these CPUs (e.g. `1` or `0,2-3`).
         #[arg(long)]
         cpus: Option<CpuList>,
@@ -83,6 +87,10 @@ enum Cmd {
         /// Extra arguments for mpirun (repeatable), e.g. --mpirun-arg=--mca --mpirun-arg=pml
         #[arg(long = "mpirun-arg", allow_hyphen_values = true)]
         mpirun_args: Vec<String>,
+        /// Extra arguments for every SP's `serve` (repeatable), e.g.
+        /// --sp-arg=--inline-copy-bytes=0
+        #[arg(long = "sp-arg", allow_hyphen_values = true)]
+        sp_args: Vec<String>,
         /// Seconds to wait for the SPs to be ready.
         #[arg(long, default_value_t = 30)]
         ready_timeout_secs: u64,
@@ -151,6 +159,7 @@ fn run(cli: Cli) -> Result<i32> {
             max_inflight_reads,
             datapath_threads,
             chunk_bytes,
+            inline_copy_bytes,
             cpus,
             connect_timeout_secs,
         } => {
@@ -186,6 +195,7 @@ fn run(cli: Cli) -> Result<i32> {
                 max_inflight_reads: max_inflight_reads.max(1),
                 datapath_threads: datapath_threads.unwrap_or(max_inflight_reads).max(1),
                 chunk_bytes,
+                inline_copy_bytes,
                 connect_backoff: backoff,
             };
             let server = Server::new(cfg, peers)?;
@@ -206,6 +216,7 @@ fn run(cli: Cli) -> Result<i32> {
             max_inflight_reads,
             mpirun,
             mpirun_args,
+            sp_args,
             ready_timeout_secs,
             fault_grace_secs,
             keep_run_dir,
@@ -224,6 +235,7 @@ fn run(cli: Cli) -> Result<i32> {
                 max_inflight_reads,
                 mpirun,
                 mpirun_args,
+                sp_args,
                 ready_timeout: Duration::from_secs(ready_timeout_secs),
                 fault_grace: Duration::from_secs(fault_grace_secs),
                 keep_run_dir,

@@ -63,6 +63,9 @@ pub struct ServeConfig {
     pub max_inflight_reads: usize,
     pub datapath_threads: usize,
     pub chunk_bytes: usize,
+    /// Copies up to this size run on the event-loop thread instead of a datapath thread: a
+    /// handoff to a thread and back costs more than copying a few KiB.
+    pub inline_copy_bytes: u64,
     pub connect_backoff: Backoff,
 }
 
@@ -121,7 +124,11 @@ pub struct Server {
     copies: HashMap<u64, (CollKey, CopyId)>,
     next_ticket: u64,
     datapath: Datapath,
+    /// Mover of the loop thread: mailbox writes and inline copies.
     mover: CmaMover,
+    inline_copy_bytes: u64,
+    /// Inline copies finished, waiting to be fed back to their instances.
+    inline_done: Vec<crate::datapath::CopyDone>,
     signals: crate::signals::SignalPipe,
     start: Instant,
     pub stats: Stats,
@@ -250,7 +257,9 @@ impl Server {
             copies: HashMap::new(),
             next_ticket: 0,
             datapath: Datapath::start(cfg.datapath_threads, cfg.chunk_bytes, waker),
-            mover: CmaMover::new(4096),
+            mover: CmaMover::new((cfg.inline_copy_bytes as usize).clamp(4096, 1 << 20)),
+            inline_copy_bytes: cfg.inline_copy_bytes,
+            inline_done: Vec::new(),
             signals,
             start: Instant::now(),
             stats: Stats::default(),
@@ -884,15 +893,36 @@ impl Server {
             self.stats.copies_started += 1;
             self.stats.bytes_copied += job.len;
             self.stats.max_inflight = self.stats.max_inflight.max(self.limiter.in_flight() as u64);
-            self.datapath.submit(job);
+            if job.len <= self.inline_copy_bytes {
+                self.stats.copies_inline += 1;
+                let result =
+                    self.mover
+                        .copy(&job.src, job.src_offset, &job.dst, job.dst_offset, job.len);
+                // Fed back by `on_copies_done`, outside the instance's `drive`.
+                self.inline_done.push(crate::datapath::CopyDone {
+                    ticket: job.ticket,
+                    result,
+                });
+            } else {
+                self.datapath.submit(job);
+            }
         }
     }
 
+    /// Feeds finished copies back to their instances, until none is left (an instance may
+    /// start more inline copies while it handles one).
     fn on_copies_done(&mut self) {
-        let done: Vec<_> = self.datapath.drain().collect();
-        if done.is_empty() {
-            return;
+        loop {
+            let mut done = std::mem::take(&mut self.inline_done);
+            done.extend(self.datapath.drain());
+            if done.is_empty() {
+                return;
+            }
+            self.feed_copies_done(done);
         }
+    }
+
+    fn feed_copies_done(&mut self, done: Vec<crate::datapath::CopyDone>) {
         let now = now_ns(self.start);
         for d in done {
             self.limiter.finished();

@@ -11,6 +11,8 @@ pub struct Stats {
     pub messages_sent: u64,
     pub copies_started: u64,
     pub copies_failed: u64,
+    /// Of `copies_started`, those small enough to run on the event-loop thread.
+    pub copies_inline: u64,
     pub bytes_copied: u64,
     /// Most copies active at once (bounded by `max_inflight_reads`).
     pub max_inflight: u64,

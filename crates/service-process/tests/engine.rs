@@ -148,9 +148,24 @@ impl Op {
 }
 
 fn run_random_ops(sps_per_node: u32, layout_kind: Layout, seed: u64) {
+    let stats = run_random_ops_with(sps_per_node, layout_kind, seed, &[]);
+    let inline: u64 = stats
+        .iter()
+        .map(|s| s["copies_inline"].as_u64().unwrap())
+        .sum();
+    assert!(inline > 0, "small copies should run inline: {stats:?}");
+}
+
+/// Runs randomized rounds and returns the SPs' counters.
+fn run_random_ops_with(
+    sps_per_node: u32,
+    layout_kind: Layout,
+    seed: u64,
+    serve_args: &[&str],
+) -> Vec<serde_json::Value> {
     let (nodes, rpn) = (2u32, 2u32);
     let world = nodes * rpn;
-    let set = SpSet::start(nodes, sps_per_node, rpn, layout_kind);
+    let mut set = SpSet::start_with(nodes, sps_per_node, rpn, layout_kind, serve_args);
     let job = new_job();
     let mut hosts: Vec<Host> = (0..world)
         .map(|r| Host::connect(&set, job, r, world))
@@ -202,6 +217,12 @@ fn run_random_ops(sps_per_node: u32, layout_kind: Layout, seed: u64) {
     for h in hosts {
         h.goodbye();
     }
+    let stats = set.stop_and_stats();
+    for s in &stats {
+        assert_eq!(s["copies_failed"], 0, "{s}");
+        assert_eq!(s["errors_sent"], 0, "{s}");
+    }
+    stats
 }
 
 #[test]
@@ -212,6 +233,22 @@ fn alltoallv_through_real_sps_matches_reference_block_1sp() {
 #[test]
 fn alltoallv_through_real_sps_matches_reference_cyclic_2sp() {
     run_random_ops(2, Layout::Cyclic, test_seed());
+}
+
+#[test]
+fn alltoallv_every_copy_on_datapath_threads() {
+    // The other tests' small blocks are copied inline on the loop thread; this one sends every
+    // copy through the datapath threads.
+    let stats = run_random_ops_with(1, Layout::Block, test_seed(), &["--inline-copy-bytes", "0"]);
+    let started: u64 = stats
+        .iter()
+        .map(|s| s["copies_started"].as_u64().unwrap())
+        .sum();
+    let inline: u64 = stats
+        .iter()
+        .map(|s| s["copies_inline"].as_u64().unwrap())
+        .sum();
+    assert!(started > 0 && inline == 0, "{stats:?}");
 }
 
 #[test]

@@ -27,6 +27,17 @@ pub struct SpSet {
 
 impl SpSet {
     pub fn start(nodes: u32, sps_per_node: u32, ranks_per_node: u32, layout: Layout) -> SpSet {
+        Self::start_with(nodes, sps_per_node, ranks_per_node, layout, &[])
+    }
+
+    /// As `start`, with more `serve` arguments for every SP.
+    pub fn start_with(
+        nodes: u32,
+        sps_per_node: u32,
+        ranks_per_node: u32,
+        layout: Layout,
+        serve_args: &[&str],
+    ) -> SpSet {
         let exe = PathBuf::from(env!("CARGO_BIN_EXE_service-process"));
         let run_dir = launch::new_run_dir().unwrap();
         let (tx, rx) = mpsc::channel();
@@ -37,7 +48,7 @@ impl SpSet {
             layout,
             sp_cpus: None,
             max_inflight_reads: 2,
-            extra_args: vec![],
+            extra_args: serve_args.iter().map(|a| a.to_string()).collect(),
         };
         let (path, mut sps) = launch::spawn_sps(&exe, &spec, &run_dir, tx).unwrap();
         launch::wait_ready(&mut sps, &rx, Duration::from_secs(30), None).unwrap();
@@ -49,6 +60,22 @@ impl SpSet {
             run_dir,
             lines: rx,
         }
+    }
+
+    /// Stops every SP (SIGTERM) and returns the counters each printed at exit, by SP id.
+    pub fn stop_and_stats(&mut self) -> Vec<serde_json::Value> {
+        launch::stop_sps(&mut self.sps, Duration::from_secs(5));
+        let mut stats = vec![serde_json::Value::Null; self.sps.len()];
+        while let Ok((id, line)) = self.lines.recv_timeout(Duration::from_millis(200)) {
+            if let Some(json) = line.strip_prefix("STATS ") {
+                stats[id as usize] = serde_json::from_str(json).unwrap();
+            }
+        }
+        assert!(
+            stats.iter().all(|s| !s.is_null()),
+            "an SP printed no stats: {stats:?}"
+        );
+        stats
     }
 
     pub fn kill(&mut self, sp: u32) {
