@@ -305,6 +305,8 @@ impl Server {
                             info!(sp = self.me, "stopping on signal");
                             self.say_shutdown();
                             let _ = std::fs::remove_file(&self.host_socket);
+                            self.stats.jobs_at_exit = self.jobs.len() as u64;
+                            self.stats.instances_at_exit = self.instances.len() as u64;
                             return Ok(self.stats);
                         }
                     }
@@ -885,6 +887,13 @@ impl Server {
                     }
                 }
             }
+            self.forget_job_if_done(ck.job);
+        } else if self
+            .jobs
+            .get(&ck.job)
+            .is_some_and(|j| j.failed.is_some() && j.hosts.is_empty())
+        {
+            self.forget_job_if_done(ck.job);
         }
     }
 
@@ -1018,15 +1027,26 @@ impl Server {
                     );
                     self.fail_job(job, Status::RankFailed, true);
                 }
-                if self.jobs.get(&job).is_some_and(|j| j.hosts.is_empty()) {
-                    // Nothing of the job is left here once its instances are done; instances
-                    // of a failed job finish as their copies drain.
-                    let has_instances = self.instances.keys().any(|k| k.job == job);
-                    if !has_instances {
-                        self.jobs.remove(&job);
-                    }
-                }
+                self.forget_job_if_done(job);
             }
+        }
+    }
+
+    /// Frees a job's state once none of its ranks is connected and none of its instances is
+    /// left (those of a failed job finish as their copies drain).
+    fn forget_job_if_done(&mut self, job: u64) {
+        let Some(j) = self.jobs.get(&job) else { return };
+        if !j.hosts.is_empty() {
+            return;
+        }
+        if j.failed.is_some() {
+            // No rank of this job is left here to complete, and a dead rank that never posted
+            // would keep its instance open forever: drop what no copy still touches.
+            self.instances
+                .retain(|k, i| k.job != job || i.sm.copies_in_flight() > 0);
+        }
+        if !self.instances.keys().any(|k| k.job == job) {
+            self.jobs.remove(&job);
         }
     }
 

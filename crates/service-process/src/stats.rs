@@ -17,4 +17,7 @@ pub struct Stats {
     /// Most copies active at once (bounded by `max_inflight_reads`).
     pub max_inflight: u64,
     pub errors_sent: u64,
+    /// Jobs and collective instances still held when the SP stopped: 0 once every job ended.
+    pub jobs_at_exit: u64,
+    pub instances_at_exit: u64,
 }

@@ -511,6 +511,14 @@ fn a_rank_that_dies_mid_collective_fails_it_everywhere() {
     for (r, (slot, token)) in posted {
         assert_eq!(hosts[r].wait(slot, token, WAIT), Some(failed), "rank {r}");
     }
+    // The failed job's state goes once its ranks are gone.
+    drop(hosts);
+    std::thread::sleep(Duration::from_millis(200));
+    let mut set = set;
+    for s in set.stop_and_stats() {
+        assert_eq!(s["jobs_at_exit"], 0, "{s}");
+        assert_eq!(s["instances_at_exit"], 0, "{s}");
+    }
 }
 
 #[test]
@@ -591,5 +599,44 @@ fn posts_after_a_peer_sp_died_fail_instead_of_waiting() {
     let failed = mailbox::status_code(algorithms::Status::PeerFailed);
     for (r, (slot, token)) in posted {
         assert_eq!(hosts[r].wait(slot, token, WAIT), Some(failed), "rank {r}");
+    }
+}
+
+#[test]
+fn two_jobs_share_the_sps_and_leave_nothing_behind() {
+    // Two jobs at once on the same SPs, with the same communicator ids and sequence numbers:
+    // only the job id keeps them apart. After both say goodbye, the SPs hold nothing.
+    let seed = test_seed();
+    let mut set = SpSet::start(2, 1, 2, Layout::Block);
+    let (job_a, job_b) = (new_job(), new_job());
+    let mut a: Vec<Host> = (0..4).map(|r| Host::connect(&set, job_a, r, 4)).collect();
+    let mut b: Vec<Host> = (0..4).map(|r| Host::connect(&set, job_b, r, 4)).collect();
+    let mut rng = Rng(seed);
+    let comm = CommId { leader: 0, id: 1 };
+    for seq in 0..10 {
+        let op_a = make_op(&mut rng, comm, seq, vec![0, 1, 2, 3], 200);
+        let op_b = make_op(&mut rng, comm, seq, vec![3, 2, 1, 0], 200);
+        let pa = op_a.post(&mut a, &|w| w as usize, (seq % 4) as u32);
+        let pb = op_b.post(&mut b, &|w| w as usize, (seq % 4) as u32);
+        for (hosts, posted) in [(&a, pa), (&b, pb)] {
+            for (h, slot, token) in posted {
+                assert_eq!(
+                    hosts[h].wait(slot, token, WAIT),
+                    Some(STATUS_OK),
+                    "seed {seed}"
+                );
+            }
+        }
+        op_a.check();
+        op_b.check();
+    }
+    for h in a.into_iter().chain(b) {
+        h.goodbye();
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    for s in set.stop_and_stats() {
+        assert_eq!(s["jobs_at_exit"], 0, "{s}");
+        assert_eq!(s["instances_at_exit"], 0, "{s}");
+        assert_eq!(s["posts"], 40, "{s}");
     }
 }
