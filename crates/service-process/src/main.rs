@@ -24,6 +24,9 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Run one SP of a cluster: connect to its peers, then serve host ranks until SIGTERM.
+    ///
+    /// Prints `READY sp=N` on stdout once every peer is connected and the host socket listens,
+    /// and `STATS {json}` (its counters) when it stops. Logs go to stderr (SPOFF_LOG).
     Serve {
         /// Cluster description (JSON, as written by `launch`).
         #[arg(long)]
@@ -57,11 +60,19 @@ enum Cmd {
     },
     /// Start an emulated cluster (N nodes x K SPs), run PROGRAM under mpirun with the host shim
     /// preloaded, and stop everything when it exits. Exit status: the program's.
+    ///
+    /// The ranks get SPOFF_CLUSTER (the cluster description), SPOFF_JOB_ID, SPOFF_NODES and
+    /// SPOFF_RANKS_PER_NODE; the shim also reads SPOFF_OFFLOAD=0 (run natively) and
+    /// SPOFF_VERBOSE=1 from the launcher's environment. At exit every SP's counters are printed
+    /// on stderr as `sp N stats: {json}`. SP logs: SPOFF_LOG (e.g. info, debug).
     Launch {
+        /// Emulated nodes.
         #[arg(long)]
         nodes: u32,
+        /// MPI ranks per node (mpirun -np is nodes x ranks-per-node).
         #[arg(long)]
         ranks_per_node: u32,
+        /// SPs per node; local rank i is served by SP i mod K of its node.
         #[arg(long, default_value_t = 1)]
         sps_per_node: u32,
         /// How world ranks map to nodes: block (rank / R) or cyclic (rank % N).
@@ -79,6 +90,7 @@ enum Cmd {
         /// The host shim to preload (default: libhost_shim.so next to this binary).
         #[arg(long)]
         shim: Option<PathBuf>,
+        /// Copies active at once on each SP, across all collectives.
         #[arg(long, default_value_t = 4)]
         max_inflight_reads: usize,
         /// The mpirun to use.
