@@ -6,11 +6,22 @@
 //! stale generation or an arithmetic overflow is an [`AccessError`] and nothing is touched.
 //! This crate never decides *what* to copy; it only moves bytes where a grant allows.
 //!
-//! Backends (see [`mover`]):
-//! - `cma`: `process_vm_readv`/`process_vm_writev` against the owning process, staged through a
-//!   bounded SP buffer (Linux has no third-party copy between two other processes).
-//! - `ucx` and the BlueField `xgvmi` path are described in `docs/ARCHITECTURE.md`; the grant
-//!   format already carries their backend data.
+//! # Backends
+//!
+//! | backend | host side | SP side ([`mover`]) | what it needs of the host | status |
+//! |---|---|---|---|---|
+//! | `cma` (default) | [`host::Registrar`]: no resource, [`BackendData::Cma`] | [`mover::CmaMover`]: `process_vm_readv`/`writev` staged through a bounded buffer | nothing (the kernel must let the SP attach: same user and Yama `ptrace_scope` 0, `PR_SET_PTRACER`, or root) | used by the SP |
+//! | `ucx` (feature `ucx`, on by default; chosen at run time) | [`host::UcxRegistrar`]: `ucp_mem_map` of the user buffer + packed rkey, [`BackendData::Ucx`] | [`mover::UcxMover`]: `ucp_get_nbx` into a bounded staging buffer, `ucp_put_nbx` out of it, `ucp_ep_flush_nbx`; every wait bounded | **UCX 1.13 here: the host must progress its worker** ([`host::UcxRegistrar::progress`]) while SPs access its memory: tcp and shared-memory RMA on `ucp_mem_map`ped user memory is emulated over active messages. Not needed on InfiniBand RC/DC | implemented and tested with real processes; not wired into the SP |
+//! | `xgvmi` (future, BlueField) | UCX >= 1.15: `ucp_mem_map` + `ucp_memh_pack(..., UCP_MEMH_PACK_FLAG_EXPORT)`, context feature `UCP_FEATURE_EXPORTED_MEMH` | `ucp_mem_map` with `UCP_MEM_MAP_PARAM_FIELD_EXPORTED_MEMH_BUFFER` (the alias mkey), then local-to-remote RDMA without staging | nothing: the NIC serves the accesses | designed; needs one more [`BackendData`] variant; UCX returns `UCS_ERR_UNSUPPORTED` where the hardware cannot |
+//!
+//! An SP serves both kinds of grants with [`mover::DynMover`] (built from a
+//! [`mover::MoverConfig`]), which dispatches per key and stages mixed copies.
+//!
+//! What the `ucx` backend works with on this machine (Debian UCX 1.13.1, one host; see
+//! [`mover::UcxMover`] for details): `UCX_TLS=tcp` (and the default, and `cma,tcp`) with either
+//! error-handling mode; `sm`, `posix`, `sysv` only with error handling `None`. In every case the
+//! host must progress, a host that stops progressing makes the SP's accesses time out, and a
+//! dead host is reported as an error within the mover's timeout.
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod host;
@@ -118,6 +129,23 @@ pub enum AccessError {
     },
     #[error("backend {0} is not available in this build")]
     Unsupported(&'static str),
+    /// A UCX call failed (or refused its input) for the region of process `pid`; `status` is
+    /// UCX's text for the status code.
+    #[error("{op} for pid {pid} failed: {status}")]
+    Ucx {
+        op: &'static str,
+        pid: u32,
+        status: String,
+    },
+    /// A UCX operation on the region of process `pid` did not complete within the mover's
+    /// timeout (the owner died, hangs, or does not progress its worker). Part of the data may
+    /// have been moved.
+    #[error("{op} for pid {pid} did not complete within {after_ms} ms")]
+    Timeout {
+        op: &'static str,
+        pid: u32,
+        after_ms: u64,
+    },
 }
 
 impl AliasKey {

@@ -10,8 +10,21 @@
 //! bounded staging buffer, then `process_vm_writev` into the destination process, one chunk at
 //! a time. The kernel must allow the SP to attach to the hosts (same user with Yama
 //! `ptrace_scope` 0, or the host calls `prctl(PR_SET_PTRACER, ...)`, or root).
+//!
+//! [`UcxMover`] (cargo feature `ucx`) does the same through UCX get/put on regions a host
+//! granted with [`crate::host::UcxRegistrar`]; see [its module](ucx) for the transports that
+//! work here and what the host must do (progress).
+//!
+//! [`DynMover`] serves both kinds of grants: it dispatches each access to the mover of the
+//! key's backend, and stages copies between a `cma` and a `ucx` grant through its own bounded
+//! buffer. Build it from a [`MoverConfig`]; `cma` alone is the default.
 
 use crate::{AccessError, AliasKey, BackendData, Rights};
+
+#[cfg(feature = "ucx")]
+pub mod ucx;
+#[cfg(feature = "ucx")]
+pub use ucx::{ErrorHandling, UcxMover, UcxMoverConfig, UcxMoverStats};
 
 /// Default staging chunk per copy in flight.
 pub const DEFAULT_CHUNK_BYTES: usize = 1 << 20;
@@ -162,6 +175,195 @@ impl Mover for CmaMover {
         require_cma(src)?;
         let addr = src.check(offset, out.len() as u64, Rights::READ)?;
         vm_read(src.owner.pid, addr, out)
+    }
+}
+
+/// How an SP builds its [`DynMover`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MoverConfig {
+    /// Staging buffer size of each mover (and of mixed-backend copies).
+    pub chunk_bytes: usize,
+    /// Also serve `ucx` grants (needs the `ucx` feature; the UCX context is configured from
+    /// the environment, `UCX_TLS` included). Off by default: `cma` only.
+    pub ucx: bool,
+}
+
+impl Default for MoverConfig {
+    fn default() -> Self {
+        MoverConfig {
+            chunk_bytes: DEFAULT_CHUNK_BYTES,
+            ucx: false,
+        }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Cma,
+    Ucx,
+}
+
+fn kind(key: &AliasKey) -> Kind {
+    match key.grant.backend {
+        BackendData::Cma => Kind::Cma,
+        BackendData::Ucx { .. } => Kind::Ucx,
+    }
+}
+
+/// A mover for every kind of grant: `cma` keys go to a [`CmaMover`], `ucx` keys to a
+/// [`UcxMover`] (if enabled), and a copy between a `cma` and a `ucx` key is staged through a
+/// buffer of `chunk_bytes`. With `ucx` enabled it is `!Send`: create it on its datapath thread.
+pub struct DynMover {
+    cma: CmaMover,
+    #[cfg(feature = "ucx")]
+    ucx: Option<UcxMover>,
+    chunk_bytes: usize,
+    /// For mixed copies only; allocated on first use.
+    staging: Vec<u8>,
+}
+
+const UCX_OFF: AccessError = AccessError::Unsupported(if cfg!(feature = "ucx") {
+    "ucx (not enabled in this mover's config)"
+} else {
+    "ucx (alias-mkey built without the `ucx` feature)"
+});
+
+impl DynMover {
+    /// Builds the movers `cfg` asks for. Fails only if `ucx` is requested and UCX cannot be
+    /// initialised (or is not built in).
+    pub fn new(cfg: &MoverConfig) -> Result<Self, AccessError> {
+        let chunk_bytes = cfg.chunk_bytes.max(4096);
+        #[cfg(feature = "ucx")]
+        {
+            let ucx = if cfg.ucx {
+                Some(UcxMover::new(UcxMoverConfig {
+                    chunk_bytes,
+                    ..Default::default()
+                })?)
+            } else {
+                None
+            };
+            Ok(DynMover {
+                cma: CmaMover::new(chunk_bytes),
+                ucx,
+                chunk_bytes,
+                staging: Vec::new(),
+            })
+        }
+        #[cfg(not(feature = "ucx"))]
+        {
+            if cfg.ucx {
+                return Err(UCX_OFF);
+            }
+            Ok(DynMover {
+                cma: CmaMover::new(chunk_bytes),
+                chunk_bytes,
+                staging: Vec::new(),
+            })
+        }
+    }
+
+    /// A dispatcher over movers built by the caller (e.g. a [`UcxMover`] with its own timeout
+    /// or transports).
+    #[cfg(feature = "ucx")]
+    pub fn with_movers(cma: CmaMover, ucx: Option<UcxMover>, chunk_bytes: usize) -> Self {
+        DynMover {
+            cma,
+            ucx,
+            chunk_bytes: chunk_bytes.max(4096),
+            staging: Vec::new(),
+        }
+    }
+
+    /// The `ucx` mover, if enabled (for stats and [`UcxMover::note_generation`]).
+    #[cfg(feature = "ucx")]
+    pub fn ucx(&mut self) -> Option<&mut UcxMover> {
+        self.ucx.as_mut()
+    }
+
+    /// Every check of `key` that moves nothing, with the mover of its backend.
+    fn precheck(
+        &self,
+        key: &AliasKey,
+        offset: u64,
+        len: u64,
+        need: Rights,
+    ) -> Result<(), AccessError> {
+        match kind(key) {
+            Kind::Cma => key.check(offset, len, need).map(drop),
+            #[cfg(feature = "ucx")]
+            Kind::Ucx => match &self.ucx {
+                Some(u) => u.precheck(key, offset, len, need).map(drop),
+                None => Err(UCX_OFF),
+            },
+            #[cfg(not(feature = "ucx"))]
+            Kind::Ucx => Err(UCX_OFF),
+        }
+    }
+
+    fn mover(&mut self, k: Kind) -> Result<&mut dyn Mover, AccessError> {
+        match k {
+            Kind::Cma => Ok(&mut self.cma),
+            #[cfg(feature = "ucx")]
+            Kind::Ucx => match &mut self.ucx {
+                Some(u) => Ok(u),
+                None => Err(UCX_OFF),
+            },
+            #[cfg(not(feature = "ucx"))]
+            Kind::Ucx => Err(UCX_OFF),
+        }
+    }
+}
+
+impl Mover for DynMover {
+    fn copy(
+        &mut self,
+        src: &AliasKey,
+        src_offset: u64,
+        dst: &AliasKey,
+        dst_offset: u64,
+        len: u64,
+    ) -> Result<(), AccessError> {
+        let (ks, kd) = (kind(src), kind(dst));
+        if ks == kd {
+            return self.mover(ks)?.copy(src, src_offset, dst, dst_offset, len);
+        }
+        // Mixed backends: check both sides before moving anything, then stage.
+        self.precheck(src, src_offset, len, Rights::READ)?;
+        self.precheck(dst, dst_offset, len, Rights::WRITE)?;
+        let mut staging = std::mem::take(&mut self.staging);
+        staging.resize(self.chunk_bytes, 0);
+        let mut moved = 0u64;
+        let result = loop {
+            if moved >= len {
+                break Ok(());
+            }
+            let n = (len - moved).min(staging.len() as u64) as usize;
+            let chunk = &mut staging[..n];
+            if let Err(e) = self
+                .mover(ks)
+                .and_then(|m| m.read(src, src_offset + moved, chunk))
+            {
+                break Err(e);
+            }
+            if let Err(e) = self
+                .mover(kd)
+                .and_then(|m| m.write(dst, dst_offset + moved, chunk))
+            {
+                break Err(e);
+            }
+            moved += n as u64;
+        };
+        self.staging = staging;
+        result
+    }
+
+    fn write(&mut self, dst: &AliasKey, offset: u64, data: &[u8]) -> Result<(), AccessError> {
+        self.mover(kind(dst))?.write(dst, offset, data)
+    }
+
+    fn read(&mut self, src: &AliasKey, offset: u64, out: &mut [u8]) -> Result<(), AccessError> {
+        self.mover(kind(src))?.read(src, offset, out)
     }
 }
 
