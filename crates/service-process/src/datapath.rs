@@ -7,7 +7,7 @@
 //! decided by the engine (the per-SP `max_inflight_reads` gate), not here: the pool just has
 //! enough workers for that many.
 
-use alias_mkey::mover::{CmaMover, Mover};
+use alias_mkey::mover::{DynMover, Mover, MoverConfig};
 use alias_mkey::{AccessError, AliasKey};
 use crossbeam_channel::{Receiver, Sender};
 use std::sync::Arc;
@@ -38,49 +38,72 @@ pub struct Datapath {
 }
 
 impl Datapath {
-    /// Starts `threads` workers, each with a staging buffer of `chunk_bytes`. `wake` is called
-    /// after every completion is queued.
-    pub fn start(threads: usize, chunk_bytes: usize, wake: Arc<mio::Waker>) -> Self {
+    /// Starts `threads` workers, each with its own mover built from `movers` (a UCX worker is
+    /// single-threaded, so every thread has its own). `wake` is called after every completion is
+    /// queued. Fails if a mover cannot be built (e.g. UCX cannot initialise).
+    pub fn start(
+        threads: usize,
+        movers: MoverConfig,
+        wake: Arc<mio::Waker>,
+    ) -> Result<Self, alias_mkey::AccessError> {
         let threads = threads.max(1);
         let (job_tx, job_rx) = crossbeam_channel::bounded::<CopyJob>(threads * 4);
         let (done_tx, done_rx) = crossbeam_channel::unbounded::<CopyDone>();
-        let workers = (0..threads)
-            .map(|i| {
-                let rx = job_rx.clone();
-                let tx = done_tx.clone();
-                let wake = wake.clone();
-                std::thread::Builder::new()
-                    .name(format!("datapath-{i}"))
-                    .spawn(move || {
-                        let mut mover = CmaMover::new(chunk_bytes);
-                        for job in rx {
-                            let result = mover.copy(
-                                &job.src,
-                                job.src_offset,
-                                &job.dst,
-                                job.dst_offset,
-                                job.len,
-                            );
-                            if tx
-                                .send(CopyDone {
-                                    ticket: job.ticket,
-                                    result,
-                                })
-                                .is_err()
-                            {
-                                return;
-                            }
-                            let _ = wake.wake();
+        let mut workers = Vec::new();
+        for i in 0..threads {
+            let rx = job_rx.clone();
+            let tx = done_tx.clone();
+            let wake = wake.clone();
+            let cfg = movers.clone();
+            let (ready_tx, ready_rx) = crossbeam_channel::bounded(1);
+            let worker = std::thread::Builder::new()
+                .name(format!("datapath-{i}"))
+                .spawn(move || {
+                    let mut mover = match DynMover::new(&cfg) {
+                        Ok(m) => {
+                            let _ = ready_tx.send(Ok(()));
+                            m
                         }
-                    })
-                    .expect("spawning a datapath thread")
-            })
-            .collect();
-        Datapath {
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(e));
+                            return;
+                        }
+                    };
+                    for job in rx {
+                        let result =
+                            mover.copy(&job.src, job.src_offset, &job.dst, job.dst_offset, job.len);
+                        if tx
+                            .send(CopyDone {
+                                ticket: job.ticket,
+                                result,
+                            })
+                            .is_err()
+                        {
+                            return;
+                        }
+                        let _ = wake.wake();
+                    }
+                })
+                .expect("spawning a datapath thread");
+            workers.push(worker);
+            let ready = ready_rx
+                .recv()
+                .unwrap_or(Err(alias_mkey::AccessError::Unsupported(
+                    "datapath thread died at start",
+                )));
+            if let Err(e) = ready {
+                drop(job_tx);
+                for w in workers {
+                    let _ = w.join();
+                }
+                return Err(e);
+            }
+        }
+        Ok(Datapath {
             jobs: Some(job_tx),
             done: done_rx,
             workers,
-        }
+        })
     }
 
     /// Queues a copy. The engine admits at most as many as the pool can hold, so this does not

@@ -51,6 +51,10 @@ enum Cmd {
         /// threads).
         #[arg(long, default_value_t = 64 * 1024)]
         inline_copy_bytes: u64,
+        /// Also serve grants of the `ucx` backend (each datapath thread owns a UCX worker;
+        /// UCX_TLS applies). The `cma` backend is always served.
+        #[arg(long)]
+        ucx: bool,
         /// Pin the SP to these CPUs (e.g. `1` or `0,2-3`).
         #[arg(long)]
         cpus: Option<CpuList>,
@@ -172,6 +176,7 @@ fn run(cli: Cli) -> Result<i32> {
             datapath_threads,
             chunk_bytes,
             inline_copy_bytes,
+            ucx,
             cpus,
             connect_timeout_secs,
         } => {
@@ -208,6 +213,7 @@ fn run(cli: Cli) -> Result<i32> {
                 datapath_threads: datapath_threads.unwrap_or(max_inflight_reads).max(1),
                 chunk_bytes,
                 inline_copy_bytes,
+                ucx,
                 connect_backoff: backoff,
             };
             let server = Server::new(cfg, peers)?;

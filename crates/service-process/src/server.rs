@@ -66,6 +66,8 @@ pub struct ServeConfig {
     /// Copies up to this size run on the event-loop thread instead of a datapath thread: a
     /// handoff to a thread and back costs more than copying a few KiB.
     pub inline_copy_bytes: u64,
+    /// Also accept `ucx` grants (datapath threads then each own a UCX worker).
+    pub ucx: bool,
     pub connect_backoff: Backoff,
 }
 
@@ -127,6 +129,8 @@ pub struct Server {
     /// Mover of the loop thread: mailbox writes and inline copies.
     mover: CmaMover,
     inline_copy_bytes: u64,
+    /// `ucx` grants are accepted (else only `cma`).
+    ucx: bool,
     /// Inline copies finished, waiting to be fed back to their instances.
     inline_done: Vec<crate::datapath::CopyDone>,
     signals: crate::signals::SignalPipe,
@@ -256,7 +260,16 @@ impl Server {
             limiter: CopyLimiter::new(cfg.max_inflight_reads.max(1)),
             copies: HashMap::new(),
             next_ticket: 0,
-            datapath: Datapath::start(cfg.datapath_threads, cfg.chunk_bytes, waker),
+            datapath: Datapath::start(
+                cfg.datapath_threads,
+                alias_mkey::mover::MoverConfig {
+                    chunk_bytes: cfg.chunk_bytes,
+                    ucx: cfg.ucx,
+                },
+                waker,
+            )
+            .map_err(|e| anyhow::anyhow!("cannot start the datapath: {e}"))?,
+            ucx: cfg.ucx,
             mover: CmaMover::new((cfg.inline_copy_bytes as usize).clamp(4096, 1 << 20)),
             inline_copy_bytes: cfg.inline_copy_bytes,
             inline_done: Vec::new(),
@@ -610,8 +623,15 @@ impl Server {
             if !grant.rights.contains(need) {
                 return bad(format!("the {what} grant lacks {need} rights"));
             }
-            if grant.backend != BackendData::Cma {
-                return bad(format!("the {what} grant is not for the cma backend"));
+            match grant.backend {
+                BackendData::Cma => {}
+                BackendData::Ucx { .. } if self.ucx => {}
+                BackendData::Ucx { .. } => {
+                    return bad(format!(
+                        "the {what} grant is for the ucx backend, which this SP does not serve \
+                         (start it with --ucx)"
+                    ))
+                }
             }
             if grant.addr.checked_add(grant.len).is_none() {
                 return bad(format!("the {what} grant wraps the address space"));
@@ -902,7 +922,9 @@ impl Server {
             self.stats.copies_started += 1;
             self.stats.bytes_copied += job.len;
             self.stats.max_inflight = self.stats.max_inflight.max(self.limiter.in_flight() as u64);
-            if job.len <= self.inline_copy_bytes {
+            let both_cma = job.src.grant.backend == BackendData::Cma
+                && job.dst.grant.backend == BackendData::Cma;
+            if job.len <= self.inline_copy_bytes && both_cma {
                 self.stats.copies_inline += 1;
                 let result =
                     self.mover

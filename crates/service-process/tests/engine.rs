@@ -640,3 +640,89 @@ fn two_jobs_share_the_sps_and_leave_nothing_behind() {
         assert_eq!(s["posts"], 40, "{s}");
     }
 }
+
+#[test]
+fn alltoallv_with_ucx_grants() {
+    // Send and receive buffers granted through UCX (ucp_mem_map + packed rkey); the SPs copy
+    // with ucp_get/put on their datapath threads. On this UCX the owner must progress its
+    // worker, which the waiting hosts do.
+    let seed = test_seed();
+    let mut set = SpSet::start_with(2, 1, 2, Layout::Block, &["--ucx"]);
+    let job = new_job();
+    let ucx = std::rc::Rc::new(std::cell::RefCell::new(
+        alias_mkey::host::UcxRegistrar::new().expect("UCX context"),
+    ));
+    let mut hosts: Vec<Host> = (0..4)
+        .map(|r| {
+            let mut h = Host::connect(&set, job, r, 4);
+            h.ucx = Some(ucx.clone());
+            h
+        })
+        .collect();
+    let mut rng = Rng(seed);
+    for seq in 0..4 {
+        let comm = CommId { leader: 0, id: 3 };
+        let op = make_op(&mut rng, comm, seq, vec![0, 1, 2, 3], 5000);
+        let posted = op.post(&mut hosts, &|w| w as usize, 0);
+        for (h, slot, token) in posted {
+            assert_eq!(
+                hosts[h].wait(slot, token, WAIT),
+                Some(STATUS_OK),
+                "seed {seed}"
+            );
+        }
+        op.check();
+    }
+    for h in hosts {
+        h.goodbye();
+    }
+    let stats = set.stop_and_stats();
+    let started: u64 = stats
+        .iter()
+        .map(|s| s["copies_started"].as_u64().unwrap())
+        .sum();
+    let inline: u64 = stats
+        .iter()
+        .map(|s| s["copies_inline"].as_u64().unwrap())
+        .sum();
+    assert!(
+        started > 0 && inline == 0,
+        "ucx copies run on datapath threads: {stats:?}"
+    );
+}
+
+#[test]
+fn ucx_grants_are_refused_by_an_sp_without_ucx() {
+    let set = SpSet::start(1, 1, 2, Layout::Block);
+    let mut hosts: Vec<Host> = (0..2)
+        .map(|r| Host::connect(&set, new_job(), r, 2))
+        .collect();
+    let ucx = std::rc::Rc::new(std::cell::RefCell::new(
+        alias_mkey::host::UcxRegistrar::new().expect("UCX context"),
+    ));
+    hosts[0].ucx = Some(ucx);
+    let (sbuf, rbuf) = (vec![0u8; 16], vec![0u8; 16]);
+    let s = hosts[0].grant(&sbuf, Rights::READ);
+    let r = hosts[0].grant(&rbuf, Rights::WRITE);
+    let d = desc(
+        CommId { leader: 0, id: 1 },
+        0,
+        0,
+        vec![0],
+        0,
+        s,
+        r,
+        (vec![8], vec![0], vec![8], vec![0]),
+    );
+    hosts[0].post(d);
+    match hosts[0].recv() {
+        SpToHost::Error {
+            code: ErrorCode::BadDescriptor,
+            message,
+            ..
+        } => {
+            assert!(message.contains("ucx"), "{message}")
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}

@@ -110,6 +110,8 @@ pub struct Host {
     pub sp: u32,
     mailbox: Box<[u64]>,
     pub reg: Registrar,
+    /// When set, buffers are granted through UCX (and the worker is progressed while waiting).
+    pub ucx: Option<std::rc::Rc<std::cell::RefCell<alias_mkey::host::UcxRegistrar>>>,
     next_token: u64,
 }
 
@@ -156,16 +158,19 @@ impl Host {
             sp: p.sp,
             mailbox,
             reg,
+            ucx: None,
             next_token: 1,
         }
     }
 
     pub fn grant<T>(&mut self, buf: &[T], rights: Rights) -> Grant {
-        self.reg.register(
-            buf.as_ptr() as u64,
-            std::mem::size_of_val(buf) as u64,
-            rights,
-        )
+        let (addr, len) = (buf.as_ptr() as u64, std::mem::size_of_val(buf) as u64);
+        match &self.ucx {
+            // SAFETY: the tests keep every granted buffer alive until its collective completed
+            // and never free a buffer while a registration of it is cached and in use.
+            Some(u) => unsafe { u.borrow_mut().register(addr, len, rights) }.expect("ucx grant"),
+            None => self.reg.register(addr, len, rights),
+        }
     }
 
     /// Fills in slot and token and posts; returns (slot, token).
@@ -194,7 +199,13 @@ impl Host {
                 let word = unsafe { std::ptr::read_volatile(&self.mailbox[i]) };
                 return Some((word & 0xffff_ffff) as u32);
             }
-            std::thread::sleep(Duration::from_micros(200));
+            match &self.ucx {
+                // The ucx backend on this UCX needs the owner to progress its worker.
+                Some(u) => {
+                    u.borrow().progress();
+                }
+                None => std::thread::sleep(Duration::from_micros(200)),
+            }
         }
         None
     }
