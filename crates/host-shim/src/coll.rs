@@ -50,6 +50,17 @@ struct Side {
     ty: TypeGeometry,
 }
 
+impl Side {
+    fn new(buf: *const c_void, (counts, displs): (Vec<i64>, Vec<i64>), ty: TypeGeometry) -> Side {
+        Side {
+            buf: buf as u64,
+            counts,
+            displs,
+            ty,
+        }
+    }
+}
+
 unsafe fn geometry(ty: ffi::MPI_Datatype) -> Option<TypeGeometry> {
     let mut size: c_int = 0;
     let (mut lb, mut extent, mut true_lb, mut true_extent): (
@@ -154,18 +165,8 @@ pub unsafe fn alltoallv(
     let (Some(sc), Some(sd), Some(rc), Some(rd)) = arrays else {
         return Offload::Native;
     };
-    let send = Side {
-        buf: sendbuf as u64,
-        counts: sc,
-        displs: sd,
-        ty: st,
-    };
-    let recv = Side {
-        buf: recvbuf as u64,
-        counts: rc,
-        displs: rd,
-        ty: rt,
-    };
+    let send = Side::new(sendbuf, (sc, sd), st);
+    let recv = Side::new(recvbuf, (rc, rd), rt);
     // SAFETY: forwarded.
     unsafe { post(comm, send, recv, commit) }
 }
@@ -188,20 +189,8 @@ pub unsafe fn alltoall(
     else {
         return Offload::Native;
     };
-    let (sc, sd) = alltoall_as_v(n, sendcount as i64);
-    let (rc, rd) = alltoall_as_v(n, recvcount as i64);
-    let send = Side {
-        buf: sendbuf as u64,
-        counts: sc,
-        displs: sd,
-        ty: st,
-    };
-    let recv = Side {
-        buf: recvbuf as u64,
-        counts: rc,
-        displs: rd,
-        ty: rt,
-    };
+    let send = Side::new(sendbuf, alltoall_as_v(n, sendcount as i64), st);
+    let recv = Side::new(recvbuf, alltoall_as_v(n, recvcount as i64), rt);
     // SAFETY: forwarded.
     unsafe { post(comm, send, recv, commit) }
 }

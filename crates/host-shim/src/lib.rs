@@ -43,23 +43,24 @@ use std::os::raw::{c_char, c_int, c_void};
 
 pub use state::{state as shim_state, State};
 
+/// `MPI_Init` / `MPI_Init_thread`: the native initialisation `pmpi`, then, once it succeeded,
+/// the shim's start-up.
+fn init(name: &'static str, pmpi: impl Fn() -> c_int) -> c_int {
+    boundary(name, &pmpi, |commit| {
+        let rc = pmpi();
+        commit.mark();
+        if rc == consts::SUCCESS() {
+            // SAFETY: MPI is initialised, on this thread.
+            unsafe { state::start() };
+        }
+        Flow::Done(rc)
+    })
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn MPI_Init(argc: *mut c_int, argv: *mut *mut *mut c_char) -> c_int {
-    boundary(
-        "MPI_Init",
-        // SAFETY: the caller's arguments, passed on unchanged.
-        || unsafe { ffi::PMPI_Init(argc, argv) },
-        |commit| {
-            // SAFETY: as above.
-            let rc = unsafe { ffi::PMPI_Init(argc, argv) };
-            commit.mark();
-            if rc == consts::SUCCESS() {
-                // SAFETY: MPI is initialised, on this thread.
-                unsafe { state::start() };
-            }
-            Flow::Done(rc)
-        },
-    )
+    // SAFETY: the caller's arguments, passed on unchanged.
+    init("MPI_Init", || unsafe { ffi::PMPI_Init(argc, argv) })
 }
 
 #[no_mangle]
@@ -69,21 +70,10 @@ pub unsafe extern "C" fn MPI_Init_thread(
     required: c_int,
     provided: *mut c_int,
 ) -> c_int {
-    boundary(
-        "MPI_Init_thread",
+    init("MPI_Init_thread", || {
         // SAFETY: the caller's arguments, passed on unchanged.
-        || unsafe { ffi::PMPI_Init_thread(argc, argv, required, provided) },
-        |commit| {
-            // SAFETY: as above.
-            let rc = unsafe { ffi::PMPI_Init_thread(argc, argv, required, provided) };
-            commit.mark();
-            if rc == consts::SUCCESS() {
-                // SAFETY: MPI is initialised, on this thread.
-                unsafe { state::start() };
-            }
-            Flow::Done(rc)
-        },
-    )
+        unsafe { ffi::PMPI_Init_thread(argc, argv, required, provided) }
+    })
 }
 
 #[no_mangle]
@@ -100,28 +90,24 @@ pub unsafe extern "C" fn MPI_Finalize() -> c_int {
     )
 }
 
-/// Completes a nonblocking entry point from the offload outcome.
-unsafe fn nonblocking(outcome: Offload, request: *mut ffi::MPI_Request) -> Flow {
-    match outcome {
-        Offload::Native => Flow::Native,
-        Offload::Posted(addr) => {
-            // SAFETY: the caller's request slot (checked non-null before offloading).
+/// Completes an entry point from the offload outcome: a nonblocking one (`request`, checked
+/// non-null before offloading) hands out the posted request, a blocking one waits for it.
+unsafe fn complete(outcome: Offload, request: Option<*mut ffi::MPI_Request>) -> Flow {
+    match (outcome, request) {
+        (Offload::Native, _) => Flow::Native,
+        (Offload::Posted(addr), None) => Flow::Done(wait::wait_and_release(addr)),
+        (Offload::Posted(addr), Some(request)) => {
+            // SAFETY: the caller's request slot.
             unsafe { *request = addr as ffi::MPI_Request };
             Flow::Done(consts::SUCCESS())
         }
-        Offload::Failed(rc) => {
-            // SAFETY: as above.
-            unsafe { *request = consts::REQUEST_NULL() };
+        (Offload::Failed(rc), request) => {
+            if let Some(request) = request {
+                // SAFETY: as above.
+                unsafe { *request = consts::REQUEST_NULL() };
+            }
             Flow::Done(rc)
         }
-    }
-}
-
-fn blocking(outcome: Offload) -> Flow {
-    match outcome {
-        Offload::Native => Flow::Native,
-        Offload::Posted(addr) => Flow::Done(wait::wait_and_release(addr)),
-        Offload::Failed(rc) => Flow::Done(rc),
     }
 }
 
@@ -157,7 +143,7 @@ pub unsafe extern "C" fn MPI_Ialltoallv(
                     sendbuf, sendcounts, sdispls, sendtype, recvbuf, recvcounts, rdispls, recvtype,
                     comm, commit,
                 );
-                nonblocking(outcome, request)
+                complete(outcome, Some(request))
             }
         },
     )
@@ -186,12 +172,13 @@ pub unsafe extern "C" fn MPI_Alltoallv(
         },
         |commit| {
             // SAFETY: the caller's arguments (MPI preconditions).
-            blocking(unsafe {
-                coll::alltoallv(
+            unsafe {
+                let outcome = coll::alltoallv(
                     sendbuf, sendcounts, sdispls, sendtype, recvbuf, recvcounts, rdispls, recvtype,
                     comm, commit,
-                )
-            })
+                );
+                complete(outcome, None)
+            }
         },
     )
 }
@@ -224,7 +211,7 @@ pub unsafe extern "C" fn MPI_Ialltoall(
                 let outcome = coll::alltoall(
                     sendbuf, sendcount, sendtype, recvbuf, recvcount, recvtype, comm, commit,
                 );
-                nonblocking(outcome, request)
+                complete(outcome, Some(request))
             }
         },
     )
@@ -250,11 +237,12 @@ pub unsafe extern "C" fn MPI_Alltoall(
         },
         |commit| {
             // SAFETY: the caller's arguments (MPI preconditions).
-            blocking(unsafe {
-                coll::alltoall(
+            unsafe {
+                let outcome = coll::alltoall(
                     sendbuf, sendcount, sendtype, recvbuf, recvcount, recvtype, comm, commit,
-                )
-            })
+                );
+                complete(outcome, None)
+            }
         },
     )
 }
@@ -354,6 +342,39 @@ pub unsafe extern "C" fn MPI_Testany(
     )
 }
 
+/// The signature of `PMPI_Waitsome` and `PMPI_Testsome`.
+type SomeFn = unsafe extern "C" fn(
+    c_int,
+    *mut ffi::MPI_Request,
+    *mut c_int,
+    *mut c_int,
+    *mut ffi::MPI_Status,
+) -> c_int;
+
+/// `MPI_Waitsome` (`blocking`, native `pmpi`) / `MPI_Testsome`.
+unsafe fn some(
+    name: &'static str,
+    blocking: bool,
+    pmpi: SomeFn,
+    incount: c_int,
+    requests: *mut ffi::MPI_Request,
+    outcount: *mut c_int,
+    indices: *mut c_int,
+    statuses: *mut ffi::MPI_Status,
+) -> c_int {
+    boundary(
+        name,
+        // SAFETY: the caller's arguments, passed on unchanged.
+        || unsafe { pmpi(incount, requests, outcount, indices, statuses) },
+        // SAFETY: as above.
+        |commit| unsafe {
+            wait::some(
+                blocking, incount, requests, outcount, indices, statuses, commit,
+            )
+        },
+    )
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn MPI_Waitsome(
     incount: c_int,
@@ -362,31 +383,19 @@ pub unsafe extern "C" fn MPI_Waitsome(
     array_of_indices: *mut c_int,
     array_of_statuses: *mut ffi::MPI_Status,
 ) -> c_int {
-    boundary(
-        "MPI_Waitsome",
-        // SAFETY: the caller's arguments, passed on unchanged.
-        || unsafe {
-            ffi::PMPI_Waitsome(
-                incount,
-                array_of_requests,
-                outcount,
-                array_of_indices,
-                array_of_statuses,
-            )
-        },
-        // SAFETY: as above.
-        |commit| unsafe {
-            wait::some(
-                true,
-                incount,
-                array_of_requests,
-                outcount,
-                array_of_indices,
-                array_of_statuses,
-                commit,
-            )
-        },
-    )
+    // SAFETY: the caller's arguments, passed on unchanged.
+    unsafe {
+        some(
+            "MPI_Waitsome",
+            true,
+            ffi::PMPI_Waitsome,
+            incount,
+            array_of_requests,
+            outcount,
+            array_of_indices,
+            array_of_statuses,
+        )
+    }
 }
 
 #[no_mangle]
@@ -397,31 +406,19 @@ pub unsafe extern "C" fn MPI_Testsome(
     array_of_indices: *mut c_int,
     array_of_statuses: *mut ffi::MPI_Status,
 ) -> c_int {
-    boundary(
-        "MPI_Testsome",
-        // SAFETY: the caller's arguments, passed on unchanged.
-        || unsafe {
-            ffi::PMPI_Testsome(
-                incount,
-                array_of_requests,
-                outcount,
-                array_of_indices,
-                array_of_statuses,
-            )
-        },
-        // SAFETY: as above.
-        |commit| unsafe {
-            wait::some(
-                false,
-                incount,
-                array_of_requests,
-                outcount,
-                array_of_indices,
-                array_of_statuses,
-                commit,
-            )
-        },
-    )
+    // SAFETY: the caller's arguments, passed on unchanged.
+    unsafe {
+        some(
+            "MPI_Testsome",
+            false,
+            ffi::PMPI_Testsome,
+            incount,
+            array_of_requests,
+            outcount,
+            array_of_indices,
+            array_of_statuses,
+        )
+    }
 }
 
 #[no_mangle]

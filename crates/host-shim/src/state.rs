@@ -453,11 +453,12 @@ unsafe fn start_inner() -> bool {
     });
     if settings.verbose {
         say!(
-            "rank {rank}: offload active: job {job:#x}, node {}, local rank {}, SP {} at {}",
+            "rank {rank}: offload active: job {job:#x}, node {}, local rank {}, SP {} at {}, {} mailbox slots",
             reg.node,
             reg.local_rank,
             reg.sp,
-            reg.conn.path.display()
+            reg.conn.path.display(),
+            MAILBOX_SLOTS.load(Ordering::Acquire)
         );
     }
     *lock() = Some(Shim {

@@ -134,6 +134,38 @@ fn ours(handle: ffi::MPI_Request) -> Option<usize> {
     }
 }
 
+/// The start of every single-request call: `None` (native) unless the shim is active and
+/// `handle` is ours; then the call is committed and this is the object's address.
+fn claim(handle: ffi::MPI_Request, commit: &mut Commit) -> Option<usize> {
+    if !is_active() {
+        return None;
+    }
+    let addr = ours(handle)?;
+    commit.mark();
+    Some(addr)
+}
+
+/// The start of every array call: `None` (native) unless the shim is active and one of the
+/// `count` handles at `requests` is ours; then the call is committed and these are the
+/// caller's handles and their classes.
+///
+/// # Safety
+/// `requests` is null or the caller's array of `count` handles.
+unsafe fn claim_all<'a>(
+    count: c_int,
+    requests: *mut ffi::MPI_Request,
+    commit: &mut Commit,
+) -> Option<(&'a mut [ffi::MPI_Request], Vec<Class>)> {
+    if !is_active() || count <= 0 || requests.is_null() {
+        return None;
+    }
+    // SAFETY: the caller's array of `count` handles (MPI precondition).
+    let handles = unsafe { std::slice::from_raw_parts_mut(requests, count as usize) };
+    let classes = classify(handles)?;
+    commit.mark();
+    Some((handles, classes))
+}
+
 fn status_at(statuses: *mut ffi::MPI_Status, i: usize) -> *mut ffi::MPI_Status {
     if statuses.is_null() || statuses == consts::STATUSES_IGNORE() {
         consts::STATUS_IGNORE()
@@ -213,6 +245,33 @@ pub(crate) fn combine(native_rc: c_int, ours_failed: bool) -> Combined {
     }
 }
 
+/// The code a multi-completion call returns (see [`combine`]). For `MPI_ERR_IN_STATUS` after
+/// a native call that did not set its statuses' `MPI_ERROR` fields, the statuses at
+/// `native_at` (the natively completed ones) get `MPI_SUCCESS` there.
+///
+/// # Safety
+/// `statuses` is ignorable or has an entry at every position of `native_at`.
+unsafe fn return_code(
+    native_rc: c_int,
+    ours_failed: bool,
+    statuses: *mut ffi::MPI_Status,
+    native_at: impl Iterator<Item = usize>,
+) -> c_int {
+    match combine(native_rc, ours_failed) {
+        Combined::Ok => consts::SUCCESS(),
+        Combined::Fail(rc) => rc,
+        Combined::InStatus { native_errors_set } => {
+            if !native_errors_set && !ignores(statuses) {
+                for i in native_at {
+                    // SAFETY: forwarded precondition.
+                    unsafe { (*statuses.add(i)).MPI_ERROR = consts::SUCCESS() };
+                }
+            }
+            consts::ERR_IN_STATUS()
+        }
+    }
+}
+
 /// Completes every request of a Waitall/Testall whose requests have all completed.
 ///
 /// # Safety
@@ -237,21 +296,13 @@ unsafe fn finish_all(
             unsafe { complete_one(&mut handles[i], a, status_at(statuses, i), code) };
         }
     }
-    match combine(native_rc, ours_failed) {
-        Combined::Ok => consts::SUCCESS(),
-        Combined::Fail(rc) => rc,
-        Combined::InStatus { native_errors_set } => {
-            if !native_errors_set && !ignores(statuses) {
-                for (i, c) in classes.iter().enumerate() {
-                    if !matches!(c, Class::Ours(_)) {
-                        // SAFETY: in range of the caller's statuses.
-                        unsafe { (*statuses.add(i)).MPI_ERROR = consts::SUCCESS() };
-                    }
-                }
-            }
-            consts::ERR_IN_STATUS()
-        }
-    }
+    let native_at = classes
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| !matches!(c, Class::Ours(_)))
+        .map(|(i, _)| i);
+    // SAFETY: the caller's statuses; the positions are in range.
+    unsafe { return_code(native_rc, ours_failed, statuses, native_at) }
 }
 
 fn all_ours_done(classes: &[Class]) -> bool {
@@ -299,14 +350,13 @@ pub unsafe fn wait(
     status: *mut ffi::MPI_Status,
     commit: &mut Commit,
 ) -> Flow {
-    if !is_active() || request.is_null() {
+    if request.is_null() {
         return Flow::Native;
     }
     // SAFETY: a valid handle slot (MPI precondition).
-    let Some(addr) = ours(unsafe { *request }) else {
+    let Some(addr) = claim(unsafe { *request }, commit) else {
         return Flow::Native;
     };
-    commit.mark();
     let code = wait_addr(addr);
     // SAFETY: as above.
     unsafe { complete_one(&mut *request, addr, status, code) };
@@ -321,14 +371,13 @@ pub unsafe fn test(
     status: *mut ffi::MPI_Status,
     commit: &mut Commit,
 ) -> Flow {
-    if !is_active() || request.is_null() || flag.is_null() {
+    if request.is_null() || flag.is_null() {
         return Flow::Native;
     }
     // SAFETY: a valid handle slot (MPI precondition).
-    let Some(addr) = ours(unsafe { *request }) else {
+    let Some(addr) = claim(unsafe { *request }, commit) else {
         return Flow::Native;
     };
-    commit.mark();
     // SAFETY: ours, owned by the caller.
     match poll(unsafe { by_addr(addr) }) {
         Some(code) => {
@@ -358,15 +407,10 @@ pub unsafe fn waitall(
     statuses: *mut ffi::MPI_Status,
     commit: &mut Commit,
 ) -> Flow {
-    if !is_active() || count <= 0 || requests.is_null() {
-        return Flow::Native;
-    }
-    // SAFETY: the caller's array of `count` handles (MPI precondition).
-    let handles = unsafe { std::slice::from_raw_parts_mut(requests, count as usize) };
-    let Some(classes) = classify(handles) else {
+    // SAFETY: the caller's array (MPI precondition).
+    let Some((handles, classes)) = (unsafe { claim_all(count, requests, commit) }) else {
         return Flow::Native;
     };
-    commit.mark();
     let mut natives = native_subset(handles, &classes);
     let mut native_pending = classes.contains(&Class::Native);
     let mut native_rc = consts::SUCCESS();
@@ -401,15 +445,13 @@ pub unsafe fn testall(
     statuses: *mut ffi::MPI_Status,
     commit: &mut Commit,
 ) -> Flow {
-    if !is_active() || count <= 0 || requests.is_null() || flag.is_null() {
+    if flag.is_null() {
         return Flow::Native;
     }
-    // SAFETY: the caller's array of `count` handles (MPI precondition).
-    let handles = unsafe { std::slice::from_raw_parts_mut(requests, count as usize) };
-    let Some(classes) = classify(handles) else {
+    // SAFETY: the caller's array (MPI precondition).
+    let Some((handles, classes)) = (unsafe { claim_all(count, requests, commit) }) else {
         return Flow::Native;
     };
-    commit.mark();
     if !all_ours_done(&classes) {
         // All or nothing: nothing is completed while one of ours is still running.
         // SAFETY: valid flag; MPI is initialised.
@@ -446,18 +488,13 @@ unsafe fn any(
     status: *mut ffi::MPI_Status,
     commit: &mut Commit,
 ) -> Flow {
-    if !is_active() || count <= 0 || requests.is_null() || index.is_null() {
+    if index.is_null() || flag.is_some_and(|f| f.is_null()) {
         return Flow::Native;
     }
-    if flag.is_some_and(|f| f.is_null()) {
-        return Flow::Native;
-    }
-    // SAFETY: the caller's array of `count` handles (MPI precondition).
-    let handles = unsafe { std::slice::from_raw_parts_mut(requests, count as usize) };
-    let Some(classes) = classify(handles) else {
+    // SAFETY: the caller's array (MPI precondition).
+    let Some((handles, classes)) = (unsafe { claim_all(count, requests, commit) }) else {
         return Flow::Native;
     };
-    commit.mark();
     let mut natives = native_subset(handles, &classes);
     let mut native_active = classes.contains(&Class::Native);
     let mut w = Waiter::new();
@@ -631,21 +668,13 @@ unsafe fn some_pass(
     }
     // SAFETY: the caller's outcount.
     unsafe { *outcount = reported.len() as c_int };
-    Some(match combine(native_rc, ours_failed) {
-        Combined::Ok => consts::SUCCESS(),
-        Combined::Fail(rc) => rc,
-        Combined::InStatus { native_errors_set } => {
-            if !native_errors_set && !ignores(statuses) {
-                for (j, &(_, native)) in reported.iter().enumerate() {
-                    if native.is_some() {
-                        // SAFETY: in range of the caller's statuses.
-                        unsafe { (*statuses.add(j)).MPI_ERROR = consts::SUCCESS() };
-                    }
-                }
-            }
-            consts::ERR_IN_STATUS()
-        }
-    })
+    let native_at = reported
+        .iter()
+        .enumerate()
+        .filter(|(_, (_, native))| native.is_some())
+        .map(|(j, _)| j);
+    // SAFETY: the caller's statuses; the positions are in range.
+    Some(unsafe { return_code(native_rc, ours_failed, statuses, native_at) })
 }
 
 /// # Safety
@@ -659,16 +688,13 @@ pub unsafe fn some(
     statuses: *mut ffi::MPI_Status,
     commit: &mut Commit,
 ) -> Flow {
-    if !is_active() || incount <= 0 || requests.is_null() || outcount.is_null() || indices.is_null()
-    {
+    if outcount.is_null() || indices.is_null() {
         return Flow::Native;
     }
-    // SAFETY: the caller's array of `incount` handles (MPI precondition).
-    let handles = unsafe { std::slice::from_raw_parts_mut(requests, incount as usize) };
-    let Some(classes) = classify(handles) else {
+    // SAFETY: the caller's array (MPI precondition).
+    let Some((handles, classes)) = (unsafe { claim_all(incount, requests, commit) }) else {
         return Flow::Native;
     };
-    commit.mark();
     let n = handles.len();
     let mut natives = native_subset(handles, &classes);
     let mut native_active = classes.contains(&Class::Native);
@@ -715,14 +741,13 @@ pub unsafe fn some(
 /// # Safety
 /// Arguments as for `MPI_Request_free`.
 pub unsafe fn request_free(request: *mut ffi::MPI_Request, commit: &mut Commit) -> Flow {
-    if !is_active() || request.is_null() {
+    if request.is_null() {
         return Flow::Native;
     }
     // SAFETY: a valid handle slot (MPI precondition).
-    let Some(addr) = ours(unsafe { *request }) else {
+    let Some(addr) = claim(unsafe { *request }, commit) else {
         return Flow::Native;
     };
-    commit.mark();
     // SAFETY: ours, owned by the caller until this call gives it up.
     let done = poll(unsafe { by_addr(addr) }).is_some();
     with_shim(|s| {
@@ -746,13 +771,12 @@ pub unsafe fn request_get_status(
     status: *mut ffi::MPI_Status,
     commit: &mut Commit,
 ) -> Flow {
-    if !is_active() || flag.is_null() {
+    if flag.is_null() {
         return Flow::Native;
     }
-    let Some(addr) = ours(request) else {
+    let Some(addr) = claim(request, commit) else {
         return Flow::Native;
     };
-    commit.mark();
     // SAFETY: ours, owned by the caller; the request is left as it is.
     match poll(unsafe { by_addr(addr) }) {
         // SAFETY: valid flag and status (MPI preconditions).
@@ -772,14 +796,13 @@ pub unsafe fn request_get_status(
 /// # Safety
 /// Arguments as for `MPI_Cancel`.
 pub unsafe fn cancel(request: *mut ffi::MPI_Request, commit: &mut Commit) -> Flow {
-    if !is_active() || request.is_null() {
+    if request.is_null() {
         return Flow::Native;
     }
     // SAFETY: a valid handle slot (MPI precondition).
-    let Some(_) = ours(unsafe { *request }) else {
+    if claim(unsafe { *request }, commit).is_none() {
         return Flow::Native;
-    };
-    commit.mark();
+    }
     say!(
         "rank {}: MPI_Cancel on an offloaded collective request: collectives cannot be cancelled",
         my_rank()

@@ -1,17 +1,125 @@
-//! Real `mpirun` jobs with the shim preloaded: the native fallback, silence when not
-//! configured, offload through the stand-in SP of `common/`, and an SP that dies mid-job.
-//! Skipped (with a note) where `mpicc`/`mpirun` are missing.
+//! Real `mpirun` jobs of unmodified MPI programs (`progs/*.c`, built with `mpicc`) with the
+//! shim preloaded.
+//!
+//! Offload runs go through the real launcher (`service-process launch`) and real SPs, on 2
+//! nodes x 2 ranks. Each checks the program's own verdict and, from the SPs' counters, that
+//! exactly the calls the program counted as eligible were posted (so nothing it must keep
+//! native, a non-contiguous type or `MPI_IN_PLACE`, was offloaded) and completed, without a
+//! failed copy. The fallback runs use no SP, a cluster description naming one that is not
+//! there, or real SPs with offload disabled; one run kills a real SP mid-job.
+//!
+//! The launcher, the SP and the shim come from the target directory of this test executable:
+//! build the workspace first (`cargo build --release --workspace`; `make test` does). A missing
+//! artifact, `mpicc` or `mpirun` is a failure, never a skip.
 
-mod common;
+use bootstrap::cluster::{Cluster, Layout, SpEntry};
+use integration_tests::{launch_cmd, pids_matching, run, shim, Finished};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
-use common::*;
-use std::time::Duration;
-
-const NP: u32 = 4;
+const NP: u64 = 4;
 const TIMEOUT: Duration = Duration::from_secs(120);
+/// The shim's settings: every job gets the ones its test sets, never the caller's.
+const SHIM_VARS: [&str; 5] = [
+    "SPOFF_CLUSTER",
+    "SPOFF_OFFLOAD",
+    "SPOFF_JOB_ID",
+    "SPOFF_VERBOSE",
+    "SPOFF_MAILBOX_SLOTS",
+];
 
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
+/// One MPI job at a time (the machine has few cores).
+fn serial() -> MutexGuard<'static, ()> {
+    static SERIAL: Mutex<()> = Mutex::new(());
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// `progs/<name>.c` compiled with `mpicc` (once per test process).
+fn prog(name: &'static str) -> String {
+    static BUILT: Mutex<BTreeMap<&str, String>> = Mutex::new(BTreeMap::new());
+    let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
+    built
+        .entry(name)
+        .or_insert_with(|| {
+            let src = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/progs/{name}.c"));
+            let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("host-shim-progs");
+            std::fs::create_dir_all(&dir).unwrap();
+            // Built under a private name, then renamed: concurrent test runs never see a
+            // half-written binary.
+            let tmp = dir.join(format!("{name}.{}", std::process::id()));
+            let st = Command::new("mpicc")
+                .args(["-O1", "-Wall", "-pthread", "-o"])
+                .arg(&tmp)
+                .arg(&src)
+                .status()
+                .unwrap_or_else(|e| {
+                    panic!("cannot run mpicc (install Open MPI: `make deps`): {e}")
+                });
+            assert!(st.success(), "mpicc failed on {}", src.display());
+            let out = dir.join(name);
+            std::fs::rename(&tmp, &out).unwrap();
+            out.display().to_string()
+        })
+        .clone()
+}
+
+/// `cmd` with the shim's settings cleared, then `env` set.
+fn with_env(mut cmd: Command, env: &[(&str, &str)]) -> Command {
+    for k in SHIM_VARS {
+        cmd.env_remove(k);
+    }
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd
+}
+
+/// `program` on 2 nodes x 2 ranks under the real launcher, with `sps_per_node` real SPs per
+/// node. The launcher's mpirun, and so every rank, inherits `env`.
+fn launch(sps_per_node: u32, program: &[&str], env: &[(&str, &str)]) -> Finished {
+    let k = sps_per_node.to_string();
+    let args = [
+        "--nodes",
+        "2",
+        "--ranks-per-node",
+        "2",
+        "--sps-per-node",
+        &k,
+    ];
+    let run = run(with_env(launch_cmd(&args, program), env), TIMEOUT);
+    eprintln!("{} under the launcher: {:?}", shown(program), run.elapsed);
+    run
+}
+
+/// `program` on `NP` ranks under plain `mpirun` with the shim preloaded and `env` exported.
+fn mpirun_preloaded(program: &[&str], env: &[(&str, &str)]) -> Finished {
+    let mut cmd = Command::new("mpirun");
+    cmd.args([
+        "--oversubscribe",
+        "--bind-to",
+        "none",
+        "-np",
+        &NP.to_string(),
+    ])
+    .args(["-x", "LD_PRELOAD"])
+    .env("LD_PRELOAD", shim());
+    for (k, _) in env {
+        cmd.arg("-x").arg(k);
+    }
+    cmd.args(program);
+    let run = run(with_env(cmd, env), TIMEOUT);
+    eprintln!("{} under mpirun: {:?}", shown(program), run.elapsed);
+    run
+}
+
+/// A command line for the log: file names of paths, scripts left out.
+fn shown(program: &[&str]) -> String {
+    let words = program.iter().filter(|a| !a.contains('\n'));
+    let words: Vec<&str> = words.map(|a| a.rsplit('/').next().unwrap_or(a)).collect();
+    words.join(" ")
 }
 
 fn shim_lines(stderr: &str) -> Vec<&str> {
@@ -21,205 +129,314 @@ fn shim_lines(stderr: &str) -> Vec<&str> {
         .collect()
 }
 
-macro_rules! need_mpi {
-    () => {
-        if !have_mpi() {
-            eprintln!("skipped: mpicc/mpirun not found");
-            return;
-        }
-    };
+/// Asserts the job passed by the program's own verdict; returns the calls per rank the
+/// program counted as eligible for offload.
+fn verdict(run: &Finished, prog: &str) -> u64 {
+    run.assert_ok(prog);
+    let ok = format!("{prog}: all ok (");
+    run.stdout
+        .lines()
+        .find_map(|l| l.strip_prefix(&ok))
+        .and_then(|l| l.strip_suffix(" eligible calls per rank)"))
+        .and_then(|l| l.rsplit([' ', '(']).next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| {
+            panic!(
+                "no \"{ok}... eligible calls per rank)\" verdict\n--- stdout\n{}\n--- stderr\n{}",
+                run.stdout, run.stderr
+            )
+        })
+}
+
+/// The program passed, and the `sps` SPs posted exactly its eligible calls (so they did
+/// offload) and completed every one, without a failed copy or an error sent.
+fn assert_offloaded(run: &Finished, prog: &str, sps: usize) {
+    let eligible = verdict(run, prog);
+    let posts = run.sp_total("posts");
+    assert!(posts > 0, "nothing was offloaded\n{}", run.stderr);
+    assert_eq!(
+        posts,
+        NP * eligible,
+        "the SPs must see every eligible call of every rank and nothing else\n{}",
+        run.stderr
+    );
+    assert_eq!(run.sp_total("completions"), posts, "{}", run.stderr);
+    assert_eq!(run.sp_total("copies_failed"), 0, "{}", run.stderr);
+    assert_eq!(run.sp_total("errors_sent"), 0, "{}", run.stderr);
+    assert_eq!(
+        run.sp_stats().len(),
+        sps,
+        "every SP reports\n{}",
+        run.stderr
+    );
+    eprintln!("{prog}: {posts} posts offloaded");
+}
+
+/// Every Wait/Test variant mixed with point-to-point and null requests, the contiguous derived
+/// type, split/reversed/dup communicators, the vector type and `MPI_IN_PLACE` going native, six
+/// collectives outstanding at once on a mailbox of `slots` (< 6) slots, and a request freed
+/// before completion.
+fn a2a_check_offloads(sps_per_node: u32, slots: &str) {
+    let _serial = serial();
+    let prog = prog("a2a_check");
+    let run = launch(
+        sps_per_node,
+        &[&prog, "2", "free"],
+        &[("SPOFF_VERBOSE", "1"), ("SPOFF_MAILBOX_SLOTS", slots)],
+    );
+    assert_offloaded(&run, "a2a_check", 2 * sps_per_node as usize);
+    // The settings reached every rank through the launcher's environment: each one says it
+    // activated with that many slots, and says nothing else.
+    let lines = shim_lines(&run.stderr);
+    assert_eq!(lines.len(), NP as usize, "{}", run.stderr);
+    for r in 0..NP {
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.contains(&format!("rank {r}: offload active"))
+                    && l.ends_with(&format!(", {slots} mailbox slots"))),
+            "rank {r} did not activate with {slots} slots\n{}",
+            run.stderr
+        );
+    }
+}
+
+#[test]
+fn offload_one_sp_per_node_four_mailbox_slots() {
+    a2a_check_offloads(1, "4");
+}
+
+#[test]
+fn offload_two_sps_per_node_one_mailbox_slot() {
+    a2a_check_offloads(2, "1");
+}
+
+#[test]
+fn threads_offload_concurrently_on_their_own_communicators() {
+    let _serial = serial();
+    let prog = prog("mt_check");
+    let run = launch(1, &[&prog], &[]);
+    assert_offloaded(&run, "mt_check", 2);
+    assert!(shim_lines(&run.stderr).is_empty(), "{}", run.stderr);
 }
 
 #[test]
 fn no_sp_reachable_prints_one_line_per_rank_and_runs_natively() {
-    need_mpi!();
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = scratch("nosp");
-    let prog = build_check_prog(&dir);
-    let (_, cluster) = cluster(&dir, 2, 1);
-    let out = mpirun(
-        NP,
-        &prog,
-        &["1"],
+    let _serial = serial();
+    let prog = prog("a2a_check");
+    let dir = std::env::temp_dir().join(format!("host-shim-nosp-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let sps = (0..2)
+        .map(|i| SpEntry {
+            id: i,
+            node: i,
+            index: 0,
+            peer_addr: "127.0.0.1:9".parse().unwrap(),
+            host_socket: dir.join(format!("absent-{i}.sock")),
+        })
+        .collect();
+    let cluster: PathBuf = dir.join("cluster.json");
+    Cluster::new(2, 1, None, Layout::Block, sps)
+        .unwrap()
+        .save(&cluster)
+        .unwrap();
+    let run = mpirun_preloaded(
+        &[&prog, "1"],
         &[("SPOFF_CLUSTER", cluster.to_str().unwrap())],
-        TIMEOUT,
     );
-    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
-    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
-    assert!(stdout.contains("a2a_check: all ok"), "{stdout}");
-    let lines = shim_lines(&stderr);
-    assert_eq!(lines.len(), NP as usize, "{stderr}");
+    std::fs::remove_dir_all(&dir).ok();
+    verdict(&run, "a2a_check");
+    let lines = shim_lines(&run.stderr);
+    assert_eq!(lines.len(), NP as usize, "{}", run.stderr);
     for r in 0..NP {
         assert!(
             lines.iter().any(
                 |l| l.contains(&format!("rank {r}: no service process reachable at"))
                     && l.ends_with("running natively")
             ),
-            "{stderr}"
+            "{}",
+            run.stderr
         );
     }
 }
 
 #[test]
-fn unconfigured_shim_is_silent_and_native() {
-    need_mpi!();
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = scratch("silent");
-    let prog = build_check_prog(&dir);
-    let (_, cluster) = cluster(&dir, 2, 1);
-    for env in [
-        vec![],
-        vec![
-            ("SPOFF_CLUSTER", cluster.to_str().unwrap()),
-            ("SPOFF_OFFLOAD", "0"),
-        ],
-    ] {
-        let out = mpirun(NP, &prog, &["1"], &env, TIMEOUT);
-        let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
-        assert!(
-            out.status.success(),
-            "{env:?}\nstdout:\n{stdout}\nstderr:\n{stderr}"
-        );
-        assert!(stdout.contains("a2a_check: all ok"), "{stdout}");
-        assert!(shim_lines(&stderr).is_empty(), "{env:?}: {stderr}");
-    }
-}
-
-#[test]
-fn offloads_through_the_stand_in_sp() {
-    need_mpi!();
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = scratch("mock");
-    let prog = build_check_prog(&dir);
-    let (c, cluster) = cluster(&dir, 2, 1);
-    let sp = MockSp::start(&c, &[0, 1], Behaviour::Serve);
-    let out = mpirun(
-        NP,
-        &prog,
-        &["2", "free"],
-        &[
-            ("SPOFF_CLUSTER", cluster.to_str().unwrap()),
-            ("SPOFF_VERBOSE", "1"),
-            // Fewer slots than the 6 outstanding collectives of the check program: posting
-            // must harvest completed requests to find a free slot.
-            ("SPOFF_MAILBOX_SLOTS", "4"),
-        ],
-        TIMEOUT,
-    );
-    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
-    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
-    assert!(stdout.contains("a2a_check: all ok"), "{stdout}");
-    let lines = shim_lines(&stderr);
-    assert_eq!(
-        lines.len(),
-        NP as usize,
-        "only the activation lines: {stderr}"
-    );
-    assert!(
-        lines.iter().all(|l| l.contains("offload active")),
-        "{stderr}"
-    );
-    let posts = sp.posts.load(std::sync::atomic::Ordering::Acquire);
-    let done = sp.completed.load(std::sync::atomic::Ordering::Acquire);
-    // Every instance has 2 (half communicators) or 4 posts, and every post completed (the
-    // freed request included: MPI_Finalize waited for it).
-    assert!(
-        done > 0 && posts >= 2 * done && posts <= NP as usize * done,
-        "posts {posts}, instances {done}"
-    );
-    eprintln!("{posts} posts, {done} offloaded instances");
+fn unconfigured_or_disabled_shim_is_silent_and_native() {
+    let _serial = serial();
+    let prog = prog("a2a_check");
+    // No SPOFF_CLUSTER at all.
+    let run = mpirun_preloaded(&[&prog, "1"], &[]);
+    verdict(&run, "a2a_check");
+    assert!(shim_lines(&run.stderr).is_empty(), "{}", run.stderr);
+    // Real SPs are up and reachable, but SPOFF_OFFLOAD=0.
+    let run = launch(1, &[&prog, "1"], &[("SPOFF_OFFLOAD", "0")]);
+    verdict(&run, "a2a_check");
+    assert!(shim_lines(&run.stderr).is_empty(), "{}", run.stderr);
+    assert_eq!(run.sp_stats().len(), 2, "{}", run.stderr);
+    assert_eq!(run.sp_total("posts"), 0, "offload was disabled");
 }
 
 #[test]
 fn one_unreachable_sp_keeps_the_whole_job_native() {
-    need_mpi!();
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = scratch("partial");
-    let prog = build_check_prog(&dir);
-    let (c, cluster) = cluster(&dir, 2, 1);
-    let sp = MockSp::start(&c, &[0], Behaviour::Serve);
-    let out = mpirun(
-        NP,
-        &prog,
-        &["1"],
-        &[("SPOFF_CLUSTER", cluster.to_str().unwrap())],
-        TIMEOUT,
-    );
-    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
-    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
-    assert!(stdout.contains("a2a_check: all ok"), "{stdout}");
-    let lines = shim_lines(&stderr);
-    assert_eq!(lines.len(), 3, "{stderr}");
-    assert!(
-        lines
-            .iter()
-            .any(|l| l.contains("rank 2: no service process reachable")),
-        "{stderr}"
-    );
-    assert!(
-        lines
-            .iter()
-            .any(|l| l.contains("rank 3: no service process reachable")),
-        "{stderr}"
-    );
+    let _serial = serial();
+    let prog = prog("a2a_check");
+    // Real SPs, but every rank gets a copy of the cluster description in which SP 1's socket
+    // is a path where nothing listens: ranks 0 and 1 register with the real SP 0, ranks 2 and
+    // 3 reach nothing, and the whole job agrees to run natively.
+    let broken = r##"c="$SPOFF_CLUSTER.rank$OMPI_COMM_WORLD_RANK"
+        sed 's#/sp-1\.sock"#/absent.sock"#' "$SPOFF_CLUSTER" > "$c" && grep -q absent.sock "$c" &&
+        SPOFF_CLUSTER="$c" exec "$0" "$@""##;
+    let run = launch(1, &["sh", "-c", broken, &prog, "1"], &[]);
+    verdict(&run, "a2a_check");
+    let lines = shim_lines(&run.stderr);
+    assert_eq!(lines.len(), 3, "{}", run.stderr);
+    for r in [2, 3] {
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.contains(&format!("rank {r}: no service process reachable"))),
+            "{}",
+            run.stderr
+        );
+    }
     assert!(
         lines
             .iter()
             .any(|l| l.contains("offload is off for this job: 2 rank(s)")),
-        "{stderr}"
+        "{}",
+        run.stderr
     );
-    assert_eq!(sp.hosts.load(std::sync::atomic::Ordering::Acquire), 2);
-    assert_eq!(sp.posts.load(std::sync::atomic::Ordering::Acquire), 0);
+    assert_eq!(run.sp_stats().len(), 2, "{}", run.stderr);
+    assert_eq!(run.sp_total("posts"), 0, "{}", run.stderr);
 }
 
-#[test]
-fn a_dying_sp_fails_collectives_instead_of_hanging() {
-    need_mpi!();
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = scratch("death");
-    let prog = build_check_prog(&dir);
-    let (c, cluster) = cluster(&dir, 1, 1);
-    let _sp = MockSp::start(&c, &[0], Behaviour::DieAfterPosts(6));
-    let out = mpirun(
-        NP,
-        &prog,
-        &["1"],
-        &[("SPOFF_CLUSTER", cluster.to_str().unwrap())],
-        TIMEOUT,
-    );
-    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
-    assert!(
-        !out.status.success(),
-        "stdout:\n{stdout}\nstderr:\n{stderr}"
-    );
-    assert!(stdout.contains("failures"), "{stdout}\n{stderr}");
-    assert!(stderr.contains("closed the connection"), "{stderr}");
-    eprintln!("{stderr}");
+fn cmdline(pid: u32) -> String {
+    let raw = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    String::from_utf8_lossy(&raw).replace('\0', " ")
 }
 
-#[test]
-fn threads_offload_concurrently_on_their_own_communicators() {
-    need_mpi!();
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = scratch("threads");
-    let prog = build_prog(&dir, "mt_check");
-    let (c, cluster) = cluster(&dir, 2, 1);
-    let sp = MockSp::start(&c, &[0, 1], Behaviour::Serve);
-    let out = mpirun(
-        NP,
-        &prog,
-        &[],
-        &[("SPOFF_CLUSTER", cluster.to_str().unwrap())],
-        TIMEOUT,
-    );
-    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
-    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
-    if stdout.contains("skipped") {
-        eprintln!("{stdout}");
-        return;
+fn parent(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit(')')
+        .next()?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
+/// Polls `f` every 50 ms until it gives a value, for at most 60 s.
+fn poll<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> Result<T, String> {
+    let t = Instant::now();
+    loop {
+        if let Some(v) = f() {
+            return Ok(v);
+        }
+        if t.elapsed() > Duration::from_secs(60) {
+            return Err(format!("{what} did not happen within 60 s"));
+        }
+        std::thread::sleep(Duration::from_millis(50));
     }
-    assert!(stdout.contains("mt_check: all ok"), "{stdout}\n{stderr}");
-    assert!(shim_lines(&stderr).is_empty(), "{stderr}");
-    // 3 threads x 20 iterations, every one offloaded.
-    assert_eq!(sp.completed.load(std::sync::atomic::Ordering::Acquire), 60);
+}
+
+/// Waits for the launcher this test process started and its job, lets the ranks offload for
+/// a while, then kills SP 1 of that job. Returns the job's marker (the run directory prefix,
+/// in every process of the job) and when the SP died. Interrupts the launcher if it cannot.
+fn kill_sp_1_mid_job() -> Result<(String, Instant), String> {
+    let me = std::process::id();
+    let launcher = poll("the launcher start", || {
+        pids_matching("")
+            .into_iter()
+            .find(|&p| parent(p) == Some(me) && cmdline(p).contains("service-process launch "))
+    })?;
+    let marker = format!("spoff-{launcher}-");
+    let killed = (|| {
+        // 2 SPs, mpirun and 4 ranks carry the run directory (command line or environment).
+        poll("the job start", || {
+            (pids_matching(&marker).len() >= 7).then_some(())
+        })?;
+        std::thread::sleep(Duration::from_millis(1500));
+        let sp = pids_matching(&marker)
+            .into_iter()
+            .find(|&p| {
+                let c = cmdline(p);
+                c.contains(" serve ") && c.contains(" --sp-id 1 ") && c.contains(&marker)
+            })
+            .ok_or("SP 1 is not running")?;
+        // SAFETY: kill(2) on a process of the job this test started.
+        unsafe { libc::kill(sp as i32, libc::SIGKILL) };
+        Ok(Instant::now())
+    })();
+    if killed.is_err() {
+        // SAFETY: kill(2) on our own child.
+        unsafe { libc::kill(launcher as i32, libc::SIGINT) };
+    }
+    killed.map(|t| (marker, t))
+}
+
+#[test]
+fn a_killed_sp_fails_collectives_and_ends_the_job_with_an_error() {
+    let _serial = serial();
+    let prog = prog("a2a_check");
+    // Rounds enough to outlast the test; the program stops after the first round that failed.
+    // The launcher's grace after an SP death is longer than the bound below: the job must end
+    // because its collectives fail, not because the launcher killed it.
+    let cmd = launch_cmd(
+        &[
+            "--nodes",
+            "2",
+            "--ranks-per-node",
+            "2",
+            "--fault-grace-secs",
+            "60",
+        ],
+        &[&prog, "1000000"],
+    );
+    let killer = std::thread::spawn(kill_sp_1_mid_job);
+    let run = run(with_env(cmd, &[]), TIMEOUT);
+    let (marker, killed_at) = killer.join().unwrap().unwrap_or_else(|e| {
+        panic!(
+            "{e}\n--- stdout\n{}\n--- stderr\n{}",
+            run.stdout, run.stderr
+        )
+    });
+    let took = killed_at.elapsed();
+    eprintln!("the job ended {took:?} after SP 1 was killed");
+    let all = format!("--- stdout\n{}\n--- stderr\n{}", run.stdout, run.stderr);
+    assert!(!run.ok(), "a job that lost an SP reported success\n{all}");
+    assert!(took < Duration::from_secs(20), "took {took:?}\n{all}");
+    assert!(
+        !run.stderr.contains("did not end after an SP failure"),
+        "{all}"
+    );
+    assert!(
+        run.stdout.contains("a2a_check: ") && run.stdout.contains(" failures"),
+        "{all}"
+    );
+    // Ranks 2 and 3 lost their SP: each says so, naming its socket (whether it found the
+    // connection closed while reading or broken while posting).
+    for r in [2, 3] {
+        assert!(
+            shim_lines(&run.stderr)
+                .iter()
+                .any(|l| l.contains(&format!("rank {r}: ")) && l.contains("/sp-1.sock")),
+            "rank {r} did not report the lost SP\n{all}"
+        );
+    }
+    // SP 0 served posts before the failure and reported at exit.
+    assert_eq!(run.sp_stats().len(), 1, "{all}");
+    assert!(run.sp_total("posts") > 0, "{all}");
+    let t = Instant::now();
+    loop {
+        let left = pids_matching(&marker);
+        if left.is_empty() {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "processes left behind: {:?}",
+            left.iter().map(|&p| cmdline(p)).collect::<Vec<_>>()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }

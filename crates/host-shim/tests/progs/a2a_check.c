@@ -1,15 +1,19 @@
 /* Checks alltoall(v) results and the Wait/Test family, natively or with libhost_shim.so
  * preloaded: the same binary must give the same answers either way.
  *
- * Every test fills send buffers with a pattern naming (source, destination, index), runs the
- * collective, and checks every received element. Prints "a2a_check: all ok (N checks)" on rank 0
- * when every rank passed; exits 1 otherwise. */
+ * Usage: a2a_check [ROUNDS [free]]. Every test fills send buffers with a pattern naming
+ * (source, destination, index), runs the collective, and checks every received element. After
+ * each round the ranks agree whether anything failed and stop if so. Prints
+ * "a2a_check: all ok (N checks on rank 0, S ranks, E eligible calls per rank)" on rank 0 when
+ * every rank passed, "a2a_check: F failures" otherwise (exit 1). E counts the calls the shim
+ * may offload (intracommunicator, contiguous types, no MPI_IN_PLACE): the same on every rank,
+ * so an offloading run posts exactly S * E collectives to the service processes. */
 #include <mpi.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-static int rank, size, failures, checks;
+static int rank, size, failures, checks, eligible;
 
 #define CHECK(cond, ...)                                                   \
     do {                                                                   \
@@ -135,6 +139,7 @@ static void check_v(MPI_Comm comm, int nonblocking, enum how how, int gap, const
     for (int d = 0; d < n; d++)
         for (int i = 0; i < sc[d]; i++) sb[sd[d] + i] = val(me, d, i);
     for (int i = 0; i < total(rc, gap); i++) rb[i] = -1;
+    eligible++;
     if (nonblocking) {
         MPI_Request req;
         CHECK(MPI_Ialltoallv(sb, sc, sd, MPI_INT, rb, rc, rd, MPI_INT, comm, &req) == MPI_SUCCESS,
@@ -168,6 +173,7 @@ static void check_all(MPI_Datatype type, int per, int stride, int count, int non
     for (int d = 0; d < size; d++)
         for (int e = 0; e < count; e++)
             for (int k = 0; k < per; k++) sb[(d * count + e) * stride + k] = val(rank, d, e * per + k);
+    eligible++;
     if (nonblocking) {
         MPI_Request req;
         CHECK(MPI_Ialltoall(sb, count, type, rb, count, type, MPI_COMM_WORLD, &req) == MPI_SUCCESS, "%s", what);
@@ -205,7 +211,8 @@ int main(int argc, char **argv) {
         check_all(c3, 3, 3, 4, 0, "alltoall contiguous(3)");
         check_all(c3, 3, 3, 4, 1, "ialltoall contiguous(3)");
         MPI_Type_free(&c3);
-        /* vector(2 blocks of 1 int, stride 2) resized to 4 ints: not contiguous, goes native. */
+        /* vector(2 blocks of 1 int, stride 2) resized to 4 ints: not contiguous, goes native
+         * (not counted in `eligible`). */
         MPI_Type_vector(2, 1, 2, MPI_INT, &vec);
         MPI_Type_create_resized(vec, 0, 4 * sizeof(int), &vecr);
         MPI_Type_commit(&vecr);
@@ -237,7 +244,7 @@ int main(int argc, char **argv) {
         MPI_Comm_free(&rev);
         MPI_Comm_free(&dup);
 
-        /* MPI_IN_PLACE goes native. */
+        /* MPI_IN_PLACE goes native (not counted in `eligible`). */
         {
             int n = size * 2;
             int *rb = malloc(n * sizeof(int));
@@ -257,6 +264,7 @@ int main(int argc, char **argv) {
                 rb[k] = malloc(size * sizeof(int));
                 for (int d = 0; d < size; d++) { sb[k][d] = val(rank, d, k); rb[k][d] = -1; }
                 MPI_Ialltoall(sb[k], 1, MPI_INT, rb[k], 1, MPI_INT, MPI_COMM_WORLD, &reqs[k]);
+                eligible++;
             }
             for (int k = K - 1; k >= 0; k--) CHECK(MPI_Wait(&reqs[k], MPI_STATUS_IGNORE) == MPI_SUCCESS, "multi wait");
             for (int k = 0; k < K; k++) {
@@ -265,6 +273,10 @@ int main(int argc, char **argv) {
                 free(rb[k]);
             }
         }
+
+        int any = 0;
+        MPI_Allreduce(&failures, &any, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+        if (any) break;
     }
 
     /* With a second argument "free": a collective request freed before completion, which the
@@ -276,13 +288,16 @@ int main(int argc, char **argv) {
         MPI_Request req;
         for (int d = 0; d < size; d++) free_sb[d] = val(rank, d, 0);
         CHECK(MPI_Ialltoall(free_sb, 1, MPI_INT, free_rb, 1, MPI_INT, MPI_COMM_WORLD, &req) == MPI_SUCCESS, "ialltoall to free");
+        eligible++;
         CHECK(MPI_Request_free(&req) == MPI_SUCCESS && req == MPI_REQUEST_NULL, "request_free");
     }
 
     int all_failures = 0;
     MPI_Allreduce(&failures, &all_failures, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
     if (rank == 0) {
-        if (all_failures == 0) printf("a2a_check: all ok (%d checks on rank 0, %d ranks)\n", checks, size);
+        if (all_failures == 0)
+            printf("a2a_check: all ok (%d checks on rank 0, %d ranks, %d eligible calls per rank)\n",
+                   checks, size, eligible);
         else printf("a2a_check: %d failures\n", all_failures);
         fflush(stdout);
     }
