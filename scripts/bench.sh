@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Runs the Ialltoallv overlap benchmark offloaded and natively on the same emulated layout
-# (2 nodes x 1 rank), with the SPs pinned on their own core, and prints the comparison.
-#   scripts/bench.sh --demo   short run, prints the comparison (make demo)
+# Ialltoallv overlap, offloaded and native, on the same emulated layout (2 nodes x 1 rank), in
+# one run, and the comparison. Two experiments (see docs/BENCHMARKS.md for why two):
+#   A. the OSU method (compute = t_pure), one core per rank, SPs on whatever core is free;
+#   B. a fixed compute longer than the communication, SPs on a reserved core, the ranks
+#      sharing the other cores: what the host still pays (post_us + wait_us) and the overlap.
+#   scripts/bench.sh --demo   short run, prints the comparisons (make demo)
 #   scripts/bench.sh          full run, also writes docs/BENCHMARKS.md (make bench)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,49 +23,65 @@ if [ $demo -eq 1 ]; then
   iters=(--iters 20 --warmup 3)
 else
   sizes=${SIZES:-1K,4K,16K,64K,256K,1M,4M}
-  iters=()
+  iters=(--iters 60 --warmup 6)
 fi
+compute_us=${COMPUTE_US:-5000}
 
 ncpu=$(nproc)
-if [ "$ncpu" -ge 2 ]; then
-  # The ranks share the first cores; the last core is reserved for the SPs (the DPU's cores).
-  rank_cpus="0-$((ncpu - 2))"
-  sp_cpus="$((ncpu - 1))"
-  split="ranks on CPUs $rank_cpus, SPs on CPU $sp_cpus (of $ncpu)"
+last=$((ncpu - 1))
+if [ "$ncpu" -ge 3 ]; then
+  a_ranks="0,1"; b_ranks="0-$((last - 1))"
+elif [ "$ncpu" -eq 2 ]; then
+  a_ranks="0,1"; b_ranks="0"
 else
-  rank_cpus=0
-  sp_cpus=0
-  split="one CPU: ranks and SPs share it (overlap cannot be measured meaningfully)"
+  echo "bench: needs at least 2 CPUs (has $ncpu)" >&2; exit 1
 fi
-layout=(--nodes 2 --ranks-per-node 1 --rank-cpus "$rank_cpus")
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
+base=(--nodes 2 --ranks-per-node 1)
 
-echo "== machine: $ncpu CPUs; $split"
-echo "== native Open MPI (same layout and pinning, no SPs, no shim)"
-"$SP" launch "${layout[@]}" --native -- \
-  "$BENCH" overlap --coll ialltoallv --sizes "$sizes" "${iters[@]}" --json "$out/native.json"
-echo "== offloaded through the service processes"
-"$SP" launch "${layout[@]}" --sp-cpus "$sp_cpus" -- \
-  "$BENCH" overlap --coll ialltoallv --sizes "$sizes" "${iters[@]}" --json "$out/offload.json"
-echo "== comparison (same run, same machine)"
-"$BENCH" compare --native "$out/native.json" --offload "$out/offload.json"
+run() { # name, launch options..., -- coll-bench options...
+  local name=$1; shift
+  local opts=()
+  while [ "$1" != "--" ]; do opts+=("$1"); shift; done
+  shift
+  "$SP" launch "${base[@]}" "${opts[@]}" -- \
+    "$BENCH" overlap --coll ialltoallv --sizes "$sizes" "${iters[@]}" "$@" --json "$out/$name.json" \
+    2> >(grep -v '^sp [0-9]* stats' >&2)
+}
+
+echo "== machine: $ncpu CPUs"
+echo "== A. OSU method; ranks on CPUs $a_ranks (one each), SPs unpinned"
+run a-native --rank-cpus "$a_ranks" --native --
+run a-offload --rank-cpus "$a_ranks" --
+echo "== B. compute ${compute_us} us; ranks on CPUs $b_ranks, SPs reserved on CPU $last"
+run b-native --rank-cpus "$b_ranks" --native -- --compute-us "$compute_us"
+run b-offload --rank-cpus "$b_ranks" --sp-cpus "$last" -- --compute-us "$compute_us"
+echo
+echo "== A. OSU method (compute = t_pure), one core per rank, SPs unpinned"
+"$BENCH" compare --native "$out/a-native.json" --offload "$out/a-offload.json"
+echo
+echo "== B. compute ${compute_us} us, SPs on a reserved core"
+"$BENCH" compare --native "$out/b-native.json" --offload "$out/b-offload.json"
 
 if [ $demo -eq 0 ]; then
   mkdir -p docs
   {
     echo "# Benchmarks"
     echo
-    echo "Written by \`make bench\` ($(date -u +%Y-%m-%d)). Offloaded and native are measured in the"
-    echo "same run on the same emulated layout; compare ratios, not absolute times (shared machine)."
+    echo "Written by \`make bench\` (scripts/bench.sh) on $(date -u +%Y-%m-%d). Offloaded and native"
+    echo "are measured in the same run on the same emulated layout (2 nodes x 1 rank); compare"
+    echo "ratios, not absolute times: this is a shared virtual machine."
     echo
-    echo "## Ialltoallv overlap (OSU method), 2 nodes x 1 rank"
+    echo "- Machine: $ncpu CPUs ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //')), $(free -g | awk '/Mem:/{print $2}') GiB, Open MPI $(mpirun --version | head -1 | awk '{print $NF}')."
     echo
-    echo "- Machine: $ncpu CPUs ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //')), $(free -g | awk '/Mem:/{print $2}') GiB."
-    echo "- Split: $split."
-    echo "- Command: \`make bench\` (scripts/bench.sh)."
+    echo "## A. Ialltoallv, OSU method: ranks on CPUs $a_ranks (one core each), SPs unpinned"
     echo
-    "$BENCH" compare --native "$out/native.json" --offload "$out/offload.json" --markdown
+    "$BENCH" compare --native "$out/a-native.json" --offload "$out/a-offload.json" --markdown
+    echo
+    echo "## B. Ialltoallv, compute ${compute_us} us: ranks on CPUs $b_ranks, SPs reserved on CPU $last"
+    echo
+    "$BENCH" compare --native "$out/b-native.json" --offload "$out/b-offload.json" --markdown
     if [ -f docs/BENCHMARKS.notes.md ]; then
       echo
       cat docs/BENCHMARKS.notes.md

@@ -32,8 +32,9 @@ enum Command {
     ///
     /// Per size: t_pure = mean time of (post; wait) after warmup, a barrier before every
     /// iteration, then the maximum over ranks of each rank's mean. Then per iteration: post,
-    /// compute for t_pure (a busy loop of arithmetic calibrated once per size, no MPI calls),
-    /// wait; t_overall and t_compute are the means (maximum over ranks).
+    /// compute for t_pure or --compute-us (a busy loop of arithmetic calibrated once per size,
+    /// no MPI calls), wait; t_overall and t_compute are the means (maximum over ranks), and so
+    /// are post_us and wait_us, the time spent in the post call and in the wait call.
     /// overlap_pct = 100 - 100 * (t_overall - t_compute) / t_pure, clamped to [0, 100].
     ///
     /// Every iteration sends a pattern derived from (sender, receiver, iteration, byte); the
@@ -41,7 +42,7 @@ enum Command {
     /// of each phase. A failed check prints rank, peer and offset, and the exit code is 1 (after
     /// the table). Rank 0 prints the table; --json writes one JSON object per size per line
     /// with: coll, bytes, ranks, nodes (env SPOFF_NODES, default 1), pure_us, overall_us,
-    /// compute_us, overlap_pct, validated, iters, warmup, mode ("offload" if LD_PRELOAD
+    /// compute_us, post_us, wait_us, overlap_pct, validated, iters, warmup, mode ("offload" if LD_PRELOAD
     /// contains host_shim, else "native") and design (null).
     Overlap(OverlapArgs),
 
@@ -121,6 +122,12 @@ struct OverlapArgs {
     #[arg(long)]
     warmup: Option<u32>,
 
+    /// Compute for this many microseconds per iteration instead of t_pure (the OSU choice).
+    /// A compute longer than the communication shows what the host still pays: post_us +
+    /// wait_us.
+    #[arg(long, value_name = "US")]
+    compute_us: Option<u64>,
+
     /// Also write one JSON object per size per line (JSON Lines) to FILE (rank 0 only).
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
@@ -144,6 +151,10 @@ struct Row {
     pure_us: f64,
     overall_us: f64,
     compute_us: f64,
+    /// Time in the post call and in the wait call, with compute (what the host did not spend
+    /// computing, besides the compute itself).
+    post_us: f64,
+    wait_us: f64,
     overlap_pct: f64,
     validated: bool,
     iters: u32,
@@ -186,9 +197,9 @@ impl Setup {
         self.recv.fill(0xA5);
     }
 
-    /// Posts the collective and waits; returns the time taken by post + compute + wait and the
-    /// time spent in compute alone.
-    fn run_once(&mut self, compute_steps: Option<u64>) -> Result<(f64, f64), MpiError> {
+    /// Posts the collective and waits; returns the times of the whole (post + compute + wait),
+    /// of the compute alone, of the post call and of the wait call.
+    fn run_once(&mut self, compute_steps: Option<u64>) -> Result<Times, MpiError> {
         let (send, recv) = (&self.send, &mut self.recv);
         let t0 = wtime();
         let req = match self.coll {
@@ -206,14 +217,22 @@ impl Setup {
                 .ialltoall(send, recv, self.size as i32, &self.byte)?,
             other => unreachable!("{} is rejected before MPI_Init", other.name()),
         };
+        let t_posted = wtime();
         let mut compute = 0.0;
         if let Some(steps) = compute_steps {
             let c0 = Instant::now();
             std::hint::black_box(compute::busy(steps));
             compute = c0.elapsed().as_secs_f64();
         }
+        let t_wait = wtime();
         req.wait()?;
-        Ok((wtime() - t0, compute))
+        let t_end = wtime();
+        Ok(Times {
+            total: t_end - t0,
+            compute,
+            post: t_posted - t0,
+            wait: t_end - t_wait,
+        })
     }
 
     /// Checks what every peer delivered in iteration `iter`; prints the first bad byte per peer.
@@ -240,6 +259,15 @@ impl Setup {
 
 /// One phase (pure or with compute): warmup + timed iterations; returns the local means of the
 /// total time and of the compute time, and whether the last iteration's data was right.
+/// Times of one iteration, or means over a phase (seconds).
+#[derive(Clone, Copy, Debug, Default)]
+struct Times {
+    total: f64,
+    compute: f64,
+    post: f64,
+    wait: f64,
+}
+
 fn phase(
     s: &mut Setup,
     phase_id: u64,
@@ -247,9 +275,9 @@ fn phase(
     warmup: u32,
     steps: Option<u64>,
     corrupt: bool,
-) -> Result<(f64, f64, bool), MpiError> {
+) -> Result<(Times, bool), MpiError> {
     let total = warmup + iters;
-    let (mut sum, mut sum_compute) = (0.0, 0.0);
+    let mut sum = Times::default();
     for it in 0..total {
         let iter_id = (phase_id << 32) | it as u64;
         s.fill_send(iter_id);
@@ -257,10 +285,12 @@ fn phase(
             s.sentinel_recv();
         }
         s.world.barrier()?;
-        let (t, c) = s.run_once(steps)?;
+        let t = s.run_once(steps)?;
         if it >= warmup {
-            sum += t;
-            sum_compute += c;
+            sum.total += t.total;
+            sum.compute += t.compute;
+            sum.post += t.post;
+            sum.wait += t.wait;
         }
     }
     if corrupt && s.me == 0 {
@@ -271,7 +301,14 @@ fn phase(
         (phase_id << 32) | (total - 1) as u64,
         if steps.is_some() { "compute" } else { "pure" },
     );
-    Ok((sum / iters as f64, sum_compute / iters as f64, ok))
+    let n = iters as f64;
+    let mean = Times {
+        total: sum.total / n,
+        compute: sum.compute / n,
+        post: sum.post / n,
+        wait: sum.wait / n,
+    };
+    Ok((mean, ok))
 }
 
 fn run_size(
@@ -299,20 +336,25 @@ fn run_size(
         displs: (0..n).map(|j| (j * size) as i32).collect(),
         byte: Datatype::byte()?,
     };
-    let (pure_local, _, ok_pure) = phase(&mut s, 1, iters, warmup, None, corrupt)?;
-    let t_pure = world.allreduce_f64(pure_local, consts::OP_MAX())?;
-    // Every rank calibrates for the same target (the slowest rank's t_pure).
-    let steps = compute::calibrate(t_pure);
-    let (overall_local, compute_local, ok_compute) =
-        phase(&mut s, 2, iters, warmup, Some(steps), false)?;
-    let t_overall = world.allreduce_f64(overall_local, consts::OP_MAX())?;
-    let t_compute = world.allreduce_f64(compute_local, consts::OP_MAX())?;
+    let (pure, ok_pure) = phase(&mut s, 1, iters, warmup, None, corrupt)?;
+    let t_pure = world.allreduce_f64(pure.total, consts::OP_MAX())?;
+    // Every rank calibrates for the same target: the slowest rank's t_pure (the OSU method),
+    // or a fixed time given on the command line.
+    let target = args.compute_us.map_or(t_pure, |us| us as f64 * 1e-6);
+    let steps = compute::calibrate(target);
+    let (with, ok_compute) = phase(&mut s, 2, iters, warmup, Some(steps), false)?;
+    let t_overall = world.allreduce_f64(with.total, consts::OP_MAX())?;
+    let t_compute = world.allreduce_f64(with.compute, consts::OP_MAX())?;
+    let t_post = world.allreduce_f64(with.post, consts::OP_MAX())?;
+    let t_wait = world.allreduce_f64(with.wait, consts::OP_MAX())?;
     let validated = world.all_true(ok_pure && ok_compute)?;
     Ok(Row {
         bytes: size,
         pure_us: t_pure * 1e6,
         overall_us: t_overall * 1e6,
         compute_us: t_compute * 1e6,
+        post_us: t_post * 1e6,
+        wait_us: t_wait * 1e6,
         overlap_pct: overlap_pct(t_pure, t_overall, t_compute),
         validated,
         iters,
@@ -354,6 +396,8 @@ fn json_line(coll: Coll, row: &Row, ranks: usize, nodes: u64, mode: &str) -> Str
         "pure_us": row.pure_us,
         "overall_us": row.overall_us,
         "compute_us": row.compute_us,
+        "post_us": row.post_us,
+        "wait_us": row.wait_us,
         "overlap_pct": row.overlap_pct,
         "validated": row.validated,
         "iters": row.iters,
@@ -416,8 +460,15 @@ fn overlap(args: OverlapArgs) -> i32 {
             coll.name()
         );
         println!(
-            "{:>10} {:>12} {:>12} {:>12} {:>11} {:>9}",
-            "bytes", "pure_us", "overall_us", "compute_us", "overlap_pct", "validated"
+            "{:>10} {:>12} {:>12} {:>12} {:>9} {:>9} {:>11} {:>9}",
+            "bytes",
+            "pure_us",
+            "overall_us",
+            "compute_us",
+            "post_us",
+            "wait_us",
+            "overlap_pct",
+            "validated"
         );
     }
     let mut all_ok = true;
@@ -427,11 +478,13 @@ fn overlap(args: OverlapArgs) -> i32 {
         all_ok &= row.validated;
         if me == 0 {
             println!(
-                "{:>10} {:>12.2} {:>12.2} {:>12.2} {:>11.1} {:>9}",
+                "{:>10} {:>12.2} {:>12.2} {:>12.2} {:>9.2} {:>9.2} {:>11.1} {:>9}",
                 row.bytes,
                 row.pure_us,
                 row.overall_us,
                 row.compute_us,
+                row.post_us,
+                row.wait_us,
                 row.overlap_pct,
                 row.validated
             );
@@ -492,6 +545,8 @@ fn compare(args: CompareArgs) -> i32 {
     let find =
         |rows: &[serde_json::Value], k: &(String, u64)| rows.iter().find(|r| key(r) == *k).cloned();
     let num = |r: &Option<serde_json::Value>, f: &str| r.as_ref().and_then(|r| r[f].as_f64());
+    // Time the host spent in the collective's calls while it had compute to do.
+    let host_us = |r: &Option<serde_json::Value>| Some(num(r, "post_us")? + num(r, "wait_us")?);
     let cell = |v: Option<f64>, prec: usize| v.map_or("-".to_string(), |v| format!("{v:.prec$}"));
     let header = [
         "coll",
@@ -503,6 +558,8 @@ fn compare(args: CompareArgs) -> i32 {
         "offload_overall_us",
         "native_overlap_pct",
         "offload_overlap_pct",
+        "native_host_us",
+        "offload_host_us",
         "validated",
     ];
     let mut lines: Vec<Vec<String>> = Vec::new();
@@ -532,6 +589,8 @@ fn compare(args: CompareArgs) -> i32 {
             cell(num(&o, "overall_us"), 2),
             cell(num(&n, "overlap_pct"), 1),
             cell(num(&o, "overlap_pct"), 1),
+            cell(host_us(&n), 1),
+            cell(host_us(&o), 1),
             validated,
         ]);
     }
@@ -547,7 +606,8 @@ fn compare(args: CompareArgs) -> i32 {
     };
     if args.markdown {
         println!(
-            "Native: {}; offload: {}. pure_ratio = native pure_us / offload pure_us.",
+            "Native: {}; offload: {}. pure_ratio = native pure_us / offload pure_us; host_us = \
+             post_us + wait_us with compute (time the host spent in MPI calls instead of computing).",
             ctx(&native),
             ctx(&offload)
         );

@@ -28,10 +28,25 @@ pub enum Pause {
     Sleep(Duration),
 }
 
+/// Timer slack while a wait sleeps. Linux's default of 50 µs would turn every short sleep into
+/// ~50 µs and add it to the latency of every completion a rank notices while sleeping.
+pub const WAIT_TIMER_SLACK_NS: libc::c_ulong = 1_000;
+
 #[derive(Debug, Default)]
 pub struct Backoff {
     round: u32,
     sleep: Option<Duration>,
+    /// The thread's timer slack before this wait lowered it, restored on drop.
+    saved_slack_ns: Option<libc::c_ulong>,
+}
+
+impl Drop for Backoff {
+    fn drop(&mut self) {
+        if let Some(ns) = self.saved_slack_ns.take() {
+            // SAFETY: prctl with an integer argument; no memory is passed.
+            unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, ns) };
+        }
+    }
 }
 
 impl Backoff {
@@ -65,7 +80,18 @@ impl Backoff {
                 }
             }
             Pause::Yield => std::thread::yield_now(),
-            Pause::Sleep(d) => std::thread::sleep(d),
+            Pause::Sleep(d) => {
+                if self.saved_slack_ns.is_none() {
+                    // SAFETY: prctl with integer arguments; no memory is passed.
+                    let old = unsafe { libc::prctl(libc::PR_GET_TIMERSLACK) };
+                    if old >= 0 {
+                        self.saved_slack_ns = Some(old as libc::c_ulong);
+                        // SAFETY: as above.
+                        unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, WAIT_TIMER_SLACK_NS) };
+                    }
+                }
+                std::thread::sleep(d)
+            }
         }
     }
 }
@@ -73,6 +99,21 @@ impl Backoff {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_sleeping_wait_lowers_the_timer_slack_and_restores_it() {
+        // SAFETY: prctl with integer arguments.
+        let before = unsafe { libc::prctl(libc::PR_GET_TIMERSLACK) };
+        {
+            let mut b = Backoff::new();
+            while !matches!(b.next_pause(), Pause::Sleep(_)) {}
+            b.pause();
+            let during = unsafe { libc::prctl(libc::PR_GET_TIMERSLACK) };
+            assert_eq!(during as libc::c_ulong, WAIT_TIMER_SLACK_NS);
+        }
+        let after = unsafe { libc::prctl(libc::PR_GET_TIMERSLACK) };
+        assert_eq!(after, before);
+    }
 
     #[test]
     fn spins_then_yields_then_sleeps_with_a_cap() {

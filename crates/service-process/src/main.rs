@@ -58,6 +58,11 @@ enum Cmd {
         /// Pin the SP to these CPUs (e.g. `1` or `0,2-3`).
         #[arg(long)]
         cpus: Option<CpuList>,
+        /// Run under SCHED_FIFO so the SP preempts computing ranks at once (a stand-in for
+        /// dedicated DPU cores on a machine with too few cores to reserve one; needs root or
+        /// CAP_SYS_NICE). Its CPU time then comes out of the ranks' time.
+        #[arg(long)]
+        realtime: bool,
         /// Seconds to wait for the peer SPs at start-up.
         #[arg(long, default_value_t = 30)]
         connect_timeout_secs: u64,
@@ -85,6 +90,11 @@ enum Cmd {
         /// CPUs for the SPs, assigned round-robin (stand-ins for the DPU's cores).
         #[arg(long)]
         sp_cpus: Option<CpuList>,
+        /// Run the SPs under SCHED_FIFO (see `serve --realtime`): on a machine with too few cores
+        /// to reserve some for the SPs, they then preempt computing ranks as DPU cores would
+        /// not need to.
+        #[arg(long)]
+        sp_realtime: bool,
         /// CPUs for the ranks, assigned round-robin by world rank.
         #[arg(long)]
         rank_cpus: Option<CpuList>,
@@ -178,11 +188,15 @@ fn run(cli: Cli) -> Result<i32> {
             inline_copy_bytes,
             ucx,
             cpus,
+            realtime,
             connect_timeout_secs,
         } => {
             init_tracing();
             if let Some(cpus) = &cpus {
                 launch::pin_to(&cpus.0).context("pinning the SP")?;
+            }
+            if realtime {
+                launch::make_realtime().context("--realtime: cannot switch to SCHED_FIFO")?;
             }
             let cluster = Cluster::load(&cluster)?;
             let entry = cluster
@@ -228,6 +242,7 @@ fn run(cli: Cli) -> Result<i32> {
             sps_per_node,
             layout,
             sp_cpus,
+            sp_realtime,
             rank_cpus,
             native,
             shim,
@@ -247,6 +262,7 @@ fn run(cli: Cli) -> Result<i32> {
                 sps_per_node,
                 layout,
                 sp_cpus: sp_cpus.map(|c| c.0),
+                sp_realtime,
                 rank_cpus: rank_cpus.map(|c| c.0),
                 native,
                 shim,
