@@ -4,7 +4,7 @@
 //! Probe order (the first one that succeeds wins):
 //!
 //! 1. `UCX_DIR` environment variable: headers from `$UCX_DIR/include`,
-//!    libraries from `$UCX_DIR/lib` (`ucp`, `uct`, `ucs`). The directory must
+//!    libraries from `$UCX_DIR/lib` (`ucp`, `uct`, `ucs`, `ucm`). The directory must
 //!    contain `include/ucp/api/ucp.h`.
 //! 2. pkg-config package `ucx`, at least version 1.12 (Debian: `libucx-dev`).
 //!
@@ -46,7 +46,8 @@ fn probe_ucx_dir() -> Result<Found, String> {
         ));
     }
     println!("cargo:rustc-link-search=native={}", lib.display());
-    for l in ["ucp", "uct", "ucs"] {
+    // `ucm`: the memory hooks (`ucm_set_event_handler`), bound in `ucx_sys::memhooks`.
+    for l in ["ucp", "uct", "ucs", "ucm"] {
         println!("cargo:rustc-link-lib={l}");
     }
     Ok(Found {
@@ -102,9 +103,9 @@ fn main() {
     let mut builder = bindgen::Builder::default()
         .header("wrapper.h")
         .parse_callbacks(Box::new(bindgen::CargoCallbacks::new()))
-        .allowlist_function("ucp_.*|ucs_status_string")
-        .allowlist_type("uc[ps]_.*")
-        .allowlist_var("UC[PS]_.*")
+        .allowlist_function("ucp_.*|ucm_.*|ucs_status_string")
+        .allowlist_type("uc[psm]_.*")
+        .allowlist_var("UC[PSM]_.*")
         // Never generate Rust enums from C enums: a value the C side returns
         // that is not listed in the header would be undefined behaviour.
         .default_enum_style(bindgen::EnumVariation::Consts)

@@ -1,1 +1,2 @@
 #include <ucp/api/ucp.h>
+#include <ucm/api/ucm.h>

@@ -4,7 +4,8 @@
 //! enough for the service process to RDMA-read and -write host buffers: a
 //! context, a worker, endpoints made from worker addresses, memory
 //! registration with packed remote keys, and nonblocking or blocking get/put
-//! and flush. It never starts threads, never installs callbacks, never
+//! and flush. It never starts threads, never installs callbacks (except the
+//! memory hook [`VmUnmappedHook`] on request), never
 //! exchanges addresses or keys itself (moving those bytes between processes
 //! is the caller's business), never does tag matching, streams or active
 //! messages, and never hides a wait without saying so in the docs.
@@ -17,6 +18,10 @@
 //! The static inline `ucp_init` is not bound; the wrapper calls
 //! `ucp_init_version` with the header's API version, as `ucp_init` does.
 //! The status-pointer macros are re-implemented in [`status`].
+//!
+//! The memory hooks of libucm (`ucm_*`, linked as `-lucm`) are bound too;
+//! [`memhooks::VmUnmappedHook`] installs a handler for unmapped memory, the
+//! one callback this crate installs, and only when asked to.
 //!
 //! The wrapper types are [`Context`] → [`Worker`] → [`Endpoint`] →
 //! [`RemoteKey`], plus [`MemHandle`] (registered memory, child of the
@@ -58,8 +63,8 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
-/// Raw bindgen output for `<ucp/api/ucp.h>` (`ucp_*`, `ucs_*`, `UCP_*`,
-/// `UCS_*` only).
+/// Raw bindgen output for `<ucp/api/ucp.h>` and `<ucm/api/ucm.h>` (`ucp_*`,
+/// `ucs_*`, `ucm_*`, `UCP_*`, `UCS_*`, `UCM_*` only).
 #[allow(
     non_upper_case_globals,
     non_camel_case_types,
@@ -75,6 +80,7 @@ pub mod raw {
 
 mod context;
 mod endpoint;
+pub mod memhooks;
 mod memory;
 mod request;
 pub mod status;
@@ -82,6 +88,7 @@ pub mod worker;
 
 pub use context::{Context, Features};
 pub use endpoint::{Endpoint, ErrorHandling, CLOSE_WAIT_LIMIT};
+pub use memhooks::VmUnmappedHook;
 pub use memory::{MemHandle, RemoteKey};
 pub use request::{Request, DROP_WAIT_LIMIT};
 pub use status::{Error, Result, Status};
