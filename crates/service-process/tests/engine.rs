@@ -90,14 +90,29 @@ impl Op {
         world_to_host: &dyn Fn(u32) -> usize,
         slot: u32,
     ) -> Vec<(usize, u32, u64)> {
-        let p = self.members_world.len();
         let members: Vec<u32> = self
             .members_world
             .iter()
             .map(|&w| hosts[world_to_host(w)].sp)
             .collect();
+        let all: Vec<usize> = (0..self.members_world.len()).collect();
+        self.post_ranks(hosts, world_to_host, &members, slot, &all)
+    }
+
+    /// Posts for the comm ranks in `ranks` only, naming `members` as the SP of each comm rank
+    /// (so ranks that never post, or whose host is gone, can still be named). Returns
+    /// (host index, slot, token) per post.
+    fn post_ranks(
+        &self,
+        hosts: &mut [Host],
+        world_to_host: &dyn Fn(u32) -> usize,
+        members: &[u32],
+        slot: u32,
+        ranks: &[usize],
+    ) -> Vec<(usize, u32, u64)> {
+        let p = self.members_world.len();
         let mut posted = vec![];
-        for r in 0..p {
+        for &r in ranks {
             let h = world_to_host(self.members_world[r]);
             let send = hosts[h].grant(&self.send[r], Rights::READ);
             let recv = hosts[h].grant(&self.recv[r], Rights::WRITE);
@@ -105,7 +120,7 @@ impl Op {
                 self.comm,
                 self.seq,
                 r as u32,
-                members.clone(),
+                members.to_vec(),
                 slot,
                 send,
                 recv,
@@ -485,30 +500,16 @@ fn a_rank_that_dies_mid_collective_fails_it_everywhere() {
     // Ranks 0..3 post; rank 3 "dies" (its connection drops) without posting.
     let p = op.members_world.len();
     let members: Vec<u32> = hosts.iter().map(|h| h.sp).collect();
-    let mut posted = vec![];
-    for r in 0..p - 1 {
-        let send = hosts[r].grant(&op.send[r], Rights::READ);
-        let recv = hosts[r].grant(&op.recv[r], Rights::WRITE);
-        let d = desc(
-            comm,
-            0,
-            r as u32,
-            members.clone(),
-            0,
-            send,
-            recv,
-            (
-                op.counts[r].clone(),
-                op.send_displs[r].clone(),
-                (0..p).map(|s| op.counts[s][r]).collect(),
-                op.recv_displs[r].clone(),
-            ),
-        );
-        posted.push((r, hosts[r].post(d)));
-    }
+    let posted = op.post_ranks(
+        &mut hosts,
+        &|w| w as usize,
+        &members,
+        0,
+        &(0..p - 1).collect::<Vec<_>>(),
+    );
     drop(hosts.pop());
     let failed = mailbox::status_code(algorithms::Status::RankFailed);
-    for (r, (slot, token)) in posted {
+    for (r, slot, token) in posted {
         assert_eq!(hosts[r].wait(slot, token, WAIT), Some(failed), "rank {r}");
     }
     // The failed job's state goes once its ranks are gone.
@@ -530,32 +531,10 @@ fn a_peer_sp_that_dies_fails_the_collectives_that_need_it() {
     let comm = CommId { leader: 0, id: 1 };
     let op = make_op(&mut rng, comm, 0, vec![0, 1, 2, 3], 32);
     let members: Vec<u32> = hosts.iter().map(|h| h.sp).collect();
-    let p = 4;
-    let mut posted = vec![];
-    // Only the ranks of node 0 post, so they wait on node 1's SP.
-    for r in 0..2 {
-        let send = hosts[r].grant(&op.send[r], Rights::READ);
-        let recv = hosts[r].grant(&op.recv[r], Rights::WRITE);
-        let d = desc(
-            comm,
-            0,
-            r as u32,
-            members.clone(),
-            0,
-            send,
-            recv,
-            (
-                op.counts[r].clone(),
-                op.send_displs[r].clone(),
-                (0..p).map(|s| op.counts[s][r]).collect(),
-                op.recv_displs[r].clone(),
-            ),
-        );
-        posted.push((r, hosts[r].post(d)));
-    }
+    let posted = op.post_ranks(&mut hosts, &|w| w as usize, &members, 0, &[0, 1]);
     set.kill(1);
     let failed = mailbox::status_code(algorithms::Status::PeerFailed);
-    for (r, (slot, token)) in posted {
+    for (r, slot, token) in posted {
         assert_eq!(hosts[r].wait(slot, token, WAIT), Some(failed), "rank {r}");
     }
     assert!(set.alive(0), "the surviving SP keeps running");
@@ -574,30 +553,9 @@ fn posts_after_a_peer_sp_died_fail_instead_of_waiting() {
     let comm = CommId { leader: 0, id: 1 };
     let op = make_op(&mut rng, comm, 0, vec![0, 1, 2, 3], 32);
     let members = vec![0, 0, 1, 1];
-    let p = 4;
-    let mut posted = vec![];
-    for r in 0..2 {
-        let send = hosts[r].grant(&op.send[r], Rights::READ);
-        let recv = hosts[r].grant(&op.recv[r], Rights::WRITE);
-        let d = desc(
-            comm,
-            0,
-            r as u32,
-            members.clone(),
-            0,
-            send,
-            recv,
-            (
-                op.counts[r].clone(),
-                op.send_displs[r].clone(),
-                (0..p).map(|s| op.counts[s][r]).collect(),
-                op.recv_displs[r].clone(),
-            ),
-        );
-        posted.push((r, hosts[r].post(d)));
-    }
+    let posted = op.post_ranks(&mut hosts, &|w| w as usize, &members, 0, &[0, 1]);
     let failed = mailbox::status_code(algorithms::Status::PeerFailed);
-    for (r, (slot, token)) in posted {
+    for (r, slot, token) in posted {
         assert_eq!(hosts[r].wait(slot, token, WAIT), Some(failed), "rank {r}");
     }
 }
