@@ -270,6 +270,11 @@ unsafe fn post(comm: ffi::MPI_Comm, send: Side, recv: Side, commit: &mut Commit)
         let token = sh.next_token;
         sh.next_token += 1;
         mailbox_token(slot).store(0, Ordering::Release);
+        let idle = sh.registry.all().all(|a| {
+            // SAFETY: every address in the registry is a live request (see `Shim::harvest`).
+            unsafe { &*(a as *const OffloadRequest) }.result().is_some()
+        });
+        sh.registrar.refresh(idle);
         let desc = PostDesc {
             kind: CollKind::Alltoallv,
             comm: info.id,
@@ -278,10 +283,8 @@ unsafe fn post(comm: ffi::MPI_Comm, send: Side, recv: Side, commit: &mut Commit)
             members: info.members.clone(),
             slot,
             token,
-            send: sh.registrar.register(send_addr, s.region_len, Rights::READ),
-            recv: sh
-                .registrar
-                .register(recv_addr, r.region_len, Rights::WRITE),
+            send: sh.registrar.buffer(send_addr, s.region_len, Rights::READ),
+            recv: sh.registrar.buffer(recv_addr, r.region_len, Rights::WRITE),
             send_counts: s.counts,
             send_displs: s.displs,
             recv_counts: r.counts,

@@ -12,12 +12,26 @@
 //! Environment: `SPOFF_CLUSTER` (path of the cluster description; unset = native),
 //! `SPOFF_OFFLOAD=0` (native), `SPOFF_JOB_ID` (u64; otherwise rank 0 draws one),
 //! `SPOFF_VERBOSE=1` (a line per rank on activation), `SPOFF_MAILBOX_SLOTS` (completion slots,
-//! i.e. offloaded collectives a rank may have outstanding; default 1024).
+//! i.e. offloaded collectives a rank may have outstanding; default 1024), `SPOFF_BACKEND=cma|ucx`
+//! (how the program's buffers are granted, default `cma`; see below).
+//!
+//! Backends (`grants.rs`): with `cma` the SP copies with `process_vm_readv/writev`. With `ucx`
+//! the send and receive buffers are `ucp_mem_map`ped and granted with a packed remote key and
+//! the rank's UCX worker address (the mailbox stays `cma`); every SP must run with `--ucx`
+//! (the launcher's `--sp-arg=--ucx`). Registrations are cached across collectives and dropped
+//! when libucm reports their memory unmapped (`unmapped.rs`; without those events nothing is
+//! cached across collectives). On this machine's UCX 1.13 (tcp/shared memory) the SP's
+//! accesses are emulated and complete only while the rank progresses its worker, which every
+//! wait loop of the shim does on each pass: data moves only while the program is inside MPI,
+//! so this backend does not overlap with the program's computation (on InfiniBand RC/DC it
+//! would). A rank whose UCX cannot initialise says so once and uses `cma`; the SP serves each
+//! grant with the backend it names, so ranks may differ.
 //!
 //! Module map: `boundary` (the C boundary), `state` (start-up state machine, shared state,
 //! shutdown), `conn` (the SP connection), `comm` (communicator ids), `coll` (posting
 //! collectives), `request` + `registry` + `slots` (request objects, handle classification,
-//! mailbox slots), `wait` + `backoff` (the Wait/Test family), `layout` (byte arithmetic).
+//! mailbox slots), `wait` + `backoff` (the Wait/Test family), `layout` (byte arithmetic),
+//! `grants` + `unmapped` (buffer grants, the `ucx` cache's unmap events).
 #![deny(unsafe_op_in_unsafe_fn)]
 // The exported functions keep MPI's names and signatures.
 #![allow(non_snake_case, clippy::missing_safety_doc, clippy::too_many_arguments)]
@@ -26,6 +40,7 @@ mod boundary;
 mod coll;
 mod comm;
 mod conn;
+mod grants;
 mod request;
 mod state;
 mod wait;
@@ -34,6 +49,7 @@ pub mod backoff;
 pub mod layout;
 pub mod registry;
 pub mod slots;
+pub mod unmapped;
 
 use boundary::{boundary, Flow};
 use coll::Offload;

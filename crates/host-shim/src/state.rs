@@ -24,6 +24,7 @@
 
 use crate::boundary::{no_panic, say};
 use crate::conn::{self, Conn};
+use crate::grants::{Backend, Grants};
 use crate::registry::Registry;
 use crate::request::OffloadRequest;
 use crate::slots::SlotPool;
@@ -37,7 +38,9 @@ use mpi_ffi as ffi;
 use mpi_ffi::consts;
 use std::os::raw::c_int;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{
+    AtomicBool, AtomicPtr, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering,
+};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -86,6 +89,8 @@ pub fn topology() -> &'static Topology {
 /// Base address of the mailbox (never unmapped once set).
 static MAILBOX: AtomicPtr<u8> = AtomicPtr::new(std::ptr::null_mut());
 static MAILBOX_SLOTS: AtomicU32 = AtomicU32::new(0);
+/// `SPOFF_VERBOSE`, for the report at `MPI_Finalize`.
+static VERBOSE: AtomicBool = AtomicBool::new(false);
 
 /// Number of request objects the shim tracks (live + detached): lets the Wait/Test family skip
 /// the lock entirely while it is zero.
@@ -117,7 +122,8 @@ pub fn mailbox_status(slot: u32) -> &'static std::sync::atomic::AtomicU32 {
 pub struct Shim {
     pub conn: Conn,
     pub slots: SlotPool,
-    pub registrar: Registrar,
+    /// Grants on the program's buffers (`cma` or `ucx`; the mailbox is always `cma`).
+    pub registrar: Grants,
     pub registry: Registry,
     /// Next completion token (tokens start at 1: 0 means "nothing written").
     pub next_token: u64,
@@ -170,8 +176,10 @@ impl Shim {
         self.slots.give(req.slot);
     }
 
-    /// Looks at the mailbox for every tracked request that has not completed yet.
+    /// Looks at the mailbox for every tracked request that has not completed yet (after a
+    /// round of UCX progress with the `ucx` backend).
     pub fn harvest(&mut self) {
+        self.registrar.progress();
         let addrs: Vec<usize> = self.registry.all().collect();
         for a in addrs {
             // SAFETY: every address in the registry is a live OffloadRequest; objects are
@@ -268,6 +276,7 @@ struct Settings {
     offload: bool,
     job: Option<u64>,
     verbose: bool,
+    backend: Result<Backend, String>,
 }
 
 impl Settings {
@@ -278,6 +287,7 @@ impl Settings {
             offload: var("SPOFF_OFFLOAD").is_none_or(|v| v != "0"),
             job: var("SPOFF_JOB_ID").and_then(|v| v.to_str().and_then(|s| s.trim().parse().ok())),
             verbose: var("SPOFF_VERBOSE").is_some_and(|v| v != "0"),
+            backend: Backend::parse(var("SPOFF_BACKEND").as_ref().and_then(|v| v.to_str())),
         }
     }
 }
@@ -461,10 +471,22 @@ unsafe fn start_inner() -> bool {
             MAILBOX_SLOTS.load(Ordering::Acquire)
         );
     }
+    let backend = settings.backend.unwrap_or_else(|why| {
+        say!("rank {rank}: {why}");
+        Backend::Cma
+    });
+    let grants = Grants::new(reg.registrar, backend, rank);
+    if settings.verbose && grants.backend() == Backend::Ucx {
+        say!(
+            "rank {rank}: ucx grants, memory events {}",
+            if grants.events() { "on" } else { "off" }
+        );
+    }
+    VERBOSE.store(settings.verbose, Ordering::Release);
     *lock() = Some(Shim {
         conn: reg.conn,
         slots: SlotPool::new(MAILBOX_SLOTS.load(Ordering::Acquire)),
-        registrar: reg.registrar,
+        registrar: grants,
         registry: Registry::default(),
         next_token: 1,
     });
@@ -653,6 +675,13 @@ pub unsafe fn finish() {
     unsafe { crate::wait::drain_detached() };
     STATE.store(State::Disabled as u8, Ordering::Release);
     if let Some(shim) = lock().take() {
+        if VERBOSE.load(Ordering::Acquire) && shim.registrar.backend() == Backend::Ucx {
+            say!(
+                "rank {}: {}",
+                topology().world_rank,
+                shim.registrar.report()
+            );
+        }
         shim.conn.close();
         // Live requests the program never completed are leaked on purpose: the SP may still
         // write their slots, and the mailbox stays mapped.

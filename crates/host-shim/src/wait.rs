@@ -18,6 +18,7 @@
 
 use crate::backoff::{Backoff, CONN_CHECK_INTERVAL, PROGRESS_INTERVAL};
 use crate::boundary::{say, Commit, Flow};
+use crate::grants::UCX_ACTIVE;
 use crate::registry::Class;
 use crate::request::{by_addr, fill_status, my_rank, poll, release};
 use crate::state::{is_active, with_shim, TRACKED};
@@ -47,6 +48,14 @@ fn service_connection() {
     with_shim(|s| s.service_connection());
 }
 
+/// One round of UCX progress with the `ucx` backend (see `grants.rs`): on UCX 1.13 over
+/// tcp/shared memory the SP's accesses to our buffers complete only while we progress.
+fn ucx_progress() {
+    if UCX_ACTIVE.load(Ordering::Acquire) {
+        with_shim(|s| s.registrar.progress());
+    }
+}
+
 /// The pauses, progress and connection checks of one blocking wait.
 pub(crate) struct Waiter {
     backoff: Backoff,
@@ -70,6 +79,7 @@ impl Waiter {
     /// # Safety
     /// MPI is initialised.
     pub(crate) unsafe fn idle(&mut self, drive_progress: bool) {
+        ucx_progress();
         let now = Instant::now();
         if drive_progress && now - self.last_progress >= PROGRESS_INTERVAL {
             // SAFETY: MPI is initialised while the shim is active.
@@ -91,6 +101,7 @@ thread_local! {
 /// After a Test-style call found our requests incomplete: progress, and now and then a look
 /// at the connection.
 unsafe fn test_miss() {
+    ucx_progress();
     // SAFETY: MPI is initialised while the shim is active.
     unsafe { native_progress() };
     let now = Instant::now();

@@ -5,8 +5,10 @@
 //! nodes x 2 ranks. Each checks the program's own verdict and, from the SPs' counters, that
 //! exactly the calls the program counted as eligible were posted (so nothing it must keep
 //! native, a non-contiguous type or `MPI_IN_PLACE`, was offloaded) and completed, without a
-//! failed copy. The fallback runs use no SP, a cluster description naming one that is not
-//! there, or real SPs with offload disabled; one run kills a real SP mid-job.
+//! failed copy; two of them grant with the `ucx` backend (`SPOFF_BACKEND=ucx`, SPs with
+//! `--ucx`), one freeing and reallocating its buffers between collectives. The fallback runs
+//! use no SP, a cluster description naming one that is not there, or real SPs with offload
+//! disabled; one run kills a real SP mid-job.
 //!
 //! The launcher, the SP and the shim come from the target directory of this test executable:
 //! build the workspace first (`cargo build --release --workspace`; `make test` does). A missing
@@ -23,12 +25,13 @@ use std::time::{Duration, Instant};
 const NP: u64 = 4;
 const TIMEOUT: Duration = Duration::from_secs(120);
 /// The shim's settings: every job gets the ones its test sets, never the caller's.
-const SHIM_VARS: [&str; 5] = [
+const SHIM_VARS: [&str; 6] = [
     "SPOFF_CLUSTER",
     "SPOFF_OFFLOAD",
     "SPOFF_JOB_ID",
     "SPOFF_VERBOSE",
     "SPOFF_MAILBOX_SLOTS",
+    "SPOFF_BACKEND",
 ];
 
 /// One MPI job at a time (the machine has few cores).
@@ -80,8 +83,18 @@ fn with_env(mut cmd: Command, env: &[(&str, &str)]) -> Command {
 /// `program` on 2 nodes x 2 ranks under the real launcher, with `sps_per_node` real SPs per
 /// node. The launcher's mpirun, and so every rank, inherits `env`.
 fn launch(sps_per_node: u32, program: &[&str], env: &[(&str, &str)]) -> Finished {
+    launch_with(sps_per_node, &[], program, env)
+}
+
+/// [`launch`] with more launcher arguments (`--sp-arg=...`).
+fn launch_with(
+    sps_per_node: u32,
+    extra: &[&str],
+    program: &[&str],
+    env: &[(&str, &str)],
+) -> Finished {
     let k = sps_per_node.to_string();
-    let args = [
+    let mut args = vec![
         "--nodes",
         "2",
         "--ranks-per-node",
@@ -89,6 +102,7 @@ fn launch(sps_per_node: u32, program: &[&str], env: &[(&str, &str)]) -> Finished
         "--sps-per-node",
         &k,
     ];
+    args.extend_from_slice(extra);
     let run = run(with_env(launch_cmd(&args, program), env), TIMEOUT);
     eprintln!("{} under the launcher: {:?}", shown(program), run.elapsed);
     run
@@ -209,6 +223,79 @@ fn offload_one_sp_per_node_four_mailbox_slots() {
 #[test]
 fn offload_two_sps_per_node_one_mailbox_slot() {
     a2a_check_offloads(2, "1");
+}
+
+/// `program` offloaded with `SPOFF_BACKEND=ucx` (and verbose) on SPs started with `--ucx`:
+/// checks it as [`assert_offloaded`] does, that every copy took the ucx path (the SP never
+/// runs a ucx copy inline; with cma every copy of these programs is inline), and that every
+/// rank saw the setting (each says it grants with ucx, memory events on). Returns each rank's
+/// report line from `MPI_Finalize`.
+fn ucx_offloads(program: &[&str], name: &str, slots: &str) -> Vec<String> {
+    let run = launch_with(
+        1,
+        &["--sp-arg=--ucx"],
+        program,
+        &[
+            ("SPOFF_BACKEND", "ucx"),
+            ("SPOFF_VERBOSE", "1"),
+            ("SPOFF_MAILBOX_SLOTS", slots),
+        ],
+    );
+    assert_offloaded(&run, name, 2);
+    assert!(run.sp_total("copies_started") > 0, "{}", run.stderr);
+    assert_eq!(
+        run.sp_total("copies_inline"),
+        0,
+        "a copy ran inline: not the ucx path\n{}",
+        run.stderr
+    );
+    let lines = shim_lines(&run.stderr);
+    (0..NP)
+        .map(|r| {
+            assert!(
+                lines
+                    .iter()
+                    .any(|l| l.ends_with(&format!("rank {r}: ucx grants, memory events on"))),
+                "rank {r} did not grant with ucx\n{}",
+                run.stderr
+            );
+            let report = format!("rank {r}: ucx grants: ");
+            lines
+                .iter()
+                .find(|l| l.contains(&report))
+                .unwrap_or_else(|| panic!("no ucx report from rank {r}\n{}", run.stderr))
+                .to_string()
+        })
+        .collect()
+}
+
+/// The number before `word` in `line` (`"... 16 invalidated ..."`).
+fn count_before(line: &str, word: &str) -> u64 {
+    let words: Vec<&str> = line.split([' ', ',']).filter(|w| !w.is_empty()).collect();
+    words
+        .windows(2)
+        .find(|w| w[1] == word)
+        .and_then(|w| w[0].parse().ok())
+        .unwrap_or_else(|| panic!("no count before {word:?} in {line:?}"))
+}
+
+#[test]
+fn ucx_backend_offloads_every_wait_and_test_variant() {
+    let _serial = serial();
+    let prog = prog("a2a_check");
+    ucx_offloads(&[&prog, "2", "free"], "a2a_check", "4");
+}
+
+#[test]
+fn ucx_grants_of_freed_and_reallocated_buffers_are_invalidated() {
+    let _serial = serial();
+    let prog = prog("realloc_check");
+    for line in ucx_offloads(&[&prog, "6"], "realloc_check", "1024") {
+        // Every round unmaps the previous round's buffers: their registrations must have been
+        // invalidated (new generation, new ucp_mem_map) before the addresses were granted again.
+        assert!(count_before(&line, "invalidated") > 0, "{line}");
+        assert!(count_before(&line, "unmap") > 0, "{line}");
+    }
 }
 
 #[test]

@@ -1,0 +1,188 @@
+//! Grants on the program's buffers: the `cma` backend (default) or `ucx` (`SPOFF_BACKEND=ucx`).
+//!
+//! The mailbox is always a `cma` grant: the SP writes completion flags into it with
+//! `process_vm_writev`. With `ucx`, send and receive buffers are `ucp_mem_map`ped by an
+//! [`UcxRegistrar`] and granted with the packed remote key and this rank's worker address; the
+//! SP (started with `--ucx`) reads and writes them with `ucp_get_nbx` / `ucp_put_nbx`.
+//!
+//! # The host must progress (UCX 1.13 here)
+//!
+//! With Debian's UCX 1.13 over tcp and shared memory, RMA on `ucp_mem_map`ped user memory is
+//! emulated over active messages and completes only while this process progresses its worker.
+//! Every wait loop of the shim therefore calls [`Grants::progress`] on each pass (the
+//! Wait/Test family, slot harvesting, `MPI_Finalize`). So on this machine the `ucx` backend
+//! only moves data while the program is inside MPI: it does not overlap with the program's
+//! computation. On InfiniBand RC/DC (or with exported memory keys, UCX >= 1.15) the NIC serves
+//! the accesses and no progress is needed.
+//!
+//! # Invalidation
+//!
+//! Registrations are cached across collectives. libucm's unmap events (`unmapped.rs`) drop
+//! those whose memory is freed or remapped, before the next registration. If the events cannot
+//! be installed or are not delivered, the shim says so once and caches nothing across
+//! collectives: every registration is dropped as soon as no offloaded collective is
+//! outstanding.
+//!
+//! The backend is chosen per rank; if UCX cannot initialise the rank says so once and uses
+//! `cma`. Mixing is fine: the SP serves each grant with the backend it names (`DynMover`), as
+//! long as every SP was started with `--ucx` (an SP without it refuses `ucx` grants, and the
+//! collective fails with an error).
+
+use crate::boundary::say;
+use alias_mkey::host::{Registrar, UcxRegistrar};
+use alias_mkey::{Grant, Rights};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+/// True while a `ucx` registrar exists: lets wait loops skip the lock with `cma`.
+pub static UCX_ACTIVE: AtomicBool = AtomicBool::new(false);
+/// Registrations invalidated because their memory was unmapped.
+static INVALIDATED: AtomicU64 = AtomicU64::new(0);
+
+/// Which backend `SPOFF_BACKEND` asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    Cma,
+    Ucx,
+}
+
+impl Backend {
+    /// `cma` (or unset) / `ucx`; anything else is reported and taken as `cma`.
+    pub fn parse(v: Option<&str>) -> Result<Backend, String> {
+        match v.map(str::trim) {
+            None | Some("") | Some("cma") => Ok(Backend::Cma),
+            Some("ucx") => Ok(Backend::Ucx),
+            Some(other) => Err(format!(
+                "SPOFF_BACKEND={other} is neither cma nor ucx; using cma"
+            )),
+        }
+    }
+}
+
+/// The `ucx` state of a rank.
+struct Ucx {
+    registrar: UcxRegistrar,
+    /// The installed unmap handler; `None`: no events, nothing cached across collectives.
+    hook: Option<ucx_sys::VmUnmappedHook>,
+}
+
+// SAFETY: `Ucx` holds UCX objects (single-thread mode, `Rc` handles) that are never shared:
+// every `Rc` clone stays inside the registrar, and the whole value lives in the shim's state
+// behind its mutex, so it is only ever used by one thread at a time, and moved between threads
+// whole. UCX's single-thread mode requires exactly that (no concurrent calls on the worker).
+unsafe impl Send for Ucx {}
+
+/// The rank's grant factory.
+pub struct Grants {
+    cma: Registrar,
+    ucx: Option<Ucx>,
+}
+
+impl Grants {
+    /// With `backend` ucx, tries to set UCX up; on failure says why (once, on this rank) and
+    /// stays with `cma`. `cma` already holds the mailbox grant.
+    pub fn new(cma: Registrar, backend: Backend, rank: u32) -> Grants {
+        let ucx = match backend {
+            Backend::Cma => None,
+            Backend::Ucx => match UcxRegistrar::new() {
+                Ok(registrar) => {
+                    let hook = match crate::unmapped::install() {
+                        Ok(h) => Some(h),
+                        Err(why) => {
+                            say!("rank {rank}: UCX memory events unavailable ({why}); ucx registrations are not cached across collectives");
+                            None
+                        }
+                    };
+                    UCX_ACTIVE.store(true, Ordering::Release);
+                    Some(Ucx { registrar, hook })
+                }
+                Err(e) => {
+                    say!("rank {rank}: cannot initialise UCX for SPOFF_BACKEND=ucx ({e}); using cma grants");
+                    None
+                }
+            },
+        };
+        Grants { cma, ucx }
+    }
+
+    /// The backend in use.
+    pub fn backend(&self) -> Backend {
+        if self.ucx.is_some() {
+            Backend::Ucx
+        } else {
+            Backend::Cma
+        }
+    }
+
+    /// Whether unmap events keep the `ucx` cache valid (`false` with `cma`).
+    pub fn events(&self) -> bool {
+        self.ucx.as_ref().is_some_and(|u| u.hook.is_some())
+    }
+
+    /// Before registering the buffers of a new collective: applies the unmap events, or
+    /// without them, when `idle` (no offloaded collective outstanding), drops every `ucx`
+    /// registration.
+    pub fn refresh(&mut self, idle: bool) {
+        let Some(u) = self.ucx.as_mut() else { return };
+        let n = if u.hook.is_some() {
+            crate::unmapped::apply(&mut u.registrar)
+        } else if idle {
+            u.registrar.invalidate(0, u64::MAX);
+            0
+        } else {
+            0
+        };
+        INVALIDATED.fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    /// A grant on `len` bytes of the program's memory at `addr`. With `ucx`, a failed
+    /// `ucp_mem_map` is reported and falls back to a `cma` grant for this buffer.
+    pub fn buffer(&mut self, addr: u64, len: u64, rights: Rights) -> Grant {
+        if let Some(u) = self.ucx.as_mut() {
+            crate::unmapped::watch(addr, len);
+            // SAFETY: the program's buffer of a collective in flight: MPI forbids freeing it
+            // before the collective completes, and an unmap afterwards invalidates the
+            // registration (unmap events, applied by `refresh` before the next registration)
+            // or, without events, `refresh` drops it once nothing is outstanding. Until then
+            // the registration outlives no memory the program still uses.
+            match unsafe { u.registrar.register(addr, len, rights) } {
+                Ok(g) => return g,
+                Err(e) => {
+                    static SAID: AtomicBool = AtomicBool::new(false);
+                    if !SAID.swap(true, Ordering::AcqRel) {
+                        say!("ucx registration of {len} bytes at {addr:#x} failed ({e}); granting with cma");
+                    }
+                }
+            }
+        }
+        self.cma.register(addr, len, rights)
+    }
+
+    /// One round of UCX progress (nothing with `cma`). See the module docs.
+    pub fn progress(&self) {
+        if let Some(u) = &self.ucx {
+            u.registrar.progress();
+        }
+    }
+
+    /// A line for the verbose report: the backend and, for `ucx`, the cache's counters.
+    pub fn report(&self) -> String {
+        match &self.ucx {
+            None => "cma grants".into(),
+            Some(u) => {
+                let (hits, misses) = u.registrar.stats();
+                format!(
+                    "ucx grants: {hits} cache hits, {misses} misses, {} invalidated by {} unmap events, memory events {}",
+                    INVALIDATED.load(Ordering::Relaxed),
+                    crate::unmapped::recorded(),
+                    if u.hook.is_some() { "on" } else { "off" }
+                )
+            }
+        }
+    }
+}
+
+impl Drop for Grants {
+    fn drop(&mut self) {
+        UCX_ACTIVE.store(false, Ordering::Release);
+    }
+}
