@@ -18,6 +18,11 @@
 //! Ordering: a buffer the program passes to a collective was mapped after every unmap of its
 //! addresses' previous memory returned, and each unmap published its range before it
 //! happened, so the drain before the registration sees it.
+//!
+//! Limitation: an overflow invalidates every registration at the next post, including those
+//! of collectives still in flight. On UCX 1.13 here that is harmless (the emulated RMA is served
+//! by this process by address, not through the registration); on RDMA hardware the release of
+//! in-use registrations would have to wait until they are idle, as UCX's own rcache does.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 

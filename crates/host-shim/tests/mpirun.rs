@@ -298,6 +298,37 @@ fn ucx_grants_of_freed_and_reallocated_buffers_are_invalidated() {
     }
 }
 
+/// Ranks may grant differently: rank 1 asks for cma, rank 2's UCX cannot initialise (it says
+/// so once and uses cma), ranks 0 and 3 use ucx. The SPs serve each grant with its own
+/// backend, so mixed cma/ucx copies are correct too.
+#[test]
+fn ranks_mixing_cma_and_ucx_grants_agree() {
+    let _serial = serial();
+    let prog = prog("a2a_check");
+    let script = "case $OMPI_COMM_WORLD_RANK in\n\
+                  1) export SPOFF_BACKEND=cma;;\n\
+                  2) export UCX_TLS=no_such_transport;;\n\
+                  esac\n\
+                  exec \"$@\"";
+    let run = launch_with(
+        1,
+        &["--sp-arg=--ucx"],
+        &["sh", "-c", script, "sh", &prog, "2", "free"],
+        &[("SPOFF_BACKEND", "ucx"), ("SPOFF_VERBOSE", "1")],
+    );
+    assert_offloaded(&run, "a2a_check", 2);
+    let lines = shim_lines(&run.stderr);
+    let said = |needle: &str| lines.iter().filter(|l| l.contains(needle)).count();
+    assert_eq!(said("ucx grants, memory events on"), 2, "{}", run.stderr);
+    assert_eq!(said("rank 2: cannot initialise UCX"), 1, "{}", run.stderr);
+    let inline = run.sp_total("copies_inline");
+    assert!(
+        inline > 0 && inline < run.sp_total("copies_started"),
+        "both backends copied\n{}",
+        run.stderr
+    );
+}
+
 #[test]
 fn threads_offload_concurrently_on_their_own_communicators() {
     let _serial = serial();
