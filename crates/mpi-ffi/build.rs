@@ -73,7 +73,7 @@ fn probe_wrapper() -> Result<Found, String> {
         run(&mpicc, &["--showme:compile"]),
         run(&mpicc, &["--showme:link"]),
     ) {
-        (Ok(c), Ok(l)) => return Ok(from_flags(&format!("{c} {l}"), format!("{mpicc} --showme"))),
+        (Ok(c), Ok(l)) => Ok(from_flags(&format!("{c} {l}"), format!("{mpicc} --showme"))),
         (Err(e), _) | (_, Err(e)) => {
             let show = run(&mpicc, &["-show"]).map_err(|e2| format!("{e}; {e2}"))?;
             Ok(from_flags(&show, format!("{mpicc} -show")))
