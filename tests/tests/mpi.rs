@@ -135,7 +135,7 @@ fn mpi_no_sp_reachable_falls_back_to_native() {
         .filter(|l| l.contains("running natively"))
         .count();
     assert!(
-        said >= 1 && said <= 4,
+        (1..=4).contains(&said),
         "expected one fallback line per rank:\n{}",
         run.stderr
     );
