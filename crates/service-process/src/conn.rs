@@ -52,6 +52,9 @@ pub enum ReadEnd {
     Closed,
 }
 
+/// Most bytes a connection may have waiting to be written.
+pub const MAX_PENDING_OUT_BYTES: usize = 256 << 20;
+
 pub struct Conn<R> {
     pub stream: Stream,
     pub role: R,
@@ -100,8 +103,19 @@ impl<R> Conn<R> {
         }
     }
 
-    /// Queues a whole frame and tries to send it now.
+    /// Queues a whole frame and tries to send it now. A peer that lets more than
+    /// [`MAX_PENDING_OUT_BYTES`] pile up is not reading: the send fails (and the caller closes
+    /// the connection, which fails what depended on it) instead of buffering without bound.
     pub fn send(&mut self, frame: &[u8]) -> io::Result<()> {
+        if self.pending_out() + frame.len() > MAX_PENDING_OUT_BYTES {
+            return Err(io::Error::new(
+                io::ErrorKind::WouldBlock,
+                format!(
+                    "the other side is not reading: {} bytes already waiting to be sent",
+                    self.pending_out()
+                ),
+            ));
+        }
         self.out.extend_from_slice(frame);
         self.flush()
     }

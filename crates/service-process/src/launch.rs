@@ -143,11 +143,16 @@ pub fn new_run_dir() -> Result<PathBuf> {
 
 /// Puts the child in its own process group and has it die with the launcher.
 fn supervised(cmd: &mut Command, death_signal: libc::c_int) {
+    let parent = std::process::id() as libc::pid_t;
     // SAFETY: only async-signal-safe calls between fork and exec.
     unsafe {
         cmd.pre_exec(move || {
             libc::setpgid(0, 0);
             libc::prctl(libc::PR_SET_PDEATHSIG, death_signal as libc::c_ulong);
+            // The launcher may have died between fork and prctl: then no signal will come.
+            if libc::getppid() != parent {
+                libc::_exit(1);
+            }
             Ok(())
         });
     }

@@ -82,6 +82,8 @@ enum Role {
 }
 
 struct HostState {
+    /// Unique for the SP's lifetime (slab keys are reused; this is not).
+    conn_id: u64,
     hello: HostHello,
     pid: u32,
     mailbox: Option<(AliasKey, u32)>,
@@ -92,6 +94,9 @@ struct HostState {
 #[derive(Clone, Copy)]
 struct Posted {
     conn: usize,
+    /// The host connection the post came from: a completion for a connection that has since
+    /// closed must not reach a new host that got the same slab key.
+    conn_id: u64,
     slot: u32,
     token: u64,
 }
@@ -120,6 +125,7 @@ pub struct Server {
     dead_peers: HashSet<SpId>,
     /// Peers that announced an orderly shutdown.
     leaving_peers: HashSet<SpId>,
+    next_conn_id: u64,
     jobs: HashMap<u64, Job>,
     instances: HashMap<CollKey, Instance>,
     limiter: CopyLimiter<CopyJob>,
@@ -255,6 +261,7 @@ impl Server {
             peer_conn: HashMap::new(),
             dead_peers: HashSet::new(),
             leaving_peers: HashSet::new(),
+            next_conn_id: 0,
             jobs: HashMap::new(),
             instances: HashMap::new(),
             limiter: CopyLimiter::new(cfg.max_inflight_reads.max(1)),
@@ -489,7 +496,9 @@ impl Server {
             "host connected"
         );
         self.jobs.entry(hello.job).or_default().hosts.insert(key);
+        self.next_conn_id += 1;
         self.conns[key].role = Role::Host(HostState {
+            conn_id: self.next_conn_id,
             hello,
             pid,
             mailbox: None,
@@ -687,14 +696,7 @@ impl Server {
                 && d.members.len() > d.comm_rank as usize
                 && d.members[d.comm_rank as usize] == self.me;
             self.send_error(key, Some(&d), code, message);
-            self.write_completion(
-                Posted {
-                    conn: key,
-                    slot: d.slot,
-                    token: d.token,
-                },
-                Status::InvalidPost,
-            );
+            self.write_completion(self.posted(key, d.slot, d.token), Status::InvalidPost);
             // Peers may already be waiting for this rank: if we know who they are, abort the
             // instance for every member rather than leave them hanging.
             if members_ok {
@@ -715,7 +717,11 @@ impl Server {
                     }
                 }
                 let now = now_ns(self.start);
-                self.instance(ck).sm.abort(now, Status::InvalidPost);
+                let inst = self.instance(ck);
+                inst.sm.abort(now, Status::InvalidPost);
+                // This rank will not post this instance again: without this the instance
+                // would wait for it forever.
+                inst.sm.handle_rank_lost(now, d.comm_rank);
                 self.drive(ck);
             }
             return;
@@ -731,14 +737,7 @@ impl Server {
                 ErrorCode::UnknownComm,
                 format!("collective {:?} seq {} already finished", d.comm, d.seq),
             );
-            return self.write_completion(
-                Posted {
-                    conn: key,
-                    slot: d.slot,
-                    token: d.token,
-                },
-                Status::InvalidPost,
-            );
+            return self.write_completion(self.posted(key, d.slot, d.token), Status::InvalidPost);
         }
         let send = self.alias(key, d.send.clone());
         let recv = self.alias(key, d.recv.clone());
@@ -750,11 +749,7 @@ impl Server {
             .copied()
             .filter(|sp| self.dead_peers.contains(sp))
             .collect();
-        let posted = Posted {
-            conn: key,
-            slot: d.slot,
-            token: d.token,
-        };
+        let posted = self.posted(key, d.slot, d.token);
         let inst = self.instance(ck);
         let post = alltoallv::Post {
             rank: d.comm_rank,
@@ -802,11 +797,27 @@ impl Server {
                 msg: CollMsg::Alltoallv(m),
             } => {
                 let Some(job) = self.jobs.get(&ck.job) else {
-                    debug!(
-                        sp = self.me,
-                        ?ck,
-                        "message for a job with no rank here; dropped"
-                    );
+                    // No rank of this job is (any longer) connected here, so none will post:
+                    // the job ended or failed here. Answer an announcement so that its sender
+                    // is not left waiting for an ack that would never come.
+                    if let alltoallv::Msg::Announce { src, dst, .. } = m {
+                        debug!(
+                            sp = self.me,
+                            ?ck,
+                            "announcement for a job gone here; refused"
+                        );
+                        let status = Status::RankFailed;
+                        for reply in [
+                            alltoallv::Msg::Ack { src, dst, status },
+                            alltoallv::Msg::Abort { status },
+                        ] {
+                            let frame = encode(&SpToSp::Coll {
+                                key: ck,
+                                msg: CollMsg::Alltoallv(reply),
+                            });
+                            self.send_frame(key, &frame);
+                        }
+                    }
                     return;
                 };
                 if job.finished.contains(&(ck.comm, ck.seq)) {
@@ -821,7 +832,12 @@ impl Server {
                     self.stats.announces_received += 1;
                 }
                 let now = now_ns(self.start);
+                let failed = job.failed;
+                let is_new = !self.instances.contains_key(&ck);
                 let inst = self.instance(ck);
+                if let (true, Some(status)) = (is_new, failed) {
+                    inst.sm.abort(now, status);
+                }
                 if let Err(e) = inst.sm.handle_msg(now, from, m) {
                     warn!(sp = self.me, from, ?ck, "protocol error from a peer: {e:?}");
                 }
@@ -977,6 +993,16 @@ impl Server {
     }
 
     /// Writes a completion into the rank's mailbox: status first, then the token.
+    /// Where the completion of a post from host connection `key` goes.
+    fn posted(&self, key: usize, slot: u32, token: u64) -> Posted {
+        Posted {
+            conn: key,
+            conn_id: self.host(key).conn_id,
+            slot,
+            token,
+        }
+    }
+
     fn write_completion(&mut self, p: Posted, status: Status) {
         self.stats.completions += 1;
         let Some(Conn {
@@ -986,6 +1012,10 @@ impl Server {
         else {
             return;
         };
+        if h.conn_id != p.conn_id {
+            // That host is gone and another took its slot in the table.
+            return;
+        }
         let Some((mb, slots)) = &h.mailbox else {
             return;
         };
@@ -1049,6 +1079,13 @@ impl Server {
                     );
                     self.fail_job(job, Status::RankFailed, true);
                 }
+                let last_host = self.jobs.get(&job).is_some_and(|j| j.hosts.is_empty());
+                if last_host && self.instances.keys().any(|k| k.job == job) {
+                    // Every rank of the job has left this SP, yet some of its collectives are
+                    // open (a rank never posted): nothing here can complete them any more.
+                    // Fail them, which also tells the SPs of their other members.
+                    self.fail_job(job, Status::RankFailed, false);
+                }
                 self.forget_job_if_done(job);
             }
         }
@@ -1099,6 +1136,25 @@ impl Server {
             .filter(|k| k.job == job)
             .copied()
             .collect();
+        // Copies of the job that have not started yet will not start: they would touch the
+        // memory of ranks that may be gone.
+        let queued: Vec<CopyJob> = self.limiter.clear_queued().collect();
+        let mut purged = Vec::new();
+        for c in queued {
+            match self.copies.get(&c.ticket) {
+                Some((ck, id)) if ck.job == job => {
+                    purged.push((*ck, *id));
+                    self.copies.remove(&c.ticket);
+                }
+                _ => self.limiter.push(c),
+            }
+        }
+        self.stats.copies_purged += purged.len() as u64;
+        for (ck, id) in purged {
+            if let Some(inst) = self.instances.get_mut(&ck) {
+                inst.sm.handle_copy_done(now, id, status);
+            }
+        }
         for ck in keys {
             if let Some(inst) = self.instances.get_mut(&ck) {
                 inst.sm.abort(now, status);

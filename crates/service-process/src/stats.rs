@@ -11,6 +11,8 @@ pub struct Stats {
     pub messages_sent: u64,
     pub copies_started: u64,
     pub copies_failed: u64,
+    /// Copies of a failed job dropped before they started.
+    pub copies_purged: u64,
     /// Of `copies_started`, those small enough to run on the event-loop thread.
     pub copies_inline: u64,
     pub bytes_copied: u64,

@@ -291,7 +291,7 @@ fn still_serves(hosts: &mut [Host], a: usize, b: usize, seq: u64) {
 
 #[test]
 fn hostile_descriptors_get_errors_and_the_sp_keeps_serving() {
-    let set = SpSet::start(2, 1, 2, Layout::Block);
+    let mut set = SpSet::start(2, 1, 2, Layout::Block);
     let job = new_job();
     let mut hosts: Vec<Host> = (0..4).map(|r| Host::connect(&set, job, r, 4)).collect();
     let buf = vec![0u8; 64];
@@ -445,6 +445,15 @@ fn hostile_descriptors_get_errors_and_the_sp_keeps_serving() {
         }
     ));
     still_serves(&mut hosts, 0, 1, 102);
+    // The refused posts left nothing behind once the ranks are gone.
+    for host in hosts.into_iter().chain([h]) {
+        host.goodbye();
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    for s in set.stop_and_stats() {
+        assert_eq!(s["jobs_at_exit"], 0, "{s}");
+        assert_eq!(s["instances_at_exit"], 0, "{s}");
+    }
 }
 
 #[test]
@@ -682,5 +691,68 @@ fn ucx_grants_are_refused_by_an_sp_without_ucx() {
             assert!(message.contains("ucx"), "{message}")
         }
         other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_post_after_a_rank_died_fails_instead_of_waiting() {
+    // Rank 0 dies without posting; its SP forgets the job. Rank 1 posts afterwards: its
+    // announcement to rank 0's SP must still be answered, so rank 1 completes with an error.
+    let set = SpSet::start(2, 1, 1, Layout::Block);
+    let job = new_job();
+    let mut hosts: Vec<Host> = (0..2).map(|r| Host::connect(&set, job, r, 2)).collect();
+    let mut rng = Rng(11);
+    let op = make_op(&mut rng, CommId { leader: 0, id: 1 }, 0, vec![0, 1], 32);
+    let members = vec![hosts[0].sp, hosts[1].sp];
+    // Rank 0's connection drops; give the SPs time to forget the job.
+    let dead = std::mem::replace(&mut hosts[0], Host::connect(&set, new_job(), 0, 2));
+    drop(dead);
+    std::thread::sleep(Duration::from_millis(300));
+    let posted = op.post_ranks(&mut hosts, &|w| w as usize, &members, 0, &[1]);
+    let failed = mailbox::status_code(algorithms::Status::RankFailed);
+    for (h, slot, token) in posted {
+        assert_eq!(hosts[h].wait(slot, token, WAIT), Some(failed), "rank {h}");
+    }
+}
+
+#[test]
+fn a_completion_never_reaches_a_host_that_reused_a_dead_hosts_connection() {
+    // Job 1 has ranks 0 and 1 on SP 0 and ranks 2 and 3 on SP 1. Rank 0 posts while SP 1 is
+    // stopped, then dies; rank 1 stays, so SP 0 keeps the job and the instance. A rank of job 2
+    // connects to SP 0 and may get the dead host's table entry. When SP 1 resumes, the dead
+    // rank's instance completes: that completion must not land in job 2's mailbox.
+    let mut set = SpSet::start(2, 1, 2, Layout::Block);
+    let job1 = new_job();
+    let mut hosts: Vec<Host> = (0..4).map(|r| Host::connect(&set, job1, r, 4)).collect();
+    let mut rng = Rng(12);
+    let op = make_op(
+        &mut rng,
+        CommId { leader: 0, id: 1 },
+        0,
+        vec![0, 1, 2, 3],
+        32,
+    );
+    let members: Vec<u32> = hosts.iter().map(|h| h.sp).collect();
+    let sp1 = set.sps[1].child.id() as i32;
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(sp1, libc::SIGSTOP) };
+    let posted = op.post_ranks(&mut hosts, &|w| w as usize, &members, 5, &[0]);
+    let dead = std::mem::replace(&mut hosts[0], Host::connect(&set, new_job(), 1, 4));
+    drop(dead);
+    std::thread::sleep(Duration::from_millis(200));
+    let newcomer = Host::connect(&set, new_job(), 0, 4);
+    // SAFETY: as above.
+    unsafe { libc::kill(sp1, libc::SIGCONT) };
+    // The token the dead rank's post carried; the newcomer never posted anything.
+    assert_eq!(
+        newcomer.wait(5, posted[0].2, Duration::from_millis(1500)),
+        None
+    );
+    drop(newcomer);
+    drop(hosts);
+    std::thread::sleep(Duration::from_millis(200));
+    for s in set.stop_and_stats() {
+        assert_eq!(s["jobs_at_exit"], 0, "{s}");
+        assert_eq!(s["instances_at_exit"], 0, "{s}");
     }
 }
