@@ -7,7 +7,11 @@
 //! yet done anything native MPI cannot undo (posted to its SP, or consumed one of its own
 //! request handles: see [`Commit`]), the call is handed to the native function and the program
 //! goes on as if the shim were not there; otherwise the call returns `MPI_ERR_INTERN`.
+//! (4) Errors: a call whose offloaded part failed ends with [`Flow::Raise`], and the error goes
+//! through the communicator's error handler ([`raise`]) as native MPI does it, after the
+//! re-entrancy flag is cleared (a program's own handler may call MPI, the shim included).
 
+use mpi_ffi as ffi;
 use mpi_ffi::consts;
 use std::cell::Cell;
 use std::os::raw::c_int;
@@ -35,6 +39,33 @@ pub(crate) enum Flow {
     Native,
     /// Handled; return this code.
     Done(c_int),
+    /// Handled, but the call failed with `code`: invoke the error handler of `comm` (which
+    /// aborts the job under `MPI_ERRORS_ARE_FATAL`) and return `code`.
+    Raise { comm: ffi::MPI_Comm, code: c_int },
+}
+
+impl Flow {
+    /// `Done(code)` on success, otherwise `Raise` on `comm`.
+    pub(crate) fn checked(comm: ffi::MPI_Comm, code: c_int) -> Flow {
+        if code == consts::SUCCESS() {
+            Flow::Done(code)
+        } else {
+            Flow::Raise { comm, code }
+        }
+    }
+}
+
+/// Reports `code` through the error handler of `comm`, as a native MPI call that failed does:
+/// under `MPI_ERRORS_ARE_FATAL` (the default) this aborts the job, under `MPI_ERRORS_RETURN` it
+/// returns, and a program's own handler runs. Returns `code`, what the call returns.
+///
+/// Without this, a program that ignores return codes (relying on the default handler) would go
+/// on with receive buffers the failed collective never filled.
+pub(crate) fn raise(comm: ffi::MPI_Comm, code: c_int) -> c_int {
+    // SAFETY: `comm` is the communicator of the call, or the one a request was created on
+    // (replaced by MPI_COMM_WORLD once the program freed it, see `request.rs`): valid here.
+    unsafe { ffi::PMPI_Comm_call_errhandler(comm, code) };
+    code
 }
 
 /// Records that the call has passed the point of no return for the native fallback.
@@ -74,6 +105,11 @@ pub(crate) fn boundary(
     let mut commit = Commit::default();
     match catch_unwind(AssertUnwindSafe(|| shim(&mut commit))) {
         Ok(Flow::Done(rc)) => rc,
+        Ok(Flow::Raise { comm, code }) => {
+            // Out of the shim first: the handler may call MPI.
+            drop(_leave);
+            raise(comm, code)
+        }
         Ok(Flow::Native) => native(),
         Err(_) if !commit.committed => {
             say!("internal error (panic) in {name}; running this call natively");

@@ -12,7 +12,9 @@
 //! zeroed, the buffers are granted (send READ, receive WRITE, each the smallest region covering
 //! its peers' bytes) and the descriptor goes to the SP. Once the communicator agreement has run
 //! the call is committed: the other members offload it too, so a failure from then on (a dead
-//! SP connection) is returned as `MPI_ERR_OTHER` with a line on stderr, never turned into a
+//! SP connection, every mailbox slot quarantined) is `MPI_ERR_OTHER` with a line on stderr,
+//! raised through the communicator's error handler (`boundary::raise`: under the default
+//! `MPI_ERRORS_ARE_FATAL` the job aborts, as a native failure would), never turned into a
 //! native call that the other members would not match.
 
 use crate::boundary::{say, Commit};
@@ -195,7 +197,9 @@ pub unsafe fn alltoall(
     unsafe { post(comm, send, recv, commit) }
 }
 
-/// A free mailbox slot, harvesting completions (and waiting) while none is free.
+/// A free mailbox slot, harvesting completions (and waiting) while none is free. The wait is
+/// bounded: each pass reads the SP connection (a dead SP fails it), and once every slot is
+/// quarantined (refused posts whose slots the SP might still write) it fails at once.
 fn reserve_slot() -> Result<u32, String> {
     let mut waiter: Option<Waiter> = None;
     loop {
@@ -211,7 +215,14 @@ fn reserve_slot() -> Result<u32, String> {
             if let Some(why) = &s.conn.broken {
                 return Err(why.clone());
             }
-            Ok(s.slots.take())
+            match s.slots.take() {
+                None if s.slots.exhausted() => Err(format!(
+                    "all {} mailbox slots are quarantined after refused posts (raise \
+                     SPOFF_MAILBOX_SLOTS); no further collective can be offloaded",
+                    s.slots.quarantined()
+                )),
+                slot => Ok(slot),
+            }
         })
         .unwrap_or_else(|| Err("the shim is shut down".into()))?;
         if let Some(slot) = got {
@@ -292,7 +303,9 @@ unsafe fn post(comm: ffi::MPI_Comm, send: Side, recv: Side, commit: &mut Commit)
         };
         match sh.conn.send(&HostToSp::Post(Box::new(desc))) {
             Ok(()) => {
-                let req = Box::into_raw(Box::new(OffloadRequest::new(slot, token, info.id, seq)));
+                let req = Box::into_raw(Box::new(OffloadRequest::new(
+                    slot, token, info.id, seq, comm,
+                )));
                 sh.registry.insert(req as usize);
                 TRACKED.fetch_add(1, Ordering::AcqRel);
                 Ok(req as usize)

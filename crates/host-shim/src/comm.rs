@@ -5,7 +5,8 @@
 //! (the `seq` of the next one). The info is cached as an MPI attribute under a keyval created
 //! at start-up with `MPI_COMM_NULL_COPY_FN` (so `MPI_Comm_dup` gives the duplicate its own id)
 //! and a delete callback that frees it (on `MPI_Comm_free`, and for the predefined
-//! communicators inside `MPI_Finalize`).
+//! communicators inside `MPI_Finalize`), after pointing the error reporting of requests still
+//! outstanding on it to `MPI_COMM_WORLD` (`request.rs`).
 //!
 //! The id is `CommId { leader, id }`: `leader` is the communicator's lowest world rank, and `id`
 //! is drawn by the leader from its own counter and broadcast to the others. Every communicator
@@ -15,7 +16,7 @@
 //! agrees on both at once from two threads.)
 
 use crate::boundary::no_panic;
-use crate::state::topology;
+use crate::state::{topology, with_shim};
 use algorithms::{CommId, SpId};
 use mpi_ffi as ffi;
 use mpi_ffi::consts;
@@ -46,7 +47,11 @@ unsafe extern "C" fn delete_info(
         no_panic("the communicator attribute destructor", || {
             // SAFETY: every value stored under KEYVAL is a Box<CommInfo> leaked by `info`, and
             // MPI calls this destructor once per stored value.
-            drop(unsafe { Box::from_raw(attr as *mut CommInfo) });
+            let info = unsafe { Box::from_raw(attr as *mut CommInfo) };
+            // Requests still outstanding on the freed communicator report errors through
+            // MPI_COMM_WORLD from now on. (The shim never frees a communicator while holding
+            // its lock; inside MPI_Finalize the state is already gone and this does nothing.)
+            with_shim(|s| s.comm_freed(info.id));
         });
     }
     consts::SUCCESS()

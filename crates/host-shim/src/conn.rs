@@ -5,6 +5,12 @@
 //! opportunistically with `MSG_DONTWAIT` while waiting ([`Conn::poll_incoming`]), so the SP can
 //! refuse a post or be seen to die. Writes use `send(..., MSG_NOSIGNAL)`: a dead SP must turn
 //! into an error code, never a `SIGPIPE` that kills the MPI program.
+//!
+//! A connection found unusable (a failed or partial write, a read error, a bad frame, the SP
+//! gone) is shut down at once ([`Conn::mark_broken`]), not merely flagged: the SP must learn
+//! that this rank is gone. It treats a host that disconnects without saying goodbye as a failed
+//! rank and aborts its job on every SP, so it stops copying into receive buffers whose
+//! collectives the shim has already failed, and the peers fail instead of waiting for this rank.
 
 use bootstrap::wire::{self, FrameDecoder, FrameError, HostToSp, SpToHost};
 use std::io::{self, Read, Write};
@@ -139,7 +145,7 @@ pub struct Conn {
     stream: UnixStream,
     decoder: FrameDecoder,
     pub path: PathBuf,
-    /// Why the connection is unusable, once it is.
+    /// Why the connection is unusable, once it is (set only by [`Conn::mark_broken`]).
     pub broken: Option<String>,
 }
 
@@ -151,6 +157,17 @@ impl Conn {
             path,
             broken: None,
         }
+    }
+
+    /// Records why the connection is unusable (the first reason is kept) and shuts the socket
+    /// down both ways, so the SP sees this rank disconnect without a goodbye (see the module
+    /// documentation). The descriptor stays open until the `Conn` is dropped, so its number is
+    /// never reused under us.
+    pub fn mark_broken(&mut self, why: String) {
+        if self.broken.is_none() {
+            self.broken = Some(why);
+        }
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
     }
 
     /// A blocking channel for the start-up exchange.
@@ -170,7 +187,7 @@ impl Conn {
                 "sending to the service process at {} failed: {e}",
                 self.path.display()
             );
-            self.broken = Some(why.clone());
+            self.mark_broken(why.clone());
             return Err(why);
         }
         Ok(())
@@ -197,7 +214,7 @@ impl Conn {
                 )
             };
             if n == 0 {
-                self.broken = Some(format!(
+                self.mark_broken(format!(
                     "the service process at {} closed the connection",
                     self.path.display()
                 ));
@@ -209,7 +226,7 @@ impl Conn {
                     io::ErrorKind::WouldBlock => break,
                     io::ErrorKind::Interrupted => continue,
                     _ => {
-                        self.broken = Some(format!(
+                        self.mark_broken(format!(
                             "reading from the service process at {} failed: {e}",
                             self.path.display()
                         ));
@@ -224,14 +241,15 @@ impl Conn {
                 Ok(Some(p)) => match wire::decode::<SpToHost>(&p) {
                     Ok(m) => out.push(m),
                     Err(e) => {
-                        self.broken =
-                            Some(format!("undecodable message from the service process: {e}"));
+                        self.mark_broken(format!(
+                            "undecodable message from the service process: {e}"
+                        ));
                         break;
                     }
                 },
                 Ok(None) => break,
                 Err(e) => {
-                    self.broken = Some(format!("bad frame from the service process: {e}"));
+                    self.mark_broken(format!("bad frame from the service process: {e}"));
                     break;
                 }
             }
@@ -302,6 +320,36 @@ mod tests {
             let _ = c2.send(&HostToSp::Goodbye);
         }
         assert!(c2.send(&HostToSp::Goodbye).is_err());
+        std::fs::remove_file(&path).ok();
+    }
+
+    /// A connection the shim finds unusable is shut down, so the SP sees the rank go (end of
+    /// stream) instead of a silent socket it would keep serving.
+    #[test]
+    fn a_broken_connection_is_shut_down_for_the_peer() {
+        let path = tmp("broken");
+        let _ = std::fs::remove_file(&path);
+        let l = UnixListener::bind(&path).unwrap();
+        let s = connect(&path, CONNECT_TOTAL).unwrap();
+        let (mut peer, _) = l.accept().unwrap();
+        peer.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut c = Conn::new(s, path.clone());
+        // A frame whose payload is not a message: the stream can no longer be trusted.
+        peer.write_all(&wire::frame(&[0xff; 3])).unwrap();
+        let t = Instant::now();
+        while c.broken.is_none() && t.elapsed() < Duration::from_secs(5) {
+            c.poll_incoming();
+        }
+        assert!(c.broken.is_some(), "the bad frame was not noticed");
+        let mut b = [0u8; 16];
+        match peer.read(&mut b) {
+            Ok(0) => {}
+            other => panic!("the peer must see the end of the stream, got {other:?}"),
+        }
+        // Later sends fail with the first reason, and close() is harmless.
+        let first = c.broken.clone().unwrap();
+        assert_eq!(c.send(&HostToSp::Goodbye).unwrap_err(), first);
+        c.close();
         std::fs::remove_file(&path).ok();
     }
 }

@@ -15,6 +15,21 @@
 //! i.e. offloaded collectives a rank may have outstanding; default 1024), `SPOFF_BACKEND=cma|ucx`
 //! (how the program's buffers are granted, default `cma`; see below).
 //!
+//! Errors: an offloaded collective that fails (its post, or its completion: a dead SP, a
+//! refused post, a failed copy) is reported as a native MPI error is, through the error
+//! handler of its communicator (`MPI_Comm_call_errhandler`; Wait/Test on a request use the
+//! communicator the request was created on, multi-completion calls invoke it once with
+//! `MPI_ERR_IN_STATUS`). Under the default `MPI_ERRORS_ARE_FATAL` the job aborts; under
+//! `MPI_ERRORS_RETURN` the code is returned. A connection to the SP that the shim finds broken
+//! is shut down at once, so the SP sees the rank go and aborts its job on every SP (`conn.rs`).
+//!
+//! Memory access permission: at start-up the rank calls `prctl(PR_SET_PTRACER,
+//! PR_SET_PTRACER_ANY)`, because with `cma` the SPs of all nodes (several pids, not known in
+//! advance) read and write its memory with `process_vm_readv/writev`, which Yama's
+//! `ptrace_scope=1` would refuse. The implication: any process of the same user may ptrace the
+//! rank while it runs (as under `ptrace_scope=0`). On BlueField the alias-key path (cross-GVMI
+//! mkeys on the DPU) replaces CMA and needs no ptrace permission.
+//!
 //! Backends (`grants.rs`): with `cma` the SP copies with `process_vm_readv/writev`. With `ucx`
 //! the send and receive buffers are `ucp_mem_map`ped and granted with a packed remote key and
 //! the rank's UCX worker address (the mailbox stays `cma`); every SP must run with `--ucx`
@@ -107,11 +122,17 @@ pub unsafe extern "C" fn MPI_Finalize() -> c_int {
 }
 
 /// Completes an entry point from the offload outcome: a nonblocking one (`request`, checked
-/// non-null before offloading) hands out the posted request, a blocking one waits for it.
-unsafe fn complete(outcome: Offload, request: Option<*mut ffi::MPI_Request>) -> Flow {
+/// non-null before offloading) hands out the posted request, a blocking one waits for it. A
+/// failure (of the post, or of the blocking collective) goes through the error handler of
+/// `comm`, as a native call's does.
+unsafe fn complete(
+    outcome: Offload,
+    request: Option<*mut ffi::MPI_Request>,
+    comm: ffi::MPI_Comm,
+) -> Flow {
     match (outcome, request) {
         (Offload::Native, _) => Flow::Native,
-        (Offload::Posted(addr), None) => Flow::Done(wait::wait_and_release(addr)),
+        (Offload::Posted(addr), None) => Flow::checked(comm, wait::wait_and_release(addr)),
         (Offload::Posted(addr), Some(request)) => {
             // SAFETY: the caller's request slot.
             unsafe { *request = addr as ffi::MPI_Request };
@@ -122,7 +143,7 @@ unsafe fn complete(outcome: Offload, request: Option<*mut ffi::MPI_Request>) -> 
                 // SAFETY: as above.
                 unsafe { *request = consts::REQUEST_NULL() };
             }
-            Flow::Done(rc)
+            Flow::checked(comm, rc)
         }
     }
 }
@@ -159,7 +180,7 @@ pub unsafe extern "C" fn MPI_Ialltoallv(
                     sendbuf, sendcounts, sdispls, sendtype, recvbuf, recvcounts, rdispls, recvtype,
                     comm, commit,
                 );
-                complete(outcome, Some(request))
+                complete(outcome, Some(request), comm)
             }
         },
     )
@@ -193,7 +214,7 @@ pub unsafe extern "C" fn MPI_Alltoallv(
                     sendbuf, sendcounts, sdispls, sendtype, recvbuf, recvcounts, rdispls, recvtype,
                     comm, commit,
                 );
-                complete(outcome, None)
+                complete(outcome, None, comm)
             }
         },
     )
@@ -227,7 +248,7 @@ pub unsafe extern "C" fn MPI_Ialltoall(
                 let outcome = coll::alltoall(
                     sendbuf, sendcount, sendtype, recvbuf, recvcount, recvtype, comm, commit,
                 );
-                complete(outcome, Some(request))
+                complete(outcome, Some(request), comm)
             }
         },
     )
@@ -257,7 +278,7 @@ pub unsafe extern "C" fn MPI_Alltoall(
                 let outcome = coll::alltoall(
                     sendbuf, sendcount, sendtype, recvbuf, recvcount, recvtype, comm, commit,
                 );
-                complete(outcome, None)
+                complete(outcome, None, comm)
             }
         },
     )

@@ -7,13 +7,19 @@
 //! Polling the mailbox needs no lock either: the token word is read with an acquire load, and
 //! only when it equals the posted token is the lock taken to record the status and free the
 //! slot.
+//!
+//! A request also remembers the communicator handle it was created on: a failed request is
+//! reported through that communicator's error handler (see `boundary::raise`). If the program
+//! frees the communicator while the request is outstanding (allowed by MPI), the handle is
+//! replaced by `MPI_COMM_WORLD` (from the attribute destructor, `comm.rs`), so the handler call
+//! never touches a freed communicator.
 
 use crate::state::{self, mailbox_token, with_shim};
 use algorithms::CommId;
 use mpi_ffi as ffi;
 use mpi_ffi::consts;
 use std::os::raw::c_int;
-use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
 
 #[derive(Debug)]
 pub struct OffloadRequest {
@@ -21,17 +27,21 @@ pub struct OffloadRequest {
     pub token: u64,
     pub comm: CommId,
     pub seq: u64,
+    /// The `MPI_Comm` handle of the call (as an integer: `MPI_Comm` is a pointer in Open MPI,
+    /// an int in MPICH), whose error handler reports the request's failure.
+    errhandler_comm: AtomicUsize,
     done: AtomicBool,
     code: AtomicI32,
 }
 
 impl OffloadRequest {
-    pub fn new(slot: u32, token: u64, comm: CommId, seq: u64) -> Self {
+    pub fn new(slot: u32, token: u64, comm: CommId, seq: u64, handle: ffi::MPI_Comm) -> Self {
         OffloadRequest {
             slot,
             token,
             comm,
             seq,
+            errhandler_comm: AtomicUsize::new(handle as usize),
             done: AtomicBool::new(false),
             code: AtomicI32::new(0),
         }
@@ -42,6 +52,17 @@ impl OffloadRequest {
         self.done
             .load(Ordering::Acquire)
             .then(|| self.code.load(Ordering::Relaxed))
+    }
+
+    /// The communicator whose error handler reports this request's failure.
+    pub fn errhandler_comm(&self) -> ffi::MPI_Comm {
+        self.errhandler_comm.load(Ordering::Acquire) as ffi::MPI_Comm
+    }
+
+    /// The program freed the communicator of this request: report through `MPI_COMM_WORLD`.
+    pub fn comm_freed(&self) {
+        self.errhandler_comm
+            .store(consts::COMM_WORLD() as usize, Ordering::Release);
     }
 
     /// Records the result (under the shim lock).

@@ -5,6 +5,9 @@
 //! whose fate is unknown (the SP refused the post by message, so a late mailbox write may still
 //! come) is quarantined: it stays taken for the rest of the run. Giving back a slot that is not
 //! taken is a bug in the shim and panics (the boundary turns that into an MPI error).
+//!
+//! Once every slot is quarantined no slot can ever free up again: [`SlotPool::exhausted`]
+//! says so, and posting fails instead of waiting for a slot forever (`coll.rs`).
 
 #[derive(Debug)]
 pub struct SlotPool {
@@ -46,6 +49,12 @@ impl SlotPool {
         self.quarantined += 1;
     }
 
+    /// No slot is free and none ever will be: every slot is quarantined (none belongs to an
+    /// outstanding collective whose completion would give it back).
+    pub fn exhausted(&self) -> bool {
+        self.free.is_empty() && self.quarantined as usize >= self.taken.len()
+    }
+
     pub fn free_count(&self) -> usize {
         self.free.len()
     }
@@ -80,6 +89,21 @@ mod tests {
         assert_eq!(p.take(), Some(b));
         assert_eq!(p.take(), None);
         assert_eq!(p.quarantined(), 1);
+    }
+
+    #[test]
+    fn exhausted_only_when_every_slot_is_quarantined() {
+        let mut p = SlotPool::new(2);
+        assert!(!p.exhausted());
+        let a = p.take().unwrap();
+        let b = p.take().unwrap();
+        // Both taken by outstanding collectives: they may still complete.
+        assert!(!p.exhausted());
+        p.quarantine(a);
+        assert!(!p.exhausted());
+        p.quarantine(b);
+        assert!(p.exhausted());
+        assert!(SlotPool::new(0).exhausted());
     }
 
     #[test]

@@ -236,6 +236,13 @@ impl Shim {
                         topology().world_rank
                     );
                     let (Some(comm), Some(seq)) = (comm, seq) else {
+                        // A refusal naming no post (a message the SP could not read): some
+                        // request may never complete, and waiting for it would hang. The stream
+                        // is not trusted any more: break it (every outstanding request fails).
+                        self.conn.mark_broken(format!(
+                            "the service process at {} refused a message it could not attribute",
+                            self.conn.path.display()
+                        ));
                         continue;
                     };
                     self.fail_matching(|r| r.comm == comm && r.seq == seq);
@@ -250,6 +257,18 @@ impl Shim {
                     topology().world_rank
                 );
                 self.fail_matching(|_| true);
+            }
+        }
+    }
+
+    /// The program freed the communicator `id`: its requests report errors through
+    /// `MPI_COMM_WORLD` from now on (their handle is no longer valid).
+    pub fn comm_freed(&mut self, id: algorithms::CommId) {
+        for a in self.registry.all() {
+            // SAFETY: as in `harvest`.
+            let req = unsafe { &*(a as *const OffloadRequest) };
+            if req.comm == id {
+                req.comm_freed();
             }
         }
     }
@@ -390,8 +409,15 @@ unsafe fn start_inner() -> bool {
     }
 
     // 3. Connect and register, each rank on its own.
-    // SAFETY: plain prctl; lets the SP attach with process_vm_readv/writev under Yama's
-    // ptrace_scope=1. Failure (no Yama) is harmless.
+    // PR_SET_PTRACER_ANY, not PR_SET_PTRACER(sp_pid): with the `cma` backend the SPs of *all*
+    // nodes copy out of and into this rank's memory with process_vm_readv/writev (the SP of
+    // every peer, not only our own, several different pids, not known here and possibly
+    // restarted), and Yama's ptrace_scope=1 only admits one named tracer. The implication: any
+    // process of this user may ptrace this rank (read and write its memory, as a debugger),
+    // the permission it would have under ptrace_scope=0; ptrace_scope=2/3 still refuse, and
+    // there the cma backend cannot work. On BlueField the alias-key path (DPU cross-GVMI mkeys)
+    // replaces CMA and needs no ptrace permission at all. Failure (no Yama) is harmless.
+    // SAFETY: plain prctl with integer arguments.
     unsafe {
         libc::prctl(libc::PR_SET_PTRACER, libc::PR_SET_PTRACER_ANY, 0, 0, 0);
     }

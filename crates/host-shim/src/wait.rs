@@ -15,6 +15,13 @@
 //! request in the call, `PMPI_Iprobe` drives progress every [`PROGRESS_INTERVAL`]. Every
 //! [`CONN_CHECK_INTERVAL`] the SP connection is read, so a refused post or a dead SP ends the
 //! wait with an error instead of a hang.
+//!
+//! Errors go through the error handler of the request's communicator (`boundary::raise`), as
+//! native MPI does: a single-request call (Wait, Test, Waitany, Testany) with the request's
+//! code; a multi-completion call (Waitall, Testall, Waitsome, Testsome) once per call, with the
+//! code the call returns (`MPI_ERR_IN_STATUS`), on the communicator of the first failed request
+//! of ours, unless the native part of the call failed too (then `PMPI_*` already invoked the
+//! handler, and once per call is all MPI does).
 
 use crate::backoff::{Backoff, CONN_CHECK_INTERVAL, PROGRESS_INTERVAL};
 use crate::boundary::{say, Commit, Flow};
@@ -283,6 +290,18 @@ unsafe fn return_code(
     }
 }
 
+/// The end of a multi-completion call: `rc` as the call returns it, raised on the communicator
+/// of the first failed request of ours when only ours failed (`first_failed`; a failed native
+/// part has already been through the handler inside `PMPI_*`).
+fn multi_flow(rc: c_int, native_rc: c_int, first_failed: Option<ffi::MPI_Comm>) -> Flow {
+    match first_failed {
+        Some(comm) if native_rc == consts::SUCCESS() && rc != consts::SUCCESS() => {
+            Flow::Raise { comm, code: rc }
+        }
+        _ => Flow::Done(rc),
+    }
+}
+
 /// Completes every request of a Waitall/Testall whose requests have all completed.
 ///
 /// # Safety
@@ -293,16 +312,21 @@ unsafe fn finish_all(
     natives: &[ffi::MPI_Request],
     statuses: *mut ffi::MPI_Status,
     native_rc: c_int,
-) -> c_int {
+) -> Flow {
     write_back_natives(handles, classes, natives);
     let mut ours_failed = false;
+    let mut first_failed = None;
     for (i, c) in classes.iter().enumerate() {
         if let Class::Ours(a) = *c {
             // SAFETY: ours, owned by the caller's array.
-            let code = unsafe { by_addr(a) }
+            let req = unsafe { by_addr(a) };
+            let code = req
                 .result()
                 .expect("finish_all runs once every request completed");
-            ours_failed |= code != consts::SUCCESS();
+            if code != consts::SUCCESS() {
+                ours_failed = true;
+                first_failed.get_or_insert_with(|| req.errhandler_comm());
+            }
             // SAFETY: forwarded precondition.
             unsafe { complete_one(&mut handles[i], a, status_at(statuses, i), code) };
         }
@@ -313,7 +337,8 @@ unsafe fn finish_all(
         .filter(|(_, c)| !matches!(c, Class::Ours(_)))
         .map(|(i, _)| i);
     // SAFETY: the caller's statuses; the positions are in range.
-    unsafe { return_code(native_rc, ours_failed, statuses, native_at) }
+    let rc = unsafe { return_code(native_rc, ours_failed, statuses, native_at) };
+    multi_flow(rc, native_rc, first_failed)
 }
 
 fn all_ours_done(classes: &[Class]) -> bool {
@@ -369,9 +394,11 @@ pub unsafe fn wait(
         return Flow::Native;
     };
     let code = wait_addr(addr);
+    // SAFETY: ours, owned by the caller until released below.
+    let comm = unsafe { by_addr(addr) }.errhandler_comm();
     // SAFETY: as above.
     unsafe { complete_one(&mut *request, addr, status, code) };
-    Flow::Done(code)
+    Flow::checked(comm, code)
 }
 
 /// # Safety
@@ -392,12 +419,14 @@ pub unsafe fn test(
     // SAFETY: ours, owned by the caller.
     match poll(unsafe { by_addr(addr) }) {
         Some(code) => {
+            // SAFETY: ours, owned by the caller until released below.
+            let comm = unsafe { by_addr(addr) }.errhandler_comm();
             // SAFETY: valid handle slot, flag and status (MPI preconditions).
             unsafe {
                 complete_one(&mut *request, addr, status, code);
                 *flag = 1;
             }
-            Flow::Done(code)
+            Flow::checked(comm, code)
         }
         None => {
             // SAFETY: as above.
@@ -444,7 +473,7 @@ pub unsafe fn waitall(
         native_rc = unsafe { ffi::PMPI_Waitall(count, natives.as_mut_ptr(), statuses) };
     }
     // SAFETY: the caller's arrays.
-    Flow::Done(unsafe { finish_all(handles, &classes, &natives, statuses, native_rc) })
+    unsafe { finish_all(handles, &classes, &natives, statuses, native_rc) }
 }
 
 /// # Safety
@@ -485,7 +514,7 @@ pub unsafe fn testall(
     // SAFETY: valid flag; the caller's arrays.
     unsafe {
         *flag = 1;
-        Flow::Done(finish_all(handles, &classes, &natives, statuses, rc))
+        finish_all(handles, &classes, &natives, statuses, rc)
     }
 }
 
@@ -511,6 +540,8 @@ unsafe fn any(
     let mut w = Waiter::new();
     loop {
         if let Some((i, a, code)) = first_done_ours(&classes) {
+            // SAFETY: ours, owned by the caller's array until released below.
+            let comm = unsafe { by_addr(a) }.errhandler_comm();
             // SAFETY: the caller's index, flag, status and handle slot.
             unsafe {
                 complete_one(&mut handles[i], a, status, code);
@@ -519,7 +550,7 @@ unsafe fn any(
                     *f = 1;
                 }
             }
-            return Flow::Done(code);
+            return Flow::checked(comm, code);
         }
         if native_active {
             let (mut idx, mut nflag): (c_int, c_int) = (consts::UNDEFINED(), 0);
@@ -587,7 +618,7 @@ pub unsafe fn testany(
     unsafe { any(count, requests, index, Some(flag), status, commit) }
 }
 
-/// One pass of Waitsome/Testsome: `Some(rc)` once something completed (or the native call
+/// One pass of Waitsome/Testsome: `Some(flow)` once something completed (or the native call
 /// failed), with the outputs written.
 ///
 /// # Safety
@@ -603,7 +634,7 @@ unsafe fn some_pass(
     outcount: *mut c_int,
     indices: *mut c_int,
     statuses: *mut ffi::MPI_Status,
-) -> Option<c_int> {
+) -> Option<Flow> {
     let n = handles.len() as c_int;
     // (position in the array, index into the native scratch statuses if native)
     let mut reported: Vec<(usize, Option<usize>)> = Vec::new();
@@ -629,7 +660,7 @@ unsafe fn some_pass(
         if let Combined::Fail(rc) = combine(rc, false) {
             // SAFETY: the caller's outcount.
             unsafe { *outcount = outc };
-            return Some(rc);
+            return Some(Flow::Done(rc));
         }
         if outc == consts::UNDEFINED() {
             *native_active = false;
@@ -656,6 +687,7 @@ unsafe fn some_pass(
         return None;
     }
     let mut ours_failed = false;
+    let mut first_failed = None;
     for (j, &(pos, native)) in reported.iter().enumerate() {
         // SAFETY: the caller's arrays have room for every request of the call.
         unsafe {
@@ -670,8 +702,12 @@ unsafe fn some_pass(
                     let Class::Ours(a) = classes[pos] else {
                         unreachable!("reported as ours")
                     };
-                    let code = by_addr(a).result().expect("polled complete");
-                    ours_failed |= code != consts::SUCCESS();
+                    let req = by_addr(a);
+                    let code = req.result().expect("polled complete");
+                    if code != consts::SUCCESS() {
+                        ours_failed = true;
+                        first_failed.get_or_insert_with(|| req.errhandler_comm());
+                    }
                     complete_one(&mut handles[pos], a, status_at(statuses, j), code);
                 }
             }
@@ -685,7 +721,8 @@ unsafe fn some_pass(
         .filter(|(_, (_, native))| native.is_some())
         .map(|(j, _)| j);
     // SAFETY: the caller's statuses; the positions are in range.
-    Some(unsafe { return_code(native_rc, ours_failed, statuses, native_at) })
+    let rc = unsafe { return_code(native_rc, ours_failed, statuses, native_at) };
+    Some(multi_flow(rc, native_rc, first_failed))
 }
 
 /// # Safety
@@ -731,8 +768,8 @@ pub unsafe fn some(
                 statuses,
             )
         };
-        if let Some(rc) = done {
-            return Flow::Done(rc);
+        if let Some(flow) = done {
+            return flow;
         }
         if !blocking {
             // SAFETY: the caller's outcount; MPI is initialised.
@@ -811,14 +848,18 @@ pub unsafe fn cancel(request: *mut ffi::MPI_Request, commit: &mut Commit) -> Flo
         return Flow::Native;
     }
     // SAFETY: a valid handle slot (MPI precondition).
-    if claim(unsafe { *request }, commit).is_none() {
+    let Some(addr) = claim(unsafe { *request }, commit) else {
         return Flow::Native;
-    }
+    };
     say!(
         "rank {}: MPI_Cancel on an offloaded collective request: collectives cannot be cancelled",
         my_rank()
     );
-    Flow::Done(consts::ERR_ARG())
+    Flow::Raise {
+        // SAFETY: ours, owned by the caller (not released: the request stays).
+        comm: unsafe { by_addr(addr) }.errhandler_comm(),
+        code: consts::ERR_ARG(),
+    }
 }
 
 /// Waits until every request the program freed before completion has completed (for

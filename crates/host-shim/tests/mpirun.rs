@@ -8,7 +8,9 @@
 //! failed copy; two of them grant with the `ucx` backend (`SPOFF_BACKEND=ucx`, SPs with
 //! `--ucx`), one freeing and reallocating its buffers between collectives. The fallback runs
 //! use no SP, a cluster description naming one that is not there, or real SPs with offload
-//! disabled; one run kills a real SP mid-job.
+//! disabled; two runs kill a real SP mid-job (the program with `MPI_ERRORS_RETURN`, and with the
+//! default `MPI_ERRORS_ARE_FATAL`, which must abort the job as a native failure would), and two
+//! run against a fake SP that refuses every post (the mailbox slots all end quarantined).
 //!
 //! The launcher, the SP and the shim come from the target directory of this test executable:
 //! build the workspace first (`cargo build --release --workspace`; `make test` does). A missing
@@ -110,6 +112,11 @@ fn launch_with(
 
 /// `program` on `NP` ranks under plain `mpirun` with the shim preloaded and `env` exported.
 fn mpirun_preloaded(program: &[&str], env: &[(&str, &str)]) -> Finished {
+    mpirun_preloaded_within(program, env, TIMEOUT)
+}
+
+/// [`mpirun_preloaded`], a hang being anything longer than `timeout`.
+fn mpirun_preloaded_within(program: &[&str], env: &[(&str, &str)], timeout: Duration) -> Finished {
     let mut cmd = Command::new("mpirun");
     cmd.args([
         "--oversubscribe",
@@ -124,7 +131,7 @@ fn mpirun_preloaded(program: &[&str], env: &[(&str, &str)]) -> Finished {
         cmd.arg("-x").arg(k);
     }
     cmd.args(program);
-    let run = run(with_env(cmd, env), TIMEOUT);
+    let run = run(with_env(cmd, env), timeout);
     eprintln!("{} under mpirun: {:?}", shown(program), run.elapsed);
     run
 }
@@ -492,13 +499,15 @@ fn kill_sp_1_mid_job() -> Result<(String, Instant), String> {
     killed.map(|t| (marker, t))
 }
 
-#[test]
-fn a_killed_sp_fails_collectives_and_ends_the_job_with_an_error() {
-    let _serial = serial();
+/// `a2a_check ROUNDS extra...` on 2 nodes x 2 ranks, SP 1 killed mid-job. Rounds enough to
+/// outlast the test; the program stops after the first round that failed. The launcher's grace
+/// after an SP death is longer than the bounds the tests check: the job must end because its
+/// collectives fail, not because the launcher killed it. Returns the run, the job's marker and
+/// how long after the kill the job ended.
+fn run_and_kill_sp_1(extra: &[&str]) -> (Finished, String, Duration) {
     let prog = prog("a2a_check");
-    // Rounds enough to outlast the test; the program stops after the first round that failed.
-    // The launcher's grace after an SP death is longer than the bound below: the job must end
-    // because its collectives fail, not because the launcher killed it.
+    let mut program = vec![prog.as_str(), "1000000"];
+    program.extend_from_slice(extra);
     let cmd = launch_cmd(
         &[
             "--nodes",
@@ -508,7 +517,7 @@ fn a_killed_sp_fails_collectives_and_ends_the_job_with_an_error() {
             "--fault-grace-secs",
             "60",
         ],
-        &[&prog, "1000000"],
+        &program,
     );
     let killer = std::thread::spawn(kill_sp_1_mid_job);
     let run = run(with_env(cmd, &[]), TIMEOUT);
@@ -520,6 +529,31 @@ fn a_killed_sp_fails_collectives_and_ends_the_job_with_an_error() {
     });
     let took = killed_at.elapsed();
     eprintln!("the job ended {took:?} after SP 1 was killed");
+    (run, marker, took)
+}
+
+/// Every process of the job is gone within 5 s.
+fn assert_nothing_left(marker: &str) {
+    let t = Instant::now();
+    loop {
+        let left = pids_matching(marker);
+        if left.is_empty() {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "processes left behind: {:?}",
+            left.iter().map(|&p| cmdline(p)).collect::<Vec<_>>()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// With `MPI_ERRORS_RETURN` the program sees the failed collectives' codes and ends itself.
+#[test]
+fn a_killed_sp_fails_collectives_and_ends_the_job_with_an_error() {
+    let _serial = serial();
+    let (run, marker, took) = run_and_kill_sp_1(&["return"]);
     let all = format!("--- stdout\n{}\n--- stderr\n{}", run.stdout, run.stderr);
     assert!(!run.ok(), "a job that lost an SP reported success\n{all}");
     assert!(took < Duration::from_secs(20), "took {took:?}\n{all}");
@@ -544,17 +578,136 @@ fn a_killed_sp_fails_collectives_and_ends_the_job_with_an_error() {
     // SP 0 served posts before the failure and reported at exit.
     assert_eq!(run.sp_stats().len(), 1, "{all}");
     assert!(run.sp_total("posts") > 0, "{all}");
-    let t = Instant::now();
-    loop {
-        let left = pids_matching(&marker);
-        if left.is_empty() {
-            break;
+    assert_nothing_left(&marker);
+}
+
+/// Under the default `MPI_ERRORS_ARE_FATAL` the first failed collective aborts the job through
+/// the error handler, as a native failure does: the program never gets to count failures (with
+/// unfilled receive buffers) and print its verdict.
+#[test]
+fn a_killed_sp_aborts_a_job_under_errors_are_fatal() {
+    let _serial = serial();
+    let (run, marker, took) = run_and_kill_sp_1(&[]);
+    let all = format!("--- stdout\n{}\n--- stderr\n{}", run.stdout, run.stderr);
+    assert!(!run.ok(), "a job that lost an SP reported success\n{all}");
+    assert!(took < Duration::from_secs(20), "took {took:?}\n{all}");
+    assert!(
+        !run.stdout.contains(" failures") && !run.stdout.contains("all ok"),
+        "the program went on after a failed collective\n{all}"
+    );
+    assert!(run.stderr.contains("MPI_ERRORS_ARE_FATAL"), "{all}");
+    assert!(
+        !run.stderr.contains("did not end after an SP failure"),
+        "{all}"
+    );
+    assert_nothing_left(&marker);
+}
+
+/// A stand-in for the SPs of a 2-node cluster: registers every rank, then refuses every post by
+/// message (as an SP refuses a bad descriptor), so the shim quarantines each post's slot.
+/// Returns the cluster description; the listeners serve until the test process ends.
+fn refusing_sps(dir: &Path) -> PathBuf {
+    use bootstrap::wire::{Channel, ErrorCode, Hello, HostToSp, SpToHost};
+    use std::os::unix::net::{UnixListener, UnixStream};
+    fn serve(stream: UnixStream, sp: u32) {
+        let mut ch = Channel::new(stream);
+        let Ok(Hello::Host(_)) = ch.recv_hello() else {
+            return;
+        };
+        if ch.send_hello(&Hello::Welcome { sp }).is_err() {
+            return;
         }
-        assert!(
-            t.elapsed() < Duration::from_secs(5),
-            "processes left behind: {:?}",
-            left.iter().map(|&p| cmdline(p)).collect::<Vec<_>>()
-        );
-        std::thread::sleep(Duration::from_millis(100));
+        while let Ok(msg) = ch.recv::<HostToSp>() {
+            let reply = match msg {
+                HostToSp::Register { .. } => SpToHost::Registered { sp },
+                HostToSp::Post(d) => SpToHost::Error {
+                    comm: Some(d.comm),
+                    seq: Some(d.seq),
+                    code: ErrorCode::BadDescriptor,
+                    message: "refused by the test's fake SP".into(),
+                },
+                HostToSp::Goodbye => return,
+            };
+            if ch.send(&reply).is_err() {
+                return;
+            }
+        }
     }
+    std::fs::create_dir_all(dir).unwrap();
+    let sps = (0..2)
+        .map(|i| {
+            let sock = dir.join(format!("fake-{i}.sock"));
+            let _ = std::fs::remove_file(&sock);
+            let l = UnixListener::bind(&sock).unwrap();
+            std::thread::spawn(move || {
+                for s in l.incoming().flatten() {
+                    std::thread::spawn(move || serve(s, i));
+                }
+            });
+            SpEntry {
+                id: i,
+                node: i,
+                index: 0,
+                peer_addr: "127.0.0.1:9".parse().unwrap(),
+                host_socket: sock,
+            }
+        })
+        .collect();
+    let cluster = dir.join("cluster.json");
+    Cluster::new(2, 1, None, Layout::Block, sps)
+        .unwrap()
+        .save(&cluster)
+        .unwrap();
+    cluster
+}
+
+/// One mailbox slot, every post refused: after the first refusal the only slot is quarantined
+/// for good, and every later offloaded collective must fail at once with a one-line reason
+/// (reported a few times), never wait for a slot forever.
+#[test]
+fn posts_fail_once_every_mailbox_slot_is_quarantined() {
+    let _serial = serial();
+    let prog = prog("a2a_check");
+    let dir = std::env::temp_dir().join(format!("host-shim-quarantine-{}", std::process::id()));
+    let cluster = refusing_sps(&dir);
+    let run = mpirun_preloaded_within(
+        &[&prog, "1", "return"],
+        &[
+            ("SPOFF_CLUSTER", cluster.to_str().unwrap()),
+            ("SPOFF_MAILBOX_SLOTS", "1"),
+        ],
+        Duration::from_secs(60),
+    );
+    let all = format!("--- stdout\n{}\n--- stderr\n{}", run.stdout, run.stderr);
+    assert!(!run.ok(), "refused collectives reported success\n{all}");
+    assert!(
+        run.stdout.contains("a2a_check: ") && run.stdout.contains(" failures"),
+        "{all}"
+    );
+    for r in 0..NP {
+        assert!(
+            shim_lines(&run.stderr)
+                .iter()
+                .any(|l| l.contains(&format!("rank {r}: "))
+                    && l.contains("all 1 mailbox slots are quarantined")),
+            "rank {r} did not say why posting failed\n{all}"
+        );
+    }
+    // The same run with the default error handler aborts at the first refused collective.
+    let run = mpirun_preloaded_within(
+        &[&prog, "1"],
+        &[
+            ("SPOFF_CLUSTER", cluster.to_str().unwrap()),
+            ("SPOFF_MAILBOX_SLOTS", "1"),
+        ],
+        Duration::from_secs(60),
+    );
+    std::fs::remove_dir_all(&dir).ok();
+    let all = format!("--- stdout\n{}\n--- stderr\n{}", run.stdout, run.stderr);
+    assert!(!run.ok(), "{all}");
+    assert!(
+        !run.stdout.contains("a2a_check: "),
+        "the program went on\n{all}"
+    );
+    assert!(run.stderr.contains("MPI_ERRORS_ARE_FATAL"), "{all}");
 }

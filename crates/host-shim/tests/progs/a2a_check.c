@@ -1,7 +1,9 @@
 /* Checks alltoall(v) results and the Wait/Test family, natively or with libhost_shim.so
  * preloaded: the same binary must give the same answers either way.
  *
- * Usage: a2a_check [ROUNDS [free]]. Every test fills send buffers with a pattern naming
+ * Usage: a2a_check [ROUNDS [free] [return]]. With "return", MPI_COMM_WORLD (and so every
+ * communicator derived from it) gets MPI_ERRORS_RETURN and failed calls count as failures;
+ * otherwise the default MPI_ERRORS_ARE_FATAL aborts the job at the first failed call. Every test fills send buffers with a pattern naming
  * (source, destination, index), runs the collective, and checks every received element. After
  * each round the ranks agree whether anything failed and stop if so. Prints
  * "a2a_check: all ok (N checks on rank 0, S ranks, E eligible calls per rank)" on rank 0 when
@@ -197,6 +199,11 @@ int main(int argc, char **argv) {
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &size);
     int rounds = argc > 1 ? atoi(argv[1]) : 2;
+    int free_req = 0;
+    for (int a = 2; a < argc; a++) {
+        if (strcmp(argv[a], "free") == 0) free_req = 1;
+        if (strcmp(argv[a], "return") == 0) MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+    }
 
     for (int round = 0; round < rounds; round++) {
         check_v(MPI_COMM_WORLD, 0, WAIT, 0, "alltoallv packed");
@@ -284,7 +291,7 @@ int main(int argc, char **argv) {
      * collective's request erroneous, and Open MPI refuses it. The buffers stay valid until
      * MPI_Finalize. */
     static int free_sb[1024], free_rb[1024];
-    if (argc > 2 && strcmp(argv[2], "free") == 0 && size <= 1024) {
+    if (free_req && size <= 1024) {
         MPI_Request req;
         for (int d = 0; d < size; d++) free_sb[d] = val(rank, d, 0);
         CHECK(MPI_Ialltoall(free_sb, 1, MPI_INT, free_rb, 1, MPI_INT, MPI_COMM_WORLD, &req) == MPI_SUCCESS, "ialltoall to free");
