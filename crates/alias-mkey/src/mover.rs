@@ -71,32 +71,62 @@ fn require_cma(key: &AliasKey) -> Result<(), AccessError> {
     }
 }
 
-/// Reads `out.len()` bytes at `addr` of `pid`, looping over partial transfers.
-fn vm_read(pid: u32, addr: u64, out: &mut [u8]) -> Result<(), AccessError> {
+/// Which way a cross-memory-attach transfer goes.
+#[derive(Clone, Copy)]
+enum Direction {
+    /// From the other process into the local buffer.
+    Read,
+    /// From the local buffer into the other process.
+    Write,
+}
+
+/// Moves `len` bytes between `local` in this process and `addr` in `pid`, looping over partial
+/// transfers.
+///
+/// # Safety
+/// `local` must be valid for `len` bytes: for writes into it when `dir` is `Read`, for reads
+/// when `dir` is `Write`.
+unsafe fn vm_transfer(
+    dir: Direction,
+    pid: u32,
+    addr: u64,
+    local: *mut u8,
+    len: usize,
+) -> Result<(), AccessError> {
+    let op = match dir {
+        Direction::Read => "process_vm_readv",
+        Direction::Write => "process_vm_writev",
+    };
     let mut done = 0usize;
-    while done < out.len() {
-        let local = libc::iovec {
-            iov_base: out[done..].as_mut_ptr().cast(),
-            iov_len: out.len() - done,
+    while done < len {
+        let local_iov = libc::iovec {
+            // SAFETY: `done < len`, inside the caller's buffer.
+            iov_base: unsafe { local.add(done) }.cast(),
+            iov_len: len - done,
         };
-        let remote = libc::iovec {
+        let remote_iov = libc::iovec {
             iov_base: (addr + done as u64) as *mut libc::c_void,
-            iov_len: out.len() - done,
+            iov_len: len - done,
         };
-        // SAFETY: `local` points into `out`, which is valid for writes of that length; the
+        // SAFETY: the local iovec lies in the caller's buffer, valid as the contract says; the
         // remote iovec is only interpreted by the kernel in the other process.
-        let n = unsafe { libc::process_vm_readv(pid as libc::pid_t, &local, 1, &remote, 1, 0) };
+        let n = unsafe {
+            match dir {
+                Direction::Read => {
+                    libc::process_vm_readv(pid as libc::pid_t, &local_iov, 1, &remote_iov, 1, 0)
+                }
+                Direction::Write => {
+                    libc::process_vm_writev(pid as libc::pid_t, &local_iov, 1, &remote_iov, 1, 0)
+                }
+            }
+        };
         if n < 0 {
             let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
-            return Err(AccessError::Os {
-                op: "process_vm_readv",
-                pid,
-                errno,
-            });
+            return Err(AccessError::Os { op, pid, errno });
         }
         if n == 0 {
             return Err(AccessError::Os {
-                op: "process_vm_readv",
+                op,
                 pid,
                 errno: libc::EFAULT,
             });
@@ -106,39 +136,24 @@ fn vm_read(pid: u32, addr: u64, out: &mut [u8]) -> Result<(), AccessError> {
     Ok(())
 }
 
-/// Writes `data` at `addr` of `pid`, looping over partial transfers.
+/// Reads `out.len()` bytes at `addr` of `pid`.
+fn vm_read(pid: u32, addr: u64, out: &mut [u8]) -> Result<(), AccessError> {
+    // SAFETY: `out` is valid for writes of its length.
+    unsafe { vm_transfer(Direction::Read, pid, addr, out.as_mut_ptr(), out.len()) }
+}
+
+/// Writes `data` at `addr` of `pid`.
 fn vm_write(pid: u32, addr: u64, data: &[u8]) -> Result<(), AccessError> {
-    let mut done = 0usize;
-    while done < data.len() {
-        let local = libc::iovec {
-            iov_base: data[done..].as_ptr() as *mut libc::c_void,
-            iov_len: data.len() - done,
-        };
-        let remote = libc::iovec {
-            iov_base: (addr + done as u64) as *mut libc::c_void,
-            iov_len: data.len() - done,
-        };
-        // SAFETY: `local` points into `data`, valid for reads of that length (the kernel only
-        // reads it); the remote iovec is interpreted in the other process.
-        let n = unsafe { libc::process_vm_writev(pid as libc::pid_t, &local, 1, &remote, 1, 0) };
-        if n < 0 {
-            let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
-            return Err(AccessError::Os {
-                op: "process_vm_writev",
-                pid,
-                errno,
-            });
-        }
-        if n == 0 {
-            return Err(AccessError::Os {
-                op: "process_vm_writev",
-                pid,
-                errno: libc::EFAULT,
-            });
-        }
-        done += n as usize;
+    // SAFETY: `data` is valid for reads of its length; the kernel only reads it.
+    unsafe {
+        vm_transfer(
+            Direction::Write,
+            pid,
+            addr,
+            data.as_ptr() as *mut u8,
+            data.len(),
+        )
     }
-    Ok(())
 }
 
 impl Mover for CmaMover {
