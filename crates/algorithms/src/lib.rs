@@ -10,6 +10,7 @@
 
 use serde::{Deserialize, Serialize};
 
+pub mod allgatherv;
 pub mod alltoallv;
 pub mod sched;
 pub mod sim;

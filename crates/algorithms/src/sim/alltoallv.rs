@@ -25,57 +25,11 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use serde::{Deserialize, Serialize};
 
 use super::rng::{splitmix64, Rng};
-use super::SimFailure;
+use super::{place_rank, sentinel, SimFailure};
+pub use super::{CostModel, Layout};
 use crate::alltoallv::{Action, Alltoallv, Config, Copy, Msg, Post};
 use crate::sched::CopyLimiter;
 use crate::{CollKey, CommId, Nanos, Rank, SpId, Status};
-
-/// Placement of world ranks on nodes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Layout {
-    /// node = rank / ranks_per_node.
-    Block,
-    /// node = rank % nodes.
-    Cyclic,
-}
-
-/// Virtual-time costs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct CostModel {
-    /// One-way latency of a message between SPs on different nodes.
-    pub inter_node_latency_ns: Nanos,
-    /// One-way latency of a message between SPs of the same node.
-    pub intra_node_latency_ns: Nanos,
-    /// SP time spent on each input (post, message, copy completion, ...).
-    pub msg_proc_ns: Nanos,
-    /// Fixed cost of a copy whose source is on another node.
-    pub copy_fixed_inter_ns: Nanos,
-    /// Fixed cost of a copy within a node.
-    pub copy_fixed_intra_ns: Nanos,
-    /// Bandwidth between nodes (bytes per ns, at least 1), for copies and
-    /// for messages (each directed node-to-node link sends one message at a
-    /// time; copies do not contend with each other).
-    pub inter_node_bytes_per_ns: u64,
-    /// Bandwidth within a node (bytes per ns, at least 1), likewise.
-    pub intra_node_bytes_per_ns: u64,
-    /// Wire size of a message on top of its fields (CollKey, framing).
-    pub msg_header_bytes: u64,
-}
-
-impl Default for CostModel {
-    fn default() -> Self {
-        CostModel {
-            inter_node_latency_ns: 1_500,
-            intra_node_latency_ns: 200,
-            msg_proc_ns: 100,
-            copy_fixed_inter_ns: 2_000,
-            copy_fixed_intra_ns: 400,
-            inter_node_bytes_per_ns: 12,
-            intra_node_bytes_per_ns: 48,
-            msg_header_bytes: 32,
-        }
-    }
-}
 
 /// Injected faults (all off by default).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -237,10 +191,6 @@ pub fn run(cfg: &SimConfig) -> Result<SimReport, SimFailure> {
 
 // ---------------------------------------------------------------------------
 
-fn sentinel(pos: usize) -> u8 {
-    (pos as u8).wrapping_mul(31) ^ 0xA5
-}
-
 struct Op {
     key: CollKey,
     world: Vec<u32>,
@@ -359,12 +309,15 @@ impl<'a> Sim<'a> {
         let w = cfg.world_size();
         let (mut rank_node, mut rank_sp) = (Vec::new(), Vec::new());
         for r in 0..w {
-            let (node, local) = match cfg.layout {
-                Layout::Block => (r / cfg.ranks_per_node, r % cfg.ranks_per_node),
-                Layout::Cyclic => (r % cfg.nodes, r / cfg.nodes),
-            };
+            let (node, sp) = place_rank(
+                cfg.layout,
+                cfg.nodes,
+                cfg.ranks_per_node,
+                cfg.sps_per_node,
+                r,
+            );
             rank_node.push(node);
-            rank_sp.push(node * cfg.sps_per_node + local % cfg.sps_per_node);
+            rank_sp.push(sp);
         }
         // Communicators: 0 is the world.
         let mut comms: Vec<Vec<u32>> = vec![(0..w).collect()];

@@ -1,0 +1,199 @@
+//! Simulator scenarios for the hierarchical Allgatherv. Each scenario runs
+//! fixed seeds plus one from `SIM_SEED` (or the clock); every seed is
+//! printed and failures include it.
+
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use algorithms::sim::allgatherv::{run, Faults, SimConfig, SimReport};
+use algorithms::sim::Layout;
+
+const FIXED_SEEDS: [u64; 2] = [1, 0xDEAD_BEEF];
+
+fn seeds() -> Vec<u64> {
+    let extra = match std::env::var("SIM_SEED") {
+        Ok(s) => {
+            let s = s.trim();
+            match s.strip_prefix("0x") {
+                Some(h) => u64::from_str_radix(h, 16).expect("SIM_SEED"),
+                None => s.parse().expect("SIM_SEED"),
+            }
+        }
+        Err(_) => SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_nanos() as u64,
+    };
+    let mut v = FIXED_SEEDS.to_vec();
+    v.push(extra);
+    v
+}
+
+fn run_ok(name: &str, cfg: &SimConfig) -> SimReport {
+    eprintln!("{name}: seed={:#018x}", cfg.seed);
+    let t0 = Instant::now();
+    match run(cfg) {
+        Ok(r) => {
+            eprintln!(
+                "{name}: seed={:#018x} ok in {:?}: virtual {}ns, {} events, {} msgs, {} copies, inter {} (min {}), stats {:?}, errors {}",
+                cfg.seed,
+                t0.elapsed(),
+                r.end_ns,
+                r.events,
+                r.messages,
+                r.copies,
+                r.bytes_copied_inter_node,
+                r.min_inter_node_bytes,
+                r.stats,
+                r.error_completions
+            );
+            r
+        }
+        Err(e) => panic!("{name}: {e}"),
+    }
+}
+
+fn clean(name: &str, r: &SimReport) {
+    assert_eq!(r.error_completions, 0, "{name}: seed={:#018x}", r.seed);
+    assert_eq!(
+        r.bytes_copied_inter_node, r.min_inter_node_bytes,
+        "{name}: seed={:#018x}",
+        r.seed
+    );
+}
+
+#[test]
+fn allgatherv_256_ranks_8_nodes_random_skew() {
+    for seed in seeds() {
+        for sps in [1, 4] {
+            for layout in [Layout::Block, Layout::Cyclic] {
+                let mut cfg = SimConfig::new(seed);
+                cfg.sps_per_node = sps;
+                cfg.layout = layout;
+                let r = run_ok("allgatherv_256_ranks_8_nodes_random_skew", &cfg);
+                clean("allgatherv_256_ranks_8_nodes_random_skew", &r);
+            }
+        }
+    }
+}
+
+#[test]
+fn allgatherv_inter_node_bytes_are_minimal_block_and_cyclic() {
+    let name = "allgatherv_inter_node_bytes_are_minimal_block_and_cyclic";
+    for seed in seeds() {
+        for layout in [Layout::Block, Layout::Cyclic] {
+            for equal in [false, true] {
+                let mut cfg = SimConfig::new(seed);
+                cfg.nodes = 6;
+                cfg.ranks_per_node = 10;
+                cfg.sps_per_node = 3;
+                cfg.layout = layout;
+                cfg.equal_counts = equal;
+                cfg.ops = 3;
+                cfg.op_gap_ns = 5_000;
+                cfg.zero_block_percent = 0;
+                cfg.max_block_bytes = 200;
+                let r = run_ok(name, &cfg);
+                clean(name, &r);
+                assert!(r.min_inter_node_bytes > 0, "{name}: seed={seed:#018x}");
+            }
+        }
+    }
+}
+
+#[test]
+fn allgatherv_pass_and_pending_paths_are_taken() {
+    let name = "allgatherv_pass_and_pending_paths_are_taken";
+    for seed in seeds() {
+        let mut cfg = SimConfig::new(seed);
+        cfg.nodes = 4;
+        cfg.ranks_per_node = 8;
+        cfg.sps_per_node = 4;
+        cfg.arrival_skew_ns = 200_000;
+        cfg.late_ranks = 8;
+        cfg.late_delay_ns = 500_000;
+        let r = run_ok(name, &cfg);
+        clean(name, &r);
+        let s = r.stats;
+        assert!(s.no_ready_rank > 0, "{name}: seed={seed:#018x} {s:?}");
+        assert!(s.served_after_pass > 0, "{name}: seed={seed:#018x} {s:?}");
+        assert!(s.parked > 0, "{name}: seed={seed:#018x} {s:?}");
+        assert!(s.parked_wait_ns > 0, "{name}: seed={seed:#018x} {s:?}");
+        assert!(
+            s.served_after_pass + s.parked <= s.no_ready_rank,
+            "{name}: seed={seed:#018x} {s:?}"
+        );
+    }
+}
+
+#[test]
+fn allgatherv_rank_death_and_sp_crash_end_without_hang() {
+    let name = "allgatherv_rank_death_and_sp_crash_end_without_hang";
+    for seed in seeds() {
+        for (deaths, crashes) in [(1, 0), (0, 1), (2, 2)] {
+            let mut cfg = SimConfig::new(seed);
+            cfg.nodes = 4;
+            cfg.ranks_per_node = 8;
+            cfg.sps_per_node = 2;
+            cfg.ops = 2;
+            cfg.faults = Faults {
+                msg_jitter_ns: 2_000,
+                sp_crashes: crashes,
+                crash_window_ns: 60_000,
+                detect_delay_ns: 5_000,
+                rank_deaths: deaths,
+                death_window_ns: 60_000,
+            };
+            run_ok(name, &cfg);
+        }
+    }
+}
+
+#[test]
+fn allgatherv_small_clusters_many_seeds() {
+    let name = "allgatherv_small_clusters_many_seeds";
+    for seed in 0..200u64 {
+        let mut cfg = SimConfig::new(seed);
+        cfg.nodes = 1 + (seed % 4) as u32;
+        cfg.ranks_per_node = 1 + (seed / 4 % 5) as u32;
+        cfg.sps_per_node = 1 + (seed / 20 % 3) as u32;
+        cfg.layout = if seed % 2 == 0 {
+            Layout::Block
+        } else {
+            Layout::Cyclic
+        };
+        cfg.late_ranks = (seed % 3) as u32;
+        cfg.zero_block_percent = 40;
+        cfg.max_block_bytes = 16;
+        cfg.ops = 2;
+        cfg.faults.msg_jitter_ns = 3_000;
+        if seed % 5 == 0 {
+            cfg.faults.rank_deaths = 1;
+            cfg.faults.death_window_ns = 30_000;
+        }
+        if seed % 7 == 0 {
+            cfg.faults.sp_crashes = 1;
+            cfg.faults.crash_window_ns = 30_000;
+            cfg.faults.detect_delay_ns = 3_000;
+        }
+        let r = run_ok(name, &cfg);
+        if seed % 5 != 0 && seed % 7 != 0 {
+            clean(name, &r);
+        }
+    }
+}
+
+/// 1024 ranks (32 nodes x 32 ranks) with 1, 2, 4, 8 SPs per node.
+#[test]
+fn allgatherv_1024_ranks_32_nodes() {
+    let name = "allgatherv_1024_ranks_32_nodes";
+    let seed = seeds()[0];
+    for sps in [1, 2, 4, 8] {
+        let mut cfg = SimConfig::new(seed);
+        cfg.nodes = 32;
+        cfg.ranks_per_node = 32;
+        cfg.sps_per_node = sps;
+        cfg.max_block_bytes = 16;
+        let r = run_ok(name, &cfg);
+        clean(name, &r);
+    }
+}
