@@ -1363,3 +1363,251 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
         });
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::CommId;
+
+    type Tag = (char, Rank);
+
+    const KEY: CollKey = CollKey {
+        job: 1,
+        comm: CommId { leader: 0, id: 9 },
+        seq: 0,
+    };
+
+    /// Comm rank r has a block of `lens[r]` bytes; receive displacements
+    /// are prefix sums.
+    fn post(rank: Rank, members: &[SpId], nodes: &[u32], lens: &[u64]) -> Post<Tag> {
+        let mut at = 0;
+        let displs = lens
+            .iter()
+            .map(|l| {
+                let d = at;
+                at += l;
+                d
+            })
+            .collect();
+        Post {
+            rank,
+            members: members.to_vec(),
+            nodes: nodes.to_vec(),
+            send_key: ('s', rank),
+            send_len: lens[rank as usize],
+            recv_key: ('r', rank),
+            recv_counts: lens.to_vec(),
+            recv_displs: displs,
+        }
+    }
+
+    struct Net {
+        sps: BTreeMap<SpId, Allgatherv<Tag>>,
+        msgs: VecDeque<(SpId, SpId, Msg<Tag>)>,
+        copies: VecDeque<(SpId, Copy<Tag>)>,
+        copied: Vec<Copy<Tag>>,
+        completes: Vec<(Rank, Status)>,
+        now: Nanos,
+    }
+
+    impl Net {
+        fn new(n: u32) -> Net {
+            Net {
+                sps: (0..n)
+                    .map(|sp| (sp, Allgatherv::new(KEY, Config { me: sp })))
+                    .collect(),
+                msgs: VecDeque::new(),
+                copies: VecDeque::new(),
+                copied: Vec::new(),
+                completes: Vec::new(),
+                now: 0,
+            }
+        }
+
+        fn sp(&mut self, sp: SpId) -> &mut Allgatherv<Tag> {
+            self.sps.get_mut(&sp).unwrap()
+        }
+
+        fn collect(&mut self, sp: SpId) {
+            while let Some(a) = self.sp(sp).poll_action() {
+                match a {
+                    Action::Send { to, msg } => {
+                        assert_ne!(to, sp);
+                        self.msgs.push_back((sp, to, msg));
+                    }
+                    Action::Copy(c) => self.copies.push_back((sp, c)),
+                    Action::Complete { rank, status } => {
+                        assert!(
+                            !self.completes.iter().any(|&(r, _)| r == rank),
+                            "rank {rank} completed twice"
+                        );
+                        self.completes.push((rank, status));
+                    }
+                }
+            }
+        }
+
+        fn post(&mut self, sp: SpId, p: Post<Tag>) {
+            self.now += 10;
+            let now = self.now;
+            self.sp(sp).handle_post(now, p).unwrap();
+            self.collect(sp);
+        }
+
+        fn deliver_all(&mut self) {
+            while let Some((from, to, msg)) = self.msgs.pop_front() {
+                self.now += 1;
+                let now = self.now;
+                self.sp(to).handle_msg(now, from, msg).unwrap();
+                self.collect(to);
+            }
+        }
+
+        fn run(&mut self) {
+            loop {
+                self.deliver_all();
+                let Some((sp, c)) = self.copies.pop_front() else {
+                    break;
+                };
+                let now = self.now;
+                self.sp(sp).handle_copy_done(now, c.id, Status::Ok);
+                self.collect(sp);
+                self.copied.push(c);
+            }
+        }
+
+        fn status(&self, r: Rank) -> Option<Status> {
+            self.completes
+                .iter()
+                .find(|&&(x, _)| x == r)
+                .map(|&(_, s)| s)
+        }
+    }
+
+    #[test]
+    fn late_arrival_is_parked_then_served() {
+        let (members, nodes, lens) = ([0, 1], [0, 1], [3, 5]);
+        let mut net = Net::new(2);
+        net.post(0, post(0, &members, &nodes, &lens));
+        net.run();
+        assert_eq!(net.sp(1).parked(), 1);
+        assert_eq!(net.sp(1).stats().no_ready_rank, 1);
+        assert_eq!(net.sp(1).stats().parked, 1);
+        assert!(net.completes.is_empty(), "rank 0 waits for its reader");
+        net.post(1, post(1, &members, &nodes, &lens));
+        net.run();
+        assert_eq!(net.status(0), Some(Status::Ok));
+        assert_eq!(net.status(1), Some(Status::Ok));
+        assert!(net.sp(1).stats().parked_wait_ns > 0);
+        // Two self copies, two inter-node landings.
+        assert_eq!(net.copied.len(), 4);
+        assert!(net.sp(0).is_finished() && net.sp(1).is_finished());
+    }
+
+    #[test]
+    fn announcement_passes_to_a_ready_sibling_and_is_distributed() {
+        // Node 0: SP 0 (rank 0). Node 1: SP 1 (rank 1), SP 2 (rank 2).
+        let (members, nodes, lens) = ([0, 1, 2], [0, 1, 1], [4, 2, 6]);
+        let mut net = Net::new(3);
+        net.post(1, post(1, &members, &nodes, &lens));
+        net.post(0, post(0, &members, &nodes, &lens));
+        net.run();
+        // Rank 0's announcement went to SP 2 (no rank yet) and was passed.
+        assert_eq!(net.sp(2).stats().no_ready_rank, 1);
+        assert_eq!(net.sp(1).stats().served_after_pass, 1);
+        assert_eq!(net.sp(2).parked() + net.sp(1).parked(), 0);
+        assert!(net.completes.is_empty());
+        net.post(2, post(2, &members, &nodes, &lens));
+        net.run();
+        for r in 0..3 {
+            assert_eq!(net.status(r), Some(Status::Ok), "rank {r}");
+        }
+        // Rank 0's block enters node 1 once, then an intra-node copy.
+        let inter: Vec<_> = net
+            .copied
+            .iter()
+            .filter(|c| nodes[c.src_rank as usize] != nodes[c.dst_rank as usize])
+            .collect();
+        assert_eq!(inter.len(), 3, "{inter:?}");
+        let into_2 = net
+            .copied
+            .iter()
+            .find(|c| c.seg == 0 && c.dst_rank == 2)
+            .unwrap();
+        assert_eq!((into_2.src_rank, into_2.src_key), (1, ('r', 1)));
+        for sp in 0..3 {
+            assert!(net.sp(sp).is_finished(), "sp {sp}");
+        }
+    }
+
+    #[test]
+    fn zero_length_blocks_complete_without_copies() {
+        let (members, nodes, lens) = ([0, 1, 1], [0, 1, 1], [0, 0, 0]);
+        let mut net = Net::new(2);
+        for r in 0..3 {
+            net.post(members[r as usize], post(r, &members, &nodes, &lens));
+        }
+        net.run();
+        assert!(net.copied.is_empty());
+        for r in 0..3 {
+            assert_eq!(net.status(r), Some(Status::Ok));
+        }
+    }
+
+    #[test]
+    fn abort_acks_parked_announcements_and_completes_everyone() {
+        let (members, nodes, lens) = ([0, 1, 2], [0, 1, 1], [4, 2, 6]);
+        let mut net = Net::new(3);
+        net.post(0, post(0, &members, &nodes, &lens));
+        net.run();
+        assert_eq!(net.sp(1).parked() + net.sp(2).parked(), 1);
+        net.sp(0).abort(100, Status::Aborted);
+        net.collect(0);
+        net.run();
+        assert_eq!(net.status(0), Some(Status::Aborted));
+        net.post(1, post(1, &members, &nodes, &lens));
+        net.post(2, post(2, &members, &nodes, &lens));
+        net.run();
+        assert_eq!(net.status(1), Some(Status::Aborted));
+        assert_eq!(net.status(2), Some(Status::Aborted));
+        for sp in 0..3 {
+            assert!(net.sp(sp).is_finished(), "sp {sp}");
+        }
+    }
+
+    #[test]
+    fn rank_lost_before_any_post_reaches_every_sp() {
+        // SP 2 only serves rank 2, which dies before posting.
+        let (members, nodes, lens) = ([0, 1, 2], [0, 1, 1], [1, 1, 1]);
+        let mut net = Net::new(3);
+        net.sp(2).handle_rank_lost(0, 2);
+        net.collect(2);
+        net.post(0, post(0, &members, &nodes, &lens));
+        net.post(1, post(1, &members, &nodes, &lens));
+        net.run();
+        assert_eq!(net.status(0), Some(Status::RankFailed));
+        assert_eq!(net.status(1), Some(Status::RankFailed));
+        assert_eq!(net.status(2), None);
+        assert!(net.sp(0).is_finished() && net.sp(1).is_finished());
+    }
+
+    #[test]
+    fn invalid_posts_are_rejected() {
+        let mut a: Allgatherv<Tag> = Allgatherv::new(KEY, Config { me: 0 });
+        assert_eq!(
+            a.handle_post(0, post(0, &[0, 0], &[0, 1], &[1, 1])),
+            Err(PostError::SpOnTwoNodes { sp: 0 })
+        );
+        let mut p = post(0, &[0, 1], &[0, 1], &[1, 1]);
+        p.nodes.pop();
+        assert_eq!(
+            a.handle_post(0, p),
+            Err(PostError::LengthMismatch {
+                field: "nodes",
+                len: 1,
+                expected: 2
+            })
+        );
+        assert!(a.members().is_none());
+    }
+}

@@ -765,7 +765,7 @@ impl<'a> Sim<'a> {
             let got = &buf[at..at + want.len()];
             let right = got == &want[..];
             let untouched = got.iter().enumerate().all(|(i, &b)| b == sentinel(at + i));
-            if (exact && !right) || (!right && !untouched) {
+            if !right && (exact || !untouched) {
                 return Err(self.fail(format!(
                     "op {op}: rank {d}: block of rank {s} ({} bytes at {at}) is wrong (completed ok: {exact})",
                     want.len()
