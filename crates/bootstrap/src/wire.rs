@@ -10,14 +10,15 @@
 //! closed. After the hello, payloads are bincode-encoded [`HostToSp`], [`SpToHost`] or
 //! [`SpToSp`] values.
 
-use algorithms::{alltoallv, CollKey, CommId, SpId};
+use algorithms::{allgatherv, alltoallv, CollKey, CommId, SpId};
 use alias_mkey::{AliasKey, Grant};
 use bincode::Options;
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 use std::io::{Read, Write};
 
 pub const MAGIC: [u8; 4] = *b"SPOF";
-pub const PROTOCOL_VERSION: u32 = 1;
+/// 2: descriptors carry the node of every comm rank; allgatherv messages.
+pub const PROTOCOL_VERSION: u32 = 2;
 /// Largest frame accepted: a descriptor for 65536 ranks (four count vectors) fits.
 pub const MAX_FRAME_BYTES: u32 = 4 << 20;
 
@@ -142,6 +143,9 @@ pub fn decode_hello(p: &[u8]) -> Result<Hello, HelloError> {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum CollKind {
     Alltoallv,
+    /// Allgather(v): `send_counts`/`send_displs` have one entry (this rank's block, at
+    /// `send_displs[0]` of the send grant); the receive vectors have one entry per comm rank.
+    Allgatherv,
 }
 
 /// What a host rank posts for one collective. Every number in it is untrusted: the SP checks
@@ -154,6 +158,8 @@ pub struct PostDesc {
     pub comm_rank: u32,
     /// SP serving each comm rank.
     pub members: Vec<SpId>,
+    /// Node of each comm rank (used by the hierarchical collectives; may be empty otherwise).
+    pub nodes: Vec<u32>,
     /// Mailbox slot that receives the completion, and the token written there.
     pub slot: u32,
     pub token: u64,
@@ -210,6 +216,7 @@ pub enum SpToHost {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum CollMsg {
     Alltoallv(alltoallv::Msg<AliasKey>),
+    Allgatherv(allgatherv::Msg<AliasKey>),
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -440,6 +447,7 @@ mod tests {
                     seq: i as u64,
                     comm_rank: 0,
                     members: vec![0, 1],
+                    nodes: vec![],
                     slot: i,
                     token: 77,
                     send: grant(10),

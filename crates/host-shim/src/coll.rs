@@ -292,6 +292,7 @@ unsafe fn post(comm: ffi::MPI_Comm, send: Side, recv: Side, commit: &mut Commit)
             seq,
             comm_rank: info.comm_rank,
             members: info.members.clone(),
+            nodes: Vec::new(),
             slot,
             token,
             send: sh.registrar.buffer(send_addr, s.region_len, Rights::READ),

@@ -10,6 +10,7 @@
 pub mod conn;
 pub mod datapath;
 pub mod launch;
+pub mod machine;
 pub mod server;
 pub mod signals;
 pub mod stats;

@@ -22,9 +22,10 @@
 
 use crate::conn::{Conn, ReadEnd, Stream};
 use crate::datapath::{CopyJob, Datapath};
+use crate::machine::{self, Act, Machine};
 use crate::stats::Stats;
-use algorithms::alltoallv::{self, Action, Alltoallv, CopyId};
 use algorithms::sched::CopyLimiter;
+use algorithms::{allgatherv, alltoallv};
 use algorithms::{CollKey, CommId, Nanos, SpId, Status};
 use alias_mkey::mover::{CmaMover, Mover};
 use alias_mkey::{AliasKey, BackendData, Grant, Owner, Rights};
@@ -102,7 +103,7 @@ struct Posted {
 }
 
 struct Instance {
-    sm: Alltoallv<AliasKey>,
+    sm: Machine,
     posted: HashMap<u32, Posted>,
 }
 
@@ -129,7 +130,7 @@ pub struct Server {
     jobs: HashMap<u64, Job>,
     instances: HashMap<CollKey, Instance>,
     limiter: CopyLimiter<CopyJob>,
-    copies: HashMap<u64, (CollKey, CopyId)>,
+    copies: HashMap<u64, (CollKey, u64)>,
     next_ticket: u64,
     datapath: Datapath,
     /// Mover of the loop thread: mailbox writes and inline copies.
@@ -587,14 +588,27 @@ impl Server {
                 d.comm_rank
             ));
         }
-        for (name, v) in [
-            ("send_counts", &d.send_counts),
-            ("send_displs", &d.send_displs),
-            ("recv_counts", &d.recv_counts),
-            ("recv_displs", &d.recv_displs),
+        // Alltoallv: one send block per rank; allgatherv: this rank's one block, at offset 0.
+        let send_entries = match d.kind {
+            CollKind::Alltoallv => p,
+            CollKind::Allgatherv => 1,
+        };
+        for (name, v, want) in [
+            ("send_counts", &d.send_counts, send_entries),
+            ("send_displs", &d.send_displs, send_entries),
+            ("recv_counts", &d.recv_counts, p),
+            ("recv_displs", &d.recv_displs, p),
         ] {
-            if v.len() != p {
-                return bad(format!("{name} has {} entries for {p} ranks", v.len()));
+            if v.len() != want {
+                return bad(format!("{name} has {} entries, expected {want}", v.len()));
+            }
+        }
+        if d.kind == CollKind::Allgatherv {
+            if d.send_displs[0] != 0 {
+                return bad("the allgatherv send block must start at offset 0 of its grant".into());
+            }
+            if d.nodes.len() != p {
+                return bad(format!("nodes has {} entries for {p} ranks", d.nodes.len()));
             }
         }
         let n_sps = self.cluster.sps.len() as SpId;
@@ -603,6 +617,19 @@ impl Server {
                 ErrorCode::UnknownComm,
                 format!("member SP {sp} does not exist"),
             ));
+        }
+        if !d.nodes.is_empty() {
+            // The node of each rank must be the node of its SP: the hierarchical collectives
+            // route by node.
+            for (r, (&sp, &node)) in d.members.iter().zip(&d.nodes).enumerate() {
+                let sp_node = self.cluster.sp(sp).map(|e| e.node);
+                if sp_node != Some(node) {
+                    return bad(format!(
+                        "comm rank {r} is said to be on node {node}, but its SP {sp} is on \
+                         node {sp_node:?}"
+                    ));
+                }
+            }
         }
         if d.members[d.comm_rank as usize] != self.me {
             return Err((
@@ -690,7 +717,6 @@ impl Server {
             comm: d.comm,
             seq: d.seq,
         };
-        let CollKind::Alltoallv = d.kind;
         if let Err((code, message)) = self.check_post(&d) {
             let members_ok = code == ErrorCode::BadDescriptor
                 && d.members.len() > d.comm_rank as usize
@@ -703,12 +729,14 @@ impl Server {
                 let mut sps: Vec<SpId> = d.members.clone();
                 sps.sort_unstable();
                 sps.dedup();
-                let abort = alltoallv::Msg::Abort {
-                    status: Status::InvalidPost,
+                let status = Status::InvalidPost;
+                let abort = match d.kind {
+                    CollKind::Alltoallv => CollMsg::Alltoallv(alltoallv::Msg::Abort { status }),
+                    CollKind::Allgatherv => CollMsg::Allgatherv(allgatherv::Msg::Abort { status }),
                 };
                 let frame = encode(&SpToSp::Coll {
                     key: ck,
-                    msg: CollMsg::Alltoallv(abort),
+                    msg: abort,
                 });
                 let me = self.me;
                 for sp in sps.into_iter().filter(|&sp| sp != me) {
@@ -717,7 +745,7 @@ impl Server {
                     }
                 }
                 let now = now_ns(self.start);
-                let inst = self.instance(ck);
+                let inst = self.instance(ck, d.kind);
                 inst.sm.abort(now, Status::InvalidPost);
                 // This rank will not post this instance again: without this the instance
                 // would wait for it forever.
@@ -750,16 +778,29 @@ impl Server {
             .filter(|sp| self.dead_peers.contains(sp))
             .collect();
         let posted = self.posted(key, d.slot, d.token);
-        let inst = self.instance(ck);
-        let post = alltoallv::Post {
-            rank: d.comm_rank,
-            members: d.members,
-            send_key: send,
-            recv_key: recv,
-            send_counts: d.send_counts,
-            send_displs: d.send_displs,
-            recv_counts: d.recv_counts,
-            recv_displs: d.recv_displs,
+        let inst = self.instance(ck, d.kind);
+        let post = match d.kind {
+            CollKind::Alltoallv => machine::Post::Alltoallv(alltoallv::Post {
+                rank: d.comm_rank,
+                members: d.members,
+                send_key: send,
+                recv_key: recv,
+                send_counts: d.send_counts,
+                send_displs: d.send_displs,
+                recv_counts: d.recv_counts,
+                recv_displs: d.recv_displs,
+            }),
+            // `check_post` made sure the send block is the one entry at offset 0.
+            CollKind::Allgatherv => machine::Post::Allgatherv(allgatherv::Post {
+                rank: d.comm_rank,
+                members: d.members,
+                nodes: d.nodes,
+                send_key: send,
+                send_len: d.send_counts[0],
+                recv_key: recv,
+                recv_counts: d.recv_counts,
+                recv_displs: d.recv_displs,
+            }),
         };
         match inst.sm.handle_post(now, post) {
             Ok(()) => {
@@ -773,16 +814,17 @@ impl Server {
                 self.drive(ck);
             }
             Err(e) => {
-                self.send_error(key, None, ErrorCode::UnknownComm, format!("{e:?}"));
+                self.send_error(key, None, ErrorCode::UnknownComm, e);
                 self.write_completion(posted, Status::InvalidPost);
             }
         }
     }
 
-    fn instance(&mut self, ck: CollKey) -> &mut Instance {
+    /// The instance of `ck`, created (as a `kind`) by the first event that names it.
+    fn instance(&mut self, ck: CollKey, kind: CollKind) -> &mut Instance {
         let me = self.me;
         self.instances.entry(ck).or_insert_with(|| Instance {
-            sm: Alltoallv::new(ck, alltoallv::Config { me }),
+            sm: Machine::new(kind, ck, me),
             posted: HashMap::new(),
         })
     }
@@ -792,30 +834,22 @@ impl Server {
             return;
         };
         match msg {
-            SpToSp::Coll {
-                key: ck,
-                msg: CollMsg::Alltoallv(m),
-            } => {
+            SpToSp::Coll { key: ck, msg: m } => {
                 let Some(job) = self.jobs.get(&ck.job) else {
                     // No rank of this job is (any longer) connected here, so none will post:
-                    // the job ended or failed here. Answer an announcement so that its sender
-                    // is not left waiting for an ack that would never come.
-                    if let alltoallv::Msg::Announce { src, dst, .. } = m {
-                        debug!(
-                            sp = self.me,
-                            ?ck,
-                            "announcement for a job gone here; refused"
-                        );
-                        let status = Status::RankFailed;
-                        for reply in [
-                            alltoallv::Msg::Ack { src, dst, status },
-                            alltoallv::Msg::Abort { status },
-                        ] {
-                            let frame = encode(&SpToSp::Coll {
-                                key: ck,
-                                msg: CollMsg::Alltoallv(reply),
-                            });
-                            self.send_frame(key, &frame);
+                    // the job ended or failed here. Answer what expects an answer so that its
+                    // sender is not left waiting for it.
+                    let replies = machine::refuse(&m, from, Status::RankFailed);
+                    if !replies.is_empty() {
+                        debug!(sp = self.me, ?ck, "message for a job gone here; refused");
+                    }
+                    for (to, reply) in replies {
+                        let frame = encode(&SpToSp::Coll {
+                            key: ck,
+                            msg: reply,
+                        });
+                        if let Some(k) = self.peer_conn.get(&to).copied() {
+                            self.send_frame(k, &frame);
                         }
                     }
                     return;
@@ -828,18 +862,22 @@ impl Server {
                     );
                     return;
                 }
-                if matches!(m, alltoallv::Msg::Announce { .. }) {
+                if matches!(
+                    m,
+                    CollMsg::Alltoallv(alltoallv::Msg::Announce { .. })
+                        | CollMsg::Allgatherv(allgatherv::Msg::Announce { .. })
+                ) {
                     self.stats.announces_received += 1;
                 }
                 let now = now_ns(self.start);
                 let failed = job.failed;
                 let is_new = !self.instances.contains_key(&ck);
-                let inst = self.instance(ck);
+                let inst = self.instance(ck, Machine::kind_of(&m));
                 if let (true, Some(status)) = (is_new, failed) {
                     inst.sm.abort(now, status);
                 }
                 if let Err(e) = inst.sm.handle_msg(now, from, m) {
-                    warn!(sp = self.me, from, ?ck, "protocol error from a peer: {e:?}");
+                    warn!(sp = self.me, from, ?ck, "protocol error from a peer: {e}");
                 }
                 self.drive(ck);
             }
@@ -865,11 +903,8 @@ impl Server {
                 break;
             };
             match action {
-                Action::Send { to, msg } => {
-                    let frame = encode(&SpToSp::Coll {
-                        key: ck,
-                        msg: CollMsg::Alltoallv(msg),
-                    });
+                Act::Send { to, msg } => {
+                    let frame = encode(&SpToSp::Coll { key: ck, msg });
                     match self.peer_conn.get(&to).copied() {
                         Some(k) => {
                             self.stats.messages_sent += 1;
@@ -883,21 +918,28 @@ impl Server {
                         }
                     }
                 }
-                Action::Copy(c) => {
+                Act::Copy {
+                    id,
+                    src_key,
+                    src_offset,
+                    dst_key,
+                    dst_offset,
+                    len,
+                } => {
                     let ticket = self.next_ticket;
                     self.next_ticket += 1;
-                    self.copies.insert(ticket, (ck, c.id));
+                    self.copies.insert(ticket, (ck, id));
                     self.limiter.push(CopyJob {
                         ticket,
-                        src: c.src_key,
-                        src_offset: c.src_offset,
-                        dst: c.dst_key,
-                        dst_offset: c.dst_offset,
-                        len: c.len,
+                        src: src_key,
+                        src_offset,
+                        dst: dst_key,
+                        dst_offset,
+                        len,
                     });
                     self.start_copies();
                 }
-                Action::Complete { rank, status } => {
+                Act::Complete { rank, status } => {
                     let posted = inst.posted.get(&rank).copied();
                     match posted {
                         Some(p) => self.write_completion(p, status),
@@ -912,7 +954,9 @@ impl Server {
             }
         }
         if self.instances.get(&ck).is_some_and(|i| i.sm.is_finished()) {
-            self.instances.remove(&ck);
+            if let Some(done) = self.instances.remove(&ck) {
+                self.stats.add_late_arrivals(done.sm.late_arrivals());
+            }
             self.stats.collectives_finished += 1;
             if let Some(job) = self.jobs.get_mut(&ck.job) {
                 job.finished.insert((ck.comm, ck.seq));

@@ -19,7 +19,23 @@ pub struct Stats {
     /// Most copies active at once (bounded by `max_inflight_reads`).
     pub max_inflight: u64,
     pub errors_sent: u64,
+    /// Hierarchical collectives (allgatherv): announcements that found no ready rank where they
+    /// arrived, how many another SP of the node then served, how many went to the node's
+    /// pending list, and how long they waited there (ns).
+    pub no_ready_rank: u64,
+    pub served_after_pass: u64,
+    pub parked: u64,
+    pub parked_wait_ns: u64,
     /// Jobs and collective instances still held when the SP stopped: 0 once every job ended.
     pub jobs_at_exit: u64,
     pub instances_at_exit: u64,
+}
+
+impl Stats {
+    pub fn add_late_arrivals(&mut self, l: crate::machine::LateArrivals) {
+        self.no_ready_rank += l.no_ready_rank;
+        self.served_after_pass += l.served_after_pass;
+        self.parked += l.parked;
+        self.parked_wait_ns += l.parked_wait_ns;
+    }
 }

@@ -238,6 +238,7 @@ pub fn desc(
         seq,
         comm_rank,
         members,
+        nodes: vec![],
         slot,
         token: 0,
         send,

@@ -1,0 +1,255 @@
+//! One collective instance as the engine sees it, whichever collective it is.
+//!
+//! The state machines of `algorithms` differ in their posts, messages and copies; the engine
+//! only needs to feed them and execute three kinds of action. [`Machine`] wraps each machine
+//! and turns its actions into [`Act`], with messages already wrapped for the wire
+//! ([`CollMsg`]) and copy ids as plain numbers.
+
+use algorithms::{allgatherv, alltoallv, CollKey, Nanos, Rank, SpId, Status};
+use alias_mkey::AliasKey;
+use bootstrap::wire::{CollKind, CollMsg};
+
+pub enum Machine {
+    Alltoallv(alltoallv::Alltoallv<AliasKey>),
+    Allgatherv(allgatherv::Allgatherv<AliasKey>),
+}
+
+/// What the engine must do next.
+pub enum Act {
+    Send {
+        to: SpId,
+        msg: CollMsg,
+    },
+    Copy {
+        id: u64,
+        src_key: AliasKey,
+        src_offset: u64,
+        dst_key: AliasKey,
+        dst_offset: u64,
+        len: u64,
+    },
+    Complete {
+        rank: Rank,
+        status: Status,
+    },
+}
+
+/// The post of one local rank, already checked against its grants.
+pub enum Post {
+    Alltoallv(alltoallv::Post<AliasKey>),
+    Allgatherv(allgatherv::Post<AliasKey>),
+}
+
+/// Counters of the hierarchical collectives, summed over finished instances.
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct LateArrivals {
+    /// Announcements that found no ready local rank at the SP they reached.
+    pub no_ready_rank: u64,
+    /// Of those, served by another SP of the node (the pass path).
+    pub served_after_pass: u64,
+    /// Announcements parked on the node's pending list.
+    pub parked: u64,
+    /// Total time announcements waited there (ns).
+    pub parked_wait_ns: u64,
+}
+
+impl Machine {
+    pub fn new(kind: CollKind, key: CollKey, me: SpId) -> Machine {
+        match kind {
+            CollKind::Alltoallv => {
+                Machine::Alltoallv(alltoallv::Alltoallv::new(key, alltoallv::Config { me }))
+            }
+            CollKind::Allgatherv => {
+                Machine::Allgatherv(allgatherv::Allgatherv::new(key, allgatherv::Config { me }))
+            }
+        }
+    }
+
+    pub fn kind(&self) -> CollKind {
+        match self {
+            Machine::Alltoallv(_) => CollKind::Alltoallv,
+            Machine::Allgatherv(_) => CollKind::Allgatherv,
+        }
+    }
+
+    /// The collective a peer message belongs to.
+    pub fn kind_of(msg: &CollMsg) -> CollKind {
+        match msg {
+            CollMsg::Alltoallv(_) => CollKind::Alltoallv,
+            CollMsg::Allgatherv(_) => CollKind::Allgatherv,
+        }
+    }
+
+    pub fn handle_post(&mut self, now: Nanos, post: Post) -> Result<(), String> {
+        match (self, post) {
+            (Machine::Alltoallv(m), Post::Alltoallv(p)) => {
+                m.handle_post(now, p).map_err(|e| e.to_string())
+            }
+            (Machine::Allgatherv(m), Post::Allgatherv(p)) => {
+                m.handle_post(now, p).map_err(|e| e.to_string())
+            }
+            (m, _) => Err(format!(
+                "this collective instance is a {:?}; ranks posted different collectives",
+                m.kind()
+            )),
+        }
+    }
+
+    pub fn handle_msg(&mut self, now: Nanos, from: SpId, msg: CollMsg) -> Result<(), String> {
+        match (self, msg) {
+            (Machine::Alltoallv(m), CollMsg::Alltoallv(msg)) => {
+                m.handle_msg(now, from, msg).map_err(|e| e.to_string())
+            }
+            (Machine::Allgatherv(m), CollMsg::Allgatherv(msg)) => {
+                m.handle_msg(now, from, msg).map_err(|e| e.to_string())
+            }
+            (m, msg) => Err(format!(
+                "a {:?} message for a {:?} instance",
+                Machine::kind_of(&msg),
+                m.kind()
+            )),
+        }
+    }
+
+    pub fn handle_copy_done(&mut self, now: Nanos, id: u64, status: Status) {
+        match self {
+            Machine::Alltoallv(m) => m.handle_copy_done(now, alltoallv::CopyId(id), status),
+            Machine::Allgatherv(m) => m.handle_copy_done(now, allgatherv::CopyId(id), status),
+        }
+    }
+
+    pub fn handle_peer_lost(&mut self, now: Nanos, sp: SpId) {
+        match self {
+            Machine::Alltoallv(m) => m.handle_peer_lost(now, sp),
+            Machine::Allgatherv(m) => m.handle_peer_lost(now, sp),
+        }
+    }
+
+    pub fn abort(&mut self, now: Nanos, status: Status) {
+        match self {
+            Machine::Alltoallv(m) => m.abort(now, status),
+            Machine::Allgatherv(m) => m.abort(now, status),
+        }
+    }
+
+    pub fn handle_rank_lost(&mut self, now: Nanos, rank: Rank) {
+        match self {
+            Machine::Alltoallv(m) => m.handle_rank_lost(now, rank),
+            Machine::Allgatherv(m) => m.handle_rank_lost(now, rank),
+        }
+    }
+
+    pub fn is_finished(&self) -> bool {
+        match self {
+            Machine::Alltoallv(m) => m.is_finished(),
+            Machine::Allgatherv(m) => m.is_finished(),
+        }
+    }
+
+    pub fn copies_in_flight(&self) -> usize {
+        match self {
+            Machine::Alltoallv(m) => m.copies_in_flight(),
+            Machine::Allgatherv(m) => m.copies_in_flight(),
+        }
+    }
+
+    /// Late-arrival counters (zero for collectives without a hierarchical landing).
+    pub fn late_arrivals(&self) -> LateArrivals {
+        match self {
+            Machine::Alltoallv(_) => LateArrivals::default(),
+            Machine::Allgatherv(m) => {
+                let s = m.stats();
+                LateArrivals {
+                    no_ready_rank: s.no_ready_rank,
+                    served_after_pass: s.served_after_pass,
+                    parked: s.parked,
+                    parked_wait_ns: s.parked_wait_ns,
+                }
+            }
+        }
+    }
+
+    pub fn poll_action(&mut self) -> Option<Act> {
+        match self {
+            Machine::Alltoallv(m) => Some(match m.poll_action()? {
+                alltoallv::Action::Send { to, msg } => Act::Send {
+                    to,
+                    msg: CollMsg::Alltoallv(msg),
+                },
+                alltoallv::Action::Copy(c) => Act::Copy {
+                    id: c.id.0,
+                    src_key: c.src_key,
+                    src_offset: c.src_offset,
+                    dst_key: c.dst_key,
+                    dst_offset: c.dst_offset,
+                    len: c.len,
+                },
+                alltoallv::Action::Complete { rank, status } => Act::Complete { rank, status },
+            }),
+            Machine::Allgatherv(m) => Some(match m.poll_action()? {
+                allgatherv::Action::Send { to, msg } => Act::Send {
+                    to,
+                    msg: CollMsg::Allgatherv(msg),
+                },
+                allgatherv::Action::Copy(c) => Act::Copy {
+                    id: c.id.0,
+                    src_key: c.src_key,
+                    src_offset: c.src_offset,
+                    dst_key: c.dst_key,
+                    dst_offset: c.dst_offset,
+                    len: c.len,
+                },
+                allgatherv::Action::Complete { rank, status } => Act::Complete { rank, status },
+            }),
+        }
+    }
+}
+
+/// The replies that let peers finish when a message reaches an SP where its job is gone (no
+/// rank of the job will ever post here): every message that expects exactly one answer gets it,
+/// with `status`, followed by an abort. Returns (destination SP, message) pairs; `from` is the
+/// SP the message came from.
+pub fn refuse(msg: &CollMsg, from: SpId, status: Status) -> Vec<(SpId, CollMsg)> {
+    let a2a_abort = CollMsg::Alltoallv(alltoallv::Msg::Abort { status });
+    let agv_abort = CollMsg::Allgatherv(allgatherv::Msg::Abort { status });
+    match msg {
+        CollMsg::Alltoallv(alltoallv::Msg::Announce { src, dst, .. }) => vec![
+            (
+                from,
+                CollMsg::Alltoallv(alltoallv::Msg::Ack {
+                    src: *src,
+                    dst: *dst,
+                    status,
+                }),
+            ),
+            (from, a2a_abort),
+        ],
+        CollMsg::Allgatherv(
+            allgatherv::Msg::Announce {
+                src, node, origin, ..
+            }
+            | allgatherv::Msg::Pass {
+                src, node, origin, ..
+            },
+        ) => vec![
+            (
+                *origin,
+                CollMsg::Allgatherv(allgatherv::Msg::Ack {
+                    src: *src,
+                    node: *node,
+                    status,
+                }),
+            ),
+            (*origin, agv_abort.clone()),
+            (from, agv_abort),
+        ],
+        CollMsg::Allgatherv(allgatherv::Msg::Segment { src, holder_sp, .. }) => vec![
+            (
+                *holder_sp,
+                CollMsg::Allgatherv(allgatherv::Msg::SegmentDone { src: *src, status }),
+            ),
+            (*holder_sp, agv_abort),
+        ],
+        _ => vec![],
+    }
+}
