@@ -640,6 +640,12 @@ impl Server {
                 ),
             ));
         }
+        // Allgatherv: once a segment landed in one rank of a node, the node's other ranks copy
+        // it from that rank's receive buffer, so the receive grant must allow reading too.
+        let recv_needs = match d.kind {
+            CollKind::Alltoallv => Rights::WRITE,
+            CollKind::Allgatherv => Rights::READ_WRITE,
+        };
         for (grant, need, counts, displs, what) in [
             (
                 &d.send,
@@ -650,14 +656,22 @@ impl Server {
             ),
             (
                 &d.recv,
-                Rights::WRITE,
+                recv_needs,
                 &d.recv_counts,
                 &d.recv_displs,
                 "receive",
             ),
         ] {
             if !grant.rights.contains(need) {
-                return bad(format!("the {what} grant lacks {need} rights"));
+                let why = if d.kind == CollKind::Allgatherv && what == "receive" {
+                    " (the node's other ranks copy segments out of it)"
+                } else {
+                    ""
+                };
+                return bad(format!(
+                    "the {what} grant gives {} rights, {:?} needs {need}{why}",
+                    grant.rights, d.kind
+                ));
             }
             match grant.backend {
                 BackendData::Cma => {}
