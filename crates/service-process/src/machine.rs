@@ -11,7 +11,8 @@ use bootstrap::wire::{CollKind, CollMsg};
 
 pub enum Machine {
     Alltoallv(alltoallv::Alltoallv<AliasKey>),
-    Allgatherv(allgatherv::Allgatherv<AliasKey>),
+    /// Boxed: twice the size of the other.
+    Allgatherv(Box<allgatherv::Allgatherv<AliasKey>>),
 }
 
 /// What the engine must do next.
@@ -59,9 +60,10 @@ impl Machine {
             CollKind::Alltoallv => {
                 Machine::Alltoallv(alltoallv::Alltoallv::new(key, alltoallv::Config { me }))
             }
-            CollKind::Allgatherv => {
-                Machine::Allgatherv(allgatherv::Allgatherv::new(key, allgatherv::Config { me }))
-            }
+            CollKind::Allgatherv => Machine::Allgatherv(Box::new(allgatherv::Allgatherv::new(
+                key,
+                allgatherv::Config { me },
+            ))),
         }
     }
 
