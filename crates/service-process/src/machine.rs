@@ -10,8 +10,8 @@ use alias_mkey::AliasKey;
 use bootstrap::wire::{CollKind, CollMsg};
 
 pub enum Machine {
-    Alltoallv(alltoallv::Alltoallv<AliasKey>),
-    /// Boxed: twice the size of the other.
+    // Boxed: the machines are a few hundred bytes each and of different sizes.
+    Alltoallv(Box<alltoallv::Alltoallv<AliasKey>>),
     Allgatherv(Box<allgatherv::Allgatherv<AliasKey>>),
 }
 
@@ -57,9 +57,10 @@ pub struct LateArrivals {
 impl Machine {
     pub fn new(kind: CollKind, key: CollKey, me: SpId) -> Machine {
         match kind {
-            CollKind::Alltoallv => {
-                Machine::Alltoallv(alltoallv::Alltoallv::new(key, alltoallv::Config { me }))
-            }
+            CollKind::Alltoallv => Machine::Alltoallv(Box::new(alltoallv::Alltoallv::new(
+                key,
+                alltoallv::Config { me },
+            ))),
             CollKind::Allgatherv => Machine::Allgatherv(Box::new(allgatherv::Allgatherv::new(
                 key,
                 allgatherv::Config { me },
