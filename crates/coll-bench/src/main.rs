@@ -10,6 +10,8 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 const DEFAULT_SIZES: &str = "1K,4K,16K,64K,256K,1M,4M";
+/// The "destination" of an allgather block in the data pattern: every rank gets the same one.
+const ALL_PEERS: u32 = u32::MAX;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -46,6 +48,14 @@ enum Command {
     /// contains host_shim, else "native") and design (null).
     Overlap(OverlapArgs),
 
+    /// A blocking collective where one rank per node enters late (see `late --help`).
+    ///
+    /// Reports, per size, `tail_us` (from the last rank's entry to the last rank's exit: how
+    /// long the collective still takes once everybody arrived) and `mean_in_call_us` (mean
+    /// time per rank inside the call). JSON fields: coll, bytes, ranks, nodes, delay_ms,
+    /// tail_us, mean_in_call_us, validated, mode.
+    Late(late::LateArgs),
+
     /// Compares a native and an offloaded `overlap --json` run, size by size.
     ///
     /// Joins the two JSON Lines files on (coll, bytes) and prints, per size: pure_us,
@@ -79,9 +89,9 @@ enum Coll {
     Ialltoallv,
     /// MPI_Ialltoall, every rank sends SIZE bytes to every rank (MPI_BYTE)
     Ialltoall,
-    /// not implemented yet (rejected with an error)
+    /// MPI_Iallgatherv, every rank contributes SIZE bytes (MPI_BYTE)
     Iallgatherv,
-    /// not implemented yet (rejected with an error)
+    /// MPI_Iallgather, every rank contributes SIZE bytes (MPI_BYTE)
     Iallgather,
     /// not implemented yet (rejected with an error)
     Ibcast,
@@ -99,7 +109,15 @@ impl Coll {
     }
 
     fn implemented(self) -> bool {
-        matches!(self, Coll::Ialltoallv | Coll::Ialltoall)
+        matches!(
+            self,
+            Coll::Ialltoallv | Coll::Ialltoall | Coll::Iallgatherv | Coll::Iallgather
+        )
+    }
+
+    /// Allgather family: one send block of SIZE bytes, the same block goes to every rank.
+    fn is_allgather(self) -> bool {
+        matches!(self, Coll::Iallgatherv | Coll::Iallgather)
     }
 }
 
@@ -188,6 +206,10 @@ impl Setup {
         if size == 0 {
             return;
         }
+        if self.coll.is_allgather() {
+            pattern::fill(&mut self.send[..size], self.me as u32, ALL_PEERS, iter);
+            return;
+        }
         for (peer, block) in self.send.chunks_mut(size).enumerate().take(self.n) {
             pattern::fill(block, self.me as u32, peer as u32, iter);
         }
@@ -215,6 +237,17 @@ impl Setup {
             Coll::Ialltoall => self
                 .world
                 .ialltoall(send, recv, self.size as i32, &self.byte)?,
+            Coll::Iallgatherv => self.world.iallgatherv(
+                send,
+                self.size as i32,
+                recv,
+                &self.counts,
+                &self.displs,
+                &self.byte,
+            )?,
+            Coll::Iallgather => self
+                .world
+                .iallgather(send, recv, self.size as i32, &self.byte)?,
             other => unreachable!("{} is rejected before MPI_Init", other.name()),
         };
         let t_posted = wtime();
@@ -240,9 +273,12 @@ impl Setup {
         let mut ok = true;
         for peer in 0..self.n {
             let block = &self.recv[peer * self.size..(peer + 1) * self.size];
-            if let Some((off, exp, got)) =
-                pattern::first_mismatch(block, peer as u32, self.me as u32, iter)
-            {
+            let dst = if self.coll.is_allgather() {
+                ALL_PEERS
+            } else {
+                self.me as u32
+            };
+            if let Some((off, exp, got)) = pattern::first_mismatch(block, peer as u32, dst, iter) {
                 eprintln!(
                     "coll-bench: VALIDATION FAILED: {} bytes={} phase={phase} rank={} peer={peer} \
                      offset={off} expected=0x{exp:02x} got=0x{got:02x}",
@@ -330,7 +366,7 @@ fn run_size(
         size,
         // Never empty: two empty Vecs share one dangling address, and MPI rejects
         // sendbuf == recvbuf (that is what MPI_IN_PLACE is for) even for zero counts.
-        send: vec![0; (n * size).max(1)],
+        send: vec![0; (if coll.is_allgather() { size } else { n * size }).max(1)],
         recv: vec![0; (n * size).max(1)],
         counts: vec![size as i32; n],
         displs: (0..n).map(|j| (j * size) as i32).collect(),
@@ -656,14 +692,18 @@ fn compare(args: CompareArgs) -> i32 {
     0
 }
 
+mod late;
+
 fn main() {
     let cli = Cli::parse();
     let code = match cli.command {
         Command::Compare(args) => compare(args),
+        Command::Late(args) => late::late(args),
         Command::Overlap(args) => {
             if !args.coll.implemented() {
                 eprintln!(
-                    "coll-bench: --coll {} is not implemented yet (implemented: ialltoallv, ialltoall)",
+                    "coll-bench: --coll {} is not implemented yet (implemented: ialltoallv, \
+                     ialltoall, iallgatherv, iallgather)",
                     args.coll.name()
                 );
                 std::process::exit(2);

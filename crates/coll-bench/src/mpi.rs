@@ -315,6 +315,125 @@ impl Comm {
         })
     }
 
+    /// `MPI_Iallgatherv`: `sendcount` elements of `dt` from every rank into block `j` of
+    /// `recv` at element offset `rdispls[j]`. Checks that every block lies inside its buffer.
+    pub fn iallgatherv<'a>(
+        &self,
+        send: &'a [u8],
+        sendcount: i32,
+        recv: &'a mut [u8],
+        recvcounts: &'a [i32],
+        rdispls: &'a [i32],
+        dt: &Datatype,
+    ) -> Result<Request<'a>> {
+        let n = self.size()? as usize;
+        check_blocks("MPI_Iallgatherv", 1, send.len(), &[sendcount], &[0], dt)?;
+        check_blocks("MPI_Iallgatherv", n, recv.len(), recvcounts, rdispls, dt)?;
+        let mut req = consts::REQUEST_NULL();
+        // SAFETY: blocks checked against the buffers; buffers and arrays outlive the request.
+        check("MPI_Iallgatherv", unsafe {
+            mpi_ffi::MPI_Iallgatherv(
+                send.as_ptr().cast(),
+                sendcount,
+                dt.raw,
+                recv.as_mut_ptr().cast(),
+                recvcounts.as_ptr(),
+                rdispls.as_ptr(),
+                dt.raw,
+                self.raw,
+                &mut req,
+            )
+        })?;
+        Ok(Request::new(req))
+    }
+
+    /// `MPI_Allgatherv` (blocking), same conventions as [`Comm::iallgatherv`].
+    pub fn allgatherv(
+        &self,
+        send: &[u8],
+        sendcount: i32,
+        recv: &mut [u8],
+        recvcounts: &[i32],
+        rdispls: &[i32],
+        dt: &Datatype,
+    ) -> Result<()> {
+        let n = self.size()? as usize;
+        check_blocks("MPI_Allgatherv", 1, send.len(), &[sendcount], &[0], dt)?;
+        check_blocks("MPI_Allgatherv", n, recv.len(), recvcounts, rdispls, dt)?;
+        // SAFETY: blocks checked against the buffers.
+        check("MPI_Allgatherv", unsafe {
+            mpi_ffi::MPI_Allgatherv(
+                send.as_ptr().cast(),
+                sendcount,
+                dt.raw,
+                recv.as_mut_ptr().cast(),
+                recvcounts.as_ptr(),
+                rdispls.as_ptr(),
+                dt.raw,
+                self.raw,
+            )
+        })
+    }
+
+    /// `MPI_Iallgather`: `count` elements of `dt` from every rank, block `j` at element offset
+    /// `j * count` of `recv`.
+    pub fn iallgather<'a>(
+        &self,
+        send: &'a [u8],
+        recv: &'a mut [u8],
+        count: i32,
+        dt: &Datatype,
+    ) -> Result<Request<'a>> {
+        let n = self.size()? as usize;
+        let one = count.max(0) as u128 * dt.extent as u128;
+        if count < 0 || one > send.len() as u128 || n as u128 * one > recv.len() as u128 {
+            return Err(arg_error(
+                "MPI_Iallgather",
+                "buffers smaller than (size *) count * extent",
+            ));
+        }
+        let mut req = consts::REQUEST_NULL();
+        // SAFETY: sizes checked above; the buffers outlive the request.
+        check("MPI_Iallgather", unsafe {
+            mpi_ffi::MPI_Iallgather(
+                send.as_ptr().cast(),
+                count,
+                dt.raw,
+                recv.as_mut_ptr().cast(),
+                count,
+                dt.raw,
+                self.raw,
+                &mut req,
+            )
+        })?;
+        Ok(Request::new(req))
+    }
+
+    /// `MPI_Allgather` (blocking): `count` elements of `dt` from every rank, block `j` at
+    /// element offset `j * count` of `recv`.
+    pub fn allgather(&self, send: &[u8], recv: &mut [u8], count: i32, dt: &Datatype) -> Result<()> {
+        let n = self.size()? as usize;
+        let one = count.max(0) as u128 * dt.extent as u128;
+        if count < 0 || one > send.len() as u128 || n as u128 * one > recv.len() as u128 {
+            return Err(arg_error(
+                "MPI_Allgather",
+                "buffers smaller than (size *) count * extent",
+            ));
+        }
+        // SAFETY: sizes checked above.
+        check("MPI_Allgather", unsafe {
+            mpi_ffi::MPI_Allgather(
+                send.as_ptr().cast(),
+                count,
+                dt.raw,
+                recv.as_mut_ptr().cast(),
+                count,
+                dt.raw,
+                self.raw,
+            )
+        })
+    }
+
     /// `MPI_Ialltoall`: `count` elements of `dt` to and from every rank, block `j` at element
     /// offset `j * count`.
     pub fn ialltoall<'a>(

@@ -444,10 +444,22 @@ fn run_job(
         .env("SPOFF_JOB_ID", job_id.to_string())
         .env("SPOFF_NODES", opts.nodes.to_string())
         .env("SPOFF_RANKS_PER_NODE", opts.ranks_per_node.to_string())
+        .env(
+            "SPOFF_LAYOUT",
+            match opts.layout {
+                Layout::Block => "block",
+                Layout::Cyclic => "cyclic",
+            },
+        )
         .args(["--oversubscribe", "--bind-to", "none", "-np"])
         .arg(world.to_string())
         .args(&opts.mpirun_args);
-    let mut exported = vec!["SPOFF_JOB_ID", "SPOFF_NODES", "SPOFF_RANKS_PER_NODE"];
+    let mut exported = vec![
+        "SPOFF_JOB_ID",
+        "SPOFF_NODES",
+        "SPOFF_RANKS_PER_NODE",
+        "SPOFF_LAYOUT",
+    ];
     match &cluster_path {
         Some(p) => {
             cmd.env("SPOFF_CLUSTER", p);
