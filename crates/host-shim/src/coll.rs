@@ -1,4 +1,5 @@
-//! Offloading `MPI_Alltoallv` / `MPI_Alltoall` (blocking and nonblocking).
+//! Offloading `MPI_Alltoallv` / `MPI_Alltoall` and `MPI_Allgatherv` / `MPI_Allgather`
+//! (blocking and nonblocking).
 //!
 //! A call is offloaded when the shim is active, the communicator is an intracommunicator,
 //! neither buffer is `MPI_IN_PLACE`, and both datatypes are contiguous (`layout.rs`); otherwise
@@ -9,13 +10,20 @@
 //!
 //! Posting: the communicator's id is agreed at its first offloaded use (`comm.rs`), a mailbox
 //! slot is reserved (harvesting completed requests if none is free), the slot's token word is
-//! zeroed, the buffers are granted (send READ, receive WRITE, each the smallest region covering
-//! its peers' bytes) and the descriptor goes to the SP. Once the communicator agreement has run
-//! the call is committed: the other members offload it too, so a failure from then on (a dead
-//! SP connection, every mailbox slot quarantined) is `MPI_ERR_OTHER` with a line on stderr,
-//! raised through the communicator's error handler (`boundary::raise`: under the default
-//! `MPI_ERRORS_ARE_FATAL` the job aborts, as a native failure would), never turned into a
-//! native call that the other members would not match.
+//! zeroed, the buffers are granted (send READ, receive WRITE, or READ_WRITE for an
+//! allgatherv; each the smallest region covering its peers' bytes) and the descriptor goes to
+//! the SP. Once the communicator agreement has run the call is committed: the other members
+//! offload it too, so a failure from then on (a dead SP connection, every mailbox slot
+//! quarantined) is `MPI_ERR_OTHER` with a line on stderr, raised through the communicator's
+//! error handler (`boundary::raise`: under the default `MPI_ERRORS_ARE_FATAL` the job aborts,
+//! as a native failure would), never turned into a native call that the other members would
+//! not match.
+//!
+//! An allgather(v) is posted as `CollKind::Allgatherv`: the send side is the one block of
+//! `sendcount` elements (its grant starts exactly at the block, so its displacement is 0), the
+//! receive side has a block per comm rank, and the descriptor carries the node of each comm
+//! rank (its SP's node in the cluster description) for the hierarchical algorithm. An
+//! `MPI_Allgather` is the allgatherv with `recvcount` per rank at displacement `i * recvcount`.
 
 use crate::boundary::{say, Commit};
 use crate::comm;
@@ -170,7 +178,7 @@ pub unsafe fn alltoallv(
     let send = Side::new(sendbuf, (sc, sd), st);
     let recv = Side::new(recvbuf, (rc, rd), rt);
     // SAFETY: forwarded.
-    unsafe { post(comm, send, recv, commit) }
+    unsafe { post(CollKind::Alltoallv, comm, send, recv, commit) }
 }
 
 /// # Safety
@@ -194,7 +202,61 @@ pub unsafe fn alltoall(
     let send = Side::new(sendbuf, alltoall_as_v(n, sendcount as i64), st);
     let recv = Side::new(recvbuf, alltoall_as_v(n, recvcount as i64), rt);
     // SAFETY: forwarded.
-    unsafe { post(comm, send, recv, commit) }
+    unsafe { post(CollKind::Alltoallv, comm, send, recv, commit) }
+}
+
+/// # Safety
+/// Arguments as for `MPI_Allgatherv`.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn allgatherv(
+    sendbuf: *const c_void,
+    sendcount: c_int,
+    sendtype: ffi::MPI_Datatype,
+    recvbuf: *mut c_void,
+    recvcounts: *const c_int,
+    displs: *const c_int,
+    recvtype: ffi::MPI_Datatype,
+    comm: ffi::MPI_Comm,
+    commit: &mut Commit,
+) -> Offload {
+    // SAFETY: forwarded.
+    let Some((n, st, rt)) = (unsafe { eligible(sendbuf, recvbuf, sendtype, recvtype, comm) })
+    else {
+        return Offload::Native;
+    };
+    // SAFETY: forwarded.
+    let (Some(rc), Some(rd)) = (unsafe { (read_ints(recvcounts, n), read_ints(displs, n)) }) else {
+        return Offload::Native;
+    };
+    let send = Side::new(sendbuf, (vec![sendcount as i64], vec![0]), st);
+    let recv = Side::new(recvbuf, (rc, rd), rt);
+    // SAFETY: forwarded.
+    unsafe { post(CollKind::Allgatherv, comm, send, recv, commit) }
+}
+
+/// # Safety
+/// Arguments as for `MPI_Allgather`.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn allgather(
+    sendbuf: *const c_void,
+    sendcount: c_int,
+    sendtype: ffi::MPI_Datatype,
+    recvbuf: *mut c_void,
+    recvcount: c_int,
+    recvtype: ffi::MPI_Datatype,
+    comm: ffi::MPI_Comm,
+    commit: &mut Commit,
+) -> Offload {
+    // SAFETY: forwarded.
+    let Some((n, st, rt)) = (unsafe { eligible(sendbuf, recvbuf, sendtype, recvtype, comm) })
+    else {
+        return Offload::Native;
+    };
+    let send = Side::new(sendbuf, (vec![sendcount as i64], vec![0]), st);
+    // Block `i` at displacement `i * recvcount`: the alltoall layout of one side.
+    let recv = Side::new(recvbuf, alltoall_as_v(n, recvcount as i64), rt);
+    // SAFETY: forwarded.
+    unsafe { post(CollKind::Allgatherv, comm, send, recv, commit) }
 }
 
 /// A free mailbox slot, harvesting completions (and waiting) while none is free. The wait is
@@ -234,7 +296,15 @@ fn reserve_slot() -> Result<u32, String> {
     }
 }
 
-unsafe fn post(comm: ffi::MPI_Comm, send: Side, recv: Side, commit: &mut Commit) -> Offload {
+/// Posts one collective of `kind`: `send` has a block per comm rank for an alltoallv, the one
+/// block of this rank (at displacement 0) for an allgatherv.
+unsafe fn post(
+    kind: CollKind,
+    comm: ffi::MPI_Comm,
+    send: Side,
+    recv: Side,
+    commit: &mut Commit,
+) -> Offload {
     let (Ok(s), Ok(r)) = (
         side_bytes(&send.counts, &send.displs, &send.ty),
         side_bytes(&recv.counts, &recv.displs, &recv.ty),
@@ -262,7 +332,8 @@ unsafe fn post(comm: ffi::MPI_Comm, send: Side, recv: Side, commit: &mut Commit)
         // A dead SP fails every later collective too: report the first few, then stay quiet.
         match POST_FAILURES.fetch_add(1, Ordering::AcqRel) {
             n if n < REPORTED_POST_FAILURES => say!(
-                "rank {rank}: cannot post alltoallv #{seq} on communicator {}:{}: {why}",
+                "rank {rank}: cannot post {} #{seq} on communicator {}:{}: {why}",
+                kind_name(kind),
                 info.id.leader,
                 info.id.id
             ),
@@ -277,6 +348,12 @@ unsafe fn post(comm: ffi::MPI_Comm, send: Side, recv: Side, commit: &mut Commit)
         Ok(slot) => slot,
         Err(why) => return fail(&why),
     };
+    // An allgatherv's receive buffer is also read: the SP serves the node's other ranks
+    // segments out of it.
+    let recv_rights = match kind {
+        CollKind::Alltoallv => Rights::WRITE,
+        CollKind::Allgatherv => Rights::READ_WRITE,
+    };
     let posted = with_shim(|sh| {
         let token = sh.next_token;
         sh.next_token += 1;
@@ -287,16 +364,19 @@ unsafe fn post(comm: ffi::MPI_Comm, send: Side, recv: Side, commit: &mut Commit)
         });
         sh.registrar.refresh(idle);
         let desc = PostDesc {
-            kind: CollKind::Alltoallv,
+            kind,
             comm: info.id,
             seq,
             comm_rank: info.comm_rank,
             members: info.members.clone(),
-            nodes: Vec::new(),
+            nodes: match kind {
+                CollKind::Alltoallv => Vec::new(),
+                CollKind::Allgatherv => info.nodes.clone(),
+            },
             slot,
             token,
             send: sh.registrar.buffer(send_addr, s.region_len, Rights::READ),
-            recv: sh.registrar.buffer(recv_addr, r.region_len, Rights::WRITE),
+            recv: sh.registrar.buffer(recv_addr, r.region_len, recv_rights),
             send_counts: s.counts,
             send_displs: s.displs,
             recv_counts: r.counts,
@@ -305,7 +385,7 @@ unsafe fn post(comm: ffi::MPI_Comm, send: Side, recv: Side, commit: &mut Commit)
         match sh.conn.send(&HostToSp::Post(Box::new(desc))) {
             Ok(()) => {
                 let req = Box::into_raw(Box::new(OffloadRequest::new(
-                    slot, token, info.id, seq, comm,
+                    kind, slot, token, info.id, seq, comm,
                 )));
                 sh.registry.insert(req as usize);
                 TRACKED.fetch_add(1, Ordering::AcqRel);
@@ -324,5 +404,12 @@ unsafe fn post(comm: ffi::MPI_Comm, send: Side, recv: Side, commit: &mut Commit)
         Some(Ok(addr)) => Offload::Posted(addr),
         Some(Err(why)) => fail(&why),
         None => fail("the shim is shut down"),
+    }
+}
+
+pub fn kind_name(kind: CollKind) -> &'static str {
+    match kind {
+        CollKind::Alltoallv => "alltoallv",
+        CollKind::Allgatherv => "allgatherv",
     }
 }

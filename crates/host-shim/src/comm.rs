@@ -29,6 +29,8 @@ pub struct CommInfo {
     pub comm_rank: u32,
     /// SP serving each comm rank.
     pub members: Vec<SpId>,
+    /// Node of each comm rank (the node of its SP in the cluster description).
+    pub nodes: Vec<u32>,
     /// `seq` of the next offloaded collective on this communicator.
     pub next_seq: AtomicU64,
 }
@@ -211,16 +213,29 @@ unsafe fn agree(comm: ffi::MPI_Comm) -> Result<CommInfo, NotOffloaded> {
     if outside {
         return Err(NotOffloaded::OutsideWorld);
     }
+    let members: Vec<SpId> = world
+        .iter()
+        .map(|&w| topo.sp_of_world[w as usize])
+        .collect();
+    // Every SP a rank registered with is in the description (the rank checked its own SP's
+    // id against it), so the lookup cannot miss; `u32::MAX` would only make the SP refuse.
+    let nodes = members
+        .iter()
+        .map(|&sp| {
+            topo.node_of_sp
+                .get(sp as usize)
+                .copied()
+                .unwrap_or(u32::MAX)
+        })
+        .collect();
     Ok(CommInfo {
         id: CommId {
             leader: leader as u32,
             id,
         },
         comm_rank: rank as u32,
-        members: world
-            .iter()
-            .map(|&w| topo.sp_of_world[w as usize])
-            .collect(),
+        members,
+        nodes,
         next_seq: AtomicU64::new(0),
     })
 }

@@ -1,6 +1,8 @@
 //! `libhost_shim.so` is LD_PRELOADed into unmodified MPI programs and, through PMPI
-//! interposition, hands their `MPI_Alltoallv` / `MPI_Alltoall` (blocking and nonblocking) to the
-//! rank's service process (SP): it posts a descriptor over a Unix socket with grants on the
+//! interposition, hands their `MPI_Alltoallv` / `MPI_Alltoall` and `MPI_Allgatherv` /
+//! `MPI_Allgather`, blocking (`MPI_Alltoallv`, `MPI_Alltoall`, `MPI_Allgatherv`,
+//! `MPI_Allgather`) and nonblocking (`MPI_Ialltoallv`, `MPI_Ialltoall`, `MPI_Iallgatherv`,
+//! `MPI_Iallgather`), to the rank's service process (SP): it posts a descriptor over a Unix socket with grants on the
 //! buffers, and completes the request when the SP writes a completion token into the rank's
 //! mailbox; it intercepts the whole Wait/Test family so its requests and native ones mix
 //! freely. It never changes what a program computes: anything it does not support (an
@@ -276,6 +278,138 @@ pub unsafe extern "C" fn MPI_Alltoall(
             // SAFETY: the caller's arguments (MPI preconditions).
             unsafe {
                 let outcome = coll::alltoall(
+                    sendbuf, sendcount, sendtype, recvbuf, recvcount, recvtype, comm, commit,
+                );
+                complete(outcome, None, comm)
+            }
+        },
+    )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn MPI_Iallgatherv(
+    sendbuf: *const c_void,
+    sendcount: c_int,
+    sendtype: ffi::MPI_Datatype,
+    recvbuf: *mut c_void,
+    recvcounts: *const c_int,
+    displs: *const c_int,
+    recvtype: ffi::MPI_Datatype,
+    comm: ffi::MPI_Comm,
+    request: *mut ffi::MPI_Request,
+) -> c_int {
+    boundary(
+        "MPI_Iallgatherv",
+        // SAFETY: the caller's arguments, passed on unchanged.
+        || unsafe {
+            ffi::PMPI_Iallgatherv(
+                sendbuf, sendcount, sendtype, recvbuf, recvcounts, displs, recvtype, comm, request,
+            )
+        },
+        |commit| {
+            if request.is_null() {
+                return Flow::Native;
+            }
+            // SAFETY: the caller's arguments (MPI preconditions).
+            unsafe {
+                let outcome = coll::allgatherv(
+                    sendbuf, sendcount, sendtype, recvbuf, recvcounts, displs, recvtype, comm,
+                    commit,
+                );
+                complete(outcome, Some(request), comm)
+            }
+        },
+    )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn MPI_Allgatherv(
+    sendbuf: *const c_void,
+    sendcount: c_int,
+    sendtype: ffi::MPI_Datatype,
+    recvbuf: *mut c_void,
+    recvcounts: *const c_int,
+    displs: *const c_int,
+    recvtype: ffi::MPI_Datatype,
+    comm: ffi::MPI_Comm,
+) -> c_int {
+    boundary(
+        "MPI_Allgatherv",
+        // SAFETY: the caller's arguments, passed on unchanged.
+        || unsafe {
+            ffi::PMPI_Allgatherv(
+                sendbuf, sendcount, sendtype, recvbuf, recvcounts, displs, recvtype, comm,
+            )
+        },
+        |commit| {
+            // SAFETY: the caller's arguments (MPI preconditions).
+            unsafe {
+                let outcome = coll::allgatherv(
+                    sendbuf, sendcount, sendtype, recvbuf, recvcounts, displs, recvtype, comm,
+                    commit,
+                );
+                complete(outcome, None, comm)
+            }
+        },
+    )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn MPI_Iallgather(
+    sendbuf: *const c_void,
+    sendcount: c_int,
+    sendtype: ffi::MPI_Datatype,
+    recvbuf: *mut c_void,
+    recvcount: c_int,
+    recvtype: ffi::MPI_Datatype,
+    comm: ffi::MPI_Comm,
+    request: *mut ffi::MPI_Request,
+) -> c_int {
+    boundary(
+        "MPI_Iallgather",
+        // SAFETY: the caller's arguments, passed on unchanged.
+        || unsafe {
+            ffi::PMPI_Iallgather(
+                sendbuf, sendcount, sendtype, recvbuf, recvcount, recvtype, comm, request,
+            )
+        },
+        |commit| {
+            if request.is_null() {
+                return Flow::Native;
+            }
+            // SAFETY: the caller's arguments (MPI preconditions).
+            unsafe {
+                let outcome = coll::allgather(
+                    sendbuf, sendcount, sendtype, recvbuf, recvcount, recvtype, comm, commit,
+                );
+                complete(outcome, Some(request), comm)
+            }
+        },
+    )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn MPI_Allgather(
+    sendbuf: *const c_void,
+    sendcount: c_int,
+    sendtype: ffi::MPI_Datatype,
+    recvbuf: *mut c_void,
+    recvcount: c_int,
+    recvtype: ffi::MPI_Datatype,
+    comm: ffi::MPI_Comm,
+) -> c_int {
+    boundary(
+        "MPI_Allgather",
+        // SAFETY: the caller's arguments, passed on unchanged.
+        || unsafe {
+            ffi::PMPI_Allgather(
+                sendbuf, sendcount, sendtype, recvbuf, recvcount, recvtype, comm,
+            )
+        },
+        |commit| {
+            // SAFETY: the caller's arguments (MPI preconditions).
+            unsafe {
+                let outcome = coll::allgather(
                     sendbuf, sendcount, sendtype, recvbuf, recvcount, recvtype, comm, commit,
                 );
                 complete(outcome, None, comm)

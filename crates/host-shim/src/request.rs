@@ -16,6 +16,7 @@
 
 use crate::state::{self, mailbox_token, with_shim};
 use algorithms::CommId;
+use bootstrap::wire::CollKind;
 use mpi_ffi as ffi;
 use mpi_ffi::consts;
 use std::os::raw::c_int;
@@ -23,6 +24,7 @@ use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
 
 #[derive(Debug)]
 pub struct OffloadRequest {
+    pub kind: CollKind,
     pub slot: u32,
     pub token: u64,
     pub comm: CommId,
@@ -35,8 +37,16 @@ pub struct OffloadRequest {
 }
 
 impl OffloadRequest {
-    pub fn new(slot: u32, token: u64, comm: CommId, seq: u64, handle: ffi::MPI_Comm) -> Self {
+    pub fn new(
+        kind: CollKind,
+        slot: u32,
+        token: u64,
+        comm: CommId,
+        seq: u64,
+        handle: ffi::MPI_Comm,
+    ) -> Self {
         OffloadRequest {
+            kind,
             slot,
             token,
             comm,

@@ -75,6 +75,8 @@ pub struct Topology {
     pub world_size: u32,
     /// The SP serving each world rank.
     pub sp_of_world: Vec<SpId>,
+    /// The node of each SP of the cluster description, indexed by SP id.
+    pub node_of_sp: Vec<u32>,
 }
 
 static TOPOLOGY: OnceLock<Topology> = OnceLock::new();
@@ -164,8 +166,9 @@ impl Shim {
         if status != mailbox::STATUS_OK {
             let t = topology();
             say!(
-                "rank {}: offloaded alltoallv #{} on communicator {}:{} failed: {} (status {status})",
+                "rank {}: offloaded {} #{} on communicator {}:{} failed: {} (status {status})",
                 t.world_rank,
+                crate::coll::kind_name(req.kind),
                 req.seq,
                 req.comm.leader,
                 req.comm.id,
@@ -350,6 +353,8 @@ struct Registered {
     sp: SpId,
     node: u32,
     local_rank: u32,
+    /// The node of each SP of the cluster description, indexed by SP id.
+    node_of_sp: Vec<u32>,
 }
 
 unsafe fn start_inner() -> bool {
@@ -486,6 +491,7 @@ unsafe fn start_inner() -> bool {
         world_rank: rank,
         world_size: size,
         sp_of_world,
+        node_of_sp: reg.node_of_sp.clone(),
     });
     if settings.verbose {
         say!(
@@ -684,6 +690,7 @@ fn register(
         sp,
         node: placement.node,
         local_rank: placement.local_rank,
+        node_of_sp: cluster.sps.iter().map(|e| e.node).collect(),
     })
 }
 

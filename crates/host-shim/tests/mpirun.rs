@@ -2,7 +2,8 @@
 //! shim preloaded.
 //!
 //! Offload runs go through the real launcher (`service-process launch`) and real SPs, on 2
-//! nodes x 2 ranks. Each checks the program's own verdict and, from the SPs' counters, that
+//! nodes x 2 ranks: alltoall(v) (`a2a_check`) and randomized allgather(v) (`ag_check`, with
+//! one consistently late rank, 1 and 2 SPs per node, block and cyclic placement). Each checks the program's own verdict and, from the SPs' counters, that
 //! exactly the calls the program counted as eligible were posted (so nothing it must keep
 //! native, a non-contiguous type or `MPI_IN_PLACE`, was offloaded) and completed, without a
 //! failed copy; two of them grant with the `ucx` backend (`SPOFF_BACKEND=ucx`, SPs with
@@ -230,6 +231,66 @@ fn offload_one_sp_per_node_four_mailbox_slots() {
 #[test]
 fn offload_two_sps_per_node_one_mailbox_slot() {
     a2a_check_offloads(2, "1");
+}
+
+/// `ag_check` (randomized Iallgatherv / Allgatherv / Iallgather / Allgather, each compared
+/// byte for byte with `PMPI_Allgatherv`; the non-contiguous type and `MPI_IN_PLACE` going
+/// native) on 2 nodes x 2 ranks with `sps_per_node` SPs per node and `layout`, the last world
+/// rank consistently late. Checks the verdict and the SP accounting as [`assert_offloaded`]
+/// does; returns the run.
+fn ag_check_offloads(sps_per_node: u32, layout: &str) -> Finished {
+    let _serial = serial();
+    let prog = prog("ag_check");
+    let seed = integration_tests::seed().to_string();
+    let run = launch_with(
+        sps_per_node,
+        &["--layout", layout],
+        &[&prog, "30", &seed, "late"],
+        &[],
+    );
+    assert_offloaded(&run, "ag_check", 2 * sps_per_node as usize);
+    assert!(shim_lines(&run.stderr).is_empty(), "{}", run.stderr);
+    eprintln!(
+        "ag_check seed {seed}: no_ready_rank {}, parked {}, served_after_pass {}",
+        run.sp_total("no_ready_rank"),
+        run.sp_total("parked"),
+        run.sp_total("served_after_pass")
+    );
+    run
+}
+
+/// With one rank consistently late, an SP often has no ready rank to serve a segment from and
+/// must park it or pass it on: the late-arrival paths ran, and still gave the right bytes.
+fn assert_late_arrivals(run: &Finished) {
+    assert!(run.sp_total("no_ready_rank") > 0, "{}", run.stderr);
+    assert!(
+        run.sp_total("parked") + run.sp_total("served_after_pass") > 0,
+        "{}",
+        run.stderr
+    );
+}
+
+#[test]
+fn allgather_offloads_one_sp_per_node_block() {
+    let run = ag_check_offloads(1, "block");
+    assert!(run.sp_total("no_ready_rank") > 0, "{}", run.stderr);
+}
+
+#[test]
+fn allgather_offloads_one_sp_per_node_cyclic() {
+    ag_check_offloads(1, "cyclic");
+}
+
+#[test]
+fn allgather_offloads_two_sps_per_node_block_with_late_arrivals() {
+    let run = ag_check_offloads(2, "block");
+    assert_late_arrivals(&run);
+}
+
+#[test]
+fn allgather_offloads_two_sps_per_node_cyclic_with_late_arrivals() {
+    let run = ag_check_offloads(2, "cyclic");
+    assert_late_arrivals(&run);
 }
 
 /// `program` offloaded with `SPOFF_BACKEND=ucx` (and verbose) on SPs started with `--ucx`:
