@@ -54,18 +54,36 @@
 //! its send buffer, and every SP of its node sent `SegmentDone` for every
 //! segment it holds (send or receive buffer). Every announcement and every
 //! `Segment` is answered exactly once (`Ack` / `SegmentDone`), also after an
-//! abort (then without copying).
+//! abort (then without copying); answers to `Release` (below) are extra
+//! `Ack`s.
 //!
 //! Failure handling follows [`crate::alltoallv`]: local abort, rank loss and
 //! peer loss abort the instance and broadcast `Abort`; every SP that learns
 //! of an abort re-broadcasts it once (the SP where it started may not know
 //! the membership, and it is only contacted by some SPs); a lost SP's pending
-//! `SegmentDone`s are dropped; pending acks from a node with a lost SP are
-//! settled (the announcement may have been parked there). Limitation: if
-//! the lost SP passed the announcement on just before dying, a live sibling
-//! may still read the source's send buffer after the source rank completed
-//! with an error (the read only feeds a receive buffer of an aborted
-//! collective).
+//! `SegmentDone`s are dropped (its copies die with it, and `SegmentDone`s
+//! are per SP, so no other SP's reads are covered by them).
+//!
+//! *Release after a peer loss.* When SP `d` of node `n` is lost, an unacked
+//! announcement of a local source `s` to `n` may be at `d` (gone with it),
+//! or at, or in a `Pass` to, a live SP of `n` (`d` may have passed it on
+//! just before dying). The SP of `s` therefore sends `Release` to every live
+//! SP of `n` and settles the ack (`s` stops waiting for `n`) only when every
+//! one of them has acked since, or was lost too. An SP that gets `Release`
+//! aborts, and answers with `Ack` at once unless a landing copy of `s` is
+//! in flight there; then the `Ack` that the finished copy sends anyway is
+//! the answer. Completeness: an `Ack` from a live SP `y` means either
+//! (a) `y` finished the announcement (landing copy done or dropped): it is
+//! in exactly one place, so it is gone for good, or (b) `y` answered
+//! `Release`: `y` is aborted, has no landing copy of `s`, and an aborted SP
+//! never starts one (`serve` runs only without an abort; every
+//! announcement or pass reaching an aborted SP is acked without copying),
+//! so a `Pass` still on its way to `y` is harmless. Only live SPs may read,
+//! a lost SP is removed from every waiting set, and acks are created only
+//! before the instance aborts (a post after the abort announces nothing),
+//! so once the set is empty no SP will read `s`'s send buffer for `n`.
+//! Late or duplicate acks (e.g. a parked announcement acked by the abort,
+//! then the `Release` answer) are ignored.
 //!
 //! Count mismatches (a rank's `recv_counts[s]` differs from `s`'s send
 //! length) abort the instance with `CountMismatch`; a failed copy aborts it
@@ -155,6 +173,16 @@ pub enum Msg<K> {
     SegmentDone { src: Rank, status: Status },
     /// The collective failed; stop and complete everyone with `status`.
     Abort { status: Status },
+    /// Sent by the SP of `src` to every live SP of `node` after an SP of
+    /// `node` was lost while `src`'s announcement there was unacked: the
+    /// receiver aborts with `status` (so it never starts a landing copy
+    /// again) and answers with `Ack { src, node }` once no landing copy of
+    /// `src` is in flight there.
+    Release {
+        src: Rank,
+        node: u32,
+        status: Status,
+    },
 }
 
 /// Identifies a copy within one instance.
@@ -445,7 +473,10 @@ pub struct Allgatherv<K> {
     held: BTreeMap<Rank, (Rank, BTreeSet<SpId>)>,
     /// Remote acks owed to local source ranks: (src, node).
     acks: BTreeSet<(Rank, u32)>,
-    /// Acks settled by a peer loss (a late ack for them is ignored).
+    /// Acks being released after a peer loss: the live SPs of the node
+    /// that have not acked yet.
+    releasing: BTreeMap<(Rank, u32), BTreeSet<SpId>>,
+    /// Acks settled after a peer loss (a late ack for them is ignored).
     settled: BTreeSet<(Rank, u32)>,
     /// Announcements received (to detect duplicates).
     announced: BTreeSet<Rank>,
@@ -479,6 +510,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
             segs: BTreeMap::new(),
             held: BTreeMap::new(),
             acks: BTreeSet::new(),
+            releasing: BTreeMap::new(),
             settled: BTreeSet::new(),
             announced: BTreeSet::new(),
             copies: BTreeMap::new(),
@@ -688,8 +720,9 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
     }
 
     /// SP `sp` died: abort with `PeerFailed` if it serves a member; its
-    /// pending `SegmentDone`s are dropped and acks pending from its node are
-    /// settled. Messages from `sp` are ignored from now on.
+    /// pending `SegmentDone`s are dropped and the live SPs of its node are
+    /// asked to `Release` the announcements still unacked there. Messages
+    /// from `sp` are ignored from now on.
     pub fn handle_peer_lost(&mut self, now: Nanos, sp: SpId) {
         self.now = now;
         if sp == self.me || !self.lost_sps.insert(sp) {
@@ -831,16 +864,32 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
                 released.push(*holder);
             }
         }
-        let settled: Vec<(Rank, u32)> = self
-            .acks
-            .iter()
-            .filter(|&&(_, n)| Some(n) == lost_node)
-            .copied()
-            .collect();
-        for a in settled {
-            self.acks.remove(&a);
-            self.settled.insert(a);
-            released.push(a.0);
+        // Pending acks from the lost SP's node: the announcement may be at
+        // the lost SP (gone with it) or at, or on its way to, a live SP of
+        // that node. Ask every live SP of the node to release it.
+        let mut settle = Vec::new();
+        let mut ask = Vec::new();
+        if let Some(n) = lost_node {
+            let live: BTreeSet<SpId> = topo.node_sps[&n]
+                .iter()
+                .filter(|s| !self.lost_sps.contains(s))
+                .copied()
+                .collect();
+            for &a in self.acks.iter().filter(|&&(_, m)| m == n) {
+                match self.releasing.get_mut(&a) {
+                    Some(waiting) => {
+                        waiting.remove(&sp);
+                        if waiting.is_empty() {
+                            settle.push(a);
+                        }
+                    }
+                    None if live.is_empty() => settle.push(a),
+                    None => {
+                        self.releasing.insert(a, live.clone());
+                        ask.push((a, live.clone()));
+                    }
+                }
+            }
         }
         for r in released {
             if let Some(st) = self.ranks.get_mut(&r) {
@@ -848,6 +897,27 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
             }
         }
         self.enter_abort(Status::PeerFailed, true);
+        let status = self.abort.expect("aborted");
+        for ((src, node), live) in ask {
+            for to in live {
+                self.send(to, Msg::Release { src, node, status });
+            }
+        }
+        for a in settle {
+            self.settle(a);
+        }
+    }
+
+    /// No live SP will read the send buffer of `a.0` for node `a.1` any
+    /// more.
+    fn settle(&mut self, a: (Rank, u32)) {
+        self.acks.remove(&a);
+        self.releasing.remove(&a);
+        self.settled.insert(a);
+        if let Some(st) = self.ranks.get_mut(&a.0) {
+            st.readers -= 1;
+        }
+        self.check_complete(a.0);
     }
 
     fn send(&mut self, to: SpId, msg: Msg<K>) {
@@ -938,9 +1008,21 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
                 if self.settled.contains(&(src, node)) {
                     return Ok(()); // settled on a peer loss; late but fine
                 }
-                if self.topo.is_none() || !self.acks.remove(&(src, node)) {
+                if self.topo.is_none() || !self.acks.contains(&(src, node)) {
                     return Err(MsgError::Unexpected { src });
                 }
+                if let Some(waiting) = self.releasing.get_mut(&(src, node)) {
+                    // Either `from` finished with the announcement or it
+                    // answers our `Release`: it will not read again.
+                    if waiting.remove(&from) && waiting.is_empty() {
+                        self.settle((src, node));
+                    }
+                    if let Some(st) = self.ranks.get_mut(&src) {
+                        st.set_error(status);
+                    }
+                    return Ok(());
+                }
+                self.acks.remove(&(src, node));
                 let st = self.ranks.get_mut(&src).expect("ack for a posted rank");
                 st.readers -= 1;
                 st.set_error(status);
@@ -1017,6 +1099,33 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
                 st.readers -= 1;
                 st.set_error(status);
                 self.check_complete(holder);
+                Ok(())
+            }
+            Msg::Release { src, node, status } => {
+                if let Some(t) = &self.topo {
+                    self.check_rank(src)?;
+                    if t.members[src as usize] != from {
+                        return Err(MsgError::WrongSp {
+                            rank: src,
+                            got: from,
+                        });
+                    }
+                    if t.my_node != node || t.nodes[src as usize] == node {
+                        return Err(MsgError::WrongNode { node });
+                    }
+                }
+                // From now on no landing copy starts here (an aborted SP
+                // acks every announcement without copying).
+                self.enter_abort(status, true);
+                let landing = self
+                    .copies
+                    .values()
+                    .any(|k| matches!(k, CopyKind::Land { ann, .. } if ann.src == src));
+                if !landing {
+                    let status = self.abort.expect("aborted");
+                    self.send(from, Msg::Ack { src, node, status });
+                }
+                // Else the landing copy acks `from` when it finishes.
                 Ok(())
             }
             Msg::Abort { status } => {
@@ -1458,7 +1567,10 @@ mod tests {
             while let Some((from, to, msg)) = self.msgs.pop_front() {
                 self.now += 1;
                 let now = self.now;
-                self.sp(to).handle_msg(now, from, msg).unwrap();
+                let Some(sp) = self.sps.get_mut(&to) else {
+                    continue; // a crashed SP
+                };
+                sp.handle_msg(now, from, msg).unwrap();
                 self.collect(to);
             }
         }
@@ -1588,6 +1700,97 @@ mod tests {
         assert_eq!(net.status(0), Some(Status::RankFailed));
         assert_eq!(net.status(1), Some(Status::RankFailed));
         assert_eq!(net.status(2), None);
+        assert!(net.sp(0).is_finished() && net.sp(1).is_finished());
+    }
+
+    #[test]
+    fn lost_sp_passed_the_announcement_on_source_waits_for_release() {
+        // Node 0: SP 0 (rank 0). Node 1: SP 1 (rank 1), SP 2 (rank 2).
+        let (members, nodes, lens) = ([0, 1, 2], [0, 1, 1], [4, 2, 6]);
+        let mut net = Net::new(3);
+        net.post(1, post(1, &members, &nodes, &lens));
+        net.deliver_all();
+        net.post(0, post(0, &members, &nodes, &lens));
+        // Deliver only the announcement to SP 2, which passes it to SP 1.
+        let i = net
+            .msgs
+            .iter()
+            .position(|(_, to, m)| *to == 2 && matches!(m, Msg::Announce { .. }))
+            .unwrap();
+        let (from, to, msg) = net.msgs.remove(i).unwrap();
+        net.sp(to).handle_msg(100, from, msg).unwrap();
+        net.collect(to);
+        let pass = net
+            .msgs
+            .iter()
+            .position(|(f, to, m)| (*f, *to) == (2, 1) && matches!(m, Msg::Pass { .. }))
+            .unwrap();
+        let pass = net.msgs.remove(pass).unwrap();
+        // SP 2 dies; SP 0 must not settle rank 0's ack to node 1 yet.
+        net.msgs.retain(|(f, t, _)| *f != 2 && *t != 2);
+        net.sps.remove(&2);
+        net.sp(0).handle_peer_lost(200, 2);
+        net.collect(0);
+        // The pass overtakes the release (and SP 1 has not noticed the
+        // loss yet): SP 1 starts landing rank 0's block.
+        net.sp(1).handle_msg(300, pass.0, pass.2).unwrap();
+        net.collect(1);
+        assert!(net
+            .copies
+            .iter()
+            .any(|(sp, c)| *sp == 1 && c.seg == 0 && c.src_rank == 0));
+        net.deliver_all();
+        assert!(
+            net.status(0).is_none(),
+            "rank 0 completed while SP 1 reads its send buffer"
+        );
+        net.run();
+        assert_eq!(net.status(0), Some(Status::PeerFailed));
+        net.sp(1).handle_peer_lost(400, 2);
+        net.collect(1);
+        net.run();
+        assert_eq!(net.status(1), Some(Status::PeerFailed));
+        assert!(net.sp(0).is_finished() && net.sp(1).is_finished());
+    }
+
+    #[test]
+    fn release_before_the_pass_arrives_blocks_the_landing() {
+        let (members, nodes, lens) = ([0, 1, 2], [0, 1, 1], [4, 2, 6]);
+        let mut net = Net::new(3);
+        net.post(1, post(1, &members, &nodes, &lens));
+        net.deliver_all();
+        net.post(0, post(0, &members, &nodes, &lens));
+        let i = net
+            .msgs
+            .iter()
+            .position(|(_, to, m)| *to == 2 && matches!(m, Msg::Announce { .. }))
+            .unwrap();
+        let (from, to, msg) = net.msgs.remove(i).unwrap();
+        net.sp(to).handle_msg(100, from, msg).unwrap();
+        net.collect(to);
+        let pass = net
+            .msgs
+            .iter()
+            .position(|(f, to, m)| (*f, *to) == (2, 1) && matches!(m, Msg::Pass { .. }))
+            .unwrap();
+        let pass = net.msgs.remove(pass).unwrap();
+        net.msgs.retain(|(f, t, _)| *f != 2 && *t != 2);
+        net.sps.remove(&2);
+        net.sp(0).handle_peer_lost(200, 2);
+        net.collect(0);
+        // SP 1 gets the release (and everything else) before the pass.
+        net.run();
+        assert!(net.status(0).is_some(), "SP 1 answered the release");
+        net.sp(1).handle_msg(300, pass.0, pass.2).unwrap();
+        net.collect(1);
+        assert!(
+            !net.copies.iter().any(|(_, c)| c.src_rank == 0),
+            "an aborted SP started a landing copy"
+        );
+        net.sp(1).handle_peer_lost(400, 2);
+        net.collect(1);
+        net.run();
+        assert_eq!(net.status(1), Some(Status::PeerFailed));
         assert!(net.sp(0).is_finished() && net.sp(1).is_finished());
     }
 
