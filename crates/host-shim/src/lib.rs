@@ -1,15 +1,16 @@
 //! `libhost_shim.so` is LD_PRELOADed into unmodified MPI programs and, through PMPI
-//! interposition, hands their `MPI_Alltoallv` / `MPI_Alltoall` and `MPI_Allgatherv` /
-//! `MPI_Allgather`, blocking (`MPI_Alltoallv`, `MPI_Alltoall`, `MPI_Allgatherv`,
-//! `MPI_Allgather`) and nonblocking (`MPI_Ialltoallv`, `MPI_Ialltoall`, `MPI_Iallgatherv`,
-//! `MPI_Iallgather`), to the rank's service process (SP): it posts a descriptor over a Unix socket with grants on the
-//! buffers, and completes the request when the SP writes a completion token into the rank's
-//! mailbox; it intercepts the whole Wait/Test family so its requests and native ones mix
-//! freely. It never changes what a program computes: anything it does not support (an
-//! intercommunicator, `MPI_IN_PLACE`, a non-contiguous datatype, no SP reachable on some rank)
-//! goes to the native `PMPI_*` function unchanged, it never lets a panic cross into C, never
-//! starts before `MPI_Init` (no ELF constructor), and never touches memory the program did not
-//! name in a call.
+//! interposition, hands their alltoall(v) and allgather(v) collectives, blocking and
+//! nonblocking (`MPI_Alltoallv`, `MPI_Ialltoallv`, `MPI_Alltoall`, `MPI_Ialltoall`,
+//! `MPI_Allgatherv`, `MPI_Iallgatherv`, `MPI_Allgather`, `MPI_Iallgather`), to the rank's
+//! service process (SP): it posts a descriptor over a Unix socket with grants on the buffers
+//! (an allgather(v) as the SP's hierarchical allgatherv, with the node of every member), and
+//! completes the request when the SP writes a completion token into the rank's mailbox; it
+//! intercepts the whole Wait/Test family so its requests and native ones mix freely. It never
+//! changes what a program computes: anything it does not support (an intercommunicator,
+//! `MPI_IN_PLACE`, a non-contiguous datatype, no SP reachable on some rank) goes to the native
+//! `PMPI_*` function unchanged, it never lets a panic cross into C, never starts before
+//! `MPI_Init` (no ELF constructor), and never touches memory the program did not name in a
+//! call.
 //!
 //! Environment: `SPOFF_CLUSTER` (path of the cluster description; unset = native),
 //! `SPOFF_OFFLOAD=0` (native), `SPOFF_JOB_ID` (u64; otherwise rank 0 draws one),

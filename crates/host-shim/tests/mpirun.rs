@@ -236,18 +236,16 @@ fn offload_two_sps_per_node_one_mailbox_slot() {
 /// `ag_check` (randomized Iallgatherv / Allgatherv / Iallgather / Allgather, each compared
 /// byte for byte with `PMPI_Allgatherv`; the non-contiguous type and `MPI_IN_PLACE` going
 /// native) on 2 nodes x 2 ranks with `sps_per_node` SPs per node and `layout`, the last world
-/// rank consistently late. Checks the verdict and the SP accounting as [`assert_offloaded`]
-/// does; returns the run.
-fn ag_check_offloads(sps_per_node: u32, layout: &str) -> Finished {
+/// rank consistently late, `extra` program arguments (`mixed`: a blocking alltoall among the
+/// outstanding allgathers of each batch). Checks the verdict and the SP accounting as
+/// [`assert_offloaded`] does; returns the run.
+fn ag_check_offloads(sps_per_node: u32, layout: &str, extra: &[&str]) -> Finished {
     let _serial = serial();
     let prog = prog("ag_check");
     let seed = integration_tests::seed().to_string();
-    let run = launch_with(
-        sps_per_node,
-        &["--layout", layout],
-        &[&prog, "30", &seed, "late"],
-        &[],
-    );
+    let mut program = vec![prog.as_str(), "30", &seed, "late"];
+    program.extend_from_slice(extra);
+    let run = launch_with(sps_per_node, &["--layout", layout], &program, &[]);
     assert_offloaded(&run, "ag_check", 2 * sps_per_node as usize);
     assert!(shim_lines(&run.stderr).is_empty(), "{}", run.stderr);
     eprintln!(
@@ -272,24 +270,24 @@ fn assert_late_arrivals(run: &Finished) {
 
 #[test]
 fn allgather_offloads_one_sp_per_node_block() {
-    let run = ag_check_offloads(1, "block");
+    let run = ag_check_offloads(1, "block", &[]);
     assert!(run.sp_total("no_ready_rank") > 0, "{}", run.stderr);
 }
 
 #[test]
-fn allgather_offloads_one_sp_per_node_cyclic() {
-    ag_check_offloads(1, "cyclic");
+fn allgather_and_alltoall_offload_one_sp_per_node_cyclic() {
+    ag_check_offloads(1, "cyclic", &["mixed"]);
 }
 
 #[test]
 fn allgather_offloads_two_sps_per_node_block_with_late_arrivals() {
-    let run = ag_check_offloads(2, "block");
+    let run = ag_check_offloads(2, "block", &[]);
     assert_late_arrivals(&run);
 }
 
 #[test]
-fn allgather_offloads_two_sps_per_node_cyclic_with_late_arrivals() {
-    let run = ag_check_offloads(2, "cyclic");
+fn allgather_and_alltoall_offload_two_sps_per_node_cyclic_with_late_arrivals() {
+    let run = ag_check_offloads(2, "cyclic", &["mixed"]);
     assert_late_arrivals(&run);
 }
 

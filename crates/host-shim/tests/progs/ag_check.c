@@ -1,8 +1,10 @@
 /* Checks allgather(v) results, natively or with libhost_shim.so preloaded: every collective is
  * compared byte for byte with PMPI_Allgatherv (never intercepted) on the same inputs.
  *
- * Usage: ag_check [ROUNDS [SEED [late] [return]]] (with "return", MPI_COMM_WORLD and the
- * communicators derived from it get MPI_ERRORS_RETURN and failed calls count as failures). Each round issues a random batch of
+ * Usage: ag_check [ROUNDS [SEED [late] [mixed] [return]]] (with "return", MPI_COMM_WORLD and
+ * the communicators derived from it get MPI_ERRORS_RETURN and failed calls count as failures;
+ * with "mixed", each batch also runs a blocking MPI_Alltoall on MPI_COMM_WORLD or its dup
+ * while its allgathers are outstanding there). Each round issues a random batch of
  * MPI_Iallgatherv / MPI_Allgatherv / MPI_Iallgather / MPI_Allgather calls (random counts with
  * zeros, packed / gapped / reversed displacement layouts, MPI_CHAR, MPI_INT, MPI_DOUBLE, a
  * contiguous derived type, a non-contiguous resized vector type that the shim must leave
@@ -27,7 +29,7 @@
 #define SENTINEL 0xA5
 #define MAX_BATCH 6
 
-static int rank, size, failures, checks, eligible, late;
+static int rank, size, failures, checks, eligible, late, mixed;
 
 #define CHECK(cond, ...)                                                                \
     do {                                                                                \
@@ -234,6 +236,28 @@ static void verify(struct op *o, int round, int i) {
     free(o->displs);
 }
 
+/* A blocking MPI_Alltoall on `comm` while the batch's allgathers may be outstanding on it:
+ * offloaded collectives of both kinds share the communicator's sequence. */
+static void alltoall_between(MPI_Comm comm) {
+    int n, me;
+    MPI_Comm_size(comm, &n);
+    MPI_Comm_rank(comm, &me);
+    int *sb = malloc(2 * n * sizeof(int)), *rb = malloc(2 * n * sizeof(int));
+    for (int i = 0; i < 2 * n; i++) {
+        sb[i] = me * 1000 + i;
+        rb[i] = -1;
+    }
+    eligible++;
+    skew();
+    CHECK(MPI_Alltoall(sb, 2, MPI_INT, rb, 2, MPI_INT, comm) == MPI_SUCCESS, "alltoall");
+    for (int s = 0; s < n; s++)
+        for (int j = 0; j < 2; j++)
+            CHECK(rb[2 * s + j] == s * 1000 + 2 * me + j, "alltoall from %d elem %d got %d", s, j,
+                  rb[2 * s + j]);
+    free(sb);
+    free(rb);
+}
+
 int main(int argc, char **argv) {
     int provided;
     MPI_Init_thread(&argc, &argv, MPI_THREAD_SINGLE, &provided);
@@ -243,6 +267,7 @@ int main(int argc, char **argv) {
     uint64_t seed = argc > 2 ? strtoull(argv[2], NULL, 0) : 1;
     for (int a = 3; a < argc; a++) {
         if (strcmp(argv[a], "late") == 0) late = 1;
+        if (strcmp(argv[a], "mixed") == 0) mixed = 1;
         if (strcmp(argv[a], "return") == 0) MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
     }
     if (size > 64) {
@@ -269,7 +294,10 @@ int main(int argc, char **argv) {
     struct op ops[MAX_BATCH];
     for (int round = 0; round < rounds; round++) {
         int k = 1 + pick(MAX_BATCH);
-        for (int i = 0; i < k; i++) issue(&ops[i], comms);
+        for (int i = 0; i < k; i++) {
+            issue(&ops[i], comms);
+            if (mixed && i == k / 2) alltoall_between(comms[pick(2)]);
+        }
         complete(ops, k, pick(3));
         for (int i = 0; i < k; i++) verify(&ops[i], round, i);
         int any = 0;
