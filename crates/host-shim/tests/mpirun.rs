@@ -364,6 +364,16 @@ fn ucx_grants_of_freed_and_reallocated_buffers_are_invalidated() {
     }
 }
 
+/// Allgather(v) with ucx grants: the receive grant is read-write (the SP serves the node's
+/// other ranks from it), which the ucx registration must carry too.
+#[test]
+fn ucx_backend_offloads_allgather() {
+    let _serial = serial();
+    let prog = prog("ag_check");
+    let seed = integration_tests::seed().to_string();
+    ucx_offloads(&[&prog, "10", &seed, "late", "mixed"], "ag_check", "1024");
+}
+
 /// Ranks may grant differently: rank 1 asks for cma, rank 2's UCX cannot initialise (it says
 /// so once and uses cma), ranks 0 and 3 use ucx. The SPs serve each grant with its own
 /// backend, so mixed cma/ucx copies are correct too.
