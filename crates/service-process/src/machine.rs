@@ -246,6 +246,15 @@ pub fn refuse(msg: &CollMsg, from: SpId, status: Status) -> Vec<(SpId, CollMsg)>
             (*origin, agv_abort.clone()),
             (from, agv_abort),
         ],
+        // The source's SP waits for this SP's answer to a release before it lets its rank go.
+        CollMsg::Allgatherv(allgatherv::Msg::Release { src, node, .. }) => vec![(
+            from,
+            CollMsg::Allgatherv(allgatherv::Msg::Ack {
+                src: *src,
+                node: *node,
+                status,
+            }),
+        )],
         CollMsg::Allgatherv(allgatherv::Msg::Segment { src, holder_sp, .. }) => vec![
             (
                 *holder_sp,
