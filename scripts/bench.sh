@@ -40,23 +40,39 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 base=(--nodes 2 --ranks-per-node 1)
 
-run() { # name, launch options..., -- coll-bench options...
-  local name=$1; shift
+run() { # name, collective, launch options..., -- coll-bench options...
+  local name=$1 coll=$2; shift 2
   local opts=()
   while [ "$1" != "--" ]; do opts+=("$1"); shift; done
   shift
   "$SP" launch "${base[@]}" "${opts[@]}" -- \
-    "$BENCH" overlap --coll ialltoallv --sizes "$sizes" "${iters[@]}" "$@" --json "$out/$name.json" \
+    "$BENCH" overlap --coll "$coll" --sizes "$sizes" "${iters[@]}" "$@" --json "$out/$name.json" \
     2> >(grep -v '^sp [0-9]* stats' >&2)
 }
 
 echo "== machine: $ncpu CPUs"
 echo "== A. OSU method; ranks on CPUs $a_ranks (one each), SPs unpinned"
-run a-native --rank-cpus "$a_ranks" --native --
-run a-offload --rank-cpus "$a_ranks" --
+run a-native ialltoallv --rank-cpus "$a_ranks" --native --
+run a-offload ialltoallv --rank-cpus "$a_ranks" --
 echo "== B. compute ${compute_us} us; ranks on CPUs $b_ranks, SPs reserved on CPU $last"
-run b-native --rank-cpus "$b_ranks" --native -- --compute-us "$compute_us"
-run b-offload --rank-cpus "$b_ranks" --sp-cpus "$last" -- --compute-us "$compute_us"
+run b-native ialltoallv --rank-cpus "$b_ranks" --native -- --compute-us "$compute_us"
+run b-offload ialltoallv --rank-cpus "$b_ranks" --sp-cpus "$last" -- --compute-us "$compute_us"
+if [ $demo -eq 0 ]; then
+  echo "== C. Iallgatherv, OSU method; ranks on CPUs $a_ranks, SPs unpinned"
+  run c-native iallgatherv --rank-cpus "$a_ranks" --native --
+  run c-offload iallgatherv --rank-cpus "$a_ranks" --
+  echo "== D. Allgatherv with one late rank per node; 2 nodes x 2 ranks"
+  for mode in native offload; do
+    : > "$out/d-$mode.json"
+    extra=(); [ $mode = native ] && extra=(--native)
+    for delay in 0 1 10 50; do
+      "$SP" launch --nodes 2 --ranks-per-node 2 "${extra[@]}" -- \
+        "$BENCH" late --coll allgatherv --delay-ms "$delay" --sizes 64K,1M --iters 10 \
+        --json "$out/d-part.json" 2> >(grep -v '^sp [0-9]* stats' >&2)
+      cat "$out/d-part.json" >> "$out/d-$mode.json"
+    done
+  done
+fi
 echo
 echo "== A. OSU method (compute = t_pure), one core per rank, SPs unpinned"
 "$BENCH" compare --native "$out/a-native.json" --offload "$out/a-offload.json"
@@ -82,6 +98,14 @@ if [ $demo -eq 0 ]; then
     echo "## B. Ialltoallv, compute ${compute_us} us: ranks on CPUs $b_ranks, SPs reserved on CPU $last"
     echo
     "$BENCH" compare --native "$out/b-native.json" --offload "$out/b-offload.json" --markdown
+    echo
+    echo "## C. Iallgatherv, OSU method: ranks on CPUs $a_ranks (one core each), SPs unpinned"
+    echo
+    "$BENCH" compare --native "$out/c-native.json" --offload "$out/c-offload.json" --markdown
+    echo
+    echo "## D. Allgatherv with late arrivals: 2 nodes x 2 ranks, the last rank of each node enters late"
+    echo
+    "$BENCH" compare --native "$out/d-native.json" --offload "$out/d-offload.json" --markdown
     if [ -f docs/BENCHMARKS.notes.md ]; then
       echo
       cat docs/BENCHMARKS.notes.md

@@ -569,22 +569,37 @@ fn compare(args: CompareArgs) -> i32 {
             return 2;
         }
     };
+    // Rows of `late` runs carry tail_us and a delay; rows of `overlap` runs do not.
+    let late = native.iter().chain(&offload).any(|r| r.get("tail_us").is_some());
     let key = |r: &serde_json::Value| {
         (
             r["coll"].as_str().unwrap_or("?").to_string(),
             r["bytes"].as_u64().unwrap_or(0),
+            r["delay_ms"].as_u64().unwrap_or(0),
         )
     };
-    let mut keys: Vec<(String, u64)> = native.iter().chain(&offload).map(key).collect();
+    let mut keys: Vec<(String, u64, u64)> = native.iter().chain(&offload).map(key).collect();
     keys.sort();
     keys.dedup();
-    let find =
-        |rows: &[serde_json::Value], k: &(String, u64)| rows.iter().find(|r| key(r) == *k).cloned();
+    let find = |rows: &[serde_json::Value], k: &(String, u64, u64)| {
+        rows.iter().find(|r| key(r) == *k).cloned()
+    };
     let num = |r: &Option<serde_json::Value>, f: &str| r.as_ref().and_then(|r| r[f].as_f64());
     // Time the host spent in the collective's calls while it had compute to do.
     let host_us = |r: &Option<serde_json::Value>| Some(num(r, "post_us")? + num(r, "wait_us")?);
     let cell = |v: Option<f64>, prec: usize| v.map_or("-".to_string(), |v| format!("{v:.prec$}"));
-    let header = [
+    let late_header = [
+        "coll",
+        "bytes",
+        "delay_ms",
+        "native_tail_us",
+        "offload_tail_us",
+        "tail_ratio",
+        "native_mean_in_call_us",
+        "offload_mean_in_call_us",
+        "validated",
+    ];
+    let overlap_header = [
         "coll",
         "bytes",
         "native_pure_us",
@@ -598,6 +613,7 @@ fn compare(args: CompareArgs) -> i32 {
         "offload_host_us",
         "validated",
     ];
+    let header: &[&str] = if late { &late_header } else { &overlap_header };
     let mut lines: Vec<Vec<String>> = Vec::new();
     let mut ok = true;
     for k in &keys {
@@ -606,7 +622,7 @@ fn compare(args: CompareArgs) -> i32 {
             |r: &Option<serde_json::Value>| r.as_ref().is_some_and(|r| r["validated"] == true);
         let both_valid = valid(&n) && valid(&o);
         ok &= both_valid;
-        let ratio = match (num(&n, "pure_us"), num(&o, "pure_us")) {
+        let ratio_of = |f: &str| match (num(&n, f), num(&o, f)) {
             (Some(a), Some(b)) if b > 0.0 => Some(a / b),
             _ => None,
         };
@@ -615,12 +631,26 @@ fn compare(args: CompareArgs) -> i32 {
             (None, _) => "no native row".into(),
             (_, None) => "no offload row".into(),
         };
+        if late {
+            lines.push(vec![
+                k.0.clone(),
+                k.1.to_string(),
+                k.2.to_string(),
+                cell(num(&n, "tail_us"), 1),
+                cell(num(&o, "tail_us"), 1),
+                cell(ratio_of("tail_us"), 2),
+                cell(num(&n, "mean_in_call_us"), 1),
+                cell(num(&o, "mean_in_call_us"), 1),
+                validated,
+            ]);
+            continue;
+        }
         lines.push(vec![
             k.0.clone(),
             k.1.to_string(),
             cell(num(&n, "pure_us"), 2),
             cell(num(&o, "pure_us"), 2),
-            cell(ratio, 2),
+            cell(ratio_of("pure_us"), 2),
             cell(num(&n, "overall_us"), 2),
             cell(num(&o, "overall_us"), 2),
             cell(num(&n, "overlap_pct"), 1),
@@ -640,13 +670,15 @@ fn compare(args: CompareArgs) -> i32 {
             )
         })
     };
+    let legend = if late {
+        "tail_us = time from the last rank's entry to the last rank's exit; tail_ratio = native \
+         tail_us / offload tail_us (above 1: the offload finishes sooner after the last arrival)."
+    } else {
+        "pure_ratio = native pure_us / offload pure_us; host_us = post_us + wait_us with compute \
+         (time the host spent in MPI calls instead of computing)."
+    };
     if args.markdown {
-        println!(
-            "Native: {}; offload: {}. pure_ratio = native pure_us / offload pure_us; host_us = \
-             post_us + wait_us with compute (time the host spent in MPI calls instead of computing).",
-            ctx(&native),
-            ctx(&offload)
-        );
+        println!("Native: {}; offload: {}. {legend}", ctx(&native), ctx(&offload));
         println!();
         println!("| {} |", header.join(" | "));
         println!(
@@ -657,11 +689,7 @@ fn compare(args: CompareArgs) -> i32 {
             println!("| {} |", l.join(" | "));
         }
     } else {
-        println!(
-            "# native: {}; offload: {}; pure_ratio = native/offload",
-            ctx(&native),
-            ctx(&offload)
-        );
+        println!("# native: {}; offload: {}; {legend}", ctx(&native), ctx(&offload));
         let widths: Vec<usize> = (0..header.len())
             .map(|i| {
                 lines
