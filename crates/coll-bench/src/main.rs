@@ -570,7 +570,10 @@ fn compare(args: CompareArgs) -> i32 {
         }
     };
     // Rows of `late` runs carry tail_us and a delay; rows of `overlap` runs do not.
-    let late = native.iter().chain(&offload).any(|r| r.get("tail_us").is_some());
+    let late = native
+        .iter()
+        .chain(&offload)
+        .any(|r| r.get("tail_us").is_some());
     let key = |r: &serde_json::Value| {
         (
             r["coll"].as_str().unwrap_or("?").to_string(),
@@ -678,7 +681,11 @@ fn compare(args: CompareArgs) -> i32 {
          (time the host spent in MPI calls instead of computing)."
     };
     if args.markdown {
-        println!("Native: {}; offload: {}. {legend}", ctx(&native), ctx(&offload));
+        println!(
+            "Native: {}; offload: {}. {legend}",
+            ctx(&native),
+            ctx(&offload)
+        );
         println!();
         println!("| {} |", header.join(" | "));
         println!(
@@ -689,7 +696,11 @@ fn compare(args: CompareArgs) -> i32 {
             println!("| {} |", l.join(" | "));
         }
     } else {
-        println!("# native: {}; offload: {}; {legend}", ctx(&native), ctx(&offload));
+        println!(
+            "# native: {}; offload: {}; {legend}",
+            ctx(&native),
+            ctx(&offload)
+        );
         let widths: Vec<usize> = (0..header.len())
             .map(|i| {
                 lines
