@@ -72,6 +72,9 @@ if [ $demo -eq 0 ]; then
       cat "$out/d-part.json" >> "$out/d-$mode.json"
     done
   done
+  echo "== E. simulated allgather, 32 nodes x 32 ranks (virtual time)"
+  "$SP" simulate --nodes 32 --ranks-per-node 32 --seeds 1 > "$out/e.txt"
+  cat "$out/e.txt"
 fi
 echo
 echo "== A. OSU method (compute = t_pure), one core per rank, SPs unpinned"
@@ -106,6 +109,17 @@ if [ $demo -eq 0 ]; then
     echo "## D. Allgatherv with late arrivals: 2 nodes x 2 ranks, the last rank of each node enters late"
     echo
     "$BENCH" compare --native "$out/d-native.json" --offload "$out/d-offload.json" --markdown
+    echo
+    echo "## E. Simulated Allgather, 32 nodes x 32 ranks (\`service-process simulate\`)"
+    echo
+    echo "Virtual time under the simulator's cost model (\`algorithms::sim::CostModel\`), not a"
+    echo "measurement. \`inter_node_B\` is what crossed between nodes, \`min_inter_B\` the minimum"
+    echo "(each rank's block enters each other node once); no_ready / passed / parked count the"
+    echo "late-arrival paths."
+    echo
+    echo '```'
+    cat "$out/e.txt"
+    echo '```'
     if [ -f docs/BENCHMARKS.notes.md ]; then
       echo
       cat docs/BENCHMARKS.notes.md

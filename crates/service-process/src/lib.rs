@@ -13,4 +13,5 @@ pub mod launch;
 pub mod machine;
 pub mod server;
 pub mod signals;
+pub mod simulate;
 pub mod stats;

@@ -130,6 +130,35 @@ enum Cmd {
         #[arg(last = true, required = true)]
         program: Vec<String>,
     },
+    /// Run the deterministic simulator of the hierarchical allgather at scale (virtual time,
+    /// the simulator's cost model) and print completion time and inter-node bytes per number of
+    /// SPs per node and layout.
+    Simulate {
+        #[arg(long, default_value_t = 32)]
+        nodes: u32,
+        #[arg(long, default_value_t = 32)]
+        ranks_per_node: u32,
+        /// Comma-separated SPs per node to compare.
+        #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
+        sps_per_node: Vec<u32>,
+        /// Comma-separated layouts to compare.
+        #[arg(long, value_delimiter = ',', default_value = "block,cyclic")]
+        layout: Vec<Layout>,
+        /// Bytes each rank contributes (the simulator keeps real buffers: keep it small).
+        #[arg(long, default_value_t = 64)]
+        block_bytes: u64,
+        /// World ranks that arrive late (the simulator's late-rank delay).
+        #[arg(long, default_value_t = 0)]
+        late_ranks: u32,
+        /// Runs per point (seeds seed, seed+1, ...), averaged.
+        #[arg(long, default_value_t = 3)]
+        seeds: u32,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// One JSON object per point instead of the table.
+        #[arg(long)]
+        json: bool,
+    },
     /// (internal) Run by mpirun for each rank: pin, preload the shim, exec the program.
     #[command(hide = true)]
     RankExec {
@@ -275,6 +304,37 @@ fn run(cli: Cli) -> Result<i32> {
                 keep_run_dir,
                 program,
             })
+        }
+        Cmd::Simulate {
+            nodes,
+            ranks_per_node,
+            sps_per_node,
+            layout,
+            block_bytes,
+            late_ranks,
+            seeds,
+            seed,
+            json,
+        } => {
+            let layouts = layout
+                .into_iter()
+                .map(|l| match l {
+                    Layout::Block => algorithms::sim::Layout::Block,
+                    Layout::Cyclic => algorithms::sim::Layout::Cyclic,
+                })
+                .collect();
+            service_process::simulate::simulate(&service_process::simulate::SimulateOpts {
+                nodes,
+                ranks_per_node,
+                sps_per_node,
+                layouts,
+                block_bytes,
+                late_ranks,
+                seeds,
+                seed,
+                json,
+            })?;
+            Ok(0)
         }
         Cmd::RankExec {
             cpus,
