@@ -26,6 +26,7 @@ const ROLE_HOST: u8 = 1;
 const ROLE_SP: u8 = 2;
 const ROLE_WELCOME: u8 = 3;
 const ROLE_REJECT: u8 = 4;
+const ROLE_ADMIN: u8 = 5;
 
 /// Identity of a host rank, sent in its hello.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -56,6 +57,9 @@ pub enum Hello {
     Reject {
         reason: String,
     },
+    /// A tool asking for the SP's counters: the SP answers with one frame holding its stats as
+    /// JSON (a bincode `String`) and closes the connection.
+    Admin,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -101,6 +105,10 @@ pub fn encode_hello_with_version(hello: &Hello, version: u32) -> Vec<u8> {
             p.push(ROLE_REJECT);
             Ok(reason.as_bytes().to_vec())
         }
+        Hello::Admin => {
+            p.push(ROLE_ADMIN);
+            Ok(Vec::new())
+        }
     };
     p.extend_from_slice(&body.expect("hello bodies always serialise"));
     p
@@ -132,6 +140,7 @@ pub fn decode_hello(p: &[u8]) -> Result<Hello, HelloError> {
     match role {
         ROLE_HOST => Ok(Hello::Host(options().deserialize(body).map_err(bad)?)),
         ROLE_SP => Ok(Hello::Sp(options().deserialize(body).map_err(bad)?)),
+        ROLE_ADMIN => Ok(Hello::Admin),
         ROLE_WELCOME => Ok(Hello::Welcome {
             sp: options().deserialize(body).map_err(bad)?,
         }),

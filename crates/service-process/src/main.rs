@@ -130,6 +130,16 @@ enum Cmd {
         #[arg(last = true, required = true)]
         program: Vec<String>,
     },
+    /// Print the counters of every SP of a running cluster (the launcher prints them too when
+    /// the SPs stop). The cluster description is in the launcher's run directory.
+    Stats {
+        /// Cluster description (JSON, as written by `launch`).
+        #[arg(long)]
+        cluster: PathBuf,
+        /// One JSON object per SP (with an "sp" field) instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Run the deterministic simulator of the hierarchical allgather at scale (virtual time,
     /// the simulator's cost model) and print completion time and inter-node bytes per number of
     /// SPs per node and layout.
@@ -304,6 +314,10 @@ fn run(cli: Cli) -> Result<i32> {
                 keep_run_dir,
                 program,
             })
+        }
+        Cmd::Stats { cluster, json } => {
+            let cluster = Cluster::load(&cluster)?;
+            service_process::stats::print_cluster_stats(&cluster, json)
         }
         Cmd::Simulate {
             nodes,

@@ -326,9 +326,7 @@ impl Server {
                             info!(sp = self.me, "stopping on signal");
                             self.say_shutdown();
                             let _ = std::fs::remove_file(&self.host_socket);
-                            self.stats.jobs_at_exit = self.jobs.len() as u64;
-                            self.stats.instances_at_exit = self.instances.len() as u64;
-                            return Ok(self.stats);
+                            return Ok(self.stats_now());
                         }
                     }
                     Token(t) => {
@@ -344,6 +342,14 @@ impl Server {
             }
             self.on_copies_done();
         }
+    }
+
+    /// The counters, with the jobs and instances held right now.
+    fn stats_now(&self) -> Stats {
+        let mut s = self.stats.clone();
+        s.jobs_at_exit = self.jobs.len() as u64;
+        s.instances_at_exit = self.instances.len() as u64;
+        s
     }
 
     /// Tells every peer this SP is stopping, with a bounded effort to get it out.
@@ -473,6 +479,13 @@ impl Server {
         };
         let hello = match decode_hello(payload) {
             Ok(Hello::Host(h)) => h,
+            Ok(Hello::Admin) => {
+                // `service-process stats`: the counters now, then goodbye.
+                let json = serde_json::to_string(&self.stats_now()).unwrap_or_default();
+                self.send_frame(key, &encode(&json));
+                self.close_conn(key, "stats sent");
+                return;
+            }
             Ok(other) => return reject(self, format!("expected a host hello, got {other:?}")),
             Err(e) => return reject(self, e.to_string()),
         };

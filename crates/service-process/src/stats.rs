@@ -26,7 +26,8 @@ pub struct Stats {
     pub served_after_pass: u64,
     pub parked: u64,
     pub parked_wait_ns: u64,
-    /// Jobs and collective instances still held when the SP stopped: 0 once every job ended.
+    /// Jobs and collective instances held when the counters were taken (at exit: 0 once every
+    /// job ended).
     pub jobs_at_exit: u64,
     pub instances_at_exit: u64,
 }
@@ -38,4 +39,57 @@ impl Stats {
         self.parked += l.parked;
         self.parked_wait_ns += l.parked_wait_ns;
     }
+}
+
+/// Asks one SP for its counters over its host socket.
+pub fn query(sp: &bootstrap::cluster::SpEntry) -> anyhow::Result<serde_json::Value> {
+    use anyhow::Context;
+    use bootstrap::wire::{Channel, Hello};
+    let s = std::os::unix::net::UnixStream::connect(&sp.host_socket)
+        .with_context(|| format!("SP {} at {}", sp.id, sp.host_socket.display()))?;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(5)))?;
+    let mut ch = Channel::new(s);
+    ch.send_hello(&Hello::Admin)?;
+    let json: String = ch.recv()?;
+    Ok(serde_json::from_str(&json)?)
+}
+
+/// `service-process stats`: every SP's counters, as a table or JSON lines. An SP that does not
+/// answer is reported and makes the exit status 1.
+pub fn print_cluster_stats(cluster: &bootstrap::Cluster, json: bool) -> anyhow::Result<i32> {
+    const FIELDS: [&str; 9] = [
+        "posts",
+        "completions",
+        "copies_started",
+        "bytes_copied",
+        "no_ready_rank",
+        "served_after_pass",
+        "parked",
+        "parked_wait_ns",
+        "errors_sent",
+    ];
+    let mut status = 0;
+    if !json {
+        let header: Vec<String> = FIELDS.iter().map(|f| format!("{f:>17}")).collect();
+        println!("{:>4} {}", "sp", header.join(" "));
+    }
+    for sp in &cluster.sps {
+        match query(sp) {
+            Ok(mut v) => {
+                if json {
+                    v["sp"] = sp.id.into();
+                    println!("{v}");
+                } else {
+                    let cells: Vec<String> =
+                        FIELDS.iter().map(|f| format!("{:>17}", v[*f])).collect();
+                    println!("{:>4} {}", sp.id, cells.join(" "));
+                }
+            }
+            Err(e) => {
+                eprintln!("service-process stats: {e:#}");
+                status = 1;
+            }
+        }
+    }
+    Ok(status)
 }

@@ -756,3 +756,53 @@ fn a_completion_never_reaches_a_host_that_reused_a_dead_hosts_connection() {
         assert_eq!(s["instances_at_exit"], 0, "{s}");
     }
 }
+
+#[test]
+fn stats_command_reads_the_counters_of_running_sps() {
+    let mut set = SpSet::start(2, 1, 2, Layout::Block);
+    let job = new_job();
+    let mut hosts: Vec<Host> = (0..4).map(|r| Host::connect(&set, job, r, 4)).collect();
+    let mut rng = Rng(21);
+    let op = make_op(
+        &mut rng,
+        CommId { leader: 0, id: 1 },
+        0,
+        vec![0, 1, 2, 3],
+        64,
+    );
+    for (h, slot, token) in op.post(&mut hosts, &|w| w as usize, 0) {
+        assert_eq!(hosts[h].wait(slot, token, WAIT), Some(STATUS_OK));
+    }
+    let stats = |set: &SpSet| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_service-process"))
+            .args(["stats", "--json", "--cluster"])
+            .arg(&set.cluster_path)
+            .output()
+            .unwrap()
+    };
+    let out = stats(&set);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<serde_json::Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    for (i, r) in rows.iter().enumerate() {
+        assert_eq!(r["sp"], i, "{r}");
+        assert_eq!(r["posts"], 2, "each SP served two ranks' posts: {r}");
+        assert_eq!(r["jobs_at_exit"], 1, "the job is still connected: {r}");
+    }
+    // An SP that is gone is reported, and the command fails.
+    set.kill(1);
+    let out = stats(&set);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("SP 1"),
+        "{out:?}"
+    );
+}
