@@ -109,6 +109,8 @@ struct Instance {
 
 #[derive(Default)]
 struct Job {
+    /// World size of the job (from its ranks' hellos): places any of its ranks on a node.
+    world_size: u32,
     hosts: HashSet<usize>,
     failed: Option<Status>,
     finished: HashSet<(CommId, u64)>,
@@ -509,7 +511,9 @@ impl Server {
             pid,
             "host connected"
         );
-        self.jobs.entry(hello.job).or_default().hosts.insert(key);
+        let job = self.jobs.entry(hello.job).or_default();
+        job.world_size = hello.world_size;
+        job.hosts.insert(key);
         self.next_conn_id += 1;
         self.conns[key].role = Role::Host(HostState {
             conn_id: self.next_conn_id,
@@ -1008,6 +1012,18 @@ impl Server {
         while let Some(job) = self.limiter.pop_startable() {
             self.stats.copies_started += 1;
             self.stats.bytes_copied += job.len;
+            // Every copy lands in a rank of this node; it crossed nodes if its source did not
+            // live here.
+            let src_node = self.jobs.get(&job.src.owner.job).and_then(|j| {
+                self.cluster
+                    .placement(job.src.owner.world_rank, j.world_size)
+                    .ok()
+            });
+            let here = self.cluster.sp(self.me).map(|e| e.node);
+            match src_node {
+                Some(p) if Some(p.node) != here => self.stats.bytes_inter_node += job.len,
+                _ => self.stats.bytes_intra_node += job.len,
+            }
             self.stats.max_inflight = self.stats.max_inflight.max(self.limiter.in_flight() as u64);
             let both_cma = job.src.grant.backend == BackendData::Cma
                 && job.dst.grant.backend == BackendData::Cma;

@@ -16,6 +16,10 @@ pub struct Stats {
     /// Of `copies_started`, those small enough to run on the event-loop thread.
     pub copies_inline: u64,
     pub bytes_copied: u64,
+    /// Of `bytes_copied`, what came from a rank of another node (what a DPU moves over the
+    /// network) and what stayed within this node.
+    pub bytes_inter_node: u64,
+    pub bytes_intra_node: u64,
     /// Most copies active at once (bounded by `max_inflight_reads`).
     pub max_inflight: u64,
     pub errors_sent: u64,

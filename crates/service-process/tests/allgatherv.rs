@@ -205,6 +205,52 @@ fn allgatherv_through_real_sps_matches_reference() {
 }
 
 #[test]
+fn allgatherv_inter_node_bytes_are_minimal_whatever_the_layout() {
+    // Each rank's block must enter each other node exactly once: the SPs' own count of bytes
+    // copied from another node equals sum(block) x (nodes - 1), for block and cyclic alike.
+    let seed = test_seed();
+    for (k, layout) in [
+        (1, Layout::Block),
+        (1, Layout::Cyclic),
+        (2, Layout::Block),
+        (2, Layout::Cyclic),
+    ] {
+        let mut set = SpSet::start(2, k, 2, layout);
+        let job = new_job();
+        let mut hosts: Vec<Host> = (0..4).map(|r| Host::connect(&set, job, r, 4)).collect();
+        let mut rng = Rng(seed);
+        let op = make(
+            &mut rng,
+            CommId { leader: 0, id: 1 },
+            0,
+            vec![0, 1, 2, 3],
+            300,
+        );
+        let mut posted = vec![];
+        for r in 0..4 {
+            let d = op.desc(&mut hosts, &set, r, 0);
+            let (slot, token) = hosts[r].post(d);
+            posted.push((r, slot, token));
+        }
+        for (h, slot, token) in posted {
+            assert_eq!(
+                hosts[h].wait(slot, token, WAIT),
+                Some(STATUS_OK),
+                "seed {seed}"
+            );
+        }
+        op.check();
+        let stats = set.stop_and_stats();
+        let inter: u64 = stats
+            .iter()
+            .map(|s| s["bytes_inter_node"].as_u64().unwrap())
+            .sum();
+        let min: u64 = op.counts.iter().sum::<u64>() * (2 - 1);
+        assert_eq!(inter, min, "seed {seed} {layout:?} x{k}: {stats:?}");
+    }
+}
+
+#[test]
 fn allgatherv_late_ranks_take_the_pass_and_park_paths() {
     let seed = test_seed();
     let sum = |stats: &[serde_json::Value], f: &str| -> u64 {
