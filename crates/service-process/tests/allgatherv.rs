@@ -245,7 +245,8 @@ fn allgatherv_inter_node_bytes_are_minimal_whatever_the_layout() {
             .iter()
             .map(|s| s["bytes_inter_node"].as_u64().unwrap())
             .sum();
-        let min: u64 = op.counts.iter().sum::<u64>() * (2 - 1);
+        let nodes = 2u64;
+        let min: u64 = op.counts.iter().sum::<u64>() * (nodes - 1);
         assert_eq!(inter, min, "seed {seed} {layout:?} x{k}: {stats:?}");
     }
 }
