@@ -219,6 +219,21 @@ fn mpi_coll_bench_overlap_validates_offloaded_and_native() {
     }
 }
 
+thread_local! {
+    static LONG_JOB_STDERR: std::cell::RefCell<Option<std::path::PathBuf>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// What the launcher of this thread's last long job wrote on stderr so far.
+fn long_job_stderr() -> String {
+    LONG_JOB_STDERR.with(|p| {
+        p.borrow()
+            .as_ref()
+            .and_then(|p| std::fs::read_to_string(p).ok())
+            .unwrap_or_default()
+    })
+}
+
 /// Starts a long job, waits until its SPs are serving, and returns (launcher, marker) where
 /// the marker is a string found in every process of the job.
 fn start_long_job(extra: &[&str]) -> (std::process::Child, String) {
@@ -235,9 +250,15 @@ fn start_long_job(extra: &[&str]) -> (std::process::Child, String) {
     let mut cmd = launch_cmd(&args, &[&prog, "--ops", "1000000", "--seed", "5"]);
     cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+    // The launcher's messages go to a file a test can read (see `long_job_stderr`).
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let err_path =
+        std::env::temp_dir().join(format!("spoff-longjob-{}-{n}.err", std::process::id()));
     cmd.stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null());
+        .stderr(std::fs::File::create(&err_path).unwrap());
     let child = cmd.spawn().unwrap();
+    LONG_JOB_STDERR.with(|p| *p.borrow_mut() = Some(err_path));
     let marker = format!("spoff-{}-", child.id());
     // Wait until the ranks run (their environment names the run directory).
     let t = Instant::now();
@@ -326,5 +347,33 @@ fn mpi_rank_killed_mid_job_ends_it_with_an_error() {
     unsafe { libc::kill(rank as i32, libc::SIGKILL) };
     let st = wait_exit(&mut child, Duration::from_secs(60));
     assert!(!st.success());
+    assert_nothing_left(&marker);
+}
+
+#[test]
+fn mpi_stuck_sp_is_killed_by_the_watchdog_and_the_job_ends() {
+    // An SP that is alive but stopped answers nothing: the launcher's watchdog must notice
+    // and kill it, after which the job fails like on an SP death, instead of hanging.
+    let (mut child, marker) = start_long_job(&["--sp-watchdog-secs", "3"]);
+    let sp = pids_matching(&marker)
+        .into_iter()
+        .find(|&p| {
+            let cmd = std::fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default();
+            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+            cmd.contains(" serve ") && cmd.contains("--sp-id 1 ")
+        })
+        .expect("SP 1 running");
+    // SAFETY: stopping a process of our own job.
+    unsafe { libc::kill(sp as i32, libc::SIGSTOP) };
+    let st = wait_exit(&mut child, Duration::from_secs(60));
+    assert!(
+        !st.success(),
+        "a job that lost an SP must not report success"
+    );
+    let err = long_job_stderr();
+    assert!(
+        err.contains("SP 1 has not answered"),
+        "no watchdog message:\n{err}"
+    );
     assert_nothing_left(&marker);
 }

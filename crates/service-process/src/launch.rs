@@ -14,7 +14,8 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 /// File descriptor number under which an SP receives its pre-bound peer listener.
@@ -38,6 +39,9 @@ pub struct LaunchOpts {
     pub sp_args: Vec<String>,
     pub ready_timeout: Duration,
     pub fault_grace: Duration,
+    /// An SP that does not answer a stats request for this long is stuck and is killed
+    /// (zero: no watchdog).
+    pub sp_watchdog: Duration,
     pub keep_run_dir: bool,
     pub program: Vec<String>,
 }
@@ -191,6 +195,41 @@ fn stop_all(children: &mut [&mut Child], sig: libc::c_int, grace: Duration) {
 
 fn exit_code(s: ExitStatus) -> i32 {
     s.code().unwrap_or_else(|| 128 + s.signal().unwrap_or(0))
+}
+
+/// Watches the SPs of a running job. An SP that answers no stats request for `limit` is
+/// alive but stuck (stopped, deadlocked): nothing else would notice, and its ranks would wait
+/// forever. It is killed, which the other SPs and the shims then handle like any SP death.
+fn spawn_watchdog(
+    cluster: Cluster,
+    pids: Vec<u32>,
+    limit: Duration,
+    stop: Arc<AtomicBool>,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let mut last_answer = vec![Instant::now(); pids.len()];
+        let mut killed = vec![false; pids.len()];
+        let period = (limit / 4).clamp(Duration::from_millis(100), Duration::from_secs(1));
+        while !stop.load(Ordering::Relaxed) {
+            for (i, sp) in cluster.sps.iter().enumerate() {
+                if killed[i] || stop.load(Ordering::Relaxed) {
+                    continue;
+                }
+                if crate::stats::query_within(sp, period).is_ok() {
+                    last_answer[i] = Instant::now();
+                } else if last_answer[i].elapsed() > limit {
+                    eprintln!(
+                        "service-process launch: SP {i} has not answered for {limit:?}; it is \
+                         stuck, killing it"
+                    );
+                    // SAFETY: kill(2) on our own child.
+                    unsafe { libc::kill(pids[i] as libc::pid_t, libc::SIGKILL) };
+                    killed[i] = true;
+                }
+            }
+            std::thread::sleep(period);
+        }
+    })
 }
 
 /// One SP child process.
@@ -485,6 +524,16 @@ fn run_job(
     let mut mpirun = cmd
         .spawn()
         .with_context(|| format!("starting {}", opts.mpirun))?;
+    let stop_watchdog = Arc::new(AtomicBool::new(false));
+    let watchdog = match &cluster_path {
+        Some(path) if !opts.sp_watchdog.is_zero() => Some(spawn_watchdog(
+            Cluster::load(path)?,
+            sps.iter().map(|s| s.child.id()).collect(),
+            opts.sp_watchdog,
+            stop_watchdog.clone(),
+        )),
+        _ => None,
+    };
 
     let mut fault_at: Option<Instant> = None;
     let status = loop {
@@ -493,6 +542,7 @@ fn run_job(
         }
         if signals.drain() {
             eprintln!("service-process launch: interrupted; stopping the job");
+            stop_watchdog.store(true, Ordering::Relaxed);
             let mut all: Vec<&mut Child> = vec![&mut mpirun];
             all.extend(sps.iter_mut().map(|s| &mut s.child));
             stop_all(&mut all, libc::SIGTERM, Duration::from_secs(3));
@@ -522,6 +572,10 @@ fn run_job(
         }
         std::thread::sleep(Duration::from_millis(20));
     };
+    stop_watchdog.store(true, Ordering::Relaxed);
+    if let Some(w) = watchdog {
+        let _ = w.join();
+    }
     stop_sps(&mut sps, Duration::from_secs(5));
     while let Ok((id, line)) = rx.recv_timeout(Duration::from_millis(50)) {
         if let Some(stats) = line.strip_prefix("STATS ") {

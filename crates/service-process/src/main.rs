@@ -123,6 +123,10 @@ enum Cmd {
         /// Seconds the job may run on after an SP died before it is killed.
         #[arg(long, default_value_t = 30)]
         fault_grace_secs: u64,
+        /// An SP that answers no stats request for this many seconds is considered stuck and
+        /// killed, so that the job fails instead of hanging (0: no watchdog).
+        #[arg(long, default_value_t = 10)]
+        sp_watchdog_secs: u64,
         /// Keep the run directory (cluster description, sockets) for inspection.
         #[arg(long)]
         keep_run_dir: bool,
@@ -291,6 +295,7 @@ fn run(cli: Cli) -> Result<i32> {
             sp_args,
             ready_timeout_secs,
             fault_grace_secs,
+            sp_watchdog_secs,
             keep_run_dir,
             program,
         } => {
@@ -311,6 +316,7 @@ fn run(cli: Cli) -> Result<i32> {
                 sp_args,
                 ready_timeout: Duration::from_secs(ready_timeout_secs),
                 fault_grace: Duration::from_secs(fault_grace_secs),
+                sp_watchdog: Duration::from_secs(sp_watchdog_secs),
                 keep_run_dir,
                 program,
             })

@@ -47,11 +47,20 @@ impl Stats {
 
 /// Asks one SP for its counters over its host socket.
 pub fn query(sp: &bootstrap::cluster::SpEntry) -> anyhow::Result<serde_json::Value> {
+    query_within(sp, std::time::Duration::from_secs(5))
+}
+
+/// [`query`], giving up after `timeout` without an answer.
+pub fn query_within(
+    sp: &bootstrap::cluster::SpEntry,
+    timeout: std::time::Duration,
+) -> anyhow::Result<serde_json::Value> {
     use anyhow::Context;
     use bootstrap::wire::{Channel, Hello};
     let s = std::os::unix::net::UnixStream::connect(&sp.host_socket)
         .with_context(|| format!("SP {} at {}", sp.id, sp.host_socket.display()))?;
-    s.set_read_timeout(Some(std::time::Duration::from_secs(5)))?;
+    s.set_read_timeout(Some(timeout))?;
+    s.set_write_timeout(Some(timeout))?;
     let mut ch = Channel::new(s);
     ch.send_hello(&Hello::Admin)?;
     let json: String = ch.recv()?;
