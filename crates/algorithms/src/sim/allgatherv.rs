@@ -10,14 +10,14 @@
 //! copy limiter bound holds, and fault-free runs move each rank's data into
 //! each other node exactly once (minimal inter-node bytes).
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
-use super::rng::{splitmix64, Rng};
-use super::{place_rank, sentinel, CostModel, Layout, SimFailure};
+use super::driver::{self, run_events, Collective, Core, Ev, Params};
+use super::rng::splitmix64;
+use super::{sentinel, CostModel, Layout, SimFailure};
 use crate::allgatherv::{Action, Allgatherv, Config, Copy, Msg, Post, Stats};
-use crate::sched::CopyLimiter;
 use crate::{CollKey, CommId, Nanos, Rank, SpId, Status};
 
 /// Injected faults (all off by default).
@@ -131,7 +131,7 @@ pub struct SimReport {
 /// Run one simulation; `Err` carries the seed and what went wrong.
 pub fn run(cfg: &SimConfig) -> Result<SimReport, SimFailure> {
     let mut sim = Sim::new(cfg)?;
-    sim.run_events()?;
+    run_events(&mut sim)?;
     sim.final_checks()?;
     Ok(sim.report())
 }
@@ -146,90 +146,66 @@ struct Op {
     disturbed: bool,
 }
 
-enum Input {
-    Post {
-        op: usize,
-        rank: Rank,
-    },
-    Msg {
-        from: SpId,
-        op: usize,
-        msg: Msg<SimKey>,
-    },
-    CopyDone {
-        op: usize,
-        copy: Copy<SimKey>,
-    },
-    PeerLost {
-        lost: SpId,
-    },
-    RankLost {
-        world: u32,
-    },
-}
-
-enum Ev {
-    Input { sp: SpId, input: Input },
-    SpRun { sp: SpId },
-    Crash { sp: SpId },
-    RankDeath { world: u32 },
-}
-
-struct SpState {
-    alive: bool,
-    busy_until: Nanos,
-    run_scheduled: bool,
-    inbox: VecDeque<Input>,
-    limiter: CopyLimiter<(usize, Copy<SimKey>)>,
-    known_lost: BTreeSet<SpId>,
-}
+type Input = driver::Input<(usize, Msg<SimKey>), Copy<SimKey>>;
 
 struct Sim<'a> {
     cfg: &'a SimConfig,
-    rng: Rng,
-    now: Nanos,
-    seq: u64,
-    events: u64,
-    queue: BTreeMap<(Nanos, u64), Ev>,
-    sps: Vec<SpState>,
+    core: Core<(usize, Msg<SimKey>), Copy<SimKey>>,
     ops: Vec<Op>,
     inst: BTreeMap<(SpId, usize), Allgatherv<SimKey>>,
-    link_free: BTreeMap<(u32, u32), Nanos>,
-    rank_node: Vec<u32>,
-    rank_sp: Vec<SpId>,
-    host_dead: Vec<bool>,
-    crashed: Vec<SpId>,
-    dead: Vec<u32>,
-    messages: u64,
-    copies: u64,
-    bytes_intra: u64,
-    bytes_inter: u64,
-    max_in_flight: usize,
+}
+
+impl Collective for Sim<'_> {
+    type Msg = (usize, Msg<SimKey>);
+    type Copy = Copy<SimKey>;
+
+    fn core(&mut self) -> &mut Core<Self::Msg, Self::Copy> {
+        &mut self.core
+    }
+
+    fn world_of(&self, _op: usize, rank: Rank) -> u32 {
+        rank
+    }
+
+    fn on_crash(&mut self, _sp: SpId) {
+        for o in self.ops.iter_mut() {
+            o.disturbed = true;
+        }
+    }
+
+    fn on_rank_death(&mut self, world: u32) {
+        for o in self.ops.iter_mut() {
+            if o.done[world as usize].is_none() {
+                o.disturbed = true;
+            }
+        }
+    }
+
+    fn process(&mut self, sp: SpId, input: Input) -> Result<(), SimFailure> {
+        self.process_input(sp, input)
+    }
+
+    fn over_budget(core: &Core<Self::Msg, Self::Copy>) -> SimFailure {
+        core.fail("no termination within the event/time bound")
+    }
 }
 
 impl<'a> Sim<'a> {
     fn new(cfg: &'a SimConfig) -> Result<Sim<'a>, SimFailure> {
-        if cfg.nodes == 0 || cfg.ranks_per_node == 0 || cfg.sps_per_node == 0 {
-            return Err(SimFailure {
-                seed: cfg.seed,
-                what: "invalid config: nodes, ranks_per_node, sps_per_node must be > 0".into(),
-            });
-        }
-        let mut setup = Rng::new(cfg.seed);
-        let rng = setup.fork();
+        let (core, mut setup) = Core::new(Params {
+            seed: cfg.seed,
+            nodes: cfg.nodes,
+            ranks_per_node: cfg.ranks_per_node,
+            sps_per_node: cfg.sps_per_node,
+            layout: cfg.layout,
+            max_inflight_reads: cfg.max_inflight_reads,
+            cost: cfg.cost,
+            msg_jitter_ns: cfg.faults.msg_jitter_ns,
+            detect_delay_ns: cfg.faults.detect_delay_ns,
+            max_events: cfg.max_events,
+            max_virtual_ns: cfg.max_virtual_ns,
+        })?;
         let w = cfg.world_size();
-        let (mut rank_node, mut rank_sp) = (Vec::new(), Vec::new());
-        for r in 0..w {
-            let (n, sp) = place_rank(
-                cfg.layout,
-                cfg.nodes,
-                cfg.ranks_per_node,
-                cfg.sps_per_node,
-                r,
-            );
-            rank_node.push(n);
-            rank_sp.push(sp);
-        }
         let p = w as usize;
         let mut ops = Vec::new();
         for i in 0..cfg.ops as usize {
@@ -288,37 +264,11 @@ impl<'a> Sim<'a> {
             setup.shuffle(&mut all);
             all.into_iter().take(cfg.late_ranks as usize).collect()
         };
-        let sps = (0..cfg.sp_count())
-            .map(|_| SpState {
-                alive: true,
-                busy_until: 0,
-                run_scheduled: false,
-                inbox: VecDeque::new(),
-                limiter: CopyLimiter::new(cfg.max_inflight_reads),
-                known_lost: BTreeSet::new(),
-            })
-            .collect();
         let mut sim = Sim {
             cfg,
-            rng,
-            now: 0,
-            seq: 0,
-            events: 0,
-            queue: BTreeMap::new(),
-            sps,
+            core,
             ops,
             inst: BTreeMap::new(),
-            link_free: BTreeMap::new(),
-            rank_node,
-            rank_sp,
-            host_dead: vec![false; p],
-            crashed: Vec::new(),
-            dead: Vec::new(),
-            messages: 0,
-            copies: 0,
-            bytes_intra: 0,
-            bytes_inter: 0,
-            max_in_flight: 0,
         };
         for op in 0..cfg.ops as usize {
             for r in 0..w {
@@ -328,133 +278,20 @@ impl<'a> Sim<'a> {
                     0
                 };
                 let t = op as Nanos * cfg.op_gap_ns + setup.range(0, cfg.arrival_skew_ns) + late_ns;
-                let sp = sim.rank_sp[r as usize];
-                sim.schedule(
-                    t,
-                    Ev::Input {
-                        sp,
-                        input: Input::Post { op, rank: r },
-                    },
-                );
+                sim.core.schedule_post(t, r, op, r);
             }
         }
-        let crashes = (cfg.faults.sp_crashes as usize).min(cfg.sp_count() as usize - 1);
-        let mut all_sps: Vec<SpId> = (0..cfg.sp_count()).collect();
-        setup.shuffle(&mut all_sps);
-        for &sp in all_sps.iter().take(crashes) {
-            let t = setup.range(0, cfg.faults.crash_window_ns);
-            sim.schedule(t, Ev::Crash { sp });
-        }
-        let mut all_ranks: Vec<u32> = (0..w).collect();
-        setup.shuffle(&mut all_ranks);
-        for &world in all_ranks.iter().take(cfg.faults.rank_deaths as usize) {
-            let t = setup.range(0, cfg.faults.death_window_ns);
-            sim.schedule(t, Ev::RankDeath { world });
-        }
+        let f = &cfg.faults;
+        sim.core.schedule_faults(
+            &mut setup,
+            (f.sp_crashes, f.crash_window_ns),
+            (f.rank_deaths, f.death_window_ns),
+        );
         Ok(sim)
     }
 
     fn fail(&self, what: impl Into<String>) -> SimFailure {
-        SimFailure {
-            seed: self.cfg.seed,
-            what: format!("t={}ns: {}", self.now, what.into()),
-        }
-    }
-
-    fn schedule(&mut self, at: Nanos, ev: Ev) {
-        self.seq += 1;
-        self.queue.insert((at, self.seq), ev);
-    }
-
-    fn sp_node(&self, sp: SpId) -> u32 {
-        sp / self.cfg.sps_per_node
-    }
-
-    fn run_events(&mut self) -> Result<(), SimFailure> {
-        while let Some(((t, _), ev)) = self.queue.pop_first() {
-            self.now = t;
-            self.events += 1;
-            if self.events > self.cfg.max_events || t > self.cfg.max_virtual_ns {
-                return Err(self.fail("no termination within the event/time bound"));
-            }
-            match ev {
-                Ev::Input { sp, input } => {
-                    if let Input::Post { rank, .. } = &input {
-                        if self.host_dead[*rank as usize] {
-                            continue;
-                        }
-                    }
-                    let s = &mut self.sps[sp as usize];
-                    if !s.alive {
-                        continue;
-                    }
-                    s.inbox.push_back(input);
-                    if !s.run_scheduled {
-                        s.run_scheduled = true;
-                        let at = s.busy_until.max(t);
-                        self.schedule(at, Ev::SpRun { sp });
-                    }
-                }
-                Ev::SpRun { sp } => {
-                    let s = &mut self.sps[sp as usize];
-                    s.run_scheduled = false;
-                    if !s.alive {
-                        continue;
-                    }
-                    let Some(input) = s.inbox.pop_front() else {
-                        continue;
-                    };
-                    s.busy_until = t + self.cfg.cost.msg_proc_ns;
-                    if !s.inbox.is_empty() {
-                        s.run_scheduled = true;
-                        let at = s.busy_until;
-                        self.schedule(at, Ev::SpRun { sp });
-                    }
-                    self.process(sp, input)?;
-                }
-                Ev::Crash { sp } => {
-                    let s = &mut self.sps[sp as usize];
-                    s.alive = false;
-                    s.inbox.clear();
-                    s.limiter.clear_queued().for_each(drop);
-                    self.crashed.push(sp);
-                    for o in self.ops.iter_mut() {
-                        o.disturbed = true;
-                    }
-                    let delay = self.cfg.faults.detect_delay_ns;
-                    for other in 0..self.cfg.sp_count() {
-                        if other != sp && self.sps[other as usize].alive {
-                            let at = t + delay + self.rng.range(0, delay);
-                            self.schedule(
-                                at,
-                                Ev::Input {
-                                    sp: other,
-                                    input: Input::PeerLost { lost: sp },
-                                },
-                            );
-                        }
-                    }
-                }
-                Ev::RankDeath { world } => {
-                    self.host_dead[world as usize] = true;
-                    self.dead.push(world);
-                    for o in self.ops.iter_mut() {
-                        if o.done[world as usize].is_none() {
-                            o.disturbed = true;
-                        }
-                    }
-                    let sp = self.rank_sp[world as usize];
-                    self.schedule(
-                        t,
-                        Ev::Input {
-                            sp,
-                            input: Input::RankLost { world },
-                        },
-                    );
-                }
-            }
-        }
-        Ok(())
+        self.core.fail(what)
     }
 
     fn instance(&mut self, sp: SpId, op: usize) -> &mut Allgatherv<SimKey> {
@@ -464,8 +301,8 @@ impl<'a> Sim<'a> {
             .or_insert_with(|| Allgatherv::new(key, Config { me: sp }))
     }
 
-    fn process(&mut self, sp: SpId, input: Input) -> Result<(), SimFailure> {
-        let now = self.now;
+    fn process_input(&mut self, sp: SpId, input: Input) -> Result<(), SimFailure> {
+        let now = self.core.now;
         let mut touched = Vec::new();
         match input {
             Input::Post { op, rank } => {
@@ -474,8 +311,8 @@ impl<'a> Sim<'a> {
                 o.post_ns[r] = Some(now);
                 let post = Post {
                     rank,
-                    members: self.rank_sp.clone(),
-                    nodes: self.rank_node.clone(),
+                    members: self.core.rank_sp.clone(),
+                    nodes: self.core.rank_node.clone(),
                     send_key: SimKey {
                         op: op as u32,
                         rank,
@@ -495,8 +332,11 @@ impl<'a> Sim<'a> {
                 }
                 touched.push(op);
             }
-            Input::Msg { from, op, msg } => {
-                if self.sps[sp as usize].known_lost.contains(&from) {
+            Input::Msg {
+                from,
+                msg: (op, msg),
+            } => {
+                if self.core.sps[sp as usize].known_lost.contains(&from) {
                     return Ok(());
                 }
                 let shown = format!("{msg:?}");
@@ -507,16 +347,16 @@ impl<'a> Sim<'a> {
                 }
                 touched.push(op);
             }
-            Input::CopyDone { op, copy } => {
+            Input::CopyDone { op, copy, .. } => {
                 self.check_open(op, &copy, "finished")?;
                 self.do_copy(op, &copy)?;
-                self.sps[sp as usize].limiter.finished();
+                self.core.sps[sp as usize].limiter.finished();
                 self.instance(sp, op)
                     .handle_copy_done(now, copy.id, Status::Ok);
                 touched.push(op);
             }
             Input::PeerLost { lost } => {
-                self.sps[sp as usize].known_lost.insert(lost);
+                self.core.sps[sp as usize].known_lost.insert(lost);
                 for op in 0..self.ops.len() {
                     self.instance(sp, op).handle_peer_lost(now, lost);
                     touched.push(op);
@@ -539,44 +379,20 @@ impl<'a> Sim<'a> {
     fn drain(&mut self, sp: SpId, op: usize, out: Nanos) -> Result<(), SimFailure> {
         while let Some(action) = self.instance(sp, op).poll_action() {
             match action {
-                Action::Send { to, msg } => {
-                    if to == sp || to >= self.cfg.sp_count() {
-                        return Err(self.fail(format!("op {op}: SP {sp} sent to SP {to}")));
-                    }
-                    self.messages += 1;
-                    let link = (self.sp_node(sp), self.sp_node(to));
-                    let c = &self.cfg.cost;
-                    let (lat, bw) = if link.0 == link.1 {
-                        (c.intra_node_latency_ns, c.intra_node_bytes_per_ns)
-                    } else {
-                        (c.inter_node_latency_ns, c.inter_node_bytes_per_ns)
-                    };
-                    let wire = c.msg_header_bytes + 48;
-                    let free = self.link_free.entry(link).or_insert(0);
-                    let departed = (*free).max(out) + wire.div_ceil(bw.max(1));
-                    *free = departed;
-                    let jitter = self.rng.range(0, self.cfg.faults.msg_jitter_ns);
-                    self.schedule(
-                        departed + lat + jitter,
-                        Ev::Input {
-                            sp: to,
-                            input: Input::Msg { from: sp, op, msg },
-                        },
-                    );
-                }
+                Action::Send { to, msg } => self.core.send(op, sp, to, 48, out, (op, msg))?,
                 Action::Copy(copy) => {
-                    if self.rank_sp.get(copy.dst_rank as usize) != Some(&sp) {
+                    if self.core.rank_sp.get(copy.dst_rank as usize) != Some(&sp) {
                         return Err(self.fail(format!(
                             "op {op}: SP {sp} copies into rank {} it does not serve",
                             copy.dst_rank
                         )));
                     }
-                    self.sps[sp as usize].limiter.push((op, copy));
+                    self.core.sps[sp as usize].limiter.push((op, copy));
                 }
                 Action::Complete { rank, status } => {
                     let r = rank as usize;
                     let o = &self.ops[op];
-                    if self.rank_sp[r] != sp || o.post_ns[r].is_none() {
+                    if self.core.rank_sp[r] != sp || o.post_ns[r].is_none() {
                         return Err(self.fail(format!(
                             "op {op}: SP {sp} completed rank {rank} (not its own or not posted)"
                         )));
@@ -594,26 +410,20 @@ impl<'a> Sim<'a> {
     }
 
     fn pump(&mut self, sp: SpId, at: Nanos) -> Result<(), SimFailure> {
-        while let Some((op, copy)) = self.sps[sp as usize].limiter.pop_startable() {
-            let lim = &self.sps[sp as usize].limiter;
-            if lim.in_flight() > lim.max_inflight() {
-                return Err(self.fail(format!("SP {sp}: {} copies in flight", lim.in_flight())));
-            }
-            self.max_in_flight = self.max_in_flight.max(lim.in_flight());
+        while let Some((op, copy)) = self.core.next_copy(sp)? {
             self.check_copy(op, &copy)?;
             self.check_open(op, &copy, "started")?;
-            let c = &self.cfg.cost;
-            let (fixed, bw) = if self.rank_node[copy.src_rank as usize] == self.sp_node(sp) {
-                (c.copy_fixed_intra_ns, c.intra_node_bytes_per_ns)
-            } else {
-                (c.copy_fixed_inter_ns, c.inter_node_bytes_per_ns)
-            };
-            let cost = fixed + copy.len.div_ceil(bw.max(1));
-            self.schedule(
+            let src_node = self.core.rank_node[copy.src_rank as usize];
+            let cost = self.core.copy_cost(src_node, sp, copy.len);
+            self.core.schedule(
                 at + cost,
                 Ev::Input {
                     sp,
-                    input: Input::CopyDone { op, copy },
+                    input: Input::CopyDone {
+                        op,
+                        copy,
+                        fail: false,
+                    },
                 },
             );
         }
@@ -684,17 +494,12 @@ impl<'a> Sim<'a> {
             o.recv_buf[c.src_rank as usize][so..so + len].to_vec()
         };
         o.recv_buf[c.dst_rank as usize][d..d + len].copy_from_slice(&data);
-        if self.rank_node[c.src_rank as usize] == self.rank_node[c.dst_rank as usize] {
-            self.bytes_intra += c.len;
-        } else {
-            self.bytes_inter += c.len;
-        }
-        self.copies += 1;
+        self.core.count_copy(c.src_rank, c.dst_rank, c.len);
         Ok(())
     }
 
     fn min_inter(&self) -> u64 {
-        let nodes: BTreeSet<u32> = self.rank_node.iter().copied().collect();
+        let nodes: BTreeSet<u32> = self.core.rank_node.iter().copied().collect();
         let others = nodes.len() as u64 - 1;
         self.ops
             .iter()
@@ -704,14 +509,15 @@ impl<'a> Sim<'a> {
     }
 
     fn final_checks(&mut self) -> Result<(), SimFailure> {
-        let crashed: BTreeSet<SpId> = self.crashed.iter().copied().collect();
+        let crashed: BTreeSet<SpId> = self.core.crashed.iter().copied().collect();
         let mut any_disturbed = false;
         for (i, o) in self.ops.iter().enumerate() {
             any_disturbed |= o.disturbed;
             let p = o.send_buf.len();
             for r in 0..p {
-                let sp = self.rank_sp[r];
-                let exempt = crashed.contains(&sp) || (self.host_dead[r] && o.post_ns[r].is_none());
+                let sp = self.core.rank_sp[r];
+                let exempt =
+                    crashed.contains(&sp) || (self.core.host_dead[r] && o.post_ns[r].is_none());
                 let status = match o.done[r] {
                     Some((_, st)) => st,
                     None if exempt => {
@@ -746,10 +552,10 @@ impl<'a> Sim<'a> {
                 )));
             }
         }
-        if !any_disturbed && self.bytes_inter != self.min_inter() {
+        if !any_disturbed && self.core.bytes_inter != self.min_inter() {
             return Err(self.fail(format!(
                 "inter-node bytes {} != minimum {}",
-                self.bytes_inter,
+                self.core.bytes_inter,
                 self.min_inter()
             )));
         }
@@ -800,17 +606,17 @@ impl<'a> Sim<'a> {
             world_size: self.cfg.world_size(),
             sps: self.cfg.sp_count(),
             end_ns: done.clone().map(|&(t, _)| t).max().unwrap_or(0),
-            events: self.events,
-            messages: self.messages,
-            copies: self.copies,
-            bytes_copied_intra_node: self.bytes_intra,
-            bytes_copied_inter_node: self.bytes_inter,
+            events: self.core.events,
+            messages: self.core.messages,
+            copies: self.core.copies,
+            bytes_copied_intra_node: self.core.bytes_intra,
+            bytes_copied_inter_node: self.core.bytes_inter,
             min_inter_node_bytes: self.min_inter(),
-            max_in_flight: self.max_in_flight,
+            max_in_flight: self.core.max_in_flight,
             stats,
             error_completions: done.filter(|(_, s)| !s.is_ok()).count() as u64,
-            crashed_sps: self.crashed.clone(),
-            dead_ranks: self.dead.clone(),
+            crashed_sps: self.core.crashed.clone(),
+            dead_ranks: self.core.dead.clone(),
         }
     }
 }

@@ -20,15 +20,16 @@
 //!   they must give (count mismatch on both sides, copy errors on both
 //!   sides, `PeerFailed`-type errors after an SP learned of a lost peer).
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
+use super::driver::{self, run_events, Collective, Core, Params};
 use super::rng::{splitmix64, Rng};
-use super::{place_rank, sentinel, SimFailure};
+use super::{sentinel, SimFailure};
 pub use super::{CostModel, Layout};
 use crate::alltoallv::{Action, Alltoallv, Config, Copy, Msg, Post};
-use crate::sched::CopyLimiter;
+
 use crate::{CollKey, CommId, Nanos, Rank, SpId, Status};
 
 /// Injected faults (all off by default).
@@ -184,7 +185,7 @@ pub struct SimReport {
 /// Run one simulation; `Err` carries the seed and what went wrong.
 pub fn run(cfg: &SimConfig) -> Result<SimReport, SimFailure> {
     let mut sim = Sim::new(cfg)?;
-    sim.run_events()?;
+    run_events(&mut sim)?;
     sim.final_checks()?;
     Ok(sim.report())
 }
@@ -213,112 +214,72 @@ struct Op {
     disturbed: bool,
 }
 
-enum Input {
-    Post {
-        op: usize,
-        rank: Rank,
-    },
-    Msg {
-        from: SpId,
-        key: CollKey,
-        msg: Msg<SimKey>,
-    },
-    CopyDone {
-        op: usize,
-        copy: Copy<SimKey>,
-        fail: bool,
-    },
-    PeerLost {
-        lost: SpId,
-    },
-    RankLost {
-        world: u32,
-    },
-}
-
-enum Ev {
-    /// An input reaches an SP's inbox.
-    Input {
-        sp: SpId,
-        input: Input,
-    },
-    /// The SP takes the next input from its inbox.
-    SpRun {
-        sp: SpId,
-    },
-    Crash {
-        sp: SpId,
-    },
-    RankDeath {
-        world: u32,
-    },
-}
-
-struct SpState {
-    alive: bool,
-    busy_until: Nanos,
-    run_scheduled: bool,
-    inbox: VecDeque<Input>,
-    limiter: CopyLimiter<(usize, Copy<SimKey>)>,
-    known_lost: BTreeSet<SpId>,
-}
+type Input = driver::Input<(CollKey, Msg<SimKey>), Copy<SimKey>>;
+type Ev = driver::Ev<(CollKey, Msg<SimKey>), Copy<SimKey>>;
 
 struct Sim<'a> {
     cfg: &'a SimConfig,
-    rng: Rng,
-    now: Nanos,
-    seq: u64,
-    events: u64,
-    queue: BTreeMap<(Nanos, u64), Ev>,
-    sps: Vec<SpState>,
+    core: Core<(CollKey, Msg<SimKey>), Copy<SimKey>>,
     ops: Vec<Op>,
     inst: BTreeMap<(SpId, usize), Alltoallv<SimKey>>,
     by_key: BTreeMap<CollKey, usize>,
-    /// Directed node-to-node link -> time it is free to send.
-    link_free: BTreeMap<(u32, u32), Nanos>,
-    rank_node: Vec<u32>,
-    rank_sp: Vec<SpId>,
     /// Per world rank: (op, comm rank) in op order.
     rank_ops: Vec<Vec<(usize, Rank)>>,
     late: Vec<bool>,
-    host_dead: Vec<bool>,
-    crashed: Vec<SpId>,
-    dead: Vec<u32>,
     /// (op, sp) pairs where the SP was told about a lost member SP.
     loss_notified: BTreeSet<(usize, SpId)>,
-    messages: u64,
-    copies: u64,
-    bytes_intra: u64,
-    bytes_inter: u64,
-    max_in_flight: usize,
+}
+
+impl Collective for Sim<'_> {
+    type Msg = (CollKey, Msg<SimKey>);
+    type Copy = Copy<SimKey>;
+
+    fn core(&mut self) -> &mut Core<Self::Msg, Self::Copy> {
+        &mut self.core
+    }
+
+    fn world_of(&self, op: usize, rank: Rank) -> u32 {
+        self.ops[op].world[rank as usize]
+    }
+
+    fn on_crash(&mut self, sp: SpId) {
+        for op in self.ops.iter_mut() {
+            if op.sps.contains(&sp) {
+                op.disturbed = true;
+            }
+        }
+    }
+
+    fn on_rank_death(&mut self, world: u32) {
+        for &(op, rank) in &self.rank_ops[world as usize] {
+            let o = &mut self.ops[op];
+            if o.done[rank as usize].is_none() {
+                o.disturbed = true;
+            }
+        }
+    }
+
+    fn process(&mut self, sp: SpId, input: Input) -> Result<(), SimFailure> {
+        self.process_input(sp, input)
+    }
 }
 
 impl<'a> Sim<'a> {
     fn new(cfg: &'a SimConfig) -> Result<Sim<'a>, SimFailure> {
-        let fail = |what: &str| SimFailure {
+        let (core, mut setup) = Core::new(Params {
             seed: cfg.seed,
-            what: what.to_string(),
-        };
-        if cfg.nodes == 0 || cfg.ranks_per_node == 0 || cfg.sps_per_node == 0 {
-            return Err(fail(
-                "invalid config: nodes, ranks_per_node, sps_per_node must be > 0",
-            ));
-        }
-        let mut setup = Rng::new(cfg.seed);
-        let rng = setup.fork();
+            nodes: cfg.nodes,
+            ranks_per_node: cfg.ranks_per_node,
+            sps_per_node: cfg.sps_per_node,
+            layout: cfg.layout,
+            max_inflight_reads: cfg.max_inflight_reads,
+            cost: cfg.cost,
+            msg_jitter_ns: cfg.faults.msg_jitter_ns,
+            detect_delay_ns: cfg.faults.detect_delay_ns,
+            max_events: cfg.max_events,
+            max_virtual_ns: cfg.max_virtual_ns,
+        })?;
         let w = cfg.world_size();
-        let (mut rank_node, mut rank_sp) = (Vec::new(), Vec::new());
-        for r in 0..w {
-            let (node, sp) = place_rank(
-                cfg.layout,
-                cfg.nodes,
-                cfg.ranks_per_node,
-                cfg.sps_per_node,
-                r,
-            );
-            rank_node.push(node);
-            rank_sp.push(sp);
-        }
         // Communicators: 0 is the world.
         let mut comms: Vec<Vec<u32>> = vec![(0..w).collect()];
         for _ in 0..cfg.sub_comms {
@@ -346,7 +307,7 @@ impl<'a> Sim<'a> {
             for (cr, &wr) in world.iter().enumerate() {
                 rank_ops[wr as usize].push((i, cr as Rank));
             }
-            ops.push(Self::make_op(cfg, &mut setup, i, key, world, &rank_sp));
+            ops.push(Self::make_op(cfg, &mut setup, i, key, world, &core.rank_sp));
         }
         // Count mismatches.
         for _ in 0..cfg.faults.count_mismatches {
@@ -387,42 +348,15 @@ impl<'a> Sim<'a> {
             all.into_iter().take(cfg.late_ranks as usize).collect()
         };
         let late = (0..w).map(|r| late_set.contains(&r)).collect();
-        let sp_count = cfg.sp_count();
-        let sps = (0..sp_count)
-            .map(|_| SpState {
-                alive: true,
-                busy_until: 0,
-                run_scheduled: false,
-                inbox: VecDeque::new(),
-                limiter: CopyLimiter::new(cfg.max_inflight_reads),
-                known_lost: BTreeSet::new(),
-            })
-            .collect();
         let mut sim = Sim {
             cfg,
-            rng,
-            now: 0,
-            seq: 0,
-            events: 0,
-            queue: BTreeMap::new(),
-            sps,
+            core,
             ops,
             inst: BTreeMap::new(),
             by_key: BTreeMap::new(),
-            link_free: BTreeMap::new(),
-            rank_node,
-            rank_sp,
             rank_ops,
             late,
-            host_dead: vec![false; w as usize],
-            crashed: Vec::new(),
-            dead: Vec::new(),
             loss_notified: BTreeSet::new(),
-            messages: 0,
-            copies: 0,
-            bytes_intra: 0,
-            bytes_inter: 0,
-            max_in_flight: 0,
         };
         sim.by_key = sim
             .ops
@@ -445,30 +379,16 @@ impl<'a> Sim<'a> {
                 };
                 let t = (base + sim.post_delay(wr)).max(last);
                 last = t;
-                let sp = sim.rank_sp[wr as usize];
-                sim.schedule(
-                    t,
-                    Ev::Input {
-                        sp,
-                        input: Input::Post { op, rank },
-                    },
-                );
+                sim.core.schedule_post(t, wr, op, rank);
             }
         }
         // Faults.
-        let crashes = (cfg.faults.sp_crashes as u64).min(sp_count as u64 - 1);
-        let mut all_sps: Vec<SpId> = (0..sp_count).collect();
-        setup.shuffle(&mut all_sps);
-        for &sp in all_sps.iter().take(crashes as usize) {
-            let t = setup.range(0, cfg.faults.crash_window_ns);
-            sim.schedule(t, Ev::Crash { sp });
-        }
-        let mut all_ranks: Vec<u32> = (0..w).collect();
-        setup.shuffle(&mut all_ranks);
-        for &world in all_ranks.iter().take(cfg.faults.rank_deaths as usize) {
-            let t = setup.range(0, cfg.faults.death_window_ns);
-            sim.schedule(t, Ev::RankDeath { world });
-        }
+        let f = &cfg.faults;
+        sim.core.schedule_faults(
+            &mut setup,
+            (f.sp_crashes, f.crash_window_ns),
+            (f.rank_deaths, f.death_window_ns),
+        );
         Ok(sim)
     }
 
@@ -554,125 +474,11 @@ impl<'a> Sim<'a> {
         } else {
             0
         };
-        self.rng.range(0, self.cfg.arrival_skew_ns) + late
+        self.core.rng.range(0, self.cfg.arrival_skew_ns) + late
     }
 
     fn fail(&self, what: impl Into<String>) -> SimFailure {
-        SimFailure {
-            seed: self.cfg.seed,
-            what: format!("t={}ns: {}", self.now, what.into()),
-        }
-    }
-
-    fn schedule(&mut self, at: Nanos, ev: Ev) {
-        self.seq += 1;
-        self.queue.insert((at, self.seq), ev);
-    }
-
-    fn sp_node(&self, sp: SpId) -> u32 {
-        sp / self.cfg.sps_per_node
-    }
-
-    fn run_events(&mut self) -> Result<(), SimFailure> {
-        while let Some(((t, _), ev)) = self.queue.pop_first() {
-            self.now = t;
-            self.events += 1;
-            if self.events > self.cfg.max_events {
-                return Err(self.fail(format!(
-                    "no termination within {} events",
-                    self.cfg.max_events
-                )));
-            }
-            if t > self.cfg.max_virtual_ns {
-                return Err(self.fail(format!(
-                    "no termination within {}ns of virtual time",
-                    self.cfg.max_virtual_ns
-                )));
-            }
-            match ev {
-                Ev::Input { sp, input } => {
-                    if let Input::Post { op, rank } = &input {
-                        let w = self.ops[*op].world[*rank as usize];
-                        if self.host_dead[w as usize] {
-                            continue;
-                        }
-                    }
-                    let s = &mut self.sps[sp as usize];
-                    if !s.alive {
-                        continue;
-                    }
-                    s.inbox.push_back(input);
-                    if !s.run_scheduled {
-                        s.run_scheduled = true;
-                        let at = s.busy_until.max(t);
-                        self.schedule(at, Ev::SpRun { sp });
-                    }
-                }
-                Ev::SpRun { sp } => {
-                    let s = &mut self.sps[sp as usize];
-                    s.run_scheduled = false;
-                    if !s.alive {
-                        continue;
-                    }
-                    let Some(input) = s.inbox.pop_front() else {
-                        continue;
-                    };
-                    s.busy_until = t + self.cfg.cost.msg_proc_ns;
-                    if !s.inbox.is_empty() {
-                        s.run_scheduled = true;
-                        let at = s.busy_until;
-                        self.schedule(at, Ev::SpRun { sp });
-                    }
-                    self.process(sp, input)?;
-                }
-                Ev::Crash { sp } => self.crash(sp),
-                Ev::RankDeath { world } => {
-                    self.host_dead[world as usize] = true;
-                    self.dead.push(world);
-                    for &(op, rank) in &self.rank_ops[world as usize] {
-                        let o = &mut self.ops[op];
-                        if o.done[rank as usize].is_none() {
-                            o.disturbed = true;
-                        }
-                    }
-                    let sp = self.rank_sp[world as usize];
-                    self.schedule(
-                        t,
-                        Ev::Input {
-                            sp,
-                            input: Input::RankLost { world },
-                        },
-                    );
-                }
-            }
-        }
-        Ok(())
-    }
-
-    fn crash(&mut self, sp: SpId) {
-        let s = &mut self.sps[sp as usize];
-        s.alive = false;
-        s.inbox.clear();
-        s.limiter.clear_queued().for_each(drop);
-        self.crashed.push(sp);
-        for op in self.ops.iter_mut() {
-            if op.sps.contains(&sp) {
-                op.disturbed = true;
-            }
-        }
-        let delay = self.cfg.faults.detect_delay_ns;
-        for other in 0..self.cfg.sp_count() {
-            if other != sp && self.sps[other as usize].alive {
-                let at = self.now + delay + self.rng.range(0, delay);
-                self.schedule(
-                    at,
-                    Ev::Input {
-                        sp: other,
-                        input: Input::PeerLost { lost: sp },
-                    },
-                );
-            }
-        }
+        self.core.fail(what)
     }
 
     fn instance(&mut self, sp: SpId, op: usize) -> &mut Alltoallv<SimKey> {
@@ -682,8 +488,8 @@ impl<'a> Sim<'a> {
             .or_insert_with(|| Alltoallv::new(key, Config { me: sp }))
     }
 
-    fn process(&mut self, sp: SpId, input: Input) -> Result<(), SimFailure> {
-        let now = self.now;
+    fn process_input(&mut self, sp: SpId, input: Input) -> Result<(), SimFailure> {
+        let now = self.core.now;
         let mut touched: Vec<usize> = Vec::new();
         match input {
             Input::Post { op, rank } => {
@@ -715,12 +521,15 @@ impl<'a> Sim<'a> {
                 }
                 touched.push(op);
             }
-            Input::Msg { from, key, msg } => {
+            Input::Msg {
+                from,
+                msg: (key, msg),
+            } => {
                 // Demultiplex by CollKey, as the SP does.
                 let Some(&op) = self.by_key.get(&key) else {
                     return Err(self.fail(format!("message for unknown collective {key:?}")));
                 };
-                if self.sps[sp as usize].known_lost.contains(&from) {
+                if self.core.sps[sp as usize].known_lost.contains(&from) {
                     return Ok(()); // the connection to `from` is gone
                 }
                 let shown = msg.clone();
@@ -739,12 +548,12 @@ impl<'a> Sim<'a> {
                     self.do_copy(op, &copy)?;
                     Status::Ok
                 };
-                self.sps[sp as usize].limiter.finished();
+                self.core.sps[sp as usize].limiter.finished();
                 self.instance(sp, op).handle_copy_done(now, copy.id, status);
                 touched.push(op);
             }
             Input::PeerLost { lost } => {
-                self.sps[sp as usize].known_lost.insert(lost);
+                self.core.sps[sp as usize].known_lost.insert(lost);
                 for op in 0..self.ops.len() {
                     let o = &self.ops[op];
                     if o.sps.contains(&sp) && o.sps.contains(&lost) {
@@ -772,33 +581,8 @@ impl<'a> Sim<'a> {
         while let Some(action) = self.instance(sp, op).poll_action() {
             match action {
                 Action::Send { to, msg } => {
-                    if to == sp {
-                        return Err(self.fail(format!("op {op}: SP {sp} sent a message to itself")));
-                    }
-                    if to >= self.cfg.sp_count() {
-                        return Err(self.fail(format!("op {op}: SP {sp} sent to unknown SP {to}")));
-                    }
-                    self.messages += 1;
-                    let link = (self.sp_node(sp), self.sp_node(to));
-                    let c = &self.cfg.cost;
-                    let (lat, bw) = if link.0 == link.1 {
-                        (c.intra_node_latency_ns, c.intra_node_bytes_per_ns)
-                    } else {
-                        (c.inter_node_latency_ns, c.inter_node_bytes_per_ns)
-                    };
-                    let wire = c.msg_header_bytes + Self::msg_bytes(&msg);
-                    let free = self.link_free.entry(link).or_insert(0);
-                    let departed = (*free).max(out) + wire.div_ceil(bw.max(1));
-                    *free = departed;
-                    let jitter = self.rng.range(0, self.cfg.faults.msg_jitter_ns);
-                    let key = self.ops[op].key;
-                    self.schedule(
-                        departed + lat + jitter,
-                        Ev::Input {
-                            sp: to,
-                            input: Input::Msg { from: sp, key, msg },
-                        },
-                    );
+                    let (key, wire) = (self.ops[op].key, Self::msg_bytes(&msg));
+                    self.core.send(op, sp, to, wire, out, (key, msg))?;
                 }
                 Action::Copy(copy) => {
                     let o = &self.ops[op];
@@ -808,7 +592,7 @@ impl<'a> Sim<'a> {
                             copy.dst_rank
                         )));
                     }
-                    self.sps[sp as usize].limiter.push((op, copy));
+                    self.core.sps[sp as usize].limiter.push((op, copy));
                 }
                 Action::Complete { rank, status } => self.complete(sp, op, rank, status, out)?,
             }
@@ -857,22 +641,12 @@ impl<'a> Sim<'a> {
             )));
         }
         // Back to back: the host posts its next collective.
-        if !self.cfg.overlap_ops && !self.host_dead[w as usize] {
+        if !self.cfg.overlap_ops && !self.core.host_dead[w as usize] {
             let list = &self.rank_ops[w as usize];
             if let Some(k) = list.iter().position(|&(i, _)| i == op) {
                 if let Some(&(next, next_rank)) = list.get(k + 1) {
                     let t = at + self.post_delay(w);
-                    let sp = self.rank_sp[w as usize];
-                    self.schedule(
-                        t,
-                        Ev::Input {
-                            sp,
-                            input: Input::Post {
-                                op: next,
-                                rank: next_rank,
-                            },
-                        },
-                    );
+                    self.core.schedule_post(t, w, next, next_rank);
                 }
             }
         }
@@ -881,31 +655,21 @@ impl<'a> Sim<'a> {
 
     /// Start every copy the SP's limiter admits.
     fn pump(&mut self, sp: SpId, at: Nanos) -> Result<(), SimFailure> {
-        while let Some((op, copy)) = self.sps[sp as usize].limiter.pop_startable() {
-            let lim = &self.sps[sp as usize].limiter;
-            if lim.in_flight() > lim.max_inflight() {
-                return Err(self.fail(format!("SP {sp}: {} copies in flight", lim.in_flight())));
-            }
-            self.max_in_flight = self.max_in_flight.max(lim.in_flight());
+        while let Some((op, copy)) = self.core.next_copy(sp)? {
             self.check_copy(op, &copy)?;
             self.check_buffers_open(op, &copy, "started")?;
             let src_world = self.ops[op].world[copy.src_rank as usize];
-            let c = &self.cfg.cost;
-            let (fixed, bw) = if self.rank_node[src_world as usize] == self.sp_node(sp) {
-                (c.copy_fixed_intra_ns, c.intra_node_bytes_per_ns)
-            } else {
-                (c.copy_fixed_inter_ns, c.inter_node_bytes_per_ns)
-            };
-            let cost = fixed + copy.len.div_ceil(bw.max(1));
+            let src_node = self.core.rank_node[src_world as usize];
+            let cost = self.core.copy_cost(src_node, sp, copy.len);
             let ppm = self.cfg.faults.copy_error_ppm as u64;
-            let fail = ppm > 0 && self.rng.chance(ppm, 1_000_000);
+            let fail = ppm > 0 && self.core.rng.chance(ppm, 1_000_000);
             if fail {
                 let o = &mut self.ops[op];
                 o.disturbed = true;
                 o.forced_error.insert(copy.src_rank);
                 o.forced_error.insert(copy.dst_rank);
             }
-            self.schedule(
+            self.core.schedule(
                 at + cost,
                 Ev::Input {
                     sp,
@@ -978,19 +742,13 @@ impl<'a> Sim<'a> {
         let (so, d, len) = (c.src_offset as usize, c.dst_offset as usize, c.len as usize);
         let src = &o.send_buf[c.src_rank as usize][so..so + len];
         o.recv_buf[c.dst_rank as usize][d..d + len].copy_from_slice(src);
-        let src_node = self.rank_node[o.world[c.src_rank as usize] as usize];
-        let dst_node = self.rank_node[o.world[c.dst_rank as usize] as usize];
-        if src_node == dst_node {
-            self.bytes_intra += c.len;
-        } else {
-            self.bytes_inter += c.len;
-        }
-        self.copies += 1;
+        let (src, dst) = (o.world[c.src_rank as usize], o.world[c.dst_rank as usize]);
+        self.core.count_copy(src, dst, c.len);
         Ok(())
     }
 
     fn final_checks(&mut self) -> Result<(), SimFailure> {
-        let crashed: BTreeSet<SpId> = self.crashed.iter().copied().collect();
+        let crashed: BTreeSet<SpId> = self.core.crashed.iter().copied().collect();
         for (i, o) in self.ops.iter().enumerate() {
             let p = o.world.len();
             for r in 0..p {
@@ -999,8 +757,8 @@ impl<'a> Sim<'a> {
                 let what = format!("op {i} ({:?}) rank {r} (world {w}, SP {sp})", o.key);
                 // A rank of a crashed SP may never complete; a dead host
                 // that never posted has nothing to complete.
-                let exempt =
-                    crashed.contains(&sp) || (self.host_dead[w as usize] && o.post_ns[r].is_none());
+                let exempt = crashed.contains(&sp)
+                    || (self.core.host_dead[w as usize] && o.post_ns[r].is_none());
                 let status = match o.done[r] {
                     Some((_, st)) => st,
                     None if exempt => {
@@ -1121,20 +879,20 @@ impl<'a> Sim<'a> {
             sps: self.cfg.sp_count(),
             end_ns: ops.iter().filter_map(|o| o.done_ns).max().unwrap_or(0),
             ops,
-            events: self.events,
-            messages: self.messages,
-            copies: self.copies,
-            bytes_copied_intra_node: self.bytes_intra,
-            bytes_copied_inter_node: self.bytes_inter,
-            max_in_flight: self.max_in_flight,
+            events: self.core.events,
+            messages: self.core.messages,
+            copies: self.core.copies,
+            bytes_copied_intra_node: self.core.bytes_intra,
+            bytes_copied_inter_node: self.core.bytes_inter,
+            max_in_flight: self.core.max_in_flight,
             late_announcements: self
                 .inst
                 .values()
                 .map(|a| a.stats().late_announcements)
                 .sum(),
             error_completions,
-            crashed_sps: self.crashed.clone(),
-            dead_ranks: self.dead.clone(),
+            crashed_sps: self.core.crashed.clone(),
+            dead_ranks: self.core.dead.clone(),
         }
     }
 }

@@ -13,6 +13,7 @@ use crate::{Nanos, SpId};
 
 pub mod allgatherv;
 pub mod alltoallv;
+mod driver;
 pub mod rng;
 
 /// A failed simulation run. `Display` always starts with the seed so a

@@ -1,0 +1,407 @@
+//! What the simulators share: virtual time and the event queue, SP inboxes
+//! and processing time, message delivery over the [`CostModel`] (latency,
+//! per-link serialisation, jitter), SP crashes with delayed detection, host
+//! rank deaths, the per-SP [`CopyLimiter`] and copy cost/byte accounting.
+//! Each collective implements [`Collective`] for what is its own: which
+//! collectives a fault disturbs and how an input is processed.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use super::rng::Rng;
+use super::{place_rank, CostModel, Layout, SimFailure};
+use crate::sched::CopyLimiter;
+use crate::{Nanos, Rank, SpId};
+
+/// An input of an SP; `M` is the message envelope, `C` a copy.
+pub(crate) enum Input<M, C> {
+    Post { op: usize, rank: Rank },
+    Msg { from: SpId, msg: M },
+    CopyDone { op: usize, copy: C, fail: bool },
+    PeerLost { lost: SpId },
+    RankLost { world: u32 },
+}
+
+pub(crate) enum Ev<M, C> {
+    /// An input reaches an SP's inbox.
+    Input {
+        sp: SpId,
+        input: Input<M, C>,
+    },
+    /// The SP takes the next input from its inbox.
+    SpRun {
+        sp: SpId,
+    },
+    Crash {
+        sp: SpId,
+    },
+    RankDeath {
+        world: u32,
+    },
+}
+
+pub(crate) struct SpState<M, C> {
+    alive: bool,
+    busy_until: Nanos,
+    run_scheduled: bool,
+    inbox: VecDeque<Input<M, C>>,
+    pub limiter: CopyLimiter<(usize, C)>,
+    pub known_lost: BTreeSet<SpId>,
+}
+
+/// The parts of a simulator configuration the driver needs.
+pub(crate) struct Params {
+    pub seed: u64,
+    pub nodes: u32,
+    pub ranks_per_node: u32,
+    pub sps_per_node: u32,
+    pub layout: Layout,
+    pub max_inflight_reads: usize,
+    pub cost: CostModel,
+    pub msg_jitter_ns: Nanos,
+    pub detect_delay_ns: Nanos,
+    pub max_events: u64,
+    pub max_virtual_ns: Nanos,
+}
+
+/// Driver state common to the simulators.
+pub(crate) struct Core<M, C> {
+    pub p: Params,
+    pub rng: Rng,
+    pub now: Nanos,
+    seq: u64,
+    pub events: u64,
+    queue: BTreeMap<(Nanos, u64), Ev<M, C>>,
+    pub sps: Vec<SpState<M, C>>,
+    /// Directed node-to-node link -> time it is free to send.
+    link_free: BTreeMap<(u32, u32), Nanos>,
+    pub rank_node: Vec<u32>,
+    pub rank_sp: Vec<SpId>,
+    pub host_dead: Vec<bool>,
+    pub crashed: Vec<SpId>,
+    pub dead: Vec<u32>,
+    pub messages: u64,
+    pub copies: u64,
+    pub bytes_intra: u64,
+    pub bytes_inter: u64,
+    pub max_in_flight: usize,
+}
+
+impl<M, C> Core<M, C> {
+    /// The core and the setup generator (the run's generator is forked
+    /// from it first).
+    pub fn new(p: Params) -> Result<(Core<M, C>, Rng), SimFailure> {
+        if p.nodes == 0 || p.ranks_per_node == 0 || p.sps_per_node == 0 {
+            return Err(SimFailure {
+                seed: p.seed,
+                what: "invalid config: nodes, ranks_per_node, sps_per_node must be > 0".into(),
+            });
+        }
+        let mut setup = Rng::new(p.seed);
+        let rng = setup.fork();
+        let w = p.nodes * p.ranks_per_node;
+        let (rank_node, rank_sp) = (0..w)
+            .map(|r| place_rank(p.layout, p.nodes, p.ranks_per_node, p.sps_per_node, r))
+            .unzip();
+        let sps = (0..p.nodes * p.sps_per_node)
+            .map(|_| SpState {
+                alive: true,
+                busy_until: 0,
+                run_scheduled: false,
+                inbox: VecDeque::new(),
+                limiter: CopyLimiter::new(p.max_inflight_reads),
+                known_lost: BTreeSet::new(),
+            })
+            .collect();
+        let core = Core {
+            p,
+            rng,
+            now: 0,
+            seq: 0,
+            events: 0,
+            queue: BTreeMap::new(),
+            sps,
+            link_free: BTreeMap::new(),
+            rank_node,
+            rank_sp,
+            host_dead: vec![false; w as usize],
+            crashed: Vec::new(),
+            dead: Vec::new(),
+            messages: 0,
+            copies: 0,
+            bytes_intra: 0,
+            bytes_inter: 0,
+            max_in_flight: 0,
+        };
+        Ok((core, setup))
+    }
+
+    pub fn sp_count(&self) -> u32 {
+        self.p.nodes * self.p.sps_per_node
+    }
+
+    pub fn fail(&self, what: impl Into<String>) -> SimFailure {
+        SimFailure {
+            seed: self.p.seed,
+            what: format!("t={}ns: {}", self.now, what.into()),
+        }
+    }
+
+    pub fn schedule(&mut self, at: Nanos, ev: Ev<M, C>) {
+        self.seq += 1;
+        self.queue.insert((at, self.seq), ev);
+    }
+
+    /// Host rank `world` posts comm rank `rank` of collective `op` at `at`.
+    pub fn schedule_post(&mut self, at: Nanos, world: u32, op: usize, rank: Rank) {
+        let sp = self.rank_sp[world as usize];
+        self.schedule(
+            at,
+            Ev::Input {
+                sp,
+                input: Input::Post { op, rank },
+            },
+        );
+    }
+
+    /// SP crashes and host rank deaths at random times (at least one SP
+    /// survives).
+    pub fn schedule_faults(
+        &mut self,
+        setup: &mut Rng,
+        (sp_crashes, crash_window_ns): (u32, Nanos),
+        (rank_deaths, death_window_ns): (u32, Nanos),
+    ) {
+        let sp_count = self.sp_count();
+        let crashes = (sp_crashes as u64).min(sp_count as u64 - 1);
+        let mut all_sps: Vec<SpId> = (0..sp_count).collect();
+        setup.shuffle(&mut all_sps);
+        for &sp in all_sps.iter().take(crashes as usize) {
+            let t = setup.range(0, crash_window_ns);
+            self.schedule(t, Ev::Crash { sp });
+        }
+        let mut all_ranks: Vec<u32> = (0..self.rank_sp.len() as u32).collect();
+        setup.shuffle(&mut all_ranks);
+        for &world in all_ranks.iter().take(rank_deaths as usize) {
+            let t = setup.range(0, death_window_ns);
+            self.schedule(t, Ev::RankDeath { world });
+        }
+    }
+
+    pub fn sp_node(&self, sp: SpId) -> u32 {
+        sp / self.p.sps_per_node
+    }
+
+    /// Send `msg` (`wire` bytes on top of the header) from `sp` to `to`,
+    /// leaving `sp` at `out`: the directed node link serialises messages.
+    pub fn send(
+        &mut self,
+        op: usize,
+        sp: SpId,
+        to: SpId,
+        wire: u64,
+        out: Nanos,
+        msg: M,
+    ) -> Result<(), SimFailure> {
+        if to == sp {
+            return Err(self.fail(format!("op {op}: SP {sp} sent a message to itself")));
+        }
+        if to >= self.sp_count() {
+            return Err(self.fail(format!("op {op}: SP {sp} sent to unknown SP {to}")));
+        }
+        self.messages += 1;
+        let link = (self.sp_node(sp), self.sp_node(to));
+        let c = &self.p.cost;
+        let (lat, bw) = if link.0 == link.1 {
+            (c.intra_node_latency_ns, c.intra_node_bytes_per_ns)
+        } else {
+            (c.inter_node_latency_ns, c.inter_node_bytes_per_ns)
+        };
+        let wire = c.msg_header_bytes + wire;
+        let free = self.link_free.entry(link).or_insert(0);
+        let departed = (*free).max(out) + wire.div_ceil(bw.max(1));
+        *free = departed;
+        let jitter = self.rng.range(0, self.p.msg_jitter_ns);
+        self.schedule(
+            departed + lat + jitter,
+            Ev::Input {
+                sp: to,
+                input: Input::Msg { from: sp, msg },
+            },
+        );
+        Ok(())
+    }
+
+    /// The next copy the SP's limiter admits, checking its bound.
+    pub fn next_copy(&mut self, sp: SpId) -> Result<Option<(usize, C)>, SimFailure> {
+        let Some(next) = self.sps[sp as usize].limiter.pop_startable() else {
+            return Ok(None);
+        };
+        let lim = &self.sps[sp as usize].limiter;
+        if lim.in_flight() > lim.max_inflight() {
+            return Err(self.fail(format!("SP {sp}: {} copies in flight", lim.in_flight())));
+        }
+        self.max_in_flight = self.max_in_flight.max(lim.in_flight());
+        Ok(Some(next))
+    }
+
+    /// Duration of a copy of `len` bytes from a buffer on `src_node` run by
+    /// `sp`.
+    pub fn copy_cost(&self, src_node: u32, sp: SpId, len: u64) -> Nanos {
+        let c = &self.p.cost;
+        let (fixed, bw) = if src_node == self.sp_node(sp) {
+            (c.copy_fixed_intra_ns, c.intra_node_bytes_per_ns)
+        } else {
+            (c.copy_fixed_inter_ns, c.inter_node_bytes_per_ns)
+        };
+        fixed + len.div_ceil(bw.max(1))
+    }
+
+    /// Account a copy of `len` bytes from world rank `src` to `dst`.
+    pub fn count_copy(&mut self, src: u32, dst: u32, len: u64) {
+        if self.rank_node[src as usize] == self.rank_node[dst as usize] {
+            self.bytes_intra += len;
+        } else {
+            self.bytes_inter += len;
+        }
+        self.copies += 1;
+    }
+
+    fn deliver(&mut self, sp: SpId, input: Input<M, C>) {
+        let t = self.now;
+        let s = &mut self.sps[sp as usize];
+        if !s.alive {
+            return;
+        }
+        s.inbox.push_back(input);
+        if !s.run_scheduled {
+            s.run_scheduled = true;
+            let at = s.busy_until.max(t);
+            self.schedule(at, Ev::SpRun { sp });
+        }
+    }
+
+    fn take_input(&mut self, sp: SpId) -> Option<Input<M, C>> {
+        let t = self.now;
+        let s = &mut self.sps[sp as usize];
+        s.run_scheduled = false;
+        if !s.alive {
+            return None;
+        }
+        let input = s.inbox.pop_front()?;
+        s.busy_until = t + self.p.cost.msg_proc_ns;
+        if !s.inbox.is_empty() {
+            s.run_scheduled = true;
+            let at = s.busy_until;
+            self.schedule(at, Ev::SpRun { sp });
+        }
+        Some(input)
+    }
+
+    fn crash(&mut self, sp: SpId) {
+        let s = &mut self.sps[sp as usize];
+        s.alive = false;
+        s.inbox.clear();
+        s.limiter.clear_queued().for_each(drop);
+        self.crashed.push(sp);
+        let delay = self.p.detect_delay_ns;
+        for other in 0..self.sp_count() {
+            if other != sp && self.sps[other as usize].alive {
+                let at = self.now + delay + self.rng.range(0, delay);
+                self.schedule(
+                    at,
+                    Ev::Input {
+                        sp: other,
+                        input: Input::PeerLost { lost: sp },
+                    },
+                );
+            }
+        }
+    }
+
+    fn rank_death(&mut self, world: u32) {
+        self.host_dead[world as usize] = true;
+        self.dead.push(world);
+        let sp = self.rank_sp[world as usize];
+        self.schedule(
+            self.now,
+            Ev::Input {
+                sp,
+                input: Input::RankLost { world },
+            },
+        );
+    }
+}
+
+/// What a collective's simulator adds to the [`Core`].
+pub(crate) trait Collective {
+    type Msg;
+    type Copy;
+
+    fn core(&mut self) -> &mut Core<Self::Msg, Self::Copy>;
+
+    /// World rank of comm rank `rank` of collective `op`.
+    fn world_of(&self, op: usize, rank: Rank) -> u32;
+
+    /// SP `sp` crashed: mark the collectives it disturbs.
+    fn on_crash(&mut self, sp: SpId);
+
+    /// Host rank `world` died: mark the collectives it disturbs.
+    fn on_rank_death(&mut self, world: u32);
+
+    /// The SP takes `input` from its inbox at `core().now`.
+    fn process(&mut self, sp: SpId, input: Input<Self::Msg, Self::Copy>) -> Result<(), SimFailure>;
+
+    /// The run passed `max_events` or `max_virtual_ns`.
+    fn over_budget(core: &Core<Self::Msg, Self::Copy>) -> SimFailure {
+        if core.events > core.p.max_events {
+            core.fail(format!(
+                "no termination within {} events",
+                core.p.max_events
+            ))
+        } else {
+            core.fail(format!(
+                "no termination within {}ns of virtual time",
+                core.p.max_virtual_ns
+            ))
+        }
+    }
+}
+
+/// Process events until the queue drains.
+pub(crate) fn run_events<S: Collective>(sim: &mut S) -> Result<(), SimFailure> {
+    loop {
+        let core = sim.core();
+        let Some(((t, _), ev)) = core.queue.pop_first() else {
+            return Ok(());
+        };
+        core.now = t;
+        core.events += 1;
+        if core.events > core.p.max_events || t > core.p.max_virtual_ns {
+            return Err(S::over_budget(core));
+        }
+        match ev {
+            Ev::Input { sp, input } => {
+                if let Input::Post { op, rank } = &input {
+                    let w = sim.world_of(*op, *rank);
+                    if sim.core().host_dead[w as usize] {
+                        continue;
+                    }
+                }
+                sim.core().deliver(sp, input);
+            }
+            Ev::SpRun { sp } => {
+                if let Some(input) = sim.core().take_input(sp) {
+                    sim.process(sp, input)?;
+                }
+            }
+            Ev::Crash { sp } => {
+                sim.core().crash(sp);
+                sim.on_crash(sp);
+            }
+            Ev::RankDeath { world } => {
+                sim.core().rank_death(world);
+                sim.on_rank_death(world);
+            }
+        }
+    }
+}
