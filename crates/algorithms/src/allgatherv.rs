@@ -1476,6 +1476,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sim::testnet::{Machine, Out};
     use crate::CommId;
 
     type Tag = (char, Rank);
@@ -1510,89 +1511,35 @@ mod tests {
         }
     }
 
-    struct Net {
-        sps: BTreeMap<SpId, Allgatherv<Tag>>,
-        msgs: VecDeque<(SpId, SpId, Msg<Tag>)>,
-        copies: VecDeque<(SpId, Copy<Tag>)>,
-        copied: Vec<Copy<Tag>>,
-        completes: Vec<(Rank, Status)>,
-        now: Nanos,
-    }
+    type Net = crate::sim::testnet::Net<Allgatherv<Tag>>;
 
-    impl Net {
-        fn new(n: u32) -> Net {
-            Net {
-                sps: (0..n)
-                    .map(|sp| (sp, Allgatherv::new(KEY, Config { me: sp })))
-                    .collect(),
-                msgs: VecDeque::new(),
-                copies: VecDeque::new(),
-                copied: Vec::new(),
-                completes: Vec::new(),
-                now: 0,
-            }
+    impl Machine for Allgatherv<Tag> {
+        type Post = Post<Tag>;
+        type Msg = Msg<Tag>;
+        type Copy = Copy<Tag>;
+
+        fn create(sp: SpId) -> Self {
+            Allgatherv::new(KEY, Config { me: sp })
         }
 
-        fn sp(&mut self, sp: SpId) -> &mut Allgatherv<Tag> {
-            self.sps.get_mut(&sp).unwrap()
+        fn post(&mut self, now: Nanos, post: Post<Tag>) {
+            self.handle_post(now, post).unwrap();
         }
 
-        fn collect(&mut self, sp: SpId) {
-            while let Some(a) = self.sp(sp).poll_action() {
-                match a {
-                    Action::Send { to, msg } => {
-                        assert_ne!(to, sp);
-                        self.msgs.push_back((sp, to, msg));
-                    }
-                    Action::Copy(c) => self.copies.push_back((sp, c)),
-                    Action::Complete { rank, status } => {
-                        assert!(
-                            !self.completes.iter().any(|&(r, _)| r == rank),
-                            "rank {rank} completed twice"
-                        );
-                        self.completes.push((rank, status));
-                    }
-                }
-            }
+        fn msg(&mut self, now: Nanos, from: SpId, msg: Msg<Tag>) {
+            self.handle_msg(now, from, msg).unwrap();
         }
 
-        fn post(&mut self, sp: SpId, p: Post<Tag>) {
-            self.now += 10;
-            let now = self.now;
-            self.sp(sp).handle_post(now, p).unwrap();
-            self.collect(sp);
+        fn copy_done(&mut self, now: Nanos, copy: &Copy<Tag>, status: Status) {
+            self.handle_copy_done(now, copy.id, status);
         }
 
-        fn deliver_all(&mut self) {
-            while let Some((from, to, msg)) = self.msgs.pop_front() {
-                self.now += 1;
-                let now = self.now;
-                let Some(sp) = self.sps.get_mut(&to) else {
-                    continue; // a crashed SP
-                };
-                sp.handle_msg(now, from, msg).unwrap();
-                self.collect(to);
-            }
-        }
-
-        fn run(&mut self) {
-            loop {
-                self.deliver_all();
-                let Some((sp, c)) = self.copies.pop_front() else {
-                    break;
-                };
-                let now = self.now;
-                self.sp(sp).handle_copy_done(now, c.id, Status::Ok);
-                self.collect(sp);
-                self.copied.push(c);
-            }
-        }
-
-        fn status(&self, r: Rank) -> Option<Status> {
-            self.completes
-                .iter()
-                .find(|&&(x, _)| x == r)
-                .map(|&(_, s)| s)
+        fn poll(&mut self) -> Option<Out<Msg<Tag>, Copy<Tag>>> {
+            Some(match self.poll_action()? {
+                Action::Send { to, msg } => Out::Send { to, msg },
+                Action::Copy(c) => Out::Copy(c),
+                Action::Complete { rank, status } => Out::Complete { rank, status },
+            })
         }
     }
 

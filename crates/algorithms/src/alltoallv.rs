@@ -944,6 +944,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sim::testnet::{Machine, Out};
     use crate::CommId;
 
     /// Key material in the tests: (buffer kind, rank).
@@ -987,102 +988,39 @@ mod tests {
         post(rank, members, m[r].clone(), recv)
     }
 
-    /// A hand-driven network of SPs running one instance each.
-    struct Net {
-        sps: BTreeMap<SpId, Alltoallv<Tag>>,
-        dead: BTreeSet<SpId>,
-        msgs: VecDeque<(SpId, SpId, Msg<Tag>)>,
-        copies: VecDeque<(SpId, Copy<Tag>)>,
-        copied: Vec<Copy<Tag>>,
-        completes: Vec<(SpId, Rank, Status)>,
-    }
+    type Net = crate::sim::testnet::Net<Alltoallv<Tag>>;
 
-    impl Net {
-        fn new(n: u32) -> Net {
-            Net {
-                sps: (0..n)
-                    .map(|sp| (sp, Alltoallv::new(KEY, Config { me: sp })))
-                    .collect(),
-                dead: BTreeSet::new(),
-                msgs: VecDeque::new(),
-                copies: VecDeque::new(),
-                copied: Vec::new(),
-                completes: Vec::new(),
-            }
+    impl Machine for Alltoallv<Tag> {
+        type Post = Post<Tag>;
+        type Msg = Msg<Tag>;
+        type Copy = Copy<Tag>;
+
+        fn create(sp: SpId) -> Self {
+            Alltoallv::new(KEY, Config { me: sp })
         }
 
-        fn sp(&mut self, sp: SpId) -> &mut Alltoallv<Tag> {
-            self.sps.get_mut(&sp).unwrap()
+        fn post(&mut self, now: Nanos, post: Post<Tag>) {
+            self.handle_post(now, post).unwrap();
         }
 
-        fn collect(&mut self, sp: SpId) {
-            while let Some(a) = self.sp(sp).poll_action() {
-                match a {
-                    Action::Send { to, msg } => {
-                        assert_ne!(to, sp, "send to self");
-                        self.msgs.push_back((sp, to, msg));
-                    }
-                    Action::Copy(c) => {
-                        assert_eq!(self.sp(sp).members().unwrap()[c.dst_rank as usize], sp);
-                        self.copies.push_back((sp, c));
-                    }
-                    Action::Complete { rank, status } => {
-                        assert!(
-                            !self.completes.iter().any(|&(_, r, _)| r == rank),
-                            "rank {rank} completed twice"
-                        );
-                        self.completes.push((sp, rank, status));
-                    }
-                }
-            }
+        fn msg(&mut self, now: Nanos, from: SpId, msg: Msg<Tag>) {
+            self.handle_msg(now, from, msg).unwrap();
         }
 
-        fn post(&mut self, sp: SpId, p: Post<Tag>) {
-            self.sp(sp).handle_post(0, p).unwrap();
-            self.collect(sp);
+        fn copy_done(&mut self, now: Nanos, copy: &Copy<Tag>, status: Status) {
+            self.handle_copy_done(now, copy.id, status);
         }
 
-        fn deliver_one(&mut self) -> bool {
-            let Some((from, to, msg)) = self.msgs.pop_front() else {
-                return false;
-            };
-            if !self.dead.contains(&to) {
-                self.sp(to).handle_msg(0, from, msg).unwrap();
-                self.collect(to);
-            }
-            true
+        fn poll(&mut self) -> Option<Out<Msg<Tag>, Copy<Tag>>> {
+            Some(match self.poll_action()? {
+                Action::Send { to, msg } => Out::Send { to, msg },
+                Action::Copy(c) => Out::Copy(c),
+                Action::Complete { rank, status } => Out::Complete { rank, status },
+            })
         }
 
-        fn deliver_all(&mut self) {
-            while self.deliver_one() {}
-        }
-
-        fn finish_copy(&mut self, status: Status) -> bool {
-            let Some((sp, c)) = self.copies.pop_front() else {
-                return false;
-            };
-            if !self.dead.contains(&sp) {
-                self.sp(sp).handle_copy_done(0, c.id, status);
-                self.collect(sp);
-                self.copied.push(c);
-            }
-            true
-        }
-
-        fn run(&mut self) {
-            loop {
-                self.deliver_all();
-                if !self.finish_copy(Status::Ok) {
-                    break;
-                }
-            }
-        }
-
-        fn status(&self, rank: Rank) -> Option<Status> {
-            self.completes
-                .iter()
-                .find(|&&(_, r, _)| r == rank)
-                .map(|&(_, _, s)| s)
+        fn check_copy(&self, sp: SpId, c: &Copy<Tag>) {
+            assert_eq!(self.members().unwrap()[c.dst_rank as usize], sp);
         }
     }
 

@@ -15,6 +15,8 @@ pub mod allgatherv;
 pub mod alltoallv;
 mod driver;
 pub mod rng;
+#[cfg(test)]
+pub(crate) mod testnet;
 
 /// A failed simulation run. `Display` always starts with the seed so a
 /// failing test prints how to reproduce it.
