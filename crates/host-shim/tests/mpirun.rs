@@ -634,16 +634,15 @@ fn a_killed_sp_fails_collectives_and_ends_the_job_with_an_error() {
         run.stdout.contains("a2a_check: ") && run.stdout.contains(" failures"),
         "{all}"
     );
-    // Ranks 2 and 3 lost their SP: each says so, naming its socket (whether it found the
-    // connection closed while reading or broken while posting).
-    for r in [2, 3] {
-        assert!(
-            shim_lines(&run.stderr)
-                .iter()
-                .any(|l| l.contains(&format!("rank {r}: ")) && l.contains("/sp-1.sock")),
-            "rank {r} did not report the lost SP\n{all}"
-        );
-    }
+    // Ranks 2 and 3 lost their SP: one of them at least says so, naming its socket (whether it
+    // found the connection closed while reading or broken while posting). Not necessarily
+    // both: once one of them ends with an error, mpirun may stop the other before it looks.
+    assert!(
+        [2, 3].iter().any(|r| shim_lines(&run.stderr)
+            .iter()
+            .any(|l| l.contains(&format!("rank {r}: ")) && l.contains("/sp-1.sock"))),
+        "no rank of SP 1 reported the lost SP\n{all}"
+    );
     // SP 0 served posts before the failure and reported at exit.
     assert_eq!(run.sp_stats().len(), 1, "{all}");
     assert!(run.sp_total("posts") > 0, "{all}");

@@ -199,16 +199,18 @@ fn exit_code(s: ExitStatus) -> i32 {
 
 /// Watches the SPs of a running job. An SP that answers no stats request for `limit` is
 /// alive but stuck (stopped, deadlocked): nothing else would notice, and its ranks would wait
-/// forever. It is killed, which the other SPs and the shims then handle like any SP death.
+/// forever. The watchdog marks it in `stuck`; the launcher's loop, which owns the child
+/// handles (and so never signals a pid that was reaped and reused), kills it, and the other
+/// SPs and the shims then handle it like any SP death.
 fn spawn_watchdog(
     cluster: Cluster,
-    pids: Vec<u32>,
+    stuck: Arc<Vec<AtomicBool>>,
     limit: Duration,
     stop: Arc<AtomicBool>,
 ) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
-        let mut last_answer = vec![Instant::now(); pids.len()];
-        let mut killed = vec![false; pids.len()];
+        let mut last_answer = vec![Instant::now(); stuck.len()];
+        let mut killed = vec![false; stuck.len()];
         let period = (limit / 4).clamp(Duration::from_millis(100), Duration::from_secs(1));
         while !stop.load(Ordering::Relaxed) {
             for (i, sp) in cluster.sps.iter().enumerate() {
@@ -222,8 +224,7 @@ fn spawn_watchdog(
                         "service-process launch: SP {i} has not answered for {limit:?}; it is \
                          stuck, killing it"
                     );
-                    // SAFETY: kill(2) on our own child.
-                    unsafe { libc::kill(pids[i] as libc::pid_t, libc::SIGKILL) };
+                    stuck[i].store(true, Ordering::Relaxed);
                     killed[i] = true;
                 }
             }
@@ -525,10 +526,12 @@ fn run_job(
         .spawn()
         .with_context(|| format!("starting {}", opts.mpirun))?;
     let stop_watchdog = Arc::new(AtomicBool::new(false));
+    let stuck: Arc<Vec<AtomicBool>> =
+        Arc::new(sps.iter().map(|_| AtomicBool::new(false)).collect());
     let watchdog = match &cluster_path {
         Some(path) if !opts.sp_watchdog.is_zero() => Some(spawn_watchdog(
             Cluster::load(path)?,
-            sps.iter().map(|s| s.child.id()).collect(),
+            stuck.clone(),
             opts.sp_watchdog,
             stop_watchdog.clone(),
         )),
@@ -548,7 +551,11 @@ fn run_job(
             stop_all(&mut all, libc::SIGTERM, Duration::from_secs(3));
             return Ok(130);
         }
-        for sp in sps.iter_mut() {
+        for (i, sp) in sps.iter_mut().enumerate() {
+            if stuck[i].swap(false, Ordering::Relaxed) && matches!(sp.child.try_wait(), Ok(None)) {
+                signal_group(&sp.child, libc::SIGKILL);
+                let _ = sp.child.kill();
+            }
             if let Ok(Some(st)) = sp.child.try_wait() {
                 if fault_at.is_none() {
                     eprintln!(
