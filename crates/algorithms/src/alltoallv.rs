@@ -729,20 +729,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
                 self.notify_abort(from);
                 return Ok(());
             }
-            if self.queued.contains_key(&(dst, src)) {
-                return Err(MsgError::DuplicateAnnounce { src, dst });
-            }
-            self.queued.insert(
-                (dst, src),
-                Queued {
-                    from,
-                    key,
-                    offset,
-                    len,
-                },
-            );
-            self.stats.late_announcements += 1;
-            return Ok(());
+            return self.queue_announce(from, src, dst, key, offset, len);
         }
         self.check_ranks([src, dst])?;
         if self.member(dst) != self.me {
@@ -757,6 +744,31 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
             });
         }
         self.deliver_announce(from, src, dst, key, offset, len)
+    }
+
+    /// Keeps an announcement whose destination cannot take it yet (membership
+    /// unknown, or `dst` has not posted): a late arrival.
+    fn queue_announce(
+        &mut self,
+        from: SpId,
+        src: Rank,
+        dst: Rank,
+        key: K,
+        offset: u64,
+        len: u64,
+    ) -> Result<(), MsgError> {
+        if self.queued.contains_key(&(dst, src)) {
+            return Err(MsgError::DuplicateAnnounce { src, dst });
+        }
+        let q = Queued {
+            from,
+            key,
+            offset,
+            len,
+        };
+        self.queued.insert((dst, src), q);
+        self.stats.late_announcements += 1;
+        Ok(())
     }
 
     /// A validated announcement (membership known, `dst` local, `from`
@@ -776,20 +788,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
                 self.send(from, Msg::Ack { src, dst, status });
                 return Ok(());
             }
-            if self.queued.contains_key(&(dst, src)) {
-                return Err(MsgError::DuplicateAnnounce { src, dst });
-            }
-            self.queued.insert(
-                (dst, src),
-                Queued {
-                    from,
-                    key,
-                    offset,
-                    len,
-                },
-            );
-            self.stats.late_announcements += 1;
-            return Ok(());
+            return self.queue_announce(from, src, dst, key, offset, len);
         };
         let s = src as usize;
         if st.recv[s] != RecvState::Waiting {
