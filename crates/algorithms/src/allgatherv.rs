@@ -1650,15 +1650,15 @@ mod tests {
         assert!(net.sp(0).is_finished() && net.sp(1).is_finished());
     }
 
-    #[test]
-    fn lost_sp_passed_the_announcement_on_source_waits_for_release() {
-        // Node 0: SP 0 (rank 0). Node 1: SP 1 (rank 1), SP 2 (rank 2).
+    /// Node 0: SP 0 (rank 0). Node 1: SP 1 (rank 1), SP 2 (rank 2). Rank 0's announcement to
+    /// node 1 reaches SP 2, which passes it to SP 1; SP 2 then dies and SP 0 learns it. Returns
+    /// the network and the pass, still in flight (not delivered).
+    fn pass_in_flight_then_sp_2_lost() -> (Net, (SpId, SpId, Msg<Tag>)) {
         let (members, nodes, lens) = ([0, 1, 2], [0, 1, 1], [4, 2, 6]);
         let mut net = Net::new(3);
         net.post(1, post(1, &members, &nodes, &lens));
         net.deliver_all();
         net.post(0, post(0, &members, &nodes, &lens));
-        // Deliver only the announcement to SP 2, which passes it to SP 1.
         let i = net
             .msgs
             .iter()
@@ -1678,6 +1678,13 @@ mod tests {
         net.sps.remove(&2);
         net.sp(0).handle_peer_lost(200, 2);
         net.collect(0);
+        (net, pass)
+    }
+
+    #[test]
+    fn lost_sp_passed_the_announcement_on_source_waits_for_release() {
+        // Node 0: SP 0 (rank 0). Node 1: SP 1 (rank 1), SP 2 (rank 2).
+        let (mut net, pass) = pass_in_flight_then_sp_2_lost();
         // The pass overtakes the release (and SP 1 has not noticed the
         // loss yet): SP 1 starts landing rank 0's block.
         net.sp(1).handle_msg(300, pass.0, pass.2).unwrap();
@@ -1702,29 +1709,7 @@ mod tests {
 
     #[test]
     fn release_before_the_pass_arrives_blocks_the_landing() {
-        let (members, nodes, lens) = ([0, 1, 2], [0, 1, 1], [4, 2, 6]);
-        let mut net = Net::new(3);
-        net.post(1, post(1, &members, &nodes, &lens));
-        net.deliver_all();
-        net.post(0, post(0, &members, &nodes, &lens));
-        let i = net
-            .msgs
-            .iter()
-            .position(|(_, to, m)| *to == 2 && matches!(m, Msg::Announce { .. }))
-            .unwrap();
-        let (from, to, msg) = net.msgs.remove(i).unwrap();
-        net.sp(to).handle_msg(100, from, msg).unwrap();
-        net.collect(to);
-        let pass = net
-            .msgs
-            .iter()
-            .position(|(f, to, m)| (*f, *to) == (2, 1) && matches!(m, Msg::Pass { .. }))
-            .unwrap();
-        let pass = net.msgs.remove(pass).unwrap();
-        net.msgs.retain(|(f, t, _)| *f != 2 && *t != 2);
-        net.sps.remove(&2);
-        net.sp(0).handle_peer_lost(200, 2);
-        net.collect(0);
+        let (mut net, pass) = pass_in_flight_then_sp_2_lost();
         // SP 1 gets the release (and everything else) before the pass.
         net.run();
         assert!(net.status(0).is_some(), "SP 1 answered the release");
