@@ -262,6 +262,14 @@ pub fn refuse(msg: &CollMsg, from: SpId, status: Status) -> Vec<(SpId, CollMsg)>
             ),
             (*holder_sp, agv_abort),
         ],
-        _ => vec![],
+        // Messages that expect no answer. Listed one by one so that a new message kind has to
+        // be considered here.
+        CollMsg::Alltoallv(alltoallv::Msg::Ack { .. } | alltoallv::Msg::Abort { .. })
+        | CollMsg::Allgatherv(
+            allgatherv::Msg::Ack { .. }
+            | allgatherv::Msg::RankReady
+            | allgatherv::Msg::SegmentDone { .. }
+            | allgatherv::Msg::Abort { .. },
+        ) => vec![],
     }
 }
