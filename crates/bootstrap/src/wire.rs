@@ -18,7 +18,9 @@ use std::io::{Read, Write};
 
 pub const MAGIC: [u8; 4] = *b"SPOF";
 /// 2: descriptors carry the node of every comm rank; allgatherv messages.
-pub const PROTOCOL_VERSION: u32 = 2;
+/// 3: host-side intra-node copies (`PostDesc::host_copies`, `SpToHost::Copy`,
+/// `HostToSp::CopyDone`).
+pub const PROTOCOL_VERSION: u32 = 3;
 /// Largest frame accepted: a descriptor for 65536 ranks (four count vectors) fits.
 pub const MAX_FRAME_BYTES: u32 = 4 << 20;
 
@@ -179,6 +181,10 @@ pub struct PostDesc {
     pub send_displs: Vec<u64>,
     pub recv_counts: Vec<u64>,
     pub recv_displs: Vec<u64>,
+    /// The rank waits inside the call (a blocking collective) and copies the segments that
+    /// are already on its node itself when the SP asks it to (`SpToHost::Copy`); the SP still
+    /// does every copy that crosses nodes. Only the allgatherv uses it.
+    pub host_copies: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -192,6 +198,12 @@ pub enum HostToSp {
     Post(Box<PostDesc>),
     /// The rank is finalizing: its state at the SP may go.
     Goodbye,
+    /// The answer to `SpToHost::Copy { ticket, .. }`: done (`ok`) or not (the reason is the
+    /// host's to report).
+    CopyDone {
+        ticket: u64,
+        ok: bool,
+    },
 }
 
 /// Why the SP refused something a host sent.
@@ -218,6 +230,18 @@ pub enum SpToHost {
         seq: Option<u64>,
         code: ErrorCode,
         message: String,
+    },
+    /// For the post with `token` (which asked for `host_copies`): copy `len` bytes from
+    /// address `src_addr` of process `src_pid` (a rank of the same node, whose grant the SP
+    /// checked) to `dst_offset` of the post's receive grant, then answer with
+    /// `HostToSp::CopyDone { ticket }`. The post completes only after every such copy.
+    Copy {
+        token: u64,
+        ticket: u64,
+        src_pid: u32,
+        src_addr: u64,
+        dst_offset: u64,
+        len: u64,
     },
 }
 
@@ -468,6 +492,7 @@ mod tests {
                     send_displs: vec![0, 1],
                     recv_counts: vec![3, 4],
                     recv_displs: vec![0, 3],
+                    host_copies: i % 2 == 0,
                 }))
             })
             .collect();

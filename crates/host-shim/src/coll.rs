@@ -178,7 +178,7 @@ pub unsafe fn alltoallv(
     let send = Side::new(sendbuf, (sc, sd), st);
     let recv = Side::new(recvbuf, (rc, rd), rt);
     // SAFETY: forwarded.
-    unsafe { post(CollKind::Alltoallv, comm, send, recv, commit) }
+    unsafe { post(CollKind::Alltoallv, comm, send, recv, false, commit) }
 }
 
 /// # Safety
@@ -202,7 +202,7 @@ pub unsafe fn alltoall(
     let send = Side::new(sendbuf, alltoall_as_v(n, sendcount as i64), st);
     let recv = Side::new(recvbuf, alltoall_as_v(n, recvcount as i64), rt);
     // SAFETY: forwarded.
-    unsafe { post(CollKind::Alltoallv, comm, send, recv, commit) }
+    unsafe { post(CollKind::Alltoallv, comm, send, recv, false, commit) }
 }
 
 /// # Safety
@@ -217,6 +217,7 @@ pub unsafe fn allgatherv(
     displs: *const c_int,
     recvtype: ffi::MPI_Datatype,
     comm: ffi::MPI_Comm,
+    blocking: bool,
     commit: &mut Commit,
 ) -> Offload {
     // SAFETY: forwarded.
@@ -231,7 +232,7 @@ pub unsafe fn allgatherv(
     let send = Side::new(sendbuf, (vec![sendcount as i64], vec![0]), st);
     let recv = Side::new(recvbuf, (rc, rd), rt);
     // SAFETY: forwarded.
-    unsafe { post(CollKind::Allgatherv, comm, send, recv, commit) }
+    unsafe { post(CollKind::Allgatherv, comm, send, recv, blocking, commit) }
 }
 
 /// # Safety
@@ -245,6 +246,7 @@ pub unsafe fn allgather(
     recvcount: c_int,
     recvtype: ffi::MPI_Datatype,
     comm: ffi::MPI_Comm,
+    blocking: bool,
     commit: &mut Commit,
 ) -> Offload {
     // SAFETY: forwarded.
@@ -256,7 +258,7 @@ pub unsafe fn allgather(
     // Block `i` at displacement `i * recvcount`: the alltoall layout of one side.
     let recv = Side::new(recvbuf, alltoall_as_v(n, recvcount as i64), rt);
     // SAFETY: forwarded.
-    unsafe { post(CollKind::Allgatherv, comm, send, recv, commit) }
+    unsafe { post(CollKind::Allgatherv, comm, send, recv, blocking, commit) }
 }
 
 /// A free mailbox slot, harvesting completions (and waiting) while none is free. The wait is
@@ -297,12 +299,15 @@ fn reserve_slot() -> Result<u32, String> {
 }
 
 /// Posts one collective of `kind`: `send` has a block per comm rank for an alltoallv, the one
-/// block of this rank (at displacement 0) for an allgatherv.
+/// block of this rank (at displacement 0) for an allgatherv. `blocking`: the caller waits for
+/// the request inside the call, so in an allgatherv it can copy the segments already on its
+/// node itself (unless `SPOFF_HOST_COPIES=0`), sparing the SP that work.
 unsafe fn post(
     kind: CollKind,
     comm: ffi::MPI_Comm,
     send: Side,
     recv: Side,
+    blocking: bool,
     commit: &mut Commit,
 ) -> Offload {
     let (Ok(s), Ok(r)) = (
@@ -354,6 +359,7 @@ unsafe fn post(
         CollKind::Alltoallv => Rights::WRITE,
         CollKind::Allgatherv => Rights::READ_WRITE,
     };
+    let host_copies = blocking && kind == CollKind::Allgatherv && host_copies_enabled();
     let posted = with_shim(|sh| {
         let token = sh.next_token;
         sh.next_token += 1;
@@ -381,12 +387,15 @@ unsafe fn post(
             send_displs: s.displs,
             recv_counts: r.counts,
             recv_displs: r.displs,
+            host_copies,
         };
         match sh.conn.send(&HostToSp::Post(Box::new(desc))) {
             Ok(()) => {
-                let req = Box::into_raw(Box::new(OffloadRequest::new(
-                    kind, slot, token, info.id, seq, comm,
-                )));
+                let mut req = OffloadRequest::new(kind, slot, token, info.id, seq, comm);
+                if host_copies {
+                    req.host_copy_region = Some((recv_addr as usize, r.region_len));
+                }
+                let req = Box::into_raw(Box::new(req));
                 sh.registry.insert(req as usize);
                 TRACKED.fetch_add(1, Ordering::AcqRel);
                 Ok(req as usize)
@@ -405,6 +414,12 @@ unsafe fn post(
         Some(Err(why)) => fail(&why),
         None => fail("the shim is shut down"),
     }
+}
+
+/// Host-side intra-node copies in blocking allgathervs: on unless `SPOFF_HOST_COPIES=0`.
+fn host_copies_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SPOFF_HOST_COPIES").map_or(true, |v| v.trim() != "0"))
 }
 
 pub fn kind_name(kind: CollKind) -> &'static str {

@@ -55,6 +55,7 @@
 #![allow(non_snake_case, clippy::missing_safety_doc, clippy::too_many_arguments)]
 
 mod boundary;
+mod cma;
 mod coll;
 mod comm;
 mod conn;
@@ -315,7 +316,7 @@ pub unsafe extern "C" fn MPI_Iallgatherv(
             unsafe {
                 let outcome = coll::allgatherv(
                     sendbuf, sendcount, sendtype, recvbuf, recvcounts, displs, recvtype, comm,
-                    commit,
+                    false, commit,
                 );
                 complete(outcome, Some(request), comm)
             }
@@ -347,7 +348,7 @@ pub unsafe extern "C" fn MPI_Allgatherv(
             unsafe {
                 let outcome = coll::allgatherv(
                     sendbuf, sendcount, sendtype, recvbuf, recvcounts, displs, recvtype, comm,
-                    commit,
+                    true, commit,
                 );
                 complete(outcome, None, comm)
             }
@@ -381,7 +382,7 @@ pub unsafe extern "C" fn MPI_Iallgather(
             // SAFETY: the caller's arguments (MPI preconditions).
             unsafe {
                 let outcome = coll::allgather(
-                    sendbuf, sendcount, sendtype, recvbuf, recvcount, recvtype, comm, commit,
+                    sendbuf, sendcount, sendtype, recvbuf, recvcount, recvtype, comm, false, commit,
                 );
                 complete(outcome, Some(request), comm)
             }
@@ -411,7 +412,7 @@ pub unsafe extern "C" fn MPI_Allgather(
             // SAFETY: the caller's arguments (MPI preconditions).
             unsafe {
                 let outcome = coll::allgather(
-                    sendbuf, sendcount, sendtype, recvbuf, recvcount, recvtype, comm, commit,
+                    sendbuf, sendcount, sendtype, recvbuf, recvcount, recvtype, comm, true, commit,
                 );
                 complete(outcome, None, comm)
             }

@@ -29,6 +29,9 @@ pub struct OffloadRequest {
     pub token: u64,
     pub comm: CommId,
     pub seq: u64,
+    /// For a post with `host_copies`: the start and length of the receive region granted to
+    /// the SP, which the SP's `Copy` requests write into (at offsets it checked).
+    pub host_copy_region: Option<(usize, u64)>,
     /// The `MPI_Comm` handle of the call (as an integer: `MPI_Comm` is a pointer in Open MPI,
     /// an int in MPICH), whose error handler reports the request's failure.
     errhandler_comm: AtomicUsize,
@@ -51,6 +54,7 @@ impl OffloadRequest {
             token,
             comm,
             seq,
+            host_copy_region: None,
             errhandler_comm: AtomicUsize::new(handle as usize),
             done: AtomicBool::new(false),
             code: AtomicI32::new(0),

@@ -251,6 +251,27 @@ impl Shim {
                     self.fail_matching(|r| r.comm == comm && r.seq == seq);
                 }
                 SpToHost::Registered { .. } => {}
+                SpToHost::Copy {
+                    token,
+                    ticket,
+                    src_pid,
+                    src_addr,
+                    dst_offset,
+                    len,
+                } => {
+                    let ok = match self.host_copy(token, src_pid, src_addr, dst_offset, len) {
+                        Ok(()) => true,
+                        Err(why) => {
+                            say!(
+                                "rank {}: intra-node copy for the service process failed: {why}",
+                                topology().world_rank
+                            );
+                            false
+                        }
+                    };
+                    // A failed send breaks the connection, which fails every request.
+                    let _ = self.conn.send(&HostToSp::CopyDone { ticket, ok });
+                }
             }
         }
         if !was_broken {
@@ -262,6 +283,44 @@ impl Shim {
                 self.fail_matching(|_| true);
             }
         }
+    }
+
+    /// Copies `len` bytes from `src_addr` in process `src_pid` (a rank of this node) into the
+    /// receive region of the outstanding request posted with `token`, at `dst_offset`: the
+    /// SP's request for an intra-node copy in a blocking allgatherv. Only a request that asked
+    /// for host copies, and only inside its own receive region, is written.
+    fn host_copy(
+        &mut self,
+        token: u64,
+        src_pid: u32,
+        src_addr: u64,
+        dst_offset: u64,
+        len: u64,
+    ) -> Result<(), String> {
+        let region = self.registry.all().find_map(|a| {
+            // SAFETY: as in `harvest`.
+            let req = unsafe { &*(a as *const OffloadRequest) };
+            (req.token == token && req.result().is_none())
+                .then_some(req.host_copy_region)
+                .flatten()
+        });
+        let Some((base, region_len)) = region else {
+            return Err(format!(
+                "no outstanding blocking collective has token {token}"
+            ));
+        };
+        match dst_offset.checked_add(len) {
+            Some(end) if end <= region_len => {}
+            _ => {
+                return Err(format!(
+                    "[{dst_offset}, +{len}) lies outside the {region_len}-byte receive region"
+                ))
+            }
+        }
+        let dst = (base as u64 + dst_offset) as usize;
+        // SAFETY: [dst, dst+len) lies inside the receive region this request granted, which
+        // the program may not touch until the call returns (the call is still inside).
+        unsafe { crate::cma::read_from(src_pid, src_addr, dst, len as usize) }
     }
 
     /// The program freed the communicator `id`: its requests report errors through
@@ -678,6 +737,12 @@ fn register(
         SpToHost::Error { code, message, .. } => {
             return Err(format!(
                 "service process at {} refused the registration ({code:?}): {message}",
+                path.display()
+            ))
+        }
+        SpToHost::Copy { .. } => {
+            return Err(format!(
+                "service process at {} asked for a copy before registration",
                 path.display()
             ))
         }

@@ -68,6 +68,8 @@ pub(crate) struct Waiter {
     backoff: Backoff,
     last_progress: Instant,
     last_conn: Instant,
+    /// Read the connection at every look: the SP hands this wait intra-node copies to do.
+    eager_conn: bool,
 }
 
 impl Waiter {
@@ -77,6 +79,7 @@ impl Waiter {
             backoff: Backoff::new(),
             last_progress: now,
             last_conn: now,
+            eager_conn: false,
         }
     }
 
@@ -93,7 +96,7 @@ impl Waiter {
             unsafe { native_progress() };
             self.last_progress = now;
         }
-        if now - self.last_conn >= CONN_CHECK_INTERVAL {
+        if self.eager_conn || now - self.last_conn >= CONN_CHECK_INTERVAL {
             service_connection();
             self.last_conn = now;
         }
@@ -363,6 +366,7 @@ fn wait_addr(addr: usize) -> c_int {
     // SAFETY: the caller owns this request of ours.
     let req = unsafe { by_addr(addr) };
     let mut w = Waiter::new();
+    w.eager_conn = req.host_copy_region.is_some();
     loop {
         if let Some(code) = poll(req) {
             return code;

@@ -28,7 +28,8 @@ use std::time::{Duration, Instant};
 const NP: u64 = 4;
 const TIMEOUT: Duration = Duration::from_secs(120);
 /// The shim's settings: every job gets the ones its test sets, never the caller's.
-const SHIM_VARS: [&str; 6] = [
+const SHIM_VARS: [&str; 7] = [
+    "SPOFF_HOST_COPIES",
     "SPOFF_CLUSTER",
     "SPOFF_OFFLOAD",
     "SPOFF_JOB_ID",
@@ -238,14 +239,28 @@ fn offload_two_sps_per_node_one_mailbox_slot() {
 /// native) on 2 nodes x 2 ranks with `sps_per_node` SPs per node and `layout`, the last world
 /// rank consistently late, `extra` program arguments (`mixed`: a blocking alltoall among the
 /// outstanding allgathers of each batch). Checks the verdict and the SP accounting as
-/// [`assert_offloaded`] does; returns the run.
+/// [`assert_offloaded`] does, and that the blocking calls' ranks did intra-node copies handed
+/// to them by the SPs (host copies); returns the run.
 fn ag_check_offloads(sps_per_node: u32, layout: &str, extra: &[&str]) -> Finished {
+    let run = ag_check_offloads_env(sps_per_node, layout, extra, &[]);
+    assert!(run.sp_total("host_copies") > 0, "{}", run.stderr);
+    assert_eq!(run.sp_total("host_copies_failed"), 0, "{}", run.stderr);
+    run
+}
+
+/// [`ag_check_offloads`] with `env` exported to the ranks, without the host-copy checks.
+fn ag_check_offloads_env(
+    sps_per_node: u32,
+    layout: &str,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> Finished {
     let _serial = serial();
     let prog = prog("ag_check");
     let seed = integration_tests::seed().to_string();
     let mut program = vec![prog.as_str(), "30", &seed, "late"];
     program.extend_from_slice(extra);
-    let run = launch_with(sps_per_node, &["--layout", layout], &program, &[]);
+    let run = launch_with(sps_per_node, &["--layout", layout], &program, env);
     assert_offloaded(&run, "ag_check", 2 * sps_per_node as usize);
     assert!(shim_lines(&run.stderr).is_empty(), "{}", run.stderr);
     eprintln!(
@@ -272,6 +287,14 @@ fn assert_late_arrivals(run: &Finished) {
 fn allgather_offloads_one_sp_per_node_block() {
     let run = ag_check_offloads(1, "block", &[]);
     assert!(run.sp_total("no_ready_rank") > 0, "{}", run.stderr);
+}
+
+#[test]
+fn allgather_host_copies_can_be_turned_off() {
+    // SPOFF_HOST_COPIES=0: the SPs do every intra-node copy, blocking calls included.
+    let run = ag_check_offloads_env(1, "block", &[], &[("SPOFF_HOST_COPIES", "0")]);
+    assert_eq!(run.sp_total("host_copies"), 0, "{}", run.stderr);
+    assert!(run.sp_total("bytes_intra_node") > 0, "{}", run.stderr);
 }
 
 #[test]
@@ -699,7 +722,8 @@ fn refusing_sps(dir: &Path) -> PathBuf {
                     code: ErrorCode::BadDescriptor,
                     message: "refused by the test's fake SP".into(),
                 },
-                HostToSp::Goodbye => return,
+                // Never asks for copies, so never gets answers to them.
+                HostToSp::Goodbye | HostToSp::CopyDone { .. } => return,
             };
             if ch.send(&reply).is_err() {
                 return;

@@ -23,6 +23,8 @@ pub enum Act {
     },
     Copy {
         id: u64,
+        /// The comm rank written (always served by this SP).
+        dst_rank: Rank,
         src_key: AliasKey,
         src_offset: u64,
         dst_key: AliasKey,
@@ -181,6 +183,7 @@ impl Machine {
                 },
                 alltoallv::Action::Copy(c) => Act::Copy {
                     id: c.id.0,
+                    dst_rank: c.dst_rank,
                     src_key: c.src_key,
                     src_offset: c.src_offset,
                     dst_key: c.dst_key,
@@ -196,6 +199,7 @@ impl Machine {
                 },
                 allgatherv::Action::Copy(c) => Act::Copy {
                     id: c.id.0,
+                    dst_rank: c.dst_rank,
                     src_key: c.src_key,
                     src_offset: c.src_offset,
                     dst_key: c.dst_key,

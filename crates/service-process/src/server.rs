@@ -100,6 +100,16 @@ struct Posted {
     conn_id: u64,
     slot: u32,
     token: u64,
+    /// The rank copies the segments already on its node itself (`PostDesc::host_copies`).
+    host_copies: bool,
+}
+
+/// A copy handed to a host (`SpToHost::Copy`), until it answers or goes.
+struct HostCopy {
+    ck: CollKey,
+    id: u64,
+    conn: usize,
+    conn_id: u64,
 }
 
 struct Instance {
@@ -133,6 +143,8 @@ pub struct Server {
     instances: HashMap<CollKey, Instance>,
     limiter: CopyLimiter<CopyJob>,
     copies: HashMap<u64, (CollKey, u64)>,
+    /// Copies handed to hosts, by ticket (the same numbering as `copies`).
+    host_copies: HashMap<u64, HostCopy>,
     next_ticket: u64,
     datapath: Datapath,
     /// Mover of the loop thread: mailbox writes and inline copies.
@@ -142,6 +154,8 @@ pub struct Server {
     ucx: bool,
     /// Inline copies finished, waiting to be fed back to their instances.
     inline_done: Vec<crate::datapath::CopyDone>,
+    /// Host copies that ended without being handed over, or answered, likewise.
+    host_done: Vec<(CollKey, u64, Status)>,
     signals: crate::signals::SignalPipe,
     start: Instant,
     pub stats: Stats,
@@ -269,6 +283,7 @@ impl Server {
             instances: HashMap::new(),
             limiter: CopyLimiter::new(cfg.max_inflight_reads.max(1)),
             copies: HashMap::new(),
+            host_copies: HashMap::new(),
             next_ticket: 0,
             datapath: Datapath::start(
                 cfg.datapath_threads,
@@ -283,6 +298,7 @@ impl Server {
             mover: CmaMover::new((cfg.inline_copy_bytes as usize).clamp(4096, 1 << 20)),
             inline_copy_bytes: cfg.inline_copy_bytes,
             inline_done: Vec::new(),
+            host_done: Vec::new(),
             signals,
             start: Instant::now(),
             stats: Stats::default(),
@@ -342,7 +358,13 @@ impl Server {
                     }
                 }
             }
-            self.on_copies_done();
+            loop {
+                self.on_copies_done();
+                if self.host_done.is_empty() {
+                    break;
+                }
+                self.feed_host_copies_done();
+            }
         }
     }
 
@@ -580,6 +602,7 @@ impl Server {
                     h.said_goodbye = true;
                 }
             }
+            HostToSp::CopyDone { ticket, ok } => self.on_host_copy_done(key, ticket, ok),
         }
     }
 
@@ -808,7 +831,10 @@ impl Server {
             .copied()
             .filter(|sp| self.dead_peers.contains(sp))
             .collect();
-        let posted = self.posted(key, d.slot, d.token);
+        let posted = Posted {
+            host_copies: d.host_copies && d.kind == CollKind::Allgatherv,
+            ..self.posted(key, d.slot, d.token)
+        };
         let inst = self.instance(ck, d.kind);
         let post = match d.kind {
             CollKind::Alltoallv => machine::Post::Alltoallv(alltoallv::Post {
@@ -951,12 +977,22 @@ impl Server {
                 }
                 Act::Copy {
                     id,
+                    dst_rank,
                     src_key,
                     src_offset,
                     dst_key,
                     dst_offset,
                     len,
                 } => {
+                    // A rank waiting in a blocking call copies what is already on its node.
+                    let dst = inst.posted.get(&dst_rank).copied();
+                    let by_host = dst.filter(|p| p.host_copies);
+                    if let Some(p) = by_host.filter(|_| self.is_local(&src_key.owner)) {
+                        self.hand_to_host(
+                            ck, id, p, &src_key, src_offset, &dst_key, dst_offset, len,
+                        );
+                        continue;
+                    }
                     let ticket = self.next_ticket;
                     self.next_ticket += 1;
                     self.copies.insert(ticket, (ck, id));
@@ -1005,6 +1041,131 @@ impl Server {
             .is_some_and(|j| j.failed.is_some() && j.hosts.is_empty())
         {
             self.forget_job_if_done(ck.job);
+        }
+    }
+
+    /// The owner runs on this SP's node.
+    fn is_local(&self, owner: &Owner) -> bool {
+        let node = self
+            .jobs
+            .get(&owner.job)
+            .and_then(|j| self.cluster.placement(owner.world_rank, j.world_size).ok())
+            .map(|p| p.node);
+        node.is_some() && node == self.cluster.sp(self.me).map(|e| e.node)
+    }
+
+    /// Asks the host of post `p` to do an intra-node copy into its receive buffer, after
+    /// checking both ends against their grants (the host learns only an address of a rank
+    /// of its node that the grant covers). Its answer comes as `HostToSp::CopyDone`; a copy
+    /// that cannot be handed over finishes at once with an error.
+    #[allow(clippy::too_many_arguments)]
+    fn hand_to_host(
+        &mut self,
+        ck: CollKey,
+        id: u64,
+        p: Posted,
+        src: &AliasKey,
+        src_offset: u64,
+        dst: &AliasKey,
+        dst_offset: u64,
+        len: u64,
+    ) {
+        let ticket = self.next_ticket;
+        self.next_ticket += 1;
+        let checked = src
+            .check(src_offset, len, Rights::READ)
+            .and_then(|addr| dst.check(dst_offset, len, Rights::WRITE).map(|_| addr));
+        let live = matches!(
+            self.conns.get(p.conn),
+            Some(Conn { role: Role::Host(h), .. }) if h.conn_id == p.conn_id
+        );
+        let status = match checked {
+            Ok(src_addr) if live => {
+                self.stats.host_copies += 1;
+                self.stats.host_copy_bytes += len;
+                self.host_copies.insert(
+                    ticket,
+                    HostCopy {
+                        ck,
+                        id,
+                        conn: p.conn,
+                        conn_id: p.conn_id,
+                    },
+                );
+                let msg = SpToHost::Copy {
+                    token: p.token,
+                    ticket,
+                    src_pid: src.owner.pid,
+                    src_addr,
+                    dst_offset,
+                    len,
+                };
+                self.send_frame(p.conn, &encode(&msg));
+                return;
+            }
+            Ok(_) => Status::RankFailed,
+            Err(e) => {
+                warn!(sp = self.me, ?ck, "host copy refused: {e}");
+                self.stats.copies_failed += 1;
+                Status::AccessError
+            }
+        };
+        // Fed back outside the instance's `drive`, like an inline copy.
+        self.host_done.push((ck, id, status));
+    }
+
+    /// A host answered `SpToHost::Copy`.
+    fn on_host_copy_done(&mut self, key: usize, ticket: u64, ok: bool) {
+        let conn_id = self.host(key).conn_id;
+        match self.host_copies.get(&ticket) {
+            Some(c) if c.conn == key && c.conn_id == conn_id => {}
+            _ => {
+                return self.send_error(
+                    key,
+                    None,
+                    ErrorCode::BadDescriptor,
+                    format!("copy ticket {ticket} was not handed to this rank"),
+                )
+            }
+        }
+        let Some(c) = self.host_copies.remove(&ticket) else {
+            return;
+        };
+        let status = if ok {
+            Status::Ok
+        } else {
+            self.stats.host_copies_failed += 1;
+            Status::AccessError
+        };
+        self.host_done.push((c.ck, c.id, status));
+        self.feed_host_copies_done();
+    }
+
+    /// Host copies of connection `key` will never be answered: they fail.
+    fn drop_host_copies(&mut self, key: usize) {
+        let gone: Vec<u64> = self
+            .host_copies
+            .iter()
+            .filter(|(_, c)| c.conn == key)
+            .map(|(&t, _)| t)
+            .collect();
+        for t in gone {
+            if let Some(c) = self.host_copies.remove(&t) {
+                self.host_done.push((c.ck, c.id, Status::RankFailed));
+            }
+        }
+        self.feed_host_copies_done();
+    }
+
+    fn feed_host_copies_done(&mut self) {
+        let now = now_ns(self.start);
+        while !self.host_done.is_empty() {
+            for (ck, id, status) in std::mem::take(&mut self.host_done) {
+                if let Some(inst) = self.instances.get_mut(&ck) {
+                    inst.sm.handle_copy_done(now, id, status);
+                    self.drive(ck);
+                }
+            }
         }
     }
 
@@ -1087,6 +1248,7 @@ impl Server {
             conn_id: self.host(key).conn_id,
             slot,
             token,
+            host_copies: false,
         }
     }
 
@@ -1166,6 +1328,7 @@ impl Server {
                     );
                     self.fail_job(job, Status::RankFailed, true);
                 }
+                self.drop_host_copies(key);
                 let last_host = self.jobs.get(&job).is_some_and(|j| j.hosts.is_empty());
                 if last_host && self.instances.keys().any(|k| k.job == job) {
                     // Every rank of the job has left this SP, yet some of its collectives are

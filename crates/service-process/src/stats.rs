@@ -20,6 +20,11 @@ pub struct Stats {
     /// network) and what stayed within this node.
     pub bytes_inter_node: u64,
     pub bytes_intra_node: u64,
+    /// Intra-node copies handed to the receiving host (blocking allgatherv), their bytes
+    /// (not in `bytes_copied`), and how many the host reported failed.
+    pub host_copies: u64,
+    pub host_copy_bytes: u64,
+    pub host_copies_failed: u64,
     /// Most copies active at once (bounded by `max_inflight_reads`).
     pub max_inflight: u64,
     pub errors_sent: u64,

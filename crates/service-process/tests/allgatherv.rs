@@ -100,6 +100,7 @@ impl AgOp {
             send_displs: vec![0],
             recv_counts: self.counts.clone(),
             recv_displs: self.recv_displs[r].clone(),
+            host_copies: false,
         }
     }
 
@@ -135,6 +136,7 @@ fn run(
     rounds: u64,
     late: &[u32],
     delay: Duration,
+    host_copies: bool,
 ) -> Vec<serde_json::Value> {
     let (nodes, rpn) = (2u32, 2u32);
     let world = nodes * rpn;
@@ -165,21 +167,27 @@ fn run(
             (0..members.len()).partition(|&r| !late.contains(&members[r]));
         for group in [early, later] {
             for r in group {
-                let d = op.desc(&mut hosts, &set, r, (round % 8) as u32);
+                let mut d = op.desc(&mut hosts, &set, r, (round % 8) as u32);
+                d.host_copies = host_copies;
                 let h = members[r] as usize;
                 let (slot, token) = hosts[h].post(d);
                 posted.push((h, slot, token));
             }
             std::thread::sleep(delay);
         }
-        for (h, slot, token) in posted {
-            assert_eq!(
-                hosts[h].wait(slot, token, WAIT),
-                Some(STATUS_OK),
-                "seed {seed} round {round}"
-            );
-        }
+        let got = wait_all_serving(&mut hosts, &posted, WAIT);
+        assert!(
+            got.iter().all(|&g| g == Some(STATUS_OK)),
+            "seed {seed} round {round}: {got:?}"
+        );
         op.check();
+    }
+    let served: u64 = hosts.iter().map(|h| h.copies_served).sum();
+    if !host_copies {
+        assert_eq!(
+            served, 0,
+            "no host asked for copies, yet some were handed over"
+        );
     }
     for h in hosts {
         h.goodbye();
@@ -198,9 +206,36 @@ fn run(
 fn allgatherv_through_real_sps_matches_reference() {
     let seed = test_seed();
     for (k, layout) in [(1, Layout::Block), (2, Layout::Cyclic), (2, Layout::Block)] {
-        let stats = run(k, layout, seed, 12, &[], Duration::ZERO);
+        let stats = run(k, layout, seed, 12, &[], Duration::ZERO, false);
         let posts: u64 = stats.iter().map(|s| s["posts"].as_u64().unwrap()).sum();
         assert!(posts > 0, "{stats:?}");
+    }
+}
+
+#[test]
+fn blocking_allgatherv_hosts_do_the_intra_node_copies() {
+    // Posts with `host_copies` (what the shim sends for MPI_Allgatherv): every intra-node copy
+    // is handed to the receiving host, so the SPs copy only what crosses nodes; the result
+    // is the same. Late ranks too, so that segments land on one rank and the others copy
+    // them from its receive buffer.
+    let seed = test_seed();
+    let sum = |stats: &[serde_json::Value], f: &str| -> u64 {
+        stats.iter().map(|s| s[f].as_u64().unwrap()).sum()
+    };
+    for (k, layout, late) in [
+        (1, Layout::Block, &[][..]),
+        (2, Layout::Cyclic, &[][..]),
+        (2, Layout::Block, &[1][..]),
+    ] {
+        let delay = Duration::from_millis(if late.is_empty() { 0 } else { 30 });
+        let stats = run(k, layout, seed, 8, late, delay, true);
+        assert!(sum(&stats, "host_copies") > 0, "{stats:?}");
+        assert_eq!(sum(&stats, "host_copies_failed"), 0, "{stats:?}");
+        assert_eq!(
+            sum(&stats, "bytes_intra_node"),
+            0,
+            "the SPs copied within a node: {stats:?}"
+        );
     }
 }
 
@@ -259,7 +294,15 @@ fn allgatherv_late_ranks_take_the_pass_and_park_paths() {
     };
     // Block layout, 2 SPs per node: world ranks 0 and 1 are node 0 with SPs 0 and 1. Rank 1
     // late: announcements reaching SP 1 find no ready rank and pass to SP 0 (rank 0 ready).
-    let stats = run(2, Layout::Block, seed, 4, &[1], Duration::from_millis(50));
+    let stats = run(
+        2,
+        Layout::Block,
+        seed,
+        4,
+        &[1],
+        Duration::from_millis(50),
+        false,
+    );
     assert!(sum(&stats, "no_ready_rank") > 0, "{stats:?}");
     assert!(sum(&stats, "served_after_pass") > 0, "{stats:?}");
     // Both ranks of node 0 late: announcements to node 0 find nobody and are parked.
@@ -270,7 +313,73 @@ fn allgatherv_late_ranks_take_the_pass_and_park_paths() {
         4,
         &[0, 1],
         Duration::from_millis(50),
+        false,
     );
     assert!(sum(&stats, "parked") > 0, "{stats:?}");
     assert!(sum(&stats, "parked_wait_ns") > 0, "{stats:?}");
+}
+
+#[test]
+fn host_copy_answers_are_checked_and_a_host_dying_with_copies_pending_fails_the_job() {
+    let seed = test_seed();
+    let mut set = SpSet::start(2, 1, 2, Layout::Block);
+    let job = new_job();
+    let mut hosts: Vec<Host> = (0..4).map(|r| Host::connect(&set, job, r, 4)).collect();
+    // An answer to a copy that was never handed out is refused; the SP keeps serving.
+    hosts[0]
+        .ch
+        .send(&bootstrap::wire::HostToSp::CopyDone {
+            ticket: 12345,
+            ok: true,
+        })
+        .unwrap();
+    match hosts[0].recv() {
+        bootstrap::wire::SpToHost::Error { code, message, .. } => {
+            assert_eq!(code, bootstrap::wire::ErrorCode::BadDescriptor, "{message}");
+            assert!(message.contains("12345"), "{message}");
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    let mut rng = Rng(seed);
+    let op = make(
+        &mut rng,
+        CommId { leader: 0, id: 1 },
+        0,
+        vec![0, 1, 2, 3],
+        300,
+    );
+    let mut posted = vec![];
+    for r in 0..4 {
+        let mut d = op.desc(&mut hosts, &set, r, 0);
+        d.host_copies = true;
+        posted.push((r, hosts[r].post(d)));
+    }
+    // World rank 1 never serves its copies and dies without a goodbye: nobody waits for it
+    // forever, and rank 0 (its node: rank 1 was to copy out of rank 0's buffers) ends with an
+    // error. Ranks of the other node may already have everything they need (then they end
+    // well). Nothing is left at the SPs.
+    std::thread::sleep(Duration::from_millis(100));
+    let dead = hosts.remove(1);
+    drop(dead);
+    let live: Vec<(usize, u32, u64)> = posted
+        .iter()
+        .filter(|(r, _)| *r != 1)
+        .map(|&(r, (slot, token))| (if r > 1 { r - 1 } else { r }, slot, token))
+        .collect();
+    let got = wait_all_serving(&mut hosts, &live, WAIT);
+    assert!(got.iter().all(|g| g.is_some()), "seed {seed}: {got:?}");
+    assert_ne!(got[0], Some(STATUS_OK), "seed {seed}: {got:?}");
+    for h in hosts {
+        h.goodbye();
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    let stats = set.stop_and_stats();
+    for s in &stats {
+        assert_eq!(s["instances_at_exit"], 0, "{s}");
+    }
+    let handed: u64 = stats
+        .iter()
+        .map(|s| s["host_copies"].as_u64().unwrap())
+        .sum();
+    assert!(handed > 0, "{stats:?}");
 }

@@ -113,6 +113,10 @@ pub struct Host {
     /// When set, buffers are granted through UCX (and the worker is progressed while waiting).
     pub ucx: Option<std::rc::Rc<std::cell::RefCell<alias_mkey::host::UcxRegistrar>>>,
     next_token: u64,
+    /// Receive grants (address, length) of posts with `host_copies`, by token.
+    copy_targets: std::collections::HashMap<u64, (u64, u64)>,
+    /// `SpToHost::Copy` requests served by [`Host::serve_copies`].
+    pub copies_served: u64,
 }
 
 pub const SLOTS: u32 = 64;
@@ -160,6 +164,8 @@ impl Host {
             reg,
             ucx: None,
             next_token: 1,
+            copy_targets: Default::default(),
+            copies_served: 0,
         }
     }
 
@@ -178,6 +184,9 @@ impl Host {
         let token = self.next_token;
         self.next_token += 1;
         d.token = token;
+        if d.host_copies {
+            self.copy_targets.insert(token, (d.recv.addr, d.recv.len));
+        }
         self.ch.send(&HostToSp::Post(Box::new(d.clone()))).unwrap();
         (d.slot, token)
     }
@@ -188,16 +197,24 @@ impl Host {
         unsafe { std::ptr::read_volatile(&self.mailbox[i]) }
     }
 
+    /// The status code of (slot, token) if it has completed.
+    pub fn poll_done(&self, slot: u32, token: u64) -> Option<u32> {
+        if self.token_word(slot) != token {
+            return None;
+        }
+        std::sync::atomic::fence(Ordering::Acquire);
+        let i = (mailbox::slot_offset(slot) / 8 + 1) as usize;
+        // SAFETY: as above.
+        let word = unsafe { std::ptr::read_volatile(&self.mailbox[i]) };
+        Some((word & 0xffff_ffff) as u32)
+    }
+
     /// Waits for the completion of (slot, token); returns the status code, or None on timeout.
     pub fn wait(&self, slot: u32, token: u64, timeout: Duration) -> Option<u32> {
         let t = Instant::now();
         while t.elapsed() < timeout {
-            if self.token_word(slot) == token {
-                std::sync::atomic::fence(Ordering::Acquire);
-                let i = (mailbox::slot_offset(slot) / 8 + 1) as usize;
-                // SAFETY: as above.
-                let word = unsafe { std::ptr::read_volatile(&self.mailbox[i]) };
-                return Some((word & 0xffff_ffff) as u32);
+            if let Some(code) = self.poll_done(slot, token) {
+                return Some(code);
             }
             match &self.ucx {
                 // The ucx backend on this UCX needs the owner to progress its worker.
@@ -208,6 +225,57 @@ impl Host {
             }
         }
         None
+    }
+
+    /// Does the intra-node copies the SP has asked for so far (`SpToHost::Copy`, for posts with
+    /// `host_copies`), as the shim does inside a blocking call, and answers each. The copy goes
+    /// through `process_vm_readv` like the shim's; it is refused (answered `ok: false`) outside
+    /// the post's receive grant.
+    pub fn serve_copies(&mut self) {
+        use std::os::fd::AsRawFd;
+        loop {
+            let mut pfd = libc::pollfd {
+                fd: self.ch.get_ref().as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd, no timeout.
+            if unsafe { libc::poll(&mut pfd, 1, 0) } <= 0 || pfd.revents & libc::POLLIN == 0 {
+                return;
+            }
+            let SpToHost::Copy {
+                token,
+                ticket,
+                src_pid,
+                src_addr,
+                dst_offset,
+                len,
+            } = self.recv()
+            else {
+                panic!("expected only copy requests while waiting");
+            };
+            let ok = match self.copy_targets.get(&token) {
+                Some(&(base, glen)) if dst_offset.checked_add(len).is_some_and(|e| e <= glen) => {
+                    let local = libc::iovec {
+                        iov_base: (base + dst_offset) as *mut libc::c_void,
+                        iov_len: len as usize,
+                    };
+                    let remote = libc::iovec {
+                        iov_base: src_addr as *mut libc::c_void,
+                        iov_len: len as usize,
+                    };
+                    // SAFETY: `local` lies inside a receive buffer the test keeps alive and
+                    // does not touch until the collective completes.
+                    let n = unsafe {
+                        libc::process_vm_readv(src_pid as libc::pid_t, &local, 1, &remote, 1, 0)
+                    };
+                    n == len as isize
+                }
+                _ => false,
+            };
+            self.copies_served += 1;
+            self.ch.send(&HostToSp::CopyDone { ticket, ok }).unwrap();
+        }
     }
 
     /// Reads one message from the SP (with the channel's timeout).
@@ -247,10 +315,34 @@ pub fn desc(
         send_displs: counts.1,
         recv_counts: counts.2,
         recv_displs: counts.3,
+        host_copies: false,
     }
 }
 
 /// SplitMix64, for test inputs from a printed seed.
+/// Waits for every (host, slot, token) in `posted` while the hosts serve the copies their SPs
+/// hand them; returns each status (None: timed out).
+pub fn wait_all_serving(
+    hosts: &mut [Host],
+    posted: &[(usize, u32, u64)],
+    timeout: Duration,
+) -> Vec<Option<u32>> {
+    let t = Instant::now();
+    let mut got: Vec<Option<u32>> = vec![None; posted.len()];
+    while t.elapsed() < timeout && got.iter().any(|g| g.is_none()) {
+        for h in hosts.iter_mut() {
+            h.serve_copies();
+        }
+        for (i, &(h, slot, token)) in posted.iter().enumerate() {
+            if got[i].is_none() {
+                got[i] = hosts[h].poll_done(slot, token);
+            }
+        }
+        std::thread::sleep(Duration::from_micros(100));
+    }
+    got
+}
+
 pub struct Rng(pub u64);
 impl Rng {
     pub fn next(&mut self) -> u64 {
