@@ -4,12 +4,18 @@
 #   A. the OSU method (compute = t_pure), one core per rank, SPs on whatever core is free;
 #   B. a fixed compute longer than the communication, SPs on a reserved core, the ranks
 #      sharing the other cores: what the host still pays (post_us + wait_us) and the overlap.
+# The full run adds C-E (Iallgatherv overlap, late arrivals, the simulator) and F: inter-node
+# bytes per Allgatherv call (ring of MPI_Sendrecv vs offloaded vs the minimum, 2 nodes x 2
+# ranks, block and cyclic), measured with `coll-bench traffic`.
 #   scripts/bench.sh --demo   short run, prints the comparisons (make demo)
 #   scripts/bench.sh          full run, also writes docs/BENCHMARKS.md (make bench)
+#   scripts/bench.sh --traffic-only   only section F (inter-node traffic), printed as Markdown;
+#                                     writes no file
+# BIN (default target/release) is where service-process, coll-bench and the shim are.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-BIN=target/release
+BIN=${BIN:-target/release}
 SP=$BIN/service-process
 BENCH=$BIN/coll-bench
 for b in "$SP" "$BENCH" "$BIN/libhost_shim.so"; do
@@ -17,7 +23,13 @@ for b in "$SP" "$BENCH" "$BIN/libhost_shim.so"; do
 done
 
 demo=0
-[ "${1:-}" = "--demo" ] && demo=1
+traffic_only=0
+case "${1:-}" in
+  --demo) demo=1 ;;
+  --traffic-only) traffic_only=1 ;;
+  "") ;;
+  *) echo "bench: unknown option $1 (expected --demo or --traffic-only)" >&2; exit 2 ;;
+esac
 if [ $demo -eq 1 ]; then
   sizes=${SIZES:-4K,64K,1M}
   iters=(--iters 20 --warmup 3)
@@ -40,6 +52,28 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 base=(--nodes 2 --ranks-per-node 1)
 
+# F. Inter-node bytes per Allgatherv call, 2 nodes x 2 ranks, block and cyclic layouts: a ring
+# of MPI_Sendrecv (counted by the ranks), the offloaded call (the SPs' bytes_inter_node
+# counters) and the computed minimum. The data volume does not depend on timing, so few calls.
+traffic_run() {
+  for layout in block cyclic; do
+    "$SP" launch --nodes 2 --ranks-per-node 2 --layout "$layout" -- \
+      "$BENCH" traffic --coll allgatherv --sizes 64K,1M --iters 5 \
+      --service-process "$SP" --json "$out/f-$layout.json" \
+      2> >(grep -v '^sp [0-9]* stats' >&2)
+  done
+}
+traffic_markdown() {
+  echo "Inter-node bytes per call (bytes = each rank's block). \`ring_B\`: an allgatherv written in"
+  echo "coll-bench as a ring of \`MPI_Sendrecv\` (native, not offloaded), bytes the ranks sent to a"
+  echo "rank of another node, counted by the ranks. \`offload_B\`: the offloaded \`MPI_Allgatherv\`,"
+  echo "the change of the SPs' \`bytes_inter_node\` counters (\`service-process stats\`) around the"
+  echo "calls. \`min_B\`: computed, not measured: the sum of the blocks times (nodes - 1), each"
+  echo "block entering each other node once. Both results are checked byte for byte (validated)."
+  echo
+  "$BENCH" traffic-table --markdown "$out/f-block.json" "$out/f-cyclic.json"
+}
+
 run() { # name, collective, launch options..., -- coll-bench options...
   local name=$1 coll=$2; shift 2
   local opts=()
@@ -49,6 +83,14 @@ run() { # name, collective, launch options..., -- coll-bench options...
     "$BENCH" overlap --coll "$coll" --sizes "$sizes" "${iters[@]}" "$@" --json "$out/$name.json" \
     2> >(grep -v '^sp [0-9]* stats' >&2)
 }
+
+if [ $traffic_only -eq 1 ]; then
+  echo "== F. inter-node traffic per call; 2 nodes x 2 ranks, block and cyclic layouts"
+  traffic_run
+  echo
+  traffic_markdown
+  exit 0
+fi
 
 echo "== machine: $ncpu CPUs"
 echo "== A. OSU method; ranks on CPUs $a_ranks (one each), SPs unpinned"
@@ -75,6 +117,9 @@ if [ $demo -eq 0 ]; then
   echo "== E. simulated allgather, 32 nodes x 32 ranks (virtual time)"
   "$SP" simulate --nodes 32 --ranks-per-node 32 --seeds 1 > "$out/e.txt"
   cat "$out/e.txt"
+  echo "== F. inter-node traffic per call; 2 nodes x 2 ranks, block and cyclic layouts"
+  traffic_run
+  "$BENCH" traffic-table "$out/f-block.json" "$out/f-cyclic.json"
 fi
 echo
 echo "== A. OSU method (compute = t_pure), one core per rank, SPs unpinned"
@@ -120,6 +165,10 @@ if [ $demo -eq 0 ]; then
     echo '```'
     cat "$out/e.txt"
     echo '```'
+    echo
+    echo "## F. inter-node traffic per call: Allgatherv, 2 nodes x 2 ranks, block and cyclic layouts"
+    echo
+    traffic_markdown
     if [ -f docs/BENCHMARKS.notes.md ]; then
       echo
       cat docs/BENCHMARKS.notes.md

@@ -3,11 +3,13 @@
 //! It is an ordinary MPI program: it calls the `MPI_*` entry points and knows nothing of the
 //! offload, so the same binary runs natively and with `libhost_shim.so` preloaded. The library
 //! part holds the pieces that do not need the command line: the MPI helper layer, the data
-//! pattern used for validation, the calibrated compute kernel and size parsing.
+//! pattern used for validation, the calibrated compute kernel, size parsing and the pure parts
+//! of the traffic benchmark (placement, ring schedule, counting, rendering).
 
 pub mod compute;
 pub mod mpi;
 pub mod pattern;
+pub mod traffic;
 
 /// Parses a byte size: a plain number or one with a `K`/`M`/`G` suffix (1024-based,
 /// case-insensitive, an optional trailing `B`/`iB` is accepted: `4K`, `4KiB`, `1m`).

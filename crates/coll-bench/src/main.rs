@@ -17,11 +17,12 @@ const ALL_PEERS: u32 = u32::MAX;
 #[command(
     name = "coll-bench",
     version,
-    about = "Benchmarks for nonblocking MPI collectives (`overlap` runs under mpirun).",
-    long_about = "Benchmarks for nonblocking MPI collectives. An ordinary MPI program: run \
-                  `overlap` under mpirun, natively or with the host shim LD_PRELOADed (the same \
-                  binary serves both); `compare` puts a native and an offloaded result side by \
-                  side and needs no MPI."
+    about = "Benchmarks for MPI collectives (`overlap`, `late`, `traffic` run under mpirun).",
+    long_about = "Benchmarks for MPI collectives. An ordinary MPI program: run `overlap`, \
+                  `late` and `traffic` under mpirun (or `service-process launch`), natively or \
+                  with the host shim LD_PRELOADed (the same binary serves both); `compare` puts \
+                  a native and an offloaded result side by side and `traffic-table` renders \
+                  traffic results; these two need no MPI."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -56,6 +57,45 @@ enum Command {
     /// tail_us, mean_in_call_us, validated, mode.
     Late(late::LateArgs),
 
+    /// Inter-node bytes per call of an allgather: a ring vs the offloaded call vs the minimum.
+    ///
+    /// Run it under `service-process launch` (it reads SPOFF_CLUSTER, SPOFF_NODES,
+    /// SPOFF_RANKS_PER_NODE and SPOFF_LAYOUT; the node of a world rank is the launcher's
+    /// placement: r / ranks_per_node for block, r % nodes for cyclic; without these variables
+    /// all ranks are on one node). Per size (bytes per rank, equal counts), --iters calls each:
+    ///
+    /// 1. ring: an allgatherv written here with MPI_Sendrecv (P - 1 steps; rank r sends to
+    ///    r + 1 the block it received in the step before; not intercepted by the shim, so
+    ///    native). Every rank counts the bytes it sent to a rank of another node; summed over
+    ///    ranks (MPI_Allreduce).
+    ///
+    /// 2. offload: the ordinary MPI_Allgatherv (or MPI_Allgather); with the shim preloaded and
+    ///    SPOFF_CLUSTER set it is offloaded. Rank 0 runs `service-process stats --cluster
+    ///    $SPOFF_CLUSTER --json` before and after the calls (barriers around) and takes the
+    ///    change of bytes_inter_node summed over all SPs (what the SPs copied from a rank of
+    ///    another node). The binary is --service-process, else env SPOFF_SERVICE_PROCESS, else
+    ///    `service-process` next to this executable. If the counters cannot be read, if the SPs
+    ///    saw no posts, or if the shim is not active (launch --native, SPOFF_OFFLOAD=0), the
+    ///    figure is null and offload_note says why; nothing is estimated.
+    ///
+    /// 3. min: computed, not measured: the sum over ranks of the block size times (number of
+    ///    nodes with members - 1): every block enters every other node once.
+    ///
+    /// Both the ring's and the collective's results are checked byte for byte after every
+    /// call (exit code 1 on a mismatch). Figures are per call (total / iters). Rank 0 prints a
+    /// table; --json writes one object per size per line with: coll, bytes, ranks, nodes,
+    /// layout, ring_inter_node_bytes, offload_inter_node_bytes, min_inter_node_bytes,
+    /// validated, iters, mode, offload_posts (SP posts per call) and offload_note (null, or why the offload figures are null).
+    Traffic(traffic_run::TrafficArgs),
+
+    /// Renders `traffic --json` files as one table (plain text, or Markdown with --markdown).
+    ///
+    /// Columns: coll, ranks, nodes, layout, bytes, ring_B, offload_B, min_B (inter-node bytes
+    /// per call), ring/min, offload/min, validated; a null figure shows as `-` with the
+    /// row's offload_note under the table. Exit code 1 if a row did not validate. Needs no
+    /// MPI.
+    TrafficTable(TrafficTableArgs),
+
     /// Compares a native and an offloaded `overlap --json` run, size by size.
     ///
     /// Joins the two JSON Lines files on (coll, bytes) and prints, per size: pure_us,
@@ -75,6 +115,17 @@ struct CompareArgs {
     /// JSON Lines file of the offloaded run.
     #[arg(long, value_name = "FILE")]
     offload: PathBuf,
+
+    /// Print a Markdown table instead of plain text.
+    #[arg(long)]
+    markdown: bool,
+}
+
+#[derive(Args, Debug)]
+struct TrafficTableArgs {
+    /// JSON Lines files written by `coll-bench traffic --json`, rendered in order.
+    #[arg(required = true, value_name = "FILE")]
+    files: Vec<PathBuf>,
 
     /// Print a Markdown table instead of plain text.
     #[arg(long)]
@@ -731,13 +782,36 @@ fn compare(args: CompareArgs) -> i32 {
     0
 }
 
+fn traffic_table(args: TrafficTableArgs) -> i32 {
+    let mut rows = Vec::new();
+    for f in &args.files {
+        match read_rows(f) {
+            Ok(r) => rows.extend(r),
+            Err(e) => {
+                eprintln!("coll-bench traffic-table: {e}");
+                return 2;
+            }
+        }
+    }
+    let (text, ok) = coll_bench::traffic::render_table(&rows, args.markdown);
+    print!("{text}");
+    if !ok {
+        eprintln!("coll-bench traffic-table: some rows did not validate");
+        return 1;
+    }
+    0
+}
+
 mod late;
+mod traffic_run;
 
 fn main() {
     let cli = Cli::parse();
     let code = match cli.command {
         Command::Compare(args) => compare(args),
         Command::Late(args) => late::late(args),
+        Command::Traffic(args) => traffic_run::traffic(args),
+        Command::TrafficTable(args) => traffic_table(args),
         Command::Overlap(args) => {
             if !args.coll.implemented() {
                 eprintln!(

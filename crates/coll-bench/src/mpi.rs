@@ -249,6 +249,37 @@ impl Comm {
         Ok(Request::new(req))
     }
 
+    /// `MPI_Sendrecv` of bytes: `send` to `dest`, `recv` (filled exactly) from `source`, with
+    /// `MPI_STATUS_IGNORE`.
+    pub fn sendrecv(
+        &self,
+        send: &[u8],
+        dest: i32,
+        recv: &mut [u8],
+        source: i32,
+        tag: i32,
+    ) -> Result<()> {
+        let scount = to_int(send.len(), "MPI_Sendrecv")?;
+        let rcount = to_int(recv.len(), "MPI_Sendrecv")?;
+        // SAFETY: both buffers are valid for their lengths during the (blocking) call.
+        check("MPI_Sendrecv", unsafe {
+            mpi_ffi::MPI_Sendrecv(
+                send.as_ptr().cast(),
+                scount,
+                consts::BYTE(),
+                dest,
+                tag,
+                recv.as_mut_ptr().cast(),
+                rcount,
+                consts::BYTE(),
+                source,
+                tag,
+                self.raw,
+                consts::STATUS_IGNORE(),
+            )
+        })
+    }
+
     /// `MPI_Ialltoallv` on byte-addressed buffers with datatype `dt` (counts and displacements
     /// in elements of `dt`). Checks that every block lies inside its buffer.
     #[allow(clippy::too_many_arguments)]
