@@ -6,7 +6,7 @@ use coll_bench::{compute, parse_size, pattern};
 use mpi_ffi::consts;
 use std::fs::File;
 use std::io::{BufWriter, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 const DEFAULT_SIZES: &str = "1K,4K,16K,64K,256K,1M,4M";
@@ -21,7 +21,7 @@ const ALL_PEERS: u32 = u32::MAX;
     long_about = "Benchmarks for MPI collectives. An ordinary MPI program: run `overlap`, \
                   `late` and `traffic` under mpirun (or `service-process launch`), natively or \
                   with the host shim LD_PRELOADed (the same binary serves both); `compare` puts \
-                  a native and an offloaded result side by side and `traffic-table` renders \
+                  a native result and one or more offloaded results side by side and `traffic-table` renders \
                   traffic results; these two need no MPI."
 )]
 struct Cli {
@@ -42,11 +42,15 @@ enum Command {
     ///
     /// Every iteration sends a pattern derived from (sender, receiver, iteration, byte); the
     /// receive buffer is pre-filled with a sentinel and checked exactly after the last iteration
-    /// of each phase. A failed check prints rank, peer and offset, and the exit code is 1 (after
-    /// the table). Rank 0 prints the table; --json writes one JSON object per size per line
-    /// with: coll, bytes, ranks, nodes (env SPOFF_NODES, default 1), pure_us, overall_us,
-    /// compute_us, post_us, wait_us, overlap_pct, validated, iters, warmup, mode ("offload" if LD_PRELOAD
-    /// contains host_shim, else "native") and design (null).
+    /// of each phase. For ibcast the root is rank (iteration % ranks), so it rotates through
+    /// every rank; the root's buffer carries the pattern and every rank, the root included,
+    /// checks its buffer. A failed check prints rank, peer (root) and offset, and the exit code
+    /// is 1 (after the table). Rank 0 prints the table; --json writes one JSON object per size
+    /// per line with: coll, bytes, ranks, nodes (env SPOFF_NODES, default 1), pure_us,
+    /// overall_us, compute_us, post_us, wait_us, overlap_pct, validated, iters, warmup, mode
+    /// ("offload" if LD_PRELOAD contains host_shim, else "native") and design (the --design
+    /// given for ibcast and iallgather, e.g. "auto"; null for the other collectives, which have
+    /// no design choice).
     Overlap(OverlapArgs),
 
     /// A blocking collective where one rank per node enters late (see `late --help`).
@@ -96,13 +100,27 @@ enum Command {
     /// MPI.
     TrafficTable(TrafficTableArgs),
 
-    /// Compares a native and an offloaded `overlap --json` run, size by size.
+    /// Compares a native run with one or more offloaded runs (`overlap` or `late` --json).
     ///
-    /// Joins the two JSON Lines files on (coll, bytes) and prints, per size: pure_us,
-    /// overall_us and overlap_pct of both, the pure-latency ratio native/offload (above 1 means
-    /// the offload is faster) and whether both runs validated. Sizes present in only one file
-    /// are listed too. Exit code 1 if a row did not validate or is missing on one side. Needs
-    /// no MPI: run it directly, not under mpirun.
+    /// With one --offload: joins the two JSON Lines files on (coll, bytes, design) (and
+    /// delay_ms for `late` rows) and prints, per row: pure_us, overall_us and overlap_pct of
+    /// both, the pure-latency ratio native/offload (above 1 means the offload is faster), the
+    /// host time of both and whether both runs validated. A design column is shown when some
+    /// row has a design. An offload row whose design the native file lacks is joined with the
+    /// native file's rows of that (coll, bytes) if they all have one design (the design changes
+    /// nothing natively): one native run serves offloaded runs of several designs, e.g. an
+    /// offload file holding a flat and a hier run. Rows present on only one side are listed too.
+    ///
+    /// With several --offload files (e.g. `--offload flat.json --offload hier.json`): one
+    /// table, rows joined on (coll, bytes) (and delay_ms), design ignored: the native columns,
+    /// then one column group per offload file, labelled by its design (by its file name if its
+    /// rows do not share one design): LABEL_pure_us, LABEL_pure_ratio (native / LABEL),
+    /// LABEL_overall_us, LABEL_overlap_pct, LABEL_host_us (`late`: LABEL_tail_us,
+    /// LABEL_tail_ratio, LABEL_mean_in_call_us). A file with two rows for one (coll, bytes) is
+    /// refused (exit code 2).
+    ///
+    /// Exit code 1 if a row did not validate or is missing on one side. Needs no MPI: run it
+    /// directly, not under mpirun.
     Compare(CompareArgs),
 }
 
@@ -112,9 +130,9 @@ struct CompareArgs {
     #[arg(long, value_name = "FILE")]
     native: PathBuf,
 
-    /// JSON Lines file of the offloaded run.
-    #[arg(long, value_name = "FILE")]
-    offload: PathBuf,
+    /// JSON Lines file of an offloaded run; repeat for one column group per file.
+    #[arg(long, value_name = "FILE", required = true)]
+    offload: Vec<PathBuf>,
 
     /// Print a Markdown table instead of plain text.
     #[arg(long)]
@@ -132,8 +150,7 @@ struct TrafficTableArgs {
     markdown: bool,
 }
 
-/// Collectives known to the command line. Only the alltoall family is implemented so far; the
-/// others are listed so the interface does not change when they are added.
+/// Collectives known to the command line.
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 enum Coll {
     /// MPI_Ialltoallv, every rank sends SIZE bytes to every rank (MPI_BYTE)
@@ -144,7 +161,7 @@ enum Coll {
     Iallgatherv,
     /// MPI_Iallgather, every rank contributes SIZE bytes (MPI_BYTE)
     Iallgather,
-    /// not implemented yet (rejected with an error)
+    /// MPI_Ibcast, SIZE bytes (MPI_BYTE) from a root that rotates: rank (iteration % ranks)
     Ibcast,
 }
 
@@ -159,17 +176,100 @@ impl Coll {
         }
     }
 
-    fn implemented(self) -> bool {
-        matches!(
-            self,
-            Coll::Ialltoallv | Coll::Ialltoall | Coll::Iallgatherv | Coll::Iallgather
-        )
-    }
-
     /// Allgather family: one send block of SIZE bytes, the same block goes to every rank.
     fn is_allgather(self) -> bool {
         matches!(self, Coll::Iallgatherv | Coll::Iallgather)
     }
+
+    /// The environment variable through which the shim takes this collective's design, if it
+    /// has a design choice.
+    fn design_env(self) -> Option<&'static str> {
+        match self {
+            Coll::Ibcast => Some("SPOFF_BCAST_DESIGN"),
+            Coll::Iallgather => Some("SPOFF_IALLGATHER_DESIGN"),
+            _ => None,
+        }
+    }
+
+    /// Bytes of the send and receive buffers for SIZE on `n` ranks (before the at-least-one
+    /// rule of [`run_size`]). Ibcast has one buffer, here the receive buffer.
+    fn buffer_lens(self, n: usize, size: usize) -> (usize, usize) {
+        match self {
+            Coll::Ibcast => (0, size),
+            c if c.is_allgather() => (size, n * size),
+            _ => (n * size, n * size),
+        }
+    }
+}
+
+/// Designs of an offloaded collective, as the shim names them.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum Design {
+    /// no staging per node: the service processes write every rank's buffer themselves
+    Flat,
+    /// hierarchical: staged once per node (ibcast: a service process writes one segment shared
+    /// by its node-local ranks, which copy out of it)
+    Hier,
+    /// iallgather only: the hierarchical allgather with load-balanced late arrivals (after
+    /// MIMOSA)
+    Lb,
+    /// let the shim choose by the number of ranks per service process
+    Auto,
+}
+
+impl Design {
+    fn name(self) -> &'static str {
+        match self {
+            Design::Flat => "flat",
+            Design::Hier => "hier",
+            Design::Lb => "lb",
+            Design::Auto => "auto",
+        }
+    }
+}
+
+/// Whether `coll` accepts `design`: ibcast flat|hier|auto, iallgather flat|hier|lb|auto, the
+/// others only auto.
+fn check_design(coll: Coll, design: Design) -> Result<(), String> {
+    match (coll, design) {
+        (_, Design::Auto) | (Coll::Iallgather, _) => Ok(()),
+        (Coll::Ibcast, Design::Flat | Design::Hier) => Ok(()),
+        (Coll::Ibcast, Design::Lb) => Err(
+            "--design lb is the load-balanced allgather, only for --coll iallgather; \
+             ibcast takes flat, hier or auto"
+                .into(),
+        ),
+        (c, d) => Err(format!(
+            "--design {} does not apply to --coll {}: only ibcast (flat|hier|auto) and \
+             iallgather (flat|hier|lb|auto) have a design choice",
+            d.name(),
+            c.name()
+        )),
+    }
+}
+
+/// The root of a broadcast in iteration `iter`: it rotates through the ranks.
+fn bcast_root(iter: u64, n: usize) -> usize {
+    (iter % n.max(1) as u64) as usize
+}
+
+/// Why a size cannot be run on `ranks` ranks (counts and displacements are MPI ints in
+/// elements of MPI_BYTE), or `None`.
+fn size_error(coll: Coll, sizes: &[usize], ranks: usize) -> Option<String> {
+    let max = i32::MAX as usize;
+    if coll == Coll::Ibcast {
+        let bad = sizes.iter().find(|&&s| s > max)?;
+        return Some(format!(
+            "size {bad} does not fit an MPI int count (at most {max} bytes)"
+        ));
+    }
+    let bad = sizes
+        .iter()
+        .find(|&&s| !matches!(s.checked_mul(ranks), Some(t) if t <= max))?;
+    Some(format!(
+        "size {bad} x {ranks} ranks does not fit MPI int displacements \
+         (at most {max} bytes per rank in total)"
+    ))
 }
 
 #[derive(Args, Debug)]
@@ -178,8 +278,9 @@ struct OverlapArgs {
     #[arg(long, value_enum)]
     coll: Coll,
 
-    /// Comma-separated sizes in bytes per pair (each rank sends SIZE bytes to every rank,
-    /// itself included); K/M/G suffixes are 1024-based.
+    /// Comma-separated sizes in bytes: per pair for the alltoalls (each rank sends SIZE bytes
+    /// to every rank, itself included), per rank for the allgathers, the message for ibcast;
+    /// K/M/G suffixes are 1024-based.
     #[arg(long, value_delimiter = ',', value_parser = parse_size, default_value = DEFAULT_SIZES)]
     sizes: Vec<usize>,
 
@@ -200,6 +301,16 @@ struct OverlapArgs {
     /// Also write one JSON object per size per line (JSON Lines) to FILE (rank 0 only).
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
+
+    /// Design of the offloaded collective, for ibcast (flat, hier, auto) and iallgather (flat,
+    /// hier, lb, auto); the other collectives take only auto. Before MPI_Init this process sets
+    /// SPOFF_BCAST_DESIGN (ibcast) or SPOFF_IALLGATHER_DESIGN (iallgather) to it, overriding
+    /// the environment; the shim reads the variable when the collective is posted. It only
+    /// matters when the host shim is preloaded (natively nothing reads it; a shim that does not
+    /// know the variable ignores it). auto lets the shim choose by the number of ranks per
+    /// service process. Recorded as `design` in the JSON lines.
+    #[arg(long, value_enum, default_value_t = Design::Auto)]
+    design: Design,
 
     /// Test hook (hidden): rank 0 flips one received byte in the pure phase of the first non-zero size, so
     /// the run must report a validation failure and exit 1.
@@ -249,12 +360,23 @@ struct Setup {
     counts: Vec<i32>,
     displs: Vec<i32>,
     byte: Datatype,
+    /// Ibcast: the root of the iteration being run (set by [`Setup::prepare`]).
+    root: usize,
 }
 
 impl Setup {
-    fn fill_send(&mut self, iter: u64) {
+    /// Gets iteration `iter` ready: fills what this rank sends (for ibcast, on the root of the
+    /// iteration, its one buffer; so call it after [`Setup::sentinel_recv`]).
+    fn prepare(&mut self, iter: u64) {
         let size = self.size;
+        self.root = bcast_root(iter, self.n);
         if size == 0 {
+            return;
+        }
+        if self.coll == Coll::Ibcast {
+            if self.me == self.root {
+                pattern::fill(&mut self.recv[..size], self.root as u32, ALL_PEERS, iter);
+            }
             return;
         }
         if self.coll.is_allgather() {
@@ -299,7 +421,10 @@ impl Setup {
             Coll::Iallgather => self
                 .world
                 .iallgather(send, recv, self.size as i32, &self.byte)?,
-            other => unreachable!("{} is rejected before MPI_Init", other.name()),
+            Coll::Ibcast => {
+                self.world
+                    .ibcast(recv, self.size as i32, &self.byte, self.root as i32)?
+            }
         };
         let t_posted = wtime();
         let mut compute = 0.0;
@@ -321,6 +446,21 @@ impl Setup {
 
     /// Checks what every peer delivered in iteration `iter`; prints the first bad byte per peer.
     fn validate(&self, iter: u64, phase: &str) -> bool {
+        if self.coll == Coll::Ibcast {
+            let root = bcast_root(iter, self.n);
+            let block = &self.recv[..self.size];
+            let bad = pattern::first_mismatch(block, root as u32, ALL_PEERS, iter);
+            if let Some((off, exp, got)) = bad {
+                eprintln!(
+                    "coll-bench: VALIDATION FAILED: {} bytes={} phase={phase} rank={} \
+                     root={root} offset={off} expected=0x{exp:02x} got=0x{got:02x}",
+                    self.coll.name(),
+                    self.size,
+                    self.me
+                );
+            }
+            return bad.is_none();
+        }
         let mut ok = true;
         for peer in 0..self.n {
             let block = &self.recv[peer * self.size..(peer + 1) * self.size];
@@ -367,10 +507,10 @@ fn phase(
     let mut sum = Times::default();
     for it in 0..total {
         let iter_id = (phase_id << 32) | it as u64;
-        s.fill_send(iter_id);
         if it + 1 == total {
             s.sentinel_recv();
         }
+        s.prepare(iter_id);
         s.world.barrier()?;
         let t = s.run_once(steps)?;
         if it >= warmup {
@@ -409,6 +549,7 @@ fn run_size(
     let n = world.size()? as usize;
     let iters = args.iters.unwrap_or_else(|| default_iters(size));
     let warmup = args.warmup.unwrap_or_else(|| default_warmup(iters));
+    let (send_len, recv_len) = coll.buffer_lens(n, size);
     let mut s = Setup {
         coll,
         world,
@@ -417,11 +558,12 @@ fn run_size(
         size,
         // Never empty: two empty Vecs share one dangling address, and MPI rejects
         // sendbuf == recvbuf (that is what MPI_IN_PLACE is for) even for zero counts.
-        send: vec![0; (if coll.is_allgather() { size } else { n * size }).max(1)],
-        recv: vec![0; (n * size).max(1)],
+        send: vec![0; send_len.max(1)],
+        recv: vec![0; recv_len.max(1)],
         counts: vec![size as i32; n],
         displs: (0..n).map(|j| (j * size) as i32).collect(),
         byte: Datatype::byte()?,
+        root: 0,
     };
     let (pure, ok_pure) = phase(&mut s, 1, iters, warmup, None, corrupt)?;
     let t_pure = world.allreduce_f64(pure.total, consts::OP_MAX())?;
@@ -474,7 +616,15 @@ fn nodes() -> Result<u64, String> {
     }
 }
 
-fn json_line(coll: Coll, row: &Row, ranks: usize, nodes: u64, mode: &str) -> String {
+/// One `overlap --json` line; `design` is null for collectives without a design choice.
+fn json_line(
+    coll: Coll,
+    row: &Row,
+    ranks: usize,
+    nodes: u64,
+    mode: &str,
+    design: Option<&str>,
+) -> String {
     serde_json::json!({
         "coll": coll.name(),
         "bytes": row.bytes,
@@ -490,13 +640,17 @@ fn json_line(coll: Coll, row: &Row, ranks: usize, nodes: u64, mode: &str) -> Str
         "iters": row.iters,
         "warmup": row.warmup,
         "mode": mode,
-        "design": serde_json::Value::Null,
+        "design": design,
     })
     .to_string()
 }
 
 fn overlap(args: OverlapArgs) -> i32 {
     let coll = args.coll;
+    if let Err(e) = check_design(coll, args.design) {
+        eprintln!("coll-bench: {e}");
+        return 2;
+    }
     let nodes = match nodes() {
         Ok(n) => n,
         Err(e) => {
@@ -504,6 +658,12 @@ fn overlap(args: OverlapArgs) -> i32 {
             return 2;
         }
     };
+    // The shim reads the design when a collective is posted; set it before MPI_Init, while
+    // this process has a single thread.
+    let design = coll.design_env().map(|var| {
+        std::env::set_var(var, args.design.name());
+        args.design.name()
+    });
     let mpi = match Mpi::init() {
         Ok(m) => m,
         Err(e) => {
@@ -514,18 +674,9 @@ fn overlap(args: OverlapArgs) -> i32 {
     let world = mpi.world();
     let me = world.rank().unwrap_or_else(|e| fail(e));
     let ranks = world.size().unwrap_or_else(|e| fail(e)) as usize;
-    // Displacements are ints in elements of MPI_BYTE: ranks * size must fit.
-    if let Some(&bad) = args
-        .sizes
-        .iter()
-        .find(|&&s| !matches!(s.checked_mul(ranks), Some(t) if t <= i32::MAX as usize))
-    {
+    if let Some(e) = size_error(coll, &args.sizes, ranks) {
         if me == 0 {
-            eprintln!(
-                "coll-bench: size {bad} x {ranks} ranks does not fit MPI int displacements \
-                 (at most {} bytes per rank in total)",
-                i32::MAX
-            );
+            eprintln!("coll-bench: {e}");
         }
         let _ = mpi.finalize();
         return 2;
@@ -543,8 +694,9 @@ fn overlap(args: OverlapArgs) -> i32 {
             }
         }
         println!(
-            "# coll-bench overlap: coll={} ranks={ranks} nodes={nodes} mode={mode}",
-            coll.name()
+            "# coll-bench overlap: coll={} ranks={ranks} nodes={nodes} mode={mode}{}",
+            coll.name(),
+            design.map_or(String::new(), |d| format!(" design={d}"))
         );
         println!(
             "{:>10} {:>12} {:>12} {:>12} {:>9} {:>9} {:>11} {:>9}",
@@ -577,7 +729,7 @@ fn overlap(args: OverlapArgs) -> i32 {
             );
             let _ = std::io::stdout().flush();
             if let Some(w) = json.as_mut() {
-                let line = json_line(coll, &row, ranks, nodes, mode);
+                let line = json_line(coll, &row, ranks, nodes, mode, design);
                 if let Err(e) = writeln!(w, "{line}").and_then(|_| w.flush()) {
                     eprintln!("coll-bench: writing JSON: {e}");
                     Mpi::abort(2);
@@ -612,36 +764,178 @@ fn read_rows(path: &PathBuf) -> Result<Vec<serde_json::Value>, String> {
         .collect()
 }
 
-fn compare(args: CompareArgs) -> i32 {
-    let (native, offload) = match (read_rows(&args.native), read_rows(&args.offload)) {
-        (Ok(n), Ok(o)) => (n, o),
-        (Err(e), _) | (_, Err(e)) => {
-            eprintln!("coll-bench compare: {e}");
-            return 2;
-        }
-    };
-    // Rows of `late` runs carry tail_us and a delay; rows of `overlap` runs do not.
-    let late = native
-        .iter()
-        .chain(&offload)
-        .any(|r| r.get("tail_us").is_some());
-    let key = |r: &serde_json::Value| {
-        (
-            r["coll"].as_str().unwrap_or("?").to_string(),
-            r["bytes"].as_u64().unwrap_or(0),
-            r["delay_ms"].as_u64().unwrap_or(0),
+type Json = serde_json::Value;
+
+/// A `compare` row key: (coll, bytes, delay_ms, design); delay_ms is 0 for `overlap` rows.
+type Key = (String, u64, u64, Option<String>);
+
+fn key_of(r: &Json) -> Key {
+    (
+        r["coll"].as_str().unwrap_or("?").to_string(),
+        r["bytes"].as_u64().unwrap_or(0),
+        r["delay_ms"].as_u64().unwrap_or(0),
+        r["design"].as_str().map(String::from),
+    )
+}
+
+/// The key without the design: the measured point.
+fn point_of(k: &Key) -> (&str, u64, u64) {
+    (&k.0, k.1, k.2)
+}
+
+fn num(r: Option<&Json>, f: &str) -> Option<f64> {
+    r.and_then(|r| r[f].as_f64())
+}
+
+/// Time the host spent in the collective's calls while it had compute to do.
+fn host_us(r: Option<&Json>) -> Option<f64> {
+    Some(num(r, "post_us")? + num(r, "wait_us")?)
+}
+
+fn cell(v: Option<f64>, prec: usize) -> String {
+    v.map_or("-".to_string(), |v| format!("{v:.prec$}"))
+}
+
+fn ratio(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    match (a, b) {
+        (Some(a), Some(b)) if b > 0.0 => Some(a / b),
+        _ => None,
+    }
+}
+
+fn validated(r: Option<&Json>) -> bool {
+    r.is_some_and(|r| r["validated"] == true)
+}
+
+/// Rows of `late` runs carry tail_us and a delay; rows of `overlap` runs do not.
+fn is_late<'a>(rows: impl IntoIterator<Item = &'a Json>) -> bool {
+    rows.into_iter().any(|r| r.get("tail_us").is_some())
+}
+
+/// "ranks=.. nodes=.. mode=.." of a file's first row.
+fn run_context(rows: &[Json]) -> String {
+    rows.first().map_or("-".to_string(), |r| {
+        format!(
+            "ranks={} nodes={} mode={}",
+            r["ranks"],
+            r["nodes"],
+            r["mode"].as_str().unwrap_or("?")
         )
+    })
+}
+
+/// The table: a line naming each side with its context, then the header and the lines, as
+/// right-aligned plain text or as Markdown.
+fn render_compare(
+    sides: &[(String, String)],
+    legend: &str,
+    header: &[String],
+    lines: &[Vec<String>],
+    markdown: bool,
+) -> String {
+    let mut out = String::new();
+    let mut line = |s: String| {
+        out.push_str(&s);
+        out.push('\n');
     };
-    let mut keys: Vec<(String, u64, u64)> = native.iter().chain(&offload).map(key).collect();
-    keys.sort();
-    keys.dedup();
-    let find = |rows: &[serde_json::Value], k: &(String, u64, u64)| {
-        rows.iter().find(|r| key(r) == *k).cloned()
+    let sides = sides
+        .iter()
+        .map(|(name, ctx)| format!("{name}: {ctx}"))
+        .collect::<Vec<_>>()
+        .join("; ");
+    if markdown {
+        let mut chars = sides.chars();
+        let first: String = chars
+            .next()
+            .map(|c| c.to_uppercase().collect())
+            .unwrap_or_default();
+        line(format!("{first}{}. {legend}", chars.as_str()));
+        line(String::new());
+        line(format!("| {} |", header.join(" | ")));
+        line(format!(
+            "|{}|",
+            header.iter().map(|_| "---").collect::<Vec<_>>().join("|")
+        ));
+        for l in lines {
+            line(format!("| {} |", l.join(" | ")));
+        }
+    } else {
+        line(format!("# {sides}; {legend}"));
+        let widths: Vec<usize> = (0..header.len())
+            .map(|i| {
+                lines
+                    .iter()
+                    .map(|l| l[i].len())
+                    .chain([header[i].len()])
+                    .max()
+                    .unwrap_or(0)
+            })
+            .collect();
+        let row = |cells: &[String]| {
+            cells
+                .iter()
+                .zip(&widths)
+                .map(|(c, w)| format!("{c:>w$}"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        line(row(header));
+        for l in lines {
+            line(row(l));
+        }
+    }
+    out
+}
+
+/// One native and one offloaded file, joined on (coll, bytes, delay_ms, design); returns the
+/// table and whether every row is on both sides and validated.
+fn compare_one(native: &[Json], offload: &[Json], markdown: bool) -> (String, bool) {
+    fn find<'a>(rows: &'a [Json], k: &Key) -> Option<&'a Json> {
+        rows.iter().find(|r| key_of(r) == *k)
+    }
+    let late = is_late(native.iter().chain(offload));
+    let show_design = native
+        .iter()
+        .chain(offload)
+        .any(|r| r["design"].is_string());
+    let mut offload_keys: Vec<Key> = offload.iter().map(key_of).collect();
+    offload_keys.sort();
+    offload_keys.dedup();
+    // An offload key the native file lacks takes the native rows of the same point if they
+    // have a single design (natively the design changes nothing).
+    let stand_in = |k: &Key| {
+        let mut same = native
+            .iter()
+            .filter(|r| point_of(&key_of(r)) == point_of(k));
+        let first = same.next()?;
+        let design = key_of(first).3;
+        same.all(|r| key_of(r).3 == design).then_some(first)
     };
-    let num = |r: &Option<serde_json::Value>, f: &str| r.as_ref().and_then(|r| r[f].as_f64());
-    // Time the host spent in the collective's calls while it had compute to do.
-    let host_us = |r: &Option<serde_json::Value>| Some(num(r, "post_us")? + num(r, "wait_us")?);
-    let cell = |v: Option<f64>, prec: usize| v.map_or("-".to_string(), |v| format!("{v:.prec$}"));
+    let mut joined: Vec<(Key, Option<&Json>, Option<&Json>)> = Vec::new();
+    let mut used: Vec<Key> = Vec::new();
+    let mut stood_in = false;
+    for k in &offload_keys {
+        let n = find(native, k).or_else(|| {
+            let r = stand_in(k)?;
+            stood_in = true;
+            Some(r)
+        });
+        if let Some(r) = n {
+            used.push(key_of(r));
+        }
+        joined.push((k.clone(), n, find(offload, k)));
+    }
+    let mut native_keys: Vec<Key> = native.iter().map(key_of).collect();
+    native_keys.sort();
+    native_keys.dedup();
+    for k in native_keys {
+        if !used.contains(&k) && !offload_keys.contains(&k) {
+            let n = find(native, &k);
+            joined.push((k, n, None));
+        }
+    }
+    joined.sort_by(|a, b| a.0.cmp(&b.0));
+
     let late_header = [
         "coll",
         "bytes",
@@ -667,114 +961,302 @@ fn compare(args: CompareArgs) -> i32 {
         "offload_host_us",
         "validated",
     ];
-    let header: &[&str] = if late { &late_header } else { &overlap_header };
+    let mut header: Vec<String> = if late {
+        &late_header[..]
+    } else {
+        &overlap_header[..]
+    }
+    .iter()
+    .map(|h| h.to_string())
+    .collect();
+    // The design goes after the point's other coordinates.
+    let design_at = if late { 3 } else { 2 };
+    if show_design {
+        header.insert(design_at, "design".into());
+    }
     let mut lines: Vec<Vec<String>> = Vec::new();
     let mut ok = true;
-    for k in &keys {
-        let (n, o) = (find(&native, k), find(&offload, k));
-        let valid =
-            |r: &Option<serde_json::Value>| r.as_ref().is_some_and(|r| r["validated"] == true);
-        let both_valid = valid(&n) && valid(&o);
+    for (k, n, o) in &joined {
+        let (n, o) = (*n, *o);
+        let both_valid = validated(n) && validated(o);
         ok &= both_valid;
-        let ratio_of = |f: &str| match (num(&n, f), num(&o, f)) {
-            (Some(a), Some(b)) if b > 0.0 => Some(a / b),
-            _ => None,
-        };
-        let validated = match (&n, &o) {
+        let ratio_of = |f: &str| ratio(num(n, f), num(o, f));
+        let valid = match (n, o) {
             (Some(_), Some(_)) => both_valid.to_string(),
             (None, _) => "no native row".into(),
             (_, None) => "no offload row".into(),
         };
-        if late {
-            lines.push(vec![
+        let mut l = if late {
+            vec![
                 k.0.clone(),
                 k.1.to_string(),
                 k.2.to_string(),
-                cell(num(&n, "tail_us"), 1),
-                cell(num(&o, "tail_us"), 1),
+                cell(num(n, "tail_us"), 1),
+                cell(num(o, "tail_us"), 1),
                 cell(ratio_of("tail_us"), 2),
-                cell(num(&n, "mean_in_call_us"), 1),
-                cell(num(&o, "mean_in_call_us"), 1),
-                validated,
-            ]);
-            continue;
+                cell(num(n, "mean_in_call_us"), 1),
+                cell(num(o, "mean_in_call_us"), 1),
+                valid,
+            ]
+        } else {
+            vec![
+                k.0.clone(),
+                k.1.to_string(),
+                cell(num(n, "pure_us"), 2),
+                cell(num(o, "pure_us"), 2),
+                cell(ratio_of("pure_us"), 2),
+                cell(num(n, "overall_us"), 2),
+                cell(num(o, "overall_us"), 2),
+                cell(num(n, "overlap_pct"), 1),
+                cell(num(o, "overlap_pct"), 1),
+                cell(host_us(n), 1),
+                cell(host_us(o), 1),
+                valid,
+            ]
+        };
+        if show_design {
+            l.insert(design_at, k.3.clone().unwrap_or_else(|| "-".into()));
         }
-        lines.push(vec![
-            k.0.clone(),
-            k.1.to_string(),
-            cell(num(&n, "pure_us"), 2),
-            cell(num(&o, "pure_us"), 2),
-            cell(ratio_of("pure_us"), 2),
-            cell(num(&n, "overall_us"), 2),
-            cell(num(&o, "overall_us"), 2),
-            cell(num(&n, "overlap_pct"), 1),
-            cell(num(&o, "overlap_pct"), 1),
-            cell(host_us(&n), 1),
-            cell(host_us(&o), 1),
-            validated,
-        ]);
+        lines.push(l);
     }
-    let ctx = |rows: &[serde_json::Value]| {
-        rows.first().map_or("-".to_string(), |r| {
-            format!(
-                "ranks={} nodes={} mode={}",
-                r["ranks"],
-                r["nodes"],
-                r["mode"].as_str().unwrap_or("?")
-            )
-        })
-    };
-    let legend = if late {
+    let mut legend = if late {
         "tail_us = time from the last rank's entry to the last rank's exit; tail_ratio = native \
          tail_us / offload tail_us (above 1: the offload finishes sooner after the last arrival)."
+            .to_string()
     } else {
         "pure_ratio = native pure_us / offload pure_us; host_us = post_us + wait_us with compute \
          (time the host spent in MPI calls instead of computing)."
+            .to_string()
     };
-    if args.markdown {
-        println!(
-            "Native: {}; offload: {}. {legend}",
-            ctx(&native),
-            ctx(&offload)
+    if stood_in {
+        legend.push_str(
+            " Where the native file lacks a design, its run of another design stands in (natively \
+             the design changes nothing).",
         );
-        println!();
-        println!("| {} |", header.join(" | "));
-        println!(
-            "|{}|",
-            header.iter().map(|_| "---").collect::<Vec<_>>().join("|")
-        );
-        for l in &lines {
-            println!("| {} |", l.join(" | "));
+    }
+    let sides = [
+        ("native".to_string(), run_context(native)),
+        ("offload".to_string(), run_context(offload)),
+    ];
+    (
+        render_compare(&sides, &legend, &header, &lines, markdown),
+        ok,
+    )
+}
+
+/// The column-group label of an offload file: the design its rows share, else its file name.
+fn offload_label(path: &Path, rows: &[Json]) -> String {
+    let mut designs = rows.iter().map(|r| r["design"].as_str());
+    match designs.next() {
+        Some(Some(d)) if designs.all(|x| x == Some(d)) => d.to_string(),
+        _ => path.file_stem().map_or_else(
+            || path.display().to_string(),
+            |s| s.to_string_lossy().into(),
+        ),
+    }
+}
+
+/// A measured point: (coll, bytes, delay_ms).
+type Point = (String, u64, u64);
+
+/// Rows by point; an error if a file has two rows for one point.
+fn by_point<'a>(name: &str, rows: &'a [Json]) -> Result<Vec<(Point, &'a Json)>, String> {
+    let mut out: Vec<(Point, &Json)> = Vec::new();
+    for r in rows {
+        let k = key_of(r);
+        let p = (k.0, k.1, k.2);
+        if out.iter().any(|(q, _)| *q == p) {
+            return Err(format!(
+                "{name} has more than one row for coll={} bytes={}{}: with several --offload \
+                 files every file must hold one run per point (split it, or compare it alone)",
+                p.0,
+                p.1,
+                if p.2 > 0 {
+                    format!(" delay_ms={}", p.2)
+                } else {
+                    String::new()
+                }
+            ));
         }
+        out.push((p, r));
+    }
+    Ok(out)
+}
+
+/// One native file and several offloaded ones, joined on (coll, bytes, delay_ms) with one
+/// column group per offloaded file; returns the table and whether every row is in every file
+/// and validated.
+fn compare_many<'a>(
+    native: &'a [Json],
+    native_name: &str,
+    offloads: &'a [(PathBuf, Vec<Json>)],
+    markdown: bool,
+) -> Result<(String, bool), String> {
+    let late = is_late(native.iter().chain(offloads.iter().flat_map(|(_, r)| r)));
+    let mut labels: Vec<String> = Vec::new();
+    for (path, rows) in offloads {
+        let base = offload_label(path, rows);
+        let mut label = base.clone();
+        let mut k = 2;
+        while labels.contains(&label) || label == "native" {
+            label = format!("{base}-{k}");
+            k += 1;
+        }
+        labels.push(label);
+    }
+    let nat = by_point(native_name, native)?;
+    let offs = offloads
+        .iter()
+        .map(|(path, rows)| by_point(&path.display().to_string(), rows))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut points: Vec<Point> = nat
+        .iter()
+        .chain(offs.iter().flatten())
+        .map(|(p, _)| p.clone())
+        .collect();
+    points.sort();
+    points.dedup();
+
+    let mut header: Vec<String> = vec!["coll".into(), "bytes".into()];
+    if late {
+        header.extend(["delay_ms", "native_tail_us", "native_mean_in_call_us"].map(String::from));
     } else {
-        println!(
-            "# native: {}; offload: {}; {legend}",
-            ctx(&native),
-            ctx(&offload)
+        header.extend(
+            [
+                "native_pure_us",
+                "native_overall_us",
+                "native_overlap_pct",
+                "native_host_us",
+            ]
+            .map(String::from),
         );
-        let widths: Vec<usize> = (0..header.len())
-            .map(|i| {
-                lines
-                    .iter()
-                    .map(|l| l[i].len())
-                    .chain([header[i].len()])
-                    .max()
-                    .unwrap_or(0)
-            })
-            .collect();
-        let row = |cells: Vec<&str>| {
-            cells
-                .iter()
-                .zip(&widths)
-                .map(|(c, w)| format!("{c:>w$}"))
-                .collect::<Vec<_>>()
-                .join(" ")
+    }
+    for l in &labels {
+        let cols: &[&str] = if late {
+            &["tail_us", "tail_ratio", "mean_in_call_us"]
+        } else {
+            &[
+                "pure_us",
+                "pure_ratio",
+                "overall_us",
+                "overlap_pct",
+                "host_us",
+            ]
         };
-        println!("{}", row(header.to_vec()));
-        for l in &lines {
-            println!("{}", row(l.iter().map(String::as_str).collect()));
+        header.extend(cols.iter().map(|c| format!("{l}_{c}")));
+    }
+    header.push("validated".into());
+
+    let find = |rows: &[(Point, &'a Json)], p: &Point| -> Option<&'a Json> {
+        rows.iter().find(|(q, _)| q == p).map(|(_, r)| *r)
+    };
+    let mut lines = Vec::new();
+    let mut ok = true;
+    for p in &points {
+        let n = find(&nat, p);
+        let mut l = vec![p.0.clone(), p.1.to_string()];
+        if late {
+            l.extend([
+                p.2.to_string(),
+                cell(num(n, "tail_us"), 1),
+                cell(num(n, "mean_in_call_us"), 1),
+            ]);
+        } else {
+            l.extend([
+                cell(num(n, "pure_us"), 2),
+                cell(num(n, "overall_us"), 2),
+                cell(num(n, "overlap_pct"), 1),
+                cell(host_us(n), 1),
+            ]);
+        }
+        let mut missing = Vec::new();
+        if n.is_none() {
+            missing.push("no native row".to_string());
+        }
+        let mut all_valid = validated(n);
+        for (rows, label) in offs.iter().zip(&labels) {
+            let o = find(rows, p);
+            if o.is_none() {
+                missing.push(format!("no {label} row"));
+            }
+            all_valid &= validated(o);
+            if late {
+                l.extend([
+                    cell(num(o, "tail_us"), 1),
+                    cell(ratio(num(n, "tail_us"), num(o, "tail_us")), 2),
+                    cell(num(o, "mean_in_call_us"), 1),
+                ]);
+            } else {
+                l.extend([
+                    cell(num(o, "pure_us"), 2),
+                    cell(ratio(num(n, "pure_us"), num(o, "pure_us")), 2),
+                    cell(num(o, "overall_us"), 2),
+                    cell(num(o, "overlap_pct"), 1),
+                    cell(host_us(o), 1),
+                ]);
+            }
+        }
+        ok &= all_valid;
+        l.push(if missing.is_empty() {
+            all_valid.to_string()
+        } else {
+            missing.join(", ")
+        });
+        lines.push(l);
+    }
+    let legend = if late {
+        "tail_us = time from the last rank's entry to the last rank's exit; X_tail_ratio = native \
+         tail_us / X tail_us (above 1: X finishes sooner after the last arrival)."
+    } else {
+        "X_pure_ratio = native pure_us / X pure_us (above 1: X is faster); host_us = post_us + \
+         wait_us with compute (time the host spent in MPI calls instead of computing)."
+    };
+    let mut sides = vec![("native".to_string(), run_context(native))];
+    for ((_, rows), label) in offloads.iter().zip(&labels) {
+        sides.push((label.clone(), run_context(rows)));
+    }
+    Ok((
+        render_compare(&sides, legend, &header, &lines, markdown),
+        ok,
+    ))
+}
+
+fn compare(args: CompareArgs) -> i32 {
+    let native = match read_rows(&args.native) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("coll-bench compare: {e}");
+            return 2;
+        }
+    };
+    let mut offloads = Vec::new();
+    for path in &args.offload {
+        match read_rows(path) {
+            Ok(r) => offloads.push((path.clone(), r)),
+            Err(e) => {
+                eprintln!("coll-bench compare: {e}");
+                return 2;
+            }
         }
     }
+    let result = match offloads.as_slice() {
+        [(_, offload)] => Ok(compare_one(&native, offload, args.markdown)),
+        _ => compare_many(
+            &native,
+            &args.native.display().to_string(),
+            &offloads,
+            args.markdown,
+        ),
+    };
+    let (text, ok) = match result {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("coll-bench compare: {e}");
+            return 2;
+        }
+    };
+    print!("{text}");
+    let _ = std::io::stdout().flush();
     if !ok {
         eprintln!("coll-bench compare: some sizes did not validate or are missing on one side");
         return 1;
@@ -812,17 +1294,7 @@ fn main() {
         Command::Late(args) => late::late(args),
         Command::Traffic(args) => traffic_run::traffic(args),
         Command::TrafficTable(args) => traffic_table(args),
-        Command::Overlap(args) => {
-            if !args.coll.implemented() {
-                eprintln!(
-                    "coll-bench: --coll {} is not implemented yet (implemented: ialltoallv, \
-                     ialltoall, iallgatherv, iallgather)",
-                    args.coll.name()
-                );
-                std::process::exit(2);
-            }
-            overlap(args)
-        }
+        Command::Overlap(args) => overlap(args),
     };
     std::process::exit(code);
 }
@@ -865,5 +1337,277 @@ mod tests {
             "0"
         ])
         .is_err());
+    }
+
+    fn overlap_args(extra: &[&str]) -> OverlapArgs {
+        let mut argv = vec!["coll-bench", "overlap"];
+        argv.extend_from_slice(extra);
+        match Cli::try_parse_from(argv).unwrap().command {
+            Command::Overlap(a) => a,
+            _ => panic!("not overlap"),
+        }
+    }
+
+    #[test]
+    fn design_option() {
+        let a = overlap_args(&["--coll", "ibcast"]);
+        assert_eq!((a.coll, a.design), (Coll::Ibcast, Design::Auto));
+        let a = overlap_args(&["--coll", "iallgather", "--design", "lb"]);
+        assert_eq!(a.design, Design::Lb);
+        assert!(Cli::try_parse_from([
+            "coll-bench",
+            "overlap",
+            "--coll",
+            "ibcast",
+            "--design",
+            "ring"
+        ])
+        .is_err());
+    }
+
+    #[test]
+    fn designs_per_collective() {
+        use Design::*;
+        for d in [Flat, Hier, Auto] {
+            assert_eq!(check_design(Coll::Ibcast, d), Ok(()));
+        }
+        let e = check_design(Coll::Ibcast, Lb).unwrap_err();
+        assert!(e.contains("only for --coll iallgather"), "{e}");
+        for d in [Flat, Hier, Lb, Auto] {
+            assert_eq!(check_design(Coll::Iallgather, d), Ok(()));
+        }
+        for c in [Coll::Ialltoallv, Coll::Ialltoall, Coll::Iallgatherv] {
+            assert_eq!(check_design(c, Auto), Ok(()));
+            for d in [Flat, Hier, Lb] {
+                let e = check_design(c, d).unwrap_err();
+                assert!(e.contains(c.name()) && e.contains(d.name()), "{e}");
+            }
+        }
+        assert_eq!(Coll::Ibcast.design_env(), Some("SPOFF_BCAST_DESIGN"));
+        assert_eq!(
+            Coll::Iallgather.design_env(),
+            Some("SPOFF_IALLGATHER_DESIGN")
+        );
+        assert_eq!(Coll::Iallgatherv.design_env(), None);
+        assert_eq!(Coll::Ialltoallv.design_env(), None);
+    }
+
+    #[test]
+    fn bcast_root_rotates_through_every_rank() {
+        for n in 1..=5 {
+            let phase = 2u64 << 32;
+            let mut roots: Vec<usize> = (0..n as u64).map(|i| bcast_root(phase | i, n)).collect();
+            roots.sort();
+            assert_eq!(roots, (0..n).collect::<Vec<_>>());
+        }
+    }
+
+    #[test]
+    fn buffers_and_size_limits() {
+        assert_eq!(Coll::Ibcast.buffer_lens(4, 100), (0, 100));
+        assert_eq!(Coll::Iallgather.buffer_lens(4, 100), (100, 400));
+        assert_eq!(Coll::Ialltoallv.buffer_lens(4, 100), (400, 400));
+        let big = 1usize << 30;
+        assert_eq!(size_error(Coll::Ibcast, &[0, big], 4), None);
+        assert!(size_error(Coll::Ibcast, &[1 << 31], 4).is_some());
+        let e = size_error(Coll::Ialltoallv, &[1, big], 4).unwrap();
+        assert!(e.starts_with("size 1073741824 x 4 ranks"), "{e}");
+    }
+
+    fn test_row() -> Row {
+        Row {
+            bytes: 1024,
+            pure_us: 1.0,
+            overall_us: 2.0,
+            compute_us: 1.0,
+            post_us: 0.5,
+            wait_us: 0.5,
+            overlap_pct: 0.0,
+            validated: true,
+            iters: 5,
+            warmup: 2,
+        }
+    }
+
+    #[test]
+    fn json_design_field() {
+        let parse = |s: String| serde_json::from_str::<Json>(&s).unwrap();
+        let v = parse(json_line(
+            Coll::Ibcast,
+            &test_row(),
+            4,
+            2,
+            "native",
+            Some("hier"),
+        ));
+        assert_eq!(v["design"], "hier");
+        assert_eq!(v["coll"], "ibcast");
+        assert_eq!(v["bytes"], 1024);
+        let v = parse(json_line(
+            Coll::Ialltoallv,
+            &test_row(),
+            4,
+            2,
+            "native",
+            None,
+        ));
+        assert!(v["design"].is_null());
+    }
+
+    fn row(coll: &str, bytes: u64, design: Option<&str>, pure_us: f64, mode: &str) -> Json {
+        serde_json::json!({
+            "coll": coll, "bytes": bytes, "ranks": 4, "nodes": 2, "mode": mode,
+            "pure_us": pure_us, "overall_us": 2.0 * pure_us, "compute_us": pure_us,
+            "post_us": 0.5, "wait_us": 1.5, "overlap_pct": 50.0, "validated": true,
+            "design": design,
+        })
+    }
+
+    #[test]
+    fn compare_without_designs_keeps_the_old_table() {
+        let native = [row("ialltoallv", 1024, None, 10.0, "native")];
+        let offload = [row("ialltoallv", 1024, None, 5.0, "offload")];
+        let (text, ok) = compare_one(&native, &offload, false);
+        assert!(ok);
+        let expected = "\
+# native: ranks=4 nodes=2 mode=native; offload: ranks=4 nodes=2 mode=offload; pure_ratio = native pure_us / offload pure_us; host_us = post_us + wait_us with compute (time the host spent in MPI calls instead of computing).
+      coll bytes native_pure_us offload_pure_us pure_ratio native_overall_us offload_overall_us native_overlap_pct offload_overlap_pct native_host_us offload_host_us validated
+ialltoallv  1024          10.00            5.00       2.00             20.00              10.00               50.0                50.0            2.0             2.0      true
+";
+        assert_eq!(text, expected);
+        let (md, _) = compare_one(&native, &offload, true);
+        assert!(md.starts_with("Native: ranks=4 nodes=2 mode=native; offload: ranks=4"));
+        assert!(md.contains("\n| coll | bytes | native_pure_us |"));
+        assert!(!md.contains("design"));
+    }
+
+    #[test]
+    fn compare_joins_on_design() {
+        // Native runs of both designs: each offload row meets its own.
+        let native = [
+            row("ibcast", 1024, Some("flat"), 10.0, "native"),
+            row("ibcast", 1024, Some("hier"), 20.0, "native"),
+        ];
+        let offload = [
+            row("ibcast", 1024, Some("hier"), 10.0, "offload"),
+            row("ibcast", 1024, Some("flat"), 5.0, "offload"),
+        ];
+        let (text, ok) = compare_one(&native, &offload, false);
+        assert!(ok, "{text}");
+        let lines: Vec<&str> = text.lines().collect();
+        assert!(lines[1].contains(" design "), "{text}");
+        assert_eq!(lines.len(), 4, "{text}");
+        // flat: 10 / 5, hier: 20 / 10: both ratios 2.00, sorted by design.
+        let cols = |l: &str| l.split_whitespace().map(String::from).collect::<Vec<_>>();
+        assert_eq!(
+            cols(lines[2])[..6],
+            ["ibcast", "1024", "flat", "10.00", "5.00", "2.00"]
+        );
+        assert_eq!(
+            cols(lines[3])[..6],
+            ["ibcast", "1024", "hier", "20.00", "10.00", "2.00"]
+        );
+        assert!(!text.contains("stands in"));
+
+        // One native run (design auto) serves both offload designs.
+        let native = [row("ibcast", 1024, Some("auto"), 10.0, "native")];
+        let (text, ok) = compare_one(&native, &offload, false);
+        assert!(ok, "{text}");
+        assert!(text.contains("stands in"), "{text}");
+        assert_eq!(text.lines().count(), 4, "{text}");
+        assert!(!text.contains("no offload row") && !text.contains("no native row"));
+
+        // Native rows of two other designs: no stand-in, every row is missing a side.
+        let native = [
+            row("ibcast", 1024, Some("auto"), 10.0, "native"),
+            row("ibcast", 1024, Some("lb"), 10.0, "native"),
+        ];
+        let (text, ok) = compare_one(&native, &offload, true);
+        assert!(!ok);
+        assert_eq!(text.matches("no native row").count(), 2, "{text}");
+        assert_eq!(text.matches("no offload row").count(), 2, "{text}");
+    }
+
+    #[test]
+    fn compare_many_puts_designs_side_by_side() {
+        let native = vec![
+            row("ibcast", 0, Some("auto"), 1.0, "native"),
+            row("ibcast", 1024, Some("auto"), 10.0, "native"),
+        ];
+        let flat = vec![
+            row("ibcast", 0, Some("flat"), 1.0, "offload"),
+            row("ibcast", 1024, Some("flat"), 5.0, "offload"),
+        ];
+        let hier = vec![row("ibcast", 1024, Some("hier"), 4.0, "offload")];
+        let files = vec![
+            (PathBuf::from("x/flat-run.json"), flat.clone()),
+            (PathBuf::from("x/hier-run.json"), hier),
+        ];
+        let (text, ok) = compare_many(&native, "n.json", &files, false).unwrap();
+        assert!(!ok, "the hier file lacks size 0");
+        let lines: Vec<&str> = text.lines().collect();
+        assert!(lines[0].starts_with("# native: ranks=4 nodes=2 mode=native; flat: "));
+        assert!(lines[0].contains("; hier: ranks=4"));
+        let header: Vec<&str> = lines[1].split_whitespace().collect();
+        assert_eq!(
+            header[2..6],
+            [
+                "native_pure_us",
+                "native_overall_us",
+                "native_overlap_pct",
+                "native_host_us"
+            ]
+        );
+        assert_eq!(header[6..8], ["flat_pure_us", "flat_pure_ratio"]);
+        assert_eq!(header[11..13], ["hier_pure_us", "hier_pure_ratio"]);
+        assert_eq!(*header.last().unwrap(), "validated");
+        assert!(lines[2].ends_with("no hier row"), "{text}");
+        let last: Vec<&str> = lines[3].split_whitespace().collect();
+        assert_eq!(last[6..8], ["5.00", "2.00"]);
+        assert_eq!(last[11..13], ["4.00", "2.50"]);
+        assert_eq!(*last.last().unwrap(), "true");
+
+        // Rows without one design are labelled by file name; equal labels get a suffix.
+        let mixed = vec![row("ibcast", 0, None, 1.0, "offload")];
+        assert_eq!(offload_label(Path::new("d/run1.json"), &mixed), "run1");
+        let files = vec![
+            (PathBuf::from("a.json"), flat.clone()),
+            (PathBuf::from("b.json"), flat.clone()),
+        ];
+        let (text, _) = compare_many(&native, "n.json", &files, true).unwrap();
+        assert!(text.contains("| flat_pure_us |") && text.contains("| flat-2_pure_us |"));
+
+        // Two runs of one point in a file cannot be one column group.
+        let mut both = flat.clone();
+        both.push(row("ibcast", 0, Some("hier"), 1.0, "offload"));
+        let files = vec![
+            (PathBuf::from("both.json"), both),
+            (PathBuf::from("f.json"), flat),
+        ];
+        let e = compare_many(&native, "n.json", &files, false).unwrap_err();
+        assert!(
+            e.contains("both.json has more than one row for coll=ibcast bytes=0"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn compare_takes_several_offload_files() {
+        let cli = Cli::try_parse_from([
+            "coll-bench",
+            "compare",
+            "--native",
+            "n",
+            "--offload",
+            "a",
+            "--offload",
+            "b",
+        ])
+        .unwrap();
+        let Command::Compare(a) = cli.command else {
+            panic!("not compare")
+        };
+        assert_eq!(a.offload, [PathBuf::from("a"), PathBuf::from("b")]);
+        assert!(Cli::try_parse_from(["coll-bench", "compare", "--native", "n"]).is_err());
     }
 }

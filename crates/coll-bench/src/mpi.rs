@@ -465,6 +465,40 @@ impl Comm {
         })
     }
 
+    /// `MPI_Ibcast`: `count` elements of `dt` of `buf` from `root` to every rank (the root's
+    /// buffer is read, the others' written).
+    pub fn ibcast<'a>(
+        &self,
+        buf: &'a mut [u8],
+        count: i32,
+        dt: &Datatype,
+        root: i32,
+    ) -> Result<Request<'a>> {
+        check_bcast("MPI_Ibcast", self.size()?, buf.len(), count, dt, root)?;
+        let mut req = consts::REQUEST_NULL();
+        // SAFETY: size and root checked above; the buffer outlives the request.
+        check("MPI_Ibcast", unsafe {
+            mpi_ffi::MPI_Ibcast(
+                buf.as_mut_ptr().cast(),
+                count,
+                dt.raw,
+                root,
+                self.raw,
+                &mut req,
+            )
+        })?;
+        Ok(Request::new(req))
+    }
+
+    /// `MPI_Bcast` (blocking), same conventions as [`Comm::ibcast`].
+    pub fn bcast(&self, buf: &mut [u8], count: i32, dt: &Datatype, root: i32) -> Result<()> {
+        check_bcast("MPI_Bcast", self.size()?, buf.len(), count, dt, root)?;
+        // SAFETY: size and root checked above.
+        check("MPI_Bcast", unsafe {
+            mpi_ffi::MPI_Bcast(buf.as_mut_ptr().cast(), count, dt.raw, root, self.raw)
+        })
+    }
+
     /// `MPI_Ialltoall`: `count` elements of `dt` to and from every rank, block `j` at element
     /// offset `j * count`.
     pub fn ialltoall<'a>(
@@ -534,6 +568,24 @@ fn arg_error(call: &'static str, what: &str) -> MpiError {
 
 fn to_int(n: usize, call: &'static str) -> Result<c_int> {
     c_int::try_from(n).map_err(|_| arg_error(call, "count does not fit in an int"))
+}
+
+/// A broadcast's arguments: `count` elements of `dt` fit in `len` bytes, `root` is a rank.
+fn check_bcast(
+    call: &'static str,
+    n: i32,
+    len: usize,
+    count: i32,
+    dt: &Datatype,
+    root: i32,
+) -> Result<()> {
+    if count < 0 || count as u128 * dt.extent as u128 > len as u128 {
+        return Err(arg_error(call, "buffer smaller than count * extent"));
+    }
+    if !(0..n).contains(&root) {
+        return Err(arg_error(call, "root is not a rank of the communicator"));
+    }
+    Ok(())
 }
 
 fn check_blocks(
