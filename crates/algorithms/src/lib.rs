@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 
 pub mod allgatherv;
 pub mod alltoallv;
+pub mod bcast;
 pub mod sched;
 pub mod sim;
 

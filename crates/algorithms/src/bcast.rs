@@ -1,0 +1,2124 @@
+//! Staged, pipelined `Ibcast` progressed by service processes (after the
+//! BluesMPI BlueField-2 designs: the root's DPU reads the root's buffer into
+//! DPU memory, the DPUs pass it on among themselves, and each writes it back
+//! to its hosts, either into every rank's buffer (*flat*) or once into a
+//! node shared segment that the hosts copy from in `MPI_Wait`
+//! (*hierarchical*)).
+//!
+//! One [`Bcast`] object exists per collective instance ([`CollKey`]) per SP.
+//! The algorithm never holds bytes: data lives in host buffers (named by
+//! keys `K`) and in the SP's *staging slots*, `Config::staging_slots` buffers
+//! of `Config::chunk_bytes` each, owned by the SP for this instance and named
+//! by [`SlotId`]s `0..staging_slots`. Both numbers come from the
+//! configuration, never from a user count, so an instance's staging memory is
+//! bounded whatever the message size.
+//!
+//! # Protocol
+//!
+//! *The chain.* The message (`len` bytes at offset 0 of every rank's buffer)
+//! is cut into `n = max(1, ceil(len / chunk_bytes))` chunks; chunk `i` covers
+//! bytes `i * chunk_bytes ..` (a 0-byte message is one 0-byte chunk, so the
+//! SPs still agree on it). The chain is every SP serving a member of the
+//! communicator, ordered: the root's SP first, then the other SPs of the
+//! root's node in id order (wrapping around after the root's SP), then the
+//! nodes with members in ring order (ascending node number, wrapping) with
+//! their SPs in id order. Each chunk therefore crosses each node boundary
+//! exactly once. An SP's *view* is `(root, len, chunk_bytes, chain)`; it
+//! forms it from its first local post, or from the `Open` of its
+//! predecessor, whichever comes first.
+//!
+//! *Opening.* When an SP forms its view it sends `Open` (the view) to its
+//! successor and a first `Credit` to its predecessor. So an SP whose ranks
+//! have not posted yet still learns the chain and takes part in forwarding:
+//! a late SP never blocks the chain beyond its staging.
+//!
+//! *Credits.* A receiving SP grants free slots to its predecessor
+//! (`Credit { slots }`), never more than the chunks it still expects. The
+//! predecessor moves a chunk only into a granted slot:
+//! [`Action::Move`] asks the driver to copy `len` bytes from a local slot to
+//! the successor's slot and then to deliver `Msg::Chunk { index, slot, len }`
+//! there ([`Move::chunk_msg`]); the driver reports the end of the transfer
+//! on the sending side with [`Bcast::handle_move_done`]. A granted slot
+//! stays reserved until the chunk arrives in it, the predecessor gives it
+//! back (`Return`, after an abort or a failed move) or the predecessor is
+//! lost, so no peer writes into staging that was reused or released.
+//!
+//! *Per SP.* The root's SP reads chunk after chunk from the root's buffer
+//! into free slots ([`Action::Copy`] from [`Loc::Host`] to [`Loc::Stage`]);
+//! other SPs receive them. A chunk in a slot is forwarded to the successor
+//! (strictly in index order) and written to the SP's *targets*:
+//! * flat: every local rank except the root ([`Loc::Stage`] to
+//!   [`Loc::Host`] at offset `i * chunk_bytes` of the rank's `key`);
+//! * hierarchical: only the node segment named by the `shared_key` of the
+//!   SP's lowest local non-root rank (the *writer*), once per chunk.
+//!
+//! The slot is freed when the chunk was forwarded (or the SP is last) and
+//! every target has it. Targets are known from the members list of the
+//! first local post (how many ranks this SP serves), so a chunk stays in
+//! staging until ranks that have not posted yet got it: a rank that posts
+//! late is served from staging, and staging slots, not local posts, bound
+//! the pipeline (a late rank stalls its SP's intake once its slots are full,
+//! and with it the chain upstream, but never deadlocks it: forwarding does
+//! not wait for local posts).
+//!
+//! *Completion.* The root completes when every chunk was read out of its
+//! buffer (only its own SP reads it; nothing else ever touches it). Flat: a
+//! rank completes when all `n` chunks were written into its buffer. Hier: the
+//! SP's non-root ranks complete together when the segment holds all `n`
+//! chunks (a rank posting later completes at once) with `from_segment:
+//! true`: the host then copies `len` bytes from offset 0 of the segment into
+//! its buffer in `MPI_Wait`. The root's buffer is never written.
+//!
+//! *Completeness.* The chain is a line, so there is no cyclic wait: the
+//! root's SP reads whenever a slot is free; an SP frees a slot once its
+//! successor granted one (which it does once its own slot is free, by
+//! induction from the last SP, which only waits for its local writes) and
+//! its local writes are done (which needs only its local ranks to post). So
+//! once every rank posted, every chunk reaches every SP and every rank.
+//!
+//! *Consistency of posts.* Posts of one instance must agree on root and
+//! length (MPI requires it). Each SP checks its local posts against its
+//! view, and every `Open` and `Credit` it receives (both carry root, length
+//! and chunk size) against its view: a disagreement aborts the instance with
+//! `CountMismatch` (root or length) or `InvalidPost` (chain, chunk size,
+//! design). Detection is complete: every SP with a view sends its view to
+//! its successor and predecessor in the chain *of that view*; if no check
+//! fails, the SPs holding any given view form a set closed under successor
+//! and predecessor of that view's chain, i.e. the whole chain, so all views
+//! are equal. A rank completes `Ok` only after its own chunks arrived, which
+//! were read under a view equal to its post's (checked hop by hop), so an
+//! `Ok` rank's post agrees with the root's and holds the root's data. Ranks
+//! that already completed `Ok` when another SP detects a disagreement keep
+//! that; all others complete with the error. (A rank whose post wrongly
+//! names itself root is the root of its SP's view: its buffer is only read,
+//! and it completes `Ok` once it was, as any root may; the SPs whose views
+//! differ abort.) Detection needs no extra message and no global round: a
+//! global agreement before any completion would make every rank wait for
+//! the last one to post, which the late-arrival design exists to avoid.
+//!
+//! # Failure handling
+//!
+//! Local abort, rank loss (of a rank that has not completed), peer loss (of
+//! an SP in the chain), a failed copy or move, and disagreeing posts abort
+//! the instance: every SP that enters the abort broadcasts `Abort` once to
+//! every SP of its chain (an SP that has no view yet tells the SPs that
+//! granted it credits, who know the chain). An aborted SP stops reading,
+//! forwarding, writing and granting; gives back every grant it holds
+//! (`Return`); frees slots as their copies and moves finish; answers later
+//! credits with `Return` and drops later chunks. A rank completes with the
+//! error once no copy into (or, for the root, out of) its buffer is in
+//! flight, so nothing writes into a rank's buffer after it completed and the
+//! root's buffer is not read after the root completed: every buffer is
+//! touched only by its own SP's copies, so no cross-SP handshake is needed.
+//!
+//! # Driver obligations
+//!
+//! Route `Action::Send` (tagged with the `CollKey`); execute every
+//! `Action::Copy` (e.g. through a [`CopyLimiter`](crate::sched::CopyLimiter))
+//! and report it with `handle_copy_done`; execute every `Action::Move` and
+//! report it exactly once with `handle_move_done` (with an error status if
+//! the bytes did not land, e.g. the peer is gone: then the `Chunk` message
+//! must not be delivered); deliver the `Chunk` message of a successful move
+//! only after its bytes are in the peer's slot; keep each instance's staging
+//! (`staging_slots * chunk_bytes` bytes) until the instance `is_finished`;
+//! on the receiving side, write an incoming chunk's bytes only where
+//! [`Bcast::may_fill`] allows (the slot is granted to that sender).
+//! Zero-length copies and moves never reach the driver (a zero-length move
+//! is a plain `Send` of its `Chunk`). All SPs of a job must use the same
+//! `chunk_bytes` (a mismatch aborts with `InvalidPost`).
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::{CollKey, Nanos, Rank, SpId, Status};
+
+/// Static configuration of one instance.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Config {
+    /// The SP running this instance.
+    pub me: SpId,
+    /// Bytes per chunk and per staging slot (0 is clamped to 1). Must be
+    /// the same on every SP.
+    pub chunk_bytes: u64,
+    /// Staging slots of this instance on this SP (0 is clamped to 1).
+    pub staging_slots: u32,
+}
+
+/// How an SP delivers the data to its ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Design {
+    /// Each chunk is written into every local non-root rank's buffer.
+    Flat,
+    /// Each chunk is written once into the node segment; ranks complete
+    /// with `from_segment` and copy from it themselves.
+    Hier,
+}
+
+/// What one local rank posted (sizes in bytes, already checked by the
+/// driver against the rank's grants: `key` holds at least `len` bytes, and
+/// so does `shared_key` for `Design::Hier`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Post<K> {
+    pub rank: Rank,
+    pub root: Rank,
+    /// SP serving each comm rank; its length is the comm size P.
+    pub members: Vec<SpId>,
+    /// Node of each comm rank.
+    pub nodes: Vec<u32>,
+    /// The rank's buffer (message at offset 0): read at the root, written
+    /// elsewhere (flat design).
+    pub key: K,
+    pub len: u64,
+    pub design: Design,
+    /// `Design::Hier`: the node segment this rank can read (required);
+    /// ignored for `Design::Flat`.
+    pub shared_key: Option<K>,
+}
+
+/// A staging slot of one SP's instance: `0..staging_slots`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct SlotId(pub u32);
+
+/// SP-to-SP messages of this collective (the driver adds the `CollKey`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Msg {
+    /// To the successor in `chain`, once: the sender's view.
+    Open {
+        root: Rank,
+        len: u64,
+        chunk_bytes: u64,
+        chain: Vec<SpId>,
+    },
+    /// To the predecessor: it may move one chunk into each of `slots`. The
+    /// view travels along for the consistency check.
+    Credit {
+        root: Rank,
+        len: u64,
+        chunk_bytes: u64,
+        slots: Vec<SlotId>,
+    },
+    /// Chunk `index` (`len` bytes) is in the receiver's `slot` (delivered by
+    /// the driver after the bytes of a [`Move`]).
+    Chunk { index: u64, slot: SlotId, len: u64 },
+    /// The sender will not fill these slots the receiver granted it.
+    Return { slots: Vec<SlotId> },
+    /// The collective failed; stop and complete everyone with `status`.
+    Abort { status: Status },
+}
+
+/// Identifies a copy within one instance.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct CopyId(pub u64);
+
+/// Identifies a move within one instance.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct MoveId(pub u64);
+
+/// A place bytes are copied from or to.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Loc<K> {
+    /// A host grant (a rank's buffer or a node segment).
+    Host { key: K, offset: u64 },
+    /// This SP's staging slot of this instance.
+    Stage { slot: SlotId, offset: u64 },
+}
+
+/// Copy `len` bytes of chunk `chunk` from `src` to `dst`, on this SP.
+/// Either a read from the root's buffer into a slot (`rank` is the root),
+/// or a write from a slot into the buffer (flat) or segment (hier, through
+/// the writer's `shared_key`) of local rank `rank`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Copy<K> {
+    pub id: CopyId,
+    /// The local rank whose grant is `src` or `dst`.
+    pub rank: Rank,
+    pub chunk: u64,
+    pub src: Loc<K>,
+    pub dst: Loc<K>,
+    pub len: u64,
+}
+
+/// Move `len` bytes (chunk `chunk`) from this SP's `src_slot` into SP
+/// `to`'s `dst_slot`, then deliver [`Move::chunk_msg`] to `to`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Move {
+    pub id: MoveId,
+    pub to: SpId,
+    pub chunk: u64,
+    pub src_slot: SlotId,
+    pub dst_slot: SlotId,
+    pub len: u64,
+}
+
+impl Move {
+    /// The message the driver delivers to `to` once the bytes landed.
+    pub fn chunk_msg(&self) -> Msg {
+        Msg::Chunk {
+            index: self.chunk,
+            slot: self.dst_slot,
+            len: self.len,
+        }
+    }
+}
+
+/// Output of the state machine.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Action<K> {
+    /// Send `msg` to SP `to` (never this SP itself).
+    Send { to: SpId, msg: Msg },
+    /// Start this copy and report it with `handle_copy_done`.
+    Copy(Copy<K>),
+    /// Start this move and report it with `handle_move_done`.
+    Move(Move),
+    /// Local `rank` is done; emitted exactly once per posted rank.
+    /// `from_segment` (only with `Status::Ok`, hierarchical design, non-root
+    /// ranks): the message is in the node segment, not in the rank's
+    /// buffer; the host copies `len` bytes from offset 0 of its
+    /// `shared_key` segment into its buffer before returning from the wait.
+    Complete {
+        rank: Rank,
+        status: Status,
+        from_segment: bool,
+    },
+}
+
+/// A rejected post; the instance is unchanged.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PostError {
+    RankOutOfRange {
+        rank: Rank,
+        size: usize,
+    },
+    RootOutOfRange {
+        root: Rank,
+        size: usize,
+    },
+    NotMine {
+        rank: Rank,
+        served_by: SpId,
+    },
+    LengthMismatch {
+        field: &'static str,
+        len: usize,
+        expected: usize,
+    },
+    /// `members`/`nodes` differ from an earlier post of this instance.
+    MembersDisagree,
+    /// One SP serves ranks on two nodes.
+    SpOnTwoNodes {
+        sp: SpId,
+    },
+    DuplicatePost {
+        rank: Rank,
+    },
+    RankLost {
+        rank: Rank,
+    },
+    /// `Design::Hier` without a `shared_key`.
+    MissingSharedKey {
+        rank: Rank,
+    },
+}
+
+impl fmt::Display for PostError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PostError::RankOutOfRange { rank, size } => {
+                write!(f, "rank {rank} out of range for comm size {size}")
+            }
+            PostError::RootOutOfRange { root, size } => {
+                write!(f, "root {root} out of range for comm size {size}")
+            }
+            PostError::NotMine { rank, served_by } => {
+                write!(f, "rank {rank} is served by SP {served_by}, not this SP")
+            }
+            PostError::LengthMismatch {
+                field,
+                len,
+                expected,
+            } => write!(f, "{field} has {len} entries, comm size is {expected}"),
+            PostError::MembersDisagree => {
+                write!(f, "members/nodes differ from an earlier post")
+            }
+            PostError::SpOnTwoNodes { sp } => write!(f, "SP {sp} serves ranks on two nodes"),
+            PostError::DuplicatePost { rank } => write!(f, "rank {rank} posted twice"),
+            PostError::RankLost { rank } => write!(f, "rank {rank} was declared lost"),
+            PostError::MissingSharedKey { rank } => {
+                write!(
+                    f,
+                    "rank {rank}: hierarchical bcast without a shared segment"
+                )
+            }
+        }
+    }
+}
+
+impl std::error::Error for PostError {}
+
+/// A protocol violation by a peer; the instance is unchanged.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum MsgError {
+    /// An `Open` whose chain does not have the sender right before this SP.
+    NotPredecessor { sp: SpId },
+    /// A second `Open` from the same SP.
+    DuplicateOpen { sp: SpId },
+    /// A chunk or return for a slot not granted to the sender.
+    SlotNotGranted { slot: SlotId },
+    /// A chunk index out of range, received twice, or of the wrong length.
+    BadChunk { index: u64 },
+    /// An `Abort` from an SP outside the chain.
+    NotMember { sp: SpId },
+}
+
+impl fmt::Display for MsgError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{self:?}")
+    }
+}
+
+impl std::error::Error for MsgError {}
+
+/// Counters for drivers, tests and the simulator.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Stats {
+    /// Chunks moved to the successor (moves reported done `Ok`).
+    pub chunks_forwarded: u64,
+    /// Bytes that entered staging (reads from the root, chunks received).
+    pub bytes_staged: u64,
+    /// Chunks that arrived before any local rank had posted (the SP knew
+    /// the chain from its predecessor's `Open`).
+    pub chunks_before_post: u64,
+    /// Most staging slots in use at once (granted, being read, or holding
+    /// a chunk); never above `Config::staging_slots`.
+    pub max_slots_in_use: u32,
+    /// `handle_copy_done` / `handle_move_done` calls for unknown ids
+    /// (ignored).
+    pub unknown_done: u64,
+    /// Messages ignored because their sender was declared lost.
+    pub ignored_from_lost_sp: u64,
+}
+
+/// Deliberately broken variants, switched on per test thread by the
+/// simulator's tests to show that its checkers catch them. Compiled out of
+/// non-test builds.
+#[cfg_attr(not(test), allow(dead_code))]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Mutation {
+    /// Free a slot once its move started, not once it finished.
+    FreeWhileMoving,
+    /// Flat ranks complete one chunk early.
+    CompleteOneChunkEarly,
+    /// The root completes as soon as its last read started.
+    RootCompletesBeforeReads,
+    /// A rank that posts late gets no chunk that was already staged.
+    SkipStagedForLateRank,
+    /// Ranks complete `Ok` after an abort.
+    OkAfterAbort,
+}
+
+#[cfg(test)]
+thread_local! {
+    static MUTATION: std::cell::Cell<Option<Mutation>> = const { std::cell::Cell::new(None) };
+}
+
+/// Switch a [`Mutation`] on (or off) for the current thread.
+#[cfg(test)]
+pub(crate) fn set_mutation(m: Option<Mutation>) {
+    MUTATION.with(|c| c.set(m));
+}
+
+#[inline]
+fn mutated(m: Mutation) -> bool {
+    #[cfg(test)]
+    {
+        MUTATION.with(|c| c.get() == Some(m))
+    }
+    #[cfg(not(test))]
+    {
+        let _ = m;
+        false
+    }
+}
+
+/// `(root, len, chunk_bytes, chain)` as one SP sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct View {
+    root: Rank,
+    len: u64,
+    chunk_bytes: u64,
+    chain: Vec<SpId>,
+    /// This SP's index in `chain`.
+    pos: usize,
+    /// Number of chunks.
+    n: u64,
+}
+
+impl View {
+    fn new(me: SpId, root: Rank, len: u64, chunk_bytes: u64, chain: Vec<SpId>) -> Option<View> {
+        let pos = chain.iter().position(|&s| s == me)?;
+        let n = if len == 0 {
+            1
+        } else {
+            len.div_ceil(chunk_bytes)
+        };
+        Some(View {
+            root,
+            len,
+            chunk_bytes,
+            chain,
+            pos,
+            n,
+        })
+    }
+
+    fn pred(&self) -> Option<SpId> {
+        self.pos.checked_sub(1).map(|i| self.chain[i])
+    }
+
+    fn succ(&self) -> Option<SpId> {
+        self.chain.get(self.pos + 1).copied()
+    }
+
+    fn offset(&self, i: u64) -> u64 {
+        i * self.chunk_bytes
+    }
+
+    fn chunk_len(&self, i: u64) -> u64 {
+        (self.len - self.offset(i).min(self.len)).min(self.chunk_bytes)
+    }
+
+    /// The abort status if `(root, len, chunk_bytes, chain)` disagrees.
+    fn disagreement(
+        &self,
+        root: Rank,
+        len: u64,
+        chunk_bytes: u64,
+        chain: Option<&[SpId]>,
+    ) -> Option<Status> {
+        if root != self.root || len != self.len {
+            Some(Status::CountMismatch)
+        } else if chunk_bytes != self.chunk_bytes || chain.is_some_and(|c| c != self.chain) {
+            Some(Status::InvalidPost)
+        } else {
+            None
+        }
+    }
+}
+
+/// The chain of SPs for a broadcast from `root` (see the module docs).
+fn build_chain(members: &[SpId], nodes: &[u32], root: Rank) -> Result<Vec<SpId>, PostError> {
+    let mut sp_node: BTreeMap<SpId, u32> = BTreeMap::new();
+    let mut node_sps: BTreeMap<u32, BTreeSet<SpId>> = BTreeMap::new();
+    for (&sp, &n) in members.iter().zip(nodes) {
+        if *sp_node.entry(sp).or_insert(n) != n {
+            return Err(PostError::SpOnTwoNodes { sp });
+        }
+        node_sps.entry(n).or_default().insert(sp);
+    }
+    let (root_sp, root_node) = (members[root as usize], nodes[root as usize]);
+    let node_list: Vec<u32> = node_sps.keys().copied().collect();
+    let start = node_list.iter().position(|&n| n == root_node).unwrap();
+    let mut chain = Vec::with_capacity(sp_node.len());
+    for k in 0..node_list.len() {
+        let n = node_list[(start + k) % node_list.len()];
+        let sps: Vec<SpId> = node_sps[&n].iter().copied().collect();
+        let first = if n == root_node {
+            sps.iter().position(|&s| s == root_sp).unwrap()
+        } else {
+            0
+        };
+        chain.extend(sps[first..].iter().chain(&sps[..first]));
+    }
+    Ok(chain)
+}
+
+/// What the first local post told about the communicator.
+#[derive(Clone, Debug)]
+struct Topo {
+    members: Vec<SpId>,
+    nodes: Vec<u32>,
+    /// Ranks served here, ascending.
+    local: Vec<Rank>,
+    design: Design,
+}
+
+#[derive(Clone, Debug)]
+struct LocalRank<K> {
+    key: K,
+    shared_key: Option<K>,
+    /// Chunks written into this rank's buffer (flat) or, for the writer,
+    /// into the segment (hier).
+    written: u64,
+    /// Copies writing into its buffer / segment.
+    writes: usize,
+    /// Reads from its buffer (the root).
+    reads: usize,
+    /// Chunks staged here when it posted (see `Mutation`).
+    staged_at_post: u64,
+    status: Status,
+    completed: bool,
+}
+
+impl<K> LocalRank<K> {
+    fn set_error(&mut self, status: Status) {
+        if self.status.is_ok() && !status.is_ok() {
+            self.status = status;
+        }
+    }
+}
+
+/// A chunk held in a slot.
+#[derive(Clone, Debug)]
+struct Held {
+    index: u64,
+    len: u64,
+    forwarded: bool,
+    moving: bool,
+    /// Targets that have it.
+    done: BTreeSet<Rank>,
+    /// Targets with a copy in flight.
+    writing: BTreeSet<Rank>,
+}
+
+#[derive(Clone, Debug)]
+enum Slot {
+    Free,
+    /// Granted to this predecessor; awaiting its chunk.
+    Granted(SpId),
+    /// A read from the root's buffer into this slot is in flight.
+    Reading,
+    Full(Held),
+}
+
+#[derive(Clone, Copy, Debug)]
+enum CopyKind {
+    Read { slot: usize, index: u64, len: u64 },
+    Write { slot: usize, index: u64, rank: Rank },
+}
+
+#[derive(Clone, Copy, Debug)]
+struct MoveSt {
+    slot: usize,
+    index: u64,
+    to: SpId,
+    dst: SlotId,
+}
+
+/// Credits received before this SP had a view.
+#[derive(Clone, Debug)]
+struct EarlyCredit {
+    from: SpId,
+    root: Rank,
+    len: u64,
+    chunk_bytes: u64,
+    slots: Vec<SlotId>,
+}
+
+/// The per-SP state machine of one `Ibcast` instance.
+///
+/// Drive it like the other collectives: feed inputs through `handle_*`,
+/// then drain `poll_action` after every input.
+pub struct Bcast<K> {
+    key: CollKey,
+    me: SpId,
+    chunk_bytes: u64,
+    topo: Option<Topo>,
+    view: Option<View>,
+    /// SPs that sent an `Open` (bounded by the chain length).
+    opened_by: BTreeSet<SpId>,
+    /// Targets of this SP (known once topology and view are).
+    targets: Option<Vec<Rank>>,
+    ranks: BTreeMap<Rank, LocalRank<K>>,
+    completed: usize,
+    lost_unposted: BTreeSet<Rank>,
+    slots: Vec<Slot>,
+    /// Chunk index -> slot holding it (Full).
+    by_index: BTreeMap<u64, usize>,
+    /// Root's SP: next chunk to read, reads finished.
+    next_read: u64,
+    reads_done: u64,
+    /// Other SPs: every chunk below `recv_low` arrived, and these above.
+    recv_low: u64,
+    recv_above: BTreeSet<u64>,
+    /// Next chunk to forward (in index order).
+    next_fwd: u64,
+    /// Slots the successor granted and that are still unused.
+    grants: VecDeque<SlotId>,
+    early_credits: Vec<EarlyCredit>,
+    copies: BTreeMap<u64, CopyKind>,
+    moves: BTreeMap<u64, MoveSt>,
+    next_id: u64,
+    zero_copies: VecDeque<u64>,
+    zero_moves: VecDeque<u64>,
+    abort: Option<Status>,
+    abort_broadcast_done: bool,
+    abort_notified: BTreeSet<SpId>,
+    lost_sps: BTreeSet<SpId>,
+    actions: VecDeque<Action<K>>,
+    now: Nanos,
+    stats: Stats,
+}
+
+impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
+    /// Create an instance; the driver may do so on the first event of any
+    /// kind for `key`.
+    pub fn new(key: CollKey, cfg: Config) -> Self {
+        Bcast {
+            key,
+            me: cfg.me,
+            chunk_bytes: cfg.chunk_bytes.max(1),
+            topo: None,
+            view: None,
+            opened_by: BTreeSet::new(),
+            targets: None,
+            ranks: BTreeMap::new(),
+            completed: 0,
+            lost_unposted: BTreeSet::new(),
+            slots: vec![Slot::Free; cfg.staging_slots.max(1) as usize],
+            by_index: BTreeMap::new(),
+            next_read: 0,
+            reads_done: 0,
+            recv_low: 0,
+            recv_above: BTreeSet::new(),
+            next_fwd: 0,
+            grants: VecDeque::new(),
+            early_credits: Vec::new(),
+            copies: BTreeMap::new(),
+            moves: BTreeMap::new(),
+            next_id: 0,
+            zero_copies: VecDeque::new(),
+            zero_moves: VecDeque::new(),
+            abort: None,
+            abort_broadcast_done: false,
+            abort_notified: BTreeSet::new(),
+            lost_sps: BTreeSet::new(),
+            actions: VecDeque::new(),
+            now: 0,
+            stats: Stats::default(),
+        }
+    }
+
+    pub fn key(&self) -> CollKey {
+        self.key
+    }
+
+    pub fn me(&self) -> SpId {
+        self.me
+    }
+
+    /// The SP of each comm rank, once a local rank has posted.
+    pub fn members(&self) -> Option<&[SpId]> {
+        self.topo.as_ref().map(|t| t.members.as_slice())
+    }
+
+    /// The chain of SPs, once this SP has a view (a local post or the
+    /// predecessor's `Open`).
+    pub fn chain(&self) -> Option<&[SpId]> {
+        self.view.as_ref().map(|v| v.chain.as_slice())
+    }
+
+    pub fn abort_status(&self) -> Option<Status> {
+        self.abort
+    }
+
+    pub fn stats(&self) -> Stats {
+        self.stats
+    }
+
+    /// Copies and moves started and not reported done.
+    pub fn copies_in_flight(&self) -> usize {
+        self.copies.len() + self.moves.len()
+    }
+
+    /// Staging slots granted, being read, or holding a chunk.
+    pub fn slots_in_use(&self) -> usize {
+        self.slots
+            .iter()
+            .filter(|s| !matches!(s, Slot::Free))
+            .count()
+    }
+
+    /// A local rank posted its part of the collective.
+    pub fn handle_post(&mut self, now: Nanos, post: Post<K>) -> Result<(), PostError> {
+        self.now = now;
+        let chain = self.validate_post(&post)?;
+        let rank = post.rank;
+        let mut st = LocalRank {
+            key: post.key,
+            shared_key: post.shared_key,
+            written: 0,
+            writes: 0,
+            reads: 0,
+            staged_at_post: self.by_index.keys().next_back().map_or(0, |i| i + 1),
+            status: Status::Ok,
+            completed: false,
+        };
+        if let Some(status) = self.abort {
+            st.set_error(status);
+        }
+        self.ranks.insert(rank, st);
+        let first = self.topo.is_none();
+        if first {
+            let me = self.me;
+            self.lost_unposted
+                .retain(|&r| post.members.get(r as usize) == Some(&me));
+            self.topo = Some(Topo {
+                local: (0..post.members.len() as Rank)
+                    .filter(|&r| post.members[r as usize] == self.me)
+                    .collect(),
+                members: post.members,
+                nodes: post.nodes,
+                design: post.design,
+            });
+        }
+        let design_differs = self.topo.as_ref().unwrap().design != post.design;
+        match &self.view {
+            None => {
+                let view = View::new(self.me, post.root, post.len, self.chunk_bytes, chain)
+                    .expect("this SP serves the posting rank");
+                self.form_view(view);
+            }
+            Some(v) => {
+                if let Some(status) =
+                    v.disagreement(post.root, post.len, self.chunk_bytes, Some(&chain))
+                {
+                    self.enter_abort(status);
+                }
+            }
+        }
+        if design_differs {
+            self.enter_abort(Status::InvalidPost);
+        }
+        if first {
+            self.learn_targets();
+            if self.abort.is_some() {
+                self.maybe_broadcast_abort();
+            }
+        }
+        self.pump();
+        Ok(())
+    }
+
+    /// A message from SP `from` for this instance.
+    pub fn handle_msg(&mut self, now: Nanos, from: SpId, msg: Msg) -> Result<(), MsgError> {
+        self.now = now;
+        let res = self.process(from, msg);
+        self.pump();
+        res
+    }
+
+    /// The copy `id` finished with `status`.
+    pub fn handle_copy_done(&mut self, now: Nanos, id: CopyId, status: Status) {
+        self.now = now;
+        self.copy_finished(id.0, status);
+        self.pump();
+    }
+
+    /// The move `id` finished with `status` (`Ok`: the bytes are in the
+    /// peer's slot and its `Chunk` message is on its way).
+    pub fn handle_move_done(&mut self, now: Nanos, id: MoveId, status: Status) {
+        self.now = now;
+        self.move_finished(id.0, status);
+        self.pump();
+    }
+
+    /// SP `sp` died: abort with `PeerFailed` if it is in the chain; slots
+    /// granted to it are free again and its grants are dropped. Messages
+    /// from `sp` are ignored from now on. Moves to it still in flight must
+    /// be reported by the driver (`handle_move_done`).
+    pub fn handle_peer_lost(&mut self, now: Nanos, sp: SpId) {
+        self.now = now;
+        if sp == self.me || !self.lost_sps.insert(sp) {
+            return;
+        }
+        self.early_credits.retain(|c| c.from != sp);
+        self.apply_peer_lost(sp);
+        self.pump();
+    }
+
+    /// Local abort; `Status::Ok` becomes `Status::Aborted`.
+    pub fn abort(&mut self, now: Nanos, status: Status) {
+        self.now = now;
+        self.enter_abort(status);
+        self.pump();
+    }
+
+    /// Local host `rank` died: aborts with `RankFailed` unless it completed.
+    pub fn handle_rank_lost(&mut self, now: Nanos, rank: Rank) {
+        self.now = now;
+        if let Some(t) = &self.topo {
+            if t.members.get(rank as usize) != Some(&self.me) {
+                return;
+            }
+        }
+        match self.ranks.get_mut(&rank) {
+            Some(st) if st.completed => return,
+            Some(st) => st.set_error(Status::RankFailed),
+            None => {
+                self.lost_unposted.insert(rank);
+            }
+        }
+        self.enter_abort(Status::RankFailed);
+        self.pump();
+    }
+
+    /// This algorithm has no timers.
+    pub fn handle_timeout(&mut self, _now: Nanos) {}
+
+    pub fn poll_action(&mut self) -> Option<Action<K>> {
+        self.actions.pop_front()
+    }
+
+    /// This algorithm has no timers: always `None`.
+    pub fn poll_timeout(&self) -> Option<Nanos> {
+        None
+    }
+
+    /// Every local rank completed (or was lost before posting), no copy or
+    /// move is in flight, no slot is granted or holds a chunk, no grant is
+    /// held, and every action was polled. An SP none of whose ranks ever
+    /// posts never finishes (the driver drops such instances with the job).
+    pub fn is_finished(&self) -> bool {
+        self.topo
+            .as_ref()
+            .is_some_and(|t| self.completed + self.lost_unposted.len() == t.local.len())
+            && self.copies.is_empty()
+            && self.moves.is_empty()
+            && self.slots.iter().all(|s| matches!(s, Slot::Free))
+            && self.grants.is_empty()
+            && self.early_credits.is_empty()
+            && self.actions.is_empty()
+    }
+
+    // ---- internals -------------------------------------------------------
+
+    /// Checks a post; returns the chain it implies.
+    fn validate_post(&self, post: &Post<K>) -> Result<Vec<SpId>, PostError> {
+        let p = post.members.len();
+        let rank = post.rank;
+        if rank as usize >= p {
+            return Err(PostError::RankOutOfRange { rank, size: p });
+        }
+        if post.root as usize >= p {
+            return Err(PostError::RootOutOfRange {
+                root: post.root,
+                size: p,
+            });
+        }
+        let served_by = post.members[rank as usize];
+        if served_by != self.me {
+            return Err(PostError::NotMine { rank, served_by });
+        }
+        if post.nodes.len() != p {
+            return Err(PostError::LengthMismatch {
+                field: "nodes",
+                len: post.nodes.len(),
+                expected: p,
+            });
+        }
+        if let Some(t) = &self.topo {
+            if t.members != post.members || t.nodes != post.nodes {
+                return Err(PostError::MembersDisagree);
+            }
+        }
+        let chain = build_chain(&post.members, &post.nodes, post.root)?;
+        if self.ranks.contains_key(&rank) {
+            return Err(PostError::DuplicatePost { rank });
+        }
+        if self.lost_unposted.contains(&rank) {
+            return Err(PostError::RankLost { rank });
+        }
+        if post.design == Design::Hier && post.shared_key.is_none() {
+            return Err(PostError::MissingSharedKey { rank });
+        }
+        Ok(chain)
+    }
+
+    /// This SP has a view for the first time.
+    fn form_view(&mut self, view: View) {
+        debug_assert!(self.view.is_none());
+        let succ = view.succ();
+        let open = Msg::Open {
+            root: view.root,
+            len: view.len,
+            chunk_bytes: view.chunk_bytes,
+            chain: view.chain.clone(),
+        };
+        let lost = view.chain.iter().any(|s| self.lost_sps.contains(s));
+        self.view = Some(view);
+        if lost {
+            self.enter_abort(Status::PeerFailed);
+        }
+        if self.abort.is_some() {
+            self.maybe_broadcast_abort();
+        } else if let Some(succ) = succ {
+            self.send(succ, open);
+        }
+        // Credits that came before the view; the first own credit (to the
+        // predecessor) goes out from `pump`.
+        for c in std::mem::take(&mut self.early_credits) {
+            self.on_credit(c);
+        }
+    }
+
+    /// Once both the topology and the view are known: check that they
+    /// agree and compute the targets.
+    fn learn_targets(&mut self) {
+        let (Some(t), Some(v)) = (&self.topo, &self.view) else {
+            return;
+        };
+        let non_root = t.local.iter().copied().filter(|&r| r != v.root);
+        let targets: Vec<Rank> = match t.design {
+            Design::Flat => non_root.collect(),
+            Design::Hier => non_root.take(1).collect(),
+        };
+        self.targets = Some(targets);
+    }
+
+    fn apply_peer_lost(&mut self, sp: SpId) {
+        for s in self.slots.iter_mut() {
+            if matches!(s, Slot::Granted(g) if *g == sp) {
+                *s = Slot::Free;
+            }
+        }
+        if let Some(v) = &self.view {
+            if v.succ() == Some(sp) {
+                self.grants.clear();
+            }
+            if v.chain.contains(&sp) {
+                self.enter_abort(Status::PeerFailed);
+            }
+        }
+    }
+
+    fn send(&mut self, to: SpId, msg: Msg) {
+        debug_assert_ne!(to, self.me, "bcast never messages itself");
+        if to != self.me && !self.lost_sps.contains(&to) {
+            self.actions.push_back(Action::Send { to, msg });
+        }
+    }
+
+    fn process(&mut self, from: SpId, msg: Msg) -> Result<(), MsgError> {
+        if self.lost_sps.contains(&from) {
+            self.stats.ignored_from_lost_sp += 1;
+            return Ok(());
+        }
+        match msg {
+            Msg::Open {
+                root,
+                len,
+                chunk_bytes,
+                chain,
+            } => {
+                let me = self.me;
+                let my_pos = chain.iter().position(|&s| s == me);
+                let ok = my_pos.is_some_and(|i| i > 0 && chain[i - 1] == from)
+                    && chain.iter().collect::<BTreeSet<_>>().len() == chain.len();
+                if !ok {
+                    return Err(MsgError::NotPredecessor { sp: from });
+                }
+                // Every SP sends one Open; Opens from several SPs (the
+                // predecessors in different views) are a disagreement.
+                if !self.opened_by.insert(from) {
+                    return Err(MsgError::DuplicateOpen { sp: from });
+                }
+                match &self.view {
+                    Some(v) => {
+                        if let Some(status) = v.disagreement(root, len, chunk_bytes, Some(&chain)) {
+                            self.enter_abort(status);
+                        }
+                    }
+                    None => {
+                        let mismatch = chunk_bytes != self.chunk_bytes;
+                        let view = View::new(me, root, len, self.chunk_bytes, chain)
+                            .expect("checked above");
+                        self.form_view(view);
+                        self.learn_targets();
+                        if mismatch {
+                            self.enter_abort(Status::InvalidPost);
+                        }
+                    }
+                }
+                if self.abort.is_some() {
+                    self.notify_abort(from);
+                }
+                Ok(())
+            }
+            Msg::Credit {
+                root,
+                len,
+                chunk_bytes,
+                slots,
+            } => {
+                let c = EarlyCredit {
+                    from,
+                    root,
+                    len,
+                    chunk_bytes,
+                    slots,
+                };
+                if self.view.is_none() && self.abort.is_none() {
+                    self.early_credits.push(c);
+                    return Ok(());
+                }
+                // From a non-successor it means the chains differ (members
+                // disagree): `on_credit` aborts.
+                self.on_credit(c);
+                Ok(())
+            }
+            Msg::Chunk { index, slot, len } => {
+                let i = slot.0 as usize;
+                if !matches!(self.slots.get(i), Some(Slot::Granted(g)) if *g == from) {
+                    return Err(MsgError::SlotNotGranted { slot });
+                }
+                if self.abort.is_some() {
+                    self.slots[i] = Slot::Free;
+                    return Ok(());
+                }
+                let v = self.view.as_ref().expect("granted under a view");
+                if index >= v.n
+                    || index < self.recv_low
+                    || self.recv_above.contains(&index)
+                    || len != v.chunk_len(index)
+                {
+                    return Err(MsgError::BadChunk { index });
+                }
+                if index == self.recv_low {
+                    self.recv_low += 1;
+                    while self.recv_above.remove(&self.recv_low) {
+                        self.recv_low += 1;
+                    }
+                } else {
+                    self.recv_above.insert(index);
+                }
+                self.stats.bytes_staged += len;
+                if self.topo.is_none() {
+                    self.stats.chunks_before_post += 1;
+                }
+                self.slots[i] = Slot::Full(Held::new(index, len));
+                self.by_index.insert(index, i);
+                Ok(())
+            }
+            Msg::Return { slots } => {
+                for &slot in &slots {
+                    let i = slot.0 as usize;
+                    if !matches!(self.slots.get(i), Some(Slot::Granted(g)) if *g == from) {
+                        return Err(MsgError::SlotNotGranted { slot });
+                    }
+                }
+                for slot in slots {
+                    self.slots[slot.0 as usize] = Slot::Free;
+                }
+                Ok(())
+            }
+            Msg::Abort { status } => {
+                if let Some(v) = &self.view {
+                    if !v.chain.contains(&from) {
+                        return Err(MsgError::NotMember { sp: from });
+                    }
+                }
+                self.enter_abort(status);
+                Ok(())
+            }
+        }
+    }
+
+    /// A credit from `c.from`, with a view here or after an abort.
+    fn on_credit(&mut self, c: EarlyCredit) {
+        if self.abort.is_none() {
+            let v = self.view.as_ref().expect("view known");
+            let status = v
+                .disagreement(c.root, c.len, c.chunk_bytes, None)
+                .or((v.succ() != Some(c.from)).then_some(Status::InvalidPost));
+            match status {
+                None => {
+                    self.grants.extend(c.slots);
+                    return;
+                }
+                Some(status) => self.enter_abort(status),
+            }
+        }
+        if !c.slots.is_empty() {
+            self.send(c.from, Msg::Return { slots: c.slots });
+        }
+        self.notify_abort(c.from);
+    }
+
+    fn new_id(&mut self) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        id
+    }
+
+    fn copy_finished(&mut self, id: u64, status: Status) {
+        let Some(kind) = self.copies.remove(&id) else {
+            self.stats.unknown_done += 1;
+            return;
+        };
+        if !status.is_ok() {
+            self.enter_abort(status);
+        }
+        let ok = status.is_ok() && self.abort.is_none();
+        match kind {
+            CopyKind::Read { slot, index, len } => {
+                let root = self.view.as_ref().unwrap().root;
+                if let Some(st) = self.ranks.get_mut(&root) {
+                    st.reads -= 1;
+                    st.set_error(status);
+                }
+                if ok {
+                    self.reads_done += 1;
+                    self.stats.bytes_staged += len;
+                    self.slots[slot] = Slot::Full(Held::new(index, len));
+                    self.by_index.insert(index, slot);
+                } else {
+                    self.slots[slot] = Slot::Free;
+                }
+            }
+            CopyKind::Write { slot, index, rank } => {
+                let st = self.ranks.get_mut(&rank).expect("write into a posted rank");
+                st.writes -= 1;
+                st.set_error(status);
+                if ok {
+                    st.written += 1;
+                }
+                match &mut self.slots[slot] {
+                    Slot::Full(h) if h.index == index => {
+                        h.writing.remove(&rank);
+                        if ok {
+                            h.done.insert(rank);
+                        }
+                    }
+                    _ => debug_assert!(false, "write from a slot that changed"),
+                }
+            }
+        }
+    }
+
+    fn move_finished(&mut self, id: u64, status: Status) {
+        let Some(m) = self.moves.remove(&id) else {
+            self.stats.unknown_done += 1;
+            return;
+        };
+        if !status.is_ok() {
+            self.enter_abort(status);
+            // The bytes did not land and no chunk follows: give the slot
+            // back so the peer can finish.
+            self.send(m.to, Msg::Return { slots: vec![m.dst] });
+        }
+        if let Slot::Full(h) = &mut self.slots[m.slot] {
+            if h.index == m.index {
+                h.moving = false;
+                if status.is_ok() {
+                    h.forwarded = true;
+                }
+            }
+        }
+        if status.is_ok() {
+            self.stats.chunks_forwarded += 1;
+        }
+    }
+
+    fn enter_abort(&mut self, status: Status) {
+        let status = if status.is_ok() {
+            Status::Aborted
+        } else {
+            status
+        };
+        let first = self.abort.is_none();
+        let status = *self.abort.get_or_insert(status);
+        for st in self.ranks.values_mut() {
+            if !st.completed {
+                st.set_error(status);
+            }
+        }
+        if first {
+            if !self.grants.is_empty() {
+                let succ = self.view.as_ref().and_then(|v| v.succ());
+                let slots: Vec<SlotId> = self.grants.drain(..).collect();
+                if let Some(succ) = succ {
+                    self.send(succ, Msg::Return { slots });
+                }
+            }
+            for c in std::mem::take(&mut self.early_credits) {
+                self.on_credit(c);
+            }
+        }
+        self.maybe_broadcast_abort();
+    }
+
+    fn maybe_broadcast_abort(&mut self) {
+        if self.abort.is_none() || self.abort_broadcast_done {
+            return;
+        }
+        let Some(v) = &self.view else { return };
+        self.abort_broadcast_done = true;
+        for sp in v.chain.clone() {
+            self.notify_abort(sp);
+        }
+    }
+
+    fn notify_abort(&mut self, sp: SpId) {
+        let Some(status) = self.abort else { return };
+        if sp == self.me || self.lost_sps.contains(&sp) || !self.abort_notified.insert(sp) {
+            return;
+        }
+        self.actions.push_back(Action::Send {
+            to: sp,
+            msg: Msg::Abort { status },
+        });
+    }
+
+    /// Do everything that can be done now; called at the end of every
+    /// input.
+    fn pump(&mut self) {
+        loop {
+            let mut progress = false;
+            while let Some(id) = self.zero_copies.pop_front() {
+                self.copy_finished(id, Status::Ok);
+                progress = true;
+            }
+            while let Some(id) = self.zero_moves.pop_front() {
+                self.move_finished(id, Status::Ok);
+                progress = true;
+            }
+            progress |= self.free_slots();
+            progress |= self.start_reads();
+            progress |= self.forward();
+            progress |= self.write_targets();
+            if !progress {
+                break;
+            }
+        }
+        self.grant();
+        let ranks: Vec<Rank> = self.ranks.keys().copied().collect();
+        for r in ranks {
+            self.check_complete(r);
+        }
+        let in_use = self.slots_in_use() as u32;
+        self.stats.max_slots_in_use = self.stats.max_slots_in_use.max(in_use);
+    }
+
+    fn free_slots(&mut self) -> bool {
+        let aborted = self.abort.is_some();
+        let last = match &self.view {
+            Some(v) => v.succ().is_none(),
+            None => true,
+        };
+        let mut progress = false;
+        for i in 0..self.slots.len() {
+            let Slot::Full(h) = &self.slots[i] else {
+                continue;
+            };
+            let free = if aborted {
+                !h.moving && h.writing.is_empty()
+            } else {
+                let forwarded = if mutated(Mutation::FreeWhileMoving) {
+                    h.forwarded || h.moving
+                } else {
+                    h.forwarded && !h.moving
+                };
+                h.writing.is_empty()
+                    && (last || forwarded)
+                    && self
+                        .targets
+                        .as_ref()
+                        .is_some_and(|t| t.iter().all(|r| h.done.contains(r)))
+            };
+            if free {
+                self.by_index.remove(&h.index);
+                self.slots[i] = Slot::Free;
+                progress = true;
+            }
+        }
+        progress
+    }
+
+    fn free_slot(&self) -> Option<usize> {
+        self.slots.iter().position(|s| matches!(s, Slot::Free))
+    }
+
+    /// The root's SP reads chunks from the root's buffer into free slots.
+    fn start_reads(&mut self) -> bool {
+        let Some(v) = &self.view else { return false };
+        if self.abort.is_some() || v.pos != 0 {
+            return false;
+        }
+        let (root, n) = (v.root, v.n);
+        let Some(st) = self.ranks.get(&root) else {
+            return false;
+        };
+        if st.completed {
+            return false;
+        }
+        let key = st.key.clone();
+        let mut progress = false;
+        while self.next_read < n {
+            let Some(slot) = self.free_slot() else { break };
+            let v = self.view.as_ref().unwrap();
+            let (index, offset, len) = (
+                self.next_read,
+                v.offset(self.next_read),
+                v.chunk_len(self.next_read),
+            );
+            self.next_read += 1;
+            self.slots[slot] = Slot::Reading;
+            self.ranks.get_mut(&root).unwrap().reads += 1;
+            let id = self.new_id();
+            self.copies.insert(id, CopyKind::Read { slot, index, len });
+            if len == 0 {
+                self.zero_copies.push_back(id);
+            } else {
+                self.actions.push_back(Action::Copy(Copy {
+                    id: CopyId(id),
+                    rank: root,
+                    chunk: index,
+                    src: Loc::Host {
+                        key: key.clone(),
+                        offset,
+                    },
+                    dst: Loc::Stage {
+                        slot: SlotId(slot as u32),
+                        offset: 0,
+                    },
+                    len,
+                }));
+            }
+            progress = true;
+        }
+        progress
+    }
+
+    /// Move chunks, in index order, into the successor's granted slots.
+    fn forward(&mut self) -> bool {
+        let Some(v) = &self.view else { return false };
+        let Some(to) = v.succ() else { return false };
+        if self.abort.is_some() {
+            return false;
+        }
+        let n = v.n;
+        let mut progress = false;
+        while self.next_fwd < n && !self.grants.is_empty() {
+            let Some(&slot) = self.by_index.get(&self.next_fwd) else {
+                break;
+            };
+            let Slot::Full(h) = &mut self.slots[slot] else {
+                unreachable!("by_index names a full slot")
+            };
+            debug_assert!(!h.moving && !h.forwarded);
+            h.moving = true;
+            let (index, len) = (h.index, h.len);
+            let dst = self.grants.pop_front().unwrap();
+            self.next_fwd += 1;
+            let id = self.new_id();
+            self.moves.insert(
+                id,
+                MoveSt {
+                    slot,
+                    index,
+                    to,
+                    dst,
+                },
+            );
+            let mv = Move {
+                id: MoveId(id),
+                to,
+                chunk: index,
+                src_slot: SlotId(slot as u32),
+                dst_slot: dst,
+                len,
+            };
+            if len == 0 {
+                self.send(to, mv.chunk_msg());
+                self.zero_moves.push_back(id);
+            } else {
+                self.actions.push_back(Action::Move(mv));
+            }
+            progress = true;
+        }
+        progress
+    }
+
+    /// Write staged chunks into the targets that have posted.
+    fn write_targets(&mut self) -> bool {
+        if self.abort.is_some() {
+            return false;
+        }
+        let (Some(targets), Some(v), Some(t)) = (&self.targets, &self.view, &self.topo) else {
+            return false;
+        };
+        let hier = t.design == Design::Hier;
+        let mut todo = Vec::new();
+        for (&index, &slot) in &self.by_index {
+            let Slot::Full(h) = &self.slots[slot] else {
+                continue;
+            };
+            for &r in targets {
+                let Some(st) = self.ranks.get(&r) else {
+                    continue;
+                };
+                if st.completed || h.done.contains(&r) || h.writing.contains(&r) {
+                    continue;
+                }
+                if mutated(Mutation::SkipStagedForLateRank) && index < st.staged_at_post {
+                    continue;
+                }
+                let key = if hier {
+                    st.shared_key.clone().expect("checked at post")
+                } else {
+                    st.key.clone()
+                };
+                todo.push((slot, index, r, key, v.offset(index), h.len));
+            }
+        }
+        let progress = !todo.is_empty();
+        for (slot, index, rank, key, offset, len) in todo {
+            let Slot::Full(h) = &mut self.slots[slot] else {
+                unreachable!()
+            };
+            h.writing.insert(rank);
+            self.ranks.get_mut(&rank).unwrap().writes += 1;
+            let id = self.new_id();
+            self.copies
+                .insert(id, CopyKind::Write { slot, index, rank });
+            if len == 0 {
+                self.zero_copies.push_back(id);
+            } else {
+                self.actions.push_back(Action::Copy(Copy {
+                    id: CopyId(id),
+                    rank,
+                    chunk: index,
+                    src: Loc::Stage {
+                        slot: SlotId(slot as u32),
+                        offset: 0,
+                    },
+                    dst: Loc::Host { key, offset },
+                    len,
+                }));
+            }
+        }
+        progress
+    }
+
+    /// Grant free slots to the predecessor, never more than the chunks
+    /// still expected.
+    fn grant(&mut self) {
+        let Some(v) = &self.view else { return };
+        let Some(pred) = v.pred() else { return };
+        if self.abort.is_some() || self.lost_sps.contains(&pred) {
+            return;
+        }
+        let (root, len, chunk_bytes, n) = (v.root, v.len, v.chunk_bytes, v.n);
+        let arrived = self.recv_low + self.recv_above.len() as u64;
+        let granted = self
+            .slots
+            .iter()
+            .filter(|s| matches!(s, Slot::Granted(_)))
+            .count() as u64;
+        let mut want = n.saturating_sub(arrived + granted);
+        let mut slots = Vec::new();
+        for (i, s) in self.slots.iter_mut().enumerate() {
+            if want == 0 {
+                break;
+            }
+            if matches!(s, Slot::Free) {
+                *s = Slot::Granted(pred);
+                slots.push(SlotId(i as u32));
+                want -= 1;
+            }
+        }
+        if !slots.is_empty() {
+            self.send(
+                pred,
+                Msg::Credit {
+                    root,
+                    len,
+                    chunk_bytes,
+                    slots,
+                },
+            );
+        }
+    }
+
+    fn check_complete(&mut self, rank: Rank) {
+        let aborted = self.abort.is_some();
+        let st = &self.ranks[&rank];
+        let reads = st.reads > 0 && !mutated(Mutation::RootCompletesBeforeReads);
+        if st.completed || st.writes > 0 || reads {
+            return;
+        }
+        let (done, from_segment) = if aborted {
+            (true, false)
+        } else {
+            let (Some(v), Some(t)) = (&self.view, &self.topo) else {
+                return;
+            };
+            if rank == v.root {
+                let reads = if mutated(Mutation::RootCompletesBeforeReads) {
+                    self.next_read
+                } else {
+                    self.reads_done
+                };
+                (reads == v.n, false)
+            } else {
+                match t.design {
+                    Design::Flat => {
+                        let need = if mutated(Mutation::CompleteOneChunkEarly) && v.n > 1 {
+                            v.n - 1
+                        } else {
+                            v.n
+                        };
+                        (st.written >= need, false)
+                    }
+                    Design::Hier => {
+                        let writer = self.targets.as_ref().and_then(|t| t.first());
+                        let full = writer
+                            .and_then(|w| self.ranks.get(w))
+                            .is_some_and(|w| w.written == v.n);
+                        (full, true)
+                    }
+                }
+            }
+        };
+        if !done {
+            return;
+        }
+        let st = self.ranks.get_mut(&rank).unwrap();
+        let mut status = st.status;
+        if aborted && mutated(Mutation::OkAfterAbort) {
+            status = Status::Ok;
+        }
+        st.completed = true;
+        self.completed += 1;
+        self.actions.push_back(Action::Complete {
+            rank,
+            status,
+            from_segment: from_segment && status.is_ok(),
+        });
+    }
+}
+
+impl Held {
+    fn new(index: u64, len: u64) -> Held {
+        Held {
+            index,
+            len,
+            forwarded: false,
+            moving: false,
+            done: BTreeSet::new(),
+            writing: BTreeSet::new(),
+        }
+    }
+}
+
+impl<K> Bcast<K> {
+    /// Whether a chunk from `from` may be written into staging slot `slot` now: the slot was
+    /// granted to `from` and is waiting for its chunk. A driver checks this before it writes
+    /// the bytes of an incoming chunk into the slot (then delivers the `Chunk` message), so
+    /// that a confused peer cannot overwrite a chunk still in use.
+    pub fn may_fill(&self, from: SpId, slot: SlotId) -> bool {
+        !self.lost_sps.contains(&from)
+            && matches!(self.slots.get(slot.0 as usize), Some(Slot::Granted(s)) if *s == from)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sim::testnet::{Machine, Out};
+    use crate::CommId;
+
+    type Tag = (char, Rank);
+
+    const KEY: CollKey = CollKey {
+        job: 1,
+        comm: CommId { leader: 0, id: 7 },
+        seq: 0,
+    };
+    const CHUNK: u64 = 4;
+    const SLOTS: u32 = 2;
+
+    /// A copy or a move, as the test network executes them.
+    #[derive(Clone, Debug)]
+    enum Work {
+        C(Copy<Tag>),
+        M(Move),
+    }
+
+    /// The machine plus the `Chunk` messages of finished moves (the
+    /// driver's job), which `poll` hands out first.
+    struct Tb {
+        m: Bcast<Tag>,
+        out: VecDeque<Out<Msg, Work>>,
+    }
+
+    impl Machine for Tb {
+        type Post = Post<Tag>;
+        type Msg = Msg;
+        type Copy = Work;
+
+        fn create(sp: SpId) -> Self {
+            Tb {
+                m: Bcast::new(
+                    KEY,
+                    Config {
+                        me: sp,
+                        chunk_bytes: CHUNK,
+                        staging_slots: SLOTS,
+                    },
+                ),
+                out: VecDeque::new(),
+            }
+        }
+
+        fn post(&mut self, now: Nanos, post: Post<Tag>) {
+            self.m.handle_post(now, post).unwrap();
+        }
+
+        fn msg(&mut self, now: Nanos, from: SpId, msg: Msg) {
+            self.m.handle_msg(now, from, msg).unwrap();
+        }
+
+        fn copy_done(&mut self, now: Nanos, w: &Work, status: Status) {
+            match w {
+                Work::C(c) => self.m.handle_copy_done(now, c.id, status),
+                Work::M(mv) => {
+                    if status.is_ok() {
+                        self.out.push_back(Out::Send {
+                            to: mv.to,
+                            msg: mv.chunk_msg(),
+                        });
+                    }
+                    self.m.handle_move_done(now, mv.id, status);
+                }
+            }
+        }
+
+        fn poll(&mut self) -> Option<Out<Msg, Work>> {
+            if let Some(o) = self.out.pop_front() {
+                return Some(o);
+            }
+            Some(match self.m.poll_action()? {
+                Action::Send { to, msg } => Out::Send { to, msg },
+                Action::Copy(c) => Out::Copy(Work::C(c)),
+                Action::Move(m) => Out::Copy(Work::M(m)),
+                Action::Complete { rank, status, .. } => Out::Complete { rank, status },
+            })
+        }
+
+        fn check_copy(&self, _sp: SpId, w: &Work) {
+            match w {
+                Work::C(c) => assert!(c.len > 0 && c.len <= CHUNK, "{c:?}"),
+                Work::M(m) => assert!(m.len > 0 && m.len <= CHUNK, "{m:?}"),
+            }
+        }
+    }
+
+    type Net = crate::sim::testnet::Net<Tb>;
+
+    fn post(rank: Rank, root: Rank, len: u64, members: &[SpId], nodes: &[u32]) -> Post<Tag> {
+        Post {
+            rank,
+            root,
+            members: members.to_vec(),
+            nodes: nodes.to_vec(),
+            key: ('b', rank),
+            len,
+            design: Design::Flat,
+            shared_key: None,
+        }
+    }
+
+    fn hier(mut p: Post<Tag>) -> Post<Tag> {
+        p.design = Design::Hier;
+        p.shared_key = Some(('h', p.rank));
+        p
+    }
+
+    fn moves(net: &Net) -> Vec<Move> {
+        net.copied
+            .iter()
+            .filter_map(|w| match w {
+                Work::M(m) => Some(*m),
+                Work::C(_) => None,
+            })
+            .collect()
+    }
+
+    fn copies(net: &Net) -> Vec<Copy<Tag>> {
+        net.copied
+            .iter()
+            .filter_map(|w| match w {
+                Work::C(c) => Some(c.clone()),
+                Work::M(_) => None,
+            })
+            .collect()
+    }
+
+    fn all_finished(net: &mut Net, sps: &[SpId]) {
+        for &sp in sps {
+            assert!(net.sp(sp).m.is_finished(), "sp {sp} not finished");
+        }
+    }
+
+    #[test]
+    fn chain_starts_at_the_root_sp_then_nodes_in_ring_order() {
+        // Node 0: SPs 0, 1; node 1: SPs 2, 3; node 2: SP 4.
+        let members = [0, 1, 2, 3, 4, 3, 2];
+        let nodes = [0, 0, 1, 1, 2, 1, 1];
+        assert_eq!(build_chain(&members, &nodes, 3).unwrap(), [3, 2, 4, 0, 1]);
+        assert_eq!(build_chain(&members, &nodes, 4).unwrap(), [4, 0, 1, 2, 3]);
+        assert_eq!(build_chain(&members, &nodes, 1).unwrap(), [1, 0, 2, 3, 4]);
+        assert_eq!(
+            build_chain(&[0, 0], &[0, 1], 0),
+            Err(PostError::SpOnTwoNodes { sp: 0 })
+        );
+    }
+
+    #[test]
+    fn flat_pipeline_delivers_every_chunk_once_per_hop() {
+        // Node 0: SP 0 (ranks 0, 3), node 1: SP 1 (rank 1), SP 2 (rank 2).
+        let (members, nodes) = ([0, 1, 2, 0], [0, 1, 1, 0]);
+        let mut net = Net::new(3);
+        for r in 0..4 {
+            net.post(members[r as usize], post(r, 0, 10, &members, &nodes));
+        }
+        net.run();
+        for r in 0..4 {
+            assert_eq!(net.status(r), Some(Status::Ok), "rank {r}");
+        }
+        // 3 chunks (4 + 4 + 2 bytes), two hops.
+        let mv = moves(&net);
+        assert_eq!(mv.len(), 6);
+        assert_eq!(mv.iter().filter(|m| m.to == 1).count(), 3);
+        assert_eq!(mv.iter().filter(|m| m.to == 2).count(), 3);
+        assert_eq!(mv.iter().map(|m| m.len).sum::<u64>(), 20);
+        let c = copies(&net);
+        // Three reads from the root, three writes into each non-root rank.
+        assert_eq!(c.iter().filter(|c| c.rank == 0).count(), 3);
+        for r in 1..4 {
+            let into: Vec<_> = c.iter().filter(|c| c.rank == r).collect();
+            assert_eq!(into.len(), 3, "rank {r}");
+            assert!(into.iter().all(|c| matches!(
+                c.dst,
+                Loc::Host { key: ('b', k), offset } if k == r && offset == c.chunk * CHUNK
+            )));
+        }
+        for sp in 0..3 {
+            let s = net.sp(sp).m.stats();
+            assert!(s.max_slots_in_use as usize <= SLOTS as usize, "{s:?}");
+            assert_eq!(s.bytes_staged, 10);
+        }
+        assert_eq!(net.sp(0).m.stats().chunks_forwarded, 3);
+        assert_eq!(net.sp(2).m.stats().chunks_forwarded, 0);
+        all_finished(&mut net, &[0, 1, 2]);
+    }
+
+    #[test]
+    fn late_sp_forwards_what_fits_in_staging_and_catches_up() {
+        // Chain 0 -> 1 -> 2 (one node); SP 1's rank posts last.
+        let (members, nodes) = ([0, 1, 2], [0, 0, 0]);
+        let mut net = Net::new(3);
+        net.post(2, post(2, 0, 10, &members, &nodes));
+        net.post(0, post(0, 0, 10, &members, &nodes));
+        net.run();
+        // SP 1 learned the chain from SP 0's Open and forwarded the two
+        // chunks its two slots hold; the root's SP read all three.
+        assert_eq!(net.sp(1).m.chain(), Some(&[0, 1, 2][..]));
+        assert_eq!(net.sp(1).m.stats().chunks_forwarded, 2);
+        assert_eq!(net.sp(1).m.slots_in_use(), 2);
+        assert_eq!(net.status(0), Some(Status::Ok));
+        assert_eq!(net.status(2), None);
+        net.post(1, post(1, 0, 10, &members, &nodes));
+        net.run();
+        assert_eq!(net.status(1), Some(Status::Ok));
+        assert_eq!(net.status(2), Some(Status::Ok));
+        all_finished(&mut net, &[0, 1, 2]);
+    }
+
+    #[test]
+    fn a_one_chunk_message_passes_an_sp_whose_rank_has_not_posted() {
+        let (members, nodes) = ([0, 1, 2], [0, 1, 2]);
+        let mut net = Net::new(3);
+        net.post(0, post(0, 0, 3, &members, &nodes));
+        net.post(2, post(2, 0, 3, &members, &nodes));
+        net.run();
+        assert_eq!(net.status(0), Some(Status::Ok));
+        assert_eq!(net.status(2), Some(Status::Ok));
+        assert_eq!(net.status(1), None);
+        net.post(1, post(1, 0, 3, &members, &nodes));
+        net.run();
+        assert_eq!(net.status(1), Some(Status::Ok));
+        all_finished(&mut net, &[0, 1, 2]);
+    }
+
+    #[test]
+    fn hier_writes_each_chunk_once_into_the_writers_segment() {
+        // SP 0: root 0 and rank 3; SP 1: ranks 1, 2, 4.
+        let (members, nodes) = ([0, 1, 1, 0, 1], [0, 1, 1, 0, 1]);
+        let mut net = Net::new(2);
+        for r in [4, 2, 0, 3, 1] {
+            net.post(members[r as usize], hier(post(r, 0, 9, &members, &nodes)));
+        }
+        net.run();
+        for r in 0..5 {
+            assert_eq!(net.status(r), Some(Status::Ok), "rank {r}");
+        }
+        let c = copies(&net);
+        let writes: Vec<_> = c.iter().filter(|c| c.rank != 0).collect();
+        // SP 0 writes into rank 3's segment, SP 1 into rank 1's: 3 chunks each.
+        assert_eq!(writes.len(), 6);
+        assert!(writes.iter().all(|c| matches!(
+            c.dst,
+            Loc::Host { key: ('h', k), .. } if k == c.rank && (k == 1 || k == 3)
+        )));
+        all_finished(&mut net, &[0, 1]);
+    }
+
+    #[test]
+    fn hier_completions_say_copy_from_the_segment() {
+        let (members, nodes) = ([0, 1, 1], [0, 1, 1]);
+        let mut m: Bcast<Tag> = Bcast::new(
+            KEY,
+            Config {
+                me: 1,
+                chunk_bytes: 8,
+                staging_slots: 1,
+            },
+        );
+        m.handle_post(0, hier(post(2, 0, 5, &members, &nodes)))
+            .unwrap();
+        m.handle_msg(
+            1,
+            0,
+            Msg::Open {
+                root: 0,
+                len: 5,
+                chunk_bytes: 8,
+                chain: vec![0, 1],
+            },
+        )
+        .unwrap();
+        let mut acts: Vec<_> = std::iter::from_fn(|| m.poll_action()).collect();
+        assert!(
+            matches!(&acts[..], [Action::Send { to: 0, msg: Msg::Credit { slots, .. } }] if slots == &[SlotId(0)])
+        );
+        assert!(m.may_fill(0, SlotId(0)));
+        assert!(!m.may_fill(2, SlotId(0)) && !m.may_fill(0, SlotId(1)));
+        m.handle_msg(
+            2,
+            0,
+            Msg::Chunk {
+                index: 0,
+                slot: SlotId(0),
+                len: 5,
+            },
+        )
+        .unwrap();
+        // The writer (rank 1) has not posted: the chunk waits in staging.
+        assert!(m.poll_action().is_none());
+        assert!(!m.may_fill(0, SlotId(0)), "the slot holds a chunk");
+        assert_eq!(m.slots_in_use(), 1);
+        m.handle_post(3, hier(post(1, 0, 5, &members, &nodes)))
+            .unwrap();
+        acts = std::iter::from_fn(|| m.poll_action()).collect();
+        let [Action::Copy(c)] = &acts[..] else {
+            panic!("{acts:?}")
+        };
+        assert_eq!(
+            (c.rank, &c.src, &c.dst),
+            (
+                1,
+                &Loc::Stage {
+                    slot: SlotId(0),
+                    offset: 0
+                },
+                &Loc::Host {
+                    key: ('h', 1),
+                    offset: 0
+                }
+            )
+        );
+        m.handle_copy_done(4, c.id, Status::Ok);
+        acts = std::iter::from_fn(|| m.poll_action()).collect();
+        assert_eq!(
+            acts,
+            [
+                Action::Complete {
+                    rank: 1,
+                    status: Status::Ok,
+                    from_segment: true
+                },
+                Action::Complete {
+                    rank: 2,
+                    status: Status::Ok,
+                    from_segment: true
+                }
+            ]
+        );
+        assert!(m.is_finished());
+    }
+
+    #[test]
+    fn zero_bytes_still_pass_the_chain_without_copies() {
+        let (members, nodes) = ([0, 1, 2, 2], [0, 1, 1, 1]);
+        let mut net = Net::new(3);
+        for r in 0..4 {
+            net.post(members[r as usize], post(r, 2, 0, &members, &nodes));
+        }
+        net.run();
+        assert!(net.copied.is_empty());
+        for r in 0..4 {
+            assert_eq!(net.status(r), Some(Status::Ok));
+        }
+        all_finished(&mut net, &[0, 1, 2]);
+    }
+
+    #[test]
+    fn a_length_mismatch_aborts_everyone() {
+        let (members, nodes) = ([0, 1, 2], [0, 1, 2]);
+        let mut net = Net::new(3);
+        net.post(0, post(0, 0, 10, &members, &nodes));
+        net.post(1, post(1, 0, 10, &members, &nodes));
+        net.post(2, post(2, 0, 11, &members, &nodes));
+        net.run();
+        assert_eq!(net.status(2), Some(Status::CountMismatch));
+        for r in 0..3 {
+            assert!(net.status(r).is_some(), "rank {r}");
+        }
+        // SP 2 never wrote into the rank whose length disagrees.
+        assert!(!copies(&net).iter().any(|c| c.rank == 2));
+        all_finished(&mut net, &[0, 1, 2]);
+    }
+
+    /// Ranks 0 and 1 name root 0, ranks 2 and 3 root 2: the two views' chains
+    /// (0 1 2 3 and 2 3 0 1) meet only where an Open or a Credit crosses.
+    #[test]
+    fn disagreeing_roots_are_detected_without_a_hang() {
+        let (members, nodes) = ([0, 1, 2, 3], [0, 0, 0, 0]);
+        let mut net = Net::new(4);
+        for r in 0..4 {
+            let root = if r < 2 { 0 } else { 2 };
+            net.post(r, post(r, root, 6, &members, &nodes));
+        }
+        net.run();
+        for r in 0..4 {
+            let s = net.status(r).unwrap_or_else(|| panic!("rank {r} hangs"));
+            // Rank 1 may complete Ok: its post agrees with root 0's.
+            assert!(r == 1 || !s.is_ok(), "rank {r}: {s}");
+        }
+        all_finished(&mut net, &[0, 1, 2, 3]);
+    }
+
+    #[test]
+    fn rank_lost_before_posting_fails_every_rank() {
+        let (members, nodes) = ([0, 1, 2], [0, 1, 2]);
+        let mut net = Net::new(3);
+        net.sp(1).m.handle_rank_lost(0, 1);
+        net.post(0, post(0, 0, 10, &members, &nodes));
+        net.post(2, post(2, 0, 10, &members, &nodes));
+        net.run();
+        assert_eq!(net.status(0), Some(Status::RankFailed));
+        assert_eq!(net.status(2), Some(Status::RankFailed));
+        assert_eq!(net.status(1), None);
+        all_finished(&mut net, &[0, 2]);
+    }
+
+    #[test]
+    fn middle_sp_lost_mid_pipeline() {
+        let (members, nodes) = ([0, 1, 2], [0, 1, 2]);
+        let mut net = Net::new(3);
+        for r in 0..3 {
+            net.post(r, post(r, 0, 30, &members, &nodes));
+        }
+        // Let a few chunks through, then SP 1 dies.
+        for _ in 0..6 {
+            net.deliver_all();
+            net.finish_copy(Status::Ok);
+        }
+        net.dead.insert(1);
+        for sp in [0, 2] {
+            net.sp(sp).m.handle_peer_lost(100, 1);
+            net.collect(sp);
+        }
+        net.run();
+        assert_eq!(net.status(0), Some(Status::PeerFailed));
+        assert_eq!(net.status(2), Some(Status::PeerFailed));
+        all_finished(&mut net, &[0, 2]);
+    }
+
+    #[test]
+    fn failed_move_gives_the_slot_back() {
+        let (members, nodes) = ([0, 1], [0, 1]);
+        let mut net = Net::new(2);
+        for r in 0..2 {
+            net.post(r, post(r, 0, 8, &members, &nodes));
+        }
+        net.deliver_all();
+        // The read, then the move, fails.
+        assert!(net.finish_copy(Status::Ok));
+        net.deliver_all();
+        let i = net
+            .copies
+            .iter()
+            .position(|(_, w)| matches!(w, Work::M(_)))
+            .unwrap();
+        let w = net.copies.remove(i).unwrap();
+        net.copies.push_front(w);
+        assert!(net.finish_copy(Status::AccessError));
+        net.run();
+        assert_eq!(net.status(0), Some(Status::AccessError));
+        assert_eq!(net.status(1), Some(Status::AccessError));
+        all_finished(&mut net, &[0, 1]);
+    }
+
+    #[test]
+    fn credits_never_exceed_the_chunks_expected() {
+        let mut m: Bcast<Tag> = Bcast::new(
+            KEY,
+            Config {
+                me: 1,
+                chunk_bytes: 100,
+                staging_slots: 8,
+            },
+        );
+        m.handle_post(0, post(1, 0, 150, &[0, 1], &[0, 1])).unwrap();
+        let acts: Vec<_> = std::iter::from_fn(|| m.poll_action()).collect();
+        assert!(
+            matches!(&acts[..], [Action::Send { to: 0, msg: Msg::Credit { root: 0, len: 150, chunk_bytes: 100, slots } }] if slots.len() == 2),
+            "{acts:?}"
+        );
+    }
+
+    #[test]
+    fn invalid_posts_are_rejected() {
+        let mut m: Bcast<Tag> = Bcast::new(
+            KEY,
+            Config {
+                me: 0,
+                chunk_bytes: 4,
+                staging_slots: 2,
+            },
+        );
+        let mut p = post(0, 0, 4, &[0, 1], &[0, 1]);
+        p.design = Design::Hier;
+        assert_eq!(
+            m.handle_post(0, p),
+            Err(PostError::MissingSharedKey { rank: 0 })
+        );
+        assert_eq!(
+            m.handle_post(0, post(0, 2, 4, &[0, 1], &[0, 1])),
+            Err(PostError::RootOutOfRange { root: 2, size: 2 })
+        );
+        assert_eq!(
+            m.handle_post(0, post(1, 0, 4, &[0, 1], &[0, 1])),
+            Err(PostError::NotMine {
+                rank: 1,
+                served_by: 1
+            })
+        );
+        assert!(m.members().is_none() && m.poll_action().is_none());
+    }
+}
