@@ -231,6 +231,24 @@ impl<M, C> Core<M, C> {
         Ok(())
     }
 
+    /// Bulk bytes from `sp` to SP `to` (a staged chunk moved between SPs)
+    /// leaving no earlier than `out`: they take the directed node link in
+    /// turn with messages, at its bandwidth. Returns when the last byte has
+    /// arrived (latency included).
+    pub fn transfer(&mut self, sp: SpId, to: SpId, bytes: u64, out: Nanos) -> Nanos {
+        let link = (self.sp_node(sp), self.sp_node(to));
+        let c = &self.p.cost;
+        let (lat, bw) = if link.0 == link.1 {
+            (c.intra_node_latency_ns, c.intra_node_bytes_per_ns)
+        } else {
+            (c.inter_node_latency_ns, c.inter_node_bytes_per_ns)
+        };
+        let free = self.link_free.entry(link).or_insert(0);
+        let departed = (*free).max(out) + bytes.div_ceil(bw.max(1));
+        *free = departed;
+        departed + lat
+    }
+
     /// The next copy the SP's limiter admits, checking its bound.
     pub fn next_copy(&mut self, sp: SpId) -> Result<Option<(usize, C)>, SimFailure> {
         let Some(next) = self.sps[sp as usize].limiter.pop_startable() else {

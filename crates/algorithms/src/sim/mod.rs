@@ -13,6 +13,7 @@ use crate::{Nanos, SpId};
 
 pub mod allgatherv;
 pub mod alltoallv;
+pub mod bcast;
 mod driver;
 pub mod rng;
 #[cfg(test)]
