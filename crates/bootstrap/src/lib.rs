@@ -11,3 +11,9 @@ pub mod rendezvous;
 pub mod wire;
 
 pub use cluster::{Cluster, Layout, Placement};
+
+/// The POSIX shared-memory name of the segment the ranks of SP `sp` share in `job` (the
+/// hierarchical staged designs): the shim creates it, the SP removes it when the job ends.
+pub fn segment_name(job: u64, sp: u32) -> String {
+    format!("/spoff-{job:x}-sp{sp}")
+}

@@ -10,7 +10,7 @@
 //! closed. After the hello, payloads are bincode-encoded [`HostToSp`], [`SpToHost`] or
 //! [`SpToSp`] values.
 
-use algorithms::{allgatherv, alltoallv, CollKey, CommId, SpId};
+use algorithms::{allgatherv, alltoallv, bcast, CollKey, CommId, SpId};
 use alias_mkey::{AliasKey, Grant};
 use bincode::Options;
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
@@ -157,6 +157,29 @@ pub enum CollKind {
     /// Allgather(v): `send_counts`/`send_displs` have one entry (this rank's block, at
     /// `send_displs[0]` of the send grant); the receive vectors have one entry per comm rank.
     Allgatherv,
+    /// Bcast, staged in SP memory (`PostDesc::staged` names the root and the design): the
+    /// root posts its buffer as the send grant (`send_counts == [len]`) and an empty receive
+    /// side (`recv_counts == [0]`); every other rank the reverse.
+    Bcast,
+}
+
+/// The designs of the staged collectives (after BluesMPI): `Flat` writes every rank's buffer
+/// from SP staging memory; `Hier` writes a shared segment of the SP's node-local ranks once,
+/// and the ranks copy out of it themselves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum StagedDesign {
+    Flat,
+    Hier,
+}
+
+/// What a staged collective's post adds.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Staged {
+    pub root: u32,
+    pub design: StagedDesign,
+    /// `Hier`: this rank's mapping of the segment it shares with the other ranks of its SP
+    /// (read-write, cma).
+    pub segment: Option<Grant>,
 }
 
 /// What a host rank posts for one collective. Every number in it is untrusted: the SP checks
@@ -185,6 +208,8 @@ pub struct PostDesc {
     /// are already on its node itself when the SP asks it to (`SpToHost::Copy`); the SP still
     /// does every copy that crosses nodes. Only the allgatherv uses it.
     pub host_copies: bool,
+    /// The staged collectives' root and design (`None` for the others).
+    pub staged: Option<Staged>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -231,18 +256,25 @@ pub enum SpToHost {
         code: ErrorCode,
         message: String,
     },
-    /// For the post with `token` (which asked for `host_copies`): copy `len` bytes from
-    /// address `src_addr` of process `src_pid` (a rank of the same node, whose grant the SP
-    /// checked) to `dst_offset` of the post's receive grant, then answer with
-    /// `HostToSp::CopyDone { ticket }`. The post completes only after every such copy.
+    /// For the post with `token` (which asked for `host_copies`, or a `Hier` staged post):
+    /// copy `len` bytes from `src` to `dst_offset` of the post's receive grant, then answer
+    /// with `HostToSp::CopyDone { ticket }`. The post completes only after every such copy.
     Copy {
         token: u64,
         ticket: u64,
-        src_pid: u32,
-        src_addr: u64,
+        src: CopySrc,
         dst_offset: u64,
         len: u64,
     },
+}
+
+/// Where a copy handed to a host reads from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum CopySrc {
+    /// Address `addr` of process `pid`: a rank of the same node, whose grant the SP checked.
+    Process { pid: u32, addr: u64 },
+    /// Offset `offset` of the rank's own mapping of its staged-collective segment.
+    Segment { offset: u64 },
 }
 
 /// Messages of one collective among SPs.
@@ -250,6 +282,7 @@ pub enum SpToHost {
 pub enum CollMsg {
     Alltoallv(alltoallv::Msg<AliasKey>),
     Allgatherv(allgatherv::Msg<AliasKey>),
+    Bcast(bcast::Msg),
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -257,6 +290,14 @@ pub enum SpToSp {
     Coll {
         key: CollKey,
         msg: CollMsg,
+    },
+    /// A collective message that brings bytes for the receiver's staging (a staged
+    /// collective's chunk): the receiver puts `data` into the slot `msg` names, then handles
+    /// `msg`.
+    Data {
+        key: CollKey,
+        msg: CollMsg,
+        data: Vec<u8>,
     },
     /// A job ended (or lost a rank) at the sender; receivers abort its instances.
     JobAbort {
@@ -493,6 +534,11 @@ mod tests {
                     recv_counts: vec![3, 4],
                     recv_displs: vec![0, 3],
                     host_copies: i % 2 == 0,
+                    staged: (i == 3).then(|| Staged {
+                        root: 1,
+                        design: StagedDesign::Hier,
+                        segment: Some(grant(30)),
+                    }),
                 }))
             })
             .collect();

@@ -32,7 +32,7 @@ use crate::request::OffloadRequest;
 use crate::state::{is_active, mailbox_token, topology, with_shim, TRACKED};
 use crate::wait::Waiter;
 use alias_mkey::Rights;
-use bootstrap::wire::{CollKind, HostToSp, PostDesc};
+use bootstrap::wire::{CollKind, HostToSp, PostDesc, Staged, StagedDesign};
 use mpi_ffi as ffi;
 use mpi_ffi::consts;
 use std::os::raw::{c_int, c_void};
@@ -178,7 +178,7 @@ pub unsafe fn alltoallv(
     let send = Side::new(sendbuf, (sc, sd), st);
     let recv = Side::new(recvbuf, (rc, rd), rt);
     // SAFETY: forwarded.
-    unsafe { post(CollKind::Alltoallv, comm, send, recv, false, commit) }
+    unsafe { post(CollKind::Alltoallv, comm, send, recv, false, None, commit) }
 }
 
 /// # Safety
@@ -202,7 +202,7 @@ pub unsafe fn alltoall(
     let send = Side::new(sendbuf, alltoall_as_v(n, sendcount as i64), st);
     let recv = Side::new(recvbuf, alltoall_as_v(n, recvcount as i64), rt);
     // SAFETY: forwarded.
-    unsafe { post(CollKind::Alltoallv, comm, send, recv, false, commit) }
+    unsafe { post(CollKind::Alltoallv, comm, send, recv, false, None, commit) }
 }
 
 /// # Safety
@@ -232,7 +232,17 @@ pub unsafe fn allgatherv(
     let send = Side::new(sendbuf, (vec![sendcount as i64], vec![0]), st);
     let recv = Side::new(recvbuf, (rc, rd), rt);
     // SAFETY: forwarded.
-    unsafe { post(CollKind::Allgatherv, comm, send, recv, blocking, commit) }
+    unsafe {
+        post(
+            CollKind::Allgatherv,
+            comm,
+            send,
+            recv,
+            blocking,
+            None,
+            commit,
+        )
+    }
 }
 
 /// # Safety
@@ -258,8 +268,97 @@ pub unsafe fn allgather(
     // Block `i` at displacement `i * recvcount`: the alltoall layout of one side.
     let recv = Side::new(recvbuf, alltoall_as_v(n, recvcount as i64), rt);
     // SAFETY: forwarded.
-    unsafe { post(CollKind::Allgatherv, comm, send, recv, blocking, commit) }
+    unsafe {
+        post(
+            CollKind::Allgatherv,
+            comm,
+            send,
+            recv,
+            blocking,
+            None,
+            commit,
+        )
+    }
 }
+
+/// # Safety
+/// Arguments as for `MPI_Bcast`.
+pub unsafe fn bcast(
+    buffer: *mut c_void,
+    count: c_int,
+    ty: ffi::MPI_Datatype,
+    root: c_int,
+    comm: ffi::MPI_Comm,
+    blocking: bool,
+    commit: &mut Commit,
+) -> Offload {
+    // SAFETY: forwarded.
+    let Some((n, t, _)) = (unsafe { eligible(buffer, buffer, ty, ty, comm) }) else {
+        return Offload::Native;
+    };
+    if root < 0 || root as usize >= n || count < 0 {
+        // Native MPI reports the bad root or count.
+        return Offload::Native;
+    }
+    let mut rank: c_int = 0;
+    // SAFETY: a valid intracommunicator (checked by `eligible`) and out-pointer.
+    if unsafe { ffi::PMPI_Comm_rank(comm, &mut rank) } != consts::SUCCESS() {
+        return Offload::Native;
+    }
+    let data = Side::new(buffer, (vec![count as i64], vec![0]), t);
+    let empty = Side::new(buffer, (vec![0], vec![0]), t);
+    let (send, recv) = if rank == root {
+        (data, empty)
+    } else {
+        (empty, data)
+    };
+    // SAFETY: forwarded.
+    unsafe {
+        post(
+            CollKind::Bcast,
+            comm,
+            send,
+            recv,
+            blocking,
+            Some(root as u32),
+            commit,
+        )
+    }
+}
+
+/// The design of a staged collective of `len` bytes on a communicator whose members are
+/// served by the SPs `members`. A message larger than the segment (`SPOFF_SEGMENT_BYTES`) is
+/// always `Flat`; otherwise `SPOFF_BCAST_DESIGN=flat|hier` forces one, and `auto` (the default)
+/// picks `Hier` when some SP serves at least `SPOFF_HIER_MIN_RANKS` (default
+/// [`HIER_MIN_RANKS`]) of the members. The members and the length are the same on every rank
+/// (and so, in a correct job, is the environment), so every rank decides alike.
+fn staged_design(members: &[algorithms::SpId], len: u64) -> StagedDesign {
+    if len > crate::segment::configured_len() {
+        return StagedDesign::Flat;
+    }
+    let forced = std::env::var("SPOFF_BCAST_DESIGN").ok();
+    match forced.as_deref().map(str::trim) {
+        Some("flat") => return StagedDesign::Flat,
+        Some("hier") => return StagedDesign::Hier,
+        _ => {}
+    }
+    let min = std::env::var("SPOFF_HIER_MIN_RANKS")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .unwrap_or(HIER_MIN_RANKS);
+    let mut per_sp = std::collections::HashMap::new();
+    for sp in members {
+        *per_sp.entry(*sp).or_insert(0usize) += 1;
+    }
+    if per_sp.values().any(|&k| k >= min) {
+        StagedDesign::Hier
+    } else {
+        StagedDesign::Flat
+    }
+}
+
+/// Ranks per SP from which `auto` picks the hierarchical design (see docs/BENCHMARKS.md).
+pub const HIER_MIN_RANKS: usize = 4;
 
 /// A free mailbox slot, harvesting completions (and waiting) while none is free. The wait is
 /// bounded: each pass reads the SP connection (a dead SP fails it), and once every slot is
@@ -299,15 +398,17 @@ fn reserve_slot() -> Result<u32, String> {
 }
 
 /// Posts one collective of `kind`: `send` has a block per comm rank for an alltoallv, the one
-/// block of this rank (at displacement 0) for an allgatherv. `blocking`: the caller waits for
-/// the request inside the call, so in an allgatherv it can copy the segments already on its
-/// node itself (unless `SPOFF_HOST_COPIES=0`), sparing the SP that work.
+/// block of this rank (at displacement 0) for an allgatherv or a bcast's root. `blocking`: the
+/// caller waits for the request inside the call, so in an allgatherv it can copy the segments
+/// already on its node itself (unless `SPOFF_HOST_COPIES=0`), sparing the SP that work. `root`:
+/// the root of a staged collective (a bcast).
 unsafe fn post(
     kind: CollKind,
     comm: ffi::MPI_Comm,
     send: Side,
     recv: Side,
     blocking: bool,
+    root: Option<u32>,
     commit: &mut Commit,
 ) -> Offload {
     let (Ok(s), Ok(r)) = (
@@ -356,10 +457,25 @@ unsafe fn post(
     // An allgatherv's receive buffer is also read: the SP serves the node's other ranks
     // segments out of it.
     let recv_rights = match kind {
-        CollKind::Alltoallv => Rights::WRITE,
+        CollKind::Alltoallv | CollKind::Bcast => Rights::WRITE,
         CollKind::Allgatherv => Rights::READ_WRITE,
     };
-    let host_copies = blocking && kind == CollKind::Allgatherv && host_copies_enabled();
+    let design = root.map(|_| staged_design(&info.members, s.region_len.max(r.region_len)));
+    // Hier: the SP writes the segment this rank shares with the other ranks of its SP, and the
+    // rank copies from it into its buffer (the root receives nothing).
+    let segment = match design {
+        Some(StagedDesign::Hier) => {
+            let t = topology();
+            match crate::segment::get(t.job, t.sp_of_world[t.world_rank as usize]) {
+                Ok(seg) => Some(seg),
+                Err(why) => return fail(&why),
+            }
+        }
+        _ => None,
+    };
+    let receives_from_segment = segment.is_some() && root != Some(info.comm_rank);
+    let host_copies = (blocking && kind == CollKind::Allgatherv && host_copies_enabled())
+        || receives_from_segment;
     let posted = with_shim(|sh| {
         let token = sh.next_token;
         sh.next_token += 1;
@@ -377,7 +493,7 @@ unsafe fn post(
             members: info.members.clone(),
             nodes: match kind {
                 CollKind::Alltoallv => Vec::new(),
-                CollKind::Allgatherv => info.nodes.clone(),
+                CollKind::Allgatherv | CollKind::Bcast => info.nodes.clone(),
             },
             slot,
             token,
@@ -388,12 +504,20 @@ unsafe fn post(
             recv_counts: r.counts,
             recv_displs: r.displs,
             host_copies,
+            staged: root.zip(design).map(|(root, design)| Staged {
+                root,
+                design,
+                segment: segment.map(|seg| {
+                    sh.registrar
+                        .cma_buffer(seg.addr as u64, seg.len, Rights::READ_WRITE)
+                }),
+            }),
         };
         match sh.conn.send(&HostToSp::Post(Box::new(desc))) {
             Ok(()) => {
                 let mut req = OffloadRequest::new(kind, slot, token, info.id, seq, comm);
                 if host_copies {
-                    req.host_copy_region = Some((recv_addr as usize, r.region_len));
+                    req.accept_host_copies((recv_addr as usize, r.region_len));
                 }
                 let req = Box::into_raw(Box::new(req));
                 sh.registry.insert(req as usize);
@@ -426,5 +550,6 @@ pub fn kind_name(kind: CollKind) -> &'static str {
     match kind {
         CollKind::Alltoallv => "alltoallv",
         CollKind::Allgatherv => "allgatherv",
+        CollKind::Bcast => "bcast",
     }
 }

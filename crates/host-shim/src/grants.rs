@@ -157,6 +157,12 @@ impl Grants {
         self.cma.register(addr, len, rights)
     }
 
+    /// A `cma` grant whatever the backend: for the staged collectives' segment, which the SP
+    /// writes by cross-memory attach.
+    pub fn cma_buffer(&mut self, addr: u64, len: u64, rights: Rights) -> Grant {
+        self.cma.register(addr, len, rights)
+    }
+
     /// One round of UCX progress (nothing with `cma`). See the module docs.
     pub fn progress(&self) {
         if let Some(u) = &self.ucx {

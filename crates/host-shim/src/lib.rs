@@ -61,6 +61,7 @@ mod comm;
 mod conn;
 mod grants;
 mod request;
+mod segment;
 mod state;
 mod wait;
 
@@ -628,5 +629,53 @@ pub unsafe extern "C" fn MPI_Cancel(request: *mut ffi::MPI_Request) -> c_int {
         || unsafe { ffi::PMPI_Cancel(request) },
         // SAFETY: as above.
         |commit| unsafe { wait::cancel(request, commit) },
+    )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn MPI_Ibcast(
+    buffer: *mut c_void,
+    count: c_int,
+    datatype: ffi::MPI_Datatype,
+    root: c_int,
+    comm: ffi::MPI_Comm,
+    request: *mut ffi::MPI_Request,
+) -> c_int {
+    boundary(
+        "MPI_Ibcast",
+        // SAFETY: the caller's arguments, passed on unchanged.
+        || unsafe { ffi::PMPI_Ibcast(buffer, count, datatype, root, comm, request) },
+        |commit| {
+            if request.is_null() {
+                return Flow::Native;
+            }
+            // SAFETY: the caller's arguments (MPI preconditions).
+            unsafe {
+                let outcome = coll::bcast(buffer, count, datatype, root, comm, false, commit);
+                complete(outcome, Some(request), comm)
+            }
+        },
+    )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn MPI_Bcast(
+    buffer: *mut c_void,
+    count: c_int,
+    datatype: ffi::MPI_Datatype,
+    root: c_int,
+    comm: ffi::MPI_Comm,
+) -> c_int {
+    boundary(
+        "MPI_Bcast",
+        // SAFETY: the caller's arguments, passed on unchanged.
+        || unsafe { ffi::PMPI_Bcast(buffer, count, datatype, root, comm) },
+        |commit| {
+            // SAFETY: the caller's arguments (MPI preconditions).
+            unsafe {
+                let outcome = coll::bcast(buffer, count, datatype, root, comm, true, commit);
+                complete(outcome, None, comm)
+            }
+        },
     )
 }

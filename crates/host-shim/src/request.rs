@@ -82,9 +82,27 @@ impl OffloadRequest {
     /// Records the result (under the shim lock).
     pub fn finish(&self, code: c_int) {
         self.code.store(code, Ordering::Relaxed);
-        self.done.store(true, Ordering::Release);
+        if !self.done.swap(true, Ordering::AcqRel) && self.host_copy_region.is_some() {
+            HOST_COPY_REQUESTS.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+
+    /// Marks a request the SP will hand copies to (call once, before it is shared).
+    pub fn accept_host_copies(&mut self, region: (usize, u64)) {
+        self.host_copy_region = Some(region);
+        HOST_COPY_REQUESTS.fetch_add(1, Ordering::AcqRel);
     }
 }
+
+/// Outstanding requests that accept host copies: while there are any, every Test-style call
+/// reads the SP connection (the copies are handed over there).
+static HOST_COPY_REQUESTS: AtomicUsize = AtomicUsize::new(0);
+
+pub fn host_copies_outstanding() -> bool {
+    HOST_COPY_REQUESTS.load(Ordering::Acquire) > 0
+}
+
+impl OffloadRequest {}
 
 /// The object behind one of our handles.
 ///

@@ -32,7 +32,7 @@ use algorithms::SpId;
 use alias_mkey::host::Registrar;
 use alias_mkey::Rights;
 use bootstrap::mailbox::{self, DEFAULT_SLOTS, SLOT_BYTES, STATUS_OFFSET, TOKEN_OFFSET};
-use bootstrap::wire::{Hello, HostHello, HostToSp, SpToHost};
+use bootstrap::wire::{CopySrc, Hello, HostHello, HostToSp, SpToHost};
 use bootstrap::Cluster;
 use mpi_ffi as ffi;
 use mpi_ffi::consts;
@@ -71,6 +71,7 @@ pub fn is_active() -> bool {
 /// What never changes once the shim is active.
 #[derive(Debug)]
 pub struct Topology {
+    pub job: u64,
     pub world_rank: u32,
     pub world_size: u32,
     /// The SP serving each world rank.
@@ -254,12 +255,11 @@ impl Shim {
                 SpToHost::Copy {
                     token,
                     ticket,
-                    src_pid,
-                    src_addr,
+                    src,
                     dst_offset,
                     len,
                 } => {
-                    let ok = match self.host_copy(token, src_pid, src_addr, dst_offset, len) {
+                    let ok = match self.host_copy(token, src, dst_offset, len) {
                         Ok(()) => true,
                         Err(why) => {
                             say!(
@@ -285,15 +285,16 @@ impl Shim {
         }
     }
 
-    /// Copies `len` bytes from `src_addr` in process `src_pid` (a rank of this node) into the
-    /// receive region of the outstanding request posted with `token`, at `dst_offset`: the
-    /// SP's request for an intra-node copy in a blocking allgatherv. Only a request that asked
-    /// for host copies, and only inside its own receive region, is written.
+    /// Copies `len` bytes from `src` (another process of this node, or this rank's mapping of
+    /// its staged-collective segment) into the receive region of the outstanding request
+    /// posted with `token`, at `dst_offset`: the SP's request for an intra-node copy in a
+    /// blocking allgatherv, or a hierarchical staged collective. Only a request that accepts
+    /// host copies, and only inside its own receive region, is written; a segment is read only
+    /// inside its mapping.
     fn host_copy(
         &mut self,
         token: u64,
-        src_pid: u32,
-        src_addr: u64,
+        src: CopySrc,
         dst_offset: u64,
         len: u64,
     ) -> Result<(), String> {
@@ -318,9 +319,22 @@ impl Shim {
             }
         }
         let dst = (base as u64 + dst_offset) as usize;
-        // SAFETY: [dst, dst+len) lies inside the receive region this request granted, which
-        // the program may not touch until the call returns (the call is still inside).
-        unsafe { crate::cma::read_from(src_pid, src_addr, dst, len as usize) }
+        match src {
+            // SAFETY: [dst, dst+len) lies inside the receive region this request granted, which
+            // the program may not touch until the request completes.
+            CopySrc::Process { pid, addr } => unsafe {
+                crate::cma::read_from(pid, addr, dst, len as usize)
+            },
+            CopySrc::Segment { offset } => {
+                let seg = crate::segment::mapped()
+                    .ok_or("a copy from the segment, which this rank has not mapped")?;
+                let src = seg.range(offset, len)?;
+                // SAFETY: `src` lies in the mapped segment and `dst` in the receive region (as
+                // above); they do not overlap (the segment is the shim's own mapping).
+                unsafe { std::ptr::copy_nonoverlapping(src, dst as *mut u8, len as usize) };
+                Ok(())
+            }
+        }
     }
 
     /// The program freed the communicator `id`: its requests report errors through
@@ -547,6 +561,7 @@ unsafe fn start_inner() -> bool {
     }
 
     let _ = TOPOLOGY.set(Topology {
+        job,
         world_rank: rank,
         world_size: size,
         sp_of_world,

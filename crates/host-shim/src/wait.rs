@@ -68,8 +68,6 @@ pub(crate) struct Waiter {
     backoff: Backoff,
     last_progress: Instant,
     last_conn: Instant,
-    /// Read the connection at every look: the SP hands this wait intra-node copies to do.
-    eager_conn: bool,
 }
 
 impl Waiter {
@@ -79,7 +77,6 @@ impl Waiter {
             backoff: Backoff::new(),
             last_progress: now,
             last_conn: now,
-            eager_conn: false,
         }
     }
 
@@ -96,7 +93,9 @@ impl Waiter {
             unsafe { native_progress() };
             self.last_progress = now;
         }
-        if self.eager_conn || now - self.last_conn >= CONN_CHECK_INTERVAL {
+        // While the SP may hand copies to this rank, read the connection at every look.
+        if crate::request::host_copies_outstanding() || now - self.last_conn >= CONN_CHECK_INTERVAL
+        {
             service_connection();
             self.last_conn = now;
         }
@@ -115,9 +114,10 @@ unsafe fn test_miss() {
     // SAFETY: MPI is initialised while the shim is active.
     unsafe { native_progress() };
     let now = Instant::now();
+    let eager = crate::request::host_copies_outstanding();
     let due = LAST_TEST_CONN_CHECK
         .try_with(|c| {
-            let due = c.get().is_none_or(|t| now - t >= CONN_CHECK_INTERVAL);
+            let due = eager || c.get().is_none_or(|t| now - t >= CONN_CHECK_INTERVAL);
             if due {
                 c.set(Some(now));
             }
@@ -366,7 +366,6 @@ fn wait_addr(addr: usize) -> c_int {
     // SAFETY: the caller owns this request of ours.
     let req = unsafe { by_addr(addr) };
     let mut w = Waiter::new();
-    w.eager_conn = req.host_copy_region.is_some();
     loop {
         if let Some(code) = poll(req) {
             return code;

@@ -28,8 +28,11 @@ use std::time::{Duration, Instant};
 const NP: u64 = 4;
 const TIMEOUT: Duration = Duration::from_secs(120);
 /// The shim's settings: every job gets the ones its test sets, never the caller's.
-const SHIM_VARS: [&str; 7] = [
+const SHIM_VARS: [&str; 10] = [
     "SPOFF_HOST_COPIES",
+    "SPOFF_BCAST_DESIGN",
+    "SPOFF_HIER_MIN_RANKS",
+    "SPOFF_SEGMENT_BYTES",
     "SPOFF_CLUSTER",
     "SPOFF_OFFLOAD",
     "SPOFF_JOB_ID",
@@ -312,6 +315,83 @@ fn allgather_offloads_two_sps_per_node_block_with_late_arrivals() {
 fn allgather_and_alltoall_offload_two_sps_per_node_cyclic_with_late_arrivals() {
     let run = ag_check_offloads(2, "cyclic", &["mixed"]);
     assert_late_arrivals(&run);
+}
+
+/// `bcast_check` (randomized MPI_Bcast / MPI_Ibcast from every root, 0 bytes to several MiB
+/// with sizes off the chunk size, sub-communicators, several outstanding, each compared byte
+/// for byte with `PMPI_Bcast`; a non-contiguous type going native) on 2 nodes x 2 ranks with
+/// `sps_per_node` SPs per node, `layout`, the design forced by `SPOFF_BCAST_DESIGN=design` and
+/// `extra` program arguments. Checks the verdict and the SP accounting as [`assert_offloaded`]
+/// does, that chunks moved between the SPs, and for `hier` that the ranks copied out of the
+/// segment; returns the run.
+fn bcast_check_offloads(sps_per_node: u32, layout: &str, design: &str, extra: &[&str]) -> Finished {
+    let _serial = serial();
+    let prog = prog("bcast_check");
+    let seed = integration_tests::seed().to_string();
+    let mut program = vec![prog.as_str(), "12", &seed];
+    program.extend_from_slice(extra);
+    let run = launch_with(
+        sps_per_node,
+        &["--layout", layout],
+        &program,
+        &[("SPOFF_BCAST_DESIGN", design)],
+    );
+    assert_offloaded(&run, "bcast_check", 2 * sps_per_node as usize);
+    assert!(shim_lines(&run.stderr).is_empty(), "{}", run.stderr);
+    assert!(run.sp_total("chunks_moved") > 0, "{}", run.stderr);
+    assert_eq!(run.sp_total("staging_refused"), 0, "{}", run.stderr);
+    match design {
+        "hier" => assert!(run.sp_total("host_copies") > 0, "{}", run.stderr),
+        _ => assert_eq!(run.sp_total("host_copies"), 0, "{}", run.stderr),
+    }
+    eprintln!(
+        "bcast_check seed {seed} {design}: chunks moved {}, host copies {}",
+        run.sp_total("chunks_moved"),
+        run.sp_total("host_copies")
+    );
+    run
+}
+
+#[test]
+fn bcast_flat_offloads_one_sp_per_node_block() {
+    bcast_check_offloads(1, "block", "flat", &["big"]);
+}
+
+#[test]
+fn bcast_flat_offloads_two_sps_per_node_cyclic_with_a_late_rank() {
+    bcast_check_offloads(2, "cyclic", "flat", &["late"]);
+}
+
+#[test]
+fn bcast_hier_offloads_one_sp_per_node_cyclic_with_a_late_rank() {
+    bcast_check_offloads(1, "cyclic", "hier", &["big", "late"]);
+}
+
+#[test]
+fn bcast_hier_offloads_two_sps_per_node_block() {
+    bcast_check_offloads(2, "block", "hier", &[]);
+}
+
+#[test]
+fn bcast_hier_without_room_in_the_segment_is_delivered_flat() {
+    // Every message fits the 64 KiB segment alone but no two at once: an SP whose segment is
+    // taken by an outstanding Ibcast delivers the next one flat (writing the ranks' buffers
+    // itself), and the results are still right.
+    let _serial = serial();
+    let prog = prog("bcast_check");
+    let seed = integration_tests::seed().to_string();
+    let run = launch_with(
+        1,
+        &[],
+        &[prog.as_str(), "12", &seed, "fit=65536"],
+        &[
+            ("SPOFF_BCAST_DESIGN", "hier"),
+            ("SPOFF_SEGMENT_BYTES", "65536"),
+        ],
+    );
+    assert_offloaded(&run, "bcast_check", 2);
+    assert!(run.sp_total("hier_delivered_flat") > 0, "{}", run.stderr);
+    assert!(run.sp_total("host_copies") > 0, "{}", run.stderr);
 }
 
 /// `program` offloaded with `SPOFF_BACKEND=ucx` (and verbose) on SPs started with `--ucx`:

@@ -5,7 +5,7 @@
 //! and turns its actions into [`Act`], with messages already wrapped for the wire
 //! ([`CollMsg`]) and copy ids as plain numbers.
 
-use algorithms::{allgatherv, alltoallv, CollKey, Nanos, Rank, SpId, Status};
+use algorithms::{allgatherv, alltoallv, bcast, CollKey, Nanos, Rank, SpId, Status};
 use alias_mkey::AliasKey;
 use bootstrap::wire::{CollKind, CollMsg};
 
@@ -13,6 +13,14 @@ pub enum Machine {
     // Boxed: the machines are a few hundred bytes each and of different sizes.
     Alltoallv(Box<alltoallv::Alltoallv<AliasKey>>),
     Allgatherv(Box<allgatherv::Allgatherv<AliasKey>>),
+    Bcast(Box<bcast::Bcast<AliasKey>>),
+}
+
+/// Staging of the staged collectives (the same on every SP of a cluster).
+#[derive(Clone, Copy, Debug)]
+pub struct StagedConfig {
+    pub chunk_bytes: u64,
+    pub slots: u32,
 }
 
 /// What the engine must do next.
@@ -31,9 +39,30 @@ pub enum Act {
         dst_offset: u64,
         len: u64,
     },
+    /// A copy of a staged collective: one end may be a staging slot of the instance.
+    StageCopy {
+        id: u64,
+        /// The local rank whose grant is one end.
+        rank: Rank,
+        src: bcast::Loc<AliasKey>,
+        dst: bcast::Loc<AliasKey>,
+        len: u64,
+    },
+    /// Move `len` bytes from staging slot `src_slot` to SP `to`, delivering `msg` (which names
+    /// the slot there) with them; report with `handle_move_done`.
+    Move {
+        id: u64,
+        to: SpId,
+        src_slot: u32,
+        len: u64,
+        msg: CollMsg,
+    },
     Complete {
         rank: Rank,
         status: Status,
+        /// Hierarchical staged design: the data are in the segment; the host copies them
+        /// before the rank may complete.
+        from_segment: bool,
     },
 }
 
@@ -41,6 +70,7 @@ pub enum Act {
 pub enum Post {
     Alltoallv(alltoallv::Post<AliasKey>),
     Allgatherv(allgatherv::Post<AliasKey>),
+    Bcast(bcast::Post<AliasKey>),
 }
 
 /// Counters of the hierarchical collectives, summed over finished instances.
@@ -57,7 +87,7 @@ pub struct LateArrivals {
 }
 
 impl Machine {
-    pub fn new(kind: CollKind, key: CollKey, me: SpId) -> Machine {
+    pub fn new(kind: CollKind, key: CollKey, me: SpId, staged: StagedConfig) -> Machine {
         match kind {
             CollKind::Alltoallv => Machine::Alltoallv(Box::new(alltoallv::Alltoallv::new(
                 key,
@@ -67,6 +97,14 @@ impl Machine {
                 key,
                 allgatherv::Config { me },
             ))),
+            CollKind::Bcast => Machine::Bcast(Box::new(bcast::Bcast::new(
+                key,
+                bcast::Config {
+                    me,
+                    chunk_bytes: staged.chunk_bytes,
+                    staging_slots: staged.slots,
+                },
+            ))),
         }
     }
 
@@ -74,6 +112,7 @@ impl Machine {
         match self {
             Machine::Alltoallv(_) => CollKind::Alltoallv,
             Machine::Allgatherv(_) => CollKind::Allgatherv,
+            Machine::Bcast(_) => CollKind::Bcast,
         }
     }
 
@@ -82,6 +121,22 @@ impl Machine {
         match msg {
             CollMsg::Alltoallv(_) => CollKind::Alltoallv,
             CollMsg::Allgatherv(_) => CollKind::Allgatherv,
+            CollMsg::Bcast(_) => CollKind::Bcast,
+        }
+    }
+
+    /// A staged collective's incoming chunk may land in staging slot `slot` (granted to
+    /// `from`, not holding anything): checked before the bytes are written there.
+    pub fn may_fill(&self, from: SpId, slot: u32) -> bool {
+        match self {
+            Machine::Bcast(m) => m.may_fill(from, bcast::SlotId(slot)),
+            _ => false,
+        }
+    }
+
+    pub fn handle_move_done(&mut self, now: Nanos, id: u64, status: Status) {
+        if let Machine::Bcast(m) = self {
+            m.handle_move_done(now, bcast::MoveId(id), status);
         }
     }
 
@@ -93,6 +148,7 @@ impl Machine {
             (Machine::Allgatherv(m), Post::Allgatherv(p)) => {
                 m.handle_post(now, p).map_err(|e| e.to_string())
             }
+            (Machine::Bcast(m), Post::Bcast(p)) => m.handle_post(now, p).map_err(|e| e.to_string()),
             (m, _) => Err(format!(
                 "this collective instance is a {:?}; ranks posted different collectives",
                 m.kind()
@@ -108,6 +164,9 @@ impl Machine {
             (Machine::Allgatherv(m), CollMsg::Allgatherv(msg)) => {
                 m.handle_msg(now, from, msg).map_err(|e| e.to_string())
             }
+            (Machine::Bcast(m), CollMsg::Bcast(msg)) => {
+                m.handle_msg(now, from, msg).map_err(|e| e.to_string())
+            }
             (m, msg) => Err(format!(
                 "a {:?} message for a {:?} instance",
                 Machine::kind_of(&msg),
@@ -120,6 +179,7 @@ impl Machine {
         match self {
             Machine::Alltoallv(m) => m.handle_copy_done(now, alltoallv::CopyId(id), status),
             Machine::Allgatherv(m) => m.handle_copy_done(now, allgatherv::CopyId(id), status),
+            Machine::Bcast(m) => m.handle_copy_done(now, bcast::CopyId(id), status),
         }
     }
 
@@ -127,6 +187,7 @@ impl Machine {
         match self {
             Machine::Alltoallv(m) => m.handle_peer_lost(now, sp),
             Machine::Allgatherv(m) => m.handle_peer_lost(now, sp),
+            Machine::Bcast(m) => m.handle_peer_lost(now, sp),
         }
     }
 
@@ -134,6 +195,7 @@ impl Machine {
         match self {
             Machine::Alltoallv(m) => m.abort(now, status),
             Machine::Allgatherv(m) => m.abort(now, status),
+            Machine::Bcast(m) => m.abort(now, status),
         }
     }
 
@@ -141,6 +203,7 @@ impl Machine {
         match self {
             Machine::Alltoallv(m) => m.handle_rank_lost(now, rank),
             Machine::Allgatherv(m) => m.handle_rank_lost(now, rank),
+            Machine::Bcast(m) => m.handle_rank_lost(now, rank),
         }
     }
 
@@ -148,6 +211,7 @@ impl Machine {
         match self {
             Machine::Alltoallv(m) => m.is_finished(),
             Machine::Allgatherv(m) => m.is_finished(),
+            Machine::Bcast(m) => m.is_finished(),
         }
     }
 
@@ -155,13 +219,14 @@ impl Machine {
         match self {
             Machine::Alltoallv(m) => m.copies_in_flight(),
             Machine::Allgatherv(m) => m.copies_in_flight(),
+            Machine::Bcast(m) => m.copies_in_flight(),
         }
     }
 
     /// Late-arrival counters (zero for collectives without a hierarchical landing).
     pub fn late_arrivals(&self) -> LateArrivals {
         match self {
-            Machine::Alltoallv(_) => LateArrivals::default(),
+            Machine::Alltoallv(_) | Machine::Bcast(_) => LateArrivals::default(),
             Machine::Allgatherv(m) => {
                 let s = m.stats();
                 LateArrivals {
@@ -190,7 +255,11 @@ impl Machine {
                     dst_offset: c.dst_offset,
                     len: c.len,
                 },
-                alltoallv::Action::Complete { rank, status } => Act::Complete { rank, status },
+                alltoallv::Action::Complete { rank, status } => Act::Complete {
+                    rank,
+                    status,
+                    from_segment: false,
+                },
             }),
             Machine::Allgatherv(m) => Some(match m.poll_action()? {
                 allgatherv::Action::Send { to, msg } => Act::Send {
@@ -206,7 +275,40 @@ impl Machine {
                     dst_offset: c.dst_offset,
                     len: c.len,
                 },
-                allgatherv::Action::Complete { rank, status } => Act::Complete { rank, status },
+                allgatherv::Action::Complete { rank, status } => Act::Complete {
+                    rank,
+                    status,
+                    from_segment: false,
+                },
+            }),
+            Machine::Bcast(m) => Some(match m.poll_action()? {
+                bcast::Action::Send { to, msg } => Act::Send {
+                    to,
+                    msg: CollMsg::Bcast(msg),
+                },
+                bcast::Action::Copy(c) => Act::StageCopy {
+                    id: c.id.0,
+                    rank: c.rank,
+                    src: c.src,
+                    dst: c.dst,
+                    len: c.len,
+                },
+                bcast::Action::Move(mv) => Act::Move {
+                    id: mv.id.0,
+                    to: mv.to,
+                    src_slot: mv.src_slot.0,
+                    len: mv.len,
+                    msg: CollMsg::Bcast(mv.chunk_msg()),
+                },
+                bcast::Action::Complete {
+                    rank,
+                    status,
+                    from_segment,
+                } => Act::Complete {
+                    rank,
+                    status,
+                    from_segment,
+                },
             }),
         }
     }
@@ -266,6 +368,19 @@ pub fn refuse(msg: &CollMsg, from: SpId, status: Status) -> Vec<(SpId, CollMsg)>
             ),
             (*holder_sp, agv_abort),
         ],
+        // The sender waits for credits after `Open`, for its slots after `Credit`.
+        CollMsg::Bcast(bcast::Msg::Open { .. } | bcast::Msg::Chunk { .. }) => {
+            vec![(from, CollMsg::Bcast(bcast::Msg::Abort { status }))]
+        }
+        CollMsg::Bcast(bcast::Msg::Credit { slots, .. }) => vec![
+            (
+                from,
+                CollMsg::Bcast(bcast::Msg::Return {
+                    slots: slots.clone(),
+                }),
+            ),
+            (from, CollMsg::Bcast(bcast::Msg::Abort { status })),
+        ],
         // Messages that expect no answer. Listed one by one so that a new message kind has to
         // be considered here.
         CollMsg::Alltoallv(alltoallv::Msg::Ack { .. } | alltoallv::Msg::Abort { .. })
@@ -274,6 +389,7 @@ pub fn refuse(msg: &CollMsg, from: SpId, status: Status) -> Vec<(SpId, CollMsg)>
             | allgatherv::Msg::RankReady
             | allgatherv::Msg::SegmentDone { .. }
             | allgatherv::Msg::Abort { .. },
-        ) => vec![],
+        )
+        | CollMsg::Bcast(bcast::Msg::Return { .. } | bcast::Msg::Abort { .. }) => vec![],
     }
 }

@@ -55,6 +55,18 @@ enum Cmd {
         /// UCX_TLS applies). The `cma` backend is always served.
         #[arg(long)]
         ucx: bool,
+        /// Staged collectives (bcast): bytes per chunk and per staging buffer (at most 2 MiB;
+        /// must be the same on every SP of the cluster).
+        #[arg(long, default_value_t = 256 * 1024, value_parser = clap::value_parser!(u64).range(1..=2 * 1024 * 1024))]
+        stage_chunk_bytes: u64,
+        /// Staged collectives: staging buffers per collective instance on this SP (the
+        /// pipeline depth).
+        #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=1024))]
+        stage_slots: u32,
+        /// Staging memory of this SP, all staged collectives together (MiB); a staged
+        /// collective that would exceed it fails with an error.
+        #[arg(long, default_value_t = 256)]
+        staging_mib: u64,
         /// Pin the SP to these CPUs (e.g. `1` or `0,2-3`).
         #[arg(long)]
         cpus: Option<CpuList>,
@@ -230,6 +242,9 @@ fn run(cli: Cli) -> Result<i32> {
             chunk_bytes,
             inline_copy_bytes,
             ucx,
+            stage_chunk_bytes,
+            stage_slots,
+            staging_mib,
             cpus,
             realtime,
             connect_timeout_secs,
@@ -272,6 +287,11 @@ fn run(cli: Cli) -> Result<i32> {
                 inline_copy_bytes,
                 ucx,
                 connect_backoff: backoff,
+                staged: service_process::machine::StagedConfig {
+                    chunk_bytes: stage_chunk_bytes,
+                    slots: stage_slots,
+                },
+                staging_bytes: staging_mib.saturating_mul(1 << 20),
             };
             let server = Server::new(cfg, peers)?;
             println!("READY sp={sp_id}");

@@ -22,18 +22,20 @@
 
 use crate::conn::{Conn, ReadEnd, Stream};
 use crate::datapath::{CopyJob, Datapath};
-use crate::machine::{self, Act, Machine};
+use crate::machine::{self, Act, Machine, StagedConfig};
+use crate::segment::Arena;
+use crate::staging::{Budget, StageSet};
 use crate::stats::Stats;
 use algorithms::sched::CopyLimiter;
-use algorithms::{allgatherv, alltoallv};
+use algorithms::{allgatherv, alltoallv, bcast};
 use algorithms::{CollKey, CommId, Nanos, SpId, Status};
 use alias_mkey::mover::{CmaMover, Mover};
 use alias_mkey::{AliasKey, BackendData, Grant, Owner, Rights};
 use bootstrap::mailbox;
 use bootstrap::rendezvous::{connect_with_backoff, Backoff};
 use bootstrap::wire::{
-    self, decode, decode_hello, encode, encode_hello, frame, CollKind, CollMsg, ErrorCode, Hello,
-    HostHello, HostToSp, PostDesc, SpHello, SpToHost, SpToSp,
+    self, decode, decode_hello, encode, encode_hello, frame, CollKind, CollMsg, CopySrc, ErrorCode,
+    Hello, HostHello, HostToSp, PostDesc, SpHello, SpToHost, SpToSp, StagedDesign,
 };
 use bootstrap::Cluster;
 use mio::net::{UnixListener, UnixStream};
@@ -70,6 +72,10 @@ pub struct ServeConfig {
     /// Also accept `ucx` grants (datapath threads then each own a UCX worker).
     pub ucx: bool,
     pub connect_backoff: Backoff,
+    /// Chunk size and slots per instance of the staged collectives.
+    pub staged: StagedConfig,
+    /// Staging memory of this SP, all instances together.
+    pub staging_bytes: u64,
 }
 
 /// Role of a connection.
@@ -107,14 +113,37 @@ struct Posted {
 /// A copy handed to a host (`SpToHost::Copy`), until it answers or goes.
 struct HostCopy {
     ck: CollKey,
-    id: u64,
     conn: usize,
     conn_id: u64,
+    then: AfterHostCopy,
+}
+
+/// What a host's answer to a copy finishes.
+#[derive(Clone, Copy)]
+enum AfterHostCopy {
+    /// A copy of the instance's state machine.
+    Machine { id: u64 },
+    /// The last step of a rank of a hierarchical staged instance: the rank completes (with the
+    /// copy's outcome) and one reader of the instance's segment region is done.
+    Finish { posted: Posted },
+}
+
+/// The region of its job's segment a hierarchical staged instance uses on this SP.
+struct Region {
+    off: u64,
+    /// The message length (the region may be larger).
+    len: u64,
+    /// Ranks still copying out of it.
+    readers: usize,
+    /// The instance finished (no more writes, no more readers to come).
+    finished: bool,
 }
 
 struct Instance {
     sm: Machine,
     posted: HashMap<u32, Posted>,
+    /// Staging slots of a staged collective (given back to the budget with the instance).
+    stages: Option<StageSet>,
 }
 
 #[derive(Default)]
@@ -156,6 +185,13 @@ pub struct Server {
     inline_done: Vec<crate::datapath::CopyDone>,
     /// Host copies that ended without being handed over, or answered, likewise.
     host_done: Vec<(CollKey, u64, Status)>,
+    staged: StagedConfig,
+    budget: Budget,
+    /// Segment regions per job (hierarchical staged designs), and the region of each instance.
+    arenas: HashMap<u64, Arena>,
+    regions: HashMap<CollKey, Region>,
+    /// Hierarchical instances that found no room in the segment: this SP delivers them flat.
+    flat_here: HashSet<CollKey>,
     signals: crate::signals::SignalPipe,
     start: Instant,
     pub stats: Stats,
@@ -299,6 +335,11 @@ impl Server {
             inline_copy_bytes: cfg.inline_copy_bytes,
             inline_done: Vec::new(),
             host_done: Vec::new(),
+            staged: cfg.staged,
+            budget: Budget::new(cfg.staging_bytes),
+            arenas: HashMap::new(),
+            regions: HashMap::new(),
+            flat_here: HashSet::new(),
             signals,
             start: Instant::now(),
             stats: Stats::default(),
@@ -628,28 +669,67 @@ impl Server {
                 d.comm_rank
             ));
         }
-        // Alltoallv: one send block per rank; allgatherv: this rank's one block, at offset 0.
-        let send_entries = match d.kind {
-            CollKind::Alltoallv => p,
-            CollKind::Allgatherv => 1,
+        // Alltoallv: one send block per rank; allgatherv: this rank's one block, at offset 0;
+        // bcast: one block each way, one of them empty.
+        let (send_entries, recv_entries) = match d.kind {
+            CollKind::Alltoallv => (p, p),
+            CollKind::Allgatherv => (1, p),
+            CollKind::Bcast => (1, 1),
         };
         for (name, v, want) in [
             ("send_counts", &d.send_counts, send_entries),
             ("send_displs", &d.send_displs, send_entries),
-            ("recv_counts", &d.recv_counts, p),
-            ("recv_displs", &d.recv_displs, p),
+            ("recv_counts", &d.recv_counts, recv_entries),
+            ("recv_displs", &d.recv_displs, recv_entries),
         ] {
             if v.len() != want {
                 return bad(format!("{name} has {} entries, expected {want}", v.len()));
             }
         }
-        if d.kind == CollKind::Allgatherv {
-            if d.send_displs[0] != 0 {
-                return bad("the allgatherv send block must start at offset 0 of its grant".into());
+        if d.kind == CollKind::Allgatherv && d.send_displs[0] != 0 {
+            return bad("the allgatherv send block must start at offset 0 of its grant".into());
+        }
+        if matches!(d.kind, CollKind::Allgatherv | CollKind::Bcast) && d.nodes.len() != p {
+            return bad(format!("nodes has {} entries for {p} ranks", d.nodes.len()));
+        }
+        match (d.kind, &d.staged) {
+            (CollKind::Bcast, None) => return bad("a bcast without its root and design".into()),
+            (CollKind::Bcast, Some(st)) => {
+                if st.root as usize >= p {
+                    return bad(format!("root {} outside a communicator of {p}", st.root));
+                }
+                if d.send_displs[0] != 0 || d.recv_displs[0] != 0 {
+                    return bad("a bcast's buffer must start at offset 0 of its grant".into());
+                }
+                let is_root = st.root == d.comm_rank;
+                let empty = if is_root {
+                    d.recv_counts[0]
+                } else {
+                    d.send_counts[0]
+                };
+                if empty != 0 {
+                    return bad(format!(
+                        "a bcast {} sends nothing else: {empty} bytes on its other side",
+                        if is_root { "root" } else { "receiver" }
+                    ));
+                }
+                if st.design == StagedDesign::Hier {
+                    let Some(seg) = &st.segment else {
+                        return bad("a hierarchical bcast without its segment".into());
+                    };
+                    if seg.backend != BackendData::Cma
+                        || !seg.rights.contains(Rights::READ_WRITE)
+                        || seg.addr.checked_add(seg.len).is_none()
+                    {
+                        return bad(format!(
+                            "the segment grant ({} bytes, {}) must be read-write through cma",
+                            seg.len, seg.rights
+                        ));
+                    }
+                }
             }
-            if d.nodes.len() != p {
-                return bad(format!("nodes has {} entries for {p} ranks", d.nodes.len()));
-            }
+            (_, Some(_)) => return bad(format!("{:?} is not a staged collective", d.kind)),
+            (_, None) => {}
         }
         let n_sps = self.cluster.sps.len() as SpId;
         if let Some(sp) = d.members.iter().find(|&&sp| sp >= n_sps) {
@@ -683,7 +763,7 @@ impl Server {
         // Allgatherv: once a segment landed in one rank of a node, the node's other ranks copy
         // it from that rank's receive buffer, so the receive grant must allow reading too.
         let recv_needs = match d.kind {
-            CollKind::Alltoallv => Rights::WRITE,
+            CollKind::Alltoallv | CollKind::Bcast => Rights::WRITE,
             CollKind::Allgatherv => Rights::READ_WRITE,
         };
         for (grant, need, counts, displs, what) in [
@@ -787,6 +867,7 @@ impl Server {
                 let abort = match d.kind {
                     CollKind::Alltoallv => CollMsg::Alltoallv(alltoallv::Msg::Abort { status }),
                     CollKind::Allgatherv => CollMsg::Allgatherv(allgatherv::Msg::Abort { status }),
+                    CollKind::Bcast => CollMsg::Bcast(bcast::Msg::Abort { status }),
                 };
                 let frame = encode(&SpToSp::Coll {
                     key: ck,
@@ -821,6 +902,40 @@ impl Server {
             );
             return self.write_completion(self.posted(key, d.slot, d.token), Status::InvalidPost);
         }
+        // A hierarchical staged instance needs a region of its job's segment on this SP. When
+        // none is free, this SP delivers the instance flat: it writes each rank's buffer
+        // itself (its ranks granted them for writing), which the ranks cannot tell apart from
+        // a copy out of the segment. Waiting for room instead could deadlock: the instance
+        // holding the room may need a post that waits elsewhere.
+        let shared_key = match &d.staged {
+            Some(st) if st.design == StagedDesign::Hier && !self.flat_here.contains(&ck) => {
+                let seg = st.segment.clone().expect("checked by check_post");
+                let len = d.send_counts[0].max(d.recv_counts[0]);
+                match self.region_for(ck, &seg, len) {
+                    Ok(Some((off, rlen))) => Some(self.alias(
+                        key,
+                        Grant {
+                            addr: seg.addr + off,
+                            len: rlen,
+                            ..seg
+                        },
+                    )),
+                    Ok(None) => {
+                        self.stats.hier_delivered_flat += 1;
+                        self.flat_here.insert(ck);
+                        None
+                    }
+                    Err(why) => {
+                        self.send_error(key, Some(&d), ErrorCode::BadDescriptor, why);
+                        return self.write_completion(
+                            self.posted(key, d.slot, d.token),
+                            Status::InvalidPost,
+                        );
+                    }
+                }
+            }
+            _ => None,
+        };
         let send = self.alias(key, d.send.clone());
         let recv = self.alias(key, d.recv.clone());
         let now = now_ns(self.start);
@@ -858,6 +973,28 @@ impl Server {
                 recv_counts: d.recv_counts,
                 recv_displs: d.recv_displs,
             }),
+            CollKind::Bcast => {
+                let st = d.staged.expect("checked by check_post");
+                let is_root = st.root == d.comm_rank;
+                machine::Post::Bcast(bcast::Post {
+                    rank: d.comm_rank,
+                    root: st.root,
+                    members: d.members,
+                    nodes: d.nodes,
+                    key: if is_root { send } else { recv },
+                    len: if is_root {
+                        d.send_counts[0]
+                    } else {
+                        d.recv_counts[0]
+                    },
+                    design: if shared_key.is_some() {
+                        bcast::Design::Hier
+                    } else {
+                        bcast::Design::Flat
+                    },
+                    shared_key,
+                })
+            }
         };
         match inst.sm.handle_post(now, post) {
             Ok(()) => {
@@ -879,19 +1016,53 @@ impl Server {
 
     /// The instance of `ck`, created (as a `kind`) by the first event that names it.
     fn instance(&mut self, ck: CollKey, kind: CollKind) -> &mut Instance {
-        let me = self.me;
-        self.instances.entry(ck).or_insert_with(|| Instance {
-            sm: Machine::new(kind, ck, me),
-            posted: HashMap::new(),
-        })
+        if !self.instances.contains_key(&ck) {
+            let mut inst = Instance {
+                sm: Machine::new(kind, ck, self.me, self.staged),
+                posted: HashMap::new(),
+                stages: None,
+            };
+            if kind == CollKind::Bcast {
+                match self
+                    .budget
+                    .reserve(ck.job, self.staged.slots, self.staged.chunk_bytes)
+                {
+                    Ok(set) => {
+                        self.stats.staging_peak_bytes = self.budget.peak;
+                        inst.stages = Some(set);
+                    }
+                    Err(why) => {
+                        warn!(sp = self.me, ?ck, "{why}; the collective fails");
+                        self.stats.staging_refused += 1;
+                        inst.sm.abort(now_ns(self.start), Status::Aborted);
+                    }
+                }
+            }
+            self.instances.insert(ck, inst);
+        }
+        self.instances.get_mut(&ck).expect("just inserted")
     }
 
     fn on_peer_msg(&mut self, key: usize, msg: SpToSp) {
         let Role::Peer(from) = self.conns[key].role else {
             return;
         };
-        match msg {
-            SpToSp::Coll { key: ck, msg: m } => {
+        let (ck, m, data) = match msg {
+            SpToSp::Coll { key, msg } => (key, msg, None),
+            SpToSp::Data { key, msg, data } => (key, msg, Some(data)),
+            SpToSp::Shutdown => {
+                debug!(sp = self.me, from, "peer SP is shutting down");
+                self.leaving_peers.insert(from);
+                return;
+            }
+            SpToSp::JobAbort { job, reason } => {
+                warn!(sp = self.me, from, job, "job aborted: {reason}");
+                self.fail_job(job, Status::RankFailed, false);
+                return;
+            }
+        };
+        {
+            {
                 let Some(job) = self.jobs.get(&ck.job) else {
                     // No rank of this job is (any longer) connected here, so none will post:
                     // the job ended or failed here. Answer what expects an answer so that its
@@ -927,24 +1098,51 @@ impl Server {
                     self.stats.announces_received += 1;
                 }
                 let now = now_ns(self.start);
+                let me = self.me;
                 let failed = job.failed;
                 let is_new = !self.instances.contains_key(&ck);
                 let inst = self.instance(ck, Machine::kind_of(&m));
                 if let (true, Some(status)) = (is_new, failed) {
                     inst.sm.abort(now, status);
                 }
-                if let Err(e) = inst.sm.handle_msg(now, from, m) {
-                    warn!(sp = self.me, from, ?ck, "protocol error from a peer: {e}");
+                // A chunk's bytes go into the staging slot it names, if that slot was granted
+                // to the sender and is waiting for it; anything else is a peer's bug, and the
+                // instance fails rather than wait for bytes that will not come.
+                let landed = match (&data, &m) {
+                    (None, _) => true,
+                    (
+                        Some(bytes),
+                        CollMsg::Bcast(algorithms::bcast::Msg::Chunk { slot, len, .. }),
+                    ) => {
+                        let may = inst.sm.may_fill(from, slot.0) && bytes.len() as u64 == *len;
+                        match inst
+                            .stages
+                            .as_mut()
+                            .and_then(|s| s.slots.get_mut(slot.0 as usize))
+                        {
+                            Some(stage) if may => stage.fill(bytes),
+                            _ => false,
+                        }
+                    }
+                    (Some(_), _) => false,
+                };
+                if landed {
+                    if let Err(e) = inst.sm.handle_msg(now, from, m) {
+                        warn!(sp = self.me, from, ?ck, "protocol error from a peer: {e}");
+                    }
+                } else {
+                    warn!(
+                        sp = me,
+                        from,
+                        ?ck,
+                        "data from a peer that fits no granted staging slot; aborting"
+                    );
+                    inst.sm.abort(now, Status::PeerFailed);
+                }
+                if let (true, Some(bytes)) = (landed, &data) {
+                    self.stats.bytes_staged_in += bytes.len() as u64;
                 }
                 self.drive(ck);
-            }
-            SpToSp::Shutdown => {
-                debug!(sp = self.me, from, "peer SP is shutting down");
-                self.leaving_peers.insert(from);
-            }
-            SpToSp::JobAbort { job, reason } => {
-                warn!(sp = self.me, from, job, "job aborted: {reason}");
-                self.fail_job(job, Status::RankFailed, false);
             }
         }
     }
@@ -993,22 +1191,74 @@ impl Server {
                         );
                         continue;
                     }
-                    let ticket = self.next_ticket;
-                    self.next_ticket += 1;
-                    self.copies.insert(ticket, (ck, id));
-                    self.limiter.push(CopyJob {
-                        ticket,
-                        src: src_key,
-                        src_offset,
-                        dst: dst_key,
-                        dst_offset,
-                        len,
-                    });
-                    self.start_copies();
+                    self.queue_copy(ck, id, src_key, src_offset, dst_key, dst_offset, len);
                 }
-                Act::Complete { rank, status } => {
+                Act::StageCopy {
+                    id,
+                    rank: _,
+                    src,
+                    dst,
+                    len,
+                } => {
+                    let stages = inst.stages.as_ref();
+                    let resolve = |loc: bcast::Loc<AliasKey>| match loc {
+                        bcast::Loc::Host { key, offset } => Some((key, offset)),
+                        bcast::Loc::Stage { slot, offset } => stages
+                            .and_then(|s| s.slots.get(slot.0 as usize))
+                            .map(|s| (s.key().clone(), offset)),
+                    };
+                    match (resolve(src), resolve(dst)) {
+                        (Some((sk, so)), Some((dk, doff))) => {
+                            self.queue_copy(ck, id, sk, so, dk, doff, len)
+                        }
+                        // No staging (refused by the budget): the instance is aborted; its
+                        // copies fail.
+                        _ => self.host_done.push((ck, id, Status::AccessError)),
+                    }
+                }
+                Act::Move {
+                    id,
+                    to,
+                    src_slot,
+                    len,
+                    msg,
+                } => {
+                    let data = inst
+                        .stages
+                        .as_ref()
+                        .and_then(|s| s.slots.get(src_slot as usize))
+                        .map(|s| s.bytes(len as usize).to_vec());
+                    let status = match (data, self.peer_conn.get(&to).copied()) {
+                        (_, None) => Status::PeerFailed,
+                        (Some(data), Some(k)) if data.len() as u64 == len => {
+                            self.stats.messages_sent += 1;
+                            self.stats.chunks_moved += 1;
+                            let here = self.cluster.sp(self.me).map(|e| e.node);
+                            if self.cluster.sp(to).map(|e| e.node) == here {
+                                self.stats.bytes_intra_node += len;
+                            } else {
+                                self.stats.bytes_inter_node += len;
+                            }
+                            self.send_frame(k, &encode(&SpToSp::Data { key: ck, msg, data }));
+                            Status::Ok
+                        }
+                        _ => Status::AccessError,
+                    };
+                    let now = now_ns(self.start);
+                    if let Some(inst) = self.instances.get_mut(&ck) {
+                        inst.sm.handle_move_done(now, id, status);
+                    }
+                }
+                Act::Complete {
+                    rank,
+                    status,
+                    from_segment,
+                } => {
                     let posted = inst.posted.get(&rank).copied();
                     match posted {
+                        Some(p) if from_segment && status.is_ok() => {
+                            self.finish_from_segment(ck, p)
+                        }
                         Some(p) => self.write_completion(p, status),
                         None => warn!(
                             sp = self.me,
@@ -1024,6 +1274,11 @@ impl Server {
             if let Some(done) = self.instances.remove(&ck) {
                 self.stats.add_late_arrivals(done.sm.late_arrivals());
             }
+            if let Some(r) = self.regions.get_mut(&ck) {
+                r.finished = true;
+            }
+            self.release_region_if_done(ck);
+            self.flat_here.remove(&ck);
             self.stats.collectives_finished += 1;
             if let Some(job) = self.jobs.get_mut(&ck.job) {
                 job.finished.insert((ck.comm, ck.seq));
@@ -1042,6 +1297,70 @@ impl Server {
         {
             self.forget_job_if_done(ck.job);
         }
+    }
+
+    /// The region of `ck` in its job's segment (described by a rank's grant `seg`): the one
+    /// the instance has, or a new one of `len` bytes; `None` if the segment has no room.
+    fn region_for(
+        &mut self,
+        ck: CollKey,
+        seg: &Grant,
+        len: u64,
+    ) -> Result<Option<(u64, u64)>, String> {
+        let arena = self
+            .arenas
+            .entry(ck.job)
+            .or_insert_with(|| Arena::new(seg.len));
+        if arena.capacity() != seg.len {
+            return Err(format!(
+                "segment of {} bytes, but this SP's ranks of the job use {} (SPOFF_SEGMENT_BYTES \
+                 differs between ranks)",
+                seg.len,
+                arena.capacity()
+            ));
+        }
+        if let Some(r) = self.regions.get(&ck) {
+            return Ok(Some((r.off, r.len)));
+        }
+        let Some(off) = arena.alloc(len) else {
+            return Ok(None);
+        };
+        self.regions.insert(
+            ck,
+            Region {
+                off,
+                len,
+                readers: 0,
+                finished: false,
+            },
+        );
+        Ok(Some((off, len)))
+    }
+
+    /// Queues a copy of instance `ck` (its copy `id`) for the datapath.
+    #[allow(clippy::too_many_arguments)]
+    fn queue_copy(
+        &mut self,
+        ck: CollKey,
+        id: u64,
+        src: AliasKey,
+        src_offset: u64,
+        dst: AliasKey,
+        dst_offset: u64,
+        len: u64,
+    ) {
+        let ticket = self.next_ticket;
+        self.next_ticket += 1;
+        self.copies.insert(ticket, (ck, id));
+        self.limiter.push(CopyJob {
+            ticket,
+            src,
+            src_offset,
+            dst,
+            dst_offset,
+            len,
+        });
+        self.start_copies();
     }
 
     /// The owner runs on this SP's node.
@@ -1070,40 +1389,21 @@ impl Server {
         dst_offset: u64,
         len: u64,
     ) {
-        let ticket = self.next_ticket;
-        self.next_ticket += 1;
         let checked = src
             .check(src_offset, len, Rights::READ)
             .and_then(|addr| dst.check(dst_offset, len, Rights::WRITE).map(|_| addr));
-        let live = matches!(
-            self.conns.get(p.conn),
-            Some(Conn { role: Role::Host(h), .. }) if h.conn_id == p.conn_id
-        );
         let status = match checked {
-            Ok(src_addr) if live => {
-                self.stats.host_copies += 1;
-                self.stats.host_copy_bytes += len;
-                self.host_copies.insert(
-                    ticket,
-                    HostCopy {
-                        ck,
-                        id,
-                        conn: p.conn,
-                        conn_id: p.conn_id,
-                    },
-                );
-                let msg = SpToHost::Copy {
-                    token: p.token,
-                    ticket,
-                    src_pid: src.owner.pid,
-                    src_addr,
-                    dst_offset,
-                    len,
+            Ok(addr) => {
+                let src = CopySrc::Process {
+                    pid: src.owner.pid,
+                    addr,
                 };
-                self.send_frame(p.conn, &encode(&msg));
-                return;
+                let then = AfterHostCopy::Machine { id };
+                if self.send_host_copy(ck, p, then, src, dst_offset, len) {
+                    return;
+                }
+                Status::RankFailed
             }
-            Ok(_) => Status::RankFailed,
             Err(e) => {
                 warn!(sp = self.me, ?ck, "host copy refused: {e}");
                 self.stats.copies_failed += 1;
@@ -1112,6 +1412,88 @@ impl Server {
         };
         // Fed back outside the instance's `drive`, like an inline copy.
         self.host_done.push((ck, id, status));
+    }
+
+    /// Sends the host of `p` a copy into its receive grant; false (nothing sent) if that host
+    /// is gone.
+    fn send_host_copy(
+        &mut self,
+        ck: CollKey,
+        p: Posted,
+        then: AfterHostCopy,
+        src: CopySrc,
+        dst_offset: u64,
+        len: u64,
+    ) -> bool {
+        let live = matches!(
+            self.conns.get(p.conn),
+            Some(Conn { role: Role::Host(h), .. }) if h.conn_id == p.conn_id
+        );
+        if !live {
+            return false;
+        }
+        let ticket = self.next_ticket;
+        self.next_ticket += 1;
+        self.stats.host_copies += 1;
+        self.stats.host_copy_bytes += len;
+        self.host_copies.insert(
+            ticket,
+            HostCopy {
+                ck,
+                conn: p.conn,
+                conn_id: p.conn_id,
+                then,
+            },
+        );
+        let msg = SpToHost::Copy {
+            token: p.token,
+            ticket,
+            src,
+            dst_offset,
+            len,
+        };
+        self.send_frame(p.conn, &encode(&msg));
+        true
+    }
+
+    /// A rank of a hierarchical staged instance has its data in the segment: it copies them
+    /// out itself, and completes when it says it did.
+    fn finish_from_segment(&mut self, ck: CollKey, p: Posted) {
+        let Some((off, len)) = self.regions.get(&ck).map(|r| (r.off, r.len)) else {
+            warn!(sp = self.me, ?ck, "a segment completion without a region");
+            return self.write_completion(p, Status::AccessError);
+        };
+        let then = AfterHostCopy::Finish { posted: p };
+        if self.send_host_copy(ck, p, then, CopySrc::Segment { offset: off }, 0, len) {
+            if let Some(r) = self.regions.get_mut(&ck) {
+                r.readers += 1;
+            }
+        }
+        // A host that is gone gets no completion.
+    }
+
+    /// One reader of `ck`'s segment region is done; frees the region once the instance
+    /// finished and nobody reads it.
+    fn region_reader_done(&mut self, ck: CollKey) {
+        if let Some(r) = self.regions.get_mut(&ck) {
+            r.readers = r.readers.saturating_sub(1);
+        }
+        self.release_region_if_done(ck);
+    }
+
+    fn release_region_if_done(&mut self, ck: CollKey) {
+        let done = self
+            .regions
+            .get(&ck)
+            .is_some_and(|r| r.finished && r.readers == 0);
+        if !done {
+            return;
+        }
+        if let Some(r) = self.regions.remove(&ck) {
+            if let Some(a) = self.arenas.get_mut(&ck.job) {
+                a.free(r.off);
+            }
+        }
     }
 
     /// A host answered `SpToHost::Copy`.
@@ -1137,8 +1519,16 @@ impl Server {
             self.stats.host_copies_failed += 1;
             Status::AccessError
         };
-        self.host_done.push((c.ck, c.id, status));
-        self.feed_host_copies_done();
+        match c.then {
+            AfterHostCopy::Machine { id } => {
+                self.host_done.push((c.ck, id, status));
+                self.feed_host_copies_done();
+            }
+            AfterHostCopy::Finish { posted } => {
+                self.write_completion(posted, status);
+                self.region_reader_done(c.ck);
+            }
+        }
     }
 
     /// Host copies of connection `key` will never be answered: they fail.
@@ -1150,8 +1540,14 @@ impl Server {
             .map(|(&t, _)| t)
             .collect();
         for t in gone {
-            if let Some(c) = self.host_copies.remove(&t) {
-                self.host_done.push((c.ck, c.id, Status::RankFailed));
+            let Some(c) = self.host_copies.remove(&t) else {
+                continue;
+            };
+            match c.then {
+                AfterHostCopy::Machine { id } => {
+                    self.host_done.push((c.ck, id, Status::RankFailed))
+                }
+                AfterHostCopy::Finish { .. } => self.region_reader_done(c.ck),
             }
         }
         self.feed_host_copies_done();
@@ -1356,6 +1752,11 @@ impl Server {
         }
         if !self.instances.keys().any(|k| k.job == job) {
             self.jobs.remove(&job);
+            // The hierarchical designs' segment of this job: nobody is left to read it.
+            self.regions.retain(|k, _| k.job != job);
+            self.flat_here.retain(|k| k.job != job);
+            self.arenas.remove(&job);
+            crate::segment::unlink(job, self.me);
         }
     }
 

@@ -25,6 +25,15 @@ pub struct Stats {
     pub host_copies: u64,
     pub host_copy_bytes: u64,
     pub host_copies_failed: u64,
+    /// Staged collectives (bcast): chunks moved to the next SP, bytes received into staging
+    /// from other SPs, most staging memory reserved at once, instances refused for want of
+    /// staging, and hierarchical instances this SP delivered flat for want of room in the
+    /// segment.
+    pub chunks_moved: u64,
+    pub bytes_staged_in: u64,
+    pub staging_peak_bytes: u64,
+    pub staging_refused: u64,
+    pub hier_delivered_flat: u64,
     /// Most copies active at once (bounded by `max_inflight_reads`).
     pub max_inflight: u64,
     pub errors_sent: u64,

@@ -101,6 +101,7 @@ impl AgOp {
             recv_counts: self.counts.clone(),
             recv_displs: self.recv_displs[r].clone(),
             host_copies: false,
+            staged: None,
         }
     }
 

@@ -246,13 +246,16 @@ impl Host {
             let SpToHost::Copy {
                 token,
                 ticket,
-                src_pid,
-                src_addr,
+                src:
+                    bootstrap::wire::CopySrc::Process {
+                        pid: src_pid,
+                        addr: src_addr,
+                    },
                 dst_offset,
                 len,
             } = self.recv()
             else {
-                panic!("expected only copy requests while waiting");
+                panic!("expected only copy requests from another process while waiting");
             };
             let ok = match self.copy_targets.get(&token) {
                 Some(&(base, glen)) if dst_offset.checked_add(len).is_some_and(|e| e <= glen) => {
@@ -316,6 +319,7 @@ pub fn desc(
         recv_counts: counts.2,
         recv_displs: counts.3,
         host_copies: false,
+        staged: None,
     }
 }
 

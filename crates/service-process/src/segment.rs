@@ -1,0 +1,89 @@
+//! The SP's side of the shared segment of the hierarchical staged designs (see the shim's
+//! `segment.rs`): the ranks of one SP map one POSIX shared-memory object per job; the SP
+//! gives each hierarchical instance its own region of it ([`Arena`]), writes the chunks there
+//! once, and hands each local rank a copy out of the region; the region is free again once
+//! every rank copied and the instance finished.
+
+/// Regions are aligned to this (cache lines: ranks copy out of neighbouring regions).
+const ALIGN: u64 = 64;
+
+/// First-fit allocation of regions of a segment of `len` bytes.
+#[derive(Debug)]
+pub struct Arena {
+    len: u64,
+    /// Allocated (offset, length), sorted by offset.
+    used: Vec<(u64, u64)>,
+}
+
+impl Arena {
+    pub fn new(len: u64) -> Arena {
+        Arena {
+            len,
+            used: Vec::new(),
+        }
+    }
+
+    /// The segment's size.
+    pub fn capacity(&self) -> u64 {
+        self.len
+    }
+
+    /// A region of `len` bytes (at least one byte is reserved, so every region is distinct),
+    /// or `None` while none is free.
+    pub fn alloc(&mut self, len: u64) -> Option<u64> {
+        let want = len.max(1).checked_add(ALIGN - 1)? / ALIGN * ALIGN;
+        let mut at = 0u64;
+        let mut idx = 0;
+        for (i, &(off, l)) in self.used.iter().enumerate() {
+            if off - at >= want {
+                break;
+            }
+            at = off + l;
+            idx = i + 1;
+        }
+        if self.len.checked_sub(at)? < want {
+            return None;
+        }
+        self.used.insert(idx, (at, want));
+        Some(at)
+    }
+
+    pub fn free(&mut self, off: u64) {
+        self.used.retain(|&(o, _)| o != off);
+    }
+
+    pub fn in_use(&self) -> usize {
+        self.used.len()
+    }
+}
+
+/// Removes the name of the segment of `sp` in `job` (if any rank created it).
+pub fn unlink(job: u64, sp: u32) {
+    if let Ok(name) = std::ffi::CString::new(bootstrap::segment_name(job, sp)) {
+        // SAFETY: a valid C string; a missing name is just ENOENT.
+        unsafe { libc::shm_unlink(name.as_ptr()) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn regions_are_disjoint_reused_and_bounded() {
+        let mut a = Arena::new(1024);
+        let x = a.alloc(100).unwrap();
+        let y = a.alloc(0).unwrap();
+        let z = a.alloc(500).unwrap();
+        assert_ne!(x, y);
+        assert!(y >= x + 100 && z > y);
+        assert!(a.alloc(400).is_none());
+        a.free(x);
+        assert_eq!(a.alloc(64), Some(x));
+        assert_eq!(a.alloc(64), Some(64));
+        a.free(z);
+        assert!(a.alloc(700).is_some());
+        assert!(a.alloc(u64::MAX).is_none());
+        assert_eq!(a.in_use(), 4);
+    }
+}
