@@ -243,6 +243,10 @@ impl Host {
             if unsafe { libc::poll(&mut pfd, 1, 0) } <= 0 || pfd.revents & libc::POLLIN == 0 {
                 return;
             }
+            // A closed connection (the SP died) has nothing more to serve.
+            let Ok(msg) = self.ch.recv::<SpToHost>() else {
+                return;
+            };
             let SpToHost::Copy {
                 token,
                 ticket,
@@ -253,7 +257,7 @@ impl Host {
                     },
                 dst_offset,
                 len,
-            } = self.recv()
+            } = msg
             else {
                 panic!("expected only copy requests from another process while waiting");
             };

@@ -1,0 +1,271 @@
+//! The staged broadcast through real SP processes, with this test process playing the host
+//! ranks (as in `engine.rs`): hostile descriptors, the staging bound, and a peer SP that dies
+//! while chunks flow. (MPI programs through the shim are in the host-shim tests.)
+
+mod common;
+
+use algorithms::{CommId, Status};
+use alias_mkey::{Grant, Rights};
+use bootstrap::mailbox::{self, STATUS_OK};
+use bootstrap::wire::{CollKind, ErrorCode, PostDesc, SpToHost, Staged, StagedDesign};
+use bootstrap::Layout;
+use common::*;
+use std::time::Duration;
+
+const WAIT: Duration = Duration::from_secs(20);
+const SENTINEL: u8 = 0x3C;
+
+/// A bcast post of `buf` by world rank `r` (= comm rank) of a world communicator.
+#[allow(clippy::too_many_arguments)]
+fn bcast_desc(
+    hosts: &mut [Host],
+    set: &SpSet,
+    comm: CommId,
+    seq: u64,
+    r: usize,
+    root: u32,
+    buf: &[u8],
+    design: StagedDesign,
+    segment: Option<Grant>,
+) -> PostDesc {
+    let members: Vec<u32> = hosts.iter().map(|h| h.sp).collect();
+    let nodes = members
+        .iter()
+        .map(|&sp| set.cluster.sp(sp).unwrap().node)
+        .collect();
+    let len = buf.len() as u64;
+    let is_root = r as u32 == root;
+    let (send, recv) = if is_root {
+        (
+            hosts[r].grant(buf, Rights::READ),
+            hosts[r].grant(&buf[..0], Rights::WRITE),
+        )
+    } else {
+        (
+            hosts[r].grant(&buf[..0], Rights::READ),
+            hosts[r].grant(buf, Rights::WRITE),
+        )
+    };
+    PostDesc {
+        kind: CollKind::Bcast,
+        comm,
+        seq,
+        comm_rank: r as u32,
+        members,
+        nodes,
+        slot: (seq % 8) as u32,
+        token: 0,
+        send,
+        recv,
+        send_counts: vec![if is_root { len } else { 0 }],
+        send_displs: vec![0],
+        recv_counts: vec![if is_root { 0 } else { len }],
+        recv_displs: vec![0],
+        host_copies: false,
+        staged: Some(Staged {
+            root,
+            design,
+            segment,
+        }),
+    }
+}
+
+/// A flat bcast of `len` bytes from `root` among all hosts; returns the statuses and checks
+/// the bytes of those that completed Ok.
+fn flat_bcast(
+    hosts: &mut [Host],
+    set: &SpSet,
+    seq: u64,
+    root: u32,
+    len: usize,
+) -> Vec<Option<u32>> {
+    let comm = CommId { leader: 0, id: 1 };
+    let data: Vec<u8> = (0..len).map(|i| (i * 31 + seq as usize) as u8).collect();
+    let bufs: Vec<Vec<u8>> = (0..hosts.len())
+        .map(|r| {
+            if r as u32 == root {
+                data.clone()
+            } else {
+                vec![SENTINEL; len]
+            }
+        })
+        .collect();
+    let mut posted = vec![];
+    for r in 0..hosts.len() {
+        let d = bcast_desc(
+            hosts,
+            set,
+            comm,
+            seq,
+            r,
+            root,
+            &bufs[r],
+            StagedDesign::Flat,
+            None,
+        );
+        let (slot, token) = hosts[r].post(d);
+        posted.push((r, slot, token));
+    }
+    let got = wait_all_serving(hosts, &posted, WAIT);
+    for (r, g) in got.iter().enumerate() {
+        if *g == Some(STATUS_OK) {
+            // SAFETY-free: the SPs wrote through CMA; read through volatile loads.
+            let seen: Vec<u8> = bufs[r]
+                .iter()
+                .map(|b| unsafe { std::ptr::read_volatile(b) })
+                .collect();
+            assert!(seen == data, "seq {seq} rank {r}: wrong bytes");
+        }
+    }
+    got
+}
+
+#[test]
+fn bcast_through_real_sps_and_hostile_descriptors() {
+    let mut set = SpSet::start(2, 1, 2, Layout::Block);
+    let job = new_job();
+    let mut hosts: Vec<Host> = (0..4).map(|r| Host::connect(&set, job, r, 4)).collect();
+    // Several sizes around the default 256 KiB chunk, every root.
+    for (seq, (root, len)) in [(0, 0), (1, 1), (2, 262_144), (3, 700_001)]
+        .into_iter()
+        .enumerate()
+    {
+        let got = flat_bcast(&mut hosts, &set, seq as u64, root, len);
+        assert!(got.iter().all(|&g| g == Some(STATUS_OK)), "{got:?}");
+    }
+    let buf = vec![0u8; 64];
+    let comm = CommId { leader: 0, id: 9 };
+    let good = |hosts: &mut [Host], seq: u64| {
+        bcast_desc(hosts, &set, comm, seq, 1, 0, &buf, StagedDesign::Flat, None)
+    };
+    let ro_segment = hosts[1].grant(&buf, Rights::READ);
+    let mut cases: Vec<(&str, PostDesc)> = vec![];
+    let mut d = good(&mut hosts, 10);
+    d.staged = None;
+    cases.push(("no root and design", d));
+    let mut d = good(&mut hosts, 11);
+    d.staged.as_mut().unwrap().root = 4;
+    cases.push(("root outside the communicator", d));
+    let mut d = good(&mut hosts, 12);
+    d.send_counts = vec![8];
+    cases.push(("a receiver that also sends", d));
+    let mut d = good(&mut hosts, 13);
+    d.recv_counts = vec![65];
+    cases.push(("a receive block beyond its grant", d));
+    let mut d = good(&mut hosts, 14);
+    d.staged.as_mut().unwrap().design = StagedDesign::Hier;
+    cases.push(("hierarchical without a segment", d));
+    let mut d = good(&mut hosts, 15);
+    *d.staged.as_mut().unwrap() = Staged {
+        root: 0,
+        design: StagedDesign::Hier,
+        segment: Some(ro_segment),
+    };
+    cases.push(("a segment the SP may not write", d));
+    let mut d = good(&mut hosts, 16);
+    d.recv_counts = vec![8, 8];
+    cases.push(("two receive blocks", d));
+    for (what, d) in cases {
+        let (slot, token) = hosts[1].post(d);
+        match hosts[1].recv() {
+            SpToHost::Error { code, message, .. } => {
+                assert_eq!(code, ErrorCode::BadDescriptor, "{what}: {message}");
+                eprintln!("{what}: refused: {message}");
+            }
+            other => panic!("{what}: expected an error, got {other:?}"),
+        }
+        assert_eq!(
+            hosts[1].wait(slot, token, WAIT),
+            Some(mailbox::status_code(Status::InvalidPost)),
+            "{what}"
+        );
+    }
+    assert!(buf
+        .iter()
+        .all(|b| unsafe { std::ptr::read_volatile(b) } == 0));
+    // The SPs still serve the job (a new communicator: the refused ones aborted theirs).
+    let got = flat_bcast(&mut hosts, &set, 20, 3, 5000);
+    assert!(got.iter().all(|&g| g == Some(STATUS_OK)), "{got:?}");
+    for h in hosts {
+        h.goodbye();
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    for s in set.stop_and_stats() {
+        assert_eq!(s["instances_at_exit"], 0, "{s}");
+        assert_eq!(s["copies_failed"], 0, "{s}");
+    }
+}
+
+#[test]
+fn a_bcast_beyond_the_staging_bound_fails_instead_of_allocating() {
+    // 1 MiB of staging per SP, 4 slots of 512 KiB per instance: no instance fits.
+    let mut set = SpSet::start_with(
+        2,
+        1,
+        2,
+        Layout::Block,
+        &["--staging-mib", "1", "--stage-chunk-bytes", "524288"],
+    );
+    let job = new_job();
+    let mut hosts: Vec<Host> = (0..4).map(|r| Host::connect(&set, job, r, 4)).collect();
+    let got = flat_bcast(&mut hosts, &set, 0, 0, 100_000);
+    assert!(got.iter().all(|g| g.is_some()), "{got:?}");
+    assert!(
+        got.iter().filter(|&&g| g != Some(STATUS_OK)).count() >= 3,
+        "every rank but possibly the root fails: {got:?}"
+    );
+    for h in hosts {
+        h.goodbye();
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    let stats = set.stop_and_stats();
+    let refused: u64 = stats
+        .iter()
+        .map(|s| s["staging_refused"].as_u64().unwrap())
+        .sum();
+    assert!(refused > 0, "{stats:?}");
+    for s in &stats {
+        assert_eq!(s["instances_at_exit"], 0, "{s}");
+        assert!(s["staging_peak_bytes"].as_u64().unwrap() <= 1 << 20, "{s}");
+    }
+}
+
+#[test]
+fn a_peer_sp_that_dies_mid_bcast_fails_it_on_every_live_rank() {
+    let mut set = SpSet::start(2, 1, 2, Layout::Block);
+    let job = new_job();
+    let mut hosts: Vec<Host> = (0..4).map(|r| Host::connect(&set, job, r, 4)).collect();
+    let comm = CommId { leader: 0, id: 1 };
+    let len = 4 << 20;
+    let data = vec![7u8; len];
+    let bufs: Vec<Vec<u8>> = (0..4)
+        .map(|r| if r == 0 { data.clone() } else { vec![0; len] })
+        .collect();
+    // Ranks 0 and 1 (node 0, SP 0) post; node 1's ranks never do, so its SP holds chunks in
+    // staging until it is killed.
+    let mut posted = vec![];
+    for r in 0..2 {
+        let d = bcast_desc(
+            &mut hosts,
+            &set,
+            comm,
+            0,
+            r,
+            0,
+            &bufs[r],
+            StagedDesign::Flat,
+            None,
+        );
+        let (slot, token) = hosts[r].post(d);
+        posted.push((r, slot, token));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    set.kill(1);
+    let got = wait_all_serving(&mut hosts, &posted, WAIT);
+    assert!(got.iter().all(|g| g.is_some()), "no rank may hang: {got:?}");
+    assert_eq!(
+        got[1],
+        Some(mailbox::status_code(Status::PeerFailed)),
+        "the receiver on the live SP: {got:?}"
+    );
+}
