@@ -11,6 +11,9 @@
 #   scripts/bench.sh          full run, also writes docs/BENCHMARKS.md (make bench)
 #   scripts/bench.sh --traffic-only   only section F (inter-node traffic), printed as Markdown;
 #                                     writes no file
+#   scripts/bench.sh --staged-only    only section G (staged Ibcast, flat vs hierarchical vs
+#                                     native at 1, 2 and 4 ranks per node), printed as
+#                                     Markdown; writes no file
 # BIN (default target/release) is where service-process, coll-bench and the shim are.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,11 +27,13 @@ done
 
 demo=0
 traffic_only=0
+staged_only=0
 case "${1:-}" in
   --demo) demo=1 ;;
   --traffic-only) traffic_only=1 ;;
+  --staged-only) staged_only=1 ;;
   "") ;;
-  *) echo "bench: unknown option $1 (expected --demo or --traffic-only)" >&2; exit 2 ;;
+  *) echo "bench: unknown option $1 (expected --demo, --traffic-only or --staged-only)" >&2; exit 2 ;;
 esac
 if [ $demo -eq 1 ]; then
   sizes=${SIZES:-4K,64K,1M}
@@ -74,6 +79,43 @@ traffic_markdown() {
   "$BENCH" traffic-table --markdown "$out/f-block.json" "$out/f-cyclic.json"
 }
 
+# G. The staged Ibcast (issue 4's designs): native, flat and hierarchical at 1, 2 and 4 ranks
+# per node on 2 nodes; the SPs on a reserved CPU (they stand for DPU cores), the ranks on the
+# others; a fixed compute as in B, and the pure latency (the OSU first phase) of each.
+staged_sizes=${STAGED_SIZES:-4K,64K,1M}
+staged_rpns=${STAGED_RPNS:-1 2 4}
+staged_run() { # collective
+  local coll=$1 rpn design
+  for rpn in $staged_rpns; do
+    echo "-- $coll, 2 nodes x $rpn ranks: native"
+    "$SP" launch --nodes 2 --ranks-per-node "$rpn" --native --rank-cpus "$b_ranks" -- \
+      "$BENCH" overlap --coll "$coll" --sizes "$staged_sizes" "${iters[@]}" \
+      --compute-us "$compute_us" --json "$out/g-$coll-$rpn-native.json" \
+      2> >(grep -v '^sp [0-9]* stats' >&2)
+    for design in flat hier; do
+      echo "-- $coll, 2 nodes x $rpn ranks: $design"
+      "$SP" launch --nodes 2 --ranks-per-node "$rpn" --rank-cpus "$b_ranks" --sp-cpus "$last" -- \
+        "$BENCH" overlap --coll "$coll" --design "$design" --sizes "$staged_sizes" "${iters[@]}" \
+        --compute-us "$compute_us" --json "$out/g-$coll-$rpn-$design.json" \
+        2> >(grep -v '^sp [0-9]* stats' >&2)
+    done
+  done
+}
+staged_markdown() { # collective
+  local coll=$1 rpn
+  echo "Ranks on CPUs $b_ranks, SPs reserved on CPU $last, compute ${compute_us} us per iteration;"
+  echo "pure_us is the latency without compute, overlap_pct the OSU formula with that compute,"
+  echo "host_us the time the ranks spent in the post and wait calls. One group of columns per"
+  echo "design (\`coll-bench overlap --design\`, which sets \`SPOFF_BCAST_DESIGN\`)."
+  for rpn in $staged_rpns; do
+    echo
+    echo "### $coll, 2 nodes x $rpn ranks per node"
+    echo
+    "$BENCH" compare --native "$out/g-$coll-$rpn-native.json" \
+      --offload "$out/g-$coll-$rpn-flat.json" --offload "$out/g-$coll-$rpn-hier.json" --markdown
+  done
+}
+
 run() { # name, collective, launch options..., -- coll-bench options...
   local name=$1 coll=$2; shift 2
   local opts=()
@@ -83,6 +125,14 @@ run() { # name, collective, launch options..., -- coll-bench options...
     "$BENCH" overlap --coll "$coll" --sizes "$sizes" "${iters[@]}" "$@" --json "$out/$name.json" \
     2> >(grep -v '^sp [0-9]* stats' >&2)
 }
+
+if [ $staged_only -eq 1 ]; then
+  echo "== G. staged Ibcast; 2 nodes x {$staged_rpns} ranks, flat and hierarchical"
+  staged_run ibcast
+  echo
+  staged_markdown ibcast
+  exit 0
+fi
 
 if [ $traffic_only -eq 1 ]; then
   echo "== F. inter-node traffic per call; 2 nodes x 2 ranks, block and cyclic layouts"
@@ -120,6 +170,8 @@ if [ $demo -eq 0 ]; then
   echo "== F. inter-node traffic per call; 2 nodes x 2 ranks, block and cyclic layouts"
   traffic_run
   "$BENCH" traffic-table "$out/f-block.json" "$out/f-cyclic.json"
+  echo "== G. staged Ibcast; 2 nodes x {$staged_rpns} ranks, flat and hierarchical"
+  staged_run ibcast
 fi
 echo
 echo "== A. OSU method (compute = t_pure), one core per rank, SPs unpinned"
@@ -169,6 +221,10 @@ if [ $demo -eq 0 ]; then
     echo "## F. inter-node traffic per call: Allgatherv, 2 nodes x 2 ranks, block and cyclic layouts"
     echo
     traffic_markdown
+    echo
+    echo "## G. Staged Ibcast: native, flat and hierarchical by ranks per node"
+    echo
+    staged_markdown ibcast
     if [ -f docs/BENCHMARKS.notes.md ]; then
       echo
       cat docs/BENCHMARKS.notes.md

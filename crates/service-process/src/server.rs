@@ -1049,7 +1049,7 @@ impl Server {
         };
         let (ck, m, data) = match msg {
             SpToSp::Coll { key, msg } => (key, msg, None),
-            SpToSp::Data { key, msg, data } => (key, msg, Some(data)),
+            SpToSp::Data { key, msg, data } => (key, msg, Some(data.0)),
             SpToSp::Shutdown => {
                 debug!(sp = self.me, from, "peer SP is shutting down");
                 self.leaving_peers.insert(from);
@@ -1239,6 +1239,7 @@ impl Server {
                             } else {
                                 self.stats.bytes_inter_node += len;
                             }
+                            let data = wire::Bytes(data);
                             self.send_frame(k, &encode(&SpToSp::Data { key: ck, msg, data }));
                             Status::Ok
                         }
