@@ -9,10 +9,11 @@
 //! size here comes from a user count: buffers are the configured chunk size.
 
 use alias_mkey::{AliasKey, BackendData, Grant, Owner, Rights};
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
 /// One staging buffer.
+#[derive(Debug)]
 pub struct Stage {
     buf: Box<[u8]>,
     key: AliasKey,
@@ -65,16 +66,19 @@ impl Stage {
 }
 
 /// The staging of one instance: its slots, reserved from the SP's [`Budget`] and given back
-/// when the set is dropped (with the instance).
+/// when the set is dropped (with the instance): the bytes to the bound, the buffers to the
+/// pool the next instance takes them from (a fresh buffer costs a page fault per page).
 pub struct StageSet {
     pub slots: Vec<Stage>,
     bytes: u64,
     used: Rc<Cell<u64>>,
+    pool: Rc<RefCell<Vec<Stage>>>,
 }
 
 impl Drop for StageSet {
     fn drop(&mut self) {
         self.used.set(self.used.get().saturating_sub(self.bytes));
+        self.pool.borrow_mut().append(&mut self.slots);
     }
 }
 
@@ -83,6 +87,8 @@ impl Drop for StageSet {
 pub struct Budget {
     limit: u64,
     used: Rc<Cell<u64>>,
+    /// Buffers given back, for reuse (never more than `peak` bytes with those in use).
+    pool: Rc<RefCell<Vec<Stage>>>,
     /// Most bytes reserved at once.
     pub peak: u64,
     next_region: u64,
@@ -93,6 +99,7 @@ impl Budget {
         Budget {
             limit,
             used: Rc::new(Cell::new(0)),
+            pool: Rc::new(RefCell::new(Vec::new())),
             peak: 0,
             next_region: 1,
         }
@@ -105,16 +112,27 @@ impl Budget {
             Some((b, n)) if n <= self.limit => {
                 self.used.set(n);
                 self.peak = self.peak.max(n);
+                let mut pool = self.pool.borrow_mut();
                 let slots = (0..slots)
-                    .map(|_| {
-                        self.next_region += 1;
-                        Stage::new(job, self.next_region, chunk as usize)
-                    })
+                    .map(
+                        |_| match pool.iter().position(|s| s.buf.len() as u64 == chunk) {
+                            Some(i) => {
+                                let mut s = pool.swap_remove(i);
+                                s.key.owner.job = job;
+                                s
+                            }
+                            None => {
+                                self.next_region += 1;
+                                Stage::new(job, self.next_region, chunk as usize)
+                            }
+                        },
+                    )
                     .collect();
                 Ok(StageSet {
                     slots,
                     bytes: b,
                     used: self.used.clone(),
+                    pool: self.pool.clone(),
                 })
             }
             _ => Err(format!(
@@ -144,9 +162,15 @@ mod tests {
         assert!(e.contains("60 of 100"), "{e}");
         let c = b.reserve(1, 2, 20).unwrap();
         assert_eq!(b.used(), 100);
+        let a_addr = a.slots[0].key().grant.addr;
         drop(a);
         assert_eq!(b.used(), 40);
         assert_eq!(b.peak, 100);
+        // The next instance reuses a buffer given back, named for its own job.
+        let d = b.reserve(9, 1, 20).unwrap();
+        assert_eq!(d.slots[0].key().grant.addr, a_addr);
+        assert_eq!(d.slots[0].key().owner.job, 9);
+        drop(d);
         assert!(b.reserve(1, u32::MAX, u64::MAX).is_err());
         drop(c);
         assert_eq!(b.used(), 0);
