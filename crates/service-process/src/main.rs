@@ -156,10 +156,30 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
-    /// Run the deterministic simulator of the hierarchical allgather at scale (virtual time,
-    /// the simulator's cost model) and print completion time and inter-node bytes per number of
-    /// SPs per node and layout.
+    /// Run the deterministic simulator of the allgather or the bcast at scale (virtual time under
+    /// the simulator's cost model, not a measurement) and print completion time and inter-node
+    /// bytes per SPs per node and layout (and per design for the bcast).
+    ///
+    /// --coll allgather (the default): the hierarchical, load-balanced allgather, every rank
+    /// contributing --block-bytes; columns: mean completion time, inter-node bytes and their
+    /// minimum (summed over the seeds), and the late-arrival counters (no_ready / passed /
+    /// parked, summed over the seeds).
+    ///
+    /// --coll bcast: the staged bcast, one broadcast of --bcast-bytes from --root cut into
+    /// --chunk-bytes chunks with --slots staging buffers per SP, for both designs (flat: every
+    /// rank's buffer written by its SP; hier: one node segment per SP, ranks copy out of it);
+    /// columns: design, completion_us (mean over the seeds of the last rank to hold the message
+    /// in its own buffer, for hier after its copy out of the segment), sp_completion_us (the
+    /// last completion an SP emitted), inter_node_B and min_inter_B (per run: bytes that crossed
+    /// between nodes, and bcast-bytes x (nodes - 1)), hier/flat (ratio of completion_us, on the
+    /// hier row). JSON rows carry "coll": "bcast" and a "design" field.
+    ///
+    /// Ranks post within the simulator's default arrival skew (20 us); --late-ranks of them
+    /// come later still. A simulator failure prints its seed and exits with status 1.
     Simulate {
+        /// The collective to simulate.
+        #[arg(long, value_enum, default_value = "allgather")]
+        coll: service_process::simulate::Coll,
         #[arg(long, default_value_t = 32)]
         nodes: u32,
         #[arg(long, default_value_t = 32)]
@@ -170,18 +190,35 @@ enum Cmd {
         /// Comma-separated layouts to compare.
         #[arg(long, value_delimiter = ',', default_value = "block,cyclic")]
         layout: Vec<Layout>,
-        /// Bytes each rank contributes (the simulator keeps real buffers: keep it small).
-        #[arg(long, default_value_t = 64)]
-        block_bytes: u64,
-        /// World ranks that arrive late (the simulator's late-rank delay).
+        /// Allgather only: bytes each rank contributes (the simulator keeps real buffers: keep
+        /// it small) [default: 64]
+        #[arg(long)]
+        block_bytes: Option<u64>,
+        /// World ranks that arrive late (the simulator's late-rank delay: 100 us).
         #[arg(long, default_value_t = 0)]
         late_ranks: u32,
+        /// Bcast only: bytes broadcast (the simulator keeps a real buffer per rank: about nodes x
+        /// ranks-per-node x bcast-bytes of memory, 1 GiB and 0.5 to 1.5 s a run at 32x32 and 1 MiB)
+        /// [default: 1048576]
+        #[arg(long)]
+        bcast_bytes: Option<u64>,
+        /// Bcast only: bytes per chunk and per staging buffer, as `serve --stage-chunk-bytes`
+        /// [default: 262144]
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..=2 * 1024 * 1024))]
+        chunk_bytes: Option<u64>,
+        /// Bcast only: staging buffers per SP (the pipeline depth), as `serve --stage-slots`
+        /// [default: 4]
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
+        slots: Option<u32>,
+        /// Bcast only: the root's world rank [default: 0]
+        #[arg(long)]
+        root: Option<u32>,
         /// Runs per point (seeds seed, seed+1, ...), averaged.
         #[arg(long, default_value_t = 3)]
         seeds: u32,
         #[arg(long, default_value_t = 1)]
         seed: u64,
-        /// One JSON object per point instead of the table.
+        /// One JSON object per row instead of the table.
         #[arg(long)]
         json: bool,
     },
@@ -346,12 +383,17 @@ fn run(cli: Cli) -> Result<i32> {
             service_process::stats::print_cluster_stats(&cluster, json)
         }
         Cmd::Simulate {
+            coll,
             nodes,
             ranks_per_node,
             sps_per_node,
             layout,
             block_bytes,
             late_ranks,
+            bcast_bytes,
+            chunk_bytes,
+            slots,
+            root,
             seeds,
             seed,
             json,
@@ -368,8 +410,13 @@ fn run(cli: Cli) -> Result<i32> {
                 ranks_per_node,
                 sps_per_node,
                 layouts,
+                coll,
                 block_bytes,
                 late_ranks,
+                bcast_bytes,
+                chunk_bytes,
+                slots,
+                root,
                 seeds,
                 seed,
                 json,

@@ -1,13 +1,33 @@
-//! `service-process simulate`: runs the deterministic simulator of `algorithms` at scales this
-//! machine cannot run for real (e.g. 32 nodes x 32 ranks) and prints what the design promises:
+//! `service-process simulate`: runs the deterministic simulators of `algorithms` at scales this
+//! machine cannot run for real (e.g. 32 nodes x 32 ranks) and prints what the designs promise:
 //! completion time against SPs per node, block against cyclic layout, and inter-node bytes
-//! against the minimum. Virtual time and the cost model are the simulator's
-//! (`algorithms::sim::CostModel`); the figures are simulated, not measured.
+//! against the minimum; for the staged bcast also flat against hierarchical delivery. Virtual
+//! time and the cost model are the simulator's (`algorithms::sim::CostModel`); the figures are
+//! simulated, not measured.
 
+use algorithms::bcast::Design;
 use algorithms::sim::allgatherv::{run, SimConfig};
-use algorithms::sim::Layout;
-use anyhow::{anyhow, Result};
+use algorithms::sim::{bcast, Layout};
+use anyhow::{anyhow, bail, Result};
 use serde::Serialize;
+
+/// The collective to simulate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Coll {
+    /// The hierarchical, load-balanced allgather (`algorithms::sim::allgatherv`).
+    Allgather,
+    /// The staged bcast, flat and hierarchical (`algorithms::sim::bcast`).
+    Bcast,
+}
+
+/// Defaults of the bcast options (those of the SP's `serve --stage-chunk-bytes/--stage-slots`
+/// for the chunk and the slots).
+pub const DEFAULT_BCAST_BYTES: u64 = 1 << 20;
+pub const DEFAULT_CHUNK_BYTES: u64 = 256 * 1024;
+pub const DEFAULT_SLOTS: u32 = 4;
+pub const DEFAULT_ROOT: u32 = 0;
+/// Default of `--block-bytes` (allgather).
+pub const DEFAULT_BLOCK_BYTES: u64 = 64;
 
 #[derive(Clone, Debug)]
 pub struct SimulateOpts {
@@ -15,8 +35,15 @@ pub struct SimulateOpts {
     pub ranks_per_node: u32,
     pub sps_per_node: Vec<u32>,
     pub layouts: Vec<Layout>,
-    pub block_bytes: u64,
+    pub coll: Coll,
+    /// Allgather only (`None`: [`DEFAULT_BLOCK_BYTES`]).
+    pub block_bytes: Option<u64>,
     pub late_ranks: u32,
+    /// Bcast only (`None`: the `DEFAULT_*` above).
+    pub bcast_bytes: Option<u64>,
+    pub chunk_bytes: Option<u64>,
+    pub slots: Option<u32>,
+    pub root: Option<u32>,
     pub seeds: u32,
     pub seed: u64,
     pub json: bool,
@@ -40,15 +67,46 @@ struct Row {
     parked: u64,
 }
 
+fn layout_name(layout: Layout) -> &'static str {
+    match layout {
+        Layout::Block => "block",
+        Layout::Cyclic => "cyclic",
+    }
+}
+
 pub fn simulate(o: &SimulateOpts) -> Result<()> {
     if o.seeds == 0 {
         return Err(anyhow!("--seeds must be at least 1"));
     }
+    match o.coll {
+        Coll::Allgather => {
+            for (set, name) in [
+                (o.bcast_bytes.is_some(), "--bcast-bytes"),
+                (o.chunk_bytes.is_some(), "--chunk-bytes"),
+                (o.slots.is_some(), "--slots"),
+                (o.root.is_some(), "--root"),
+            ] {
+                if set {
+                    bail!("{name} applies to --coll bcast only");
+                }
+            }
+            simulate_allgather(o, o.block_bytes.unwrap_or(DEFAULT_BLOCK_BYTES))
+        }
+        Coll::Bcast => {
+            if o.block_bytes.is_some() {
+                bail!("--block-bytes applies to --coll allgather only");
+            }
+            simulate_bcast(o)
+        }
+    }
+}
+
+fn simulate_allgather(o: &SimulateOpts, block_bytes: u64) -> Result<()> {
     if !o.json {
         println!(
             "# simulated allgather: {} nodes x {} ranks, {} B per rank, {} late ranks, {} seeds \
              from {:#x} (virtual time)",
-            o.nodes, o.ranks_per_node, o.block_bytes, o.late_ranks, o.seeds, o.seed
+            o.nodes, o.ranks_per_node, block_bytes, o.late_ranks, o.seeds, o.seed
         );
         println!(
             "{:>4} {:>7} {:>14} {:>16} {:>16} {:>9} {:>9} {:>7}",
@@ -69,12 +127,9 @@ pub fn simulate(o: &SimulateOpts) -> Result<()> {
                 nodes: o.nodes,
                 ranks_per_node: o.ranks_per_node,
                 sps_per_node: k,
-                layout: match layout {
-                    Layout::Block => "block",
-                    Layout::Cyclic => "cyclic",
-                },
+                layout: layout_name(layout),
                 late_ranks: o.late_ranks,
-                block_bytes: o.block_bytes,
+                block_bytes,
                 runs: o.seeds,
                 mean_completion_us: 0.0,
                 inter_node_bytes: 0,
@@ -89,7 +144,7 @@ pub fn simulate(o: &SimulateOpts) -> Result<()> {
                 cfg.ranks_per_node = o.ranks_per_node;
                 cfg.sps_per_node = k;
                 cfg.layout = layout;
-                cfg.max_block_bytes = o.block_bytes;
+                cfg.max_block_bytes = block_bytes;
                 cfg.equal_counts = true;
                 cfg.zero_block_percent = 0;
                 cfg.late_ranks = o.late_ranks;
@@ -115,6 +170,176 @@ pub fn simulate(o: &SimulateOpts) -> Result<()> {
                     row.served_after_pass,
                     row.parked
                 );
+            }
+        }
+    }
+    Ok(())
+}
+
+#[derive(Serialize)]
+struct BcastRow {
+    coll: &'static str,
+    nodes: u32,
+    ranks_per_node: u32,
+    sps_per_node: u32,
+    layout: &'static str,
+    design: &'static str,
+    root: u32,
+    bcast_bytes: u64,
+    chunk_bytes: u64,
+    slots: u32,
+    late_ranks: u32,
+    runs: u32,
+    /// Mean over seeds of `end_ns`: the last rank with the message in its own buffer (for hier,
+    /// after the host's copy out of the node segment).
+    mean_completion_us: f64,
+    /// Mean over seeds of `sp_end_ns`: the last completion an SP emitted.
+    mean_sp_completion_us: f64,
+    /// Per run (the largest over seeds; fault-free runs all move the same).
+    inter_node_bytes: u64,
+    /// Per run: `bcast_bytes * (nodes - 1)`, each chunk crossing each node boundary once.
+    min_inter_node_bytes: u64,
+    /// hier's mean completion over flat's, on the hier row (`null` on the flat row).
+    hier_over_flat: Option<f64>,
+}
+
+/// The bcast simulator gives every rank a real buffer of the message's size (1 GiB per run at
+/// 32x32 and 1 MiB) and frees them when the run ends. By default glibc serves such blocks with
+/// mmap, or trims them off the heap, and hands the memory back to the kernel, so every run paid
+/// a page fault per 4 KiB again: most of its time (about 1.3 s of a run's 1.6 s here). Keeping
+/// freed memory in the heap lets the runs after the first reuse it (about 0.8 s a run).
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn keep_freed_memory() {
+    // SAFETY: mallopt only changes glibc's thresholds for later allocations and frees; nothing
+    // else allocates concurrently (this is the whole process, single-threaded).
+    unsafe {
+        // 32 MiB: the largest mmap threshold glibc accepts on 64-bit targets.
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, libc::c_int::MAX);
+    }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn keep_freed_memory() {}
+
+fn simulate_bcast(o: &SimulateOpts) -> Result<()> {
+    let len = o.bcast_bytes.unwrap_or(DEFAULT_BCAST_BYTES);
+    let chunk = o.chunk_bytes.unwrap_or(DEFAULT_CHUNK_BYTES);
+    let slots = o.slots.unwrap_or(DEFAULT_SLOTS);
+    let root = o.root.unwrap_or(DEFAULT_ROOT);
+    let world = u64::from(o.nodes) * u64::from(o.ranks_per_node);
+    if u64::from(root) >= world {
+        bail!(
+            "--root {root} is not a rank of {} nodes x {} ranks",
+            o.nodes,
+            o.ranks_per_node
+        );
+    }
+    if chunk == 0 || slots == 0 {
+        bail!("--chunk-bytes and --slots must be at least 1");
+    }
+    keep_freed_memory();
+    if !o.json {
+        println!(
+            "# simulated bcast: {} nodes x {} ranks, root {}, {} B, {} B chunks, {} slots, {} late \
+             ranks, {} seeds from {:#x} (virtual time)",
+            o.nodes, o.ranks_per_node, root, len, chunk, slots, o.late_ranks, o.seeds, o.seed
+        );
+        println!(
+            "{:>4} {:>7} {:>6} {:>14} {:>17} {:>14} {:>14} {:>10}",
+            "sps",
+            "layout",
+            "design",
+            "completion_us",
+            "sp_completion_us",
+            "inter_node_B",
+            "min_inter_B",
+            "hier/flat"
+        );
+    }
+    for &k in &o.sps_per_node {
+        for &layout in &o.layouts {
+            let mut rows = Vec::with_capacity(2);
+            for design in [Design::Flat, Design::Hier] {
+                let mut row = BcastRow {
+                    coll: "bcast",
+                    nodes: o.nodes,
+                    ranks_per_node: o.ranks_per_node,
+                    sps_per_node: k,
+                    layout: layout_name(layout),
+                    design: match design {
+                        Design::Flat => "flat",
+                        Design::Hier => "hier",
+                    },
+                    root,
+                    bcast_bytes: len,
+                    chunk_bytes: chunk,
+                    slots,
+                    late_ranks: o.late_ranks,
+                    runs: o.seeds,
+                    mean_completion_us: 0.0,
+                    mean_sp_completion_us: 0.0,
+                    inter_node_bytes: 0,
+                    min_inter_node_bytes: 0,
+                    hier_over_flat: None,
+                };
+                for i in 0..o.seeds {
+                    // As the 32x32 runs of `algorithms/tests/sim_bcast.rs` (`big`): one
+                    // collective, a fixed root and length, the simulator's default arrival skew
+                    // (20 us); the late ranks are --late-ranks (the simulator's default: 2).
+                    let seed = o.seed.wrapping_add(i as u64);
+                    let mut cfg = bcast::SimConfig::new(seed);
+                    cfg.nodes = o.nodes;
+                    cfg.ranks_per_node = o.ranks_per_node;
+                    cfg.sps_per_node = k;
+                    cfg.layout = layout;
+                    cfg.design = design;
+                    cfg.ops = 1;
+                    cfg.root = Some(root);
+                    cfg.len_bytes = Some(len);
+                    cfg.chunk_bytes = chunk;
+                    cfg.staging_slots = slots;
+                    cfg.late_ranks = o.late_ranks;
+                    let what = format!(
+                        "bcast simulation failed ({} SPs per node, {} layout, {} design)",
+                        k, row.layout, row.design
+                    );
+                    let r = bcast::run(&cfg).map_err(|e| anyhow!("{what}: {e}"))?;
+                    if r.error_completions != 0 {
+                        bail!(
+                            "{what}: seed={seed:#018x} : {} ranks completed with an error in a \
+                             fault-free run",
+                            r.error_completions
+                        );
+                    }
+                    row.mean_completion_us += r.end_ns as f64 / 1e3 / o.seeds as f64;
+                    row.mean_sp_completion_us += r.sp_end_ns as f64 / 1e3 / o.seeds as f64;
+                    row.inter_node_bytes = row.inter_node_bytes.max(r.bytes_moved_inter_node);
+                    row.min_inter_node_bytes = r.min_inter_node_bytes;
+                }
+                rows.push(row);
+            }
+            if rows[0].mean_completion_us > 0.0 {
+                rows[1].hier_over_flat =
+                    Some(rows[1].mean_completion_us / rows[0].mean_completion_us);
+            }
+            for row in &rows {
+                if o.json {
+                    println!("{}", serde_json::to_string(row)?);
+                } else {
+                    println!(
+                        "{:>4} {:>7} {:>6} {:>14.1} {:>17.1} {:>14} {:>14} {:>10}",
+                        row.sps_per_node,
+                        row.layout,
+                        row.design,
+                        row.mean_completion_us,
+                        row.mean_sp_completion_us,
+                        row.inter_node_bytes,
+                        row.min_inter_node_bytes,
+                        row.hier_over_flat
+                            .map_or_else(|| "-".to_string(), |x| format!("{x:.3}"))
+                    );
+                }
             }
         }
     }
