@@ -477,6 +477,16 @@ fn ucx_backend_offloads_allgather() {
     ucx_offloads(&[&prog, "10", &seed, "late", "mixed"], "ag_check", "1024");
 }
 
+#[test]
+fn ucx_backend_offloads_bcast() {
+    // The default design here (2 ranks per SP) is flat: every staged copy is between a ucx
+    // grant and the SP's own staging, none inline.
+    let _serial = serial();
+    let prog = prog("bcast_check");
+    let seed = integration_tests::seed().to_string();
+    ucx_offloads(&[&prog, "8", &seed, "late"], "bcast_check", "1024");
+}
+
 /// Ranks may grant differently: rank 1 asks for cma, rank 2's UCX cannot initialise (it says
 /// so once and uses cma), ranks 0 and 3 use ucx. The SPs serve each grant with its own
 /// backend, so mixed cma/ucx copies are correct too.
