@@ -15,6 +15,7 @@ pub mod alltoallv;
 pub mod bcast;
 pub mod sched;
 pub mod sim;
+pub mod staged_allgather;
 
 /// Global index of a service process in the cluster.
 pub type SpId = u32;
