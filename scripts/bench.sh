@@ -11,8 +11,8 @@
 #   scripts/bench.sh          full run, also writes docs/BENCHMARKS.md (make bench)
 #   scripts/bench.sh --traffic-only   only section F (inter-node traffic), printed as Markdown;
 #                                     writes no file
-#   scripts/bench.sh --staged-only    only section G (staged Ibcast, flat vs hierarchical vs
-#                                     native at 1, 2 and 4 ranks per node), printed as
+#   scripts/bench.sh --staged-only    only section G (staged Ibcast and Iallgather, each design
+#                                     vs native at 1, 2 and 4 ranks per node), printed as
 #                                     Markdown; writes no file
 # BIN (default target/release) is where service-process, coll-bench and the shim are.
 set -euo pipefail
@@ -84,6 +84,9 @@ traffic_markdown() {
 # others; a fixed compute as in B, and the pure latency (the OSU first phase) of each.
 staged_sizes=${STAGED_SIZES:-4K,64K,1M}
 staged_rpns=${STAGED_RPNS:-1 2 4}
+staged_designs() { # collective
+  if [ "$1" = iallgather ]; then echo "flat hier lb"; else echo "flat hier"; fi
+}
 staged_run() { # collective
   local coll=$1 rpn design
   for rpn in $staged_rpns; do
@@ -92,7 +95,7 @@ staged_run() { # collective
       "$BENCH" overlap --coll "$coll" --sizes "$staged_sizes" "${iters[@]}" \
       --compute-us "$compute_us" --json "$out/g-$coll-$rpn-native.json" \
       2> >(grep -v '^sp [0-9]* stats' >&2)
-    for design in flat hier; do
+    for design in $(staged_designs "$coll"); do
       echo "-- $coll, 2 nodes x $rpn ranks: $design"
       "$SP" launch --nodes 2 --ranks-per-node "$rpn" --rank-cpus "$b_ranks" --sp-cpus "$last" -- \
         "$BENCH" overlap --coll "$coll" --design "$design" --sizes "$staged_sizes" "${iters[@]}" \
@@ -106,13 +109,18 @@ staged_markdown() { # collective
   echo "Ranks on CPUs $b_ranks, SPs reserved on CPU $last, compute ${compute_us} us per iteration;"
   echo "pure_us is the latency without compute, overlap_pct the OSU formula with that compute,"
   echo "host_us the time the ranks spent in the post and wait calls. One group of columns per"
-  echo "design (\`coll-bench overlap --design\`, which sets \`SPOFF_BCAST_DESIGN\`)."
+  echo "design (\`coll-bench overlap --design\`, which sets \`SPOFF_BCAST_DESIGN\` or"
+  echo "\`SPOFF_IALLGATHER_DESIGN\`; \`lb\` is the load-balanced allgather of section C)."
+  local offloads
   for rpn in $staged_rpns; do
     echo
     echo "### $coll, 2 nodes x $rpn ranks per node"
     echo
-    "$BENCH" compare --native "$out/g-$coll-$rpn-native.json" \
-      --offload "$out/g-$coll-$rpn-flat.json" --offload "$out/g-$coll-$rpn-hier.json" --markdown
+    offloads=()
+    for design in $(staged_designs "$coll"); do
+      offloads+=(--offload "$out/g-$coll-$rpn-$design.json")
+    done
+    "$BENCH" compare --native "$out/g-$coll-$rpn-native.json" "${offloads[@]}" --markdown
   done
 }
 
@@ -127,10 +135,13 @@ run() { # name, collective, launch options..., -- coll-bench options...
 }
 
 if [ $staged_only -eq 1 ]; then
-  echo "== G. staged Ibcast; 2 nodes x {$staged_rpns} ranks, flat and hierarchical"
+  echo "== G. staged Ibcast and Iallgather; 2 nodes x {$staged_rpns} ranks, by design"
   staged_run ibcast
+  staged_run iallgather
   echo
   staged_markdown ibcast
+  echo
+  staged_markdown iallgather
   exit 0
 fi
 
@@ -170,8 +181,9 @@ if [ $demo -eq 0 ]; then
   echo "== F. inter-node traffic per call; 2 nodes x 2 ranks, block and cyclic layouts"
   traffic_run
   "$BENCH" traffic-table "$out/f-block.json" "$out/f-cyclic.json"
-  echo "== G. staged Ibcast; 2 nodes x {$staged_rpns} ranks, flat and hierarchical"
+  echo "== G. staged Ibcast and Iallgather; 2 nodes x {$staged_rpns} ranks, by design"
   staged_run ibcast
+  staged_run iallgather
 fi
 echo
 echo "== A. OSU method (compute = t_pure), one core per rank, SPs unpinned"
@@ -222,9 +234,11 @@ if [ $demo -eq 0 ]; then
     echo
     traffic_markdown
     echo
-    echo "## G. Staged Ibcast: native, flat and hierarchical by ranks per node"
+    echo "## G. Staged Ibcast and Iallgather: native and each design by ranks per node"
     echo
     staged_markdown ibcast
+    echo
+    staged_markdown iallgather
     if [ -f docs/BENCHMARKS.notes.md ]; then
       echo
       cat docs/BENCHMARKS.notes.md

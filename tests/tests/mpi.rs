@@ -219,6 +219,82 @@ fn mpi_coll_bench_overlap_validates_offloaded_and_native() {
     }
 }
 
+/// `coll-bench overlap` of the staged collectives at sizes `bcast_check`/`ag_check` do not
+/// reach (up to 1 MiB per rank, sizes off the 256 KiB chunk, 0 and 1 byte), each design forced,
+/// 2 nodes x 2 ranks: every row validated (the benchmark checks every byte), the SPs moved
+/// chunks (bcast) or staged blocks (allgather) and finished everything.
+#[test]
+fn mpi_staged_collectives_validate_at_real_sizes() {
+    let bench = artifact("coll-bench").display().to_string();
+    for (coll, design) in [
+        ("ibcast", "flat"),
+        ("ibcast", "hier"),
+        ("iallgather", "flat"),
+        ("iallgather", "hier"),
+    ] {
+        let json = std::env::temp_dir().join(format!(
+            "spoff-staged-{}-{coll}-{design}.json",
+            std::process::id()
+        ));
+        let json_s = json.display().to_string();
+        let run = run(
+            launch_cmd(
+                &["--nodes", "2", "--ranks-per-node", "2"],
+                &[
+                    &bench,
+                    "overlap",
+                    "--coll",
+                    coll,
+                    "--design",
+                    design,
+                    "--sizes",
+                    "0,1,300001,1M",
+                    "--iters",
+                    "3",
+                    "--warmup",
+                    "1",
+                    "--json",
+                    &json_s,
+                ],
+            ),
+            JOB_TIMEOUT,
+        );
+        run.assert_ok(&format!(
+            "coll-bench overlap --coll {coll} --design {design}"
+        ));
+        let text = std::fs::read_to_string(&json).unwrap();
+        std::fs::remove_file(&json).ok();
+        let rows: Vec<serde_json::Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(rows.len(), 4, "{text}");
+        for r in &rows {
+            assert_eq!(r["validated"], true, "{coll} {design}: {r}");
+            assert_eq!(r["design"], design, "{r}");
+        }
+        assert!(
+            run.sp_total("posts") > 0,
+            "nothing offloaded:\n{}",
+            run.stderr
+        );
+        assert_eq!(run.sp_total("copies_failed"), 0, "{}", run.stderr);
+        assert_eq!(run.sp_total("instances_at_exit"), 0, "{}", run.stderr);
+        if design == "hier" {
+            assert!(run.sp_total("host_copies") > 0, "{}", run.stderr);
+        }
+        if coll == "ibcast" {
+            assert!(run.sp_total("chunks_moved") > 0, "{}", run.stderr);
+        } else {
+            assert_eq!(
+                run.sp_total("announces_received"),
+                0,
+                "not the staged design"
+            );
+        }
+    }
+}
+
 thread_local! {
     static LONG_JOB_STDERR: std::cell::RefCell<Option<std::path::PathBuf>> =
         const { std::cell::RefCell::new(None) };

@@ -10,7 +10,7 @@
 //! closed. After the hello, payloads are bincode-encoded [`HostToSp`], [`SpToHost`] or
 //! [`SpToSp`] values.
 
-use algorithms::{allgatherv, alltoallv, bcast, CollKey, CommId, SpId};
+use algorithms::{allgatherv, alltoallv, bcast, staged_allgather, CollKey, CommId, SpId};
 use alias_mkey::{AliasKey, Grant};
 use bincode::Options;
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
@@ -161,6 +161,9 @@ pub enum CollKind {
     /// root posts its buffer as the send grant (`send_counts == [len]`) and an empty receive
     /// side (`recv_counts == [0]`); every other rank the reverse.
     Bcast,
+    /// Iallgather staged in SP memory (`PostDesc::staged` names the design; its `root` is
+    /// unused): like `Allgatherv`, with equal blocks in rank order (block `i` at `i * len`).
+    StagedAllgather,
 }
 
 /// The designs of the staged collectives (after BluesMPI): `Flat` writes every rank's buffer
@@ -283,6 +286,7 @@ pub enum CollMsg {
     Alltoallv(alltoallv::Msg<AliasKey>),
     Allgatherv(allgatherv::Msg<AliasKey>),
     Bcast(bcast::Msg),
+    StagedAllgather(staged_allgather::Msg<AliasKey>),
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -267,18 +267,14 @@ pub unsafe fn allgather(
     let send = Side::new(sendbuf, (vec![sendcount as i64], vec![0]), st);
     // Block `i` at displacement `i * recvcount`: the alltoall layout of one side.
     let recv = Side::new(recvbuf, alltoall_as_v(n, recvcount as i64), rt);
+    // The staged designs (issue 4) when asked for; `root` is unused by them.
+    let (kind, root) = if !blocking && iallgather_staged() {
+        (CollKind::StagedAllgather, Some(0))
+    } else {
+        (CollKind::Allgatherv, None)
+    };
     // SAFETY: forwarded.
-    unsafe {
-        post(
-            CollKind::Allgatherv,
-            comm,
-            send,
-            recv,
-            blocking,
-            None,
-            commit,
-        )
-    }
+    unsafe { post(kind, comm, send, recv, blocking, root, commit) }
 }
 
 /// # Safety
@@ -326,17 +322,22 @@ pub unsafe fn bcast(
     }
 }
 
-/// The design of a staged collective of `len` bytes on a communicator whose members are
-/// served by the SPs `members`. A message larger than the segment (`SPOFF_SEGMENT_BYTES`) is
-/// always `Flat`; otherwise `SPOFF_BCAST_DESIGN=flat|hier` forces one, and `auto` (the default)
+/// The design of a staged collective of `kind` moving `len` bytes to each rank, on a
+/// communicator whose members are served by the SPs `members`. A message larger than the
+/// segment (`SPOFF_SEGMENT_BYTES`) is always `Flat`; otherwise `SPOFF_BCAST_DESIGN` (a bcast)
+/// or `SPOFF_IALLGATHER_DESIGN` (a staged iallgather) `=flat|hier` forces one, and `auto`
 /// picks `Hier` when some SP serves at least `SPOFF_HIER_MIN_RANKS` (default
 /// [`HIER_MIN_RANKS`]) of the members. The members and the length are the same on every rank
 /// (and so, in a correct job, is the environment), so every rank decides alike.
-fn staged_design(members: &[algorithms::SpId], len: u64) -> StagedDesign {
+fn staged_design(kind: CollKind, members: &[algorithms::SpId], len: u64) -> StagedDesign {
     if len > crate::segment::configured_len() {
         return StagedDesign::Flat;
     }
-    let forced = std::env::var("SPOFF_BCAST_DESIGN").ok();
+    let var = match kind {
+        CollKind::StagedAllgather => "SPOFF_IALLGATHER_DESIGN",
+        _ => "SPOFF_BCAST_DESIGN",
+    };
+    let forced = std::env::var(var).ok();
     match forced.as_deref().map(str::trim) {
         Some("flat") => return StagedDesign::Flat,
         Some("hier") => return StagedDesign::Hier,
@@ -359,6 +360,18 @@ fn staged_design(members: &[algorithms::SpId], len: u64) -> StagedDesign {
 
 /// Ranks per SP from which `auto` picks the hierarchical design (see docs/BENCHMARKS.md).
 pub const HIER_MIN_RANKS: usize = 4;
+
+/// `MPI_Iallgather` takes the staged designs when `SPOFF_IALLGATHER_DESIGN` is `flat`, `hier`
+/// or `auto` (the staged pair chosen by ranks per SP); unset or `lb`, it takes the
+/// load-balanced hierarchical allgather (issue 3's), as every other allgather does.
+fn iallgather_staged() -> bool {
+    matches!(
+        std::env::var("SPOFF_IALLGATHER_DESIGN")
+            .as_deref()
+            .map(str::trim),
+        Ok("flat" | "hier" | "auto")
+    )
+}
 
 /// A free mailbox slot, harvesting completions (and waiting) while none is free. The wait is
 /// bounded: each pass reads the SP connection (a dead SP fails it), and once every slot is
@@ -457,10 +470,10 @@ unsafe fn post(
     // An allgatherv's receive buffer is also read: the SP serves the node's other ranks
     // segments out of it.
     let recv_rights = match kind {
-        CollKind::Alltoallv | CollKind::Bcast => Rights::WRITE,
+        CollKind::Alltoallv | CollKind::Bcast | CollKind::StagedAllgather => Rights::WRITE,
         CollKind::Allgatherv => Rights::READ_WRITE,
     };
-    let design = root.map(|_| staged_design(&info.members, s.region_len.max(r.region_len)));
+    let design = root.map(|_| staged_design(kind, &info.members, s.region_len.max(r.region_len)));
     // Hier: the SP writes the segment this rank shares with the other ranks of its SP, and the
     // rank copies from it into its buffer (the root receives nothing).
     let segment = match design {
@@ -473,7 +486,8 @@ unsafe fn post(
         }
         _ => None,
     };
-    let receives_from_segment = segment.is_some() && root != Some(info.comm_rank);
+    let receives_from_segment =
+        segment.is_some() && (kind == CollKind::StagedAllgather || root != Some(info.comm_rank));
     let host_copies = (blocking && kind == CollKind::Allgatherv && host_copies_enabled())
         || receives_from_segment;
     let posted = with_shim(|sh| {
@@ -493,7 +507,9 @@ unsafe fn post(
             members: info.members.clone(),
             nodes: match kind {
                 CollKind::Alltoallv => Vec::new(),
-                CollKind::Allgatherv | CollKind::Bcast => info.nodes.clone(),
+                CollKind::Allgatherv | CollKind::Bcast | CollKind::StagedAllgather => {
+                    info.nodes.clone()
+                }
             },
             slot,
             token,
@@ -551,5 +567,6 @@ pub fn kind_name(kind: CollKind) -> &'static str {
         CollKind::Alltoallv => "alltoallv",
         CollKind::Allgatherv => "allgatherv",
         CollKind::Bcast => "bcast",
+        CollKind::StagedAllgather => "staged allgather",
     }
 }

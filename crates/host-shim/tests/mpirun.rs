@@ -28,7 +28,8 @@ use std::time::{Duration, Instant};
 const NP: u64 = 4;
 const TIMEOUT: Duration = Duration::from_secs(120);
 /// The shim's settings: every job gets the ones its test sets, never the caller's.
-const SHIM_VARS: [&str; 10] = [
+const SHIM_VARS: [&str; 11] = [
+    "SPOFF_IALLGATHER_DESIGN",
     "SPOFF_HOST_COPIES",
     "SPOFF_BCAST_DESIGN",
     "SPOFF_HIER_MIN_RANKS",
@@ -298,6 +299,25 @@ fn allgather_host_copies_can_be_turned_off() {
     let run = ag_check_offloads_env(1, "block", &[], &[("SPOFF_HOST_COPIES", "0")]);
     assert_eq!(run.sp_total("host_copies"), 0, "{}", run.stderr);
     assert!(run.sp_total("bytes_intra_node") > 0, "{}", run.stderr);
+}
+
+#[test]
+fn iallgather_staged_designs_offload_with_late_arrivals() {
+    // SPOFF_IALLGATHER_DESIGN: MPI_Iallgather takes the staged designs (the other calls of
+    // ag_check stay on the load-balanced one); still byte-identical to PMPI_Allgatherv.
+    for (k, layout, design) in [(1, "cyclic", "flat"), (2, "block", "hier")] {
+        let run =
+            ag_check_offloads_env(k, layout, &["late"], &[("SPOFF_IALLGATHER_DESIGN", design)]);
+        assert!(
+            run.sp_total("staging_peak_bytes") > 0,
+            "no staged instance\n{}",
+            run.stderr
+        );
+        assert_eq!(run.sp_total("staging_refused"), 0, "{}", run.stderr);
+        if design == "hier" {
+            assert!(run.sp_total("host_copies") > 0, "{}", run.stderr);
+        }
+    }
 }
 
 #[test]

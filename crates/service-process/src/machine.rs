@@ -5,7 +5,9 @@
 //! and turns its actions into [`Act`], with messages already wrapped for the wire
 //! ([`CollMsg`]) and copy ids as plain numbers.
 
-use algorithms::{allgatherv, alltoallv, bcast, CollKey, Nanos, Rank, SpId, Status};
+use algorithms::{
+    allgatherv, alltoallv, bcast, staged_allgather, CollKey, Nanos, Rank, SpId, Status,
+};
 use alias_mkey::AliasKey;
 use bootstrap::wire::{CollKind, CollMsg};
 
@@ -14,6 +16,7 @@ pub enum Machine {
     Alltoallv(Box<alltoallv::Alltoallv<AliasKey>>),
     Allgatherv(Box<allgatherv::Allgatherv<AliasKey>>),
     Bcast(Box<bcast::Bcast<AliasKey>>),
+    StagedAllgather(Box<staged_allgather::StagedAllgather<AliasKey>>),
 }
 
 /// Staging of the staged collectives (the same on every SP of a cluster).
@@ -71,6 +74,7 @@ pub enum Post {
     Alltoallv(alltoallv::Post<AliasKey>),
     Allgatherv(allgatherv::Post<AliasKey>),
     Bcast(bcast::Post<AliasKey>),
+    StagedAllgather(staged_allgather::Post<AliasKey>),
 }
 
 /// Counters of the hierarchical collectives, summed over finished instances.
@@ -105,6 +109,16 @@ impl Machine {
                     staging_slots: staged.slots,
                 },
             ))),
+            CollKind::StagedAllgather => {
+                Machine::StagedAllgather(Box::new(staged_allgather::StagedAllgather::new(
+                    key,
+                    staged_allgather::Config {
+                        me,
+                        chunk_bytes: staged.chunk_bytes,
+                        staging_slots: staged.slots,
+                    },
+                )))
+            }
         }
     }
 
@@ -113,6 +127,7 @@ impl Machine {
             Machine::Alltoallv(_) => CollKind::Alltoallv,
             Machine::Allgatherv(_) => CollKind::Allgatherv,
             Machine::Bcast(_) => CollKind::Bcast,
+            Machine::StagedAllgather(_) => CollKind::StagedAllgather,
         }
     }
 
@@ -122,6 +137,7 @@ impl Machine {
             CollMsg::Alltoallv(_) => CollKind::Alltoallv,
             CollMsg::Allgatherv(_) => CollKind::Allgatherv,
             CollMsg::Bcast(_) => CollKind::Bcast,
+            CollMsg::StagedAllgather(_) => CollKind::StagedAllgather,
         }
     }
 
@@ -149,6 +165,9 @@ impl Machine {
                 m.handle_post(now, p).map_err(|e| e.to_string())
             }
             (Machine::Bcast(m), Post::Bcast(p)) => m.handle_post(now, p).map_err(|e| e.to_string()),
+            (Machine::StagedAllgather(m), Post::StagedAllgather(p)) => {
+                m.handle_post(now, p).map_err(|e| e.to_string())
+            }
             (m, _) => Err(format!(
                 "this collective instance is a {:?}; ranks posted different collectives",
                 m.kind()
@@ -167,6 +186,9 @@ impl Machine {
             (Machine::Bcast(m), CollMsg::Bcast(msg)) => {
                 m.handle_msg(now, from, msg).map_err(|e| e.to_string())
             }
+            (Machine::StagedAllgather(m), CollMsg::StagedAllgather(msg)) => {
+                m.handle_msg(now, from, msg).map_err(|e| e.to_string())
+            }
             (m, msg) => Err(format!(
                 "a {:?} message for a {:?} instance",
                 Machine::kind_of(&msg),
@@ -180,6 +202,7 @@ impl Machine {
             Machine::Alltoallv(m) => m.handle_copy_done(now, alltoallv::CopyId(id), status),
             Machine::Allgatherv(m) => m.handle_copy_done(now, allgatherv::CopyId(id), status),
             Machine::Bcast(m) => m.handle_copy_done(now, bcast::CopyId(id), status),
+            Machine::StagedAllgather(m) => m.handle_copy_done(now, bcast::CopyId(id), status),
         }
     }
 
@@ -188,6 +211,7 @@ impl Machine {
             Machine::Alltoallv(m) => m.handle_peer_lost(now, sp),
             Machine::Allgatherv(m) => m.handle_peer_lost(now, sp),
             Machine::Bcast(m) => m.handle_peer_lost(now, sp),
+            Machine::StagedAllgather(m) => m.handle_peer_lost(now, sp),
         }
     }
 
@@ -196,6 +220,7 @@ impl Machine {
             Machine::Alltoallv(m) => m.abort(now, status),
             Machine::Allgatherv(m) => m.abort(now, status),
             Machine::Bcast(m) => m.abort(now, status),
+            Machine::StagedAllgather(m) => m.abort(now, status),
         }
     }
 
@@ -204,6 +229,7 @@ impl Machine {
             Machine::Alltoallv(m) => m.handle_rank_lost(now, rank),
             Machine::Allgatherv(m) => m.handle_rank_lost(now, rank),
             Machine::Bcast(m) => m.handle_rank_lost(now, rank),
+            Machine::StagedAllgather(m) => m.handle_rank_lost(now, rank),
         }
     }
 
@@ -212,6 +238,7 @@ impl Machine {
             Machine::Alltoallv(m) => m.is_finished(),
             Machine::Allgatherv(m) => m.is_finished(),
             Machine::Bcast(m) => m.is_finished(),
+            Machine::StagedAllgather(m) => m.is_finished(),
         }
     }
 
@@ -220,13 +247,16 @@ impl Machine {
             Machine::Alltoallv(m) => m.copies_in_flight(),
             Machine::Allgatherv(m) => m.copies_in_flight(),
             Machine::Bcast(m) => m.copies_in_flight(),
+            Machine::StagedAllgather(m) => m.copies_in_flight(),
         }
     }
 
     /// Late-arrival counters (zero for collectives without a hierarchical landing).
     pub fn late_arrivals(&self) -> LateArrivals {
         match self {
-            Machine::Alltoallv(_) | Machine::Bcast(_) => LateArrivals::default(),
+            Machine::Alltoallv(_) | Machine::Bcast(_) | Machine::StagedAllgather(_) => {
+                LateArrivals::default()
+            }
             Machine::Allgatherv(m) => {
                 let s = m.stats();
                 LateArrivals {
@@ -310,6 +340,28 @@ impl Machine {
                     from_segment,
                 },
             }),
+            Machine::StagedAllgather(m) => Some(match m.poll_action()? {
+                staged_allgather::Action::Send { to, msg } => Act::Send {
+                    to,
+                    msg: CollMsg::StagedAllgather(msg),
+                },
+                staged_allgather::Action::Copy(c) => Act::StageCopy {
+                    id: c.id.0,
+                    rank: c.rank,
+                    src: c.src,
+                    dst: c.dst,
+                    len: c.len,
+                },
+                staged_allgather::Action::Complete {
+                    rank,
+                    status,
+                    from_segment,
+                } => Act::Complete {
+                    rank,
+                    status,
+                    from_segment,
+                },
+            }),
         }
     }
 }
@@ -381,6 +433,11 @@ pub fn refuse(msg: &CollMsg, from: SpId, status: Status) -> Vec<(SpId, CollMsg)>
             ),
             (from, CollMsg::Bcast(bcast::Msg::Abort { status })),
         ],
+        // The staged allgather says itself what needs an answer.
+        CollMsg::StagedAllgather(m) => staged_allgather::refusal(m, status)
+            .map(|r| (from, CollMsg::StagedAllgather(r)))
+            .into_iter()
+            .collect(),
         // Messages that expect no answer. Listed one by one so that a new message kind has to
         // be considered here.
         CollMsg::Alltoallv(alltoallv::Msg::Ack { .. } | alltoallv::Msg::Abort { .. })

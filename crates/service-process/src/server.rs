@@ -27,7 +27,7 @@ use crate::segment::Arena;
 use crate::staging::{Budget, StageSet};
 use crate::stats::Stats;
 use algorithms::sched::CopyLimiter;
-use algorithms::{allgatherv, alltoallv, bcast};
+use algorithms::{allgatherv, alltoallv, bcast, staged_allgather};
 use algorithms::{CollKey, CommId, Nanos, SpId, Status};
 use alias_mkey::mover::{CmaMover, Mover};
 use alias_mkey::{AliasKey, BackendData, Grant, Owner, Rights};
@@ -673,7 +673,7 @@ impl Server {
         // bcast: one block each way, one of them empty.
         let (send_entries, recv_entries) = match d.kind {
             CollKind::Alltoallv => (p, p),
-            CollKind::Allgatherv => (1, p),
+            CollKind::Allgatherv | CollKind::StagedAllgather => (1, p),
             CollKind::Bcast => (1, 1),
         };
         for (name, v, want) in [
@@ -686,10 +686,11 @@ impl Server {
                 return bad(format!("{name} has {} entries, expected {want}", v.len()));
             }
         }
-        if d.kind == CollKind::Allgatherv && d.send_displs[0] != 0 {
+        let allgather = matches!(d.kind, CollKind::Allgatherv | CollKind::StagedAllgather);
+        if allgather && d.send_displs[0] != 0 {
             return bad("the allgatherv send block must start at offset 0 of its grant".into());
         }
-        if matches!(d.kind, CollKind::Allgatherv | CollKind::Bcast) && d.nodes.len() != p {
+        if d.kind != CollKind::Alltoallv && d.nodes.len() != p {
             return bad(format!("nodes has {} entries for {p} ranks", d.nodes.len()));
         }
         match (d.kind, &d.staged) {
@@ -713,23 +714,43 @@ impl Server {
                         if is_root { "root" } else { "receiver" }
                     ));
                 }
-                if st.design == StagedDesign::Hier {
-                    let Some(seg) = &st.segment else {
-                        return bad("a hierarchical bcast without its segment".into());
-                    };
-                    if seg.backend != BackendData::Cma
-                        || !seg.rights.contains(Rights::READ_WRITE)
-                        || seg.addr.checked_add(seg.len).is_none()
-                    {
-                        return bad(format!(
-                            "the segment grant ({} bytes, {}) must be read-write through cma",
-                            seg.len, seg.rights
-                        ));
-                    }
+            }
+            (CollKind::StagedAllgather, None) => {
+                return bad("a staged allgather without its design".into())
+            }
+            (CollKind::StagedAllgather, Some(_)) => {
+                // Equal blocks in rank order: block i at i * len.
+                let len = d.send_counts[0];
+                let ordered = (0..p as u64).all(|i| {
+                    d.recv_counts[i as usize] == len
+                        && i.checked_mul(len) == Some(d.recv_displs[i as usize])
+                });
+                if !ordered || len.checked_mul(p as u64).is_none() {
+                    return bad(format!(
+                        "a staged allgather needs {p} blocks of {len} bytes in rank order"
+                    ));
                 }
             }
             (_, Some(_)) => return bad(format!("{:?} is not a staged collective", d.kind)),
             (_, None) => {}
+        }
+        if let Some(st) = d
+            .staged
+            .as_ref()
+            .filter(|st| st.design == StagedDesign::Hier)
+        {
+            let Some(seg) = &st.segment else {
+                return bad("a hierarchical staged collective without its segment".into());
+            };
+            if seg.backend != BackendData::Cma
+                || !seg.rights.contains(Rights::READ_WRITE)
+                || seg.addr.checked_add(seg.len).is_none()
+            {
+                return bad(format!(
+                    "the segment grant ({} bytes, {}) must be read-write through cma",
+                    seg.len, seg.rights
+                ));
+            }
         }
         let n_sps = self.cluster.sps.len() as SpId;
         if let Some(sp) = d.members.iter().find(|&&sp| sp >= n_sps) {
@@ -763,7 +784,7 @@ impl Server {
         // Allgatherv: once a segment landed in one rank of a node, the node's other ranks copy
         // it from that rank's receive buffer, so the receive grant must allow reading too.
         let recv_needs = match d.kind {
-            CollKind::Alltoallv | CollKind::Bcast => Rights::WRITE,
+            CollKind::Alltoallv | CollKind::Bcast | CollKind::StagedAllgather => Rights::WRITE,
             CollKind::Allgatherv => Rights::READ_WRITE,
         };
         for (grant, need, counts, displs, what) in [
@@ -868,6 +889,9 @@ impl Server {
                     CollKind::Alltoallv => CollMsg::Alltoallv(alltoallv::Msg::Abort { status }),
                     CollKind::Allgatherv => CollMsg::Allgatherv(allgatherv::Msg::Abort { status }),
                     CollKind::Bcast => CollMsg::Bcast(bcast::Msg::Abort { status }),
+                    CollKind::StagedAllgather => {
+                        CollMsg::StagedAllgather(staged_allgather::Msg::Abort { status })
+                    }
                 };
                 let frame = encode(&SpToSp::Coll {
                     key: ck,
@@ -910,7 +934,12 @@ impl Server {
         let shared_key = match &d.staged {
             Some(st) if st.design == StagedDesign::Hier && !self.flat_here.contains(&ck) => {
                 let seg = st.segment.clone().expect("checked by check_post");
-                let len = d.send_counts[0].max(d.recv_counts[0]);
+                // The whole message: a bcast's one block; an allgather's P blocks (checked
+                // not to overflow).
+                let len = match d.kind {
+                    CollKind::StagedAllgather => d.recv_counts.iter().sum(),
+                    _ => d.send_counts[0].max(d.recv_counts[0]),
+                };
                 match self.region_for(ck, &seg, len) {
                     Ok(Some((off, rlen))) => Some(self.alias(
                         key,
@@ -995,6 +1024,23 @@ impl Server {
                     shared_key,
                 })
             }
+            CollKind::StagedAllgather => {
+                let st = d.staged.expect("checked by check_post");
+                machine::Post::StagedAllgather(staged_allgather::Post {
+                    rank: d.comm_rank,
+                    members: d.members,
+                    nodes: d.nodes,
+                    send_key: send,
+                    recv_key: recv,
+                    len: d.send_counts[0],
+                    design: if shared_key.is_some() && st.design == StagedDesign::Hier {
+                        bcast::Design::Hier
+                    } else {
+                        bcast::Design::Flat
+                    },
+                    shared_key,
+                })
+            }
         };
         match inst.sm.handle_post(now, post) {
             Ok(()) => {
@@ -1022,7 +1068,7 @@ impl Server {
                 posted: HashMap::new(),
                 stages: None,
             };
-            if kind == CollKind::Bcast {
+            if matches!(kind, CollKind::Bcast | CollKind::StagedAllgather) {
                 match self
                     .budget
                     .reserve(ck.job, self.staged.slots, self.staged.chunk_bytes)
@@ -1088,6 +1134,20 @@ impl Server {
                         ?ck,
                         "message for a finished collective; dropped"
                     );
+                    // A staged allgather's writers wait for an answer even from an SP where
+                    // the instance finished (ranks posted different communicators under one
+                    // key): it has no write of this SP to wait for.
+                    if let CollMsg::StagedAllgather(_) = &m {
+                        for (to, reply) in machine::refuse(&m, from, Status::Aborted) {
+                            let frame = encode(&SpToSp::Coll {
+                                key: ck,
+                                msg: reply,
+                            });
+                            if let Some(k) = self.peer_conn.get(&to).copied() {
+                                self.send_frame(k, &frame);
+                            }
+                        }
+                    }
                     return;
                 }
                 if matches!(
