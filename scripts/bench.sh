@@ -178,6 +178,8 @@ if [ $demo -eq 0 ]; then
   echo "== E. simulated allgather, 32 nodes x 32 ranks (virtual time)"
   "$SP" simulate --nodes 32 --ranks-per-node 32 --seeds 1 > "$out/e.txt"
   cat "$out/e.txt"
+  "$SP" simulate --coll bcast --nodes 32 --ranks-per-node 32 --seeds 1 > "$out/e-bcast.txt"
+  cat "$out/e-bcast.txt"
   echo "== F. inter-node traffic per call; 2 nodes x 2 ranks, block and cyclic layouts"
   traffic_run
   "$BENCH" traffic-table "$out/f-block.json" "$out/f-cyclic.json"
@@ -198,7 +200,7 @@ if [ $demo -eq 0 ]; then
     echo "# Benchmarks"
     echo
     echo "Written by \`make bench\` (scripts/bench.sh) on $(date -u +%Y-%m-%d). Offloaded and native"
-    echo "are measured in the same run on the same emulated layout (2 nodes x 1 rank); compare"
+    echo "are measured in the same run on the same emulated layout (each section names it); compare"
     echo "ratios, not absolute times: this is a shared virtual machine."
     echo
     echo "- Machine: $ncpu CPUs ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //')), $(free -g | awk '/Mem:/{print $2}') GiB, Open MPI $(mpirun --version | head -1 | awk '{print $NF}')."
@@ -228,6 +230,14 @@ if [ $demo -eq 0 ]; then
     echo
     echo '```'
     cat "$out/e.txt"
+    echo '```'
+    echo
+    echo "The staged Ibcast in the same simulator (\`simulate --coll bcast\`): 1 MiB from rank 0,"
+    echo "256 KiB chunks, 4 staging slots per SP; \`completion_us\` includes the ranks' copy out"
+    echo "of the segment for the hierarchical design."
+    echo
+    echo '```'
+    cat "$out/e-bcast.txt"
     echo '```'
     echo
     echo "## F. inter-node traffic per call: Allgatherv, 2 nodes x 2 ranks, block and cyclic layouts"

@@ -327,7 +327,7 @@ pub unsafe fn bcast(
 /// segment (`SPOFF_SEGMENT_BYTES`) is always `Flat`; otherwise `SPOFF_BCAST_DESIGN` (a bcast)
 /// or `SPOFF_IALLGATHER_DESIGN` (a staged iallgather) `=flat|hier` forces one, and `auto`
 /// picks `Hier` when some SP serves at least `SPOFF_HIER_MIN_RANKS` (default
-/// [`HIER_MIN_RANKS`]) of the members. The members and the length are the same on every rank
+/// [`hier_min_ranks`]) of the members. The members and the length are the same on every rank
 /// (and so, in a correct job, is the environment), so every rank decides alike.
 fn staged_design(kind: CollKind, members: &[algorithms::SpId], len: u64) -> StagedDesign {
     if len > crate::segment::configured_len() {
@@ -346,7 +346,7 @@ fn staged_design(kind: CollKind, members: &[algorithms::SpId], len: u64) -> Stag
     let min = std::env::var("SPOFF_HIER_MIN_RANKS")
         .ok()
         .and_then(|v| v.trim().parse::<usize>().ok())
-        .unwrap_or(HIER_MIN_RANKS);
+        .unwrap_or_else(|| hier_min_ranks(kind));
     let mut per_sp = std::collections::HashMap::new();
     for sp in members {
         *per_sp.entry(*sp).or_insert(0usize) += 1;
@@ -358,8 +358,18 @@ fn staged_design(kind: CollKind, members: &[algorithms::SpId], len: u64) -> Stag
     }
 }
 
-/// Ranks per SP from which `auto` picks the hierarchical design (see docs/BENCHMARKS.md).
-pub const HIER_MIN_RANKS: usize = 4;
+/// Ranks per SP from which `auto` picks the hierarchical design, per collective (the reasons
+/// are in docs/BENCHMARKS.md, section G and its notes): measured here, flat costs the ranks
+/// less time in MPI calls at 1, 2 and 4 ranks per SP for both collectives (the hierarchical
+/// ranks copy the message out themselves in the wait); in the simulator at 32 nodes the
+/// hierarchical Iallgather wins clearly from 8 ranks per SP (its flat design writes every
+/// block into every rank), the hierarchical Ibcast only from 32.
+pub fn hier_min_ranks(kind: CollKind) -> usize {
+    match kind {
+        CollKind::StagedAllgather => 8,
+        _ => 32,
+    }
+}
 
 /// `MPI_Iallgather` takes the staged designs when `SPOFF_IALLGATHER_DESIGN` is `flat`, `hier`
 /// or `auto` (the staged pair chosen by ranks per SP); unset or `lb`, it takes the
