@@ -1333,7 +1333,8 @@ impl Server {
         }
         if self.instances.get(&ck).is_some_and(|i| i.sm.is_finished()) {
             if let Some(done) = self.instances.remove(&ck) {
-                self.stats.add_late_arrivals(done.sm.late_arrivals());
+                self.stats
+                    .add_late_arrivals(ck.job, done.sm.late_arrivals());
             }
             if let Some(r) = self.regions.get_mut(&ck) {
                 r.finished = true;

@@ -44,18 +44,53 @@ pub struct Stats {
     pub served_after_pass: u64,
     pub parked: u64,
     pub parked_wait_ns: u64,
+    /// The same four counters per job, for the last [`JOBS_KEPT`] jobs that finished a
+    /// hierarchical collective here (oldest first).
+    pub late_arrivals_by_job: Vec<JobLateArrivals>,
     /// Jobs and collective instances held when the counters were taken (at exit: 0 once every
     /// job ended).
     pub jobs_at_exit: u64,
     pub instances_at_exit: u64,
 }
 
+/// Jobs whose late-arrival counters an SP keeps apart (an SP may serve jobs for ever).
+pub const JOBS_KEPT: usize = 64;
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct JobLateArrivals {
+    pub job: u64,
+    #[serde(flatten)]
+    pub counters: crate::machine::LateArrivals,
+}
+
 impl Stats {
-    pub fn add_late_arrivals(&mut self, l: crate::machine::LateArrivals) {
+    /// Adds the counters of a finished instance of `job`, to the totals and to the job's.
+    pub fn add_late_arrivals(&mut self, job: u64, l: crate::machine::LateArrivals) {
         self.no_ready_rank += l.no_ready_rank;
         self.served_after_pass += l.served_after_pass;
         self.parked += l.parked;
         self.parked_wait_ns += l.parked_wait_ns;
+        if l.no_ready_rank == 0 && l.parked == 0 && l.served_after_pass == 0 {
+            return;
+        }
+        let i = match self.late_arrivals_by_job.iter().position(|j| j.job == job) {
+            Some(i) => i,
+            None => {
+                if self.late_arrivals_by_job.len() == JOBS_KEPT {
+                    self.late_arrivals_by_job.remove(0);
+                }
+                self.late_arrivals_by_job.push(JobLateArrivals {
+                    job,
+                    counters: Default::default(),
+                });
+                self.late_arrivals_by_job.len() - 1
+            }
+        };
+        let c = &mut self.late_arrivals_by_job[i].counters;
+        c.no_ready_rank += l.no_ready_rank;
+        c.served_after_pass += l.served_after_pass;
+        c.parked += l.parked;
+        c.parked_wait_ns += l.parked_wait_ns;
     }
 }
 
@@ -110,6 +145,17 @@ pub fn print_cluster_stats(cluster: &bootstrap::Cluster, json: bool) -> anyhow::
                     let cells: Vec<String> =
                         FIELDS.iter().map(|f| format!("{:>17}", v[*f])).collect();
                     println!("{:>4} {}", sp.id, cells.join(" "));
+                    for j in v["late_arrivals_by_job"].as_array().into_iter().flatten() {
+                        println!(
+                            "     job {:#x}: no_ready_rank {} served_after_pass {} parked {} \
+                             parked_wait_ns {}",
+                            j["job"].as_u64().unwrap_or(0),
+                            j["no_ready_rank"],
+                            j["served_after_pass"],
+                            j["parked"],
+                            j["parked_wait_ns"]
+                        );
+                    }
                 }
             }
             Err(e) => {
@@ -119,4 +165,42 @@ pub fn print_cluster_stats(cluster: &bootstrap::Cluster, json: bool) -> anyhow::
         }
     }
     Ok(status)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::machine::LateArrivals;
+
+    #[test]
+    fn late_arrivals_are_kept_per_job_for_the_last_jobs() {
+        let mut s = Stats::default();
+        let one = LateArrivals {
+            no_ready_rank: 2,
+            served_after_pass: 1,
+            parked: 1,
+            parked_wait_ns: 10,
+        };
+        s.add_late_arrivals(7, one);
+        s.add_late_arrivals(7, one);
+        s.add_late_arrivals(8, LateArrivals::default());
+        assert_eq!(s.no_ready_rank, 4);
+        assert_eq!(
+            s.late_arrivals_by_job.len(),
+            1,
+            "a job with nothing late is not listed"
+        );
+        assert_eq!(s.late_arrivals_by_job[0].counters.parked_wait_ns, 20);
+        for job in 100..100 + JOBS_KEPT as u64 {
+            s.add_late_arrivals(job, one);
+        }
+        assert_eq!(s.late_arrivals_by_job.len(), JOBS_KEPT);
+        assert_eq!(
+            s.late_arrivals_by_job[0].job, 100,
+            "the oldest job went first"
+        );
+        let v = serde_json::to_value(&s).unwrap();
+        assert_eq!(v["late_arrivals_by_job"][0]["job"], 100);
+        assert_eq!(v["late_arrivals_by_job"][0]["parked"], 1);
+    }
 }

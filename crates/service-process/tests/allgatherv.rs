@@ -306,6 +306,16 @@ fn allgatherv_late_ranks_take_the_pass_and_park_paths() {
     );
     assert!(sum(&stats, "no_ready_rank") > 0, "{stats:?}");
     assert!(sum(&stats, "served_after_pass") > 0, "{stats:?}");
+    // Per job too: one job here, so its counters are the SP's.
+    for s in &stats {
+        let jobs = s["late_arrivals_by_job"].as_array().unwrap();
+        let per_job: u64 = jobs
+            .iter()
+            .map(|j| j["no_ready_rank"].as_u64().unwrap())
+            .sum();
+        assert_eq!(per_job, s["no_ready_rank"].as_u64().unwrap(), "{s}");
+        assert!(jobs.len() <= 1, "{s}");
+    }
     // Both ranks of node 0 late: announcements to node 0 find nobody and are parked.
     let stats = run(
         2,
