@@ -205,10 +205,10 @@ impl Coll {
 /// Designs of an offloaded collective, as the shim names them.
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 enum Design {
-    /// no staging per node: the service processes write every rank's buffer themselves
+    /// staged: the service processes write every rank's buffer from their staging memory
     Flat,
-    /// hierarchical: staged once per node (ibcast: a service process writes one segment shared
-    /// by its node-local ranks, which copy out of it)
+    /// staged, hierarchical: a service process writes each chunk once into a segment shared by
+    /// the ranks it serves, which copy out of it in the wait
     Hier,
     /// iallgather only: the hierarchical allgather with load-balanced late arrivals (after
     /// MIMOSA)
