@@ -94,6 +94,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+use crate::common::sp_nodes;
 use crate::{CollKey, Nanos, Rank, SpId, Status};
 
 /// Static configuration of one instance.
@@ -413,14 +414,11 @@ struct Topo {
 
 impl Topo {
     fn build(me: SpId, members: &[SpId], nodes: &[u32]) -> Result<Topo, PostError> {
-        let mut sp_node: BTreeMap<SpId, u32> = BTreeMap::new();
+        let sp_node = sp_nodes(members, nodes).map_err(|sp| PostError::SpOnTwoNodes { sp })?;
         let mut node_sps: BTreeMap<u32, BTreeSet<SpId>> = BTreeMap::new();
         let mut counts: BTreeMap<u32, u32> = BTreeMap::new();
         let mut node_index = Vec::with_capacity(members.len());
         for (&sp, &n) in members.iter().zip(nodes) {
-            if *sp_node.entry(sp).or_insert(n) != n {
-                return Err(PostError::SpOnTwoNodes { sp });
-            }
             node_sps.entry(n).or_default().insert(sp);
             let c = counts.entry(n).or_insert(0);
             node_index.push(*c);

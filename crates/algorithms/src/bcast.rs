@@ -132,6 +132,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+use crate::common::sp_nodes;
 use crate::{CollKey, Nanos, Rank, SpId, Status};
 
 /// Static configuration of one instance.
@@ -509,12 +510,9 @@ impl View {
 
 /// The chain of SPs for a broadcast from `root` (see the module docs).
 fn build_chain(members: &[SpId], nodes: &[u32], root: Rank) -> Result<Vec<SpId>, PostError> {
-    let mut sp_node: BTreeMap<SpId, u32> = BTreeMap::new();
+    let sp_node = sp_nodes(members, nodes).map_err(|sp| PostError::SpOnTwoNodes { sp })?;
     let mut node_sps: BTreeMap<u32, BTreeSet<SpId>> = BTreeMap::new();
-    for (&sp, &n) in members.iter().zip(nodes) {
-        if *sp_node.entry(sp).or_insert(n) != n {
-            return Err(PostError::SpOnTwoNodes { sp });
-        }
+    for (&sp, &n) in &sp_node {
         node_sps.entry(n).or_default().insert(sp);
     }
     let (root_sp, root_node) = (members[root as usize], nodes[root as usize]);

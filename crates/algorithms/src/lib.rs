@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 pub mod allgatherv;
 pub mod alltoallv;
 pub mod bcast;
+mod common;
 pub mod sched;
 pub mod sim;
 pub mod staged_allgather;

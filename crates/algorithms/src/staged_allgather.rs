@@ -173,6 +173,7 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 
 pub use crate::bcast::{CopyId, Design, Loc, SlotId};
+use crate::common::sp_nodes;
 use crate::{CollKey, Nanos, Rank, SpId, Status};
 
 /// Static configuration of one instance.
@@ -499,12 +500,8 @@ struct View {
 
 impl View {
     fn build(me: SpId, chunk: u64, post: &Post<impl Sized>) -> Result<View, PostError> {
-        let mut sp_node: BTreeMap<SpId, u32> = BTreeMap::new();
-        for (&sp, &n) in post.members.iter().zip(&post.nodes) {
-            if *sp_node.entry(sp).or_insert(n) != n {
-                return Err(PostError::SpOnTwoNodes { sp });
-            }
-        }
+        let sp_node =
+            sp_nodes(&post.members, &post.nodes).map_err(|sp| PostError::SpOnTwoNodes { sp })?;
         let sps: Vec<SpId> = sp_node.keys().copied().collect();
         let idx = |sp: SpId| sps.binary_search(&sp).expect("a member SP");
         let mut sp_ranks = vec![Vec::new(); sps.len()];
@@ -1019,12 +1016,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
                 expected: p,
             });
         }
-        let mut sp_node: BTreeMap<SpId, u32> = BTreeMap::new();
-        for (&sp, &n) in post.members.iter().zip(&post.nodes) {
-            if *sp_node.entry(sp).or_insert(n) != n {
-                return Err(PostError::SpOnTwoNodes { sp });
-            }
-        }
+        sp_nodes(&post.members, &post.nodes).map_err(|sp| PostError::SpOnTwoNodes { sp })?;
         if post.len.checked_mul(p as u64).is_none() {
             return Err(PostError::Overflow { rank });
         }
@@ -1268,6 +1260,23 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
         }
     }
 
+    /// The view index of `from`, which sent a `Key` or `Region` for its
+    /// `rank`; `None` if the message disagrees with the view (the instance
+    /// aborted).
+    fn key_sender(&mut self, from: SpId, rank: Rank, len: u64, comm: u64) -> Option<usize> {
+        if let Some(status) = self.key_disagreement(from, rank, len, comm) {
+            self.enter_abort(status);
+            return None;
+        }
+        Some(
+            self.view
+                .as_ref()
+                .unwrap()
+                .idx(from)
+                .expect("serves a rank"),
+        )
+    }
+
     fn on_key(
         &mut self,
         from: SpId,
@@ -1276,16 +1285,9 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
         comm: u64,
         key: K,
     ) -> Result<(), MsgError> {
-        if let Some(status) = self.key_disagreement(from, rank, len, comm) {
-            self.enter_abort(status);
+        let Some(b) = self.key_sender(from, rank, len, comm) else {
             return Ok(());
-        }
-        let b = self
-            .view
-            .as_ref()
-            .unwrap()
-            .idx(from)
-            .expect("serves a rank");
+        };
         if self.tgts[b].mode == Some(Design::Hier) {
             self.enter_abort(Status::InvalidPost);
             return Ok(());
@@ -1311,16 +1313,9 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
         comm: u64,
         key: K,
     ) -> Result<(), MsgError> {
-        if let Some(status) = self.key_disagreement(from, rank, len, comm) {
-            self.enter_abort(status);
+        let Some(b) = self.key_sender(from, rank, len, comm) else {
             return Ok(());
-        }
-        let b = self
-            .view
-            .as_ref()
-            .unwrap()
-            .idx(from)
-            .expect("serves a rank");
+        };
         match self.tgts[b].mode {
             Some(Design::Hier) => return Err(MsgError::Duplicate { sp: from }),
             Some(Design::Flat) => {

@@ -2,31 +2,14 @@
 //! fixed seeds plus one from `SIM_SEED` (or the clock); every seed is
 //! printed and failures include it.
 
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+mod common;
+
+use std::time::Instant;
 
 use algorithms::sim::allgatherv::{run, Faults, SimConfig, SimReport};
 use algorithms::sim::Layout;
 
-const FIXED_SEEDS: [u64; 2] = [1, 0xDEAD_BEEF];
-
-fn seeds() -> Vec<u64> {
-    let extra = match std::env::var("SIM_SEED") {
-        Ok(s) => {
-            let s = s.trim();
-            match s.strip_prefix("0x") {
-                Some(h) => u64::from_str_radix(h, 16).expect("SIM_SEED"),
-                None => s.parse().expect("SIM_SEED"),
-            }
-        }
-        Err(_) => SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap()
-            .as_nanos() as u64,
-    };
-    let mut v = FIXED_SEEDS.to_vec();
-    v.push(extra);
-    v
-}
+use common::seeds;
 
 fn run_ok(name: &str, cfg: &SimConfig) -> SimReport {
     eprintln!("{name}: seed={:#018x}", cfg.seed);

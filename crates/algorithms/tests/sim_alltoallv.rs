@@ -2,30 +2,16 @@
 //! fixed seeds plus one from `SIM_SEED` (decimal or 0x-hex) or, if unset,
 //! from the system clock; every seed is printed, and failures include it.
 
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+mod common;
+
+use std::time::Instant;
 
 use algorithms::sim::alltoallv::{run, Faults, Layout, SimConfig, SimReport};
 use algorithms::sim::rng::{splitmix64, Rng};
 use algorithms::Status;
+use common::extra_seed;
 
 const FIXED_SEEDS: [u64; 3] = [1, 0xDEAD_BEEF, 0x5EED_2024_0003];
-
-fn extra_seed() -> u64 {
-    match std::env::var("SIM_SEED") {
-        Ok(s) => {
-            let s = s.trim();
-            let parsed = match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
-                Some(hex) => u64::from_str_radix(hex, 16),
-                None => s.parse(),
-            };
-            parsed.unwrap_or_else(|e| panic!("SIM_SEED={s:?} is not a number: {e}"))
-        }
-        Err(_) => {
-            let t = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
-            t.as_nanos() as u64
-        }
-    }
-}
 
 fn seeds() -> Vec<u64> {
     let mut v = FIXED_SEEDS.to_vec();

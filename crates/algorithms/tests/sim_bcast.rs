@@ -2,45 +2,18 @@
 //! scenario runs fixed seeds plus one from `SIM_SEED` (or the clock); every
 //! seed is printed and failures include it (`SimFailure` starts with it).
 
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+mod common;
+
+use std::time::Instant;
 
 use algorithms::bcast::Design;
 use algorithms::sim::bcast::{run, Faults, SimConfig, SimReport};
 use algorithms::sim::Layout;
 
-const FIXED_SEEDS: [u64; 2] = [1, 0xDEAD_BEEF];
-
-fn extra_seed() -> u64 {
-    match std::env::var("SIM_SEED") {
-        Ok(s) => {
-            let s = s.trim();
-            match s.strip_prefix("0x") {
-                Some(h) => u64::from_str_radix(h, 16).expect("SIM_SEED"),
-                None => s.parse().expect("SIM_SEED"),
-            }
-        }
-        Err(_) => SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap()
-            .as_nanos() as u64,
-    }
-}
-
-fn seeds() -> Vec<u64> {
-    let mut v = FIXED_SEEDS.to_vec();
-    v.push(extra_seed());
-    v
-}
+use common::{base_seed, consecutive, extra_seed, fault_scenario, iters, seeds, spread};
 
 fn run_ok(name: &str, cfg: &SimConfig) -> SimReport {
-    let t0 = Instant::now();
-    match run(cfg) {
-        Ok(r) => r,
-        Err(e) => panic!(
-            "{name}: {e}\n  config: {cfg:?}\n  (elapsed {:?})",
-            t0.elapsed()
-        ),
-    }
+    common::run_ok(name, cfg, run)
 }
 
 fn clean(name: &str, cfg: &SimConfig, r: &SimReport) {
@@ -93,7 +66,7 @@ fn bcast_small_clusters_many_seeds() {
     let base = extra_seed();
     eprintln!("{name}: seeds 0..300 and {base:#018x}+i");
     for i in 0..300u64 {
-        let seed = if i % 2 == 0 { i } else { base.wrapping_add(i) };
+        let seed = if i % 2 == 0 { i } else { consecutive(base, i) };
         let cfg = small(seed, i);
         let r = run_ok(name, &cfg);
         clean(name, &cfg, &r);
@@ -138,32 +111,36 @@ fn faulty(seed: u64, i: u64, f: Faults) -> SimConfig {
     cfg
 }
 
+/// Runs `n` seeds (`seed_of(base, i)`) of [`faulty`] configs with
+/// `faults(i)`; returns the base seed and the error completions.
+fn faulty_runs(
+    name: &str,
+    n: u64,
+    seed_of: fn(u64, u64) -> u64,
+    faults: impl Fn(u64) -> Faults,
+) -> (u64, u64) {
+    fault_scenario(name, n, seed_of, |seed, i| {
+        run_ok(name, &faulty(seed, i, faults(i))).error_completions
+    })
+}
+
 /// SP crashes (one, or two plus two rank deaths) at random times: every
 /// rank of a live SP completes, Ok ones with the root's bytes, none Ok
 /// after its SP learned of the fault; nothing hangs.
 #[test]
 fn bcast_sp_crash_random_seeds() {
     let name = "bcast_sp_crash_random_seeds";
-    let base = extra_seed();
-    eprintln!("{name}: base seed={base:#018x}");
-    let mut errors = 0;
-    for i in 0..120u64 {
-        let seed = base.wrapping_add(i.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    let (base, errors) = faulty_runs(name, 120, spread, |i| {
         let (deaths, crashes) = if i % 2 == 0 { (0, 1) } else { (2, 2) };
-        let cfg = faulty(
-            seed,
-            i,
-            Faults {
-                sp_crashes: crashes,
-                crash_window_ns: 40_000,
-                detect_delay_ns: 4_000,
-                rank_deaths: deaths,
-                death_window_ns: 40_000,
-                ..Faults::default()
-            },
-        );
-        errors += run_ok(name, &cfg).error_completions;
-    }
+        Faults {
+            sp_crashes: crashes,
+            crash_window_ns: 40_000,
+            detect_delay_ns: 4_000,
+            rank_deaths: deaths,
+            death_window_ns: 40_000,
+            ..Faults::default()
+        }
+    });
     assert!(
         errors > 0,
         "{name}: no run was disturbed (base {base:#018x})"
@@ -175,22 +152,11 @@ fn bcast_sp_crash_random_seeds() {
 #[test]
 fn bcast_rank_death_random_seeds() {
     let name = "bcast_rank_death_random_seeds";
-    let base = extra_seed();
-    eprintln!("{name}: base seed={base:#018x}");
-    let mut errors = 0;
-    for i in 0..100u64 {
-        let seed = base.wrapping_add(i.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-        let cfg = faulty(
-            seed,
-            i,
-            Faults {
-                rank_deaths: 1 + (i % 2) as u32,
-                death_window_ns: 30_000,
-                ..Faults::default()
-            },
-        );
-        errors += run_ok(name, &cfg).error_completions;
-    }
+    let (base, errors) = faulty_runs(name, 100, spread, |i| Faults {
+        rank_deaths: 1 + (i % 2) as u32,
+        death_window_ns: 30_000,
+        ..Faults::default()
+    });
     assert!(
         errors > 0,
         "{name}: no run was disturbed (base {base:#018x})"
@@ -201,10 +167,9 @@ fn bcast_rank_death_random_seeds() {
 #[test]
 fn bcast_root_death_ends_everyone_with_an_error() {
     let name = "bcast_root_death_ends_everyone_with_an_error";
-    let base = extra_seed();
-    eprintln!("{name}: base seed={base:#018x}");
+    let base = base_seed(name);
     for i in 0..100u64 {
-        let seed = base.wrapping_add(i.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let seed = spread(base, i);
         let mut cfg = faulty(
             seed,
             i,
@@ -226,21 +191,10 @@ fn bcast_root_death_ends_everyone_with_an_error() {
 #[test]
 fn bcast_copy_and_move_errors() {
     let name = "bcast_copy_and_move_errors";
-    let base = extra_seed();
-    eprintln!("{name}: base seed={base:#018x}");
-    let mut errors = 0;
-    for i in 0..100u64 {
-        let seed = base.wrapping_add(i);
-        let cfg = faulty(
-            seed,
-            i,
-            Faults {
-                copy_error_ppm: 20_000,
-                ..Faults::default()
-            },
-        );
-        errors += run_ok(name, &cfg).error_completions;
-    }
+    let (base, errors) = faulty_runs(name, 100, consecutive, |_| Faults {
+        copy_error_ppm: 20_000,
+        ..Faults::default()
+    });
     assert!(errors > 0, "{name}: no copy failed (base {base:#018x})");
 }
 
@@ -249,21 +203,10 @@ fn bcast_copy_and_move_errors() {
 #[test]
 fn bcast_inconsistent_posts_abort() {
     let name = "bcast_inconsistent_posts_abort";
-    let base = extra_seed();
-    eprintln!("{name}: base seed={base:#018x}");
-    let mut errors = 0;
-    for i in 0..150u64 {
-        let seed = base.wrapping_add(i);
-        let cfg = faulty(
-            seed,
-            i,
-            Faults {
-                inconsistent_posts: 1 + (i % 2) as u32,
-                ..Faults::default()
-            },
-        );
-        errors += run_ok(name, &cfg).error_completions;
-    }
+    let (base, errors) = faulty_runs(name, 150, consecutive, |i| Faults {
+        inconsistent_posts: 1 + (i % 2) as u32,
+        ..Faults::default()
+    });
     assert!(errors > 0, "{name}: base {base:#018x}");
 }
 
@@ -349,14 +292,11 @@ fn bcast_1024_ranks_32_nodes() {
 #[test]
 #[ignore]
 fn bcast_stress() {
-    let n: u64 = std::env::var("SIM_ITERS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(20_000);
+    let n = iters(20_000);
     let base = extra_seed();
     eprintln!("bcast_stress: base seed={base:#018x}, {n} seeds");
     for i in 0..n {
-        let seed = base.wrapping_add(i.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let seed = spread(base, i);
         let mut cfg = small(seed, i.wrapping_mul(7919) ^ (seed >> 7));
         let k = seed % 8;
         cfg.faults = Faults {

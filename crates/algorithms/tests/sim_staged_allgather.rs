@@ -3,45 +3,18 @@
 //! clock); every seed is printed and failures include it (`SimFailure`
 //! starts with it).
 
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+mod common;
+
+use std::time::Instant;
 
 use algorithms::sim::staged_allgather::{run, Faults, SimConfig, SimReport};
 use algorithms::sim::Layout;
 use algorithms::staged_allgather::Design;
 
-const FIXED_SEEDS: [u64; 2] = [1, 0xDEAD_BEEF];
-
-fn extra_seed() -> u64 {
-    match std::env::var("SIM_SEED") {
-        Ok(s) => {
-            let s = s.trim();
-            match s.strip_prefix("0x") {
-                Some(h) => u64::from_str_radix(h, 16).expect("SIM_SEED"),
-                None => s.parse().expect("SIM_SEED"),
-            }
-        }
-        Err(_) => SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap()
-            .as_nanos() as u64,
-    }
-}
-
-fn seeds() -> Vec<u64> {
-    let mut v = FIXED_SEEDS.to_vec();
-    v.push(extra_seed());
-    v
-}
+use common::{consecutive, extra_seed, fault_scenario, iters, seeds, spread};
 
 fn run_ok(name: &str, cfg: &SimConfig) -> SimReport {
-    let t0 = Instant::now();
-    match run(cfg) {
-        Ok(r) => r,
-        Err(e) => panic!(
-            "{name}: {e}\n  config: {cfg:?}\n  (elapsed {:?})",
-            t0.elapsed()
-        ),
-    }
+    common::run_ok(name, cfg, run)
 }
 
 /// A fault-free run: everyone Ok, the expected bytes across nodes, staging
@@ -94,7 +67,7 @@ fn staged_allgather_small_clusters_many_seeds() {
     let base = extra_seed();
     eprintln!("{name}: seeds 0..300 and {base:#018x}+i");
     for i in 0..300u64 {
-        let seed = if i % 2 == 0 { i } else { base.wrapping_add(i) };
+        let seed = if i % 2 == 0 { i } else { consecutive(base, i) };
         let cfg = small(seed, i);
         let r = run_ok(name, &cfg);
         clean(name, &cfg, &r);
@@ -183,32 +156,36 @@ fn faulty(seed: u64, i: u64, f: Faults) -> SimConfig {
     cfg
 }
 
+/// Runs `n` seeds (`seed_of(base, i)`) of [`faulty`] configs with
+/// `faults(i)`; returns the base seed and the error completions.
+fn faulty_runs(
+    name: &str,
+    n: u64,
+    seed_of: fn(u64, u64) -> u64,
+    faults: impl Fn(u64) -> Faults,
+) -> (u64, u64) {
+    fault_scenario(name, n, seed_of, |seed, i| {
+        run_ok(name, &faulty(seed, i, faults(i))).error_completions
+    })
+}
+
 /// SP crashes (one, or two plus two rank deaths) at random times: every
 /// rank of a live SP completes, Ok ones with every block, none Ok after its
 /// SP learned of the fault, nothing written after completion; no hang.
 #[test]
 fn staged_allgather_sp_crash_random_seeds() {
     let name = "staged_allgather_sp_crash_random_seeds";
-    let base = extra_seed();
-    eprintln!("{name}: base seed={base:#018x}");
-    let mut errors = 0;
-    for i in 0..120u64 {
-        let seed = base.wrapping_add(i.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    let (base, errors) = faulty_runs(name, 120, spread, |i| {
         let (deaths, crashes) = if i % 2 == 0 { (0, 1) } else { (2, 2) };
-        let cfg = faulty(
-            seed,
-            i,
-            Faults {
-                sp_crashes: crashes,
-                crash_window_ns: 40_000,
-                detect_delay_ns: 4_000,
-                rank_deaths: deaths,
-                death_window_ns: 40_000,
-                ..Faults::default()
-            },
-        );
-        errors += run_ok(name, &cfg).error_completions;
-    }
+        Faults {
+            sp_crashes: crashes,
+            crash_window_ns: 40_000,
+            detect_delay_ns: 4_000,
+            rank_deaths: deaths,
+            death_window_ns: 40_000,
+            ..Faults::default()
+        }
+    });
     assert!(
         errors > 0,
         "{name}: no run was disturbed (base {base:#018x})"
@@ -218,22 +195,11 @@ fn staged_allgather_sp_crash_random_seeds() {
 #[test]
 fn staged_allgather_rank_death_random_seeds() {
     let name = "staged_allgather_rank_death_random_seeds";
-    let base = extra_seed();
-    eprintln!("{name}: base seed={base:#018x}");
-    let mut errors = 0;
-    for i in 0..100u64 {
-        let seed = base.wrapping_add(i.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-        let cfg = faulty(
-            seed,
-            i,
-            Faults {
-                rank_deaths: 1 + (i % 2) as u32,
-                death_window_ns: 30_000,
-                ..Faults::default()
-            },
-        );
-        errors += run_ok(name, &cfg).error_completions;
-    }
+    let (base, errors) = faulty_runs(name, 100, spread, |i| Faults {
+        rank_deaths: 1 + (i % 2) as u32,
+        death_window_ns: 30_000,
+        ..Faults::default()
+    });
     assert!(
         errors > 0,
         "{name}: no run was disturbed (base {base:#018x})"
@@ -243,21 +209,10 @@ fn staged_allgather_rank_death_random_seeds() {
 #[test]
 fn staged_allgather_copy_errors() {
     let name = "staged_allgather_copy_errors";
-    let base = extra_seed();
-    eprintln!("{name}: base seed={base:#018x}");
-    let mut errors = 0;
-    for i in 0..100u64 {
-        let seed = base.wrapping_add(i);
-        let cfg = faulty(
-            seed,
-            i,
-            Faults {
-                copy_error_ppm: 20_000,
-                ..Faults::default()
-            },
-        );
-        errors += run_ok(name, &cfg).error_completions;
-    }
+    let (base, errors) = faulty_runs(name, 100, consecutive, |_| Faults {
+        copy_error_ppm: 20_000,
+        ..Faults::default()
+    });
     assert!(errors > 0, "{name}: no copy failed (base {base:#018x})");
 }
 
@@ -266,23 +221,14 @@ fn staged_allgather_copy_errors() {
 #[test]
 fn staged_allgather_inconsistent_posts_abort() {
     let name = "staged_allgather_inconsistent_posts_abort";
-    let base = extra_seed();
-    eprintln!("{name}: base seed={base:#018x}");
-    let mut errors = 0;
-    for i in 0..150u64 {
-        let seed = base.wrapping_add(i);
+    let (base, errors) = faulty_runs(name, 150, consecutive, |i| {
         let k = 1 + (i % 2) as u32;
-        let cfg = faulty(
-            seed,
-            i,
-            Faults {
-                inconsistent_len: if i % 3 == 0 { 0 } else { k },
-                inconsistent_comm: if i % 3 == 1 { 0 } else { k },
-                ..Faults::default()
-            },
-        );
-        errors += run_ok(name, &cfg).error_completions;
-    }
+        Faults {
+            inconsistent_len: if i % 3 == 0 { 0 } else { k },
+            inconsistent_comm: if i % 3 == 1 { 0 } else { k },
+            ..Faults::default()
+        }
+    });
     assert!(errors > 0, "{name}: base {base:#018x}");
 }
 
@@ -334,14 +280,11 @@ fn staged_allgather_1024_ranks_32_nodes() {
 #[test]
 #[ignore]
 fn staged_allgather_stress() {
-    let n: u64 = std::env::var("SIM_ITERS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(20_000);
+    let n = iters(20_000);
     let base = extra_seed();
     eprintln!("staged_allgather_stress: base seed={base:#018x}, {n} seeds");
     for i in 0..n {
-        let seed = base.wrapping_add(i.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let seed = spread(base, i);
         let mut cfg = small(seed, i.wrapping_mul(7919) ^ (seed >> 7));
         if i.is_multiple_of(4) {
             // Larger clusters now and then.

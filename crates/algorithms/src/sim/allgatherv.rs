@@ -163,10 +163,6 @@ impl Collective for Sim<'_> {
         &mut self.core
     }
 
-    fn world_of(&self, _op: usize, rank: Rank) -> u32 {
-        rank
-    }
-
     fn on_crash(&mut self, _sp: SpId) {
         for o in self.ops.iter_mut() {
             o.disturbed = true;
@@ -259,28 +255,19 @@ impl<'a> Sim<'a> {
                 disturbed: false,
             });
         }
-        let late: BTreeSet<u32> = {
-            let mut all: Vec<u32> = (0..w).collect();
-            setup.shuffle(&mut all);
-            all.into_iter().take(cfg.late_ranks as usize).collect()
-        };
         let mut sim = Sim {
             cfg,
             core,
             ops,
             inst: BTreeMap::new(),
         };
-        for op in 0..cfg.ops as usize {
-            for r in 0..w {
-                let late_ns = if late.contains(&r) {
-                    cfg.late_delay_ns
-                } else {
-                    0
-                };
-                let t = op as Nanos * cfg.op_gap_ns + setup.range(0, cfg.arrival_skew_ns) + late_ns;
-                sim.core.schedule_post(t, r, op, r);
-            }
-        }
+        sim.core.schedule_world_posts(
+            &mut setup,
+            cfg.ops,
+            cfg.op_gap_ns,
+            cfg.arrival_skew_ns,
+            (cfg.late_ranks, cfg.late_delay_ns),
+        );
         let f = &cfg.faults;
         sim.core.schedule_faults(
             &mut setup,
@@ -392,16 +379,13 @@ impl<'a> Sim<'a> {
                 Action::Complete { rank, status } => {
                     let r = rank as usize;
                     let o = &self.ops[op];
-                    if self.core.rank_sp[r] != sp || o.post_ns[r].is_none() {
-                        return Err(self.fail(format!(
-                            "op {op}: SP {sp} completed rank {rank} (not its own or not posted)"
-                        )));
-                    }
-                    if let Some((t, s)) = o.done[r] {
-                        return Err(self.fail(format!(
-                            "op {op}: rank {rank} completed twice (at {t}ns with {s}, now {status})"
-                        )));
-                    }
+                    self.core.check_completion(
+                        (op, sp, rank),
+                        status,
+                        o.post_ns[r].is_some(),
+                        o.done[r],
+                        false,
+                    )?;
                     self.ops[op].done[r] = Some((out, status));
                 }
             }

@@ -272,10 +272,6 @@ impl Collective for Sim<'_> {
         &mut self.core
     }
 
-    fn world_of(&self, _op: usize, rank: Rank) -> u32 {
-        rank
-    }
-
     fn on_crash(&mut self, _sp: SpId) {
         for o in self.ops.iter_mut() {
             o.disturbed = true;
@@ -442,11 +438,6 @@ impl<'a> Sim<'a> {
                 }
             }
         }
-        let late: BTreeSet<u32> = {
-            let mut all: Vec<u32> = (0..w).collect();
-            setup.shuffle(&mut all);
-            all.into_iter().take(cfg.late_ranks as usize).collect()
-        };
         if cfg.faults.kill_roots {
             // Scheduled before the posts: processed first at time 0.
             let roots: BTreeSet<Rank> = ops.iter().map(|o| o.root).collect();
@@ -463,17 +454,13 @@ impl<'a> Sim<'a> {
             local,
             bytes_copied: 0,
         };
-        for op in 0..cfg.ops as usize {
-            for r in 0..w {
-                let late_ns = if late.contains(&r) {
-                    cfg.late_delay_ns
-                } else {
-                    0
-                };
-                let t = op as Nanos * cfg.op_gap_ns + setup.range(0, cfg.arrival_skew_ns) + late_ns;
-                sim.core.schedule_post(t, r, op, r);
-            }
-        }
+        sim.core.schedule_world_posts(
+            &mut setup,
+            cfg.ops,
+            cfg.op_gap_ns,
+            cfg.arrival_skew_ns,
+            (cfg.late_ranks, cfg.late_delay_ns),
+        );
         let f = &cfg.faults;
         sim.core.schedule_faults(
             &mut setup,
@@ -504,22 +491,15 @@ impl<'a> Sim<'a> {
     }
 
     fn shadow(&mut self, op: usize, sp: SpId, slot: u32) -> Result<&mut Shadow, SimFailure> {
-        if slot as usize >= self.slots() {
-            return Err(self.fail(format!(
-                "op {op}: SP {sp} uses staging slot {slot}, bound {}",
-                self.slots()
-            )));
-        }
-        let (n, size) = (self.slots(), self.cfg.chunk_bytes.max(1) as usize);
-        let v = self.ops[op].staging.entry(sp).or_insert_with(|| {
-            (0..n)
-                .map(|_| Shadow {
-                    data: vec![0xEE; size],
-                    ..Shadow::default()
-                })
-                .collect()
-        });
-        Ok(&mut v[slot as usize])
+        let size = self.cfg.chunk_bytes.max(1) as usize;
+        let fresh = || Shadow {
+            data: vec![0xEE; size],
+            ..Shadow::default()
+        };
+        let slots = self.slots();
+        let staging = &mut self.ops[op].staging;
+        self.core
+            .staging_slot(staging, (op, sp, slot), slots, fresh)
     }
 
     /// Start writing slot `slot` of `sp` (nothing else may touch it).
@@ -767,22 +747,13 @@ impl<'a> Sim<'a> {
     ) -> Result<(), SimFailure> {
         let r = rank as usize;
         let o = &self.ops[op];
-        if self.core.rank_sp[r] != sp || o.post_ns[r].is_none() {
-            return Err(self.fail(format!(
-                "op {op}: SP {sp} completed rank {rank} (not its own or not posted)"
-            )));
-        }
-        if let Some(d) = o.done[r] {
-            return Err(self.fail(format!(
-                "op {op}: rank {rank} completed twice (at {}ns with {}, now {status})",
-                d.at, d.status
-            )));
-        }
-        if status.is_ok() && o.notified.contains(&sp) {
-            return Err(self.fail(format!(
-                "op {op}: rank {rank} completed Ok after SP {sp} learned of a fault"
-            )));
-        }
+        self.core.check_completion(
+            (op, sp, rank),
+            status,
+            o.post_ns[r].is_some(),
+            o.done[r].map(|d| (d.at, d.status)),
+            o.notified.contains(&sp),
+        )?;
         let mut host_at = at;
         if from_segment {
             if !status.is_ok() || self.cfg.design != Design::Hier || o.post_root[r] == rank {
@@ -1175,28 +1146,7 @@ mod tests {
     /// Runs `c` under `m` for a few seeds; every seed must fail with a
     /// message containing one of `want`. Returns the first failure.
     fn caught(m: Mutation, c: SimConfig, want: &[&str]) -> String {
-        set_mutation(Some(m));
-        let mut first = None;
-        for seed in 1..=4 {
-            let c = SimConfig { seed, ..c };
-            let res = run(&c);
-            let e = match res {
-                Ok(r) => {
-                    set_mutation(None);
-                    panic!("{m:?} not caught with seed {seed}: {r:?}");
-                }
-                Err(e) => e.to_string(),
-            };
-            if !want.iter().any(|w| e.contains(w)) {
-                set_mutation(None);
-                panic!("{m:?} caught by an unexpected check: {e}");
-            }
-            first.get_or_insert(e);
-        }
-        set_mutation(None);
-        let e = first.unwrap();
-        eprintln!("{m:?}: {e}");
-        e
+        driver::caught(m, set_mutation, |seed| SimConfig { seed, ..c }, run, want)
     }
 
     #[test]

@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use super::rng::Rng;
 use super::{place_rank, CostModel, Layout, SimFailure};
 use crate::sched::CopyLimiter;
-use crate::{Nanos, Rank, SpId};
+use crate::{Nanos, Rank, SpId, Status};
 
 /// An input of an SP; `M` is the message envelope, `C` a copy.
 pub(crate) enum Input<M, C> {
@@ -187,6 +187,83 @@ impl<M, C> Core<M, C> {
         }
     }
 
+    /// Every world rank posts each of `ops` collectives of the world comm
+    /// at `op * op_gap_ns` + uniform `0..=arrival_skew_ns`, plus
+    /// `late_delay_ns` for `late_ranks` world ranks picked at random.
+    pub fn schedule_world_posts(
+        &mut self,
+        setup: &mut Rng,
+        ops: u32,
+        op_gap_ns: Nanos,
+        arrival_skew_ns: Nanos,
+        (late_ranks, late_delay_ns): (u32, Nanos),
+    ) {
+        let w = self.rank_sp.len() as u32;
+        let late: BTreeSet<u32> = {
+            let mut all: Vec<u32> = (0..w).collect();
+            setup.shuffle(&mut all);
+            all.into_iter().take(late_ranks as usize).collect()
+        };
+        for op in 0..ops as usize {
+            for r in 0..w {
+                let late_ns = if late.contains(&r) { late_delay_ns } else { 0 };
+                let t = op as Nanos * op_gap_ns + setup.range(0, arrival_skew_ns) + late_ns;
+                self.schedule_post(t, r, op, r);
+            }
+        }
+    }
+
+    /// Staging slot `slot` of SP `sp` in collective `op` (`staging` holds
+    /// each SP's `slots` slots, made by `fresh` on first use), or a failure
+    /// if `slot` is beyond the bound.
+    pub fn staging_slot<'s, T>(
+        &self,
+        staging: &'s mut BTreeMap<SpId, Vec<T>>,
+        (op, sp, slot): (usize, SpId, u32),
+        slots: usize,
+        fresh: impl Fn() -> T,
+    ) -> Result<&'s mut T, SimFailure> {
+        if slot as usize >= slots {
+            return Err(self.fail(format!(
+                "op {op}: SP {sp} uses staging slot {slot}, bound {slots}"
+            )));
+        }
+        let v = staging
+            .entry(sp)
+            .or_insert_with(|| (0..slots).map(|_| fresh()).collect());
+        Ok(&mut v[slot as usize])
+    }
+
+    /// Checks that SP `sp` may complete comm rank `rank` (a world rank) of
+    /// collective `op` with `status`: the rank is `sp`'s and `posted`, it
+    /// did not complete before (`before`: when and how), and it is not Ok
+    /// once `sp` was `notified` of a fault touching the collective.
+    pub fn check_completion(
+        &self,
+        (op, sp, rank): (usize, SpId, Rank),
+        status: Status,
+        posted: bool,
+        before: Option<(Nanos, Status)>,
+        notified: bool,
+    ) -> Result<(), SimFailure> {
+        if self.rank_sp[rank as usize] != sp || !posted {
+            return Err(self.fail(format!(
+                "op {op}: SP {sp} completed rank {rank} (not its own or not posted)"
+            )));
+        }
+        if let Some((t, s)) = before {
+            return Err(self.fail(format!(
+                "op {op}: rank {rank} completed twice (at {t}ns with {s}, now {status})"
+            )));
+        }
+        if status.is_ok() && notified {
+            return Err(self.fail(format!(
+                "op {op}: rank {rank} completed Ok after SP {sp} learned of a fault"
+            )));
+        }
+        Ok(())
+    }
+
     pub fn sp_node(&self, sp: SpId) -> u32 {
         sp / self.p.sps_per_node
     }
@@ -357,8 +434,11 @@ pub(crate) trait Collective {
 
     fn core(&mut self) -> &mut Core<Self::Msg, Self::Copy>;
 
-    /// World rank of comm rank `rank` of collective `op`.
-    fn world_of(&self, op: usize, rank: Rank) -> u32;
+    /// World rank of comm rank `rank` of collective `op` (by default every
+    /// collective is on the world comm).
+    fn world_of(&self, _op: usize, rank: Rank) -> u32 {
+        rank
+    }
 
     /// SP `sp` crashed: mark the collectives it disturbs.
     fn on_crash(&mut self, sp: SpId);
@@ -422,4 +502,39 @@ pub(crate) fn run_events<S: Collective>(sim: &mut S) -> Result<(), SimFailure> {
             }
         }
     }
+}
+
+/// Runs `config(seed)` for seeds 1 to 4 with mutation `m` switched on
+/// through `set`; every seed must fail with a message containing one of
+/// `want`. Returns the first failure.
+#[cfg(test)]
+pub(crate) fn caught<M: Copy + std::fmt::Debug, C, R: std::fmt::Debug>(
+    m: M,
+    set: fn(Option<M>),
+    config: impl Fn(u64) -> C,
+    run: fn(&C) -> Result<R, SimFailure>,
+    want: &[&str],
+) -> String {
+    set(Some(m));
+    let mut first = None;
+    for seed in 1..=4 {
+        let c = config(seed);
+        let res = run(&c);
+        let e = match res {
+            Ok(r) => {
+                set(None);
+                panic!("{m:?} not caught with seed {seed}: {r:?}");
+            }
+            Err(e) => e.to_string(),
+        };
+        if !want.iter().any(|w| e.contains(w)) {
+            set(None);
+            panic!("{m:?} caught by an unexpected check: {e}");
+        }
+        first.get_or_insert(e);
+    }
+    set(None);
+    let e = first.unwrap();
+    eprintln!("{m:?}: {e}");
+    e
 }
