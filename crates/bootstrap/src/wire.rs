@@ -303,6 +303,13 @@ pub enum SpToSp {
         msg: CollMsg,
         data: Bytes,
     },
+    /// The sender's staging slots of instance `key`, granted through UCX, that a `Credit`
+    /// following on this connection names: the receiver may put a chunk's bytes straight
+    /// into them (SPs started with `--ucx`) instead of sending them in a `Data` frame.
+    SlotGrants {
+        key: CollKey,
+        slots: Vec<(u32, AliasKey)>,
+    },
     /// A job ended (or lost a rank) at the sender; receivers abort its instances.
     JobAbort {
         job: u64,

@@ -393,6 +393,33 @@ fn bcast_hier_offloads_two_sps_per_node_block() {
 }
 
 #[test]
+fn bcast_chunks_move_between_sps_as_ucx_puts() {
+    // SPs started with --ucx grant their staging slots through UCX: every chunk goes from one
+    // SP's staging into the next one's as a UCX put (its message follows over TCP).
+    for design in ["flat", "hier"] {
+        let _serial = serial();
+        let prog = prog("bcast_check");
+        let seed = integration_tests::seed().to_string();
+        let run = launch_with(
+            1,
+            &["--sp-arg=--ucx"],
+            &[prog.as_str(), "8", &seed, "big", "late"],
+            &[("SPOFF_BCAST_DESIGN", design)],
+        );
+        assert_offloaded(&run, "bcast_check", 2);
+        let moved = run.sp_total("chunks_moved");
+        assert!(moved > 0, "{}", run.stderr);
+        assert_eq!(run.sp_total("chunks_moved_ucx"), moved, "{}", run.stderr);
+        assert_eq!(
+            run.sp_total("bytes_staged_in"),
+            0,
+            "no chunk in a frame\n{}",
+            run.stderr
+        );
+    }
+}
+
+#[test]
 fn bcast_hier_without_room_in_the_segment_is_delivered_flat() {
     // Every message fits the 64 KiB segment alone but no two at once: an SP whose segment is
     // taken by an outstanding Ibcast delivers the next one flat (writing the ranks' buffers

@@ -186,6 +186,15 @@ pub struct Server {
     /// Host copies that ended without being handed over, or answered, likewise.
     host_done: Vec<(CollKey, u64, Status)>,
     staged: StagedConfig,
+    /// With `--ucx`: the staging buffers are registered with UCX and granted to the
+    /// predecessor in a staged chain, which puts chunks straight into them. Declared before
+    /// `budget` so that it unmaps them before the pool frees them.
+    stage_ucx: Option<alias_mkey::host::UcxRegistrar>,
+    /// Slots successors granted through UCX: (instance, successor, slot) -> its key.
+    peer_slots: HashMap<(CollKey, SpId, u32), AliasKey>,
+    /// Moves running as UCX puts on the datapath, by ticket: the instance, the move, the
+    /// successor and the `Chunk` message to send it once the bytes are there.
+    ucx_moves: HashMap<u64, (CollKey, u64, SpId, CollMsg)>,
     budget: Budget,
     /// Segment regions per job (hierarchical staged designs), and the region of each instance.
     arenas: HashMap<u64, Arena>,
@@ -304,6 +313,16 @@ impl Server {
         let signals = crate::signals::SignalPipe::install()?;
         poll.registry()
             .register(&mut signals.source(), SIGNALS, Interest::READABLE)?;
+        // With --ucx, chunks of the staged collectives move between SPs as UCX puts into the
+        // next SP's staging (its loop progresses the worker, see `run`).
+        let stage_ucx = if cfg.ucx {
+            Some(
+                alias_mkey::host::UcxRegistrar::new()
+                    .map_err(|e| anyhow::anyhow!("cannot set up UCX for staging: {e}"))?,
+            )
+        } else {
+            None
+        };
         let mut server = Server {
             me: cfg.sp,
             cluster: cfg.cluster,
@@ -336,6 +355,9 @@ impl Server {
             inline_done: Vec::new(),
             host_done: Vec::new(),
             staged: cfg.staged,
+            stage_ucx,
+            peer_slots: HashMap::new(),
+            ucx_moves: HashMap::new(),
             budget: Budget::new(cfg.staging_bytes),
             arenas: HashMap::new(),
             regions: HashMap::new(),
@@ -370,7 +392,13 @@ impl Server {
         let mut events = Events::with_capacity(256);
         info!(sp = self.me, socket = %self.host_socket.display(), "serving");
         loop {
-            if let Err(e) = self.poll.poll(&mut events, None) {
+            // Puts of other SPs into this SP's staging complete only while its UCX worker
+            // progresses (UCX 1.13 over tcp/shared memory): progress it, and wake often.
+            let timeout = self.stage_ucx.as_ref().map(|reg| {
+                while reg.progress() > 0 {}
+                Duration::from_micros(200)
+            });
+            if let Err(e) = self.poll.poll(&mut events, timeout) {
                 if e.kind() == io::ErrorKind::Interrupted {
                     continue;
                 }
@@ -1101,6 +1129,12 @@ impl Server {
                 self.leaving_peers.insert(from);
                 return;
             }
+            SpToSp::SlotGrants { key, slots } => {
+                for (slot, k) in slots {
+                    self.peer_slots.insert((key, from, slot), k);
+                }
+                return;
+            }
             SpToSp::JobAbort { job, reason } => {
                 warn!(sp = self.me, from, job, "job aborted: {reason}");
                 self.fail_job(job, Status::RankFailed, false);
@@ -1219,6 +1253,44 @@ impl Server {
             };
             match action {
                 Act::Send { to, msg } => {
+                    if let (
+                        Some(reg),
+                        Some(stages),
+                        CollMsg::Bcast(bcast::Msg::Credit { slots, .. }),
+                    ) = (self.stage_ucx.as_mut(), inst.stages.as_ref(), &msg)
+                    {
+                        let mut granted = Vec::new();
+                        for s in slots {
+                            let Some(stage) = stages.slots.get(s.0 as usize) else {
+                                continue;
+                            };
+                            let k = stage.key();
+                            // SAFETY: staging buffers are never freed while the server lives
+                            // (they go back to the pool, declared after this registrar, so
+                            // unmapped first), and a granted slot is not read here until the
+                            // chunk's message says its bytes landed.
+                            match unsafe { reg.register(k.grant.addr, k.grant.len, Rights::WRITE) }
+                            {
+                                Ok(g) => granted.push((
+                                    s.0,
+                                    AliasKey {
+                                        owner: k.owner,
+                                        grant: g,
+                                    },
+                                )),
+                                Err(e) => warn!(sp = self.me, "cannot grant a staging slot: {e}"),
+                            }
+                        }
+                        if !granted.is_empty() {
+                            if let Some(k) = self.peer_conn.get(&to).copied() {
+                                let grants = SpToSp::SlotGrants {
+                                    key: ck,
+                                    slots: granted,
+                                };
+                                self.send_frame(k, &encode(&grants));
+                            }
+                        }
+                    }
                     let frame = encode(&SpToSp::Coll { key: ck, msg });
                     match self.peer_conn.get(&to).copied() {
                         Some(k) => {
@@ -1280,9 +1352,35 @@ impl Server {
                     id,
                     to,
                     src_slot,
+                    dst_slot,
                     len,
                     msg,
                 } => {
+                    // A slot the successor granted through UCX: the datapath puts the bytes
+                    // there, and the chunk's message follows once they landed.
+                    let src = inst
+                        .stages
+                        .as_ref()
+                        .and_then(|s| s.slots.get(src_slot as usize))
+                        .map(|s| s.key().clone());
+                    if let (Some(src), Some(dst)) =
+                        (src, self.peer_slots.remove(&(ck, to, dst_slot)))
+                    {
+                        let ticket = self.next_ticket;
+                        self.next_ticket += 1;
+                        self.ucx_moves.insert(ticket, (ck, id, to, msg));
+                        self.stats.chunks_moved_ucx += 1;
+                        self.limiter.push(CopyJob {
+                            ticket,
+                            src,
+                            src_offset: 0,
+                            dst,
+                            dst_offset: 0,
+                            len,
+                        });
+                        self.start_copies();
+                        continue;
+                    }
                     let data = inst
                         .stages
                         .as_ref()
@@ -1341,6 +1439,7 @@ impl Server {
             }
             self.release_region_if_done(ck);
             self.flat_here.remove(&ck);
+            self.peer_slots.retain(|(k, _, _), _| *k != ck);
             self.stats.collectives_finished += 1;
             if let Some(job) = self.jobs.get_mut(&ck.job) {
                 job.finished.insert((ck.comm, ck.seq));
@@ -1423,6 +1522,52 @@ impl Server {
             len,
         });
         self.start_copies();
+    }
+
+    /// A chunk put into a successor's slot finished: on success its message follows (the put
+    /// was flushed, so the bytes are there first), and either way the move is reported.
+    fn ucx_move_done(
+        &mut self,
+        ck: CollKey,
+        id: u64,
+        to: SpId,
+        msg: CollMsg,
+        result: Result<(), alias_mkey::AccessError>,
+    ) {
+        let status = match (result, self.peer_conn.get(&to).copied()) {
+            (Ok(()), Some(k)) => {
+                let len = match &msg {
+                    CollMsg::Bcast(bcast::Msg::Chunk { len, .. }) => *len,
+                    _ => 0,
+                };
+                let here = self.cluster.sp(self.me).map(|e| e.node);
+                if self.cluster.sp(to).map(|e| e.node) == here {
+                    self.stats.bytes_intra_node += len;
+                } else {
+                    self.stats.bytes_inter_node += len;
+                }
+                self.stats.messages_sent += 1;
+                self.stats.chunks_moved += 1;
+                self.send_frame(k, &encode(&SpToSp::Coll { key: ck, msg }));
+                Status::Ok
+            }
+            (Ok(()), None) => Status::PeerFailed,
+            (Err(e), _) => {
+                warn!(
+                    sp = self.me,
+                    ?ck,
+                    to,
+                    "putting a chunk into the next SP failed: {e}"
+                );
+                self.stats.copies_failed += 1;
+                Status::AccessError
+            }
+        };
+        let now = now_ns(self.start);
+        if let Some(inst) = self.instances.get_mut(&ck) {
+            inst.sm.handle_move_done(now, id, status);
+            self.drive(ck);
+        }
     }
 
     /// The owner runs on this SP's node.
@@ -1631,17 +1776,26 @@ impl Server {
         while let Some(job) = self.limiter.pop_startable() {
             self.stats.copies_started += 1;
             self.stats.bytes_copied += job.len;
-            // Every copy lands in a rank of this node; it crossed nodes if its source did not
-            // live here.
-            let src_node = self.jobs.get(&job.src.owner.job).and_then(|j| {
-                self.cluster
-                    .placement(job.src.owner.world_rank, j.world_size)
-                    .ok()
-            });
-            let here = self.cluster.sp(self.me).map(|e| e.node);
-            match src_node {
-                Some(p) if Some(p.node) != here => self.stats.bytes_inter_node += job.len,
-                _ => self.stats.bytes_intra_node += job.len,
+            // A copy crosses nodes when its two ends live on different nodes (this SP's own
+            // staging lives here). A put into the next SP's staging is counted when it is done.
+            if !self.ucx_moves.contains_key(&job.ticket) {
+                let here = self.cluster.sp(self.me).map(|e| e.node);
+                let node_of = |k: &AliasKey| {
+                    if k.owner.world_rank == crate::staging::STAGE_OWNER_RANK {
+                        return here;
+                    }
+                    self.jobs.get(&k.owner.job).and_then(|j| {
+                        self.cluster
+                            .placement(k.owner.world_rank, j.world_size)
+                            .ok()
+                            .map(|p| p.node)
+                    })
+                };
+                if node_of(&job.src) != node_of(&job.dst) {
+                    self.stats.bytes_inter_node += job.len;
+                } else {
+                    self.stats.bytes_intra_node += job.len;
+                }
             }
             self.stats.max_inflight = self.stats.max_inflight.max(self.limiter.in_flight() as u64);
             let both_cma = job.src.grant.backend == BackendData::Cma
@@ -1679,6 +1833,10 @@ impl Server {
         let now = now_ns(self.start);
         for d in done {
             self.limiter.finished();
+            if let Some((ck, id, to, msg)) = self.ucx_moves.remove(&d.ticket) {
+                self.ucx_move_done(ck, id, to, msg, d.result);
+                continue;
+            }
             let Some((ck, id)) = self.copies.remove(&d.ticket) else {
                 continue;
             };
@@ -1817,6 +1975,7 @@ impl Server {
             // The hierarchical designs' segment of this job: nobody is left to read it.
             self.regions.retain(|k, _| k.job != job);
             self.flat_here.retain(|k| k.job != job);
+            self.peer_slots.retain(|(k, _, _), _| k.job != job);
             self.arenas.remove(&job);
             crate::segment::unlink(job, self.me);
         }

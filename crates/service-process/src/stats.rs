@@ -30,6 +30,9 @@ pub struct Stats {
     /// staging, and hierarchical instances this SP delivered flat for want of room in the
     /// segment.
     pub chunks_moved: u64,
+    /// Of `chunks_moved`, those put straight into the next SP's staging through UCX (SPs
+    /// started with `--ucx`); the others travel in the SP-to-SP stream.
+    pub chunks_moved_ucx: u64,
     pub bytes_staged_in: u64,
     pub staging_peak_bytes: u64,
     pub staging_refused: u64,
