@@ -108,7 +108,10 @@ pub struct Host {
     pub ch: Channel<UnixStream>,
     pub world_rank: u32,
     pub sp: u32,
-    mailbox: Box<[u64]>,
+    /// Leaked on purpose, as the shim keeps its mailbox mapped for good: an SP that has not yet
+    /// seen a host go may still write a completion into it, and freed memory would take that
+    /// write into the allocator's own data.
+    mailbox: &'static [u64],
     pub reg: Registrar,
     /// When set, buffers are granted through UCX (and the worker is progressed while waiting).
     pub ucx: Option<std::rc::Rc<std::cell::RefCell<alias_mkey::host::UcxRegistrar>>>,
@@ -138,8 +141,9 @@ impl Host {
         }))
         .unwrap();
         assert_eq!(ch.recv_hello().unwrap(), Hello::Welcome { sp: p.sp });
-        let mailbox =
-            vec![0u64; (SLOTS as u64 * mailbox::SLOT_BYTES / 8) as usize].into_boxed_slice();
+        let mailbox: &'static [u64] = Box::leak(
+            vec![0u64; (SLOTS as u64 * mailbox::SLOT_BYTES / 8) as usize].into_boxed_slice(),
+        );
         let mut reg = Registrar::new();
         let grant = reg.register(
             mailbox.as_ptr() as u64,
