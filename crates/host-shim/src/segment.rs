@@ -39,11 +39,6 @@ impl Segment {
 
 static SEGMENT: OnceLock<Result<Segment, String>> = OnceLock::new();
 
-/// The name of the segment of `sp` in `job` (the SP derives the same to remove it).
-pub fn name(job: u64, sp: u32) -> String {
-    bootstrap::segment_name(job, sp)
-}
-
 /// The configured size: `SPOFF_SEGMENT_BYTES` rounded up to a page, else the default.
 pub fn configured_len() -> u64 {
     std::env::var("SPOFF_SEGMENT_BYTES")
@@ -58,7 +53,7 @@ pub fn configured_len() -> u64 {
 /// The mapping, creating and mapping the segment at the first call.
 pub fn get(job: u64, sp: u32) -> Result<&'static Segment, String> {
     SEGMENT
-        .get_or_init(|| open(&name(job, sp), configured_len()))
+        .get_or_init(|| open(&bootstrap::segment_name(job, sp), configured_len()))
         .as_ref()
         .map_err(Clone::clone)
 }

@@ -1147,18 +1147,8 @@ impl Server {
                     // No rank of this job is (any longer) connected here, so none will post:
                     // the job ended or failed here. Answer what expects an answer so that its
                     // sender is not left waiting for it.
-                    let replies = machine::refuse(&m, from, Status::RankFailed);
-                    if !replies.is_empty() {
+                    if self.send_refusals(ck, &m, from, Status::RankFailed) {
                         debug!(sp = self.me, ?ck, "message for a job gone here; refused");
-                    }
-                    for (to, reply) in replies {
-                        let frame = encode(&SpToSp::Coll {
-                            key: ck,
-                            msg: reply,
-                        });
-                        if let Some(k) = self.peer_conn.get(&to).copied() {
-                            self.send_frame(k, &frame);
-                        }
                     }
                     return;
                 };
@@ -1172,15 +1162,7 @@ impl Server {
                     // the instance finished (ranks posted different communicators under one
                     // key): it has no write of this SP to wait for.
                     if let CollMsg::StagedAllgather(_) = &m {
-                        for (to, reply) in machine::refuse(&m, from, Status::Aborted) {
-                            let frame = encode(&SpToSp::Coll {
-                                key: ck,
-                                msg: reply,
-                            });
-                            if let Some(k) = self.peer_conn.get(&to).copied() {
-                                self.send_frame(k, &frame);
-                            }
-                        }
+                        self.send_refusals(ck, &m, from, Status::Aborted);
                     }
                     return;
                 }
@@ -1496,6 +1478,23 @@ impl Server {
             },
         );
         Ok(Some((off, len)))
+    }
+
+    /// Sends the answers [`machine::refuse`] gives to `msg` of instance `ck` from SP `from`;
+    /// true if there were any.
+    fn send_refusals(&mut self, ck: CollKey, msg: &CollMsg, from: SpId, status: Status) -> bool {
+        let replies = machine::refuse(msg, from, status);
+        let any = !replies.is_empty();
+        for (to, reply) in replies {
+            let frame = encode(&SpToSp::Coll {
+                key: ck,
+                msg: reply,
+            });
+            if let Some(k) = self.peer_conn.get(&to).copied() {
+                self.send_frame(k, &frame);
+            }
+        }
+        any
     }
 
     /// Queues a copy of instance `ck` (its copy `id`) for the datapath.
