@@ -15,50 +15,57 @@
 //!
 //! # Protocol
 //!
-//! *The chain.* The message (`len` bytes at offset 0 of every rank's buffer)
+//! *The tree.* The message (`len` bytes at offset 0 of every rank's buffer)
 //! is cut into `n = max(1, ceil(len / chunk_bytes))` chunks; chunk `i` covers
 //! bytes `i * chunk_bytes ..` (a 0-byte message is one 0-byte chunk, so the
-//! SPs still agree on it). The chain is every SP serving a member of the
-//! communicator, ordered: the root's SP first, then the other SPs of the
-//! root's node in id order (wrapping around after the root's SP), then the
-//! nodes with members in ring order (ascending node number, wrapping) with
-//! their SPs in id order. Each chunk therefore crosses each node boundary
-//! exactly once. An SP's *view* is `(root, len, chunk_bytes, chain)`; it
-//! forms it from its first local post, or from the `Open` of its
-//! predecessor, whichever comes first.
+//! SPs still agree on it). Every SP serving a member of the communicator
+//! takes part, grouped by node: the root's node first, then the nodes with
+//! members in ring order (ascending node number, wrapping). In the root's
+//! group the root's SP comes first, then the node's other SPs in id order
+//! (wrapping around after the root's SP); in the other groups the SPs are in
+//! id order. The first SP of a group is its node's *leader*. The chunks flow
+//! down a tree: a pipelined chain of the leaders, one SP per node, in group
+//! order, and within each node from the leader to the node's other SPs. An
+//! SP's *parent* is the previous group's leader (for a leader) or its own
+//! leader; its *children* are the next group's leader and, for a leader, the
+//! other SPs of its group. Each chunk therefore crosses each node boundary
+//! exactly once, and the path from the root's SP to any SP has at most one
+//! intra-node hop at its end, however many SPs a node runs. An SP's *view*
+//! is `(root, len, chunk_bytes, tree)`; it forms it from its first local
+//! post, or from the `Open` of its parent, whichever comes first.
 //!
-//! *Opening.* When an SP forms its view it sends `Open` (the view) to its
-//! successor and a first `Credit` to its predecessor. So an SP whose ranks
-//! have not posted yet still learns the chain and takes part in forwarding:
-//! a late SP never blocks the chain beyond its staging.
+//! *Opening.* When an SP forms its view it sends `Open` (the view) to each
+//! child and a first `Credit` to its parent. So an SP whose ranks have not
+//! posted yet still learns the tree and takes part in forwarding: a late SP
+//! never blocks the chain beyond its staging.
 //!
-//! *Credits.* A receiving SP grants free slots to its predecessor
-//! (`Credit { slots }`), never more than the chunks it still expects. The
-//! predecessor moves a chunk only into a granted slot:
-//! [`Action::Move`] asks the driver to copy `len` bytes from a local slot to
-//! the successor's slot and then to deliver `Msg::Chunk { index, slot, len }`
-//! there ([`Move::chunk_msg`]); the driver reports the end of the transfer
-//! on the sending side with [`Bcast::handle_move_done`]. A granted slot
-//! stays reserved until the chunk arrives in it, the predecessor gives it
-//! back (`Return`, after an abort or a failed move) or the predecessor is
-//! lost, so no peer writes into staging that was reused or released.
+//! *Credits.* A receiving SP grants free slots to its parent (`Credit {
+//! slots }`), never more than the chunks it still expects. The parent moves
+//! a chunk only into a slot that child granted: [`Action::Move`] asks the
+//! driver to copy `len` bytes from a local slot to the child's slot and then
+//! to deliver `Msg::Chunk { index, slot, len }` there ([`Move::chunk_msg`]);
+//! the driver reports the end of the transfer on the sending side with
+//! [`Bcast::handle_move_done`]. A granted slot stays reserved until the
+//! chunk arrives in it, the parent gives it back (`Return`, after an abort
+//! or a failed move) or the parent is lost, so no peer writes into staging
+//! that was reused or released.
 //!
-//! *Per SP.* The root's SP reads chunk after chunk from the root's buffer
-//! into free slots ([`Action::Copy`] from [`Loc::Host`] to [`Loc::Stage`]);
-//! other SPs receive them. A chunk in a slot is forwarded to the successor
-//! (strictly in index order) and written to the SP's *targets*:
+//! *Per SP.* The root's SP reads chunks from the root's buffer into free slots
+//! ([`Action::Copy`] from [`Loc::Host`] to [`Loc::Stage`]);
+//! other SPs receive them. A chunk in a slot is forwarded to every child
+//! (to each child strictly in index order) and written to the SP's *targets*:
 //! * flat: every local rank except the root ([`Loc::Stage`] to
 //!   [`Loc::Host`] at offset `i * chunk_bytes` of the rank's `key`);
 //! * hierarchical: only the node segment named by the `shared_key` of the
 //!   SP's lowest local non-root rank (the *writer*), once per chunk.
 //!
-//! The slot is freed when the chunk was forwarded (or the SP is last) and
-//! every target has it. Targets are known from the members list of the
+//! The slot is freed when every child has the chunk and every target has
+//! it. Targets are known from the members list of the
 //! first local post (how many ranks this SP serves), so a chunk stays in
 //! staging until ranks that have not posted yet got it: a rank that posts
 //! late is served from staging, and staging slots, not local posts, bound
 //! the pipeline (a late rank stalls its SP's intake once its slots are full,
-//! and with it the chain upstream, but never deadlocks it: forwarding does
+//! and with it the tree upstream, but never deadlocks it: forwarding does
 //! not wait for local posts).
 //!
 //! *Completion.* The root completes when every chunk was read out of its
@@ -69,23 +76,25 @@
 //! true`: the host then copies `len` bytes from offset 0 of the segment into
 //! its buffer in `MPI_Wait`. The root's buffer is never written.
 //!
-//! *Completeness.* The chain is a line, so there is no cyclic wait: the
-//! root's SP reads whenever a slot is free; an SP frees a slot once its
-//! successor granted one (which it does once its own slot is free, by
-//! induction from the last SP, which only waits for its local writes) and
-//! its local writes are done (which needs only its local ranks to post). So
-//! once every rank posted, every chunk reaches every SP and every rank.
+//! *Completeness.* The SPs form a tree, so there is no cyclic wait: the
+//! root's SP reads whenever a slot is free; an SP frees a slot once each
+//! child granted one (which it does once its own slot is free, by induction
+//! from the leaves, which only wait for their local writes) and its local
+//! writes are done (which needs only its local ranks to post). So once every
+//! rank posted, every chunk reaches every SP and every rank.
 //!
 //! *Consistency of posts.* Posts of one instance must agree on root and
 //! length (MPI requires it). Each SP checks its local posts against its
 //! view, and every `Open` and `Credit` it receives (both carry root, length
 //! and chunk size) against its view: a disagreement aborts the instance with
-//! `CountMismatch` (root or length) or `InvalidPost` (chain, chunk size,
+//! `CountMismatch` (root or length) or `InvalidPost` (tree, chunk size,
 //! design). Detection is complete: every SP with a view sends its view to
-//! its successor and predecessor in the chain *of that view*; if no check
-//! fails, the SPs holding any given view form a set closed under successor
-//! and predecessor of that view's chain, i.e. the whole chain, so all views
-//! are equal. A rank completes `Ok` only after its own chunks arrived, which
+//! its children (`Open`) and its root, length and chunk size to its parent
+//! (`Credit`) in the tree *of that view*; a parent checks that a credit
+//! comes from one of its own children, then its own `Open` reaches that
+//! child, who compares the trees. So if no check fails, the SPs holding any
+//! given view form a set closed under parent and children of that view's
+//! tree, i.e. the whole tree, so all views are equal. A rank completes `Ok` only after its own chunks arrived, which
 //! were read under a view equal to its post's (checked hop by hop), so an
 //! `Ok` rank's post agrees with the root's and holds the root's data. Ranks
 //! that already completed `Ok` when another SP detects a disagreement keep
@@ -99,10 +108,10 @@
 //! # Failure handling
 //!
 //! Local abort, rank loss (of a rank that has not completed), peer loss (of
-//! an SP in the chain), a failed copy or move, and disagreeing posts abort
+//! an SP in the tree), a failed copy or move, and disagreeing posts abort
 //! the instance: every SP that enters the abort broadcasts `Abort` once to
-//! every SP of its chain (an SP that has no view yet tells the SPs that
-//! granted it credits, who know the chain). An aborted SP stops reading,
+//! every SP of its tree (an SP that has no view yet tells the SPs that
+//! granted it credits, who know the tree). An aborted SP stops reading,
 //! forwarding, writing and granting; gives back every grant it holds
 //! (`Return`); frees slots as their copies and moves finish; answers later
 //! credits with `Return` and drops later chunks. A rank completes with the
@@ -185,15 +194,17 @@ pub struct SlotId(pub u32);
 /// SP-to-SP messages of this collective (the driver adds the `CollKey`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Msg {
-    /// To the successor in `chain`, once: the sender's view.
+    /// To each child in `tree`, once: the sender's view. `tree` holds the
+    /// SPs grouped by node in tree order, each group led by its node's
+    /// leader (see the module docs).
     Open {
         root: Rank,
         len: u64,
         chunk_bytes: u64,
-        chain: Vec<SpId>,
+        tree: Vec<Vec<SpId>>,
     },
-    /// To the predecessor: it may move one chunk into each of `slots`. The
-    /// view travels along for the consistency check.
+    /// To the parent: it may move one chunk into each of `slots`. Root,
+    /// length and chunk size travel along for the consistency check.
     Credit {
         root: Rank,
         len: u64,
@@ -361,15 +372,16 @@ impl std::error::Error for PostError {}
 /// A protocol violation by a peer; the instance is unchanged.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum MsgError {
-    /// An `Open` whose chain does not have the sender right before this SP.
-    NotPredecessor { sp: SpId },
+    /// An `Open` whose tree does not make the sender this SP's parent (or
+    /// names an SP twice).
+    NotParent { sp: SpId },
     /// A second `Open` from the same SP.
     DuplicateOpen { sp: SpId },
     /// A chunk or return for a slot not granted to the sender.
     SlotNotGranted { slot: SlotId },
     /// A chunk index out of range, received twice, or of the wrong length.
     BadChunk { index: u64 },
-    /// An `Abort` from an SP outside the chain.
+    /// An `Abort` from an SP outside the tree.
     NotMember { sp: SpId },
 }
 
@@ -384,12 +396,12 @@ impl std::error::Error for MsgError {}
 /// Counters for drivers, tests and the simulator.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Stats {
-    /// Chunks moved to the successor (moves reported done `Ok`).
+    /// Chunks moved to children (moves reported done `Ok`).
     pub chunks_forwarded: u64,
     /// Bytes that entered staging (reads from the root, chunks received).
     pub bytes_staged: u64,
     /// Chunks that arrived before any local rank had posted (the SP knew
-    /// the chain from its predecessor's `Open`).
+    /// the tree from its parent's `Open`).
     pub chunks_before_post: u64,
     /// Most staging slots in use at once (granted, being read, or holding
     /// a chunk); never above `Config::staging_slots`.
@@ -407,7 +419,7 @@ pub struct Stats {
 #[cfg_attr(not(test), allow(dead_code))]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Mutation {
-    /// Free a slot once its move started, not once it finished.
+    /// Free a slot once its moves started, not once they finished.
     FreeWhileMoving,
     /// Flat ranks complete one chunk early.
     CompleteOneChunkEarly,
@@ -443,22 +455,26 @@ fn mutated(m: Mutation) -> bool {
     }
 }
 
-/// `(root, len, chunk_bytes, chain)` as one SP sees it.
+/// `(root, len, chunk_bytes, tree)` as one SP sees it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct View {
     root: Rank,
     len: u64,
     chunk_bytes: u64,
-    chain: Vec<SpId>,
-    /// This SP's index in `chain`.
-    pos: usize,
+    tree: Vec<Vec<SpId>>,
+    /// This SP's group in `tree`, and its place in that group.
+    group: usize,
+    at: usize,
     /// Number of chunks.
     n: u64,
 }
 
 impl View {
-    fn new(me: SpId, root: Rank, len: u64, chunk_bytes: u64, chain: Vec<SpId>) -> Option<View> {
-        let pos = chain.iter().position(|&s| s == me)?;
+    fn new(me: SpId, root: Rank, len: u64, chunk_bytes: u64, tree: Vec<Vec<SpId>>) -> Option<View> {
+        let (group, at) = tree
+            .iter()
+            .enumerate()
+            .find_map(|(g, sps)| sps.iter().position(|&s| s == me).map(|a| (g, a)))?;
         let n = if len == 0 {
             1
         } else {
@@ -468,18 +484,40 @@ impl View {
             root,
             len,
             chunk_bytes,
-            chain,
-            pos,
+            tree,
+            group,
+            at,
             n,
         })
     }
 
-    fn pred(&self) -> Option<SpId> {
-        self.pos.checked_sub(1).map(|i| self.chain[i])
+    /// The root's SP: the first SP of the first group.
+    fn is_top(&self) -> bool {
+        self.group == 0 && self.at == 0
     }
 
-    fn succ(&self) -> Option<SpId> {
-        self.chain.get(self.pos + 1).copied()
+    fn parent(&self) -> Option<SpId> {
+        tree_parent(&self.tree, self.group, self.at)
+    }
+
+    /// The next group's leader first (the critical path), then, for a
+    /// leader, the other SPs of its group.
+    fn children(&self) -> Vec<SpId> {
+        if self.at > 0 {
+            return Vec::new();
+        }
+        let next = self.tree.get(self.group + 1).map(|g| g[0]);
+        next.into_iter()
+            .chain(self.tree[self.group][1..].iter().copied())
+            .collect()
+    }
+
+    fn contains(&self, sp: SpId) -> bool {
+        self.tree.iter().any(|g| g.contains(&sp))
+    }
+
+    fn all(&self) -> Vec<SpId> {
+        self.tree.iter().flatten().copied().collect()
     }
 
     fn offset(&self, i: u64) -> u64 {
@@ -490,17 +528,17 @@ impl View {
         (self.len - self.offset(i).min(self.len)).min(self.chunk_bytes)
     }
 
-    /// The abort status if `(root, len, chunk_bytes, chain)` disagrees.
+    /// The abort status if `(root, len, chunk_bytes, tree)` disagrees.
     fn disagreement(
         &self,
         root: Rank,
         len: u64,
         chunk_bytes: u64,
-        chain: Option<&[SpId]>,
+        tree: Option<&[Vec<SpId>]>,
     ) -> Option<Status> {
         if root != self.root || len != self.len {
             Some(Status::CountMismatch)
-        } else if chunk_bytes != self.chunk_bytes || chain.is_some_and(|c| c != self.chain) {
+        } else if chunk_bytes != self.chunk_bytes || tree.is_some_and(|t| t != self.tree) {
             Some(Status::InvalidPost)
         } else {
             None
@@ -508,8 +546,18 @@ impl View {
     }
 }
 
-/// The chain of SPs for a broadcast from `root` (see the module docs).
-fn build_chain(members: &[SpId], nodes: &[u32], root: Rank) -> Result<Vec<SpId>, PostError> {
+/// The parent of the SP at `tree[group][at]`.
+fn tree_parent(tree: &[Vec<SpId>], group: usize, at: usize) -> Option<SpId> {
+    if at > 0 {
+        Some(tree[group][0])
+    } else {
+        group.checked_sub(1).map(|g| tree[g][0])
+    }
+}
+
+/// The SPs of a broadcast from `root`, grouped by node in tree order (see
+/// the module docs).
+fn build_tree(members: &[SpId], nodes: &[u32], root: Rank) -> Result<Vec<Vec<SpId>>, PostError> {
     let sp_node = sp_nodes(members, nodes).map_err(|sp| PostError::SpOnTwoNodes { sp })?;
     let mut node_sps: BTreeMap<u32, BTreeSet<SpId>> = BTreeMap::new();
     for (&sp, &n) in &sp_node {
@@ -518,7 +566,7 @@ fn build_chain(members: &[SpId], nodes: &[u32], root: Rank) -> Result<Vec<SpId>,
     let (root_sp, root_node) = (members[root as usize], nodes[root as usize]);
     let node_list: Vec<u32> = node_sps.keys().copied().collect();
     let start = node_list.iter().position(|&n| n == root_node).unwrap();
-    let mut chain = Vec::with_capacity(sp_node.len());
+    let mut tree = Vec::with_capacity(node_list.len());
     for k in 0..node_list.len() {
         let n = node_list[(start + k) % node_list.len()];
         let sps: Vec<SpId> = node_sps[&n].iter().copied().collect();
@@ -527,9 +575,9 @@ fn build_chain(members: &[SpId], nodes: &[u32], root: Rank) -> Result<Vec<SpId>,
         } else {
             0
         };
-        chain.extend(sps[first..].iter().chain(&sps[..first]));
+        tree.push(sps[first..].iter().chain(&sps[..first]).copied().collect());
     }
-    Ok(chain)
+    Ok(tree)
 }
 
 /// What the first local post told about the communicator.
@@ -572,8 +620,10 @@ impl<K> LocalRank<K> {
 struct Held {
     index: u64,
     len: u64,
-    forwarded: bool,
-    moving: bool,
+    /// Children that have it (their moves reported done `Ok`).
+    forwarded: BTreeSet<SpId>,
+    /// Children it is being moved to.
+    moving: BTreeSet<SpId>,
     /// Targets that have it.
     done: BTreeSet<Rank>,
     /// Targets with a copy in flight.
@@ -583,7 +633,7 @@ struct Held {
 #[derive(Clone, Debug)]
 enum Slot {
     Free,
-    /// Granted to this predecessor; awaiting its chunk.
+    /// Granted to this parent; awaiting its chunk.
     Granted(SpId),
     /// A read from the root's buffer into this slot is in flight.
     Reading,
@@ -624,7 +674,7 @@ pub struct Bcast<K> {
     chunk_bytes: u64,
     topo: Option<Topo>,
     view: Option<View>,
-    /// SPs that sent an `Open` (bounded by the chain length).
+    /// SPs that sent an `Open` (bounded by the tree's size).
     opened_by: BTreeSet<SpId>,
     /// Targets of this SP (known once topology and view are).
     targets: Option<Vec<Rank>>,
@@ -640,10 +690,10 @@ pub struct Bcast<K> {
     /// Other SPs: every chunk below `recv_low` arrived, and these above.
     recv_low: u64,
     recv_above: BTreeSet<u64>,
-    /// Next chunk to forward (in index order).
-    next_fwd: u64,
-    /// Slots the successor granted and that are still unused.
-    grants: VecDeque<SlotId>,
+    /// Per child: the next chunk to forward to it (in index order).
+    next_fwd: BTreeMap<SpId, u64>,
+    /// Per child: slots it granted that are still unused.
+    grants: BTreeMap<SpId, VecDeque<SlotId>>,
     early_credits: Vec<EarlyCredit>,
     copies: BTreeMap<u64, CopyKind>,
     moves: BTreeMap<u64, MoveSt>,
@@ -680,8 +730,8 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
             reads_done: 0,
             recv_low: 0,
             recv_above: BTreeSet::new(),
-            next_fwd: 0,
-            grants: VecDeque::new(),
+            next_fwd: BTreeMap::new(),
+            grants: BTreeMap::new(),
             early_credits: Vec::new(),
             copies: BTreeMap::new(),
             moves: BTreeMap::new(),
@@ -711,10 +761,10 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
         self.topo.as_ref().map(|t| t.members.as_slice())
     }
 
-    /// The chain of SPs, once this SP has a view (a local post or the
-    /// predecessor's `Open`).
-    pub fn chain(&self) -> Option<&[SpId]> {
-        self.view.as_ref().map(|v| v.chain.as_slice())
+    /// The SPs grouped by node in tree order, once this SP has a view (a
+    /// local post or its parent's `Open`).
+    pub fn tree(&self) -> Option<&[Vec<SpId>]> {
+        self.view.as_ref().map(|v| v.tree.as_slice())
     }
 
     pub fn abort_status(&self) -> Option<Status> {
@@ -741,7 +791,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
     /// A local rank posted its part of the collective.
     pub fn handle_post(&mut self, now: Nanos, post: Post<K>) -> Result<(), PostError> {
         self.now = now;
-        let chain = self.validate_post(&post)?;
+        let tree = self.validate_post(&post)?;
         let rank = post.rank;
         let mut st = LocalRank {
             key: post.key,
@@ -774,13 +824,13 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
         let design_differs = self.topo.as_ref().unwrap().design != post.design;
         match &self.view {
             None => {
-                let view = View::new(self.me, post.root, post.len, self.chunk_bytes, chain)
+                let view = View::new(self.me, post.root, post.len, self.chunk_bytes, tree)
                     .expect("this SP serves the posting rank");
                 self.form_view(view);
             }
             Some(v) => {
                 if let Some(status) =
-                    v.disagreement(post.root, post.len, self.chunk_bytes, Some(&chain))
+                    v.disagreement(post.root, post.len, self.chunk_bytes, Some(&tree))
                 {
                     self.enter_abort(status);
                 }
@@ -822,7 +872,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
         self.pump();
     }
 
-    /// SP `sp` died: abort with `PeerFailed` if it is in the chain; slots
+    /// SP `sp` died: abort with `PeerFailed` if it is in the tree; slots
     /// granted to it are free again and its grants are dropped. Messages
     /// from `sp` are ignored from now on. Moves to it still in flight must
     /// be reported by the driver (`handle_move_done`).
@@ -885,15 +935,15 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
             && self.copies.is_empty()
             && self.moves.is_empty()
             && self.slots.iter().all(|s| matches!(s, Slot::Free))
-            && self.grants.is_empty()
+            && self.grants.values().all(|g| g.is_empty())
             && self.early_credits.is_empty()
             && self.actions.is_empty()
     }
 
     // ---- internals -------------------------------------------------------
 
-    /// Checks a post; returns the chain it implies.
-    fn validate_post(&self, post: &Post<K>) -> Result<Vec<SpId>, PostError> {
+    /// Checks a post; returns the tree it implies.
+    fn validate_post(&self, post: &Post<K>) -> Result<Vec<Vec<SpId>>, PostError> {
         let p = post.members.len();
         let rank = post.rank;
         if rank as usize >= p {
@@ -921,7 +971,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
                 return Err(PostError::MembersDisagree);
             }
         }
-        let chain = build_chain(&post.members, &post.nodes, post.root)?;
+        let tree = build_tree(&post.members, &post.nodes, post.root)?;
         if self.ranks.contains_key(&rank) {
             return Err(PostError::DuplicatePost { rank });
         }
@@ -931,31 +981,37 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
         if post.design == Design::Hier && post.shared_key.is_none() {
             return Err(PostError::MissingSharedKey { rank });
         }
-        Ok(chain)
+        Ok(tree)
     }
 
     /// This SP has a view for the first time.
     fn form_view(&mut self, view: View) {
         debug_assert!(self.view.is_none());
-        let succ = view.succ();
+        let children = view.children();
         let open = Msg::Open {
             root: view.root,
             len: view.len,
             chunk_bytes: view.chunk_bytes,
-            chain: view.chain.clone(),
+            tree: view.tree.clone(),
         };
-        let lost = view.chain.iter().any(|s| self.lost_sps.contains(s));
+        let lost = view.all().iter().any(|s| self.lost_sps.contains(s));
+        for &c in &children {
+            self.next_fwd.insert(c, 0);
+            self.grants.insert(c, VecDeque::new());
+        }
         self.view = Some(view);
         if lost {
             self.enter_abort(Status::PeerFailed);
         }
         if self.abort.is_some() {
             self.maybe_broadcast_abort();
-        } else if let Some(succ) = succ {
-            self.send(succ, open);
+        } else {
+            for c in children {
+                self.send(c, open.clone());
+            }
         }
         // Credits that came before the view; the first own credit (to the
-        // predecessor) goes out from `pump`.
+        // parent) goes out from `pump`.
         for c in std::mem::take(&mut self.early_credits) {
             self.on_credit(c);
         }
@@ -981,13 +1037,11 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
                 *s = Slot::Free;
             }
         }
-        if let Some(v) = &self.view {
-            if v.succ() == Some(sp) {
-                self.grants.clear();
-            }
-            if v.chain.contains(&sp) {
-                self.enter_abort(Status::PeerFailed);
-            }
+        if let Some(g) = self.grants.get_mut(&sp) {
+            g.clear();
+        }
+        if self.view.as_ref().is_some_and(|v| v.contains(sp)) {
+            self.enter_abort(Status::PeerFailed);
         }
     }
 
@@ -1008,29 +1062,33 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
                 root,
                 len,
                 chunk_bytes,
-                chain,
+                tree,
             } => {
                 let me = self.me;
-                let my_pos = chain.iter().position(|&s| s == me);
-                let ok = my_pos.is_some_and(|i| i > 0 && chain[i - 1] == from)
-                    && chain.iter().collect::<BTreeSet<_>>().len() == chain.len();
+                let place = tree
+                    .iter()
+                    .enumerate()
+                    .find_map(|(g, sps)| sps.iter().position(|&s| s == me).map(|a| (g, a)));
+                let count: usize = tree.iter().map(Vec::len).sum();
+                let ok = place.is_some_and(|(g, a)| tree_parent(&tree, g, a) == Some(from))
+                    && tree.iter().flatten().collect::<BTreeSet<_>>().len() == count;
                 if !ok {
-                    return Err(MsgError::NotPredecessor { sp: from });
+                    return Err(MsgError::NotParent { sp: from });
                 }
                 // Every SP sends one Open; Opens from several SPs (the
-                // predecessors in different views) are a disagreement.
+                // parents in different views) are a disagreement.
                 if !self.opened_by.insert(from) {
                     return Err(MsgError::DuplicateOpen { sp: from });
                 }
                 match &self.view {
                     Some(v) => {
-                        if let Some(status) = v.disagreement(root, len, chunk_bytes, Some(&chain)) {
+                        if let Some(status) = v.disagreement(root, len, chunk_bytes, Some(&tree)) {
                             self.enter_abort(status);
                         }
                     }
                     None => {
                         let mismatch = chunk_bytes != self.chunk_bytes;
-                        let view = View::new(me, root, len, self.chunk_bytes, chain)
+                        let view = View::new(me, root, len, self.chunk_bytes, tree)
                             .expect("checked above");
                         self.form_view(view);
                         self.learn_targets();
@@ -1061,7 +1119,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
                     self.early_credits.push(c);
                     return Ok(());
                 }
-                // From a non-successor it means the chains differ (members
+                // From a non-child it means the trees differ (members
                 // disagree): `on_credit` aborts.
                 self.on_credit(c);
                 Ok(())
@@ -1113,7 +1171,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
             }
             Msg::Abort { status } => {
                 if let Some(v) = &self.view {
-                    if !v.chain.contains(&from) {
+                    if !v.contains(from) {
                         return Err(MsgError::NotMember { sp: from });
                     }
                 }
@@ -1129,10 +1187,10 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
             let v = self.view.as_ref().expect("view known");
             let status = v
                 .disagreement(c.root, c.len, c.chunk_bytes, None)
-                .or((v.succ() != Some(c.from)).then_some(Status::InvalidPost));
+                .or((!self.grants.contains_key(&c.from)).then_some(Status::InvalidPost));
             match status {
                 None => {
-                    self.grants.extend(c.slots);
+                    self.grants.entry(c.from).or_default().extend(c.slots);
                     return;
                 }
                 Some(status) => self.enter_abort(status),
@@ -1208,9 +1266,9 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
         }
         if let Slot::Full(h) = &mut self.slots[m.slot] {
             if h.index == m.index {
-                h.moving = false;
+                h.moving.remove(&m.to);
                 if status.is_ok() {
-                    h.forwarded = true;
+                    h.forwarded.insert(m.to);
                 }
             }
         }
@@ -1233,12 +1291,14 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
             }
         }
         if first {
-            if !self.grants.is_empty() {
-                let succ = self.view.as_ref().and_then(|v| v.succ());
-                let slots: Vec<SlotId> = self.grants.drain(..).collect();
-                if let Some(succ) = succ {
-                    self.send(succ, Msg::Return { slots });
-                }
+            let held: Vec<(SpId, Vec<SlotId>)> = self
+                .grants
+                .iter_mut()
+                .filter(|(_, g)| !g.is_empty())
+                .map(|(&c, g)| (c, g.drain(..).collect()))
+                .collect();
+            for (child, slots) in held {
+                self.send(child, Msg::Return { slots });
             }
             for c in std::mem::take(&mut self.early_credits) {
                 self.on_credit(c);
@@ -1253,7 +1313,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
         }
         let Some(v) = &self.view else { return };
         self.abort_broadcast_done = true;
-        for sp in v.chain.clone() {
+        for sp in v.all() {
             self.notify_abort(sp);
         }
     }
@@ -1301,25 +1361,24 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
 
     fn free_slots(&mut self) -> bool {
         let aborted = self.abort.is_some();
-        let last = match &self.view {
-            Some(v) => v.succ().is_none(),
-            None => true,
-        };
+        let children = self.view.as_ref().map(View::children).unwrap_or_default();
         let mut progress = false;
         for i in 0..self.slots.len() {
             let Slot::Full(h) = &self.slots[i] else {
                 continue;
             };
             let free = if aborted {
-                !h.moving && h.writing.is_empty()
+                h.moving.is_empty() && h.writing.is_empty()
             } else {
                 let forwarded = if mutated(Mutation::FreeWhileMoving) {
-                    h.forwarded || h.moving
+                    children
+                        .iter()
+                        .all(|c| h.forwarded.contains(c) || h.moving.contains(c))
                 } else {
-                    h.forwarded && !h.moving
+                    h.moving.is_empty() && children.iter().all(|c| h.forwarded.contains(c))
                 };
                 h.writing.is_empty()
-                    && (last || forwarded)
+                    && forwarded
                     && self
                         .targets
                         .as_ref()
@@ -1341,7 +1400,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
     /// The root's SP reads chunks from the root's buffer into free slots.
     fn start_reads(&mut self) -> bool {
         let Some(v) = &self.view else { return false };
-        if self.abort.is_some() || v.pos != 0 {
+        if self.abort.is_some() || !v.is_top() {
             return false;
         }
         let (root, n) = (v.root, v.n);
@@ -1389,52 +1448,58 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
         progress
     }
 
-    /// Move chunks, in index order, into the successor's granted slots.
+    /// Move chunks, to each child in index order, into the slots it
+    /// granted.
     fn forward(&mut self) -> bool {
         let Some(v) = &self.view else { return false };
-        let Some(to) = v.succ() else { return false };
         if self.abort.is_some() {
             return false;
         }
         let n = v.n;
         let mut progress = false;
-        while self.next_fwd < n && !self.grants.is_empty() {
-            let Some(&slot) = self.by_index.get(&self.next_fwd) else {
-                break;
-            };
-            let Slot::Full(h) = &mut self.slots[slot] else {
-                unreachable!("by_index names a full slot")
-            };
-            debug_assert!(!h.moving && !h.forwarded);
-            h.moving = true;
-            let (index, len) = (h.index, h.len);
-            let dst = self.grants.pop_front().unwrap();
-            self.next_fwd += 1;
-            let id = self.new_id();
-            self.moves.insert(
-                id,
-                MoveSt {
-                    slot,
-                    index,
+        for to in v.children() {
+            loop {
+                let next = self.next_fwd[&to];
+                if next >= n || self.grants[&to].is_empty() {
+                    break;
+                }
+                let Some(&slot) = self.by_index.get(&next) else {
+                    break;
+                };
+                let Slot::Full(h) = &mut self.slots[slot] else {
+                    unreachable!("by_index names a full slot")
+                };
+                debug_assert!(!h.moving.contains(&to) && !h.forwarded.contains(&to));
+                h.moving.insert(to);
+                let (index, len) = (h.index, h.len);
+                let dst = self.grants.get_mut(&to).unwrap().pop_front().unwrap();
+                self.next_fwd.insert(to, next + 1);
+                let id = self.new_id();
+                self.moves.insert(
+                    id,
+                    MoveSt {
+                        slot,
+                        index,
+                        to,
+                        dst,
+                    },
+                );
+                let mv = Move {
+                    id: MoveId(id),
                     to,
-                    dst,
-                },
-            );
-            let mv = Move {
-                id: MoveId(id),
-                to,
-                chunk: index,
-                src_slot: SlotId(slot as u32),
-                dst_slot: dst,
-                len,
-            };
-            if len == 0 {
-                self.send(to, mv.chunk_msg());
-                self.zero_moves.push_back(id);
-            } else {
-                self.actions.push_back(Action::Move(mv));
+                    chunk: index,
+                    src_slot: SlotId(slot as u32),
+                    dst_slot: dst,
+                    len,
+                };
+                if len == 0 {
+                    self.send(to, mv.chunk_msg());
+                    self.zero_moves.push_back(id);
+                } else {
+                    self.actions.push_back(Action::Move(mv));
+                }
+                progress = true;
             }
-            progress = true;
         }
         progress
     }
@@ -1500,11 +1565,11 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
         progress
     }
 
-    /// Grant free slots to the predecessor, never more than the chunks
-    /// still expected.
+    /// Grant free slots to the parent, never more than the chunks still
+    /// expected.
     fn grant(&mut self) {
         let Some(v) = &self.view else { return };
-        let Some(pred) = v.pred() else { return };
+        let Some(pred) = v.parent() else { return };
         if self.abort.is_some() || self.lost_sps.contains(&pred) {
             return;
         }
@@ -1603,8 +1668,8 @@ impl Held {
         Held {
             index,
             len,
-            forwarded: false,
-            moving: false,
+            forwarded: BTreeSet::new(),
+            moving: BTreeSet::new(),
             done: BTreeSet::new(),
             writing: BTreeSet::new(),
         }
@@ -1762,17 +1827,54 @@ mod tests {
     }
 
     #[test]
-    fn chain_starts_at_the_root_sp_then_nodes_in_ring_order() {
+    fn tree_starts_at_the_root_sp_then_nodes_in_ring_order() {
         // Node 0: SPs 0, 1; node 1: SPs 2, 3; node 2: SP 4.
         let members = [0, 1, 2, 3, 4, 3, 2];
         let nodes = [0, 0, 1, 1, 2, 1, 1];
-        assert_eq!(build_chain(&members, &nodes, 3).unwrap(), [3, 2, 4, 0, 1]);
-        assert_eq!(build_chain(&members, &nodes, 4).unwrap(), [4, 0, 1, 2, 3]);
-        assert_eq!(build_chain(&members, &nodes, 1).unwrap(), [1, 0, 2, 3, 4]);
+        let tree = |root| build_tree(&members, &nodes, root).unwrap();
+        assert_eq!(tree(3), [vec![3, 2], vec![4], vec![0, 1]]);
+        assert_eq!(tree(4), [vec![4], vec![0, 1], vec![2, 3]]);
+        assert_eq!(tree(1), [vec![1, 0], vec![2, 3], vec![4]]);
         assert_eq!(
-            build_chain(&[0, 0], &[0, 1], 0),
+            build_tree(&[0, 0], &[0, 1], 0),
             Err(PostError::SpOnTwoNodes { sp: 0 })
         );
+        // Leaders chain from node to node and fan out within their node.
+        let v = View::new(3, 3, 8, 4, tree(3)).unwrap();
+        assert!(v.is_top());
+        assert_eq!((v.parent(), v.children()), (None, vec![4, 2]));
+        let v = View::new(2, 3, 8, 4, tree(3)).unwrap();
+        assert_eq!((v.parent(), v.children()), (Some(3), vec![]));
+        let v = View::new(0, 3, 8, 4, tree(3)).unwrap();
+        assert_eq!((v.parent(), v.children()), (Some(4), vec![1]));
+        let v = View::new(1, 3, 8, 4, tree(3)).unwrap();
+        assert_eq!((v.parent(), v.children()), (Some(0), vec![]));
+    }
+
+    #[test]
+    fn a_node_leader_fans_out_to_its_nodes_other_sps() {
+        // Node 0: SPs 0, 1; node 1: SPs 2, 3 (one rank each).
+        let (members, nodes) = ([0, 1, 2, 3], [0, 0, 1, 1]);
+        let mut net = Net::new(4);
+        for r in 0..4 {
+            net.post(members[r as usize], post(r, 0, 10, &members, &nodes));
+        }
+        net.run();
+        for r in 0..4 {
+            assert_eq!(net.status(r), Some(Status::Ok), "rank {r}");
+        }
+        // 3 chunks to each of SPs 1, 2 (both from SP 0) and 3 (from SP 2).
+        let mv = moves(&net);
+        assert_eq!(mv.len(), 9);
+        for to in 1..4 {
+            assert_eq!(mv.iter().filter(|m| m.to == to).count(), 3, "to SP {to}");
+        }
+        assert_eq!(net.sp(0).m.stats().chunks_forwarded, 6);
+        assert_eq!(net.sp(2).m.stats().chunks_forwarded, 3);
+        assert_eq!(net.sp(1).m.stats().chunks_forwarded, 0);
+        assert_eq!(net.sp(3).m.stats().chunks_forwarded, 0);
+        assert_eq!(net.sp(3).m.tree(), Some(&[vec![0, 1], vec![2, 3]][..]));
+        all_finished(&mut net, &[0, 1, 2, 3]);
     }
 
     #[test]
@@ -1816,15 +1918,15 @@ mod tests {
 
     #[test]
     fn late_sp_forwards_what_fits_in_staging_and_catches_up() {
-        // Chain 0 -> 1 -> 2 (one node); SP 1's rank posts last.
-        let (members, nodes) = ([0, 1, 2], [0, 0, 0]);
+        // Chain 0 -> 1 -> 2 (one SP per node); SP 1's rank posts last.
+        let (members, nodes) = ([0, 1, 2], [0, 1, 2]);
         let mut net = Net::new(3);
         net.post(2, post(2, 0, 10, &members, &nodes));
         net.post(0, post(0, 0, 10, &members, &nodes));
         net.run();
-        // SP 1 learned the chain from SP 0's Open and forwarded the two
+        // SP 1 learned the tree from SP 0's Open and forwarded the two
         // chunks its two slots hold; the root's SP read all three.
-        assert_eq!(net.sp(1).m.chain(), Some(&[0, 1, 2][..]));
+        assert_eq!(net.sp(1).m.tree(), Some(&[vec![0], vec![1], vec![2]][..]));
         assert_eq!(net.sp(1).m.stats().chunks_forwarded, 2);
         assert_eq!(net.sp(1).m.slots_in_use(), 2);
         assert_eq!(net.status(0), Some(Status::Ok));
@@ -1895,7 +1997,7 @@ mod tests {
                 root: 0,
                 len: 5,
                 chunk_bytes: 8,
-                chain: vec![0, 1],
+                tree: vec![vec![0], vec![1]],
             },
         )
         .unwrap();
@@ -1960,7 +2062,7 @@ mod tests {
     }
 
     #[test]
-    fn zero_bytes_still_pass_the_chain_without_copies() {
+    fn zero_bytes_still_pass_the_tree_without_copies() {
         let (members, nodes) = ([0, 1, 2, 2], [0, 1, 1, 1]);
         let mut net = Net::new(3);
         for r in 0..4 {
@@ -1991,23 +2093,27 @@ mod tests {
         all_finished(&mut net, &[0, 1, 2]);
     }
 
-    /// Ranks 0 and 1 name root 0, ranks 2 and 3 root 2: the two views' chains
-    /// (0 1 2 3 and 2 3 0 1) meet only where an Open or a Credit crosses.
+    /// Ranks 0 and 1 name root 0, ranks 2 and 3 root 2: the two views'
+    /// trees (on one node: 0 leading 1 2 3, and 2 leading 3 0 1; on two:
+    /// 0 1 then 2 3, and 2 3 then 0 1) meet only where an Open or a Credit
+    /// crosses.
     #[test]
     fn disagreeing_roots_are_detected_without_a_hang() {
-        let (members, nodes) = ([0, 1, 2, 3], [0, 0, 0, 0]);
-        let mut net = Net::new(4);
-        for r in 0..4 {
-            let root = if r < 2 { 0 } else { 2 };
-            net.post(r, post(r, root, 6, &members, &nodes));
+        let members = [0, 1, 2, 3];
+        for nodes in [[0, 0, 0, 0], [0, 0, 1, 1]] {
+            let mut net = Net::new(4);
+            for r in 0..4 {
+                let root = if r < 2 { 0 } else { 2 };
+                net.post(r, post(r, root, 6, &members, &nodes));
+            }
+            net.run();
+            for r in 0..4 {
+                let s = net.status(r).unwrap_or_else(|| panic!("rank {r} hangs"));
+                // Rank 1 may complete Ok: its post agrees with root 0's.
+                assert!(r == 1 || !s.is_ok(), "nodes {nodes:?} rank {r}: {s}");
+            }
+            all_finished(&mut net, &[0, 1, 2, 3]);
         }
-        net.run();
-        for r in 0..4 {
-            let s = net.status(r).unwrap_or_else(|| panic!("rank {r} hangs"));
-            // Rank 1 may complete Ok: its post agrees with root 0's.
-            assert!(r == 1 || !s.is_ok(), "rank {r}: {s}");
-        }
-        all_finished(&mut net, &[0, 1, 2, 3]);
     }
 
     #[test]

@@ -20,7 +20,8 @@ pub const MAGIC: [u8; 4] = *b"SPOF";
 /// 2: descriptors carry the node of every comm rank; allgatherv messages.
 /// 3: host-side intra-node copies (`PostDesc::host_copies`, `SpToHost::Copy`,
 /// `HostToSp::CopyDone`).
-pub const PROTOCOL_VERSION: u32 = 3;
+/// 4: the staged broadcast's `Open` carries its tree (SPs grouped by node).
+pub const PROTOCOL_VERSION: u32 = 4;
 /// Largest frame accepted: a descriptor for 65536 ranks (four count vectors) fits.
 pub const MAX_FRAME_BYTES: u32 = 4 << 20;
 

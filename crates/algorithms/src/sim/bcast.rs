@@ -33,12 +33,16 @@
 //! * shape: reads only from the buffer of a rank that named itself root, on
 //!   its SP; writes only into the SP's own ranks at `chunk * chunk_bytes`;
 //!   hierarchical writes only through the shared key of the SP's lowest
-//!   non-root rank; moves only to the next SP of the chain (root's SP, then
-//!   its node, then nodes in ring order);
+//!   non-root rank; moves only to the SP's children in the tree (the SPs
+//!   grouped by node: the root's node first, its SPs from the root's SP on,
+//!   then the other nodes in ring order; a node's first SP is its leader,
+//!   whose children are the next node's leader and its own node's other
+//!   SPs);
 //! * the run ends within the event/time bound, every posted rank of a live
 //!   SP completes, every instance of a live SP that saw a post is finished;
 //! * fault-free: exactly `len * (nodes - 1)` bytes cross node boundaries
-//!   (each chunk crosses each boundary once), one move per chunk per hop,
+//!   (each chunk crosses each boundary once), one move per chunk per tree
+//!   edge,
 //!   each chunk written once per target.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -218,7 +222,8 @@ struct Op {
     root: Rank,
     len: u64,
     n: u64,
-    chain: Vec<SpId>,
+    /// The SPs grouped by node, in tree order.
+    tree: Vec<Vec<SpId>>,
     data: Vec<u8>,
     post_len: Vec<u64>,
     post_root: Vec<Rank>,
@@ -295,27 +300,45 @@ impl Collective for Sim<'_> {
     }
 }
 
-/// The chain the simulator expects (computed here independently of the
-/// algorithm): the root's SP, the other SPs of its node in id order after
-/// it, then the other nodes in ring order with their SPs in id order.
-fn expected_chain(rank_sp: &[SpId], rank_node: &[u32], root: Rank) -> Vec<SpId> {
+/// The tree the simulator expects (computed here independently of the
+/// algorithm), as groups per node: the root's node first with the root's SP
+/// leading and the node's other SPs in id order after it, then the other
+/// nodes in ring order with their SPs in id order.
+fn expected_tree(rank_sp: &[SpId], rank_node: &[u32], root: Rank) -> Vec<Vec<SpId>> {
     let mut by_node: BTreeMap<u32, BTreeSet<SpId>> = BTreeMap::new();
     for (&sp, &n) in rank_sp.iter().zip(rank_node) {
         by_node.entry(n).or_default().insert(sp);
     }
     let (rsp, rnode) = (rank_sp[root as usize], rank_node[root as usize]);
-    let mut chain: Vec<SpId> = by_node[&rnode]
+    let mut first: Vec<SpId> = by_node[&rnode]
         .iter()
         .copied()
         .filter(|&s| s >= rsp)
         .collect();
-    chain.extend(by_node[&rnode].iter().copied().filter(|&s| s < rsp));
+    first.extend(by_node[&rnode].iter().copied().filter(|&s| s < rsp));
     let nodes: Vec<u32> = by_node.keys().copied().collect();
     let at = nodes.iter().position(|&n| n == rnode).unwrap();
+    let mut tree = vec![first];
     for k in 1..nodes.len() {
-        chain.extend(by_node[&nodes[(at + k) % nodes.len()]].iter().copied());
+        tree.push(
+            by_node[&nodes[(at + k) % nodes.len()]]
+                .iter()
+                .copied()
+                .collect(),
+        );
     }
-    chain
+    tree
+}
+
+/// The SPs `sp` may move chunks to in `tree`: for a node's leader, the next
+/// node's leader and its own node's other SPs; nobody for the others.
+fn tree_children(tree: &[Vec<SpId>], sp: SpId) -> Vec<SpId> {
+    let Some(g) = tree.iter().position(|grp| grp[0] == sp) else {
+        return Vec::new();
+    };
+    let mut out: Vec<SpId> = tree.get(g + 1).map(|n| n[0]).into_iter().collect();
+    out.extend(&tree[g][1..]);
+    out
 }
 
 impl<'a> Sim<'a> {
@@ -373,7 +396,7 @@ impl<'a> Sim<'a> {
                 root,
                 len,
                 n,
-                chain: expected_chain(&core.rank_sp, &core.rank_node, root),
+                tree: expected_tree(&core.rank_sp, &core.rank_node, root),
                 data,
                 post_len: vec![len; p],
                 post_root: vec![root; p],
@@ -673,15 +696,14 @@ impl<'a> Sim<'a> {
 
     fn start_move(&mut self, op: usize, sp: SpId, m: Move, out: Nanos) -> Result<(), SimFailure> {
         let o = &self.ops[op];
-        let at = o.chain.iter().position(|&s| s == sp);
-        let want = at.and_then(|i| o.chain.get(i + 1)).copied();
-        if (!o.inconsistent && want != Some(m.to))
+        let want = tree_children(&o.tree, sp);
+        if (!o.inconsistent && !want.contains(&m.to))
             || m.len == 0
             || m.len > self.cfg.chunk_bytes.max(1)
             || (!o.inconsistent && m.chunk >= o.n)
         {
             return Err(self.fail(format!(
-                "op {op}: SP {sp} emitted a bad move {m:?} (next in chain: {want:?})"
+                "op {op}: SP {sp} emitted a bad move {m:?} (its children: {want:?})"
             )));
         }
         self.begin_read(op, sp, m.src_slot.0, "a move")?;
@@ -1020,7 +1042,7 @@ impl<'a> Sim<'a> {
                         o.bytes_inter
                     )));
                 }
-                let hops = o.chain.len() as u64 - 1;
+                let hops = o.tree.iter().map(Vec::len).sum::<usize>() as u64 - 1;
                 let moves = if o.len == 0 { 0 } else { o.n * hops };
                 if o.moves != moves {
                     return Err(self.fail(format!("op {i}: {} moves, want {moves}", o.moves)));
@@ -1108,7 +1130,9 @@ impl<'a> Sim<'a> {
 /// Size of a message's fields on the wire.
 fn msg_bytes(msg: &Msg) -> u64 {
     match msg {
-        Msg::Open { chain, .. } => 4 + 8 + 8 + 4 * chain.len() as u64,
+        Msg::Open { tree, .. } => {
+            4 + 8 + 8 + 4 * tree.iter().map(|g| 1 + g.len() as u64).sum::<u64>()
+        }
         Msg::Credit { slots, .. } => 4 + 8 + 8 + 4 * slots.len() as u64,
         Msg::Chunk { .. } => 8 + 4 + 8,
         Msg::Return { slots } => 4 * slots.len() as u64,
