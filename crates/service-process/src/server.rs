@@ -52,6 +52,8 @@ use tracing::{debug, info, info_span, warn};
 pub const LISTEN_HOSTS: Token = Token(0);
 pub const WAKER: Token = Token(1);
 pub const SIGNALS: Token = Token(2);
+/// The staging UCX worker's event fd (with `--ucx`).
+const UCX_EVENTS: Token = Token(3);
 const CONN_BASE: usize = 16;
 
 /// Collective instances remembered as finished per job, so that a stray late message cannot
@@ -187,10 +189,10 @@ pub struct Server {
     host_done: Vec<(CollKey, u64, Status)>,
     staged: StagedConfig,
     /// With `--ucx`: the staging buffers are registered with UCX and granted to the
-    /// predecessor in a staged chain, which puts chunks straight into them. Declared before
+    /// parent in a staged broadcast's tree, which puts chunks straight into them. Declared before
     /// `budget` so that it unmaps them before the pool frees them.
     stage_ucx: Option<alias_mkey::host::UcxRegistrar>,
-    /// Slots successors granted through UCX: (instance, successor, slot) -> its key.
+    /// Slots children granted through UCX: (instance, child, slot) -> its key.
     peer_slots: HashMap<(CollKey, SpId, u32), AliasKey>,
     /// Moves running as UCX puts on the datapath, by ticket: the instance, the move, the
     /// successor and the `Chunk` message to send it once the bytes are there.
@@ -316,10 +318,17 @@ impl Server {
         // With --ucx, chunks of the staged collectives move between SPs as UCX puts into the
         // next SP's staging (its loop progresses the worker, see `run`).
         let stage_ucx = if cfg.ucx {
-            Some(
-                alias_mkey::host::UcxRegistrar::new()
-                    .map_err(|e| anyhow::anyhow!("cannot set up UCX for staging: {e}"))?,
-            )
+            let reg = alias_mkey::host::UcxRegistrar::new()
+                .map_err(|e| anyhow::anyhow!("cannot set up UCX for staging: {e}"))?;
+            let fd = reg
+                .event_fd()
+                .map_err(|e| anyhow::anyhow!("cannot get the UCX event fd: {e}"))?;
+            poll.registry().register(
+                &mut mio::unix::SourceFd(&fd),
+                UCX_EVENTS,
+                Interest::READABLE,
+            )?;
+            Some(reg)
         } else {
             None
         };
@@ -393,10 +402,15 @@ impl Server {
         info!(sp = self.me, socket = %self.host_socket.display(), "serving");
         loop {
             // Puts of other SPs into this SP's staging complete only while its UCX worker
-            // progresses (UCX 1.13 over tcp/shared memory): progress it, and wake often.
+            // progresses (UCX 1.13 over tcp/shared memory): progress it until idle, then sleep
+            // on its event fd as well as on the sockets. `arm` refuses while events are
+            // pending: then look again at once. The bound is a safety net only.
             let timeout = self.stage_ucx.as_ref().map(|reg| {
                 while reg.progress() > 0 {}
-                Duration::from_micros(200)
+                match reg.arm() {
+                    Ok(true) => Duration::from_millis(50),
+                    _ => Duration::ZERO,
+                }
             });
             if let Err(e) = self.poll.poll(&mut events, timeout) {
                 if e.kind() == io::ErrorKind::Interrupted {
@@ -407,7 +421,7 @@ impl Server {
             for ev in events.iter() {
                 match ev.token() {
                     LISTEN_HOSTS => self.accept_hosts(),
-                    WAKER => {}
+                    WAKER | UCX_EVENTS => {}
                     SIGNALS => {
                         if self.signals.drain() {
                             info!(sp = self.me, "stopping on signal");
