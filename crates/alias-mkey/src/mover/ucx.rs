@@ -44,7 +44,7 @@
 //! cancellation for RMA: a get that timed out may still write its local buffer later. So the
 //! request and the staging buffer it uses are moved to a quarantine and the mover continues
 //! with a fresh staging buffer. Quarantined requests are polled at the start of every later
-//! access and released (buffer freed) once UCX completes them. At most
+//! access and after every completed wait, and released (buffer freed) once UCX completes them. At most
 //! [`UcxMoverConfig::max_quarantined`] may be pending: beyond that the mover refuses work
 //! ([`AccessError::Ucx`], op `quarantine`) instead of growing. Dropping the mover leaks
 //! requests still pending (and their buffers, the worker and context) rather than block or let
@@ -331,9 +331,7 @@ impl UcxMover {
     fn admit(&mut self, pid: u32) -> Result<(), AccessError> {
         if !self.quarantine.is_empty() {
             self.worker.progress();
-            // A request that completed (well or not) no longer uses its buffer: drop both.
-            self.quarantine
-                .retain_mut(|q| matches!(q.req.test(), Ok(false)));
+            self.reap_quarantine();
         }
         if self.quarantine.len() >= self.cfg.max_quarantined.max(1) {
             return Err(AccessError::Ucx {
@@ -431,6 +429,13 @@ impl UcxMover {
 
     /// Waits for `req` at most the configured timeout. On timeout the request (and, if it uses
     /// it, the staging buffer) goes to the quarantine and a fresh staging buffer replaces it.
+    /// Releases the quarantined requests that completed (well or not): UCX no longer uses
+    /// their buffers.
+    fn reap_quarantine(&mut self) {
+        self.quarantine
+            .retain_mut(|q| matches!(q.req.test(), Ok(false)));
+    }
+
     fn finish(
         &mut self,
         mut req: Request,
@@ -440,7 +445,13 @@ impl UcxMover {
     ) -> Result<(), AccessError> {
         let pid = key.owner.pid;
         match req.wait_timeout(self.cfg.timeout) {
-            Ok(true) => Ok(()),
+            Ok(true) => {
+                // The wait progressed the worker: quarantined requests may have completed too.
+                if !self.quarantine.is_empty() {
+                    self.reap_quarantine();
+                }
+                Ok(())
+            }
             Ok(false) => {
                 self.timeouts += 1;
                 let buf = match local {
