@@ -394,28 +394,42 @@ fn bcast_hier_offloads_two_sps_per_node_block() {
 
 #[test]
 fn bcast_chunks_move_between_sps_as_ucx_puts() {
-    // SPs started with --ucx grant their staging slots through UCX: every chunk goes from one
-    // SP's staging into the next one's as a UCX put (its message follows over TCP).
+    // By default (--ucx=auto, UCX available) the SPs grant their staging slots through UCX:
+    // every chunk goes from one SP's staging into the next one's as a UCX put (its message
+    // follows over TCP). With --ucx=off, or when UCX cannot initialise in the SPs (auto then
+    // says so once per SP), the chunks travel as frames on the SPs' TCP connections.
     for design in ["flat", "hier"] {
-        let _serial = serial();
-        let prog = prog("bcast_check");
-        let seed = integration_tests::seed().to_string();
-        let run = launch_with(
-            1,
-            &["--sp-arg=--ucx"],
-            &[prog.as_str(), "8", &seed, "big", "late"],
-            &[("SPOFF_BCAST_DESIGN", design)],
-        );
-        assert_offloaded(&run, "bcast_check", 2);
-        let moved = run.sp_total("chunks_moved");
-        assert!(moved > 0, "{}", run.stderr);
-        assert_eq!(run.sp_total("chunks_moved_ucx"), moved, "{}", run.stderr);
-        assert_eq!(
-            run.sp_total("bytes_staged_in"),
-            0,
-            "no chunk in a frame\n{}",
-            run.stderr
-        );
+        for (how, extra, env) in [
+            ("default", None, None),
+            ("--ucx=off", Some("--sp-arg=--ucx=off"), None),
+            ("no UCX", None, Some(("UCX_TLS", "no_such_transport"))),
+        ] {
+            let _serial = serial();
+            let prog = prog("bcast_check");
+            let seed = integration_tests::seed().to_string();
+            let mut vars = vec![("SPOFF_BCAST_DESIGN", design)];
+            vars.extend(env);
+            let run = launch_with(
+                1,
+                &extra.into_iter().collect::<Vec<_>>(),
+                &[prog.as_str(), "8", &seed, "big", "late"],
+                &vars,
+            );
+            assert_offloaded(&run, "bcast_check", 2);
+            let moved = run.sp_total("chunks_moved");
+            assert!(moved > 0, "{how}\n{}", run.stderr);
+            let warned = run.stderr.matches("UCX is off").count();
+            if how == "default" {
+                assert_eq!(run.sp_total("chunks_moved_ucx"), moved, "{}", run.stderr);
+                assert_eq!(run.sp_total("bytes_staged_in"), 0, "{}", run.stderr);
+                assert_eq!(warned, 0, "{}", run.stderr);
+            } else {
+                assert_eq!(run.sp_total("chunks_moved_ucx"), 0, "{how}\n{}", run.stderr);
+                assert!(run.sp_total("bytes_staged_in") > 0, "{how}\n{}", run.stderr);
+                let want = if how == "no UCX" { 2 } else { 0 };
+                assert_eq!(warned, want, "{how}\n{}", run.stderr);
+            }
+        }
     }
 }
 

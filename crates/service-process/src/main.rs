@@ -6,7 +6,7 @@ use bootstrap::rendezvous::Backoff;
 use bootstrap::{Cluster, Layout};
 use clap::{Parser, Subcommand};
 use service_process::launch::{self, CpuList, LaunchOpts};
-use service_process::server::{connect_mesh, ServeConfig, Server};
+use service_process::server::{connect_mesh, ServeConfig, Server, UcxMode};
 use std::os::fd::FromRawFd;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -51,10 +51,13 @@ enum Cmd {
         /// threads).
         #[arg(long, default_value_t = 64 * 1024)]
         inline_copy_bytes: u64,
-        /// Also serve grants of the `ucx` backend (each datapath thread owns a UCX worker;
-        /// UCX_TLS applies). The `cma` backend is always served.
-        #[arg(long)]
-        ucx: bool,
+        /// UCX (auto, on, off; a bare --ucx means on): serve grants of the `ucx` backend (each
+        /// datapath thread owns a UCX worker; UCX_TLS applies) and move the staged
+        /// collectives' chunks between SPs as UCX puts. auto: on if UCX initialises, else off
+        /// with a warning. off: chunks travel as frames on the SPs' TCP connections. The `cma`
+        /// backend is always served.
+        #[arg(long, default_value = "auto", num_args = 0..=1, default_missing_value = "on")]
+        ucx: UcxMode,
         /// Staged collectives (bcast): bytes per chunk and per staging buffer (at most 2 MiB;
         /// must be the same on every SP of the cluster).
         #[arg(long, default_value_t = 256 * 1024, value_parser = clap::value_parser!(u64).range(1..=2 * 1024 * 1024))]

@@ -60,6 +60,41 @@ const CONN_BASE: usize = 16;
 /// re-create one; beyond this the oldest are forgotten.
 const MAX_FINISHED_PER_JOB: usize = 1 << 16;
 
+/// Whether an SP uses UCX: to serve grants of the `ucx` backend (each datapath thread then
+/// owns a UCX worker), and to move the staged collectives' chunks between SPs as UCX puts
+/// into the next SP's staging (otherwise they travel as frames on the SPs' TCP connections).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum UcxMode {
+    /// On if UCX initialises here; otherwise off, with a warning.
+    #[default]
+    Auto,
+    /// On; the SP fails to start if UCX cannot initialise.
+    On,
+    Off,
+}
+
+impl std::str::FromStr for UcxMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(UcxMode::Auto),
+            "on" => Ok(UcxMode::On),
+            "off" => Ok(UcxMode::Off),
+            _ => Err(format!("expected auto, on or off, not {s:?}")),
+        }
+    }
+}
+
+impl std::fmt::Display for UcxMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            UcxMode::Auto => "auto",
+            UcxMode::On => "on",
+            UcxMode::Off => "off",
+        })
+    }
+}
+
 pub struct ServeConfig {
     pub sp: SpId,
     pub cluster: Cluster,
@@ -71,8 +106,8 @@ pub struct ServeConfig {
     /// Copies up to this size run on the event-loop thread instead of a datapath thread: a
     /// handoff to a thread and back costs more than copying a few KiB.
     pub inline_copy_bytes: u64,
-    /// Also accept `ucx` grants (datapath threads then each own a UCX worker).
-    pub ucx: bool,
+    /// UCX for `ucx` grants and for the staged chunks between SPs.
+    pub ucx: UcxMode,
     pub connect_backoff: Backoff,
     /// Chunk size and slots per instance of the staged collectives.
     pub staged: StagedConfig,
@@ -300,6 +335,21 @@ fn ch_into_inner(ch: wire::Channel<std::net::TcpStream>) -> std::net::TcpStream 
     ch.get_ref().try_clone().expect("dup of a connected socket")
 }
 
+/// The UCX registrar of this SP's staging, its event fd registered with `poll`.
+fn stage_registrar(poll: &Poll) -> anyhow::Result<alias_mkey::host::UcxRegistrar> {
+    let reg = alias_mkey::host::UcxRegistrar::new()
+        .map_err(|e| anyhow::anyhow!("cannot set up UCX for staging: {e}"))?;
+    let fd = reg
+        .event_fd()
+        .map_err(|e| anyhow::anyhow!("cannot get the UCX event fd: {e}"))?;
+    poll.registry().register(
+        &mut mio::unix::SourceFd(&fd),
+        UCX_EVENTS,
+        Interest::READABLE,
+    )?;
+    Ok(reg)
+}
+
 impl Server {
     pub fn new(
         cfg: ServeConfig,
@@ -315,23 +365,23 @@ impl Server {
         let signals = crate::signals::SignalPipe::install()?;
         poll.registry()
             .register(&mut signals.source(), SIGNALS, Interest::READABLE)?;
-        // With --ucx, chunks of the staged collectives move between SPs as UCX puts into the
+        // With UCX, chunks of the staged collectives move between SPs as UCX puts into the
         // next SP's staging (its loop progresses the worker, see `run`).
-        let stage_ucx = if cfg.ucx {
-            let reg = alias_mkey::host::UcxRegistrar::new()
-                .map_err(|e| anyhow::anyhow!("cannot set up UCX for staging: {e}"))?;
-            let fd = reg
-                .event_fd()
-                .map_err(|e| anyhow::anyhow!("cannot get the UCX event fd: {e}"))?;
-            poll.registry().register(
-                &mut mio::unix::SourceFd(&fd),
-                UCX_EVENTS,
-                Interest::READABLE,
-            )?;
-            Some(reg)
-        } else {
-            None
+        let stage_ucx = match cfg.ucx {
+            UcxMode::Off => None,
+            mode => match stage_registrar(&poll) {
+                Ok(reg) => Some(reg),
+                Err(e) if mode == UcxMode::Auto => {
+                    warn!(
+                        sp = cfg.sp,
+                        "UCX is off: {e}; staged chunks travel as frames, ucx grants are refused"
+                    );
+                    None
+                }
+                Err(e) => return Err(e),
+            },
         };
+        let ucx = stage_ucx.is_some();
         let mut server = Server {
             me: cfg.sp,
             cluster: cfg.cluster,
@@ -353,12 +403,12 @@ impl Server {
                 cfg.datapath_threads,
                 alias_mkey::mover::MoverConfig {
                     chunk_bytes: cfg.chunk_bytes,
-                    ucx: cfg.ucx,
+                    ucx,
                 },
                 waker,
             )
             .map_err(|e| anyhow::anyhow!("cannot start the datapath: {e}"))?,
-            ucx: cfg.ucx,
+            ucx,
             mover: CmaMover::new((cfg.inline_copy_bytes as usize).clamp(4096, 1 << 20)),
             inline_copy_bytes: cfg.inline_copy_bytes,
             inline_done: Vec::new(),
