@@ -1820,6 +1820,20 @@ mod tests {
             .collect()
     }
 
+    /// Every rank posts a flat 10-byte broadcast from rank 0 on `sps` SPs;
+    /// the net runs until quiet and every rank completed `Ok`.
+    fn all_post_and_succeed(members: &[SpId], nodes: &[u32], sps: u32) -> Net {
+        let mut net = Net::new(sps);
+        for r in 0..members.len() as Rank {
+            net.post(members[r as usize], post(r, 0, 10, members, nodes));
+        }
+        net.run();
+        for r in 0..members.len() as Rank {
+            assert_eq!(net.status(r), Some(Status::Ok), "rank {r}");
+        }
+        net
+    }
+
     fn all_finished(net: &mut Net, sps: &[SpId]) {
         for &sp in sps {
             assert!(net.sp(sp).m.is_finished(), "sp {sp} not finished");
@@ -1854,15 +1868,7 @@ mod tests {
     #[test]
     fn a_node_leader_fans_out_to_its_nodes_other_sps() {
         // Node 0: SPs 0, 1; node 1: SPs 2, 3 (one rank each).
-        let (members, nodes) = ([0, 1, 2, 3], [0, 0, 1, 1]);
-        let mut net = Net::new(4);
-        for r in 0..4 {
-            net.post(members[r as usize], post(r, 0, 10, &members, &nodes));
-        }
-        net.run();
-        for r in 0..4 {
-            assert_eq!(net.status(r), Some(Status::Ok), "rank {r}");
-        }
+        let mut net = all_post_and_succeed(&[0, 1, 2, 3], &[0, 0, 1, 1], 4);
         // 3 chunks to each of SPs 1, 2 (both from SP 0) and 3 (from SP 2).
         let mv = moves(&net);
         assert_eq!(mv.len(), 9);
@@ -1880,15 +1886,7 @@ mod tests {
     #[test]
     fn flat_pipeline_delivers_every_chunk_once_per_hop() {
         // Node 0: SP 0 (ranks 0, 3), node 1: SP 1 (rank 1), SP 2 (rank 2).
-        let (members, nodes) = ([0, 1, 2, 0], [0, 1, 1, 0]);
-        let mut net = Net::new(3);
-        for r in 0..4 {
-            net.post(members[r as usize], post(r, 0, 10, &members, &nodes));
-        }
-        net.run();
-        for r in 0..4 {
-            assert_eq!(net.status(r), Some(Status::Ok), "rank {r}");
-        }
+        let mut net = all_post_and_succeed(&[0, 1, 2, 0], &[0, 1, 1, 0], 3);
         // 3 chunks (4 + 4 + 2 bytes), two hops.
         let mv = moves(&net);
         assert_eq!(mv.len(), 6);
