@@ -37,7 +37,7 @@
 //! *Opening.* When an SP forms its view it sends `Open` (the view) to each
 //! child and a first `Credit` to its parent. So an SP whose ranks have not
 //! posted yet still learns the tree and takes part in forwarding: a late SP
-//! never blocks the chain beyond its staging.
+//! never blocks the tree beyond its staging.
 //!
 //! *Credits.* A receiving SP grants free slots to its parent (`Credit {
 //! slots }`), never more than the chunks it still expects. The parent moves
@@ -94,8 +94,9 @@
 //! comes from one of its own children, then its own `Open` reaches that
 //! child, who compares the trees. So if no check fails, the SPs holding any
 //! given view form a set closed under parent and children of that view's
-//! tree, i.e. the whole tree, so all views are equal. A rank completes `Ok` only after its own chunks arrived, which
-//! were read under a view equal to its post's (checked hop by hop), so an
+//! tree, i.e. the whole tree, so all views are equal. A rank completes `Ok`
+//! only after its own chunks arrived, which were read under a view equal to
+//! its post's (checked hop by hop), so an
 //! `Ok` rank's post agrees with the root's and holds the root's data. Ranks
 //! that already completed `Ok` when another SP detects a disagreement keep
 //! that; all others complete with the error. (A rank whose post wrongly
@@ -1569,8 +1570,8 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
     /// expected.
     fn grant(&mut self) {
         let Some(v) = &self.view else { return };
-        let Some(pred) = v.parent() else { return };
-        if self.abort.is_some() || self.lost_sps.contains(&pred) {
+        let Some(parent) = v.parent() else { return };
+        if self.abort.is_some() || self.lost_sps.contains(&parent) {
             return;
         }
         let (root, len, chunk_bytes, n) = (v.root, v.len, v.chunk_bytes, v.n);
@@ -1587,14 +1588,14 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
                 break;
             }
             if matches!(s, Slot::Free) {
-                *s = Slot::Granted(pred);
+                *s = Slot::Granted(parent);
                 slots.push(SlotId(i as u32));
                 want -= 1;
             }
         }
         if !slots.is_empty() {
             self.send(
-                pred,
+                parent,
                 Msg::Credit {
                     root,
                     len,

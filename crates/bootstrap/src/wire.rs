@@ -306,7 +306,7 @@ pub enum SpToSp {
     },
     /// The sender's staging slots of instance `key`, granted through UCX, that a `Credit`
     /// following on this connection names: the receiver may put a chunk's bytes straight
-    /// into them (SPs started with `--ucx`) instead of sending them in a `Data` frame.
+    /// into them (SPs with UCX on) instead of sending them in a `Data` frame.
     SlotGrants {
         key: CollKey,
         slots: Vec<(u32, AliasKey)>,

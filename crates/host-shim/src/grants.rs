@@ -3,7 +3,7 @@
 //! The mailbox is always a `cma` grant: the SP writes completion flags into it with
 //! `process_vm_writev`. With `ucx`, send and receive buffers are `ucp_mem_map`ped by an
 //! [`UcxRegistrar`] and granted with the packed remote key and this rank's worker address; the
-//! SP (started with `--ucx`) reads and writes them with `ucp_get_nbx` / `ucp_put_nbx`.
+//! SP (with UCX on: `serve --ucx`) reads and writes them with `ucp_get_nbx` / `ucp_put_nbx`.
 //!
 //! # The host must progress (UCX 1.13 here)
 //!
@@ -25,7 +25,7 @@
 //!
 //! The backend is chosen per rank; if UCX cannot initialise the rank says so once and uses
 //! `cma`. Mixing is fine: the SP serves each grant with the backend it names (`DynMover`), as
-//! long as every SP was started with `--ucx` (an SP without it refuses `ucx` grants, and the
+//! long as every SP has UCX on (an SP without it refuses `ucx` grants, and the
 //! collective fails with an error).
 
 use crate::boundary::say;

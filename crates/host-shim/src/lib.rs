@@ -36,7 +36,7 @@
 //! Backends (`grants.rs`): with `cma` the SP copies with `process_vm_readv/writev`. With `ucx`
 //! the send and receive buffers are `ucp_mem_map`ped and granted with a packed remote key and
 //! the rank's UCX worker address (the mailbox stays `cma`); every SP must serve UCX grants
-//! (`serve --ucx=auto`, the default, does when UCX initialises in it). Registrations are cached across collectives and dropped
+//! (the launcher's `--sp-arg=--ucx`). Registrations are cached across collectives and dropped
 //! when libucm reports their memory unmapped (`unmapped.rs`; without those events nothing is
 //! cached across collectives). On this machine's UCX 1.13 (tcp/shared memory) the SP's
 //! accesses are emulated and complete only while the rank progresses its worker, which every

@@ -7,7 +7,7 @@
 //! exactly the calls the program counted as eligible were posted (so nothing it must keep
 //! native, a non-contiguous type or `MPI_IN_PLACE`, was offloaded) and completed, without a
 //! failed copy; two of them grant with the `ucx` backend (`SPOFF_BACKEND=ucx`, SPs with
-//! `--ucx`), one freeing and reallocating its buffers between collectives. The fallback runs
+//! UCX on), one freeing and reallocating its buffers between collectives. The fallback runs
 //! use no SP, a cluster description naming one that is not there, or real SPs with offload
 //! disabled; two runs kill a real SP mid-job (the program with `MPI_ERRORS_RETURN`, and with the
 //! default `MPI_ERRORS_ARE_FATAL`, which must abort the job as a native failure would), and two
@@ -394,15 +394,19 @@ fn bcast_hier_offloads_two_sps_per_node_block() {
 
 #[test]
 fn bcast_chunks_move_between_sps_as_ucx_puts() {
-    // By default (--ucx=auto, UCX available) the SPs grant their staging slots through UCX:
-    // every chunk goes from one SP's staging into the next one's as a UCX put (its message
-    // follows over TCP). With --ucx=off, or when UCX cannot initialise in the SPs (auto then
+    // With --ucx=auto (UCX available) the SPs grant their staging slots through UCX: every
+    // chunk goes from one SP's staging into the next one's as a UCX put (its message follows
+    // over TCP). By default (--ucx=off), or when UCX cannot initialise in the SPs (auto then
     // says so once per SP), the chunks travel as frames on the SPs' TCP connections.
     for design in ["flat", "hier"] {
         for (how, extra, env) in [
+            ("auto", Some("--sp-arg=--ucx=auto"), None),
             ("default", None, None),
-            ("--ucx=off", Some("--sp-arg=--ucx=off"), None),
-            ("no UCX", None, Some(("UCX_TLS", "no_such_transport"))),
+            (
+                "no UCX",
+                Some("--sp-arg=--ucx=auto"),
+                Some(("UCX_TLS", "no_such_transport")),
+            ),
         ] {
             let _serial = serial();
             let prog = prog("bcast_check");
@@ -419,7 +423,7 @@ fn bcast_chunks_move_between_sps_as_ucx_puts() {
             let moved = run.sp_total("chunks_moved");
             assert!(moved > 0, "{how}\n{}", run.stderr);
             let warned = run.stderr.matches("UCX is off").count();
-            if how == "default" {
+            if how == "auto" {
                 assert_eq!(run.sp_total("chunks_moved_ucx"), moved, "{}", run.stderr);
                 assert_eq!(run.sp_total("bytes_staged_in"), 0, "{}", run.stderr);
                 assert_eq!(warned, 0, "{}", run.stderr);

@@ -250,6 +250,8 @@ pub struct SpSetSpec {
     pub max_inflight_reads: usize,
     /// More `serve` arguments, for every SP.
     pub extra_args: Vec<String>,
+    /// More `serve` arguments for single SPs: (SP id, argument), after `extra_args`.
+    pub sp_args: Vec<(usize, String)>,
 }
 
 /// Writes the cluster description into `run_dir` and starts one `serve` process per SP, each
@@ -302,6 +304,12 @@ pub fn spawn_sps(
             .arg("--max-inflight-reads")
             .arg(spec.max_inflight_reads.to_string())
             .args(&spec.extra_args)
+            .args(
+                spec.sp_args
+                    .iter()
+                    .filter(|(sp, _)| *sp == i)
+                    .map(|(_, a)| a),
+            )
             .stdin(Stdio::null())
             .stdout(Stdio::piped());
         if let Some(cpus) = &spec.sp_cpus {
@@ -461,6 +469,7 @@ fn run_job(
                 }
                 a
             },
+            sp_args: Vec::new(),
         };
         let (path, children) = spawn_sps(exe, &spec, run_dir, tx.clone())?;
         sps = children;

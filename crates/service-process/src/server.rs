@@ -52,7 +52,7 @@ use tracing::{debug, info, info_span, warn};
 pub const LISTEN_HOSTS: Token = Token(0);
 pub const WAKER: Token = Token(1);
 pub const SIGNALS: Token = Token(2);
-/// The staging UCX worker's event fd (with `--ucx`).
+/// The staging UCX worker's event fd (with UCX on, see [`UcxMode`]).
 const UCX_EVENTS: Token = Token(3);
 const CONN_BASE: usize = 16;
 
@@ -62,14 +62,16 @@ const MAX_FINISHED_PER_JOB: usize = 1 << 16;
 
 /// Whether an SP uses UCX: to serve grants of the `ucx` backend (each datapath thread then
 /// owns a UCX worker), and to move the staged collectives' chunks between SPs as UCX puts
-/// into the next SP's staging (otherwise they travel as frames on the SPs' TCP connections).
+/// into the staging of the SP's children in a broadcast tree (otherwise they travel as frames on the SPs' TCP connections).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum UcxMode {
     /// On if UCX initialises here; otherwise off, with a warning.
-    #[default]
     Auto,
     /// On; the SP fails to start if UCX cannot initialise.
     On,
+    /// The default: on this machine's UCX 1.13 the staged chunks are slower as puts than as
+    /// frames (docs/BENCHMARKS.md).
+    #[default]
     Off,
 }
 
@@ -223,14 +225,14 @@ pub struct Server {
     /// Host copies that ended without being handed over, or answered, likewise.
     host_done: Vec<(CollKey, u64, Status)>,
     staged: StagedConfig,
-    /// With `--ucx`: the staging buffers are registered with UCX and granted to the
+    /// With UCX on: the staging buffers are registered with UCX and granted to the
     /// parent in a staged broadcast's tree, which puts chunks straight into them. Declared before
     /// `budget` so that it unmaps them before the pool frees them.
     stage_ucx: Option<alias_mkey::host::UcxRegistrar>,
     /// Slots children granted through UCX: (instance, child, slot) -> its key.
     peer_slots: HashMap<(CollKey, SpId, u32), AliasKey>,
     /// Moves running as UCX puts on the datapath, by ticket: the instance, the move, the
-    /// successor and the `Chunk` message to send it once the bytes are there.
+    /// child and the `Chunk` message to send it once the bytes are there.
     ucx_moves: HashMap<u64, (CollKey, u64, SpId, CollMsg)>,
     budget: Budget,
     /// Segment regions per job (hierarchical staged designs), and the region of each instance.
@@ -366,7 +368,7 @@ impl Server {
         poll.registry()
             .register(&mut signals.source(), SIGNALS, Interest::READABLE)?;
         // With UCX, chunks of the staged collectives move between SPs as UCX puts into the
-        // next SP's staging (its loop progresses the worker, see `run`).
+        // staging of an SP's children (its loop progresses the worker, see `run`).
         let stage_ucx = match cfg.ucx {
             UcxMode::Off => None,
             mode => match stage_registrar(&poll) {
@@ -380,6 +382,31 @@ impl Server {
                 }
                 Err(e) => return Err(e),
             },
+        };
+        let start_datapath = |ucx| {
+            Datapath::start(
+                cfg.datapath_threads,
+                alias_mkey::mover::MoverConfig {
+                    chunk_bytes: cfg.chunk_bytes,
+                    ucx,
+                },
+                waker.clone(),
+            )
+        };
+        let mut stage_ucx = stage_ucx;
+        let datapath = match start_datapath(stage_ucx.is_some()) {
+            Ok(d) => d,
+            Err(e) if stage_ucx.is_some() && cfg.ucx == UcxMode::Auto => {
+                warn!(
+                    sp = cfg.sp,
+                    "UCX is off: the datapath cannot use it ({e}); staged chunks travel as \
+                     frames, ucx grants are refused"
+                );
+                stage_ucx = None;
+                start_datapath(false)
+                    .map_err(|e| anyhow::anyhow!("cannot start the datapath: {e}"))?
+            }
+            Err(e) => return Err(anyhow::anyhow!("cannot start the datapath: {e}")),
         };
         let ucx = stage_ucx.is_some();
         let mut server = Server {
@@ -399,15 +426,7 @@ impl Server {
             copies: HashMap::new(),
             host_copies: HashMap::new(),
             next_ticket: 0,
-            datapath: Datapath::start(
-                cfg.datapath_threads,
-                alias_mkey::mover::MoverConfig {
-                    chunk_bytes: cfg.chunk_bytes,
-                    ucx,
-                },
-                waker,
-            )
-            .map_err(|e| anyhow::anyhow!("cannot start the datapath: {e}"))?,
+            datapath,
             ucx,
             mover: CmaMover::new((cfg.inline_copy_bytes as usize).clamp(4096, 1 << 20)),
             inline_copy_bytes: cfg.inline_copy_bytes,
@@ -459,7 +478,9 @@ impl Server {
                 while reg.progress() > 0 {}
                 match reg.arm() {
                     Ok(true) => Duration::from_millis(50),
-                    _ => Duration::ZERO,
+                    Ok(false) => Duration::ZERO,
+                    // Not expected; poll the worker often rather than spin.
+                    Err(_) => Duration::from_millis(1),
                 }
             });
             if let Err(e) = self.poll.poll(&mut events, timeout) {
@@ -912,7 +933,7 @@ impl Server {
                 BackendData::Ucx { .. } => {
                     return bad(format!(
                         "the {what} grant is for the ucx backend, which this SP does not serve \
-                         (start it with --ucx)"
+                         (UCX is off on it: see serve --ucx)"
                     ))
                 }
             }
@@ -1194,8 +1215,12 @@ impl Server {
                 return;
             }
             SpToSp::SlotGrants { key, slots } => {
-                for (slot, k) in slots {
-                    self.peer_slots.insert((key, from, slot), k);
+                // Without UCX here the datapath cannot put: the chunks go as frames, which the
+                // child takes as well.
+                if self.ucx {
+                    for (slot, k) in slots {
+                        self.peer_slots.insert((key, from, slot), k);
+                    }
                 }
                 return;
             }
@@ -1402,7 +1427,7 @@ impl Server {
                     len,
                     msg,
                 } => {
-                    // A slot the successor granted through UCX: the datapath puts the bytes
+                    // A slot the child granted through UCX: the datapath puts the bytes
                     // there, and the chunk's message follows once they landed.
                     let src = inst
                         .stages
@@ -1587,7 +1612,7 @@ impl Server {
         self.start_copies();
     }
 
-    /// A chunk put into a successor's slot finished: on success its message follows (the put
+    /// A chunk put into a child's slot finished: on success its message follows (the put
     /// was flushed, so the bytes are there first), and either way the move is reported.
     fn ucx_move_done(
         &mut self,
@@ -1620,7 +1645,7 @@ impl Server {
                     sp = self.me,
                     ?ck,
                     to,
-                    "putting a chunk into the next SP failed: {e}"
+                    "putting a chunk into a child SP failed: {e}"
                 );
                 self.stats.copies_failed += 1;
                 Status::AccessError
@@ -1840,7 +1865,7 @@ impl Server {
             self.stats.copies_started += 1;
             self.stats.bytes_copied += job.len;
             // A copy crosses nodes when its two ends live on different nodes (this SP's own
-            // staging lives here). A put into the next SP's staging is counted when it is done.
+            // staging lives here). A put into a child SP's staging is counted when it is done.
             if !self.ucx_moves.contains_key(&job.ticket) {
                 let here = self.cluster.sp(self.me).map(|e| e.node);
                 let node_of = |k: &AliasKey| {

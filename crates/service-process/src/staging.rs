@@ -1,5 +1,5 @@
 //! Staging memory of the staged collectives (Ibcast): buffers in this SP process that hold
-//! chunks between a read from a host and the writes into hosts or the forward to the next SP.
+//! chunks between a read from a host and the writes into hosts or the forwards to child SPs.
 //!
 //! A buffer is described by an [`AliasKey`] owned by this process (pid = this SP), so the
 //! datapath workers and the inline mover move bytes between it and host buffers exactly as

@@ -25,13 +25,13 @@ pub struct Stats {
     pub host_copies: u64,
     pub host_copy_bytes: u64,
     pub host_copies_failed: u64,
-    /// Staged collectives (bcast): chunks moved to the next SP, bytes received into staging
+    /// Staged collectives (bcast): chunks moved to a child SP, bytes received into staging
     /// from other SPs, most staging memory reserved at once, instances refused for want of
     /// staging, and hierarchical instances this SP delivered flat for want of room in the
     /// segment.
     pub chunks_moved: u64,
-    /// Of `chunks_moved`, those put straight into the next SP's staging through UCX (SPs
-    /// started with `--ucx`); the others travel in the SP-to-SP stream.
+    /// Of `chunks_moved`, those put straight into the child SP's staging through UCX (both SPs
+    /// with UCX on); the others travel in the SP-to-SP stream.
     pub chunks_moved_ucx: u64,
     pub bytes_staged_in: u64,
     pub staging_peak_bytes: u64,

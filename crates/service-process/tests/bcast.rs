@@ -197,6 +197,39 @@ fn bcast_through_real_sps_and_hostile_descriptors() {
 }
 
 #[test]
+fn sps_with_and_without_ucx_broadcast_together() {
+    // SP 1 runs without UCX, SP 0 with it. SP 0 grants its slots through UCX to
+    // SP 1, which cannot put, and SP 1 grants none that way: every chunk between them travels
+    // as a frame, in both directions, and the bytes are right.
+    let mut set = SpSet::start_each(2, 1, 2, Layout::Block, &[], &[(0, "--ucx=on")]);
+    let job = new_job();
+    let mut hosts: Vec<Host> = (0..4).map(|r| Host::connect(&set, job, r, 4)).collect();
+    for (seq, root) in [0u32, 2, 1, 3].into_iter().enumerate() {
+        let got = flat_bcast(&mut hosts, &set, seq as u64, root, 600_000);
+        assert!(
+            got.iter().all(|&g| g == Some(STATUS_OK)),
+            "root {root}: {got:?}"
+        );
+    }
+    for h in hosts {
+        h.goodbye();
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    let stats = set.stop_and_stats();
+    for s in &stats {
+        assert_eq!(s["copies_failed"], 0, "{s}");
+        assert_eq!(s["chunks_moved_ucx"], 0, "{s}");
+        assert_eq!(s["instances_at_exit"], 0, "{s}");
+    }
+    // 600 000 bytes are 3 chunks of 256 KiB; each of the 4 broadcasts crosses once.
+    let moved: u64 = stats
+        .iter()
+        .map(|s| s["chunks_moved"].as_u64().unwrap())
+        .sum();
+    assert_eq!(moved, 12, "{stats:?}");
+}
+
+#[test]
 fn a_bcast_beyond_the_staging_bound_fails_instead_of_allocating() {
     // 1 MiB of staging per SP, 4 slots of 512 KiB per instance: no instance fits.
     let mut set = SpSet::start_with(

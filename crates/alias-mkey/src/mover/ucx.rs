@@ -427,8 +427,6 @@ impl UcxMover {
         self.endpoints.remove(worker_address);
     }
 
-    /// Waits for `req` at most the configured timeout. On timeout the request (and, if it uses
-    /// it, the staging buffer) goes to the quarantine and a fresh staging buffer replaces it.
     /// Releases the quarantined requests that completed (well or not): UCX no longer uses
     /// their buffers.
     fn reap_quarantine(&mut self) {
@@ -436,6 +434,8 @@ impl UcxMover {
             .retain_mut(|q| matches!(q.req.test(), Ok(false)));
     }
 
+    /// Waits for `req` at most the configured timeout. On timeout the request (and, if it uses
+    /// it, the staging buffer) goes to the quarantine and a fresh staging buffer replaces it.
     fn finish(
         &mut self,
         mut req: Request,

@@ -38,6 +38,18 @@ impl SpSet {
         layout: Layout,
         serve_args: &[&str],
     ) -> SpSet {
+        Self::start_each(nodes, sps_per_node, ranks_per_node, layout, serve_args, &[])
+    }
+
+    /// As `start_with`, plus `serve` arguments for single SPs: (SP id, argument).
+    pub fn start_each(
+        nodes: u32,
+        sps_per_node: u32,
+        ranks_per_node: u32,
+        layout: Layout,
+        serve_args: &[&str],
+        sp_args: &[(usize, &str)],
+    ) -> SpSet {
         let exe = PathBuf::from(env!("CARGO_BIN_EXE_service-process"));
         let run_dir = launch::new_run_dir().unwrap();
         let (tx, rx) = mpsc::channel();
@@ -49,6 +61,7 @@ impl SpSet {
             sp_cpus: None,
             max_inflight_reads: 2,
             extra_args: serve_args.iter().map(|a| a.to_string()).collect(),
+            sp_args: sp_args.iter().map(|&(sp, a)| (sp, a.to_string())).collect(),
         };
         let (path, mut sps) = launch::spawn_sps(&exe, &spec, &run_dir, tx).unwrap();
         launch::wait_ready(&mut sps, &rx, Duration::from_secs(30), None).unwrap();
