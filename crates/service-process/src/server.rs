@@ -62,16 +62,16 @@ const MAX_FINISHED_PER_JOB: usize = 1 << 16;
 
 /// Whether an SP uses UCX: to serve grants of the `ucx` backend (each datapath thread then
 /// owns a UCX worker), and to move the staged collectives' chunks between SPs as UCX puts
-/// into the staging of the SP's children in a broadcast tree (otherwise they travel as frames on the SPs' TCP connections).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// into the staging of the SP's children in a broadcast tree (otherwise they travel as
+/// frames on the SPs' TCP connections).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum UcxMode {
     /// On if UCX initialises here; otherwise off, with a warning.
     Auto,
     /// On; the SP fails to start if UCX cannot initialise.
     On,
-    /// The default: on this machine's UCX 1.13 the staged chunks are slower as puts than as
-    /// frames (docs/BENCHMARKS.md).
-    #[default]
+    /// `serve`'s default: on this machine's UCX 1.13 the staged chunks are slower as puts
+    /// than as frames (docs/BENCHMARKS.md).
     Off,
 }
 
@@ -84,16 +84,6 @@ impl std::str::FromStr for UcxMode {
             "off" => Ok(UcxMode::Off),
             _ => Err(format!("expected auto, on or off, not {s:?}")),
         }
-    }
-}
-
-impl std::fmt::Display for UcxMode {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            UcxMode::Auto => "auto",
-            UcxMode::On => "on",
-            UcxMode::Off => "off",
-        })
     }
 }
 
