@@ -52,14 +52,29 @@
 //!
 //! *Per SP.* The root's SP reads chunks from the root's buffer into free slots
 //! ([`Action::Copy`] from [`Loc::Host`] to [`Loc::Stage`]);
-//! other SPs receive them. A chunk in a slot is forwarded to every child
-//! (to each child strictly in index order) and written to the SP's *targets*:
+//! other SPs receive them. A chunk in a slot is forwarded to every
+//! *receiving* child (to each strictly in index order) and written to the
+//! SP's *targets*:
 //! * flat: every local rank except the root ([`Loc::Stage`] to
 //!   [`Loc::Host`] at offset `i * chunk_bytes` of the rank's `key`);
-//! * hierarchical: only the node segment named by the `shared_key` of the
-//!   SP's lowest local non-root rank (the *writer*), once per chunk.
+//! * hierarchical, at a node leader: only the node segment, through the
+//!   `shared_key` of the SP's lowest local non-root rank (the *writer*; the
+//!   root if it is the SP's only rank and the node has other SPs), once per
+//!   chunk: its region at `shared_at` in the segment the whole node maps;
+//! * hierarchical, at a node's other SP: every local non-root rank, as flat,
+//!   for chunks its leader sends (only when the leader delivers flat).
 //!
-//! The slot is freed when every child has the chunk and every target has
+//! A leader's receiving children are the next leader and, when its own
+//! design is flat, its node's other SPs. With its design hierarchical they
+//! get no chunk: once the region holds all `n` chunks the leader sends each
+//! of them `Sealed { at: shared_at }` (after its first `Credit`, which it
+//! checked as any credit; the slots granted to the leader are void then).
+//! A leader whose ranks have not posted yet does not know its design and
+//! forwards to its node's other SPs nothing until one does (the region
+//! needs one of its ranks' segment grants): in the hierarchical design a
+//! node's ranks wait for their leader's first post.
+//!
+//! The slot is freed when every receiving child has the chunk and every target has
 //! it. Targets are known from the members list of the
 //! first local post (how many ranks this SP serves), so a chunk stays in
 //! staging until ranks that have not posted yet got it: a rank that posts
@@ -69,12 +84,16 @@
 //! not wait for local posts).
 //!
 //! *Completion.* The root completes when every chunk was read out of its
-//! buffer (only its own SP reads it; nothing else ever touches it). Flat: a
-//! rank completes when all `n` chunks were written into its buffer. Hier: the
-//! SP's non-root ranks complete together when the segment holds all `n`
-//! chunks (a rank posting later completes at once) with `from_segment:
-//! true`: the host then copies `len` bytes from offset 0 of the segment into
-//! its buffer in `MPI_Wait`. The root's buffer is never written.
+//! buffer (only its own SP reads it; nothing else ever touches it), and, if
+//! it is the writer, the region holds every chunk. Flat: a rank completes
+//! when all `n` chunks were written into its buffer. Hier: a leader's
+//! non-root ranks complete together when the region holds all `n` chunks,
+//! the ranks of the node's other SPs when their SP gets `Sealed` (a rank
+//! posting later completes at once), with `from_segment: true`: the host
+//! then copies `len` bytes out of the region ([`Bcast::segment_source`])
+//! into its buffer in `MPI_Wait`. The root's buffer is never written. The
+//! driver keeps a leader's region until the ranks of its node's other SPs
+//! copied out of it.
 //!
 //! *Completeness.* The SPs form a tree, so there is no cyclic wait: the
 //! root's SP reads whenever a slot is free; an SP frees a slot once each
@@ -162,8 +181,9 @@ pub struct Config {
 pub enum Design {
     /// Each chunk is written into every local non-root rank's buffer.
     Flat,
-    /// Each chunk is written once into the node segment; ranks complete
-    /// with `from_segment` and copy from it themselves.
+    /// Each chunk is written once into the node segment, by the node's
+    /// leader; ranks complete with `from_segment` and copy from it
+    /// themselves.
     Hier,
 }
 
@@ -183,9 +203,13 @@ pub struct Post<K> {
     pub key: K,
     pub len: u64,
     pub design: Design,
-    /// `Design::Hier`: the node segment this rank can read (required);
-    /// ignored for `Design::Flat`.
+    /// `Design::Hier`: this SP's region of the node segment, which the SP
+    /// writes through this rank's grant (required at a node leader; ignored
+    /// elsewhere and for `Design::Flat`).
     pub shared_key: Option<K>,
+    /// Where `shared_key`'s region starts in the node segment (what the
+    /// node's ranks are told to copy from).
+    pub shared_at: u64,
 }
 
 /// A staging slot of one SP's instance: `0..staging_slots`.
@@ -217,6 +241,11 @@ pub enum Msg {
     Chunk { index: u64, slot: SlotId, len: u64 },
     /// The sender will not fill these slots the receiver granted it.
     Return { slots: Vec<SlotId> },
+    /// From a node leader to an SP of its node (hierarchical design): the
+    /// message is complete in the leader's region at `at` of the node
+    /// segment; no chunk follows, and the slots granted to the leader are
+    /// void.
+    Sealed { at: u64 },
     /// The collective failed; stop and complete everyone with `status`.
     Abort { status: Status },
 }
@@ -384,6 +413,9 @@ pub enum MsgError {
     BadChunk { index: u64 },
     /// An `Abort` from an SP outside the tree.
     NotMember { sp: SpId },
+    /// A `Sealed` from another SP than this SP's leader, twice, or after
+    /// chunks.
+    UnexpectedSeal { sp: SpId },
 }
 
 impl fmt::Display for MsgError {
@@ -412,6 +444,9 @@ pub struct Stats {
     pub unknown_done: u64,
     /// Messages ignored because their sender was declared lost.
     pub ignored_from_lost_sp: u64,
+    /// `Sealed` sent: SPs of this node whose ranks copy out of this SP's
+    /// region instead of receiving chunks.
+    pub regions_shared: u64,
 }
 
 /// Deliberately broken variants, switched on per test thread by the
@@ -517,6 +552,15 @@ impl View {
         self.tree.iter().any(|g| g.contains(&sp))
     }
 
+    /// For a leader, the other SPs of its node; else none.
+    fn siblings(&self) -> &[SpId] {
+        if self.at == 0 {
+            &self.tree[self.group][1..]
+        } else {
+            &[]
+        }
+    }
+
     fn all(&self) -> Vec<SpId> {
         self.tree.iter().flatten().copied().collect()
     }
@@ -557,8 +601,12 @@ fn tree_parent(tree: &[Vec<SpId>], group: usize, at: usize) -> Option<SpId> {
 }
 
 /// The SPs of a broadcast from `root`, grouped by node in tree order (see
-/// the module docs).
-fn build_tree(members: &[SpId], nodes: &[u32], root: Rank) -> Result<Vec<Vec<SpId>>, PostError> {
+/// the module docs); the first SP of each group is its node's leader.
+pub fn build_tree(
+    members: &[SpId],
+    nodes: &[u32],
+    root: Rank,
+) -> Result<Vec<Vec<SpId>>, PostError> {
     let sp_node = sp_nodes(members, nodes).map_err(|sp| PostError::SpOnTwoNodes { sp })?;
     let mut node_sps: BTreeMap<u32, BTreeSet<SpId>> = BTreeMap::new();
     for (&sp, &n) in &sp_node {
@@ -595,6 +643,7 @@ struct Topo {
 struct LocalRank<K> {
     key: K,
     shared_key: Option<K>,
+    shared_at: u64,
     /// Chunks written into this rank's buffer (flat) or, for the writer,
     /// into the segment (hier).
     written: u64,
@@ -696,6 +745,12 @@ pub struct Bcast<K> {
     /// Per child: slots it granted that are still unused.
     grants: BTreeMap<SpId, VecDeque<SlotId>>,
     early_credits: Vec<EarlyCredit>,
+    /// A leader: its node's other SPs whose first credit it accepted, and
+    /// those it sent `Sealed`.
+    credited: BTreeSet<SpId>,
+    sealed_to: BTreeSet<SpId>,
+    /// A node's other SP: where its leader's region is, once `Sealed`.
+    sealed: Option<u64>,
     copies: BTreeMap<u64, CopyKind>,
     moves: BTreeMap<u64, MoveSt>,
     next_id: u64,
@@ -734,6 +789,9 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
             next_fwd: BTreeMap::new(),
             grants: BTreeMap::new(),
             early_credits: Vec::new(),
+            credited: BTreeSet::new(),
+            sealed_to: BTreeSet::new(),
+            sealed: None,
             copies: BTreeMap::new(),
             moves: BTreeMap::new(),
             next_id: 0,
@@ -768,6 +826,21 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
         self.view.as_ref().map(|v| v.tree.as_slice())
     }
 
+    /// Hierarchical design: the SP whose region of the node segment this
+    /// SP's ranks copy out of (this SP at a leader, the leader after its
+    /// `Sealed` elsewhere), where the region starts and the message length.
+    pub fn segment_source(&self) -> Option<(SpId, u64, u64)> {
+        let v = self.view.as_ref()?;
+        if let Some(at) = self.sealed {
+            return Some((v.parent()?, at, v.len));
+        }
+        if v.at != 0 || self.topo.as_ref()?.design != Design::Hier {
+            return None;
+        }
+        let writer = self.targets.as_ref()?.first()?;
+        Some((self.me, self.ranks.get(writer)?.shared_at, v.len))
+    }
+
     pub fn abort_status(&self) -> Option<Status> {
         self.abort
     }
@@ -797,6 +870,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
         let mut st = LocalRank {
             key: post.key,
             shared_key: post.shared_key,
+            shared_at: post.shared_at,
             written: 0,
             writes: 0,
             reads: 0,
@@ -837,7 +911,8 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
                 }
             }
         }
-        if design_differs {
+        // A flat rank cannot copy out of the node segment its leader sealed.
+        if design_differs || (self.sealed.is_some() && post.design == Design::Flat) {
             self.enter_abort(Status::InvalidPost);
         }
         if first {
@@ -939,6 +1014,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
             && self.grants.values().all(|g| g.is_empty())
             && self.early_credits.is_empty()
             && self.actions.is_empty()
+            && (self.abort.is_some() || self.sealing().is_none_or(|s| s.is_empty()))
     }
 
     // ---- internals -------------------------------------------------------
@@ -979,7 +1055,8 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
         if self.lost_unposted.contains(&rank) {
             return Err(PostError::RankLost { rank });
         }
-        if post.design == Design::Hier && post.shared_key.is_none() {
+        let leader = tree.iter().any(|g| g[0] == self.me);
+        if post.design == Design::Hier && leader && post.shared_key.is_none() {
             return Err(PostError::MissingSharedKey { rank });
         }
         Ok(tree)
@@ -1024,10 +1101,17 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
         let (Some(t), Some(v)) = (&self.topo, &self.view) else {
             return;
         };
-        let non_root = t.local.iter().copied().filter(|&r| r != v.root);
+        let mut non_root = t.local.iter().copied().filter(|&r| r != v.root);
         let targets: Vec<Rank> = match t.design {
-            Design::Flat => non_root.collect(),
-            Design::Hier => non_root.take(1).collect(),
+            Design::Hier if v.at == 0 => {
+                let root_writes = !v.siblings().is_empty() && t.local.contains(&v.root);
+                non_root
+                    .next()
+                    .or(root_writes.then_some(v.root))
+                    .into_iter()
+                    .collect()
+            }
+            Design::Flat | Design::Hier => non_root.collect(),
         };
         self.targets = Some(targets);
     }
@@ -1179,11 +1263,96 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
                 self.enter_abort(status);
                 Ok(())
             }
+            Msg::Sealed { at } => {
+                let from_leader = self
+                    .view
+                    .as_ref()
+                    .is_some_and(|v| v.at > 0 && v.parent() == Some(from));
+                let no_chunks = self.recv_low == 0 && self.recv_above.is_empty();
+                if !from_leader || self.sealed.is_some() || !no_chunks {
+                    return Err(MsgError::UnexpectedSeal { sp: from });
+                }
+                // The leader holds none of our grants any more, whatever
+                // happened here meanwhile.
+                for s in self.slots.iter_mut() {
+                    if matches!(s, Slot::Granted(g) if *g == from) {
+                        *s = Slot::Free;
+                    }
+                }
+                if self.abort.is_some() {
+                    return Ok(());
+                }
+                self.sealed = Some(at);
+                if self.topo.as_ref().is_some_and(|t| t.design == Design::Flat) {
+                    self.enter_abort(Status::InvalidPost);
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// A hierarchical leader: its node's other SPs not sent `Sealed` yet.
+    fn sealing(&self) -> Option<Vec<SpId>> {
+        let (v, t) = (self.view.as_ref()?, self.topo.as_ref()?);
+        (t.design == Design::Hier).then(|| {
+            v.siblings()
+                .iter()
+                .copied()
+                .filter(|s| !self.sealed_to.contains(s))
+                .collect()
+        })
+    }
+
+    /// The children chunks are moved to: the next leader, and this leader's
+    /// node's other SPs once it knows it delivers flat.
+    fn receivers(&self) -> Vec<SpId> {
+        let Some(v) = &self.view else {
+            return Vec::new();
+        };
+        let flat = self.topo.as_ref().is_some_and(|t| t.design == Design::Flat);
+        let mut c = v.children();
+        if !flat {
+            c.retain(|s| !v.siblings().contains(s));
+        }
+        c
+    }
+
+    /// A hierarchical leader whose region holds every chunk seals it for
+    /// the node's other SPs that credited it.
+    fn seal(&mut self) {
+        if self.abort.is_some() {
+            return;
+        }
+        let Some(todo) = self.sealing() else { return };
+        let v = self.view.as_ref().expect("sealing needs a view");
+        let n = v.n;
+        let writer = self.targets.as_ref().and_then(|t| t.first());
+        let Some(w) = writer.and_then(|w| self.ranks.get(w)) else {
+            return;
+        };
+        if w.written < n {
+            return;
+        }
+        let at = w.shared_at;
+        for s in todo {
+            if !self.credited.contains(&s) {
+                continue;
+            }
+            self.sealed_to.insert(s);
+            if let Some(g) = self.grants.get_mut(&s) {
+                g.clear();
+            }
+            self.stats.regions_shared += 1;
+            self.send(s, Msg::Sealed { at });
         }
     }
 
     /// A credit from `c.from`, with a view here or after an abort.
     fn on_credit(&mut self, c: EarlyCredit) {
+        if self.sealed_to.contains(&c.from) {
+            // Sent before our `Sealed` reached it: those slots are void.
+            return;
+        }
         if self.abort.is_none() {
             let v = self.view.as_ref().expect("view known");
             let status = v
@@ -1192,6 +1361,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
             match status {
                 None => {
                     self.grants.entry(c.from).or_default().extend(c.slots);
+                    self.credited.insert(c.from);
                     return;
                 }
                 Some(status) => self.enter_abort(status),
@@ -1351,6 +1521,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
                 break;
             }
         }
+        self.seal();
         self.grant();
         let ranks: Vec<Rank> = self.ranks.keys().copied().collect();
         for r in ranks {
@@ -1362,7 +1533,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
 
     fn free_slots(&mut self) -> bool {
         let aborted = self.abort.is_some();
-        let children = self.view.as_ref().map(View::children).unwrap_or_default();
+        let children = self.receivers();
         let mut progress = false;
         for i in 0..self.slots.len() {
             let Slot::Full(h) = &self.slots[i] else {
@@ -1458,7 +1629,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
         }
         let n = v.n;
         let mut progress = false;
-        for to in v.children() {
+        for to in self.receivers() {
             loop {
                 let next = self.next_fwd[&to];
                 if next >= n || self.grants[&to].is_empty() {
@@ -1513,7 +1684,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
         let (Some(targets), Some(v), Some(t)) = (&self.targets, &self.view, &self.topo) else {
             return false;
         };
-        let hier = t.design == Design::Hier;
+        let hier = t.design == Design::Hier && v.at == 0;
         let mut todo = Vec::new();
         for (&index, &slot) in &self.by_index {
             let Slot::Full(h) = &self.slots[slot] else {
@@ -1571,7 +1742,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
     fn grant(&mut self) {
         let Some(v) = &self.view else { return };
         let Some(parent) = v.parent() else { return };
-        if self.abort.is_some() || self.lost_sps.contains(&parent) {
+        if self.abort.is_some() || self.lost_sps.contains(&parent) || self.sealed.is_some() {
             return;
         }
         let (root, len, chunk_bytes, n) = (v.root, v.len, v.chunk_bytes, v.n);
@@ -1619,31 +1790,32 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
             let (Some(v), Some(t)) = (&self.view, &self.topo) else {
                 return;
             };
+            let writer = self.targets.as_ref().and_then(|t| t.first());
+            let region_full = writer
+                .and_then(|w| self.ranks.get(w))
+                .is_some_and(|w| w.written == v.n);
+            let leader_hier = t.design == Design::Hier && v.at == 0;
             if rank == v.root {
                 let reads = if mutated(Mutation::RootCompletesBeforeReads) {
                     self.next_read
                 } else {
                     self.reads_done
                 };
-                (reads == v.n, false)
+                // The root as the writer stays until its grant was last used.
+                let writes = !leader_hier || writer != Some(&rank) || region_full;
+                (reads == v.n && writes, false)
+            } else if leader_hier {
+                (region_full, true)
+            } else if self.sealed.is_some() {
+                (true, true)
             } else {
-                match t.design {
-                    Design::Flat => {
-                        let need = if mutated(Mutation::CompleteOneChunkEarly) && v.n > 1 {
-                            v.n - 1
-                        } else {
-                            v.n
-                        };
-                        (st.written >= need, false)
-                    }
-                    Design::Hier => {
-                        let writer = self.targets.as_ref().and_then(|t| t.first());
-                        let full = writer
-                            .and_then(|w| self.ranks.get(w))
-                            .is_some_and(|w| w.written == v.n);
-                        (full, true)
-                    }
-                }
+                // Flat, or a node's other SP fed chunks by a flat leader.
+                let need = if mutated(Mutation::CompleteOneChunkEarly) && v.n > 1 {
+                    v.n - 1
+                } else {
+                    v.n
+                };
+                (st.written >= need, false)
             }
         };
         if !done {
@@ -1792,12 +1964,15 @@ mod tests {
             len,
             design: Design::Flat,
             shared_key: None,
+            shared_at: 0,
         }
     }
 
+    /// Hierarchical; the SP places its region at `100 * sp`.
     fn hier(mut p: Post<Tag>) -> Post<Tag> {
         p.design = Design::Hier;
         p.shared_key = Some(('h', p.rank));
+        p.shared_at = 100 * u64::from(p.members[p.rank as usize]);
         p
     }
 
@@ -1974,6 +2149,150 @@ mod tests {
             Loc::Host { key: ('h', k), .. } if k == c.rank && (k == 1 || k == 3)
         )));
         all_finished(&mut net, &[0, 1]);
+    }
+
+    #[test]
+    fn a_hier_leader_writes_the_node_region_once_and_seals_it_for_its_nodes_other_sps() {
+        // Node 0: SP 0 (root 0, rank 3), SP 1 (ranks 1, 4); node 1: SP 2
+        // (rank 2), SP 3 (rank 5).
+        let (members, nodes) = ([0, 1, 2, 0, 1, 3], [0, 0, 1, 0, 0, 1]);
+        let mut net = Net::new(4);
+        for r in [5, 4, 2, 1, 3, 0] {
+            net.post(members[r as usize], hier(post(r, 0, 20, &members, &nodes)));
+        }
+        net.run();
+        for r in 0..6 {
+            assert_eq!(net.status(r), Some(Status::Ok), "rank {r}");
+        }
+        // Only the chain of leaders moves chunks: 5 chunks, SP 0 -> SP 2.
+        let mv = moves(&net);
+        assert_eq!(mv.len(), 5, "{mv:?}");
+        assert!(mv.iter().all(|m| m.to == 2));
+        // Each leader writes each chunk once, into its region; the other SPs
+        // write nothing.
+        let w: Vec<_> = copies(&net)
+            .into_iter()
+            .filter(|c| matches!(c.dst, Loc::Host { .. }))
+            .map(|c| c.dst)
+            .collect();
+        assert_eq!(
+            w.iter()
+                .filter(|d| matches!(d, Loc::Host { key: ('h', 3), .. }))
+                .count(),
+            5
+        );
+        assert_eq!(
+            w.iter()
+                .filter(|d| matches!(d, Loc::Host { key: ('h', 2), .. }))
+                .count(),
+            5
+        );
+        assert_eq!(w.len(), 10, "{w:?}");
+        // The other SPs' ranks copy out of their leader's region.
+        assert_eq!(net.sp(1).m.segment_source(), Some((0, 0, 20)));
+        assert_eq!(net.sp(3).m.segment_source(), Some((2, 200, 20)));
+        assert_eq!(net.sp(0).m.segment_source(), Some((0, 0, 20)));
+        assert_eq!(net.sp(0).m.stats().regions_shared, 1);
+        assert_eq!(net.sp(2).m.stats().regions_shared, 1);
+        all_finished(&mut net, &[0, 1, 2, 3]);
+    }
+
+    #[test]
+    fn a_root_alone_on_its_sp_writes_the_region_through_its_own_grant() {
+        // SP 0 serves only the root; SP 1, same node, ranks 1 and 2.
+        let (members, nodes) = ([0, 1, 1], [0, 0, 0]);
+        let mut net = Net::new(2);
+        for r in [1, 2, 0] {
+            net.post(members[r as usize], hier(post(r, 0, 9, &members, &nodes)));
+        }
+        net.run();
+        for r in 0..3 {
+            assert_eq!(net.status(r), Some(Status::Ok), "rank {r}");
+        }
+        let w: Vec<_> = copies(&net)
+            .into_iter()
+            .filter(|c| matches!(c.dst, Loc::Host { .. }))
+            .collect();
+        assert_eq!(w.len(), 3);
+        assert!(w.iter().all(|c| c.dst
+            == Loc::Host {
+                key: ('h', 0),
+                offset: c.chunk * 4
+            }));
+        assert!(moves(&net).is_empty());
+        assert_eq!(net.sp(1).m.segment_source(), Some((0, 0, 9)));
+        all_finished(&mut net, &[0, 1]);
+    }
+
+    #[test]
+    fn a_flat_leader_feeds_its_nodes_hier_sps_chunk_by_chunk() {
+        // The leader had no segment room (its driver posts flat); SP 1 is
+        // hierarchical: it gets the chunks and writes its ranks' buffers.
+        let (members, nodes) = ([0, 1, 1], [0, 0, 0]);
+        let mut net = Net::new(2);
+        net.post(1, hier(post(1, 0, 9, &members, &nodes)));
+        net.post(1, hier(post(2, 0, 9, &members, &nodes)));
+        net.post(0, post(0, 0, 9, &members, &nodes));
+        net.run();
+        for r in 0..3 {
+            assert_eq!(net.status(r), Some(Status::Ok), "rank {r}");
+        }
+        assert_eq!(moves(&net).len(), 3);
+        let w: Vec<_> = copies(&net)
+            .into_iter()
+            .filter(|c| matches!(c.dst, Loc::Host { .. }))
+            .collect();
+        assert_eq!(w.len(), 6);
+        assert!(w.iter().all(|c| matches!(
+            c.dst,
+            Loc::Host {
+                key: ('b', 1 | 2),
+                ..
+            }
+        )));
+        assert_eq!(net.sp(1).m.segment_source(), None);
+        all_finished(&mut net, &[0, 1]);
+    }
+
+    #[test]
+    fn a_flat_post_after_its_leader_sealed_aborts() {
+        let (members, nodes) = ([0, 0, 1], [0, 0, 0]);
+        let mut m: Bcast<Tag> = Bcast::new(
+            KEY,
+            Config {
+                me: 1,
+                chunk_bytes: 8,
+                staging_slots: 2,
+            },
+        );
+        let open = Msg::Open {
+            root: 0,
+            len: 5,
+            chunk_bytes: 8,
+            tree: vec![vec![0, 1]],
+        };
+        m.handle_msg(0, 0, open).unwrap();
+        assert_eq!(
+            m.handle_msg(1, 2, Msg::Sealed { at: 7 }),
+            Err(MsgError::UnexpectedSeal { sp: 2 }),
+            "only the leader seals"
+        );
+        m.handle_msg(1, 0, Msg::Sealed { at: 7 }).unwrap();
+        assert_eq!(m.slots_in_use(), 0, "the grants to the leader are void");
+        assert_eq!(
+            m.handle_msg(1, 0, Msg::Sealed { at: 7 }),
+            Err(MsgError::UnexpectedSeal { sp: 0 })
+        );
+        m.handle_post(2, post(2, 0, 5, &members, &nodes)).unwrap();
+        let acts: Vec<_> = std::iter::from_fn(|| m.poll_action()).collect();
+        assert!(
+            acts.contains(&Action::Complete {
+                rank: 2,
+                status: Status::InvalidPost,
+                from_segment: false
+            }),
+            "{acts:?}"
+        );
     }
 
     #[test]

@@ -12,8 +12,9 @@ pub mod wire;
 
 pub use cluster::{Cluster, Layout, Placement};
 
-/// The POSIX shared-memory name of the segment the ranks of SP `sp` share in `job` (the
-/// hierarchical staged designs): the shim creates it, the SP removes it when the job ends.
-pub fn segment_name(job: u64, sp: u32) -> String {
-    format!("/spoff-{job:x}-sp{sp}")
+/// The POSIX shared-memory name of the segment the ranks on emulated node `node` share in
+/// `job` (the hierarchical staged designs): the shim creates it, one part per SP of the node;
+/// the SPs of the node remove it once the job ended on all of them.
+pub fn segment_name(job: u64, node: u32) -> String {
+    format!("/spoff-{job:x}-node{node}")
 }

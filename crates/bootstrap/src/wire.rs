@@ -21,7 +21,7 @@ pub const MAGIC: [u8; 4] = *b"SPOF";
 /// 3: host-side intra-node copies (`PostDesc::host_copies`, `SpToHost::Copy`,
 /// `HostToSp::CopyDone`).
 /// 4: the staged broadcast's `Open` carries its tree (SPs grouped by node).
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 /// Largest frame accepted: a descriptor for 65536 ranks (four count vectors) fits.
 pub const MAX_FRAME_BYTES: u32 = 4 << 20;
 
@@ -315,6 +315,18 @@ pub enum SpToSp {
     JobAbort {
         job: u64,
         reason: String,
+    },
+    /// To the other SPs of the sender's node: none of the job's ranks is connected to the
+    /// sender any more and none of its instances is left there. The last SP of a node to have
+    /// the job gone (by its own account and these messages) removes the node's segment name.
+    JobGone {
+        job: u64,
+    },
+    /// The sender's ranks finished copying out of the receiver's segment region of
+    /// hierarchical instance `key` (the receiver, its node's leader, sent the region's place
+    /// in its bcast `Sealed`): the receiver may reuse the region.
+    RegionReleased {
+        key: CollKey,
     },
     /// The sender is stopping in an orderly way (its connection closes next). Collectives that
     /// still need it fail as for a lost peer; the receiver just does not report it as a fault.

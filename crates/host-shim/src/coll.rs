@@ -484,12 +484,14 @@ unsafe fn post(
         CollKind::Allgatherv => Rights::READ_WRITE,
     };
     let design = root.map(|_| staged_design(kind, &info.members, s.region_len.max(r.region_len)));
-    // Hier: the SP writes the segment this rank shares with the other ranks of its SP, and the
+    // Hier: SPs write the segment this rank shares with the other ranks of its node, and the
     // rank copies from it into its buffer (the root receives nothing).
     let segment = match design {
         Some(StagedDesign::Hier) => {
             let t = topology();
-            match crate::segment::get(t.job, t.sp_of_world[t.world_rank as usize]) {
+            let node = t.node_of_sp[t.sp_of_world[t.world_rank as usize] as usize];
+            let sps = t.node_of_sp.iter().filter(|&&n| n == node).count() as u64;
+            match crate::segment::get(t.job, node, sps) {
                 Ok(seg) => Some(seg),
                 Err(why) => return fail(&why),
             }

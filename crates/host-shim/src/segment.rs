@@ -1,13 +1,15 @@
-//! The segment of the hierarchical staged designs (Ibcast `Hier`): shared memory that the ranks
-//! of one SP map, which the SP writes once per chunk and each rank copies out of into its own
-//! buffer (`SpToHost::Copy` with `CopySrc::Segment`).
+//! The segment of the hierarchical staged designs: shared memory that the ranks of one
+//! emulated node map (BluesMPI's node-leader segment), which SPs write once per chunk and each
+//! rank copies out of into its own buffer (`SpToHost::Copy` with `CopySrc::Segment`).
 //!
-//! It is a POSIX shared-memory object named after the job and the SP
-//! (`/spoff-<job>-sp<sp>`), created on first use by whichever rank of the SP comes first
-//! (`O_CREAT`, sized with `ftruncate` to `SPOFF_SEGMENT_BYTES`, default
-//! [`DEFAULT_SEGMENT_BYTES`]) and mapped by each of them; the SP removes the name when the job
-//! ends there. Every rank of the SP must use the same size: a rank that finds the object with
-//! another size refuses it (its hierarchical posts fail with an error, never a wrong copy).
+//! It is a POSIX shared-memory object named after the job and the node
+//! (`/spoff-<job>-node<node>`), created on first use by whichever rank of the node comes first
+//! (`O_CREAT`, sized with `ftruncate`) and mapped by each of them. It holds one part of
+//! `SPOFF_SEGMENT_BYTES` (default [`DEFAULT_SEGMENT_BYTES`]) per SP of the node: each SP
+//! places the regions it writes in its own part, and any rank of the node may be told to copy
+//! out of any part. The node's SPs remove the name once the job ended on all of them. Every
+//! rank of the node must use the same size: a rank that finds the object with another size
+//! refuses it (its hierarchical posts fail with an error, never a wrong copy).
 
 use std::ffi::CString;
 use std::sync::OnceLock;
@@ -50,10 +52,16 @@ pub fn configured_len() -> u64 {
         })
 }
 
-/// The mapping, creating and mapping the segment at the first call.
-pub fn get(job: u64, sp: u32) -> Result<&'static Segment, String> {
+/// The mapping of the segment of `node`, which runs `sps` SPs, creating and mapping it at the
+/// first call.
+pub fn get(job: u64, node: u32, sps: u64) -> Result<&'static Segment, String> {
     SEGMENT
-        .get_or_init(|| open(&bootstrap::segment_name(job, sp), configured_len()))
+        .get_or_init(|| {
+            let len = configured_len()
+                .checked_mul(sps.max(1))
+                .ok_or("SPOFF_SEGMENT_BYTES times the SPs of the node overflows")?;
+            open(&bootstrap::segment_name(job, node), len)
+        })
         .as_ref()
         .map_err(Clone::clone)
 }

@@ -343,9 +343,11 @@ fn allgather_and_alltoall_offload_two_sps_per_node_cyclic_with_late_arrivals() {
 /// `sps_per_node` SPs per node, `layout`, the design forced by `SPOFF_BCAST_DESIGN=design` and
 /// `extra` program arguments. Checks the verdict and the SP accounting as [`assert_offloaded`]
 /// does, that chunks moved between the SPs, and for `hier` that the ranks copied out of the
-/// segment; returns the run.
+/// segment (with 2 SPs per node: out of regions their node's leader wrote for the other SP)
+/// and that the node segments' names are gone at the end; returns the run.
 fn bcast_check_offloads(sps_per_node: u32, layout: &str, design: &str, extra: &[&str]) -> Finished {
     let _serial = serial();
+    let shm_before = shm_segments();
     let prog = prog("bcast_check");
     let seed = integration_tests::seed().to_string();
     let mut program = vec![prog.as_str(), "12", &seed];
@@ -364,12 +366,32 @@ fn bcast_check_offloads(sps_per_node: u32, layout: &str, design: &str, extra: &[
         "hier" => assert!(run.sp_total("host_copies") > 0, "{}", run.stderr),
         _ => assert_eq!(run.sp_total("host_copies"), 0, "{}", run.stderr),
     }
+    let shared = run.sp_total("regions_shared");
+    if design == "hier" && sps_per_node > 1 {
+        assert!(shared > 0, "no SP read its leader's region\n{}", run.stderr);
+    } else {
+        assert_eq!(shared, 0, "{}", run.stderr);
+    }
+    let left: Vec<_> = shm_segments().difference(&shm_before).cloned().collect();
+    assert!(left.is_empty(), "segment names left behind: {left:?}");
     eprintln!(
-        "bcast_check seed {seed} {design}: chunks moved {}, host copies {}",
+        "bcast_check seed {seed} {design}: chunks moved {}, host copies {}, regions shared {shared}",
         run.sp_total("chunks_moved"),
         run.sp_total("host_copies")
     );
     run
+}
+
+/// The node segments' names in /dev/shm.
+fn shm_segments() -> std::collections::BTreeSet<String> {
+    std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with("spoff-") && n.contains("-node"))
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 #[test]
@@ -439,24 +461,30 @@ fn bcast_chunks_move_between_sps_as_ucx_puts() {
 
 #[test]
 fn bcast_hier_without_room_in_the_segment_is_delivered_flat() {
-    // Every message fits the 64 KiB segment alone but no two at once: an SP whose segment is
-    // taken by an outstanding Ibcast delivers the next one flat (writing the ranks' buffers
-    // itself), and the results are still right.
-    let _serial = serial();
-    let prog = prog("bcast_check");
-    let seed = integration_tests::seed().to_string();
-    let run = launch_with(
-        1,
-        &[],
-        &[prog.as_str(), "12", &seed, "fit=65536"],
-        &[
-            ("SPOFF_BCAST_DESIGN", "hier"),
-            ("SPOFF_SEGMENT_BYTES", "65536"),
-        ],
-    );
-    assert_offloaded(&run, "bcast_check", 2);
-    assert!(run.sp_total("hier_delivered_flat") > 0, "{}", run.stderr);
-    assert!(run.sp_total("host_copies") > 0, "{}", run.stderr);
+    // Every message fits the 64 KiB segment part of an SP alone but no two at once: a leader
+    // whose part is taken by an outstanding Ibcast delivers the next one flat (writing its
+    // ranks' buffers itself and, with 2 SPs per node, sending the chunks on to the other SP,
+    // which writes its ranks' buffers), and the results are still right.
+    for sps in [1, 2] {
+        let _serial = serial();
+        let prog = prog("bcast_check");
+        let seed = integration_tests::seed().to_string();
+        let run = launch_with(
+            sps,
+            &[],
+            &[prog.as_str(), "12", &seed, "fit=65536"],
+            &[
+                ("SPOFF_BCAST_DESIGN", "hier"),
+                ("SPOFF_SEGMENT_BYTES", "65536"),
+            ],
+        );
+        assert_offloaded(&run, "bcast_check", 2 * sps as usize);
+        assert!(run.sp_total("hier_delivered_flat") > 0, "{}", run.stderr);
+        assert!(run.sp_total("host_copies") > 0, "{}", run.stderr);
+        if sps == 2 {
+            assert!(run.sp_total("regions_shared") > 0, "{}", run.stderr);
+        }
+    }
 }
 
 /// `program` offloaded with `SPOFF_BACKEND=ucx` (and verbose) on SPs started with `--ucx`:

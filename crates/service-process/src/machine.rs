@@ -253,6 +253,15 @@ impl Machine {
     }
 
     /// Late-arrival counters (zero for collectives without a hierarchical landing).
+    /// A hierarchical bcast: the SP whose segment region this SP's ranks copy out of, where
+    /// it starts and the message length (see `bcast::Bcast::segment_source`).
+    pub fn segment_source(&self) -> Option<(SpId, u64, u64)> {
+        match self {
+            Machine::Bcast(m) => m.segment_source(),
+            _ => None,
+        }
+    }
+
     pub fn late_arrivals(&self) -> LateArrivals {
         match self {
             Machine::Alltoallv(_) | Machine::Bcast(_) | Machine::StagedAllgather(_) => {
@@ -449,6 +458,9 @@ pub fn refuse(msg: &CollMsg, from: SpId, status: Status) -> Vec<(SpId, CollMsg)>
             | allgatherv::Msg::SegmentDone { .. }
             | allgatherv::Msg::Abort { .. },
         )
-        | CollMsg::Bcast(bcast::Msg::Return { .. } | bcast::Msg::Abort { .. }) => vec![],
+        // A `Sealed` is answered outside the collective (`SpToSp::RegionReleased`).
+        | CollMsg::Bcast(
+            bcast::Msg::Return { .. } | bcast::Msg::Abort { .. } | bcast::Msg::Sealed { .. },
+        ) => vec![],
     }
 }

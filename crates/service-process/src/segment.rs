@@ -1,38 +1,41 @@
 //! The SP's side of the shared segment of the hierarchical staged designs (see the shim's
-//! `segment.rs`): the ranks of one SP map one POSIX shared-memory object per job; the SP
-//! gives each hierarchical instance its own region of it ([`Arena`]), writes the chunks there
-//! once, and hands each local rank a copy out of the region; the region is free again once
-//! every rank copied and the instance finished.
+//! `segment.rs`): the ranks of one node map one POSIX shared-memory object per job, one equal
+//! part per SP of the node; an SP gives each hierarchical instance it writes a region of its
+//! own part ([`Arena`]), writes the chunks there once, and hands ranks a copy out of the
+//! region (its own ranks, and through its node's other SPs theirs); the region is free again
+//! once every reader copied and the instance finished.
 
 /// Regions are aligned to this (cache lines: ranks copy out of neighbouring regions).
 const ALIGN: u64 = 64;
 
-/// First-fit allocation of regions of a segment of `len` bytes.
+/// First-fit allocation of regions of `[base, base + len)` of a segment.
 #[derive(Debug)]
 pub struct Arena {
+    base: u64,
     len: u64,
     /// Allocated (offset, length), sorted by offset.
     used: Vec<(u64, u64)>,
 }
 
 impl Arena {
-    pub fn new(len: u64) -> Arena {
+    pub fn new(base: u64, len: u64) -> Arena {
         Arena {
-            len,
+            base,
+            len: base.checked_add(len).map_or(0, |_| len),
             used: Vec::new(),
         }
     }
 
-    /// The segment's size.
+    /// The size of the part this arena manages.
     pub fn capacity(&self) -> u64 {
         self.len
     }
 
     /// A region of `len` bytes (at least one byte is reserved, so every region is distinct),
-    /// or `None` while none is free.
+    /// as its offset in the segment, or `None` while none is free.
     pub fn alloc(&mut self, len: u64) -> Option<u64> {
         let want = len.max(1).checked_add(ALIGN - 1)? / ALIGN * ALIGN;
-        let mut at = 0u64;
+        let mut at = self.base;
         let mut idx = 0;
         for (i, &(off, l)) in self.used.iter().enumerate() {
             if off - at >= want {
@@ -41,7 +44,7 @@ impl Arena {
             at = off + l;
             idx = i + 1;
         }
-        if self.len.checked_sub(at)? < want {
+        if (self.base + self.len).checked_sub(at)? < want {
             return None;
         }
         self.used.insert(idx, (at, want));
@@ -57,9 +60,9 @@ impl Arena {
     }
 }
 
-/// Removes the name of the segment of `sp` in `job` (if any rank created it).
-pub fn unlink(job: u64, sp: u32) {
-    if let Ok(name) = std::ffi::CString::new(bootstrap::segment_name(job, sp)) {
+/// Removes the name of the segment of `node` in `job` (if any rank created it).
+pub fn unlink(job: u64, node: u32) {
+    if let Ok(name) = std::ffi::CString::new(bootstrap::segment_name(job, node)) {
         // SAFETY: a valid C string; a missing name is just ENOENT.
         unsafe { libc::shm_unlink(name.as_ptr()) };
     }
@@ -71,7 +74,7 @@ mod tests {
 
     #[test]
     fn regions_are_disjoint_reused_and_bounded() {
-        let mut a = Arena::new(1024);
+        let mut a = Arena::new(0, 1024);
         let x = a.alloc(100).unwrap();
         let y = a.alloc(0).unwrap();
         let z = a.alloc(500).unwrap();
@@ -85,5 +88,23 @@ mod tests {
         assert!(a.alloc(700).is_some());
         assert!(a.alloc(u64::MAX).is_none());
         assert_eq!(a.in_use(), 4);
+    }
+
+    #[test]
+    fn a_part_of_the_segment_places_regions_only_inside_it() {
+        let mut a = Arena::new(4096, 1024);
+        let x = a.alloc(1000).unwrap();
+        assert_eq!(x, 4096);
+        assert!(
+            a.alloc(64).is_none(),
+            "the part is full; the next part is not ours"
+        );
+        a.free(x);
+        let mut seen = Vec::new();
+        while let Some(o) = a.alloc(10) {
+            assert!((4096..4096 + 1024).contains(&o), "{o}");
+            seen.push(o);
+        }
+        assert_eq!(seen.len(), 1024 / 64);
     }
 }

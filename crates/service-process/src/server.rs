@@ -157,7 +157,7 @@ enum AfterHostCopy {
     Finish { posted: Posted },
 }
 
-/// The region of its job's segment a hierarchical staged instance uses on this SP.
+/// The region of its job's node segment a hierarchical staged instance uses on this SP.
 struct Region {
     off: u64,
     /// The message length (the region may be larger).
@@ -166,6 +166,12 @@ struct Region {
     readers: usize,
     /// The instance finished (no more writes, no more readers to come).
     finished: bool,
+    /// `Some(leader)`: the region is the node leader's, which sealed it for this SP's ranks
+    /// (a bcast); it is told once they copied. `None`: this SP's own, in its arena.
+    owner: Option<SpId>,
+    /// This SP's own region: the node's other SPs it was sealed for that have not said their
+    /// ranks finished copying.
+    borrowers: HashSet<SpId>,
 }
 
 struct Instance {
@@ -230,6 +236,11 @@ pub struct Server {
     regions: HashMap<CollKey, Region>,
     /// Hierarchical instances that found no room in the segment: this SP delivers them flat.
     flat_here: HashSet<CollKey>,
+    /// The node's other SPs that said a job is gone there (`SpToSp::JobGone`), for jobs still
+    /// here; and, for jobs gone here, those still to say so before the node's segment name is
+    /// removed.
+    gone_at_siblings: HashMap<u64, HashSet<SpId>>,
+    unlink_after: HashMap<u64, HashSet<SpId>>,
     signals: crate::signals::SignalPipe,
     start: Instant,
     pub stats: Stats,
@@ -430,6 +441,8 @@ impl Server {
             arenas: HashMap::new(),
             regions: HashMap::new(),
             flat_here: HashSet::new(),
+            gone_at_siblings: HashMap::new(),
+            unlink_after: HashMap::new(),
             signals,
             start: Instant::now(),
             stats: Stats::default(),
@@ -1034,8 +1047,20 @@ impl Server {
         // itself (its ranks granted them for writing), which the ranks cannot tell apart from
         // a copy out of the segment. Waiting for room instead could deadlock: the instance
         // holding the room may need a post that waits elsewhere.
+        // A hierarchical bcast: only the node's leader in the broadcast tree writes a region
+        // (the node's other SPs' ranks copy out of it).
+        let bcast_leader = d.kind != CollKind::Bcast
+            || d.staged.as_ref().is_some_and(|st| {
+                bcast::build_tree(&d.members, &d.nodes, st.root)
+                    .is_ok_and(|t| t.iter().any(|g| g[0] == self.me))
+            });
+        let mut shared_at = 0;
         let shared_key = match &d.staged {
-            Some(st) if st.design == StagedDesign::Hier && !self.flat_here.contains(&ck) => {
+            Some(st)
+                if st.design == StagedDesign::Hier
+                    && bcast_leader
+                    && !self.flat_here.contains(&ck) =>
+            {
                 let seg = st.segment.clone().expect("checked by check_post");
                 // The whole message: a bcast's one block; an allgather's P blocks (checked
                 // not to overflow).
@@ -1044,14 +1069,17 @@ impl Server {
                     _ => d.send_counts[0].max(d.recv_counts[0]),
                 };
                 match self.region_for(ck, &seg, len) {
-                    Ok(Some((off, rlen))) => Some(self.alias(
-                        key,
-                        Grant {
-                            addr: seg.addr + off,
-                            len: rlen,
-                            ..seg
-                        },
-                    )),
+                    Ok(Some((off, rlen))) => Some({
+                        shared_at = off;
+                        self.alias(
+                            key,
+                            Grant {
+                                addr: seg.addr + off,
+                                len: rlen,
+                                ..seg
+                            },
+                        )
+                    }),
                     Ok(None) => {
                         self.stats.hier_delivered_flat += 1;
                         self.flat_here.insert(ck);
@@ -1119,12 +1147,17 @@ impl Server {
                     } else {
                         d.recv_counts[0]
                     },
-                    design: if shared_key.is_some() {
+                    // A leader without room delivers flat (its node's other SPs then get the
+                    // chunks); the others are hierarchical as posted.
+                    design: if shared_key.is_some()
+                        || (!bcast_leader && st.design == StagedDesign::Hier)
+                    {
                         bcast::Design::Hier
                     } else {
                         bcast::Design::Flat
                     },
                     shared_key,
+                    shared_at,
                 })
             }
             CollKind::StagedAllgather => {
@@ -1219,7 +1252,35 @@ impl Server {
                 self.fail_job(job, Status::RankFailed, false);
                 return;
             }
+            SpToSp::JobGone { job } => {
+                self.sibling_gone(from, Some(job));
+                return;
+            }
+            SpToSp::RegionReleased { key } => {
+                self.region_released(key, from);
+                return;
+            }
         };
+        // A leader sealed its region for this SP's ranks: it keeps the region until told they
+        // are done with it (at once if this SP has no instance to read it).
+        if let CollMsg::Bcast(bcast::Msg::Sealed { at }) = &m {
+            let live = self
+                .jobs
+                .get(&ck.job)
+                .is_some_and(|j| !j.finished.contains(&(ck.comm, ck.seq)));
+            if live {
+                self.regions.entry(ck).or_insert_with(|| Region {
+                    off: *at,
+                    len: 0,
+                    readers: 0,
+                    finished: false,
+                    owner: Some(from),
+                    borrowers: HashSet::new(),
+                });
+            } else if let Some(k) = self.peer_conn.get(&from).copied() {
+                self.send_frame(k, &encode(&SpToSp::RegionReleased { key: ck }));
+            }
+        }
         {
             {
                 let Some(job) = self.jobs.get(&ck.job) else {
@@ -1314,6 +1375,15 @@ impl Server {
             };
             match action {
                 Act::Send { to, msg } => {
+                    if let CollMsg::Bcast(bcast::Msg::Sealed { .. }) = &msg {
+                        self.stats.regions_shared += 1;
+                        if let Some(r) = self.regions.get_mut(&ck) {
+                            r.borrowers.insert(to);
+                        }
+                    }
+                    let Some(inst) = self.instances.get_mut(&ck) else {
+                        return;
+                    };
                     if let (
                         Some(reg),
                         Some(stages),
@@ -1529,16 +1599,28 @@ impl Server {
         seg: &Grant,
         len: u64,
     ) -> Result<Option<(u64, u64)>, String> {
+        // The segment holds one equal part per SP of the node; this SP places its regions in
+        // its own part.
+        let parts = u64::from(self.cluster.sps_per_node.max(1));
+        let index = self.cluster.sp(self.me).map_or(0, |e| u64::from(e.index));
+        if !seg.len.is_multiple_of(parts) {
+            return Err(format!(
+                "a segment of {} bytes cannot hold one equal part for each of the node's {parts} \
+                 SPs",
+                seg.len
+            ));
+        }
+        let part = seg.len / parts;
         let arena = self
             .arenas
             .entry(ck.job)
-            .or_insert_with(|| Arena::new(seg.len));
-        if arena.capacity() != seg.len {
+            .or_insert_with(|| Arena::new(index * part, part));
+        if arena.capacity() != part {
             return Err(format!(
-                "segment of {} bytes, but this SP's ranks of the job use {} (SPOFF_SEGMENT_BYTES \
+                "segment of {} bytes, but the job's ranks on this node used {} (SPOFF_SEGMENT_BYTES \
                  differs between ranks)",
                 seg.len,
-                arena.capacity()
+                arena.capacity() * parts
             ));
         }
         if let Some(r) = self.regions.get(&ck) {
@@ -1554,6 +1636,8 @@ impl Server {
                 len,
                 readers: 0,
                 finished: false,
+                owner: None,
+                borrowers: HashSet::new(),
             },
         );
         Ok(Some((off, len)))
@@ -1744,6 +1828,22 @@ impl Server {
     /// A rank of a hierarchical staged instance has its data in the segment: it copies them
     /// out itself, and completes when it says it did.
     fn finish_from_segment(&mut self, ck: CollKey, p: Posted) {
+        // A bcast's ranks copy out of their node leader's region, which may be another SP's
+        // (its entry here came with the leader's `Sealed`; the length comes from the view).
+        let source = self.instances.get(&ck).and_then(|i| i.sm.segment_source());
+        if let Some(r) = self.regions.get_mut(&ck).filter(|r| r.owner.is_some()) {
+            match source {
+                Some((owner, at, len)) if r.owner == Some(owner) && r.off == at => r.len = len,
+                _ => {
+                    warn!(
+                        sp = self.me,
+                        ?ck,
+                        "a segment completion out of a region not sealed"
+                    );
+                    return self.write_completion(p, Status::AccessError);
+                }
+            }
+        }
         let Some((off, len)) = self.regions.get(&ck).map(|r| (r.off, r.len)) else {
             warn!(sp = self.me, ?ck, "a segment completion without a region");
             return self.write_completion(p, Status::AccessError);
@@ -1770,15 +1870,33 @@ impl Server {
         let done = self
             .regions
             .get(&ck)
-            .is_some_and(|r| r.finished && r.readers == 0);
+            .is_some_and(|r| r.finished && r.readers == 0 && r.borrowers.is_empty());
         if !done {
             return;
         }
-        if let Some(r) = self.regions.remove(&ck) {
-            if let Some(a) = self.arenas.get_mut(&ck.job) {
-                a.free(r.off);
+        let Some(r) = self.regions.remove(&ck) else {
+            return;
+        };
+        match r.owner {
+            Some(owner) => {
+                if let Some(k) = self.peer_conn.get(&owner).copied() {
+                    self.send_frame(k, &encode(&SpToSp::RegionReleased { key: ck }));
+                }
+            }
+            None => {
+                if let Some(a) = self.arenas.get_mut(&ck.job) {
+                    a.free(r.off);
+                }
             }
         }
+    }
+
+    /// SP `from`'s ranks finished copying out of this SP's region of `ck`.
+    fn region_released(&mut self, ck: CollKey, from: SpId) {
+        if let Some(r) = self.regions.get_mut(&ck) {
+            r.borrowers.remove(&from);
+        }
+        self.release_region_if_done(ck);
     }
 
     /// A host answered `SpToHost::Copy`.
@@ -1997,6 +2115,17 @@ impl Server {
                 }
                 self.peer_conn.remove(&sp);
                 self.dead_peers.insert(sp);
+                self.sibling_gone(sp, None);
+                // Its ranks will not copy out of our regions any more.
+                let borrowed: Vec<CollKey> = self
+                    .regions
+                    .iter()
+                    .filter(|(_, r)| r.borrowers.contains(&sp))
+                    .map(|(k, _)| *k)
+                    .collect();
+                for ck in borrowed {
+                    self.region_released(ck, sp);
+                }
                 let now = now_ns(self.start);
                 let keys: Vec<CollKey> = self.instances.keys().copied().collect();
                 for ck in keys {
@@ -2049,13 +2178,97 @@ impl Server {
                 .retain(|k, i| k.job != job || i.sm.copies_in_flight() > 0);
         }
         if !self.instances.keys().any(|k| k.job == job) {
+            let world_size = j.world_size;
             self.jobs.remove(&job);
-            // The hierarchical designs' segment of this job: nobody is left to read it.
+            // The hierarchical designs' segment of this job: nobody is left to read it here;
+            // leaders whose regions this SP's ranks were to read may reuse them.
+            let borrowed: Vec<(CollKey, SpId)> = self
+                .regions
+                .iter()
+                .filter(|(k, _)| k.job == job)
+                .filter_map(|(k, r)| r.owner.map(|o| (*k, o)))
+                .collect();
+            for (ck, owner) in borrowed {
+                if let Some(k) = self.peer_conn.get(&owner).copied() {
+                    self.send_frame(k, &encode(&SpToSp::RegionReleased { key: ck }));
+                }
+            }
             self.regions.retain(|k, _| k.job != job);
             self.flat_here.retain(|k| k.job != job);
             self.peer_slots.retain(|(k, _, _), _| k.job != job);
             self.arenas.remove(&job);
-            crate::segment::unlink(job, self.me);
+            self.job_gone_here(job, world_size);
+        }
+    }
+
+    /// The job is gone here: tell the node's other SPs, and remove the node's segment name
+    /// once each of them that serves ranks of the job said the same (or is gone). Removing it
+    /// earlier would let a rank of another SP that maps it later create a second object under
+    /// the same name, and read a region its SP's writer never wrote.
+    fn job_gone_here(&mut self, job: u64, world_size: u32) {
+        let Some(node) = self.cluster.sp(self.me).map(|e| e.node) else {
+            return;
+        };
+        let siblings: HashSet<SpId> = self
+            .cluster
+            .sps
+            .iter()
+            .filter(|e| e.node == node && e.id != self.me)
+            .map(|e| e.id)
+            .collect();
+        let frame = encode(&SpToSp::JobGone { job });
+        for &sp in &siblings {
+            if let Some(k) = self.peer_conn.get(&sp).copied() {
+                self.send_frame(k, &frame);
+            }
+        }
+        let serving: HashSet<SpId> = (0..world_size)
+            .filter_map(|r| self.cluster.placement(r, world_size).ok())
+            .map(|p| p.sp)
+            .filter(|sp| siblings.contains(sp))
+            .collect();
+        let told = self.gone_at_siblings.remove(&job).unwrap_or_default();
+        let waiting: HashSet<SpId> = serving
+            .into_iter()
+            .filter(|sp| {
+                !told.contains(sp)
+                    && !self.dead_peers.contains(sp)
+                    && !self.leaving_peers.contains(sp)
+            })
+            .collect();
+        if waiting.is_empty() {
+            crate::segment::unlink(job, node);
+        } else {
+            self.unlink_after.insert(job, waiting);
+        }
+    }
+
+    /// SP `sp` of this node has job `job` gone (or is gone itself, `job` None: every job).
+    fn sibling_gone(&mut self, sp: SpId, job: Option<u64>) {
+        let Some(node) = self.cluster.sp(self.me).map(|e| e.node) else {
+            return;
+        };
+        if self.cluster.sp(sp).map(|e| e.node) != Some(node) {
+            return;
+        }
+        if let Some(job) = job {
+            if !self.unlink_after.contains_key(&job) {
+                self.gone_at_siblings.entry(job).or_default().insert(sp);
+                return;
+            }
+        }
+        let mut done = Vec::new();
+        for (&j, waiting) in self.unlink_after.iter_mut() {
+            if job.is_none_or(|g| g == j) {
+                waiting.remove(&sp);
+                if waiting.is_empty() {
+                    done.push(j);
+                }
+            }
+        }
+        for j in done {
+            self.unlink_after.remove(&j);
+            crate::segment::unlink(j, node);
         }
     }
 

@@ -3,7 +3,7 @@
 //!
 //! Shares placement, cost model, generator and the event driver with the
 //! other simulators. Real bytes everywhere: every rank's buffer, the root's
-//! data, each SP's node segment (hierarchical) and each SP's staging slots
+//! data, each SP's region of its node segment (hierarchical) and each SP's staging slots
 //! are byte vectors, and every `Copy` and `Move` really moves bytes. A move
 //! takes the directed node link (in turn with messages) and its `Chunk`
 //! message arrives with the last byte; copies go through the SP's
@@ -18,32 +18,35 @@
 //!   inconsistent posts: with those of the rank it names as root, which
 //!   must name itself); bytes past the message are never touched; the root's buffer is never written; fault-free
 //!   collectives complete `Ok` everywhere (`from_segment` exactly for the
-//!   hierarchical non-root ranks);
+//!   hierarchical non-root ranks, each reading the region its node's leader
+//!   wrote, at the place the leader's driver gave it);
 //! * each posted rank completes exactly once, by its own SP; a rank never
 //!   completes `Ok` after its SP learned of a fault touching the collective
 //!   (peer loss, loss of a rank that had not completed, an `Abort`);
 //! * no copy starts or finishes on the buffer of a rank that completed (so
 //!   the root's buffer is not read after the root completed), and no
-//!   segment write starts or finishes after a rank of the SP completed
-//!   `from_segment`;
+//!   segment write starts or finishes after a rank of the node completed
+//!   `from_segment` out of that region;
 //! * staging: every slot id is below `staging_slots`; a slot is never
 //!   written (read from the root, or filled by a move) while anything else
 //!   reads or writes it, and never read while it is written; each SP's
 //!   `max_slots_in_use` stays within the bound;
 //! * shape: reads only from the buffer of a rank that named itself root, on
 //!   its SP; writes only into the SP's own ranks at `chunk * chunk_bytes`;
-//!   hierarchical writes only through the shared key of the SP's lowest
-//!   non-root rank; moves only to the SP's children in the tree (the SPs
-//!   grouped by node: the root's node first, its SPs from the root's SP on,
-//!   then the other nodes in ring order; a node's first SP is its leader,
-//!   whose children are the next node's leader and its own node's other
-//!   SPs);
+//!   hierarchical writes only by node leaders, through the shared key of
+//!   the SP's lowest non-root rank (the root's if it is the SP's only rank
+//!   and the node has other SPs); moves only to the SP's children in the
+//!   tree (the SPs grouped by node: the root's node first, its SPs from the
+//!   root's SP on, then the other nodes in ring order; a node's first SP is
+//!   its leader, whose children are the next node's leader and, flat, its
+//!   own node's other SPs);
 //! * the run ends within the event/time bound, every posted rank of a live
 //!   SP completes, every instance of a live SP that saw a post is finished;
 //! * fault-free: exactly `len * (nodes - 1)` bytes cross node boundaries
 //!   (each chunk crosses each boundary once), one move per chunk per tree
-//!   edge,
-//!   each chunk written once per target.
+//!   edge (hierarchical: per edge between leaders), each chunk written once
+//!   per target (hierarchical: once per node, into the leader's region),
+//!   one `Sealed` per non-leader SP (hierarchical).
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -229,9 +232,9 @@ struct Op {
     post_root: Vec<Rank>,
     inconsistent: bool,
     buf: Vec<Vec<u8>>,
-    /// Per SP: its node segment (hierarchical).
+    /// Per SP: its region of the node segment (hierarchical).
     seg: Vec<Vec<u8>>,
-    /// Per SP: first `from_segment` completion.
+    /// Per SP: first `from_segment` completion out of its region.
     seg_sealed: Vec<Option<Nanos>>,
     seg_writes: Vec<u64>,
     buf_writes: Vec<u64>,
@@ -579,6 +582,7 @@ impl<'a> Sim<'a> {
                     len: o.post_len[r],
                     design,
                     shared_key: (design == Design::Hier).then(|| key(true)),
+                    shared_at: region_at(sp),
                 };
                 if let Err(e) = self.instance(sp, op).handle_post(now, post) {
                     return Err(self.fail(format!("op {op} rank {rank}: post rejected: {e}")));
@@ -784,12 +788,32 @@ impl<'a> Sim<'a> {
                     self.cfg.design
                 )));
             }
-            // The host copies the message out of the segment in its wait.
+            // The host copies the message out of its node leader's region in
+            // its wait: the SP says where that is.
+            let leader = o.tree.iter().find(|g| g.contains(&sp)).map(|g| g[0]);
+            let src = self.inst.get(&(sp, op)).and_then(|a| a.segment_source());
+            let owner = match src {
+                Some((owner, at, len)) if Some(owner) == leader && at == region_at(owner) => {
+                    if len != o.len && !o.inconsistent {
+                        return Err(self.fail(format!(
+                            "op {op}: rank {rank}: region of {len} bytes for a {}-byte message",
+                            o.len
+                        )));
+                    }
+                    owner
+                }
+                _ => {
+                    return Err(self.fail(format!(
+                        "op {op}: rank {rank} of SP {sp} copies from {src:?}, not from its \
+                         leader {leader:?}'s region"
+                    )))
+                }
+            };
             let n = (o.post_len[r] as usize).min(o.len as usize);
-            let data = self.ops[op].seg[sp as usize][..n].to_vec();
+            let data = self.ops[op].seg[owner as usize][..n].to_vec();
             let o = &mut self.ops[op];
             o.buf[r][..n].copy_from_slice(&data);
-            o.seg_sealed[sp as usize].get_or_insert(at);
+            o.seg_sealed[owner as usize].get_or_insert(at);
             let node = self.core.sp_node(sp);
             host_at = at + self.core.copy_cost(node, sp, n as u64);
         }
@@ -869,9 +893,19 @@ impl<'a> Sim<'a> {
                 return bad("write into the wrong kind of buffer");
             }
             if key.shared && !o.inconsistent {
-                let writer = self.local[&sp].iter().copied().find(|&r| r != o.root);
+                let group = o.tree.iter().find(|g| g.contains(&sp));
+                if group.is_none_or(|g| g[0] != sp) {
+                    return bad("segment write by an SP that is not its node's leader");
+                }
+                let siblings = group.is_some_and(|g| g.len() > 1);
+                let local = &self.local[&sp];
+                let writer = local
+                    .iter()
+                    .copied()
+                    .find(|&r| r != o.root)
+                    .or((siblings && local.contains(&o.root)).then_some(o.root));
                 if writer != Some(c.rank) {
-                    return bad("segment write through another rank than the lowest non-root one");
+                    return bad("segment write through another rank than the writer");
                 }
             }
         }
@@ -1042,7 +1076,10 @@ impl<'a> Sim<'a> {
                         o.bytes_inter
                     )));
                 }
-                let hops = o.tree.iter().map(Vec::len).sum::<usize>() as u64 - 1;
+                let hops = match self.cfg.design {
+                    Design::Flat => o.tree.iter().map(Vec::len).sum::<usize>() as u64 - 1,
+                    Design::Hier => o.tree.len() as u64 - 1,
+                };
                 let moves = if o.len == 0 { 0 } else { o.n * hops };
                 if o.moves != moves {
                     return Err(self.fail(format!("op {i}: {} moves, want {moves}", o.moves)));
@@ -1051,16 +1088,42 @@ impl<'a> Sim<'a> {
                 for (sp, ranks) in &self.local {
                     let targets: Vec<Rank> =
                         ranks.iter().copied().filter(|&r| r != o.root).collect();
+                    let group = o.tree.iter().find(|g| g.contains(sp)).expect("in the tree");
+                    let writes = group[0] == *sp && (!targets.is_empty() || group.len() > 1);
                     let got: Vec<u64> = match self.cfg.design {
                         Design::Flat => targets.iter().map(|&r| o.buf_writes[r as usize]).collect(),
-                        Design::Hier if targets.is_empty() => vec![],
-                        Design::Hier => vec![o.seg_writes[*sp as usize]],
+                        Design::Hier if writes => vec![o.seg_writes[*sp as usize]],
+                        Design::Hier => {
+                            // Not written, and none of its ranks' buffers.
+                            if o.seg_writes[*sp as usize] > 0
+                                || targets.iter().any(|&r| o.buf_writes[r as usize] > 0)
+                            {
+                                return Err(self.fail(format!(
+                                    "op {i}: SP {sp} is not its node's writer but wrote"
+                                )));
+                            }
+                            vec![]
+                        }
                     };
                     if got.iter().any(|&g| g != per_target) {
                         return Err(self.fail(format!(
                             "op {i}: SP {sp} wrote chunks {got:?} times, want {per_target} each"
                         )));
                     }
+                }
+            }
+        }
+        if self.cfg.design == Design::Hier {
+            for (i, o) in self.ops.iter().enumerate().filter(|(_, o)| !o.disturbed) {
+                let sealed: u64 = (0..self.cfg.sp_count())
+                    .filter_map(|sp| self.inst.get(&(sp, i)))
+                    .map(|a| a.stats().regions_shared)
+                    .sum();
+                let want = o.tree.iter().map(|g| g.len() as u64 - 1).sum::<u64>();
+                if sealed != want {
+                    return Err(self.fail(format!(
+                        "op {i}: {sealed} regions sealed for other SPs, want {want}"
+                    )));
                 }
             }
         }
@@ -1137,7 +1200,15 @@ fn msg_bytes(msg: &Msg) -> u64 {
         Msg::Chunk { .. } => 8 + 4 + 8,
         Msg::Return { slots } => 4 * slots.len() as u64,
         Msg::Abort { .. } => 1,
+        Msg::Sealed { .. } => 8,
     }
+}
+
+/// Where the driver of SP `sp` places its hierarchical region in its node
+/// segment (any value works; distinct ones let the checker see that ranks
+/// copy from the place their leader named).
+fn region_at(sp: SpId) -> u64 {
+    4096 * (u64::from(sp) + 1)
 }
 
 #[cfg(test)]
