@@ -107,12 +107,17 @@ thread_local! {
     static LAST_TEST_CONN_CHECK: Cell<Option<Instant>> = const { Cell::new(None) };
 }
 
-/// After a Test-style call found our requests incomplete: progress, and now and then a look
-/// at the connection.
-unsafe fn test_miss() {
+/// After a Test-style call found our requests incomplete: UCX progress, native progress
+/// unless the call has just tested native requests itself (`native_tested`), and now and then
+/// a look at the connection. UCX progress is never skipped: a program may loop on Testsome
+/// with a native request that another rank completes only after its own offloaded collective,
+/// which needs the SP's gets from our buffers, which complete only while we progress.
+unsafe fn test_miss(native_tested: bool) {
     ucx_progress();
-    // SAFETY: MPI is initialised while the shim is active.
-    unsafe { native_progress() };
+    if !native_tested {
+        // SAFETY: MPI is initialised while the shim is active.
+        unsafe { native_progress() };
+    }
     let now = Instant::now();
     let eager = crate::request::host_copies_outstanding();
     let due = LAST_TEST_CONN_CHECK
@@ -435,7 +440,7 @@ pub unsafe fn test(
             // SAFETY: as above.
             unsafe {
                 *flag = 0;
-                test_miss();
+                test_miss(false);
             }
             Flow::Done(consts::SUCCESS())
         }
@@ -500,7 +505,7 @@ pub unsafe fn testall(
         // SAFETY: valid flag; MPI is initialised.
         unsafe {
             *flag = 0;
-            test_miss();
+            test_miss(false);
         }
         return Flow::Done(consts::SUCCESS());
     }
@@ -510,8 +515,11 @@ pub unsafe fn testall(
     let rc = unsafe { ffi::PMPI_Testall(count, natives.as_mut_ptr(), &mut native_flag, statuses) };
     if (rc == consts::SUCCESS() && native_flag == 0) || combine(rc, false) == Combined::Fail(rc) {
         write_back_natives(handles, &classes, &natives);
-        // SAFETY: valid flag.
-        unsafe { *flag = 0 };
+        // SAFETY: valid flag; MPI is initialised.
+        unsafe {
+            *flag = 0;
+            test_miss(true);
+        }
         return Flow::Done(rc);
     }
     // SAFETY: valid flag; the caller's arrays.
@@ -583,9 +591,7 @@ unsafe fn any(
             unsafe {
                 *f = 0;
                 *index = consts::UNDEFINED();
-                if !native_active {
-                    test_miss();
-                }
+                test_miss(native_active);
             }
             return Flow::Done(consts::SUCCESS());
         }
@@ -778,9 +784,7 @@ pub unsafe fn some(
             // SAFETY: the caller's outcount; MPI is initialised.
             unsafe {
                 *outcount = 0;
-                if !native_active {
-                    test_miss();
-                }
+                test_miss(native_active);
             }
             return Flow::Done(consts::SUCCESS());
         }
@@ -838,7 +842,7 @@ pub unsafe fn request_get_status(
         // SAFETY: valid flag; MPI is initialised.
         None => unsafe {
             *flag = 0;
-            test_miss();
+            test_miss(false);
         },
     }
     Flow::Done(consts::SUCCESS())

@@ -570,6 +570,17 @@ fn ucx_backend_offloads_allgather() {
     ucx_offloads(&[&prog, "10", &seed, "late", "mixed"], "ag_check", "1024");
 }
 
+/// Rank 0 loops on `MPI_Testsome` over an offloaded Iallgather and a native receive that rank 1
+/// sends only after its own Iallgather completed, which needs the SPs' UCX reads of rank 0's
+/// block, which need rank 0 to progress UCX (emulated RMA): its Testsome must, native request
+/// pending or not.
+#[test]
+fn ucx_progress_in_testsome_while_a_native_request_is_pending() {
+    let _serial = serial();
+    let prog = prog("testsome_dep");
+    ucx_offloads(&[&prog, "65536"], "testsome_dep", "1024");
+}
+
 #[test]
 fn ucx_backend_offloads_bcast() {
     // The default design here (2 ranks per SP) is flat: every staged copy is between a ucx

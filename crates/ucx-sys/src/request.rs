@@ -26,6 +26,13 @@ use crate::worker::Worker;
 /// aborting the process.
 pub const DROP_WAIT_LIMIT: Duration = Duration::from_secs(60);
 
+/// Idle progress calls [`Request::wait_timeout`] makes before it sleeps on
+/// the worker's event fd.
+pub const IDLE_SPINS: u32 = 32;
+/// Longest single sleep of [`Request::wait_timeout`] (a safety net: the
+/// event fd wakes it as soon as the worker has events).
+pub const IDLE_SLEEP: Duration = Duration::from_millis(5);
+
 enum State {
     /// Completed; the UCX request (if there was one) is already freed.
     Done(Status),
@@ -119,17 +126,32 @@ impl Request {
     }
 
     /// Like [`Request::wait`] but gives up after `limit`, returning
-    /// `Ok(false)` with the request still in flight.
+    /// `Ok(false)` with the request still in flight. When the worker stays
+    /// idle for a while and its context has [`crate::Features::WAKEUP`], it
+    /// sleeps on the worker's event fd (at most [`IDLE_SLEEP`] at a time)
+    /// instead of spinning, so a peer that must progress for the request to
+    /// complete (RMA emulated over active messages) gets the CPU.
     pub fn wait_timeout(&mut self, limit: Duration) -> Result<bool> {
         let start = Instant::now();
+        let mut idle = 0u32;
         loop {
             if self.test()? {
                 return Ok(true);
             }
-            if start.elapsed() >= limit {
+            let spent = start.elapsed();
+            if spent >= limit {
                 return Ok(false);
             }
-            self.worker.progress();
+            if self.worker.progress() > 0 {
+                idle = 0;
+            } else {
+                idle += 1;
+                if idle >= IDLE_SPINS {
+                    self.worker
+                        .sleep_until_events(IDLE_SLEEP.min(limit - spent));
+                    idle = 0;
+                }
+            }
         }
     }
 }

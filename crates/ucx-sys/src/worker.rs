@@ -25,6 +25,7 @@
 use std::os::fd::RawFd;
 use std::ptr;
 use std::rc::Rc;
+use std::time::Duration;
 
 use crate::context::{Context, Features};
 use crate::raw;
@@ -107,6 +108,29 @@ impl Worker {
         let st = unsafe { raw::ucp_worker_get_efd(self.handle, &mut fd) };
         Status(st).check("ucp_worker_get_efd")?;
         Ok(fd)
+    }
+
+    /// Waits up to `limit` for the worker to have events, without spinning,
+    /// when the context has [`Features::WAKEUP`]: arms the event fd and
+    /// sleeps in `poll` on it. Returns at once if events are pending (`arm`
+    /// says busy) and does nothing without the feature. Call it only after
+    /// [`Worker::progress`] returned 0.
+    pub fn sleep_until_events(&self, limit: Duration) {
+        if !self.context.features().contains(Features::WAKEUP) || limit.is_zero() {
+            return;
+        }
+        let Ok(fd) = self.event_fd() else { return };
+        if !matches!(self.arm(), Ok(true)) {
+            return;
+        }
+        let mut pfd = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ms = limit.as_millis().clamp(1, i32::MAX as u128) as i32;
+        // SAFETY: one valid pollfd; the fd belongs to the live worker.
+        unsafe { libc::poll(&mut pfd, 1, ms) };
     }
 
     /// Arms the event fd (`ucp_worker_arm`). `Ok(true)`: armed, safe to
