@@ -416,14 +416,14 @@ fn bcast_hier_offloads_two_sps_per_node_block() {
 
 #[test]
 fn bcast_chunks_move_between_sps_as_ucx_puts() {
-    // With --ucx=auto (UCX available) the SPs grant their staging slots through UCX: every
-    // chunk goes from one SP's staging into the next one's as a UCX put (its message follows
-    // over TCP). By default (--ucx=off), or when UCX cannot initialise in the SPs (auto then
+    // By default (--ucx=auto, UCX available) the SPs grant their staging slots through UCX:
+    // every chunk goes from one SP's staging into the next one's as a UCX put (its message
+    // follows over TCP). With --ucx=off, or when UCX cannot initialise in the SPs (auto then
     // says so once per SP), the chunks travel as frames on the SPs' TCP connections.
     for design in ["flat", "hier"] {
         for (how, extra, env) in [
-            ("auto", Some("--sp-arg=--ucx=auto"), None),
             ("default", None, None),
+            ("off", Some("--sp-arg=--ucx=off"), None),
             (
                 "no UCX",
                 Some("--sp-arg=--ucx=auto"),
@@ -445,7 +445,7 @@ fn bcast_chunks_move_between_sps_as_ucx_puts() {
             let moved = run.sp_total("chunks_moved");
             assert!(moved > 0, "{how}\n{}", run.stderr);
             let warned = run.stderr.matches("UCX is off").count();
-            if how == "auto" {
+            if how == "default" {
                 assert_eq!(run.sp_total("chunks_moved_ucx"), moved, "{}", run.stderr);
                 assert_eq!(run.sp_total("bytes_staged_in"), 0, "{}", run.stderr);
                 assert_eq!(warned, 0, "{}", run.stderr);

@@ -53,10 +53,10 @@ enum Cmd {
         inline_copy_bytes: u64,
         /// UCX (auto, on, off; a bare --ucx means on): serve grants of the `ucx` backend (each
         /// datapath thread owns a UCX worker; UCX_TLS applies) and move the staged
-        /// collectives' chunks between SPs as UCX puts. auto: on if UCX initialises, else off
-        /// with a warning. off: `ucx` grants are refused and chunks travel as frames on the
-        /// SPs' TCP connections. The `cma` backend is always served.
-        #[arg(long, default_value = "off", num_args = 0..=1, default_missing_value = "on")]
+        /// collectives' chunks between SPs as UCX puts. auto (the default): on if UCX
+        /// initialises, else off with a warning. off: `ucx` grants are refused and chunks
+        /// travel as frames on the SPs' TCP connections. The `cma` backend is always served.
+        #[arg(long, default_value = "auto", num_args = 0..=1, default_missing_value = "on")]
         ucx: UcxMode,
         /// Staged collectives (bcast): bytes per chunk and per staging buffer (at most 2 MiB;
         /// must be the same on every SP of the cluster).

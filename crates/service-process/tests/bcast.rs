@@ -201,7 +201,14 @@ fn sps_with_and_without_ucx_broadcast_together() {
     // SP 1 runs without UCX, SP 0 with it. SP 0 grants its slots through UCX to
     // SP 1, which cannot put, and SP 1 grants none that way: every chunk between them travels
     // as a frame, in both directions, and the bytes are right.
-    let mut set = SpSet::start_each(2, 1, 2, Layout::Block, &[], &[(0, "--ucx=on")]);
+    let mut set = SpSet::start_each(
+        2,
+        1,
+        2,
+        Layout::Block,
+        &[],
+        &[(0, "--ucx=on"), (1, "--ucx=off")],
+    );
     let job = new_job();
     let mut hosts: Vec<Host> = (0..4).map(|r| Host::connect(&set, job, r, 4)).collect();
     for (seq, root) in [0u32, 2, 1, 3].into_iter().enumerate() {

@@ -660,7 +660,7 @@ fn alltoallv_with_ucx_grants() {
 
 #[test]
 fn ucx_grants_are_refused_by_an_sp_without_ucx() {
-    let set = SpSet::start(1, 1, 2, Layout::Block);
+    let set = SpSet::start_with(1, 1, 2, Layout::Block, &["--ucx=off"]);
     let mut hosts: Vec<Host> = (0..2)
         .map(|r| Host::connect(&set, new_job(), r, 2))
         .collect();
