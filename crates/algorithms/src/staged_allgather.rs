@@ -22,15 +22,27 @@
 //! `s * len + i * chunk_bytes`. The comm is summarised by [`comm_digest`]
 //! of `members` and `nodes`.
 //!
-//! *Announcing where data go.* How an SP receives is its own choice, made
-//! by its first local post ([`Design`]; the engine may fall back to flat on
-//! one SP when it has no segment room, so designs may mix across SPs):
+//! *Announcing where data go.* How an SP receives follows from its posts
+//! ([`Design`]; the engine may fall back to flat on one SP when it has no
+//! segment room, so designs may mix across SPs). A node's *owner* is its
+//! lowest member SP; it holds the node's region in the hierarchical design:
 //! * flat: when a local rank posts, its SP sends `Key { rank, key }` (the
 //!   rank's receive buffer) to every other member SP;
-//! * hierarchical: with its first local post the SP sends `Region { rank,
-//!   key }` once to every other member SP, `key` being the `shared_key` of
-//!   that rank: a region of the node segment of `P * len` bytes, laid out
-//!   like a receive buffer, shared by all its local ranks.
+//! * hierarchical, at an owner: with its first local post the SP sends
+//!   `Region { rank, key }` once to every other member SP, `key` being the
+//!   `shared_key` of that rank: its region of the node segment of `P * len`
+//!   bytes (at `shared_at` in the segment), laid out like a receive buffer,
+//!   which every rank of the node reads;
+//! * hierarchical, at another SP of a node: it waits for its owner's
+//!   announcement (every SP that is not its node's owner sends the owner
+//!   `Waiting` with its first local post, whatever its design, so that an
+//!   owner that aborts before it announces anything still owes it a
+//!   `Stopped`, and an owner finishes only after every such message). A
+//!   `Region` makes it *covered*: it sends `Covered` to
+//!   every other member SP, and nobody writes into its ranks (they read
+//!   the owner's region). A `Key` (the owner delivers flat) makes it flat:
+//!   it sends the `Key`s of its ranks. So in the hierarchical design a
+//!   node's ranks wait for their owner's first post.
 //!
 //! Both carry `len` and the comm digest, which every receiver checks
 //! against its view. Keys that arrive before the receiver has a view wait
@@ -41,8 +53,8 @@
 //! [`Loc::Stage`]); reads stop while no slot is free.
 //!
 //! *Write.* A staged chunk is written into every *target unit*: every rank
-//! of a flat SP and the region of every hierarchical SP, this SP's own
-//! included ([`Loc::Stage`] to [`Loc::Host`] at `s * len + i *
+//! of a flat SP and the region of every owner (a covered SP has none),
+//! this SP's own included ([`Loc::Stage`] to [`Loc::Host`] at `s * len + i *
 //! chunk_bytes`). The writer visits the nodes round-robin starting at its
 //! own node, one unit of each node in turn (a node's units: SP by SP, its
 //! SPs rotated by the writer's index on its own node; a hierarchical SP is
@@ -66,10 +78,14 @@
 //! *Completion.* A local rank completes `Ok` when its own send block was
 //! read completely (no read in flight: MPI lets it reuse the send buffer)
 //! and, flat, every member SP (this one included) reported `Written` for
-//! it, or, hierarchical, every member SP reported `WrittenRegion` for this
-//! SP: then it completes with `from_segment: true` and the host copies
-//! `P * len` bytes from offset 0 of its `shared_key` region into its receive
-//! buffer in `MPI_Wait`.
+//! it, or, at an owner, every member SP reported `WrittenRegion` for this
+//! SP, or, at a covered SP, its owner sent `RegionDone { at }` (which it
+//! does, to each covered SP of its node, once every member SP reported
+//! `WrittenRegion`): then it completes with `from_segment: true` and the
+//! host copies `P * len` bytes out of the owner's region
+//! ([`StagedAllgather::segment_source`]) into its receive buffer in
+//! `MPI_Wait`. The driver keeps an owner's region until the ranks of the
+//! covered SPs copied out of it.
 //!
 //! *Progress (no deadlock).* Nothing an SP does waits for another SP's
 //! progress, only for posts: a read waits for a free slot, a slot for the
@@ -121,7 +137,9 @@
 //! (1) no read of its send buffer and no write of this SP into its buffer
 //! or into this SP's region is in flight, and (2) every other SP `w` of the
 //! view has sent `Stopped`, or has sent `Written` for that rank (flat) /
-//! `WrittenRegion` (hierarchical), or was lost.
+//! `WrittenRegion` (hierarchical), or was lost. (2) is void for an SP that
+//! sent no `Key` or `Region` (covered, or still waiting for its owner):
+//! nobody has a key to write into its ranks.
 //!
 //! *Why nothing writes into a buffer after its rank completed.* Only a
 //! copy issued by an SP writes, and an SP writes into a rank's buffer (a
@@ -203,9 +221,13 @@ pub struct Post<K> {
     /// Bytes sent by every rank (the block size).
     pub len: u64,
     pub design: Design,
-    /// `Design::Hier`: a region of the node segment (`P * len` bytes) that
-    /// this rank can read; required for `Design::Hier`, ignored for flat.
+    /// `Design::Hier`: this SP's region of the node segment (`P * len`
+    /// bytes), written through this rank's grant; required at a node's
+    /// owner, ignored elsewhere and for flat.
     pub shared_key: Option<K>,
+    /// Where `shared_key`'s region starts in the node segment (what the
+    /// node's ranks are told to copy from).
+    pub shared_at: u64,
 }
 
 /// SP-to-SP messages of this collective (the driver adds the `CollKey`).
@@ -229,6 +251,18 @@ pub enum Msg<K> {
         comm: u64,
         key: K,
     },
+    /// From an SP that is not its node's owner, to the owner, with its
+    /// first local post (any design): a hierarchical one waits for the
+    /// owner's announcement.
+    Waiting { len: u64, comm: u64 },
+    /// Hierarchical, from an SP that is not its node's owner, after the
+    /// owner's `Region`: write nothing into the sender's ranks (they read
+    /// the owner's region). `len` and `comm` as in `Key`.
+    Covered { len: u64, comm: u64 },
+    /// From an owner to a covered SP of its node: every member SP wrote
+    /// everything into the owner's region, which starts at `at` of the
+    /// node segment.
+    RegionDone { at: u64 },
     /// The sender wrote every block of its local ranks into these ranks of
     /// the receiver, and will never write into them again.
     Written { ranks: Vec<Rank> },
@@ -388,6 +422,9 @@ pub struct Stats {
     /// `Written` messages sent (each may name several ranks), plus
     /// `WrittenRegion` messages.
     pub written_msgs: u64,
+    /// `RegionDone` sent: covered SPs of this owner's node whose ranks
+    /// copied out of its region.
+    pub regions_shared: u64,
     /// `handle_copy_done` calls for unknown ids (ignored).
     pub unknown_done: u64,
     /// Messages ignored because their sender was declared lost.
@@ -459,6 +496,19 @@ pub fn comm_digest(members: &[SpId], nodes: &[u32]) -> u64 {
     h
 }
 
+/// The owner of `sp`'s node in a communicator: the lowest SP serving a
+/// member on that node (`None` if `sp` serves none or an SP serves two
+/// nodes).
+pub fn node_owner(members: &[SpId], nodes: &[u32], sp: SpId) -> Option<SpId> {
+    let sp_node = sp_nodes(members, nodes).ok()?;
+    let node = *sp_node.get(&sp)?;
+    sp_node
+        .iter()
+        .filter(|&(_, &n)| n == node)
+        .map(|(&s, _)| s)
+        .min()
+}
+
 /// The answer an SP sends back to the sender of `msg` when the instance is
 /// finished or gone there (its ranks will never post or have all
 /// completed, so it writes nothing): `Stopped { status }` for `Key`,
@@ -470,8 +520,14 @@ pub fn refusal<K>(msg: &Msg<K>, status: Status) -> Option<Msg<K>> {
         status
     };
     match msg {
-        Msg::Key { .. } | Msg::Region { .. } | Msg::Abort { .. } => Some(Msg::Stopped { status }),
-        Msg::Written { .. } | Msg::WrittenRegion | Msg::Stopped { .. } => None,
+        Msg::Key { .. }
+        | Msg::Region { .. }
+        | Msg::Waiting { .. }
+        | Msg::Covered { .. }
+        | Msg::Abort { .. } => Some(Msg::Stopped { status }),
+        Msg::Written { .. } | Msg::WrittenRegion | Msg::RegionDone { .. } | Msg::Stopped { .. } => {
+            None
+        }
     }
 }
 
@@ -496,6 +552,8 @@ struct View {
     first: Vec<bool>,
     /// This SP's index in `sps`.
     mine: usize,
+    /// Per member SP: the index of its node's owner (lowest member SP).
+    owner: Vec<usize>,
 }
 
 impl View {
@@ -546,6 +604,7 @@ impl View {
         } else {
             post.len.div_ceil(chunk)
         };
+        let owner = sps.iter().map(|sp| node_sps[&sp_node[sp]][0]).collect();
         Ok(View {
             len: post.len,
             n,
@@ -558,7 +617,12 @@ impl View {
             order,
             first,
             mine,
+            owner,
         })
+    }
+
+    fn is_owner(&self) -> bool {
+        self.owner[self.mine] == self.mine
     }
 
     fn idx(&self, sp: SpId) -> Option<usize> {
@@ -570,12 +634,23 @@ impl View {
     }
 }
 
+/// How a member SP receives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    /// Into each rank's buffer (`Key`s).
+    Flat,
+    /// Into its region (an owner, `Region`).
+    Region,
+    /// Its ranks read their owner's region (`Covered`).
+    Covered,
+}
+
 /// A member SP as a target of this SP's writes and as a writer into this
 /// SP's ranks.
 #[derive(Clone, Debug)]
 struct Tgt<K> {
-    /// How it receives; `None` until its first `Key`/`Region`.
-    mode: Option<Design>,
+    /// How it receives; `None` until its first `Key`/`Region`/`Covered`.
+    mode: Option<Mode>,
     /// Hierarchical: (rank, shared key) of its region.
     region: Option<(Rank, K)>,
     /// When `mode` became known (see `Stats::writes_waited_for_key`).
@@ -603,6 +678,7 @@ struct RankTgt<K> {
 #[derive(Clone, Debug)]
 struct LocalRank<K> {
     send_key: K,
+    recv_key: K,
     /// The post agrees with the view.
     in_view: bool,
     next_read: u64,
@@ -711,6 +787,14 @@ pub struct StagedAllgather<K> {
     units_sent: usize,
     /// SPs (this one included) that wrote everything into this SP's region.
     region_writers: usize,
+    /// An owner: where its region starts in the node segment, and the
+    /// covered SPs (indices) it sent `RegionDone`.
+    region_at: u64,
+    done_sent: BTreeSet<usize>,
+    /// A covered SP: where its owner's region starts, after `RegionDone`.
+    region_done: Option<u64>,
+    /// An owner: the SPs of its node (indices) that sent `Waiting`.
+    waiting_from: BTreeSet<usize>,
     pending_written: BTreeMap<SpId, Vec<Rank>>,
     /// Keys and regions received before the view, in arrival order.
     early: Vec<(SpId, Msg<K>)>,
@@ -754,6 +838,10 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
             units_total: 0,
             units_sent: 0,
             region_writers: 0,
+            region_at: 0,
+            done_sent: BTreeSet::new(),
+            region_done: None,
+            waiting_from: BTreeSet::new(),
             pending_written: BTreeMap::new(),
             early: Vec::new(),
             early_seen: BTreeSet::new(),
@@ -785,6 +873,20 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
     /// This SP's design, once a local rank has posted.
     pub fn design(&self) -> Option<Design> {
         self.view.as_ref().map(|v| v.design)
+    }
+
+    /// Hierarchical design: the SP whose region of the node segment this
+    /// SP's ranks copy out of (this SP at an owner, the owner after its
+    /// `RegionDone` at a covered SP), where the region starts and its
+    /// length (`P * len`).
+    pub fn segment_source(&self) -> Option<(SpId, u64, u64)> {
+        let v = self.view.as_ref()?;
+        let total = v.len * v.members.len() as u64;
+        match self.tgts.get(v.mine)?.mode? {
+            Mode::Region => Some((self.me, self.region_at, total)),
+            Mode::Covered => Some((v.sps[v.owner[v.mine]], self.region_done?, total)),
+            Mode::Flat => None,
+        }
     }
 
     pub fn abort_status(&self) -> Option<Status> {
@@ -833,6 +935,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
         let (n, design) = (v.n, v.design);
         let mut st = LocalRank {
             send_key: post.send_key,
+            recv_key: post.recv_key.clone(),
             in_view: disagreement.is_none(),
             next_read: 0,
             reads_in_flight: 0,
@@ -849,14 +952,23 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
         if in_view_local {
             self.local_posted += 1;
         }
-        if first && design == Design::Hier {
+        let (mine, owner) = {
+            let v = self.view.as_ref().unwrap();
+            (v.mine, v.is_owner())
+        };
+        if first && design == Design::Hier && owner {
             // This SP's region: the shared key of its first posted rank.
-            let me = self.view.as_ref().unwrap().mine;
-            self.tgts[me].region = post.shared_key.clone().map(|k| (rank, k));
+            self.tgts[mine].region = post.shared_key.clone().map(|k| (rank, k));
+            self.region_at = post.shared_at;
         }
-        if first {
-            let me = self.view.as_ref().unwrap().mine;
-            self.resolve_sp(me, design);
+        // A hierarchical SP that is not its node's owner takes its mode from
+        // the owner's announcement (`settle`).
+        if first && (design == Design::Flat || owner) {
+            let mode = match design {
+                Design::Flat => Mode::Flat,
+                Design::Hier => Mode::Region,
+            };
+            self.resolve_sp(mine, mode);
         }
         if let Some(status) = disagreement {
             self.enter_abort(status);
@@ -864,8 +976,8 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
             let v = self.view.as_ref().unwrap();
             let (len, comm) = (v.len, v.digest);
             let to: Vec<SpId> = v.sps.iter().copied().filter(|&s| s != self.me).collect();
-            match design {
-                Design::Flat => {
+            match self.tgts[mine].mode {
+                Some(Mode::Flat) => {
                     self.learn_rank_key(rank, post.recv_key);
                     for sp in to {
                         self.send(
@@ -879,7 +991,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
                         );
                     }
                 }
-                Design::Hier if first => {
+                Some(Mode::Region) if first => {
                     let key = post.shared_key.expect("checked");
                     for sp in to {
                         self.send(
@@ -893,7 +1005,12 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
                         );
                     }
                 }
-                Design::Hier => {}
+                _ => {}
+            }
+            if first && !owner {
+                let v = self.view.as_ref().unwrap();
+                let to = v.sps[v.owner[mine]];
+                self.send(to, Msg::Waiting { len, comm });
             }
             if n > 0 {
                 self.read_queue.push_back(rank);
@@ -987,6 +1104,10 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
                 self.modes_unresolved == 0
                     && self.units_sent == self.units_total
                     && self.pending_written.is_empty()
+                    && self.owed_region_done().is_empty()
+                    && (0..v.sps.len()).all(|b| {
+                        b == v.mine || v.owner[b] != v.mine || self.waiting_from.contains(&b)
+                    })
             }
         };
         self.completed == self.ranks.len()
@@ -1026,7 +1147,8 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
         if self.lost_unposted.contains(&rank) {
             return Err(PostError::RankLost { rank });
         }
-        if post.design == Design::Hier && post.shared_key.is_none() {
+        let owner = node_owner(&post.members, &post.nodes, self.me) == Some(self.me);
+        if post.design == Design::Hier && owner && post.shared_key.is_none() {
             return Err(PostError::MissingSharedKey { rank });
         }
         Ok(())
@@ -1089,13 +1211,23 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
                         self.enter_abort(Status::InvalidPost);
                     }
                 }
+                Msg::Covered { len, comm } => {
+                    if self.on_covered(from, len, comm).is_err() {
+                        self.enter_abort(Status::InvalidPost);
+                    }
+                }
+                Msg::Waiting { len, comm } => {
+                    if self.on_waiting(from, len, comm).is_err() {
+                        self.enter_abort(Status::InvalidPost);
+                    }
+                }
                 _ => unreachable!("only keys wait for the view"),
             }
         }
     }
 
     /// SP `b` (index) receives per `mode` from now on.
-    fn resolve_sp(&mut self, b: usize, mode: Design) {
+    fn resolve_sp(&mut self, b: usize, mode: Mode) {
         let v = self.view.as_ref().unwrap();
         let t = &mut self.tgts[b];
         debug_assert!(t.mode.is_none());
@@ -1104,12 +1236,95 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
         t.epoch = self.epoch;
         self.modes_unresolved -= 1;
         self.units_total += match mode {
-            Design::Flat => v.sp_ranks[b].len(),
-            Design::Hier => 1,
+            Mode::Flat => v.sp_ranks[b].len(),
+            Mode::Region => 1,
+            Mode::Covered => 0,
         };
         self.new_sps.push(b);
-        if mode == Design::Hier {
+        if mode == Mode::Region {
             self.check_unit(Unit::Region(b));
+        }
+    }
+
+    /// A hierarchical SP that is not its node's owner, once the owner's
+    /// announcement is here: covered by the owner's region (it says so to
+    /// every other member SP), or flat like the owner (it sends the keys
+    /// of its ranks that posted).
+    fn settle(&mut self) {
+        let Some(v) = &self.view else { return };
+        if v.design != Design::Hier || v.is_owner() || self.abort.is_some() {
+            return;
+        }
+        let (mine, owner) = (v.mine, v.owner[v.mine]);
+        if self.tgts[mine].mode.is_some() {
+            return;
+        }
+        let mode = match self.tgts[owner].mode {
+            Some(Mode::Region) => Mode::Covered,
+            Some(Mode::Flat) => Mode::Flat,
+            _ => return,
+        };
+        self.resolve_sp(mine, mode);
+        let v = self.view.as_ref().unwrap();
+        let (len, comm) = (v.len, v.digest);
+        let to: Vec<SpId> = v.sps.iter().copied().filter(|&s| s != self.me).collect();
+        if mode == Mode::Covered {
+            for sp in to {
+                self.send(sp, Msg::Covered { len, comm });
+            }
+            return;
+        }
+        let keys: Vec<(Rank, K)> = self
+            .posted
+            .iter()
+            .filter(|r| self.ranks[r].in_view)
+            .map(|&r| (r, self.ranks[&r].recv_key.clone()))
+            .collect();
+        for (rank, key) in keys {
+            self.learn_rank_key(rank, key.clone());
+            for &sp in &to {
+                self.send(
+                    sp,
+                    Msg::Key {
+                        rank,
+                        len,
+                        comm,
+                        key: key.clone(),
+                    },
+                );
+            }
+        }
+    }
+
+    /// An owner: the covered SPs of its node still owed a `RegionDone`.
+    fn owed_region_done(&self) -> Vec<usize> {
+        let Some(v) = &self.view else {
+            return Vec::new();
+        };
+        (0..v.sps.len())
+            .filter(|&b| {
+                b != v.mine
+                    && v.owner[b] == v.mine
+                    && self.tgts[b].mode == Some(Mode::Covered)
+                    && !self.done_sent.contains(&b)
+            })
+            .collect()
+    }
+
+    /// An owner whose region every member SP wrote tells its node's covered
+    /// SPs where it is.
+    fn send_region_done(&mut self) {
+        let Some(v) = &self.view else { return };
+        let full =
+            self.tgts[v.mine].mode == Some(Mode::Region) && self.region_writers == v.sps.len();
+        if !full || self.abort.is_some() {
+            return;
+        }
+        for b in self.owed_region_done() {
+            self.done_sent.insert(b);
+            self.stats.regions_shared += 1;
+            let to = self.view.as_ref().unwrap().sps[b];
+            self.send(to, Msg::RegionDone { at: self.region_at });
         }
     }
 
@@ -1204,10 +1419,46 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
                 }
                 self.on_region(from, rank, len, comm, key)
             }
+            Msg::Waiting { len, comm } => {
+                // The sender is a contact now (owed a `Stopped` if this SP
+                // aborts) and learns this SP's mode from its announcement.
+                if self.view.is_none() {
+                    if !self.early_seen.insert((from, Some(Rank::MAX))) {
+                        return Err(MsgError::Duplicate { sp: from });
+                    }
+                    self.early.push((from, Msg::Waiting { len, comm }));
+                    return Ok(());
+                }
+                self.on_waiting(from, len, comm)
+            }
+            Msg::Covered { len, comm } => {
+                if self.view.is_none() {
+                    if !self.early_seen.insert((from, None)) {
+                        return Err(MsgError::Duplicate { sp: from });
+                    }
+                    self.stats.keys_before_post += 1;
+                    self.early.push((from, Msg::Covered { len, comm }));
+                    return Ok(());
+                }
+                self.on_covered(from, len, comm)
+            }
+            Msg::RegionDone { at } => {
+                let bad = Err(MsgError::Unexpected { sp: from });
+                let Some(v) = &self.view else { return bad };
+                let from_owner = v.sps[v.owner[v.mine]] == from;
+                if !from_owner
+                    || self.tgts[v.mine].mode != Some(Mode::Covered)
+                    || self.region_done.is_some()
+                {
+                    return bad;
+                }
+                self.region_done = Some(at);
+                Ok(())
+            }
             Msg::Written { ranks } => {
                 let bad = Err(MsgError::Unexpected { sp: from });
                 let Some(v) = &self.view else { return bad };
-                if v.design != Design::Flat || v.idx(from).is_none() {
+                if self.tgts[v.mine].mode != Some(Mode::Flat) || v.idx(from).is_none() {
                     return bad;
                 }
                 for r in &ranks {
@@ -1228,7 +1479,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
                 let bad = Err(MsgError::Unexpected { sp: from });
                 let Some(v) = &self.view else { return bad };
                 let Some(b) = v.idx(from) else { return bad };
-                if v.design != Design::Hier || self.tgts[b].wrote_region {
+                if self.tgts[v.mine].mode != Some(Mode::Region) || self.tgts[b].wrote_region {
                     return bad;
                 }
                 self.tgts[b].wrote_region = true;
@@ -1288,7 +1539,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
         let Some(b) = self.key_sender(from, rank, len, comm) else {
             return Ok(());
         };
-        if self.tgts[b].mode == Some(Design::Hier) {
+        if matches!(self.tgts[b].mode, Some(Mode::Region | Mode::Covered)) {
             self.enter_abort(Status::InvalidPost);
             return Ok(());
         }
@@ -1299,7 +1550,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
             return Ok(());
         }
         if self.tgts[b].mode.is_none() {
-            self.resolve_sp(b, Design::Flat);
+            self.resolve_sp(b, Mode::Flat);
         }
         self.learn_rank_key(rank, key);
         Ok(())
@@ -1316,9 +1567,14 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
         let Some(b) = self.key_sender(from, rank, len, comm) else {
             return Ok(());
         };
+        if self.view.as_ref().unwrap().owner[b] != b {
+            // Same members (the digest matched), so the same owners: only
+            // an owner announces a region.
+            return Err(MsgError::Unexpected { sp: from });
+        }
         match self.tgts[b].mode {
-            Some(Design::Hier) => return Err(MsgError::Duplicate { sp: from }),
-            Some(Design::Flat) => {
+            Some(Mode::Region) => return Err(MsgError::Duplicate { sp: from }),
+            Some(Mode::Flat | Mode::Covered) => {
                 self.enter_abort(Status::InvalidPost);
                 return Ok(());
             }
@@ -1328,7 +1584,57 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
             return Ok(());
         }
         self.tgts[b].region = Some((rank, key));
-        self.resolve_sp(b, Design::Hier);
+        self.resolve_sp(b, Mode::Region);
+        Ok(())
+    }
+
+    /// SP `from` of this owner's node posted.
+    fn on_waiting(&mut self, from: SpId, len: u64, comm: u64) -> Result<(), MsgError> {
+        let v = self.view.as_ref().unwrap();
+        let Some(b) = v.idx(from) else {
+            self.enter_abort(Status::InvalidPost);
+            return Ok(());
+        };
+        if len != v.len {
+            self.enter_abort(Status::CountMismatch);
+        } else if comm != v.digest || v.owner[b] != v.mine || b == v.mine {
+            self.enter_abort(Status::InvalidPost);
+        } else if !self.waiting_from.insert(b) {
+            return Err(MsgError::Duplicate { sp: from });
+        }
+        Ok(())
+    }
+
+    /// SP `from` is covered by its owner's region.
+    fn on_covered(&mut self, from: SpId, len: u64, comm: u64) -> Result<(), MsgError> {
+        let v = self.view.as_ref().unwrap();
+        let Some(b) = v.idx(from) else {
+            self.enter_abort(Status::InvalidPost);
+            return Ok(());
+        };
+        if len != v.len {
+            self.enter_abort(Status::CountMismatch);
+            return Ok(());
+        }
+        if comm != v.digest {
+            self.enter_abort(Status::InvalidPost);
+            return Ok(());
+        }
+        if v.owner[b] == b {
+            return Err(MsgError::Unexpected { sp: from });
+        }
+        match self.tgts[b].mode {
+            Some(Mode::Covered) => return Err(MsgError::Duplicate { sp: from }),
+            Some(Mode::Flat | Mode::Region) => {
+                self.enter_abort(Status::InvalidPost);
+                return Ok(());
+            }
+            None => {}
+        }
+        if self.abort.is_some() {
+            return Ok(());
+        }
+        self.resolve_sp(b, Mode::Covered);
         Ok(())
     }
 
@@ -1440,7 +1746,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
             }
             Unit::Region(b) => {
                 let t = &mut self.tgts[b];
-                if t.sent || t.mode != Some(Design::Hier) || t.in_flight > 0 || t.done != need {
+                if t.sent || t.mode != Some(Mode::Region) || t.in_flight > 0 || t.done != need {
                     return;
                 }
                 t.sent = true;
@@ -1533,6 +1839,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
     /// Do everything that can be done now; called at the end of every
     /// input.
     fn pump(&mut self) {
+        self.settle();
         if self.view.is_some() {
             loop {
                 let mut progress = self.retry_blocked();
@@ -1547,6 +1854,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
                 self.stats.written_msgs += 1;
                 self.send(to, Msg::Written { ranks });
             }
+            self.send_region_done();
         }
         self.notify();
         if self.completed < self.posted.len() {
@@ -1620,9 +1928,9 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
                     None if first => {
                         h.blocked_sps.insert(b);
                     }
-                    Some(Design::Hier) if first => self.emit_write(i, &mut h, b, None),
-                    None | Some(Design::Hier) => {}
-                    Some(Design::Flat) => {
+                    Some(Mode::Region) if first => self.emit_write(i, &mut h, b, None),
+                    None | Some(Mode::Region | Mode::Covered) => {}
+                    Some(Mode::Flat) => {
                         if self.rtgts[r as usize].key.is_some() {
                             self.emit_write(i, &mut h, b, Some(r));
                         } else {
@@ -1645,8 +1953,9 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
             None => {
                 h.blocked_sps.insert(b);
             }
-            Some(Design::Hier) => self.emit_write(i, h, b, None),
-            Some(Design::Flat) => {
+            Some(Mode::Region) => self.emit_write(i, h, b, None),
+            Some(Mode::Covered) => {}
+            Some(Mode::Flat) => {
                 let n = self.view.as_ref().unwrap().sp_ranks[b].len();
                 for k in 0..n {
                     let r = self.view.as_ref().unwrap().sp_ranks[b][k];
@@ -1788,11 +2097,15 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
         if reads_busy {
             return;
         }
-        let hier = v.design == Design::Hier;
+        let mode = self.tgts[v.mine].mode;
+        let hier = mode == Some(Mode::Region);
+        // Only an SP that sent keys (`Key`s or its `Region`) can have writers.
+        let exposed = matches!(mode, Some(Mode::Flat | Mode::Region));
         let wait = if aborted {
             let own_busy = self.tgts[v.mine].in_flight > 0;
             own_busy
-                || (!mutated(Mutation::SkipStopHandshake)
+                || (exposed
+                    && !mutated(Mutation::SkipStopHandshake)
                     && !v.sps.iter().enumerate().all(|(b, &w)| {
                         w == self.me
                             || self.lost_sps.contains(&w)
@@ -1803,6 +2116,10 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
                                 st.written_from.contains(&w)
                             }
                     }))
+        } else if mode.is_none() {
+            true
+        } else if mode == Some(Mode::Covered) {
+            st.reads_done < v.n || self.region_done.is_none()
         } else {
             let all = v.sps.len();
             let writers = if hier {
@@ -1830,7 +2147,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
         self.actions.push_back(Action::Complete {
             rank,
             status,
-            from_segment: hier && status.is_ok(),
+            from_segment: matches!(mode, Some(Mode::Region | Mode::Covered)) && status.is_ok(),
         });
     }
 }
@@ -1920,12 +2237,15 @@ mod tests {
             len,
             design: Design::Flat,
             shared_key: None,
+            shared_at: 0,
         }
     }
 
+    /// Hierarchical; an owner places its region at `100 * sp`.
     fn hier(mut p: Post<Tag>) -> Post<Tag> {
         p.design = Design::Hier;
         p.shared_key = Some(('h', p.rank));
+        p.shared_at = 100 * u64::from(p.members[p.rank as usize]);
         p
     }
 
@@ -2117,6 +2437,88 @@ mod tests {
             assert!(net.sp(sp).segs.iter().all(|&(_, seg)| seg));
         }
         all_finished(&mut net, &[0, 1]);
+    }
+
+    #[test]
+    fn hier_writes_each_chunk_once_per_node_into_its_owners_region() {
+        // Node 0: SP 0 (rank 0), SP 1 (ranks 1, 4); node 1: SP 2 (rank 2),
+        // SP 3 (rank 3). SPs 0 and 2 own their nodes' regions.
+        let (members, nodes) = ([0, 1, 2, 3, 1], [0, 0, 1, 1, 0]);
+        let mut net = Net::new(4);
+        for r in [4, 3, 1, 2, 0] {
+            net.post(members[r as usize], hier(post(r, 6, &members, &nodes)));
+        }
+        net.run();
+        for r in 0..5 {
+            assert_eq!(net.status(r), Some(Status::Ok), "rank {r}");
+        }
+        // 5 blocks x 2 chunks into 2 regions (one per node), through the
+        // owners' ranks 0 and 2; nothing into any rank's buffer.
+        let w = writes(&net);
+        assert_eq!(w.len(), 20, "{w:?}");
+        for c in &w {
+            let Loc::Host { key, offset } = c.dst else {
+                unreachable!()
+            };
+            assert!(key == ('h', 0) || key == ('h', 2), "{c:?}");
+            assert_eq!(offset, c.block as u64 * 6 + c.chunk * CHUNK);
+        }
+        // Every rank copies out of its owner's region.
+        for (sp, owner) in [(0, 0), (1, 0), (2, 2), (3, 2)] {
+            assert!(net.sp(sp).segs.iter().all(|&(_, seg)| seg), "SP {sp}");
+            assert_eq!(
+                net.sp(sp).m.segment_source(),
+                Some((owner, 100 * u64::from(owner), 30)),
+                "SP {sp}"
+            );
+        }
+        assert_eq!(net.sp(0).m.stats().regions_shared, 1);
+        assert_eq!(net.sp(2).m.stats().regions_shared, 1);
+        all_finished(&mut net, &[0, 1, 2, 3]);
+    }
+
+    #[test]
+    fn a_flat_owner_makes_its_nodes_hier_sps_flat() {
+        // SP 0 owns node 0 but delivers flat (no segment room); SP 1, same
+        // node, is hierarchical: it announces its ranks' keys after SP 0's.
+        let (members, nodes) = ([0, 1, 1], [0, 0, 0]);
+        let mut net = Net::new(2);
+        net.post(1, hier(post(1, 3, &members, &nodes)));
+        net.post(1, hier(post(2, 3, &members, &nodes)));
+        net.run();
+        assert!(writes(&net).is_empty(), "SP 1 waits for its owner");
+        net.post(0, post(0, 3, &members, &nodes));
+        net.run();
+        for r in 0..3 {
+            assert_eq!(net.status(r), Some(Status::Ok), "rank {r}");
+        }
+        let w = writes(&net);
+        assert_eq!(w.len(), 9, "3 blocks into 3 buffers: {w:?}");
+        assert!(w
+            .iter()
+            .all(|c| matches!(c.dst, Loc::Host { key: ('r', _), .. })));
+        assert_eq!(net.sp(1).segs, [(1, false), (2, false)]);
+        assert_eq!(net.sp(1).m.segment_source(), None);
+        all_finished(&mut net, &[0, 1]);
+    }
+
+    #[test]
+    fn an_owner_that_fails_before_it_posts_stops_its_nodes_waiting_sps() {
+        // SP 0 owns the node; its only rank dies before posting, so SP 0
+        // never announces anything, and no other node's SP tells SP 1 about
+        // it. SP 1's hierarchical ranks must not wait forever: its `Waiting`
+        // makes SP 0 owe it a `Stopped`.
+        let (members, nodes) = ([0, 1, 1], [0, 0, 0]);
+        let mut net = Net::new(2);
+        net.sp(0).m.handle_rank_lost(0, 0);
+        for r in 1..3 {
+            net.post(1, hier(post(r, 4, &members, &nodes)));
+        }
+        net.run();
+        for r in 1..3 {
+            assert_eq!(net.status(r), Some(Status::RankFailed), "rank {r}");
+        }
+        all_finished(&mut net, &[1]);
     }
 
     #[test]

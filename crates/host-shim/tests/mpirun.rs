@@ -304,8 +304,11 @@ fn allgather_host_copies_can_be_turned_off() {
 #[test]
 fn iallgather_staged_designs_offload_with_late_arrivals() {
     // SPOFF_IALLGATHER_DESIGN: MPI_Iallgather takes the staged designs (the other calls of
-    // ag_check stay on the load-balanced one); still byte-identical to PMPI_Allgatherv.
+    // ag_check stay on the load-balanced one); still byte-identical to PMPI_Allgatherv. With 2
+    // SPs per node, the hierarchical design writes one region per node, which the ranks of the
+    // node's other SP copy out of too, and the node segments' names are gone at the end.
     for (k, layout, design) in [(1, "cyclic", "flat"), (2, "block", "hier")] {
+        let shm_before = shm_segments();
         let run =
             ag_check_offloads_env(k, layout, &["late"], &[("SPOFF_IALLGATHER_DESIGN", design)]);
         assert!(
@@ -316,7 +319,10 @@ fn iallgather_staged_designs_offload_with_late_arrivals() {
         assert_eq!(run.sp_total("staging_refused"), 0, "{}", run.stderr);
         if design == "hier" {
             assert!(run.sp_total("host_copies") > 0, "{}", run.stderr);
+            assert!(run.sp_total("regions_shared") > 0, "{}", run.stderr);
         }
+        let left: Vec<_> = shm_segments().difference(&shm_before).cloned().collect();
+        assert!(left.is_empty(), "segment names left behind: {left:?}");
     }
 }
 

@@ -253,11 +253,13 @@ impl Machine {
     }
 
     /// Late-arrival counters (zero for collectives without a hierarchical landing).
-    /// A hierarchical bcast: the SP whose segment region this SP's ranks copy out of, where
-    /// it starts and the message length (see `bcast::Bcast::segment_source`).
+    /// A hierarchical staged collective: the SP whose segment region this SP's ranks copy out
+    /// of, where it starts and its length (see `bcast::Bcast::segment_source` and
+    /// `staged_allgather::StagedAllgather::segment_source`).
     pub fn segment_source(&self) -> Option<(SpId, u64, u64)> {
         match self {
             Machine::Bcast(m) => m.segment_source(),
+            Machine::StagedAllgather(m) => m.segment_source(),
             _ => None,
         }
     }

@@ -1047,18 +1047,21 @@ impl Server {
         // itself (its ranks granted them for writing), which the ranks cannot tell apart from
         // a copy out of the segment. Waiting for room instead could deadlock: the instance
         // holding the room may need a post that waits elsewhere.
-        // A hierarchical bcast: only the node's leader in the broadcast tree writes a region
-        // (the node's other SPs' ranks copy out of it).
-        let bcast_leader = d.kind != CollKind::Bcast
-            || d.staged.as_ref().is_some_and(|st| {
-                bcast::build_tree(&d.members, &d.nodes, st.root)
-                    .is_ok_and(|t| t.iter().any(|g| g[0] == self.me))
-            });
+        // Only one SP of a node writes a hierarchical region, which the node's other SPs' ranks
+        // copy out of: a bcast's node leader in its tree, a staged allgather's node owner.
+        let region_writer = match (&d.kind, &d.staged) {
+            (CollKind::Bcast, Some(st)) => bcast::build_tree(&d.members, &d.nodes, st.root)
+                .is_ok_and(|t| t.iter().any(|g| g[0] == self.me)),
+            (CollKind::StagedAllgather, Some(_)) => {
+                staged_allgather::node_owner(&d.members, &d.nodes, self.me) == Some(self.me)
+            }
+            _ => true,
+        };
         let mut shared_at = 0;
         let shared_key = match &d.staged {
             Some(st)
                 if st.design == StagedDesign::Hier
-                    && bcast_leader
+                    && region_writer
                     && !self.flat_here.contains(&ck) =>
             {
                 let seg = st.segment.clone().expect("checked by check_post");
@@ -1150,7 +1153,7 @@ impl Server {
                     // A leader without room delivers flat (its node's other SPs then get the
                     // chunks); the others are hierarchical as posted.
                     design: if shared_key.is_some()
-                        || (!bcast_leader && st.design == StagedDesign::Hier)
+                        || (!region_writer && st.design == StagedDesign::Hier)
                     {
                         bcast::Design::Hier
                     } else {
@@ -1169,12 +1172,17 @@ impl Server {
                     send_key: send,
                     recv_key: recv,
                     len: d.send_counts[0],
-                    design: if shared_key.is_some() && st.design == StagedDesign::Hier {
+                    // As for the bcast: an owner without room delivers flat (and so then do
+                    // its node's other SPs); the others are hierarchical as posted.
+                    design: if shared_key.is_some()
+                        || (!region_writer && st.design == StagedDesign::Hier)
+                    {
                         bcast::Design::Hier
                     } else {
                         bcast::Design::Flat
                     },
                     shared_key,
+                    shared_at,
                 })
             }
         };
@@ -1261,9 +1269,11 @@ impl Server {
                 return;
             }
         };
-        // A leader sealed its region for this SP's ranks: it keeps the region until told they
-        // are done with it (at once if this SP has no instance to read it).
-        if let CollMsg::Bcast(bcast::Msg::Sealed { at }) = &m {
+        // A leader (owner) sealed its region for this SP's ranks: it keeps the region until
+        // told they are done with it (at once if this SP has no instance to read it).
+        if let CollMsg::Bcast(bcast::Msg::Sealed { at })
+        | CollMsg::StagedAllgather(staged_allgather::Msg::RegionDone { at }) = &m
+        {
             let live = self
                 .jobs
                 .get(&ck.job)
@@ -1375,7 +1385,9 @@ impl Server {
             };
             match action {
                 Act::Send { to, msg } => {
-                    if let CollMsg::Bcast(bcast::Msg::Sealed { .. }) = &msg {
+                    if let CollMsg::Bcast(bcast::Msg::Sealed { .. })
+                    | CollMsg::StagedAllgather(staged_allgather::Msg::RegionDone { .. }) = &msg
+                    {
                         self.stats.regions_shared += 1;
                         if let Some(r) = self.regions.get_mut(&ck) {
                             r.borrowers.insert(to);

@@ -37,8 +37,9 @@ pub struct Stats {
     pub staging_peak_bytes: u64,
     pub staging_refused: u64,
     pub hier_delivered_flat: u64,
-    /// Hierarchical bcasts: node regions this SP (a node leader) wrote and sealed for another
-    /// SP of its node, whose ranks copied out of it.
+    /// Hierarchical staged collectives: node regions this SP (a bcast's node leader, an
+    /// allgather's node owner) handed to another SP of its node (`Sealed`, `RegionDone`),
+    /// whose ranks copied out of it.
     pub regions_shared: u64,
     /// Most copies active at once (bounded by `max_inflight_reads`).
     pub max_inflight: u64,

@@ -26,27 +26,32 @@
 //!   every rank of the collective posted, with the same length and comm
 //!   (so a rank never completes `Ok` with an inconsistent post around);
 //!   bytes past `P * len` are never touched; without faults every rank
-//!   completes `Ok` (`from_segment` exactly on hierarchical SPs);
+//!   completes `Ok` (`from_segment` exactly on hierarchical SPs, each
+//!   reading its node owner's region at the place the owner's driver gave
+//!   it);
 //! * each posted rank completes exactly once, by its own SP; a rank never
 //!   completes `Ok` after its SP learned of a fault touching the collective
 //!   (peer loss, loss of a rank that had not completed, an `Abort` or
 //!   `Stopped`);
 //! * no copy starts or finishes on the receive buffer or the send buffer of
-//!   a rank that completed, nor on the region of an SP one of whose ranks
-//!   completed; nothing is written into a rank before it posted;
+//!   a rank that completed, nor on a region some rank already copied out
+//!   of (or, at its owner, completed); nothing is written into a rank
+//!   before it posted;
 //! * staging: every slot id is below `staging_slots`; a slot is never
 //!   written while anything else reads or writes it, and never read while
 //!   it is written; each SP's `max_slots_in_use` stays within the bound;
 //! * shape: reads only from the SP's own ranks' send buffers at `chunk *
 //!   chunk_bytes`, writes only of the SP's own ranks' blocks at `block *
 //!   len + chunk * chunk_bytes`, into receive buffers of ranks of flat SPs
-//!   or the region of hierarchical SPs (through the shared key of the rank
-//!   that posted first there);
+//!   or the region of node owners (hierarchical, through the shared key of
+//!   the rank that posted first there), never into the ranks of a covered
+//!   SP (hierarchical, not its node's owner, whose owner is hierarchical);
 //! * the run ends within the event/time bound, every posted rank of a live
 //!   SP completes, every instance of a live SP that saw a post is finished;
 //! * without faults: every block is read once, each chunk written exactly
 //!   once into every rank of a flat SP and into the region of every
-//!   hierarchical SP, and exactly the bytes that this implies cross nodes.
+//!   hierarchical owner, exactly the bytes that this implies cross nodes,
+//!   and one `RegionDone` per covered SP.
 //!
 //! A message reaching an SP whose instance is finished is dropped, as the
 //! SP engine does, except in runs with posts of different comms, where it
@@ -59,9 +64,27 @@ use serde::{Deserialize, Serialize};
 use super::driver::{self, run_events, Collective, Core, Ev, Params};
 use super::{CostModel, Layout, SimFailure};
 use crate::staged_allgather::{
-    refusal, Action, Config, Copy, Design, Loc, Msg, Post, StagedAllgather, Stats,
+    node_owner, refusal, Action, Config, Copy, Design, Loc, Msg, Post, StagedAllgather, Stats,
 };
 use crate::{CollKey, CommId, Nanos, Rank, SpId, Status};
+
+/// How an SP receives (see the algorithm's module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum SimMode {
+    Flat,
+    /// A hierarchical node owner: into its region.
+    Region,
+    /// Hierarchical, not the owner, whose owner is hierarchical: its ranks
+    /// read the owner's region.
+    Covered,
+}
+
+/// Where the driver of SP `sp` places its region in its node segment (any
+/// value works; distinct ones let the checker see that ranks copy from the
+/// place their owner named).
+fn region_at(sp: SpId) -> u64 {
+    4096 * (u64::from(sp) + 1)
+}
 
 /// Untouched bytes after the data in every buffer and region.
 const PAD: u64 = 3;
@@ -728,6 +751,7 @@ impl<'a> Sim<'a> {
                     len,
                     design,
                     shared_key: (design == Design::Hier).then(|| key(KeyKind::Shared)),
+                    shared_at: region_at(sp),
                 };
                 if let Err(e) = self.instance(sp, op).handle_post(now, post) {
                     return Err(self.fail(format!("op {op} rank {rank}: post rejected: {e}")));
@@ -939,7 +963,7 @@ impl<'a> Sim<'a> {
                         if o.post_ns[r].is_none() {
                             return bad("a write into a rank that has not posted");
                         }
-                        if !o.inconsistent && o.design[to as usize] != Design::Flat {
+                        if !o.inconsistent && self.mode(o, to) != SimMode::Flat {
                             return bad("a write into a rank of a hierarchical SP");
                         }
                     }
@@ -948,9 +972,9 @@ impl<'a> Sim<'a> {
                             return bad("a write into the region of an SP without a post");
                         };
                         if !o.inconsistent
-                            && (o.design[to as usize] != Design::Hier || *first != key.rank)
+                            && (self.mode(o, to) != SimMode::Region || *first != key.rank)
                         {
-                            return bad("a region write not through the SP's first rank");
+                            return bad("a region write not through a node owner's first rank");
                         }
                     }
                 }
@@ -1093,16 +1117,31 @@ impl<'a> Sim<'a> {
             o.notified.contains(&sp),
         )?;
         let mut host_at = at;
+        let mode = self.mode(o, sp);
+        let mut read_from = None;
         if from_segment {
-            if !status.is_ok() || o.design[sp as usize] != Design::Hier {
+            if !status.is_ok() || mode == SimMode::Flat {
                 return Err(self.fail(format!(
-                    "op {op}: rank {rank} completed from the segment ({status}, {:?})",
-                    o.design[sp as usize]
+                    "op {op}: rank {rank} completed from the segment ({status}, {mode:?})"
                 )));
             }
-            // The host copies P * len bytes out of the region in its wait.
+            // The host copies P * len bytes out of its node owner's region in
+            // its wait: the SP says where that is.
             let p = self.cfg.world_size() as u64;
-            let Some((_, region)) = &o.region[sp as usize] else {
+            let owner = self.owner(o, sp);
+            let src = self.inst.get(&(sp, op)).and_then(|a| a.segment_source());
+            match src {
+                Some((s, at, total))
+                    if s == owner && at == region_at(owner) && total == p * o.len => {}
+                _ if o.inconsistent => {}
+                _ => {
+                    return Err(self.fail(format!(
+                        "op {op}: rank {rank} of SP {sp} copies from {src:?}, not from its \
+                         owner {owner}'s region"
+                    )))
+                }
+            }
+            let Some((_, region)) = &o.region[owner as usize] else {
                 return Err(self.fail(format!("op {op}: SP {sp} completed from no region")));
             };
             let n = (p * o.post_len[r]).min(region.size - PAD);
@@ -1110,9 +1149,17 @@ impl<'a> Sim<'a> {
             self.ops[op].recv[r].write(0, &data);
             let node = self.core.sp_node(sp);
             host_at = at + self.core.copy_cost(node, sp, n);
+            read_from = Some(owner);
         }
         let o = &mut self.ops[op];
-        o.sealed[sp as usize].get_or_insert(at);
+        // A region is sealed once a rank copied out of it, or once a rank of
+        // its owner completed (the stop handshake then covers the region).
+        if mode == SimMode::Region {
+            o.sealed[sp as usize].get_or_insert(at);
+        }
+        if let Some(owner) = read_from {
+            o.sealed[owner as usize].get_or_insert(at);
+        }
         o.done[r] = Some(Done {
             at,
             status,
@@ -1153,7 +1200,7 @@ impl<'a> Sim<'a> {
                     }
                 };
                 if !o.disturbed {
-                    let seg = o.design[sp as usize] == Design::Hier;
+                    let seg = self.mode(o, sp) != SimMode::Flat;
                     if !d.status.is_ok() || d.from_segment != seg {
                         return Err(self.fail(format!(
                             "op {i} rank {r}: {} (from_segment {}) without a fault",
@@ -1196,7 +1243,7 @@ impl<'a> Sim<'a> {
                 }
                 for r in 0..p as usize {
                     let sp = self.core.rank_sp[r] as usize;
-                    if o.design[sp] == Design::Flat && o.writes_rank[r] != want {
+                    if self.mode(o, sp as SpId) == SimMode::Flat && o.writes_rank[r] != want {
                         return Err(self.fail(format!(
                             "op {i}: {} chunk writes into rank {r}, want {want}",
                             o.writes_rank[r]
@@ -1205,7 +1252,7 @@ impl<'a> Sim<'a> {
                 }
                 for &sp in &self.member_sps {
                     let got = o.writes_region[sp as usize];
-                    let exp = if o.design[sp as usize] == Design::Hier {
+                    let exp = if self.mode(o, sp) == SimMode::Region {
                         want
                     } else {
                         0
@@ -1221,6 +1268,22 @@ impl<'a> Sim<'a> {
                     return Err(self.fail(format!(
                         "op {i}: {} bytes crossed nodes, want {exp}",
                         o.bytes_inter
+                    )));
+                }
+                let covered = self
+                    .member_sps
+                    .iter()
+                    .filter(|&&sp| self.mode(o, sp) == SimMode::Covered)
+                    .count() as u64;
+                let done: u64 = self
+                    .member_sps
+                    .iter()
+                    .filter_map(|&sp| self.inst.get(&(sp, i)))
+                    .map(|a| a.stats().regions_shared)
+                    .sum();
+                if done != covered {
+                    return Err(self.fail(format!(
+                        "op {i}: {done} RegionDone sent, want {covered} (covered SPs)"
                     )));
                 }
             }
@@ -1247,6 +1310,23 @@ impl<'a> Sim<'a> {
         Ok(())
     }
 
+    /// The owner of `sp`'s node on the world communicator.
+    fn owner(&self, _o: &Op, sp: SpId) -> SpId {
+        node_owner(&self.core.rank_sp, &self.core.rank_node, sp).expect("a member SP")
+    }
+
+    /// How SP `sp` receives in `o` (on the world communicator): a node
+    /// owner by its own design, another SP flat if it or its owner is.
+    fn mode(&self, o: &Op, sp: SpId) -> SimMode {
+        let owner = self.owner(o, sp);
+        match (o.design[sp as usize], o.design[owner as usize]) {
+            (Design::Flat, _) => SimMode::Flat,
+            (Design::Hier, _) if owner == sp => SimMode::Region,
+            (Design::Hier, Design::Hier) => SimMode::Covered,
+            (Design::Hier, Design::Flat) => SimMode::Flat,
+        }
+    }
+
     /// Bytes a fault-free collective writes across nodes: every block into
     /// every rank of a flat SP, once into the region of a hierarchical one,
     /// on other nodes.
@@ -1254,9 +1334,10 @@ impl<'a> Sim<'a> {
         let mut per_node_units: BTreeMap<u32, u64> = BTreeMap::new();
         for &sp in &self.member_sps {
             let node = self.core.sp_node(sp);
-            let units = match o.design[sp as usize] {
-                Design::Hier => 1,
-                Design::Flat => self.core.rank_sp.iter().filter(|&&s| s == sp).count() as u64,
+            let units = match self.mode(o, sp) {
+                SimMode::Region => 1,
+                SimMode::Covered => 0,
+                SimMode::Flat => self.core.rank_sp.iter().filter(|&&s| s == sp).count() as u64,
             };
             *per_node_units.entry(node).or_default() += units;
         }
@@ -1314,6 +1395,8 @@ fn msg_bytes(msg: &Msg<SimKey>) -> u64 {
         Msg::Key { .. } | Msg::Region { .. } => 4 + 8 + 8 + 16,
         Msg::Written { ranks } => 4 * ranks.len() as u64,
         Msg::WrittenRegion | Msg::Abort { .. } | Msg::Stopped { .. } => 1,
+        Msg::Covered { .. } | Msg::Waiting { .. } => 16,
+        Msg::RegionDone { .. } => 8,
     }
 }
 
