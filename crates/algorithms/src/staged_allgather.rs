@@ -2411,56 +2411,28 @@ mod tests {
     }
 
     #[test]
-    fn hier_writes_each_chunk_once_per_sp_region() {
-        // SP 0: ranks 0, 2 (node 0); SP 1: ranks 1, 3, 4 (node 1).
-        let (members, nodes) = ([0, 1, 0, 1, 1], [0, 1, 0, 1, 1]);
-        let mut net = Net::new(2);
-        for r in [3, 0, 4, 2, 1] {
-            net.post(members[r as usize], hier(post(r, 5, &members, &nodes)));
-        }
-        net.run();
-        for r in 0..5 {
-            assert_eq!(net.status(r), Some(Status::Ok), "rank {r}");
-        }
-        // 5 blocks x 2 chunks into 2 regions: through the shared key of
-        // the first rank that posted on each SP (3 on SP 1, 0 on SP 0).
-        let w = writes(&net);
-        assert_eq!(w.len(), 20);
-        for c in &w {
-            let Loc::Host { key, offset } = c.dst else {
-                unreachable!()
-            };
-            assert!(key == ('h', 0) || key == ('h', 3), "{c:?}");
-            assert_eq!(offset, c.block as u64 * 5 + c.chunk * CHUNK);
-        }
-        for sp in 0..2 {
-            assert!(net.sp(sp).segs.iter().all(|&(_, seg)| seg));
-        }
-        all_finished(&mut net, &[0, 1]);
-    }
-
-    #[test]
     fn hier_writes_each_chunk_once_per_node_into_its_owners_region() {
-        // Node 0: SP 0 (rank 0), SP 1 (ranks 1, 4); node 1: SP 2 (rank 2),
-        // SP 3 (rank 3). SPs 0 and 2 own their nodes' regions.
-        let (members, nodes) = ([0, 1, 2, 3, 1], [0, 0, 1, 1, 0]);
+        // Node 0: SP 0 (ranks 0, 5), SP 1 (ranks 1, 4); node 1: SP 2 (rank
+        // 2), SP 3 (rank 3). SPs 0 and 2 own their nodes' regions.
+        let (members, nodes) = ([0, 1, 2, 3, 1, 0], [0, 0, 1, 1, 0, 0]);
         let mut net = Net::new(4);
-        for r in [4, 3, 1, 2, 0] {
+        for r in [4, 3, 5, 1, 2, 0] {
             net.post(members[r as usize], hier(post(r, 6, &members, &nodes)));
         }
         net.run();
-        for r in 0..5 {
+        for r in 0..6 {
             assert_eq!(net.status(r), Some(Status::Ok), "rank {r}");
         }
-        // 5 blocks x 2 chunks into 2 regions (one per node), through the
-        // owners' ranks 0 and 2; nothing into any rank's buffer.
+        // 6 blocks x 2 chunks into 2 regions (one per node), through the
+        // shared key of the first rank that posted at each owner (5 on SP
+        // 0, 2 on SP 2); nothing into any rank's buffer.
         let w = writes(&net);
-        assert_eq!(w.len(), 20, "{w:?}");
+        assert_eq!(w.len(), 24, "{w:?}");
         for c in &w {
             let Loc::Host { key, offset } = c.dst else {
                 unreachable!()
             };
-            assert!(key == ('h', 0) || key == ('h', 2), "{c:?}");
+            assert!(key == ('h', 5) || key == ('h', 2), "{c:?}");
             assert_eq!(offset, c.block as u64 * 6 + c.chunk * CHUNK);
         }
         // Every rank copies out of its owner's region.
@@ -2468,7 +2440,7 @@ mod tests {
             assert!(net.sp(sp).segs.iter().all(|&(_, seg)| seg), "SP {sp}");
             assert_eq!(
                 net.sp(sp).m.segment_source(),
-                Some((owner, 100 * u64::from(owner), 30)),
+                Some((owner, 100 * u64::from(owner), 36)),
                 "SP {sp}"
             );
         }
