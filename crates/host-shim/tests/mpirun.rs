@@ -493,6 +493,29 @@ fn bcast_hier_without_room_in_the_segment_is_delivered_flat() {
     }
 }
 
+#[test]
+fn iallgather_hier_owner_without_room_makes_its_node_flat() {
+    // Three hierarchical Iallgathers outstanding, each fitting a node owner's 64 KiB part of
+    // the segment alone but no two at once: owners deliver some of them flat, and then the
+    // node's other SP (2 SPs per node) delivers flat too; the others go through one region
+    // per node. Every result is compared with PMPI_Allgather.
+    let _serial = serial();
+    let prog = prog("iag_fit");
+    let run = launch_with(
+        2,
+        &[],
+        &[prog.as_str(), "65536", "4"],
+        &[
+            ("SPOFF_IALLGATHER_DESIGN", "hier"),
+            ("SPOFF_SEGMENT_BYTES", "65536"),
+        ],
+    );
+    assert_offloaded(&run, "iag_fit", 4);
+    assert!(run.sp_total("hier_delivered_flat") > 0, "{}", run.stderr);
+    assert!(run.sp_total("regions_shared") > 0, "{}", run.stderr);
+    assert!(run.sp_total("host_copies") > 0, "{}", run.stderr);
+}
+
 /// `program` offloaded with `SPOFF_BACKEND=ucx` (and verbose) on SPs started with `--ucx`:
 /// checks it as [`assert_offloaded`] does, that every copy took the ucx path (the SP never
 /// runs a ucx copy inline; with cma every copy of these programs is inline), and that every
