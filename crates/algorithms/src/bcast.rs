@@ -70,9 +70,9 @@
 //! of them `Sealed { at: shared_at }` (after its first `Credit`, which it
 //! checked as any credit; the slots granted to the leader are void then).
 //! A leader whose ranks have not posted yet does not know its design and
-//! forwards to its node's other SPs nothing until one does (the region
-//! needs one of its ranks' segment grants): in the hierarchical design a
-//! node's ranks wait for their leader's first post.
+//! forwards to its node's other SPs nothing until one does; the region is
+//! written through the writer's grant, so in the hierarchical design a
+//! node's ranks wait for the post of their leader's writer rank.
 //!
 //! The slot is freed when every receiving child has the chunk and every target has
 //! it. Targets are known from the members list of the

@@ -103,13 +103,20 @@
 //! rank completes with the error; structurally invalid posts are rejected
 //! with a [`PostError`]). Every `Key`/`Region` is checked on arrival: `len`
 //! (`CountMismatch`), digest, sender serving the rank in the receiver's
-//! view, one design per SP (`InvalidPost`). A rank completes `Ok` only with
-//! `Written` from every SP of its view, and an SP sends `Written` for a
-//! rank only after it checked that rank's `Key` against its own view and
-//! after all its own local ranks posted in agreement with that view. So an
-//! `Ok` rank proves that every member SP had the same view and that every
-//! rank of the comm posted in agreement with it: its buffer holds the right
-//! blocks at the right places. Once every SP involved has a post, a
+//! view, one design per SP (`InvalidPost`); `Covered` and `Waiting` are
+//! checked alike (`len`, digest, sender a member SP that is not an owner,
+//! and for `Waiting` of the receiver's node). A flat rank completes `Ok`
+//! only with `Written` from every SP of its view, an owner's rank only with
+//! `WrittenRegion` from every SP of its view, and an SP sends either only
+//! after it checked the target's `Key` or `Region` against its own view and
+//! after all its own local ranks posted in agreement with that view. A
+//! covered rank completes `Ok` only with `RegionDone`, which its owner
+//! sends only once its own ranks could complete `Ok` (every `WrittenRegion`
+//! in), and only to an SP whose `Covered` it checked; the covered SP in
+//! turn checked the owner's `Region`, and its own `WrittenRegion` to the
+//! owner is among those. So an `Ok` rank proves that every member SP had
+//! the same view and that every rank of the comm posted in agreement with
+//! it: its buffer holds the right blocks at the right places. Once every SP involved has a post, a
 //! disagreement is always detected by some SP: an SP with view V sends
 //! keys to every SP of V, and an SP of V that holds another view aborts on
 //! them (a rank that never posts leaves nobody `Ok` anyway).

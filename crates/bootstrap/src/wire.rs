@@ -319,12 +319,17 @@ pub enum SpToSp {
     /// To the other SPs of the sender's node: none of the job's ranks is connected to the
     /// sender any more and none of its instances is left there. The last SP of a node to have
     /// the job gone (by its own account and these messages) removes the node's segment name.
+    /// An SP that does not have the job (never had it, or forgot it) answers with `answer`
+    /// set (and never answers an answer): none of its ranks is connected, so none holds a
+    /// mapping of the segment that a later rank could fail to share.
     JobGone {
         job: u64,
+        answer: bool,
     },
     /// The sender's ranks finished copying out of the receiver's segment region of
-    /// hierarchical instance `key` (the receiver, its node's leader, sent the region's place
-    /// in its bcast `Sealed`): the receiver may reuse the region.
+    /// hierarchical instance `key` (the receiver, its node's bcast leader or allgather owner,
+    /// sent the region's place in `Sealed` or `RegionDone`): the receiver may reuse the
+    /// region.
     RegionReleased {
         key: CollKey,
     },

@@ -252,7 +252,6 @@ impl Machine {
         }
     }
 
-    /// Late-arrival counters (zero for collectives without a hierarchical landing).
     /// A hierarchical staged collective: the SP whose segment region this SP's ranks copy out
     /// of, where it starts and its length (see `bcast::Bcast::segment_source` and
     /// `staged_allgather::StagedAllgather::segment_source`).
@@ -264,6 +263,7 @@ impl Machine {
         }
     }
 
+    /// Late-arrival counters (zero for collectives without a hierarchical landing).
     pub fn late_arrivals(&self) -> LateArrivals {
         match self {
             Machine::Alltoallv(_) | Machine::Bcast(_) | Machine::StagedAllgather(_) => {

@@ -1260,7 +1260,17 @@ impl Server {
                 self.fail_job(job, Status::RankFailed, false);
                 return;
             }
-            SpToSp::JobGone { job } => {
+            SpToSp::JobGone { job, answer } => {
+                // Without the job here (and not waiting to unlink its name), none of its ranks
+                // is connected here: say so, so that the sender need not wait for this SP.
+                if !answer && !self.jobs.contains_key(&job) && !self.unlink_after.contains_key(&job)
+                {
+                    if let Some(k) = self.peer_conn.get(&from).copied() {
+                        let frame = encode(&SpToSp::JobGone { job, answer: true });
+                        self.send_frame(k, &frame);
+                    }
+                    return;
+                }
                 self.sibling_gone(from, Some(job));
                 return;
             }
@@ -2228,7 +2238,7 @@ impl Server {
             .filter(|e| e.node == node && e.id != self.me)
             .map(|e| e.id)
             .collect();
-        let frame = encode(&SpToSp::JobGone { job });
+        let frame = encode(&SpToSp::JobGone { job, answer: false });
         for &sp in &siblings {
             if let Some(k) = self.peer_conn.get(&sp).copied() {
                 self.send_frame(k, &frame);

@@ -806,3 +806,32 @@ fn stats_command_reads_the_counters_of_running_sps() {
         "{out:?}"
     );
 }
+
+/// The node segment's name outlives no job: here SP 0's rank leaves while SP 1, on the same
+/// node, never had a rank of the job connected (its rank never came). SP 0 must not wait for
+/// SP 1 to say the job is gone there: SP 1 answers that it does not have the job.
+#[test]
+fn a_node_segment_name_is_removed_when_the_other_sp_never_had_the_job() {
+    let set = SpSet::start(1, 2, 2, Layout::Block);
+    let job = new_job();
+    let name = bootstrap::segment_name(job, 0);
+    let path = std::path::Path::new("/dev/shm").join(name.trim_start_matches('/'));
+    let c = std::ffi::CString::new(name.clone()).unwrap();
+    // SAFETY: a valid C string; the fd is closed at once.
+    let fd = unsafe { libc::shm_open(c.as_ptr(), libc::O_RDWR | libc::O_CREAT, 0o600) };
+    assert!(fd >= 0, "shm_open {name}");
+    // SAFETY: our fd.
+    unsafe { libc::close(fd) };
+    assert!(path.exists());
+    // World rank 0 is SP 0's, rank 1 SP 1's; only rank 0 connects.
+    let host = Host::connect(&set, job, 0, 2);
+    host.goodbye();
+    let t = std::time::Instant::now();
+    while path.exists() && t.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let left = path.exists();
+    // SAFETY: a valid C string (cleanup if the SPs did not).
+    unsafe { libc::shm_unlink(c.as_ptr()) };
+    assert!(!left, "{name} still there 10 s after the job ended on SP 0");
+}

@@ -459,8 +459,9 @@ impl<'a> Sim<'a> {
                 })
                 .collect();
             if cfg.design == Design::Hier {
+                let longest = o.post_len.iter().copied().max().unwrap_or(0).max(o.len);
                 for (&sp, _) in local.iter() {
-                    o.seg[sp as usize] = fresh[..o.len as usize + PAD].to_vec();
+                    o.seg[sp as usize] = fresh[..longest as usize + PAD].to_vec();
                 }
             }
         }
@@ -975,10 +976,13 @@ impl<'a> Sim<'a> {
             Loc::Host { key, offset } => {
                 let o = &mut self.ops[op];
                 let (at, end) = (*offset as usize, *offset as usize + len);
-                let limit = if key.shared {
-                    o.len
-                } else {
-                    o.post_len[key.rank as usize]
+                // A region holds the message as its SP sees it: with
+                // inconsistent posts, the writer's post may be longer (its
+                // driver sized the region from it).
+                let limit = match (key.shared, o.inconsistent) {
+                    (true, false) => o.len,
+                    (true, true) => o.len.max(o.post_len[key.rank as usize]),
+                    (false, _) => o.post_len[key.rank as usize],
                 } as usize;
                 if end > limit {
                     return Err(self.fail(format!("op {op}: write past the message: {c:?}")));
