@@ -82,7 +82,7 @@ traffic_markdown() {
 # G. The staged Ibcast (issue 4's designs): native, flat and hierarchical at 1, 2 and 4 ranks
 # per node on 2 nodes; the SPs on a reserved CPU (they stand for DPU cores), the ranks on the
 # others; a fixed compute as in B, and the pure latency (the OSU first phase) of each.
-staged_sizes=${STAGED_SIZES:-4K,64K,1M}
+staged_sizes=${STAGED_SIZES:-4K,64K,1M,4M}
 staged_rpns=${STAGED_RPNS:-1 2 4}
 staged_designs() { # collective
   if [ "$1" = iallgather ]; then echo "flat hier lb"; else echo "flat hier"; fi
