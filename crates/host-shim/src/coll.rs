@@ -323,46 +323,65 @@ pub unsafe fn bcast(
 }
 
 /// The design of a staged collective of `kind` moving `len` bytes to each rank, on a
-/// communicator whose members are served by the SPs `members`. A message larger than the
-/// segment (`SPOFF_SEGMENT_BYTES`) is always `Flat`; otherwise `SPOFF_BCAST_DESIGN` (a bcast)
-/// or `SPOFF_IALLGATHER_DESIGN` (a staged iallgather) `=flat|hier` forces one, and `auto`
-/// picks `Hier` when some SP serves at least `SPOFF_HIER_MIN_RANKS` (default
-/// [`hier_min_ranks`]) of the members. The members and the length are the same on every rank
-/// (and so, in a correct job, is the environment), so every rank decides alike.
-fn staged_design(kind: CollKind, members: &[algorithms::SpId], len: u64) -> StagedDesign {
-    if len > crate::segment::configured_len() {
-        return StagedDesign::Flat;
-    }
+/// communicator whose members are on the emulated nodes `nodes`. A message larger than the
+/// segment part (`SPOFF_SEGMENT_BYTES`) is always `Flat`; otherwise `SPOFF_BCAST_DESIGN` (a
+/// bcast) or `SPOFF_IALLGATHER_DESIGN` (a staged iallgather) `=flat|hier` forces one, and
+/// `auto` picks `Hier` when some node has at least `SPOFF_HIER_MIN_RANKS` (default
+/// [`hier_min_ranks`]) of the members (the hierarchical designs write once per node). The
+/// nodes and the length are the same on every rank (and so, in a correct job, is the
+/// environment), so every rank decides alike.
+fn staged_design(kind: CollKind, nodes: &[u32], len: u64) -> StagedDesign {
     let var = match kind {
         CollKind::StagedAllgather => "SPOFF_IALLGATHER_DESIGN",
         _ => "SPOFF_BCAST_DESIGN",
     };
     let forced = std::env::var(var).ok();
-    match forced.as_deref().map(str::trim) {
-        Some("flat") => return StagedDesign::Flat,
-        Some("hier") => return StagedDesign::Hier,
-        _ => {}
-    }
     let min = std::env::var("SPOFF_HIER_MIN_RANKS")
         .ok()
         .and_then(|v| v.trim().parse::<usize>().ok())
         .unwrap_or_else(|| hier_min_ranks(kind));
-    let mut per_sp = std::collections::HashMap::new();
-    for sp in members {
-        *per_sp.entry(*sp).or_insert(0usize) += 1;
+    choose_design(
+        forced.as_deref(),
+        min,
+        nodes,
+        len,
+        crate::segment::configured_len(),
+    )
+}
+
+/// [`staged_design`] once the environment is read: `forced` the design variable, `min` the
+/// threshold, `part` the segment part.
+fn choose_design(
+    forced: Option<&str>,
+    min: usize,
+    nodes: &[u32],
+    len: u64,
+    part: u64,
+) -> StagedDesign {
+    if len > part {
+        return StagedDesign::Flat;
     }
-    if per_sp.values().any(|&k| k >= min) {
+    match forced.map(str::trim) {
+        Some("flat") => return StagedDesign::Flat,
+        Some("hier") => return StagedDesign::Hier,
+        _ => {}
+    }
+    let mut per_node = std::collections::HashMap::new();
+    for node in nodes {
+        *per_node.entry(*node).or_insert(0usize) += 1;
+    }
+    if per_node.values().any(|&k| k >= min) {
         StagedDesign::Hier
     } else {
         StagedDesign::Flat
     }
 }
 
-/// Ranks per SP from which `auto` picks the hierarchical design, per collective (the reasons
-/// are in docs/BENCHMARKS.md, section G and its notes): measured here, flat costs the ranks
-/// less time in MPI calls at 1, 2 and 4 ranks per SP for both collectives (the hierarchical
-/// ranks copy the message out themselves in the wait); in the simulator at 32 nodes the
-/// hierarchical Iallgather wins clearly from 8 ranks per SP (its flat design writes every
+/// Ranks per node from which `auto` picks the hierarchical design, per collective (the reasons
+/// are in docs/BENCHMARKS.md, section G and its notes): measured here, flat mostly costs less
+/// at 1, 2 and 4 ranks per node for both collectives (the hierarchical ranks copy the message
+/// out themselves in the wait); in the simulator at 32 nodes with 1 SP per node the
+/// hierarchical Iallgather wins clearly from 8 ranks per node (its flat design writes every
 /// block into every rank), the hierarchical Ibcast only from 32.
 pub fn hier_min_ranks(kind: CollKind) -> usize {
     match kind {
@@ -372,7 +391,7 @@ pub fn hier_min_ranks(kind: CollKind) -> usize {
 }
 
 /// `MPI_Iallgather` takes the staged designs when `SPOFF_IALLGATHER_DESIGN` is `flat`, `hier`
-/// or `auto` (the staged pair chosen by ranks per SP); unset or `lb`, it takes the
+/// or `auto` (the staged pair chosen by ranks per node); unset or `lb`, it takes the
 /// load-balanced hierarchical allgather (issue 3's), as every other allgather does.
 fn iallgather_staged() -> bool {
     matches!(
@@ -483,7 +502,7 @@ unsafe fn post(
         CollKind::Alltoallv | CollKind::Bcast | CollKind::StagedAllgather => Rights::WRITE,
         CollKind::Allgatherv => Rights::READ_WRITE,
     };
-    let design = root.map(|_| staged_design(kind, &info.members, s.region_len.max(r.region_len)));
+    let design = root.map(|_| staged_design(kind, &info.nodes, s.region_len.max(r.region_len)));
     // Hier: SPs write the segment this rank shares with the other ranks of its node, and the
     // rank copies from it into its buffer (the root receives nothing).
     let segment = match design {
@@ -580,5 +599,28 @@ pub fn kind_name(kind: CollKind) -> &'static str {
         CollKind::Allgatherv => "allgatherv",
         CollKind::Bcast => "bcast",
         CollKind::StagedAllgather => "staged allgather",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auto_picks_hier_by_ranks_per_node_and_never_beyond_the_segment_part() {
+        // 2 nodes x 4 ranks, whatever the SPs per node.
+        let nodes = [0, 0, 0, 0, 1, 1, 1, 1];
+        let pick = |forced, min, len| choose_design(forced, min, &nodes, len, 1 << 20);
+        assert_eq!(pick(None, 4, 100), StagedDesign::Hier);
+        assert_eq!(pick(Some("auto"), 5, 100), StagedDesign::Flat);
+        assert_eq!(pick(None, 8, 100), StagedDesign::Flat);
+        assert_eq!(pick(Some(" hier "), 8, 100), StagedDesign::Hier);
+        assert_eq!(pick(Some("flat"), 1, 100), StagedDesign::Flat);
+        // A message larger than an SP's part of the segment is flat, even if forced.
+        assert_eq!(pick(Some("hier"), 1, (1 << 20) + 1), StagedDesign::Flat);
+        assert_eq!(pick(None, 1, 1 << 20), StagedDesign::Hier);
+        // One crowded node is enough.
+        let skewed = [0, 0, 0, 1];
+        assert_eq!(choose_design(None, 3, &skewed, 1, 64), StagedDesign::Hier);
     }
 }
