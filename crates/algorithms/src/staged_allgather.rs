@@ -1595,16 +1595,28 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
         Ok(())
     }
 
+    /// The view index of `from`, which sent `Waiting` or `Covered` with
+    /// `(len, comm)`; `None` if it is no member SP or the message disagrees
+    /// with the view (the instance aborted).
+    fn member_sender(&mut self, from: SpId, len: u64, comm: u64) -> Option<usize> {
+        let v = self.view.as_ref().unwrap();
+        let status = match v.idx(from) {
+            None => Status::InvalidPost,
+            Some(_) if len != v.len => Status::CountMismatch,
+            Some(_) if comm != v.digest => Status::InvalidPost,
+            Some(b) => return Some(b),
+        };
+        self.enter_abort(status);
+        None
+    }
+
     /// SP `from` of this owner's node posted.
     fn on_waiting(&mut self, from: SpId, len: u64, comm: u64) -> Result<(), MsgError> {
-        let v = self.view.as_ref().unwrap();
-        let Some(b) = v.idx(from) else {
-            self.enter_abort(Status::InvalidPost);
+        let Some(b) = self.member_sender(from, len, comm) else {
             return Ok(());
         };
-        if len != v.len {
-            self.enter_abort(Status::CountMismatch);
-        } else if comm != v.digest || v.owner[b] != v.mine || b == v.mine {
+        let v = self.view.as_ref().unwrap();
+        if v.owner[b] != v.mine || b == v.mine {
             self.enter_abort(Status::InvalidPost);
         } else if !self.waiting_from.insert(b) {
             return Err(MsgError::Duplicate { sp: from });
@@ -1614,19 +1626,10 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
 
     /// SP `from` is covered by its owner's region.
     fn on_covered(&mut self, from: SpId, len: u64, comm: u64) -> Result<(), MsgError> {
-        let v = self.view.as_ref().unwrap();
-        let Some(b) = v.idx(from) else {
-            self.enter_abort(Status::InvalidPost);
+        let Some(b) = self.member_sender(from, len, comm) else {
             return Ok(());
         };
-        if len != v.len {
-            self.enter_abort(Status::CountMismatch);
-            return Ok(());
-        }
-        if comm != v.digest {
-            self.enter_abort(Status::InvalidPost);
-            return Ok(());
-        }
+        let v = self.view.as_ref().unwrap();
         if v.owner[b] == b {
             return Err(MsgError::Unexpected { sp: from });
         }
