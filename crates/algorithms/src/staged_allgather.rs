@@ -424,7 +424,7 @@ pub struct Stats {
     /// Writes that waited for a late key: the chunk was staged before its
     /// unit's key (rank or region) was known here.
     pub writes_waited_for_key: u64,
-    /// `Key`/`Region` messages that arrived before any local post.
+    /// `Key`/`Region`/`Covered` messages that arrived before any local post.
     pub keys_before_post: u64,
     /// `Written` messages sent (each may name several ranks), plus
     /// `WrittenRegion` messages.
@@ -1377,78 +1377,44 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
         if self.contacts.insert(from) && self.abort.is_some() {
             self.schedule_notice(from);
         }
+        if self.view.is_none() {
+            // Announcements that come before the view wait for it (`form_view`), one per
+            // sender and rank (`Region`/`Covered`: one per sender, `Waiting` apart).
+            let mark = match &msg {
+                Msg::Key { rank, .. } => Some((Some(*rank), true)),
+                Msg::Region { .. } | Msg::Covered { .. } => Some((None, true)),
+                Msg::Waiting { .. } => Some((Some(Rank::MAX), false)),
+                _ => None,
+            };
+            if let Some((mark, announces)) = mark {
+                if !self.early_seen.insert((from, mark)) {
+                    return Err(MsgError::Duplicate { sp: from });
+                }
+                if announces {
+                    self.stats.keys_before_post += 1;
+                }
+                self.early.push((from, msg));
+                return Ok(());
+            }
+        }
         match msg {
             Msg::Key {
                 rank,
                 len,
                 comm,
                 key,
-            } => {
-                if self.view.is_none() {
-                    if !self.early_seen.insert((from, Some(rank))) {
-                        return Err(MsgError::Duplicate { sp: from });
-                    }
-                    self.stats.keys_before_post += 1;
-                    self.early.push((
-                        from,
-                        Msg::Key {
-                            rank,
-                            len,
-                            comm,
-                            key,
-                        },
-                    ));
-                    return Ok(());
-                }
-                self.on_key(from, rank, len, comm, key)
-            }
+            } => self.on_key(from, rank, len, comm, key),
             Msg::Region {
                 rank,
                 len,
                 comm,
                 key,
-            } => {
-                if self.view.is_none() {
-                    if !self.early_seen.insert((from, None)) {
-                        return Err(MsgError::Duplicate { sp: from });
-                    }
-                    self.stats.keys_before_post += 1;
-                    self.early.push((
-                        from,
-                        Msg::Region {
-                            rank,
-                            len,
-                            comm,
-                            key,
-                        },
-                    ));
-                    return Ok(());
-                }
-                self.on_region(from, rank, len, comm, key)
-            }
-            Msg::Waiting { len, comm } => {
-                // The sender is a contact now (owed a `Stopped` if this SP
-                // aborts) and learns this SP's mode from its announcement.
-                if self.view.is_none() {
-                    if !self.early_seen.insert((from, Some(Rank::MAX))) {
-                        return Err(MsgError::Duplicate { sp: from });
-                    }
-                    self.early.push((from, Msg::Waiting { len, comm }));
-                    return Ok(());
-                }
-                self.on_waiting(from, len, comm)
-            }
-            Msg::Covered { len, comm } => {
-                if self.view.is_none() {
-                    if !self.early_seen.insert((from, None)) {
-                        return Err(MsgError::Duplicate { sp: from });
-                    }
-                    self.stats.keys_before_post += 1;
-                    self.early.push((from, Msg::Covered { len, comm }));
-                    return Ok(());
-                }
-                self.on_covered(from, len, comm)
-            }
+            } => self.on_region(from, rank, len, comm, key),
+            // The sender of `Waiting` is a contact now (owed a `Stopped`
+            // if this SP aborts) and learns this SP's mode from its
+            // announcement.
+            Msg::Waiting { len, comm } => self.on_waiting(from, len, comm),
+            Msg::Covered { len, comm } => self.on_covered(from, len, comm),
             Msg::RegionDone { at } => {
                 let bad = Err(MsgError::Unexpected { sp: from });
                 let Some(v) = &self.view else { return bad };
