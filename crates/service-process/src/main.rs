@@ -58,8 +58,8 @@ enum Cmd {
         /// travel as frames on the SPs' TCP connections. The `cma` backend is always served.
         #[arg(long, default_value = "auto", num_args = 0..=1, default_missing_value = "on")]
         ucx: UcxMode,
-        /// Staged collectives (bcast): bytes per chunk and per staging buffer (at most 2 MiB;
-        /// must be the same on every SP of the cluster).
+        /// Staged collectives (Ibcast, staged Iallgather): bytes per chunk and per staging
+        /// buffer (at most 2 MiB; must be the same on every SP of the cluster).
         #[arg(long, default_value_t = 256 * 1024, value_parser = clap::value_parser!(u64).range(1..=2 * 1024 * 1024))]
         stage_chunk_bytes: u64,
         /// Staged collectives: staging buffers per collective instance on this SP (the
