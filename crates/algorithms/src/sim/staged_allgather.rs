@@ -501,6 +501,9 @@ struct Sim<'a> {
     inst: BTreeMap<(SpId, usize), StagedAllgather<SimKey>>,
     /// SPs serving at least one rank.
     member_sps: BTreeSet<SpId>,
+    /// Per SP: the owner of its node on the world communicator (its lowest
+    /// member SP), computed once: the checkers ask for every write.
+    owners: Vec<SpId>,
     reads: u64,
     writes: u64,
     after_finish_dropped: u64,
@@ -560,6 +563,9 @@ impl<'a> Sim<'a> {
         let chunk = cfg.chunk_bytes.max(1);
         let sp_count = cfg.sp_count() as usize;
         let member_sps: BTreeSet<SpId> = core.rank_sp.iter().copied().collect();
+        let owners: Vec<SpId> = (0..cfg.sp_count())
+            .map(|sp| node_owner(&core.rank_sp, &core.rank_node, sp).unwrap_or(sp))
+            .collect();
         let mut ops = Vec::new();
         for i in 0..cfg.ops as usize {
             let len = cfg.len_bytes.unwrap_or_else(|| {
@@ -661,6 +667,7 @@ impl<'a> Sim<'a> {
             core,
             ops,
             inst: BTreeMap::new(),
+            owners,
             member_sps,
             reads: 0,
             writes: 0,
@@ -1128,7 +1135,7 @@ impl<'a> Sim<'a> {
             // The host copies P * len bytes out of its node owner's region in
             // its wait: the SP says where that is.
             let p = self.cfg.world_size() as u64;
-            let owner = self.owner(o, sp);
+            let owner = self.owners[sp as usize];
             let src = self.inst.get(&(sp, op)).and_then(|a| a.segment_source());
             match src {
                 Some((s, at, total))
@@ -1310,15 +1317,10 @@ impl<'a> Sim<'a> {
         Ok(())
     }
 
-    /// The owner of `sp`'s node on the world communicator.
-    fn owner(&self, _o: &Op, sp: SpId) -> SpId {
-        node_owner(&self.core.rank_sp, &self.core.rank_node, sp).expect("a member SP")
-    }
-
     /// How SP `sp` receives in `o` (on the world communicator): a node
     /// owner by its own design, another SP flat if it or its owner is.
     fn mode(&self, o: &Op, sp: SpId) -> SimMode {
-        let owner = self.owner(o, sp);
+        let owner = self.owners[sp as usize];
         match (o.design[sp as usize], o.design[owner as usize]) {
             (Design::Flat, _) => SimMode::Flat,
             (Design::Hier, _) if owner == sp => SimMode::Region,
