@@ -1545,20 +1545,26 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
             // an owner announces a region.
             return Err(MsgError::Unexpected { sp: from });
         }
-        match self.tgts[b].mode {
-            Some(Mode::Region) => return Err(MsgError::Duplicate { sp: from }),
-            Some(Mode::Flat | Mode::Covered) => {
-                self.enter_abort(Status::InvalidPost);
-                return Ok(());
-            }
-            None => {}
+        if self.first_mode(b, from, Mode::Region)? {
+            self.tgts[b].region = Some((rank, key));
+            self.resolve_sp(b, Mode::Region);
         }
-        if self.abort.is_some() {
-            return Ok(());
-        }
-        self.tgts[b].region = Some((rank, key));
-        self.resolve_sp(b, Mode::Region);
         Ok(())
+    }
+
+    /// SP `b` (`from`) announced that it receives per `mode` (`Region` or
+    /// `Covered`, each sent once): a second one is a duplicate, one that
+    /// contradicts what it announced before aborts. True if `mode` is to be
+    /// resolved now (first announcement, instance not aborted).
+    fn first_mode(&mut self, b: usize, from: SpId, mode: Mode) -> Result<bool, MsgError> {
+        match self.tgts[b].mode {
+            Some(m) if m == mode => Err(MsgError::Duplicate { sp: from }),
+            Some(_) => {
+                self.enter_abort(Status::InvalidPost);
+                Ok(false)
+            }
+            None => Ok(self.abort.is_none()),
+        }
     }
 
     /// The view index of `from`, which sent `Waiting` or `Covered` with
@@ -1599,18 +1605,9 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
         if v.owner[b] == b {
             return Err(MsgError::Unexpected { sp: from });
         }
-        match self.tgts[b].mode {
-            Some(Mode::Covered) => return Err(MsgError::Duplicate { sp: from }),
-            Some(Mode::Flat | Mode::Region) => {
-                self.enter_abort(Status::InvalidPost);
-                return Ok(());
-            }
-            None => {}
+        if self.first_mode(b, from, Mode::Covered)? {
+            self.resolve_sp(b, Mode::Covered);
         }
-        if self.abort.is_some() {
-            return Ok(());
-        }
-        self.resolve_sp(b, Mode::Covered);
         Ok(())
     }
 
