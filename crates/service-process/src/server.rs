@@ -606,6 +606,13 @@ impl Server {
         }
     }
 
+    /// Sends `msg` to peer SP `sp` if it is connected (a lost peer needs nothing more).
+    fn send_peer(&mut self, sp: SpId, msg: &SpToSp) {
+        if let Some(k) = self.peer_conn.get(&sp).copied() {
+            self.send_frame(k, &encode(msg));
+        }
+    }
+
     fn send_frame(&mut self, key: usize, frame: &[u8]) {
         if let Some(c) = self.conns.get_mut(key) {
             if let Err(e) = c.send(frame) {
@@ -1265,10 +1272,7 @@ impl Server {
                 // is connected here: say so, so that the sender need not wait for this SP.
                 if !answer && !self.jobs.contains_key(&job) && !self.unlink_after.contains_key(&job)
                 {
-                    if let Some(k) = self.peer_conn.get(&from).copied() {
-                        let frame = encode(&SpToSp::JobGone { job, answer: true });
-                        self.send_frame(k, &frame);
-                    }
+                    self.send_peer(from, &SpToSp::JobGone { job, answer: true });
                     return;
                 }
                 self.sibling_gone(from, Some(job));
@@ -1297,8 +1301,8 @@ impl Server {
                     owner: Some(from),
                     borrowers: HashSet::new(),
                 });
-            } else if let Some(k) = self.peer_conn.get(&from).copied() {
-                self.send_frame(k, &encode(&SpToSp::RegionReleased { key: ck }));
+            } else {
+                self.send_peer(from, &SpToSp::RegionReleased { key: ck });
             }
         }
         {
@@ -1900,11 +1904,7 @@ impl Server {
             return;
         };
         match r.owner {
-            Some(owner) => {
-                if let Some(k) = self.peer_conn.get(&owner).copied() {
-                    self.send_frame(k, &encode(&SpToSp::RegionReleased { key: ck }));
-                }
-            }
+            Some(owner) => self.send_peer(owner, &SpToSp::RegionReleased { key: ck }),
             None => {
                 if let Some(a) = self.arenas.get_mut(&ck.job) {
                     a.free(r.off);
@@ -2211,9 +2211,7 @@ impl Server {
                 .filter_map(|(k, r)| r.owner.map(|o| (*k, o)))
                 .collect();
             for (ck, owner) in borrowed {
-                if let Some(k) = self.peer_conn.get(&owner).copied() {
-                    self.send_frame(k, &encode(&SpToSp::RegionReleased { key: ck }));
-                }
+                self.send_peer(owner, &SpToSp::RegionReleased { key: ck });
             }
             self.regions.retain(|k, _| k.job != job);
             self.flat_here.retain(|k| k.job != job);
@@ -2238,11 +2236,8 @@ impl Server {
             .filter(|e| e.node == node && e.id != self.me)
             .map(|e| e.id)
             .collect();
-        let frame = encode(&SpToSp::JobGone { job, answer: false });
         for &sp in &siblings {
-            if let Some(k) = self.peer_conn.get(&sp).copied() {
-                self.send_frame(k, &frame);
-            }
+            self.send_peer(sp, &SpToSp::JobGone { job, answer: false });
         }
         let serving: HashSet<SpId> = (0..world_size)
             .filter_map(|r| self.cluster.placement(r, world_size).ok())
