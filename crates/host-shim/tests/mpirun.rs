@@ -352,6 +352,16 @@ fn allgather_and_alltoall_offload_two_sps_per_node_cyclic_with_late_arrivals() {
 /// segment (with 2 SPs per node: out of regions their node's leader wrote for the other SP)
 /// and that the node segments' names are gone at the end; returns the run.
 fn bcast_check_offloads(sps_per_node: u32, layout: &str, design: &str, extra: &[&str]) -> Finished {
+    bcast_check_offloads_with(sps_per_node, &["--layout", layout], design, extra)
+}
+
+/// [`bcast_check_offloads`] with launcher arguments `launcher`.
+fn bcast_check_offloads_with(
+    sps_per_node: u32,
+    launcher: &[&str],
+    design: &str,
+    extra: &[&str],
+) -> Finished {
     let _serial = serial();
     let shm_before = shm_segments();
     let prog = prog("bcast_check");
@@ -360,7 +370,7 @@ fn bcast_check_offloads(sps_per_node: u32, layout: &str, design: &str, extra: &[
     program.extend_from_slice(extra);
     let run = launch_with(
         sps_per_node,
-        &["--layout", layout],
+        launcher,
         &program,
         &[("SPOFF_BCAST_DESIGN", design)],
     );
@@ -407,7 +417,23 @@ fn bcast_flat_offloads_one_sp_per_node_block() {
 
 #[test]
 fn bcast_flat_offloads_two_sps_per_node_cyclic_with_a_late_rank() {
-    bcast_check_offloads(2, "cyclic", "flat", &["late"]);
+    let run = bcast_check_offloads(2, "cyclic", "flat", &["late"]);
+    assert_eq!(run.sp_total("empty_busy_polls"), 0, "{}", run.stderr);
+}
+
+#[test]
+fn busy_polling_sps_offload_bcast_with_a_late_rank() {
+    // `serve --busy-poll` (SPs on reserved cores, as on a DPU): the loop never sleeps, and
+    // everything still arrives, a late rank included.
+    for design in ["flat", "hier"] {
+        let run = bcast_check_offloads_with(
+            2,
+            &["--layout", "cyclic", "--sp-arg=--busy-poll"],
+            design,
+            &["late"],
+        );
+        assert!(run.sp_total("empty_busy_polls") > 0, "{}", run.stderr);
+    }
 }
 
 #[test]

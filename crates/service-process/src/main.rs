@@ -78,6 +78,12 @@ enum Cmd {
         /// CAP_SYS_NICE). Its CPU time then comes out of the ranks' time.
         #[arg(long)]
         realtime: bool,
+        /// Never sleep: poll the host and peer connections without a timeout, yielding the CPU
+        /// between empty polls (DPU service processes poll on their own cores). For an SP on a
+        /// reserved CPU: a rank's post then does not pay for waking a sleeping process. On a
+        /// CPU shared with ranks it takes their time.
+        #[arg(long)]
+        busy_poll: bool,
         /// Seconds to wait for the peer SPs at start-up.
         #[arg(long, default_value_t = 30)]
         connect_timeout_secs: u64,
@@ -287,6 +293,7 @@ fn run(cli: Cli) -> Result<i32> {
             staging_mib,
             cpus,
             realtime,
+            busy_poll,
             connect_timeout_secs,
         } => {
             init_tracing();
@@ -332,6 +339,7 @@ fn run(cli: Cli) -> Result<i32> {
                     slots: stage_slots,
                 },
                 staging_bytes: staging_mib.saturating_mul(1 << 20),
+                busy_poll,
             };
             let server = Server::new(cfg, peers)?;
             println!("READY sp={sp_id}");

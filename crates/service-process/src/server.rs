@@ -105,6 +105,10 @@ pub struct ServeConfig {
     pub staged: StagedConfig,
     /// Staging memory of this SP, all instances together.
     pub staging_bytes: u64,
+    /// Never sleep: poll the sockets (and the UCX worker) without a timeout, yielding the CPU
+    /// between empty polls. For an SP on a reserved core, as on the DPU's Arm cores: a rank's
+    /// post then need not wake a sleeping process.
+    pub busy_poll: bool,
 }
 
 /// Role of a connection.
@@ -225,6 +229,8 @@ pub struct Server {
     /// parent in a staged broadcast's tree, which puts chunks straight into them. Declared before
     /// `budget` so that it unmaps them before the pool frees them.
     stage_ucx: Option<alias_mkey::host::UcxRegistrar>,
+    /// See [`ServeConfig::busy_poll`].
+    busy_poll: bool,
     /// Slots children granted through UCX: (instance, child, slot) -> its key.
     peer_slots: HashMap<(CollKey, SpId, u32), AliasKey>,
     /// Moves running as UCX puts on the datapath, by ticket: the instance, the move, the
@@ -438,6 +444,7 @@ impl Server {
             peer_slots: HashMap::new(),
             ucx_moves: HashMap::new(),
             budget: Budget::new(cfg.staging_bytes),
+            busy_poll: cfg.busy_poll,
             arenas: HashMap::new(),
             regions: HashMap::new(),
             flat_here: HashSet::new(),
@@ -477,8 +484,12 @@ impl Server {
             // progresses (UCX 1.13 over tcp/shared memory): progress it until idle, then sleep
             // on its event fd as well as on the sockets. `arm` refuses while events are
             // pending: then look again at once. The bound is a safety net only.
+            let busy = self.busy_poll;
             let timeout = self.stage_ucx.as_ref().map(|reg| {
                 while reg.progress() > 0 {}
+                if busy {
+                    return Duration::ZERO;
+                }
                 match reg.arm() {
                     Ok(true) => Duration::from_millis(50),
                     Ok(false) => Duration::ZERO,
@@ -486,11 +497,17 @@ impl Server {
                     Err(_) => Duration::from_millis(1),
                 }
             });
+            let timeout = if busy { Some(Duration::ZERO) } else { timeout };
             if let Err(e) = self.poll.poll(&mut events, timeout) {
                 if e.kind() == io::ErrorKind::Interrupted {
                     continue;
                 }
                 return Err(e.into());
+            }
+            if busy && events.is_empty() {
+                self.stats.empty_busy_polls += 1;
+                // Let this CPU's other threads (datapath workers, other SPs) run.
+                std::thread::yield_now();
             }
             for ev in events.iter() {
                 match ev.token() {

@@ -44,6 +44,9 @@ pub struct Stats {
     /// Most copies active at once (bounded by `max_inflight_reads`).
     pub max_inflight: u64,
     pub errors_sent: u64,
+    /// Polls of the event loop that found nothing and did not sleep (`serve --busy-poll`; 0
+    /// without it).
+    pub empty_busy_polls: u64,
     /// Hierarchical collectives (allgatherv): announcements that found no ready rank where they
     /// arrived, how many another SP of the node then served, how many went to the node's
     /// pending list, and how long they waited there (ns).
