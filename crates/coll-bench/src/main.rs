@@ -35,9 +35,10 @@ enum Command {
     ///
     /// Per size: t_pure = mean time of (post; wait) after warmup, a barrier before every
     /// iteration, then the maximum over ranks of each rank's mean. Then per iteration: post,
-    /// compute for t_pure or --compute-us (a busy loop of arithmetic calibrated once per size,
-    /// no MPI calls), wait; t_overall and t_compute are the means (maximum over ranks), and so
-    /// are post_us and wait_us, the time spent in the post call and in the wait call.
+    /// compute for t_pure or --compute-us (a busy loop of arithmetic calibrated once per size
+    /// to that much of the rank's CPU time, no MPI calls), wait; t_overall and t_compute (its
+    /// wall-clock time) are the means (maximum over ranks), and so are post_us and wait_us,
+    /// the time spent in the post call and in the wait call.
     /// overlap_pct = 100 - 100 * (t_overall - t_compute) / t_pure, clamped to [0, 100].
     ///
     /// Every iteration sends a pattern derived from (sender, receiver, iteration, byte); the
@@ -292,7 +293,8 @@ struct OverlapArgs {
     #[arg(long)]
     warmup: Option<u32>,
 
-    /// Compute for this many microseconds per iteration instead of t_pure (the OSU choice).
+    /// Compute for this many microseconds of CPU time per iteration instead of t_pure (the OSU
+    /// choice).
     /// A compute longer than the communication shows what the host still pays: post_us +
     /// wait_us.
     #[arg(long, value_name = "US")]

@@ -329,32 +329,48 @@ pub unsafe fn bcast(
 /// `auto` picks `Hier` when some node has at least `SPOFF_HIER_MIN_RANKS` (default
 /// [`hier_min_ranks`]) of the members (the hierarchical designs write once per node). The
 /// nodes and the length are the same on every rank (and so, in a correct job, is the
-/// environment), so every rank decides alike.
-fn staged_design(kind: CollKind, nodes: &[u32], len: u64) -> StagedDesign {
-    let var = match kind {
-        CollKind::StagedAllgather => "SPOFF_IALLGATHER_DESIGN",
-        _ => "SPOFF_BCAST_DESIGN",
+/// environment), so every rank decides alike. The variables are read once, at the first
+/// staged collective (a post is on the host's critical path).
+fn staged_design(kind: CollKind, max_per_node: usize, len: u64) -> StagedDesign {
+    let env = staged_env();
+    let forced = match kind {
+        CollKind::StagedAllgather => env.iallgather.as_deref(),
+        _ => env.bcast.as_deref(),
     };
-    let forced = std::env::var(var).ok();
-    let min = std::env::var("SPOFF_HIER_MIN_RANKS")
-        .ok()
-        .and_then(|v| v.trim().parse::<usize>().ok())
-        .unwrap_or_else(|| hier_min_ranks(kind));
-    choose_design(
-        forced.as_deref(),
-        min,
-        nodes,
-        len,
-        crate::segment::configured_len(),
-    )
+    let min = env.min_ranks.unwrap_or_else(|| hier_min_ranks(kind));
+    choose_design(forced, min, max_per_node, len, env.part)
+}
+
+/// The environment of the staged designs, as read at first use.
+struct StagedEnv {
+    /// `SPOFF_BCAST_DESIGN`, `SPOFF_IALLGATHER_DESIGN`, trimmed.
+    bcast: Option<String>,
+    iallgather: Option<String>,
+    /// `SPOFF_HIER_MIN_RANKS`, if set to a number.
+    min_ranks: Option<usize>,
+    /// The segment part (`SPOFF_SEGMENT_BYTES`).
+    part: u64,
+}
+
+fn staged_env() -> &'static StagedEnv {
+    static ENV: std::sync::OnceLock<StagedEnv> = std::sync::OnceLock::new();
+    ENV.get_or_init(|| {
+        let var = |k: &str| std::env::var(k).ok().map(|v| v.trim().to_owned());
+        StagedEnv {
+            bcast: var("SPOFF_BCAST_DESIGN"),
+            iallgather: var("SPOFF_IALLGATHER_DESIGN"),
+            min_ranks: var("SPOFF_HIER_MIN_RANKS").and_then(|v| v.parse().ok()),
+            part: crate::segment::configured_len(),
+        }
+    })
 }
 
 /// [`staged_design`] once the environment is read: `forced` the design variable, `min` the
-/// threshold, `part` the segment part.
+/// threshold, `max_per_node` the most members on one node, `part` the segment part.
 fn choose_design(
     forced: Option<&str>,
     min: usize,
-    nodes: &[u32],
+    max_per_node: usize,
     len: u64,
     part: u64,
 ) -> StagedDesign {
@@ -366,11 +382,7 @@ fn choose_design(
         Some("hier") => return StagedDesign::Hier,
         _ => {}
     }
-    let mut per_node = std::collections::HashMap::new();
-    for node in nodes {
-        *per_node.entry(*node).or_insert(0usize) += 1;
-    }
-    if per_node.values().any(|&k| k >= min) {
+    if max_per_node >= min {
         StagedDesign::Hier
     } else {
         StagedDesign::Flat
@@ -395,10 +407,8 @@ pub fn hier_min_ranks(kind: CollKind) -> usize {
 /// load-balanced hierarchical allgather (issue 3's), as every other allgather does.
 fn iallgather_staged() -> bool {
     matches!(
-        std::env::var("SPOFF_IALLGATHER_DESIGN")
-            .as_deref()
-            .map(str::trim),
-        Ok("flat" | "hier" | "auto")
+        staged_env().iallgather.as_deref(),
+        Some("flat" | "hier" | "auto")
     )
 }
 
@@ -502,7 +512,8 @@ unsafe fn post(
         CollKind::Alltoallv | CollKind::Bcast | CollKind::StagedAllgather => Rights::WRITE,
         CollKind::Allgatherv => Rights::READ_WRITE,
     };
-    let design = root.map(|_| staged_design(kind, &info.nodes, s.region_len.max(r.region_len)));
+    let design =
+        root.map(|_| staged_design(kind, info.max_per_node, s.region_len.max(r.region_len)));
     // Hier: SPs write the segment this rank shares with the other ranks of its node, and the
     // rank copies from it into its buffer (the root receives nothing).
     let segment = match design {
@@ -610,7 +621,9 @@ mod tests {
     fn auto_picks_hier_by_ranks_per_node_and_never_beyond_the_segment_part() {
         // 2 nodes x 4 ranks, whatever the SPs per node.
         let nodes = [0, 0, 0, 0, 1, 1, 1, 1];
-        let pick = |forced, min, len| choose_design(forced, min, &nodes, len, 1 << 20);
+        let most = crate::comm::max_per_node(&nodes);
+        assert_eq!(most, 4);
+        let pick = |forced, min, len| choose_design(forced, min, most, len, 1 << 20);
         assert_eq!(pick(None, 4, 100), StagedDesign::Hier);
         assert_eq!(pick(Some("auto"), 5, 100), StagedDesign::Flat);
         assert_eq!(pick(None, 8, 100), StagedDesign::Flat);
@@ -620,7 +633,9 @@ mod tests {
         assert_eq!(pick(Some("hier"), 1, (1 << 20) + 1), StagedDesign::Flat);
         assert_eq!(pick(None, 1, 1 << 20), StagedDesign::Hier);
         // One crowded node is enough.
-        let skewed = [0, 0, 0, 1];
-        assert_eq!(choose_design(None, 3, &skewed, 1, 64), StagedDesign::Hier);
+        let skewed = crate::comm::max_per_node(&[0, 1, 0, 0]);
+        assert_eq!(skewed, 3);
+        assert_eq!(choose_design(None, 3, skewed, 1, 64), StagedDesign::Hier);
+        assert_eq!(crate::comm::max_per_node(&[]), 0);
     }
 }

@@ -31,6 +31,8 @@ pub struct CommInfo {
     pub members: Vec<SpId>,
     /// Node of each comm rank (the node of its SP in the cluster description).
     pub nodes: Vec<u32>,
+    /// The most members on one node (what `auto` picks a staged design by).
+    pub max_per_node: usize,
     /// `seq` of the next offloaded collective on this communicator.
     pub next_seq: AtomicU64,
 }
@@ -219,7 +221,7 @@ unsafe fn agree(comm: ffi::MPI_Comm) -> Result<CommInfo, NotOffloaded> {
         .collect();
     // Every SP a rank registered with is in the description (the rank checked its own SP's
     // id against it), so the lookup cannot miss; `u32::MAX` would only make the SP refuse.
-    let nodes = members
+    let nodes: Vec<u32> = members
         .iter()
         .map(|&sp| {
             topo.node_of_sp
@@ -235,7 +237,17 @@ unsafe fn agree(comm: ffi::MPI_Comm) -> Result<CommInfo, NotOffloaded> {
         },
         comm_rank: rank as u32,
         members,
+        max_per_node: max_per_node(&nodes),
         nodes,
         next_seq: AtomicU64::new(0),
     })
+}
+
+/// The most entries of `nodes` naming one node.
+pub fn max_per_node(nodes: &[u32]) -> usize {
+    let mut per_node = std::collections::HashMap::new();
+    for node in nodes {
+        *per_node.entry(*node).or_insert(0usize) += 1;
+    }
+    per_node.into_values().max().unwrap_or(0)
 }
