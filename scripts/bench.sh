@@ -56,6 +56,9 @@ fi
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 base=(--nodes 2 --ranks-per-node 1)
+# SPs on a reserved CPU stand for DPU cores: they poll, as DPU service processes do, so a
+# rank's post does not pay for waking a sleeping SP (serve --poll-us; 100 us between looks).
+reserved_sps=(--sp-cpus "$last" --sp-arg=--poll-us=100)
 
 # F. Inter-node bytes per Allgatherv call, 2 nodes x 2 ranks, block and cyclic layouts: a ring
 # of MPI_Sendrecv (counted by the ranks), the offloaded call (the SPs' bytes_inter_node
@@ -97,7 +100,7 @@ staged_run() { # collective
       2> >(grep -v '^sp [0-9]* stats' >&2)
     for design in $(staged_designs "$coll"); do
       echo "-- $coll, 2 nodes x $rpn ranks: $design"
-      "$SP" launch --nodes 2 --ranks-per-node "$rpn" --rank-cpus "$b_ranks" --sp-cpus "$last" -- \
+      "$SP" launch --nodes 2 --ranks-per-node "$rpn" --rank-cpus "$b_ranks" "${reserved_sps[@]}" -- \
         "$BENCH" overlap --coll "$coll" --design "$design" --sizes "$staged_sizes" "${iters[@]}" \
         --compute-us "$compute_us" --json "$out/g-$coll-$rpn-$design.json" \
         2> >(grep -v '^sp [0-9]* stats' >&2)
@@ -106,7 +109,7 @@ staged_run() { # collective
 }
 staged_markdown() { # collective
   local coll=$1 rpn
-  echo "Ranks on CPUs $b_ranks, SPs reserved on CPU $last, compute ${compute_us} us per iteration;"
+  echo "Ranks on CPUs $b_ranks, SPs reserved on CPU $last and polling every 100 us (\`serve --poll-us=100\`), compute ${compute_us} us of CPU time per iteration;"
   echo "pure_us is the latency without compute, overlap_pct the OSU formula with that compute,"
   echo "host_us the time the ranks spent in the post and wait calls. One group of columns per"
   echo "design (\`coll-bench overlap --design\`, which sets \`SPOFF_BCAST_DESIGN\` or"
@@ -157,9 +160,9 @@ echo "== machine: $ncpu CPUs"
 echo "== A. OSU method; ranks on CPUs $a_ranks (one each), SPs unpinned"
 run a-native ialltoallv --rank-cpus "$a_ranks" --native --
 run a-offload ialltoallv --rank-cpus "$a_ranks" --
-echo "== B. compute ${compute_us} us; ranks on CPUs $b_ranks, SPs reserved on CPU $last"
+echo "== B. compute ${compute_us} us; ranks on CPUs $b_ranks, SPs reserved on CPU $last (polling)"
 run b-native ialltoallv --rank-cpus "$b_ranks" --native -- --compute-us "$compute_us"
-run b-offload ialltoallv --rank-cpus "$b_ranks" --sp-cpus "$last" -- --compute-us "$compute_us"
+run b-offload ialltoallv --rank-cpus "$b_ranks" "${reserved_sps[@]}" -- --compute-us "$compute_us"
 if [ $demo -eq 0 ]; then
   echo "== C. Iallgatherv, OSU method; ranks on CPUs $a_ranks, SPs unpinned"
   run c-native iallgatherv --rank-cpus "$a_ranks" --native --
@@ -209,7 +212,7 @@ if [ $demo -eq 0 ]; then
     echo
     "$BENCH" compare --native "$out/a-native.json" --offload "$out/a-offload.json" --markdown
     echo
-    echo "## B. Ialltoallv, compute ${compute_us} us: ranks on CPUs $b_ranks, SPs reserved on CPU $last"
+    echo "## B. Ialltoallv, compute ${compute_us} us: ranks on CPUs $b_ranks, SPs reserved on CPU $last (polling)"
     echo
     "$BENCH" compare --native "$out/b-native.json" --offload "$out/b-offload.json" --markdown
     echo

@@ -80,7 +80,10 @@ mod tests {
         let t0 = thread_cpu_time();
         std::thread::sleep(Duration::from_millis(50));
         let slept = thread_cpu_time().saturating_sub(t0);
-        assert!(slept < Duration::from_millis(10), "{slept:?} counted while asleep");
+        assert!(
+            slept < Duration::from_millis(10),
+            "{slept:?} counted while asleep"
+        );
         // And it does count work.
         let mut n = 1_000u64;
         while timed(n) < Duration::from_millis(1) {

@@ -418,21 +418,21 @@ fn bcast_flat_offloads_one_sp_per_node_block() {
 #[test]
 fn bcast_flat_offloads_two_sps_per_node_cyclic_with_a_late_rank() {
     let run = bcast_check_offloads(2, "cyclic", "flat", &["late"]);
-    assert_eq!(run.sp_total("empty_busy_polls"), 0, "{}", run.stderr);
+    assert_eq!(run.sp_total("empty_polls"), 0, "{}", run.stderr);
 }
 
 #[test]
-fn busy_polling_sps_offload_bcast_with_a_late_rank() {
-    // `serve --busy-poll` (SPs on reserved cores, as on a DPU): the loop never sleeps, and
-    // everything still arrives, a late rank included.
+fn polling_sps_offload_bcast_with_a_late_rank() {
+    // `serve --poll-us` (SPs on reserved cores, as on a DPU): the loop never waits on its
+    // connections, and everything still arrives, a late rank included.
     for design in ["flat", "hier"] {
         let run = bcast_check_offloads_with(
             2,
-            &["--layout", "cyclic", "--sp-arg=--busy-poll"],
+            &["--layout", "cyclic", "--sp-arg=--poll-us=100"],
             design,
             &["late"],
         );
-        assert!(run.sp_total("empty_busy_polls") > 0, "{}", run.stderr);
+        assert!(run.sp_total("empty_polls") > 0, "{}", run.stderr);
     }
 }
 

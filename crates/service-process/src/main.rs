@@ -78,12 +78,13 @@ enum Cmd {
         /// CAP_SYS_NICE). Its CPU time then comes out of the ranks' time.
         #[arg(long)]
         realtime: bool,
-        /// Never sleep: poll the host and peer connections without a timeout, yielding the CPU
-        /// between empty polls (DPU service processes poll on their own cores). For an SP on a
-        /// reserved CPU: a rank's post then does not pay for waking a sleeping process. On a
-        /// CPU shared with ranks it takes their time.
-        #[arg(long)]
-        busy_poll: bool,
+        /// Look at the host and peer connections every US microseconds instead of sleeping
+        /// until a message arrives (0: sleep until woken). DPU service processes poll on cores
+        /// of their own; with the SP on a reserved CPU this spares a rank's post the cost of
+        /// waking the SP (on a virtual machine, most of the post). A message waits up to US for
+        /// the SP to notice it.
+        #[arg(long, value_name = "US", default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=100_000))]
+        poll_us: u64,
         /// Seconds to wait for the peer SPs at start-up.
         #[arg(long, default_value_t = 30)]
         connect_timeout_secs: u64,
@@ -293,7 +294,7 @@ fn run(cli: Cli) -> Result<i32> {
             staging_mib,
             cpus,
             realtime,
-            busy_poll,
+            poll_us,
             connect_timeout_secs,
         } => {
             init_tracing();
@@ -339,7 +340,7 @@ fn run(cli: Cli) -> Result<i32> {
                     slots: stage_slots,
                 },
                 staging_bytes: staging_mib.saturating_mul(1 << 20),
-                busy_poll,
+                poll_interval: (poll_us > 0).then(|| Duration::from_micros(poll_us)),
             };
             let server = Server::new(cfg, peers)?;
             println!("READY sp={sp_id}");

@@ -87,6 +87,9 @@ impl std::str::FromStr for UcxMode {
     }
 }
 
+/// Timer slack of a polling SP (`ServeConfig::poll_interval`), in ns.
+const POLL_TIMER_SLACK_NS: libc::c_ulong = 1_000;
+
 pub struct ServeConfig {
     pub sp: SpId,
     pub cluster: Cluster,
@@ -105,10 +108,11 @@ pub struct ServeConfig {
     pub staged: StagedConfig,
     /// Staging memory of this SP, all instances together.
     pub staging_bytes: u64,
-    /// Never sleep: poll the sockets (and the UCX worker) without a timeout, yielding the CPU
-    /// between empty polls. For an SP on a reserved core, as on the DPU's Arm cores: a rank's
-    /// post then need not wake a sleeping process.
-    pub busy_poll: bool,
+    /// Look at the connections (and the UCX worker) at this interval instead of sleeping
+    /// until something arrives: after a look that finds nothing, sleep this long. For an SP on
+    /// a reserved core, as DPU service processes poll: nothing ever waits on a connection, so
+    /// a rank's post does not pay for waking the SP.
+    pub poll_interval: Option<Duration>,
 }
 
 /// Role of a connection.
@@ -229,8 +233,8 @@ pub struct Server {
     /// parent in a staged broadcast's tree, which puts chunks straight into them. Declared before
     /// `budget` so that it unmaps them before the pool frees them.
     stage_ucx: Option<alias_mkey::host::UcxRegistrar>,
-    /// See [`ServeConfig::busy_poll`].
-    busy_poll: bool,
+    /// See [`ServeConfig::poll_interval`].
+    poll_interval: Option<Duration>,
     /// Slots children granted through UCX: (instance, child, slot) -> its key.
     peer_slots: HashMap<(CollKey, SpId, u32), AliasKey>,
     /// Moves running as UCX puts on the datapath, by ticket: the instance, the move, the
@@ -444,7 +448,7 @@ impl Server {
             peer_slots: HashMap::new(),
             ucx_moves: HashMap::new(),
             budget: Budget::new(cfg.staging_bytes),
-            busy_poll: cfg.busy_poll,
+            poll_interval: cfg.poll_interval,
             arenas: HashMap::new(),
             regions: HashMap::new(),
             flat_here: HashSet::new(),
@@ -479,15 +483,21 @@ impl Server {
     pub fn run(mut self) -> anyhow::Result<Stats> {
         let mut events = Events::with_capacity(256);
         info!(sp = self.me, socket = %self.host_socket.display(), "serving");
+        if self.poll_interval.is_some() {
+            // Naps of a few tens of microseconds: Linux's default timer slack (50 us) would
+            // stretch each one by up to that much.
+            // SAFETY: prctl with an integer argument; no memory is passed.
+            unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, POLL_TIMER_SLACK_NS) };
+        }
         loop {
             // Puts of other SPs into this SP's staging complete only while its UCX worker
             // progresses (UCX 1.13 over tcp/shared memory): progress it until idle, then sleep
             // on its event fd as well as on the sockets. `arm` refuses while events are
             // pending: then look again at once. The bound is a safety net only.
-            let busy = self.busy_poll;
+            let polling = self.poll_interval;
             let timeout = self.stage_ucx.as_ref().map(|reg| {
                 while reg.progress() > 0 {}
-                if busy {
+                if polling.is_some() {
                     return Duration::ZERO;
                 }
                 match reg.arm() {
@@ -497,17 +507,23 @@ impl Server {
                     Err(_) => Duration::from_millis(1),
                 }
             });
-            let timeout = if busy { Some(Duration::ZERO) } else { timeout };
+            let timeout = if polling.is_some() {
+                Some(Duration::ZERO)
+            } else {
+                timeout
+            };
             if let Err(e) = self.poll.poll(&mut events, timeout) {
                 if e.kind() == io::ErrorKind::Interrupted {
                     continue;
                 }
                 return Err(e.into());
             }
-            if busy && events.is_empty() {
-                self.stats.empty_busy_polls += 1;
-                // Let this CPU's other threads (datapath workers, other SPs) run.
-                std::thread::yield_now();
+            if let (Some(nap), true) = (polling, events.is_empty()) {
+                self.stats.empty_polls += 1;
+                // A nap, not sched_yield: SPs spinning with sched_yield on one CPU were seen to
+                // keep it from each other and from their datapath threads for a whole
+                // scheduler tick (milliseconds) on Linux 6.18.
+                std::thread::sleep(nap);
             }
             for ev in events.iter() {
                 match ev.token() {

@@ -44,9 +44,8 @@ pub struct Stats {
     /// Most copies active at once (bounded by `max_inflight_reads`).
     pub max_inflight: u64,
     pub errors_sent: u64,
-    /// Polls of the event loop that found nothing and did not sleep (`serve --busy-poll`; 0
-    /// without it).
-    pub empty_busy_polls: u64,
+    /// Looks of a polling event loop (`serve --poll-us`) that found nothing (0 without it).
+    pub empty_polls: u64,
     /// Hierarchical collectives (allgatherv): announcements that found no ready rank where they
     /// arrived, how many another SP of the node then served, how many went to the node's
     /// pending list, and how long they waited there (ns).
