@@ -206,6 +206,12 @@ fn mpi_coll_bench_overlap_validates_offloaded_and_native() {
             assert_eq!(r["validated"], true, "{r}");
             assert_eq!(r["mode"], if native { "native" } else { "offload" }, "{r}");
             assert_eq!(r["nodes"], 2, "{r}");
+            // An iteration of the loop is a barrier, a setup and the timed post-compute-wait.
+            let (looped, overall) = (r["loop_us"].as_f64(), r["overall_us"].as_f64());
+            assert!(
+                matches!((looped, overall), (Some(l), Some(o)) if l >= o && o > 0.0),
+                "{r}"
+            );
         }
         if native {
             assert!(run.sp_stats().is_empty(), "--native must start no SP");

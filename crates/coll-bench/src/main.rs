@@ -38,7 +38,8 @@ enum Command {
     /// compute for t_pure or --compute-us (a busy loop of arithmetic calibrated once per size
     /// to that much of the rank's CPU time, no MPI calls), wait; t_overall and t_compute (its
     /// wall-clock time) are the means (maximum over ranks), and so are post_us and wait_us,
-    /// the time spent in the post call and in the wait call.
+    /// the time spent in the post call and in the wait call; loop_us is the wall-clock time per
+    /// iteration of that phase, barriers included (maximum over ranks).
     /// overlap_pct = 100 - 100 * (t_overall - t_compute) / t_pure, clamped to [0, 100].
     ///
     /// Every iteration sends a pattern derived from (sender, receiver, iteration, byte); the
@@ -48,8 +49,8 @@ enum Command {
     /// checks its buffer. A failed check prints rank, peer (root) and offset, and the exit code
     /// is 1 (after the table). Rank 0 prints the table; --json writes one JSON object per size
     /// per line with: coll, bytes, ranks, nodes (env SPOFF_NODES, default 1), pure_us,
-    /// overall_us, compute_us, post_us, wait_us, overlap_pct, validated, iters, warmup, mode
-    /// ("offload" if LD_PRELOAD contains host_shim, else "native") and design (the --design
+    /// overall_us, compute_us, post_us, wait_us, loop_us, overlap_pct, validated, iters, warmup,
+    /// mode ("offload" if LD_PRELOAD contains host_shim, else "native") and design (the --design
     /// given for ibcast and iallgather, e.g. "auto"; null for the other collectives, which have
     /// no design choice).
     Overlap(OverlapArgs),
@@ -337,6 +338,10 @@ struct Row {
     /// computing, besides the compute itself).
     post_us: f64,
     wait_us: f64,
+    /// Wall-clock time per timed iteration of the compute phase, barriers included: the
+    /// loop's own time to solution (where ranks share a core, the OSU per-rank times depend
+    /// on how the scheduler interleaves them; this does not).
+    loop_us: f64,
     overlap_pct: f64,
     validated: bool,
     iters: u32,
@@ -443,6 +448,7 @@ impl Setup {
             compute,
             post: t_posted - t0,
             wait: t_end - t_wait,
+            iteration: 0.0,
         })
     }
 
@@ -495,6 +501,9 @@ struct Times {
     compute: f64,
     post: f64,
     wait: f64,
+    /// A phase's mean: wall-clock time per timed iteration, from the first timed iteration's
+    /// barrier to the end of the last one.
+    iteration: f64,
 }
 
 fn phase(
@@ -507,7 +516,11 @@ fn phase(
 ) -> Result<(Times, bool), MpiError> {
     let total = warmup + iters;
     let mut sum = Times::default();
+    let mut timed_from = wtime();
     for it in 0..total {
+        if it == warmup {
+            timed_from = wtime();
+        }
         let iter_id = (phase_id << 32) | it as u64;
         if it + 1 == total {
             s.sentinel_recv();
@@ -522,6 +535,7 @@ fn phase(
             sum.wait += t.wait;
         }
     }
+    let timed_to = wtime();
     if corrupt && s.me == 0 {
         let last = s.recv.len() - 1;
         s.recv[last] ^= 0x01;
@@ -536,6 +550,7 @@ fn phase(
         compute: sum.compute / n,
         post: sum.post / n,
         wait: sum.wait / n,
+        iteration: (timed_to - timed_from) / n,
     };
     Ok((mean, ok))
 }
@@ -578,6 +593,7 @@ fn run_size(
     let t_compute = world.allreduce_f64(with.compute, consts::OP_MAX())?;
     let t_post = world.allreduce_f64(with.post, consts::OP_MAX())?;
     let t_wait = world.allreduce_f64(with.wait, consts::OP_MAX())?;
+    let t_loop = world.allreduce_f64(with.iteration, consts::OP_MAX())?;
     let validated = world.all_true(ok_pure && ok_compute)?;
     Ok(Row {
         bytes: size,
@@ -586,6 +602,7 @@ fn run_size(
         compute_us: t_compute * 1e6,
         post_us: t_post * 1e6,
         wait_us: t_wait * 1e6,
+        loop_us: t_loop * 1e6,
         overlap_pct: overlap_pct(t_pure, t_overall, t_compute),
         validated,
         iters,
@@ -637,6 +654,7 @@ fn json_line(
         "compute_us": row.compute_us,
         "post_us": row.post_us,
         "wait_us": row.wait_us,
+        "loop_us": row.loop_us,
         "overlap_pct": row.overlap_pct,
         "validated": row.validated,
         "iters": row.iters,
@@ -701,13 +719,14 @@ fn overlap(args: OverlapArgs) -> i32 {
             design.map_or(String::new(), |d| format!(" design={d}"))
         );
         println!(
-            "{:>10} {:>12} {:>12} {:>12} {:>9} {:>9} {:>11} {:>9}",
+            "{:>10} {:>12} {:>12} {:>12} {:>9} {:>9} {:>12} {:>11} {:>9}",
             "bytes",
             "pure_us",
             "overall_us",
             "compute_us",
             "post_us",
             "wait_us",
+            "loop_us",
             "overlap_pct",
             "validated"
         );
@@ -719,13 +738,14 @@ fn overlap(args: OverlapArgs) -> i32 {
         all_ok &= row.validated;
         if me == 0 {
             println!(
-                "{:>10} {:>12.2} {:>12.2} {:>12.2} {:>9.2} {:>9.2} {:>11.1} {:>9}",
+                "{:>10} {:>12.2} {:>12.2} {:>12.2} {:>9.2} {:>9.2} {:>12.1} {:>11.1} {:>9}",
                 row.bytes,
                 row.pure_us,
                 row.overall_us,
                 row.compute_us,
                 row.post_us,
                 row.wait_us,
+                row.loop_us,
                 row.overlap_pct,
                 row.validated
             );
@@ -961,6 +981,8 @@ fn compare_one(native: &[Json], offload: &[Json], markdown: bool) -> (String, bo
         "offload_overlap_pct",
         "native_host_us",
         "offload_host_us",
+        "native_loop_us",
+        "offload_loop_us",
         "validated",
     ];
     let mut header: Vec<String> = if late {
@@ -1013,6 +1035,8 @@ fn compare_one(native: &[Json], offload: &[Json], markdown: bool) -> (String, bo
                 cell(num(o, "overlap_pct"), 1),
                 cell(host_us(n), 1),
                 cell(host_us(o), 1),
+                cell(num(n, "loop_us"), 1),
+                cell(num(o, "loop_us"), 1),
                 valid,
             ]
         };
@@ -1027,7 +1051,8 @@ fn compare_one(native: &[Json], offload: &[Json], markdown: bool) -> (String, bo
             .to_string()
     } else {
         "pure_ratio = native pure_us / offload pure_us; host_us = post_us + wait_us with compute \
-         (time the host spent in MPI calls instead of computing)."
+         (time the host spent in MPI calls instead of computing); loop_us = wall-clock time per \
+         iteration with compute, barrier included."
             .to_string()
     };
     if stood_in {
@@ -1129,6 +1154,7 @@ fn compare_many<'a>(
                 "native_overall_us",
                 "native_overlap_pct",
                 "native_host_us",
+                "native_loop_us",
             ]
             .map(String::from),
         );
@@ -1143,6 +1169,7 @@ fn compare_many<'a>(
                 "overall_us",
                 "overlap_pct",
                 "host_us",
+                "loop_us",
             ]
         };
         header.extend(cols.iter().map(|c| format!("{l}_{c}")));
@@ -1169,6 +1196,7 @@ fn compare_many<'a>(
                 cell(num(n, "overall_us"), 2),
                 cell(num(n, "overlap_pct"), 1),
                 cell(host_us(n), 1),
+                cell(num(n, "loop_us"), 1),
             ]);
         }
         let mut missing = Vec::new();
@@ -1195,6 +1223,7 @@ fn compare_many<'a>(
                     cell(num(o, "overall_us"), 2),
                     cell(num(o, "overlap_pct"), 1),
                     cell(host_us(o), 1),
+                    cell(num(o, "loop_us"), 1),
                 ]);
             }
         }
@@ -1211,7 +1240,8 @@ fn compare_many<'a>(
          tail_us / X tail_us (above 1: X finishes sooner after the last arrival)."
     } else {
         "X_pure_ratio = native pure_us / X pure_us (above 1: X is faster); host_us = post_us + \
-         wait_us with compute (time the host spent in MPI calls instead of computing)."
+         wait_us with compute (time the host spent in MPI calls instead of computing); loop_us = \
+         wall-clock time per iteration with compute, barrier included."
     };
     let mut sides = vec![("native".to_string(), run_context(native))];
     for ((_, rows), label) in offloads.iter().zip(&labels) {
@@ -1424,6 +1454,7 @@ mod tests {
             compute_us: 1.0,
             post_us: 0.5,
             wait_us: 0.5,
+            loop_us: 3.0,
             overlap_pct: 0.0,
             validated: true,
             iters: 5,
@@ -1460,7 +1491,8 @@ mod tests {
         serde_json::json!({
             "coll": coll, "bytes": bytes, "ranks": 4, "nodes": 2, "mode": mode,
             "pure_us": pure_us, "overall_us": 2.0 * pure_us, "compute_us": pure_us,
-            "post_us": 0.5, "wait_us": 1.5, "overlap_pct": 50.0, "validated": true,
+            "post_us": 0.5, "wait_us": 1.5, "loop_us": 3.0 * pure_us, "overlap_pct": 50.0,
+            "validated": true,
             "design": design,
         })
     }
@@ -1472,9 +1504,9 @@ mod tests {
         let (text, ok) = compare_one(&native, &offload, false);
         assert!(ok);
         let expected = "\
-# native: ranks=4 nodes=2 mode=native; offload: ranks=4 nodes=2 mode=offload; pure_ratio = native pure_us / offload pure_us; host_us = post_us + wait_us with compute (time the host spent in MPI calls instead of computing).
-      coll bytes native_pure_us offload_pure_us pure_ratio native_overall_us offload_overall_us native_overlap_pct offload_overlap_pct native_host_us offload_host_us validated
-ialltoallv  1024          10.00            5.00       2.00             20.00              10.00               50.0                50.0            2.0             2.0      true
+# native: ranks=4 nodes=2 mode=native; offload: ranks=4 nodes=2 mode=offload; pure_ratio = native pure_us / offload pure_us; host_us = post_us + wait_us with compute (time the host spent in MPI calls instead of computing); loop_us = wall-clock time per iteration with compute, barrier included.
+      coll bytes native_pure_us offload_pure_us pure_ratio native_overall_us offload_overall_us native_overlap_pct offload_overlap_pct native_host_us offload_host_us native_loop_us offload_loop_us validated
+ialltoallv  1024          10.00            5.00       2.00             20.00              10.00               50.0                50.0            2.0             2.0           30.0            15.0      true
 ";
         assert_eq!(text, expected);
         let (md, _) = compare_one(&native, &offload, true);
@@ -1552,21 +1584,25 @@ ialltoallv  1024          10.00            5.00       2.00             20.00    
         assert!(lines[0].contains("; hier: ranks=4"));
         let header: Vec<&str> = lines[1].split_whitespace().collect();
         assert_eq!(
-            header[2..6],
+            header[2..7],
             [
                 "native_pure_us",
                 "native_overall_us",
                 "native_overlap_pct",
-                "native_host_us"
+                "native_host_us",
+                "native_loop_us"
             ]
         );
-        assert_eq!(header[6..8], ["flat_pure_us", "flat_pure_ratio"]);
-        assert_eq!(header[11..13], ["hier_pure_us", "hier_pure_ratio"]);
+        assert_eq!(header[7..9], ["flat_pure_us", "flat_pure_ratio"]);
+        assert_eq!(header[12], "flat_loop_us");
+        assert_eq!(header[13..15], ["hier_pure_us", "hier_pure_ratio"]);
         assert_eq!(*header.last().unwrap(), "validated");
         assert!(lines[2].ends_with("no hier row"), "{text}");
         let last: Vec<&str> = lines[3].split_whitespace().collect();
-        assert_eq!(last[6..8], ["5.00", "2.00"]);
-        assert_eq!(last[11..13], ["4.00", "2.50"]);
+        assert_eq!(last[6], "30.0");
+        assert_eq!(last[7..9], ["5.00", "2.00"]);
+        assert_eq!(last[12], "15.0");
+        assert_eq!(last[13..15], ["4.00", "2.50"]);
         assert_eq!(*last.last().unwrap(), "true");
 
         // Rows without one design are labelled by file name; equal labels get a suffix.
