@@ -352,13 +352,21 @@ fn host_copy_answers_are_checked_and_a_host_dying_with_copies_pending_fails_the_
         other => panic!("expected a refusal, got {other:?}"),
     }
     let mut rng = Rng(seed);
-    let op = make(
-        &mut rng,
-        CommId { leader: 0, id: 1 },
-        0,
-        vec![0, 1, 2, 3],
-        300,
-    );
+    // At least one block must be nonempty: every block lands once in node 0 and is copied to
+    // its other rank, which is what leaves copies pending. With every count 0 (about one
+    // seed in 250) the collective completes at once, before rank 1 dies.
+    let op = loop {
+        let op = make(
+            &mut rng,
+            CommId { leader: 0, id: 1 },
+            0,
+            vec![0, 1, 2, 3],
+            300,
+        );
+        if op.counts.iter().any(|&c| c > 0) {
+            break op;
+        }
+    };
     let mut posted = vec![];
     for r in 0..4 {
         let mut d = op.desc(&mut hosts, &set, r, 0);
