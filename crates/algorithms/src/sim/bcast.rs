@@ -1163,6 +1163,7 @@ impl<'a> Sim<'a> {
             stats.max_slots_in_use = stats.max_slots_in_use.max(s.max_slots_in_use);
             stats.unknown_done += s.unknown_done;
             stats.ignored_from_lost_sp += s.ignored_from_lost_sp;
+            stats.regions_shared += s.regions_shared;
         }
         let done = self.ops.iter().flat_map(|o| o.done.iter()).flatten();
         SimReport {
