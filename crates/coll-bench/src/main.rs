@@ -39,7 +39,8 @@ enum Command {
     /// to that much of the rank's CPU time, no MPI calls), wait; t_overall and t_compute (its
     /// wall-clock time) are the means (maximum over ranks), and so are post_us and wait_us,
     /// the time spent in the post call and in the wait call; loop_us is the wall-clock time per
-    /// iteration of that phase, barriers included (maximum over ranks).
+    /// iteration of that phase, each iteration's setup (the send buffer refilled with the
+    /// validation pattern) and barrier included (maximum over ranks).
     /// overlap_pct = 100 - 100 * (t_overall - t_compute) / t_pure, clamped to [0, 100].
     ///
     /// Every iteration sends a pattern derived from (sender, receiver, iteration, byte); the
@@ -338,9 +339,10 @@ struct Row {
     /// computing, besides the compute itself).
     post_us: f64,
     wait_us: f64,
-    /// Wall-clock time per timed iteration of the compute phase, barriers included: the
-    /// loop's own time to solution (where ranks share a core, the OSU per-rank times depend
-    /// on how the scheduler interleaves them; this does not).
+    /// Wall-clock time per timed iteration of the compute phase, each iteration's setup and
+    /// barrier included: the loop's own time to solution (where ranks share a core, the OSU
+    /// per-rank times swing with how the scheduler interleaves the ranks; this moves in whole
+    /// scheduler ticks).
     loop_us: f64,
     overlap_pct: f64,
     validated: bool,
@@ -501,8 +503,8 @@ struct Times {
     compute: f64,
     post: f64,
     wait: f64,
-    /// A phase's mean: wall-clock time per timed iteration, from the first timed iteration's
-    /// barrier to the end of the last one.
+    /// A phase's mean: wall-clock time per timed iteration, from the start of the first timed
+    /// iteration (its setup, then its barrier) to the end of the last one.
     iteration: f64,
 }
 
@@ -678,7 +680,8 @@ fn overlap(args: OverlapArgs) -> i32 {
             return 2;
         }
     };
-    // The shim reads the design when a collective is posted; set it before MPI_Init, while
+    // The shim reads the design once, at the first collective that needs it; set it before
+    // MPI_Init, while
     // this process has a single thread.
     let design = coll.design_env().map(|var| {
         std::env::set_var(var, args.design.name());
@@ -1052,7 +1055,7 @@ fn compare_one(native: &[Json], offload: &[Json], markdown: bool) -> (String, bo
     } else {
         "pure_ratio = native pure_us / offload pure_us; host_us = post_us + wait_us with compute \
          (time the host spent in MPI calls instead of computing); loop_us = wall-clock time per \
-         iteration with compute, barrier included."
+         iteration with compute, setup and barrier included."
             .to_string()
     };
     if stood_in {
@@ -1241,7 +1244,7 @@ fn compare_many<'a>(
     } else {
         "X_pure_ratio = native pure_us / X pure_us (above 1: X is faster); host_us = post_us + \
          wait_us with compute (time the host spent in MPI calls instead of computing); loop_us = \
-         wall-clock time per iteration with compute, barrier included."
+         wall-clock time per iteration with compute, setup and barrier included."
     };
     let mut sides = vec![("native".to_string(), run_context(native))];
     for ((_, rows), label) in offloads.iter().zip(&labels) {
@@ -1504,7 +1507,7 @@ mod tests {
         let (text, ok) = compare_one(&native, &offload, false);
         assert!(ok);
         let expected = "\
-# native: ranks=4 nodes=2 mode=native; offload: ranks=4 nodes=2 mode=offload; pure_ratio = native pure_us / offload pure_us; host_us = post_us + wait_us with compute (time the host spent in MPI calls instead of computing); loop_us = wall-clock time per iteration with compute, barrier included.
+# native: ranks=4 nodes=2 mode=native; offload: ranks=4 nodes=2 mode=offload; pure_ratio = native pure_us / offload pure_us; host_us = post_us + wait_us with compute (time the host spent in MPI calls instead of computing); loop_us = wall-clock time per iteration with compute, setup and barrier included.
       coll bytes native_pure_us offload_pure_us pure_ratio native_overall_us offload_overall_us native_overlap_pct offload_overlap_pct native_host_us offload_host_us native_loop_us offload_loop_us validated
 ialltoallv  1024          10.00            5.00       2.00             20.00              10.00               50.0                50.0            2.0             2.0           30.0            15.0      true
 ";

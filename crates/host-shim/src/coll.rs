@@ -330,7 +330,7 @@ pub unsafe fn bcast(
 /// [`hier_min_ranks`]) of the members (the hierarchical designs write once per node). The
 /// nodes and the length are the same on every rank (and so, in a correct job, is the
 /// environment), so every rank decides alike. The variables are read once, at the first
-/// staged collective (a post is on the host's critical path).
+/// `MPI_Ibcast`/`MPI_Bcast` or `MPI_Iallgather` (a post is on the host's critical path).
 fn staged_design(kind: CollKind, max_per_node: usize, len: u64) -> StagedDesign {
     let env = staged_env();
     let forced = match kind {

@@ -433,6 +433,11 @@ fn polling_sps_offload_bcast_with_a_late_rank() {
             &["late"],
         );
         assert!(run.sp_total("empty_polls") > 0, "{}", run.stderr);
+        // The chunks went as UCX puts, which complete only while the target SP progresses
+        // its worker: a polling SP must do that without arming it.
+        let moved = run.sp_total("chunks_moved");
+        assert_eq!(run.sp_total("chunks_moved_ucx"), moved, "{}", run.stderr);
+        assert!(!run.stderr.contains("UCX is off"), "{}", run.stderr);
     }
 }
 

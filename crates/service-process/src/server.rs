@@ -493,7 +493,8 @@ impl Server {
             // Puts of other SPs into this SP's staging complete only while its UCX worker
             // progresses (UCX 1.13 over tcp/shared memory): progress it until idle, then sleep
             // on its event fd as well as on the sockets. `arm` refuses while events are
-            // pending: then look again at once. The bound is a safety net only.
+            // pending: then look again at once. The bound is a safety net only. A polling SP
+            // (`poll_interval`) progresses the worker at every look and never arms it.
             let polling = self.poll_interval;
             let timeout = self.stage_ucx.as_ref().map(|reg| {
                 while reg.progress() > 0 {}

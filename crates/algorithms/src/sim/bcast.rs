@@ -790,11 +790,18 @@ impl<'a> Sim<'a> {
                 )));
             }
             // The host copies the message out of its node leader's region in
-            // its wait: the SP says where that is.
+            // its wait: the SP says where that is. With inconsistent posts the
+            // SPs may disagree on the root, so on the tree and its leaders: any
+            // region of the node will do here, and the final check compares the
+            // bytes with those of the root the rank named.
             let leader = o.tree.iter().find(|g| g.contains(&sp)).map(|g| g[0]);
             let src = self.inst.get(&(sp, op)).and_then(|a| a.segment_source());
+            let node = self.core.sp_node(sp);
+            let leads = |owner: SpId| {
+                Some(owner) == leader || (o.inconsistent && self.core.sp_node(owner) == node)
+            };
             let owner = match src {
-                Some((owner, at, len)) if Some(owner) == leader && at == region_at(owner) => {
+                Some((owner, at, len)) if leads(owner) && at == region_at(owner) => {
                     if len != o.len && !o.inconsistent {
                         return Err(self.fail(format!(
                             "op {op}: rank {rank}: region of {len} bytes for a {}-byte message",
