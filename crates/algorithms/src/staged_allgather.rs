@@ -984,20 +984,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
             let (len, comm) = (v.len, v.digest);
             let to: Vec<SpId> = v.sps.iter().copied().filter(|&s| s != self.me).collect();
             match self.tgts[mine].mode {
-                Some(Mode::Flat) => {
-                    self.learn_rank_key(rank, post.recv_key);
-                    for sp in to {
-                        self.send(
-                            sp,
-                            Msg::Key {
-                                rank,
-                                len,
-                                comm,
-                                key: self.rtgts[rank as usize].key.clone().unwrap(),
-                            },
-                        );
-                    }
-                }
+                Some(Mode::Flat) => self.share_rank_key(rank, post.recv_key, &to),
                 Some(Mode::Region) if first => {
                     let key = post.shared_key.expect("checked");
                     for sp in to {
@@ -1288,18 +1275,29 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
             .map(|&r| (r, self.ranks[&r].recv_key.clone()))
             .collect();
         for (rank, key) in keys {
-            self.learn_rank_key(rank, key.clone());
-            for &sp in &to {
-                self.send(
-                    sp,
-                    Msg::Key {
-                        rank,
-                        len,
-                        comm,
-                        key: key.clone(),
-                    },
-                );
-            }
+            self.share_rank_key(rank, key, &to);
+        }
+    }
+
+    /// A flat SP: learns a local rank's receive key and sends it to the view's SPs `to`,
+    /// which write their blocks through it.
+    fn share_rank_key(&mut self, rank: Rank, key: K, to: &[SpId]) {
+        let v = self
+            .view
+            .as_ref()
+            .expect("keys are shared once the view is known");
+        let (len, comm) = (v.len, v.digest);
+        self.learn_rank_key(rank, key.clone());
+        for &sp in to {
+            self.send(
+                sp,
+                Msg::Key {
+                    rank,
+                    len,
+                    comm,
+                    key: key.clone(),
+                },
+            );
         }
     }
 
