@@ -190,11 +190,7 @@ fn run(
             "no host asked for copies, yet some were handed over"
         );
     }
-    for h in hosts {
-        h.goodbye();
-    }
-    std::thread::sleep(Duration::from_millis(100));
-    let stats = set.stop_and_stats();
+    let stats = set.stats_after_goodbyes(hosts);
     for s in &stats {
         assert_eq!(s["copies_failed"], 0, "{s}");
         assert_eq!(s["errors_sent"], 0, "{s}");
@@ -388,11 +384,7 @@ fn host_copy_answers_are_checked_and_a_host_dying_with_copies_pending_fails_the_
     let got = wait_all_serving(&mut hosts, &live, WAIT);
     assert!(got.iter().all(|g| g.is_some()), "seed {seed}: {got:?}");
     assert_ne!(got[0], Some(STATUS_OK), "seed {seed}: {got:?}");
-    for h in hosts {
-        h.goodbye();
-    }
-    std::thread::sleep(Duration::from_millis(100));
-    let stats = set.stop_and_stats();
+    let stats = set.stats_after_goodbyes(hosts);
     for s in &stats {
         assert_eq!(s["instances_at_exit"], 0, "{s}");
     }

@@ -186,11 +186,7 @@ fn bcast_through_real_sps_and_hostile_descriptors() {
     // The SPs still serve the job (a new communicator: the refused ones aborted theirs).
     let got = flat_bcast(&mut hosts, &set, 20, 3, 5000);
     assert!(got.iter().all(|&g| g == Some(STATUS_OK)), "{got:?}");
-    for h in hosts {
-        h.goodbye();
-    }
-    std::thread::sleep(Duration::from_millis(100));
-    for s in set.stop_and_stats() {
+    for s in set.stats_after_goodbyes(hosts) {
         assert_eq!(s["instances_at_exit"], 0, "{s}");
         assert_eq!(s["copies_failed"], 0, "{s}");
     }
@@ -218,11 +214,7 @@ fn sps_with_and_without_ucx_broadcast_together() {
             "root {root}: {got:?}"
         );
     }
-    for h in hosts {
-        h.goodbye();
-    }
-    std::thread::sleep(Duration::from_millis(100));
-    let stats = set.stop_and_stats();
+    let stats = set.stats_after_goodbyes(hosts);
     for s in &stats {
         assert_eq!(s["copies_failed"], 0, "{s}");
         assert_eq!(s["chunks_moved_ucx"], 0, "{s}");
@@ -254,11 +246,7 @@ fn a_bcast_beyond_the_staging_bound_fails_instead_of_allocating() {
         got.iter().filter(|&&g| g != Some(STATUS_OK)).count() >= 3,
         "every rank but possibly the root fails: {got:?}"
     );
-    for h in hosts {
-        h.goodbye();
-    }
-    std::thread::sleep(Duration::from_millis(100));
-    let stats = set.stop_and_stats();
+    let stats = set.stats_after_goodbyes(hosts);
     let refused: u64 = stats
         .iter()
         .map(|s| s["staging_refused"].as_u64().unwrap())

@@ -229,10 +229,7 @@ fn run_random_ops_with(
             op.check();
         }
     }
-    for h in hosts {
-        h.goodbye();
-    }
-    let stats = set.stop_and_stats();
+    let stats = set.stats_after_goodbyes(hosts);
     for s in &stats {
         assert_eq!(s["copies_failed"], 0, "{s}");
         assert_eq!(s["errors_sent"], 0, "{s}");
@@ -640,10 +637,7 @@ fn alltoallv_with_ucx_grants() {
         }
         op.check();
     }
-    for h in hosts {
-        h.goodbye();
-    }
-    let stats = set.stop_and_stats();
+    let stats = set.stats_after_goodbyes(hosts);
     let started: u64 = stats
         .iter()
         .map(|s| s["copies_started"].as_u64().unwrap())

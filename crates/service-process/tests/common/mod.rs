@@ -75,6 +75,15 @@ impl SpSet {
         }
     }
 
+    /// Every host says goodbye; once the SPs had time to take that in, [`Self::stop_and_stats`].
+    pub fn stats_after_goodbyes(&mut self, hosts: Vec<Host>) -> Vec<serde_json::Value> {
+        for h in hosts {
+            h.goodbye();
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        self.stop_and_stats()
+    }
+
     /// Stops every SP (SIGTERM) and returns the counters each printed at exit, by SP id.
     pub fn stop_and_stats(&mut self) -> Vec<serde_json::Value> {
         launch::stop_sps(&mut self.sps, Duration::from_secs(5));
