@@ -21,7 +21,7 @@ pub const MAGIC: [u8; 4] = *b"SPOF";
 /// 3: host-side intra-node copies (`PostDesc::host_copies`, `SpToHost::Copy`,
 /// `HostToSp::CopyDone`).
 /// 4: the staged broadcast's `Open` carries its tree (SPs grouped by node).
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;
 /// Largest frame accepted: a descriptor for 65536 ranks (four count vectors) fits.
 pub const MAX_FRAME_BYTES: u32 = 4 << 20;
 
@@ -198,8 +198,10 @@ pub struct PostDesc {
     pub members: Vec<SpId>,
     /// Node of each comm rank (used by the hierarchical collectives; may be empty otherwise).
     pub nodes: Vec<u32>,
-    /// Mailbox slot that receives the completion, and the token written there.
-    pub slot: u32,
+    /// Mailbox slot that receives the completion, and the token written there; `None`: the
+    /// completion comes as `SpToHost::Completed` with the token (the host had no free slot,
+    /// and a nonblocking post may not wait for one).
+    pub slot: Option<u32>,
     pub token: u64,
     pub send: Grant,
     pub recv: Grant,
@@ -259,6 +261,12 @@ pub enum SpToHost {
         seq: Option<u64>,
         code: ErrorCode,
         message: String,
+    },
+    /// The post with `token`, posted without a mailbox slot, completed with `status` (a
+    /// mailbox status code, `mailbox::status_code`).
+    Completed {
+        token: u64,
+        status: u32,
     },
     /// For the post with `token` (which asked for `host_copies`, or a `Hier` staged post):
     /// copy `len` bytes from `src` to `dst_offset` of the post's receive grant, then answer
@@ -584,7 +592,7 @@ mod tests {
                     comm_rank: 0,
                     members: vec![0, 1],
                     nodes: vec![],
-                    slot: i,
+                    slot: Some(i),
                     token: 77,
                     send: grant(10),
                     recv: grant(20),

@@ -141,7 +141,8 @@ struct Posted {
     /// The host connection the post came from: a completion for a connection that has since
     /// closed must not reach a new host that got the same slab key.
     conn_id: u64,
-    slot: u32,
+    /// The mailbox slot of the completion; `None`: it goes as a `SpToHost::Completed` frame.
+    slot: Option<u32>,
     token: u64,
     /// The rank copies the segments already on its node itself (`PostDesc::host_copies`).
     host_copies: bool,
@@ -185,6 +186,8 @@ struct Region {
 struct Instance {
     sm: Machine,
     posted: HashMap<u32, Posted>,
+    /// How many comm ranks this SP serves in the instance (known from the first local post).
+    local_ranks: Option<usize>,
     /// Staging slots of a staged collective (given back to the budget with the instance).
     stages: Option<StageSet>,
 }
@@ -361,6 +364,13 @@ fn stage_registrar(poll: &Poll) -> anyhow::Result<alias_mkey::host::UcxRegistrar
         Interest::READABLE,
     )?;
     Ok(reg)
+}
+
+impl Instance {
+    /// Every comm rank this SP serves in the instance has posted.
+    fn all_local_posted(&self) -> bool {
+        self.local_ranks.is_some_and(|n| self.posted.len() >= n)
+    }
 }
 
 impl Server {
@@ -1016,12 +1026,12 @@ impl Server {
                 }
             }
         };
-        if d.slot >= slots {
+        if let Some(slot) = d.slot.filter(|&s| s >= slots) {
             return self.send_error(
                 key,
                 Some(&d),
                 ErrorCode::BadDescriptor,
-                format!("mailbox slot {} outside the {slots} registered", d.slot),
+                format!("mailbox slot {slot} outside the {slots} registered"),
             );
         }
         let ck = CollKey {
@@ -1154,7 +1164,9 @@ impl Server {
             host_copies: d.host_copies && d.kind == CollKind::Allgatherv,
             ..self.posted(key, d.slot, d.token)
         };
+        let me = self.me;
         let inst = self.instance(ck, d.kind);
+        inst.local_ranks = Some(d.members.iter().filter(|&&sp| sp == me).count());
         let post = match d.kind {
             CollKind::Alltoallv => machine::Post::Alltoallv(alltoallv::Post {
                 rank: d.comm_rank,
@@ -1251,6 +1263,7 @@ impl Server {
             let mut inst = Instance {
                 sm: Machine::new(kind, ck, self.me, self.staged),
                 posted: HashMap::new(),
+                local_ranks: None,
                 stages: None,
             };
             if matches!(kind, CollKind::Bcast | CollKind::StagedAllgather) {
@@ -1642,11 +1655,7 @@ impl Server {
                 }
             }
             self.forget_job_if_done(ck.job);
-        } else if self
-            .jobs
-            .get(&ck.job)
-            .is_some_and(|j| j.failed.is_some() && j.hosts.is_empty())
-        {
+        } else if self.jobs.get(&ck.job).is_some_and(|j| j.hosts.is_empty()) {
             self.forget_job_if_done(ck.job);
         }
     }
@@ -2110,7 +2119,7 @@ impl Server {
 
     /// Writes a completion into the rank's mailbox: status first, then the token.
     /// Where the completion of a post from host connection `key` goes.
-    fn posted(&self, key: usize, slot: u32, token: u64) -> Posted {
+    fn posted(&self, key: usize, slot: Option<u32>, token: u64) -> Posted {
         Posted {
             conn: key,
             conn_id: self.host(key).conn_id,
@@ -2136,10 +2145,17 @@ impl Server {
         let Some((mb, slots)) = &h.mailbox else {
             return;
         };
-        if p.slot >= *slots {
+        let Some(slot) = p.slot else {
+            let done = SpToHost::Completed {
+                token: p.token,
+                status: mailbox::status_code(status),
+            };
+            return self.send_frame(p.conn, &encode(&done));
+        };
+        if slot >= *slots {
             return;
         }
-        let base = mailbox::slot_offset(p.slot);
+        let base = mailbox::slot_offset(slot);
         let code = mailbox::status_code(status).to_le_bytes();
         let token = p.token.to_le_bytes();
         let res = self
@@ -2208,15 +2224,32 @@ impl Server {
                     self.fail_job(job, Status::RankFailed, true);
                 }
                 self.drop_host_copies(key);
-                let last_host = self.jobs.get(&job).is_some_and(|j| j.hosts.is_empty());
-                if last_host && self.instances.keys().any(|k| k.job == job) {
-                    // Every rank of the job has left this SP, yet some of its collectives are
-                    // open (a rank never posted): nothing here can complete them any more.
-                    // Fail them, which also tells the SPs of their other members.
-                    self.fail_job(job, Status::RankFailed, false);
+                if self.jobs.get(&job).is_some_and(|j| j.hosts.is_empty()) {
+                    self.abort_unposted(job);
                 }
                 self.forget_job_if_done(job);
             }
+        }
+    }
+
+    /// Every rank of `job` has left this SP. An open instance that some of them never posted
+    /// can never complete: it is aborted (which tells its other SPs) and dropped once no copy
+    /// touches it. The others go on: their ranks here posted (a rank may finalize as soon as
+    /// its own part is done, while the instance still needs this SP: an inner SP of a
+    /// broadcast tree, a node's reader of another node's blocks).
+    fn abort_unposted(&mut self, job: u64) {
+        let now = now_ns(self.start);
+        let stuck: Vec<CollKey> = self
+            .instances
+            .iter()
+            .filter(|(k, i)| k.job == job && !i.all_local_posted())
+            .map(|(k, _)| *k)
+            .collect();
+        for ck in stuck {
+            if let Some(inst) = self.instances.get_mut(&ck) {
+                inst.sm.abort(now, Status::RankFailed);
+            }
+            self.drive(ck);
         }
     }
 
@@ -2227,12 +2260,13 @@ impl Server {
         if !j.hosts.is_empty() {
             return;
         }
-        if j.failed.is_some() {
-            // No rank of this job is left here to complete, and a dead rank that never posted
-            // would keep its instance open forever: drop what no copy still touches.
-            self.instances
-                .retain(|k, i| k.job != job || i.sm.copies_in_flight() > 0);
-        }
+        // No rank of this job is left here to complete, and a rank that left without posting
+        // would keep its instance open forever: drop what no copy still touches and cannot
+        // complete (every instance of a failed job; one a local rank never posted).
+        let failed = j.failed.is_some();
+        self.instances.retain(|k, i| {
+            k.job != job || i.sm.copies_in_flight() > 0 || (!failed && i.all_local_posted())
+        });
         if !self.instances.keys().any(|k| k.job == job) {
             let world_size = j.world_size;
             self.jobs.remove(&job);

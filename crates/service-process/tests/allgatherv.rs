@@ -92,7 +92,7 @@ impl AgOp {
             comm_rank: r as u32,
             members,
             nodes,
-            slot,
+            slot: Some(slot),
             token: 0,
             send,
             recv,

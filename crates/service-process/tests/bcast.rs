@@ -53,7 +53,7 @@ fn bcast_desc(
         comm_rank: r as u32,
         members,
         nodes,
-        slot: (seq % 8) as u32,
+        slot: Some((seq % 8) as u32),
         token: 0,
         send,
         recv,

@@ -214,7 +214,7 @@ impl Host {
             self.copy_targets.insert(token, (d.recv.addr, d.recv.len));
         }
         self.ch.send(&HostToSp::Post(Box::new(d.clone()))).unwrap();
-        (d.slot, token)
+        (d.slot.expect("the tests post with a mailbox slot"), token)
     }
 
     fn token_word(&self, slot: u32) -> u64 {
@@ -340,7 +340,7 @@ pub fn desc(
         comm_rank,
         members,
         nodes: vec![],
-        slot,
+        slot: Some(slot),
         token: 0,
         send,
         recv,
