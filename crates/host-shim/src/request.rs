@@ -8,12 +8,23 @@
 //! only when it equals the posted token is the lock taken to record the status and free the
 //! slot.
 //!
+//! A request without a mailbox slot (posted while every slot was taken: waiting for one inside
+//! a nonblocking call could deadlock, since the slot may only free up once another rank posts
+//! a later collective) is completed by the SP with a message on the connection
+//! (`SpToHost::Completed`), which every wait loop reads while such requests are outstanding.
+//!
+//! A request owns the staging of its packed sides (`pack.rs`): a received side is unpacked
+//! into the program's buffer by [`OffloadRequest::finish`], before the result is published, so
+//! whoever sees the request complete sees the data in place.
+//!
 //! A request also remembers the communicator handle it was created on: a failed request is
 //! reported through that communicator's error handler (see `boundary::raise`). If the program
 //! frees the communicator while the request is outstanding (allowed by MPI), the handle is
 //! replaced by `MPI_COMM_WORLD` (from the attribute destructor, `comm.rs`), so the handler call
 //! never touches a freed communicator.
 
+use crate::boundary::say;
+use crate::pack::Unpack;
 use crate::state::{self, mailbox_token, with_shim};
 use algorithms::CommId;
 use bootstrap::wire::CollKind;
@@ -21,11 +32,22 @@ use mpi_ffi as ffi;
 use mpi_ffi::consts;
 use std::os::raw::c_int;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+/// The staging a request owns while it runs.
+#[derive(Debug, Default)]
+pub struct Staging {
+    /// A packed send side (or the copy of an `MPI_IN_PLACE` send side).
+    pub send: Option<Vec<u8>>,
+    /// A packed receive side, unpacked at completion.
+    pub recv: Option<Unpack>,
+}
 
 #[derive(Debug)]
 pub struct OffloadRequest {
     pub kind: CollKind,
-    pub slot: u32,
+    /// The mailbox slot its completion is written to; `None`: completed by a message.
+    pub slot: Option<u32>,
     pub token: u64,
     pub comm: CommId,
     pub seq: u64,
@@ -35,6 +57,7 @@ pub struct OffloadRequest {
     /// The `MPI_Comm` handle of the call (as an integer: `MPI_Comm` is a pointer in Open MPI,
     /// an int in MPICH), whose error handler reports the request's failure.
     errhandler_comm: AtomicUsize,
+    staging: Mutex<Staging>,
     done: AtomicBool,
     code: AtomicI32,
 }
@@ -42,12 +65,16 @@ pub struct OffloadRequest {
 impl OffloadRequest {
     pub fn new(
         kind: CollKind,
-        slot: u32,
+        slot: Option<u32>,
         token: u64,
         comm: CommId,
         seq: u64,
         handle: ffi::MPI_Comm,
+        staging: Staging,
     ) -> Self {
+        if slot.is_none() {
+            BY_MESSAGE.fetch_add(1, Ordering::AcqRel);
+        }
         OffloadRequest {
             kind,
             slot,
@@ -56,6 +83,7 @@ impl OffloadRequest {
             seq,
             host_copy_region: None,
             errhandler_comm: AtomicUsize::new(handle as usize),
+            staging: Mutex::new(staging),
             done: AtomicBool::new(false),
             code: AtomicI32::new(0),
         }
@@ -79,11 +107,43 @@ impl OffloadRequest {
             .store(consts::COMM_WORLD() as usize, Ordering::Release);
     }
 
-    /// Records the result (under the shim lock).
+    /// Records the result (under the shim lock), once. On success a packed receive side is
+    /// unpacked into the program's buffer first; its failure fails the request. The staging
+    /// is freed, except after a failure: the SP may not have stopped using it yet (a broken
+    /// connection fails requests whose copies are still running), so it is leaked rather
+    /// than handed back to the allocator.
     pub fn finish(&self, code: c_int) {
+        if self.done.load(Ordering::Acquire) {
+            return;
+        }
+        let staging = std::mem::take(&mut *self.staging.lock().unwrap_or_else(|e| e.into_inner()));
+        let mut code = code;
+        if code == consts::SUCCESS() {
+            if let Some(unpack) = staging.recv {
+                // SAFETY: the collective completed: the receive buffer is ours to write until
+                // `done` is published below.
+                if let Err(why) = unsafe { unpack.run() } {
+                    say!(
+                        "rank {}: offloaded {} #{}: {why}",
+                        my_rank(),
+                        crate::coll::kind_name(self.kind),
+                        self.seq
+                    );
+                    code = consts::ERR_OTHER();
+                }
+            }
+            drop(staging.send);
+        } else {
+            std::mem::forget(staging);
+        }
         self.code.store(code, Ordering::Relaxed);
-        if !self.done.swap(true, Ordering::AcqRel) && self.host_copy_region.is_some() {
-            HOST_COPY_REQUESTS.fetch_sub(1, Ordering::AcqRel);
+        if !self.done.swap(true, Ordering::AcqRel) {
+            if self.host_copy_region.is_some() {
+                HOST_COPY_REQUESTS.fetch_sub(1, Ordering::AcqRel);
+            }
+            if self.slot.is_none() {
+                BY_MESSAGE.fetch_sub(1, Ordering::AcqRel);
+            }
         }
     }
 
@@ -98,11 +158,14 @@ impl OffloadRequest {
 /// reads the SP connection (the copies are handed over there).
 static HOST_COPY_REQUESTS: AtomicUsize = AtomicUsize::new(0);
 
-pub fn host_copies_outstanding() -> bool {
-    HOST_COPY_REQUESTS.load(Ordering::Acquire) > 0
-}
+/// Outstanding requests completed by a message rather than a mailbox slot.
+static BY_MESSAGE: AtomicUsize = AtomicUsize::new(0);
 
-impl OffloadRequest {}
+/// Whether something outstanding needs the SP connection read at every look: copies handed to
+/// this host, or completions that come as messages.
+pub fn connection_needed() -> bool {
+    HOST_COPY_REQUESTS.load(Ordering::Acquire) > 0 || BY_MESSAGE.load(Ordering::Acquire) > 0
+}
 
 /// The object behind one of our handles.
 ///
@@ -119,7 +182,11 @@ pub fn poll(req: &OffloadRequest) -> Option<c_int> {
     if let Some(code) = req.result() {
         return Some(code);
     }
-    if mailbox_token(req.slot).load(Ordering::Acquire) == req.token {
+    let Some(slot) = req.slot else {
+        // Completed by a message, which the wait loops read.
+        return None;
+    };
+    if mailbox_token(slot).load(Ordering::Acquire) == req.token {
         with_shim(|s| s.complete_from_mailbox(req));
         return req.result();
     }

@@ -6,15 +6,14 @@
 //! come) is quarantined: it stays taken for the rest of the run. Giving back a slot that is not
 //! taken is a bug in the shim and panics (the boundary turns that into an MPI error).
 //!
-//! Once every slot is quarantined no slot can ever free up again: [`SlotPool::exhausted`]
-//! says so, and posting fails instead of waiting for a slot forever (`coll.rs`).
+//! With no slot free a post goes without one (its completion then comes as a message:
+//! `post.rs`), so the pool never makes anyone wait.
 
 #[derive(Debug)]
 pub struct SlotPool {
     /// Free slots, taken from the end (the most recently freed first: warm in cache).
     free: Vec<u32>,
     taken: Vec<bool>,
-    quarantined: u32,
 }
 
 impl SlotPool {
@@ -22,7 +21,6 @@ impl SlotPool {
         SlotPool {
             free: (0..slots).rev().collect(),
             taken: vec![false; slots as usize],
-            quarantined: 0,
         }
     }
 
@@ -46,21 +44,6 @@ impl SlotPool {
             self.taken[slot as usize],
             "quarantining free mailbox slot {slot}"
         );
-        self.quarantined += 1;
-    }
-
-    /// No slot is free and none ever will be: every slot is quarantined (none belongs to an
-    /// outstanding collective whose completion would give it back).
-    pub fn exhausted(&self) -> bool {
-        self.free.is_empty() && self.quarantined as usize >= self.taken.len()
-    }
-
-    pub fn free_count(&self) -> usize {
-        self.free.len()
-    }
-
-    pub fn quarantined(&self) -> u32 {
-        self.quarantined
     }
 }
 
@@ -75,8 +58,8 @@ mod tests {
         assert_eq!(got, [0, 1, 2]);
         assert_eq!(p.take(), None);
         p.give(1);
-        assert_eq!(p.free_count(), 1);
         assert_eq!(p.take(), Some(1));
+        assert_eq!(p.take(), None);
     }
 
     #[test]
@@ -88,22 +71,6 @@ mod tests {
         p.give(b);
         assert_eq!(p.take(), Some(b));
         assert_eq!(p.take(), None);
-        assert_eq!(p.quarantined(), 1);
-    }
-
-    #[test]
-    fn exhausted_only_when_every_slot_is_quarantined() {
-        let mut p = SlotPool::new(2);
-        assert!(!p.exhausted());
-        let a = p.take().unwrap();
-        let b = p.take().unwrap();
-        // Both taken by outstanding collectives: they may still complete.
-        assert!(!p.exhausted());
-        p.quarantine(a);
-        assert!(!p.exhausted());
-        p.quarantine(b);
-        assert!(p.exhausted());
-        assert!(SlotPool::new(0).exhausted());
     }
 
     #[test]

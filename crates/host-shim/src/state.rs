@@ -159,10 +159,19 @@ impl Shim {
     /// Records the mailbox result of `req` (whose token has been seen) and frees its slot.
     /// Idempotent.
     pub fn complete_from_mailbox(&mut self, req: &OffloadRequest) {
+        let Some(slot) = req.slot else { return };
         if req.result().is_some() {
             return;
         }
-        let status = mailbox_status(req.slot).load(Ordering::Acquire);
+        self.complete_with(req, mailbox_status(slot).load(Ordering::Acquire));
+        self.slots.give(slot);
+    }
+
+    /// Records the result of `req` from the SP's status word (once).
+    fn complete_with(&mut self, req: &OffloadRequest, status: u32) {
+        if req.result().is_some() {
+            return;
+        }
         let code = mpi_code(status);
         if status != mailbox::STATUS_OK {
             let t = topology();
@@ -177,7 +186,6 @@ impl Shim {
             );
         }
         req.finish(code);
-        self.slots.give(req.slot);
     }
 
     /// Looks at the mailbox for every tracked request that has not completed yet (after a
@@ -189,9 +197,10 @@ impl Shim {
             // SAFETY: every address in the registry is a live OffloadRequest; objects are
             // removed from the registry (under this lock) before they are freed.
             let req = unsafe { &*(a as *const OffloadRequest) };
-            if req.result().is_none()
-                && mailbox_token(req.slot).load(Ordering::Acquire) == req.token
-            {
+            let seen = req
+                .slot
+                .is_some_and(|slot| mailbox_token(slot).load(Ordering::Acquire) == req.token);
+            if req.result().is_none() && seen {
                 self.complete_from_mailbox(req);
             }
         }
@@ -252,6 +261,24 @@ impl Shim {
                     self.fail_matching(|r| r.comm == comm && r.seq == seq);
                 }
                 SpToHost::Registered { .. } => {}
+                SpToHost::Completed { token, status } => {
+                    let req = self.registry.all().find(|&a| {
+                        // SAFETY: as in `harvest`.
+                        let r = unsafe { &*(a as *const OffloadRequest) };
+                        r.slot.is_none() && r.token == token
+                    });
+                    match req {
+                        // SAFETY: as in `harvest`.
+                        Some(a) => {
+                            self.complete_with(unsafe { &*(a as *const OffloadRequest) }, status)
+                        }
+                        None => self.conn.mark_broken(format!(
+                            "the service process at {} completed token {token}, which no \
+                             outstanding collective of this rank has",
+                            self.conn.path.display()
+                        )),
+                    }
+                }
                 SpToHost::Copy {
                     token,
                     ticket,
@@ -358,7 +385,9 @@ impl Shim {
             let req = unsafe { &*(a as *const OffloadRequest) };
             if req.result().is_none() && pred(req) {
                 req.finish(consts::ERR_OTHER());
-                self.slots.quarantine(req.slot);
+                if let Some(slot) = req.slot {
+                    self.slots.quarantine(slot);
+                }
             }
         }
     }
@@ -500,6 +529,9 @@ unsafe fn start_inner() -> bool {
         libc::prctl(libc::PR_SET_PTRACER, libc::PR_SET_PTRACER_ANY, 0, 0, 0);
     }
     let cluster_path = settings.cluster.clone().expect("checked by `want`");
+    // SAFETY: MPI is initialised. (Without the datatype cache's keyval, types are analysed at
+    // every call.)
+    unsafe { crate::datatype::create_keyval() };
     // SAFETY: MPI is initialised.
     let local = match unsafe { crate::comm::create_keyval() } {
         Ok(()) => register(&cluster_path, job, rank, size),
@@ -744,10 +776,10 @@ fn register(
         mailbox_slots: slots,
     })
     .map_err(|e| at("sending registration", &e))?;
-    match ch
+    let reply = ch
         .recv::<SpToHost>()
-        .map_err(|e| at("waiting for registration", &e))?
-    {
+        .map_err(|e| at("waiting for registration", &e))?;
+    match &reply {
         SpToHost::Registered { .. } => {}
         SpToHost::Error { code, message, .. } => {
             return Err(format!(
@@ -755,9 +787,9 @@ fn register(
                 path.display()
             ))
         }
-        SpToHost::Copy { .. } => {
+        SpToHost::Copy { .. } | SpToHost::Completed { .. } => {
             return Err(format!(
-                "service process at {} asked for a copy before registration",
+                "service process at {} answered the registration with {reply:?}",
                 path.display()
             ))
         }

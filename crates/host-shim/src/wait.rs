@@ -93,9 +93,9 @@ impl Waiter {
             unsafe { native_progress() };
             self.last_progress = now;
         }
-        // While the SP may hand copies to this rank, read the connection at every look.
-        if crate::request::host_copies_outstanding() || now - self.last_conn >= CONN_CHECK_INTERVAL
-        {
+        // While the SP may hand copies to this rank or complete a request by a message, read
+        // the connection at every look.
+        if crate::request::connection_needed() || now - self.last_conn >= CONN_CHECK_INTERVAL {
             service_connection();
             self.last_conn = now;
         }
@@ -119,7 +119,7 @@ unsafe fn test_miss(native_tested: bool) {
         unsafe { native_progress() };
     }
     let now = Instant::now();
-    let eager = crate::request::host_copies_outstanding();
+    let eager = crate::request::connection_needed();
     let due = LAST_TEST_CONN_CHECK
         .try_with(|c| {
             let due = eager || c.get().is_none_or(|t| now - t >= CONN_CHECK_INTERVAL);

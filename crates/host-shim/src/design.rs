@@ -1,0 +1,129 @@
+//! Which staged design (flat or hierarchical) a staged collective takes, and the other
+//! per-job settings of the collectives, read once from the environment. Every input is the
+//! same on every rank of a collective (the message length, the communicator's nodes, and, in a
+//! correct job, the environment), so every rank decides alike.
+
+use bootstrap::wire::{CollKind, StagedDesign};
+
+/// The design of a staged collective of `kind` moving `len` bytes to each rank, on a
+/// communicator whose members are on the emulated nodes `nodes`. A message larger than the
+/// segment part (`SPOFF_SEGMENT_BYTES`) is always `Flat`; otherwise `SPOFF_BCAST_DESIGN` (a
+/// bcast) or `SPOFF_IALLGATHER_DESIGN` (a staged iallgather) `=flat|hier` forces one, and
+/// `auto` picks `Hier` when some node has at least `SPOFF_HIER_MIN_RANKS` (default
+/// [`hier_min_ranks`]) of the members (the hierarchical designs write once per node). The
+/// nodes and the length are the same on every rank (and so, in a correct job, is the
+/// environment), so every rank decides alike. The variables are read once, at the first
+/// `MPI_Ibcast`/`MPI_Bcast` or `MPI_Iallgather` (a post is on the host's critical path).
+pub fn staged_design(kind: CollKind, max_per_node: usize, len: u64) -> StagedDesign {
+    let env = staged_env();
+    let forced = match kind {
+        CollKind::StagedAllgather => env.iallgather.as_deref(),
+        _ => env.bcast.as_deref(),
+    };
+    let min = env.min_ranks.unwrap_or_else(|| hier_min_ranks(kind));
+    choose_design(forced, min, max_per_node, len, env.part)
+}
+
+/// The environment of the staged designs, as read at first use.
+struct StagedEnv {
+    /// `SPOFF_BCAST_DESIGN`, `SPOFF_IALLGATHER_DESIGN`, trimmed.
+    bcast: Option<String>,
+    iallgather: Option<String>,
+    /// `SPOFF_HIER_MIN_RANKS`, if set to a number.
+    min_ranks: Option<usize>,
+    /// The segment part (`SPOFF_SEGMENT_BYTES`).
+    part: u64,
+}
+
+fn staged_env() -> &'static StagedEnv {
+    static ENV: std::sync::OnceLock<StagedEnv> = std::sync::OnceLock::new();
+    ENV.get_or_init(|| {
+        let var = |k: &str| std::env::var(k).ok().map(|v| v.trim().to_owned());
+        StagedEnv {
+            bcast: var("SPOFF_BCAST_DESIGN"),
+            iallgather: var("SPOFF_IALLGATHER_DESIGN"),
+            min_ranks: var("SPOFF_HIER_MIN_RANKS").and_then(|v| v.parse().ok()),
+            part: crate::segment::configured_len(),
+        }
+    })
+}
+
+/// [`staged_design`] once the environment is read: `forced` the design variable, `min` the
+/// threshold, `max_per_node` the most members on one node, `part` the segment part.
+fn choose_design(
+    forced: Option<&str>,
+    min: usize,
+    max_per_node: usize,
+    len: u64,
+    part: u64,
+) -> StagedDesign {
+    if len > part {
+        return StagedDesign::Flat;
+    }
+    match forced.map(str::trim) {
+        Some("flat") => return StagedDesign::Flat,
+        Some("hier") => return StagedDesign::Hier,
+        _ => {}
+    }
+    if max_per_node >= min {
+        StagedDesign::Hier
+    } else {
+        StagedDesign::Flat
+    }
+}
+
+/// Ranks per node from which `auto` picks the hierarchical design, per collective (the reasons
+/// are in docs/BENCHMARKS.md, section G and its notes): measured here, flat mostly costs less
+/// at 1, 2 and 4 ranks per node for both collectives (the hierarchical ranks copy the message
+/// out themselves in the wait); in the simulator at 32 nodes with 1 SP per node the
+/// hierarchical Iallgather wins clearly from 8 ranks per node (its flat design writes every
+/// block into every rank), the hierarchical Ibcast only from 32.
+pub fn hier_min_ranks(kind: CollKind) -> usize {
+    match kind {
+        CollKind::StagedAllgather => 8,
+        _ => 32,
+    }
+}
+
+/// `MPI_Iallgather` takes the staged designs when `SPOFF_IALLGATHER_DESIGN` is `flat`, `hier`
+/// or `auto` (the staged pair chosen by ranks per node); unset or `lb`, it takes the
+/// load-balanced hierarchical allgather (issue 3's), as every other allgather does.
+pub fn iallgather_staged() -> bool {
+    matches!(
+        staged_env().iallgather.as_deref(),
+        Some("flat" | "hier" | "auto")
+    )
+}
+
+/// Host-side intra-node copies in blocking allgathervs: on unless `SPOFF_HOST_COPIES=0`.
+pub fn host_copies_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SPOFF_HOST_COPIES").map_or(true, |v| v.trim() != "0"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auto_picks_hier_by_ranks_per_node_and_never_beyond_the_segment_part() {
+        // 2 nodes x 4 ranks, whatever the SPs per node.
+        let nodes = [0, 0, 0, 0, 1, 1, 1, 1];
+        let most = crate::comm::max_per_node(&nodes);
+        assert_eq!(most, 4);
+        let pick = |forced, min, len| choose_design(forced, min, most, len, 1 << 20);
+        assert_eq!(pick(None, 4, 100), StagedDesign::Hier);
+        assert_eq!(pick(Some("auto"), 5, 100), StagedDesign::Flat);
+        assert_eq!(pick(None, 8, 100), StagedDesign::Flat);
+        assert_eq!(pick(Some(" hier "), 8, 100), StagedDesign::Hier);
+        assert_eq!(pick(Some("flat"), 1, 100), StagedDesign::Flat);
+        // A message larger than an SP's part of the segment is flat, even if forced.
+        assert_eq!(pick(Some("hier"), 1, (1 << 20) + 1), StagedDesign::Flat);
+        assert_eq!(pick(None, 1, 1 << 20), StagedDesign::Hier);
+        // One crowded node is enough.
+        let skewed = crate::comm::max_per_node(&[0, 1, 0, 0]);
+        assert_eq!(skewed, 3);
+        assert_eq!(choose_design(None, 3, skewed, 1, 64), StagedDesign::Hier);
+        assert_eq!(crate::comm::max_per_node(&[]), 0);
+    }
+}

@@ -1,0 +1,304 @@
+//! Posting one collective: laying out its two sides, agreeing on the communicator, taking a
+//! completion slot, packing, granting and sending the descriptor.
+//!
+//! Each side is granted directly or packed (`layout.rs`): a choice each rank makes alone,
+//! which no other rank can see, so it never splits a collective between the offloaded and the
+//! native path. The only conditions that send a call to the native function are checked
+//! before the communicator agreement and hold alike on every rank of a correct program (see
+//! `coll.rs`); once the agreement has run the call is committed: every member offloads it, so
+//! a failure from then on (a dead SP connection, a failed `MPI_Pack`) is `MPI_ERR_OTHER` with a
+//! line on stderr, raised through the communicator's error handler, never a native call that
+//! the other members would not match.
+//!
+//! Completion slots: a free mailbox slot is taken (harvesting completed requests first if none
+//! is free); with none free the post goes without one and the SP completes it with a message
+//! (`request.rs`). A nonblocking call never waits for a slot: the slot it waits for may only
+//! free up once another rank posts a collective that this rank posts later (two communicators
+//! used in opposite orders by different ranks, with more outstanding collectives than slots).
+
+use crate::boundary::{say, Commit};
+use crate::coll::{kind_name, Offload};
+use crate::comm;
+use crate::design::{host_copies_enabled, staged_design};
+use crate::layout::{packed_side, region_addr, side_bytes, LayoutError, SideBytes, TypeGeometry};
+use crate::pack::{self, Block, Unpack};
+use crate::request::{OffloadRequest, Staging};
+use crate::state::{mailbox_token, topology, with_shim, TRACKED};
+use alias_mkey::Rights;
+use bootstrap::wire::{CollKind, HostToSp, PostDesc, Staged, StagedDesign};
+use mpi_ffi as ffi;
+use mpi_ffi::consts;
+use std::os::raw::c_void;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+/// Post failures reported on stderr before going quiet.
+const REPORTED_POST_FAILURES: u32 = 3;
+static POST_FAILURES: AtomicU32 = AtomicU32::new(0);
+
+/// One side of the exchange as the program gave it: a block of `counts[p]` elements of `ty`
+/// at element displacement `displs[p]` from `buf`, per peer.
+pub struct Side {
+    pub buf: *const c_void,
+    pub counts: Vec<i64>,
+    pub displs: Vec<i64>,
+    pub ty: ffi::MPI_Datatype,
+    pub geo: TypeGeometry,
+    /// Always through the shim's staging: the send side of an `MPI_IN_PLACE` call, whose data
+    /// live in the receive buffer the collective overwrites (copied at the post).
+    pub copy: bool,
+}
+
+impl Side {
+    /// The program's blocks as addresses and counts (for packing).
+    fn blocks(&self) -> Vec<Block> {
+        self.counts
+            .iter()
+            .zip(&self.displs)
+            .map(|(&count, &displ)| Block {
+                addr: (self.buf as isize)
+                    .wrapping_add((displ as isize).wrapping_mul(self.geo.extent as isize))
+                    as usize,
+                count,
+            })
+            .collect()
+    }
+}
+
+/// How a side is granted.
+struct Laid {
+    bytes: SideBytes,
+    /// Where its region starts in the program's buffer; `None`: packed into staging.
+    direct: Option<u64>,
+}
+
+/// Lays out a side: directly when its blocks are runs (and, for a staged allgather's receive
+/// side, equal blocks in rank order, as that collective needs), packed otherwise. `Err` only
+/// for arguments MPI calls erroneous (negative counts, lengths past the address space).
+fn lay_out(side: &Side, rank_ordered: bool) -> Result<Laid, LayoutError> {
+    if !side.copy {
+        match side_bytes(&side.counts, &side.displs, &side.geo) {
+            Ok(bytes) => {
+                let ordered = !rank_ordered || {
+                    let len = bytes.counts.first().copied().unwrap_or(0);
+                    (0..bytes.counts.len() as u64).all(|i| {
+                        bytes.counts[i as usize] == len
+                            && (len == 0 || bytes.displs[i as usize] == i * len)
+                    })
+                };
+                if ordered {
+                    let addr = region_addr(side.buf as u64, bytes.region_offset, bytes.region_len)
+                        .ok_or(LayoutError::Overflow { peer: 0 })?;
+                    return Ok(Laid {
+                        bytes,
+                        direct: Some(addr),
+                    });
+                }
+            }
+            Err(LayoutError::NotARun { .. }) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(Laid {
+        bytes: packed_side(&side.counts, side.geo.size)?,
+        direct: None,
+    })
+}
+
+/// Posts one collective of `kind`: `send` has a block per comm rank for an alltoallv, the one
+/// block of this rank for an allgatherv or a bcast's root. `blocking`: the caller waits for
+/// the request inside the call, so in an allgatherv it can copy the segments already on its
+/// node itself (unless `SPOFF_HOST_COPIES=0`), sparing the SP that work. `root`: the root of
+/// a staged collective (a bcast).
+///
+/// # Safety
+/// The shim is active; `comm` is a valid intracommunicator; the sides describe the caller's
+/// buffers (MPI preconditions of the call).
+pub unsafe fn post(
+    kind: CollKind,
+    comm: ffi::MPI_Comm,
+    send: Side,
+    recv: Side,
+    blocking: bool,
+    root: Option<u32>,
+    commit: &mut Commit,
+) -> Offload {
+    let staged_allgather = kind == CollKind::StagedAllgather;
+    let (Ok(s), Ok(r)) = (lay_out(&send, false), lay_out(&recv, staged_allgather)) else {
+        // Negative counts and the like: native MPI reports them.
+        return Offload::Native;
+    };
+    // SAFETY: forwarded.
+    let info = match unsafe { comm::info(comm) } {
+        // SAFETY: the info lives as long as `comm`, which outlives this call.
+        Ok(p) => unsafe { &*p },
+        Err(_) => return Offload::Native,
+    };
+    // Every member has now agreed on the communicator and offloads this call.
+    commit.mark();
+    let rank = topology().world_rank;
+    let seq = info.next_seq.fetch_add(1, Ordering::AcqRel);
+    let fail = |why: &str| {
+        // A dead SP fails every later collective too: report the first few, then stay quiet.
+        match POST_FAILURES.fetch_add(1, Ordering::AcqRel) {
+            n if n < REPORTED_POST_FAILURES => say!(
+                "rank {rank}: cannot post {} #{seq} on communicator {}:{}: {why}",
+                kind_name(kind),
+                info.id.leader,
+                info.id.id
+            ),
+            REPORTED_POST_FAILURES => say!(
+                "rank {rank}: further offloaded collectives fail with MPI_ERR_OTHER (not reported)"
+            ),
+            _ => {}
+        }
+        Offload::Failed(consts::ERR_OTHER())
+    };
+    // The staging of packed sides: the send side packed now, the receive side unpacked at
+    // completion.
+    let mut staging = Staging::default();
+    if s.direct.is_none() {
+        // SAFETY: the send side's blocks are readable (MPI precondition); the offsets and the
+        // length come from `packed_side` on the same counts.
+        match unsafe {
+            pack::pack(
+                &send.blocks(),
+                &s.bytes.displs,
+                send.ty,
+                send.geo.size,
+                send.geo.extent,
+                s.bytes.region_len,
+            )
+        } {
+            Ok(buf) => staging.send = Some(buf),
+            Err(why) => return fail(&why),
+        }
+    }
+    if r.direct.is_none() {
+        // SAFETY: MPI is initialised; the receive type is valid (its geometry was read).
+        match unsafe {
+            Unpack::new(
+                recv.blocks(),
+                r.bytes.displs.clone(),
+                recv.ty,
+                recv.geo.size,
+                recv.geo.extent,
+                r.bytes.region_len,
+            )
+        } {
+            Ok(u) => staging.recv = Some(u),
+            Err(why) => return fail(&why),
+        }
+    }
+    // A Vec's heap buffer does not move when the Vec moves into the request.
+    let send_addr = s
+        .direct
+        .or_else(|| staging.send.as_ref().map(|b| b.as_ptr() as u64))
+        .expect("a side is direct or packed");
+    let recv_addr = r
+        .direct
+        .or_else(|| staging.recv.as_ref().map(|u| u.staging.as_ptr() as u64))
+        .expect("a side is direct or packed");
+    let (s, r) = (s.bytes, r.bytes);
+    // An allgatherv's receive buffer is also read: the SP serves the node's other ranks
+    // segments out of it.
+    let recv_rights = match kind {
+        CollKind::Alltoallv | CollKind::Bcast | CollKind::StagedAllgather => Rights::WRITE,
+        CollKind::Allgatherv => Rights::READ_WRITE,
+    };
+    let design =
+        root.map(|_| staged_design(kind, info.max_per_node, s.region_len.max(r.region_len)));
+    // Hier: SPs write the segment this rank shares with the other ranks of its node, and the
+    // rank copies from it into its buffer (the root receives nothing).
+    let segment = match design {
+        Some(StagedDesign::Hier) => {
+            let t = topology();
+            let node = t.node_of_sp[t.sp_of_world[t.world_rank as usize] as usize];
+            let sps = t.node_of_sp.iter().filter(|&&n| n == node).count() as u64;
+            match crate::segment::get(t.job, node, sps) {
+                Ok(seg) => Some(seg),
+                Err(why) => return fail(&why),
+            }
+        }
+        _ => None,
+    };
+    let receives_from_segment =
+        segment.is_some() && (staged_allgather || root != Some(info.comm_rank));
+    let host_copies = (blocking && kind == CollKind::Allgatherv && host_copies_enabled())
+        || receives_from_segment;
+    let posted = with_shim(|sh| {
+        if let Some(why) = &sh.conn.broken {
+            return Err(why.clone());
+        }
+        let slot = sh.slots.take().or_else(|| {
+            sh.harvest();
+            sh.slots.take()
+        });
+        let token = sh.next_token;
+        sh.next_token += 1;
+        if let Some(slot) = slot {
+            mailbox_token(slot).store(0, Ordering::Release);
+        }
+        let idle = sh.registry.all().all(|a| {
+            // SAFETY: every address in the registry is a live request (see `Shim::harvest`).
+            unsafe { &*(a as *const OffloadRequest) }.result().is_some()
+        });
+        sh.registrar.refresh(idle);
+        let desc = PostDesc {
+            kind,
+            comm: info.id,
+            seq,
+            comm_rank: info.comm_rank,
+            members: info.members.clone(),
+            nodes: match kind {
+                CollKind::Alltoallv => Vec::new(),
+                CollKind::Allgatherv | CollKind::Bcast | CollKind::StagedAllgather => {
+                    info.nodes.clone()
+                }
+            },
+            slot,
+            token,
+            send: sh.registrar.buffer(send_addr, s.region_len, Rights::READ),
+            recv: sh.registrar.buffer(recv_addr, r.region_len, recv_rights),
+            send_counts: s.counts,
+            send_displs: s.displs,
+            recv_counts: r.counts,
+            recv_displs: r.displs,
+            host_copies,
+            staged: root.zip(design).map(|(root, design)| Staged {
+                root,
+                design,
+                segment: segment.map(|seg| {
+                    sh.registrar
+                        .cma_buffer(seg.addr as u64, seg.len, Rights::READ_WRITE)
+                }),
+            }),
+        };
+        match sh.conn.send(&HostToSp::Post(Box::new(desc))) {
+            Ok(()) => {
+                let mut req = OffloadRequest::new(kind, slot, token, info.id, seq, comm, staging);
+                if host_copies {
+                    req.accept_host_copies((recv_addr as usize, r.region_len));
+                }
+                let req = Box::into_raw(Box::new(req));
+                sh.registry.insert(req as usize);
+                TRACKED.fetch_add(1, Ordering::AcqRel);
+                Ok(req as usize)
+            }
+            Err(why) => {
+                // The SP may have read part of it: the slot is never reused, the staging is
+                // never freed, and nothing outstanding can complete over a broken stream.
+                if let Some(slot) = slot {
+                    sh.slots.quarantine(slot);
+                }
+                std::mem::forget(staging);
+                sh.fail_matching(|_| true);
+                Err(why)
+            }
+        }
+    });
+    match posted {
+        Some(Ok(addr)) => Offload::Posted(addr),
+        Some(Err(why)) => fail(&why),
+        None => fail("the shim is shut down"),
+    }
+}
