@@ -192,6 +192,120 @@ fn bcast_through_real_sps_and_hostile_descriptors() {
     }
 }
 
+/// The root and the other rank of its SP finish their part of a broadcast, say goodbye and
+/// leave before the other node's ranks post (legal MPI: a rank may finalize once its own part
+/// is done). Their SP still owes the message to the other node: it must forward it, and the
+/// late ranks must get it. A rank that leaves without posting, on the other hand, fails the
+/// collective of the ranks that wait for it, in bounded time.
+#[test]
+fn ranks_that_leave_once_their_part_is_done_fail_nobody() {
+    let mut set = SpSet::start(2, 1, 2, Layout::Block);
+    let job = new_job();
+    let mut hosts: Vec<Host> = (0..4).map(|r| Host::connect(&set, job, r, 4)).collect();
+    let comm = CommId { leader: 0, id: 1 };
+    // Fits the root SP's staging: the root completes before node 1 posts anything.
+    let len = 100_003;
+    let data: Vec<u8> = (0..len).map(|i| (i * 7 + 1) as u8).collect();
+    let bufs: Vec<Vec<u8>> = (0..4)
+        .map(|r| {
+            if r == 0 {
+                data.clone()
+            } else {
+                vec![SENTINEL; len]
+            }
+        })
+        .collect();
+    let descs: Vec<PostDesc> = (0..4)
+        .map(|r| {
+            bcast_desc(
+                &mut hosts,
+                &set,
+                comm,
+                0,
+                r,
+                0,
+                &bufs[r],
+                StagedDesign::Flat,
+                None,
+            )
+        })
+        .collect();
+    let mut descs = descs.into_iter();
+    let early: Vec<(usize, u32, u64)> = (0..2)
+        .map(|r| {
+            let (slot, token) = hosts[r].post(descs.next().unwrap());
+            (r, slot, token)
+        })
+        .collect();
+    let got = wait_all_serving(&mut hosts, &early, WAIT);
+    assert_eq!(got, [Some(STATUS_OK); 2]);
+    let mut late_hosts = hosts.split_off(2);
+    for h in hosts {
+        h.goodbye();
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let late: Vec<(usize, u32, u64)> = (0..2)
+        .map(|i| {
+            let (slot, token) = late_hosts[i].post(descs.next().unwrap());
+            (i, slot, token)
+        })
+        .collect();
+    let got = wait_all_serving(&mut late_hosts, &late, WAIT);
+    assert_eq!(
+        got,
+        [Some(STATUS_OK); 2],
+        "the late ranks must get the message"
+    );
+    for r in 1..4 {
+        let seen: Vec<u8> = bufs[r]
+            .iter()
+            .map(|b| unsafe { std::ptr::read_volatile(b) })
+            .collect();
+        assert!(seen == data, "rank {r}: wrong bytes");
+    }
+
+    // A second job: node 0's ranks leave without posting; node 1's must fail, not hang.
+    let job = new_job();
+    let mut hosts: Vec<Host> = (0..4).map(|r| Host::connect(&set, job, r, 4)).collect();
+    let descs: Vec<PostDesc> = (0..4)
+        .map(|r| {
+            bcast_desc(
+                &mut hosts,
+                &set,
+                comm,
+                0,
+                r,
+                0,
+                &bufs[r],
+                StagedDesign::Flat,
+                None,
+            )
+        })
+        .collect();
+    let mut late_hosts = hosts.split_off(2);
+    for h in hosts {
+        h.goodbye();
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let late: Vec<(usize, u32, u64)> = descs
+        .into_iter()
+        .skip(2)
+        .enumerate()
+        .map(|(i, d)| {
+            let (slot, token) = late_hosts[i].post(d);
+            (i, slot, token)
+        })
+        .collect();
+    let got = wait_all_serving(&mut late_hosts, &late, WAIT);
+    assert!(
+        got.iter().all(|g| g.is_some_and(|s| s != STATUS_OK)),
+        "ranks waiting for ranks that left without posting must fail: {got:?}"
+    );
+    for s in set.stats_after_goodbyes(late_hosts) {
+        assert_eq!(s["instances_at_exit"], 0, "{s}");
+    }
+}
+
 #[test]
 fn sps_with_and_without_ucx_broadcast_together() {
     // SP 1 runs without UCX, SP 0 with it. SP 0 grants its slots through UCX to

@@ -495,6 +495,70 @@ fn wrong_protocol_version_is_refused_with_a_clear_reason() {
     assert!(matches!(ch.recv_hello().unwrap(), Hello::Reject { .. }));
 }
 
+/// Posts without a mailbox slot (a host whose slots are all taken) complete by a message, with
+/// the same bytes, many outstanding at once, on two communicators posted in opposite orders
+/// by different ranks.
+#[test]
+fn posts_without_a_slot_complete_by_message() {
+    let mut set = SpSet::start(2, 1, 2, Layout::Block);
+    let job = new_job();
+    let mut hosts: Vec<Host> = (0..4).map(|r| Host::connect(&set, job, r, 4)).collect();
+    let mut rng = Rng(test_seed());
+    let members: Vec<u32> = hosts.iter().map(|h| h.sp).collect();
+    let comms = [CommId { leader: 0, id: 1 }, CommId { leader: 0, id: 2 }];
+    const PER_COMM: u64 = 40;
+    let ops: Vec<Vec<Op>> = comms
+        .iter()
+        .map(|&c| {
+            (0..PER_COMM)
+                .map(|seq| make_op(&mut rng, c, seq, vec![0, 1, 2, 3], 64))
+                .collect()
+        })
+        .collect();
+    let mut tokens = vec![vec![]; 4];
+    for r in 0..4 {
+        // Even ranks post communicator 1 first, odd ranks communicator 2 first.
+        let order: [usize; 2] = if r % 2 == 0 { [0, 1] } else { [1, 0] };
+        for c in order {
+            for op in &ops[c] {
+                let send = hosts[r].grant(&op.send[r], Rights::READ);
+                let recv = hosts[r].grant(&op.recv[r], Rights::WRITE);
+                let d = desc(
+                    op.comm,
+                    op.seq,
+                    r as u32,
+                    members.clone(),
+                    0,
+                    send,
+                    recv,
+                    (
+                        op.counts[r].clone(),
+                        op.send_displs[r].clone(),
+                        (0..4).map(|s| op.counts[s][r]).collect(),
+                        op.recv_displs[r].clone(),
+                    ),
+                );
+                tokens[r].push(hosts[r].post_slotless(d));
+            }
+        }
+    }
+    for r in 0..4 {
+        for &t in &tokens[r] {
+            assert_eq!(
+                hosts[r].wait_message(t),
+                Some(STATUS_OK),
+                "rank {r} token {t}"
+            );
+        }
+    }
+    for op in ops.iter().flatten() {
+        op.check();
+    }
+    for s in set.stats_after_goodbyes(hosts) {
+        assert_eq!(s["instances_at_exit"], 0, "{s}");
+    }
+}
+
 #[test]
 fn a_rank_that_dies_mid_collective_fails_it_everywhere() {
     let set = SpSet::start(2, 1, 2, Layout::Block);

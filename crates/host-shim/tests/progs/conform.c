@@ -1324,19 +1324,32 @@ static void cfail(const char *method, const char *fmt, ...)
     fail_line(&s);
 }
 
+/* what the polling loop still waits for, for the hang report */
+static const slot_t *pt_sl;
+static const int *pt_done, *pt_active;
+static int pt_n;
+static const op_t *pt_ops;
+
 static void poll_tick(double t0, rng_t *S, int poll_sleep, const char *method)
 {
     if (now() - t0 > g_timeout) {
-        char what[1200];
-        snprintf(what, sizeof what, "%s polling loop, batch [%s]", method, g_batch_desc);
-        hang_exit(what, now() - t0);
+        str_t w = {0};
+        sappend(&w, "%s polling loop, batch [%s], not completed:", method, g_batch_desc);
+        for (int i = 0; i < pt_n; i++)
+            if (pt_active[i] && !pt_done[i])
+                sappend(&w, " slot %d (%s)", i,
+                        pt_sl[i].kind == S_COLL ? coll_name[pt_ops[pt_sl[i].op].coll]
+                        : pt_sl[i].kind == S_NSEND ? "native MPI_Isend to self"
+                                                   : "native MPI_Irecv from self");
+        hang_exit(w.s, now() - t0);
     }
     if (poll_sleep && chance(S, 20)) sleep_us(rint_(S, 0, 50));
 }
 
 static void complete(int method, int use_st, int poll_sleep, rng_t *S, MPI_Request *rq,
-                     const slot_t *sl, int n, MPI_Status *st, int *have_st)
+                     const slot_t *sl, int n, MPI_Status *st, int *have_st, const op_t *ops)
 {
+    pt_ops = ops;
     const char *mn = meth_name[method];
     int active[MAXSLOTS], done[MAXSLOTS], idx[MAXSLOTS], nact = 0, ndone = 0, rc;
     MPI_Status tmp[MAXSLOTS], s1;
@@ -1348,6 +1361,7 @@ static void complete(int method, int use_st, int poll_sleep, rng_t *S, MPI_Reque
         nact += active[i];
     }
     double t0 = now();
+    pt_sl = sl; pt_done = done; pt_active = active; pt_n = n;
     activity("%s on batch [%s] case %s", mn, g_batch_desc, g_case);
 #define MARK(x, stp)                                                                      \
     do {                                                                                  \
@@ -1680,7 +1694,7 @@ static void run_case(long k, int final)
             if (sl[i].kind == S_NRECV) nslot_recv = i;
         MPI_Status st[MAXSLOTS];
         int have_st[MAXSLOTS];
-        complete(method, use_st, poll_sleep, &S, rq, sl, ns, st, have_st);
+        complete(method, use_st, poll_sleep, &S, rq, sl, ns, st, have_st, ops);
         if (nat) {
             if (memcmp(nsend, nrecv, sizeof(int) * (size_t)natn))
                 cfail(meth_name[method], "native MPI_Irecv from self received wrong data");

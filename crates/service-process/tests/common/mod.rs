@@ -142,6 +142,8 @@ pub struct Host {
     copy_targets: std::collections::HashMap<u64, (u64, u64)>,
     /// `SpToHost::Copy` requests served by [`Host::serve_copies`].
     pub copies_served: u64,
+    /// Completions by message read but not yet asked for: token -> status.
+    completed: std::collections::HashMap<u64, u32>,
 }
 
 pub const SLOTS: u32 = 64;
@@ -192,6 +194,7 @@ impl Host {
             next_token: 1,
             copy_targets: Default::default(),
             copies_served: 0,
+            completed: Default::default(),
         }
     }
 
@@ -215,6 +218,38 @@ impl Host {
         }
         self.ch.send(&HostToSp::Post(Box::new(d.clone()))).unwrap();
         (d.slot.expect("the tests post with a mailbox slot"), token)
+    }
+
+    /// Posts without a mailbox slot (the SP then completes it with a message); returns the
+    /// token.
+    pub fn post_slotless(&mut self, mut d: PostDesc) -> u64 {
+        d.slot = None;
+        let token = self.next_token;
+        self.next_token += 1;
+        d.token = token;
+        self.ch.send(&HostToSp::Post(Box::new(d))).unwrap();
+        token
+    }
+
+    /// Reads messages until `SpToHost::Completed` for `token` comes (or the channel's read
+    /// timeout); completions of other tokens are kept for later calls. Any other message is a
+    /// test failure.
+    pub fn wait_message(&mut self, token: u64) -> Option<u32> {
+        loop {
+            if let Some(status) = self.completed.remove(&token) {
+                return Some(status);
+            }
+            match self.ch.recv::<SpToHost>() {
+                Ok(SpToHost::Completed { token: t, status }) => {
+                    assert!(
+                        self.completed.insert(t, status).is_none(),
+                        "token {t} completed twice"
+                    );
+                }
+                Ok(other) => panic!("expected completions, got {other:?}"),
+                Err(_) => return None,
+            }
+        }
     }
 
     fn token_word(&self, slot: u32) -> u64 {
