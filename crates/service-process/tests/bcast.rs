@@ -256,8 +256,8 @@ fn ranks_that_leave_once_their_part_is_done_fail_nobody() {
         [Some(STATUS_OK); 2],
         "the late ranks must get the message"
     );
-    for r in 1..4 {
-        let seen: Vec<u8> = bufs[r]
+    for (r, buf) in bufs.iter().enumerate().skip(1) {
+        let seen: Vec<u8> = buf
             .iter()
             .map(|b| unsafe { std::ptr::read_volatile(b) })
             .collect();
