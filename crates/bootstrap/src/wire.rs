@@ -216,6 +216,11 @@ pub struct PostDesc {
     pub host_copies: bool,
     /// The staged collectives' root and design (`None` for the others).
     pub staged: Option<Staged>,
+    /// The host moves this side through a contiguous staging buffer of its own (a
+    /// non-contiguous type packed, or the copy of an `MPI_IN_PLACE` send side): the grants
+    /// describe that buffer. For the SP's counters only.
+    pub send_packed: bool,
+    pub recv_packed: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -594,6 +599,8 @@ mod tests {
                     nodes: vec![],
                     slot: Some(i),
                     token: 77,
+                    send_packed: false,
+                    recv_packed: false,
                     send: grant(10),
                     recv: grant(20),
                     send_counts: vec![1, 2],

@@ -30,6 +30,12 @@ const MAX_DEPTH: u32 = 16;
 const MAX_BLOCKS: u64 = 1 << 20;
 
 static KEYVAL: AtomicI32 = AtomicI32::new(i32::MIN);
+/// Held while the cache is read or written: a thread that replaces a cached value (two threads
+/// analysed one type at once) frees the old one in the delete callback, which must not happen
+/// while another thread reads it. (The callback itself does not take it: it runs inside
+/// `MPI_Type_set_attr` under this lock, or in the program's `MPI_Type_free`, which MPI does not
+/// let race with a use of the same type.)
+static CACHE: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 unsafe extern "C" fn delete_cached(
     _ty: ffi::MPI_Datatype,
@@ -77,6 +83,7 @@ pub unsafe fn geometry(ty: ffi::MPI_Datatype) -> Option<TypeGeometry> {
     let combiner = unsafe { envelope(ty)? }.3;
     let keyval = KEYVAL.load(Ordering::Acquire);
     let cache = combiner != consts::COMBINER_NAMED() && keyval != i32::MIN;
+    let _guard = cache.then(|| CACHE.lock().unwrap_or_else(|e| e.into_inner()));
     if cache {
         let mut found: *mut c_void = std::ptr::null_mut();
         let mut flag: c_int = 0;

@@ -198,6 +198,7 @@ pub unsafe fn post(
         .direct
         .or_else(|| staging.recv.as_ref().map(|u| u.staging.as_ptr() as u64))
         .expect("a side is direct or packed");
+    let (send_packed, recv_packed) = (s.direct.is_none(), r.direct.is_none());
     let (s, r) = (s.bytes, r.bytes);
     // An allgatherv's receive buffer is also read: the SP serves the node's other ranks
     // segments out of it.
@@ -264,6 +265,8 @@ pub unsafe fn post(
             recv_counts: r.counts,
             recv_displs: r.displs,
             host_copies,
+            send_packed,
+            recv_packed,
             staged: root.zip(design).map(|(root, design)| Staged {
                 root,
                 design,

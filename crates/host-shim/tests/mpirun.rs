@@ -200,7 +200,7 @@ fn assert_offloaded(run: &Finished, prog: &str, sps: usize) {
 }
 
 /// Every Wait/Test variant mixed with point-to-point and null requests, the contiguous derived
-/// type, split/reversed/dup communicators, the vector type and `MPI_IN_PLACE` going native, six
+/// type, split/reversed/dup communicators, the vector type (packed) and `MPI_IN_PLACE`, six
 /// collectives outstanding at once on a mailbox of `slots` (< 6) slots, and a request freed
 /// before completion.
 fn a2a_check_offloads(sps_per_node: u32, slots: &str) {
@@ -228,6 +228,79 @@ fn a2a_check_offloads(sps_per_node: u32, slots: &str) {
     }
 }
 
+/// `legal_mix MODE` on 2 nodes x 2 ranks with `sps_per_node` SPs per node, `layout`, and
+/// `env`: every rank must print its own "ok" line (there is no final reduction: in mode
+/// `early` the root leaves as soon as its part is done), and the SPs must have been posted
+/// every call of every rank, completed each, and failed no copy. Returns the run.
+fn legal_mix(mode: &str, sps_per_node: u32, layout: &str, env: &[(&str, &str)]) -> Finished {
+    let _serial = serial();
+    let prog = prog("legal_mix");
+    let run = launch_with(sps_per_node, &["--layout", layout], &[&prog, mode], env);
+    run.assert_ok(&format!("legal_mix {mode}"));
+    let mut calls = 0;
+    for r in 0..NP {
+        let head = format!("legal_mix {mode}: rank {r} ok (");
+        let line = run
+            .stdout
+            .lines()
+            .find_map(|l| l.strip_prefix(head.as_str()));
+        let n: u64 = line
+            .and_then(|l| l.strip_suffix(" eligible calls)"))
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("rank {r} did not pass\n{}\n{}", run.stdout, run.stderr));
+        calls += n;
+    }
+    assert_eq!(run.sp_total("posts"), calls, "{}", run.stderr);
+    assert_eq!(run.sp_total("completions"), calls, "{}", run.stderr);
+    assert_eq!(run.sp_total("copies_failed"), 0, "{}", run.stderr);
+    assert_eq!(run.sp_total("errors_sent"), 0, "{}", run.stderr);
+    run
+}
+
+/// Symptom 1 of issue 11: single-block derived types whose data do not start at the buffer
+/// address (wrong bytes, then hangs). Every byte around the data is compared too.
+#[test]
+fn derived_types_with_offset_data_match_native() {
+    for (k, layout, design) in [(1, "block", "flat"), (2, "cyclic", "hier")] {
+        let run = legal_mix("offsets", k, layout, &[("SPOFF_BCAST_DESIGN", design)]);
+        assert!(run.sp_total("posts_packed") > 0, "{}", run.stderr);
+    }
+}
+
+/// Symptom 2: one message described with different type maps by different ranks (contiguous
+/// against vector, a struct listed out of address order, `MPI_IN_PLACE` on some ranks only)
+/// once split the ranks between the offloaded and the native path. All of it is offloaded
+/// now, the packed sides counted by the SPs.
+#[test]
+fn ranks_describing_one_message_differently_agree() {
+    for (k, layout, design) in [(1, "cyclic", "flat"), (2, "block", "hier")] {
+        let run = legal_mix("mixed", k, layout, &[("SPOFF_BCAST_DESIGN", design)]);
+        assert!(run.sp_total("posts_packed") > 0, "{}", run.stderr);
+    }
+}
+
+/// Symptom 3: the root of a broadcast finalizes and exits while ranks of the other node have
+/// not entered it yet; its SP must still deliver the message, and nobody fails.
+#[test]
+fn a_root_that_finalizes_at_once_fails_nobody() {
+    for (k, layout, design) in [
+        (1, "block", "flat"),
+        (2, "block", "hier"),
+        (1, "cyclic", "hier"),
+    ] {
+        legal_mix("early", k, layout, &[("SPOFF_BCAST_DESIGN", design)]);
+    }
+}
+
+/// Symptom 4: 2 x 1100 nonblocking alltoallvs on two communicators posted in opposite orders
+/// by even and odd ranks, with 8 mailbox slots and with the default 1024: more outstanding
+/// collectives than slots, which a post that waited for a slot would deadlock on.
+#[test]
+fn more_outstanding_collectives_than_mailbox_slots_do_not_deadlock() {
+    legal_mix("many", 1, "block", &[("SPOFF_MAILBOX_SLOTS", "8")]);
+    legal_mix("many", 2, "cyclic", &[]);
+}
+
 #[test]
 fn offload_one_sp_per_node_four_mailbox_slots() {
     a2a_check_offloads(1, "4");
@@ -239,8 +312,8 @@ fn offload_two_sps_per_node_one_mailbox_slot() {
 }
 
 /// `ag_check` (randomized Iallgatherv / Allgatherv / Iallgather / Allgather, each compared
-/// byte for byte with `PMPI_Allgatherv`; the non-contiguous type and `MPI_IN_PLACE` going
-/// native) on 2 nodes x 2 ranks with `sps_per_node` SPs per node and `layout`, the last world
+/// byte for byte with `PMPI_Allgatherv`; a non-contiguous type, packed, and `MPI_IN_PLACE`
+/// among them) on 2 nodes x 2 ranks with `sps_per_node` SPs per node and `layout`, the last world
 /// rank consistently late, `extra` program arguments (`mixed`: a blocking alltoall among the
 /// outstanding allgathers of each batch). Checks the verdict and the SP accounting as
 /// [`assert_offloaded`] does, and that the blocking calls' ranks did intra-node copies handed

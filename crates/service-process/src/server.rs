@@ -1012,6 +1012,7 @@ impl Server {
 
     fn on_post(&mut self, key: usize, d: PostDesc) {
         self.stats.posts += 1;
+        self.stats.posts_packed += (d.send_packed || d.recv_packed) as u64;
         let (job, slots) = {
             let h = self.host(key);
             match &h.mailbox {

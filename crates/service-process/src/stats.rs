@@ -5,6 +5,9 @@ use serde::Serialize;
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct Stats {
     pub posts: u64,
+    /// Of `posts`, those whose host packed a side through its own staging (a non-contiguous
+    /// datatype, or the send side of `MPI_IN_PLACE`).
+    pub posts_packed: u64,
     pub completions: u64,
     pub collectives_finished: u64,
     pub announces_received: u64,

@@ -101,6 +101,8 @@ impl AgOp {
             recv_counts: self.counts.clone(),
             recv_displs: self.recv_displs[r].clone(),
             host_copies: false,
+            send_packed: false,
+            recv_packed: false,
             staged: None,
         }
     }

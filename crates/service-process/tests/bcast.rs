@@ -62,6 +62,8 @@ fn bcast_desc(
         recv_counts: vec![if is_root { 0 } else { len }],
         recv_displs: vec![0],
         host_copies: false,
+        send_packed: false,
+        recv_packed: false,
         staged: Some(Staged {
             root,
             design,

@@ -384,6 +384,8 @@ pub fn desc(
         recv_counts: counts.2,
         recv_displs: counts.3,
         host_copies: false,
+        send_packed: false,
+        recv_packed: false,
         staged: None,
     }
 }
