@@ -6,16 +6,18 @@
 //! (an allgather(v) as the SP's hierarchical allgatherv, with the node of every member), and
 //! completes the request when the SP writes a completion token into the rank's mailbox; it
 //! intercepts the whole Wait/Test family so its requests and native ones mix freely. It never
-//! changes what a program computes: anything it does not support (an intercommunicator,
-//! `MPI_IN_PLACE`, a non-contiguous datatype, no SP reachable on some rank) goes to the native
-//! `PMPI_*` function unchanged, it never lets a panic cross into C, never starts before
+//! changes what a program computes: any datatype and `MPI_IN_PLACE` are offloaded (sides that
+//! are not one run of bytes are packed, `post.rs`), so the offload decision never differs
+//! between ranks; what it does not support (an intercommunicator, no SP reachable on some
+//! rank) goes to the native `PMPI_*` function unchanged, it never lets a panic cross into C,
+//! never starts before
 //! `MPI_Init` (no ELF constructor), and never touches memory the program did not name in a
 //! call.
 //!
 //! Environment: `SPOFF_CLUSTER` (path of the cluster description; unset = native),
 //! `SPOFF_OFFLOAD=0` (native), `SPOFF_JOB_ID` (u64; otherwise rank 0 draws one),
 //! `SPOFF_VERBOSE=1` (a line per rank on activation), `SPOFF_MAILBOX_SLOTS` (completion slots,
-//! i.e. offloaded collectives a rank may have outstanding; default 1024), `SPOFF_BACKEND=cma|ucx`
+//! default 1024; a collective posted while all are taken completes by a message), `SPOFF_BACKEND=cma|ucx`
 //! (how the program's buffers are granted, default `cma`; see below).
 //!
 //! Errors: an offloaded collective that fails (its post, or its completion: a dead SP, a
@@ -46,10 +48,12 @@
 //! grant with the backend it names, so ranks may differ.
 //!
 //! Module map: `boundary` (the C boundary), `state` (start-up state machine, shared state,
-//! shutdown), `conn` (the SP connection), `comm` (communicator ids), `coll` (posting
-//! collectives), `request` + `registry` + `slots` (request objects, handle classification,
+//! shutdown), `conn` (the SP connection), `comm` (communicator ids), `coll` (the entry
+//! points' sides and the offload decision), `request` + `registry` + `slots` (request objects, handle classification,
 //! mailbox slots), `wait` + `backoff` (the Wait/Test family), `layout` (byte arithmetic),
-//! `grants` + `unmapped` (buffer grants, the `ucx` cache's unmap events).
+//! `grants` + `unmapped` (buffer grants, the `ucx` cache's unmap events), `datatype` + `pack`
+//! (which sides are runs; packing the others), `post` (laying out, packing and posting one
+//! collective), `design` (the staged designs and other per-job settings).
 #![deny(unsafe_op_in_unsafe_fn)]
 // The exported functions keep MPI's names and signatures.
 #![allow(non_snake_case, clippy::missing_safety_doc, clippy::too_many_arguments)]
