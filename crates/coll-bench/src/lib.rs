@@ -9,6 +9,7 @@
 pub mod compute;
 pub mod mpi;
 pub mod pattern;
+pub mod strided;
 pub mod traffic;
 
 /// Parses a byte size: a plain number or one with a `K`/`M`/`G` suffix (1024-based,

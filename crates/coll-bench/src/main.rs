@@ -2,7 +2,7 @@
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use coll_bench::mpi::{wtime, Comm, Datatype, Mpi, MpiError};
-use coll_bench::{compute, parse_size, pattern};
+use coll_bench::{compute, parse_size, pattern, strided};
 use mpi_ffi::consts;
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -12,6 +12,8 @@ use std::time::Instant;
 const DEFAULT_SIZES: &str = "1K,4K,16K,64K,256K,1M,4M";
 /// The "destination" of an allgather block in the data pattern: every rank gets the same one.
 const ALL_PEERS: u32 = u32::MAX;
+/// What a receive buffer holds before a collective (and its holes after it).
+const SENTINEL: u8 = 0xA5;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -205,6 +207,24 @@ impl Coll {
     }
 }
 
+/// How `overlap` describes its data to MPI (`--datatype`).
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum DataLayout {
+    /// contiguous MPI_BYTE
+    Byte,
+    /// 8 data bytes then an 8-byte hole per element
+    Strided,
+}
+
+impl DataLayout {
+    fn name(self) -> &'static str {
+        match self {
+            DataLayout::Byte => "byte",
+            DataLayout::Strided => "strided",
+        }
+    }
+}
+
 /// Designs of an offloaded collective, as the shim names them.
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 enum Design {
@@ -316,6 +336,15 @@ struct OverlapArgs {
     #[arg(long, value_enum, default_value_t = Design::Auto)]
     design: Design,
 
+    /// How the data are described to MPI. byte: SIZE x MPI_BYTE, contiguous. strided: every 8
+    /// bytes of data followed by an 8-byte hole (MPI_Type_create_resized of 8 contiguous
+    /// bytes to an extent of 16; SIZE must be a multiple of 8), so the buffers are twice as
+    /// long, the holes must stay untouched, and the offloaded path packs and unpacks the data
+    /// on the host (the packing cost shows in post_us and wait_us). Recorded as `datatype` in
+    /// the JSON lines.
+    #[arg(long, value_enum, default_value_t = DataLayout::Byte)]
+    datatype: DataLayout,
+
     /// Test hook (hidden): rank 0 flips one received byte in the pure phase of the first non-zero size, so
     /// the run must report a validation failure and exit 1.
     #[arg(long, hide = true)]
@@ -368,7 +397,10 @@ struct Setup {
     recv: Vec<u8>,
     counts: Vec<i32>,
     displs: Vec<i32>,
-    byte: Datatype,
+    /// MPI_BYTE, or the strided layout's element (`--datatype strided`).
+    ty: Datatype,
+    /// `--datatype strided`: each SIZE-byte block spans 2 x SIZE bytes of its buffer.
+    strided: bool,
     /// Ibcast: the root of the iteration being run (set by [`Setup::prepare`]).
     root: usize,
 }
@@ -384,26 +416,75 @@ impl Setup {
         }
         if self.coll == Coll::Ibcast {
             if self.me == self.root {
-                pattern::fill(&mut self.recv[..size], self.root as u32, ALL_PEERS, iter);
+                let root = self.root as u32;
+                self.fill_block(true, 0, root, ALL_PEERS, iter);
             }
             return;
         }
+        let me = self.me as u32;
         if self.coll.is_allgather() {
-            pattern::fill(&mut self.send[..size], self.me as u32, ALL_PEERS, iter);
+            self.fill_block(false, 0, me, ALL_PEERS, iter);
             return;
         }
-        for (peer, block) in self.send.chunks_mut(size).enumerate().take(self.n) {
-            pattern::fill(block, self.me as u32, peer as u32, iter);
+        for peer in 0..self.n {
+            self.fill_block(false, peer, me, peer as u32, iter);
         }
     }
 
+    /// Bytes a SIZE-byte block spans in its buffer.
+    fn span(&self) -> usize {
+        if self.strided {
+            self.size / strided::DATA * strided::EXTENT
+        } else {
+            self.size
+        }
+    }
+
+    /// Writes the pattern of (`src`, `dst`, `iter`) into block `index` of the receive buffer
+    /// (`recv`: the ibcast's one buffer) or the send buffer.
+    fn fill_block(&mut self, recv: bool, index: usize, src: u32, dst: u32, iter: u64) {
+        let span = self.span();
+        let buf = if recv { &mut self.recv } else { &mut self.send };
+        let block = &mut buf[index * span..(index + 1) * span];
+        if self.strided {
+            let mut data = vec![0; self.size];
+            pattern::fill(&mut data, src, dst, iter);
+            strided::scatter(&data, block);
+        } else {
+            pattern::fill(block, src, dst, iter);
+        }
+    }
+
+    /// The first wrong byte of receive block `index` against the pattern of (`src`, `dst`,
+    /// `iter`), as (offset in the block's data, expected, got); with the strided layout a
+    /// written hole is wrong too (offset in the buffer's span, expected the sentinel).
+    fn block_mismatch(
+        &self,
+        index: usize,
+        src: u32,
+        dst: u32,
+        iter: u64,
+    ) -> Option<(usize, u8, u8)> {
+        let span = self.span();
+        let block = &self.recv[index * span..(index + 1) * span];
+        if !self.strided {
+            return pattern::first_mismatch(block, src, dst, iter);
+        }
+        let (data, hole) = strided::gather(block, SENTINEL);
+        if let Some(at) = hole {
+            return Some((at, SENTINEL, block[at]));
+        }
+        pattern::first_mismatch(&data, src, dst, iter)
+    }
+
     fn sentinel_recv(&mut self) {
-        self.recv.fill(0xA5);
+        self.recv.fill(SENTINEL);
     }
 
     /// Posts the collective and waits; returns the times of the whole (post + compute + wait),
     /// of the compute alone, of the post call and of the wait call.
     fn run_once(&mut self, compute_steps: Option<u64>) -> Result<Times, MpiError> {
+        let count = self.counts[0];
         let (send, recv) = (&self.send, &mut self.recv);
         let t0 = wtime();
         let req = match self.coll {
@@ -414,26 +495,15 @@ impl Setup {
                 recv,
                 &self.counts,
                 &self.displs,
-                &self.byte,
+                &self.ty,
             )?,
-            Coll::Ialltoall => self
-                .world
-                .ialltoall(send, recv, self.size as i32, &self.byte)?,
-            Coll::Iallgatherv => self.world.iallgatherv(
-                send,
-                self.size as i32,
-                recv,
-                &self.counts,
-                &self.displs,
-                &self.byte,
-            )?,
-            Coll::Iallgather => self
-                .world
-                .iallgather(send, recv, self.size as i32, &self.byte)?,
-            Coll::Ibcast => {
+            Coll::Ialltoall => self.world.ialltoall(send, recv, count, &self.ty)?,
+            Coll::Iallgatherv => {
                 self.world
-                    .ibcast(recv, self.size as i32, &self.byte, self.root as i32)?
+                    .iallgatherv(send, count, recv, &self.counts, &self.displs, &self.ty)?
             }
+            Coll::Iallgather => self.world.iallgather(send, recv, count, &self.ty)?,
+            Coll::Ibcast => self.world.ibcast(recv, count, &self.ty, self.root as i32)?,
         };
         let t_posted = wtime();
         let mut compute = 0.0;
@@ -458,8 +528,7 @@ impl Setup {
     fn validate(&self, iter: u64, phase: &str) -> bool {
         if self.coll == Coll::Ibcast {
             let root = bcast_root(iter, self.n);
-            let block = &self.recv[..self.size];
-            let bad = pattern::first_mismatch(block, root as u32, ALL_PEERS, iter);
+            let bad = self.block_mismatch(0, root as u32, ALL_PEERS, iter);
             if let Some((off, exp, got)) = bad {
                 eprintln!(
                     "coll-bench: VALIDATION FAILED: {} bytes={} phase={phase} rank={} \
@@ -473,13 +542,12 @@ impl Setup {
         }
         let mut ok = true;
         for peer in 0..self.n {
-            let block = &self.recv[peer * self.size..(peer + 1) * self.size];
             let dst = if self.coll.is_allgather() {
                 ALL_PEERS
             } else {
                 self.me as u32
             };
-            if let Some((off, exp, got)) = pattern::first_mismatch(block, peer as u32, dst, iter) {
+            if let Some((off, exp, got)) = self.block_mismatch(peer, peer as u32, dst, iter) {
                 eprintln!(
                     "coll-bench: VALIDATION FAILED: {} bytes={} phase={phase} rank={} peer={peer} \
                      offset={off} expected=0x{exp:02x} got=0x{got:02x}",
@@ -569,6 +637,13 @@ fn run_size(
     let iters = args.iters.unwrap_or_else(|| default_iters(size));
     let warmup = args.warmup.unwrap_or_else(|| default_warmup(iters));
     let (send_len, recv_len) = coll.buffer_lens(n, size);
+    let strided = args.datatype == DataLayout::Strided;
+    // Elements per block, and how much of a buffer the data of one byte take.
+    let (count, ty, widen) = if strided {
+        (size / strided::DATA, Datatype::strided()?, 2)
+    } else {
+        (size, Datatype::byte()?, 1)
+    };
     let mut s = Setup {
         coll,
         world,
@@ -577,11 +652,12 @@ fn run_size(
         size,
         // Never empty: two empty Vecs share one dangling address, and MPI rejects
         // sendbuf == recvbuf (that is what MPI_IN_PLACE is for) even for zero counts.
-        send: vec![0; send_len.max(1)],
-        recv: vec![0; recv_len.max(1)],
-        counts: vec![size as i32; n],
-        displs: (0..n).map(|j| (j * size) as i32).collect(),
-        byte: Datatype::byte()?,
+        send: vec![0; (send_len * widen).max(1)],
+        recv: vec![0; (recv_len * widen).max(1)],
+        counts: vec![count as i32; n],
+        displs: (0..n).map(|j| (j * count) as i32).collect(),
+        ty,
+        strided,
         root: 0,
     };
     let (pure, ok_pure) = phase(&mut s, 1, iters, warmup, None, corrupt)?;
@@ -645,6 +721,7 @@ fn json_line(
     nodes: u64,
     mode: &str,
     design: Option<&str>,
+    datatype: DataLayout,
 ) -> String {
     serde_json::json!({
         "coll": coll.name(),
@@ -663,6 +740,7 @@ fn json_line(
         "warmup": row.warmup,
         "mode": mode,
         "design": design,
+        "datatype": datatype.name(),
     })
     .to_string()
 }
@@ -697,7 +775,11 @@ fn overlap(args: OverlapArgs) -> i32 {
     let world = mpi.world();
     let me = world.rank().unwrap_or_else(|e| fail(e));
     let ranks = world.size().unwrap_or_else(|e| fail(e)) as usize;
-    if let Some(e) = size_error(coll, &args.sizes, ranks) {
+    let strided_size = (args.datatype == DataLayout::Strided)
+        .then(|| args.sizes.iter().find(|&&s| s % strided::DATA != 0))
+        .flatten()
+        .map(|s| format!("--datatype strided needs sizes that are multiples of 8, not {s}"));
+    if let Some(e) = strided_size.or_else(|| size_error(coll, &args.sizes, ranks)) {
         if me == 0 {
             eprintln!("coll-bench: {e}");
         }
@@ -754,7 +836,7 @@ fn overlap(args: OverlapArgs) -> i32 {
             );
             let _ = std::io::stdout().flush();
             if let Some(w) = json.as_mut() {
-                let line = json_line(coll, &row, ranks, nodes, mode, design);
+                let line = json_line(coll, &row, ranks, nodes, mode, design, args.datatype);
                 if let Err(e) = writeln!(w, "{line}").and_then(|_| w.flush()) {
                     eprintln!("coll-bench: writing JSON: {e}");
                     Mpi::abort(2);
@@ -1475,8 +1557,10 @@ mod tests {
             2,
             "native",
             Some("hier"),
+            DataLayout::Strided,
         ));
         assert_eq!(v["design"], "hier");
+        assert_eq!(v["datatype"], "strided");
         assert_eq!(v["coll"], "ibcast");
         assert_eq!(v["bytes"], 1024);
         let v = parse(json_line(
@@ -1486,6 +1570,7 @@ mod tests {
             2,
             "native",
             None,
+            DataLayout::Byte,
         ));
         assert!(v["design"].is_null());
     }

@@ -681,6 +681,34 @@ impl Datatype {
         })
     }
 
+    /// The layout of [`crate::strided`]: 8 bytes of data, then an 8-byte hole
+    /// (`MPI_Type_create_resized(MPI_Type_contiguous(8, MPI_BYTE), 0, 16)`), committed.
+    pub fn strided() -> Result<Datatype> {
+        let data = Datatype::contiguous(crate::strided::DATA as i32, &Datatype::byte()?)?;
+        let mut t = consts::DATATYPE_NULL();
+        // SAFETY: valid old type, out-pointer to a local.
+        let rc = check("MPI_Type_create_resized", unsafe {
+            mpi_ffi::MPI_Type_create_resized(
+                data.raw,
+                0,
+                crate::strided::EXTENT as mpi_ffi::MPI_Aint,
+                &mut t,
+            )
+        });
+        data.free()?;
+        rc?;
+        // SAFETY: t was just created.
+        check("MPI_Type_commit", unsafe {
+            mpi_ffi::MPI_Type_commit(&mut t)
+        })?;
+        let extent = extent_of(t)?;
+        Ok(Datatype {
+            raw: t,
+            extent,
+            derived: true,
+        })
+    }
+
     pub fn raw(&self) -> MPI_Datatype {
         self.raw
     }

@@ -198,6 +198,24 @@ static void *watchdog(void *arg)
     return NULL;
 }
 
+/* error handler on MPI_COMM_WORLD (inherited by every communicator made from it): report
+ * what was being done, then abort as MPI_ERRORS_ARE_FATAL would */
+static void on_mpi_error(MPI_Comm *comm, int *code, ...)
+{
+    (void)comm;
+    char es[MPI_MAX_ERROR_STRING], what[1024];
+    int len = 0;
+    MPI_Error_string(*code, es, &len);
+    pthread_mutex_lock(&wd_mu);
+    memcpy(what, wd_what, sizeof what);
+    pthread_mutex_unlock(&wd_mu);
+    printf("conform: FAIL seed=%llu case=%s rank=%d: MPI error %d (%s) in %s\n", g_seed, g_case,
+           wrank, *code, es, what);
+    printf("conform: rank %d: %ld failures in %ld cases\n", wrank, g_fail + 1, g_cases_run);
+    fflush(stdout);
+    MPI_Abort(MPI_COMM_WORLD, 1);
+}
+
 static void internal(const char *fmt, ...)
 {
     char buf[4096];
@@ -1006,15 +1024,35 @@ static void op_setup(op_t *o, long k, int j, int final)
     }
     case F_AGV: {
         int allzero = chance(&O, 5);
+        long *T = xcalloc((size_t)n, sizeof(long)), sumT = 0;
         for (int s = 0; s < n; s++) {
             long Ls = eff[s];
             for (int d = 0; d < n; d++) Ls = lcm0(Ls, o->mr[d]);
             int zrow = chance(&O, 10);
-            long T = draw_T(&O, Ls, o, n);
-            if (allzero || zrow) T = 0;
-            if (s == me) o->scount = eff[me] ? T / eff[me] : rint_(&D, 0, 3);
-            o->rcounts[s] = o->mr[me] ? (int)(T / o->mr[me]) : 0;
+            T[s] = draw_T(&O, Ls, o, n);
+            if (allzero || zrow) T[s] = 0;
+            sumT += T[s];
         }
+        /* Open MPI 4.1 bug (coll/tuned allgatherv decision): the algorithm is chosen from
+         * size(sendtype) * sum(recvcounts) / comm size, so ranks whose send and receive type
+         * sizes differ compute different sizes, may choose different algorithms and hang
+         * (legal MPI). Keep them apart only while every rank's size stays below 128 bytes
+         * (the first bracket for every communicator size); else send m := receive m. T[s]
+         * stays a multiple of the new m since it is a multiple of every receive m. */
+        if (o->coll == C_ALLGATHERV) {
+            long bs = o->b->size, real = bs * sumT / n;
+            for (int r = 0; r < n; r++) {
+                if (o->inpl[r] || o->ms[r] == o->mr[r] || o->mr[r] == 0) continue;
+                long comp = o->ms[r] * bs * (sumT / o->mr[r]) / n;
+                if (real >= 128 || comp >= 128) o->ms[r] = eff[r] = o->mr[r];
+            }
+        }
+        /* a zero-size send type goes with count 0: Open MPI's gatherv (inside its default
+         * allgatherv) sends a 0-byte message for any nonzero count, which the root, expecting
+         * count 0, never receives; it then matches a later gatherv's receive (truncation) */
+        o->scount = eff[me] ? T[me] / eff[me] : 0;
+        for (int s = 0; s < n; s++) o->rcounts[s] = o->mr[me] ? (int)(T[s] / o->mr[me]) : 0;
+        free(T);
         break;
     }
     case F_A2AV: {
@@ -1827,6 +1865,10 @@ int main(int argc, char **argv)
         MPI_Type_size(bases[i].dt, &bases[i].size);
     }
 
+    MPI_Errhandler eh;
+    MPI_Comm_create_errhandler(on_mpi_error, &eh);
+    MPI_Comm_set_errhandler(MPI_COMM_WORLD, eh);
+    MPI_Comm_set_errhandler(MPI_COMM_SELF, eh);
     activity("start");
     pthread_t th;
     pthread_create(&th, NULL, watchdog, NULL);
