@@ -14,6 +14,8 @@
 #   scripts/bench.sh --staged-only    only section G (staged Ibcast and Iallgather, each design
 #                                     vs native at 1, 2 and 4 ranks per node), printed as
 #                                     Markdown; writes no file
+#   scripts/bench.sh --packed-only    only section H (a non-contiguous datatype, which the
+#                                     offloaded path packs), printed as Markdown; writes no file
 # BIN (default target/release) is where service-process, coll-bench and the shim are.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,12 +30,14 @@ done
 demo=0
 traffic_only=0
 staged_only=0
+packed_only=0
 case "${1:-}" in
   --demo) demo=1 ;;
   --traffic-only) traffic_only=1 ;;
   --staged-only) staged_only=1 ;;
+  --packed-only) packed_only=1 ;;
   "") ;;
-  *) echo "bench: unknown option $1 (expected --demo, --traffic-only or --staged-only)" >&2; exit 2 ;;
+  *) echo "bench: unknown option $1 (expected --demo, --traffic-only, --staged-only or --packed-only)" >&2; exit 2 ;;
 esac
 if [ $demo -eq 1 ]; then
   sizes=${SIZES:-4K,64K,1M}
@@ -127,6 +131,31 @@ staged_markdown() { # collective
   done
 }
 
+# H. A non-contiguous datatype (coll-bench --datatype strided: 8 data bytes, then an 8-byte
+# hole), which the offloaded path packs on the host before the post and unpacks in the wait;
+# Ialltoallv and Ibcast, the setup of B (fixed compute, SPs reserved and polling).
+packed_sizes=${PACKED_SIZES:-4K,64K,1M}
+packed_run() {
+  for coll in ialltoallv ibcast; do
+    for mode in native offload; do
+      local extra=()
+      if [ $mode = native ]; then extra=(--native); else extra=("${reserved_sps[@]}"); fi
+      "$SP" launch "${base[@]}" --rank-cpus "$b_ranks" "${extra[@]}" -- \
+        "$BENCH" overlap --coll "$coll" --sizes "$packed_sizes" "${iters[@]}" \
+        --compute-us "$compute_us" --datatype strided --json "$out/h-$coll-$mode.json" \
+        2> >(grep -v '^sp [0-9]* stats' >&2)
+    done
+  done
+}
+packed_markdown() {
+  for coll in ialltoallv ibcast; do
+    echo "$coll, \`--datatype strided\`:"
+    echo
+    "$BENCH" compare --native "$out/h-$coll-native.json" --offload "$out/h-$coll-offload.json" --markdown
+    echo
+  done
+}
+
 run() { # name, collective, launch options..., -- coll-bench options...
   local name=$1 coll=$2; shift 2
   local opts=()
@@ -145,6 +174,14 @@ if [ $staged_only -eq 1 ]; then
   staged_markdown ibcast
   echo
   staged_markdown iallgather
+  exit 0
+fi
+
+if [ $packed_only -eq 1 ]; then
+  echo "== H. a non-contiguous datatype (strided), compute ${compute_us} us, SPs reserved on CPU $last"
+  packed_run
+  echo
+  packed_markdown
   exit 0
 fi
 
@@ -189,6 +226,8 @@ if [ $demo -eq 0 ]; then
   echo "== G. staged Ibcast and Iallgather; 2 nodes x {$staged_rpns} ranks, by design"
   staged_run ibcast
   staged_run iallgather
+  echo "== H. a non-contiguous datatype (strided), compute ${compute_us} us, SPs reserved on CPU $last"
+  packed_run
 fi
 echo
 echo "== A. OSU method (compute = t_pure), one core per rank, SPs unpinned"
@@ -252,6 +291,15 @@ if [ $demo -eq 0 ]; then
     staged_markdown ibcast
     echo
     staged_markdown iallgather
+    echo
+    echo "## H. A non-contiguous datatype: ranks on CPUs $b_ranks, SPs reserved on CPU $last (polling), compute ${compute_us} us"
+    echo
+    echo "\`coll-bench overlap --datatype strided\`: every 8 bytes of data are followed by an 8-byte"
+    echo "hole, so natively MPI's datatype engine gathers and scatters them, and offloaded the shim"
+    echo "packs the send side (\`MPI_Pack\`) in the post and unpacks the receive side in the wait."
+    echo "bytes are data bytes (the buffers are twice as long)."
+    echo
+    packed_markdown
     if [ -f docs/BENCHMARKS.notes.md ]; then
       echo
       cat docs/BENCHMARKS.notes.md
