@@ -58,16 +58,19 @@ pub const MAX_PENDING_OUT_BYTES: usize = 256 << 20;
 pub struct Conn<R> {
     pub stream: Stream,
     pub role: R,
+    /// Unique for the life of the process (slab keys are reused; this is not).
+    pub serial: u64,
     decoder: FrameDecoder,
     out: Vec<u8>,
     out_pos: usize,
 }
 
 impl<R> Conn<R> {
-    pub fn new(stream: Stream, role: R) -> Self {
+    pub fn new(stream: Stream, role: R, serial: u64) -> Self {
         Conn {
             stream,
             role,
+            serial,
             decoder: FrameDecoder::default(),
             out: Vec::new(),
             out_pos: 0,

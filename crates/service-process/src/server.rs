@@ -209,6 +209,12 @@ pub struct Server {
     hosts_listener: UnixListener,
     host_socket: PathBuf,
     conns: Slab<Conn<Role>>,
+    /// Serial of the next connection ([`Conn::serial`]).
+    next_serial: u64,
+    /// Connections to close once the handler that found them broken is done, by key and
+    /// serial: a failed write inside a handler must not pull the connection out from under
+    /// the handler (its caller may still look at it).
+    doomed: Vec<(usize, u64, String)>,
     peer_conn: HashMap<SpId, usize>,
     dead_peers: HashSet<SpId>,
     /// Peers that announced an orderly shutdown.
@@ -437,6 +443,8 @@ impl Server {
             hosts_listener,
             host_socket: cfg.host_socket,
             conns: Slab::new(),
+            next_serial: 0,
+            doomed: Vec::new(),
             peer_conn: HashMap::new(),
             dead_peers: HashSet::new(),
             leaving_peers: HashSet::new(),
@@ -480,7 +488,8 @@ impl Server {
     fn add_conn(&mut self, stream: Stream, role: Role) -> io::Result<usize> {
         let entry = self.conns.vacant_entry();
         let key = entry.key();
-        let conn = entry.insert(Conn::new(stream, role));
+        self.next_serial += 1;
+        let conn = entry.insert(Conn::new(stream, role, self.next_serial));
         self.poll.registry().register(
             conn.stream.source(),
             Token(CONN_BASE + key),
@@ -558,9 +567,11 @@ impl Server {
                         }
                     }
                 }
+                self.close_doomed();
             }
             loop {
                 self.on_copies_done();
+                self.close_doomed();
                 if self.host_done.is_empty() {
                     break;
                 }
@@ -627,7 +638,7 @@ impl Server {
         let end = conn.read_frames(|f| frames.push(f));
         for f in frames {
             self.on_frame(key, f);
-            if !self.conns.contains(key) {
+            if !self.conns.contains(key) || self.is_doomed(key) {
                 return;
             }
         }
@@ -660,7 +671,25 @@ impl Server {
     fn send_frame(&mut self, key: usize, frame: &[u8]) {
         if let Some(c) = self.conns.get_mut(key) {
             if let Err(e) = c.send(frame) {
-                self.close_conn(key, &format!("write failed: {e}"));
+                let serial = c.serial;
+                if !self.doomed.iter().any(|d| d.0 == key && d.1 == serial) {
+                    self.doomed.push((key, serial, format!("write failed: {e}")));
+                }
+            }
+        }
+    }
+
+    /// Whether connection `key` is to be closed (see `doomed`).
+    fn is_doomed(&self, key: usize) -> bool {
+        let serial = self.conns.get(key).map(|c| c.serial);
+        self.doomed.iter().any(|d| Some(d.1) == serial && d.0 == key)
+    }
+
+    /// Closes the connections found broken by the handlers that just ran.
+    fn close_doomed(&mut self) {
+        while let Some((key, serial, why)) = self.doomed.pop() {
+            if self.conns.get(key).is_some_and(|c| c.serial == serial) {
+                self.close_conn(key, &why);
             }
         }
     }
