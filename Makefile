@@ -12,7 +12,7 @@ BIN := target/release
 SP := $(BIN)/service-process
 BENCH := $(BIN)/coll-bench
 
-.PHONY: all deps build test demo bench fmt clippy clean
+.PHONY: all deps build test demo bench conformance fmt clippy clean
 
 all: build
 
@@ -30,6 +30,11 @@ test: build
 # native Open MPI on the same layout, then the comparison.
 demo: build
 	bash scripts/bench.sh --demo
+
+# The conformance generator's large run (12 configurations x CASES cases, default 1000);
+# writes docs/CONFORMANCE.md.
+conformance: build
+	WRITE_DOCS=1 bash scripts/conformance.sh
 
 # The full benchmark; writes docs/BENCHMARKS.md.
 bench: build

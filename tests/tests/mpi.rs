@@ -117,9 +117,27 @@ fn mpi_no_sp_reachable_falls_back_to_native() {
     cluster.save(&path).unwrap();
     let mut cmd = Command::new("mpirun");
     cmd.args(["--oversubscribe", "--bind-to", "none", "-np", "4"])
-        .args(["-x", "LD_PRELOAD", "-x", "SPOFF_CLUSTER"])
+        .args([
+            "-x",
+            "LD_PRELOAD",
+            "-x",
+            "SPOFF_CLUSTER",
+            "-x",
+            "SPOFF_JOB_CREDENTIAL",
+        ])
         .env("LD_PRELOAD", shim())
         .env("SPOFF_CLUSTER", &path)
+        .env(
+            "SPOFF_JOB_CREDENTIAL",
+            bootstrap::auth::JobCredential::issue(
+                &bootstrap::auth::ClusterKey::generate(),
+                1,
+                // SAFETY: geteuid has no preconditions.
+                unsafe { libc::geteuid() },
+                4,
+            )
+            .encode(),
+        )
         .args([&check_prog(), "--ops", "40", "--seed", "3"]);
     let run = run(cmd, JOB_TIMEOUT);
     std::fs::remove_dir_all(&dir).ok();

@@ -186,6 +186,22 @@ pub enum Msg<K> {
     },
 }
 
+impl<K> Msg<K> {
+    /// The memory keys the message carries (an SP checks where a peer's keys point).
+    pub fn keys(&self) -> Vec<&K> {
+        match self {
+            Msg::Announce { key, .. } | Msg::Pass { key, .. } | Msg::Segment { key, .. } => {
+                vec![key]
+            }
+            Msg::Ack { .. }
+            | Msg::RankReady
+            | Msg::SegmentDone { .. }
+            | Msg::Abort { .. }
+            | Msg::Release { .. } => Vec::new(),
+        }
+    }
+}
+
 /// Identifies a copy within one instance.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct CopyId(pub u64);

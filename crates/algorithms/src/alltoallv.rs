@@ -77,6 +77,16 @@ pub enum Msg<K> {
     Abort { status: Status },
 }
 
+impl<K> Msg<K> {
+    /// The memory keys the message carries (an SP checks where a peer's keys point).
+    pub fn keys(&self) -> Vec<&K> {
+        match self {
+            Msg::Announce { key, .. } => vec![key],
+            Msg::Ack { .. } | Msg::Abort { .. } => Vec::new(),
+        }
+    }
+}
+
 /// Identifies a copy within one instance.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct CopyId(pub u64);

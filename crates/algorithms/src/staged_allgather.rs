@@ -283,6 +283,22 @@ pub enum Msg<K> {
     Stopped { status: Status },
 }
 
+impl<K> Msg<K> {
+    /// The memory keys the message carries (an SP checks where a peer's keys point).
+    pub fn keys(&self) -> Vec<&K> {
+        match self {
+            Msg::Key { key, .. } | Msg::Region { key, .. } => vec![key],
+            Msg::Waiting { .. }
+            | Msg::Covered { .. }
+            | Msg::RegionDone { .. }
+            | Msg::Written { .. }
+            | Msg::WrittenRegion
+            | Msg::Abort { .. }
+            | Msg::Stopped { .. } => Vec::new(),
+        }
+    }
+}
+
 /// Copy `len` bytes of chunk `chunk` of the block of comm rank `block`
 /// from `src` to `dst`, on this SP. Either a read from the send buffer of
 /// local rank `rank == block` into a slot, or a write from a slot into the

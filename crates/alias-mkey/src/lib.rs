@@ -26,6 +26,7 @@
 
 pub mod host;
 pub mod mover;
+pub mod process;
 
 use serde::{Deserialize, Serialize};
 
@@ -95,6 +96,9 @@ pub struct Owner {
     pub job: u64,
     pub world_rank: u32,
     pub pid: u32,
+    /// The process's start time (clock ticks after boot): with `pid`, names the process for
+    /// good (a pid alone is recycled). Every cross-memory access checks it ([`process`]).
+    pub start: u64,
 }
 
 /// A grant bound to its owner: what SPs pass among themselves to access a host region.
@@ -127,6 +131,8 @@ pub enum AccessError {
         pid: u32,
         errno: i32,
     },
+    #[error("process {pid} is gone (exited, or its pid now names another process)")]
+    ProcessGone { pid: u32 },
     #[error("backend {0} is not available in this build")]
     Unsupported(&'static str),
     /// A UCX call failed (or refused its input) for the region of process `pid`; `status` is
@@ -196,6 +202,7 @@ mod tests {
                 job: 1,
                 world_rank: 0,
                 pid: 1,
+                start: 1,
             },
             grant: Grant {
                 region: 7,

@@ -19,7 +19,7 @@
 //! key's backend, and stages copies between a `cma` and a `ucx` grant through its own bounded
 //! buffer. Build it from a [`MoverConfig`]; `cma` alone is the default.
 
-use crate::{AccessError, AliasKey, BackendData, Rights};
+use crate::{AccessError, AliasKey, BackendData, Owner, Rights};
 
 #[cfg(feature = "ucx")]
 pub mod ucx;
@@ -88,11 +88,14 @@ enum Direction {
 /// when `dir` is `Write`.
 unsafe fn vm_transfer(
     dir: Direction,
-    pid: u32,
+    owner: &Owner,
     addr: u64,
     local: *mut u8,
     len: usize,
 ) -> Result<(), AccessError> {
+    // The process the key was made for, still alive: its pid cannot name another one.
+    crate::process::check(owner.pid, owner.start)?;
+    let pid = owner.pid;
     let op = match dir {
         Direction::Read => "process_vm_readv",
         Direction::Write => "process_vm_writev",
@@ -136,19 +139,19 @@ unsafe fn vm_transfer(
     Ok(())
 }
 
-/// Reads `out.len()` bytes at `addr` of `pid`.
-fn vm_read(pid: u32, addr: u64, out: &mut [u8]) -> Result<(), AccessError> {
+/// Reads `out.len()` bytes at `addr` of `owner`'s process.
+fn vm_read(owner: &Owner, addr: u64, out: &mut [u8]) -> Result<(), AccessError> {
     // SAFETY: `out` is valid for writes of its length.
-    unsafe { vm_transfer(Direction::Read, pid, addr, out.as_mut_ptr(), out.len()) }
+    unsafe { vm_transfer(Direction::Read, owner, addr, out.as_mut_ptr(), out.len()) }
 }
 
-/// Writes `data` at `addr` of `pid`.
-fn vm_write(pid: u32, addr: u64, data: &[u8]) -> Result<(), AccessError> {
+/// Writes `data` at `addr` of `owner`'s process.
+fn vm_write(owner: &Owner, addr: u64, data: &[u8]) -> Result<(), AccessError> {
     // SAFETY: `data` is valid for reads of its length; the kernel only reads it.
     unsafe {
         vm_transfer(
             Direction::Write,
-            pid,
+            owner,
             addr,
             data.as_ptr() as *mut u8,
             data.len(),
@@ -178,7 +181,7 @@ impl Mover for CmaMover {
             return unsafe {
                 vm_transfer(
                     Direction::Read,
-                    src.owner.pid,
+                    &src.owner,
                     src_addr,
                     dst_addr as *mut u8,
                     len as usize,
@@ -191,7 +194,7 @@ impl Mover for CmaMover {
             return unsafe {
                 vm_transfer(
                     Direction::Write,
-                    dst.owner.pid,
+                    &dst.owner,
                     dst_addr,
                     src_addr as *mut u8,
                     len as usize,
@@ -202,8 +205,8 @@ impl Mover for CmaMover {
         while moved < len {
             let n = (len - moved).min(self.staging.len() as u64) as usize;
             let chunk = &mut self.staging[..n];
-            vm_read(src.owner.pid, src_addr + moved, chunk)?;
-            vm_write(dst.owner.pid, dst_addr + moved, chunk)?;
+            vm_read(&src.owner, src_addr + moved, chunk)?;
+            vm_write(&dst.owner, dst_addr + moved, chunk)?;
             moved += n as u64;
         }
         Ok(())
@@ -212,13 +215,13 @@ impl Mover for CmaMover {
     fn write(&mut self, dst: &AliasKey, offset: u64, data: &[u8]) -> Result<(), AccessError> {
         require_cma(dst)?;
         let addr = dst.check(offset, data.len() as u64, Rights::WRITE)?;
-        vm_write(dst.owner.pid, addr, data)
+        vm_write(&dst.owner, addr, data)
     }
 
     fn read(&mut self, src: &AliasKey, offset: u64, out: &mut [u8]) -> Result<(), AccessError> {
         require_cma(src)?;
         let addr = src.check(offset, out.len() as u64, Rights::READ)?;
-        vm_read(src.owner.pid, addr, out)
+        vm_read(&src.owner, addr, out)
     }
 }
 
@@ -422,6 +425,7 @@ mod tests {
                 job: 1,
                 world_rank: 0,
                 pid: std::process::id(),
+                start: crate::process::start_time(std::process::id()).unwrap(),
             },
             grant: Grant {
                 region: 1,
@@ -481,24 +485,27 @@ mod tests {
     }
 
     #[test]
-    fn dead_process_is_an_os_error() {
-        let mut child = std::process::Command::new("true").spawn().unwrap();
+    fn a_dead_or_recycled_process_is_refused_before_any_access() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("10")
+            .spawn()
+            .unwrap();
         let pid = child.id();
-        child.wait().unwrap();
         let buf = vec![0u8; 8];
         let mut k = key_for(&buf, Rights::READ);
         k.owner.pid = pid;
+        k.owner.start = crate::process::start_time(pid).unwrap();
+        // Another start time: the key was made for another process that had this pid.
+        let mut recycled = k.clone();
+        recycled.owner.start += 1;
         let mut out = [0u8; 8];
+        let err = CmaMover::default()
+            .read(&recycled, 0, &mut out)
+            .unwrap_err();
+        assert_eq!(err, AccessError::ProcessGone { pid });
+        child.kill().unwrap();
+        child.wait().unwrap();
         let err = CmaMover::default().read(&k, 0, &mut out).unwrap_err();
-        assert!(
-            matches!(
-                err,
-                AccessError::Os {
-                    errno: libc::ESRCH,
-                    ..
-                }
-            ),
-            "{err}"
-        );
+        assert_eq!(err, AccessError::ProcessGone { pid });
     }
 }

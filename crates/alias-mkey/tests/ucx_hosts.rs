@@ -116,6 +116,7 @@ impl Host {
                 job: 7,
                 world_rank: self.rank,
                 pid: self.pid(),
+                start: alias_mkey::process::start_time(self.pid()).unwrap_or(0),
             },
             grant: Grant {
                 region: f[1].parse().unwrap(),

@@ -5,16 +5,10 @@
 //! connect-with-backoff used for SP rendezvous. It holds no event loop and no global state; it
 //! touches sockets only through `std::io::Read`/`Write` (see [`wire::Channel`]).
 
+pub mod auth;
 pub mod cluster;
 pub mod mailbox;
 pub mod rendezvous;
 pub mod wire;
 
 pub use cluster::{Cluster, Layout, Placement};
-
-/// The POSIX shared-memory name of the segment the ranks on emulated node `node` share in
-/// `job` (the hierarchical staged designs): the shim creates it, one part per SP of the node;
-/// the SPs of the node remove it once the job ended on all of them.
-pub fn segment_name(job: u64, node: u32) -> String {
-    format!("/spoff-{job:x}-node{node}")
-}

@@ -21,7 +21,10 @@ pub const MAGIC: [u8; 4] = *b"SPOF";
 /// 3: host-side intra-node copies (`PostDesc::host_copies`, `SpToHost::Copy`,
 /// `HostToSp::CopyDone`).
 /// 4: the staged broadcast's `Open` carries its tree (SPs grouped by node).
-pub const PROTOCOL_VERSION: u32 = 6;
+/// 6: posts without a mailbox slot (`SpToHost::Completed`).
+/// 7: job credentials in the host hello, the SP-to-SP handshake proves the cluster key,
+/// authenticated admin requests.
+pub const PROTOCOL_VERSION: u32 = 7;
 /// Largest frame accepted: a descriptor for 65536 ranks (four count vectors) fits.
 pub const MAX_FRAME_BYTES: u32 = 4 << 20;
 
@@ -30,22 +33,38 @@ const ROLE_SP: u8 = 2;
 const ROLE_WELCOME: u8 = 3;
 const ROLE_REJECT: u8 = 4;
 const ROLE_ADMIN: u8 = 5;
+const ROLE_SP_WELCOME: u8 = 6;
+const ROLE_SP_PROOF: u8 = 7;
 
 /// Identity of a host rank, sent in its hello.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HostHello {
-    pub job: u64,
+    /// The job's credential (`auth::JobCredential::encode`): the SP takes the job from it,
+    /// after checking its MAC and that this process runs under its uid.
+    pub credential: String,
     pub world_rank: u32,
     pub world_size: u32,
     pub node: u32,
     pub local_rank: u32,
 }
 
-/// Identity of an SP, sent in its hello to a peer SP.
+/// Identity of an SP, sent in its hello to a peer SP, with a fresh nonce for the handshake:
+/// the peer answers [`Hello::SpWelcome`] with its own nonce and proof
+/// (`auth::sp_proof`), and this side then sends [`Hello::SpProof`].
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SpHello {
     pub sp: SpId,
     pub cluster_fingerprint: u64,
+    pub nonce: crate::auth::Nonce,
+}
+
+/// An admin request (`service-process stats`): proven with the cluster key over a nonce and
+/// the time (`auth::admin_proof`; the SP accepts a time within a minute of its own).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AdminHello {
+    pub nonce: crate::auth::Nonce,
+    pub unix_secs: u64,
+    pub proof: crate::auth::Tag,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -62,7 +81,17 @@ pub enum Hello {
     },
     /// A tool asking for the SP's counters: the SP answers with one frame holding its stats as
     /// JSON (a bincode `String`) and closes the connection.
-    Admin,
+    Admin(AdminHello),
+    /// The accepting SP's answer to an [`SpHello`]: its id, its nonce and its proof.
+    SpWelcome {
+        sp: SpId,
+        nonce: crate::auth::Nonce,
+        proof: crate::auth::Tag,
+    },
+    /// The connecting SP's proof, which completes the handshake.
+    SpProof {
+        proof: crate::auth::Tag,
+    },
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -108,9 +137,17 @@ pub fn encode_hello_with_version(hello: &Hello, version: u32) -> Vec<u8> {
             p.push(ROLE_REJECT);
             Ok(reason.as_bytes().to_vec())
         }
-        Hello::Admin => {
+        Hello::Admin(a) => {
             p.push(ROLE_ADMIN);
-            Ok(Vec::new())
+            options().serialize(a)
+        }
+        Hello::SpWelcome { sp, nonce, proof } => {
+            p.push(ROLE_SP_WELCOME);
+            options().serialize(&(sp, nonce, proof))
+        }
+        Hello::SpProof { proof } => {
+            p.push(ROLE_SP_PROOF);
+            options().serialize(proof)
         }
     };
     p.extend_from_slice(&body.expect("hello bodies always serialise"));
@@ -143,7 +180,14 @@ pub fn decode_hello(p: &[u8]) -> Result<Hello, HelloError> {
     match role {
         ROLE_HOST => Ok(Hello::Host(options().deserialize(body).map_err(bad)?)),
         ROLE_SP => Ok(Hello::Sp(options().deserialize(body).map_err(bad)?)),
-        ROLE_ADMIN => Ok(Hello::Admin),
+        ROLE_ADMIN => Ok(Hello::Admin(options().deserialize(body).map_err(bad)?)),
+        ROLE_SP_WELCOME => {
+            let (sp, nonce, proof) = options().deserialize(body).map_err(bad)?;
+            Ok(Hello::SpWelcome { sp, nonce, proof })
+        }
+        ROLE_SP_PROOF => Ok(Hello::SpProof {
+            proof: options().deserialize(body).map_err(bad)?,
+        }),
         ROLE_WELCOME => Ok(Hello::Welcome {
             sp: options().deserialize(body).map_err(bad)?,
         }),
@@ -196,6 +240,9 @@ pub struct PostDesc {
     pub comm_rank: u32,
     /// SP serving each comm rank.
     pub members: Vec<SpId>,
+    /// World rank of each comm rank: the SP checks that the poster is `world_ranks[comm_rank]`
+    /// (the rank its connection said hello as), and that every post of an instance agrees.
+    pub world_ranks: Vec<u32>,
     /// Node of each comm rank (used by the hierarchical collectives; may be empty otherwise).
     pub nodes: Vec<u32>,
     /// Mailbox slot that receives the completion, and the token written there; `None`: the
@@ -258,6 +305,9 @@ pub enum ErrorCode {
 pub enum SpToHost {
     Registered {
         sp: SpId,
+        /// The POSIX shared-memory name of this job's segment on this SP's node (the
+        /// hierarchical staged designs).
+        segment: String,
     },
     /// A refused request. `seq` names the post it concerns, if any; its mailbox slot (if it was
     /// valid) also gets an error status.
@@ -269,10 +319,7 @@ pub enum SpToHost {
     },
     /// The post with `token`, posted without a mailbox slot, completed with `status` (a
     /// mailbox status code, `mailbox::status_code`).
-    Completed {
-        token: u64,
-        status: u32,
-    },
+    Completed { token: u64, status: u32 },
     /// For the post with `token` (which asked for `host_copies`, or a `Hier` staged post):
     /// copy `len` bytes from `src` to `dst_offset` of the post's receive grant, then answer
     /// with `HostToSp::CopyDone { ticket }`. The post completes only after every such copy.
@@ -301,6 +348,18 @@ pub enum CollMsg {
     Allgatherv(allgatherv::Msg<AliasKey>),
     Bcast(bcast::Msg),
     StagedAllgather(staged_allgather::Msg<AliasKey>),
+}
+
+impl CollMsg {
+    /// The memory keys the message carries.
+    pub fn keys(&self) -> Vec<&AliasKey> {
+        match self {
+            CollMsg::Alltoallv(m) => m.keys(),
+            CollMsg::Allgatherv(m) => m.keys(),
+            CollMsg::Bcast(_) => Vec::new(),
+            CollMsg::StagedAllgather(m) => m.keys(),
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -555,13 +614,34 @@ mod tests {
     #[test]
     fn hello_roundtrip_and_version_mismatch() {
         let h = Hello::Host(HostHello {
-            job: 9,
+            credential: "spoffjob1:9:0:4:00".into(),
             world_rank: 1,
             world_size: 4,
             node: 0,
             local_rank: 1,
         });
         assert_eq!(decode_hello(&encode_hello(&h)).unwrap(), h);
+        for h in [
+            Hello::Sp(SpHello {
+                sp: 3,
+                cluster_fingerprint: 5,
+                nonce: [1; 16],
+            }),
+            Hello::SpWelcome {
+                sp: 2,
+                nonce: [2; 16],
+                proof: [3; 32],
+            },
+            Hello::SpProof { proof: [4; 32] },
+            Hello::Admin(AdminHello {
+                nonce: [5; 16],
+                unix_secs: 6,
+                proof: [7; 32],
+            }),
+            Hello::Welcome { sp: 1 },
+        ] {
+            assert_eq!(decode_hello(&encode_hello(&h)).unwrap(), h);
+        }
         let old = encode_hello_with_version(&h, 99);
         let err = decode_hello(&old).unwrap_err();
         assert!(err
@@ -596,6 +676,7 @@ mod tests {
                     seq: i as u64,
                     comm_rank: 0,
                     members: vec![0, 1],
+                    world_ranks: vec![0, 1],
                     nodes: vec![],
                     slot: Some(i),
                     token: 77,

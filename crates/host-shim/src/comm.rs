@@ -29,6 +29,8 @@ pub struct CommInfo {
     pub comm_rank: u32,
     /// SP serving each comm rank.
     pub members: Vec<SpId>,
+    /// World rank of each comm rank.
+    pub world_ranks: Vec<u32>,
     /// Node of each comm rank (the node of its SP in the cluster description).
     pub nodes: Vec<u32>,
     /// The most members on one node (what `auto` picks a staged design by).
@@ -237,6 +239,7 @@ unsafe fn agree(comm: ffi::MPI_Comm) -> Result<CommInfo, NotOffloaded> {
         },
         comm_rank: rank as u32,
         members,
+        world_ranks: world.iter().map(|&w| w as u32).collect(),
         max_per_node: max_per_node(&nodes),
         nodes,
         next_seq: AtomicU64::new(0),

@@ -308,7 +308,10 @@ mod tests {
         assert!(c.poll_incoming().is_empty());
         assert!(c.broken.is_none());
         // The SP sends a refusal, then dies.
-        let msg = SpToHost::Registered { sp: 3 };
+        let msg = SpToHost::Registered {
+            sp: 3,
+            segment: "/spoff-test".into(),
+        };
         (&peer).write_all(&wire::encode(&msg)).unwrap();
         drop(peer);
         let got = c.poll_incoming();

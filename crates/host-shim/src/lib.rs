@@ -15,7 +15,8 @@
 //! call.
 //!
 //! Environment: `SPOFF_CLUSTER` (path of the cluster description; unset = native),
-//! `SPOFF_OFFLOAD=0` (native), `SPOFF_JOB_ID` (u64; otherwise rank 0 draws one),
+//! `SPOFF_OFFLOAD=0` (native), `SPOFF_JOB_CREDENTIAL` (the job's identity at the SPs, issued
+//! by the launcher; without it the job runs natively),
 //! `SPOFF_VERBOSE=1` (a line per rank on activation), `SPOFF_MAILBOX_SLOTS` (completion slots,
 //! default 1024; a collective posted while all are taken completes by a message), `SPOFF_BACKEND=cma|ucx`
 //! (how the program's buffers are granted, default `cma`; see below).

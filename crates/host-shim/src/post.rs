@@ -215,7 +215,7 @@ pub unsafe fn post(
             let t = topology();
             let node = t.node_of_sp[t.sp_of_world[t.world_rank as usize] as usize];
             let sps = t.node_of_sp.iter().filter(|&&n| n == node).count() as u64;
-            match crate::segment::get(t.job, node, sps) {
+            match crate::segment::get(&t.segment, sps) {
                 Ok(seg) => Some(seg),
                 Err(why) => return fail(&why),
             }
@@ -250,6 +250,7 @@ pub unsafe fn post(
             seq,
             comm_rank: info.comm_rank,
             members: info.members.clone(),
+            world_ranks: info.world_ranks.clone(),
             nodes: match kind {
                 CollKind::Alltoallv => Vec::new(),
                 CollKind::Allgatherv | CollKind::Bcast | CollKind::StagedAllgather => {

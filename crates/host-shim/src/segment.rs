@@ -2,8 +2,9 @@
 //! emulated node map (BluesMPI's node-leader segment), which SPs write once per chunk and each
 //! rank copies out of into its own buffer (`SpToHost::Copy` with `CopySrc::Segment`).
 //!
-//! It is a POSIX shared-memory object named after the job and the node
-//! (`/spoff-<job>-node<node>`), created on first use by whichever rank of the node comes first
+//! It is a POSIX shared-memory object whose name the rank's SP gives at registration (derived
+//! from the job and the node under the cluster key: it discloses no job id and cannot be
+//! guessed by another user), created on first use by whichever rank of the node comes first
 //! (`O_CREAT`, sized with `ftruncate`) and mapped by each of them. It holds one part of
 //! `SPOFF_SEGMENT_BYTES` (default [`DEFAULT_SEGMENT_BYTES`]) per SP of the node: each SP
 //! places the regions it writes in its own part, and any rank of the node may be told to copy
@@ -52,15 +53,15 @@ pub fn configured_len() -> u64 {
         })
 }
 
-/// The mapping of the segment of `node`, which runs `sps` SPs, creating and mapping it at the
-/// first call.
-pub fn get(job: u64, node: u32, sps: u64) -> Result<&'static Segment, String> {
+/// The mapping of the segment `name` of this rank's node, which runs `sps` SPs, creating and
+/// mapping it at the first call.
+pub fn get(name: &str, sps: u64) -> Result<&'static Segment, String> {
     SEGMENT
         .get_or_init(|| {
             let len = configured_len()
                 .checked_mul(sps.max(1))
                 .ok_or("SPOFF_SEGMENT_BYTES times the SPs of the node overflows")?;
-            open(&bootstrap::segment_name(job, node), len)
+            open(name, len)
         })
         .as_ref()
         .map_err(Clone::clone)

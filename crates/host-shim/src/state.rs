@@ -31,6 +31,7 @@ use crate::slots::SlotPool;
 use algorithms::SpId;
 use alias_mkey::host::Registrar;
 use alias_mkey::Rights;
+use bootstrap::auth::JobCredential;
 use bootstrap::mailbox::{self, DEFAULT_SLOTS, SLOT_BYTES, STATUS_OFFSET, TOKEN_OFFSET};
 use bootstrap::wire::{CopySrc, Hello, HostHello, HostToSp, SpToHost};
 use bootstrap::Cluster;
@@ -71,13 +72,15 @@ pub fn is_active() -> bool {
 /// What never changes once the shim is active.
 #[derive(Debug)]
 pub struct Topology {
-    pub job: u64,
     pub world_rank: u32,
     pub world_size: u32,
     /// The SP serving each world rank.
     pub sp_of_world: Vec<SpId>,
     /// The node of each SP of the cluster description, indexed by SP id.
     pub node_of_sp: Vec<u32>,
+    /// The name of the job's segment on this rank's node (hierarchical staged designs), as
+    /// its SP named it.
+    pub segment: String,
 }
 
 static TOPOLOGY: OnceLock<Topology> = OnceLock::new();
@@ -398,7 +401,8 @@ impl Shim {
 struct Settings {
     cluster: Option<PathBuf>,
     offload: bool,
-    job: Option<u64>,
+    /// `SPOFF_JOB_CREDENTIAL`, as given (the SP checks it).
+    credential: Option<String>,
     verbose: bool,
     backend: Result<Backend, String>,
 }
@@ -409,7 +413,7 @@ impl Settings {
         Settings {
             cluster: var("SPOFF_CLUSTER").map(PathBuf::from),
             offload: var("SPOFF_OFFLOAD").is_none_or(|v| v != "0"),
-            job: var("SPOFF_JOB_ID").and_then(|v| v.to_str().and_then(|s| s.trim().parse().ok())),
+            credential: var("SPOFF_JOB_CREDENTIAL").and_then(|v| v.into_string().ok()),
             verbose: var("SPOFF_VERBOSE").is_some_and(|v| v != "0"),
             backend: Backend::parse(var("SPOFF_BACKEND").as_ref().and_then(|v| v.to_str())),
         }
@@ -457,6 +461,8 @@ struct Registered {
     local_rank: u32,
     /// The node of each SP of the cluster description, indexed by SP id.
     node_of_sp: Vec<u32>,
+    /// The name of the job's segment on this node, from the SP.
+    segment: String,
 }
 
 unsafe fn start_inner() -> bool {
@@ -471,7 +477,7 @@ unsafe fn start_inner() -> bool {
     let (rank, size) = (rank as u32, size as u32);
 
     // 1. Does every rank want offload? [all want, none wants] as a MIN reduction.
-    let want = settings.offload && settings.cluster.is_some();
+    let want = settings.offload && settings.cluster.is_some() && settings.credential.is_some();
     let mut wants: [c_int; 2] = [want as c_int, !want as c_int];
     // SAFETY: in-place reduction over two ints in a live array.
     let rc = unsafe {
@@ -490,17 +496,17 @@ unsafe fn start_inner() -> bool {
     let (all_want, none_wants) = (wants[0] == 1, wants[1] == 1);
     if !all_want {
         if !none_wants && rank == 0 {
-            say!("offload is off for this job: SPOFF_CLUSTER / SPOFF_OFFLOAD are not set alike on every rank; running natively");
+            say!("offload is off for this job: SPOFF_CLUSTER / SPOFF_JOB_CREDENTIAL / SPOFF_OFFLOAD are not set alike on every rank; running natively");
         }
         return false;
     }
 
-    // 2. The job id: rank 0's SPOFF_JOB_ID, or one rank 0 draws; broadcast either way.
-    let mut job: u64 = if rank == 0 {
-        settings.job.unwrap_or_else(draw_job_id)
-    } else {
-        0
-    };
+    // 2. The job, from the credential the launcher (or resource manager) issued; every rank
+    // must have the same one (checked with rank 0's below: a rank that differs counts as
+    // failed in the agreement of step 4).
+    let credential = settings.credential.clone().expect("checked by `want`");
+    let mine = JobCredential::decode(&credential).map(|c| c.job);
+    let mut job: u64 = *mine.as_ref().unwrap_or(&0);
     // SAFETY: broadcast of one u64 in a live variable.
     let rc = unsafe {
         ffi::PMPI_Bcast(
@@ -514,6 +520,11 @@ unsafe fn start_inner() -> bool {
     if rc != consts::SUCCESS() {
         return false;
     }
+    let same_job = match mine {
+        Ok(j) if j == job => Ok(()),
+        Ok(_) => Err("SPOFF_JOB_CREDENTIAL names another job than rank 0's".to_string()),
+        Err(e) => Err(format!("SPOFF_JOB_CREDENTIAL: {e}")),
+    };
 
     // 3. Connect and register, each rank on its own.
     // PR_SET_PTRACER_ANY, not PR_SET_PTRACER(sp_pid): with the `cma` backend the SPs of *all*
@@ -534,7 +545,7 @@ unsafe fn start_inner() -> bool {
     unsafe { crate::datatype::create_keyval() };
     // SAFETY: MPI is initialised.
     let local = match unsafe { crate::comm::create_keyval() } {
-        Ok(()) => register(&cluster_path, job, rank, size),
+        Ok(()) => same_job.and_then(|()| register(&cluster_path, &credential, rank, size)),
         Err(rc) => Err(format!(
             "cannot create a communicator keyval (MPI error {rc})"
         )),
@@ -593,11 +604,11 @@ unsafe fn start_inner() -> bool {
     }
 
     let _ = TOPOLOGY.set(Topology {
-        job,
         world_rank: rank,
         world_size: size,
         sp_of_world,
         node_of_sp: reg.node_of_sp.clone(),
+        segment: reg.segment.clone(),
     });
     if settings.verbose {
         say!(
@@ -633,20 +644,6 @@ unsafe fn start_inner() -> bool {
         libc::pthread_atfork(None, None, Some(after_fork_in_child));
     }
     true
-}
-
-fn draw_job_id() -> u64 {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0);
-    let pid = std::process::id() as u64;
-    // splitmix64 of time and pid: distinct jobs started in the same nanosecond still differ.
-    let mut z = nanos ^ pid.rotate_left(32);
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
 }
 
 /// Most mailbox slots accepted from `SPOFF_MAILBOX_SLOTS`.
@@ -705,7 +702,7 @@ fn map_mailbox(slots: u32) -> Result<*mut u8, String> {
 /// Connects to this rank's SP and registers. Errors are one-line reasons.
 fn register(
     cluster_path: &std::path::Path,
-    job: u64,
+    credential: &str,
     rank: u32,
     size: u32,
 ) -> Result<Registered, String> {
@@ -733,7 +730,7 @@ fn register(
     };
     let mut ch = conn.channel();
     ch.send_hello(&Hello::Host(HostHello {
-        job,
+        credential: credential.to_string(),
         world_rank: rank,
         world_size: size,
         node: placement.node,
@@ -779,8 +776,8 @@ fn register(
     let reply = ch
         .recv::<SpToHost>()
         .map_err(|e| at("waiting for registration", &e))?;
-    match &reply {
-        SpToHost::Registered { .. } => {}
+    let segment = match &reply {
+        SpToHost::Registered { segment, .. } => segment.clone(),
         SpToHost::Error { code, message, .. } => {
             return Err(format!(
                 "service process at {} refused the registration ({code:?}): {message}",
@@ -793,7 +790,7 @@ fn register(
                 path.display()
             ))
         }
-    }
+    };
     MAILBOX_SLOTS.store(slots, Ordering::Release);
     MAILBOX.store(base, Ordering::Release);
     Ok(Registered {
@@ -803,6 +800,7 @@ fn register(
         node: placement.node,
         local_rank: placement.local_rank,
         node_of_sp: cluster.sps.iter().map(|e| e.node).collect(),
+        segment,
     })
 }
 

@@ -36,11 +36,20 @@ const SHIM_VARS: [&str; 11] = [
     "SPOFF_SEGMENT_BYTES",
     "SPOFF_CLUSTER",
     "SPOFF_OFFLOAD",
-    "SPOFF_JOB_ID",
+    "SPOFF_JOB_CREDENTIAL",
     "SPOFF_VERBOSE",
     "SPOFF_MAILBOX_SLOTS",
     "SPOFF_BACKEND",
 ];
+
+/// A well-formed job credential of a cluster no SP knows: for runs against fake or missing
+/// SPs (without one the shim does not even try to offload).
+fn some_credential() -> String {
+    // SAFETY: geteuid has no preconditions.
+    let uid = unsafe { libc::geteuid() };
+    let key = bootstrap::auth::ClusterKey::generate();
+    bootstrap::auth::JobCredential::issue(&key, 1, uid, NP as u32).encode()
+}
 
 /// One MPI job at a time (the machine has few cores).
 fn serial() -> MutexGuard<'static, ()> {
@@ -299,6 +308,69 @@ fn a_root_that_finalizes_at_once_fails_nobody() {
 fn more_outstanding_collectives_than_mailbox_slots_do_not_deadlock() {
     legal_mix("many", 1, "block", &[("SPOFF_MAILBOX_SLOTS", "8")]);
     legal_mix("many", 2, "cyclic", &[]);
+}
+
+/// The conformance generator (`progs/conform.c`, see its header) at a modest count: random
+/// type maps per rank with equal signatures, counts with zeros, `MPI_IN_PLACE` (on some ranks
+/// only too), sub-communicators, outstanding batches completed by every Wait/Test variant,
+/// ranks that finalize as soon as they are done; every byte compared with `PMPI_*`. Each
+/// configuration forces designs of the staged collectives. `make conformance` runs it at
+/// scale.
+#[test]
+fn conformance_generator_matches_native_byte_for_byte() {
+    let _serial = serial();
+    let prog = prog("conform");
+    let seed = integration_tests::seed();
+    for (i, (k, layout, bcast, iallgather)) in [
+        (1, "block", "flat", "lb"),
+        (2, "cyclic", "hier", "hier"),
+        (1, "cyclic", "hier", "flat"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let s = (seed + i as u64).to_string();
+        let run = launch_with(
+            k,
+            &["--layout", layout],
+            &[
+                &prog,
+                "--cases",
+                "120",
+                "--seed",
+                &s,
+                "--timeout",
+                "60",
+                "--mixed-in-place",
+                "--finalize-early",
+            ],
+            &[
+                ("SPOFF_BCAST_DESIGN", bcast),
+                ("SPOFF_IALLGATHER_DESIGN", iallgather),
+            ],
+        );
+        let all = format!("--- stdout\n{}\n--- stderr\n{}", run.stdout, run.stderr);
+        run.assert_ok(&format!("conform --seed {s}"));
+        assert!(!run.stdout.contains("FAIL"), "{all}");
+        let mut calls = 0;
+        for r in 0..NP {
+            let head = format!("conform: rank {r}: ok, 121 cases, ");
+            calls += run
+                .stdout
+                .lines()
+                .find_map(|l| l.strip_prefix(head.as_str()))
+                .and_then(|l| l.strip_suffix(" calls"))
+                .and_then(|n| n.parse::<u64>().ok())
+                .unwrap_or_else(|| panic!("rank {r} did not pass (seed {s})\n{all}"));
+        }
+        assert_eq!(run.sp_total("posts"), calls, "every call offloaded\n{all}");
+        assert_eq!(run.sp_total("completions"), calls, "{all}");
+        assert!(run.sp_total("posts_packed") > 0, "{all}");
+        eprintln!(
+            "conform seed {s}: {calls} calls offloaded, {} packed",
+            run.sp_total("posts_packed")
+        );
+    }
 }
 
 #[test]
@@ -784,9 +856,13 @@ fn no_sp_reachable_prints_one_line_per_rank_and_runs_natively() {
         .unwrap()
         .save(&cluster)
         .unwrap();
+    let cred = some_credential();
     let run = mpirun_preloaded(
         &[&prog, "1"],
-        &[("SPOFF_CLUSTER", cluster.to_str().unwrap())],
+        &[
+            ("SPOFF_CLUSTER", cluster.to_str().unwrap()),
+            ("SPOFF_JOB_CREDENTIAL", &cred),
+        ],
     );
     std::fs::remove_dir_all(&dir).ok();
     verdict(&run, "a2a_check");
@@ -1042,7 +1118,10 @@ fn refusing_sps(dir: &Path) -> PathBuf {
         }
         while let Ok(msg) = ch.recv::<HostToSp>() {
             let reply = match msg {
-                HostToSp::Register { .. } => SpToHost::Registered { sp },
+                HostToSp::Register { .. } => SpToHost::Registered {
+                    sp,
+                    segment: format!("/spoff-fake-{}-{sp}", std::process::id()),
+                },
                 HostToSp::Post(d) => SpToHost::Error {
                     comm: Some(d.comm),
                     seq: Some(d.seq),
@@ -1094,10 +1173,12 @@ fn refused_posts_fail_even_once_every_mailbox_slot_is_quarantined() {
     let prog = prog("a2a_check");
     let dir = std::env::temp_dir().join(format!("host-shim-quarantine-{}", std::process::id()));
     let cluster = refusing_sps(&dir);
+    let cred = some_credential();
     let run = mpirun_preloaded_within(
         &[&prog, "1", "return"],
         &[
             ("SPOFF_CLUSTER", cluster.to_str().unwrap()),
+            ("SPOFF_JOB_CREDENTIAL", &cred),
             ("SPOFF_MAILBOX_SLOTS", "1"),
         ],
         Duration::from_secs(60),
@@ -1127,6 +1208,7 @@ fn refused_posts_fail_even_once_every_mailbox_slot_is_quarantined() {
         &[&prog, "1"],
         &[
             ("SPOFF_CLUSTER", cluster.to_str().unwrap()),
+            ("SPOFF_JOB_CREDENTIAL", &cred),
             ("SPOFF_MAILBOX_SLOTS", "1"),
         ],
         Duration::from_secs(60),

@@ -7,6 +7,7 @@
 //! shims fail the affected collectives) before it is killed.
 
 use anyhow::{bail, Context, Result};
+use bootstrap::auth::{ClusterKey, JobCredential};
 use bootstrap::cluster::{Cluster, Layout, SpEntry};
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
@@ -135,14 +136,29 @@ pub fn rank_exec(cpus: Option<&[u32]>, preload: Option<&Path>, program: &[String
     bail!("cannot run {}: {err}", program[0])
 }
 
+/// A new private run directory (mode 0700: the host sockets and the cluster key in it are
+/// for this user alone).
 pub fn new_run_dir() -> Result<PathBuf> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.subsec_nanos())
         .unwrap_or(0);
     let dir = std::env::temp_dir().join(format!("spoff-{}-{nanos:x}", std::process::id()));
-    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(&dir)
+        .with_context(|| format!("creating {}", dir.display()))?;
+    // The mode given to mkdir is filtered by the umask: make it exactly 0700.
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))
+        .with_context(|| format!("setting the mode of {}", dir.display()))?;
     Ok(dir)
+}
+
+/// The cluster key of the cluster whose description is `cluster_json` (the launcher writes
+/// both into its run directory).
+pub fn key_path(cluster_json: &Path) -> PathBuf {
+    cluster_json.with_file_name("cluster.key")
 }
 
 /// Puts the child in its own process group and has it die with the launcher.
@@ -204,6 +220,7 @@ fn exit_code(s: ExitStatus) -> i32 {
 /// SPs and the shims then handle it like any SP death.
 fn spawn_watchdog(
     cluster: Cluster,
+    key: ClusterKey,
     stuck: Arc<Vec<AtomicBool>>,
     limit: Duration,
     stop: Arc<AtomicBool>,
@@ -217,7 +234,7 @@ fn spawn_watchdog(
                 if killed[i] || stop.load(Ordering::Relaxed) {
                     continue;
                 }
-                if crate::stats::query_within(sp, period).is_ok() {
+                if crate::stats::query_within(sp, &key, period).is_ok() {
                     last_answer[i] = Instant::now();
                 } else if last_answer[i].elapsed() > limit {
                     eprintln!(
@@ -291,6 +308,8 @@ pub fn spawn_sps(
     )?;
     let path = run_dir.join("cluster.json");
     cluster.save(&path)?;
+    let key_file = key_path(&path);
+    ClusterKey::create(&key_file)?;
     let mut sps = Vec::new();
     for (i, l) in listeners.into_iter().enumerate() {
         let mut cmd = Command::new(exe);
@@ -299,6 +318,8 @@ pub fn spawn_sps(
             .arg(&path)
             .arg("--sp-id")
             .arg(i.to_string())
+            .arg("--key")
+            .arg(&key_file)
             .arg("--listen-fd")
             .arg(LISTEN_FD.to_string())
             .arg("--max-inflight-reads")
@@ -446,11 +467,6 @@ fn run_job(
     signals: &mut crate::signals::SignalPipe,
 ) -> Result<i32> {
     let world = opts.nodes * opts.ranks_per_node;
-    let job_id: u64 = ((std::process::id() as u64) << 32)
-        ^ std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(0);
     let mut sps: Vec<Sp> = Vec::new();
     let mut cluster_path = None;
     let (tx, rx) = mpsc::channel::<(u32, String)>();
@@ -486,11 +502,14 @@ fn run_job(
         }
         cluster_path = Some(path);
     }
+    let key = match &cluster_path {
+        Some(p) => Some(ClusterKey::load(&key_path(p))?),
+        None => None,
+    };
 
     let mut cmd = Command::new(&opts.mpirun);
     cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .env("SPOFF_JOB_ID", job_id.to_string())
         .env("SPOFF_NODES", opts.nodes.to_string())
         .env("SPOFF_RANKS_PER_NODE", opts.ranks_per_node.to_string())
         .env(
@@ -503,19 +522,22 @@ fn run_job(
         .args(["--oversubscribe", "--bind-to", "none", "-np"])
         .arg(world.to_string())
         .args(&opts.mpirun_args);
-    let mut exported = vec![
-        "SPOFF_JOB_ID",
-        "SPOFF_NODES",
-        "SPOFF_RANKS_PER_NODE",
-        "SPOFF_LAYOUT",
-    ];
-    match &cluster_path {
-        Some(p) => {
-            cmd.env("SPOFF_CLUSTER", p);
+    let mut exported = vec!["SPOFF_NODES", "SPOFF_RANKS_PER_NODE", "SPOFF_LAYOUT"];
+    match (&cluster_path, &key) {
+        (Some(p), Some(key)) => {
+            // The job's identity at the SPs, for this user only (a process's environment is
+            // readable by its own uid alone).
+            // SAFETY: geteuid has no preconditions.
+            let uid = unsafe { libc::geteuid() };
+            let cred = JobCredential::issue_new(key, uid, world);
+            cmd.env("SPOFF_CLUSTER", p)
+                .env("SPOFF_JOB_CREDENTIAL", cred.encode());
             exported.push("SPOFF_CLUSTER");
+            exported.push("SPOFF_JOB_CREDENTIAL");
         }
-        None => {
-            cmd.env_remove("SPOFF_CLUSTER");
+        _ => {
+            cmd.env_remove("SPOFF_CLUSTER")
+                .env_remove("SPOFF_JOB_CREDENTIAL");
         }
     }
     for var in exported {
@@ -537,9 +559,10 @@ fn run_job(
     let stop_watchdog = Arc::new(AtomicBool::new(false));
     let stuck: Arc<Vec<AtomicBool>> =
         Arc::new(sps.iter().map(|_| AtomicBool::new(false)).collect());
-    let watchdog = match &cluster_path {
-        Some(path) if !opts.sp_watchdog.is_zero() => Some(spawn_watchdog(
+    let watchdog = match (&cluster_path, &key) {
+        (Some(path), Some(key)) if !opts.sp_watchdog.is_zero() => Some(spawn_watchdog(
             Cluster::load(path)?,
+            key.clone(),
             stuck.clone(),
             opts.sp_watchdog,
             stop_watchdog.clone(),
@@ -593,6 +616,10 @@ fn run_job(
         let _ = w.join();
     }
     stop_sps(&mut sps, Duration::from_secs(5));
+    if let Some(key) = &key {
+        // Segments an SP killed during the job could not remove.
+        crate::access::remove_stale_segments(key);
+    }
     while let Ok((id, line)) = rx.recv_timeout(Duration::from_millis(50)) {
         if let Some(stats) = line.strip_prefix("STATS ") {
             eprintln!("sp {id} stats: {stats}");

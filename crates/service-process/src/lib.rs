@@ -4,13 +4,16 @@
 //! that the collective's state machine (in `algorithms`) does not ask for.
 //!
 //! Modules: [`server`] (event loop and engine), [`conn`] (framed nonblocking connections),
+//! [`access`] (who may use the SP and how much), [`mesh`] (the authenticated SP mesh),
 //! [`datapath`] (copy worker threads), [`launch`] (the emulated cluster), [`stats`].
 #![deny(unsafe_op_in_unsafe_fn)]
 
+pub mod access;
 pub mod conn;
 pub mod datapath;
 pub mod launch;
 pub mod machine;
+pub mod mesh;
 pub mod segment;
 pub mod server;
 pub mod signals;

@@ -5,8 +5,10 @@ use anyhow::{Context, Result};
 use bootstrap::rendezvous::Backoff;
 use bootstrap::{Cluster, Layout};
 use clap::{Parser, Subcommand};
+use service_process::access::Limits;
 use service_process::launch::{self, CpuList, LaunchOpts};
-use service_process::server::{connect_mesh, ServeConfig, Server, UcxMode};
+use service_process::mesh::connect_mesh;
+use service_process::server::{ServeConfig, Server, UcxMode};
 use std::os::fd::FromRawFd;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -34,6 +36,30 @@ enum Cmd {
         /// This SP's id in the description.
         #[arg(long)]
         sp_id: u32,
+        /// The cluster key (a file of mode 0600; `launch` writes one per cluster): peer SPs,
+        /// job credentials and admin requests are checked with it.
+        #[arg(long)]
+        key: PathBuf,
+        /// Mode of the host socket, in octal. 600: only this SP's user may connect (the
+        /// default, right for `launch`); a daemon shared by the users of a node opens it (e.g.
+        /// 666) and the job credentials decide who is served.
+        #[arg(long, default_value = "600", value_parser = parse_mode)]
+        socket_mode: u32,
+        /// Largest world size of a job.
+        #[arg(long, default_value_t = 1 << 20)]
+        max_world_size: u32,
+        /// Host connections at once, all jobs together.
+        #[arg(long, default_value_t = 4096)]
+        max_hosts: usize,
+        /// Milliseconds a host connection may take to say hello.
+        #[arg(long, default_value_t = 5000)]
+        hello_timeout_ms: u64,
+        /// Posts of one rank not completed yet; beyond it a post is refused with an error.
+        #[arg(long, default_value_t = 8192)]
+        max_posts_per_rank: usize,
+        /// Open collective instances of one job on this SP; beyond it a post is refused.
+        #[arg(long, default_value_t = 1 << 16)]
+        max_instances_per_job: usize,
         /// Use this inherited, already bound TCP listener instead of binding the address from
         /// the description.
         #[arg(long)]
@@ -162,6 +188,10 @@ enum Cmd {
         /// Cluster description (JSON, as written by `launch`).
         #[arg(long)]
         cluster: PathBuf,
+        /// The cluster key that proves the request (default: cluster.key beside the
+        /// description, where `launch` writes it).
+        #[arg(long)]
+        key: Option<PathBuf>,
         /// One JSON object per SP (with an "sp" field) instead of a table.
         #[arg(long)]
         json: bool,
@@ -245,6 +275,14 @@ enum Cmd {
 }
 
 /// Refuses an inherited fd that is not an open socket, rather than adopting it blindly.
+/// A file mode in octal (`600`, `0660`).
+fn parse_mode(s: &str) -> Result<u32, String> {
+    match u32::from_str_radix(s.trim_start_matches("0o"), 8) {
+        Ok(m) if m <= 0o777 => Ok(m),
+        _ => Err(format!("{s:?} is not an octal file mode (e.g. 600 or 666)")),
+    }
+}
+
 fn check_listener_fd(fd: i32) -> Result<()> {
     // SAFETY: fstat only writes into `st`; an invalid fd is reported as an error.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
@@ -283,6 +321,13 @@ fn run(cli: Cli) -> Result<i32> {
         Cmd::Serve {
             cluster,
             sp_id,
+            key,
+            socket_mode,
+            max_world_size,
+            max_hosts,
+            hello_timeout_ms,
+            max_posts_per_rank,
+            max_instances_per_job,
             listen_fd,
             max_inflight_reads,
             datapath_threads,
@@ -323,7 +368,8 @@ fn run(cli: Cli) -> Result<i32> {
                 deadline: Duration::from_secs(connect_timeout_secs),
                 ..Backoff::default()
             };
-            let peers = connect_mesh(sp_id, &cluster, &listener, backoff)?;
+            let key = bootstrap::auth::ClusterKey::load(&key)?;
+            let peers = connect_mesh(sp_id, &cluster, &listener, backoff, &key)?;
             let cfg = ServeConfig {
                 sp: sp_id,
                 cluster,
@@ -341,6 +387,16 @@ fn run(cli: Cli) -> Result<i32> {
                 },
                 staging_bytes: staging_mib.saturating_mul(1 << 20),
                 poll_interval: (poll_us > 0).then(|| Duration::from_micros(poll_us)),
+                key,
+                socket_mode,
+                limits: Limits {
+                    max_world_size,
+                    max_hosts,
+                    hello_timeout: Duration::from_millis(hello_timeout_ms),
+                    max_posts_per_rank,
+                    max_instances_per_job,
+                    ..Limits::default()
+                },
             };
             let server = Server::new(cfg, peers)?;
             println!("READY sp={sp_id}");
@@ -390,9 +446,11 @@ fn run(cli: Cli) -> Result<i32> {
                 program,
             })
         }
-        Cmd::Stats { cluster, json } => {
+        Cmd::Stats { cluster, key, json } => {
+            let key = key.unwrap_or_else(|| launch::key_path(&cluster));
+            let key = bootstrap::auth::ClusterKey::load(&key)?;
             let cluster = Cluster::load(&cluster)?;
-            service_process::stats::print_cluster_stats(&cluster, json)
+            service_process::stats::print_cluster_stats(&cluster, &key, json)
         }
         Cmd::Simulate {
             coll,

@@ -61,8 +61,8 @@ impl Arena {
 }
 
 /// Removes the name of the segment of `node` in `job` (if any rank created it).
-pub fn unlink(job: u64, node: u32) {
-    if let Ok(name) = std::ffi::CString::new(bootstrap::segment_name(job, node)) {
+pub fn unlink(key: &bootstrap::auth::ClusterKey, job: u64, node: u32) {
+    if let Ok(name) = std::ffi::CString::new(crate::access::segment_name(key, job, node)) {
         // SAFETY: a valid C string; a missing name is just ENOENT.
         unsafe { libc::shm_unlink(name.as_ptr()) };
     }

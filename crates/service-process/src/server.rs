@@ -20,6 +20,7 @@
 //! lost peer SP fails every instance that involves it, a host rank that disconnects without
 //! saying goodbye aborts its whole job on every SP (`JobAbort`).
 
+use crate::access::{self, Limits, LogLimit, PeerCred};
 use crate::conn::{Conn, ReadEnd, Stream};
 use crate::datapath::{CopyJob, Datapath};
 use crate::machine::{self, Act, Machine, StagedConfig};
@@ -31,14 +32,15 @@ use algorithms::{allgatherv, alltoallv, bcast, staged_allgather};
 use algorithms::{CollKey, CommId, Nanos, SpId, Status};
 use alias_mkey::mover::{CmaMover, Mover};
 use alias_mkey::{AliasKey, BackendData, Grant, Owner, Rights};
+use bootstrap::auth::{self, ClusterKey};
 use bootstrap::mailbox;
-use bootstrap::rendezvous::{connect_with_backoff, Backoff};
+use bootstrap::rendezvous::Backoff;
 use bootstrap::wire::{
-    self, decode, decode_hello, encode, encode_hello, frame, CollKind, CollMsg, CopySrc, ErrorCode,
-    Hello, HostHello, HostToSp, PostDesc, SpHello, SpToHost, SpToSp, StagedDesign,
+    self, decode, decode_hello, encode, encode_hello, frame, AdminHello, CollKind, CollMsg,
+    CopySrc, ErrorCode, Hello, HostHello, HostToSp, PostDesc, SpToHost, SpToSp, StagedDesign,
 };
 use bootstrap::Cluster;
-use mio::net::{UnixListener, UnixStream};
+use mio::net::UnixListener;
 use mio::{Events, Interest, Poll, Token, Waker};
 use slab::Slab;
 use std::collections::{HashMap, HashSet};
@@ -55,6 +57,9 @@ pub const SIGNALS: Token = Token(2);
 /// The staging UCX worker's event fd (with UCX on, see [`UcxMode`]).
 const UCX_EVENTS: Token = Token(3);
 const CONN_BASE: usize = 16;
+/// The pidfd of host connection `k` (readable once its process exits) has token
+/// `PIDFD_BASE + k`.
+const PIDFD_BASE: usize = 1 << 40;
 
 /// Collective instances remembered as finished per job, so that a stray late message cannot
 /// re-create one; beyond this the oldest are forgotten.
@@ -113,13 +118,20 @@ pub struct ServeConfig {
     /// a reserved core, as DPU service processes poll: nothing ever waits on a connection, so
     /// a rank's post does not pay for waking the SP.
     pub poll_interval: Option<Duration>,
+    /// The cluster's secret: peers, job credentials and admin requests are checked with it.
+    pub key: ClusterKey,
+    /// Mode of the host socket (0600: only this SP's user may connect; a shared daemon may open
+    /// it, job credentials still decide who is served).
+    pub socket_mode: u32,
+    pub limits: Limits,
 }
 
 /// Role of a connection.
 enum Role {
-    /// A host connected; its hello has not arrived yet. `pid` comes from the kernel.
+    /// A host connected; its hello has not arrived yet. Who it is comes from the kernel.
     NewHost {
-        pid: u32,
+        peer: PeerCred,
+        since: Instant,
     },
     Host(HostState),
     Peer(SpId),
@@ -129,9 +141,13 @@ struct HostState {
     /// Unique for the SP's lifetime (slab keys are reused; this is not).
     conn_id: u64,
     hello: HostHello,
-    pid: u32,
+    /// The job, from the hello's verified credential.
+    job: u64,
+    peer: PeerCred,
     mailbox: Option<(AliasKey, u32)>,
     said_goodbye: bool,
+    /// Posts of this connection not completed yet (bounded by `Limits::max_posts_per_rank`).
+    outstanding: usize,
 }
 
 /// A local rank's post of one instance: where its completion goes.
@@ -186,6 +202,9 @@ struct Region {
 struct Instance {
     sm: Machine,
     posted: HashMap<u32, Posted>,
+    /// The communicator of the instance as its first local post described it (SP and world
+    /// rank of each comm rank): every later local post must say the same.
+    shape: Option<(Vec<SpId>, Vec<u32>)>,
     /// How many comm ranks this SP serves in the instance (known from the first local post).
     local_ranks: Option<usize>,
     /// Staging slots of a staged collective (given back to the budget with the instance).
@@ -194,9 +213,11 @@ struct Instance {
 
 #[derive(Default)]
 struct Job {
-    /// World size of the job (from its ranks' hellos): places any of its ranks on a node.
+    /// World size of the job (from its credential): places any of its ranks on a node.
     world_size: u32,
     hosts: HashSet<usize>,
+    /// The world ranks connected here (one connection each).
+    ranks: HashSet<u32>,
     failed: Option<Status>,
     finished: HashSet<(CommId, u64)>,
     finished_order: std::collections::VecDeque<(CommId, u64)>,
@@ -262,99 +283,17 @@ pub struct Server {
     unlink_after: HashMap<u64, HashSet<SpId>>,
     signals: crate::signals::SignalPipe,
     start: Instant,
+    key: ClusterKey,
+    limits: Limits,
+    /// Client-caused warnings (bad frames, refused hellos and posts): rate-limited.
+    log_limit: LogLimit,
+    /// When connections without a hello were last checked for their timeout.
+    last_hello_sweep: Instant,
     pub stats: Stats,
 }
 
 fn now_ns(start: Instant) -> Nanos {
     start.elapsed().as_nanos() as Nanos
-}
-
-/// Connects to every lower-numbered SP and accepts every higher-numbered one, exchanging
-/// hellos; returns the streams by SP id. Bounded by the backoff's deadline.
-pub fn connect_mesh(
-    me: SpId,
-    cluster: &Cluster,
-    listener: &std::net::TcpListener,
-    backoff: Backoff,
-) -> anyhow::Result<HashMap<SpId, std::net::TcpStream>> {
-    use anyhow::{bail, Context};
-    let fingerprint = cluster.fingerprint();
-    let mut peers = HashMap::new();
-    let hello = Hello::Sp(SpHello {
-        sp: me,
-        cluster_fingerprint: fingerprint,
-    });
-    for peer in 0..me {
-        let addr = cluster
-            .sp(peer)
-            .context("peer missing from cluster")?
-            .peer_addr;
-        let s = connect_with_backoff(addr, backoff)
-            .with_context(|| format!("SP {me}: connecting to SP {peer} at {addr}"))?;
-        s.set_nodelay(true)?;
-        s.set_read_timeout(Some(backoff.deadline))?;
-        let mut ch = wire::Channel::new(s);
-        ch.send_hello(&hello)?;
-        match ch.recv_hello()? {
-            Hello::Welcome { sp } if sp == peer => {}
-            Hello::Reject { reason } => bail!("SP {peer} refused SP {me}: {reason}"),
-            other => bail!("SP {peer} answered the hello with {other:?}"),
-        }
-        let s = ch_into_inner(ch);
-        s.set_read_timeout(None)?;
-        peers.insert(peer, s);
-    }
-    let total = cluster.sps.len() as SpId;
-    let deadline = Instant::now() + backoff.deadline;
-    listener.set_nonblocking(true)?;
-    while (peers.len() as SpId) < total - 1 {
-        let (s, from) = match listener.accept() {
-            Ok(x) => x,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                if Instant::now() > deadline {
-                    let missing: Vec<SpId> =
-                        (me + 1..total).filter(|p| !peers.contains_key(p)).collect();
-                    bail!(
-                        "SP {me}: SPs {missing:?} did not connect within {:?}",
-                        backoff.deadline
-                    );
-                }
-                std::thread::sleep(Duration::from_millis(2));
-                continue;
-            }
-            Err(e) => return Err(e.into()),
-        };
-        s.set_nonblocking(false)?;
-        s.set_nodelay(true)?;
-        s.set_read_timeout(Some(backoff.deadline))?;
-        let mut ch = wire::Channel::new(s);
-        let reject = |ch: &mut wire::Channel<std::net::TcpStream>, reason: String| {
-            warn!(%from, "refusing peer: {reason}");
-            let _ = ch.send_hello(&Hello::Reject { reason });
-        };
-        match ch.recv_hello() {
-            Ok(Hello::Sp(h)) if h.cluster_fingerprint != fingerprint => reject(
-                &mut ch,
-                format!("SP {} has a different cluster description", h.sp),
-            ),
-            Ok(Hello::Sp(h)) if h.sp <= me || h.sp >= total || peers.contains_key(&h.sp) => {
-                reject(&mut ch, format!("unexpected SP id {} at SP {me}", h.sp))
-            }
-            Ok(Hello::Sp(h)) => {
-                ch.send_hello(&Hello::Welcome { sp: me })?;
-                let s = ch_into_inner(ch);
-                s.set_read_timeout(None)?;
-                peers.insert(h.sp, s);
-            }
-            Ok(other) => reject(&mut ch, format!("expected an SP hello, got {other:?}")),
-            Err(e) => warn!(%from, "bad hello from a would-be peer: {e}"),
-        }
-    }
-    Ok(peers)
-}
-
-fn ch_into_inner(ch: wire::Channel<std::net::TcpStream>) -> std::net::TcpStream {
-    ch.get_ref().try_clone().expect("dup of a connected socket")
 }
 
 /// The UCX registrar of this SP's staging, its event fd registered with `poll`.
@@ -389,6 +328,23 @@ impl Server {
         let _ = std::fs::remove_file(&cfg.host_socket);
         let mut hosts_listener = UnixListener::bind(&cfg.host_socket)
             .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", cfg.host_socket.display()))?;
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(
+                &cfg.host_socket,
+                std::fs::Permissions::from_mode(cfg.socket_mode),
+            )
+            .map_err(|e| {
+                anyhow::anyhow!("cannot set the mode of {}: {e}", cfg.host_socket.display())
+            })?;
+        }
+        let stale = access::remove_stale_segments(&cfg.key);
+        if stale > 0 {
+            info!(
+                sp = cfg.sp,
+                "removed {stale} shared-memory segments left by an earlier run"
+            );
+        }
         poll.registry()
             .register(&mut hosts_listener, LISTEN_HOSTS, Interest::READABLE)?;
         let signals = crate::signals::SignalPipe::install()?;
@@ -474,6 +430,10 @@ impl Server {
             unlink_after: HashMap::new(),
             signals,
             start: Instant::now(),
+            key: cfg.key,
+            limits: cfg.limits,
+            log_limit: LogLimit::new(20, Duration::from_secs(10)),
+            last_hello_sweep: Instant::now(),
             stats: Stats::default(),
         };
         for (sp, s) in peers {
@@ -529,6 +489,15 @@ impl Server {
             });
             let timeout = if polling.is_some() {
                 Some(Duration::ZERO)
+            } else if self
+                .conns
+                .iter()
+                .any(|(_, c)| matches!(c.role, Role::NewHost { .. }))
+            {
+                // Wake up to close connections whose hello is late.
+                Some(timeout.map_or(Duration::from_millis(100), |t| {
+                    t.min(Duration::from_millis(100))
+                }))
             } else {
                 timeout
             };
@@ -557,6 +526,7 @@ impl Server {
                             return Ok(self.stats_now());
                         }
                     }
+                    Token(t) if t >= PIDFD_BASE => self.on_pidfd(t - PIDFD_BASE),
                     Token(t) => {
                         let key = t - CONN_BASE;
                         if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
@@ -569,6 +539,7 @@ impl Server {
                 }
                 self.close_doomed();
             }
+            self.sweep_hellos();
             loop {
                 self.on_copies_done();
                 self.close_doomed();
@@ -610,15 +581,41 @@ impl Server {
         loop {
             match self.hosts_listener.accept() {
                 Ok((s, _)) => {
-                    let pid = match peer_pid(&s) {
-                        Ok(pid) => pid,
+                    let (mut hosts, mut pending) = (0, 0);
+                    for (_, c) in self.conns.iter() {
+                        match c.role {
+                            Role::NewHost { .. } => pending += 1,
+                            Role::Host(_) => hosts += 1,
+                            Role::Peer(_) => {}
+                        }
+                    }
+                    if hosts + pending >= self.limits.max_hosts
+                        || pending >= self.limits.max_pending_hellos
+                    {
+                        self.stats.hosts_refused += 1;
+                        let (max_hosts, max_pending) =
+                            (self.limits.max_hosts, self.limits.max_pending_hellos);
+                        self.client_warn(|| {
+                            format!(
+                                "refusing a host connection: {hosts} hosts and {pending} without \
+                                 a hello already (limits {max_hosts} and {max_pending})"
+                            )
+                        });
+                        continue;
+                    }
+                    let peer = match access::peer_cred(&s) {
+                        Ok(p) => p,
                         Err(e) => {
-                            warn!("cannot read peer credentials of a host connection: {e}");
+                            self.client_warn(|| {
+                                format!("cannot identify the process of a host connection: {e}")
+                            });
                             continue;
                         }
                     };
-                    if let Err(e) = self.add_conn(Stream::Unix(s), Role::NewHost { pid }) {
-                        warn!("cannot register a host connection: {e}");
+                    let since = Instant::now();
+                    match self.add_conn(Stream::Unix(s), Role::NewHost { peer, since }) {
+                        Ok(key) => self.watch_pidfd(key),
+                        Err(e) => warn!("cannot register a host connection: {e}"),
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
@@ -627,6 +624,70 @@ impl Server {
                     return;
                 }
             }
+        }
+    }
+
+    /// Registers the pidfd of host connection `key` with the poller: readable once the
+    /// connected process has exited, even if another process (a child it forked) still holds
+    /// the socket.
+    fn watch_pidfd(&mut self, key: usize) {
+        let fd = match self.conns.get(key).map(|c| &c.role) {
+            Some(Role::NewHost { peer, .. }) => peer.pidfd.as_raw_fd(),
+            _ => return,
+        };
+        let registered = self.poll.registry().register(
+            &mut mio::unix::SourceFd(&fd),
+            Token(PIDFD_BASE + key),
+            Interest::READABLE,
+        );
+        if let Err(e) = registered {
+            warn!(sp = self.me, "cannot watch a host's process: {e}");
+        }
+    }
+
+    /// The pidfd of host connection `key` became readable: if its process has exited, the
+    /// rank is gone, whoever still holds the socket.
+    fn on_pidfd(&mut self, key: usize) {
+        let gone = match self.conns.get(key).map(|c| &c.role) {
+            Some(Role::NewHost { peer, .. }) => !alias_mkey::process::alive(&peer.pidfd),
+            Some(Role::Host(h)) => !alias_mkey::process::alive(&h.peer.pidfd),
+            _ => false,
+        };
+        if gone {
+            self.close_conn(key, "the rank's process exited");
+        }
+    }
+
+    /// Closes connections that have not said hello within the limit.
+    fn sweep_hellos(&mut self) {
+        let now = Instant::now();
+        if now.duration_since(self.last_hello_sweep) < Duration::from_millis(100) {
+            return;
+        }
+        self.last_hello_sweep = now;
+        let late: Vec<usize> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| {
+                matches!(&c.role, Role::NewHost { since, .. }
+                    if now.duration_since(*since) > self.limits.hello_timeout)
+            })
+            .map(|(k, _)| k)
+            .collect();
+        for k in late {
+            self.stats.hellos_timed_out += 1;
+            self.close_conn(k, "no hello in time");
+        }
+    }
+
+    /// A warning a client can cause, within the log's rate limit.
+    fn client_warn(&mut self, msg: impl FnOnce() -> String) {
+        let (log, suppressed) = self.log_limit.admit(Instant::now());
+        if let Some(n) = suppressed {
+            warn!(sp = self.me, "{n} more client warnings were suppressed");
+        }
+        if log {
+            warn!(sp = self.me, "{}", msg());
         }
     }
 
@@ -673,7 +734,8 @@ impl Server {
             if let Err(e) = c.send(frame) {
                 let serial = c.serial;
                 if !self.doomed.iter().any(|d| d.0 == key && d.1 == serial) {
-                    self.doomed.push((key, serial, format!("write failed: {e}")));
+                    self.doomed
+                        .push((key, serial, format!("write failed: {e}")));
                 }
             }
         }
@@ -682,7 +744,9 @@ impl Server {
     /// Whether connection `key` is to be closed (see `doomed`).
     fn is_doomed(&self, key: usize) -> bool {
         let serial = self.conns.get(key).map(|c| c.serial);
-        self.doomed.iter().any(|d| Some(d.1) == serial && d.0 == key)
+        self.doomed
+            .iter()
+            .any(|d| Some(d.1) == serial && d.0 == key)
     }
 
     /// Closes the connections found broken by the handlers that just ran.
@@ -713,34 +777,49 @@ impl Server {
 
     fn on_frame(&mut self, key: usize, payload: Vec<u8>) {
         let role = match &self.conns[key].role {
-            Role::NewHost { pid } => Err(*pid),
-            Role::Host(_) => Ok(true),
-            Role::Peer(_) => Ok(false),
+            Role::NewHost { .. } => None,
+            Role::Host(_) => Some(true),
+            Role::Peer(_) => Some(false),
         };
         match role {
-            Err(pid) => self.on_host_hello(key, pid, &payload),
-            Ok(true) => match decode::<HostToSp>(&payload) {
+            None => self.on_host_hello(key, &payload),
+            Some(true) => match decode::<HostToSp>(&payload) {
                 Ok(msg) => self.on_host_msg(key, msg),
                 Err(e) => {
+                    let rank = self.host(key).hello.world_rank;
+                    self.client_warn(|| format!("undecodable message from rank {rank}: {e}"));
                     self.send_error(key, None, ErrorCode::BadDescriptor, e.to_string());
                 }
             },
-            Ok(false) => match decode::<SpToSp>(&payload) {
+            Some(false) => match decode::<SpToSp>(&payload) {
                 Ok(msg) => self.on_peer_msg(key, msg),
                 Err(e) => warn!(sp = self.me, "undecodable message from a peer SP: {e}"),
             },
         }
     }
 
-    fn on_host_hello(&mut self, key: usize, pid: u32, payload: &[u8]) {
+    /// The first frame of a host connection: a rank's hello, or an admin request.
+    fn on_host_hello(&mut self, key: usize, payload: &[u8]) {
+        let Some(Role::NewHost { peer, .. }) = self.conns.get(key).map(|c| &c.role) else {
+            return;
+        };
+        let (pid, uid) = (peer.pid, peer.uid);
         let reject = |s: &mut Self, reason: String| {
-            warn!(sp = s.me, pid, "refusing host: {reason}");
+            s.stats.hellos_refused += 1;
+            let shown = reason.clone();
+            s.client_warn(|| format!("refusing host pid {pid} uid {uid}: {shown}"));
             s.send_frame(key, &frame(&encode_hello(&Hello::Reject { reason })));
             s.close_conn(key, "hello refused");
         };
         let hello = match decode_hello(payload) {
             Ok(Hello::Host(h)) => h,
-            Ok(Hello::Admin) => {
+            Ok(Hello::Admin(a)) => {
+                if !self.admin_ok(&a) {
+                    return reject(
+                        self,
+                        "the admin request is not proven with the cluster key".into(),
+                    );
+                }
                 // `service-process stats`: the counters now, then goodbye.
                 let json = serde_json::to_string(&self.stats_now()).unwrap_or_default();
                 self.send_frame(key, &encode(&json));
@@ -749,6 +828,10 @@ impl Server {
             }
             Ok(other) => return reject(self, format!("expected a host hello, got {other:?}")),
             Err(e) => return reject(self, e.to_string()),
+        };
+        let cred = match access::check_hello(&hello, &self.key, uid, &self.limits) {
+            Ok(c) => c,
+            Err(why) => return reject(self, why.to_string()),
         };
         match self.cluster.placement(hello.world_rank, hello.world_size) {
             Ok(p) if p.sp == self.me => {}
@@ -763,25 +846,53 @@ impl Server {
             }
             Err(e) => return reject(self, e.to_string()),
         }
+        if self
+            .jobs
+            .get(&cred.job)
+            .is_some_and(|j| j.ranks.contains(&hello.world_rank))
+        {
+            return reject(
+                self,
+                format!(
+                    "rank {} of this job is already connected to SP {}",
+                    hello.world_rank, self.me
+                ),
+            );
+        }
         debug!(
             sp = self.me,
-            job = hello.job,
+            job = cred.job,
             rank = hello.world_rank,
             pid,
             "host connected"
         );
-        let job = self.jobs.entry(hello.job).or_default();
-        job.world_size = hello.world_size;
+        let job = self.jobs.entry(cred.job).or_default();
+        job.world_size = cred.world_size;
         job.hosts.insert(key);
+        job.ranks.insert(hello.world_rank);
         self.next_conn_id += 1;
-        self.conns[key].role = Role::Host(HostState {
-            conn_id: self.next_conn_id,
+        let conn_id = self.next_conn_id;
+        let conn = &mut self.conns[key];
+        let Role::NewHost { peer, .. } = std::mem::replace(&mut conn.role, Role::Peer(SpId::MAX))
+        else {
+            unreachable!("checked above");
+        };
+        conn.role = Role::Host(HostState {
+            conn_id,
             hello,
-            pid,
+            job: cred.job,
+            peer,
             mailbox: None,
             said_goodbye: false,
+            outstanding: 0,
         });
         self.send_frame(key, &frame(&encode_hello(&Hello::Welcome { sp: self.me })));
+    }
+
+    /// Whether an admin request is proven with the cluster key, within a minute of now.
+    fn admin_ok(&self, a: &AdminHello) -> bool {
+        auth::unix_secs().abs_diff(a.unix_secs) <= 60
+            && auth::admin_proof_ok(&self.key, &a.nonce, a.unix_secs, &a.proof)
     }
 
     fn host(&self, key: usize) -> &HostState {
@@ -828,10 +939,12 @@ impl Server {
                 }
                 let alias = self.alias(key, mailbox);
                 let sp = self.me;
+                let node = self.cluster.sp(sp).map_or(0, |e| e.node);
+                let segment = access::segment_name(&self.key, alias.owner.job, node);
                 if let Role::Host(h) = &mut self.conns[key].role {
                     h.mailbox = Some((alias, mailbox_slots));
                 }
-                self.send_frame(key, &encode(&SpToHost::Registered { sp }));
+                self.send_frame(key, &encode(&SpToHost::Registered { sp, segment }));
             }
             HostToSp::Post(desc) => self.on_post(key, *desc),
             HostToSp::Goodbye => {
@@ -847,22 +960,49 @@ impl Server {
         let h = self.host(key);
         AliasKey {
             owner: Owner {
-                job: h.hello.job,
+                job: h.job,
                 world_rank: h.hello.world_rank,
-                pid: h.pid,
+                pid: h.peer.pid,
+                start: h.peer.start,
             },
             grant,
         }
     }
 
     /// Checks a descriptor against itself, the cluster and its grants.
-    fn check_post(&self, d: &PostDesc) -> Result<(), (ErrorCode, String)> {
+    /// `world_rank` and `world_size`: the poster's, from its hello; `ck`: the instance.
+    fn check_post(
+        &self,
+        d: &PostDesc,
+        world_rank: u32,
+        world_size: u32,
+        ck: CollKey,
+    ) -> Result<(), (ErrorCode, String)> {
         let bad = |m: String| Err((ErrorCode::BadDescriptor, m));
         let p = d.members.len();
         if p == 0 || d.comm_rank as usize >= p {
             return bad(format!(
                 "comm rank {} outside a communicator of {p}",
                 d.comm_rank
+            ));
+        }
+        // Who posts: only as itself. (Not a bad descriptor, which would abort the instance
+        // for its members: a post under another rank's name must not affect that rank.)
+        if d.world_ranks.len() != p {
+            return bad(format!(
+                "world_ranks has {} entries for {p} ranks",
+                d.world_ranks.len()
+            ));
+        }
+        let claimed = d.world_ranks[d.comm_rank as usize];
+        if claimed != world_rank {
+            return Err((
+                ErrorCode::UnknownComm,
+                format!(
+                    "this connection is world rank {world_rank}; comm rank {} is world rank \
+                     {claimed}",
+                    d.comm_rank
+                ),
             ));
         }
         // Alltoallv: one send block per rank; allgatherv: this rank's one block, at offset 0;
@@ -968,6 +1108,31 @@ impl Server {
                 }
             }
         }
+        let mut seen = HashSet::with_capacity(p);
+        for (r, (&w, &sp)) in d.world_ranks.iter().zip(&d.members).enumerate() {
+            if w >= world_size || !seen.insert(w) {
+                return bad(format!(
+                    "comm rank {r} is world rank {w}: outside the job's {world_size} ranks or \
+                     named twice"
+                ));
+            }
+            if let Some(placed) = access::sp_of(&self.cluster, w, world_size) {
+                if placed != sp {
+                    return bad(format!(
+                        "comm rank {r} (world rank {w}) is said to be served by SP {sp}, but \
+                         it is SP {placed}'s"
+                    ));
+                }
+            }
+        }
+        if let Some((members, world_ranks)) = self.instances.get(&ck).and_then(|i| i.shape.as_ref())
+        {
+            if *members != d.members || *world_ranks != d.world_ranks {
+                return bad(
+                    "the ranks of this collective describe its communicator differently".into(),
+                );
+            }
+        }
         if d.members[d.comm_rank as usize] != self.me {
             return Err((
                 ErrorCode::UnknownComm,
@@ -1045,7 +1210,7 @@ impl Server {
         let (job, slots) = {
             let h = self.host(key);
             match &h.mailbox {
-                Some((_, slots)) => (h.hello.job, *slots),
+                Some((_, slots)) => (h.job, *slots),
                 None => {
                     return self.send_error(
                         key,
@@ -1069,7 +1234,41 @@ impl Server {
             comm: d.comm,
             seq: d.seq,
         };
-        if let Err((code, message)) = self.check_post(&d) {
+        // Every post from here on gets exactly one completion.
+        let (world_rank, outstanding) = {
+            let h = self.host(key);
+            (h.hello.world_rank, h.outstanding)
+        };
+        let world_size = self.jobs.get(&job).map_or(0, |j| j.world_size);
+        if let Role::Host(h) = &mut self.conns[key].role {
+            h.outstanding += 1;
+        }
+        let open_instances = || self.instances.keys().filter(|k| k.job == job).count();
+        let over = if outstanding >= self.limits.max_posts_per_rank {
+            Some(format!(
+                "{outstanding} posts of this rank are not complete yet (limit {}, serve \
+                 --max-posts-per-rank)",
+                self.limits.max_posts_per_rank
+            ))
+        } else if !self.instances.contains_key(&ck)
+            && open_instances() >= self.limits.max_instances_per_job
+        {
+            Some(format!(
+                "the job has {} collectives open on SP {} (limit {}, serve \
+                 --max-instances-per-job)",
+                open_instances(),
+                self.me,
+                self.limits.max_instances_per_job
+            ))
+        } else {
+            None
+        };
+        if let Some(why) = over {
+            self.stats.posts_refused += 1;
+            self.send_error(key, Some(&d), ErrorCode::BadDescriptor, why);
+            return self.write_completion(self.posted(key, d.slot, d.token), Status::InvalidPost);
+        }
+        if let Err((code, message)) = self.check_post(&d, world_rank, world_size, ck) {
             let members_ok = code == ErrorCode::BadDescriptor
                 && d.members.len() > d.comm_rank as usize
                 && d.members[d.comm_rank as usize] == self.me;
@@ -1197,6 +1396,9 @@ impl Server {
         let me = self.me;
         let inst = self.instance(ck, d.kind);
         inst.local_ranks = Some(d.members.iter().filter(|&&sp| sp == me).count());
+        if inst.shape.is_none() {
+            inst.shape = Some((d.members.clone(), d.world_ranks.clone()));
+        }
         let post = match d.kind {
             CollKind::Alltoallv => machine::Post::Alltoallv(alltoallv::Post {
                 rank: d.comm_rank,
@@ -1293,6 +1495,7 @@ impl Server {
             let mut inst = Instance {
                 sm: Machine::new(kind, ck, self.me, self.staged),
                 posted: HashMap::new(),
+                shape: None,
                 local_ranks: None,
                 stages: None,
             };
@@ -1360,6 +1563,29 @@ impl Server {
                 return;
             }
         };
+        // Memory keys a peer names must belong to the instance's job: an SP never copies
+        // for one job into or out of another job's ranks, whatever a peer says.
+        let world = self.jobs.get(&ck.job).map(|j| j.world_size);
+        let foreign = m
+            .keys()
+            .into_iter()
+            .find(|k| k.owner.job != ck.job || world.is_some_and(|w| k.owner.world_rank >= w));
+        if let Some(k) = foreign {
+            warn!(
+                sp = self.me,
+                from,
+                ?ck,
+                "a peer named memory of job {} rank {} in this job's collective; aborting it",
+                k.owner.job,
+                k.owner.world_rank
+            );
+            let now = now_ns(self.start);
+            if let Some(inst) = self.instances.get_mut(&ck) {
+                inst.sm.abort(now, Status::PeerFailed);
+            }
+            self.drive(ck);
+            return;
+        }
         // A leader (owner) sealed its region for this SP's ranks: it keeps the region until
         // told they are done with it (at once if this SP has no instance to read it).
         if let CollMsg::Bcast(bcast::Msg::Sealed { at })
@@ -2164,7 +2390,7 @@ impl Server {
         let Some(Conn {
             role: Role::Host(h),
             ..
-        }) = self.conns.get(p.conn)
+        }) = self.conns.get_mut(p.conn)
         else {
             return;
         };
@@ -2172,6 +2398,8 @@ impl Server {
             // That host is gone and another took its slot in the table.
             return;
         }
+        h.outstanding = h.outstanding.saturating_sub(1);
+        let h = &*h;
         let Some((mb, slots)) = &h.mailbox else {
             return;
         };
@@ -2208,7 +2436,12 @@ impl Server {
         let mut conn = self.conns.remove(key);
         let _ = self.poll.registry().deregister(conn.stream.source());
         match conn.role {
-            Role::NewHost { .. } => {}
+            Role::NewHost { peer, .. } => {
+                let _ = self
+                    .poll
+                    .registry()
+                    .deregister(&mut mio::unix::SourceFd(&peer.pidfd.as_raw_fd()));
+            }
             Role::Peer(sp) => {
                 if self.leaving_peers.contains(&sp) {
                     debug!(sp = self.me, peer = sp, "peer SP left");
@@ -2238,9 +2471,14 @@ impl Server {
                 }
             }
             Role::Host(h) => {
-                let job = h.hello.job;
+                let job = h.job;
+                let _ = self
+                    .poll
+                    .registry()
+                    .deregister(&mut mio::unix::SourceFd(&h.peer.pidfd.as_raw_fd()));
                 if let Some(j) = self.jobs.get_mut(&job) {
                     j.hosts.remove(&key);
+                    j.ranks.remove(&h.hello.world_rank);
                 }
                 if h.said_goodbye {
                     debug!(sp = self.me, job, rank = h.hello.world_rank, "host left");
@@ -2298,7 +2536,6 @@ impl Server {
             k.job != job || i.sm.copies_in_flight() > 0 || (!failed && i.all_local_posted())
         });
         if !self.instances.keys().any(|k| k.job == job) {
-            let world_size = j.world_size;
             self.jobs.remove(&job);
             // The hierarchical designs' segment of this job: nobody is left to read it here;
             // leaders whose regions this SP's ranks were to read may reuse them.
@@ -2315,7 +2552,7 @@ impl Server {
             self.flat_here.retain(|k| k.job != job);
             self.peer_slots.retain(|(k, _, _), _| k.job != job);
             self.arenas.remove(&job);
-            self.job_gone_here(job, world_size);
+            self.job_gone_here(job);
         }
     }
 
@@ -2323,7 +2560,7 @@ impl Server {
     /// once each of them that serves ranks of the job said the same (or is gone). Removing it
     /// earlier would let a rank of another SP that maps it later create a second object under
     /// the same name, and read a region its SP's writer never wrote.
-    fn job_gone_here(&mut self, job: u64, world_size: u32) {
+    fn job_gone_here(&mut self, job: u64) {
         let Some(node) = self.cluster.sp(self.me).map(|e| e.node) else {
             return;
         };
@@ -2337,13 +2574,9 @@ impl Server {
         for &sp in &siblings {
             self.send_peer(sp, &SpToSp::JobGone { job, answer: false });
         }
-        let serving: HashSet<SpId> = (0..world_size)
-            .filter_map(|r| self.cluster.placement(r, world_size).ok())
-            .map(|p| p.sp)
-            .filter(|sp| siblings.contains(sp))
-            .collect();
+        // Each sibling answers at once if the job was never there (`JobGone { answer }`).
         let told = self.gone_at_siblings.remove(&job).unwrap_or_default();
-        let waiting: HashSet<SpId> = serving
+        let waiting: HashSet<SpId> = siblings
             .into_iter()
             .filter(|sp| {
                 !told.contains(sp)
@@ -2352,7 +2585,7 @@ impl Server {
             })
             .collect();
         if waiting.is_empty() {
-            crate::segment::unlink(job, node);
+            crate::segment::unlink(&self.key, job, node);
         } else {
             self.unlink_after.insert(job, waiting);
         }
@@ -2383,7 +2616,7 @@ impl Server {
         }
         for j in done {
             self.unlink_after.remove(&j);
-            crate::segment::unlink(j, node);
+            crate::segment::unlink(&self.key, j, node);
         }
     }
 
@@ -2440,28 +2673,4 @@ impl Server {
             self.drive(ck);
         }
     }
-}
-
-/// The pid of the process at the other end of a Unix socket, from the kernel.
-fn peer_pid(s: &UnixStream) -> io::Result<u32> {
-    let mut cred = libc::ucred {
-        pid: 0,
-        uid: 0,
-        gid: 0,
-    };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: `cred` and `len` are valid for writes of the sizes given; the fd is open.
-    let rc = unsafe {
-        libc::getsockopt(
-            s.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&mut cred as *mut libc::ucred).cast(),
-            &mut len,
-        )
-    };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(cred.pid as u32)
 }

@@ -19,6 +19,14 @@ pub struct Stage {
     key: AliasKey,
 }
 
+/// This process's start time, for the owner of its own keys.
+fn my_start_time() -> u64 {
+    static START: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *START.get_or_init(|| {
+        alias_mkey::process::start_time(std::process::id()).expect("/proc/self/stat is readable")
+    })
+}
+
 /// World rank used in the owner of staging keys (no host rank has it).
 pub const STAGE_OWNER_RANK: u32 = u32::MAX;
 
@@ -30,6 +38,7 @@ impl Stage {
                 job,
                 world_rank: STAGE_OWNER_RANK,
                 pid: std::process::id(),
+                start: my_start_time(),
             },
             grant: Grant {
                 region,

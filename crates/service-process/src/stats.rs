@@ -47,6 +47,13 @@ pub struct Stats {
     /// Most copies active at once (bounded by `max_inflight_reads`).
     pub max_inflight: u64,
     pub errors_sent: u64,
+    /// Clients refused: connections beyond the limits, hellos that failed their checks (a
+    /// bad or foreign job credential, a uid that is not the credential's, a taken rank),
+    /// connections closed for saying no hello in time, posts beyond a limit.
+    pub hosts_refused: u64,
+    pub hellos_refused: u64,
+    pub hellos_timed_out: u64,
+    pub posts_refused: u64,
     /// Looks of a polling event loop (`serve --poll-us`) that found nothing (0 without it).
     pub empty_polls: u64,
     /// Hierarchical collectives (allgatherv): announcements that found no ready rank where they
@@ -106,31 +113,48 @@ impl Stats {
     }
 }
 
-/// Asks one SP for its counters over its host socket.
-pub fn query(sp: &bootstrap::cluster::SpEntry) -> anyhow::Result<serde_json::Value> {
-    query_within(sp, std::time::Duration::from_secs(5))
+/// Asks one SP for its counters over its host socket, proving the request with the cluster
+/// key.
+pub fn query(
+    sp: &bootstrap::cluster::SpEntry,
+    key: &bootstrap::auth::ClusterKey,
+) -> anyhow::Result<serde_json::Value> {
+    query_within(sp, key, std::time::Duration::from_secs(5))
 }
 
 /// [`query`], giving up after `timeout` without an answer.
 pub fn query_within(
     sp: &bootstrap::cluster::SpEntry,
+    key: &bootstrap::auth::ClusterKey,
     timeout: std::time::Duration,
 ) -> anyhow::Result<serde_json::Value> {
     use anyhow::Context;
-    use bootstrap::wire::{Channel, Hello};
+    use bootstrap::auth;
+    use bootstrap::wire::{AdminHello, Channel, Hello};
     let s = std::os::unix::net::UnixStream::connect(&sp.host_socket)
         .with_context(|| format!("SP {} at {}", sp.id, sp.host_socket.display()))?;
     s.set_read_timeout(Some(timeout))?;
     s.set_write_timeout(Some(timeout))?;
     let mut ch = Channel::new(s);
-    ch.send_hello(&Hello::Admin)?;
-    let json: String = ch.recv()?;
+    let (nonce, unix_secs) = (auth::nonce(), auth::unix_secs());
+    ch.send_hello(&Hello::Admin(AdminHello {
+        nonce,
+        unix_secs,
+        proof: auth::admin_proof(key, &nonce, unix_secs),
+    }))?;
+    let json: String = ch
+        .recv()
+        .with_context(|| format!("SP {} did not answer the stats request", sp.id))?;
     Ok(serde_json::from_str(&json)?)
 }
 
 /// `service-process stats`: every SP's counters, as a table or JSON lines. An SP that does not
 /// answer is reported and makes the exit status 1.
-pub fn print_cluster_stats(cluster: &bootstrap::Cluster, json: bool) -> anyhow::Result<i32> {
+pub fn print_cluster_stats(
+    cluster: &bootstrap::Cluster,
+    key: &bootstrap::auth::ClusterKey,
+    json: bool,
+) -> anyhow::Result<i32> {
     const FIELDS: [&str; 9] = [
         "posts",
         "completions",
@@ -148,7 +172,7 @@ pub fn print_cluster_stats(cluster: &bootstrap::Cluster, json: bool) -> anyhow::
         println!("{:>4} {}", "sp", header.join(" "));
     }
     for sp in &cluster.sps {
-        match query(sp) {
+        match query(sp, key) {
             Ok(mut v) => {
                 if json {
                     v["sp"] = sp.id.into();

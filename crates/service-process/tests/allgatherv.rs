@@ -90,6 +90,7 @@ impl AgOp {
             comm: self.comm,
             seq: self.seq,
             comm_rank: r as u32,
+            world_ranks: self.members_world.clone(),
             members,
             nodes,
             slot: Some(slot),

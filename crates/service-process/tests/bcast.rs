@@ -51,6 +51,7 @@ fn bcast_desc(
         comm,
         seq,
         comm_rank: r as u32,
+        world_ranks: hosts.iter().map(|h| h.world_rank).collect(),
         members,
         nodes,
         slot: Some((seq % 8) as u32),

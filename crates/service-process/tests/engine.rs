@@ -131,6 +131,10 @@ impl Op {
                     self.recv_displs[r].clone(),
                 ),
             );
+            let d = wire::PostDesc {
+                world_ranks: self.members_world.clone(),
+                ..d
+            };
             let (slot, token) = hosts[h].post(d);
             posted.push((h, slot, token));
         }
@@ -461,7 +465,7 @@ fn wrong_protocol_version_is_refused_with_a_clear_reason() {
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let mut ch = wire::Channel::new(s);
     let hello = Hello::Host(HostHello {
-        job: 1,
+        credential: String::new(),
         world_rank: 0,
         world_size: 1,
         node: 0,
@@ -484,8 +488,10 @@ fn wrong_protocol_version_is_refused_with_a_clear_reason() {
         std::os::unix::net::UnixStream::connect(&set2.cluster.sp(0).unwrap().host_socket).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let mut ch = wire::Channel::new(s);
+    // SAFETY: geteuid has no preconditions.
+    let uid = unsafe { libc::geteuid() };
     ch.send_hello(&Hello::Host(HostHello {
-        job: 1,
+        credential: bootstrap::auth::JobCredential::issue(&set2.key, 1, uid, 2).encode(),
         world_rank: 1,
         world_size: 2,
         node: 1,
@@ -872,7 +878,7 @@ fn stats_command_reads_the_counters_of_running_sps() {
 fn a_node_segment_name_is_removed_when_the_other_sp_never_had_the_job() {
     let set = SpSet::start(1, 2, 2, Layout::Block);
     let job = new_job();
-    let name = bootstrap::segment_name(job, 0);
+    let name = service_process::access::segment_name(&set.key, job, 0);
     let path = std::path::Path::new("/dev/shm").join(name.trim_start_matches('/'));
     let c = std::ffi::CString::new(name.clone()).unwrap();
     // SAFETY: a valid C string; the fd is closed at once.

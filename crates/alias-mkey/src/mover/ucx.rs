@@ -647,6 +647,7 @@ mod tests {
                 job: 1,
                 world_rank: 3,
                 pid: 4242,
+                start: 1,
             },
             grant: Grant {
                 region: 9,

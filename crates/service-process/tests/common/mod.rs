@@ -7,6 +7,7 @@
 use algorithms::CommId;
 use alias_mkey::host::Registrar;
 use alias_mkey::{Grant, Rights};
+use bootstrap::auth::{ClusterKey, JobCredential};
 use bootstrap::mailbox;
 use bootstrap::wire::{Channel, CollKind, Hello, HostHello, HostToSp, PostDesc, SpToHost};
 use bootstrap::{Cluster, Layout};
@@ -20,6 +21,8 @@ use std::time::{Duration, Instant};
 pub struct SpSet {
     pub sps: Vec<Sp>,
     pub cluster: Cluster,
+    /// The cluster key the launcher code wrote (the tests issue job credentials with it).
+    pub key: ClusterKey,
     pub cluster_path: PathBuf,
     pub run_dir: PathBuf,
     pub lines: mpsc::Receiver<(u32, String)>,
@@ -66,9 +69,11 @@ impl SpSet {
         let (path, mut sps) = launch::spawn_sps(&exe, &spec, &run_dir, tx).unwrap();
         launch::wait_ready(&mut sps, &rx, Duration::from_secs(30), None).unwrap();
         let cluster = Cluster::load(&path).unwrap();
+        let key = ClusterKey::load(&launch::key_path(&path)).unwrap();
         SpSet {
             sps,
             cluster,
+            key,
             cluster_path: path,
             run_dir,
             lines: rx,
@@ -156,8 +161,11 @@ impl Host {
         let s = UnixStream::connect(path).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         let mut ch = Channel::new(s);
+        // SAFETY: geteuid has no preconditions.
+        let uid = unsafe { libc::geteuid() };
+        let credential = JobCredential::issue(&set.key, job, uid, world_size).encode();
         ch.send_hello(&Hello::Host(HostHello {
-            job,
+            credential,
             world_rank,
             world_size,
             node: p.node,
@@ -181,7 +189,7 @@ impl Host {
         })
         .unwrap();
         match ch.recv::<SpToHost>().unwrap() {
-            SpToHost::Registered { sp } => assert_eq!(sp, p.sp),
+            SpToHost::Registered { sp, .. } => assert_eq!(sp, p.sp),
             other => panic!("register answered with {other:?}"),
         }
         Host {
@@ -373,6 +381,8 @@ pub fn desc(
         comm,
         seq,
         comm_rank,
+        // Comm rank i is world rank i; callers of sub-communicators overwrite it.
+        world_ranks: (0..members.len() as u32).collect(),
         members,
         nodes: vec![],
         slot: Some(slot),

@@ -1,0 +1,358 @@
+//! Who may use an SP, and how much of it.
+//!
+//! Threat model (docs/ARCHITECTURE.md, "Reliability and security"): an SP serves every job of
+//! its node for a long time and may read and write any host process's memory it is granted;
+//! any local user can reach its host socket (if its mode allows), any process that can reach
+//! its TCP port can try to pose as a peer. So:
+//!
+//! - a host is identified by the kernel ([`PeerCred`]: pid, uid, and a pidfd pinning the very
+//!   process that connected) and by its job credential ([`check_hello`]), never by what it
+//!   says about itself: the job comes from a credential MAC'd with the cluster key, which must
+//!   name the connecting uid, and a (job, world rank) pair has at most one connection;
+//! - everything a client can make the SP hold is bounded ([`Limits`]), and what it can make
+//!   the SP log is rate-limited ([`LogLimit`]).
+
+use algorithms::SpId;
+use bootstrap::auth::{ClusterKey, JobCredential};
+use bootstrap::wire::HostHello;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::time::{Duration, Instant};
+
+/// `SO_PEERPIDFD` (Linux 6.5): a pidfd of the peer process as of `connect`.
+const SO_PEERPIDFD: libc::c_int = 77;
+
+/// What the kernel says about the process at the other end of a Unix socket.
+pub struct PeerCred {
+    pub pid: u32,
+    pub uid: u32,
+    /// Pins that process (see `alias_mkey::process`): readable once it has exited.
+    pub pidfd: OwnedFd,
+    /// Its start time, with `pid` its identity for cross-memory access.
+    pub start: u64,
+}
+
+/// The peer credentials of `fd`, a connected Unix socket.
+pub fn peer_cred(fd: &impl AsRawFd) -> std::io::Result<PeerCred> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` and `len` are valid for writes of the sizes given; the fd is open.
+    let rc = unsafe {
+        libc::getsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let pid = cred.pid as u32;
+    let pidfd = peer_pidfd(fd).or_else(|_| alias_mkey::process::pidfd_open(pid))?;
+    // Pins the process: with SO_PEERPIDFD the one that connected, with the fallback the one
+    // that has the pid now (alive, so it is the same unless it exited before pidfd_open).
+    let start = alias_mkey::process::pin(pidfd.try_clone()?, pid)?;
+    Ok(PeerCred {
+        pid,
+        uid: cred.uid,
+        pidfd,
+        start,
+    })
+}
+
+fn peer_pidfd(fd: &impl AsRawFd) -> std::io::Result<OwnedFd> {
+    let mut pidfd: libc::c_int = -1;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: `pidfd` and `len` are valid for writes of the sizes given; the fd is open.
+    let rc = unsafe {
+        libc::getsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            SO_PEERPIDFD,
+            (&mut pidfd as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 || pidfd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a fresh fd the kernel just gave us.
+    Ok(unsafe { OwnedFd::from_raw_fd(pidfd) })
+}
+
+/// The bounds of one SP. Every one of them is a reason to refuse a client with a clear error,
+/// never to fail another job.
+#[derive(Clone, Debug)]
+pub struct Limits {
+    /// Largest world size a job may have.
+    pub max_world_size: u32,
+    /// Host connections at once (all jobs).
+    pub max_hosts: usize,
+    /// Connections that have not said hello yet, and how long one may take to.
+    pub max_pending_hellos: usize,
+    pub hello_timeout: Duration,
+    /// Posts of one connection not completed yet.
+    pub max_posts_per_rank: usize,
+    /// Open collective instances of one job on this SP.
+    pub max_instances_per_job: usize,
+    /// Bytes a host connection may leave unread (completions, copies, errors are small).
+    pub max_host_out_bytes: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_world_size: 1 << 20,
+            max_hosts: 4096,
+            max_pending_hellos: 256,
+            hello_timeout: Duration::from_secs(5),
+            max_posts_per_rank: 8192,
+            max_instances_per_job: 1 << 16,
+            max_host_out_bytes: 16 << 20,
+        }
+    }
+}
+
+/// Why a host hello is refused.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Refusal {
+    BadCredential(String),
+    /// The credential is for another uid than the connecting process's.
+    WrongUid {
+        credential: u32,
+        peer: u32,
+    },
+    WorldSize(String),
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Refusal::BadCredential(why) => write!(f, "invalid job credential: {why}"),
+            Refusal::WrongUid { credential, peer } => write!(
+                f,
+                "the job credential is for uid {credential}, but this process runs as uid {peer}"
+            ),
+            Refusal::WorldSize(why) => f.write_str(why),
+        }
+    }
+}
+
+/// Checks a host hello against the cluster key and the connecting uid; returns the job's
+/// credential. The world rank's place in the cluster is checked by the caller.
+pub fn check_hello(
+    hello: &HostHello,
+    key: &ClusterKey,
+    peer_uid: u32,
+    limits: &Limits,
+) -> Result<JobCredential, Refusal> {
+    let cred = JobCredential::decode(&hello.credential)
+        .map_err(|e| Refusal::BadCredential(e.to_string()))?;
+    if !cred.verify(key) {
+        return Err(Refusal::BadCredential(
+            "its MAC does not match (not issued for this cluster)".into(),
+        ));
+    }
+    if cred.uid != peer_uid {
+        return Err(Refusal::WrongUid {
+            credential: cred.uid,
+            peer: peer_uid,
+        });
+    }
+    if cred.world_size != hello.world_size {
+        return Err(Refusal::WorldSize(format!(
+            "the hello says {} ranks, the job credential {}",
+            hello.world_size, cred.world_size
+        )));
+    }
+    if hello.world_size == 0 || hello.world_size > limits.max_world_size {
+        return Err(Refusal::WorldSize(format!(
+            "a world of {} ranks is outside 1..={}",
+            hello.world_size, limits.max_world_size
+        )));
+    }
+    if hello.world_rank >= hello.world_size {
+        return Err(Refusal::WorldSize(format!(
+            "rank {} of a world of {} ranks",
+            hello.world_rank, hello.world_size
+        )));
+    }
+    Ok(cred)
+}
+
+/// The segment name of `job` on `node` for this cluster: a prefix naming the cluster (so an
+/// SP can find its cluster's leftovers) and a MAC of the job and node (so the name discloses
+/// no job id and no other user can guess it).
+pub fn segment_name(key: &ClusterKey, job: u64, node: u32) -> String {
+    let mac = key.mac(
+        "spoff segment name v1",
+        &[&job.to_le_bytes(), &node.to_le_bytes()],
+    );
+    let tail: String = mac[..12].iter().map(|b| format!("{b:02x}")).collect();
+    format!("{}{tail}", segment_prefix(key))
+}
+
+/// The prefix of every segment name of the cluster of `key`.
+pub fn segment_prefix(key: &ClusterKey) -> String {
+    format!("/spoff-{}-", key.tag())
+}
+
+/// Removes the segments of the cluster of `key` left in /dev/shm (by SPs that were killed):
+/// at an SP's start, when nothing of the cluster can be in use. Returns how many.
+pub fn remove_stale_segments(key: &ClusterKey) -> usize {
+    let prefix = segment_prefix(key);
+    let file_prefix = &prefix[1..];
+    let Ok(dir) = std::fs::read_dir("/dev/shm") else {
+        return 0;
+    };
+    let mut n = 0;
+    for e in dir.flatten() {
+        if e.file_name().to_string_lossy().starts_with(file_prefix)
+            && std::fs::remove_file(e.path()).is_ok()
+        {
+            n += 1;
+        }
+    }
+    n
+}
+
+/// A log rate limit: at most `burst` lines per `period` for one kind of client-caused event,
+/// the rest counted and summarised once the period ends.
+#[derive(Debug)]
+pub struct LogLimit {
+    burst: u32,
+    period: Duration,
+    window_start: Instant,
+    in_window: u32,
+    suppressed: u64,
+}
+
+impl LogLimit {
+    pub fn new(burst: u32, period: Duration) -> LogLimit {
+        LogLimit {
+            burst,
+            period,
+            window_start: Instant::now(),
+            in_window: 0,
+            suppressed: 0,
+        }
+    }
+
+    /// Whether to log the next line now; `Some(n)` as the second value when `n` lines were
+    /// suppressed in the window that just ended (say so first).
+    pub fn admit(&mut self, now: Instant) -> (bool, Option<u64>) {
+        let mut ended = None;
+        if now.duration_since(self.window_start) >= self.period {
+            if self.suppressed > 0 {
+                ended = Some(self.suppressed);
+            }
+            self.window_start = now;
+            self.in_window = 0;
+            self.suppressed = 0;
+        }
+        if self.in_window < self.burst {
+            self.in_window += 1;
+            (true, ended)
+        } else {
+            self.suppressed += 1;
+            (false, ended)
+        }
+    }
+}
+
+/// The SPs that a job's world rank may be served by, when the cluster places ranks itself
+/// (block or cyclic emulation). `None`: the cluster cannot say.
+pub fn sp_of(cluster: &bootstrap::Cluster, world_rank: u32, world_size: u32) -> Option<SpId> {
+    cluster.placement(world_rank, world_size).ok().map(|p| p.sp)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hello(cred: &JobCredential, rank: u32, size: u32) -> HostHello {
+        HostHello {
+            credential: cred.encode(),
+            world_rank: rank,
+            world_size: size,
+            node: 0,
+            local_rank: 0,
+        }
+    }
+
+    #[test]
+    fn a_hello_needs_a_credential_of_this_cluster_for_this_uid() {
+        let key = ClusterKey::generate();
+        let l = Limits::default();
+        let c = JobCredential::issue(&key, 7, 1000, 4);
+        assert_eq!(check_hello(&hello(&c, 3, 4), &key, 1000, &l), Ok(c.clone()));
+        // Another cluster's credential, or a forged job id.
+        let other = JobCredential::issue(&ClusterKey::generate(), 7, 1000, 4);
+        assert!(matches!(
+            check_hello(&hello(&other, 0, 4), &key, 1000, &l),
+            Err(Refusal::BadCredential(_))
+        ));
+        let forged = JobCredential {
+            job: 8,
+            ..c.clone()
+        };
+        assert!(matches!(
+            check_hello(&hello(&forged, 0, 4), &key, 1000, &l),
+            Err(Refusal::BadCredential(_))
+        ));
+        // Another user's process presenting it.
+        assert_eq!(
+            check_hello(&hello(&c, 0, 4), &key, 1001, &l),
+            Err(Refusal::WrongUid {
+                credential: 1000,
+                peer: 1001
+            })
+        );
+        // Sizes: as in the credential, within the limit, rank inside.
+        assert!(matches!(
+            check_hello(&hello(&c, 0, 5), &key, 1000, &l),
+            Err(Refusal::WorldSize(_))
+        ));
+        assert!(matches!(
+            check_hello(&hello(&c, 4, 4), &key, 1000, &l),
+            Err(Refusal::WorldSize(_))
+        ));
+        let huge = JobCredential::issue(&key, 9, 1000, u32::MAX);
+        assert!(matches!(
+            check_hello(&hello(&huge, 0, u32::MAX), &key, 1000, &l),
+            Err(Refusal::WorldSize(_))
+        ));
+        let mut garbled = hello(&c, 0, 4);
+        garbled.credential = "x".into();
+        assert!(matches!(
+            check_hello(&garbled, &key, 1000, &l),
+            Err(Refusal::BadCredential(_))
+        ));
+    }
+
+    #[test]
+    fn the_log_limit_admits_a_burst_per_period_and_counts_the_rest() {
+        let t0 = Instant::now();
+        let mut l = LogLimit::new(2, Duration::from_secs(1));
+        assert_eq!(l.admit(t0), (true, None));
+        assert_eq!(l.admit(t0), (true, None));
+        assert_eq!(l.admit(t0), (false, None));
+        assert_eq!(l.admit(t0), (false, None));
+        assert_eq!(l.admit(t0 + Duration::from_secs(2)), (true, Some(2)));
+    }
+
+    #[test]
+    fn segment_names_hide_the_job_and_carry_the_cluster_prefix() {
+        let key = ClusterKey::generate();
+        let a = segment_name(&key, 0xabcdef, 0);
+        assert!(a.starts_with(&segment_prefix(&key)));
+        assert!(!a.contains("abcdef"));
+        assert_ne!(a, segment_name(&key, 0xabcdef, 1));
+        assert_ne!(a, segment_name(&ClusterKey::generate(), 0xabcdef, 0));
+    }
+}
