@@ -337,6 +337,11 @@ fn long_job_stderr() -> String {
 /// Starts a long job, waits until its SPs are serving, and returns (launcher, marker) where
 /// the marker is a string found in every process of the job.
 fn start_long_job(extra: &[&str]) -> (std::process::Child, String) {
+    start_long_job_env(extra, &[])
+}
+
+/// [`start_long_job`] with `env` set for the launcher (and so for the ranks).
+fn start_long_job_env(extra: &[&str], env: &[(&str, &str)]) -> (std::process::Child, String) {
     let prog = check_prog();
     let mut args = vec![
         "--nodes",
@@ -350,6 +355,9 @@ fn start_long_job(extra: &[&str]) -> (std::process::Child, String) {
     let mut cmd = launch_cmd(&args, &[&prog, "--ops", "1000000", "--seed", "5"]);
     cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
     // The launcher's messages go to a file a test can read (see `long_job_stderr`).
     static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -447,6 +455,49 @@ fn mpi_rank_killed_mid_job_ends_it_with_an_error() {
     unsafe { libc::kill(rank as i32, libc::SIGKILL) };
     let st = wait_exit(&mut child, Duration::from_secs(60));
     assert!(!st.success());
+    assert_nothing_left(&marker);
+}
+
+/// The pid of SP `sp` of the job with `marker`.
+fn sp_pid(marker: &str, sp: u32) -> u32 {
+    pids_matching(marker)
+        .into_iter()
+        .find(|&p| {
+            let cmd = std::fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default();
+            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+            cmd.contains(" serve ") && cmd.contains(&format!("--sp-id {sp} "))
+        })
+        .unwrap_or_else(|| panic!("SP {sp} running"))
+}
+
+#[test]
+fn mpi_stuck_sp_is_detected_by_heartbeats_without_a_watchdog() {
+    // No launcher watchdog: a stopped SP is noticed by its peers (no heartbeat for 2 s) and by
+    // its own ranks (nothing heard for 3 s while they wait), and the job fails, not hangs.
+    let (mut child, marker) = start_long_job_env(
+        &["--sp-watchdog-secs", "0", "--sp-arg=--peer-timeout-ms=2000"],
+        &[("SPOFF_SP_TIMEOUT_MS", "3000")],
+    );
+    let sp = sp_pid(&marker, 1);
+    let t = Instant::now();
+    // SAFETY: stopping a process of our own job.
+    unsafe { libc::kill(sp as i32, libc::SIGSTOP) };
+    let st = wait_exit(&mut child, Duration::from_secs(60));
+    let took = t.elapsed();
+    assert!(
+        !st.success(),
+        "a job that lost an SP must not report success"
+    );
+    let err = long_job_stderr();
+    assert!(
+        !err.contains("has not answered"),
+        "the watchdog acted:\n{err}"
+    );
+    assert!(
+        err.contains("no message or heartbeat") || err.contains("no heartbeat"),
+        "no heartbeat loss reported:\n{err}"
+    );
+    assert!(took < Duration::from_secs(40), "took {took:?}");
     assert_nothing_left(&marker);
 }
 

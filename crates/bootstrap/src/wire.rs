@@ -317,6 +317,9 @@ pub enum SpToHost {
         code: ErrorCode,
         message: String,
     },
+    /// The SP is alive: sent every `serve --heartbeat-ms` to a host with posts outstanding, so
+    /// that its shim can tell a stuck SP from a slow collective.
+    Heartbeat,
     /// The post with `token`, posted without a mailbox slot, completed with `status` (a
     /// mailbox status code, `mailbox::status_code`).
     Completed { token: u64, status: u32 },
@@ -408,6 +411,9 @@ pub enum SpToSp {
     /// The sender is stopping in an orderly way (its connection closes next). Collectives that
     /// still need it fail as for a lost peer; the receiver just does not report it as a fault.
     Shutdown,
+    /// The sender is alive (sent every `serve --heartbeat-ms`): a peer that sends nothing for
+    /// `--peer-timeout-ms` is stuck (stopped, deadlocked) and counts as lost.
+    Heartbeat,
 }
 
 /// Bytes that travel as one block (a length and a copy), not as a sequence of `u8` values:

@@ -147,6 +147,9 @@ pub struct Conn {
     pub path: PathBuf,
     /// Why the connection is unusable, once it is (set only by [`Conn::mark_broken`]).
     pub broken: Option<String>,
+    /// When the SP last showed life: bytes read from it, or a post sent to it (which it
+    /// answers with heartbeats while the post is outstanding).
+    pub last_heard: std::time::Instant,
 }
 
 impl Conn {
@@ -156,6 +159,7 @@ impl Conn {
             decoder: FrameDecoder::default(),
             path,
             broken: None,
+            last_heard: std::time::Instant::now(),
         }
     }
 
@@ -189,6 +193,9 @@ impl Conn {
             );
             self.mark_broken(why.clone());
             return Err(why);
+        }
+        if matches!(msg, HostToSp::Post(_)) {
+            self.last_heard = std::time::Instant::now();
         }
         Ok(())
     }
@@ -235,6 +242,7 @@ impl Conn {
                 }
             }
             self.decoder.extend(&buf[..n as usize]);
+            self.last_heard = std::time::Instant::now();
         }
         loop {
             match self.decoder.next_frame() {

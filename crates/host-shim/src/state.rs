@@ -263,7 +263,7 @@ impl Shim {
                     };
                     self.fail_matching(|r| r.comm == comm && r.seq == seq);
                 }
-                SpToHost::Registered { .. } => {}
+                SpToHost::Registered { .. } | SpToHost::Heartbeat => {}
                 SpToHost::Completed { token, status } => {
                     let req = self.registry.all().find(|&a| {
                         // SAFETY: as in `harvest`.
@@ -303,6 +303,21 @@ impl Shim {
                     let _ = self.conn.send(&HostToSp::CopyDone { ticket, ok });
                 }
             }
+        }
+        // An SP that says nothing while collectives are outstanding is stuck (it sends
+        // heartbeats while it has posts of ours): waiting for it would hang.
+        let waiting = self.registry.all().any(|a| {
+            // SAFETY: as in `harvest`.
+            unsafe { &*(a as *const OffloadRequest) }.result().is_none()
+        });
+        let silent = self.conn.last_heard.elapsed();
+        if waiting && self.conn.broken.is_none() && silent > sp_timeout() {
+            self.conn.mark_broken(format!(
+                "the service process at {} has sent nothing for {:.1} s (no heartbeat): it is \
+                 stuck or gone",
+                self.conn.path.display(),
+                silent.as_secs_f64()
+            ));
         }
         if !was_broken {
             if let Some(why) = self.conn.broken.clone() {
@@ -394,6 +409,21 @@ impl Shim {
             }
         }
     }
+}
+
+/// How long an SP may send nothing while collectives of this rank are outstanding before the
+/// rank gives up on it: `SPOFF_SP_TIMEOUT_MS`, default 15 s (SPs send a heartbeat every
+/// second while they have posts of this rank).
+fn sp_timeout() -> std::time::Duration {
+    static T: OnceLock<std::time::Duration> = OnceLock::new();
+    *T.get_or_init(|| {
+        let ms = std::env::var("SPOFF_SP_TIMEOUT_MS")
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .filter(|&ms| ms > 0)
+            .unwrap_or(15_000);
+        std::time::Duration::from_millis(ms)
+    })
 }
 
 /// Settings read from the environment.
@@ -784,7 +814,7 @@ fn register(
                 path.display()
             ))
         }
-        SpToHost::Copy { .. } | SpToHost::Completed { .. } => {
+        SpToHost::Copy { .. } | SpToHost::Completed { .. } | SpToHost::Heartbeat => {
             return Err(format!(
                 "service process at {} answered the registration with {reply:?}",
                 path.display()

@@ -265,6 +265,50 @@ impl LogLimit {
     }
 }
 
+/// The network interface that holds `ip` (e.g. `lo` for 127.0.0.1), from `getifaddrs`.
+pub fn interface_of(ip: std::net::IpAddr) -> Option<String> {
+    let mut addrs: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills a list it allocates; freed below with freeifaddrs.
+    if unsafe { libc::getifaddrs(&mut addrs) } != 0 {
+        return None;
+    }
+    let mut found = None;
+    let mut cur = addrs;
+    while !cur.is_null() {
+        // SAFETY: a node of the list getifaddrs returned, alive until freeifaddrs.
+        let ifa = unsafe { &*cur };
+        cur = ifa.ifa_next;
+        if ifa.ifa_addr.is_null() {
+            continue;
+        }
+        // SAFETY: ifa_addr points to a sockaddr whose family says which one it is.
+        let here = unsafe {
+            match (*ifa.ifa_addr).sa_family as libc::c_int {
+                libc::AF_INET => {
+                    let sin = &*(ifa.ifa_addr as *const libc::sockaddr_in);
+                    Some(std::net::IpAddr::from(
+                        u32::from_be(sin.sin_addr.s_addr).to_be_bytes(),
+                    ))
+                }
+                libc::AF_INET6 => {
+                    let sin6 = &*(ifa.ifa_addr as *const libc::sockaddr_in6);
+                    Some(std::net::IpAddr::from(sin6.sin6_addr.s6_addr))
+                }
+                _ => None,
+            }
+        };
+        if here == Some(ip) {
+            // SAFETY: ifa_name is a NUL-terminated string of the list.
+            let name = unsafe { std::ffi::CStr::from_ptr(ifa.ifa_name) };
+            found = Some(name.to_string_lossy().into_owned());
+            break;
+        }
+    }
+    // SAFETY: the list from getifaddrs above, freed once.
+    unsafe { libc::freeifaddrs(addrs) };
+    found
+}
+
 /// The SPs that a job's world rank may be served by, when the cluster places ranks itself
 /// (block or cyclic emulation). `None`: the cluster cannot say.
 pub fn sp_of(cluster: &bootstrap::Cluster, world_rank: u32, world_size: u32) -> Option<SpId> {
@@ -344,6 +388,15 @@ mod tests {
         assert_eq!(l.admit(t0), (false, None));
         assert_eq!(l.admit(t0), (false, None));
         assert_eq!(l.admit(t0 + Duration::from_secs(2)), (true, Some(2)));
+    }
+
+    #[test]
+    fn loopback_is_on_lo() {
+        assert_eq!(
+            interface_of("127.0.0.1".parse().unwrap()).as_deref(),
+            Some("lo")
+        );
+        assert_eq!(interface_of("192.0.2.254".parse().unwrap()), None);
     }
 
     #[test]

@@ -63,6 +63,8 @@ pub struct Conn<R> {
     decoder: FrameDecoder,
     out: Vec<u8>,
     out_pos: usize,
+    /// Most bytes this connection may have waiting to be written.
+    out_limit: usize,
 }
 
 impl<R> Conn<R> {
@@ -74,7 +76,15 @@ impl<R> Conn<R> {
             decoder: FrameDecoder::default(),
             out: Vec::new(),
             out_pos: 0,
+            out_limit: MAX_PENDING_OUT_BYTES,
         }
+    }
+
+    /// Lowers the most bytes this connection may leave unwritten (a host's messages are
+    /// small: it gets far less room than a peer SP).
+    pub fn with_out_limit(mut self, bytes: usize) -> Self {
+        self.out_limit = bytes.min(MAX_PENDING_OUT_BYTES);
+        self
     }
 
     /// Reads until `WouldBlock` or end of stream, handing every whole frame to `on_frame`.
@@ -106,11 +116,11 @@ impl<R> Conn<R> {
         }
     }
 
-    /// Queues a whole frame and tries to send it now. A peer that lets more than
-    /// [`MAX_PENDING_OUT_BYTES`] pile up is not reading: the send fails (and the caller closes
+    /// Queues a whole frame and tries to send it now. A peer that lets more than its limit
+    /// ([`MAX_PENDING_OUT_BYTES`] at most) pile up is not reading: the send fails (and the caller closes
     /// the connection, which fails what depended on it) instead of buffering without bound.
     pub fn send(&mut self, frame: &[u8]) -> io::Result<()> {
-        if self.pending_out() + frame.len() > MAX_PENDING_OUT_BYTES {
+        if self.pending_out() + frame.len() > self.out_limit {
             return Err(io::Error::new(
                 io::ErrorKind::WouldBlock,
                 format!(

@@ -271,16 +271,49 @@ pub struct SpSetSpec {
     pub sp_args: Vec<(usize, String)>,
 }
 
-/// Writes the cluster description into `run_dir` and starts one `serve` process per SP, each
-/// with its pre-bound peer listener (so no port can be taken between choosing and binding it).
-/// Every stdout line of SP `i` is sent as `(i, line)` on `lines`. Returns the description's
-/// path and the children; call [`wait_ready`] next.
+/// Writes the cluster description into `run_dir` (and its key, unless `run_dir` already has
+/// one) and starts one `serve` process per SP, each with its pre-bound peer listener (so no
+/// port can be taken between choosing and binding it). Every stdout line of SP `i` is sent as
+/// `(i, line)` on `lines`. Returns the description's path and the children; call
+/// [`wait_ready`] next.
 pub fn spawn_sps(
     exe: &Path,
     spec: &SpSetSpec,
     run_dir: &Path,
     lines: mpsc::Sender<(u32, String)>,
 ) -> Result<(PathBuf, Vec<Sp>)> {
+    let (path, listeners) = write_cluster(spec, run_dir)?;
+    let mut sps = Vec::new();
+    for (i, l) in listeners.into_iter().enumerate() {
+        let mut args = spec.extra_args.clone();
+        args.extend(
+            spec.sp_args
+                .iter()
+                .filter(|(sp, _)| *sp == i)
+                .map(|(_, a)| a.clone()),
+        );
+        if let Some(cpus) = &spec.sp_cpus {
+            args.extend(["--cpus".to_string(), cpus[i % cpus.len()].to_string()]);
+        }
+        args.extend([
+            "--max-inflight-reads".to_string(),
+            spec.max_inflight_reads.to_string(),
+        ]);
+        match spawn_sp(exe, &path, i as u32, l, &args, None, lines.clone()) {
+            Ok(sp) => sps.push(sp),
+            Err(e) => {
+                stop_sps(&mut sps, Duration::from_secs(2));
+                return Err(e);
+            }
+        }
+    }
+    Ok((path, sps))
+}
+
+/// Writes the description of the cluster `spec` asks for into `run_dir` (SP sockets in it,
+/// peer listeners bound on loopback) and its key (unless `run_dir` already has one); returns
+/// the description's path and the SPs' listeners, by SP id.
+pub fn write_cluster(spec: &SpSetSpec, run_dir: &Path) -> Result<(PathBuf, Vec<TcpListener>)> {
     let n_sps = spec.nodes * spec.sps_per_node;
     let listeners: Vec<TcpListener> = (0..n_sps)
         .map(|_| TcpListener::bind("127.0.0.1:0"))
@@ -309,74 +342,68 @@ pub fn spawn_sps(
     let path = run_dir.join("cluster.json");
     cluster.save(&path)?;
     let key_file = key_path(&path);
-    ClusterKey::create(&key_file)?;
-    let mut sps = Vec::new();
-    for (i, l) in listeners.into_iter().enumerate() {
-        let mut cmd = Command::new(exe);
-        cmd.arg("serve")
-            .arg("--cluster")
-            .arg(&path)
-            .arg("--sp-id")
-            .arg(i.to_string())
-            .arg("--key")
-            .arg(&key_file)
-            .arg("--listen-fd")
-            .arg(LISTEN_FD.to_string())
-            .arg("--max-inflight-reads")
-            .arg(spec.max_inflight_reads.to_string())
-            .args(&spec.extra_args)
-            .args(
-                spec.sp_args
-                    .iter()
-                    .filter(|(sp, _)| *sp == i)
-                    .map(|(_, a)| a),
-            )
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped());
-        if let Some(cpus) = &spec.sp_cpus {
-            cmd.arg("--cpus").arg(cpus[i % cpus.len()].to_string());
-        }
-        let fd = l.as_raw_fd();
-        // SAFETY: dup2 is async-signal-safe; the listener stays open in the parent until
-        // after spawn, so `fd` is valid in the child.
-        unsafe {
-            cmd.pre_exec(move || {
-                if fd == LISTEN_FD {
-                    // dup2 onto itself keeps close-on-exec: clear it instead.
-                    if libc::fcntl(fd, libc::F_SETFD, 0) < 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                } else if libc::dup2(fd, LISTEN_FD) < 0 {
+    if !key_file.exists() {
+        ClusterKey::create(&key_file)?;
+    }
+    Ok((path, listeners))
+}
+
+/// Starts SP `i` of the cluster described at `path` (its key beside it) on the bound peer
+/// `listener`, with more `serve` arguments `args`; its stdout lines go to `lines` as `(i,
+/// line)`, its stderr to `stderr` (a file) or to this process's stderr.
+pub fn spawn_sp(
+    exe: &Path,
+    path: &Path,
+    i: u32,
+    listener: TcpListener,
+    args: &[String],
+    stderr: Option<std::fs::File>,
+    lines: mpsc::Sender<(u32, String)>,
+) -> Result<Sp> {
+    let mut cmd = Command::new(exe);
+    cmd.arg("serve")
+        .arg("--cluster")
+        .arg(path)
+        .arg("--sp-id")
+        .arg(i.to_string())
+        .arg("--key")
+        .arg(key_path(path))
+        .arg("--listen-fd")
+        .arg(LISTEN_FD.to_string())
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped());
+    if let Some(f) = stderr {
+        cmd.stderr(f);
+    }
+    let fd = listener.as_raw_fd();
+    // SAFETY: dup2 is async-signal-safe; the listener stays open in the parent until after
+    // spawn, so `fd` is valid in the child.
+    unsafe {
+        cmd.pre_exec(move || {
+            if fd == LISTEN_FD {
+                // dup2 onto itself keeps close-on-exec: clear it instead.
+                if libc::fcntl(fd, libc::F_SETFD, 0) < 0 {
                     return Err(std::io::Error::last_os_error());
                 }
-                Ok(())
-            });
-        }
-        supervised(&mut cmd, libc::SIGTERM);
-        let spawned = cmd.spawn().with_context(|| format!("starting SP {i}"));
-        let mut child = match spawned {
-            Ok(c) => c,
-            Err(e) => {
-                stop_sps(&mut sps, Duration::from_secs(2));
-                return Err(e);
+            } else if libc::dup2(fd, LISTEN_FD) < 0 {
+                return Err(std::io::Error::last_os_error());
             }
-        };
-        drop(l);
-        let out = child.stdout.take().expect("piped stdout");
-        let tx = lines.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                if tx.send((i as u32, line)).is_err() {
-                    return;
-                }
-            }
-        });
-        sps.push(Sp {
-            id: i as u32,
-            child,
+            Ok(())
         });
     }
-    Ok((path, sps))
+    supervised(&mut cmd, libc::SIGTERM);
+    let mut child = cmd.spawn().with_context(|| format!("starting SP {i}"))?;
+    drop(listener);
+    let out = child.stdout.take().expect("piped stdout");
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            if lines.send((i, line)).is_err() {
+                return;
+            }
+        }
+    });
+    Ok(Sp { id: i, child })
 }
 
 /// Waits until every SP printed `READY`. `Ok(false)`: a signal arrived first. An SP that exits

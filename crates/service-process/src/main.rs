@@ -60,6 +60,14 @@ enum Cmd {
         /// Open collective instances of one job on this SP; beyond it a post is refused.
         #[arg(long, default_value_t = 1 << 16)]
         max_instances_per_job: usize,
+        /// Milliseconds between heartbeats to peer SPs and to hosts waiting for this SP.
+        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(10..=60_000))]
+        heartbeat_ms: u64,
+        /// A peer SP that sends nothing (not even a heartbeat) for this many milliseconds is
+        /// stuck (stopped, deadlocked): it counts as lost and the collectives that need it
+        /// fail. Must exceed the peers' --heartbeat-ms.
+        #[arg(long, default_value_t = 10_000)]
+        peer_timeout_ms: u64,
         /// Use this inherited, already bound TCP listener instead of binding the address from
         /// the description.
         #[arg(long)]
@@ -328,6 +336,8 @@ fn run(cli: Cli) -> Result<i32> {
             hello_timeout_ms,
             max_posts_per_rank,
             max_instances_per_job,
+            heartbeat_ms,
+            peer_timeout_ms,
             listen_fd,
             max_inflight_reads,
             datapath_threads,
@@ -354,6 +364,14 @@ fn run(cli: Cli) -> Result<i32> {
                 .sp(sp_id)
                 .with_context(|| format!("SP id {sp_id} is not in the cluster description"))?
                 .clone();
+            // UCX listens on every network device it may use: keep it to the SP-to-SP network
+            // (the device of this SP's peer address) unless the user chose the devices. Set
+            // while this process has one thread, before UCX starts.
+            if std::env::var_os("UCX_NET_DEVICES").is_none() {
+                if let Some(dev) = service_process::access::interface_of(entry.peer_addr.ip()) {
+                    std::env::set_var("UCX_NET_DEVICES", dev);
+                }
+            }
             let listener = match listen_fd {
                 Some(fd) => {
                     check_listener_fd(fd)?;
@@ -389,6 +407,8 @@ fn run(cli: Cli) -> Result<i32> {
                 poll_interval: (poll_us > 0).then(|| Duration::from_micros(poll_us)),
                 key,
                 socket_mode,
+                heartbeat: Duration::from_millis(heartbeat_ms),
+                peer_timeout: Duration::from_millis(peer_timeout_ms.max(2 * heartbeat_ms)),
                 limits: Limits {
                     max_world_size,
                     max_hosts,

@@ -124,6 +124,10 @@ pub struct ServeConfig {
     /// it, job credentials still decide who is served).
     pub socket_mode: u32,
     pub limits: Limits,
+    /// Heartbeats: sent to every peer, and to every host with posts outstanding, this often; a
+    /// peer that sends nothing for `peer_timeout` is stuck and counts as lost.
+    pub heartbeat: Duration,
+    pub peer_timeout: Duration,
 }
 
 /// Role of a connection.
@@ -289,6 +293,11 @@ pub struct Server {
     log_limit: LogLimit,
     /// When connections without a hello were last checked for their timeout.
     last_hello_sweep: Instant,
+    heartbeat: Duration,
+    peer_timeout: Duration,
+    last_beat: Instant,
+    /// When each peer SP was last heard from (any frame).
+    last_heard: HashMap<SpId, Instant>,
     pub stats: Stats,
 }
 
@@ -434,6 +443,10 @@ impl Server {
             limits: cfg.limits,
             log_limit: LogLimit::new(20, Duration::from_secs(10)),
             last_hello_sweep: Instant::now(),
+            heartbeat: cfg.heartbeat,
+            peer_timeout: cfg.peer_timeout,
+            last_beat: Instant::now(),
+            last_heard: HashMap::new(),
             stats: Stats::default(),
         };
         for (sp, s) in peers {
@@ -441,6 +454,7 @@ impl Server {
             let stream = Stream::Tcp(mio::net::TcpStream::from_std(s));
             let key = server.add_conn(stream, Role::Peer(sp))?;
             server.peer_conn.insert(sp, key);
+            server.last_heard.insert(sp, Instant::now());
         }
         Ok(server)
     }
@@ -449,7 +463,11 @@ impl Server {
         let entry = self.conns.vacant_entry();
         let key = entry.key();
         self.next_serial += 1;
-        let conn = entry.insert(Conn::new(stream, role, self.next_serial));
+        let limit = match role {
+            Role::Peer(_) => crate::conn::MAX_PENDING_OUT_BYTES,
+            Role::NewHost { .. } | Role::Host(_) => self.limits.max_host_out_bytes,
+        };
+        let conn = entry.insert(Conn::new(stream, role, self.next_serial).with_out_limit(limit));
         self.poll.registry().register(
             conn.stream.source(),
             Token(CONN_BASE + key),
@@ -489,17 +507,18 @@ impl Server {
             });
             let timeout = if polling.is_some() {
                 Some(Duration::ZERO)
-            } else if self
-                .conns
-                .iter()
-                .any(|(_, c)| matches!(c.role, Role::NewHost { .. }))
-            {
-                // Wake up to close connections whose hello is late.
-                Some(timeout.map_or(Duration::from_millis(100), |t| {
-                    t.min(Duration::from_millis(100))
-                }))
             } else {
-                timeout
+                // Wake up for the heartbeats, and to close connections whose hello is late.
+                let pending = self
+                    .conns
+                    .iter()
+                    .any(|(_, c)| matches!(c.role, Role::NewHost { .. }));
+                let wake = if pending {
+                    self.heartbeat.min(Duration::from_millis(100))
+                } else {
+                    self.heartbeat
+                };
+                Some(timeout.map_or(wake, |t| t.min(wake)))
             };
             if let Err(e) = self.poll.poll(&mut events, timeout) {
                 if e.kind() == io::ErrorKind::Interrupted {
@@ -540,6 +559,7 @@ impl Server {
                 self.close_doomed();
             }
             self.sweep_hellos();
+            self.heartbeats();
             loop {
                 self.on_copies_done();
                 self.close_doomed();
@@ -680,6 +700,50 @@ impl Server {
         }
     }
 
+    /// Sends the heartbeats that are due, and drops peers that have been silent too long: a
+    /// stopped or deadlocked SP keeps its connections open, and only its silence tells.
+    fn heartbeats(&mut self) {
+        let now = Instant::now();
+        if now.duration_since(self.last_beat) >= self.heartbeat {
+            self.last_beat = now;
+            let beat = encode(&SpToSp::Heartbeat);
+            let peers: Vec<usize> = self.peer_conn.values().copied().collect();
+            for k in peers {
+                self.send_frame(k, &beat);
+            }
+            let beat = encode(&SpToHost::Heartbeat);
+            let hosts: Vec<usize> = self
+                .conns
+                .iter()
+                .filter(|(_, c)| matches!(&c.role, Role::Host(h) if h.outstanding > 0))
+                .map(|(k, _)| k)
+                .collect();
+            for k in hosts {
+                self.send_frame(k, &beat);
+            }
+        }
+        let silent: Vec<(SpId, Duration)> = self
+            .peer_conn
+            .keys()
+            .filter_map(|sp| {
+                let quiet = now.duration_since(*self.last_heard.get(sp)?);
+                (quiet > self.peer_timeout).then_some((*sp, quiet))
+            })
+            .collect();
+        for (sp, quiet) in silent {
+            if let Some(k) = self.peer_conn.get(&sp).copied() {
+                self.stats.peers_silent += 1;
+                self.close_conn(
+                    k,
+                    &format!(
+                        "no message or heartbeat for {:.1} s: the SP is stuck",
+                        quiet.as_secs_f64()
+                    ),
+                );
+            }
+        }
+    }
+
     /// A warning a client can cause, within the log's rate limit.
     fn client_warn(&mut self, msg: impl FnOnce() -> String) {
         let (log, suppressed) = self.log_limit.admit(Instant::now());
@@ -779,7 +843,10 @@ impl Server {
         let role = match &self.conns[key].role {
             Role::NewHost { .. } => None,
             Role::Host(_) => Some(true),
-            Role::Peer(_) => Some(false),
+            Role::Peer(sp) => {
+                self.last_heard.insert(*sp, Instant::now());
+                Some(false)
+            }
         };
         match role {
             None => self.on_host_hello(key, &payload),
@@ -1527,6 +1594,8 @@ impl Server {
         let (ck, m, data) = match msg {
             SpToSp::Coll { key, msg } => (key, msg, None),
             SpToSp::Data { key, msg, data } => (key, msg, Some(data.0)),
+            // The frame itself was the news (`on_frame` noted when it came).
+            SpToSp::Heartbeat => return,
             SpToSp::Shutdown => {
                 debug!(sp = self.me, from, "peer SP is shutting down");
                 self.leaving_peers.insert(from);
