@@ -12,7 +12,7 @@ BIN := target/release
 SP := $(BIN)/service-process
 BENCH := $(BIN)/coll-bench
 
-.PHONY: all deps build test demo bench conformance fmt clippy clean
+.PHONY: all deps build test demo bench conformance chaos fmt clippy clean
 
 all: build
 
@@ -35,6 +35,12 @@ demo: build
 # writes docs/CONFORMANCE.md.
 conformance: build
 	WRITE_DOCS=1 bash scripts/conformance.sh
+
+# Chaos: random collectives while SPs and ranks are killed, stopped, paused and cut off
+# (make test runs 4 rounds of it). CHAOS_ROUNDS=N for more.
+CHAOS_ROUNDS ?= 60
+chaos: build
+	CHAOS_ROUNDS=$(CHAOS_ROUNDS) $(CARGO) test --release -p integration-tests --test chaos -- --nocapture
 
 # The full benchmark; writes docs/BENCHMARKS.md.
 bench: build

@@ -479,6 +479,12 @@ pub fn launch(opts: &LaunchOpts) -> Result<i32> {
     }
     let mut signals = crate::signals::SignalPipe::install()?;
     let run_dir = new_run_dir()?;
+    if opts.keep_run_dir {
+        eprintln!(
+            "service-process launch: run directory {} (kept)",
+            run_dir.display()
+        );
+    }
     let result = run_job(opts, &exe, shim.as_deref(), &run_dir, &mut signals);
     if !opts.keep_run_dir {
         let _ = std::fs::remove_dir_all(&run_dir);

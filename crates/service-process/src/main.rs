@@ -183,12 +183,28 @@ enum Cmd {
         /// killed, so that the job fails instead of hanging (0: no watchdog).
         #[arg(long, default_value_t = 10)]
         sp_watchdog_secs: u64,
-        /// Keep the run directory (cluster description, sockets) for inspection.
+        /// Keep the run directory (cluster description and key, sockets) for inspection; its
+        /// path is printed on stderr at the start.
         #[arg(long)]
         keep_run_dir: bool,
         /// The MPI program and its arguments.
         #[arg(last = true, required = true)]
         program: Vec<String>,
+    },
+    /// Issue a job credential: what a job's ranks present to the SPs (in SPOFF_JOB_CREDENTIAL)
+    /// to be served. Printed on stdout. Whoever can read the cluster key can issue one, for any
+    /// uid: on a shared cluster that is the resource manager (e.g. a prologue running as
+    /// root), which gives it to the job's processes only. `launch` issues one per job itself.
+    Credential {
+        /// The cluster key (mode 0600).
+        #[arg(long)]
+        key: PathBuf,
+        /// The job's number of ranks (MPI_COMM_WORLD's size).
+        #[arg(long)]
+        world_size: u32,
+        /// The uid whose processes may use it (default: this process's).
+        #[arg(long)]
+        uid: Option<u32>,
     },
     /// Print the counters of every SP of a running cluster (the launcher prints them too when
     /// the SPs stop). The cluster description is in the launcher's run directory.
@@ -465,6 +481,19 @@ fn run(cli: Cli) -> Result<i32> {
                 keep_run_dir,
                 program,
             })
+        }
+        Cmd::Credential {
+            key,
+            world_size,
+            uid,
+        } => {
+            anyhow::ensure!(world_size > 0, "--world-size must be at least 1");
+            let key = bootstrap::auth::ClusterKey::load(&key)?;
+            // SAFETY: geteuid has no preconditions.
+            let uid = uid.unwrap_or_else(|| unsafe { libc::geteuid() });
+            let cred = bootstrap::auth::JobCredential::issue_new(&key, uid, world_size);
+            println!("{}", cred.encode());
+            Ok(0)
         }
         Cmd::Stats { cluster, key, json } => {
             let key = key.unwrap_or_else(|| launch::key_path(&cluster));
