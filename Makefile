@@ -12,7 +12,7 @@ BIN := target/release
 SP := $(BIN)/service-process
 BENCH := $(BIN)/coll-bench
 
-.PHONY: all deps build test demo bench conformance chaos fmt clippy clean
+.PHONY: all deps build test demo bench conformance chaos fuzz fmt clippy clean
 
 all: build
 
@@ -41,6 +41,11 @@ conformance: build
 CHAOS_ROUNDS ?= 60
 chaos: build
 	CHAOS_ROUNDS=$(CHAOS_ROUNDS) $(CARGO) test --release -p integration-tests --test chaos -- --nocapture
+
+# Coverage-guided fuzzing (cargo-fuzz) of the decoders and the engine, FUZZ_SECS per target;
+# crash inputs go to fuzz/regressions/, which make test replays.
+fuzz: build
+	bash scripts/fuzz.sh
 
 # The full benchmark; writes docs/BENCHMARKS.md.
 bench: build

@@ -129,9 +129,9 @@ fn inject(fault: Fault, marker: &str, run_dir: &Path, rng: &mut Rng) -> String {
                         .and_then(|r| r.split_whitespace().next())
                         .and_then(|v| v.parse::<u32>().ok());
                     let cluster = bootstrap::Cluster::load(&run_dir.join("cluster.json"));
-                    let port = id.zip(cluster.ok()).and_then(|(id, c)| {
-                        c.sp(id).map(|e| e.peer_addr.port())
-                    });
+                    let port = id
+                        .zip(cluster.ok())
+                        .and_then(|(id, c)| c.sp(id).map(|e| e.peer_addr.port()));
                     if let Some(port) = port {
                         let _ = Command::new("ss")
                             .args(["-K", "dst", "127.0.0.1", "dport", "=", &port.to_string()])
@@ -190,7 +190,8 @@ fn chaos_rounds_end_with_the_right_bytes_or_an_error_and_leave_nothing() {
         let k = 1 + rng.below(2);
         let layout = if rng.below(2) == 0 { "block" } else { "cyclic" };
         let case_seed = rng.next() % 1_000_000;
-        let err = std::env::temp_dir().join(format!("spoff-chaos-{}-{round}.err", std::process::id()));
+        let err =
+            std::env::temp_dir().join(format!("spoff-chaos-{}-{round}.err", std::process::id()));
         let out = err.with_extension("out");
         let k_s = k.to_string();
         let case_s = case_seed.to_string();
@@ -264,7 +265,10 @@ fn chaos_rounds_end_with_the_right_bytes_or_an_error_and_leave_nothing() {
         let passed = status.success()
             && (0..4).all(|r| stdout.contains(&format!("conform: rank {r}: ok, ")));
         if matches!(fault, Fault::None | Fault::PauseSp) {
-            assert!(passed, "a round without a lasting fault must pass\n{context}");
+            assert!(
+                passed,
+                "a round without a lasting fault must pass\n{context}"
+            );
         }
         // Nothing left behind.
         let t_left = Instant::now();
@@ -277,8 +281,15 @@ fn chaos_rounds_end_with_the_right_bytes_or_an_error_and_leave_nothing() {
         let _ = std::fs::remove_file(&out);
         let _ = std::fs::remove_file(&err);
         assert!(left.is_empty(), "processes left: {left:?}\n{context}");
-        assert!(segments.is_empty(), "segments left: {segments:?}\n{context}");
-        let verdict = if passed { "passed" } else { "failed with an error" };
+        assert!(
+            segments.is_empty(),
+            "segments left: {segments:?}\n{context}"
+        );
+        let verdict = if passed {
+            "passed"
+        } else {
+            "failed with an error"
+        };
         eprintln!(
             "chaos round {round}: {did}: {verdict} in {:.1} s",
             t.elapsed().as_secs_f64()

@@ -11,12 +11,16 @@
 pub mod access;
 pub mod conn;
 pub mod datapath;
+#[doc(hidden)]
+pub mod fuzz_targets;
 pub mod launch;
 pub mod machine;
 pub mod mesh;
+pub mod record;
 pub mod segment;
 pub mod server;
 pub mod signals;
 pub mod simulate;
 pub mod staging;
 pub mod stats;
+pub mod validate;

@@ -293,6 +293,8 @@ pub struct Server {
     log_limit: LogLimit,
     /// When connections without a hello were last checked for their timeout.
     last_hello_sweep: Instant,
+    /// `SPOFF_RECORD_FRAMES`: received frames written to files (the fuzzer's seed corpus).
+    recorder: Option<crate::record::Recorder>,
     heartbeat: Duration,
     peer_timeout: Duration,
     last_beat: Instant,
@@ -443,6 +445,7 @@ impl Server {
             limits: cfg.limits,
             log_limit: LogLimit::new(20, Duration::from_secs(10)),
             last_hello_sweep: Instant::now(),
+            recorder: crate::record::Recorder::from_env(cfg.sp),
             heartbeat: cfg.heartbeat,
             peer_timeout: cfg.peer_timeout,
             last_beat: Instant::now(),
@@ -840,6 +843,15 @@ impl Server {
     }
 
     fn on_frame(&mut self, key: usize, payload: Vec<u8>) {
+        if let Some(rec) = &mut self.recorder {
+            let c = &self.conns[key];
+            let kind = if matches!(c.role, Role::Peer(_)) {
+                "peer"
+            } else {
+                "host"
+            };
+            rec.record(kind, c.serial, &payload);
+        }
         let role = match &self.conns[key].role {
             Role::NewHost { .. } => None,
             Role::Host(_) => Some(true),
@@ -1037,7 +1049,8 @@ impl Server {
     }
 
     /// Checks a descriptor against itself, the cluster and its grants.
-    /// `world_rank` and `world_size`: the poster's, from its hello; `ck`: the instance.
+    /// Checks a descriptor (see `validate::check_post`); `world_rank` and `world_size`: the
+    /// poster's, from its hello; `ck`: the instance.
     fn check_post(
         &self,
         d: &PostDesc,
@@ -1045,230 +1058,18 @@ impl Server {
         world_size: u32,
         ck: CollKey,
     ) -> Result<(), (ErrorCode, String)> {
-        let bad = |m: String| Err((ErrorCode::BadDescriptor, m));
-        let p = d.members.len();
-        if p == 0 || d.comm_rank as usize >= p {
-            return bad(format!(
-                "comm rank {} outside a communicator of {p}",
-                d.comm_rank
-            ));
-        }
-        // Who posts: only as itself. (Not a bad descriptor, which would abort the instance
-        // for its members: a post under another rank's name must not affect that rank.)
-        if d.world_ranks.len() != p {
-            return bad(format!(
-                "world_ranks has {} entries for {p} ranks",
-                d.world_ranks.len()
-            ));
-        }
-        let claimed = d.world_ranks[d.comm_rank as usize];
-        if claimed != world_rank {
-            return Err((
-                ErrorCode::UnknownComm,
-                format!(
-                    "this connection is world rank {world_rank}; comm rank {} is world rank \
-                     {claimed}",
-                    d.comm_rank
-                ),
-            ));
-        }
-        // Alltoallv: one send block per rank; allgatherv: this rank's one block, at offset 0;
-        // bcast: one block each way, one of them empty.
-        let (send_entries, recv_entries) = match d.kind {
-            CollKind::Alltoallv => (p, p),
-            CollKind::Allgatherv | CollKind::StagedAllgather => (1, p),
-            CollKind::Bcast => (1, 1),
-        };
-        for (name, v, want) in [
-            ("send_counts", &d.send_counts, send_entries),
-            ("send_displs", &d.send_displs, send_entries),
-            ("recv_counts", &d.recv_counts, recv_entries),
-            ("recv_displs", &d.recv_displs, recv_entries),
-        ] {
-            if v.len() != want {
-                return bad(format!("{name} has {} entries, expected {want}", v.len()));
-            }
-        }
-        let allgather = matches!(d.kind, CollKind::Allgatherv | CollKind::StagedAllgather);
-        if allgather && d.send_displs[0] != 0 {
-            return bad("the allgatherv send block must start at offset 0 of its grant".into());
-        }
-        if d.kind != CollKind::Alltoallv && d.nodes.len() != p {
-            return bad(format!("nodes has {} entries for {p} ranks", d.nodes.len()));
-        }
-        match (d.kind, &d.staged) {
-            (CollKind::Bcast, None) => return bad("a bcast without its root and design".into()),
-            (CollKind::Bcast, Some(st)) => {
-                if st.root as usize >= p {
-                    return bad(format!("root {} outside a communicator of {p}", st.root));
-                }
-                if d.send_displs[0] != 0 || d.recv_displs[0] != 0 {
-                    return bad("a bcast's buffer must start at offset 0 of its grant".into());
-                }
-                let is_root = st.root == d.comm_rank;
-                let empty = if is_root {
-                    d.recv_counts[0]
-                } else {
-                    d.send_counts[0]
-                };
-                if empty != 0 {
-                    return bad(format!(
-                        "a bcast {} sends nothing else: {empty} bytes on its other side",
-                        if is_root { "root" } else { "receiver" }
-                    ));
-                }
-            }
-            (CollKind::StagedAllgather, None) => {
-                return bad("a staged allgather without its design".into())
-            }
-            (CollKind::StagedAllgather, Some(_)) => {
-                // Equal blocks in rank order: block i at i * len.
-                let len = d.send_counts[0];
-                let ordered = (0..p as u64).all(|i| {
-                    d.recv_counts[i as usize] == len
-                        && i.checked_mul(len) == Some(d.recv_displs[i as usize])
-                });
-                if !ordered || len.checked_mul(p as u64).is_none() {
-                    return bad(format!(
-                        "a staged allgather needs {p} blocks of {len} bytes in rank order"
-                    ));
-                }
-            }
-            (_, Some(_)) => return bad(format!("{:?} is not a staged collective", d.kind)),
-            (_, None) => {}
-        }
-        if let Some(st) = d
-            .staged
-            .as_ref()
-            .filter(|st| st.design == StagedDesign::Hier)
-        {
-            let Some(seg) = &st.segment else {
-                return bad("a hierarchical staged collective without its segment".into());
-            };
-            if seg.backend != BackendData::Cma
-                || !seg.rights.contains(Rights::READ_WRITE)
-                || seg.addr.checked_add(seg.len).is_none()
-            {
-                return bad(format!(
-                    "the segment grant ({} bytes, {}) must be read-write through cma",
-                    seg.len, seg.rights
-                ));
-            }
-        }
-        let n_sps = self.cluster.sps.len() as SpId;
-        if let Some(sp) = d.members.iter().find(|&&sp| sp >= n_sps) {
-            return Err((
-                ErrorCode::UnknownComm,
-                format!("member SP {sp} does not exist"),
-            ));
-        }
-        if !d.nodes.is_empty() {
-            // The node of each rank must be the node of its SP: the hierarchical collectives
-            // route by node.
-            for (r, (&sp, &node)) in d.members.iter().zip(&d.nodes).enumerate() {
-                let sp_node = self.cluster.sp(sp).map(|e| e.node);
-                if sp_node != Some(node) {
-                    return bad(format!(
-                        "comm rank {r} is said to be on node {node}, but its SP {sp} is on \
-                         node {sp_node:?}"
-                    ));
-                }
-            }
-        }
-        let mut seen = HashSet::with_capacity(p);
-        for (r, (&w, &sp)) in d.world_ranks.iter().zip(&d.members).enumerate() {
-            if w >= world_size || !seen.insert(w) {
-                return bad(format!(
-                    "comm rank {r} is world rank {w}: outside the job's {world_size} ranks or \
-                     named twice"
-                ));
-            }
-            if let Some(placed) = access::sp_of(&self.cluster, w, world_size) {
-                if placed != sp {
-                    return bad(format!(
-                        "comm rank {r} (world rank {w}) is said to be served by SP {sp}, but \
-                         it is SP {placed}'s"
-                    ));
-                }
-            }
-        }
-        if let Some((members, world_ranks)) = self.instances.get(&ck).and_then(|i| i.shape.as_ref())
-        {
-            if *members != d.members || *world_ranks != d.world_ranks {
-                return bad(
-                    "the ranks of this collective describe its communicator differently".into(),
-                );
-            }
-        }
-        if d.members[d.comm_rank as usize] != self.me {
-            return Err((
-                ErrorCode::UnknownComm,
-                format!(
-                    "comm rank {} is served by SP {}, not by SP {}",
-                    d.comm_rank, d.members[d.comm_rank as usize], self.me
-                ),
-            ));
-        }
-        // Allgatherv: once a segment landed in one rank of a node, the node's other ranks copy
-        // it from that rank's receive buffer, so the receive grant must allow reading too.
-        let recv_needs = match d.kind {
-            CollKind::Alltoallv | CollKind::Bcast | CollKind::StagedAllgather => Rights::WRITE,
-            CollKind::Allgatherv => Rights::READ_WRITE,
-        };
-        for (grant, need, counts, displs, what) in [
-            (
-                &d.send,
-                Rights::READ,
-                &d.send_counts,
-                &d.send_displs,
-                "send",
-            ),
-            (
-                &d.recv,
-                recv_needs,
-                &d.recv_counts,
-                &d.recv_displs,
-                "receive",
-            ),
-        ] {
-            if !grant.rights.contains(need) {
-                let why = if d.kind == CollKind::Allgatherv && what == "receive" {
-                    " (the node's other ranks copy segments out of it)"
-                } else {
-                    ""
-                };
-                return bad(format!(
-                    "the {what} grant gives {} rights, {:?} needs {need}{why}",
-                    grant.rights, d.kind
-                ));
-            }
-            match grant.backend {
-                BackendData::Cma => {}
-                BackendData::Ucx { .. } if self.ucx => {}
-                BackendData::Ucx { .. } => {
-                    return bad(format!(
-                        "the {what} grant is for the ucx backend, which this SP does not serve \
-                         (UCX is off on it: see serve --ucx)"
-                    ))
-                }
-            }
-            if grant.addr.checked_add(grant.len).is_none() {
-                return bad(format!("the {what} grant wraps the address space"));
-            }
-            for (i, (&c, &o)) in counts.iter().zip(displs.iter()).enumerate() {
-                match o.checked_add(c) {
-                    None => return bad(format!("{what} block {i}: {o} + {c} overflows")),
-                    Some(end) if end > grant.len => {
-                        return bad(format!(
-                            "{what} block {i} [{o}, {end}) lies outside the {} granted bytes",
-                            grant.len
-                        ))
-                    }
-                    Some(_) => {}
-                }
-            }
-        }
-        Ok(())
+        let shape = self.instances.get(&ck).and_then(|i| i.shape.as_ref());
+        crate::validate::check_post(
+            d,
+            &crate::validate::Poster {
+                sp: self.me,
+                world_rank,
+                world_size,
+            },
+            &self.cluster,
+            self.ucx,
+            shape.map(|(m, w)| (m.as_slice(), w.as_slice())),
+        )
     }
 
     fn on_post(&mut self, key: usize, d: PostDesc) {

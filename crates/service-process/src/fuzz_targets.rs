@@ -1,0 +1,303 @@
+//! What the fuzzer feeds arbitrary bytes to (`fuzz/`, `make fuzz`), and what `make test`
+//! replays the kept corpus and crash inputs through (`tests/fuzz_corpus.rs`): every decoder of
+//! untrusted input, the checks of a host's descriptor, and the engine's handling of peer
+//! messages and posts, driven without sockets. Each must return, whatever the bytes: no
+//! panic, no unbounded allocation or loop.
+
+use crate::access;
+use crate::machine::{Machine, Post, StagedConfig};
+use crate::validate::{self, Poster};
+use algorithms::{allgatherv, alltoallv, bcast, staged_allgather, CollKey, CommId, Status};
+use alias_mkey::{AliasKey, BackendData, Grant, Owner, Rights};
+use bootstrap::auth::ClusterKey;
+use bootstrap::wire::{self, CollKind, CollMsg, FrameDecoder, HostHello, HostToSp, SpToSp};
+use bootstrap::{Cluster, Layout};
+
+/// A cluster of 2 nodes x 2 SPs on loopback (nothing listens: only its shape matters).
+fn cluster() -> Cluster {
+    let sps = (0..4)
+        .map(|i| bootstrap::cluster::SpEntry {
+            id: i,
+            node: i / 2,
+            index: i % 2,
+            peer_addr: "127.0.0.1:9".parse().unwrap(),
+            host_socket: std::path::PathBuf::from(format!("/nonexistent/sp-{i}.sock")),
+        })
+        .collect();
+    Cluster::new(2, 2, Some(2), Layout::Block, sps).expect("a valid fixed cluster")
+}
+
+fn key() -> ClusterKey {
+    ClusterKey::from_bytes([7; 32])
+}
+
+/// The byte stream of one host connection: frames, the first a hello, the rest host messages;
+/// every post is checked as the SP would (by SP 0, for world rank 0 of a 4-rank job).
+pub fn host_frames(data: &[u8]) {
+    let cluster = cluster();
+    let mut d = FrameDecoder::default();
+    d.extend(data);
+    let mut first = true;
+    while let Ok(Some(f)) = d.next_frame() {
+        if first {
+            first = false;
+            if let Ok(wire::Hello::Host(h)) = wire::decode_hello(&f) {
+                let _ = access::check_hello(&h, &key(), 0, &access::Limits::default());
+            }
+            continue;
+        }
+        if let Ok(HostToSp::Post(p)) = wire::decode::<HostToSp>(&f) {
+            let poster = Poster {
+                sp: 0,
+                world_rank: 0,
+                world_size: 4,
+            };
+            let _ = validate::check_post(&p, &poster, &cluster, true, None);
+            let _ = validate::check_post(
+                &p,
+                &poster,
+                &cluster,
+                false,
+                Some((&[0, 0, 2, 2], &[0, 1, 2, 3])),
+            );
+        }
+    }
+}
+
+/// The byte stream of one peer connection: frames of SP-to-SP messages.
+pub fn peer_frames(data: &[u8]) {
+    let mut d = FrameDecoder::default();
+    d.extend(data);
+    while let Ok(Some(f)) = d.next_frame() {
+        if let Ok(SpToSp::Coll { msg, .. } | SpToSp::Data { msg, .. }) = wire::decode::<SpToSp>(&f)
+        {
+            let _ = msg.keys();
+        }
+    }
+}
+
+/// A job credential as text, and a host hello around it.
+pub fn credential(data: &[u8]) {
+    let text = String::from_utf8_lossy(data);
+    if let Ok(c) = bootstrap::auth::JobCredential::decode(&text) {
+        let _ = c.verify(&key());
+    }
+    let h = HostHello {
+        credential: text.into_owned(),
+        world_rank: data.first().copied().unwrap_or(0) as u32,
+        world_size: data.get(1).copied().unwrap_or(1) as u32,
+        node: 0,
+        local_rank: 0,
+    };
+    let _ = access::check_hello(&h, &key(), 0, &access::Limits::default());
+}
+
+/// Reads the fuzzer's bytes as a sequence of small numbers.
+struct Cursor<'a>(&'a [u8]);
+
+impl Cursor<'_> {
+    fn byte(&mut self) -> Option<u8> {
+        let (b, rest) = self.0.split_first()?;
+        self.0 = rest;
+        Some(*b)
+    }
+    fn small(&mut self) -> Option<u64> {
+        let b = self.byte()?;
+        Some(if b < 200 { b as u64 } else { (b as u64) << 12 })
+    }
+    /// A chunk prefixed by its length (two bytes, little endian; at most 4 KiB).
+    fn chunk(&mut self) -> Option<&[u8]> {
+        let n = u16::from_le_bytes([self.byte()?, self.byte()?]) as usize;
+        let n = n.min(4096).min(self.0.len());
+        let (c, rest) = self.0.split_at(n);
+        self.0 = rest;
+        Some(c)
+    }
+}
+
+fn fake_key(rank: u32) -> AliasKey {
+    AliasKey {
+        owner: Owner {
+            job: 1,
+            world_rank: rank,
+            pid: 1,
+            start: 1,
+        },
+        grant: Grant {
+            region: rank as u64,
+            generation: 0,
+            addr: 0x10000,
+            len: 1 << 20,
+            rights: Rights::READ_WRITE,
+            backend: BackendData::Cma,
+        },
+    }
+}
+
+/// A post of comm rank `rank` of a 4-rank communicator (SPs 0, 0, 2, 2: nodes 0, 0, 1, 1) to
+/// a machine of `kind`, counts drawn from the cursor.
+fn post(kind: CollKind, rank: u32, c: &mut Cursor) -> Option<Post> {
+    let members = vec![0, 0, 2, 2];
+    let nodes = vec![0, 0, 1, 1];
+    Some(match kind {
+        CollKind::Alltoallv => {
+            let counts: Vec<u64> = (0..4).map(|_| c.small()).collect::<Option<_>>()?;
+            let displs: Vec<u64> = (0..4).map(|i| i * 4096).collect();
+            Post::Alltoallv(alltoallv::Post {
+                rank,
+                members,
+                send_key: fake_key(rank),
+                recv_key: fake_key(rank),
+                send_counts: counts.clone(),
+                send_displs: displs.clone(),
+                recv_counts: counts,
+                recv_displs: displs,
+            })
+        }
+        CollKind::Allgatherv => {
+            let counts: Vec<u64> = (0..4).map(|_| c.small()).collect::<Option<_>>()?;
+            Post::Allgatherv(allgatherv::Post {
+                rank,
+                members,
+                nodes,
+                send_key: fake_key(rank),
+                send_len: counts[rank as usize],
+                recv_key: fake_key(rank),
+                recv_displs: (0..4).map(|i| i * 4096).collect(),
+                recv_counts: counts,
+            })
+        }
+        CollKind::Bcast => Post::Bcast(bcast::Post {
+            rank,
+            root: (c.byte()? % 4) as u32,
+            members,
+            nodes,
+            key: fake_key(rank),
+            len: c.small()?,
+            design: if c.byte()? % 2 == 0 {
+                bcast::Design::Flat
+            } else {
+                bcast::Design::Hier
+            },
+            shared_key: None,
+            shared_at: 0,
+        }),
+        CollKind::StagedAllgather => Post::StagedAllgather(staged_allgather::Post {
+            rank,
+            members,
+            nodes,
+            send_key: fake_key(rank),
+            recv_key: fake_key(rank),
+            len: c.small()?,
+            design: bcast::Design::Flat,
+            shared_key: None,
+            shared_at: 0,
+        }),
+    })
+}
+
+/// The engine's side of one collective instance on SP 0: posts of its local comm ranks (0 and
+/// 1), messages from peers (decoded from the bytes), copies and moves finishing with any
+/// status, lost peers and ranks, aborts; every action is drained. Bounded by the input.
+pub fn machine(data: &[u8]) {
+    let mut c = Cursor(data);
+    let Some(k) = c.byte() else { return };
+    let kind = [
+        CollKind::Alltoallv,
+        CollKind::Allgatherv,
+        CollKind::Bcast,
+        CollKind::StagedAllgather,
+    ][(k % 4) as usize];
+    let key = CollKey {
+        job: 1,
+        comm: CommId { leader: 0, id: 1 },
+        seq: 0,
+    };
+    let mut m = Machine::new(
+        kind,
+        key,
+        0,
+        StagedConfig {
+            chunk_bytes: 4096,
+            slots: 2,
+        },
+    );
+    let statuses = [
+        Status::Ok,
+        Status::AccessError,
+        Status::PeerFailed,
+        Status::RankFailed,
+        Status::Aborted,
+    ];
+    let mut now = 0;
+    let mut ids: Vec<u64> = Vec::new();
+    for _ in 0..256 {
+        let Some(op) = c.byte() else { break };
+        now += 1_000;
+        match op % 8 {
+            0 | 1 => {
+                if let Some(p) = post(kind, (op % 2) as u32, &mut c) {
+                    let _ = m.handle_post(now, p);
+                }
+            }
+            2 | 3 => {
+                let from = [1u32, 2, 3][(op as usize / 8) % 3];
+                let Some(bytes) = c.chunk() else { break };
+                if let Ok(msg) = wire::decode::<CollMsg>(bytes) {
+                    let _ = m.handle_msg(now, from, msg);
+                }
+            }
+            4 => {
+                let Some(s) = c.byte() else { break };
+                let id = ids.pop().unwrap_or(s as u64);
+                m.handle_copy_done(now, id, statuses[s as usize % statuses.len()]);
+            }
+            5 => {
+                let Some(s) = c.byte() else { break };
+                let id = ids.pop().unwrap_or(s as u64);
+                m.handle_move_done(now, id, statuses[s as usize % statuses.len()]);
+            }
+            6 => {
+                let Some(s) = c.byte() else { break };
+                match s % 3 {
+                    0 => m.handle_peer_lost(now, (s as u32 % 3) + 1),
+                    1 => m.handle_rank_lost(now, s as u32 % 4),
+                    _ => m.abort(now, statuses[s as usize % statuses.len()]),
+                }
+            }
+            _ => {}
+        }
+        // Drain what the machine wants done; remember copy and move ids to finish later.
+        for _ in 0..10_000 {
+            match m.poll_action() {
+                None => break,
+                Some(crate::machine::Act::Copy { id, .. })
+                | Some(crate::machine::Act::StageCopy { id, .. })
+                | Some(crate::machine::Act::Move { id, .. }) => ids.push(id),
+                Some(_) => {}
+            }
+        }
+        let _ = (m.is_finished(), m.copies_in_flight());
+    }
+}
+
+/// A `machine` input from peer messages seen in real traffic: a kind, posts of both local
+/// ranks, then each message (the inverse of [`machine`]'s reading).
+pub fn machine_input(kind: u8, msgs: &[Vec<u8>]) -> Vec<u8> {
+    let mut v = vec![kind, 0, 8, 8, 8, 8, 1, 8, 8, 8, 8];
+    for (i, m) in msgs.iter().enumerate() {
+        v.push(2 + 8 * (i % 3) as u8);
+        v.extend_from_slice(&(m.len() as u16).to_le_bytes());
+        v.extend_from_slice(m);
+        v.extend_from_slice(&[4, 0]);
+    }
+    v
+}
+
+/// Every target, by name (for the corpus replay).
+pub const TARGETS: [(&str, fn(&[u8])); 4] = [
+    ("host_frames", host_frames),
+    ("peer_frames", peer_frames),
+    ("credential", credential),
+    ("machine", machine),
+];
