@@ -294,8 +294,11 @@ pub fn machine_input(kind: u8, msgs: &[Vec<u8>]) -> Vec<u8> {
     v
 }
 
+/// A fuzz target: any bytes in, must return.
+pub type Target = fn(&[u8]);
+
 /// Every target, by name (for the corpus replay).
-pub const TARGETS: [(&str, fn(&[u8])); 4] = [
+pub const TARGETS: [(&str, Target); 4] = [
     ("host_frames", host_frames),
     ("peer_frames", peer_frames),
     ("credential", credential),

@@ -165,7 +165,7 @@ pub fn check_post(
                  named twice"
             ));
         }
-        if let Some(placed) = access::sp_of(&cluster, w, world_size) {
+        if let Some(placed) = access::sp_of(cluster, w, world_size) {
             if placed != sp {
                 return bad(format!(
                     "comm rank {r} (world rank {w}) is said to be served by SP {sp}, but \
