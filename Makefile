@@ -12,7 +12,7 @@ BIN := target/release
 SP := $(BIN)/service-process
 BENCH := $(BIN)/coll-bench
 
-.PHONY: all deps build test demo bench conformance chaos fuzz fmt clippy clean
+.PHONY: all deps build test demo bench conformance chaos fuzz soak fmt clippy clean
 
 all: build
 
@@ -46,6 +46,11 @@ chaos: build
 # crash inputs go to fuzz/regressions/, which make test replays.
 fuzz: build
 	bash scripts/fuzz.sh
+
+# Soak: the same SPs serve 100 000 collectives in one job, then 200 jobs; their memory,
+# descriptors, jobs and instances are sampled; writes docs/SOAK.md and docs/soak.svg.
+soak: build
+	SOAK_COLLECTIVES=100000 SOAK_JOBS=200 SOAK_WRITE_DOCS=1 $(CARGO) test --release -p integration-tests --test soak -- --nocapture
 
 # The full benchmark; writes docs/BENCHMARKS.md.
 bench: build

@@ -20,11 +20,15 @@ use std::sync::{Arc, Mutex};
 
 /// Pinned processes kept; beyond it, those found dead are dropped first.
 const MAX_PINNED: usize = 1 << 16;
+/// The table is swept of exited processes whenever it has doubled since the last sweep (and
+/// has at least this many): each pin holds a descriptor, which must not pile up in an SP that
+/// serves job after job.
+const SWEEP_FROM: usize = 64;
 
-/// Pinned processes by (pid, start time).
+/// Pinned processes by (pid, start time), and the size after the last sweep.
 type Table = HashMap<(u32, u64), Arc<OwnedFd>>;
 
-static PINNED: Mutex<Option<Table>> = Mutex::new(None);
+static PINNED: Mutex<Option<(Table, usize)>> = Mutex::new(None);
 
 /// The start time of `pid` (clock ticks after boot), from `/proc/PID/stat`.
 pub fn start_time(pid: u32) -> std::io::Result<u64> {
@@ -79,31 +83,52 @@ pub fn start_time_of(fd: &OwnedFd, pid: u32) -> std::io::Result<u64> {
     Ok(start)
 }
 
-fn with_table<R>(f: impl FnOnce(&mut Table) -> R) -> R {
+fn with_table<R>(f: impl FnOnce(&mut Table, &mut usize) -> R) -> R {
     let mut t = PINNED.lock().unwrap_or_else(|e| e.into_inner());
-    f(t.get_or_insert_with(HashMap::new))
+    let (table, swept) = t.get_or_insert_with(|| (HashMap::new(), 0));
+    f(table, swept)
 }
 
-fn insert(t: &mut Table, key: (u32, u64), fd: Arc<OwnedFd>) {
-    if t.len() >= MAX_PINNED {
+fn insert(t: &mut Table, swept: &mut usize, key: (u32, u64), fd: Arc<OwnedFd>) {
+    if t.len() >= SWEEP_FROM.max(2 * *swept) || t.len() >= MAX_PINNED {
         t.retain(|_, fd| alive(fd));
+        *swept = t.len();
     }
     if t.len() < MAX_PINNED {
         t.insert(key, fd);
     }
 }
 
+/// Forgets a pinned process (its connection closed: no key of it will be used here again).
+pub fn unpin(pid: u32, start: u64) {
+    with_table(|t, _| t.remove(&(pid, start)));
+}
+
+/// Drops the pins of processes that have exited (an SP calls it when a job ends: the other
+/// nodes' ranks it pinned for copies are gone too).
+pub fn sweep() {
+    with_table(|t, swept| {
+        t.retain(|_, fd| alive(fd));
+        *swept = t.len();
+    });
+}
+
+/// How many processes are pinned (each holds a descriptor).
+pub fn pinned() -> usize {
+    with_table(|t, _| t.len())
+}
+
 /// Pins the process behind `fd` (a pidfd of `pid`): returns its start time.
 pub fn pin(fd: OwnedFd, pid: u32) -> std::io::Result<u64> {
     let start = start_time_of(&fd, pid)?;
-    with_table(|t| insert(t, (pid, start), Arc::new(fd)));
+    with_table(|t, swept| insert(t, swept, (pid, start), Arc::new(fd)));
     Ok(start)
 }
 
 /// Checks that `pid` with start time `start` is a live process: the one a key was made for.
 pub fn check(pid: u32, start: u64) -> Result<(), AccessError> {
     let gone = || AccessError::ProcessGone { pid };
-    let known = with_table(|t| t.get(&(pid, start)).cloned());
+    let known = with_table(|t, _| t.get(&(pid, start)).cloned());
     let fd = match known {
         Some(fd) => fd,
         None => {
@@ -113,14 +138,14 @@ pub fn check(pid: u32, start: u64) -> Result<(), AccessError> {
                 return Err(gone());
             }
             let fd = Arc::new(fd);
-            with_table(|t| insert(t, (pid, start), fd.clone()));
+            with_table(|t, swept| insert(t, swept, (pid, start), fd.clone()));
             fd
         }
     };
     if alive(&fd) {
         Ok(())
     } else {
-        with_table(|t| t.remove(&(pid, start)));
+        with_table(|t, _| t.remove(&(pid, start)));
         Err(gone())
     }
 }
@@ -152,6 +177,21 @@ mod tests {
         // Pinning through a pidfd gives the same start time.
         let fd = pidfd_open(me).unwrap();
         assert_eq!(pin(fd, me).unwrap(), start);
+    }
+
+    #[test]
+    fn exited_processes_do_not_pile_up() {
+        for _ in 0..3 * SWEEP_FROM {
+            let mut c = std::process::Command::new("true").spawn().unwrap();
+            let pid = c.id();
+            if let Ok(fd) = pidfd_open(pid) {
+                let _ = pin(fd, pid);
+            }
+            c.wait().unwrap();
+        }
+        // Each insertion sweeps once the table has doubled: never more than twice the
+        // processes alive at the last sweep (here, none of these), plus the sweep threshold.
+        assert!(pinned() <= 2 * SWEEP_FROM + 8, "{} pinned", pinned());
     }
 
     #[test]

@@ -2311,6 +2311,7 @@ impl Server {
                     .poll
                     .registry()
                     .deregister(&mut mio::unix::SourceFd(&peer.pidfd.as_raw_fd()));
+                alias_mkey::process::unpin(peer.pid, peer.start);
             }
             Role::Peer(sp) => {
                 if self.leaving_peers.contains(&sp) {
@@ -2346,6 +2347,7 @@ impl Server {
                     .poll
                     .registry()
                     .deregister(&mut mio::unix::SourceFd(&h.peer.pidfd.as_raw_fd()));
+                alias_mkey::process::unpin(h.peer.pid, h.peer.start);
                 if let Some(j) = self.jobs.get_mut(&job) {
                     j.hosts.remove(&key);
                     j.ranks.remove(&h.hello.world_rank);
@@ -2407,6 +2409,8 @@ impl Server {
         });
         if !self.instances.keys().any(|k| k.job == job) {
             self.jobs.remove(&job);
+            // The pins of the job's processes (remote ranks copied from) go with them.
+            alias_mkey::process::sweep();
             // The hierarchical designs' segment of this job: nobody is left to read it here;
             // leaders whose regions this SP's ranks were to read may reuse them.
             let borrowed: Vec<(CollKey, SpId)> = self
