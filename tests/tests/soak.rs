@@ -244,12 +244,12 @@ fn write_docs(samples: &[Sample], summary: &str, collectives: u64, jobs: usize) 
         "<svg xmlns='http://www.w3.org/2000/svg' width='{w}' height='{}' font-family='sans-serif' font-size='12'>\n",
         2.0 * h + 40.0
     );
-    let panels: [(&str, Box<dyn Fn(&Sample, usize) -> f64>); 2] = [
-        (
-            "resident memory per SP (MiB)",
-            Box::new(|s, i| s.rss_kib[i] as f64 / 1024.0),
-        ),
-        ("open descriptors per SP", Box::new(|s, i| s.fds[i] as f64)),
+    type Series = fn(&Sample, usize) -> f64;
+    let panels: [(&str, Series); 2] = [
+        ("resident memory per SP (MiB)", |s, i| {
+            s.rss_kib[i] as f64 / 1024.0
+        }),
+        ("open descriptors per SP", |s, i| s.fds[i] as f64),
     ];
     for (p, (title, f)) in panels.iter().enumerate() {
         let top = p as f64 * (h + 20.0) + 20.0;
