@@ -56,6 +56,28 @@ fn rss_kib(pid: u32) -> u64 {
         .unwrap_or(0)
 }
 
+/// Open descriptors of `pid` by kind ("socket", "anon_inode:[eventfd]", ...), for messages.
+fn fd_kinds(pid: u32) -> std::collections::BTreeMap<String, u32> {
+    let mut m = std::collections::BTreeMap::new();
+    for e in std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let l = std::fs::read_link(e.path()).unwrap_or_default();
+        let l = l.to_string_lossy();
+        let k = if l.starts_with("anon_inode:") {
+            l.to_string()
+        } else if l.starts_with("/dev/shm/") {
+            "/dev/shm".into()
+        } else {
+            l.split(':').next().unwrap_or("").to_string()
+        };
+        *m.entry(k).or_insert(0u32) += 1;
+    }
+    m
+}
+
 fn fds(pid: u32) -> u64 {
     std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count() as u64)
 }
@@ -90,13 +112,21 @@ fn the_same_sps_serve_many_collectives_and_many_jobs_without_growing() {
     // The sampler.
     let samples = Arc::new(Mutex::new(Vec::<Sample>::new()));
     let stop = Arc::new(AtomicBool::new(false));
+    // While set, the sampler sends no stats request, so that no stats connection is open when
+    // descriptors are counted.
+    let quiet = Arc::new(AtomicBool::new(false));
     let job_now = Arc::new(AtomicUsize::new(0));
     let sampler = {
         let (samples, stop, job_now) = (samples.clone(), stop.clone(), job_now.clone());
+        let quiet = quiet.clone();
         let (cluster, key, pids) = (cluster.clone(), key.clone(), pids.clone());
         std::thread::spawn(move || {
             let t0 = Instant::now();
             while !stop.load(Ordering::Relaxed) {
+                if quiet.load(Ordering::Relaxed) {
+                    std::thread::sleep(Duration::from_millis(50));
+                    continue;
+                }
                 let stats: Vec<serde_json::Value> = cluster
                     .sps
                     .iter()
@@ -155,23 +185,31 @@ fn the_same_sps_serve_many_collectives_and_many_jobs_without_growing() {
     };
     run_job(collectives, 1);
     let long_secs = t0.elapsed().as_secs_f64();
-    // UCX sets up its descriptors (sockets, timers) at first use: count from here.
-    std::thread::sleep(Duration::from_millis(300));
+    // UCX sets up its descriptors (sockets, timers) at first use: count from here, once the
+    // SPs dropped the pins of the job's exited processes (at their next heartbeat) and closed
+    // the sampler's last stats connection.
+    quiet.store(true, Ordering::Relaxed);
+    std::thread::sleep(Duration::from_millis(1500));
     let fds_warm: Vec<u64> = pids.iter().map(|&p| fds(p)).collect();
+    let kinds_warm: Vec<_> = pids.iter().map(|&p| fd_kinds(p)).collect();
+    quiet.store(false, Ordering::Relaxed);
     for j in 1..=jobs {
         job_now.store(j, Ordering::Relaxed);
         run_job(100 + (j as u64 % 7) * 50, j as u64 + 1);
     }
     let total_secs = t0.elapsed().as_secs_f64();
-    std::thread::sleep(Duration::from_millis(600));
     stop.store(true, Ordering::Relaxed);
     sampler.join().unwrap();
     let samples = samples.lock().unwrap().clone();
+    // The SPs drop the pins of exited processes at their next heartbeat (every second); count
+    // before this test's own stats request below opens a connection.
+    std::thread::sleep(Duration::from_millis(1500));
+    let fds_end: Vec<u64> = pids.iter().map(|&p| fds(p)).collect();
+    let kinds_end: Vec<_> = pids.iter().map(|&p| fd_kinds(p)).collect();
     let stats = |sp: &bootstrap::cluster::SpEntry| {
         service_process::stats::query_within(sp, &key, Duration::from_secs(2)).unwrap()
     };
     let end: Vec<serde_json::Value> = cluster.sps.iter().map(stats).collect();
-    let fds_end: Vec<u64> = pids.iter().map(|&p| fds(p)).collect();
     launch::stop_sps(&mut sps, Duration::from_secs(5));
     let _ = std::fs::remove_dir_all(&run_dir);
 
@@ -194,7 +232,7 @@ fn the_same_sps_serve_many_collectives_and_many_jobs_without_growing() {
     }
     assert_eq!(
         fds_end, fds_warm,
-        "descriptors after the long job and at the end"
+        "descriptors after the long job and at the end (warm: {kinds_warm:?}; end: {kinds_end:?})"
     );
     // Memory: once warm (the first quarter of the short jobs), flat within 8 MiB.
     let warm = samples

@@ -709,6 +709,9 @@ impl Server {
         let now = Instant::now();
         if now.duration_since(self.last_beat) >= self.heartbeat {
             self.last_beat = now;
+            // Pins of processes that exited since (a job's ranks may still have been exiting
+            // when the job ended here).
+            alias_mkey::process::sweep();
             let beat = encode(&SpToSp::Heartbeat);
             let peers: Vec<usize> = self.peer_conn.values().copied().collect();
             for k in peers {
