@@ -5,9 +5,9 @@
 //! panic, no unbounded allocation or loop.
 
 use crate::access;
-use crate::machine::{Machine, Post, StagedConfig};
+use crate::drivers::{self, LocalPost, StagedConfig};
 use crate::validate::{self, Poster};
-use algorithms::{allgatherv, alltoallv, bcast, staged_allgather, CollKey, CommId, Status};
+use algorithms::{CollKey, CommId, Status};
 use alias_mkey::{AliasKey, BackendData, Grant, Owner, Rights};
 use bootstrap::auth::ClusterKey;
 use bootstrap::wire::{self, CollKind, CollMsg, FrameDecoder, HostHello, HostToSp, SpToSp};
@@ -135,64 +135,77 @@ fn fake_key(rank: u32) -> AliasKey {
 }
 
 /// A post of comm rank `rank` of a 4-rank communicator (SPs 0, 0, 2, 2: nodes 0, 0, 1, 1) to
-/// a machine of `kind`, counts drawn from the cursor.
-fn post(kind: CollKind, rank: u32, c: &mut Cursor) -> Option<Post> {
-    let members = vec![0, 0, 2, 2];
-    let nodes = vec![0, 0, 1, 1];
-    Some(match kind {
+/// an instance of `kind`, counts drawn from the cursor (a bcast's root, length and design
+/// too; a staged allgather's block length). Posts as `validate::check_post` would pass them
+/// and as it would not: the drivers must not trust them either.
+fn post(kind: CollKind, rank: u32, c: &mut Cursor) -> Option<LocalPost> {
+    let mut d = wire::PostDesc {
+        kind,
+        comm: CommId { leader: 0, id: 1 },
+        seq: 0,
+        comm_rank: rank,
+        members: vec![0, 0, 2, 2],
+        world_ranks: vec![0, 1, 2, 3],
+        nodes: vec![0, 0, 1, 1],
+        slot: None,
+        token: 0,
+        send: fake_key(rank).grant,
+        recv: fake_key(rank).grant,
+        send_counts: vec![],
+        send_displs: vec![],
+        recv_counts: vec![],
+        recv_displs: vec![],
+        host_copies: false,
+        staged: None,
+        send_packed: false,
+        recv_packed: false,
+    };
+    let displs: Vec<u64> = (0..4).map(|i| i * 4096).collect();
+    let mut hier = false;
+    match kind {
         CollKind::Alltoallv => {
             let counts: Vec<u64> = (0..4).map(|_| c.small()).collect::<Option<_>>()?;
-            let displs: Vec<u64> = (0..4).map(|i| i * 4096).collect();
-            Post::Alltoallv(alltoallv::Post {
-                rank,
-                members,
-                send_key: fake_key(rank),
-                recv_key: fake_key(rank),
-                send_counts: counts.clone(),
-                send_displs: displs.clone(),
-                recv_counts: counts,
-                recv_displs: displs,
-            })
+            d.send_counts = counts.clone();
+            d.send_displs = displs.clone();
+            d.recv_counts = counts;
+            d.recv_displs = displs;
         }
         CollKind::Allgatherv => {
             let counts: Vec<u64> = (0..4).map(|_| c.small()).collect::<Option<_>>()?;
-            Post::Allgatherv(allgatherv::Post {
-                rank,
-                members,
-                nodes,
-                send_key: fake_key(rank),
-                send_len: counts[rank as usize],
-                recv_key: fake_key(rank),
-                recv_displs: (0..4).map(|i| i * 4096).collect(),
-                recv_counts: counts,
-            })
+            d.send_counts = vec![counts[rank as usize]];
+            d.send_displs = vec![0];
+            d.recv_counts = counts;
+            d.recv_displs = displs;
         }
-        CollKind::Bcast => Post::Bcast(bcast::Post {
-            rank,
-            root: (c.byte()? % 4) as u32,
-            members,
-            nodes,
-            key: fake_key(rank),
-            len: c.small()?,
-            design: if c.byte()? % 2 == 0 {
-                bcast::Design::Flat
-            } else {
-                bcast::Design::Hier
-            },
-            shared_key: None,
-            shared_at: 0,
-        }),
-        CollKind::StagedAllgather => Post::StagedAllgather(staged_allgather::Post {
-            rank,
-            members,
-            nodes,
-            send_key: fake_key(rank),
-            recv_key: fake_key(rank),
-            len: c.small()?,
-            design: bcast::Design::Flat,
-            shared_key: None,
-            shared_at: 0,
-        }),
+        CollKind::Bcast => {
+            let root = (c.byte()? % 4) as u32;
+            let len = c.small()?;
+            hier = c.byte()? % 2 == 1;
+            d.send_counts = vec![len];
+            d.recv_counts = vec![len];
+            d.staged = Some(wire::Staged {
+                root,
+                design: wire::StagedDesign::Flat,
+                segment: None,
+            });
+        }
+        CollKind::StagedAllgather => {
+            let len = c.small()?;
+            d.send_counts = vec![len];
+            d.recv_counts = vec![len; 4];
+            d.staged = Some(wire::Staged {
+                root: 0,
+                design: wire::StagedDesign::Flat,
+                segment: None,
+            });
+        }
+    }
+    Some(LocalPost {
+        desc: d,
+        send: fake_key(rank),
+        recv: fake_key(rank),
+        region: None,
+        hier,
     })
 }
 
@@ -213,7 +226,7 @@ pub fn machine(data: &[u8]) {
         comm: CommId { leader: 0, id: 1 },
         seq: 0,
     };
-    let mut m = Machine::new(
+    let mut m = drivers::new(
         kind,
         key,
         0,
@@ -271,9 +284,9 @@ pub fn machine(data: &[u8]) {
         for _ in 0..10_000 {
             match m.poll_action() {
                 None => break,
-                Some(crate::machine::Act::Copy { id, .. })
-                | Some(crate::machine::Act::StageCopy { id, .. })
-                | Some(crate::machine::Act::Move { id, .. }) => ids.push(id),
+                Some(crate::drivers::Act::Copy { id, .. })
+                | Some(crate::drivers::Act::StageCopy { id, .. })
+                | Some(crate::drivers::Act::Move { id, .. }) => ids.push(id),
                 Some(_) => {}
             }
         }

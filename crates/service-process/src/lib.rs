@@ -11,10 +11,10 @@
 pub mod access;
 pub mod conn;
 pub mod datapath;
+pub mod drivers;
 #[doc(hidden)]
 pub mod fuzz_targets;
 pub mod launch;
-pub mod machine;
 pub mod mesh;
 pub mod record;
 pub mod segment;

@@ -415,7 +415,7 @@ fn run(cli: Cli) -> Result<i32> {
                 inline_copy_bytes,
                 ucx,
                 connect_backoff: backoff,
-                staged: service_process::machine::StagedConfig {
+                staged: service_process::drivers::StagedConfig {
                     chunk_bytes: stage_chunk_bytes,
                     slots: stage_slots,
                 },

@@ -23,12 +23,11 @@
 use crate::access::{self, Limits, LogLimit, PeerCred};
 use crate::conn::{Conn, ReadEnd, Stream};
 use crate::datapath::{CopyJob, Datapath};
-use crate::machine::{self, Act, Machine, StagedConfig};
+use crate::drivers::{self, Act, CollDriver, LocalPost, StagedConfig};
 use crate::segment::Arena;
 use crate::staging::{Budget, StageSet};
 use crate::stats::Stats;
 use algorithms::sched::CopyLimiter;
-use algorithms::{allgatherv, alltoallv, bcast, staged_allgather};
 use algorithms::{CollKey, CommId, Nanos, SpId, Status};
 use alias_mkey::mover::{CmaMover, Mover};
 use alias_mkey::{AliasKey, BackendData, Grant, Owner, Rights};
@@ -204,7 +203,7 @@ struct Region {
 }
 
 struct Instance {
-    sm: Machine,
+    sm: Box<dyn CollDriver>,
     posted: HashMap<u32, Posted>,
     /// The communicator of the instance as its first local post described it (SP and world
     /// rank of each comm rank): every later local post must say the same.
@@ -272,8 +271,8 @@ pub struct Server {
     /// Slots children granted through UCX: (instance, child, slot) -> its key.
     peer_slots: HashMap<(CollKey, SpId, u32), AliasKey>,
     /// Moves running as UCX puts on the datapath, by ticket: the instance, the move, the
-    /// child and the `Chunk` message to send it once the bytes are there.
-    ucx_moves: HashMap<u64, (CollKey, u64, SpId, CollMsg)>,
+    /// child, the `Chunk` message to send it once the bytes are there and their length.
+    ucx_moves: HashMap<u64, (CollKey, u64, SpId, CollMsg, u64)>,
     budget: Budget,
     /// Segment regions per job (hierarchical staged designs), and the region of each instance.
     arenas: HashMap<u64, Arena>,
@@ -1152,14 +1151,7 @@ impl Server {
                 sps.sort_unstable();
                 sps.dedup();
                 let status = Status::InvalidPost;
-                let abort = match d.kind {
-                    CollKind::Alltoallv => CollMsg::Alltoallv(alltoallv::Msg::Abort { status }),
-                    CollKind::Allgatherv => CollMsg::Allgatherv(allgatherv::Msg::Abort { status }),
-                    CollKind::Bcast => CollMsg::Bcast(bcast::Msg::Abort { status }),
-                    CollKind::StagedAllgather => {
-                        CollMsg::StagedAllgather(staged_allgather::Msg::Abort { status })
-                    }
-                };
+                let abort = (drivers::spec(d.kind).abort_msg)(status);
                 let frame = encode(&SpToSp::Coll {
                     key: ck,
                     msg: abort,
@@ -1200,14 +1192,8 @@ impl Server {
         // holding the room may need a post that waits elsewhere.
         // Only one SP of a node writes a hierarchical region, which the node's other SPs' ranks
         // copy out of: a bcast's node leader in its tree, a staged allgather's node owner.
-        let region_writer = match (&d.kind, &d.staged) {
-            (CollKind::Bcast, Some(st)) => bcast::build_tree(&d.members, &d.nodes, st.root)
-                .is_ok_and(|t| t.iter().any(|g| g[0] == self.me)),
-            (CollKind::StagedAllgather, Some(_)) => {
-                staged_allgather::node_owner(&d.members, &d.nodes, self.me) == Some(self.me)
-            }
-            _ => true,
-        };
+        let spec = drivers::spec(d.kind);
+        let region_writer = d.staged.is_none() || (spec.region_writer)(&d, self.me);
         let mut shared_at = 0;
         let shared_key = match &d.staged {
             Some(st)
@@ -1216,12 +1202,7 @@ impl Server {
                     && !self.flat_here.contains(&ck) =>
             {
                 let seg = st.segment.clone().expect("checked by check_post");
-                // The whole message: a bcast's one block; an allgather's P blocks (checked
-                // not to overflow).
-                let len = match d.kind {
-                    CollKind::StagedAllgather => d.recv_counts.iter().sum(),
-                    _ => d.send_counts[0].max(d.recv_counts[0]),
-                };
+                let len = (spec.region_len)(&d);
                 match self.region_for(ck, &seg, len) {
                     Ok(Some((off, rlen))) => Some({
                         shared_at = off;
@@ -1261,7 +1242,7 @@ impl Server {
             .filter(|sp| self.dead_peers.contains(sp))
             .collect();
         let posted = Posted {
-            host_copies: d.host_copies && d.kind == CollKind::Allgatherv,
+            host_copies: d.host_copies && spec.host_copies,
             ..self.posted(key, d.slot, d.token)
         };
         let me = self.me;
@@ -1270,81 +1251,24 @@ impl Server {
         if inst.shape.is_none() {
             inst.shape = Some((d.members.clone(), d.world_ranks.clone()));
         }
-        let post = match d.kind {
-            CollKind::Alltoallv => machine::Post::Alltoallv(alltoallv::Post {
-                rank: d.comm_rank,
-                members: d.members,
-                send_key: send,
-                recv_key: recv,
-                send_counts: d.send_counts,
-                send_displs: d.send_displs,
-                recv_counts: d.recv_counts,
-                recv_displs: d.recv_displs,
-            }),
-            // `check_post` made sure the send block is the one entry at offset 0.
-            CollKind::Allgatherv => machine::Post::Allgatherv(allgatherv::Post {
-                rank: d.comm_rank,
-                members: d.members,
-                nodes: d.nodes,
-                send_key: send,
-                send_len: d.send_counts[0],
-                recv_key: recv,
-                recv_counts: d.recv_counts,
-                recv_displs: d.recv_displs,
-            }),
-            CollKind::Bcast => {
-                let st = d.staged.expect("checked by check_post");
-                let is_root = st.root == d.comm_rank;
-                machine::Post::Bcast(bcast::Post {
-                    rank: d.comm_rank,
-                    root: st.root,
-                    members: d.members,
-                    nodes: d.nodes,
-                    key: if is_root { send } else { recv },
-                    len: if is_root {
-                        d.send_counts[0]
-                    } else {
-                        d.recv_counts[0]
-                    },
-                    // A leader without room delivers flat (its node's other SPs then get the
-                    // chunks); the others are hierarchical as posted.
-                    design: if shared_key.is_some()
-                        || (!region_writer && st.design == StagedDesign::Hier)
-                    {
-                        bcast::Design::Hier
-                    } else {
-                        bcast::Design::Flat
-                    },
-                    shared_key,
-                    shared_at,
-                })
-            }
-            CollKind::StagedAllgather => {
-                let st = d.staged.expect("checked by check_post");
-                machine::Post::StagedAllgather(staged_allgather::Post {
-                    rank: d.comm_rank,
-                    members: d.members,
-                    nodes: d.nodes,
-                    send_key: send,
-                    recv_key: recv,
-                    len: d.send_counts[0],
-                    // As for the bcast: an owner without room delivers flat (and so then do
-                    // its node's other SPs); the others are hierarchical as posted.
-                    design: if shared_key.is_some()
-                        || (!region_writer && st.design == StagedDesign::Hier)
-                    {
-                        bcast::Design::Hier
-                    } else {
-                        bcast::Design::Flat
-                    },
-                    shared_key,
-                    shared_at,
-                })
-            }
+        // A node's region writer without room delivers flat (its node's other SPs then get
+        // the data); the others are hierarchical as posted.
+        let hier = shared_key.is_some()
+            || (!region_writer
+                && d.staged
+                    .as_ref()
+                    .is_some_and(|st| st.design == StagedDesign::Hier));
+        let comm_rank = d.comm_rank;
+        let post = LocalPost {
+            desc: d,
+            send,
+            recv,
+            region: shared_key.map(|k| (k, shared_at)),
+            hier,
         };
         match inst.sm.handle_post(now, post) {
             Ok(()) => {
-                inst.posted.insert(d.comm_rank, posted);
+                inst.posted.insert(comm_rank, posted);
                 if let Some(status) = failed {
                     inst.sm.abort(now, status);
                 }
@@ -1364,13 +1288,13 @@ impl Server {
     fn instance(&mut self, ck: CollKey, kind: CollKind) -> &mut Instance {
         if !self.instances.contains_key(&ck) {
             let mut inst = Instance {
-                sm: Machine::new(kind, ck, self.me, self.staged),
+                sm: drivers::new(kind, ck, self.me, self.staged),
                 posted: HashMap::new(),
                 shape: None,
                 local_ranks: None,
                 stages: None,
             };
-            if matches!(kind, CollKind::Bcast | CollKind::StagedAllgather) {
+            if drivers::spec(kind).staging {
                 match self
                     .budget
                     .reserve(ck.job, self.staged.slots, self.staged.chunk_bytes)
@@ -1459,18 +1383,17 @@ impl Server {
             self.drive(ck);
             return;
         }
-        // A leader (owner) sealed its region for this SP's ranks: it keeps the region until
+        let inbound = (drivers::spec(drivers::kind_of(&m)).inbound)(&m);
+        // A node's region writer lent its region to this SP's ranks: it keeps the region until
         // told they are done with it (at once if this SP has no instance to read it).
-        if let CollMsg::Bcast(bcast::Msg::Sealed { at })
-        | CollMsg::StagedAllgather(staged_allgather::Msg::RegionDone { at }) = &m
-        {
+        if let Some(at) = inbound.lends_region_at {
             let live = self
                 .jobs
                 .get(&ck.job)
                 .is_some_and(|j| !j.finished.contains(&(ck.comm, ck.seq)));
             if live {
                 self.regions.entry(ck).or_insert_with(|| Region {
-                    off: *at,
+                    off: at,
                     len: 0,
                     readers: 0,
                     finished: false,
@@ -1498,49 +1421,39 @@ impl Server {
                         ?ck,
                         "message for a finished collective; dropped"
                     );
-                    // A staged allgather's writers wait for an answer even from an SP where
-                    // the instance finished (ranks posted different communicators under one
-                    // key): it has no write of this SP to wait for.
-                    if let CollMsg::StagedAllgather(_) = &m {
+                    if inbound.answer_when_finished {
                         self.send_refusals(ck, &m, from, Status::Aborted);
                     }
                     return;
                 }
-                if matches!(
-                    m,
-                    CollMsg::Alltoallv(alltoallv::Msg::Announce { .. })
-                        | CollMsg::Allgatherv(allgatherv::Msg::Announce { .. })
-                ) {
+                if inbound.announce {
                     self.stats.announces_received += 1;
                 }
                 let now = now_ns(self.start);
                 let me = self.me;
                 let failed = job.failed;
                 let is_new = !self.instances.contains_key(&ck);
-                let inst = self.instance(ck, Machine::kind_of(&m));
+                let inst = self.instance(ck, drivers::kind_of(&m));
                 if let (true, Some(status)) = (is_new, failed) {
                     inst.sm.abort(now, status);
                 }
                 // A chunk's bytes go into the staging slot it names, if that slot was granted
                 // to the sender and is waiting for it; anything else is a peer's bug, and the
                 // instance fails rather than wait for bytes that will not come.
-                let landed = match (&data, &m) {
+                let landed = match (&data, inbound.fills_slot) {
                     (None, _) => true,
-                    (
-                        Some(bytes),
-                        CollMsg::Bcast(algorithms::bcast::Msg::Chunk { slot, len, .. }),
-                    ) => {
-                        let may = inst.sm.may_fill(from, slot.0) && bytes.len() as u64 == *len;
+                    (Some(bytes), Some((slot, len))) => {
+                        let may = inst.sm.may_fill(from, slot) && bytes.len() as u64 == len;
                         match inst
                             .stages
                             .as_mut()
-                            .and_then(|s| s.slots.get_mut(slot.0 as usize))
+                            .and_then(|s| s.slots.get_mut(slot as usize))
                         {
                             Some(stage) if may => stage.fill(bytes),
                             _ => false,
                         }
                     }
-                    (Some(_), _) => false,
+                    (Some(_), None) => false,
                 };
                 if landed {
                     if let Err(e) = inst.sm.handle_msg(now, from, m) {
@@ -1574,55 +1487,20 @@ impl Server {
                 break;
             };
             match action {
-                Act::Send { to, msg } => {
-                    if let CollMsg::Bcast(bcast::Msg::Sealed { .. })
-                    | CollMsg::StagedAllgather(staged_allgather::Msg::RegionDone { .. }) = &msg
-                    {
+                Act::Send {
+                    to,
+                    msg,
+                    lends_region,
+                    grants_slots,
+                } => {
+                    if lends_region {
                         self.stats.regions_shared += 1;
                         if let Some(r) = self.regions.get_mut(&ck) {
                             r.borrowers.insert(to);
                         }
                     }
-                    let Some(inst) = self.instances.get_mut(&ck) else {
-                        return;
-                    };
-                    if let (
-                        Some(reg),
-                        Some(stages),
-                        CollMsg::Bcast(bcast::Msg::Credit { slots, .. }),
-                    ) = (self.stage_ucx.as_mut(), inst.stages.as_ref(), &msg)
-                    {
-                        let mut granted = Vec::new();
-                        for s in slots {
-                            let Some(stage) = stages.slots.get(s.0 as usize) else {
-                                continue;
-                            };
-                            let k = stage.key();
-                            // SAFETY: staging buffers are never freed while the server lives
-                            // (they go back to the pool, declared after this registrar, so
-                            // unmapped first), and a granted slot is not read here until the
-                            // chunk's message says its bytes landed.
-                            match unsafe { reg.register(k.grant.addr, k.grant.len, Rights::WRITE) }
-                            {
-                                Ok(g) => granted.push((
-                                    s.0,
-                                    AliasKey {
-                                        owner: k.owner,
-                                        grant: g,
-                                    },
-                                )),
-                                Err(e) => warn!(sp = self.me, "cannot grant a staging slot: {e}"),
-                            }
-                        }
-                        if !granted.is_empty() {
-                            if let Some(k) = self.peer_conn.get(&to).copied() {
-                                let grants = SpToSp::SlotGrants {
-                                    key: ck,
-                                    slots: granted,
-                                };
-                                self.send_frame(k, &encode(&grants));
-                            }
-                        }
+                    if !grants_slots.is_empty() {
+                        self.grant_slots_over_ucx(ck, to, &grants_slots);
                     }
                     let frame = encode(&SpToSp::Coll { key: ck, msg });
                     match self.peer_conn.get(&to).copied() {
@@ -1666,9 +1544,9 @@ impl Server {
                     len,
                 } => {
                     let stages = inst.stages.as_ref();
-                    let resolve = |loc: bcast::Loc<AliasKey>| match loc {
-                        bcast::Loc::Host { key, offset } => Some((key, offset)),
-                        bcast::Loc::Stage { slot, offset } => stages
+                    let resolve = |loc: drivers::Loc| match loc {
+                        drivers::Loc::Host { key, offset } => Some((key, offset)),
+                        drivers::Loc::Stage { slot, offset } => stages
                             .and_then(|s| s.slots.get(slot.0 as usize))
                             .map(|s| (s.key().clone(), offset)),
                     };
@@ -1701,7 +1579,7 @@ impl Server {
                     {
                         let ticket = self.next_ticket;
                         self.next_ticket += 1;
-                        self.ucx_moves.insert(ticket, (ck, id, to, msg));
+                        self.ucx_moves.insert(ticket, (ck, id, to, msg, len));
                         self.stats.chunks_moved_ucx += 1;
                         self.limiter.push(CopyJob {
                             ticket,
@@ -1789,6 +1667,47 @@ impl Server {
         }
     }
 
+    /// With UCX here: registers staging slots `slots` of `ck` for writing and sends their keys
+    /// to `to`, which then puts its chunks straight into them (without UCX the chunks come as
+    /// frames, which the slots take as well).
+    fn grant_slots_over_ucx(&mut self, ck: CollKey, to: SpId, slots: &[u32]) {
+        let (Some(reg), Some(stages)) = (
+            self.stage_ucx.as_mut(),
+            self.instances.get(&ck).and_then(|i| i.stages.as_ref()),
+        ) else {
+            return;
+        };
+        let mut granted = Vec::new();
+        for &s in slots {
+            let Some(stage) = stages.slots.get(s as usize) else {
+                continue;
+            };
+            let k = stage.key();
+            // SAFETY: staging buffers are never freed while the server lives (they go back to
+            // the pool, declared after this registrar, so unmapped first), and a granted slot
+            // is not read here until the chunk's message says its bytes landed.
+            match unsafe { reg.register(k.grant.addr, k.grant.len, Rights::WRITE) } {
+                Ok(g) => granted.push((
+                    s,
+                    AliasKey {
+                        owner: k.owner,
+                        grant: g,
+                    },
+                )),
+                Err(e) => warn!(sp = self.me, "cannot grant a staging slot: {e}"),
+            }
+        }
+        if !granted.is_empty() {
+            if let Some(k) = self.peer_conn.get(&to).copied() {
+                let grants = SpToSp::SlotGrants {
+                    key: ck,
+                    slots: granted,
+                };
+                self.send_frame(k, &encode(&grants));
+            }
+        }
+    }
+
     /// The region of `ck` in its job's segment (described by a rank's grant `seg`): the one
     /// the instance has, or a new one of `len` bytes; `None` if the segment has no room.
     fn region_for(
@@ -1841,10 +1760,10 @@ impl Server {
         Ok(Some((off, len)))
     }
 
-    /// Sends the answers [`machine::refuse`] gives to `msg` of instance `ck` from SP `from`;
+    /// Sends the answers [`drivers::refuse`] gives to `msg` of instance `ck` from SP `from`;
     /// true if there were any.
     fn send_refusals(&mut self, ck: CollKey, msg: &CollMsg, from: SpId, status: Status) -> bool {
-        let replies = machine::refuse(msg, from, status);
+        let replies = drivers::refuse(msg, from, status);
         let any = !replies.is_empty();
         for (to, reply) in replies {
             let frame = encode(&SpToSp::Coll {
@@ -1892,14 +1811,11 @@ impl Server {
         id: u64,
         to: SpId,
         msg: CollMsg,
+        len: u64,
         result: Result<(), alias_mkey::AccessError>,
     ) {
         let status = match (result, self.peer_conn.get(&to).copied()) {
             (Ok(()), Some(k)) => {
-                let len = match &msg {
-                    CollMsg::Bcast(bcast::Msg::Chunk { len, .. }) => *len,
-                    _ => 0,
-                };
                 let here = self.cluster.sp(self.me).map(|e| e.node);
                 if self.cluster.sp(to).map(|e| e.node) == here {
                     self.stats.bytes_intra_node += len;
@@ -2223,8 +2139,8 @@ impl Server {
         let now = now_ns(self.start);
         for d in done {
             self.limiter.finished();
-            if let Some((ck, id, to, msg)) = self.ucx_moves.remove(&d.ticket) {
-                self.ucx_move_done(ck, id, to, msg, d.result);
+            if let Some((ck, id, to, msg, len)) = self.ucx_moves.remove(&d.ticket) {
+                self.ucx_move_done(ck, id, to, msg, len, d.result);
                 continue;
             }
             let Some((ck, id)) = self.copies.remove(&d.ticket) else {

@@ -81,12 +81,12 @@ pub const JOBS_KEPT: usize = 64;
 pub struct JobLateArrivals {
     pub job: u64,
     #[serde(flatten)]
-    pub counters: crate::machine::LateArrivals,
+    pub counters: crate::drivers::LateArrivals,
 }
 
 impl Stats {
     /// Adds the counters of a finished instance of `job`, to the totals and to the job's.
-    pub fn add_late_arrivals(&mut self, job: u64, l: crate::machine::LateArrivals) {
+    pub fn add_late_arrivals(&mut self, job: u64, l: crate::drivers::LateArrivals) {
         self.no_ready_rank += l.no_ready_rank;
         self.served_after_pass += l.served_after_pass;
         self.parked += l.parked;
@@ -208,7 +208,7 @@ pub fn print_cluster_stats(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::machine::LateArrivals;
+    use crate::drivers::LateArrivals;
 
     #[test]
     fn late_arrivals_are_kept_per_job_for_the_last_jobs() {

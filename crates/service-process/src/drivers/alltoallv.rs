@@ -1,0 +1,127 @@
+//! The ring Alltoallv (`algorithms::alltoallv`).
+
+use super::{Act, CollDriver, Inbound, KindSpec, LocalPost, StagedConfig};
+use algorithms::{alltoallv, CollKey, Nanos, Rank, SpId, Status};
+use alias_mkey::AliasKey;
+use bootstrap::wire::{CollKind, CollMsg};
+
+pub static SPEC: KindSpec = KindSpec {
+    kind: CollKind::Alltoallv,
+    new,
+    staging: false,
+    host_copies: false,
+    abort_msg: |status| CollMsg::Alltoallv(alltoallv::Msg::Abort { status }),
+    refuse,
+    inbound,
+    region_writer: super::no_region_writer,
+    region_len: super::no_region_len,
+};
+
+struct Driver(alltoallv::Alltoallv<AliasKey>);
+
+fn new(key: CollKey, me: SpId, _: StagedConfig) -> Box<dyn CollDriver> {
+    Box::new(Driver(alltoallv::Alltoallv::new(
+        key,
+        alltoallv::Config { me },
+    )))
+}
+
+fn inbound(msg: &CollMsg) -> Inbound {
+    Inbound {
+        announce: matches!(msg, CollMsg::Alltoallv(alltoallv::Msg::Announce { .. })),
+        ..Inbound::default()
+    }
+}
+
+fn refuse(msg: &CollMsg, from: SpId, status: Status) -> Vec<(SpId, CollMsg)> {
+    let CollMsg::Alltoallv(msg) = msg else {
+        return vec![];
+    };
+    match msg {
+        alltoallv::Msg::Announce { src, dst, .. } => vec![
+            (
+                from,
+                CollMsg::Alltoallv(alltoallv::Msg::Ack {
+                    src: *src,
+                    dst: *dst,
+                    status,
+                }),
+            ),
+            (from, CollMsg::Alltoallv(alltoallv::Msg::Abort { status })),
+        ],
+        // Messages that expect no answer. Listed one by one so that a new message kind has to
+        // be considered here.
+        alltoallv::Msg::Ack { .. } | alltoallv::Msg::Abort { .. } => vec![],
+    }
+}
+
+impl CollDriver for Driver {
+    fn kind(&self) -> CollKind {
+        CollKind::Alltoallv
+    }
+    fn handle_post(&mut self, now: Nanos, p: LocalPost) -> Result<(), String> {
+        let d = p.desc;
+        let post = alltoallv::Post {
+            rank: d.comm_rank,
+            members: d.members,
+            send_key: p.send,
+            recv_key: p.recv,
+            send_counts: d.send_counts,
+            send_displs: d.send_displs,
+            recv_counts: d.recv_counts,
+            recv_displs: d.recv_displs,
+        };
+        self.0.handle_post(now, post).map_err(|e| e.to_string())
+    }
+    fn handle_msg(&mut self, now: Nanos, from: SpId, msg: CollMsg) -> Result<(), String> {
+        match msg {
+            CollMsg::Alltoallv(m) => self.0.handle_msg(now, from, m).map_err(|e| e.to_string()),
+            m => Err(format!(
+                "a {:?} message for an alltoallv",
+                super::kind_of(&m)
+            )),
+        }
+    }
+    fn handle_copy_done(&mut self, now: Nanos, id: u64, status: Status) {
+        self.0.handle_copy_done(now, alltoallv::CopyId(id), status)
+    }
+    fn handle_peer_lost(&mut self, now: Nanos, sp: SpId) {
+        self.0.handle_peer_lost(now, sp)
+    }
+    fn handle_rank_lost(&mut self, now: Nanos, rank: Rank) {
+        self.0.handle_rank_lost(now, rank)
+    }
+    fn abort(&mut self, now: Nanos, status: Status) {
+        self.0.abort(now, status)
+    }
+    fn poll_action(&mut self) -> Option<Act> {
+        Some(match self.0.poll_action()? {
+            alltoallv::Action::Send { to, msg } => Act::Send {
+                to,
+                msg: CollMsg::Alltoallv(msg),
+                lends_region: false,
+                grants_slots: vec![],
+            },
+            alltoallv::Action::Copy(c) => Act::Copy {
+                id: c.id.0,
+                dst_rank: c.dst_rank,
+                src_key: c.src_key,
+                src_offset: c.src_offset,
+                dst_key: c.dst_key,
+                dst_offset: c.dst_offset,
+                len: c.len,
+            },
+            alltoallv::Action::Complete { rank, status } => Act::Complete {
+                rank,
+                status,
+                from_segment: false,
+            },
+        })
+    }
+    fn is_finished(&self) -> bool {
+        self.0.is_finished()
+    }
+    fn copies_in_flight(&self) -> usize {
+        self.0.copies_in_flight()
+    }
+}

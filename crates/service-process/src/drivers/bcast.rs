@@ -1,0 +1,184 @@
+//! The staged Ibcast, flat and hierarchical (`algorithms::bcast`): chunks through staging
+//! slots granted by credits, over UCX puts into the child's slots when both ends have UCX.
+
+use super::{Act, CollDriver, Inbound, KindSpec, LocalPost, StagedConfig};
+use algorithms::{bcast, CollKey, Nanos, Rank, SpId, Status};
+use alias_mkey::AliasKey;
+use bootstrap::wire::{CollKind, CollMsg, PostDesc};
+
+pub static SPEC: KindSpec = KindSpec {
+    kind: CollKind::Bcast,
+    new,
+    staging: true,
+    host_copies: false,
+    abort_msg: |status| CollMsg::Bcast(bcast::Msg::Abort { status }),
+    refuse,
+    inbound,
+    region_writer,
+    // The message is the one block: the root's send side, the others' receive side.
+    region_len: |d| d.send_counts[0].max(d.recv_counts[0]),
+};
+
+struct Driver(bcast::Bcast<AliasKey>);
+
+fn new(key: CollKey, me: SpId, staged: StagedConfig) -> Box<dyn CollDriver> {
+    Box::new(Driver(bcast::Bcast::new(
+        key,
+        bcast::Config {
+            me,
+            chunk_bytes: staged.chunk_bytes,
+            staging_slots: staged.slots,
+        },
+    )))
+}
+
+/// A node's leader in the bcast's tree writes the node's region.
+fn region_writer(d: &PostDesc, me: SpId) -> bool {
+    let Some(st) = &d.staged else { return true };
+    bcast::build_tree(&d.members, &d.nodes, st.root).is_ok_and(|t| t.iter().any(|g| g[0] == me))
+}
+
+fn inbound(msg: &CollMsg) -> Inbound {
+    match msg {
+        CollMsg::Bcast(bcast::Msg::Sealed { at }) => Inbound {
+            lends_region_at: Some(*at),
+            ..Inbound::default()
+        },
+        CollMsg::Bcast(bcast::Msg::Chunk { slot, len, .. }) => Inbound {
+            fills_slot: Some((slot.0, *len)),
+            ..Inbound::default()
+        },
+        _ => Inbound::default(),
+    }
+}
+
+fn refuse(msg: &CollMsg, from: SpId, status: Status) -> Vec<(SpId, CollMsg)> {
+    let CollMsg::Bcast(msg) = msg else {
+        return vec![];
+    };
+    let abort = CollMsg::Bcast(bcast::Msg::Abort { status });
+    match msg {
+        // The sender waits for credits after `Open`, for its slots after `Credit`.
+        bcast::Msg::Open { .. } | bcast::Msg::Chunk { .. } => vec![(from, abort)],
+        bcast::Msg::Credit { slots, .. } => vec![
+            (
+                from,
+                CollMsg::Bcast(bcast::Msg::Return {
+                    slots: slots.clone(),
+                }),
+            ),
+            (from, abort),
+        ],
+        // Messages that expect no answer. Listed one by one so that a new message kind has to
+        // be considered here. A `Sealed` is answered outside the collective
+        // (`SpToSp::RegionReleased`).
+        bcast::Msg::Return { .. } | bcast::Msg::Abort { .. } | bcast::Msg::Sealed { .. } => {
+            vec![]
+        }
+    }
+}
+
+impl CollDriver for Driver {
+    fn kind(&self) -> CollKind {
+        CollKind::Bcast
+    }
+    fn handle_post(&mut self, now: Nanos, p: LocalPost) -> Result<(), String> {
+        let d = p.desc;
+        let st = d.staged.as_ref().ok_or("a bcast post without its root")?;
+        let is_root = st.root == d.comm_rank;
+        let (shared_key, shared_at) = match p.region {
+            Some((k, at)) => (Some(k), at),
+            None => (None, 0),
+        };
+        let post = bcast::Post {
+            rank: d.comm_rank,
+            root: st.root,
+            key: if is_root { p.send } else { p.recv },
+            len: if is_root {
+                d.send_counts[0]
+            } else {
+                d.recv_counts[0]
+            },
+            members: d.members,
+            nodes: d.nodes,
+            design: if p.hier {
+                bcast::Design::Hier
+            } else {
+                bcast::Design::Flat
+            },
+            shared_key,
+            shared_at,
+        };
+        self.0.handle_post(now, post).map_err(|e| e.to_string())
+    }
+    fn handle_msg(&mut self, now: Nanos, from: SpId, msg: CollMsg) -> Result<(), String> {
+        match msg {
+            CollMsg::Bcast(m) => self.0.handle_msg(now, from, m).map_err(|e| e.to_string()),
+            m => Err(format!("a {:?} message for a bcast", super::kind_of(&m))),
+        }
+    }
+    fn handle_copy_done(&mut self, now: Nanos, id: u64, status: Status) {
+        self.0.handle_copy_done(now, bcast::CopyId(id), status)
+    }
+    fn handle_move_done(&mut self, now: Nanos, id: u64, status: Status) {
+        self.0.handle_move_done(now, bcast::MoveId(id), status)
+    }
+    fn handle_peer_lost(&mut self, now: Nanos, sp: SpId) {
+        self.0.handle_peer_lost(now, sp)
+    }
+    fn handle_rank_lost(&mut self, now: Nanos, rank: Rank) {
+        self.0.handle_rank_lost(now, rank)
+    }
+    fn abort(&mut self, now: Nanos, status: Status) {
+        self.0.abort(now, status)
+    }
+    fn poll_action(&mut self) -> Option<Act> {
+        Some(match self.0.poll_action()? {
+            bcast::Action::Send { to, msg } => Act::Send {
+                to,
+                lends_region: matches!(msg, bcast::Msg::Sealed { .. }),
+                grants_slots: match &msg {
+                    bcast::Msg::Credit { slots, .. } => slots.iter().map(|s| s.0).collect(),
+                    _ => vec![],
+                },
+                msg: CollMsg::Bcast(msg),
+            },
+            bcast::Action::Copy(c) => Act::StageCopy {
+                id: c.id.0,
+                rank: c.rank,
+                src: c.src,
+                dst: c.dst,
+                len: c.len,
+            },
+            bcast::Action::Move(mv) => Act::Move {
+                id: mv.id.0,
+                to: mv.to,
+                src_slot: mv.src_slot.0,
+                dst_slot: mv.dst_slot.0,
+                len: mv.len,
+                msg: CollMsg::Bcast(mv.chunk_msg()),
+            },
+            bcast::Action::Complete {
+                rank,
+                status,
+                from_segment,
+            } => Act::Complete {
+                rank,
+                status,
+                from_segment,
+            },
+        })
+    }
+    fn is_finished(&self) -> bool {
+        self.0.is_finished()
+    }
+    fn copies_in_flight(&self) -> usize {
+        self.0.copies_in_flight()
+    }
+    fn may_fill(&self, from: SpId, slot: u32) -> bool {
+        self.0.may_fill(from, bcast::SlotId(slot))
+    }
+    fn segment_source(&self) -> Option<(SpId, u64, u64)> {
+        self.0.segment_source()
+    }
+}

@@ -1,0 +1,253 @@
+//! The collective driver interface: what the engine knows of a collective, whichever it is.
+//!
+//! The state machines of `algorithms` differ in their posts, messages and copies. Each kind of
+//! collective has a driver here (one file per kind) that wraps its machine behind
+//! [`CollDriver`] and describes the kind to the engine with a [`KindSpec`]: how to make an
+//! instance, whether it needs staging slots, which of its messages lend a segment region or
+//! carry a staging slot's bytes, how to refuse a message for a job that is gone, and which SP
+//! of a node writes a hierarchical region. The engine (`server`) feeds drivers events (a local
+//! post, a peer message, a copy or move done, a peer or rank lost, an abort, a timer) with the
+//! time passed in, and executes the [`Act`]s they emit; it never names a kind.
+//!
+//! Adding a collective kind: a `CollKind` and a `CollMsg` variant in `bootstrap::wire`, its
+//! checks in `validate`, a file here with its driver and `SPEC`, and a line in [`KINDS`] and
+//! [`kind_of`].
+
+mod allgatherv;
+mod alltoallv;
+mod bcast;
+mod staged_allgather;
+
+use algorithms::{CollKey, Nanos, Rank, SpId, Status};
+use alias_mkey::AliasKey;
+use bootstrap::wire::{CollKind, CollMsg, PostDesc};
+
+/// Staging of the staged collectives (the same on every SP of a cluster).
+#[derive(Clone, Copy, Debug)]
+pub struct StagedConfig {
+    pub chunk_bytes: u64,
+    pub slots: u32,
+}
+
+/// A location of a staged collective's copy: a rank's granted memory or a staging slot of the
+/// instance.
+pub type Loc = algorithms::bcast::Loc<AliasKey>;
+
+/// What the engine must do next.
+pub enum Act {
+    Send {
+        to: SpId,
+        msg: CollMsg,
+        /// The message lends `to` the region this SP writes in its node's segment (its ranks
+        /// copy out of it): `to` is to say when they are done.
+        lends_region: bool,
+        /// Staging slots of the instance granted to `to` for its chunks: with UCX the engine
+        /// registers them and sends `to` their keys first, so that `to` can put into them.
+        grants_slots: Vec<u32>,
+    },
+    Copy {
+        id: u64,
+        /// The comm rank written (always served by this SP).
+        dst_rank: Rank,
+        src_key: AliasKey,
+        src_offset: u64,
+        dst_key: AliasKey,
+        dst_offset: u64,
+        len: u64,
+    },
+    /// A copy of a staged collective: one end may be a staging slot of the instance.
+    StageCopy {
+        id: u64,
+        /// The local rank whose grant is one end.
+        rank: Rank,
+        src: Loc,
+        dst: Loc,
+        len: u64,
+    },
+    /// Move `len` bytes from staging slot `src_slot` to SP `to`, delivering `msg` (which names
+    /// the slot there) with them; report with `handle_move_done`.
+    Move {
+        id: u64,
+        to: SpId,
+        src_slot: u32,
+        dst_slot: u32,
+        len: u64,
+        msg: CollMsg,
+    },
+    Complete {
+        rank: Rank,
+        status: Status,
+        /// Hierarchical staged design: the data are in the segment; the host copies them
+        /// before the rank may complete.
+        from_segment: bool,
+    },
+}
+
+/// The post of one local rank, checked by `validate::check_post`, with its grants as keys.
+pub struct LocalPost {
+    pub desc: PostDesc,
+    pub send: AliasKey,
+    pub recv: AliasKey,
+    /// Hierarchical staged designs: the region this SP writes in its node's segment (granted
+    /// by the posting rank) and its offset there, if this SP writes one.
+    pub region: Option<(AliasKey, u64)>,
+    /// The instance runs the hierarchical design here (else flat, as posted or for want of
+    /// room in the segment).
+    pub hier: bool,
+}
+
+/// Counters of the hierarchical collectives, summed over finished instances.
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct LateArrivals {
+    /// Announcements that found no ready local rank at the SP they reached.
+    pub no_ready_rank: u64,
+    /// Of those, served by another SP of the node (the pass path).
+    pub served_after_pass: u64,
+    /// Announcements parked on the node's pending list.
+    pub parked: u64,
+    /// Total time announcements waited there (ns).
+    pub parked_wait_ns: u64,
+}
+
+/// One collective instance on this SP. Every `now` is the engine's clock (ns since the SP
+/// started); a driver keeps no clock of its own.
+pub trait CollDriver: Send {
+    fn kind(&self) -> CollKind;
+    fn handle_post(&mut self, now: Nanos, post: LocalPost) -> Result<(), String>;
+    fn handle_msg(&mut self, now: Nanos, from: SpId, msg: CollMsg) -> Result<(), String>;
+    fn handle_copy_done(&mut self, now: Nanos, id: u64, status: Status);
+    /// A [`Act::Move`] ended.
+    fn handle_move_done(&mut self, _now: Nanos, _id: u64, _status: Status) {}
+    fn handle_peer_lost(&mut self, now: Nanos, sp: SpId);
+    fn handle_rank_lost(&mut self, now: Nanos, rank: Rank);
+    fn abort(&mut self, now: Nanos, status: Status);
+    /// When the driver wants [`CollDriver::tick`] called (cutoff timers, aggregation
+    /// timeouts); asked again after every event.
+    fn deadline(&self) -> Option<Nanos> {
+        None
+    }
+    /// Its deadline passed.
+    fn tick(&mut self, _now: Nanos) {}
+    fn poll_action(&mut self) -> Option<Act>;
+    fn is_finished(&self) -> bool;
+    fn copies_in_flight(&self) -> usize;
+    /// An incoming chunk may land in staging slot `slot` (granted to `from`, not holding
+    /// anything): checked before the bytes are written there.
+    fn may_fill(&self, _from: SpId, _slot: u32) -> bool {
+        false
+    }
+    /// A hierarchical design: the SP whose segment region this SP's ranks copy out of, where
+    /// it starts and its length.
+    fn segment_source(&self) -> Option<(SpId, u64, u64)> {
+        None
+    }
+    /// Late-arrival counters (zero for collectives without a hierarchical landing).
+    fn late_arrivals(&self) -> LateArrivals {
+        LateArrivals::default()
+    }
+}
+
+/// What the engine does with an incoming message before its instance sees it.
+#[derive(Default)]
+pub struct Inbound {
+    /// The sender lends this SP's ranks its region at this offset of the node's segment: the
+    /// sender keeps it until told they are done (`SpToSp::RegionReleased`).
+    pub lends_region_at: Option<u64>,
+    /// Counted as an announcement (`announces_received`).
+    pub announce: bool,
+    /// The message comes with the bytes of a chunk for staging slot `.0`, `.1` bytes long.
+    pub fills_slot: Option<(u32, u64)>,
+    /// The sender waits for an answer even from an SP where the instance finished (its ranks
+    /// may have posted different communicators under one key): refused with `Aborted`.
+    pub answer_when_finished: bool,
+}
+
+/// A collective kind as the engine sees it.
+pub struct KindSpec {
+    pub kind: CollKind,
+    pub new: fn(CollKey, SpId, StagedConfig) -> Box<dyn CollDriver>,
+    /// Instances hold staging slots from the SP's budget.
+    pub staging: bool,
+    /// The kind honours `PostDesc::host_copies` (a blocked rank copies on-node data itself).
+    pub host_copies: bool,
+    /// The message that aborts an instance of the kind on a peer.
+    pub abort_msg: fn(Status) -> CollMsg,
+    /// The replies that let peers finish when `msg` reaches an SP where its job is gone (no
+    /// rank of the job will post there): every message that expects exactly one answer gets
+    /// it, with `status`, and the instance is aborted. (destination SP, message) pairs; `from`
+    /// is the SP the message came from.
+    pub refuse: fn(msg: &CollMsg, from: SpId, status: Status) -> Vec<(SpId, CollMsg)>,
+    pub inbound: fn(&CollMsg) -> Inbound,
+    /// Hierarchical design: SP `me` writes the node's region for this post (one SP per node
+    /// does; the node's other SPs' ranks copy out of it).
+    pub region_writer: fn(d: &PostDesc, me: SpId) -> bool,
+    /// Hierarchical design: the bytes of the node's region (the whole message).
+    pub region_len: fn(&PostDesc) -> u64,
+}
+
+/// Every kind the engine serves.
+pub static KINDS: [&KindSpec; 4] = [
+    &alltoallv::SPEC,
+    &allgatherv::SPEC,
+    &bcast::SPEC,
+    &staged_allgather::SPEC,
+];
+
+/// The kind `kind`.
+pub fn spec(kind: CollKind) -> &'static KindSpec {
+    KINDS
+        .iter()
+        .find(|s| s.kind == kind)
+        .expect("every CollKind is in KINDS")
+}
+
+/// The kind a peer message belongs to.
+pub fn kind_of(msg: &CollMsg) -> CollKind {
+    match msg {
+        CollMsg::Alltoallv(_) => CollKind::Alltoallv,
+        CollMsg::Allgatherv(_) => CollKind::Allgatherv,
+        CollMsg::Bcast(_) => CollKind::Bcast,
+        CollMsg::StagedAllgather(_) => CollKind::StagedAllgather,
+    }
+}
+
+/// A new instance of `kind`.
+pub fn new(kind: CollKind, key: CollKey, me: SpId, staged: StagedConfig) -> Box<dyn CollDriver> {
+    (spec(kind).new)(key, me, staged)
+}
+
+/// The replies of `msg`'s kind (see [`KindSpec::refuse`]).
+pub fn refuse(msg: &CollMsg, from: SpId, status: Status) -> Vec<(SpId, CollMsg)> {
+    (spec(kind_of(msg)).refuse)(msg, from, status)
+}
+
+/// Region defaults of kinds without a hierarchical design.
+fn no_region_writer(_: &PostDesc, _: SpId) -> bool {
+    true
+}
+fn no_region_len(_: &PostDesc) -> u64 {
+    0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kind_has_one_spec() {
+        for kind in [
+            CollKind::Alltoallv,
+            CollKind::Allgatherv,
+            CollKind::Bcast,
+            CollKind::StagedAllgather,
+        ] {
+            assert_eq!(
+                KINDS.iter().filter(|s| s.kind == kind).count(),
+                1,
+                "{kind:?}"
+            );
+            assert_eq!(spec(kind).kind, kind);
+            assert_eq!(kind_of(&(spec(kind).abort_msg)(Status::Aborted)), kind);
+        }
+    }
+}
