@@ -3,7 +3,8 @@
 //! data: it only moves bytes between regions that host ranks granted it, and it decides nothing
 //! that the collective's state machine (in `algorithms`) does not ask for.
 //!
-//! Modules: [`server`] (event loop and engine), [`conn`] (framed nonblocking connections),
+//! Modules: [`server`] (event loop and engine), [`drivers`] (one per collective kind, behind
+//! one interface), [`validate`] (every check of a descriptor), [`conn`] (framed nonblocking connections),
 //! [`access`] (who may use the SP and how much), [`mesh`] (the authenticated SP mesh),
 //! [`datapath`] (copy worker threads), [`launch`] (the emulated cluster), [`stats`].
 #![deny(unsafe_op_in_unsafe_fn)]

@@ -1,0 +1,322 @@
+//! The copy/datapath scheduling: copies queued through the per-SP limiter to the datapath
+//! threads (or inline, or handed to a blocked host rank), UCX moves of chunks, and their
+//! completions fed back to the instances.
+
+use super::*;
+
+impl Server {
+    /// Queues a copy of instance `ck` (its copy `id`) for the datapath.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn queue_copy(
+        &mut self,
+        ck: CollKey,
+        id: u64,
+        src: AliasKey,
+        src_offset: u64,
+        dst: AliasKey,
+        dst_offset: u64,
+        len: u64,
+    ) {
+        let ticket = self.next_ticket;
+        self.next_ticket += 1;
+        self.copies.insert(ticket, (ck, id));
+        self.limiter.push(CopyJob {
+            ticket,
+            src,
+            src_offset,
+            dst,
+            dst_offset,
+            len,
+        });
+        self.start_copies();
+    }
+
+    /// A chunk put into a child's slot finished: on success its message follows (the put
+    /// was flushed, so the bytes are there first), and either way the move is reported.
+    pub(super) fn ucx_move_done(
+        &mut self,
+        ck: CollKey,
+        id: u64,
+        to: SpId,
+        msg: CollMsg,
+        len: u64,
+        result: Result<(), alias_mkey::AccessError>,
+    ) {
+        let status = match (result, self.peer_conn.get(&to).copied()) {
+            (Ok(()), Some(k)) => {
+                let here = self.cluster.sp(self.me).map(|e| e.node);
+                if self.cluster.sp(to).map(|e| e.node) == here {
+                    self.stats.bytes_intra_node += len;
+                } else {
+                    self.stats.bytes_inter_node += len;
+                }
+                self.stats.messages_sent += 1;
+                self.stats.chunks_moved += 1;
+                self.send_frame(k, &encode(&SpToSp::Coll { key: ck, msg }));
+                Status::Ok
+            }
+            (Ok(()), None) => Status::PeerFailed,
+            (Err(e), _) => {
+                warn!(
+                    sp = self.me,
+                    ?ck,
+                    to,
+                    "putting a chunk into a child SP failed: {e}"
+                );
+                self.stats.copies_failed += 1;
+                Status::AccessError
+            }
+        };
+        let now = now_ns(self.start);
+        if let Some(inst) = self.instances.get_mut(&ck) {
+            inst.sm.handle_move_done(now, id, status);
+            self.drive(ck);
+        }
+    }
+
+    /// The owner runs on this SP's node.
+    pub(super) fn is_local(&self, owner: &Owner) -> bool {
+        let node = self
+            .jobs
+            .get(&owner.job)
+            .and_then(|j| self.cluster.placement(owner.world_rank, j.world_size).ok())
+            .map(|p| p.node);
+        node.is_some() && node == self.cluster.sp(self.me).map(|e| e.node)
+    }
+
+    /// Asks the host of post `p` to do an intra-node copy into its receive buffer, after
+    /// checking both ends against their grants (the host learns only an address of a rank
+    /// of its node that the grant covers). Its answer comes as `HostToSp::CopyDone`; a copy
+    /// that cannot be handed over finishes at once with an error.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn hand_to_host(
+        &mut self,
+        ck: CollKey,
+        id: u64,
+        p: Posted,
+        src: &AliasKey,
+        src_offset: u64,
+        dst: &AliasKey,
+        dst_offset: u64,
+        len: u64,
+    ) {
+        let checked = src
+            .check(src_offset, len, Rights::READ)
+            .and_then(|addr| dst.check(dst_offset, len, Rights::WRITE).map(|_| addr));
+        let status = match checked {
+            Ok(addr) => {
+                let src = CopySrc::Process {
+                    pid: src.owner.pid,
+                    addr,
+                };
+                let then = AfterHostCopy::Machine { id };
+                if self.send_host_copy(ck, p, then, src, dst_offset, len) {
+                    return;
+                }
+                Status::RankFailed
+            }
+            Err(e) => {
+                warn!(sp = self.me, ?ck, "host copy refused: {e}");
+                self.stats.copies_failed += 1;
+                Status::AccessError
+            }
+        };
+        // Fed back outside the instance's `drive`, like an inline copy.
+        self.host_done.push((ck, id, status));
+    }
+
+    /// Sends the host of `p` a copy into its receive grant; false (nothing sent) if that host
+    /// is gone.
+    pub(super) fn send_host_copy(
+        &mut self,
+        ck: CollKey,
+        p: Posted,
+        then: AfterHostCopy,
+        src: CopySrc,
+        dst_offset: u64,
+        len: u64,
+    ) -> bool {
+        let live = matches!(
+            self.conns.get(p.conn),
+            Some(Conn { role: Role::Host(h), .. }) if h.conn_id == p.conn_id
+        );
+        if !live {
+            return false;
+        }
+        let ticket = self.next_ticket;
+        self.next_ticket += 1;
+        self.stats.host_copies += 1;
+        self.stats.host_copy_bytes += len;
+        self.host_copies.insert(
+            ticket,
+            HostCopy {
+                ck,
+                conn: p.conn,
+                conn_id: p.conn_id,
+                then,
+            },
+        );
+        let msg = SpToHost::Copy {
+            token: p.token,
+            ticket,
+            src,
+            dst_offset,
+            len,
+        };
+        self.send_frame(p.conn, &encode(&msg));
+        true
+    }
+
+    /// A host answered `SpToHost::Copy`.
+    pub(super) fn on_host_copy_done(&mut self, key: usize, ticket: u64, ok: bool) {
+        let conn_id = self.host(key).conn_id;
+        match self.host_copies.get(&ticket) {
+            Some(c) if c.conn == key && c.conn_id == conn_id => {}
+            _ => {
+                return self.send_error(
+                    key,
+                    None,
+                    ErrorCode::BadDescriptor,
+                    format!("copy ticket {ticket} was not handed to this rank"),
+                )
+            }
+        }
+        let Some(c) = self.host_copies.remove(&ticket) else {
+            return;
+        };
+        let status = if ok {
+            Status::Ok
+        } else {
+            self.stats.host_copies_failed += 1;
+            Status::AccessError
+        };
+        match c.then {
+            AfterHostCopy::Machine { id } => {
+                self.host_done.push((c.ck, id, status));
+                self.feed_host_copies_done();
+            }
+            AfterHostCopy::Finish { posted } => {
+                self.write_completion(posted, status);
+                self.region_reader_done(c.ck);
+            }
+        }
+    }
+
+    /// Host copies of connection `key` will never be answered: they fail.
+    pub(super) fn drop_host_copies(&mut self, key: usize) {
+        let gone: Vec<u64> = self
+            .host_copies
+            .iter()
+            .filter(|(_, c)| c.conn == key)
+            .map(|(&t, _)| t)
+            .collect();
+        for t in gone {
+            let Some(c) = self.host_copies.remove(&t) else {
+                continue;
+            };
+            match c.then {
+                AfterHostCopy::Machine { id } => {
+                    self.host_done.push((c.ck, id, Status::RankFailed))
+                }
+                AfterHostCopy::Finish { .. } => self.region_reader_done(c.ck),
+            }
+        }
+        self.feed_host_copies_done();
+    }
+
+    pub(super) fn feed_host_copies_done(&mut self) {
+        let now = now_ns(self.start);
+        while !self.host_done.is_empty() {
+            for (ck, id, status) in std::mem::take(&mut self.host_done) {
+                if let Some(inst) = self.instances.get_mut(&ck) {
+                    inst.sm.handle_copy_done(now, id, status);
+                    self.drive(ck);
+                }
+            }
+        }
+    }
+
+    pub(super) fn start_copies(&mut self) {
+        while let Some(job) = self.limiter.pop_startable() {
+            self.stats.copies_started += 1;
+            self.stats.bytes_copied += job.len;
+            // A copy crosses nodes when its two ends live on different nodes (this SP's own
+            // staging lives here). A put into a child SP's staging is counted when it is done.
+            if !self.ucx_moves.contains_key(&job.ticket) {
+                let here = self.cluster.sp(self.me).map(|e| e.node);
+                let node_of = |k: &AliasKey| {
+                    if k.owner.world_rank == crate::staging::STAGE_OWNER_RANK {
+                        return here;
+                    }
+                    self.jobs.get(&k.owner.job).and_then(|j| {
+                        self.cluster
+                            .placement(k.owner.world_rank, j.world_size)
+                            .ok()
+                            .map(|p| p.node)
+                    })
+                };
+                if node_of(&job.src) != node_of(&job.dst) {
+                    self.stats.bytes_inter_node += job.len;
+                } else {
+                    self.stats.bytes_intra_node += job.len;
+                }
+            }
+            self.stats.max_inflight = self.stats.max_inflight.max(self.limiter.in_flight() as u64);
+            let both_cma = job.src.grant.backend == BackendData::Cma
+                && job.dst.grant.backend == BackendData::Cma;
+            if job.len <= self.inline_copy_bytes && both_cma {
+                self.stats.copies_inline += 1;
+                let result =
+                    self.mover
+                        .copy(&job.src, job.src_offset, &job.dst, job.dst_offset, job.len);
+                // Fed back by `on_copies_done`, outside the instance's `drive`.
+                self.inline_done.push(crate::datapath::CopyDone {
+                    ticket: job.ticket,
+                    result,
+                });
+            } else {
+                self.datapath.submit(job);
+            }
+        }
+    }
+
+    /// Feeds finished copies back to their instances, until none is left (an instance may
+    /// start more inline copies while it handles one).
+    pub(super) fn on_copies_done(&mut self) {
+        loop {
+            let mut done = std::mem::take(&mut self.inline_done);
+            done.extend(self.datapath.drain());
+            if done.is_empty() {
+                return;
+            }
+            self.feed_copies_done(done);
+        }
+    }
+
+    pub(super) fn feed_copies_done(&mut self, done: Vec<crate::datapath::CopyDone>) {
+        let now = now_ns(self.start);
+        for d in done {
+            self.limiter.finished();
+            if let Some((ck, id, to, msg, len)) = self.ucx_moves.remove(&d.ticket) {
+                self.ucx_move_done(ck, id, to, msg, len, d.result);
+                continue;
+            }
+            let Some((ck, id)) = self.copies.remove(&d.ticket) else {
+                continue;
+            };
+            let status = match &d.result {
+                Ok(()) => Status::Ok,
+                Err(e) => {
+                    warn!(sp = self.me, ?ck, "copy failed: {e}");
+                    self.stats.copies_failed += 1;
+                    Status::AccessError
+                }
+            };
+            if let Some(inst) = self.instances.get_mut(&ck) {
+                inst.sm.handle_copy_done(now, id, status);
+                self.drive(ck);
+            }
+        }
+        self.start_copies();
+    }
+}

@@ -1,0 +1,505 @@
+//! Collective instances: created by the first event that names them, fed peer messages, and
+//! driven: every action their driver emits is executed here (sends, copies, moves,
+//! completions) without naming the collective.
+
+use super::*;
+
+impl Server {
+    /// The instance of `ck`, created (as a `kind`) by the first event that names it.
+    pub(super) fn instance(&mut self, ck: CollKey, kind: CollKind) -> &mut Instance {
+        if !self.instances.contains_key(&ck) {
+            let mut inst = Instance {
+                sm: drivers::new(kind, ck, self.me, self.staged),
+                posted: HashMap::new(),
+                shape: None,
+                local_ranks: None,
+                stages: None,
+            };
+            if drivers::spec(kind).staging {
+                match self
+                    .budget
+                    .reserve(ck.job, self.staged.slots, self.staged.chunk_bytes)
+                {
+                    Ok(set) => {
+                        self.stats.staging_peak_bytes = self.budget.peak;
+                        inst.stages = Some(set);
+                    }
+                    Err(why) => {
+                        warn!(sp = self.me, ?ck, "{why}; the collective fails");
+                        self.stats.staging_refused += 1;
+                        inst.sm.abort(now_ns(self.start), Status::Aborted);
+                    }
+                }
+            }
+            self.instances.insert(ck, inst);
+        }
+        self.instances.get_mut(&ck).expect("just inserted")
+    }
+
+    pub(super) fn on_peer_msg(&mut self, key: usize, msg: SpToSp) {
+        let Role::Peer(from) = self.conns[key].role else {
+            return;
+        };
+        let (ck, m, data) = match msg {
+            SpToSp::Coll { key, msg } => (key, msg, None),
+            SpToSp::Data { key, msg, data } => (key, msg, Some(data.0)),
+            // The frame itself was the news (`on_frame` noted when it came).
+            SpToSp::Heartbeat => return,
+            SpToSp::Shutdown => {
+                debug!(sp = self.me, from, "peer SP is shutting down");
+                self.leaving_peers.insert(from);
+                return;
+            }
+            SpToSp::SlotGrants { key, slots } => {
+                // Without UCX here the datapath cannot put: the chunks go as frames, which the
+                // child takes as well.
+                if self.ucx {
+                    for (slot, k) in slots {
+                        self.peer_slots.insert((key, from, slot), k);
+                    }
+                }
+                return;
+            }
+            SpToSp::JobAbort { job, reason } => {
+                warn!(sp = self.me, from, job, "job aborted: {reason}");
+                self.fail_job(job, Status::RankFailed, false);
+                return;
+            }
+            SpToSp::JobGone { job, answer } => {
+                // Without the job here (and not waiting to unlink its name), none of its ranks
+                // is connected here: say so, so that the sender need not wait for this SP.
+                if !answer && !self.jobs.contains_key(&job) && !self.unlink_after.contains_key(&job)
+                {
+                    self.send_peer(from, &SpToSp::JobGone { job, answer: true });
+                    return;
+                }
+                self.sibling_gone(from, Some(job));
+                return;
+            }
+            SpToSp::RegionReleased { key } => {
+                self.region_released(key, from);
+                return;
+            }
+        };
+        // Memory keys a peer names must belong to the instance's job: an SP never copies
+        // for one job into or out of another job's ranks, whatever a peer says.
+        let world = self.jobs.get(&ck.job).map(|j| j.world_size);
+        let foreign = m
+            .keys()
+            .into_iter()
+            .find(|k| k.owner.job != ck.job || world.is_some_and(|w| k.owner.world_rank >= w));
+        if let Some(k) = foreign {
+            warn!(
+                sp = self.me,
+                from,
+                ?ck,
+                "a peer named memory of job {} rank {} in this job's collective; aborting it",
+                k.owner.job,
+                k.owner.world_rank
+            );
+            let now = now_ns(self.start);
+            if let Some(inst) = self.instances.get_mut(&ck) {
+                inst.sm.abort(now, Status::PeerFailed);
+            }
+            self.drive(ck);
+            return;
+        }
+        let inbound = (drivers::spec(drivers::kind_of(&m)).inbound)(&m);
+        // A node's region writer lent its region to this SP's ranks: it keeps the region until
+        // told they are done with it (at once if this SP has no instance to read it).
+        if let Some(at) = inbound.lends_region_at {
+            let live = self
+                .jobs
+                .get(&ck.job)
+                .is_some_and(|j| !j.finished.contains(&(ck.comm, ck.seq)));
+            if live {
+                self.regions.entry(ck).or_insert_with(|| Region {
+                    off: at,
+                    len: 0,
+                    readers: 0,
+                    finished: false,
+                    owner: Some(from),
+                    borrowers: HashSet::new(),
+                });
+            } else {
+                self.send_peer(from, &SpToSp::RegionReleased { key: ck });
+            }
+        }
+        {
+            {
+                let Some(job) = self.jobs.get(&ck.job) else {
+                    // No rank of this job is (any longer) connected here, so none will post:
+                    // the job ended or failed here. Answer what expects an answer so that its
+                    // sender is not left waiting for it.
+                    if self.send_refusals(ck, &m, from, Status::RankFailed) {
+                        debug!(sp = self.me, ?ck, "message for a job gone here; refused");
+                    }
+                    return;
+                };
+                if job.finished.contains(&(ck.comm, ck.seq)) {
+                    debug!(
+                        sp = self.me,
+                        ?ck,
+                        "message for a finished collective; dropped"
+                    );
+                    if inbound.answer_when_finished {
+                        self.send_refusals(ck, &m, from, Status::Aborted);
+                    }
+                    return;
+                }
+                if inbound.announce {
+                    self.stats.announces_received += 1;
+                }
+                let now = now_ns(self.start);
+                let me = self.me;
+                let failed = job.failed;
+                let is_new = !self.instances.contains_key(&ck);
+                let inst = self.instance(ck, drivers::kind_of(&m));
+                if let (true, Some(status)) = (is_new, failed) {
+                    inst.sm.abort(now, status);
+                }
+                // A chunk's bytes go into the staging slot it names, if that slot was granted
+                // to the sender and is waiting for it; anything else is a peer's bug, and the
+                // instance fails rather than wait for bytes that will not come.
+                let landed = match (&data, inbound.fills_slot) {
+                    (None, _) => true,
+                    (Some(bytes), Some((slot, len))) => {
+                        let may = inst.sm.may_fill(from, slot) && bytes.len() as u64 == len;
+                        match inst
+                            .stages
+                            .as_mut()
+                            .and_then(|s| s.slots.get_mut(slot as usize))
+                        {
+                            Some(stage) if may => stage.fill(bytes),
+                            _ => false,
+                        }
+                    }
+                    (Some(_), None) => false,
+                };
+                if landed {
+                    if let Err(e) = inst.sm.handle_msg(now, from, m) {
+                        warn!(sp = self.me, from, ?ck, "protocol error from a peer: {e}");
+                    }
+                } else {
+                    warn!(
+                        sp = me,
+                        from,
+                        ?ck,
+                        "data from a peer that fits no granted staging slot; aborting"
+                    );
+                    inst.sm.abort(now, Status::PeerFailed);
+                }
+                if let (true, Some(bytes)) = (landed, &data) {
+                    self.stats.bytes_staged_in += bytes.len() as u64;
+                }
+                self.drive(ck);
+            }
+        }
+    }
+
+    /// Executes every action the instance has.
+    pub(super) fn drive(&mut self, ck: CollKey) {
+        let _span = info_span!("drive", ?ck).entered();
+        loop {
+            let Some(inst) = self.instances.get_mut(&ck) else {
+                return;
+            };
+            let Some(action) = inst.sm.poll_action() else {
+                break;
+            };
+            match action {
+                Act::Send {
+                    to,
+                    msg,
+                    lends_region,
+                    grants_slots,
+                } => {
+                    if lends_region {
+                        self.stats.regions_shared += 1;
+                        if let Some(r) = self.regions.get_mut(&ck) {
+                            r.borrowers.insert(to);
+                        }
+                    }
+                    if !grants_slots.is_empty() {
+                        self.grant_slots_over_ucx(ck, to, &grants_slots);
+                    }
+                    let frame = encode(&SpToSp::Coll { key: ck, msg });
+                    match self.peer_conn.get(&to).copied() {
+                        Some(k) => {
+                            self.stats.messages_sent += 1;
+                            self.send_frame(k, &frame)
+                        }
+                        None => {
+                            let now = now_ns(self.start);
+                            if let Some(inst) = self.instances.get_mut(&ck) {
+                                inst.sm.handle_peer_lost(now, to);
+                            }
+                        }
+                    }
+                }
+                Act::Copy {
+                    id,
+                    dst_rank,
+                    src_key,
+                    src_offset,
+                    dst_key,
+                    dst_offset,
+                    len,
+                } => {
+                    // A rank waiting in a blocking call copies what is already on its node.
+                    let dst = inst.posted.get(&dst_rank).copied();
+                    let by_host = dst.filter(|p| p.host_copies);
+                    if let Some(p) = by_host.filter(|_| self.is_local(&src_key.owner)) {
+                        self.hand_to_host(
+                            ck, id, p, &src_key, src_offset, &dst_key, dst_offset, len,
+                        );
+                        continue;
+                    }
+                    self.queue_copy(ck, id, src_key, src_offset, dst_key, dst_offset, len);
+                }
+                Act::StageCopy {
+                    id,
+                    rank: _,
+                    src,
+                    dst,
+                    len,
+                } => {
+                    let stages = inst.stages.as_ref();
+                    let resolve = |loc: drivers::Loc| match loc {
+                        drivers::Loc::Host { key, offset } => Some((key, offset)),
+                        drivers::Loc::Stage { slot, offset } => stages
+                            .and_then(|s| s.slots.get(slot.0 as usize))
+                            .map(|s| (s.key().clone(), offset)),
+                    };
+                    match (resolve(src), resolve(dst)) {
+                        (Some((sk, so)), Some((dk, doff))) => {
+                            self.queue_copy(ck, id, sk, so, dk, doff, len)
+                        }
+                        // No staging (refused by the budget): the instance is aborted; its
+                        // copies fail.
+                        _ => self.host_done.push((ck, id, Status::AccessError)),
+                    }
+                }
+                Act::Move {
+                    id,
+                    to,
+                    src_slot,
+                    dst_slot,
+                    len,
+                    msg,
+                } => {
+                    // A slot the child granted through UCX: the datapath puts the bytes
+                    // there, and the chunk's message follows once they landed.
+                    let src = inst
+                        .stages
+                        .as_ref()
+                        .and_then(|s| s.slots.get(src_slot as usize))
+                        .map(|s| s.key().clone());
+                    if let (Some(src), Some(dst)) =
+                        (src, self.peer_slots.remove(&(ck, to, dst_slot)))
+                    {
+                        let ticket = self.next_ticket;
+                        self.next_ticket += 1;
+                        self.ucx_moves.insert(ticket, (ck, id, to, msg, len));
+                        self.stats.chunks_moved_ucx += 1;
+                        self.limiter.push(CopyJob {
+                            ticket,
+                            src,
+                            src_offset: 0,
+                            dst,
+                            dst_offset: 0,
+                            len,
+                        });
+                        self.start_copies();
+                        continue;
+                    }
+                    let data = inst
+                        .stages
+                        .as_ref()
+                        .and_then(|s| s.slots.get(src_slot as usize))
+                        .map(|s| s.bytes(len as usize).to_vec());
+                    let status = match (data, self.peer_conn.get(&to).copied()) {
+                        (_, None) => Status::PeerFailed,
+                        (Some(data), Some(k)) if data.len() as u64 == len => {
+                            self.stats.messages_sent += 1;
+                            self.stats.chunks_moved += 1;
+                            let here = self.cluster.sp(self.me).map(|e| e.node);
+                            if self.cluster.sp(to).map(|e| e.node) == here {
+                                self.stats.bytes_intra_node += len;
+                            } else {
+                                self.stats.bytes_inter_node += len;
+                            }
+                            let data = wire::Bytes(data);
+                            self.send_frame(k, &encode(&SpToSp::Data { key: ck, msg, data }));
+                            Status::Ok
+                        }
+                        _ => Status::AccessError,
+                    };
+                    let now = now_ns(self.start);
+                    if let Some(inst) = self.instances.get_mut(&ck) {
+                        inst.sm.handle_move_done(now, id, status);
+                    }
+                }
+                Act::Complete {
+                    rank,
+                    status,
+                    from_segment,
+                } => {
+                    let posted = inst.posted.get(&rank).copied();
+                    match posted {
+                        Some(p) if from_segment && status.is_ok() => {
+                            self.finish_from_segment(ck, p)
+                        }
+                        Some(p) => self.write_completion(p, status),
+                        None => warn!(
+                            sp = self.me,
+                            ?ck,
+                            rank,
+                            "completion for a rank never posted"
+                        ),
+                    }
+                }
+            }
+        }
+        // The driver's next deadline (none once it finished).
+        let deadline = self
+            .instances
+            .get(&ck)
+            .filter(|i| !i.sm.is_finished())
+            .and_then(|i| i.sm.deadline());
+        self.deadlines.set(ck, deadline);
+        if self.instances.get(&ck).is_some_and(|i| i.sm.is_finished()) {
+            if let Some(done) = self.instances.remove(&ck) {
+                self.stats
+                    .add_late_arrivals(ck.job, done.sm.late_arrivals());
+            }
+            if let Some(r) = self.regions.get_mut(&ck) {
+                r.finished = true;
+            }
+            self.release_region_if_done(ck);
+            self.flat_here.remove(&ck);
+            self.peer_slots.retain(|(k, _, _), _| *k != ck);
+            self.stats.collectives_finished += 1;
+            if let Some(job) = self.jobs.get_mut(&ck.job) {
+                job.finished.insert((ck.comm, ck.seq));
+                job.finished_order.push_back((ck.comm, ck.seq));
+                if job.finished_order.len() > MAX_FINISHED_PER_JOB {
+                    if let Some(old) = job.finished_order.pop_front() {
+                        job.finished.remove(&old);
+                    }
+                }
+            }
+            self.forget_job_if_done(ck.job);
+        } else if self.jobs.get(&ck.job).is_some_and(|j| j.hosts.is_empty()) {
+            self.forget_job_if_done(ck.job);
+        }
+    }
+
+    /// With UCX here: registers staging slots `slots` of `ck` for writing and sends their keys
+    /// to `to`, which then puts its chunks straight into them (without UCX the chunks come as
+    /// frames, which the slots take as well).
+    pub(super) fn grant_slots_over_ucx(&mut self, ck: CollKey, to: SpId, slots: &[u32]) {
+        let (Some(reg), Some(stages)) = (
+            self.stage_ucx.as_mut(),
+            self.instances.get(&ck).and_then(|i| i.stages.as_ref()),
+        ) else {
+            return;
+        };
+        let mut granted = Vec::new();
+        for &s in slots {
+            let Some(stage) = stages.slots.get(s as usize) else {
+                continue;
+            };
+            let k = stage.key();
+            // SAFETY: staging buffers are never freed while the server lives (they go back to
+            // the pool, declared after this registrar, so unmapped first), and a granted slot
+            // is not read here until the chunk's message says its bytes landed.
+            match unsafe { reg.register(k.grant.addr, k.grant.len, Rights::WRITE) } {
+                Ok(g) => granted.push((
+                    s,
+                    AliasKey {
+                        owner: k.owner,
+                        grant: g,
+                    },
+                )),
+                Err(e) => warn!(sp = self.me, "cannot grant a staging slot: {e}"),
+            }
+        }
+        if !granted.is_empty() {
+            if let Some(k) = self.peer_conn.get(&to).copied() {
+                let grants = SpToSp::SlotGrants {
+                    key: ck,
+                    slots: granted,
+                };
+                self.send_frame(k, &encode(&grants));
+            }
+        }
+    }
+
+    /// Sends the answers [`drivers::refuse`] gives to `msg` of instance `ck` from SP `from`;
+    /// true if there were any.
+    pub(super) fn send_refusals(
+        &mut self,
+        ck: CollKey,
+        msg: &CollMsg,
+        from: SpId,
+        status: Status,
+    ) -> bool {
+        let replies = drivers::refuse(msg, from, status);
+        let any = !replies.is_empty();
+        for (to, reply) in replies {
+            let frame = encode(&SpToSp::Coll {
+                key: ck,
+                msg: reply,
+            });
+            if let Some(k) = self.peer_conn.get(&to).copied() {
+                self.send_frame(k, &frame);
+            }
+        }
+        any
+    }
+
+    pub(super) fn write_completion(&mut self, p: Posted, status: Status) {
+        self.stats.completions += 1;
+        let Some(Conn {
+            role: Role::Host(h),
+            ..
+        }) = self.conns.get_mut(p.conn)
+        else {
+            return;
+        };
+        if h.conn_id != p.conn_id {
+            // That host is gone and another took its slot in the table.
+            return;
+        }
+        h.outstanding = h.outstanding.saturating_sub(1);
+        let h = &*h;
+        let Some((mb, slots)) = &h.mailbox else {
+            return;
+        };
+        let Some(slot) = p.slot else {
+            let done = SpToHost::Completed {
+                token: p.token,
+                status: mailbox::status_code(status),
+            };
+            return self.send_frame(p.conn, &encode(&done));
+        };
+        if slot >= *slots {
+            return;
+        }
+        let base = mailbox::slot_offset(slot);
+        let code = mailbox::status_code(status).to_le_bytes();
+        let token = p.token.to_le_bytes();
+        let res = self
+            .mover
+            .write(mb, base + mailbox::STATUS_OFFSET, &code)
+            .and_then(|_| self.mover.write(mb, base + mailbox::TOKEN_OFFSET, &token));
+        if let Err(e) = res {
+            warn!(
+                sp = self.me,
+                rank = h.hello.world_rank,
+                "cannot write completion: {e}"
+            );
+        }
+    }
+}

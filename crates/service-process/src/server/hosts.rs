@@ -1,0 +1,250 @@
+//! Host ranks: hello (credential, job agreement), registration, their messages, their grants
+//! as alias keys, and what happens when one goes.
+
+use super::*;
+
+impl Server {
+    /// The first frame of a host connection: a rank's hello, or an admin request.
+    pub(super) fn on_host_hello(&mut self, key: usize, payload: &[u8]) {
+        let Some(Role::NewHost { peer, .. }) = self.conns.get(key).map(|c| &c.role) else {
+            return;
+        };
+        let (pid, uid) = (peer.pid, peer.uid);
+        let reject = |s: &mut Self, reason: String| {
+            s.stats.hellos_refused += 1;
+            let shown = reason.clone();
+            s.client_warn(|| format!("refusing host pid {pid} uid {uid}: {shown}"));
+            s.send_frame(key, &frame(&encode_hello(&Hello::Reject { reason })));
+            s.close_conn(key, "hello refused");
+        };
+        let hello = match decode_hello(payload) {
+            Ok(Hello::Host(h)) => h,
+            Ok(Hello::Admin(a)) => {
+                if !self.admin_ok(&a) {
+                    return reject(
+                        self,
+                        "the admin request is not proven with the cluster key".into(),
+                    );
+                }
+                // `service-process stats`: the counters now, then goodbye.
+                let json = serde_json::to_string(&self.stats_now()).unwrap_or_default();
+                self.send_frame(key, &encode(&json));
+                self.close_conn(key, "stats sent");
+                return;
+            }
+            Ok(other) => return reject(self, format!("expected a host hello, got {other:?}")),
+            Err(e) => return reject(self, e.to_string()),
+        };
+        let cred = match access::check_hello(&hello, &self.key, uid, &self.limits) {
+            Ok(c) => c,
+            Err(why) => return reject(self, why.to_string()),
+        };
+        match self.cluster.placement(hello.world_rank, hello.world_size) {
+            Ok(p) if p.sp == self.me => {}
+            Ok(p) => {
+                return reject(
+                    self,
+                    format!(
+                        "rank {} of {} belongs to SP {}, not SP {}",
+                        hello.world_rank, hello.world_size, p.sp, self.me
+                    ),
+                )
+            }
+            Err(e) => return reject(self, e.to_string()),
+        }
+        if self
+            .jobs
+            .get(&cred.job)
+            .is_some_and(|j| j.ranks.contains(&hello.world_rank))
+        {
+            return reject(
+                self,
+                format!(
+                    "rank {} of this job is already connected to SP {}",
+                    hello.world_rank, self.me
+                ),
+            );
+        }
+        debug!(
+            sp = self.me,
+            job = cred.job,
+            rank = hello.world_rank,
+            pid,
+            "host connected"
+        );
+        let job = self.jobs.entry(cred.job).or_default();
+        job.world_size = cred.world_size;
+        job.hosts.insert(key);
+        job.ranks.insert(hello.world_rank);
+        self.next_conn_id += 1;
+        let conn_id = self.next_conn_id;
+        let conn = &mut self.conns[key];
+        let Role::NewHost { peer, .. } = std::mem::replace(&mut conn.role, Role::Peer(SpId::MAX))
+        else {
+            unreachable!("checked above");
+        };
+        conn.role = Role::Host(HostState {
+            conn_id,
+            hello,
+            job: cred.job,
+            peer,
+            mailbox: None,
+            said_goodbye: false,
+            outstanding: 0,
+        });
+        self.send_frame(key, &frame(&encode_hello(&Hello::Welcome { sp: self.me })));
+    }
+
+    /// Whether an admin request is proven with the cluster key, within a minute of now.
+    pub(super) fn admin_ok(&self, a: &AdminHello) -> bool {
+        auth::unix_secs().abs_diff(a.unix_secs) <= 60
+            && auth::admin_proof_ok(&self.key, &a.nonce, a.unix_secs, &a.proof)
+    }
+
+    pub(super) fn host(&self, key: usize) -> &HostState {
+        match &self.conns[key].role {
+            Role::Host(h) => h,
+            _ => unreachable!("connection {key} is not a host"),
+        }
+    }
+
+    pub(super) fn on_host_msg(&mut self, key: usize, msg: HostToSp) {
+        match msg {
+            HostToSp::Register {
+                cores: _,
+                mailbox,
+                mailbox_slots,
+            } => {
+                let h = self.host(key);
+                if h.mailbox.is_some() {
+                    return self.send_error(
+                        key,
+                        None,
+                        ErrorCode::NotRegistered,
+                        "already registered".into(),
+                    );
+                }
+                let need = mailbox::slot_offset(mailbox_slots);
+                if mailbox.len < need
+                    || !mailbox.rights.contains(Rights::READ_WRITE)
+                    || mailbox.backend != BackendData::Cma
+                    || mailbox_slots == 0
+                {
+                    return self.send_error(
+                        key,
+                        None,
+                        ErrorCode::BadDescriptor,
+                        format!(
+                            "mailbox grant of {} bytes ({}) cannot hold {mailbox_slots} slots \
+                             of {} bytes read-write through cma",
+                            mailbox.len,
+                            mailbox.rights,
+                            mailbox::SLOT_BYTES
+                        ),
+                    );
+                }
+                let alias = self.alias(key, mailbox);
+                let sp = self.me;
+                let node = self.cluster.sp(sp).map_or(0, |e| e.node);
+                let segment = access::segment_name(&self.key, alias.owner.job, node);
+                if let Role::Host(h) = &mut self.conns[key].role {
+                    h.mailbox = Some((alias, mailbox_slots));
+                }
+                self.send_frame(key, &encode(&SpToHost::Registered { sp, segment }));
+            }
+            HostToSp::Post(desc) => self.on_post(key, *desc),
+            HostToSp::Goodbye => {
+                if let Role::Host(h) = &mut self.conns[key].role {
+                    h.said_goodbye = true;
+                }
+            }
+            HostToSp::CopyDone { ticket, ok } => self.on_host_copy_done(key, ticket, ok),
+        }
+    }
+
+    pub(super) fn alias(&self, key: usize, grant: Grant) -> AliasKey {
+        let h = self.host(key);
+        AliasKey {
+            owner: Owner {
+                job: h.job,
+                world_rank: h.hello.world_rank,
+                pid: h.peer.pid,
+                start: h.peer.start,
+            },
+            grant,
+        }
+    }
+
+    pub(super) fn close_conn(&mut self, key: usize, why: &str) {
+        if !self.conns.contains(key) {
+            return;
+        }
+        let mut conn = self.conns.remove(key);
+        let _ = self.poll.registry().deregister(conn.stream.source());
+        match conn.role {
+            Role::NewHost { peer, .. } => {
+                let _ = self
+                    .poll
+                    .registry()
+                    .deregister(&mut mio::unix::SourceFd(&peer.pidfd.as_raw_fd()));
+                alias_mkey::process::unpin(peer.pid, peer.start);
+            }
+            Role::Peer(sp) => {
+                if self.leaving_peers.contains(&sp) {
+                    debug!(sp = self.me, peer = sp, "peer SP left");
+                } else {
+                    warn!(sp = self.me, peer = sp, "peer SP lost: {why}");
+                }
+                self.peer_conn.remove(&sp);
+                self.dead_peers.insert(sp);
+                self.sibling_gone(sp, None);
+                // Its ranks will not copy out of our regions any more.
+                let borrowed: Vec<CollKey> = self
+                    .regions
+                    .iter()
+                    .filter(|(_, r)| r.borrowers.contains(&sp))
+                    .map(|(k, _)| *k)
+                    .collect();
+                for ck in borrowed {
+                    self.region_released(ck, sp);
+                }
+                let now = now_ns(self.start);
+                let keys: Vec<CollKey> = self.instances.keys().copied().collect();
+                for ck in keys {
+                    if let Some(inst) = self.instances.get_mut(&ck) {
+                        inst.sm.handle_peer_lost(now, sp);
+                    }
+                    self.drive(ck);
+                }
+            }
+            Role::Host(h) => {
+                let job = h.job;
+                let _ = self
+                    .poll
+                    .registry()
+                    .deregister(&mut mio::unix::SourceFd(&h.peer.pidfd.as_raw_fd()));
+                alias_mkey::process::unpin(h.peer.pid, h.peer.start);
+                if let Some(j) = self.jobs.get_mut(&job) {
+                    j.hosts.remove(&key);
+                    j.ranks.remove(&h.hello.world_rank);
+                }
+                if h.said_goodbye {
+                    debug!(sp = self.me, job, rank = h.hello.world_rank, "host left");
+                } else {
+                    warn!(
+                        sp = self.me,
+                        job,
+                        rank = h.hello.world_rank,
+                        "host rank disconnected without goodbye ({why}); aborting its job"
+                    );
+                    self.fail_job(job, Status::RankFailed, true);
+                }
+                self.drop_host_copies(key);
+                if self.jobs.get(&job).is_some_and(|j| j.hosts.is_empty()) {
+                    self.abort_unposted(job);
+                }
+                self.forget_job_if_done(job);
+            }
+        }
+    }
+}

@@ -1,0 +1,182 @@
+//! Job bookkeeping: goodbyes, unposted instances of leaving ranks, failures (aborts sent to
+//! peers), and forgetting a job once nothing of it is left here.
+
+use super::*;
+
+impl Server {
+    /// Every rank of `job` has left this SP. An open instance that some of them never posted
+    /// can never complete: it is aborted (which tells its other SPs) and dropped once no copy
+    /// touches it. The others go on: their ranks here posted (a rank may finalize as soon as
+    /// its own part is done, while the instance still needs this SP: an inner SP of a
+    /// broadcast tree, a node's reader of another node's blocks).
+    pub(super) fn abort_unposted(&mut self, job: u64) {
+        let now = now_ns(self.start);
+        let stuck: Vec<CollKey> = self
+            .instances
+            .iter()
+            .filter(|(k, i)| k.job == job && !i.all_local_posted())
+            .map(|(k, _)| *k)
+            .collect();
+        for ck in stuck {
+            if let Some(inst) = self.instances.get_mut(&ck) {
+                inst.sm.abort(now, Status::RankFailed);
+            }
+            self.drive(ck);
+        }
+    }
+
+    /// Frees a job's state once none of its ranks is connected and none of its instances is
+    /// left (those of a failed job finish as their copies drain).
+    pub(super) fn forget_job_if_done(&mut self, job: u64) {
+        let Some(j) = self.jobs.get(&job) else { return };
+        if !j.hosts.is_empty() {
+            return;
+        }
+        // No rank of this job is left here to complete, and a rank that left without posting
+        // would keep its instance open forever: drop what no copy still touches and cannot
+        // complete (every instance of a failed job; one a local rank never posted).
+        let failed = j.failed.is_some();
+        self.instances.retain(|k, i| {
+            k.job != job || i.sm.copies_in_flight() > 0 || (!failed && i.all_local_posted())
+        });
+        if !self.instances.keys().any(|k| k.job == job) {
+            self.jobs.remove(&job);
+            // The pins of the job's processes (remote ranks copied from) go with them.
+            alias_mkey::process::sweep();
+            // The hierarchical designs' segment of this job: nobody is left to read it here;
+            // leaders whose regions this SP's ranks were to read may reuse them.
+            let borrowed: Vec<(CollKey, SpId)> = self
+                .regions
+                .iter()
+                .filter(|(k, _)| k.job == job)
+                .filter_map(|(k, r)| r.owner.map(|o| (*k, o)))
+                .collect();
+            for (ck, owner) in borrowed {
+                self.send_peer(owner, &SpToSp::RegionReleased { key: ck });
+            }
+            self.regions.retain(|k, _| k.job != job);
+            self.flat_here.retain(|k| k.job != job);
+            self.peer_slots.retain(|(k, _, _), _| k.job != job);
+            self.arenas.remove(&job);
+            self.job_gone_here(job);
+        }
+    }
+
+    /// The job is gone here: tell the node's other SPs, and remove the node's segment name
+    /// once each of them that serves ranks of the job said the same (or is gone). Removing it
+    /// earlier would let a rank of another SP that maps it later create a second object under
+    /// the same name, and read a region its SP's writer never wrote.
+    pub(super) fn job_gone_here(&mut self, job: u64) {
+        let Some(node) = self.cluster.sp(self.me).map(|e| e.node) else {
+            return;
+        };
+        let siblings: HashSet<SpId> = self
+            .cluster
+            .sps
+            .iter()
+            .filter(|e| e.node == node && e.id != self.me)
+            .map(|e| e.id)
+            .collect();
+        for &sp in &siblings {
+            self.send_peer(sp, &SpToSp::JobGone { job, answer: false });
+        }
+        // Each sibling answers at once if the job was never there (`JobGone { answer }`).
+        let told = self.gone_at_siblings.remove(&job).unwrap_or_default();
+        let waiting: HashSet<SpId> = siblings
+            .into_iter()
+            .filter(|sp| {
+                !told.contains(sp)
+                    && !self.dead_peers.contains(sp)
+                    && !self.leaving_peers.contains(sp)
+            })
+            .collect();
+        if waiting.is_empty() {
+            crate::segment::unlink(&self.key, job, node);
+        } else {
+            self.unlink_after.insert(job, waiting);
+        }
+    }
+
+    /// SP `sp` of this node has job `job` gone (or is gone itself, `job` None: every job).
+    pub(super) fn sibling_gone(&mut self, sp: SpId, job: Option<u64>) {
+        let Some(node) = self.cluster.sp(self.me).map(|e| e.node) else {
+            return;
+        };
+        if self.cluster.sp(sp).map(|e| e.node) != Some(node) {
+            return;
+        }
+        if let Some(job) = job {
+            if !self.unlink_after.contains_key(&job) {
+                self.gone_at_siblings.entry(job).or_default().insert(sp);
+                return;
+            }
+        }
+        let mut done = Vec::new();
+        for (&j, waiting) in self.unlink_after.iter_mut() {
+            if job.is_none_or(|g| g == j) {
+                waiting.remove(&sp);
+                if waiting.is_empty() {
+                    done.push(j);
+                }
+            }
+        }
+        for j in done {
+            self.unlink_after.remove(&j);
+            crate::segment::unlink(&self.key, j, node);
+        }
+    }
+
+    /// Aborts every instance of `job` here (and, if `tell_peers`, on every other SP).
+    pub(super) fn fail_job(&mut self, job: u64, status: Status, tell_peers: bool) {
+        if let Some(j) = self.jobs.get_mut(&job) {
+            if j.failed.is_some() && !tell_peers {
+                return;
+            }
+            j.failed.get_or_insert(status);
+        } else {
+            return;
+        }
+        if tell_peers {
+            let frame = encode(&SpToSp::JobAbort {
+                job,
+                reason: format!("a rank left SP {}", self.me),
+            });
+            let peers: Vec<usize> = self.peer_conn.values().copied().collect();
+            for k in peers {
+                self.send_frame(k, &frame);
+            }
+        }
+        let now = now_ns(self.start);
+        let keys: Vec<CollKey> = self
+            .instances
+            .keys()
+            .filter(|k| k.job == job)
+            .copied()
+            .collect();
+        // Copies of the job that have not started yet will not start: they would touch the
+        // memory of ranks that may be gone.
+        let queued: Vec<CopyJob> = self.limiter.clear_queued().collect();
+        let mut purged = Vec::new();
+        for c in queued {
+            match self.copies.get(&c.ticket) {
+                Some((ck, id)) if ck.job == job => {
+                    purged.push((*ck, *id));
+                    self.copies.remove(&c.ticket);
+                }
+                _ => self.limiter.push(c),
+            }
+        }
+        self.stats.copies_purged += purged.len() as u64;
+        for (ck, id) in purged {
+            if let Some(inst) = self.instances.get_mut(&ck) {
+                inst.sm.handle_copy_done(now, id, status);
+            }
+        }
+        for ck in keys {
+            if let Some(inst) = self.instances.get_mut(&ck) {
+                inst.sm.abort(now, status);
+            }
+            self.drive(ck);
+        }
+    }
+}

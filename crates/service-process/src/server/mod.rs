@@ -1,0 +1,612 @@
+//! The SP daemon: one mio event loop serving host ranks (Unix socket) and peer SPs (TCP).
+//!
+//! Readiness rules, as mio documents them and as this loop follows them:
+//! - events can be spurious: every handler tries the operation and treats `WouldBlock` as
+//!   "nothing to do";
+//! - mio is edge-triggered: a readable event is drained until `WouldBlock`, a writable event
+//!   flushes the whole out buffer or until `WouldBlock`;
+//! - read/write-closed flags are hints: a connection is closed when a read returns 0 bytes or an
+//!   error, not when a flag says so.
+//!
+//! Tokens: [`LISTEN_HOSTS`], [`WAKER`], [`SIGNALS`] are reserved; connection `k` of the slab has
+//! token `CONN_BASE + k`. Peer SPs are connected before the loop starts (see [`crate::mesh::connect_mesh`]),
+//! so "ready" means the whole mesh is up.
+//!
+//! The engine's parts, one file each, by what they touch:
+//! - `transport`: connections (accept, frames in and out, deferred close);
+//! - `hosts`: host ranks (hello, registration, their messages, grants as keys, a rank gone);
+//! - `post`: a host's post, checked (`crate::validate`), placed and fed to its driver;
+//! - `engine`: collective instances and their drivers (`crate::drivers`): created by the first
+//!   event that names them, a post or a peer message alike (so early announcements wait in
+//!   them), fed peer messages, and driven: every action a driver emits is executed at once;
+//! - `copies`: the copy scheduling (the per-SP [`CopyLimiter`], the datapath threads, inline
+//!   copies, copies handed to blocked host ranks, UCX moves of chunks);
+//! - `regions`: staging shared with ranks (the regions of a job's node segment);
+//! - `jobs`: goodbyes, failures and forgetting jobs;
+//! - `timers`: everything done by the clock (late hellos, heartbeats, drivers' deadlines).
+//!
+//! Failures never hang a collective: a lost peer SP fails every instance that involves it, a
+//! host rank that disconnects without saying goodbye aborts its whole job on every SP
+//! (`JobAbort`); a rank that said goodbye after its part was done fails nobody.
+
+mod copies;
+mod engine;
+mod hosts;
+mod jobs;
+mod post;
+mod regions;
+mod timers;
+mod transport;
+
+use crate::access::{self, Limits, LogLimit, PeerCred};
+use crate::conn::{Conn, ReadEnd, Stream};
+use crate::datapath::{CopyJob, Datapath};
+use crate::drivers::{self, Act, CollDriver, LocalPost, StagedConfig};
+use crate::segment::Arena;
+use crate::staging::{Budget, StageSet};
+use crate::stats::Stats;
+use algorithms::sched::CopyLimiter;
+use algorithms::{CollKey, CommId, Nanos, SpId, Status};
+use alias_mkey::mover::{CmaMover, Mover};
+use alias_mkey::{AliasKey, BackendData, Grant, Owner, Rights};
+use bootstrap::auth::{self, ClusterKey};
+use bootstrap::mailbox;
+use bootstrap::rendezvous::Backoff;
+use bootstrap::wire::{
+    self, decode, decode_hello, encode, encode_hello, frame, AdminHello, CollKind, CollMsg,
+    CopySrc, ErrorCode, Hello, HostHello, HostToSp, PostDesc, SpToHost, SpToSp, StagedDesign,
+};
+use bootstrap::Cluster;
+use mio::net::UnixListener;
+use mio::{Events, Interest, Poll, Token, Waker};
+use slab::Slab;
+use std::collections::{HashMap, HashSet};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tracing::{debug, info, info_span, warn};
+
+pub const LISTEN_HOSTS: Token = Token(0);
+pub const WAKER: Token = Token(1);
+pub const SIGNALS: Token = Token(2);
+/// The staging UCX worker's event fd (with UCX on, see [`UcxMode`]).
+const UCX_EVENTS: Token = Token(3);
+const CONN_BASE: usize = 16;
+/// The pidfd of host connection `k` (readable once its process exits) has token
+/// `PIDFD_BASE + k`.
+const PIDFD_BASE: usize = 1 << 40;
+
+/// Collective instances remembered as finished per job, so that a stray late message cannot
+/// re-create one; beyond this the oldest are forgotten.
+const MAX_FINISHED_PER_JOB: usize = 1 << 16;
+
+/// Whether an SP uses UCX: to serve grants of the `ucx` backend (each datapath thread then
+/// owns a UCX worker), and to move the staged collectives' chunks between SPs as UCX puts
+/// into the staging of the SP's children in a broadcast tree (otherwise they travel as
+/// frames on the SPs' TCP connections).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UcxMode {
+    /// On if UCX initialises here; otherwise off, with a warning.
+    Auto,
+    /// On; the SP fails to start if UCX cannot initialise.
+    On,
+    /// `serve`'s default: on this machine's UCX 1.13 the staged chunks are slower as puts
+    /// than as frames (docs/BENCHMARKS.md).
+    Off,
+}
+
+impl std::str::FromStr for UcxMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(UcxMode::Auto),
+            "on" => Ok(UcxMode::On),
+            "off" => Ok(UcxMode::Off),
+            _ => Err(format!("expected auto, on or off, not {s:?}")),
+        }
+    }
+}
+
+/// Timer slack of a polling SP (`ServeConfig::poll_interval`), in ns.
+const POLL_TIMER_SLACK_NS: libc::c_ulong = 1_000;
+
+pub struct ServeConfig {
+    pub sp: SpId,
+    pub cluster: Cluster,
+    pub peer_listener: std::net::TcpListener,
+    pub host_socket: PathBuf,
+    pub max_inflight_reads: usize,
+    pub datapath_threads: usize,
+    pub chunk_bytes: usize,
+    /// Copies up to this size run on the event-loop thread instead of a datapath thread: a
+    /// handoff to a thread and back costs more than copying a few KiB.
+    pub inline_copy_bytes: u64,
+    /// UCX for `ucx` grants and for the staged chunks between SPs.
+    pub ucx: UcxMode,
+    pub connect_backoff: Backoff,
+    /// Chunk size and slots per instance of the staged collectives.
+    pub staged: StagedConfig,
+    /// Staging memory of this SP, all instances together.
+    pub staging_bytes: u64,
+    /// Look at the connections (and the UCX worker) at this interval instead of sleeping
+    /// until something arrives: after a look that finds nothing, sleep this long. For an SP on
+    /// a reserved core, as DPU service processes poll: nothing ever waits on a connection, so
+    /// a rank's post does not pay for waking the SP.
+    pub poll_interval: Option<Duration>,
+    /// The cluster's secret: peers, job credentials and admin requests are checked with it.
+    pub key: ClusterKey,
+    /// Mode of the host socket (0600: only this SP's user may connect; a shared daemon may open
+    /// it, job credentials still decide who is served).
+    pub socket_mode: u32,
+    pub limits: Limits,
+    /// Heartbeats: sent to every peer, and to every host with posts outstanding, this often; a
+    /// peer that sends nothing for `peer_timeout` is stuck and counts as lost.
+    pub heartbeat: Duration,
+    pub peer_timeout: Duration,
+}
+
+/// Role of a connection.
+enum Role {
+    /// A host connected; its hello has not arrived yet. Who it is comes from the kernel.
+    NewHost {
+        peer: PeerCred,
+        since: Instant,
+    },
+    Host(HostState),
+    Peer(SpId),
+}
+
+struct HostState {
+    /// Unique for the SP's lifetime (slab keys are reused; this is not).
+    conn_id: u64,
+    hello: HostHello,
+    /// The job, from the hello's verified credential.
+    job: u64,
+    peer: PeerCred,
+    mailbox: Option<(AliasKey, u32)>,
+    said_goodbye: bool,
+    /// Posts of this connection not completed yet (bounded by `Limits::max_posts_per_rank`).
+    outstanding: usize,
+}
+
+/// A local rank's post of one instance: where its completion goes.
+#[derive(Clone, Copy)]
+struct Posted {
+    conn: usize,
+    /// The host connection the post came from: a completion for a connection that has since
+    /// closed must not reach a new host that got the same slab key.
+    conn_id: u64,
+    /// The mailbox slot of the completion; `None`: it goes as a `SpToHost::Completed` frame.
+    slot: Option<u32>,
+    token: u64,
+    /// The rank copies the segments already on its node itself (`PostDesc::host_copies`).
+    host_copies: bool,
+}
+
+/// A copy handed to a host (`SpToHost::Copy`), until it answers or goes.
+struct HostCopy {
+    ck: CollKey,
+    conn: usize,
+    conn_id: u64,
+    then: AfterHostCopy,
+}
+
+/// What a host's answer to a copy finishes.
+#[derive(Clone, Copy)]
+enum AfterHostCopy {
+    /// A copy of the instance's state machine.
+    Machine { id: u64 },
+    /// The last step of a rank of a hierarchical staged instance: the rank completes (with the
+    /// copy's outcome) and one reader of the instance's segment region is done.
+    Finish { posted: Posted },
+}
+
+/// The region of its job's node segment a hierarchical staged instance uses on this SP.
+struct Region {
+    off: u64,
+    /// The message length (the region may be larger).
+    len: u64,
+    /// Ranks still copying out of it.
+    readers: usize,
+    /// The instance finished (no more writes, no more readers to come).
+    finished: bool,
+    /// `Some(leader)`: the region is the node leader's, which sealed it for this SP's ranks
+    /// (a bcast); it is told once they copied. `None`: this SP's own, in its arena.
+    owner: Option<SpId>,
+    /// This SP's own region: the node's other SPs it was sealed for that have not said their
+    /// ranks finished copying.
+    borrowers: HashSet<SpId>,
+}
+
+struct Instance {
+    sm: Box<dyn CollDriver>,
+    posted: HashMap<u32, Posted>,
+    /// The communicator of the instance as its first local post described it (SP and world
+    /// rank of each comm rank): every later local post must say the same.
+    shape: Option<(Vec<SpId>, Vec<u32>)>,
+    /// How many comm ranks this SP serves in the instance (known from the first local post).
+    local_ranks: Option<usize>,
+    /// Staging slots of a staged collective (given back to the budget with the instance).
+    stages: Option<StageSet>,
+}
+
+#[derive(Default)]
+struct Job {
+    /// World size of the job (from its credential): places any of its ranks on a node.
+    world_size: u32,
+    hosts: HashSet<usize>,
+    /// The world ranks connected here (one connection each).
+    ranks: HashSet<u32>,
+    failed: Option<Status>,
+    finished: HashSet<(CommId, u64)>,
+    finished_order: std::collections::VecDeque<(CommId, u64)>,
+}
+
+pub struct Server {
+    me: SpId,
+    cluster: Cluster,
+    poll: Poll,
+    hosts_listener: UnixListener,
+    host_socket: PathBuf,
+    conns: Slab<Conn<Role>>,
+    /// Serial of the next connection ([`Conn::serial`]).
+    next_serial: u64,
+    /// Connections to close once the handler that found them broken is done, by key and
+    /// serial: a failed write inside a handler must not pull the connection out from under
+    /// the handler (its caller may still look at it).
+    doomed: Vec<(usize, u64, String)>,
+    peer_conn: HashMap<SpId, usize>,
+    dead_peers: HashSet<SpId>,
+    /// Peers that announced an orderly shutdown.
+    leaving_peers: HashSet<SpId>,
+    next_conn_id: u64,
+    jobs: HashMap<u64, Job>,
+    instances: HashMap<CollKey, Instance>,
+    limiter: CopyLimiter<CopyJob>,
+    copies: HashMap<u64, (CollKey, u64)>,
+    /// Copies handed to hosts, by ticket (the same numbering as `copies`).
+    host_copies: HashMap<u64, HostCopy>,
+    next_ticket: u64,
+    datapath: Datapath,
+    /// Mover of the loop thread: mailbox writes and inline copies.
+    mover: CmaMover,
+    inline_copy_bytes: u64,
+    /// `ucx` grants are accepted (else only `cma`).
+    ucx: bool,
+    /// Inline copies finished, waiting to be fed back to their instances.
+    inline_done: Vec<crate::datapath::CopyDone>,
+    /// Host copies that ended without being handed over, or answered, likewise.
+    host_done: Vec<(CollKey, u64, Status)>,
+    staged: StagedConfig,
+    /// With UCX on: the staging buffers are registered with UCX and granted to the
+    /// parent in a staged broadcast's tree, which puts chunks straight into them. Declared before
+    /// `budget` so that it unmaps them before the pool frees them.
+    stage_ucx: Option<alias_mkey::host::UcxRegistrar>,
+    /// See [`ServeConfig::poll_interval`].
+    poll_interval: Option<Duration>,
+    /// Slots children granted through UCX: (instance, child, slot) -> its key.
+    peer_slots: HashMap<(CollKey, SpId, u32), AliasKey>,
+    /// Moves running as UCX puts on the datapath, by ticket: the instance, the move, the
+    /// child, the `Chunk` message to send it once the bytes are there and their length.
+    ucx_moves: HashMap<u64, (CollKey, u64, SpId, CollMsg, u64)>,
+    budget: Budget,
+    /// Segment regions per job (hierarchical staged designs), and the region of each instance.
+    arenas: HashMap<u64, Arena>,
+    regions: HashMap<CollKey, Region>,
+    /// Hierarchical instances that found no room in the segment: this SP delivers them flat.
+    flat_here: HashSet<CollKey>,
+    /// The node's other SPs that said a job is gone there (`SpToSp::JobGone`), for jobs still
+    /// here; and, for jobs gone here, those still to say so before the node's segment name is
+    /// removed.
+    gone_at_siblings: HashMap<u64, HashSet<SpId>>,
+    unlink_after: HashMap<u64, HashSet<SpId>>,
+    signals: crate::signals::SignalPipe,
+    start: Instant,
+    key: ClusterKey,
+    limits: Limits,
+    /// Client-caused warnings (bad frames, refused hellos and posts): rate-limited.
+    log_limit: LogLimit,
+    /// When connections without a hello were last checked for their timeout.
+    last_hello_sweep: Instant,
+    /// `SPOFF_RECORD_FRAMES`: received frames written to files (the fuzzer's seed corpus).
+    recorder: Option<crate::record::Recorder>,
+    heartbeat: Duration,
+    peer_timeout: Duration,
+    last_beat: Instant,
+    /// When each peer SP was last heard from (any frame).
+    last_heard: HashMap<SpId, Instant>,
+    /// The instances' deadlines (see `timers`).
+    deadlines: timers::Deadlines,
+    pub stats: Stats,
+}
+
+fn now_ns(start: Instant) -> Nanos {
+    start.elapsed().as_nanos() as Nanos
+}
+
+/// The UCX registrar of this SP's staging, its event fd registered with `poll`.
+fn stage_registrar(poll: &Poll) -> anyhow::Result<alias_mkey::host::UcxRegistrar> {
+    let reg = alias_mkey::host::UcxRegistrar::new()
+        .map_err(|e| anyhow::anyhow!("cannot set up UCX for staging: {e}"))?;
+    let fd = reg
+        .event_fd()
+        .map_err(|e| anyhow::anyhow!("cannot get the UCX event fd: {e}"))?;
+    poll.registry().register(
+        &mut mio::unix::SourceFd(&fd),
+        UCX_EVENTS,
+        Interest::READABLE,
+    )?;
+    Ok(reg)
+}
+
+impl Instance {
+    /// Every comm rank this SP serves in the instance has posted.
+    fn all_local_posted(&self) -> bool {
+        self.local_ranks.is_some_and(|n| self.posted.len() >= n)
+    }
+}
+
+impl Server {
+    pub fn new(
+        cfg: ServeConfig,
+        peers: HashMap<SpId, std::net::TcpStream>,
+    ) -> anyhow::Result<Server> {
+        let poll = Poll::new()?;
+        let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
+        let _ = std::fs::remove_file(&cfg.host_socket);
+        let mut hosts_listener = UnixListener::bind(&cfg.host_socket)
+            .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", cfg.host_socket.display()))?;
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(
+                &cfg.host_socket,
+                std::fs::Permissions::from_mode(cfg.socket_mode),
+            )
+            .map_err(|e| {
+                anyhow::anyhow!("cannot set the mode of {}: {e}", cfg.host_socket.display())
+            })?;
+        }
+        let stale = access::remove_stale_segments(&cfg.key);
+        if stale > 0 {
+            info!(
+                sp = cfg.sp,
+                "removed {stale} shared-memory segments left by an earlier run"
+            );
+        }
+        poll.registry()
+            .register(&mut hosts_listener, LISTEN_HOSTS, Interest::READABLE)?;
+        let signals = crate::signals::SignalPipe::install()?;
+        poll.registry()
+            .register(&mut signals.source(), SIGNALS, Interest::READABLE)?;
+        // With UCX, chunks of the staged collectives move between SPs as UCX puts into the
+        // staging of an SP's children (its loop progresses the worker, see `run`).
+        let stage_ucx = match cfg.ucx {
+            UcxMode::Off => None,
+            mode => match stage_registrar(&poll) {
+                Ok(reg) => Some(reg),
+                Err(e) if mode == UcxMode::Auto => {
+                    warn!(
+                        sp = cfg.sp,
+                        "UCX is off: {e}; staged chunks travel as frames, ucx grants are refused"
+                    );
+                    None
+                }
+                Err(e) => return Err(e),
+            },
+        };
+        let start_datapath = |ucx| {
+            Datapath::start(
+                cfg.datapath_threads,
+                alias_mkey::mover::MoverConfig {
+                    chunk_bytes: cfg.chunk_bytes,
+                    ucx,
+                },
+                waker.clone(),
+            )
+        };
+        let mut stage_ucx = stage_ucx;
+        let datapath = match start_datapath(stage_ucx.is_some()) {
+            Ok(d) => d,
+            Err(e) if stage_ucx.is_some() && cfg.ucx == UcxMode::Auto => {
+                warn!(
+                    sp = cfg.sp,
+                    "UCX is off: the datapath cannot use it ({e}); staged chunks travel as \
+                     frames, ucx grants are refused"
+                );
+                stage_ucx = None;
+                start_datapath(false)
+                    .map_err(|e| anyhow::anyhow!("cannot start the datapath: {e}"))?
+            }
+            Err(e) => return Err(anyhow::anyhow!("cannot start the datapath: {e}")),
+        };
+        let ucx = stage_ucx.is_some();
+        let mut server = Server {
+            me: cfg.sp,
+            cluster: cfg.cluster,
+            poll,
+            hosts_listener,
+            host_socket: cfg.host_socket,
+            conns: Slab::new(),
+            next_serial: 0,
+            doomed: Vec::new(),
+            peer_conn: HashMap::new(),
+            dead_peers: HashSet::new(),
+            leaving_peers: HashSet::new(),
+            next_conn_id: 0,
+            jobs: HashMap::new(),
+            instances: HashMap::new(),
+            limiter: CopyLimiter::new(cfg.max_inflight_reads.max(1)),
+            copies: HashMap::new(),
+            host_copies: HashMap::new(),
+            next_ticket: 0,
+            datapath,
+            ucx,
+            mover: CmaMover::new((cfg.inline_copy_bytes as usize).clamp(4096, 1 << 20)),
+            inline_copy_bytes: cfg.inline_copy_bytes,
+            inline_done: Vec::new(),
+            host_done: Vec::new(),
+            staged: cfg.staged,
+            stage_ucx,
+            peer_slots: HashMap::new(),
+            ucx_moves: HashMap::new(),
+            budget: Budget::new(cfg.staging_bytes),
+            poll_interval: cfg.poll_interval,
+            arenas: HashMap::new(),
+            regions: HashMap::new(),
+            flat_here: HashSet::new(),
+            gone_at_siblings: HashMap::new(),
+            unlink_after: HashMap::new(),
+            signals,
+            start: Instant::now(),
+            key: cfg.key,
+            limits: cfg.limits,
+            log_limit: LogLimit::new(20, Duration::from_secs(10)),
+            last_hello_sweep: Instant::now(),
+            recorder: crate::record::Recorder::from_env(cfg.sp),
+            heartbeat: cfg.heartbeat,
+            peer_timeout: cfg.peer_timeout,
+            last_beat: Instant::now(),
+            last_heard: HashMap::new(),
+            deadlines: timers::Deadlines::default(),
+            stats: Stats::default(),
+        };
+        for (sp, s) in peers {
+            s.set_nonblocking(true)?;
+            let stream = Stream::Tcp(mio::net::TcpStream::from_std(s));
+            let key = server.add_conn(stream, Role::Peer(sp))?;
+            server.peer_conn.insert(sp, key);
+            server.last_heard.insert(sp, Instant::now());
+        }
+        Ok(server)
+    }
+
+    fn add_conn(&mut self, stream: Stream, role: Role) -> io::Result<usize> {
+        let entry = self.conns.vacant_entry();
+        let key = entry.key();
+        self.next_serial += 1;
+        let limit = match role {
+            Role::Peer(_) => crate::conn::MAX_PENDING_OUT_BYTES,
+            Role::NewHost { .. } | Role::Host(_) => self.limits.max_host_out_bytes,
+        };
+        let conn = entry.insert(Conn::new(stream, role, self.next_serial).with_out_limit(limit));
+        self.poll.registry().register(
+            conn.stream.source(),
+            Token(CONN_BASE + key),
+            Interest::READABLE | Interest::WRITABLE,
+        )?;
+        Ok(key)
+    }
+
+    /// Runs until SIGINT/SIGTERM. Returns the stats.
+    pub fn run(mut self) -> anyhow::Result<Stats> {
+        let mut events = Events::with_capacity(256);
+        info!(sp = self.me, socket = %self.host_socket.display(), "serving");
+        if self.poll_interval.is_some() {
+            // Naps of a few tens of microseconds: Linux's default timer slack (50 us) would
+            // stretch each one by up to that much.
+            // SAFETY: prctl with an integer argument; no memory is passed.
+            unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, POLL_TIMER_SLACK_NS) };
+        }
+        loop {
+            // Puts of other SPs into this SP's staging complete only while its UCX worker
+            // progresses (UCX 1.13 over tcp/shared memory): progress it until idle, then sleep
+            // on its event fd as well as on the sockets. `arm` refuses while events are
+            // pending: then look again at once. The bound is a safety net only. A polling SP
+            // (`poll_interval`) progresses the worker at every look and never arms it.
+            let polling = self.poll_interval;
+            let timeout = self.stage_ucx.as_ref().map(|reg| {
+                while reg.progress() > 0 {}
+                if polling.is_some() {
+                    return Duration::ZERO;
+                }
+                match reg.arm() {
+                    Ok(true) => Duration::from_millis(50),
+                    Ok(false) => Duration::ZERO,
+                    // Not expected; poll the worker often rather than spin.
+                    Err(_) => Duration::from_millis(1),
+                }
+            });
+            let timeout = if polling.is_some() {
+                Some(Duration::ZERO)
+            } else {
+                let wake = self.wake_in();
+                Some(timeout.map_or(wake, |t| t.min(wake)))
+            };
+            if let Err(e) = self.poll.poll(&mut events, timeout) {
+                if e.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(e.into());
+            }
+            if let (Some(nap), true) = (polling, events.is_empty()) {
+                self.stats.empty_polls += 1;
+                // A nap, not sched_yield: SPs spinning with sched_yield on one CPU were seen to
+                // keep it from each other and from their datapath threads for a whole
+                // scheduler tick (milliseconds) on Linux 6.18.
+                std::thread::sleep(nap);
+            }
+            for ev in events.iter() {
+                match ev.token() {
+                    LISTEN_HOSTS => self.accept_hosts(),
+                    WAKER | UCX_EVENTS => {}
+                    SIGNALS => {
+                        if self.signals.drain() {
+                            info!(sp = self.me, "stopping on signal");
+                            self.say_shutdown();
+                            let _ = std::fs::remove_file(&self.host_socket);
+                            return Ok(self.stats_now());
+                        }
+                    }
+                    Token(t) if t >= PIDFD_BASE => self.on_pidfd(t - PIDFD_BASE),
+                    Token(t) => {
+                        let key = t - CONN_BASE;
+                        if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
+                            self.on_readable(key);
+                        }
+                        if ev.is_writable() {
+                            self.flush_conn(key);
+                        }
+                    }
+                }
+                self.close_doomed();
+            }
+            self.on_timers();
+            loop {
+                self.on_copies_done();
+                self.close_doomed();
+                if self.host_done.is_empty() {
+                    break;
+                }
+                self.feed_host_copies_done();
+            }
+        }
+    }
+
+    /// The counters, with the jobs and instances held right now.
+    fn stats_now(&self) -> Stats {
+        let mut s = self.stats.clone();
+        s.jobs_at_exit = self.jobs.len() as u64;
+        s.instances_at_exit = self.instances.len() as u64;
+        s
+    }
+
+    /// Tells every peer this SP is stopping, with a bounded effort to get it out.
+    fn say_shutdown(&mut self) {
+        let frame = encode(&SpToSp::Shutdown);
+        let peers: Vec<usize> = self.peer_conn.values().copied().collect();
+        for k in peers {
+            if let Some(c) = self.conns.get_mut(k) {
+                let _ = c.send(&frame);
+                let deadline = Instant::now() + Duration::from_millis(100);
+                while c.pending_out() > 0 && Instant::now() < deadline {
+                    if c.flush().is_err() {
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,252 @@
+//! A host's post: checked (`validate::check_post`, limits, the instance's shape), placed (a
+//! hierarchical region in the job's segment, or flat for want of room) and fed to its driver.
+
+use super::*;
+
+impl Server {
+    /// Checks a descriptor against itself, the cluster and its grants.
+    /// Checks a descriptor (see `validate::check_post`); `world_rank` and `world_size`: the
+    /// poster's, from its hello; `ck`: the instance.
+    pub(super) fn check_post(
+        &self,
+        d: &PostDesc,
+        world_rank: u32,
+        world_size: u32,
+        ck: CollKey,
+    ) -> Result<(), (ErrorCode, String)> {
+        let shape = self.instances.get(&ck).and_then(|i| i.shape.as_ref());
+        crate::validate::check_post(
+            d,
+            &crate::validate::Poster {
+                sp: self.me,
+                world_rank,
+                world_size,
+            },
+            &self.cluster,
+            self.ucx,
+            shape.map(|(m, w)| (m.as_slice(), w.as_slice())),
+        )
+    }
+
+    pub(super) fn on_post(&mut self, key: usize, d: PostDesc) {
+        self.stats.posts += 1;
+        self.stats.posts_packed += (d.send_packed || d.recv_packed) as u64;
+        let (job, slots) = {
+            let h = self.host(key);
+            match &h.mailbox {
+                Some((_, slots)) => (h.job, *slots),
+                None => {
+                    return self.send_error(
+                        key,
+                        Some(&d),
+                        ErrorCode::NotRegistered,
+                        "post before register".into(),
+                    )
+                }
+            }
+        };
+        if let Some(slot) = d.slot.filter(|&s| s >= slots) {
+            return self.send_error(
+                key,
+                Some(&d),
+                ErrorCode::BadDescriptor,
+                format!("mailbox slot {slot} outside the {slots} registered"),
+            );
+        }
+        let ck = CollKey {
+            job,
+            comm: d.comm,
+            seq: d.seq,
+        };
+        // Every post from here on gets exactly one completion.
+        let (world_rank, outstanding) = {
+            let h = self.host(key);
+            (h.hello.world_rank, h.outstanding)
+        };
+        let world_size = self.jobs.get(&job).map_or(0, |j| j.world_size);
+        if let Role::Host(h) = &mut self.conns[key].role {
+            h.outstanding += 1;
+        }
+        let open_instances = || self.instances.keys().filter(|k| k.job == job).count();
+        let over = if outstanding >= self.limits.max_posts_per_rank {
+            Some(format!(
+                "{outstanding} posts of this rank are not complete yet (limit {}, serve \
+                 --max-posts-per-rank)",
+                self.limits.max_posts_per_rank
+            ))
+        } else if !self.instances.contains_key(&ck)
+            && open_instances() >= self.limits.max_instances_per_job
+        {
+            Some(format!(
+                "the job has {} collectives open on SP {} (limit {}, serve \
+                 --max-instances-per-job)",
+                open_instances(),
+                self.me,
+                self.limits.max_instances_per_job
+            ))
+        } else {
+            None
+        };
+        if let Some(why) = over {
+            self.stats.posts_refused += 1;
+            self.send_error(key, Some(&d), ErrorCode::BadDescriptor, why);
+            return self.write_completion(self.posted(key, d.slot, d.token), Status::InvalidPost);
+        }
+        if let Err((code, message)) = self.check_post(&d, world_rank, world_size, ck) {
+            let members_ok = code == ErrorCode::BadDescriptor
+                && d.members.len() > d.comm_rank as usize
+                && d.members[d.comm_rank as usize] == self.me;
+            self.send_error(key, Some(&d), code, message);
+            self.write_completion(self.posted(key, d.slot, d.token), Status::InvalidPost);
+            // Peers may already be waiting for this rank: if we know who they are, abort the
+            // instance for every member rather than leave them hanging.
+            if members_ok {
+                let mut sps: Vec<SpId> = d.members.clone();
+                sps.sort_unstable();
+                sps.dedup();
+                let status = Status::InvalidPost;
+                let abort = (drivers::spec(d.kind).abort_msg)(status);
+                let frame = encode(&SpToSp::Coll {
+                    key: ck,
+                    msg: abort,
+                });
+                let me = self.me;
+                for sp in sps.into_iter().filter(|&sp| sp != me) {
+                    if let Some(k) = self.peer_conn.get(&sp).copied() {
+                        self.send_frame(k, &frame);
+                    }
+                }
+                let now = now_ns(self.start);
+                let inst = self.instance(ck, d.kind);
+                inst.sm.abort(now, Status::InvalidPost);
+                // This rank will not post this instance again: without this the instance
+                // would wait for it forever.
+                inst.sm.handle_rank_lost(now, d.comm_rank);
+                self.drive(ck);
+            }
+            return;
+        }
+        if self
+            .jobs
+            .get(&job)
+            .is_some_and(|j| j.finished.contains(&(d.comm, d.seq)))
+        {
+            self.send_error(
+                key,
+                Some(&d),
+                ErrorCode::UnknownComm,
+                format!("collective {:?} seq {} already finished", d.comm, d.seq),
+            );
+            return self.write_completion(self.posted(key, d.slot, d.token), Status::InvalidPost);
+        }
+        // A hierarchical staged instance needs a region of its job's segment on this SP. When
+        // none is free, this SP delivers the instance flat: it writes each rank's buffer
+        // itself (its ranks granted them for writing), which the ranks cannot tell apart from
+        // a copy out of the segment. Waiting for room instead could deadlock: the instance
+        // holding the room may need a post that waits elsewhere.
+        // Only one SP of a node writes a hierarchical region, which the node's other SPs' ranks
+        // copy out of: a bcast's node leader in its tree, a staged allgather's node owner.
+        let spec = drivers::spec(d.kind);
+        let region_writer = d.staged.is_none() || (spec.region_writer)(&d, self.me);
+        let mut shared_at = 0;
+        let shared_key = match &d.staged {
+            Some(st)
+                if st.design == StagedDesign::Hier
+                    && region_writer
+                    && !self.flat_here.contains(&ck) =>
+            {
+                let seg = st.segment.clone().expect("checked by check_post");
+                let len = (spec.region_len)(&d);
+                match self.region_for(ck, &seg, len) {
+                    Ok(Some((off, rlen))) => Some({
+                        shared_at = off;
+                        self.alias(
+                            key,
+                            Grant {
+                                addr: seg.addr + off,
+                                len: rlen,
+                                ..seg
+                            },
+                        )
+                    }),
+                    Ok(None) => {
+                        self.stats.hier_delivered_flat += 1;
+                        self.flat_here.insert(ck);
+                        None
+                    }
+                    Err(why) => {
+                        self.send_error(key, Some(&d), ErrorCode::BadDescriptor, why);
+                        return self.write_completion(
+                            self.posted(key, d.slot, d.token),
+                            Status::InvalidPost,
+                        );
+                    }
+                }
+            }
+            _ => None,
+        };
+        let send = self.alias(key, d.send.clone());
+        let recv = self.alias(key, d.recv.clone());
+        let now = now_ns(self.start);
+        let failed = self.jobs.get(&job).and_then(|j| j.failed);
+        let dead: Vec<SpId> = d
+            .members
+            .iter()
+            .copied()
+            .filter(|sp| self.dead_peers.contains(sp))
+            .collect();
+        let posted = Posted {
+            host_copies: d.host_copies && spec.host_copies,
+            ..self.posted(key, d.slot, d.token)
+        };
+        let me = self.me;
+        let inst = self.instance(ck, d.kind);
+        inst.local_ranks = Some(d.members.iter().filter(|&&sp| sp == me).count());
+        if inst.shape.is_none() {
+            inst.shape = Some((d.members.clone(), d.world_ranks.clone()));
+        }
+        // A node's region writer without room delivers flat (its node's other SPs then get
+        // the data); the others are hierarchical as posted.
+        let hier = shared_key.is_some()
+            || (!region_writer
+                && d.staged
+                    .as_ref()
+                    .is_some_and(|st| st.design == StagedDesign::Hier));
+        let comm_rank = d.comm_rank;
+        let post = LocalPost {
+            desc: d,
+            send,
+            recv,
+            region: shared_key.map(|k| (k, shared_at)),
+            hier,
+        };
+        match inst.sm.handle_post(now, post) {
+            Ok(()) => {
+                inst.posted.insert(comm_rank, posted);
+                if let Some(status) = failed {
+                    inst.sm.abort(now, status);
+                }
+                for sp in dead {
+                    inst.sm.handle_peer_lost(now, sp);
+                }
+                self.drive(ck);
+            }
+            Err(e) => {
+                self.send_error(key, None, ErrorCode::UnknownComm, e);
+                self.write_completion(posted, Status::InvalidPost);
+            }
+        }
+    }
+
+    /// Writes a completion into the rank's mailbox: status first, then the token.
+    /// Where the completion of a post from host connection `key` goes.
+    pub(super) fn posted(&self, key: usize, slot: Option<u32>, token: u64) -> Posted {
+        Posted {
+            conn: key,
+            conn_id: self.host(key).conn_id,
+            slot,
+            token,
+            host_copies: false,
+        }
+    }
+}
