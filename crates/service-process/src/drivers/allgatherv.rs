@@ -69,6 +69,8 @@ fn refuse(msg: &CollMsg, from: SpId, status: Status) -> Vec<(SpId, CollMsg)> {
 }
 
 impl CollDriver for Driver {
+    super::delegate!(CollMsg::Allgatherv, allgatherv::CopyId, "an allgatherv");
+
     fn kind(&self) -> CollKind {
         CollKind::Allgatherv
     }
@@ -87,27 +89,6 @@ impl CollDriver for Driver {
         };
         self.0.handle_post(now, post).map_err(|e| e.to_string())
     }
-    fn handle_msg(&mut self, now: Nanos, from: SpId, msg: CollMsg) -> Result<(), String> {
-        match msg {
-            CollMsg::Allgatherv(m) => self.0.handle_msg(now, from, m).map_err(|e| e.to_string()),
-            m => Err(format!(
-                "a {:?} message for an allgatherv",
-                super::kind_of(&m)
-            )),
-        }
-    }
-    fn handle_copy_done(&mut self, now: Nanos, id: u64, status: Status) {
-        self.0.handle_copy_done(now, allgatherv::CopyId(id), status)
-    }
-    fn handle_peer_lost(&mut self, now: Nanos, sp: SpId) {
-        self.0.handle_peer_lost(now, sp)
-    }
-    fn handle_rank_lost(&mut self, now: Nanos, rank: Rank) {
-        self.0.handle_rank_lost(now, rank)
-    }
-    fn abort(&mut self, now: Nanos, status: Status) {
-        self.0.abort(now, status)
-    }
     fn poll_action(&mut self) -> Option<Act> {
         Some(match self.0.poll_action()? {
             allgatherv::Action::Send { to, msg } => Act::Send {
@@ -116,27 +97,13 @@ impl CollDriver for Driver {
                 lends_region: false,
                 grants_slots: vec![],
             },
-            allgatherv::Action::Copy(c) => Act::Copy {
-                id: c.id.0,
-                dst_rank: c.dst_rank,
-                src_key: c.src_key,
-                src_offset: c.src_offset,
-                dst_key: c.dst_key,
-                dst_offset: c.dst_offset,
-                len: c.len,
-            },
+            allgatherv::Action::Copy(c) => super::direct_copy!(c),
             allgatherv::Action::Complete { rank, status } => Act::Complete {
                 rank,
                 status,
                 from_segment: false,
             },
         })
-    }
-    fn is_finished(&self) -> bool {
-        self.0.is_finished()
-    }
-    fn copies_in_flight(&self) -> usize {
-        self.0.copies_in_flight()
     }
     fn late_arrivals(&self) -> LateArrivals {
         let s = self.0.stats();

@@ -56,6 +56,8 @@ fn refuse(msg: &CollMsg, from: SpId, status: Status) -> Vec<(SpId, CollMsg)> {
 }
 
 impl CollDriver for Driver {
+    super::delegate!(CollMsg::Alltoallv, alltoallv::CopyId, "an alltoallv");
+
     fn kind(&self) -> CollKind {
         CollKind::Alltoallv
     }
@@ -73,27 +75,6 @@ impl CollDriver for Driver {
         };
         self.0.handle_post(now, post).map_err(|e| e.to_string())
     }
-    fn handle_msg(&mut self, now: Nanos, from: SpId, msg: CollMsg) -> Result<(), String> {
-        match msg {
-            CollMsg::Alltoallv(m) => self.0.handle_msg(now, from, m).map_err(|e| e.to_string()),
-            m => Err(format!(
-                "a {:?} message for an alltoallv",
-                super::kind_of(&m)
-            )),
-        }
-    }
-    fn handle_copy_done(&mut self, now: Nanos, id: u64, status: Status) {
-        self.0.handle_copy_done(now, alltoallv::CopyId(id), status)
-    }
-    fn handle_peer_lost(&mut self, now: Nanos, sp: SpId) {
-        self.0.handle_peer_lost(now, sp)
-    }
-    fn handle_rank_lost(&mut self, now: Nanos, rank: Rank) {
-        self.0.handle_rank_lost(now, rank)
-    }
-    fn abort(&mut self, now: Nanos, status: Status) {
-        self.0.abort(now, status)
-    }
     fn poll_action(&mut self) -> Option<Act> {
         Some(match self.0.poll_action()? {
             alltoallv::Action::Send { to, msg } => Act::Send {
@@ -102,26 +83,12 @@ impl CollDriver for Driver {
                 lends_region: false,
                 grants_slots: vec![],
             },
-            alltoallv::Action::Copy(c) => Act::Copy {
-                id: c.id.0,
-                dst_rank: c.dst_rank,
-                src_key: c.src_key,
-                src_offset: c.src_offset,
-                dst_key: c.dst_key,
-                dst_offset: c.dst_offset,
-                len: c.len,
-            },
+            alltoallv::Action::Copy(c) => super::direct_copy!(c),
             alltoallv::Action::Complete { rank, status } => Act::Complete {
                 rank,
                 status,
                 from_segment: false,
             },
         })
-    }
-    fn is_finished(&self) -> bool {
-        self.0.is_finished()
-    }
-    fn copies_in_flight(&self) -> usize {
-        self.0.copies_in_flight()
     }
 }

@@ -79,17 +79,16 @@ fn refuse(msg: &CollMsg, from: SpId, status: Status) -> Vec<(SpId, CollMsg)> {
 }
 
 impl CollDriver for Driver {
+    super::delegate!(CollMsg::Bcast, bcast::CopyId, "a bcast");
+
     fn kind(&self) -> CollKind {
         CollKind::Bcast
     }
-    fn handle_post(&mut self, now: Nanos, p: LocalPost) -> Result<(), String> {
+    fn handle_post(&mut self, now: Nanos, mut p: LocalPost) -> Result<(), String> {
+        let (design, shared_key, shared_at) = p.staged_parts();
         let d = p.desc;
         let st = d.staged.as_ref().ok_or("a bcast post without its root")?;
         let is_root = st.root == d.comm_rank;
-        let (shared_key, shared_at) = match p.region {
-            Some((k, at)) => (Some(k), at),
-            None => (None, 0),
-        };
         let post = bcast::Post {
             rank: d.comm_rank,
             root: st.root,
@@ -101,36 +100,14 @@ impl CollDriver for Driver {
             },
             members: d.members,
             nodes: d.nodes,
-            design: if p.hier {
-                bcast::Design::Hier
-            } else {
-                bcast::Design::Flat
-            },
+            design,
             shared_key,
             shared_at,
         };
         self.0.handle_post(now, post).map_err(|e| e.to_string())
     }
-    fn handle_msg(&mut self, now: Nanos, from: SpId, msg: CollMsg) -> Result<(), String> {
-        match msg {
-            CollMsg::Bcast(m) => self.0.handle_msg(now, from, m).map_err(|e| e.to_string()),
-            m => Err(format!("a {:?} message for a bcast", super::kind_of(&m))),
-        }
-    }
-    fn handle_copy_done(&mut self, now: Nanos, id: u64, status: Status) {
-        self.0.handle_copy_done(now, bcast::CopyId(id), status)
-    }
     fn handle_move_done(&mut self, now: Nanos, id: u64, status: Status) {
         self.0.handle_move_done(now, bcast::MoveId(id), status)
-    }
-    fn handle_peer_lost(&mut self, now: Nanos, sp: SpId) {
-        self.0.handle_peer_lost(now, sp)
-    }
-    fn handle_rank_lost(&mut self, now: Nanos, rank: Rank) {
-        self.0.handle_rank_lost(now, rank)
-    }
-    fn abort(&mut self, now: Nanos, status: Status) {
-        self.0.abort(now, status)
     }
     fn poll_action(&mut self) -> Option<Act> {
         Some(match self.0.poll_action()? {
@@ -143,13 +120,7 @@ impl CollDriver for Driver {
                 },
                 msg: CollMsg::Bcast(msg),
             },
-            bcast::Action::Copy(c) => Act::StageCopy {
-                id: c.id.0,
-                rank: c.rank,
-                src: c.src,
-                dst: c.dst,
-                len: c.len,
-            },
+            bcast::Action::Copy(c) => super::stage_copy!(c),
             bcast::Action::Move(mv) => Act::Move {
                 id: mv.id.0,
                 to: mv.to,
@@ -168,12 +139,6 @@ impl CollDriver for Driver {
                 from_segment,
             },
         })
-    }
-    fn is_finished(&self) -> bool {
-        self.0.is_finished()
-    }
-    fn copies_in_flight(&self) -> usize {
-        self.0.copies_in_flight()
     }
     fn may_fill(&self, from: SpId, slot: u32) -> bool {
         self.0.may_fill(from, bcast::SlotId(slot))

@@ -96,6 +96,21 @@ pub struct LocalPost {
     pub hier: bool,
 }
 
+impl LocalPost {
+    /// The staged collectives' design, region key and offset (`None`, 0 without a region).
+    fn staged_parts(&mut self) -> (algorithms::bcast::Design, Option<AliasKey>, u64) {
+        let design = if self.hier {
+            algorithms::bcast::Design::Hier
+        } else {
+            algorithms::bcast::Design::Flat
+        };
+        match self.region.take() {
+            Some((k, at)) => (design, Some(k), at),
+            None => (design, None, 0),
+        }
+    }
+}
+
 /// Counters of the hierarchical collectives, summed over finished instances.
 #[derive(Clone, Copy, Debug, Default, serde::Serialize)]
 pub struct LateArrivals {
@@ -220,6 +235,72 @@ pub fn new(kind: CollKind, key: CollKey, me: SpId, staged: StagedConfig) -> Box<
 pub fn refuse(msg: &CollMsg, from: SpId, status: Status) -> Vec<(SpId, CollMsg)> {
     (spec(kind_of(msg)).refuse)(msg, from, status)
 }
+
+/// The methods of [`CollDriver`] that a driver (a tuple struct around its machine) passes to
+/// the machine as they are: `$variant` is the kind's `CollMsg` variant, `$copy_id` the
+/// machine's copy id type, `$name` the kind in messages.
+macro_rules! delegate {
+    ($variant:path, $copy_id:path, $name:literal) => {
+        fn handle_msg(&mut self, now: Nanos, from: SpId, msg: CollMsg) -> Result<(), String> {
+            match msg {
+                $variant(m) => self.0.handle_msg(now, from, m).map_err(|e| e.to_string()),
+                m => Err(format!("a {:?} message for {}", super::kind_of(&m), $name)),
+            }
+        }
+        fn handle_copy_done(&mut self, now: Nanos, id: u64, status: Status) {
+            self.0.handle_copy_done(now, $copy_id(id), status)
+        }
+        fn handle_peer_lost(&mut self, now: Nanos, sp: SpId) {
+            self.0.handle_peer_lost(now, sp)
+        }
+        fn handle_rank_lost(&mut self, now: Nanos, rank: Rank) {
+            self.0.handle_rank_lost(now, rank)
+        }
+        fn abort(&mut self, now: Nanos, status: Status) {
+            self.0.abort(now, status)
+        }
+        fn is_finished(&self) -> bool {
+            self.0.is_finished()
+        }
+        fn copies_in_flight(&self) -> usize {
+            self.0.copies_in_flight()
+        }
+    };
+}
+use delegate;
+
+/// A machine's copy between two ranks' grants as an [`Act::Copy`] (the direct collectives
+/// name their copies alike, each with its own types).
+macro_rules! direct_copy {
+    ($c:expr) => {{
+        let c = $c;
+        Act::Copy {
+            id: c.id.0,
+            dst_rank: c.dst_rank,
+            src_key: c.src_key,
+            src_offset: c.src_offset,
+            dst_key: c.dst_key,
+            dst_offset: c.dst_offset,
+            len: c.len,
+        }
+    }};
+}
+use direct_copy;
+
+/// A staged machine's copy (one end may be a staging slot) as an [`Act::StageCopy`].
+macro_rules! stage_copy {
+    ($c:expr) => {{
+        let c = $c;
+        Act::StageCopy {
+            id: c.id.0,
+            rank: c.rank,
+            src: c.src,
+            dst: c.dst,
+            len: c.len,
+        }
+    }};
+}
+use stage_copy;
 
 /// Region defaults of kinds without a hierarchical design.
 fn no_region_writer(_: &PostDesc, _: SpId) -> bool {

@@ -57,15 +57,18 @@ fn refuse(msg: &CollMsg, from: SpId, status: Status) -> Vec<(SpId, CollMsg)> {
 }
 
 impl CollDriver for Driver {
+    super::delegate!(
+        CollMsg::StagedAllgather,
+        bcast::CopyId,
+        "a staged allgather"
+    );
+
     fn kind(&self) -> CollKind {
         CollKind::StagedAllgather
     }
-    fn handle_post(&mut self, now: Nanos, p: LocalPost) -> Result<(), String> {
+    fn handle_post(&mut self, now: Nanos, mut p: LocalPost) -> Result<(), String> {
+        let (design, shared_key, shared_at) = p.staged_parts();
         let d = p.desc;
-        let (shared_key, shared_at) = match p.region {
-            Some((k, at)) => (Some(k), at),
-            None => (None, 0),
-        };
         let post = staged_allgather::Post {
             rank: d.comm_rank,
             members: d.members,
@@ -73,38 +76,11 @@ impl CollDriver for Driver {
             send_key: p.send,
             recv_key: p.recv,
             len: d.send_counts[0],
-            design: if p.hier {
-                bcast::Design::Hier
-            } else {
-                bcast::Design::Flat
-            },
+            design,
             shared_key,
             shared_at,
         };
         self.0.handle_post(now, post).map_err(|e| e.to_string())
-    }
-    fn handle_msg(&mut self, now: Nanos, from: SpId, msg: CollMsg) -> Result<(), String> {
-        match msg {
-            CollMsg::StagedAllgather(m) => {
-                self.0.handle_msg(now, from, m).map_err(|e| e.to_string())
-            }
-            m => Err(format!(
-                "a {:?} message for a staged allgather",
-                super::kind_of(&m)
-            )),
-        }
-    }
-    fn handle_copy_done(&mut self, now: Nanos, id: u64, status: Status) {
-        self.0.handle_copy_done(now, bcast::CopyId(id), status)
-    }
-    fn handle_peer_lost(&mut self, now: Nanos, sp: SpId) {
-        self.0.handle_peer_lost(now, sp)
-    }
-    fn handle_rank_lost(&mut self, now: Nanos, rank: Rank) {
-        self.0.handle_rank_lost(now, rank)
-    }
-    fn abort(&mut self, now: Nanos, status: Status) {
-        self.0.abort(now, status)
     }
     fn poll_action(&mut self) -> Option<Act> {
         Some(match self.0.poll_action()? {
@@ -114,13 +90,7 @@ impl CollDriver for Driver {
                 grants_slots: vec![],
                 msg: CollMsg::StagedAllgather(msg),
             },
-            staged_allgather::Action::Copy(c) => Act::StageCopy {
-                id: c.id.0,
-                rank: c.rank,
-                src: c.src,
-                dst: c.dst,
-                len: c.len,
-            },
+            staged_allgather::Action::Copy(c) => super::stage_copy!(c),
             staged_allgather::Action::Complete {
                 rank,
                 status,
@@ -131,12 +101,6 @@ impl CollDriver for Driver {
                 from_segment,
             },
         })
-    }
-    fn is_finished(&self) -> bool {
-        self.0.is_finished()
-    }
-    fn copies_in_flight(&self) -> usize {
-        self.0.copies_in_flight()
     }
     fn segment_source(&self) -> Option<(SpId, u64, u64)> {
         self.0.segment_source()
