@@ -5,8 +5,11 @@
 //! The binaries come from the same target directory as the test executable; `make test` builds
 //! them first. A missing binary or `mpirun` is a failure with a message, never a skip.
 
+pub mod splitmix;
+
+pub use splitmix::Rng;
 use std::io::Read;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
@@ -144,18 +147,35 @@ pub fn launch_cmd(args: &[&str], program: &[&str]) -> Command {
     cmd
 }
 
+/// `mpirun` of `np` ranks of this machine with the host shim preloaded, given the cluster
+/// description and a job credential (`SPOFF_CLUSTER`, `SPOFF_JOB_CREDENTIAL`): an MPI job
+/// that talks to SPs started elsewhere. The caller adds the program and its arguments.
+pub fn mpirun_offloaded(np: u32, cluster: &Path, credential: String) -> Command {
+    let mut cmd = Command::new("mpirun");
+    cmd.args([
+        "--oversubscribe",
+        "--bind-to",
+        "none",
+        "-np",
+        &np.to_string(),
+    ])
+    .args([
+        "-x",
+        "LD_PRELOAD",
+        "-x",
+        "SPOFF_CLUSTER",
+        "-x",
+        "SPOFF_JOB_CREDENTIAL",
+    ])
+    .env("LD_PRELOAD", shim())
+    .env("SPOFF_CLUSTER", cluster)
+    .env("SPOFF_JOB_CREDENTIAL", credential);
+    cmd
+}
+
 /// A seed for randomized inputs: `TEST_SEED` if set, else the clock; always printed.
 pub fn seed() -> u64 {
-    let s = std::env::var("TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-                % 1_000_000_007
-        });
+    let s = splitmix::env_seed().unwrap_or_else(|| splitmix::clock_seed() % 1_000_000_007);
     eprintln!("TEST_SEED={s}");
     s
 }

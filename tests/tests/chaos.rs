@@ -10,7 +10,7 @@
 //!
 //! `CHAOS_ROUNDS` (default 4 in `make test`; `make chaos` runs many) and `TEST_SEED`.
 
-use integration_tests::{launch_cmd, pids_matching, seed};
+use integration_tests::{launch_cmd, pids_matching, seed, Rng};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -36,20 +36,6 @@ const FAULTS: [Fault; 6] = [
     Fault::KillRank,
     Fault::CutSp,
 ];
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-}
 
 /// `conform.c` built with mpicc (once).
 fn conform() -> PathBuf {

@@ -5,7 +5,6 @@
 //! did not, for the fallback cases).
 
 use integration_tests::*;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 const JOB_TIMEOUT: Duration = Duration::from_secs(240);
@@ -115,30 +114,16 @@ fn mpi_no_sp_reachable_falls_back_to_native() {
     let cluster = bootstrap::Cluster::new(2, 1, Some(2), bootstrap::Layout::Block, sps).unwrap();
     let path = dir.join("cluster.json");
     cluster.save(&path).unwrap();
-    let mut cmd = Command::new("mpirun");
-    cmd.args(["--oversubscribe", "--bind-to", "none", "-np", "4"])
-        .args([
-            "-x",
-            "LD_PRELOAD",
-            "-x",
-            "SPOFF_CLUSTER",
-            "-x",
-            "SPOFF_JOB_CREDENTIAL",
-        ])
-        .env("LD_PRELOAD", shim())
-        .env("SPOFF_CLUSTER", &path)
-        .env(
-            "SPOFF_JOB_CREDENTIAL",
-            bootstrap::auth::JobCredential::issue(
-                &bootstrap::auth::ClusterKey::generate(),
-                1,
-                // SAFETY: geteuid has no preconditions.
-                unsafe { libc::geteuid() },
-                4,
-            )
-            .encode(),
-        )
-        .args([&check_prog(), "--ops", "40", "--seed", "3"]);
+    let credential = bootstrap::auth::JobCredential::issue(
+        &bootstrap::auth::ClusterKey::generate(),
+        1,
+        // SAFETY: geteuid has no preconditions.
+        unsafe { libc::geteuid() },
+        4,
+    )
+    .encode();
+    let mut cmd = mpirun_offloaded(4, &path, credential);
+    cmd.args([&check_prog(), "--ops", "40", "--seed", "3"]);
     let run = run(cmd, JOB_TIMEOUT);
     std::fs::remove_dir_all(&dir).ok();
     run.assert_ok("alltoallv_check with no SP");
@@ -213,12 +198,7 @@ fn mpi_coll_bench_overlap_validates_offloaded_and_native() {
             JOB_TIMEOUT,
         );
         run.assert_ok("coll-bench overlap");
-        let text = std::fs::read_to_string(&json).unwrap();
-        std::fs::remove_file(&json).ok();
-        let rows: Vec<serde_json::Value> = text
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect();
+        let (text, rows) = take_json_lines(&json);
         assert_eq!(rows.len(), 2, "{text}");
         for r in &rows {
             assert_eq!(r["validated"], true, "{r}");
@@ -241,6 +221,17 @@ fn mpi_coll_bench_overlap_validates_offloaded_and_native() {
             );
         }
     }
+}
+
+/// The JSON Lines file a job wrote (its text and its rows), removed.
+fn take_json_lines(path: &std::path::Path) -> (String, Vec<serde_json::Value>) {
+    let text = std::fs::read_to_string(path).unwrap();
+    std::fs::remove_file(path).ok();
+    let rows = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    (text, rows)
 }
 
 /// `coll-bench overlap` of the staged collectives at sizes `bcast_check`/`ag_check` do not
@@ -286,12 +277,7 @@ fn mpi_staged_collectives_validate_at_real_sizes() {
         run.assert_ok(&format!(
             "coll-bench overlap --coll {coll} --design {design}"
         ));
-        let text = std::fs::read_to_string(&json).unwrap();
-        std::fs::remove_file(&json).ok();
-        let rows: Vec<serde_json::Value> = text
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect();
+        let (text, rows) = take_json_lines(&json);
         assert_eq!(rows.len(), 4, "{text}");
         for r in &rows {
             assert_eq!(r["validated"], true, "{coll} {design}: {r}");
@@ -420,14 +406,7 @@ fn mpi_ctrl_c_stops_the_job_and_leaves_nothing() {
 #[test]
 fn mpi_sp_killed_mid_job_ends_it_with_an_error() {
     let (mut child, marker) = start_long_job(&[]);
-    let sp = pids_matching(&marker)
-        .into_iter()
-        .find(|&p| {
-            let cmd = std::fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default();
-            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
-            cmd.contains(" serve ") && cmd.contains("--sp-id 1 ")
-        })
-        .expect("SP 1 running");
+    let sp = sp_pid(&marker, 1);
     // SAFETY: killing a process of our own job.
     unsafe { libc::kill(sp as i32, libc::SIGKILL) };
     let st = wait_exit(&mut child, Duration::from_secs(60));
@@ -506,14 +485,7 @@ fn mpi_stuck_sp_is_killed_by_the_watchdog_and_the_job_ends() {
     // An SP that is alive but stopped answers nothing: the launcher's watchdog must notice
     // and kill it, after which the job fails like on an SP death, instead of hanging.
     let (mut child, marker) = start_long_job(&["--sp-watchdog-secs", "3"]);
-    let sp = pids_matching(&marker)
-        .into_iter()
-        .find(|&p| {
-            let cmd = std::fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default();
-            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
-            cmd.contains(" serve ") && cmd.contains("--sp-id 1 ")
-        })
-        .expect("SP 1 running");
+    let sp = sp_pid(&marker, 1);
     // SAFETY: stopping a process of our own job.
     unsafe { libc::kill(sp as i32, libc::SIGSTOP) };
     let st = wait_exit(&mut child, Duration::from_secs(60));

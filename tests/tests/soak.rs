@@ -7,7 +7,7 @@
 //! `SOAK_COLLECTIVES` (default 3000) and `SOAK_JOBS` (default 8) in `make test`; `make soak`
 //! runs 100 000 and 200, and with `SOAK_WRITE_DOCS=1` writes docs/SOAK.md and docs/soak.svg.
 
-use integration_tests::{run, shim};
+use integration_tests::{mpirun_offloaded, run};
 use service_process::launch::{self, SpSetSpec};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -160,21 +160,8 @@ fn the_same_sps_serve_many_collectives_and_many_jobs_without_growing() {
         // SAFETY: geteuid has no preconditions.
         let uid = unsafe { libc::geteuid() };
         let cred = bootstrap::auth::JobCredential::issue_new(&key, uid, 4).encode();
-        let mut cmd = Command::new("mpirun");
-        cmd.args(["--oversubscribe", "--bind-to", "none", "-np", "4"])
-            .args([
-                "-x",
-                "LD_PRELOAD",
-                "-x",
-                "SPOFF_CLUSTER",
-                "-x",
-                "SPOFF_JOB_CREDENTIAL",
-            ])
-            .env("LD_PRELOAD", shim())
-            .env("SPOFF_CLUSTER", &cluster_path)
-            .env("SPOFF_JOB_CREDENTIAL", cred)
-            .arg(&prog)
-            .args([n.to_string(), seed.to_string()]);
+        let mut cmd = mpirun_offloaded(4, &cluster_path, cred);
+        cmd.arg(&prog).args([n.to_string(), seed.to_string()]);
         let r = run(cmd, Duration::from_secs(600));
         r.assert_ok(&format!("soak job of {n} collectives (seed {seed})"));
         assert!(

@@ -14,11 +14,11 @@
 //! SPOFF_RANKS_PER_NODE and SPOFF_LAYOUT (block or cyclic, as set by `service-process launch`);
 //! without them every rank is its own node.
 
+use crate::run::{self, fail};
 use clap::{Args, ValueEnum};
 use coll_bench::mpi::{Comm, Datatype, Mpi, MpiError};
 use coll_bench::{parse_size, pattern};
 use mpi_ffi::consts;
-use std::fs::File;
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -161,33 +161,17 @@ fn run_size(world: Comm, coll: LateColl, size: usize, args: &LateArgs) -> Result
 }
 
 pub fn late(args: LateArgs) -> i32 {
-    let mpi = match Mpi::init() {
-        Ok(m) => m,
-        Err(e) => {
-            eprintln!("coll-bench: {e}");
-            return 1;
-        }
+    let Some(mpi) = run::init() else {
+        return 1;
     };
     let world = mpi.world();
-    let fail = |e: MpiError| -> ! {
-        eprintln!("coll-bench: {e}");
-        Mpi::abort(1)
-    };
     let me = world.rank().unwrap_or_else(|e| fail(e));
     let ranks = world.size().unwrap_or_else(|e| fail(e));
     let nodes = env_u32("SPOFF_NODES").unwrap_or(1);
-    let mode = super::mode();
+    let mode = run::mode();
     let mut json = None;
     if me == 0 {
-        if let Some(path) = &args.json {
-            match File::create(path) {
-                Ok(f) => json = Some(f),
-                Err(e) => {
-                    eprintln!("coll-bench: cannot create {}: {e}", path.display());
-                    Mpi::abort(2);
-                }
-            }
-        }
+        json = run::create_json(&args.json);
         println!(
             "# coll-bench late: coll={} ranks={ranks} nodes={nodes} mode={mode} delay_ms={}",
             args.coll.name(),
@@ -226,13 +210,5 @@ pub fn late(args: LateArgs) -> i32 {
             }
         }
     }
-    if let Err(e) = mpi.finalize() {
-        eprintln!("coll-bench: {e}");
-        return 1;
-    }
-    if all_ok {
-        0
-    } else {
-        1
-    }
+    run::finish(mpi, all_ok)
 }

@@ -4,12 +4,14 @@
 //! offload, so the same binary runs natively and with `libhost_shim.so` preloaded. The library
 //! part holds the pieces that do not need the command line: the MPI helper layer, the data
 //! pattern used for validation, the calibrated compute kernel, size parsing and the pure parts
-//! of the traffic benchmark (placement, ring schedule, counting, rendering).
+//! of the traffic benchmark (placement, ring schedule, counting, rendering) and the text tables
+//! of the commands that need no MPI.
 
 pub mod compute;
 pub mod mpi;
 pub mod pattern;
 pub mod strided;
+pub mod table;
 pub mod traffic;
 
 /// Parses a byte size: a plain number or one with a `K`/`M`/`G` suffix (1024-based,

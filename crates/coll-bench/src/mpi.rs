@@ -186,11 +186,7 @@ impl Comm {
         check("MPI_Comm_dup", unsafe {
             mpi_ffi::MPI_Comm_dup(self.raw, &mut c)
         })?;
-        let owned = OwnedComm {
-            comm: Comm { raw: c },
-        };
-        owned.comm.set_errors_return()?;
-        Ok(owned)
+        OwnedComm::adopt(c)
     }
 
     /// `MPI_Comm_split`; `None` for `color == None` (`MPI_UNDEFINED`).
@@ -204,19 +200,14 @@ impl Comm {
         if c == consts::COMM_NULL() {
             return Ok(None);
         }
-        let owned = OwnedComm {
-            comm: Comm { raw: c },
-        };
-        owned.comm.set_errors_return()?;
-        Ok(Some(owned))
+        OwnedComm::adopt(c).map(Some)
     }
 
     /// `MPI_Isend` of bytes.
     pub fn isend<'a>(&self, buf: &'a [u8], dest: i32, tag: i32) -> Result<Request<'a>> {
         let count = to_int(buf.len(), "MPI_Isend")?;
-        let mut req = consts::REQUEST_NULL();
         // SAFETY: the buffer outlives the request (lifetime 'a).
-        check("MPI_Isend", unsafe {
+        Request::start("MPI_Isend", |req| unsafe {
             mpi_ffi::MPI_Isend(
                 buf.as_ptr().cast(),
                 count,
@@ -224,18 +215,16 @@ impl Comm {
                 dest,
                 tag,
                 self.raw,
-                &mut req,
+                req,
             )
-        })?;
-        Ok(Request::new(req))
+        })
     }
 
     /// `MPI_Irecv` of bytes.
     pub fn irecv<'a>(&self, buf: &'a mut [u8], source: i32, tag: i32) -> Result<Request<'a>> {
         let count = to_int(buf.len(), "MPI_Irecv")?;
-        let mut req = consts::REQUEST_NULL();
         // SAFETY: the buffer outlives the request and is borrowed mutably by it.
-        check("MPI_Irecv", unsafe {
+        Request::start("MPI_Irecv", |req| unsafe {
             mpi_ffi::MPI_Irecv(
                 buf.as_mut_ptr().cast(),
                 count,
@@ -243,10 +232,9 @@ impl Comm {
                 source,
                 tag,
                 self.raw,
-                &mut req,
+                req,
             )
-        })?;
-        Ok(Request::new(req))
+        })
     }
 
     /// `MPI_Sendrecv` of bytes: `send` to `dest`, `recv` (filled exactly) from `source`, with
@@ -296,9 +284,8 @@ impl Comm {
         let n = self.size()? as usize;
         check_blocks("MPI_Ialltoallv", n, send.len(), sendcounts, sdispls, dt)?;
         check_blocks("MPI_Ialltoallv", n, recv.len(), recvcounts, rdispls, dt)?;
-        let mut req = consts::REQUEST_NULL();
         // SAFETY: blocks checked against the buffers; buffers and arrays outlive the request.
-        check("MPI_Ialltoallv", unsafe {
+        Request::start("MPI_Ialltoallv", |req| unsafe {
             mpi_ffi::MPI_Ialltoallv(
                 send.as_ptr().cast(),
                 sendcounts.as_ptr(),
@@ -309,10 +296,9 @@ impl Comm {
                 rdispls.as_ptr(),
                 dt.raw,
                 self.raw,
-                &mut req,
+                req,
             )
-        })?;
-        Ok(Request::new(req))
+        })
     }
 
     /// `MPI_Alltoallv` (blocking), same conventions as [`Comm::ialltoallv`].
@@ -360,9 +346,8 @@ impl Comm {
         let n = self.size()? as usize;
         check_blocks("MPI_Iallgatherv", 1, send.len(), &[sendcount], &[0], dt)?;
         check_blocks("MPI_Iallgatherv", n, recv.len(), recvcounts, rdispls, dt)?;
-        let mut req = consts::REQUEST_NULL();
         // SAFETY: blocks checked against the buffers; buffers and arrays outlive the request.
-        check("MPI_Iallgatherv", unsafe {
+        Request::start("MPI_Iallgatherv", |req| unsafe {
             mpi_ffi::MPI_Iallgatherv(
                 send.as_ptr().cast(),
                 sendcount,
@@ -372,10 +357,9 @@ impl Comm {
                 rdispls.as_ptr(),
                 dt.raw,
                 self.raw,
-                &mut req,
+                req,
             )
-        })?;
-        Ok(Request::new(req))
+        })
     }
 
     /// `MPI_Allgatherv` (blocking), same conventions as [`Comm::iallgatherv`].
@@ -415,17 +399,10 @@ impl Comm {
         count: i32,
         dt: &Datatype,
     ) -> Result<Request<'a>> {
-        let n = self.size()? as usize;
-        let one = count.max(0) as u128 * dt.extent as u128;
-        if count < 0 || one > send.len() as u128 || n as u128 * one > recv.len() as u128 {
-            return Err(arg_error(
-                "MPI_Iallgather",
-                "buffers smaller than (size *) count * extent",
-            ));
-        }
-        let mut req = consts::REQUEST_NULL();
+        let n = self.size()?;
+        check_gather("MPI_Iallgather", n, send.len(), recv.len(), count, dt)?;
         // SAFETY: sizes checked above; the buffers outlive the request.
-        check("MPI_Iallgather", unsafe {
+        Request::start("MPI_Iallgather", |req| unsafe {
             mpi_ffi::MPI_Iallgather(
                 send.as_ptr().cast(),
                 count,
@@ -434,23 +411,16 @@ impl Comm {
                 count,
                 dt.raw,
                 self.raw,
-                &mut req,
+                req,
             )
-        })?;
-        Ok(Request::new(req))
+        })
     }
 
     /// `MPI_Allgather` (blocking): `count` elements of `dt` from every rank, block `j` at
     /// element offset `j * count` of `recv`.
     pub fn allgather(&self, send: &[u8], recv: &mut [u8], count: i32, dt: &Datatype) -> Result<()> {
-        let n = self.size()? as usize;
-        let one = count.max(0) as u128 * dt.extent as u128;
-        if count < 0 || one > send.len() as u128 || n as u128 * one > recv.len() as u128 {
-            return Err(arg_error(
-                "MPI_Allgather",
-                "buffers smaller than (size *) count * extent",
-            ));
-        }
+        let n = self.size()?;
+        check_gather("MPI_Allgather", n, send.len(), recv.len(), count, dt)?;
         // SAFETY: sizes checked above.
         check("MPI_Allgather", unsafe {
             mpi_ffi::MPI_Allgather(
@@ -475,19 +445,10 @@ impl Comm {
         root: i32,
     ) -> Result<Request<'a>> {
         check_bcast("MPI_Ibcast", self.size()?, buf.len(), count, dt, root)?;
-        let mut req = consts::REQUEST_NULL();
         // SAFETY: size and root checked above; the buffer outlives the request.
-        check("MPI_Ibcast", unsafe {
-            mpi_ffi::MPI_Ibcast(
-                buf.as_mut_ptr().cast(),
-                count,
-                dt.raw,
-                root,
-                self.raw,
-                &mut req,
-            )
-        })?;
-        Ok(Request::new(req))
+        Request::start("MPI_Ibcast", |req| unsafe {
+            mpi_ffi::MPI_Ibcast(buf.as_mut_ptr().cast(), count, dt.raw, root, self.raw, req)
+        })
     }
 
     /// `MPI_Bcast` (blocking), same conventions as [`Comm::ibcast`].
@@ -508,17 +469,10 @@ impl Comm {
         count: i32,
         dt: &Datatype,
     ) -> Result<Request<'a>> {
-        let n = self.size()? as usize;
-        let need = n as u128 * count.max(0) as u128 * dt.extent as u128;
-        if count < 0 || need > send.len() as u128 || need > recv.len() as u128 {
-            return Err(arg_error(
-                "MPI_Ialltoall",
-                "buffers smaller than size * count * extent",
-            ));
-        }
-        let mut req = consts::REQUEST_NULL();
+        let n = self.size()?;
+        check_alltoall("MPI_Ialltoall", n, send.len(), recv.len(), count, dt)?;
         // SAFETY: both buffers hold n * count elements; they outlive the request.
-        check("MPI_Ialltoall", unsafe {
+        Request::start("MPI_Ialltoall", |req| unsafe {
             mpi_ffi::MPI_Ialltoall(
                 send.as_ptr().cast(),
                 count,
@@ -527,22 +481,15 @@ impl Comm {
                 count,
                 dt.raw,
                 self.raw,
-                &mut req,
+                req,
             )
-        })?;
-        Ok(Request::new(req))
+        })
     }
 
     /// `MPI_Alltoall` (blocking), same conventions as [`Comm::ialltoall`].
     pub fn alltoall(&self, send: &[u8], recv: &mut [u8], count: i32, dt: &Datatype) -> Result<()> {
-        let n = self.size()? as usize;
-        let need = n as u128 * count.max(0) as u128 * dt.extent as u128;
-        if count < 0 || need > send.len() as u128 || need > recv.len() as u128 {
-            return Err(arg_error(
-                "MPI_Alltoall",
-                "buffers smaller than size * count * extent",
-            ));
-        }
+        let n = self.size()?;
+        check_alltoall("MPI_Alltoall", n, send.len(), recv.len(), count, dt)?;
         // SAFETY: both buffers hold n * count elements.
         check("MPI_Alltoall", unsafe {
             mpi_ffi::MPI_Alltoall(
@@ -588,6 +535,45 @@ fn check_bcast(
     Ok(())
 }
 
+/// An allgather's arguments: `count` elements of `dt` fit in `send_len` bytes, and `n` times
+/// that in `recv_len`.
+fn check_gather(
+    call: &'static str,
+    n: i32,
+    send_len: usize,
+    recv_len: usize,
+    count: i32,
+    dt: &Datatype,
+) -> Result<()> {
+    let one = count.max(0) as u128 * dt.extent as u128;
+    if count < 0 || one > send_len as u128 || n.max(0) as u128 * one > recv_len as u128 {
+        return Err(arg_error(
+            call,
+            "buffers smaller than (size *) count * extent",
+        ));
+    }
+    Ok(())
+}
+
+/// An alltoall's arguments: `n` blocks of `count` elements of `dt` fit in both buffers.
+fn check_alltoall(
+    call: &'static str,
+    n: i32,
+    send_len: usize,
+    recv_len: usize,
+    count: i32,
+    dt: &Datatype,
+) -> Result<()> {
+    let need = n.max(0) as u128 * count.max(0) as u128 * dt.extent as u128;
+    if count < 0 || need > send_len as u128 || need > recv_len as u128 {
+        return Err(arg_error(
+            call,
+            "buffers smaller than size * count * extent",
+        ));
+    }
+    Ok(())
+}
+
 fn check_blocks(
     call: &'static str,
     n: usize,
@@ -621,6 +607,13 @@ pub struct OwnedComm {
 }
 
 impl OwnedComm {
+    /// Takes ownership of a communicator just created and makes it return errors as codes.
+    fn adopt(raw: MPI_Comm) -> Result<OwnedComm> {
+        let owned = OwnedComm { comm: Comm { raw } };
+        owned.comm.set_errors_return()?;
+        Ok(owned)
+    }
+
     pub fn comm(&self) -> Comm {
         self.comm
     }
@@ -669,16 +662,7 @@ impl Datatype {
         check("MPI_Type_contiguous", unsafe {
             mpi_ffi::MPI_Type_contiguous(count, old.raw, &mut t)
         })?;
-        // SAFETY: t was just created.
-        check("MPI_Type_commit", unsafe {
-            mpi_ffi::MPI_Type_commit(&mut t)
-        })?;
-        let extent = extent_of(t)?;
-        Ok(Datatype {
-            raw: t,
-            extent,
-            derived: true,
-        })
+        Datatype::commit(t)
     }
 
     /// The layout of [`crate::strided`]: 8 bytes of data, then an 8-byte hole
@@ -697,6 +681,11 @@ impl Datatype {
         });
         data.free()?;
         rc?;
+        Datatype::commit(t)
+    }
+
+    /// `MPI_Type_commit` of a derived type just created, which the result then owns.
+    fn commit(mut t: MPI_Datatype) -> Result<Datatype> {
         // SAFETY: t was just created.
         check("MPI_Type_commit", unsafe {
             mpi_ffi::MPI_Type_commit(&mut t)
@@ -749,11 +738,15 @@ pub struct Request<'a> {
 }
 
 impl<'a> Request<'a> {
-    fn new(raw: MPI_Request) -> Self {
-        Request {
+    /// Runs `post`, a nonblocking call writing its request through the pointer it is given,
+    /// and returns that request.
+    fn start(call: &'static str, post: impl FnOnce(*mut MPI_Request) -> c_int) -> Result<Self> {
+        let mut raw = consts::REQUEST_NULL();
+        check(call, post(&mut raw))?;
+        Ok(Request {
             raw,
             _buffers: PhantomData,
-        }
+        })
     }
 
     /// `MPI_Wait` with `MPI_STATUS_IGNORE`.

@@ -314,14 +314,7 @@ pub fn render_table(rows: &[Value], markdown: bool) -> (String, bool) {
         .collect();
     let mut out = String::new();
     if markdown {
-        out += &format!("| {} |\n", header.join(" | "));
-        out += &format!(
-            "|{}|\n",
-            header.iter().map(|_| "---").collect::<Vec<_>>().join("|")
-        );
-        for l in &lines {
-            out += &format!("| {} |\n", l.join(" | "));
-        }
+        out += &crate::table::markdown(&header, &lines);
         for n in &notes {
             out += &format!("\n- {n}");
         }
@@ -329,30 +322,7 @@ pub fn render_table(rows: &[Value], markdown: bool) -> (String, bool) {
             out += "\n";
         }
     } else {
-        let widths: Vec<usize> = (0..header.len())
-            .map(|i| {
-                lines
-                    .iter()
-                    .map(|l| l[i].len())
-                    .chain([header[i].len()])
-                    .max()
-                    .unwrap_or(0)
-            })
-            .collect();
-        let row = |cells: Vec<&str>| {
-            cells
-                .iter()
-                .zip(&widths)
-                .map(|(c, w)| format!("{c:>w$}"))
-                .collect::<Vec<_>>()
-                .join(" ")
-        };
-        out += &row(header.to_vec());
-        out += "\n";
-        for l in &lines {
-            out += &row(l.iter().map(String::as_str).collect());
-            out += "\n";
-        }
+        out += &crate::table::aligned(&header, &lines);
         for n in &notes {
             out += &format!("# {n}\n");
         }

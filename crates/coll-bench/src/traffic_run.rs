@@ -2,6 +2,7 @@
 //! `MPI_Sendrecv` against the (offloaded) `MPI_Allgatherv`, and the minimum. See
 //! `coll-bench traffic --help`; the pure parts are in `coll_bench::traffic`.
 
+use crate::run::{self, fail};
 use clap::{Args, ValueEnum};
 use coll_bench::mpi::{Comm, Datatype, Mpi, MpiError};
 use coll_bench::traffic::{
@@ -10,7 +11,6 @@ use coll_bench::traffic::{
 use coll_bench::{parse_size, pattern};
 use mpi_ffi::consts;
 use serde_json::Value;
-use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -285,18 +285,10 @@ pub fn traffic(args: TrafficArgs) -> i32 {
             return 2;
         }
     };
-    let mpi = match Mpi::init() {
-        Ok(m) => m,
-        Err(e) => {
-            eprintln!("coll-bench: {e}");
-            return 1;
-        }
+    let Some(mpi) = run::init() else {
+        return 1;
     };
     let world = mpi.world();
-    let fail = |e: MpiError| -> ! {
-        eprintln!("coll-bench: {e}");
-        Mpi::abort(1)
-    };
     let me = world.rank().unwrap_or_else(|e| fail(e));
     let ranks = world.size().unwrap_or_else(|e| fail(e)) as usize;
     let checked = match args
@@ -326,15 +318,7 @@ pub fn traffic(args: TrafficArgs) -> i32 {
     };
     let mut json = None;
     if me == 0 {
-        if let Some(path) = &args.json {
-            match File::create(path) {
-                Ok(f) => json = Some(f),
-                Err(e) => {
-                    eprintln!("coll-bench: cannot create {}: {e}", path.display());
-                    Mpi::abort(2);
-                }
-            }
-        }
+        json = run::create_json(&args.json);
         println!(
             "# coll-bench traffic: coll={} ranks={ranks} nodes={} layout={} mode={mode} \
              iters={}; inter-node bytes per call: ring (MPI_Sendrecv, counted by the ranks), \
@@ -418,13 +402,5 @@ pub fn traffic(args: TrafficArgs) -> i32 {
     if me == 0 && !all_ok {
         eprintln!("coll-bench traffic: validation failed for at least one size (see above)");
     }
-    if let Err(e) = mpi.finalize() {
-        eprintln!("coll-bench: {e}");
-        return 1;
-    }
-    if all_ok {
-        0
-    } else {
-        1
-    }
+    run::finish(mpi, all_ok)
 }

@@ -12,8 +12,6 @@ use bootstrap::wire::{CollKind, PostDesc};
 use bootstrap::Layout;
 use common::*;
 use std::time::Duration;
-
-const WAIT: Duration = Duration::from_secs(20);
 const SENTINEL: u8 = 0x5A;
 
 struct AgOp {
@@ -46,17 +44,7 @@ fn make(rng: &mut Rng, comm: CommId, seq: u64, members_world: Vec<u32>, max: u64
     let mut recv_displs = vec![];
     for _ in 0..p {
         // Blocks in a random order with random gaps.
-        let mut order: Vec<usize> = (0..p).collect();
-        for i in (1..p).rev() {
-            order.swap(i, rng.below(i as u64 + 1) as usize);
-        }
-        let mut d = vec![0; p];
-        let mut off = 0;
-        for s in order {
-            off += rng.below(3) * 8;
-            d[s] = off;
-            off += counts[s];
-        }
+        let (d, off) = shuffled_layout(rng, &counts);
         recv.push(vec![SENTINEL; off as usize]);
         recv_displs.push(d);
     }
@@ -116,11 +104,7 @@ impl AgOp {
                 let o = self.recv_displs[d][s] as usize;
                 want[o..o + self.counts[s] as usize].copy_from_slice(&self.send[s]);
             }
-            // SAFETY-free: the SPs wrote through CMA; read through volatile loads.
-            let got: Vec<u8> = self.recv[d]
-                .iter()
-                .map(|b| unsafe { std::ptr::read_volatile(b) })
-                .collect();
+            let got = read_back(&self.recv[d]);
             if let Some(i) = (0..want.len()).find(|&i| want[i] != got[i]) {
                 panic!(
                     "{:?} seq {} rank {d}: byte {i} is {:#x}, allgatherv puts {:#x}",
@@ -146,9 +130,7 @@ fn run(
     let world = nodes * rpn;
     let mut set = SpSet::start(nodes, sps_per_node, rpn, layout);
     let job = new_job();
-    let mut hosts: Vec<Host> = (0..world)
-        .map(|r| Host::connect(&set, job, r, world))
-        .collect();
+    let mut hosts = Host::connect_all(&set, job, world);
     let mut rng = Rng(seed);
     for round in 0..rounds {
         let mut members: Vec<u32> = (0..world).collect();
@@ -207,7 +189,7 @@ fn allgatherv_through_real_sps_matches_reference() {
     let seed = test_seed();
     for (k, layout) in [(1, Layout::Block), (2, Layout::Cyclic), (2, Layout::Block)] {
         let stats = run(k, layout, seed, 12, &[], Duration::ZERO, false);
-        let posts: u64 = stats.iter().map(|s| s["posts"].as_u64().unwrap()).sum();
+        let posts = sum(&stats, "posts");
         assert!(posts > 0, "{stats:?}");
     }
 }
@@ -219,9 +201,6 @@ fn blocking_allgatherv_hosts_do_the_intra_node_copies() {
     // is the same. Late ranks too, so that segments land on one rank and the others copy
     // them from its receive buffer.
     let seed = test_seed();
-    let sum = |stats: &[serde_json::Value], f: &str| -> u64 {
-        stats.iter().map(|s| s[f].as_u64().unwrap()).sum()
-    };
     for (k, layout, late) in [
         (1, Layout::Block, &[][..]),
         (2, Layout::Cyclic, &[][..]),
@@ -252,7 +231,7 @@ fn allgatherv_inter_node_bytes_are_minimal_whatever_the_layout() {
     ] {
         let mut set = SpSet::start(2, k, 2, layout);
         let job = new_job();
-        let mut hosts: Vec<Host> = (0..4).map(|r| Host::connect(&set, job, r, 4)).collect();
+        let mut hosts = Host::connect_all(&set, job, 4);
         let mut rng = Rng(seed);
         let op = make(
             &mut rng,
@@ -267,19 +246,10 @@ fn allgatherv_inter_node_bytes_are_minimal_whatever_the_layout() {
             let (slot, token) = hosts[r].post(d);
             posted.push((r, slot, token));
         }
-        for (h, slot, token) in posted {
-            assert_eq!(
-                hosts[h].wait(slot, token, WAIT),
-                Some(STATUS_OK),
-                "seed {seed}"
-            );
-        }
+        assert_completed(&hosts, &posted, STATUS_OK, &format!("seed {seed}"));
         op.check();
         let stats = set.stop_and_stats();
-        let inter: u64 = stats
-            .iter()
-            .map(|s| s["bytes_inter_node"].as_u64().unwrap())
-            .sum();
+        let inter = sum(&stats, "bytes_inter_node");
         let nodes = 2u64;
         let min: u64 = op.counts.iter().sum::<u64>() * (nodes - 1);
         assert_eq!(inter, min, "seed {seed} {layout:?} x{k}: {stats:?}");
@@ -289,9 +259,6 @@ fn allgatherv_inter_node_bytes_are_minimal_whatever_the_layout() {
 #[test]
 fn allgatherv_late_ranks_take_the_pass_and_park_paths() {
     let seed = test_seed();
-    let sum = |stats: &[serde_json::Value], f: &str| -> u64 {
-        stats.iter().map(|s| s[f].as_u64().unwrap()).sum()
-    };
     // Block layout, 2 SPs per node: world ranks 0 and 1 are node 0 with SPs 0 and 1. Rank 1
     // late: announcements reaching SP 1 find no ready rank and pass to SP 0 (rank 0 ready).
     let stats = run(
@@ -334,7 +301,7 @@ fn host_copy_answers_are_checked_and_a_host_dying_with_copies_pending_fails_the_
     let seed = test_seed();
     let mut set = SpSet::start(2, 1, 2, Layout::Block);
     let job = new_job();
-    let mut hosts: Vec<Host> = (0..4).map(|r| Host::connect(&set, job, r, 4)).collect();
+    let mut hosts = Host::connect_all(&set, job, 4);
     // An answer to a copy that was never handed out is refused; the SP keeps serving.
     hosts[0]
         .ch
@@ -391,9 +358,6 @@ fn host_copy_answers_are_checked_and_a_host_dying_with_copies_pending_fails_the_
     for s in &stats {
         assert_eq!(s["instances_at_exit"], 0, "{s}");
     }
-    let handed: u64 = stats
-        .iter()
-        .map(|s| s["host_copies"].as_u64().unwrap())
-        .sum();
+    let handed = sum(&stats, "host_copies");
     assert!(handed > 0, "{stats:?}");
 }

@@ -11,8 +11,6 @@ use bootstrap::wire::{CollKind, ErrorCode, PostDesc, SpToHost, Staged, StagedDes
 use bootstrap::Layout;
 use common::*;
 use std::time::Duration;
-
-const WAIT: Duration = Duration::from_secs(20);
 const SENTINEL: u8 = 0x3C;
 
 /// A bcast post of `buf` by world rank `r` (= comm rank) of a world communicator.
@@ -73,6 +71,62 @@ fn bcast_desc(
     }
 }
 
+/// Flat bcast posts of rank r = 0, 1, ... with `bufs[r]`, from `root`.
+fn flat_descs(
+    hosts: &mut [Host],
+    set: &SpSet,
+    comm: CommId,
+    seq: u64,
+    root: u32,
+    bufs: &[Vec<u8>],
+) -> Vec<PostDesc> {
+    (0..bufs.len())
+        .map(|r| {
+            let design = StagedDesign::Flat;
+            bcast_desc(hosts, set, comm, seq, r, root, &bufs[r], design, None)
+        })
+        .collect()
+}
+
+/// Posts `descs[i]` on `hosts[i]`; returns (host index, slot, token) per post.
+fn post_each(
+    hosts: &mut [Host],
+    descs: impl IntoIterator<Item = PostDesc>,
+) -> Vec<(usize, u32, u64)> {
+    descs
+        .into_iter()
+        .enumerate()
+        .map(|(i, d)| {
+            let (slot, token) = hosts[i].post(d);
+            (i, slot, token)
+        })
+        .collect()
+}
+
+/// The buffers of `n` ranks for a bcast of `data` from `root`: the data on the root, the
+/// sentinel elsewhere.
+fn bcast_bufs(n: usize, root: usize, data: &[u8]) -> Vec<Vec<u8>> {
+    (0..n)
+        .map(|r| {
+            if r == root {
+                data.to_vec()
+            } else {
+                vec![SENTINEL; data.len()]
+            }
+        })
+        .collect()
+}
+
+/// The ranks before `stay` say goodbye and leave; the others are returned.
+fn leave_before(mut hosts: Vec<Host>, stay: usize) -> Vec<Host> {
+    let staying = hosts.split_off(stay);
+    for h in hosts {
+        h.goodbye();
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    staying
+}
+
 /// A flat bcast of `len` bytes from `root` among all hosts; returns the statuses and checks
 /// the bytes of those that completed Ok.
 fn flat_bcast(
@@ -84,40 +138,16 @@ fn flat_bcast(
 ) -> Vec<Option<u32>> {
     let comm = CommId { leader: 0, id: 1 };
     let data: Vec<u8> = (0..len).map(|i| (i * 31 + seq as usize) as u8).collect();
-    let bufs: Vec<Vec<u8>> = (0..hosts.len())
-        .map(|r| {
-            if r as u32 == root {
-                data.clone()
-            } else {
-                vec![SENTINEL; len]
-            }
-        })
-        .collect();
-    let mut posted = vec![];
-    for r in 0..hosts.len() {
-        let d = bcast_desc(
-            hosts,
-            set,
-            comm,
-            seq,
-            r,
-            root,
-            &bufs[r],
-            StagedDesign::Flat,
-            None,
-        );
-        let (slot, token) = hosts[r].post(d);
-        posted.push((r, slot, token));
-    }
+    let bufs = bcast_bufs(hosts.len(), root as usize, &data);
+    let descs = flat_descs(hosts, set, comm, seq, root, &bufs);
+    let posted = post_each(hosts, descs);
     let got = wait_all_serving(hosts, &posted, WAIT);
     for (r, g) in got.iter().enumerate() {
         if *g == Some(STATUS_OK) {
-            // SAFETY-free: the SPs wrote through CMA; read through volatile loads.
-            let seen: Vec<u8> = bufs[r]
-                .iter()
-                .map(|b| unsafe { std::ptr::read_volatile(b) })
-                .collect();
-            assert!(seen == data, "seq {seq} rank {r}: wrong bytes");
+            assert!(
+                read_back(&bufs[r]) == data,
+                "seq {seq} rank {r}: wrong bytes"
+            );
         }
     }
     got
@@ -127,7 +157,7 @@ fn flat_bcast(
 fn bcast_through_real_sps_and_hostile_descriptors() {
     let mut set = SpSet::start(2, 1, 2, Layout::Block);
     let job = new_job();
-    let mut hosts: Vec<Host> = (0..4).map(|r| Host::connect(&set, job, r, 4)).collect();
+    let mut hosts = Host::connect_all(&set, job, 4);
     // Several sizes around the default 256 KiB chunk, every root.
     for (seq, (root, len)) in [(0, 0), (1, 1), (2, 262_144), (3, 700_001)]
         .into_iter()
@@ -183,9 +213,7 @@ fn bcast_through_real_sps_and_hostile_descriptors() {
             "{what}"
         );
     }
-    assert!(buf
-        .iter()
-        .all(|b| unsafe { std::ptr::read_volatile(b) } == 0));
+    assert!(read_back(&buf).iter().all(|&b| b == 0));
     // The SPs still serve the job (a new communicator: the refused ones aborted theirs).
     let got = flat_bcast(&mut hosts, &set, 20, 3, 5000);
     assert!(got.iter().all(|&g| g == Some(STATUS_OK)), "{got:?}");
@@ -204,55 +232,19 @@ fn bcast_through_real_sps_and_hostile_descriptors() {
 fn ranks_that_leave_once_their_part_is_done_fail_nobody() {
     let mut set = SpSet::start(2, 1, 2, Layout::Block);
     let job = new_job();
-    let mut hosts: Vec<Host> = (0..4).map(|r| Host::connect(&set, job, r, 4)).collect();
+    let mut hosts = Host::connect_all(&set, job, 4);
     let comm = CommId { leader: 0, id: 1 };
     // Fits the root SP's staging: the root completes before node 1 posts anything.
     let len = 100_003;
     let data: Vec<u8> = (0..len).map(|i| (i * 7 + 1) as u8).collect();
-    let bufs: Vec<Vec<u8>> = (0..4)
-        .map(|r| {
-            if r == 0 {
-                data.clone()
-            } else {
-                vec![SENTINEL; len]
-            }
-        })
-        .collect();
-    let descs: Vec<PostDesc> = (0..4)
-        .map(|r| {
-            bcast_desc(
-                &mut hosts,
-                &set,
-                comm,
-                0,
-                r,
-                0,
-                &bufs[r],
-                StagedDesign::Flat,
-                None,
-            )
-        })
-        .collect();
-    let mut descs = descs.into_iter();
-    let early: Vec<(usize, u32, u64)> = (0..2)
-        .map(|r| {
-            let (slot, token) = hosts[r].post(descs.next().unwrap());
-            (r, slot, token)
-        })
-        .collect();
+    let bufs = bcast_bufs(4, 0, &data);
+    let mut descs = flat_descs(&mut hosts, &set, comm, 0, 0, &bufs);
+    let late_descs = descs.split_off(2);
+    let early = post_each(&mut hosts, descs);
     let got = wait_all_serving(&mut hosts, &early, WAIT);
     assert_eq!(got, [Some(STATUS_OK); 2]);
-    let mut late_hosts = hosts.split_off(2);
-    for h in hosts {
-        h.goodbye();
-    }
-    std::thread::sleep(Duration::from_millis(200));
-    let late: Vec<(usize, u32, u64)> = (0..2)
-        .map(|i| {
-            let (slot, token) = late_hosts[i].post(descs.next().unwrap());
-            (i, slot, token)
-        })
-        .collect();
+    let mut late_hosts = leave_before(hosts, 2);
+    let late = post_each(&mut late_hosts, late_descs);
     let got = wait_all_serving(&mut late_hosts, &late, WAIT);
     assert_eq!(
         got,
@@ -260,45 +252,15 @@ fn ranks_that_leave_once_their_part_is_done_fail_nobody() {
         "the late ranks must get the message"
     );
     for (r, buf) in bufs.iter().enumerate().skip(1) {
-        let seen: Vec<u8> = buf
-            .iter()
-            .map(|b| unsafe { std::ptr::read_volatile(b) })
-            .collect();
-        assert!(seen == data, "rank {r}: wrong bytes");
+        assert!(read_back(buf) == data, "rank {r}: wrong bytes");
     }
 
     // A second job: node 0's ranks leave without posting; node 1's must fail, not hang.
     let job = new_job();
-    let mut hosts: Vec<Host> = (0..4).map(|r| Host::connect(&set, job, r, 4)).collect();
-    let descs: Vec<PostDesc> = (0..4)
-        .map(|r| {
-            bcast_desc(
-                &mut hosts,
-                &set,
-                comm,
-                0,
-                r,
-                0,
-                &bufs[r],
-                StagedDesign::Flat,
-                None,
-            )
-        })
-        .collect();
-    let mut late_hosts = hosts.split_off(2);
-    for h in hosts {
-        h.goodbye();
-    }
-    std::thread::sleep(Duration::from_millis(200));
-    let late: Vec<(usize, u32, u64)> = descs
-        .into_iter()
-        .skip(2)
-        .enumerate()
-        .map(|(i, d)| {
-            let (slot, token) = late_hosts[i].post(d);
-            (i, slot, token)
-        })
-        .collect();
+    let mut hosts = Host::connect_all(&set, job, 4);
+    let descs = flat_descs(&mut hosts, &set, comm, 0, 0, &bufs);
+    let mut late_hosts = leave_before(hosts, 2);
+    let late = post_each(&mut late_hosts, descs.into_iter().skip(2));
     let got = wait_all_serving(&mut late_hosts, &late, WAIT);
     assert!(
         got.iter().all(|g| g.is_some_and(|s| s != STATUS_OK)),
@@ -323,7 +285,7 @@ fn sps_with_and_without_ucx_broadcast_together() {
         &[(0, "--ucx=on"), (1, "--ucx=off")],
     );
     let job = new_job();
-    let mut hosts: Vec<Host> = (0..4).map(|r| Host::connect(&set, job, r, 4)).collect();
+    let mut hosts = Host::connect_all(&set, job, 4);
     for (seq, root) in [0u32, 2, 1, 3].into_iter().enumerate() {
         let got = flat_bcast(&mut hosts, &set, seq as u64, root, 600_000);
         assert!(
@@ -338,10 +300,7 @@ fn sps_with_and_without_ucx_broadcast_together() {
         assert_eq!(s["instances_at_exit"], 0, "{s}");
     }
     // 600 000 bytes are 3 chunks of 256 KiB; each of the 4 broadcasts crosses once.
-    let moved: u64 = stats
-        .iter()
-        .map(|s| s["chunks_moved"].as_u64().unwrap())
-        .sum();
+    let moved = sum(&stats, "chunks_moved");
     assert_eq!(moved, 12, "{stats:?}");
 }
 
@@ -356,7 +315,7 @@ fn a_bcast_beyond_the_staging_bound_fails_instead_of_allocating() {
         &["--staging-mib", "1", "--stage-chunk-bytes", "524288"],
     );
     let job = new_job();
-    let mut hosts: Vec<Host> = (0..4).map(|r| Host::connect(&set, job, r, 4)).collect();
+    let mut hosts = Host::connect_all(&set, job, 4);
     let got = flat_bcast(&mut hosts, &set, 0, 0, 100_000);
     assert!(got.iter().all(|g| g.is_some()), "{got:?}");
     assert!(
@@ -364,10 +323,7 @@ fn a_bcast_beyond_the_staging_bound_fails_instead_of_allocating() {
         "every rank but possibly the root fails: {got:?}"
     );
     let stats = set.stats_after_goodbyes(hosts);
-    let refused: u64 = stats
-        .iter()
-        .map(|s| s["staging_refused"].as_u64().unwrap())
-        .sum();
+    let refused = sum(&stats, "staging_refused");
     assert!(refused > 0, "{stats:?}");
     for s in &stats {
         assert_eq!(s["instances_at_exit"], 0, "{s}");
@@ -379,7 +335,7 @@ fn a_bcast_beyond_the_staging_bound_fails_instead_of_allocating() {
 fn a_peer_sp_that_dies_mid_bcast_fails_it_on_every_live_rank() {
     let mut set = SpSet::start(2, 1, 2, Layout::Block);
     let job = new_job();
-    let mut hosts: Vec<Host> = (0..4).map(|r| Host::connect(&set, job, r, 4)).collect();
+    let mut hosts = Host::connect_all(&set, job, 4);
     let comm = CommId { leader: 0, id: 1 };
     let len = 4 << 20;
     let data = vec![7u8; len];
@@ -388,22 +344,8 @@ fn a_peer_sp_that_dies_mid_bcast_fails_it_on_every_live_rank() {
         .collect();
     // Ranks 0 and 1 (node 0, SP 0) post; node 1's ranks never do, so its SP holds chunks in
     // staging until it is killed.
-    let mut posted = vec![];
-    for r in 0..2 {
-        let d = bcast_desc(
-            &mut hosts,
-            &set,
-            comm,
-            0,
-            r,
-            0,
-            &bufs[r],
-            StagedDesign::Flat,
-            None,
-        );
-        let (slot, token) = hosts[r].post(d);
-        posted.push((r, slot, token));
-    }
+    let descs = flat_descs(&mut hosts, &set, comm, 0, 0, &bufs[..2]);
+    let posted = post_each(&mut hosts, descs);
     std::thread::sleep(Duration::from_millis(200));
     set.kill(1);
     let got = wait_all_serving(&mut hosts, &posted, WAIT);

@@ -7,6 +7,9 @@
 //! `build_corpus` (ignored; `scripts/fuzz.sh corpus`) turns frames recorded from real jobs
 //! (`SPOFF_RECORD_FRAMES`) into the seed corpus.
 
+mod common;
+
+use common::{test_seed, Rng};
 use service_process::fuzz_targets::{machine_input, TARGETS};
 use std::path::{Path, PathBuf};
 
@@ -27,41 +30,32 @@ fn inputs(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
     v
 }
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
+/// Uniform in `0..n` as an index (0 for n = 0).
+fn below(rng: &mut Rng, n: usize) -> usize {
+    rng.below(n as u64) as usize
 }
 
 fn mutate(rng: &mut Rng, base: &[u8], other: &[u8]) -> Vec<u8> {
     let mut v = base.to_vec();
-    for _ in 0..1 + rng.below(4) {
-        match rng.below(5) {
+    for _ in 0..1 + below(rng, 4) {
+        match below(rng, 5) {
             0 if !v.is_empty() => {
-                let i = rng.below(v.len());
-                v[i] ^= 1 << rng.below(8);
+                let i = below(rng, v.len());
+                v[i] ^= 1 << below(rng, 8);
             }
             1 if !v.is_empty() => {
-                let i = rng.below(v.len());
-                v[i] = [0, 0xff, 0x7f, 0x80, 1][rng.below(5)];
+                let i = below(rng, v.len());
+                v[i] = [0, 0xff, 0x7f, 0x80, 1][below(rng, 5)];
             }
-            2 => v.truncate(rng.below(v.len() + 1)),
+            2 => v.truncate(below(rng, v.len() + 1)),
             3 if !other.is_empty() => {
-                let at = rng.below(v.len() + 1);
-                let from = rng.below(other.len());
-                let n = rng.below(other.len() - from + 1);
+                let at = below(rng, v.len() + 1);
+                let from = below(rng, other.len());
+                let n = below(rng, other.len() - from + 1);
                 v.splice(at..at, other[from..from + n].iter().copied());
             }
             _ => {
-                let at = rng.below(v.len() + 1);
+                let at = below(rng, v.len() + 1);
                 v.insert(at, rng.next() as u8);
             }
         }
@@ -71,20 +65,12 @@ fn mutate(rng: &mut Rng, base: &[u8], other: &[u8]) -> Vec<u8> {
 
 #[test]
 fn every_fuzz_target_survives_its_corpus_and_mutations_of_it() {
-    let seed = std::env::var("TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-        });
+    let seed = test_seed();
     let iters: usize = std::env::var("FUZZ_ITERS")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(3000);
-    eprintln!("TEST_SEED={seed} FUZZ_ITERS={iters}");
+    eprintln!("FUZZ_ITERS={iters}");
     let mut rng = Rng(seed);
     for (name, target) in TARGETS {
         let corpus = inputs(&fuzz_dir().join("corpus").join(name));
@@ -98,8 +84,8 @@ fn every_fuzz_target_survives_its_corpus_and_mutations_of_it() {
             assert!(r.is_ok(), "{name} panicked on {}", path.display());
         }
         for i in 0..iters {
-            let base = &corpus[rng.below(corpus.len())].1;
-            let other = &corpus[rng.below(corpus.len())].1;
+            let base = &corpus[below(&mut rng, corpus.len())].1;
+            let other = &corpus[below(&mut rng, corpus.len())].1;
             let data = mutate(&mut rng, base, other);
             let r = std::panic::catch_unwind(|| target(&data));
             if r.is_err() {

@@ -1,33 +1,16 @@
 //! `service-process simulate` runs the allgather or the bcast simulator and reports the
 //! properties the designs promise; the allgather output stays as scripts/bench.sh reads it.
 
+mod common;
+
+use common::{json_lines_ok, stdout_ok};
 use std::process::Command;
 
 #[test]
 fn simulate_reports_minimal_inter_node_bytes_for_both_layouts() {
-    let out = Command::new(env!("CARGO_BIN_EXE_service-process"))
-        .args([
-            "simulate",
-            "--nodes",
-            "4",
-            "--ranks-per-node",
-            "4",
-            "--sps-per-node",
-            "1,2",
-        ])
-        .args(["--late-ranks", "2", "--seeds", "2", "--json"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let rows: Vec<serde_json::Value> = String::from_utf8(out.stdout)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let mut args = SMALL_ALLGATHER.to_vec();
+    args.push("--json");
+    let rows = json_lines_ok(simulate(&args));
     assert_eq!(rows.len(), 4, "2 SP counts x 2 layouts: {rows:?}");
     for r in &rows {
         assert_eq!(r["inter_node_bytes"], r["min_inter_node_bytes"], "{r}");
@@ -43,18 +26,7 @@ fn simulate_reports_minimal_inter_node_bytes_for_both_layouts() {
 
 #[test]
 fn simulate_refuses_zero_seeds() {
-    let out = Command::new(env!("CARGO_BIN_EXE_service-process"))
-        .args([
-            "simulate",
-            "--nodes",
-            "2",
-            "--ranks-per-node",
-            "2",
-            "--seeds",
-            "0",
-        ])
-        .output()
-        .unwrap();
+    let out = simulate(&["--nodes", "2", "--ranks-per-node", "2", "--seeds", "0"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--seeds"));
 }
@@ -65,15 +37,6 @@ fn simulate(args: &[&str]) -> std::process::Output {
         .args(args)
         .output()
         .unwrap()
-}
-
-fn stdout_ok(out: std::process::Output) -> String {
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
 }
 
 const SMALL_ALLGATHER: [&str; 10] = [

@@ -4,6 +4,13 @@
 //! would a real MPI rank.
 #![allow(dead_code)]
 
+pub mod alltoallv;
+// SplitMix64 and the seed, shared with the workspace's integration tests (whose crate this one
+// cannot depend on).
+#[path = "../../../../tests/src/splitmix.rs"]
+mod splitmix;
+pub use splitmix::Rng;
+
 use algorithms::CommId;
 use alias_mkey::host::Registrar;
 use alias_mkey::{Grant, Rights};
@@ -57,14 +64,9 @@ impl SpSet {
         let run_dir = launch::new_run_dir().unwrap();
         let (tx, rx) = mpsc::channel();
         let spec = SpSetSpec {
-            nodes,
-            sps_per_node,
-            ranks_per_node,
-            layout,
-            sp_cpus: None,
-            max_inflight_reads: 2,
             extra_args: serve_args.iter().map(|a| a.to_string()).collect(),
             sp_args: sp_args.iter().map(|&(sp, a)| (sp, a.to_string())).collect(),
+            ..sp_set_spec(nodes, sps_per_node, ranks_per_node, layout)
         };
         let (path, mut sps) = launch::spawn_sps(&exe, &spec, &run_dir, tx).unwrap();
         launch::wait_ready(&mut sps, &rx, Duration::from_secs(30), None).unwrap();
@@ -204,6 +206,13 @@ impl Host {
             copies_served: 0,
             completed: Default::default(),
         }
+    }
+
+    /// Connects every rank of a `world_size` job, in world-rank order.
+    pub fn connect_all(set: &SpSet, job: u64, world_size: u32) -> Vec<Host> {
+        (0..world_size)
+            .map(|r| Host::connect(set, job, r, world_size))
+            .collect()
     }
 
     pub fn grant<T>(&mut self, buf: &[T], rights: Rights) -> Grant {
@@ -400,7 +409,6 @@ pub fn desc(
     }
 }
 
-/// SplitMix64, for test inputs from a printed seed.
 /// Waits for every (host, slot, token) in `posted` while the hosts serve the copies their SPs
 /// hand them; returns each status (None: timed out).
 pub fn wait_all_serving(
@@ -424,30 +432,98 @@ pub fn wait_all_serving(
     got
 }
 
-pub struct Rng(pub u64);
-impl Rng {
-    pub fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
+/// How long a test waits for a collective to complete.
+pub const WAIT: Duration = Duration::from_secs(20);
+
+/// Blocks of `sizes` in a random order with random gaps (multiples of 8 bytes); returns their
+/// displacements and the end of the last one.
+pub fn shuffled_layout(rng: &mut Rng, sizes: &[u64]) -> (Vec<u64>, u64) {
+    let p = sizes.len();
+    let mut order: Vec<usize> = (0..p).collect();
+    for i in (1..p).rev() {
+        order.swap(i, rng.below(i as u64 + 1) as usize);
     }
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
+    let mut displs = vec![0; p];
+    let mut off = 0;
+    for i in order {
+        off += rng.below(3) * 8;
+        displs[i] = off;
+        off += sizes[i];
+    }
+    (displs, off)
+}
+
+/// Waits for every (host, slot, token) of `posted` and asserts that it completed with
+/// `status`; `what` goes into the message.
+pub fn assert_completed(hosts: &[Host], posted: &[(usize, u32, u64)], status: u32, what: &str) {
+    for &(h, slot, token) in posted {
+        let got = hosts[h].wait(slot, token, WAIT);
+        assert_eq!(got, Some(status), "rank {h}: {what}");
     }
 }
 
+/// A seed for test inputs: `TEST_SEED` if set, else the clock; always printed.
 pub fn test_seed() -> u64 {
-    let seed = std::env::var("TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-        });
+    let seed = splitmix::env_seed().unwrap_or_else(splitmix::clock_seed);
     eprintln!("TEST_SEED={seed}");
     seed
+}
+
+/// The spec of an SP set with the defaults of the tests (no CPU pinning, 2 reads in flight, no
+/// extra `serve` arguments).
+pub fn sp_set_spec(
+    nodes: u32,
+    sps_per_node: u32,
+    ranks_per_node: u32,
+    layout: Layout,
+) -> SpSetSpec {
+    SpSetSpec {
+        nodes,
+        sps_per_node,
+        ranks_per_node,
+        layout,
+        sp_cpus: None,
+        max_inflight_reads: 2,
+        extra_args: vec![],
+        sp_args: vec![],
+    }
+}
+
+/// Sum of one counter over the SPs' stats.
+pub fn sum(stats: &[serde_json::Value], field: &str) -> u64 {
+    stats.iter().map(|s| s[field].as_u64().unwrap()).sum()
+}
+
+/// Asserts that no SP holds a job or an instance any more.
+pub fn assert_nothing_held(stats: &[serde_json::Value]) {
+    for s in stats {
+        assert_eq!(s["jobs_at_exit"], 0, "{s}");
+        assert_eq!(s["instances_at_exit"], 0, "{s}");
+    }
+}
+
+/// What the SPs wrote into `buf` (through CMA, behind the compiler's back): volatile loads.
+pub fn read_back(buf: &[u8]) -> Vec<u8> {
+    // SAFETY: plain loads of initialized bytes.
+    buf.iter()
+        .map(|b| unsafe { std::ptr::read_volatile(b) })
+        .collect()
+}
+
+/// The stdout of a finished command that must have succeeded (else its stderr is shown).
+pub fn stdout_ok(out: std::process::Output) -> String {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// The JSON Lines a successful command printed.
+pub fn json_lines_ok(out: std::process::Output) -> Vec<serde_json::Value> {
+    stdout_ok(out)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
 }

@@ -1,0 +1,333 @@
+//! The attacker of the security tests: this test binary run again with `SPOFF_ATTACK` set (its
+//! `attacker_process` test calls [`run`]), as another process and, where a finding needs it,
+//! under another uid; it says what happened in `ATTACK:` lines.
+
+use crate::common::desc;
+use algorithms::CommId;
+use alias_mkey::Rights;
+use bootstrap::auth::{self, ClusterKey};
+use bootstrap::mailbox;
+use bootstrap::wire::{self, AdminHello, Channel, Hello, HostHello, HostToSp, SpHello, SpToHost};
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+/// Runs this test binary again as an attacker: `mode` and `vars` in its environment, under
+/// `uid` if given. Returns its `ATTACK:` lines.
+pub fn attack(mode: &str, vars: &[(&str, String)], uid: Option<u32>) -> Vec<String> {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args([
+        "attacker_process",
+        "--exact",
+        "--ignored",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env("SPOFF_ATTACK", mode);
+    for (k, v) in vars {
+        cmd.env(k, v);
+    }
+    if let Some(uid) = uid {
+        cmd.uid(uid).gid(uid);
+    }
+    let out = cmd.output().expect("the attacker process runs");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let lines: Vec<String> = stdout
+        .lines()
+        // The harness prints "test attacker_process ... " before the first line.
+        .filter_map(|l| l.split_once("ATTACK: ").map(|(_, a)| a.to_string()))
+        .collect();
+    assert!(
+        !lines.is_empty(),
+        "the attacker ({mode}) said nothing\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    lines
+}
+
+/// The attacker says hello on `socket` with `cred` as rank `rank` of `size` (as `uid` if
+/// given); its answer.
+pub fn attack_hello(
+    socket: &str,
+    cred: String,
+    rank: u32,
+    size: u32,
+    uid: Option<u32>,
+) -> Vec<String> {
+    let vars = [
+        ("SOCK", socket.to_string()),
+        ("CRED", cred),
+        ("RANK", rank.to_string()),
+        ("SIZE", size.to_string()),
+    ];
+    attack("hello", &vars, uid)
+}
+
+fn var(k: &str) -> String {
+    std::env::var(k).unwrap_or_else(|_| panic!("attacker: {k} is not set"))
+}
+
+fn say(what: impl std::fmt::Display) {
+    println!("ATTACK: {what}");
+}
+
+/// Connects to a host socket and says hello; the answer as a line.
+fn hello_as(
+    socket: &str,
+    cred: String,
+    rank: u32,
+    size: u32,
+) -> (Option<Channel<UnixStream>>, String) {
+    let s = match UnixStream::connect(socket) {
+        Ok(s) => s,
+        Err(e) => return (None, format!("CONNECT-FAILED {e}")),
+    };
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut ch = Channel::new(s);
+    if let Err(e) = ch.send_hello(&Hello::Host(HostHello {
+        credential: cred,
+        world_rank: rank,
+        world_size: size,
+        node: 0,
+        local_rank: rank,
+    })) {
+        return (None, format!("SEND-FAILED {e}"));
+    }
+    match ch.recv_hello() {
+        Ok(Hello::Welcome { .. }) => (Some(ch), "WELCOME".into()),
+        Ok(Hello::Reject { reason }) => (None, format!("REJECT {reason}")),
+        Ok(other) => (None, format!("OTHER {other:?}")),
+        Err(e) => (None, format!("CLOSED {e}")),
+    }
+}
+
+/// Registers a mailbox of 4 slots on a welcomed connection.
+fn register(ch: &mut Channel<UnixStream>) {
+    let mb: &'static [u64] = Box::leak(vec![0u64; 64].into_boxed_slice());
+    let grant = alias_mkey::host::Registrar::new().register(
+        mb.as_ptr() as u64,
+        4 * mailbox::SLOT_BYTES,
+        Rights::READ_WRITE,
+    );
+    ch.send(&HostToSp::Register {
+        cores: vec![],
+        mailbox: grant,
+        mailbox_slots: 4,
+    })
+    .unwrap();
+    match ch.recv::<SpToHost>().unwrap() {
+        SpToHost::Registered { .. } => {}
+        other => panic!("attacker: register answered {other:?}"),
+    }
+}
+
+/// A post of an alltoallv on a 2-rank communicator where the other rank never posts (rank 0
+/// sends 8 bytes to rank 1 only, so nothing of it can start before rank 1 posts).
+fn stuck_post(seq: u64, members: Vec<u32>, world: Vec<u32>) -> wire::PostDesc {
+    let g = alias_mkey::host::Registrar::new().register(0x1000, 16, Rights::READ_WRITE);
+    let mut d = desc(
+        CommId { leader: 0, id: 77 },
+        seq,
+        0,
+        members,
+        0,
+        g.clone(),
+        g,
+        (vec![0, 8], vec![0, 8], vec![0, 8], vec![0, 8]),
+    );
+    d.slot = None;
+    d.world_ranks = world;
+    d
+}
+
+/// The attacker subprocess: what `SPOFF_ATTACK` names, or nothing without it.
+pub fn run() {
+    let Ok(mode) = std::env::var("SPOFF_ATTACK") else {
+        return;
+    };
+    let n = |k: &str| var(k).parse::<u64>().unwrap();
+    match mode.as_str() {
+        // Hello with the given credential, then close without goodbye.
+        "hello" => {
+            let (_, out) = hello_as(
+                &var("SOCK"),
+                var("CRED"),
+                n("RANK") as u32,
+                n("SIZE") as u32,
+            );
+            say(out);
+        }
+        // A bad post, and the connection closed at once, many times.
+        "bad-post-then-close" => {
+            for i in 0..n("TIMES") {
+                let (ch, out) = hello_as(&var("SOCK"), var("CRED"), 0, 1);
+                let Some(mut ch) = ch else {
+                    say(out);
+                    return;
+                };
+                register(&mut ch);
+                let mut d = stuck_post(i, vec![0], vec![0]);
+                d.send_counts = vec![1 << 40];
+                ch.send(&HostToSp::Post(Box::new(d))).unwrap();
+                drop(ch);
+            }
+            say("DONE");
+        }
+        // Posts that can never complete, as many as asked for: rank 1 of the job is connected
+        // to its SP (so the job is there) and never posts.
+        "flood-posts" => {
+            let (ch, out) = hello_as(&var("SOCK"), var("CRED"), 0, 2);
+            let Some(mut ch) = ch else {
+                say(out);
+                return;
+            };
+            register(&mut ch);
+            let (other, out) = hello_as(&var("SOCK1"), var("CRED"), 1, 2);
+            let Some(mut other) = other else {
+                say(out);
+                return;
+            };
+            register(&mut other);
+            let other_sp = n("OTHER_SP") as u32;
+            for i in 0..n("POSTS") {
+                let d = stuck_post(i, vec![0, other_sp], vec![0, 1]);
+                if ch.send(&HostToSp::Post(Box::new(d))).is_err() {
+                    break;
+                }
+            }
+            // Count the refusals that came back.
+            ch.get_ref()
+                .set_read_timeout(Some(Duration::from_millis(500)))
+                .unwrap();
+            let mut refused = 0;
+            while let Ok(m) = ch.recv::<SpToHost>() {
+                if matches!(m, SpToHost::Error { .. }) {
+                    refused += 1;
+                }
+            }
+            say(format!("REFUSED {refused}"));
+        }
+        // Register, fork a child that keeps the socket, exit: the SP must drop the connection
+        // (the process it served is gone, and its pid may be another process's tomorrow).
+        "fork-and-exit" => {
+            let (ch, out) = hello_as(&var("SOCK"), var("CRED"), 0, 1);
+            let Some(mut ch) = ch else {
+                say(out);
+                return;
+            };
+            register(&mut ch);
+            // SAFETY: fork in this single-threaded attacker (the test harness runs one test,
+            // on one thread); the child only uses the socket and exits.
+            let pid = unsafe { libc::fork() };
+            if pid == 0 {
+                // The child: wait for the parent to exit, then for the SP to close.
+                std::thread::sleep(Duration::from_millis(200));
+                let s = ch.get_ref();
+                s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+                let mut b = [0u8; 64];
+                let verdict = match (&*s).read(&mut b) {
+                    Ok(0) => "CLOSED",
+                    Ok(_) => "DATA",
+                    Err(_) => "OPEN",
+                };
+                let _ = std::fs::write(var("OUT"), verdict);
+                // SAFETY: leaves the forked child at once.
+                unsafe { libc::_exit(0) };
+            }
+            say("PARENT-EXITS");
+            // SAFETY: exit without dropping the connection (the child holds it).
+            unsafe { libc::_exit(0) };
+        }
+        // Pose as a peer SP with the public fingerprint and a forged proof.
+        "impostor-sp" => {
+            let s = std::net::TcpStream::connect(var("ADDR")).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            let mut ch = Channel::new(s);
+            ch.send_hello(&Hello::Sp(SpHello {
+                sp: n("AS_SP") as u32,
+                cluster_fingerprint: n("FINGERPRINT"),
+                nonce: auth::nonce(),
+            }))
+            .unwrap();
+            match ch.recv_hello() {
+                Ok(Hello::SpWelcome { .. }) => {
+                    ch.send_hello(&Hello::SpProof { proof: [0x42; 32] })
+                        .unwrap();
+                    match ch.recv_hello() {
+                        Ok(Hello::Reject { reason }) => say(format!("REJECT {reason}")),
+                        Ok(other) => say(format!("ACCEPTED {other:?}")),
+                        Err(e) => say(format!("CLOSED {e}")),
+                    }
+                }
+                Ok(Hello::Reject { reason }) => say(format!("REJECT {reason}")),
+                Ok(other) => say(format!("OTHER {other:?}")),
+                Err(e) => say(format!("CLOSED {e}")),
+            }
+        }
+        // An admin request without the key.
+        "stats-without-key" => {
+            let s = UnixStream::connect(var("SOCK")).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            let mut ch = Channel::new(s);
+            let (nonce, unix_secs) = (auth::nonce(), auth::unix_secs());
+            ch.send_hello(&Hello::Admin(AdminHello {
+                nonce,
+                unix_secs,
+                proof: auth::admin_proof(&ClusterKey::generate(), &nonce, unix_secs),
+            }))
+            .unwrap();
+            match ch.recv_hello() {
+                Ok(Hello::Reject { reason }) => say(format!("REJECT {reason}")),
+                Ok(other) => say(format!("OTHER {other:?}")),
+                Err(e) => say(format!("CLOSED-OR-DATA {e}")),
+            }
+        }
+        // Undecodable frames after a good hello, and hellos that fail, many of them.
+        "log-flood" => {
+            let (ch, out) = hello_as(&var("SOCK"), var("CRED"), 0, 1);
+            let Some(ch) = ch else {
+                say(out);
+                return;
+            };
+            let mut s = ch.get_ref().try_clone().unwrap();
+            let junk = wire::frame(&[0xff; 16]);
+            for _ in 0..n("FRAMES") {
+                if s.write_all(&junk).is_err() {
+                    break;
+                }
+            }
+            for _ in 0..n("HELLOS") {
+                let _ = hello_as(&var("SOCK"), "spoffjob1:1:0:1:00".into(), 0, 1);
+            }
+            say("DONE");
+        }
+        // Connect and say nothing: when does the SP close?
+        "silent" => {
+            let mut s = UnixStream::connect(var("SOCK")).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            let t = Instant::now();
+            let mut b = [0u8; 8];
+            let r = s.read(&mut b);
+            say(format!("CLOSED-AFTER-MS {} {r:?}", t.elapsed().as_millis()));
+        }
+        // Many connections without a hello at once: how many does the SP drop at once?
+        "many-silent" => {
+            let conns: Vec<UnixStream> = (0..n("CONNS"))
+                .filter_map(|_| UnixStream::connect(var("SOCK")).ok())
+                .collect();
+            std::thread::sleep(Duration::from_millis(300));
+            let mut closed = 0;
+            for mut c in conns {
+                c.set_nonblocking(true).unwrap();
+                let mut b = [0u8; 8];
+                if matches!(c.read(&mut b), Ok(0)) {
+                    closed += 1;
+                }
+            }
+            say(format!("CLOSED {closed}"));
+        }
+        other => panic!("unknown attack {other}"),
+    }
+}
