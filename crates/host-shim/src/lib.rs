@@ -48,10 +48,12 @@
 //! would). A rank whose UCX cannot initialise says so once and uses `cma`; the SP serves each
 //! grant with the backend it names, so ranks may differ.
 //!
-//! Module map: `boundary` (the C boundary), `state` (start-up state machine, shared state,
-//! shutdown), `conn` (the SP connection), `comm` (communicator ids), `coll` (the entry
-//! points' sides and the offload decision), `request` + `registry` + `slots` (request objects, handle classification,
-//! mailbox slots), `wait` + `backoff` (the Wait/Test family), `layout` (byte arithmetic),
+//! Module map: `boundary` (the C boundary), `state` (the state machine and shared state; it
+//! depends on no module above it), `lifecycle` (start-up and shutdown), `conn` (the SP
+//! connection), `comm` (communicator ids), `coll` (the entry points' sides and the offload
+//! decision), `request` + `registry` + `slots` (request objects, handle classification, mailbox
+//! slots), `completion` (completing tracked requests from the mailbox and the SP's messages),
+//! `wait` + `backoff` (the Wait/Test family), `layout` (byte arithmetic),
 //! `grants` + `unmapped` (buffer grants, the `ucx` cache's unmap events), `datatype` + `pack`
 //! (which sides are runs; packing the others), `post` (laying out, packing and posting one
 //! collective), `design` (the staged designs and other per-job settings).
@@ -63,10 +65,12 @@ mod boundary;
 mod cma;
 mod coll;
 mod comm;
+mod completion;
 mod conn;
 mod datatype;
 mod design;
 mod grants;
+mod lifecycle;
 mod pack;
 mod post;
 mod request;
@@ -81,9 +85,9 @@ pub mod slots;
 pub mod unmapped;
 
 use boundary::{boundary, Flow};
-use coll::Offload;
 use mpi_ffi as ffi;
 use mpi_ffi::consts;
+use post::Offload;
 use std::os::raw::{c_char, c_int, c_void};
 
 pub use state::{state as shim_state, State};
@@ -96,7 +100,7 @@ fn init(name: &'static str, pmpi: impl Fn() -> c_int) -> c_int {
         commit.mark();
         if rc == consts::SUCCESS() {
             // SAFETY: MPI is initialised, on this thread.
-            unsafe { state::start() };
+            unsafe { lifecycle::start() };
         }
         Flow::Done(rc)
     })
@@ -129,7 +133,7 @@ pub unsafe extern "C" fn MPI_Finalize() -> c_int {
         || unsafe { ffi::PMPI_Finalize() },
         |_| {
             // SAFETY: MPI is initialised (MPI_Finalize precondition).
-            unsafe { state::finish() };
+            unsafe { lifecycle::finish() };
             Flow::Native
         },
     )

@@ -25,9 +25,10 @@
 
 use crate::backoff::{Backoff, CONN_CHECK_INTERVAL, PROGRESS_INTERVAL};
 use crate::boundary::{say, Commit, Flow};
+use crate::completion::{poll, release};
 use crate::grants::UCX_ACTIVE;
 use crate::registry::Class;
-use crate::request::{by_addr, fill_status, my_rank, poll, release};
+use crate::request::{by_addr, fill_status, my_rank};
 use crate::state::{is_active, with_shim, TRACKED};
 use mpi_ffi as ffi;
 use mpi_ffi::consts;
