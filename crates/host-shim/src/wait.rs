@@ -38,7 +38,7 @@ use crate::boundary::{say, Commit, Flow};
 use crate::completion::{poll, release};
 use crate::request::{by_addr, fill_status, my_rank};
 use crate::state::with_shim;
-use handles::{claim, complete_one};
+use handles::{claim, claim_slot, complete_one};
 use mpi_ffi as ffi;
 use mpi_ffi::consts;
 use progress::{test_miss, Waiter};
@@ -72,11 +72,8 @@ pub unsafe fn wait(
     status: *mut ffi::MPI_Status,
     commit: &mut Commit,
 ) -> Flow {
-    if request.is_null() {
-        return Flow::Native;
-    }
-    // SAFETY: a valid handle slot (MPI precondition).
-    let Some(addr) = claim(unsafe { *request }, commit) else {
+    // SAFETY: null or a valid handle slot (MPI precondition).
+    let Some(addr) = (unsafe { claim_slot(request, commit) }) else {
         return Flow::Native;
     };
     let code = wait_addr(addr);
@@ -95,11 +92,11 @@ pub unsafe fn test(
     status: *mut ffi::MPI_Status,
     commit: &mut Commit,
 ) -> Flow {
-    if request.is_null() || flag.is_null() {
+    if flag.is_null() {
         return Flow::Native;
     }
-    // SAFETY: a valid handle slot (MPI precondition).
-    let Some(addr) = claim(unsafe { *request }, commit) else {
+    // SAFETY: null or a valid handle slot (MPI precondition).
+    let Some(addr) = (unsafe { claim_slot(request, commit) }) else {
         return Flow::Native;
     };
     // SAFETY: ours, owned by the caller.
@@ -128,11 +125,8 @@ pub unsafe fn test(
 /// # Safety
 /// Arguments as for `MPI_Request_free`.
 pub unsafe fn request_free(request: *mut ffi::MPI_Request, commit: &mut Commit) -> Flow {
-    if request.is_null() {
-        return Flow::Native;
-    }
-    // SAFETY: a valid handle slot (MPI precondition).
-    let Some(addr) = claim(unsafe { *request }, commit) else {
+    // SAFETY: null or a valid handle slot (MPI precondition).
+    let Some(addr) = (unsafe { claim_slot(request, commit) }) else {
         return Flow::Native;
     };
     // SAFETY: ours, owned by the caller until this call gives it up.
@@ -183,11 +177,8 @@ pub unsafe fn request_get_status(
 /// # Safety
 /// Arguments as for `MPI_Cancel`.
 pub unsafe fn cancel(request: *mut ffi::MPI_Request, commit: &mut Commit) -> Flow {
-    if request.is_null() {
-        return Flow::Native;
-    }
-    // SAFETY: a valid handle slot (MPI precondition).
-    let Some(addr) = claim(unsafe { *request }, commit) else {
+    // SAFETY: null or a valid handle slot (MPI precondition).
+    let Some(addr) = (unsafe { claim_slot(request, commit) }) else {
         return Flow::Native;
     };
     say!(

@@ -49,6 +49,21 @@ pub(super) fn claim(handle: ffi::MPI_Request, commit: &mut Commit) -> Option<usi
     Some(addr)
 }
 
+/// [`claim`] for the handle in the caller's slot `request`; `None` (native) for a null slot.
+///
+/// # Safety
+/// `request` is null or the caller's valid handle slot.
+pub(super) unsafe fn claim_slot(
+    request: *mut ffi::MPI_Request,
+    commit: &mut Commit,
+) -> Option<usize> {
+    if request.is_null() {
+        return None;
+    }
+    // SAFETY: a valid handle slot (precondition).
+    claim(unsafe { *request }, commit)
+}
+
 /// The start of every array call: `None` (native) unless the shim is active and one of the
 /// `count` handles at `requests` is ours; then the call is committed and these are the
 /// caller's handles and their classes.
