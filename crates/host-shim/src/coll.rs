@@ -22,22 +22,12 @@ use crate::boundary::Commit;
 use crate::datatype;
 use crate::design::iallgather_staged;
 use crate::layout::alltoall_as_v;
-use crate::post::{post, Side};
+use crate::post::{post, Offload, Side};
 use crate::state::is_active;
 use bootstrap::wire::CollKind;
 use mpi_ffi as ffi;
 use mpi_ffi::consts;
 use std::os::raw::{c_int, c_void};
-
-/// What became of a call.
-pub enum Offload {
-    /// Not offloaded: run the native function.
-    Native,
-    /// Posted: the request object's address.
-    Posted(usize),
-    /// Offloaded but could not be posted: return this code.
-    Failed(c_int),
-}
 
 /// The communicator's size and this rank's rank in it when a call on it may be offloaded.
 unsafe fn eligible(comm: ffi::MPI_Comm) -> Option<(usize, usize)> {
@@ -332,14 +322,5 @@ pub unsafe fn bcast(
             Some(root as u32),
             commit,
         )
-    }
-}
-
-pub fn kind_name(kind: CollKind) -> &'static str {
-    match kind {
-        CollKind::Alltoallv => "alltoallv",
-        CollKind::Allgatherv => "allgatherv",
-        CollKind::Bcast => "bcast",
-        CollKind::StagedAllgather => "staged allgather",
     }
 }

@@ -48,10 +48,12 @@
 //! would). A rank whose UCX cannot initialise says so once and uses `cma`; the SP serves each
 //! grant with the backend it names, so ranks may differ.
 //!
-//! Module map: `boundary` (the C boundary), `state` (start-up state machine, shared state,
-//! shutdown), `conn` (the SP connection), `comm` (communicator ids), `coll` (the entry
-//! points' sides and the offload decision), `request` + `registry` + `slots` (request objects, handle classification,
-//! mailbox slots), `wait` + `backoff` (the Wait/Test family), `layout` (byte arithmetic),
+//! Module map: `boundary` (the C boundary), `state` (the state machine and shared state; it
+//! depends on no module above it), `lifecycle` (start-up and shutdown), `conn` (the SP
+//! connection), `comm` (communicator ids), `coll` (the entry points' sides and the offload
+//! decision), `request` + `registry` + `slots` (request objects, handle classification, mailbox
+//! slots), `completion` (completing tracked requests from the mailbox and the SP's messages),
+//! `wait` + `backoff` (the Wait/Test family), `layout` (byte arithmetic),
 //! `grants` + `unmapped` (buffer grants, the `ucx` cache's unmap events), `datatype` + `pack`
 //! (which sides are runs; packing the others), `post` (laying out, packing and posting one
 //! collective), `design` (the staged designs and other per-job settings).
@@ -63,10 +65,12 @@ mod boundary;
 mod cma;
 mod coll;
 mod comm;
+mod completion;
 mod conn;
 mod datatype;
 mod design;
 mod grants;
+mod lifecycle;
 mod pack;
 mod post;
 mod request;
@@ -81,9 +85,9 @@ pub mod slots;
 pub mod unmapped;
 
 use boundary::{boundary, Flow};
-use coll::Offload;
 use mpi_ffi as ffi;
 use mpi_ffi::consts;
+use post::Offload;
 use std::os::raw::{c_char, c_int, c_void};
 
 pub use state::{state as shim_state, State};
@@ -96,7 +100,7 @@ fn init(name: &'static str, pmpi: impl Fn() -> c_int) -> c_int {
         commit.mark();
         if rc == consts::SUCCESS() {
             // SAFETY: MPI is initialised, on this thread.
-            unsafe { state::start() };
+            unsafe { lifecycle::start() };
         }
         Flow::Done(rc)
     })
@@ -129,7 +133,7 @@ pub unsafe extern "C" fn MPI_Finalize() -> c_int {
         || unsafe { ffi::PMPI_Finalize() },
         |_| {
             // SAFETY: MPI is initialised (MPI_Finalize precondition).
-            unsafe { state::finish() };
+            unsafe { lifecycle::finish() };
             Flow::Native
         },
     )
@@ -162,529 +166,171 @@ unsafe fn complete(
     }
 }
 
-#[no_mangle]
-pub unsafe extern "C" fn MPI_Ialltoallv(
-    sendbuf: *const c_void,
-    sendcounts: *const c_int,
-    sdispls: *const c_int,
-    sendtype: ffi::MPI_Datatype,
-    recvbuf: *mut c_void,
-    recvcounts: *const c_int,
-    rdispls: *const c_int,
-    recvtype: ffi::MPI_Datatype,
-    comm: ffi::MPI_Comm,
-    request: *mut ffi::MPI_Request,
-) -> c_int {
-    boundary(
-        "MPI_Ialltoallv",
-        // SAFETY: the caller's arguments, passed on unchanged.
-        || unsafe {
-            ffi::PMPI_Ialltoallv(
-                sendbuf, sendcounts, sdispls, sendtype, recvbuf, recvcounts, rdispls, recvtype,
-                comm, request,
+/// Exports the blocking and the nonblocking entry point of one collective:
+///
+/// ```text
+/// fn MPI_X / MPI_IX = PMPI_X / PMPI_IX(<the arguments of MPI_X>) on <its communicator>
+///     => |commit, blocking| <the offload attempt, a `coll::` call>;
+/// ```
+///
+/// `MPI_IX` takes the same arguments and then `request`. Each runs through [`boundary`]: the
+/// native function is its `PMPI_*` twin on the caller's arguments; the shim's part is the
+/// offload attempt (`blocking` tells which of the two runs it), completed by [`complete`]. A
+/// nonblocking call with a null `request` is left to the native function, which reports it.
+macro_rules! collective {
+    ($(
+        fn $name:ident / $iname:ident = $pmpi:ident / $ipmpi:ident(
+            $($arg:ident: $ty:ty),* $(,)?
+        ) on $comm:ident => |$commit:ident, $blocking:ident| $offload:expr;
+    )*) => {$(
+        #[no_mangle]
+        pub unsafe extern "C" fn $name($($arg: $ty),*) -> c_int {
+            boundary(
+                stringify!($name),
+                // SAFETY: the caller's arguments, passed on unchanged.
+                || unsafe { ffi::$pmpi($($arg),*) },
+                |$commit| {
+                    let $blocking = true;
+                    // SAFETY: the caller's arguments (MPI preconditions).
+                    unsafe { complete($offload, None, $comm) }
+                },
             )
-        },
-        |commit| {
-            if request.is_null() {
-                return Flow::Native;
-            }
-            // SAFETY: the caller's arguments (MPI preconditions).
-            unsafe {
-                let outcome = coll::alltoallv(
-                    sendbuf, sendcounts, sdispls, sendtype, recvbuf, recvcounts, rdispls, recvtype,
-                    comm, commit,
-                );
-                complete(outcome, Some(request), comm)
-            }
-        },
-    )
-}
+        }
 
-#[no_mangle]
-pub unsafe extern "C" fn MPI_Alltoallv(
-    sendbuf: *const c_void,
-    sendcounts: *const c_int,
-    sdispls: *const c_int,
-    sendtype: ffi::MPI_Datatype,
-    recvbuf: *mut c_void,
-    recvcounts: *const c_int,
-    rdispls: *const c_int,
-    recvtype: ffi::MPI_Datatype,
-    comm: ffi::MPI_Comm,
-) -> c_int {
-    boundary(
-        "MPI_Alltoallv",
-        // SAFETY: the caller's arguments, passed on unchanged.
-        || unsafe {
-            ffi::PMPI_Alltoallv(
-                sendbuf, sendcounts, sdispls, sendtype, recvbuf, recvcounts, rdispls, recvtype,
-                comm,
+        #[no_mangle]
+        pub unsafe extern "C" fn $iname(
+            $($arg: $ty,)*
+            request: *mut ffi::MPI_Request,
+        ) -> c_int {
+            boundary(
+                stringify!($iname),
+                // SAFETY: the caller's arguments, passed on unchanged.
+                || unsafe { ffi::$ipmpi($($arg,)* request) },
+                |$commit| {
+                    if request.is_null() {
+                        return Flow::Native;
+                    }
+                    let $blocking = false;
+                    // SAFETY: the caller's arguments (MPI preconditions).
+                    unsafe { complete($offload, Some(request), $comm) }
+                },
             )
-        },
-        |commit| {
-            // SAFETY: the caller's arguments (MPI preconditions).
-            unsafe {
-                let outcome = coll::alltoallv(
-                    sendbuf, sendcounts, sdispls, sendtype, recvbuf, recvcounts, rdispls, recvtype,
-                    comm, commit,
-                );
-                complete(outcome, None, comm)
-            }
-        },
-    )
+        }
+    )*};
 }
 
-#[no_mangle]
-pub unsafe extern "C" fn MPI_Ialltoall(
-    sendbuf: *const c_void,
-    sendcount: c_int,
-    sendtype: ffi::MPI_Datatype,
-    recvbuf: *mut c_void,
-    recvcount: c_int,
-    recvtype: ffi::MPI_Datatype,
-    comm: ffi::MPI_Comm,
-    request: *mut ffi::MPI_Request,
-) -> c_int {
-    boundary(
-        "MPI_Ialltoall",
-        // SAFETY: the caller's arguments, passed on unchanged.
-        || unsafe {
-            ffi::PMPI_Ialltoall(
-                sendbuf, sendcount, sendtype, recvbuf, recvcount, recvtype, comm, request,
+collective! {
+    fn MPI_Alltoallv / MPI_Ialltoallv = PMPI_Alltoallv / PMPI_Ialltoallv(
+        sendbuf: *const c_void, sendcounts: *const c_int, sdispls: *const c_int,
+        sendtype: ffi::MPI_Datatype, recvbuf: *mut c_void, recvcounts: *const c_int,
+        rdispls: *const c_int, recvtype: ffi::MPI_Datatype, comm: ffi::MPI_Comm,
+    ) on comm => |commit, _blocking| coll::alltoallv(
+        sendbuf, sendcounts, sdispls, sendtype, recvbuf, recvcounts, rdispls, recvtype, comm,
+        commit,
+    );
+
+    fn MPI_Alltoall / MPI_Ialltoall = PMPI_Alltoall / PMPI_Ialltoall(
+        sendbuf: *const c_void, sendcount: c_int, sendtype: ffi::MPI_Datatype,
+        recvbuf: *mut c_void, recvcount: c_int, recvtype: ffi::MPI_Datatype, comm: ffi::MPI_Comm,
+    ) on comm => |commit, _blocking| coll::alltoall(
+        sendbuf, sendcount, sendtype, recvbuf, recvcount, recvtype, comm, commit,
+    );
+
+    fn MPI_Allgatherv / MPI_Iallgatherv = PMPI_Allgatherv / PMPI_Iallgatherv(
+        sendbuf: *const c_void, sendcount: c_int, sendtype: ffi::MPI_Datatype,
+        recvbuf: *mut c_void, recvcounts: *const c_int, displs: *const c_int,
+        recvtype: ffi::MPI_Datatype, comm: ffi::MPI_Comm,
+    ) on comm => |commit, blocking| coll::allgatherv(
+        sendbuf, sendcount, sendtype, recvbuf, recvcounts, displs, recvtype, comm, blocking,
+        commit,
+    );
+
+    fn MPI_Allgather / MPI_Iallgather = PMPI_Allgather / PMPI_Iallgather(
+        sendbuf: *const c_void, sendcount: c_int, sendtype: ffi::MPI_Datatype,
+        recvbuf: *mut c_void, recvcount: c_int, recvtype: ffi::MPI_Datatype, comm: ffi::MPI_Comm,
+    ) on comm => |commit, blocking| coll::allgather(
+        sendbuf, sendcount, sendtype, recvbuf, recvcount, recvtype, comm, blocking, commit,
+    );
+
+    fn MPI_Bcast / MPI_Ibcast = PMPI_Bcast / PMPI_Ibcast(
+        buffer: *mut c_void, count: c_int, datatype: ffi::MPI_Datatype, root: c_int,
+        comm: ffi::MPI_Comm,
+    ) on comm => |commit, blocking| coll::bcast(
+        buffer, count, datatype, root, comm, blocking, commit,
+    );
+}
+
+/// Exports calls of the Wait/Test family:
+///
+/// ```text
+/// fn MPI_X(<the arguments of MPI_X>) = PMPI_X / <the shim's part, a `wait::` function>;
+/// fn MPI_Y(<the arguments of MPI_Y>) = PMPI_Y / wait::f(<arguments before MPI_Y's>);
+/// ```
+///
+/// Each runs through [`boundary`]: the native function is `PMPI_X` on the caller's arguments;
+/// the shim's part is called with the leading arguments given (if any), the caller's
+/// arguments and the call's [`boundary::Commit`].
+macro_rules! request_call {
+    ($(
+        fn $name:ident($($arg:ident: $ty:ty),* $(,)?)
+            = $pmpi:ident / $($shim:ident)::+ $(($($lead:expr),*))?;
+    )*) => {$(
+        #[no_mangle]
+        pub unsafe extern "C" fn $name($($arg: $ty),*) -> c_int {
+            boundary(
+                stringify!($name),
+                // SAFETY: the caller's arguments, passed on unchanged.
+                || unsafe { ffi::$pmpi($($arg),*) },
+                // SAFETY: as above.
+                |commit| unsafe { $($shim)::+($($($lead,)*)? $($arg,)* commit) },
             )
-        },
-        |commit| {
-            if request.is_null() {
-                return Flow::Native;
-            }
-            // SAFETY: the caller's arguments (MPI preconditions).
-            unsafe {
-                let outcome = coll::alltoall(
-                    sendbuf, sendcount, sendtype, recvbuf, recvcount, recvtype, comm, commit,
-                );
-                complete(outcome, Some(request), comm)
-            }
-        },
-    )
+        }
+    )*};
 }
 
-#[no_mangle]
-pub unsafe extern "C" fn MPI_Alltoall(
-    sendbuf: *const c_void,
-    sendcount: c_int,
-    sendtype: ffi::MPI_Datatype,
-    recvbuf: *mut c_void,
-    recvcount: c_int,
-    recvtype: ffi::MPI_Datatype,
-    comm: ffi::MPI_Comm,
-) -> c_int {
-    boundary(
-        "MPI_Alltoall",
-        // SAFETY: the caller's arguments, passed on unchanged.
-        || unsafe {
-            ffi::PMPI_Alltoall(
-                sendbuf, sendcount, sendtype, recvbuf, recvcount, recvtype, comm,
-            )
-        },
-        |commit| {
-            // SAFETY: the caller's arguments (MPI preconditions).
-            unsafe {
-                let outcome = coll::alltoall(
-                    sendbuf, sendcount, sendtype, recvbuf, recvcount, recvtype, comm, commit,
-                );
-                complete(outcome, None, comm)
-            }
-        },
-    )
-}
+request_call! {
+    fn MPI_Wait(request: *mut ffi::MPI_Request, status: *mut ffi::MPI_Status)
+        = PMPI_Wait / wait::wait;
 
-#[no_mangle]
-pub unsafe extern "C" fn MPI_Iallgatherv(
-    sendbuf: *const c_void,
-    sendcount: c_int,
-    sendtype: ffi::MPI_Datatype,
-    recvbuf: *mut c_void,
-    recvcounts: *const c_int,
-    displs: *const c_int,
-    recvtype: ffi::MPI_Datatype,
-    comm: ffi::MPI_Comm,
-    request: *mut ffi::MPI_Request,
-) -> c_int {
-    boundary(
-        "MPI_Iallgatherv",
-        // SAFETY: the caller's arguments, passed on unchanged.
-        || unsafe {
-            ffi::PMPI_Iallgatherv(
-                sendbuf, sendcount, sendtype, recvbuf, recvcounts, displs, recvtype, comm, request,
-            )
-        },
-        |commit| {
-            if request.is_null() {
-                return Flow::Native;
-            }
-            // SAFETY: the caller's arguments (MPI preconditions).
-            unsafe {
-                let outcome = coll::allgatherv(
-                    sendbuf, sendcount, sendtype, recvbuf, recvcounts, displs, recvtype, comm,
-                    false, commit,
-                );
-                complete(outcome, Some(request), comm)
-            }
-        },
-    )
-}
+    fn MPI_Test(request: *mut ffi::MPI_Request, flag: *mut c_int, status: *mut ffi::MPI_Status)
+        = PMPI_Test / wait::test;
 
-#[no_mangle]
-pub unsafe extern "C" fn MPI_Allgatherv(
-    sendbuf: *const c_void,
-    sendcount: c_int,
-    sendtype: ffi::MPI_Datatype,
-    recvbuf: *mut c_void,
-    recvcounts: *const c_int,
-    displs: *const c_int,
-    recvtype: ffi::MPI_Datatype,
-    comm: ffi::MPI_Comm,
-) -> c_int {
-    boundary(
-        "MPI_Allgatherv",
-        // SAFETY: the caller's arguments, passed on unchanged.
-        || unsafe {
-            ffi::PMPI_Allgatherv(
-                sendbuf, sendcount, sendtype, recvbuf, recvcounts, displs, recvtype, comm,
-            )
-        },
-        |commit| {
-            // SAFETY: the caller's arguments (MPI preconditions).
-            unsafe {
-                let outcome = coll::allgatherv(
-                    sendbuf, sendcount, sendtype, recvbuf, recvcounts, displs, recvtype, comm,
-                    true, commit,
-                );
-                complete(outcome, None, comm)
-            }
-        },
-    )
-}
+    fn MPI_Waitall(
+        count: c_int, array_of_requests: *mut ffi::MPI_Request,
+        array_of_statuses: *mut ffi::MPI_Status,
+    ) = PMPI_Waitall / wait::waitall;
 
-#[no_mangle]
-pub unsafe extern "C" fn MPI_Iallgather(
-    sendbuf: *const c_void,
-    sendcount: c_int,
-    sendtype: ffi::MPI_Datatype,
-    recvbuf: *mut c_void,
-    recvcount: c_int,
-    recvtype: ffi::MPI_Datatype,
-    comm: ffi::MPI_Comm,
-    request: *mut ffi::MPI_Request,
-) -> c_int {
-    boundary(
-        "MPI_Iallgather",
-        // SAFETY: the caller's arguments, passed on unchanged.
-        || unsafe {
-            ffi::PMPI_Iallgather(
-                sendbuf, sendcount, sendtype, recvbuf, recvcount, recvtype, comm, request,
-            )
-        },
-        |commit| {
-            if request.is_null() {
-                return Flow::Native;
-            }
-            // SAFETY: the caller's arguments (MPI preconditions).
-            unsafe {
-                let outcome = coll::allgather(
-                    sendbuf, sendcount, sendtype, recvbuf, recvcount, recvtype, comm, false, commit,
-                );
-                complete(outcome, Some(request), comm)
-            }
-        },
-    )
-}
+    fn MPI_Testall(
+        count: c_int, array_of_requests: *mut ffi::MPI_Request, flag: *mut c_int,
+        array_of_statuses: *mut ffi::MPI_Status,
+    ) = PMPI_Testall / wait::testall;
 
-#[no_mangle]
-pub unsafe extern "C" fn MPI_Allgather(
-    sendbuf: *const c_void,
-    sendcount: c_int,
-    sendtype: ffi::MPI_Datatype,
-    recvbuf: *mut c_void,
-    recvcount: c_int,
-    recvtype: ffi::MPI_Datatype,
-    comm: ffi::MPI_Comm,
-) -> c_int {
-    boundary(
-        "MPI_Allgather",
-        // SAFETY: the caller's arguments, passed on unchanged.
-        || unsafe {
-            ffi::PMPI_Allgather(
-                sendbuf, sendcount, sendtype, recvbuf, recvcount, recvtype, comm,
-            )
-        },
-        |commit| {
-            // SAFETY: the caller's arguments (MPI preconditions).
-            unsafe {
-                let outcome = coll::allgather(
-                    sendbuf, sendcount, sendtype, recvbuf, recvcount, recvtype, comm, true, commit,
-                );
-                complete(outcome, None, comm)
-            }
-        },
-    )
-}
+    fn MPI_Waitany(
+        count: c_int, array_of_requests: *mut ffi::MPI_Request, index: *mut c_int,
+        status: *mut ffi::MPI_Status,
+    ) = PMPI_Waitany / wait::waitany;
 
-#[no_mangle]
-pub unsafe extern "C" fn MPI_Wait(
-    request: *mut ffi::MPI_Request,
-    status: *mut ffi::MPI_Status,
-) -> c_int {
-    boundary(
-        "MPI_Wait",
-        // SAFETY: the caller's arguments, passed on unchanged.
-        || unsafe { ffi::PMPI_Wait(request, status) },
-        // SAFETY: as above.
-        |commit| unsafe { wait::wait(request, status, commit) },
-    )
-}
+    fn MPI_Testany(
+        count: c_int, array_of_requests: *mut ffi::MPI_Request, index: *mut c_int,
+        flag: *mut c_int, status: *mut ffi::MPI_Status,
+    ) = PMPI_Testany / wait::testany;
 
-#[no_mangle]
-pub unsafe extern "C" fn MPI_Test(
-    request: *mut ffi::MPI_Request,
-    flag: *mut c_int,
-    status: *mut ffi::MPI_Status,
-) -> c_int {
-    boundary(
-        "MPI_Test",
-        // SAFETY: the caller's arguments, passed on unchanged.
-        || unsafe { ffi::PMPI_Test(request, flag, status) },
-        // SAFETY: as above.
-        |commit| unsafe { wait::test(request, flag, status, commit) },
-    )
-}
+    fn MPI_Waitsome(
+        incount: c_int, array_of_requests: *mut ffi::MPI_Request, outcount: *mut c_int,
+        array_of_indices: *mut c_int, array_of_statuses: *mut ffi::MPI_Status,
+    ) = PMPI_Waitsome / wait::some(true);
 
-#[no_mangle]
-pub unsafe extern "C" fn MPI_Waitall(
-    count: c_int,
-    array_of_requests: *mut ffi::MPI_Request,
-    array_of_statuses: *mut ffi::MPI_Status,
-) -> c_int {
-    boundary(
-        "MPI_Waitall",
-        // SAFETY: the caller's arguments, passed on unchanged.
-        || unsafe { ffi::PMPI_Waitall(count, array_of_requests, array_of_statuses) },
-        // SAFETY: as above.
-        |commit| unsafe { wait::waitall(count, array_of_requests, array_of_statuses, commit) },
-    )
-}
+    fn MPI_Testsome(
+        incount: c_int, array_of_requests: *mut ffi::MPI_Request, outcount: *mut c_int,
+        array_of_indices: *mut c_int, array_of_statuses: *mut ffi::MPI_Status,
+    ) = PMPI_Testsome / wait::some(false);
 
-#[no_mangle]
-pub unsafe extern "C" fn MPI_Testall(
-    count: c_int,
-    array_of_requests: *mut ffi::MPI_Request,
-    flag: *mut c_int,
-    array_of_statuses: *mut ffi::MPI_Status,
-) -> c_int {
-    boundary(
-        "MPI_Testall",
-        // SAFETY: the caller's arguments, passed on unchanged.
-        || unsafe { ffi::PMPI_Testall(count, array_of_requests, flag, array_of_statuses) },
-        // SAFETY: as above.
-        |commit| unsafe {
-            wait::testall(count, array_of_requests, flag, array_of_statuses, commit)
-        },
-    )
-}
+    fn MPI_Request_free(request: *mut ffi::MPI_Request)
+        = PMPI_Request_free / wait::request_free;
 
-#[no_mangle]
-pub unsafe extern "C" fn MPI_Waitany(
-    count: c_int,
-    array_of_requests: *mut ffi::MPI_Request,
-    index: *mut c_int,
-    status: *mut ffi::MPI_Status,
-) -> c_int {
-    boundary(
-        "MPI_Waitany",
-        // SAFETY: the caller's arguments, passed on unchanged.
-        || unsafe { ffi::PMPI_Waitany(count, array_of_requests, index, status) },
-        // SAFETY: as above.
-        |commit| unsafe { wait::waitany(count, array_of_requests, index, status, commit) },
-    )
-}
+    fn MPI_Request_get_status(
+        request: ffi::MPI_Request, flag: *mut c_int, status: *mut ffi::MPI_Status,
+    ) = PMPI_Request_get_status / wait::request_get_status;
 
-#[no_mangle]
-pub unsafe extern "C" fn MPI_Testany(
-    count: c_int,
-    array_of_requests: *mut ffi::MPI_Request,
-    index: *mut c_int,
-    flag: *mut c_int,
-    status: *mut ffi::MPI_Status,
-) -> c_int {
-    boundary(
-        "MPI_Testany",
-        // SAFETY: the caller's arguments, passed on unchanged.
-        || unsafe { ffi::PMPI_Testany(count, array_of_requests, index, flag, status) },
-        // SAFETY: as above.
-        |commit| unsafe { wait::testany(count, array_of_requests, index, flag, status, commit) },
-    )
-}
-
-/// The signature of `PMPI_Waitsome` and `PMPI_Testsome`.
-type SomeFn = unsafe extern "C" fn(
-    c_int,
-    *mut ffi::MPI_Request,
-    *mut c_int,
-    *mut c_int,
-    *mut ffi::MPI_Status,
-) -> c_int;
-
-/// `MPI_Waitsome` (`blocking`, native `pmpi`) / `MPI_Testsome`.
-unsafe fn some(
-    name: &'static str,
-    blocking: bool,
-    pmpi: SomeFn,
-    incount: c_int,
-    requests: *mut ffi::MPI_Request,
-    outcount: *mut c_int,
-    indices: *mut c_int,
-    statuses: *mut ffi::MPI_Status,
-) -> c_int {
-    boundary(
-        name,
-        // SAFETY: the caller's arguments, passed on unchanged.
-        || unsafe { pmpi(incount, requests, outcount, indices, statuses) },
-        // SAFETY: as above.
-        |commit| unsafe {
-            wait::some(
-                blocking, incount, requests, outcount, indices, statuses, commit,
-            )
-        },
-    )
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn MPI_Waitsome(
-    incount: c_int,
-    array_of_requests: *mut ffi::MPI_Request,
-    outcount: *mut c_int,
-    array_of_indices: *mut c_int,
-    array_of_statuses: *mut ffi::MPI_Status,
-) -> c_int {
-    // SAFETY: the caller's arguments, passed on unchanged.
-    unsafe {
-        some(
-            "MPI_Waitsome",
-            true,
-            ffi::PMPI_Waitsome,
-            incount,
-            array_of_requests,
-            outcount,
-            array_of_indices,
-            array_of_statuses,
-        )
-    }
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn MPI_Testsome(
-    incount: c_int,
-    array_of_requests: *mut ffi::MPI_Request,
-    outcount: *mut c_int,
-    array_of_indices: *mut c_int,
-    array_of_statuses: *mut ffi::MPI_Status,
-) -> c_int {
-    // SAFETY: the caller's arguments, passed on unchanged.
-    unsafe {
-        some(
-            "MPI_Testsome",
-            false,
-            ffi::PMPI_Testsome,
-            incount,
-            array_of_requests,
-            outcount,
-            array_of_indices,
-            array_of_statuses,
-        )
-    }
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn MPI_Request_free(request: *mut ffi::MPI_Request) -> c_int {
-    boundary(
-        "MPI_Request_free",
-        // SAFETY: the caller's arguments, passed on unchanged.
-        || unsafe { ffi::PMPI_Request_free(request) },
-        // SAFETY: as above.
-        |commit| unsafe { wait::request_free(request, commit) },
-    )
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn MPI_Request_get_status(
-    request: ffi::MPI_Request,
-    flag: *mut c_int,
-    status: *mut ffi::MPI_Status,
-) -> c_int {
-    boundary(
-        "MPI_Request_get_status",
-        // SAFETY: the caller's arguments, passed on unchanged.
-        || unsafe { ffi::PMPI_Request_get_status(request, flag, status) },
-        // SAFETY: as above.
-        |commit| unsafe { wait::request_get_status(request, flag, status, commit) },
-    )
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn MPI_Cancel(request: *mut ffi::MPI_Request) -> c_int {
-    boundary(
-        "MPI_Cancel",
-        // SAFETY: the caller's arguments, passed on unchanged.
-        || unsafe { ffi::PMPI_Cancel(request) },
-        // SAFETY: as above.
-        |commit| unsafe { wait::cancel(request, commit) },
-    )
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn MPI_Ibcast(
-    buffer: *mut c_void,
-    count: c_int,
-    datatype: ffi::MPI_Datatype,
-    root: c_int,
-    comm: ffi::MPI_Comm,
-    request: *mut ffi::MPI_Request,
-) -> c_int {
-    boundary(
-        "MPI_Ibcast",
-        // SAFETY: the caller's arguments, passed on unchanged.
-        || unsafe { ffi::PMPI_Ibcast(buffer, count, datatype, root, comm, request) },
-        |commit| {
-            if request.is_null() {
-                return Flow::Native;
-            }
-            // SAFETY: the caller's arguments (MPI preconditions).
-            unsafe {
-                let outcome = coll::bcast(buffer, count, datatype, root, comm, false, commit);
-                complete(outcome, Some(request), comm)
-            }
-        },
-    )
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn MPI_Bcast(
-    buffer: *mut c_void,
-    count: c_int,
-    datatype: ffi::MPI_Datatype,
-    root: c_int,
-    comm: ffi::MPI_Comm,
-) -> c_int {
-    boundary(
-        "MPI_Bcast",
-        // SAFETY: the caller's arguments, passed on unchanged.
-        || unsafe { ffi::PMPI_Bcast(buffer, count, datatype, root, comm) },
-        |commit| {
-            // SAFETY: the caller's arguments (MPI preconditions).
-            unsafe {
-                let outcome = coll::bcast(buffer, count, datatype, root, comm, true, commit);
-                complete(outcome, None, comm)
-            }
-        },
-    )
+    fn MPI_Cancel(request: *mut ffi::MPI_Request) = PMPI_Cancel / wait::cancel;
 }

@@ -50,7 +50,7 @@ impl OwnedType {
 impl Drop for OwnedType {
     fn drop(&mut self) {
         // SAFETY: our own duplicate, freed once. (MPI may be finalised only after every
-        // request of ours is gone: `state::finish` runs before PMPI_Finalize.)
+        // request of ours is gone: `lifecycle::finish` runs before PMPI_Finalize.)
         unsafe { ffi::PMPI_Type_free(&mut self.0) };
     }
 }

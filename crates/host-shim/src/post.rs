@@ -17,23 +17,32 @@
 //! used in opposite orders by different ranks, with more outstanding collectives than slots).
 
 use crate::boundary::{say, Commit};
-use crate::coll::{kind_name, Offload};
 use crate::comm;
 use crate::design::{host_copies_enabled, staged_design};
 use crate::layout::{packed_side, region_addr, side_bytes, LayoutError, SideBytes, TypeGeometry};
 use crate::pack::{self, Block, Unpack};
-use crate::request::{OffloadRequest, Staging};
+use crate::request::{kind_name, OffloadRequest, Staging};
 use crate::state::{mailbox_token, topology, with_shim, TRACKED};
 use alias_mkey::Rights;
 use bootstrap::wire::{CollKind, HostToSp, PostDesc, Staged, StagedDesign};
 use mpi_ffi as ffi;
 use mpi_ffi::consts;
-use std::os::raw::c_void;
+use std::os::raw::{c_int, c_void};
 use std::sync::atomic::{AtomicU32, Ordering};
 
 /// Post failures reported on stderr before going quiet.
 const REPORTED_POST_FAILURES: u32 = 3;
 static POST_FAILURES: AtomicU32 = AtomicU32::new(0);
+
+/// What became of a call.
+pub enum Offload {
+    /// Not offloaded: run the native function.
+    Native,
+    /// Posted: the request object's address.
+    Posted(usize),
+    /// Offloaded but could not be posted: return this code.
+    Failed(c_int),
+}
 
 /// One side of the exchange as the program gave it: a block of `counts[p]` elements of `ty`
 /// at element displacement `displs[p]` from `buf`, per peer.

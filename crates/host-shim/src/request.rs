@@ -1,12 +1,13 @@
-//! Offloaded request objects and their completion.
+//! Offloaded request objects and their completion. (The work on the shim's state that completes
+//! them, [`crate::completion`], sits above this module.)
 //!
 //! A request is created when a collective is posted and lives on the heap; its address is the
 //! `MPI_Request` handle given to the program (see `registry.rs`). Its result is written once,
 //! under the shim lock, by whichever thread first sees the completion (the owner polling in a
 //! Wait/Test call, or another thread harvesting slots); the owner reads it without the lock.
-//! Polling the mailbox needs no lock either: the token word is read with an acquire load, and
-//! only when it equals the posted token is the lock taken to record the status and free the
-//! slot.
+//! Polling the mailbox (`completion::poll`) needs no lock either: the token word is read with an
+//! acquire load, and only when it equals the posted token is the lock taken to record the status
+//! and free the slot.
 //!
 //! A request without a mailbox slot (posted while every slot was taken: waiting for one inside
 //! a nonblocking call could deadlock, since the slot may only free up once another rank posts
@@ -25,7 +26,7 @@
 
 use crate::boundary::say;
 use crate::pack::Unpack;
-use crate::state::{self, mailbox_token, with_shim};
+use crate::state;
 use algorithms::CommId;
 use bootstrap::wire::CollKind;
 use mpi_ffi as ffi;
@@ -126,7 +127,7 @@ impl OffloadRequest {
                     say!(
                         "rank {}: offloaded {} #{}: {why}",
                         my_rank(),
-                        crate::coll::kind_name(self.kind),
+                        kind_name(self.kind),
                         self.seq
                     );
                     code = consts::ERR_OTHER();
@@ -177,22 +178,6 @@ pub unsafe fn by_addr<'a>(addr: usize) -> &'a OffloadRequest {
     unsafe { &*(addr as *const OffloadRequest) }
 }
 
-/// Non-blocking look at one request: its result if it has completed.
-pub fn poll(req: &OffloadRequest) -> Option<c_int> {
-    if let Some(code) = req.result() {
-        return Some(code);
-    }
-    let Some(slot) = req.slot else {
-        // Completed by a message, which the wait loops read.
-        return None;
-    };
-    if mailbox_token(slot).load(Ordering::Acquire) == req.token {
-        with_shim(|s| s.complete_from_mailbox(req));
-        return req.result();
-    }
-    None
-}
-
 /// Fills `status` (unless it is `MPI_STATUS_IGNORE` or null) as for a completed collective.
 ///
 /// # Safety
@@ -211,12 +196,17 @@ pub unsafe fn fill_status(status: *mut ffi::MPI_Status, code: c_int) {
     }
 }
 
-/// Releases a completed request the caller owns: forgets the handle and frees the object.
-pub fn release(addr: usize) {
-    with_shim(|s| s.free_request(addr));
-}
-
 /// The world rank, for messages.
 pub fn my_rank() -> u32 {
     state::topology().world_rank
+}
+
+/// The name of a collective, for messages.
+pub fn kind_name(kind: CollKind) -> &'static str {
+    match kind {
+        CollKind::Alltoallv => "alltoallv",
+        CollKind::Allgatherv => "allgatherv",
+        CollKind::Bcast => "bcast",
+        CollKind::StagedAllgather => "staged allgather",
+    }
 }

@@ -26,23 +26,12 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "check.h"
+
 #define SENTINEL 0xA5
 #define MAX_BATCH 6
 
-static int rank, size, failures, checks, eligible, late, mixed;
-
-#define CHECK(cond, ...)                                                                \
-    do {                                                                                \
-        checks++;                                                                       \
-        if (!(cond)) {                                                                  \
-            failures++;                                                                 \
-            if (failures < 10) {                                                        \
-                fprintf(stderr, "rank %d: check failed at line %d: ", rank, __LINE__);  \
-                fprintf(stderr, __VA_ARGS__);                                           \
-                fprintf(stderr, "\n");                                                  \
-            }                                                                           \
-        }                                                                               \
-    } while (0)
+static int late, mixed;
 
 /* xorshift64*: `shared` is the same on every rank, `own` differs per rank. */
 static uint64_t shared, own;
@@ -309,15 +298,9 @@ int main(int argc, char **argv) {
     MPI_Comm_free(&comms[3]);
     MPI_Type_free(&c3);
     MPI_Type_free(&vecr);
-    int all_failures = 0;
-    MPI_Allreduce(&failures, &all_failures, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
-    if (rank == 0) {
-        if (all_failures == 0)
-            printf("ag_check: all ok (%d checks on rank 0, %d ranks, %d eligible calls per rank)\n",
-                   checks, size, eligible);
-        else printf("ag_check: %d failures (seed %llu)\n", all_failures, (unsigned long long)seed);
-        fflush(stdout);
-    }
+    char detail[64];
+    snprintf(detail, sizeof detail, " (seed %llu)", (unsigned long long)seed);
+    int status = verdict("ag_check", detail);
     MPI_Finalize();
-    return all_failures == 0 ? 0 : 1;
+    return status;
 }

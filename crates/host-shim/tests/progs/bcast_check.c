@@ -21,25 +21,14 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "check.h"
+
 #define SENTINEL 0x5C
 #define GUARD 0xE7
 #define MAX_BATCH 5
 
-static int rank, size, failures, checks, eligible, late, big;
+static int late, big;
 static long fit;
-
-#define CHECK(cond, ...)                                                                \
-    do {                                                                                \
-        checks++;                                                                       \
-        if (!(cond)) {                                                                  \
-            failures++;                                                                 \
-            if (failures < 10) {                                                        \
-                fprintf(stderr, "rank %d: check failed at line %d: ", rank, __LINE__);  \
-                fprintf(stderr, __VA_ARGS__);                                           \
-                fprintf(stderr, "\n");                                                  \
-            }                                                                           \
-        }                                                                               \
-    } while (0)
 
 static uint64_t shared, own;
 static uint32_t next(uint64_t *s) {
@@ -224,15 +213,9 @@ int main(int argc, char **argv) {
     MPI_Comm_free(&comms[3]);
     MPI_Type_free(&c3);
     MPI_Type_free(&vecr);
-    int all_failures = 0;
-    MPI_Allreduce(&failures, &all_failures, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
-    if (rank == 0) {
-        if (all_failures == 0)
-            printf("bcast_check: all ok (%d checks on rank 0, %d ranks, %d eligible calls per rank)\n",
-                   checks, size, eligible);
-        else printf("bcast_check: %d failures (seed %llu)\n", all_failures, (unsigned long long)seed);
-        fflush(stdout);
-    }
+    char detail[64];
+    snprintf(detail, sizeof detail, " (seed %llu)", (unsigned long long)seed);
+    int status = verdict("bcast_check", detail);
     MPI_Finalize();
-    return all_failures == 0 ? 0 : 1;
+    return status;
 }

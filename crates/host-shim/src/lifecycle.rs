@@ -1,0 +1,453 @@
+//! Start-up and shutdown: the transitions of the state machine in `state.rs`.
+//!
+//! The start-up agreement is collective: every rank executes the same sequence of PMPI
+//! collectives whatever its own environment says, so ranks with inconsistent settings end
+//! disabled together instead of hanging.
+
+use crate::boundary::{no_panic, say};
+use crate::conn::{self, Conn};
+use crate::grants::{Backend, Grants};
+use crate::registry::Registry;
+use crate::slots::SlotPool;
+use crate::state::{self, is_active, topology, Shim, State, Topology};
+use algorithms::SpId;
+use alias_mkey::host::Registrar;
+use alias_mkey::Rights;
+use bootstrap::auth::JobCredential;
+use bootstrap::mailbox::{DEFAULT_SLOTS, SLOT_BYTES};
+use bootstrap::wire::{Hello, HostHello, HostToSp, SpToHost};
+use bootstrap::Cluster;
+use mpi_ffi as ffi;
+use mpi_ffi::consts;
+use std::os::raw::c_int;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// `SPOFF_VERBOSE`, for the report at `MPI_Finalize`.
+static VERBOSE: AtomicBool = AtomicBool::new(false);
+
+/// Settings read from the environment.
+#[derive(Debug)]
+struct Settings {
+    cluster: Option<PathBuf>,
+    offload: bool,
+    /// `SPOFF_JOB_CREDENTIAL`, as given (the SP checks it).
+    credential: Option<String>,
+    verbose: bool,
+    backend: Result<Backend, String>,
+}
+
+impl Settings {
+    fn from_env() -> Self {
+        let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty());
+        Settings {
+            cluster: var("SPOFF_CLUSTER").map(PathBuf::from),
+            offload: var("SPOFF_OFFLOAD").is_none_or(|v| v != "0"),
+            credential: var("SPOFF_JOB_CREDENTIAL").and_then(|v| v.into_string().ok()),
+            verbose: var("SPOFF_VERBOSE").is_some_and(|v| v != "0"),
+            backend: Backend::parse(var("SPOFF_BACKEND").as_ref().and_then(|v| v.to_str())),
+        }
+    }
+}
+
+/// Runs the start-up after a successful `PMPI_Init*`. Never fails: at worst the shim ends
+/// `Disabled`.
+///
+/// # Safety
+/// MPI is initialised and this is the thread that initialised it.
+pub unsafe fn start() {
+    if !state::transition(State::Uninit, State::Connecting) {
+        return;
+    }
+    // SAFETY: forwarded precondition.
+    let active = no_panic("start-up", || unsafe { start_inner() }).unwrap_or(false);
+    let next = if active {
+        State::Active
+    } else {
+        State::Disabled
+    };
+    state::set_state(next);
+}
+
+extern "C" fn after_fork_in_child() {
+    // A forked child is not the rank the SP knows; it must never post.
+    state::set_state(State::Disabled);
+}
+
+/// A successfully registered rank, before the job-wide agreement.
+struct Registered {
+    conn: Conn,
+    registrar: Registrar,
+    sp: SpId,
+    node: u32,
+    local_rank: u32,
+    /// The node of each SP of the cluster description, indexed by SP id.
+    node_of_sp: Vec<u32>,
+    /// The name of the job's segment on this node, from the SP.
+    segment: String,
+}
+
+unsafe fn start_inner() -> bool {
+    let settings = Settings::from_env();
+    let world = consts::COMM_WORLD();
+    let (mut rank, mut size) = (0, 0);
+    // SAFETY: MPI is initialised; the out-pointers are valid.
+    unsafe {
+        ffi::PMPI_Comm_rank(world, &mut rank);
+        ffi::PMPI_Comm_size(world, &mut size);
+    }
+    let (rank, size) = (rank as u32, size as u32);
+
+    // 1. Does every rank want offload? [all want, none wants] as a MIN reduction.
+    let want = settings.offload && settings.cluster.is_some() && settings.credential.is_some();
+    let mut wants: [c_int; 2] = [want as c_int, !want as c_int];
+    // SAFETY: in-place reduction over two ints in a live array.
+    let rc = unsafe {
+        ffi::PMPI_Allreduce(
+            consts::IN_PLACE(),
+            wants.as_mut_ptr().cast(),
+            2,
+            consts::INT(),
+            consts::OP_MIN(),
+            world,
+        )
+    };
+    if rc != consts::SUCCESS() {
+        return false;
+    }
+    let (all_want, none_wants) = (wants[0] == 1, wants[1] == 1);
+    if !all_want {
+        if !none_wants && rank == 0 {
+            say!("offload is off for this job: SPOFF_CLUSTER / SPOFF_JOB_CREDENTIAL / SPOFF_OFFLOAD are not set alike on every rank; running natively");
+        }
+        return false;
+    }
+
+    // 2. The job, from the credential the launcher (or resource manager) issued; every rank
+    // must have the same one (checked with rank 0's below: a rank that differs counts as
+    // failed in the agreement of step 4).
+    let credential = settings.credential.clone().expect("checked by `want`");
+    let mine = JobCredential::decode(&credential).map(|c| c.job);
+    let mut job: u64 = *mine.as_ref().unwrap_or(&0);
+    // SAFETY: broadcast of one u64 in a live variable.
+    let rc = unsafe {
+        ffi::PMPI_Bcast(
+            (&mut job as *mut u64).cast(),
+            1,
+            consts::UINT64_T(),
+            0,
+            world,
+        )
+    };
+    if rc != consts::SUCCESS() {
+        return false;
+    }
+    let same_job = match mine {
+        Ok(j) if j == job => Ok(()),
+        Ok(_) => Err("SPOFF_JOB_CREDENTIAL names another job than rank 0's".to_string()),
+        Err(e) => Err(format!("SPOFF_JOB_CREDENTIAL: {e}")),
+    };
+
+    // 3. Connect and register, each rank on its own.
+    // PR_SET_PTRACER_ANY, not PR_SET_PTRACER(sp_pid): with the `cma` backend the SPs of *all*
+    // nodes copy out of and into this rank's memory with process_vm_readv/writev (the SP of
+    // every peer, not only our own, several different pids, not known here and possibly
+    // restarted), and Yama's ptrace_scope=1 only admits one named tracer. The implication: any
+    // process of this user may ptrace this rank (read and write its memory, as a debugger),
+    // the permission it would have under ptrace_scope=0; ptrace_scope=2/3 still refuse, and
+    // there the cma backend cannot work. On BlueField the alias-key path (DPU cross-GVMI mkeys)
+    // replaces CMA and needs no ptrace permission at all. Failure (no Yama) is harmless.
+    // SAFETY: plain prctl with integer arguments.
+    unsafe {
+        libc::prctl(libc::PR_SET_PTRACER, libc::PR_SET_PTRACER_ANY, 0, 0, 0);
+    }
+    let cluster_path = settings.cluster.clone().expect("checked by `want`");
+    // SAFETY: MPI is initialised. (Without the datatype cache's keyval, types are analysed at
+    // every call.)
+    unsafe { crate::datatype::create_keyval() };
+    // SAFETY: MPI is initialised.
+    let local = match unsafe { crate::comm::create_keyval() } {
+        Ok(()) => same_job.and_then(|()| register(&cluster_path, &credential, rank, size)),
+        Err(rc) => Err(format!(
+            "cannot create a communicator keyval (MPI error {rc})"
+        )),
+    };
+
+    // 4. Agree: count the ranks that failed.
+    let mut failed: c_int = local.is_err() as c_int;
+    // SAFETY: in-place reduction over one int.
+    let rc = unsafe {
+        ffi::PMPI_Allreduce(
+            consts::IN_PLACE(),
+            (&mut failed as *mut c_int).cast(),
+            1,
+            consts::INT(),
+            consts::OP_SUM(),
+            world,
+        )
+    };
+    let agreed = rc == consts::SUCCESS() && failed == 0;
+    let reg = match local {
+        Err(why) => {
+            say!("rank {rank}: {why}; running natively");
+            return false;
+        }
+        Ok(reg) if !agreed => {
+            if rank == 0 {
+                say!(
+                    "offload is off for this job: {failed} rank(s) could not reach their service process; running natively"
+                );
+            }
+            reg.conn.close();
+            return false;
+        }
+        Ok(reg) => reg,
+    };
+
+    // 5. Who serves whom.
+    let mut sp_of_world: Vec<u32> = vec![0; size as usize];
+    let mine: u32 = reg.sp;
+    // SAFETY: gathers one u32 per rank into a buffer of world size.
+    let rc = unsafe {
+        ffi::PMPI_Allgather(
+            (&mine as *const u32).cast(),
+            1,
+            consts::UINT32_T(),
+            sp_of_world.as_mut_ptr().cast(),
+            1,
+            consts::UINT32_T(),
+            world,
+        )
+    };
+    if rc != consts::SUCCESS() {
+        // Collective failure: every rank sees it alike.
+        reg.conn.close();
+        return false;
+    }
+
+    state::set_topology(Topology {
+        world_rank: rank,
+        world_size: size,
+        sp_of_world,
+        node_of_sp: reg.node_of_sp.clone(),
+        segment: reg.segment.clone(),
+    });
+    if settings.verbose {
+        say!(
+            "rank {rank}: offload active: job {job:#x}, node {}, local rank {}, SP {} at {}, {} mailbox slots",
+            reg.node,
+            reg.local_rank,
+            reg.sp,
+            reg.conn.path.display(),
+            state::mailbox_slot_count()
+        );
+    }
+    let backend = settings.backend.unwrap_or_else(|why| {
+        say!("rank {rank}: {why}");
+        Backend::Cma
+    });
+    let grants = Grants::new(reg.registrar, backend, rank);
+    if settings.verbose && grants.backend() == Backend::Ucx {
+        say!(
+            "rank {rank}: ucx grants, memory events {}",
+            if grants.events() { "on" } else { "off" }
+        );
+    }
+    VERBOSE.store(settings.verbose, Ordering::Release);
+    state::install(Shim {
+        conn: reg.conn,
+        slots: SlotPool::new(state::mailbox_slot_count()),
+        registrar: grants,
+        registry: Registry::default(),
+        next_token: 1,
+    });
+    // SAFETY: registering a plain extern "C" fn with no captured state.
+    unsafe {
+        libc::pthread_atfork(None, None, Some(after_fork_in_child));
+    }
+    true
+}
+
+/// Most mailbox slots accepted from `SPOFF_MAILBOX_SLOTS`.
+const MAX_MAILBOX_SLOTS: u32 = 1 << 16;
+
+/// Mailbox slots: `SPOFF_MAILBOX_SLOTS` (1..=65536) or the protocol default. A small value
+/// makes posting harvest completions early (useful in tests); it bounds how many collectives a
+/// rank can have outstanding at once.
+fn mailbox_slots() -> u32 {
+    std::env::var("SPOFF_MAILBOX_SLOTS")
+        .ok()
+        .and_then(|v| v.trim().parse::<u32>().ok())
+        .map(|n| n.clamp(1, MAX_MAILBOX_SLOTS))
+        .unwrap_or(DEFAULT_SLOTS)
+}
+
+/// The rank's cores (its affinity mask), reported to the SP.
+fn affinity_cores() -> Vec<u32> {
+    // SAFETY: cpu_set_t is plain data; sched_getaffinity writes at most its size.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return Vec::new();
+        }
+        (0..libc::CPU_SETSIZE as usize)
+            .filter(|&c| libc::CPU_ISSET(c, &set))
+            .map(|c| c as u32)
+            .collect()
+    }
+}
+
+/// Maps the mailbox: page-aligned, zeroed, never unmapped (the SP may write to it until it
+/// has seen our goodbye, and a mapping reused at the same address would get those writes).
+fn map_mailbox(slots: u32) -> Result<*mut u8, String> {
+    let len = slots as usize * SLOT_BYTES as usize;
+    // SAFETY: an anonymous private mapping; no existing memory is affected.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len.max(1),
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(format!(
+            "cannot map a {len}-byte mailbox: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    Ok(p.cast())
+}
+
+/// Connects to this rank's SP and registers. Errors are one-line reasons.
+fn register(
+    cluster_path: &std::path::Path,
+    credential: &str,
+    rank: u32,
+    size: u32,
+) -> Result<Registered, String> {
+    let cluster = Cluster::load(cluster_path)
+        .map_err(|e| format!("cannot use the cluster description: {e}"))?;
+    let placement = cluster.placement(rank, size).map_err(|e| {
+        format!(
+            "no place in the cluster description {}: {e}",
+            cluster_path.display()
+        )
+    })?;
+    let entry = cluster
+        .sp(placement.sp)
+        .ok_or_else(|| format!("the cluster description has no SP {}", placement.sp))?;
+    let path = entry.host_socket.clone();
+    let stream = conn::connect(&path, conn::CONNECT_TOTAL)
+        .map_err(|e| format!("no service process reachable at {} ({e})", path.display()))?;
+    let conn = Conn::new(stream, path.clone());
+    let at = |what: &str, e: &bootstrap::wire::FrameError| {
+        format!(
+            "service process at {}: {what}: {}",
+            path.display(),
+            conn::describe(e)
+        )
+    };
+    let mut ch = conn.channel();
+    ch.send_hello(&Hello::Host(HostHello {
+        credential: credential.to_string(),
+        world_rank: rank,
+        world_size: size,
+        node: placement.node,
+        local_rank: placement.local_rank,
+    }))
+    .map_err(|e| at("sending hello", &e))?;
+    let sp = match ch
+        .recv_hello()
+        .map_err(|e| at("waiting for its welcome", &e))?
+    {
+        Hello::Welcome { sp } => sp,
+        Hello::Reject { reason } => {
+            return Err(format!(
+                "service process at {} refused this rank: {reason}",
+                path.display()
+            ))
+        }
+        other => {
+            return Err(format!(
+                "service process at {} answered {other:?}",
+                path.display()
+            ))
+        }
+    };
+    if sp != placement.sp {
+        return Err(format!(
+            "service process at {} is SP {sp}, the cluster description says SP {}",
+            path.display(),
+            placement.sp
+        ));
+    }
+
+    let slots = mailbox_slots();
+    let base = map_mailbox(slots)?;
+    let mut registrar = Registrar::new();
+    let mailbox = registrar.register(base as u64, slots as u64 * SLOT_BYTES, Rights::READ_WRITE);
+    ch.send(&HostToSp::Register {
+        cores: affinity_cores(),
+        mailbox,
+        mailbox_slots: slots,
+    })
+    .map_err(|e| at("sending registration", &e))?;
+    let reply = ch
+        .recv::<SpToHost>()
+        .map_err(|e| at("waiting for registration", &e))?;
+    let segment = match &reply {
+        SpToHost::Registered { segment, .. } => segment.clone(),
+        SpToHost::Error { code, message, .. } => {
+            return Err(format!(
+                "service process at {} refused the registration ({code:?}): {message}",
+                path.display()
+            ))
+        }
+        SpToHost::Copy { .. } | SpToHost::Completed { .. } | SpToHost::Heartbeat => {
+            return Err(format!(
+                "service process at {} answered the registration with {reply:?}",
+                path.display()
+            ))
+        }
+    };
+    state::set_mailbox(base, slots);
+    Ok(Registered {
+        conn,
+        registrar,
+        sp,
+        node: placement.node,
+        local_rank: placement.local_rank,
+        node_of_sp: cluster.sps.iter().map(|e| e.node).collect(),
+        segment,
+    })
+}
+
+/// The shim's part of `MPI_Finalize`, before `PMPI_Finalize`: waits for requests the program
+/// freed before they completed, says goodbye to the SP, and disables the shim.
+///
+/// # Safety
+/// MPI is initialised and not yet finalised.
+pub unsafe fn finish() {
+    if !is_active() {
+        state::set_state(State::Disabled);
+        return;
+    }
+    // SAFETY: forwarded precondition (native progress calls while waiting).
+    unsafe { crate::wait::drain_detached() };
+    state::set_state(State::Disabled);
+    if let Some(shim) = state::take() {
+        if VERBOSE.load(Ordering::Acquire) && shim.registrar.backend() == Backend::Ucx {
+            say!(
+                "rank {}: {}",
+                topology().world_rank,
+                shim.registrar.report()
+            );
+        }
+        shim.conn.close();
+        // Live requests the program never completed are leaked on purpose: the SP may still
+        // write their slots, and the mailbox stays mapped.
+    }
+}

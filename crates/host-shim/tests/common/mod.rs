@@ -1,0 +1,217 @@
+//! What the shim's `mpirun` tests share: building `progs/*.c` with `mpicc`, running a job
+//! under the real launcher (`service-process launch`, real SPs) or under plain `mpirun` with
+//! the shim preloaded, one job at a time, and checking a program's verdict and the SPs'
+//! counters.
+//!
+//! The launcher, the SP and the shim come from the target directory of the test executable:
+//! build the workspace first (`cargo build --release --workspace`; `make test` does). A missing
+//! artifact, `mpicc` or `mpirun` is a failure, never a skip.
+#![allow(dead_code)]
+
+use integration_tests::{launch_cmd, run, shim, Finished};
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::Command;
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+pub const NP: u64 = 4;
+
+pub const TIMEOUT: Duration = Duration::from_secs(120);
+
+/// The shim's settings: every job gets the ones its test sets, never the caller's.
+pub const SHIM_VARS: [&str; 11] = [
+    "SPOFF_IALLGATHER_DESIGN",
+    "SPOFF_HOST_COPIES",
+    "SPOFF_BCAST_DESIGN",
+    "SPOFF_HIER_MIN_RANKS",
+    "SPOFF_SEGMENT_BYTES",
+    "SPOFF_CLUSTER",
+    "SPOFF_OFFLOAD",
+    "SPOFF_JOB_CREDENTIAL",
+    "SPOFF_VERBOSE",
+    "SPOFF_MAILBOX_SLOTS",
+    "SPOFF_BACKEND",
+];
+
+/// A well-formed job credential of a cluster no SP knows: for runs against fake or missing
+/// SPs (without one the shim does not even try to offload).
+pub fn some_credential() -> String {
+    // SAFETY: geteuid has no preconditions.
+    let uid = unsafe { libc::geteuid() };
+    let key = bootstrap::auth::ClusterKey::generate();
+    bootstrap::auth::JobCredential::issue(&key, 1, uid, NP as u32).encode()
+}
+
+/// One MPI job at a time (the machine has few cores).
+pub fn serial() -> MutexGuard<'static, ()> {
+    static SERIAL: Mutex<()> = Mutex::new(());
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// `progs/<name>.c` compiled with `mpicc` (once per test process).
+pub fn prog(name: &'static str) -> String {
+    static BUILT: Mutex<BTreeMap<&str, String>> = Mutex::new(BTreeMap::new());
+    let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
+    built
+        .entry(name)
+        .or_insert_with(|| {
+            let src = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/progs/{name}.c"));
+            let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("host-shim-progs");
+            std::fs::create_dir_all(&dir).unwrap();
+            // Built under a private name, then renamed: concurrent test runs never see a
+            // half-written binary.
+            let tmp = dir.join(format!("{name}.{}", std::process::id()));
+            let st = Command::new("mpicc")
+                .args(["-O1", "-Wall", "-pthread", "-o"])
+                .arg(&tmp)
+                .arg(&src)
+                .status()
+                .unwrap_or_else(|e| {
+                    panic!("cannot run mpicc (install Open MPI: `make deps`): {e}")
+                });
+            assert!(st.success(), "mpicc failed on {}", src.display());
+            let out = dir.join(name);
+            std::fs::rename(&tmp, &out).unwrap();
+            out.display().to_string()
+        })
+        .clone()
+}
+
+/// `cmd` with the shim's settings cleared, then `env` set.
+pub fn with_env(mut cmd: Command, env: &[(&str, &str)]) -> Command {
+    for k in SHIM_VARS {
+        cmd.env_remove(k);
+    }
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd
+}
+
+/// `program` on 2 nodes x 2 ranks under the real launcher, with `sps_per_node` real SPs per
+/// node. The launcher's mpirun, and so every rank, inherits `env`.
+pub fn launch(sps_per_node: u32, program: &[&str], env: &[(&str, &str)]) -> Finished {
+    launch_with(sps_per_node, &[], program, env)
+}
+
+/// [`launch`] with more launcher arguments (`--sp-arg=...`).
+pub fn launch_with(
+    sps_per_node: u32,
+    extra: &[&str],
+    program: &[&str],
+    env: &[(&str, &str)],
+) -> Finished {
+    let k = sps_per_node.to_string();
+    let mut args = vec![
+        "--nodes",
+        "2",
+        "--ranks-per-node",
+        "2",
+        "--sps-per-node",
+        &k,
+    ];
+    args.extend_from_slice(extra);
+    let run = run(with_env(launch_cmd(&args, program), env), TIMEOUT);
+    eprintln!("{} under the launcher: {:?}", shown(program), run.elapsed);
+    run
+}
+
+/// `program` on `NP` ranks under plain `mpirun` with the shim preloaded and `env` exported.
+pub fn mpirun_preloaded(program: &[&str], env: &[(&str, &str)]) -> Finished {
+    mpirun_preloaded_within(program, env, TIMEOUT)
+}
+
+/// [`mpirun_preloaded`], a hang being anything longer than `timeout`.
+pub fn mpirun_preloaded_within(
+    program: &[&str],
+    env: &[(&str, &str)],
+    timeout: Duration,
+) -> Finished {
+    let mut cmd = Command::new("mpirun");
+    cmd.args([
+        "--oversubscribe",
+        "--bind-to",
+        "none",
+        "-np",
+        &NP.to_string(),
+    ])
+    .args(["-x", "LD_PRELOAD"])
+    .env("LD_PRELOAD", shim());
+    for (k, _) in env {
+        cmd.arg("-x").arg(k);
+    }
+    cmd.args(program);
+    let run = run(with_env(cmd, env), timeout);
+    eprintln!("{} under mpirun: {:?}", shown(program), run.elapsed);
+    run
+}
+
+/// A command line for the log: file names of paths, scripts left out.
+pub fn shown(program: &[&str]) -> String {
+    let words = program.iter().filter(|a| !a.contains('\n'));
+    let words: Vec<&str> = words.map(|a| a.rsplit('/').next().unwrap_or(a)).collect();
+    words.join(" ")
+}
+
+pub fn shim_lines(stderr: &str) -> Vec<&str> {
+    stderr
+        .lines()
+        .filter(|l| l.contains("host-shim:"))
+        .collect()
+}
+
+/// Asserts the job passed by the program's own verdict; returns the calls per rank the
+/// program counted as eligible for offload.
+pub fn verdict(run: &Finished, prog: &str) -> u64 {
+    run.assert_ok(prog);
+    let ok = format!("{prog}: all ok (");
+    run.stdout
+        .lines()
+        .find_map(|l| l.strip_prefix(&ok))
+        .and_then(|l| l.strip_suffix(" eligible calls per rank)"))
+        .and_then(|l| l.rsplit([' ', '(']).next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| {
+            panic!(
+                "no \"{ok}... eligible calls per rank)\" verdict\n--- stdout\n{}\n--- stderr\n{}",
+                run.stdout, run.stderr
+            )
+        })
+}
+
+/// The program passed, and the `sps` SPs posted exactly its eligible calls (so they did
+/// offload) and completed every one, without a failed copy or an error sent.
+pub fn assert_offloaded(run: &Finished, prog: &str, sps: usize) {
+    let eligible = verdict(run, prog);
+    let posts = run.sp_total("posts");
+    assert!(posts > 0, "nothing was offloaded\n{}", run.stderr);
+    assert_eq!(
+        posts,
+        NP * eligible,
+        "the SPs must see every eligible call of every rank and nothing else\n{}",
+        run.stderr
+    );
+    assert_eq!(run.sp_total("completions"), posts, "{}", run.stderr);
+    assert_eq!(run.sp_total("copies_failed"), 0, "{}", run.stderr);
+    assert_eq!(run.sp_total("errors_sent"), 0, "{}", run.stderr);
+    assert_eq!(
+        run.sp_stats().len(),
+        sps,
+        "every SP reports\n{}",
+        run.stderr
+    );
+    eprintln!("{prog}: {posts} posts offloaded");
+}
+
+/// The node segments' names in /dev/shm.
+pub fn shm_segments() -> std::collections::BTreeSet<String> {
+    std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with("spoff-") && n.contains("-node"))
+                .collect()
+        })
+        .unwrap_or_default()
+}
