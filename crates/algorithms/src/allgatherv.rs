@@ -94,6 +94,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+use crate::abort::{fail_pending, Abort, Outcome};
 use crate::common::sp_nodes;
 use crate::{CollKey, Nanos, Rank, SpId, Status};
 
@@ -377,16 +378,7 @@ struct LocalRank<K> {
     readers: usize,
     /// Segments held (landed here).
     held: usize,
-    status: Status,
-    completed: bool,
-}
-
-impl<K> LocalRank<K> {
-    fn set_error(&mut self, status: Status) {
-        if self.status.is_ok() && !status.is_ok() {
-            self.status = status;
-        }
-    }
+    out: Outcome,
 }
 
 /// An announcement waiting at this SP.
@@ -496,10 +488,8 @@ pub struct Allgatherv<K> {
     announced: BTreeSet<Rank>,
     copies: BTreeMap<u64, CopyKind>,
     next_copy: u64,
-    abort: Option<Status>,
+    abort: Abort,
     abort_local: bool,
-    abort_broadcast_done: bool,
-    abort_notified: BTreeSet<SpId>,
     lost_sps: BTreeSet<SpId>,
     actions: VecDeque<Action<K>>,
     internal: VecDeque<Msg<K>>,
@@ -529,10 +519,8 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
             announced: BTreeSet::new(),
             copies: BTreeMap::new(),
             next_copy: 0,
-            abort: None,
+            abort: Abort::default(),
             abort_local: false,
-            abort_broadcast_done: false,
-            abort_notified: BTreeSet::new(),
             lost_sps: BTreeSet::new(),
             actions: VecDeque::new(),
             internal: VecDeque::new(),
@@ -555,7 +543,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
     }
 
     pub fn abort_status(&self) -> Option<Status> {
-        self.abort
+        self.abort.status
     }
 
     pub fn stats(&self) -> Stats {
@@ -590,11 +578,10 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
             writes: 0,
             readers: 0,
             held: 0,
-            status: Status::Ok,
-            completed: false,
+            out: Outcome::new(),
         };
-        if let Some(status) = self.abort {
-            st.set_error(status);
+        if let Some(status) = self.abort.status {
+            st.out.set_error(status);
             self.ranks.insert(rank, st);
             self.check_complete(rank);
             self.run_internal();
@@ -698,11 +685,11 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
             CopyKind::Land { ann, holder } => {
                 let st = self.ranks.get_mut(&holder).expect("holder posted");
                 st.writes -= 1;
-                st.set_error(status);
+                st.out.set_error(status);
                 let s = ann.src as usize;
                 st.have[s] = Have::Done;
                 st.recv_pending -= 1;
-                let ack = self.abort.unwrap_or(Status::Ok);
+                let ack = self.abort.status.unwrap_or(Status::Ok);
                 self.send(
                     ann.origin,
                     Msg::Ack {
@@ -719,7 +706,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
             CopyKind::Dist { seg, dst } => {
                 if let Some(st) = self.ranks.get_mut(&dst) {
                     st.writes -= 1;
-                    st.set_error(status);
+                    st.out.set_error(status);
                     st.have[seg as usize] = Have::Done;
                     st.recv_pending -= 1;
                 }
@@ -766,8 +753,8 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
             }
         }
         match self.ranks.get_mut(&rank) {
-            Some(st) if st.completed => return,
-            Some(st) => st.set_error(Status::RankFailed),
+            Some(st) if st.out.completed => return,
+            Some(st) => st.out.set_error(Status::RankFailed),
             None => {
                 self.lost_unposted.insert(rank);
             }
@@ -911,7 +898,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
             }
         }
         self.enter_abort(Status::PeerFailed, true);
-        let status = self.abort.expect("aborted");
+        let status = self.abort.status.expect("aborted");
         for ((src, node), live) in ask {
             for to in live {
                 self.send(to, Msg::Release { src, node, status });
@@ -1032,14 +1019,14 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
                         self.settle((src, node));
                     }
                     if let Some(st) = self.ranks.get_mut(&src) {
-                        st.set_error(status);
+                        st.out.set_error(status);
                     }
                     return Ok(());
                 }
                 self.acks.remove(&(src, node));
                 let st = self.ranks.get_mut(&src).expect("ack for a posted rank");
                 st.readers -= 1;
-                st.set_error(status);
+                st.out.set_error(status);
                 self.check_complete(src);
                 Ok(())
             }
@@ -1111,7 +1098,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
                 let holder = *holder;
                 let st = self.ranks.get_mut(&holder).expect("holder posted");
                 st.readers -= 1;
-                st.set_error(status);
+                st.out.set_error(status);
                 self.check_complete(holder);
                 Ok(())
             }
@@ -1136,7 +1123,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
                     .values()
                     .any(|k| matches!(k, CopyKind::Land { ann, .. } if ann.src == src));
                 if !landing {
-                    let status = self.abort.expect("aborted");
+                    let status = self.abort.status.expect("aborted");
                     self.send(from, Msg::Ack { src, node, status });
                 }
                 // Else the landing copy acks `from` when it finishes.
@@ -1179,7 +1166,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
         if !self.announced.insert(ann.src) {
             return Err(MsgError::Duplicate { src: ann.src });
         }
-        if let Some(status) = self.abort {
+        if let Some(status) = self.abort.status {
             let origin = ann.origin;
             self.send(
                 origin,
@@ -1192,7 +1179,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
             self.notify_abort(origin);
             return Ok(());
         }
-        let ready_here = self.ranks.values().any(|r| !r.completed);
+        let ready_here = self.ranks.values().any(|r| !r.out.completed);
         let (remaining, was_parked) = match pass {
             None => {
                 if !ready_here {
@@ -1248,7 +1235,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
         let holder = self
             .ranks
             .iter()
-            .filter(|(_, r)| !r.completed)
+            .filter(|(_, r)| !r.out.completed)
             .min_by_key(|(&rank, r)| (r.held, rank))
             .map(|(&rank, _)| rank)
             .expect("a ready local rank");
@@ -1344,7 +1331,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
             return;
         };
         let i = s as usize;
-        if st.completed || st.have[i] != Have::Missing {
+        if st.out.completed || st.have[i] != Have::Missing {
             return;
         }
         if st.recv_counts[i] != e.len {
@@ -1397,23 +1384,14 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
         let e = self.segs.get_mut(&s).unwrap();
         e.done_sent = true;
         let to = e.holder_sp;
-        let status = self.abort.unwrap_or(Status::Ok);
+        let status = self.abort.status.unwrap_or(Status::Ok);
         self.send(to, Msg::SegmentDone { src: s, status });
     }
 
     fn enter_abort(&mut self, status: Status, local: bool) {
-        let status = if status.is_ok() {
-            Status::Aborted
-        } else {
-            status
-        };
-        let status = *self.abort.get_or_insert(status);
+        let (_, status) = self.abort.enter(status);
         self.abort_local |= local;
-        for st in self.ranks.values_mut() {
-            if !st.completed {
-                st.set_error(status);
-            }
-        }
+        fail_pending(self.ranks.values_mut().map(|st| &mut st.out), status);
         let blind = self.topo.is_none();
         for ann in std::mem::take(&mut self.parked) {
             self.stats.parked_wait_ns += self.now.saturating_sub(ann.since);
@@ -1445,11 +1423,13 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
     }
 
     fn maybe_broadcast_abort(&mut self) {
-        if !self.abort_local || self.abort_broadcast_done {
+        if !self
+            .abort
+            .start_broadcast(self.abort_local && self.topo.is_some())
+        {
             return;
         }
-        let Some(t) = &self.topo else { return };
-        self.abort_broadcast_done = true;
+        let t = self.topo.as_ref().unwrap();
         let sps: BTreeSet<SpId> = t.members.iter().copied().collect();
         for sp in sps {
             self.notify_abort(sp);
@@ -1457,14 +1437,12 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
     }
 
     fn notify_abort(&mut self, sp: SpId) {
-        let Some(status) = self.abort else { return };
-        if sp == self.me || self.lost_sps.contains(&sp) || !self.abort_notified.insert(sp) {
-            return;
+        if let Some(status) = self.abort.notice_for(self.me, &self.lost_sps, sp) {
+            self.actions.push_back(Action::Send {
+                to: sp,
+                msg: Msg::Abort { status },
+            });
         }
-        self.actions.push_back(Action::Send {
-            to: sp,
-            msg: Msg::Abort { status },
-        });
     }
 
     fn check_complete(&mut self, rank: Rank) {
@@ -1472,17 +1450,17 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
         let Some(st) = self.ranks.get_mut(&rank) else {
             return;
         };
-        if st.completed || st.writes > 0 || st.readers > 0 {
+        if st.out.completed || st.writes > 0 || st.readers > 0 {
             return;
         }
         if !aborted && st.recv_pending > 0 {
             return;
         }
-        st.completed = true;
+        st.out.completed = true;
         self.completed += 1;
         self.actions.push_back(Action::Complete {
             rank,
-            status: st.status,
+            status: st.out.status,
         });
     }
 }

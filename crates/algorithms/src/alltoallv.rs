@@ -32,6 +32,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+use crate::abort::{fail_pending, Abort, Outcome};
 use crate::{CollKey, Nanos, Rank, SpId, Status};
 
 /// Static configuration of one instance.
@@ -294,17 +295,7 @@ struct LocalRank<K> {
     send_pending: usize,
     /// Copies writing into this rank's receive buffer.
     copies_in_flight: usize,
-    status: Status,
-    completed: bool,
-}
-
-impl<K> LocalRank<K> {
-    /// First error wins.
-    fn set_error(&mut self, status: Status) {
-        if self.status.is_ok() && !status.is_ok() {
-            self.status = status;
-        }
-    }
+    out: Outcome,
 }
 
 #[derive(Clone, Debug)]
@@ -334,13 +325,10 @@ pub struct Alltoallv<K> {
     /// Copies in flight: id -> (dst, src).
     copies: BTreeMap<u64, (Rank, Rank)>,
     next_copy: u64,
-    abort: Option<Status>,
+    abort: Abort,
     /// The abort originated here (local abort, peer loss, rank loss) and
     /// must be broadcast to the communicator.
     abort_local: bool,
-    abort_broadcast_done: bool,
-    /// SPs already sent an `Abort`.
-    abort_notified: BTreeSet<SpId>,
     lost_sps: BTreeSet<SpId>,
     actions: VecDeque<Action<K>>,
     /// Messages to this SP itself, processed before returning to the driver.
@@ -363,10 +351,8 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
             queued: BTreeMap::new(),
             copies: BTreeMap::new(),
             next_copy: 0,
-            abort: None,
+            abort: Abort::default(),
             abort_local: false,
-            abort_broadcast_done: false,
-            abort_notified: BTreeSet::new(),
             lost_sps: BTreeSet::new(),
             actions: VecDeque::new(),
             internal: VecDeque::new(),
@@ -389,7 +375,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
 
     /// The abort status, if the instance was aborted.
     pub fn abort_status(&self) -> Option<Status> {
-        self.abort
+        self.abort.status
     }
 
     pub fn stats(&self) -> Stats {
@@ -418,7 +404,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
         if self.members.is_none() {
             self.learn_membership(members);
         }
-        let aborted = self.abort;
+        let aborted = self.abort.status;
         let mut st = LocalRank {
             send_key,
             recv_key,
@@ -431,12 +417,11 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
             recv_pending: p,
             send_pending: 0,
             copies_in_flight: 0,
-            status: Status::Ok,
-            completed: false,
+            out: Outcome::new(),
         };
         if let Some(status) = aborted {
             // Nothing will be exchanged: complete right away, no announcements.
-            st.set_error(status);
+            st.out.set_error(status);
             self.ranks.insert(rank, st);
         } else {
             let r = rank as usize;
@@ -497,7 +482,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
             r.recv[src as usize] = RecvState::Done;
             r.recv_pending -= 1;
             r.copies_in_flight -= 1;
-            r.set_error(status);
+            r.out.set_error(status);
         }
         let to = self.member(src);
         self.send(to, Msg::Ack { src, dst, status });
@@ -555,8 +540,8 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
             }
         }
         match self.ranks.get_mut(&rank) {
-            Some(st) if st.completed => return,
-            Some(st) => st.set_error(Status::RankFailed),
+            Some(st) if st.out.completed => return,
+            Some(st) => st.out.set_error(Status::RankFailed),
             None => {
                 self.lost_unposted.insert(rank);
             }
@@ -732,7 +717,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
             return Err(MsgError::Overflow { src, dst });
         }
         if self.members.is_none() {
-            if let Some(status) = self.abort {
+            if let Some(status) = self.abort.status {
                 // Cannot validate, but the sender must not wait for us; make
                 // sure its SP learns about the abort too.
                 self.send(from, Msg::Ack { src, dst, status });
@@ -792,7 +777,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
         offset: u64,
         len: u64,
     ) -> Result<(), MsgError> {
-        let abort = self.abort;
+        let abort = self.abort.status;
         let Some(st) = self.ranks.get_mut(&dst) else {
             if let Some(status) = abort {
                 self.send(from, Msg::Ack { src, dst, status });
@@ -807,7 +792,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
         let ack = if let Some(status) = abort {
             status
         } else if len != st.recv_counts[s] {
-            st.set_error(Status::CountMismatch);
+            st.out.set_error(Status::CountMismatch);
             Status::CountMismatch
         } else if len == 0 {
             Status::Ok
@@ -869,24 +854,15 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
         }
         st.send[d] = SendState::Acked;
         st.send_pending -= 1;
-        st.set_error(status);
+        st.out.set_error(status);
         self.check_complete(src);
         Ok(())
     }
 
     fn enter_abort(&mut self, status: Status, local: bool) {
-        let status = if status.is_ok() {
-            Status::Aborted
-        } else {
-            status
-        };
-        let status = *self.abort.get_or_insert(status);
+        let (_, status) = self.abort.enter(status);
         self.abort_local |= local;
-        for st in self.ranks.values_mut() {
-            if !st.completed {
-                st.set_error(status);
-            }
-        }
+        fail_pending(self.ranks.values_mut().map(|st| &mut st.out), status);
         // Nobody will read into a rank that has not posted: release senders.
         let queued = std::mem::take(&mut self.queued);
         let blind = self.members.is_none();
@@ -904,13 +880,13 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
     }
 
     fn maybe_broadcast_abort(&mut self) {
-        if !self.abort_local || self.abort_broadcast_done {
+        if !self
+            .abort
+            .start_broadcast(self.abort_local && self.members.is_some())
+        {
             return;
         }
-        let Some(members) = &self.members else {
-            return;
-        };
-        self.abort_broadcast_done = true;
+        let members = self.members.as_ref().unwrap();
         let sps: BTreeSet<SpId> = members.iter().copied().collect();
         for sp in sps {
             self.notify_abort(sp);
@@ -918,16 +894,12 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
     }
 
     fn notify_abort(&mut self, sp: SpId) {
-        let Some(status) = self.abort else {
-            return;
-        };
-        if sp == self.me || self.lost_sps.contains(&sp) || !self.abort_notified.insert(sp) {
-            return;
+        if let Some(status) = self.abort.notice_for(self.me, &self.lost_sps, sp) {
+            self.actions.push_back(Action::Send {
+                to: sp,
+                msg: Msg::Abort { status },
+            });
         }
-        self.actions.push_back(Action::Send {
-            to: sp,
-            msg: Msg::Abort { status },
-        });
     }
 
     fn check_complete(&mut self, rank: Rank) {
@@ -935,17 +907,17 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
         let Some(st) = self.ranks.get_mut(&rank) else {
             return;
         };
-        if st.completed || st.copies_in_flight > 0 || st.send_pending > 0 {
+        if st.out.completed || st.copies_in_flight > 0 || st.send_pending > 0 {
             return;
         }
         if !aborted && st.recv_pending > 0 {
             return;
         }
-        st.completed = true;
+        st.out.completed = true;
         self.completed += 1;
         self.actions.push_back(Action::Complete {
             rank,
-            status: st.status,
+            status: st.out.status,
         });
     }
 }

@@ -161,6 +161,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+use crate::abort::{fail_pending, Abort, Outcome};
 use crate::common::sp_nodes;
 use crate::{CollKey, Nanos, Rank, SpId, Status};
 
@@ -653,16 +654,7 @@ struct LocalRank<K> {
     reads: usize,
     /// Chunks staged here when it posted (see `Mutation`).
     staged_at_post: u64,
-    status: Status,
-    completed: bool,
-}
-
-impl<K> LocalRank<K> {
-    fn set_error(&mut self, status: Status) {
-        if self.status.is_ok() && !status.is_ok() {
-            self.status = status;
-        }
-    }
+    out: Outcome,
 }
 
 /// A chunk held in a slot.
@@ -756,9 +748,7 @@ pub struct Bcast<K> {
     next_id: u64,
     zero_copies: VecDeque<u64>,
     zero_moves: VecDeque<u64>,
-    abort: Option<Status>,
-    abort_broadcast_done: bool,
-    abort_notified: BTreeSet<SpId>,
+    abort: Abort,
     lost_sps: BTreeSet<SpId>,
     actions: VecDeque<Action<K>>,
     now: Nanos,
@@ -797,9 +787,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
             next_id: 0,
             zero_copies: VecDeque::new(),
             zero_moves: VecDeque::new(),
-            abort: None,
-            abort_broadcast_done: false,
-            abort_notified: BTreeSet::new(),
+            abort: Abort::default(),
             lost_sps: BTreeSet::new(),
             actions: VecDeque::new(),
             now: 0,
@@ -842,7 +830,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
     }
 
     pub fn abort_status(&self) -> Option<Status> {
-        self.abort
+        self.abort.status
     }
 
     pub fn stats(&self) -> Stats {
@@ -875,11 +863,10 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
             writes: 0,
             reads: 0,
             staged_at_post: self.by_index.keys().next_back().map_or(0, |i| i + 1),
-            status: Status::Ok,
-            completed: false,
+            out: Outcome::new(),
         };
-        if let Some(status) = self.abort {
-            st.set_error(status);
+        if let Some(status) = self.abort.status {
+            st.out.set_error(status);
         }
         self.ranks.insert(rank, st);
         let first = self.topo.is_none();
@@ -978,8 +965,8 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
             }
         }
         match self.ranks.get_mut(&rank) {
-            Some(st) if st.completed => return,
-            Some(st) => st.set_error(Status::RankFailed),
+            Some(st) if st.out.completed => return,
+            Some(st) => st.out.set_error(Status::RankFailed),
             None => {
                 self.lost_unposted.insert(rank);
             }
@@ -1393,7 +1380,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
                 let root = self.view.as_ref().unwrap().root;
                 if let Some(st) = self.ranks.get_mut(&root) {
                     st.reads -= 1;
-                    st.set_error(status);
+                    st.out.set_error(status);
                 }
                 if ok {
                     self.reads_done += 1;
@@ -1407,7 +1394,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
             CopyKind::Write { slot, index, rank } => {
                 let st = self.ranks.get_mut(&rank).expect("write into a posted rank");
                 st.writes -= 1;
-                st.set_error(status);
+                st.out.set_error(status);
                 if ok {
                     st.written += 1;
                 }
@@ -1449,18 +1436,8 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
     }
 
     fn enter_abort(&mut self, status: Status) {
-        let status = if status.is_ok() {
-            Status::Aborted
-        } else {
-            status
-        };
-        let first = self.abort.is_none();
-        let status = *self.abort.get_or_insert(status);
-        for st in self.ranks.values_mut() {
-            if !st.completed {
-                st.set_error(status);
-            }
-        }
+        let (first, status) = self.abort.enter(status);
+        fail_pending(self.ranks.values_mut().map(|st| &mut st.out), status);
         if first {
             let held: Vec<(SpId, Vec<SlotId>)> = self
                 .grants
@@ -1479,25 +1456,21 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
     }
 
     fn maybe_broadcast_abort(&mut self) {
-        if self.abort.is_none() || self.abort_broadcast_done {
+        if !self.abort.start_broadcast(self.view.is_some()) {
             return;
         }
-        let Some(v) = &self.view else { return };
-        self.abort_broadcast_done = true;
-        for sp in v.all() {
+        for sp in self.view.as_ref().unwrap().all() {
             self.notify_abort(sp);
         }
     }
 
     fn notify_abort(&mut self, sp: SpId) {
-        let Some(status) = self.abort else { return };
-        if sp == self.me || self.lost_sps.contains(&sp) || !self.abort_notified.insert(sp) {
-            return;
+        if let Some(status) = self.abort.notice_for(self.me, &self.lost_sps, sp) {
+            self.actions.push_back(Action::Send {
+                to: sp,
+                msg: Msg::Abort { status },
+            });
         }
-        self.actions.push_back(Action::Send {
-            to: sp,
-            msg: Msg::Abort { status },
-        });
     }
 
     /// Do everything that can be done now; called at the end of every
@@ -1579,7 +1552,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
         let Some(st) = self.ranks.get(&root) else {
             return false;
         };
-        if st.completed {
+        if st.out.completed {
             return false;
         }
         let key = st.key.clone();
@@ -1694,7 +1667,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
                 let Some(st) = self.ranks.get(&r) else {
                     continue;
                 };
-                if st.completed || h.done.contains(&r) || h.writing.contains(&r) {
+                if st.out.completed || h.done.contains(&r) || h.writing.contains(&r) {
                     continue;
                 }
                 if mutated(Mutation::SkipStagedForLateRank) && index < st.staged_at_post {
@@ -1781,7 +1754,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
         let aborted = self.abort.is_some();
         let st = &self.ranks[&rank];
         let reads = st.reads > 0 && !mutated(Mutation::RootCompletesBeforeReads);
-        if st.completed || st.writes > 0 || reads {
+        if st.out.completed || st.writes > 0 || reads {
             return;
         }
         let (done, from_segment) = if aborted {
@@ -1822,11 +1795,11 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
             return;
         }
         let st = self.ranks.get_mut(&rank).unwrap();
-        let mut status = st.status;
+        let mut status = st.out.status;
         if aborted && mutated(Mutation::OkAfterAbort) {
             status = Status::Ok;
         }
-        st.completed = true;
+        st.out.completed = true;
         self.completed += 1;
         self.actions.push_back(Action::Complete {
             rank,

@@ -10,6 +10,7 @@
 
 use serde::{Deserialize, Serialize};
 
+mod abort;
 pub mod allgatherv;
 pub mod alltoallv;
 pub mod bcast;

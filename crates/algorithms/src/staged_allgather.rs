@@ -197,6 +197,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+use crate::abort::{fail_pending, Abort, Outcome};
 pub use crate::bcast::{CopyId, Design, Loc, SlotId};
 use crate::common::sp_nodes;
 use crate::{CollKey, Nanos, Rank, SpId, Status};
@@ -709,16 +710,7 @@ struct LocalRank<K> {
     reads_done: u64,
     /// Flat: SPs that reported `Written` for it (this SP included).
     written_from: BTreeSet<SpId>,
-    status: Status,
-    completed: bool,
-}
-
-impl<K> LocalRank<K> {
-    fn set_error(&mut self, status: Status) {
-        if self.status.is_ok() && !status.is_ok() {
-            self.status = status;
-        }
-    }
+    out: Outcome,
 }
 
 /// A chunk held in a slot, with the progress of its writes.
@@ -825,7 +817,7 @@ pub struct StagedAllgather<K> {
     contacts: BTreeSet<SpId>,
     lost_sps: BTreeSet<SpId>,
     stopped_from: BTreeSet<SpId>,
-    abort: Option<Status>,
+    abort: Abort,
     notices: BTreeMap<SpId, Notice>,
     /// SPs still owed a `Stopped`.
     notify_todo: BTreeSet<SpId>,
@@ -871,7 +863,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
             contacts: BTreeSet::new(),
             lost_sps: BTreeSet::new(),
             stopped_from: BTreeSet::new(),
-            abort: None,
+            abort: Abort::default(),
             notices: BTreeMap::new(),
             notify_todo: BTreeSet::new(),
             actions: VecDeque::new(),
@@ -913,7 +905,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
     }
 
     pub fn abort_status(&self) -> Option<Status> {
-        self.abort
+        self.abort.status
     }
 
     pub fn stats(&self) -> Stats {
@@ -964,11 +956,10 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
             reads_in_flight: 0,
             reads_done: 0,
             written_from: BTreeSet::new(),
-            status: Status::Ok,
-            completed: false,
+            out: Outcome::new(),
         };
-        if let Some(status) = self.abort.or(disagreement) {
-            st.set_error(status);
+        if let Some(status) = self.abort.status.or(disagreement) {
+            st.out.set_error(status);
         }
         self.ranks.insert(rank, st);
         self.posted.push(rank);
@@ -1078,8 +1069,8 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
             }
         }
         match self.ranks.get_mut(&rank) {
-            Some(st) if st.completed => return,
-            Some(st) => st.set_error(Status::RankFailed),
+            Some(st) if st.out.completed => return,
+            Some(st) => st.out.set_error(Status::RankFailed),
             None => {
                 self.lost_unposted.insert(rank);
             }
@@ -1108,7 +1099,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
     /// with the job).
     pub fn is_finished(&self) -> bool {
         let Some(v) = &self.view else { return false };
-        let tail = match self.abort {
+        let tail = match self.abort.status {
             Some(_) => self.notify_todo.is_empty(),
             None => {
                 self.modes_unresolved == 0
@@ -1649,7 +1640,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
             } => {
                 let st = self.ranks.get_mut(&rank).expect("read from a posted rank");
                 st.reads_in_flight -= 1;
-                st.set_error(status);
+                st.out.set_error(status);
                 if ok {
                     st.reads_done += 1;
                     self.stats.chunk_reads += 1;
@@ -1751,18 +1742,8 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
     }
 
     fn enter_abort(&mut self, status: Status) {
-        let status = if status.is_ok() {
-            Status::Aborted
-        } else {
-            status
-        };
-        let first = self.abort.is_none();
-        let status = *self.abort.get_or_insert(status);
-        for st in self.ranks.values_mut() {
-            if !st.completed {
-                st.set_error(status);
-            }
-        }
+        let (first, status) = self.abort.enter(status);
+        fail_pending(self.ranks.values_mut().map(|st| &mut st.out), status);
         if first {
             self.read_queue.clear();
             self.pending_written.clear();
@@ -1793,7 +1774,9 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
 
     /// Sends the abort notices that are due.
     fn notify(&mut self) {
-        let Some(status) = self.abort else { return };
+        let Some(status) = self.abort.status else {
+            return;
+        };
         for sp in std::mem::take(&mut self.notify_todo) {
             if self.lost_sps.contains(&sp) {
                 continue;
@@ -2075,7 +2058,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
     fn check_complete(&mut self, rank: Rank) {
         let Some(v) = &self.view else { return };
         let st = &self.ranks[&rank];
-        if st.completed {
+        if st.out.completed {
             return;
         }
         let aborted = self.abort.is_some();
@@ -2125,11 +2108,11 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
             return;
         }
         let st = self.ranks.get_mut(&rank).unwrap();
-        let mut status = st.status;
+        let mut status = st.out.status;
         if aborted && mutated(Mutation::OkAfterAbort) {
             status = Status::Ok;
         }
-        st.completed = true;
+        st.out.completed = true;
         self.completed += 1;
         self.actions.push_back(Action::Complete {
             rank,
