@@ -95,3 +95,21 @@ impl Abort {
         true
     }
 }
+
+/// Local `rank` was lost: false if it already completed (nothing changes);
+/// else it completes with `RankFailed` if it posted (`out`), or is
+/// recorded in `lost_unposted`.
+pub(crate) fn lose_rank(
+    out: Option<&mut Outcome>,
+    lost_unposted: &mut std::collections::BTreeSet<crate::Rank>,
+    rank: crate::Rank,
+) -> bool {
+    match out {
+        Some(o) if o.completed => return false,
+        Some(o) => o.set_error(Status::RankFailed),
+        None => {
+            lost_unposted.insert(rank);
+        }
+    }
+    true
+}

@@ -94,7 +94,8 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use crate::abort::{fail_pending, Abort, Outcome};
+use crate::abort::{fail_pending, lose_rank, Abort, Outcome};
+use crate::common::common_api;
 use crate::common::sp_nodes;
 use crate::{CollKey, Nanos, Rank, SpId, Status};
 
@@ -497,6 +498,8 @@ pub struct Allgatherv<K> {
     stats: Stats,
 }
 
+common_api!(Allgatherv);
+
 impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
     /// Create an instance; the driver may do so on the first event of any
     /// kind for `key`.
@@ -529,25 +532,9 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
         }
     }
 
-    pub fn key(&self) -> CollKey {
-        self.key
-    }
-
-    pub fn me(&self) -> SpId {
-        self.me
-    }
-
     /// The SP of each comm rank, once a local rank has posted.
     pub fn members(&self) -> Option<&[SpId]> {
         self.topo.as_ref().map(|t| t.members.as_slice())
-    }
-
-    pub fn abort_status(&self) -> Option<Status> {
-        self.abort.status
-    }
-
-    pub fn stats(&self) -> Stats {
-        self.stats
     }
 
     pub fn copies_in_flight(&self) -> usize {
@@ -752,27 +739,12 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
                 return;
             }
         }
-        match self.ranks.get_mut(&rank) {
-            Some(st) if st.out.completed => return,
-            Some(st) => st.out.set_error(Status::RankFailed),
-            None => {
-                self.lost_unposted.insert(rank);
-            }
+        let out = self.ranks.get_mut(&rank).map(|st| &mut st.out);
+        if !lose_rank(out, &mut self.lost_unposted, rank) {
+            return;
         }
         self.enter_abort(Status::RankFailed, true);
         self.run_internal();
-    }
-
-    /// This algorithm has no timers.
-    pub fn handle_timeout(&mut self, _now: Nanos) {}
-
-    pub fn poll_action(&mut self) -> Option<Action<K>> {
-        self.actions.pop_front()
-    }
-
-    /// This algorithm has no timers: always `None`.
-    pub fn poll_timeout(&self) -> Option<Nanos> {
-        None
     }
 
     /// Every local rank completed (or was lost before posting), nothing is

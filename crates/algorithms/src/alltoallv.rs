@@ -32,7 +32,8 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use crate::abort::{fail_pending, Abort, Outcome};
+use crate::abort::{fail_pending, lose_rank, Abort, Outcome};
+use crate::common::common_api;
 use crate::{CollKey, Nanos, Rank, SpId, Status};
 
 /// Static configuration of one instance.
@@ -336,6 +337,8 @@ pub struct Alltoallv<K> {
     stats: Stats,
 }
 
+common_api!(Alltoallv);
+
 impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
     /// Create an instance; the driver may do so on the first event of any
     /// kind for `key` (a peer message can arrive before any local post).
@@ -360,28 +363,12 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
         }
     }
 
-    pub fn key(&self) -> CollKey {
-        self.key
-    }
-
-    pub fn me(&self) -> SpId {
-        self.me
-    }
-
     /// The SP of each comm rank, once a local rank has posted.
     pub fn members(&self) -> Option<&[SpId]> {
         self.members.as_deref()
     }
 
     /// The abort status, if the instance was aborted.
-    pub fn abort_status(&self) -> Option<Status> {
-        self.abort.status
-    }
-
-    pub fn stats(&self) -> Stats {
-        self.stats
-    }
-
     /// Copies emitted and not yet reported done.
     pub fn copies_in_flight(&self) -> usize {
         self.copies.len()
@@ -539,27 +526,12 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
                 return;
             }
         }
-        match self.ranks.get_mut(&rank) {
-            Some(st) if st.out.completed => return,
-            Some(st) => st.out.set_error(Status::RankFailed),
-            None => {
-                self.lost_unposted.insert(rank);
-            }
+        let out = self.ranks.get_mut(&rank).map(|st| &mut st.out);
+        if !lose_rank(out, &mut self.lost_unposted, rank) {
+            return;
         }
         self.enter_abort(Status::RankFailed, true);
         self.run_internal();
-    }
-
-    /// This algorithm has no timers.
-    pub fn handle_timeout(&mut self, _now: Nanos) {}
-
-    pub fn poll_action(&mut self) -> Option<Action<K>> {
-        self.actions.pop_front()
-    }
-
-    /// This algorithm has no timers: always `None`.
-    pub fn poll_timeout(&self) -> Option<Nanos> {
-        None
     }
 
     /// The membership is known, every local rank completed (or was lost

@@ -161,32 +161,13 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use crate::abort::{fail_pending, Abort, Outcome};
+use crate::abort::{fail_pending, lose_rank, Abort, Outcome};
+use crate::common::common_api;
 use crate::common::sp_nodes;
+use crate::staged::{mutation_switch, Slots};
+pub use crate::staged::{Config, CopyId, Design, Loc, SlotId};
+type Slot = crate::staged::Slot<Held>;
 use crate::{CollKey, Nanos, Rank, SpId, Status};
-
-/// Static configuration of one instance.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct Config {
-    /// The SP running this instance.
-    pub me: SpId,
-    /// Bytes per chunk and per staging slot (0 is clamped to 1). Must be
-    /// the same on every SP.
-    pub chunk_bytes: u64,
-    /// Staging slots of this instance on this SP (0 is clamped to 1).
-    pub staging_slots: u32,
-}
-
-/// How an SP delivers the data to its ranks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub enum Design {
-    /// Each chunk is written into every local non-root rank's buffer.
-    Flat,
-    /// Each chunk is written once into the node segment, by the node's
-    /// leader; ranks complete with `from_segment` and copy from it
-    /// themselves.
-    Hier,
-}
 
 /// What one local rank posted (sizes in bytes, already checked by the
 /// driver against the rank's grants: `key` holds at least `len` bytes, and
@@ -212,10 +193,6 @@ pub struct Post<K> {
     /// node's ranks are told to copy from).
     pub shared_at: u64,
 }
-
-/// A staging slot of one SP's instance: `0..staging_slots`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub struct SlotId(pub u32);
 
 /// SP-to-SP messages of this collective (the driver adds the `CollKey`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -251,22 +228,9 @@ pub enum Msg {
     Abort { status: Status },
 }
 
-/// Identifies a copy within one instance.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub struct CopyId(pub u64);
-
 /// Identifies a move within one instance.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct MoveId(pub u64);
-
-/// A place bytes are copied from or to.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Loc<K> {
-    /// A host grant (a rank's buffer or a node segment).
-    Host { key: K, offset: u64 },
-    /// This SP's staging slot of this instance.
-    Stage { slot: SlotId, offset: u64 },
-}
 
 /// Copy `len` bytes of chunk `chunk` from `src` to `dst`, on this SP.
 /// Either a read from the root's buffer into a slot (`rank` is the root),
@@ -468,29 +432,7 @@ pub(crate) enum Mutation {
     OkAfterAbort,
 }
 
-#[cfg(test)]
-thread_local! {
-    static MUTATION: std::cell::Cell<Option<Mutation>> = const { std::cell::Cell::new(None) };
-}
-
-/// Switch a [`Mutation`] on (or off) for the current thread.
-#[cfg(test)]
-pub(crate) fn set_mutation(m: Option<Mutation>) {
-    MUTATION.with(|c| c.set(m));
-}
-
-#[inline]
-fn mutated(m: Mutation) -> bool {
-    #[cfg(test)]
-    {
-        MUTATION.with(|c| c.get() == Some(m))
-    }
-    #[cfg(not(test))]
-    {
-        let _ = m;
-        false
-    }
-}
+mutation_switch!(Mutation);
 
 /// `(root, len, chunk_bytes, tree)` as one SP sees it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -672,16 +614,6 @@ struct Held {
     writing: BTreeSet<Rank>,
 }
 
-#[derive(Clone, Debug)]
-enum Slot {
-    Free,
-    /// Granted to this parent; awaiting its chunk.
-    Granted(SpId),
-    /// A read from the root's buffer into this slot is in flight.
-    Reading,
-    Full(Held),
-}
-
 #[derive(Clone, Copy, Debug)]
 enum CopyKind {
     Read { slot: usize, index: u64, len: u64 },
@@ -723,7 +655,7 @@ pub struct Bcast<K> {
     ranks: BTreeMap<Rank, LocalRank<K>>,
     completed: usize,
     lost_unposted: BTreeSet<Rank>,
-    slots: Vec<Slot>,
+    slots: Slots<Held>,
     /// Chunk index -> slot holding it (Full).
     by_index: BTreeMap<u64, usize>,
     /// Root's SP: next chunk to read, reads finished.
@@ -755,6 +687,8 @@ pub struct Bcast<K> {
     stats: Stats,
 }
 
+common_api!(Bcast, staged, Msg);
+
 impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
     /// Create an instance; the driver may do so on the first event of any
     /// kind for `key`.
@@ -770,7 +704,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
             ranks: BTreeMap::new(),
             completed: 0,
             lost_unposted: BTreeSet::new(),
-            slots: vec![Slot::Free; cfg.staging_slots.max(1) as usize],
+            slots: Slots::new(cfg.staging_slots),
             by_index: BTreeMap::new(),
             next_read: 0,
             reads_done: 0,
@@ -793,14 +727,6 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
             now: 0,
             stats: Stats::default(),
         }
-    }
-
-    pub fn key(&self) -> CollKey {
-        self.key
-    }
-
-    pub fn me(&self) -> SpId {
-        self.me
     }
 
     /// The SP of each comm rank, once a local rank has posted.
@@ -829,25 +755,9 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
         Some((self.me, self.ranks.get(writer)?.shared_at, v.len))
     }
 
-    pub fn abort_status(&self) -> Option<Status> {
-        self.abort.status
-    }
-
-    pub fn stats(&self) -> Stats {
-        self.stats
-    }
-
     /// Copies and moves started and not reported done.
     pub fn copies_in_flight(&self) -> usize {
         self.copies.len() + self.moves.len()
-    }
-
-    /// Staging slots granted, being read, or holding a chunk.
-    pub fn slots_in_use(&self) -> usize {
-        self.slots
-            .iter()
-            .filter(|s| !matches!(s, Slot::Free))
-            .count()
     }
 
     /// A local rank posted its part of the collective.
@@ -912,21 +822,6 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
         Ok(())
     }
 
-    /// A message from SP `from` for this instance.
-    pub fn handle_msg(&mut self, now: Nanos, from: SpId, msg: Msg) -> Result<(), MsgError> {
-        self.now = now;
-        let res = self.process(from, msg);
-        self.pump();
-        res
-    }
-
-    /// The copy `id` finished with `status`.
-    pub fn handle_copy_done(&mut self, now: Nanos, id: CopyId, status: Status) {
-        self.now = now;
-        self.copy_finished(id.0, status);
-        self.pump();
-    }
-
     /// The move `id` finished with `status` (`Ok`: the bytes are in the
     /// peer's slot and its `Chunk` message is on its way).
     pub fn handle_move_done(&mut self, now: Nanos, id: MoveId, status: Status) {
@@ -949,13 +844,6 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
         self.pump();
     }
 
-    /// Local abort; `Status::Ok` becomes `Status::Aborted`.
-    pub fn abort(&mut self, now: Nanos, status: Status) {
-        self.now = now;
-        self.enter_abort(status);
-        self.pump();
-    }
-
     /// Local host `rank` died: aborts with `RankFailed` unless it completed.
     pub fn handle_rank_lost(&mut self, now: Nanos, rank: Rank) {
         self.now = now;
@@ -964,27 +852,12 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
                 return;
             }
         }
-        match self.ranks.get_mut(&rank) {
-            Some(st) if st.out.completed => return,
-            Some(st) => st.out.set_error(Status::RankFailed),
-            None => {
-                self.lost_unposted.insert(rank);
-            }
+        let out = self.ranks.get_mut(&rank).map(|st| &mut st.out);
+        if !lose_rank(out, &mut self.lost_unposted, rank) {
+            return;
         }
         self.enter_abort(Status::RankFailed);
         self.pump();
-    }
-
-    /// This algorithm has no timers.
-    pub fn handle_timeout(&mut self, _now: Nanos) {}
-
-    pub fn poll_action(&mut self) -> Option<Action<K>> {
-        self.actions.pop_front()
-    }
-
-    /// This algorithm has no timers: always `None`.
-    pub fn poll_timeout(&self) -> Option<Nanos> {
-        None
     }
 
     /// Every local rank completed (or was lost before posting), no copy or
@@ -997,7 +870,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
             .is_some_and(|t| self.completed + self.lost_unposted.len() == t.local.len())
             && self.copies.is_empty()
             && self.moves.is_empty()
-            && self.slots.iter().all(|s| matches!(s, Slot::Free))
+            && self.slots.all_free()
             && self.grants.values().all(|g| g.is_empty())
             && self.early_credits.is_empty()
             && self.actions.is_empty()
@@ -1104,11 +977,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
     }
 
     fn apply_peer_lost(&mut self, sp: SpId) {
-        for s in self.slots.iter_mut() {
-            if matches!(s, Slot::Granted(g) if *g == sp) {
-                *s = Slot::Free;
-            }
-        }
+        self.slots.release_granted(sp);
         if let Some(g) = self.grants.get_mut(&sp) {
             g.clear();
         }
@@ -1198,7 +1067,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
             }
             Msg::Chunk { index, slot, len } => {
                 let i = slot.0 as usize;
-                if !matches!(self.slots.get(i), Some(Slot::Granted(g)) if *g == from) {
+                if !self.slots.granted_to(i, from) {
                     return Err(MsgError::SlotNotGranted { slot });
                 }
                 if self.abort.is_some() {
@@ -1232,7 +1101,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
             Msg::Return { slots } => {
                 for &slot in &slots {
                     let i = slot.0 as usize;
-                    if !matches!(self.slots.get(i), Some(Slot::Granted(g)) if *g == from) {
+                    if !self.slots.granted_to(i, from) {
                         return Err(MsgError::SlotNotGranted { slot });
                     }
                 }
@@ -1261,11 +1130,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
                 }
                 // The leader holds none of our grants any more, whatever
                 // happened here meanwhile.
-                for s in self.slots.iter_mut() {
-                    if matches!(s, Slot::Granted(g) if *g == from) {
-                        *s = Slot::Free;
-                    }
-                }
+                self.slots.release_granted(from);
                 if self.abort.is_some() {
                     return Ok(());
                 }
@@ -1539,7 +1404,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
     }
 
     fn free_slot(&self) -> Option<usize> {
-        self.slots.iter().position(|s| matches!(s, Slot::Free))
+        self.slots.first_free()
     }
 
     /// The root's SP reads chunks from the root's buffer into free slots.
@@ -1828,8 +1693,7 @@ impl<K> Bcast<K> {
     /// the bytes of an incoming chunk into the slot (then delivers the `Chunk` message), so
     /// that a confused peer cannot overwrite a chunk still in use.
     pub fn may_fill(&self, from: SpId, slot: SlotId) -> bool {
-        !self.lost_sps.contains(&from)
-            && matches!(self.slots.get(slot.0 as usize), Some(Slot::Granted(s)) if *s == from)
+        !self.lost_sps.contains(&from) && self.slots.granted_to(slot.0 as usize, from)
     }
 }
 

@@ -17,6 +17,7 @@ pub mod bcast;
 mod common;
 pub mod sched;
 pub mod sim;
+mod staged;
 pub mod staged_allgather;
 
 /// Global index of a service process in the cluster.

@@ -197,21 +197,13 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use crate::abort::{fail_pending, Abort, Outcome};
-pub use crate::bcast::{CopyId, Design, Loc, SlotId};
+use crate::abort::{fail_pending, lose_rank, Abort, Outcome};
+use crate::common::common_api;
 use crate::common::sp_nodes;
+use crate::staged::{mutation_switch, Slots};
+pub use crate::staged::{Config, CopyId, Design, Loc, SlotId};
+type Slot = crate::staged::Slot<Held>;
 use crate::{CollKey, Nanos, Rank, SpId, Status};
-
-/// Static configuration of one instance.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct Config {
-    /// The SP running this instance.
-    pub me: SpId,
-    /// Bytes per chunk and per staging slot (0 is clamped to 1).
-    pub chunk_bytes: u64,
-    /// Staging slots of this instance on this SP (0 is clamped to 1).
-    pub staging_slots: u32,
-}
 
 /// What one local rank posted (sizes in bytes, already checked by the
 /// driver against the rank's grants).
@@ -475,29 +467,7 @@ pub(crate) enum Mutation {
     OkAfterAbort,
 }
 
-#[cfg(test)]
-thread_local! {
-    static MUTATION: std::cell::Cell<Option<Mutation>> = const { std::cell::Cell::new(None) };
-}
-
-/// Switch a [`Mutation`] on (or off) for the current thread.
-#[cfg(test)]
-pub(crate) fn set_mutation(m: Option<Mutation>) {
-    MUTATION.with(|c| c.set(m));
-}
-
-#[inline]
-fn mutated(m: Mutation) -> bool {
-    #[cfg(test)]
-    {
-        MUTATION.with(|c| c.get() == Some(m))
-    }
-    #[cfg(not(test))]
-    {
-        let _ = m;
-        false
-    }
-}
+mutation_switch!(Mutation);
 
 /// Digest of a communicator's `members` and `nodes` (FNV-1a over their
 /// little-endian bytes and lengths), the same on every SP.
@@ -731,13 +701,6 @@ struct Held {
     writing: u32,
 }
 
-#[derive(Clone, Debug)]
-enum Slot {
-    Free,
-    Reading,
-    Full(Held),
-}
-
 #[derive(Clone, Copy, Debug)]
 enum CopyKind {
     Read {
@@ -787,7 +750,7 @@ pub struct StagedAllgather<K> {
     local_posted: usize,
     completed: usize,
     lost_unposted: BTreeSet<Rank>,
-    slots: Vec<Slot>,
+    slots: Slots<Held>,
     /// Local ranks with chunks left to read, in post order.
     read_queue: VecDeque<Rank>,
     copies: BTreeMap<u64, CopyKind>,
@@ -826,6 +789,8 @@ pub struct StagedAllgather<K> {
     stats: Stats,
 }
 
+common_api!(StagedAllgather, staged, Msg<K>);
+
 impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
     /// Create an instance; the driver may do so on the first event of any
     /// kind for `key`.
@@ -842,7 +807,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
             local_posted: 0,
             completed: 0,
             lost_unposted: BTreeSet::new(),
-            slots: vec![Slot::Free; cfg.staging_slots.max(1) as usize],
+            slots: Slots::new(cfg.staging_slots),
             read_queue: VecDeque::new(),
             copies: BTreeMap::new(),
             next_id: 0,
@@ -872,14 +837,6 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
         }
     }
 
-    pub fn key(&self) -> CollKey {
-        self.key
-    }
-
-    pub fn me(&self) -> SpId {
-        self.me
-    }
-
     /// The SP of each comm rank, once a local rank has posted.
     pub fn members(&self) -> Option<&[SpId]> {
         self.view.as_ref().map(|v| v.members.as_slice())
@@ -904,25 +861,9 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
         }
     }
 
-    pub fn abort_status(&self) -> Option<Status> {
-        self.abort.status
-    }
-
-    pub fn stats(&self) -> Stats {
-        self.stats
-    }
-
     /// Copies started and not reported done.
     pub fn copies_in_flight(&self) -> usize {
         self.copies.len()
-    }
-
-    /// Staging slots being read or holding a chunk.
-    pub fn slots_in_use(&self) -> usize {
-        self.slots
-            .iter()
-            .filter(|s| !matches!(s, Slot::Free))
-            .count()
     }
 
     /// A local rank posted its part of the collective.
@@ -1022,21 +963,6 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
         Ok(())
     }
 
-    /// A message from SP `from` for this instance.
-    pub fn handle_msg(&mut self, now: Nanos, from: SpId, msg: Msg<K>) -> Result<(), MsgError> {
-        self.now = now;
-        let res = self.process(from, msg);
-        self.pump();
-        res
-    }
-
-    /// The copy `id` finished with `status`.
-    pub fn handle_copy_done(&mut self, now: Nanos, id: CopyId, status: Status) {
-        self.now = now;
-        self.copy_finished(id.0, status);
-        self.pump();
-    }
-
     /// SP `sp` died: abort with `PeerFailed` if it is a member SP. Messages
     /// from `sp` are ignored from now on; it counts as stopped. Copies into
     /// its ranks still in flight must be reported by the driver.
@@ -1053,13 +979,6 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
         self.pump();
     }
 
-    /// Local abort; `Status::Ok` becomes `Status::Aborted`.
-    pub fn abort(&mut self, now: Nanos, status: Status) {
-        self.now = now;
-        self.enter_abort(status);
-        self.pump();
-    }
-
     /// Local host `rank` died: aborts with `RankFailed` unless it completed.
     pub fn handle_rank_lost(&mut self, now: Nanos, rank: Rank) {
         self.now = now;
@@ -1068,27 +987,12 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
                 return;
             }
         }
-        match self.ranks.get_mut(&rank) {
-            Some(st) if st.out.completed => return,
-            Some(st) => st.out.set_error(Status::RankFailed),
-            None => {
-                self.lost_unposted.insert(rank);
-            }
+        let out = self.ranks.get_mut(&rank).map(|st| &mut st.out);
+        if !lose_rank(out, &mut self.lost_unposted, rank) {
+            return;
         }
         self.enter_abort(Status::RankFailed);
         self.pump();
-    }
-
-    /// This algorithm has no timers.
-    pub fn handle_timeout(&mut self, _now: Nanos) {}
-
-    pub fn poll_action(&mut self) -> Option<Action<K>> {
-        self.actions.pop_front()
-    }
-
-    /// This algorithm has no timers: always `None`.
-    pub fn poll_timeout(&self) -> Option<Nanos> {
-        None
     }
 
     /// Every local rank completed (or was lost before posting), no copy is
@@ -1114,7 +1018,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
         self.completed == self.ranks.len()
             && self.local_posted + self.lost_unposted.len() >= v.local.len()
             && self.copies.is_empty()
-            && self.slots.iter().all(|s| matches!(s, Slot::Free))
+            && self.slots.all_free()
             && self.actions.is_empty()
             && tail
     }
@@ -2010,7 +1914,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
         }
         let mut progress = false;
         while let Some(&rank) = self.read_queue.front() {
-            let Some(slot) = self.slots.iter().position(|s| matches!(s, Slot::Free)) else {
+            let Some(slot) = self.slots.first_free() else {
                 break;
             };
             let v = self.view.as_ref().unwrap();
