@@ -19,7 +19,7 @@ const SEEDS: u64 = 100;
 /// Seed `i` of a setting, spread over the seed space (0 and small values
 /// included: `i` itself for even `i`).
 fn seed_of(i: u64) -> u64 {
-    if i % 2 == 0 {
+    if i.is_multiple_of(2) {
         i
     } else {
         0x5EED_0000_0000_0000 ^ i.wrapping_mul(0x9E37_79B9_7F4A_7C15)
