@@ -10,12 +10,14 @@
 
 use serde::{Deserialize, Serialize};
 
+mod abort;
 pub mod allgatherv;
 pub mod alltoallv;
 pub mod bcast;
 mod common;
 pub mod sched;
 pub mod sim;
+mod staged;
 pub mod staged_allgather;
 
 /// Global index of a service process in the cluster.

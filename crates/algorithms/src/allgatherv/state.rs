@@ -1,0 +1,405 @@
+//! The per-SP state of one instance, its constructor and its inputs.
+
+use super::*;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Have {
+    Missing,
+    Copying,
+    Done,
+}
+
+#[derive(Clone, Debug)]
+pub(super) struct LocalRank<K> {
+    pub(super) recv_key: K,
+    pub(super) recv_counts: Vec<u64>,
+    pub(super) recv_displs: Vec<u64>,
+    pub(super) have: Vec<Have>,
+    pub(super) recv_pending: usize,
+    /// Copies writing into this rank's receive buffer.
+    pub(super) writes: usize,
+    /// Outstanding readers of its buffers: pending remote acks plus pending
+    /// `SegmentDone`s for segments it holds.
+    pub(super) readers: usize,
+    /// Segments held (landed here).
+    pub(super) held: usize,
+    pub(super) out: Outcome,
+}
+
+/// An announcement waiting at this SP.
+#[derive(Clone, Debug)]
+pub(super) struct Ann<K> {
+    pub(super) src: Rank,
+    pub(super) origin: SpId,
+    pub(super) key: K,
+    pub(super) offset: u64,
+    pub(super) len: u64,
+    pub(super) node: u32,
+    pub(super) node_sps: Vec<SpId>,
+    pub(super) since: Nanos,
+}
+
+/// A segment available on this node, as seen by this SP.
+#[derive(Clone, Debug)]
+pub(super) struct Seg<K> {
+    pub(super) holder: Rank,
+    pub(super) holder_sp: SpId,
+    pub(super) key: K,
+    pub(super) offset: u64,
+    pub(super) len: u64,
+    pub(super) from_send: bool,
+    pub(super) copying: usize,
+    pub(super) done_sent: bool,
+}
+
+#[derive(Clone, Debug)]
+pub(super) struct Topo {
+    pub(super) members: Vec<SpId>,
+    pub(super) nodes: Vec<u32>,
+    pub(super) my_node: u32,
+    /// Nodes with members, sorted.
+    pub(super) node_list: Vec<u32>,
+    pub(super) node_sps: BTreeMap<u32, Vec<SpId>>,
+    /// Index of each rank among its node's ranks (ascending comm rank).
+    pub(super) node_index: Vec<u32>,
+    pub(super) local: Vec<Rank>,
+}
+
+impl Topo {
+    pub(super) fn build(me: SpId, members: &[SpId], nodes: &[u32]) -> Result<Topo, PostError> {
+        let sp_node = sp_nodes(members, nodes).map_err(|sp| PostError::SpOnTwoNodes { sp })?;
+        let mut node_sps: BTreeMap<u32, BTreeSet<SpId>> = BTreeMap::new();
+        let mut counts: BTreeMap<u32, u32> = BTreeMap::new();
+        let mut node_index = Vec::with_capacity(members.len());
+        for (&sp, &n) in members.iter().zip(nodes) {
+            node_sps.entry(n).or_default().insert(sp);
+            let c = counts.entry(n).or_insert(0);
+            node_index.push(*c);
+            *c += 1;
+        }
+        Ok(Topo {
+            members: members.to_vec(),
+            nodes: nodes.to_vec(),
+            my_node: sp_node[&me],
+            node_list: node_sps.keys().copied().collect(),
+            node_sps: node_sps
+                .into_iter()
+                .map(|(n, s)| (n, s.into_iter().collect()))
+                .collect(),
+            node_index,
+            local: (0..members.len() as Rank)
+                .filter(|&r| members[r as usize] == me)
+                .collect(),
+        })
+    }
+
+    pub(super) fn my_sps(&self) -> &[SpId] {
+        &self.node_sps[&self.my_node]
+    }
+}
+
+pub(super) enum CopyKind {
+    /// Inter-node landing of `src` into local `holder`.
+    Land { ann: Ann<()>, holder: Rank },
+    /// Intra-node distribution of segment `seg` into local `dst`.
+    Dist { seg: Rank, dst: Rank },
+}
+
+/// The per-SP state machine of one hierarchical `Allgatherv` instance.
+pub struct Allgatherv<K> {
+    pub(super) key: CollKey,
+    pub(super) me: SpId,
+    pub(super) topo: Option<Topo>,
+    pub(super) ranks: BTreeMap<Rank, LocalRank<K>>,
+    pub(super) completed: usize,
+    pub(super) lost_unposted: BTreeSet<Rank>,
+    /// Announcements parked here.
+    pub(super) parked: Vec<Ann<K>>,
+    /// Sibling SPs known to have a posted rank.
+    pub(super) ready_siblings: BTreeSet<SpId>,
+    pub(super) ready_sent: bool,
+    /// Segments on this node, by source rank.
+    pub(super) segs: BTreeMap<Rank, Seg<K>>,
+    /// Segments held by local ranks: src -> (holder, SPs owing SegmentDone).
+    pub(super) held: BTreeMap<Rank, (Rank, BTreeSet<SpId>)>,
+    /// Remote acks owed to local source ranks: (src, node).
+    pub(super) acks: BTreeSet<(Rank, u32)>,
+    /// Acks being released after a peer loss: the live SPs of the node
+    /// that have not acked yet.
+    pub(super) releasing: BTreeMap<(Rank, u32), BTreeSet<SpId>>,
+    /// Acks settled after a peer loss (a late ack for them is ignored).
+    pub(super) settled: BTreeSet<(Rank, u32)>,
+    /// Announcements received (to detect duplicates).
+    pub(super) announced: BTreeSet<Rank>,
+    pub(super) copies: BTreeMap<u64, CopyKind>,
+    pub(super) next_copy: u64,
+    pub(super) abort: Abort,
+    pub(super) abort_local: bool,
+    pub(super) lost_sps: BTreeSet<SpId>,
+    pub(super) actions: VecDeque<Action<K>>,
+    pub(super) internal: VecDeque<Msg<K>>,
+    pub(super) now: Nanos,
+    pub(super) stats: Stats,
+}
+
+common_api!(Allgatherv);
+
+impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
+    /// Create an instance; the driver may do so on the first event of any
+    /// kind for `key`.
+    pub fn new(key: CollKey, cfg: Config) -> Self {
+        Allgatherv {
+            key,
+            me: cfg.me,
+            topo: None,
+            ranks: BTreeMap::new(),
+            completed: 0,
+            lost_unposted: BTreeSet::new(),
+            parked: Vec::new(),
+            ready_siblings: BTreeSet::new(),
+            ready_sent: false,
+            segs: BTreeMap::new(),
+            held: BTreeMap::new(),
+            acks: BTreeSet::new(),
+            releasing: BTreeMap::new(),
+            settled: BTreeSet::new(),
+            announced: BTreeSet::new(),
+            copies: BTreeMap::new(),
+            next_copy: 0,
+            abort: Abort::default(),
+            abort_local: false,
+            lost_sps: BTreeSet::new(),
+            actions: VecDeque::new(),
+            internal: VecDeque::new(),
+            now: 0,
+            stats: Stats::default(),
+        }
+    }
+
+    /// The SP of each comm rank, once a local rank has posted.
+    pub fn members(&self) -> Option<&[SpId]> {
+        self.topo.as_ref().map(|t| t.members.as_slice())
+    }
+
+    pub fn copies_in_flight(&self) -> usize {
+        self.copies.len()
+    }
+
+    /// Announcements currently parked here.
+    pub fn parked(&self) -> usize {
+        self.parked.len()
+    }
+
+    /// A local rank posted its part of the collective.
+    pub fn handle_post(&mut self, now: Nanos, post: Post<K>) -> Result<(), PostError> {
+        self.now = now;
+        self.validate_post(&post)?;
+        if self.topo.is_none() {
+            let topo = Topo::build(self.me, &post.members, &post.nodes)?;
+            self.learn_topology(topo);
+        }
+        let p = post.members.len();
+        let rank = post.rank;
+        let mut st = LocalRank {
+            recv_key: post.recv_key,
+            recv_counts: post.recv_counts,
+            recv_displs: post.recv_displs,
+            have: vec![Have::Missing; p],
+            recv_pending: p,
+            writes: 0,
+            readers: 0,
+            held: 0,
+            out: Outcome::new(),
+        };
+        if let Some(status) = self.abort.status {
+            st.out.set_error(status);
+            self.ranks.insert(rank, st);
+            self.check_complete(rank);
+            self.run_internal();
+            return Ok(());
+        }
+        let mismatch = st.recv_counts[rank as usize] != post.send_len;
+        let topo = self.topo.as_ref().expect("topology known");
+        let my_node = topo.my_node;
+        let r = rank as usize;
+        // Announcements to the other nodes, ring order after this node.
+        let pos = topo.node_list.iter().position(|&n| n == my_node).unwrap();
+        let k = topo.node_list.len();
+        let mut sends = Vec::new();
+        for i in 1..k {
+            let n = topo.node_list[(pos + i) % k];
+            let sps = &topo.node_sps[&n];
+            let to = sps[(topo.node_index[r] as usize + n as usize) % sps.len()];
+            sends.push((
+                to,
+                n,
+                Msg::Announce {
+                    src: rank,
+                    origin: self.me,
+                    key: post.send_key.clone(),
+                    offset: 0,
+                    len: post.send_len,
+                    node: n,
+                    node_sps: sps.clone(),
+                },
+            ));
+        }
+        let my_sps = topo.my_sps().to_vec();
+        st.readers = sends.len() + my_sps.len();
+        self.ranks.insert(rank, st);
+        for (to, n, msg) in sends {
+            self.acks.insert((rank, n));
+            self.send(to, msg);
+        }
+        self.held
+            .insert(rank, (rank, my_sps.iter().copied().collect()));
+        for &sp in &my_sps {
+            self.send(
+                sp,
+                Msg::Segment {
+                    src: rank,
+                    holder: rank,
+                    holder_sp: self.me,
+                    key: post.send_key.clone(),
+                    offset: 0,
+                    len: post.send_len,
+                    from_send: true,
+                },
+            );
+        }
+        if !self.ready_sent {
+            self.ready_sent = true;
+            for &sp in &my_sps {
+                if sp != self.me {
+                    self.send(sp, Msg::RankReady);
+                }
+            }
+        }
+        self.run_internal();
+        // Segments already known on this node.
+        let known: Vec<Rank> = self.segs.keys().copied().collect();
+        for s in known {
+            self.dist_one(s, rank);
+        }
+        // Parked announcements can be served now.
+        for ann in std::mem::take(&mut self.parked) {
+            self.stats.parked_wait_ns += now.saturating_sub(ann.since);
+            self.serve(ann);
+        }
+        if mismatch {
+            self.enter_abort(Status::CountMismatch, true);
+        }
+        self.run_internal();
+        self.check_complete(rank);
+        Ok(())
+    }
+
+    /// A message from SP `from` for this instance.
+    pub fn handle_msg(&mut self, now: Nanos, from: SpId, msg: Msg<K>) -> Result<(), MsgError> {
+        self.now = now;
+        let res = self.process(from, msg);
+        self.run_internal();
+        res
+    }
+
+    /// The copy `id` finished with `status`.
+    pub fn handle_copy_done(&mut self, now: Nanos, id: CopyId, status: Status) {
+        self.now = now;
+        let Some(kind) = self.copies.remove(&id.0) else {
+            self.stats.unknown_copy_done += 1;
+            return;
+        };
+        if !status.is_ok() {
+            self.enter_abort(status, true);
+        }
+        match kind {
+            CopyKind::Land { ann, holder } => {
+                let st = self.ranks.get_mut(&holder).expect("holder posted");
+                st.writes -= 1;
+                st.out.set_error(status);
+                let s = ann.src as usize;
+                st.have[s] = Have::Done;
+                st.recv_pending -= 1;
+                let ack = self.abort.status.unwrap_or(Status::Ok);
+                self.send(
+                    ann.origin,
+                    Msg::Ack {
+                        src: ann.src,
+                        node: ann.node,
+                        status: ack,
+                    },
+                );
+                if self.abort.is_none() {
+                    self.publish(ann.src, holder, ann.len);
+                }
+                self.check_complete(holder);
+            }
+            CopyKind::Dist { seg, dst } => {
+                if let Some(st) = self.ranks.get_mut(&dst) {
+                    st.writes -= 1;
+                    st.out.set_error(status);
+                    st.have[seg as usize] = Have::Done;
+                    st.recv_pending -= 1;
+                }
+                if let Some(e) = self.segs.get_mut(&seg) {
+                    e.copying -= 1;
+                }
+                self.check_seg(seg);
+                self.check_complete(dst);
+            }
+        }
+        self.run_internal();
+    }
+
+    /// SP `sp` died: abort with `PeerFailed` if it serves a member; its
+    /// pending `SegmentDone`s are dropped and the live SPs of its node are
+    /// asked to `Release` the announcements still unacked there. Messages
+    /// from `sp` are ignored from now on.
+    pub fn handle_peer_lost(&mut self, now: Nanos, sp: SpId) {
+        self.now = now;
+        if sp == self.me || !self.lost_sps.insert(sp) {
+            return;
+        }
+        self.ready_siblings.remove(&sp);
+        if self.topo.is_none() {
+            return; // applied when the topology becomes known
+        }
+        self.apply_peer_lost(sp);
+        self.run_internal();
+    }
+
+    /// Local abort; `Status::Ok` becomes `Status::Aborted`.
+    pub fn abort(&mut self, now: Nanos, status: Status) {
+        self.now = now;
+        self.enter_abort(status, true);
+        self.run_internal();
+    }
+
+    /// Local host `rank` died: aborts with `RankFailed` unless it completed.
+    pub fn handle_rank_lost(&mut self, now: Nanos, rank: Rank) {
+        self.now = now;
+        if let Some(t) = &self.topo {
+            if t.members.get(rank as usize) != Some(&self.me) {
+                return;
+            }
+        }
+        let out = self.ranks.get_mut(&rank).map(|st| &mut st.out);
+        if !lose_rank(out, &mut self.lost_unposted, rank) {
+            return;
+        }
+        self.enter_abort(Status::RankFailed, true);
+        self.run_internal();
+    }
+
+    /// Every local rank completed (or was lost before posting), nothing is
+    /// in flight, parked or owed, and every action was polled.
+    pub fn is_finished(&self) -> bool {
+        self.topo
+            .as_ref()
+            .is_some_and(|t| self.completed + self.lost_unposted.len() == t.local.len())
+            && self.copies.is_empty()
+            && self.parked.is_empty()
+            && self.segs.values().all(|e| e.done_sent)
+            && self.actions.is_empty()
+    }
+}

@@ -1,0 +1,263 @@
+//! The allgatherv's public types: config, posts, messages, copies, actions,
+//! errors and counters.
+
+use super::*;
+
+/// Static configuration of one instance.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Config {
+    /// The SP running this instance.
+    pub me: SpId,
+}
+
+/// What one local rank posted (sizes in bytes, already checked by the
+/// driver against the rank's buffers). The SPs of each node are derived
+/// from `members` and `nodes`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Post<K> {
+    pub rank: Rank,
+    /// SP serving each comm rank; its length is the comm size P.
+    pub members: Vec<SpId>,
+    /// Node of each comm rank.
+    pub nodes: Vec<u32>,
+    pub send_key: K,
+    /// The send block starts at offset 0 of `send_key`.
+    pub send_len: u64,
+    pub recv_key: K,
+    pub recv_counts: Vec<u64>,
+    pub recv_displs: Vec<u64>,
+}
+
+/// SP-to-SP messages of this collective (the driver adds the `CollKey`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Msg<K> {
+    /// `src`'s segment is at (`key`, `offset`, `len`); land it on `node`
+    /// (whose SPs are `node_sps`); ack to `origin` (the SP of `src`).
+    Announce {
+        src: Rank,
+        origin: SpId,
+        key: K,
+        offset: u64,
+        len: u64,
+        node: u32,
+        node_sps: Vec<SpId>,
+    },
+    /// An announcement passed between SPs of its node. `remaining`: SPs of
+    /// the ring still to visit after the receiver (0: park if not ready).
+    /// `parked`: it was parked before.
+    Pass {
+        src: Rank,
+        origin: SpId,
+        key: K,
+        offset: u64,
+        len: u64,
+        node: u32,
+        node_sps: Vec<SpId>,
+        remaining: u32,
+        parked: bool,
+    },
+    /// The announcement of `src` to `node` is done with.
+    Ack {
+        src: Rank,
+        node: u32,
+        status: Status,
+    },
+    /// The sender has a posted rank (sent once, to the node's other SPs).
+    RankReady,
+    /// `src`'s segment is on this node in `holder`'s buffer (`from_send`:
+    /// its send buffer, else its receive buffer), served by `holder_sp`.
+    Segment {
+        src: Rank,
+        holder: Rank,
+        holder_sp: SpId,
+        key: K,
+        offset: u64,
+        len: u64,
+        from_send: bool,
+    },
+    /// The sender's ranks will not read `src`'s segment from its holder any
+    /// more.
+    SegmentDone { src: Rank, status: Status },
+    /// The collective failed; stop and complete everyone with `status`.
+    Abort { status: Status },
+    /// Sent by the SP of `src` to every live SP of `node` after an SP of
+    /// `node` was lost while `src`'s announcement there was unacked: the
+    /// receiver aborts with `status` (so it never starts a landing copy
+    /// again) and answers with `Ack { src, node }` once no landing copy of
+    /// `src` is in flight there.
+    Release {
+        src: Rank,
+        node: u32,
+        status: Status,
+    },
+}
+
+impl<K> Msg<K> {
+    /// The memory keys the message carries (an SP checks where a peer's keys point).
+    pub fn keys(&self) -> Vec<&K> {
+        match self {
+            Msg::Announce { key, .. } | Msg::Pass { key, .. } | Msg::Segment { key, .. } => {
+                vec![key]
+            }
+            Msg::Ack { .. }
+            | Msg::RankReady
+            | Msg::SegmentDone { .. }
+            | Msg::Abort { .. }
+            | Msg::Release { .. } => Vec::new(),
+        }
+    }
+}
+
+/// Identifies a copy within one instance.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct CopyId(pub u64);
+
+/// Copy `len` bytes of segment `seg` from `src_rank`'s buffer (`src_key`:
+/// its send buffer, or its receive buffer holding `seg`) into `dst_rank`'s
+/// receive buffer (`dst_rank` is always served by this SP).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Copy<K> {
+    pub id: CopyId,
+    pub seg: Rank,
+    pub src_rank: Rank,
+    pub src_key: K,
+    pub src_offset: u64,
+    pub dst_rank: Rank,
+    pub dst_key: K,
+    pub dst_offset: u64,
+    pub len: u64,
+}
+
+/// Output of the state machine.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Action<K> {
+    /// Send `msg` to SP `to` (never this SP itself).
+    Send { to: SpId, msg: Msg<K> },
+    /// Start this copy and report it with `handle_copy_done`.
+    Copy(Copy<K>),
+    /// Local `rank` is done; emitted exactly once per posted rank.
+    Complete { rank: Rank, status: Status },
+}
+
+/// A rejected post; the instance is unchanged.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PostError {
+    RankOutOfRange {
+        rank: Rank,
+        size: usize,
+    },
+    NotMine {
+        rank: Rank,
+        served_by: SpId,
+    },
+    LengthMismatch {
+        field: &'static str,
+        len: usize,
+        expected: usize,
+    },
+    /// `members`/`nodes` differ from an earlier post of this instance.
+    MembersDisagree,
+    /// One SP serves ranks on two nodes.
+    SpOnTwoNodes {
+        sp: SpId,
+    },
+    DuplicatePost {
+        rank: Rank,
+    },
+    RankLost {
+        rank: Rank,
+    },
+    /// `recv_displs[index] + recv_counts[index]` overflows `u64`.
+    Overflow {
+        rank: Rank,
+        index: usize,
+    },
+}
+
+impl fmt::Display for PostError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PostError::RankOutOfRange { rank, size } => {
+                write!(f, "rank {rank} out of range for comm size {size}")
+            }
+            PostError::NotMine { rank, served_by } => {
+                write!(f, "rank {rank} is served by SP {served_by}, not this SP")
+            }
+            PostError::LengthMismatch {
+                field,
+                len,
+                expected,
+            } => write!(f, "{field} has {len} entries, comm size is {expected}"),
+            PostError::MembersDisagree => {
+                write!(f, "members/nodes differ from an earlier post")
+            }
+            PostError::SpOnTwoNodes { sp } => write!(f, "SP {sp} serves ranks on two nodes"),
+            PostError::DuplicatePost { rank } => write!(f, "rank {rank} posted twice"),
+            PostError::RankLost { rank } => write!(f, "rank {rank} was declared lost"),
+            PostError::Overflow { rank, index } => {
+                write!(
+                    f,
+                    "rank {rank}: receive displacement+count overflows at {index}"
+                )
+            }
+        }
+    }
+}
+
+impl std::error::Error for PostError {}
+
+/// A protocol violation by a peer; the instance is unchanged.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum MsgError {
+    RankOutOfRange {
+        rank: Rank,
+        size: usize,
+    },
+    /// The message names an SP that does not serve `rank`.
+    WrongSp {
+        rank: Rank,
+        got: SpId,
+    },
+    /// An announcement for another node than this SP's.
+    WrongNode {
+        node: u32,
+    },
+    NotMember {
+        sp: SpId,
+    },
+    Duplicate {
+        src: Rank,
+    },
+    Unexpected {
+        src: Rank,
+    },
+    Overflow {
+        src: Rank,
+    },
+}
+
+impl fmt::Display for MsgError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{self:?}")
+    }
+}
+
+impl std::error::Error for MsgError {}
+
+/// Counters for drivers, tests and the simulator.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Stats {
+    /// Announcements that found no ready local rank at their target SP.
+    pub no_ready_rank: u64,
+    /// Of those, served by another SP of the node without being parked
+    /// (the pass path; counted at the serving SP).
+    pub served_after_pass: u64,
+    /// Announcements parked (the node's pending list).
+    pub parked: u64,
+    /// Total time announcements spent parked (ns of `now`).
+    pub parked_wait_ns: u64,
+    /// `handle_copy_done` calls for unknown copy ids (ignored).
+    pub unknown_copy_done: u64,
+    /// Messages ignored because their sender was declared lost.
+    pub ignored_from_lost_sp: u64,
+}

@@ -1,0 +1,359 @@
+//! Checks of posts and peers, the messages from peers (announcements and
+//! acks), the abort and the completion of local ranks.
+
+use super::*;
+
+impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
+    pub(super) fn validate_post(&self, post: &Post<K>) -> Result<(), PostError> {
+        let p = post.members.len();
+        let rank = post.rank;
+        if rank as usize >= p {
+            return Err(PostError::RankOutOfRange { rank, size: p });
+        }
+        let served_by = post.members[rank as usize];
+        if served_by != self.me {
+            return Err(PostError::NotMine { rank, served_by });
+        }
+        let vectors: [(&'static str, &Vec<u64>); 4] = [
+            ("send_counts", &post.send_counts),
+            ("send_displs", &post.send_displs),
+            ("recv_counts", &post.recv_counts),
+            ("recv_displs", &post.recv_displs),
+        ];
+        for (field, v) in vectors {
+            if v.len() != p {
+                return Err(PostError::LengthMismatch {
+                    field,
+                    len: v.len(),
+                    expected: p,
+                });
+            }
+        }
+        if let Some(m) = &self.members {
+            if *m != post.members {
+                return Err(PostError::MembersDisagree);
+            }
+        }
+        if self.ranks.contains_key(&rank) {
+            return Err(PostError::DuplicatePost { rank });
+        }
+        if self.lost_unposted.contains(&rank) {
+            return Err(PostError::RankLost { rank });
+        }
+        let pairs = [
+            ("send", &post.send_displs, &post.send_counts),
+            ("recv", &post.recv_displs, &post.recv_counts),
+        ];
+        for (field, displs, counts) in pairs {
+            if let Some(index) = (0..p).find(|&i| displs[i].checked_add(counts[i]).is_none()) {
+                return Err(PostError::Overflow { rank, field, index });
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn learn_membership(&mut self, members: Vec<SpId>) {
+        let me = self.me;
+        let p = members.len();
+        self.local_count = members.iter().filter(|&&s| s == me).count();
+        // Announcements queued blindly are validated now.
+        let queued = std::mem::take(&mut self.queued);
+        for ((dst, src), q) in queued {
+            let ok = (dst as usize) < p
+                && (src as usize) < p
+                && members[dst as usize] == me
+                && members[src as usize] == q.from;
+            if ok {
+                self.queued.insert((dst, src), q);
+            } else {
+                self.stats.discarded_announcements += 1;
+            }
+        }
+        self.lost_unposted
+            .retain(|&r| (r as usize) < p && members[r as usize] == me);
+        let peer_lost = self.lost_sps.iter().any(|s| members.contains(s));
+        self.members = Some(members);
+        if peer_lost {
+            self.enter_abort(Status::PeerFailed, true);
+        } else if self.abort.is_some() {
+            self.maybe_broadcast_abort();
+        }
+    }
+
+    pub(super) fn member(&self, rank: Rank) -> SpId {
+        self.members.as_ref().expect("membership known")[rank as usize]
+    }
+
+    pub(super) fn send(&mut self, to: SpId, msg: Msg<K>) {
+        if to == self.me {
+            self.internal.push_back(msg);
+        } else if !self.lost_sps.contains(&to) {
+            self.actions.push_back(Action::Send { to, msg });
+        }
+    }
+
+    pub(super) fn run_internal(&mut self) {
+        while let Some(msg) = self.internal.pop_front() {
+            let me = self.me;
+            let res = self.process(me, msg);
+            debug_assert!(res.is_ok(), "internal message rejected: {res:?}");
+        }
+    }
+
+    pub(super) fn process(&mut self, from: SpId, msg: Msg<K>) -> Result<(), MsgError> {
+        if self.lost_sps.contains(&from) {
+            self.stats.ignored_from_lost_sp += 1;
+            return Ok(());
+        }
+        match msg {
+            Msg::Announce {
+                src,
+                dst,
+                key,
+                offset,
+                len,
+            } => self.on_announce(from, src, dst, key, offset, len),
+            Msg::Ack { src, dst, status } => self.on_ack(from, src, dst, status),
+            Msg::Abort { status } => {
+                if let Some(m) = &self.members {
+                    if !m.contains(&from) {
+                        return Err(MsgError::NotMember { sp: from });
+                    }
+                }
+                self.enter_abort(status, false);
+                Ok(())
+            }
+        }
+    }
+
+    pub(super) fn check_ranks(&self, ranks: [Rank; 2]) -> Result<(), MsgError> {
+        let size = self.members.as_ref().map_or(0, Vec::len);
+        match ranks.into_iter().find(|&r| r as usize >= size) {
+            Some(rank) => Err(MsgError::RankOutOfRange { rank, size }),
+            None => Ok(()),
+        }
+    }
+
+    pub(super) fn on_announce(
+        &mut self,
+        from: SpId,
+        src: Rank,
+        dst: Rank,
+        key: K,
+        offset: u64,
+        len: u64,
+    ) -> Result<(), MsgError> {
+        if offset.checked_add(len).is_none() {
+            return Err(MsgError::Overflow { src, dst });
+        }
+        if self.members.is_none() {
+            if let Some(status) = self.abort.status {
+                // Cannot validate, but the sender must not wait for us; make
+                // sure its SP learns about the abort too.
+                self.send(from, Msg::Ack { src, dst, status });
+                self.notify_abort(from);
+                return Ok(());
+            }
+            return self.queue_announce(from, src, dst, key, offset, len);
+        }
+        self.check_ranks([src, dst])?;
+        if self.member(dst) != self.me {
+            return Err(MsgError::NotLocal { rank: dst });
+        }
+        let expected = self.member(src);
+        if expected != from {
+            return Err(MsgError::WrongSender {
+                rank: src,
+                expected,
+                got: from,
+            });
+        }
+        self.deliver_announce(from, src, dst, key, offset, len)
+    }
+
+    /// Keeps an announcement whose destination cannot take it yet (membership
+    /// unknown, or `dst` has not posted): a late arrival.
+    pub(super) fn queue_announce(
+        &mut self,
+        from: SpId,
+        src: Rank,
+        dst: Rank,
+        key: K,
+        offset: u64,
+        len: u64,
+    ) -> Result<(), MsgError> {
+        if self.queued.contains_key(&(dst, src)) {
+            return Err(MsgError::DuplicateAnnounce { src, dst });
+        }
+        let q = Queued {
+            from,
+            key,
+            offset,
+            len,
+        };
+        self.queued.insert((dst, src), q);
+        self.stats.late_announcements += 1;
+        Ok(())
+    }
+
+    /// A validated announcement (membership known, `dst` local, `from`
+    /// serves `src`).
+    pub(super) fn deliver_announce(
+        &mut self,
+        from: SpId,
+        src: Rank,
+        dst: Rank,
+        key: K,
+        offset: u64,
+        len: u64,
+    ) -> Result<(), MsgError> {
+        let abort = self.abort.status;
+        let Some(st) = self.ranks.get_mut(&dst) else {
+            if let Some(status) = abort {
+                self.send(from, Msg::Ack { src, dst, status });
+                return Ok(());
+            }
+            return self.queue_announce(from, src, dst, key, offset, len);
+        };
+        let s = src as usize;
+        if st.recv[s] != RecvState::Waiting {
+            return Err(MsgError::DuplicateAnnounce { src, dst });
+        }
+        let ack = if let Some(status) = abort {
+            status
+        } else if len != st.recv_counts[s] {
+            st.out.set_error(Status::CountMismatch);
+            Status::CountMismatch
+        } else if len == 0 {
+            Status::Ok
+        } else {
+            let id = CopyId(self.next_copy);
+            self.next_copy += 1;
+            st.recv[s] = RecvState::Copying;
+            st.copies_in_flight += 1;
+            let copy = Copy {
+                id,
+                src_rank: src,
+                src_key: key,
+                src_offset: offset,
+                dst_rank: dst,
+                dst_key: st.recv_key.clone(),
+                dst_offset: st.recv_displs[s],
+                len,
+            };
+            self.copies.insert(id.0, (dst, src));
+            self.actions.push_back(Action::Copy(copy));
+            return Ok(());
+        };
+        st.recv[s] = RecvState::Done;
+        st.recv_pending -= 1;
+        self.send(
+            from,
+            Msg::Ack {
+                src,
+                dst,
+                status: ack,
+            },
+        );
+        self.check_complete(dst);
+        Ok(())
+    }
+
+    pub(super) fn on_ack(
+        &mut self,
+        from: SpId,
+        src: Rank,
+        dst: Rank,
+        status: Status,
+    ) -> Result<(), MsgError> {
+        if self.members.is_none() {
+            return Err(MsgError::UnexpectedAck { src, dst });
+        }
+        self.check_ranks([src, dst])?;
+        if self.member(src) != self.me {
+            return Err(MsgError::NotLocal { rank: src });
+        }
+        let expected = self.member(dst);
+        if expected != from {
+            return Err(MsgError::WrongSender {
+                rank: dst,
+                expected,
+                got: from,
+            });
+        }
+        let Some(st) = self.ranks.get_mut(&src) else {
+            return Err(MsgError::UnexpectedAck { src, dst });
+        };
+        let d = dst as usize;
+        if st.send[d] != SendState::Pending {
+            return Err(MsgError::UnexpectedAck { src, dst });
+        }
+        st.send[d] = SendState::Acked;
+        st.send_pending -= 1;
+        st.out.set_error(status);
+        self.check_complete(src);
+        Ok(())
+    }
+
+    pub(super) fn enter_abort(&mut self, status: Status, local: bool) {
+        let (_, status) = self.abort.enter(status);
+        self.abort_local |= local;
+        fail_pending(self.ranks.values_mut().map(|st| &mut st.out), status);
+        // Nobody will read into a rank that has not posted: release senders.
+        let queued = std::mem::take(&mut self.queued);
+        let blind = self.members.is_none();
+        for ((dst, src), q) in queued {
+            self.send(q.from, Msg::Ack { src, dst, status });
+            if blind {
+                self.notify_abort(q.from);
+            }
+        }
+        self.maybe_broadcast_abort();
+        let ranks: Vec<Rank> = self.ranks.keys().copied().collect();
+        for r in ranks {
+            self.check_complete(r);
+        }
+    }
+
+    pub(super) fn maybe_broadcast_abort(&mut self) {
+        if !self
+            .abort
+            .start_broadcast(self.abort_local && self.members.is_some())
+        {
+            return;
+        }
+        let members = self.members.as_ref().unwrap();
+        let sps: BTreeSet<SpId> = members.iter().copied().collect();
+        for sp in sps {
+            self.notify_abort(sp);
+        }
+    }
+
+    pub(super) fn notify_abort(&mut self, sp: SpId) {
+        if let Some(status) = self.abort.notice_for(self.me, &self.lost_sps, sp) {
+            self.actions.push_back(Action::Send {
+                to: sp,
+                msg: Msg::Abort { status },
+            });
+        }
+    }
+
+    pub(super) fn check_complete(&mut self, rank: Rank) {
+        let aborted = self.abort.is_some();
+        let Some(st) = self.ranks.get_mut(&rank) else {
+            return;
+        };
+        if st.out.completed || st.copies_in_flight > 0 || st.send_pending > 0 {
+            return;
+        }
+        if !aborted && st.recv_pending > 0 {
+            return;
+        }
+        st.out.completed = true;
+        self.completed += 1;
+        self.actions.push_back(Action::Complete {
+            rank,
+            status: st.out.status,
+        });
+    }
+}

@@ -1,0 +1,289 @@
+//! The per-SP state of one instance, its constructor and its inputs.
+
+use super::*;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum RecvState {
+    /// Not announced yet.
+    Waiting,
+    /// A copy into the receive buffer is in flight.
+    Copying,
+    /// Copied, or decided without copying.
+    Done,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum SendState {
+    /// Never announced (posted after an abort).
+    NotSent,
+    /// Announced, not acknowledged: the block may be read at any time.
+    Pending,
+    Acked,
+    /// Announced to a rank of a lost SP: nobody will read it.
+    Abandoned,
+}
+
+#[derive(Clone, Debug)]
+pub(super) struct LocalRank<K> {
+    pub(super) send_key: K,
+    pub(super) recv_key: K,
+    pub(super) send_counts: Vec<u64>,
+    pub(super) send_displs: Vec<u64>,
+    pub(super) recv_counts: Vec<u64>,
+    pub(super) recv_displs: Vec<u64>,
+    pub(super) recv: Vec<RecvState>,
+    pub(super) send: Vec<SendState>,
+    /// Sources whose block is not `Done`.
+    pub(super) recv_pending: usize,
+    /// Destinations whose block is `Pending`.
+    pub(super) send_pending: usize,
+    /// Copies writing into this rank's receive buffer.
+    pub(super) copies_in_flight: usize,
+    pub(super) out: Outcome,
+}
+
+#[derive(Clone, Debug)]
+pub(super) struct Queued<K> {
+    pub(super) from: SpId,
+    pub(super) key: K,
+    pub(super) offset: u64,
+    pub(super) len: u64,
+}
+
+/// The per-SP state machine of one ring `Ialltoallv` instance.
+#[derive(Clone, Debug)]
+pub struct Alltoallv<K> {
+    pub(super) key: CollKey,
+    pub(super) me: SpId,
+    pub(super) members: Option<Vec<SpId>>,
+    /// Number of comm ranks served by this SP (valid once `members` is known).
+    pub(super) local_count: usize,
+    /// Posted local ranks.
+    pub(super) ranks: BTreeMap<Rank, LocalRank<K>>,
+    /// Posted local ranks that completed.
+    pub(super) completed: usize,
+    /// Local ranks declared lost before they posted.
+    pub(super) lost_unposted: BTreeSet<Rank>,
+    /// Announcements waiting for their destination to post, by (dst, src).
+    pub(super) queued: BTreeMap<(Rank, Rank), Queued<K>>,
+    /// Copies in flight: id -> (dst, src).
+    pub(super) copies: BTreeMap<u64, (Rank, Rank)>,
+    pub(super) next_copy: u64,
+    pub(super) abort: Abort,
+    /// The abort originated here (local abort, peer loss, rank loss) and
+    /// must be broadcast to the communicator.
+    pub(super) abort_local: bool,
+    pub(super) lost_sps: BTreeSet<SpId>,
+    pub(super) actions: VecDeque<Action<K>>,
+    /// Messages to this SP itself, processed before returning to the driver.
+    pub(super) internal: VecDeque<Msg<K>>,
+    pub(super) stats: Stats,
+}
+
+common_api!(Alltoallv);
+
+impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
+    /// Create an instance; the driver may do so on the first event of any
+    /// kind for `key` (a peer message can arrive before any local post).
+    pub fn new(key: CollKey, cfg: Config) -> Self {
+        Alltoallv {
+            key,
+            me: cfg.me,
+            members: None,
+            local_count: 0,
+            ranks: BTreeMap::new(),
+            completed: 0,
+            lost_unposted: BTreeSet::new(),
+            queued: BTreeMap::new(),
+            copies: BTreeMap::new(),
+            next_copy: 0,
+            abort: Abort::default(),
+            abort_local: false,
+            lost_sps: BTreeSet::new(),
+            actions: VecDeque::new(),
+            internal: VecDeque::new(),
+            stats: Stats::default(),
+        }
+    }
+
+    /// The SP of each comm rank, once a local rank has posted.
+    pub fn members(&self) -> Option<&[SpId]> {
+        self.members.as_deref()
+    }
+
+    /// The abort status, if the instance was aborted.
+    /// Copies emitted and not yet reported done.
+    pub fn copies_in_flight(&self) -> usize {
+        self.copies.len()
+    }
+
+    /// A local rank posted its part of the collective.
+    pub fn handle_post(&mut self, _now: Nanos, post: Post<K>) -> Result<(), PostError> {
+        self.validate_post(&post)?;
+        let Post {
+            rank,
+            members,
+            send_key,
+            recv_key,
+            send_counts,
+            send_displs,
+            recv_counts,
+            recv_displs,
+        } = post;
+        let p = members.len();
+        if self.members.is_none() {
+            self.learn_membership(members);
+        }
+        let aborted = self.abort.status;
+        let mut st = LocalRank {
+            send_key,
+            recv_key,
+            send_counts,
+            send_displs,
+            recv_counts,
+            recv_displs,
+            recv: vec![RecvState::Waiting; p],
+            send: vec![SendState::NotSent; p],
+            recv_pending: p,
+            send_pending: 0,
+            copies_in_flight: 0,
+            out: Outcome::new(),
+        };
+        if let Some(status) = aborted {
+            // Nothing will be exchanged: complete right away, no announcements.
+            st.out.set_error(status);
+            self.ranks.insert(rank, st);
+        } else {
+            let r = rank as usize;
+            let mut announces = Vec::with_capacity(p);
+            for i in 0..p {
+                let d = (r + i) % p;
+                st.send[d] = SendState::Pending;
+                announces.push((
+                    d,
+                    Msg::Announce {
+                        src: rank,
+                        dst: d as Rank,
+                        key: st.send_key.clone(),
+                        offset: st.send_displs[d],
+                        len: st.send_counts[d],
+                    },
+                ));
+            }
+            st.send_pending = p;
+            self.ranks.insert(rank, st);
+            for (d, msg) in announces {
+                let to = self.member(d as Rank);
+                self.send(to, msg);
+            }
+            // Serve the announcements that arrived before this rank posted.
+            let waiting: Vec<(Rank, Rank)> = self
+                .queued
+                .range((rank, 0)..=(rank, Rank::MAX))
+                .map(|(k, _)| *k)
+                .collect();
+            for (dst, src) in waiting {
+                if let Some(q) = self.queued.remove(&(dst, src)) {
+                    let res = self.deliver_announce(q.from, src, dst, q.key, q.offset, q.len);
+                    debug_assert!(res.is_ok(), "queued announcement rejected: {res:?}");
+                }
+            }
+        }
+        self.run_internal();
+        self.check_complete(rank);
+        Ok(())
+    }
+
+    /// A message from SP `from` for this instance.
+    pub fn handle_msg(&mut self, _now: Nanos, from: SpId, msg: Msg<K>) -> Result<(), MsgError> {
+        let res = self.process(from, msg);
+        self.run_internal();
+        res
+    }
+
+    /// The copy `id` finished with `status` (anything but `Ok` means the
+    /// receive buffer content of that block is undefined).
+    pub fn handle_copy_done(&mut self, _now: Nanos, id: CopyId, status: Status) {
+        let Some((dst, src)) = self.copies.remove(&id.0) else {
+            self.stats.unknown_copy_done += 1;
+            return;
+        };
+        if let Some(r) = self.ranks.get_mut(&dst) {
+            r.recv[src as usize] = RecvState::Done;
+            r.recv_pending -= 1;
+            r.copies_in_flight -= 1;
+            r.out.set_error(status);
+        }
+        let to = self.member(src);
+        self.send(to, Msg::Ack { src, dst, status });
+        self.check_complete(dst);
+        self.run_internal();
+    }
+
+    /// SP `sp` died. If it serves a rank of this communicator, every local
+    /// rank not yet complete completes with `PeerFailed` (once no copy
+    /// touches its buffers) and the abort is broadcast to the other SPs.
+    /// Blocks announced to ranks of `sp` are considered never read.
+    /// Messages from `sp` are ignored from now on.
+    pub fn handle_peer_lost(&mut self, _now: Nanos, sp: SpId) {
+        if sp == self.me || !self.lost_sps.insert(sp) {
+            return;
+        }
+        self.queued.retain(|_, q| q.from != sp);
+        let Some(members) = &self.members else {
+            return; // checked when the membership becomes known
+        };
+        if !members.contains(&sp) {
+            return;
+        }
+        for st in self.ranks.values_mut() {
+            for (d, s) in st.send.iter_mut().enumerate() {
+                if *s == SendState::Pending && members[d] == sp {
+                    *s = SendState::Abandoned;
+                    st.send_pending -= 1;
+                }
+            }
+        }
+        self.enter_abort(Status::PeerFailed, true);
+        self.run_internal();
+    }
+
+    /// Local abort: every local rank not yet complete completes with
+    /// `status` (once no copy touches its buffers), ranks posting later
+    /// complete immediately, and every other SP of the communicator is sent
+    /// an `Abort` (as soon as the membership is known). `Status::Ok` is
+    /// replaced by `Status::Aborted`.
+    pub fn abort(&mut self, _now: Nanos, status: Status) {
+        self.enter_abort(status, true);
+        self.run_internal();
+    }
+
+    /// Local host `rank` died (extension of `abort`): if it already completed
+    /// nothing happens; otherwise the instance aborts with `RankFailed`. If
+    /// the rank had posted it still gets its `Complete`; if not, it will
+    /// never post and no longer keeps the instance from finishing. Ignored
+    /// if `rank` is known not to be served by this SP.
+    pub fn handle_rank_lost(&mut self, _now: Nanos, rank: Rank) {
+        if let Some(members) = &self.members {
+            if members.get(rank as usize) != Some(&self.me) {
+                return;
+            }
+        }
+        let out = self.ranks.get_mut(&rank).map(|st| &mut st.out);
+        if !lose_rank(out, &mut self.lost_unposted, rank) {
+            return;
+        }
+        self.enter_abort(Status::RankFailed, true);
+        self.run_internal();
+    }
+
+    /// The membership is known, every local rank completed (or was lost
+    /// before posting), no copy is in flight and every action was polled:
+    /// the driver may drop the instance.
+    pub fn is_finished(&self) -> bool {
+        self.members.is_some()
+            && self.completed + self.lost_unposted.len() == self.local_count
+            && self.copies.is_empty()
+            && self.actions.is_empty()
+    }
+}

@@ -1,0 +1,319 @@
+//! Inputs of the SPs, and the actions of their instances executed.
+
+use super::*;
+
+impl<'a> Sim<'a> {
+    pub(super) fn process_input(&mut self, sp: SpId, input: Input) -> Result<(), SimFailure> {
+        let now = self.core.now;
+        let mut touched = Vec::new();
+        match input {
+            Input::Post { op, rank } => {
+                let o = &mut self.ops[op];
+                let r = rank as usize;
+                o.post_ns[r] = Some(now);
+                let design = self.cfg.design;
+                let key = |shared| SimKey {
+                    op: op as u32,
+                    rank,
+                    shared,
+                };
+                let post = Post {
+                    rank,
+                    root: o.post_root[r],
+                    members: self.core.rank_sp.clone(),
+                    nodes: self.core.rank_node.clone(),
+                    key: key(false),
+                    len: o.post_len[r],
+                    design,
+                    shared_key: (design == Design::Hier).then(|| key(true)),
+                    shared_at: region_at(sp),
+                };
+                if let Err(e) = self.instance(sp, op).handle_post(now, post) {
+                    return Err(self.fail(format!("op {op} rank {rank}: post rejected: {e}")));
+                }
+                touched.push(op);
+            }
+            Input::Msg {
+                from,
+                msg: (op, msg, payload),
+            } => {
+                // Zero-length chunks come as plain messages, without a move.
+                let chunk = match msg {
+                    Msg::Chunk { slot, len, .. } if len > 0 => Some((slot.0, len)),
+                    _ => None,
+                };
+                if self.core.sps[sp as usize].known_lost.contains(&from) {
+                    // The connection is gone: the chunk never lands.
+                    if let Some((slot, _)) = chunk {
+                        self.shadow(op, sp, slot)?.writers = 0;
+                    }
+                    return Ok(());
+                }
+                if let Some((slot, len)) = chunk {
+                    let s = self.shadow(op, sp, slot)?;
+                    if s.writers != 1 || s.readers != 0 || payload.len() as u64 != len {
+                        return Err(self.fail(format!(
+                            "op {op}: chunk into slot {slot} of SP {sp} without its move"
+                        )));
+                    }
+                    s.data[..len as usize].copy_from_slice(&payload);
+                    s.writers = 0;
+                }
+                if matches!(msg, Msg::Abort { .. }) {
+                    self.ops[op].notified.insert(sp);
+                }
+                let shown = format!("{msg:?}");
+                if let Err(e) = self.instance(sp, op).handle_msg(now, from, msg) {
+                    return Err(self.fail(format!(
+                        "op {op}: SP {sp} rejected {shown} from SP {from}: {e}"
+                    )));
+                }
+                touched.push(op);
+            }
+            Input::CopyDone { op, copy, fail } => {
+                let status = if fail {
+                    Status::AccessError
+                } else {
+                    Status::Ok
+                };
+                match copy {
+                    Work::Copy(c) => {
+                        self.check_open(op, sp, &c, "finished")?;
+                        self.finish_copy(op, sp, &c, !fail)?;
+                        self.core.sps[sp as usize].limiter.finished();
+                        self.instance(sp, op).handle_copy_done(now, c.id, status);
+                    }
+                    Work::Move(m) => {
+                        self.shadow(op, sp, m.src_slot.0)?.readers -= 1;
+                        self.instance(sp, op).handle_move_done(now, m.id, status);
+                    }
+                }
+                touched.push(op);
+            }
+            Input::PeerLost { lost } => {
+                self.core.sps[sp as usize].known_lost.insert(lost);
+                if self.member_sps.contains(&sp) {
+                    for op in 0..self.ops.len() {
+                        if self.member_sps.contains(&lost) {
+                            self.ops[op].notified.insert(sp);
+                        }
+                        self.instance(sp, op).handle_peer_lost(now, lost);
+                        touched.push(op);
+                    }
+                }
+            }
+            Input::RankLost { world } => {
+                for op in 0..self.ops.len() {
+                    if self.ops[op].done[world as usize].is_none() {
+                        self.ops[op].notified.insert(sp);
+                    }
+                    self.instance(sp, op).handle_rank_lost(now, world);
+                    touched.push(op);
+                }
+            }
+        }
+        let out = now + self.cfg.cost.msg_proc_ns;
+        for op in touched {
+            self.drain(sp, op, out)?;
+        }
+        self.pump(sp, out)
+    }
+
+    pub(super) fn drain(&mut self, sp: SpId, op: usize, out: Nanos) -> Result<(), SimFailure> {
+        while let Some(action) = self.instance(sp, op).poll_action() {
+            match action {
+                Action::Send { to, msg } => {
+                    let wire = msg_bytes(&msg);
+                    self.core
+                        .send(op, sp, to, wire, out, (op, msg, Vec::new()))?;
+                }
+                Action::Copy(c) => {
+                    self.check_copy(op, sp, &c)?;
+                    self.core.sps[sp as usize].limiter.push((op, Work::Copy(c)));
+                }
+                Action::Move(m) => self.start_move(op, sp, m, out)?,
+                Action::Complete {
+                    rank,
+                    status,
+                    from_segment,
+                } => self.complete(op, sp, rank, status, from_segment, out)?,
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn start_move(
+        &mut self,
+        op: usize,
+        sp: SpId,
+        m: Move,
+        out: Nanos,
+    ) -> Result<(), SimFailure> {
+        let o = &self.ops[op];
+        let want = tree_children(&o.tree, sp);
+        if (!o.inconsistent && !want.contains(&m.to))
+            || m.len == 0
+            || m.len > self.cfg.chunk_bytes.max(1)
+            || (!o.inconsistent && m.chunk >= o.n)
+        {
+            return Err(self.fail(format!(
+                "op {op}: SP {sp} emitted a bad move {m:?} (its children: {want:?})"
+            )));
+        }
+        self.begin_read(op, sp, m.src_slot.0, "a move")?;
+        let payload = self.shadow(op, sp, m.src_slot.0)?.data[..m.len as usize].to_vec();
+        let ppm = self.cfg.faults.copy_error_ppm as u64;
+        let fail = ppm > 0 && self.core.rng.chance(ppm, 1_000_000);
+        if fail {
+            self.ops[op].disturbed = true;
+        } else {
+            self.begin_write(op, m.to, m.dst_slot.0, "an incoming move")?;
+        }
+        let inter = self.core.sp_node(sp) != self.core.sp_node(m.to);
+        let c = &self.cfg.cost;
+        let fixed = if inter {
+            c.copy_fixed_inter_ns
+        } else {
+            c.copy_fixed_intra_ns
+        };
+        let o = &mut self.ops[op];
+        o.moves += 1;
+        if inter {
+            o.bytes_inter += m.len;
+        } else {
+            o.bytes_intra += m.len;
+        }
+        let landed = self.core.transfer(sp, m.to, m.len, out + fixed);
+        self.core.schedule(
+            landed,
+            Ev::Input {
+                sp,
+                input: Input::CopyDone {
+                    op,
+                    copy: Work::Move(m),
+                    fail,
+                },
+            },
+        );
+        if !fail {
+            self.core.messages += 1;
+            let jitter = self.core.rng.range(0, self.cfg.faults.msg_jitter_ns);
+            self.core.schedule(
+                landed + jitter,
+                Ev::Input {
+                    sp: m.to,
+                    input: Input::Msg {
+                        from: sp,
+                        msg: (op, m.chunk_msg(), payload),
+                    },
+                },
+            );
+        }
+        Ok(())
+    }
+
+    pub(super) fn complete(
+        &mut self,
+        op: usize,
+        sp: SpId,
+        rank: Rank,
+        status: Status,
+        from_segment: bool,
+        at: Nanos,
+    ) -> Result<(), SimFailure> {
+        let r = rank as usize;
+        let o = &self.ops[op];
+        self.core.check_completion(
+            (op, sp, rank),
+            status,
+            o.post_ns[r].is_some(),
+            o.done[r].map(|d| (d.at, d.status)),
+            o.notified.contains(&sp),
+        )?;
+        let mut host_at = at;
+        if from_segment {
+            if !status.is_ok() || self.cfg.design != Design::Hier || o.post_root[r] == rank {
+                return Err(self.fail(format!(
+                    "op {op}: rank {rank} completed from the segment ({status}, {:?})",
+                    self.cfg.design
+                )));
+            }
+            // The host copies the message out of its node leader's region in
+            // its wait: the SP says where that is. With inconsistent posts the
+            // SPs may disagree on the root, so on the tree and its leaders: any
+            // region of the node will do here, and the final check compares the
+            // bytes with those of the root the rank named.
+            let leader = o.tree.iter().find(|g| g.contains(&sp)).map(|g| g[0]);
+            let src = self.inst.get(&(sp, op)).and_then(|a| a.segment_source());
+            let node = self.core.sp_node(sp);
+            let leads = |owner: SpId| {
+                Some(owner) == leader || (o.inconsistent && self.core.sp_node(owner) == node)
+            };
+            let owner = match src {
+                Some((owner, at, len)) if leads(owner) && at == region_at(owner) => {
+                    if len != o.len && !o.inconsistent {
+                        return Err(self.fail(format!(
+                            "op {op}: rank {rank}: region of {len} bytes for a {}-byte message",
+                            o.len
+                        )));
+                    }
+                    owner
+                }
+                _ => {
+                    return Err(self.fail(format!(
+                        "op {op}: rank {rank} of SP {sp} copies from {src:?}, not from its \
+                         leader {leader:?}'s region"
+                    )))
+                }
+            };
+            let n = (o.post_len[r] as usize).min(o.len as usize);
+            let data = self.ops[op].seg[owner as usize][..n].to_vec();
+            let o = &mut self.ops[op];
+            o.buf[r][..n].copy_from_slice(&data);
+            o.seg_sealed[owner as usize].get_or_insert(at);
+            let node = self.core.sp_node(sp);
+            host_at = at + self.core.copy_cost(node, sp, n as u64);
+        }
+        self.ops[op].done[r] = Some(Done {
+            at,
+            status,
+            from_segment,
+            host_at,
+        });
+        Ok(())
+    }
+
+    pub(super) fn pump(&mut self, sp: SpId, at: Nanos) -> Result<(), SimFailure> {
+        while let Some((op, work)) = self.core.next_copy(sp)? {
+            let Work::Copy(c) = work else {
+                return Err(self.fail("a move in the copy limiter"));
+            };
+            self.check_open(op, sp, &c, "started")?;
+            if let Loc::Stage { slot, .. } = c.src {
+                self.begin_read(op, sp, slot.0, "a copy")?;
+            }
+            if let Loc::Stage { slot, .. } = c.dst {
+                self.begin_write(op, sp, slot.0, "a read from the root")?;
+            }
+            let node = self.core.sp_node(sp);
+            let cost = self.core.copy_cost(node, sp, c.len);
+            let ppm = self.cfg.faults.copy_error_ppm as u64;
+            let fail = ppm > 0 && self.core.rng.chance(ppm, 1_000_000);
+            if fail {
+                self.ops[op].disturbed = true;
+            }
+            self.core.schedule(
+                at + cost,
+                Ev::Input {
+                    sp,
+                    input: Input::CopyDone {
+                        op,
+                        copy: Work::Copy(c),
+                        fail,
+                    },
+                },
+            );
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,213 @@
+//! Deterministic simulation of the staged [`Bcast`] on
+//! the world communicator, flat or hierarchical.
+//!
+//! Shares placement, cost model, generator and the event driver with the
+//! other simulators. Real bytes everywhere: every rank's buffer, the root's
+//! data, each SP's region of its node segment (hierarchical) and each SP's staging slots
+//! are byte vectors, and every `Copy` and `Move` really moves bytes. A move
+//! takes the directed node link (in turn with messages) and its `Chunk`
+//! message arrives with the last byte; copies go through the SP's
+//! [`CopyLimiter`](crate::sched::CopyLimiter) and cost what
+//! [`CostModel`] says for a copy within the node. A `from_segment`
+//! completion is the host's copy out of the segment, done at completion
+//! time (and costed in `SimReport::end_ns`).
+//!
+//! Checkers (all outside the algorithm):
+//! * every rank that completes `Ok` holds the root's bytes exactly, and its
+//!   post agrees with the root's (root and length) (with injected
+//!   inconsistent posts: with those of the rank it names as root, which
+//!   must name itself); bytes past the message are never touched; the root's buffer is never written; fault-free
+//!   collectives complete `Ok` everywhere (`from_segment` exactly for the
+//!   hierarchical non-root ranks, each reading the region its node's leader
+//!   wrote, at the place the leader's driver gave it);
+//! * each posted rank completes exactly once, by its own SP; a rank never
+//!   completes `Ok` after its SP learned of a fault touching the collective
+//!   (peer loss, loss of a rank that had not completed, an `Abort`);
+//! * no copy starts or finishes on the buffer of a rank that completed (so
+//!   the root's buffer is not read after the root completed), and no
+//!   segment write starts or finishes after a rank of the node completed
+//!   `from_segment` out of that region;
+//! * staging: every slot id is below `staging_slots`; a slot is never
+//!   written (read from the root, or filled by a move) while anything else
+//!   reads or writes it, and never read while it is written; each SP's
+//!   `max_slots_in_use` stays within the bound;
+//! * shape: reads only from the buffer of a rank that named itself root, on
+//!   its SP; writes only into the SP's own ranks at `chunk * chunk_bytes`;
+//!   hierarchical writes only by node leaders, through the shared key of
+//!   the SP's lowest non-root rank (the root's if it is the SP's only rank
+//!   and the node has other SPs); moves only to the SP's children in the
+//!   tree (the SPs grouped by node: the root's node first, its SPs from the
+//!   root's SP on, then the other nodes in ring order; a node's first SP is
+//!   its leader, whose children are the next node's leader and, flat, its
+//!   own node's other SPs);
+//! * the run ends within the event/time bound, every posted rank of a live
+//!   SP completes, every instance of a live SP that saw a post is finished;
+//! * fault-free: exactly `len * (nodes - 1)` bytes cross node boundaries
+//!   (each chunk crosses each boundary once), one move per chunk per tree
+//!   edge (hierarchical: per edge between leaders), each chunk written once
+//!   per target (hierarchical: once per node, into the leader's region),
+//!   one `Sealed` per non-leader SP (hierarchical).
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::{Deserialize, Serialize};
+
+use super::driver::{self, run_events, Collective, Core, Ev, Params};
+use super::rng::splitmix64;
+use super::{sentinel, CostModel, Layout, SimFailure};
+use crate::bcast::{Action, Bcast, Config, Copy, Design, Loc, Move, Msg, Post, Stats};
+use crate::{CollKey, CommId, Nanos, Rank, SpId, Status};
+
+mod checks;
+mod events;
+mod state;
+#[cfg(test)]
+mod tests;
+
+use checks::*;
+use state::*;
+
+/// Untouched bytes after the message in every buffer and segment.
+const PAD: usize = 3;
+
+/// Injected faults (all off by default).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Faults {
+    /// Extra uniform `0..=msg_jitter_ns` per message (chunks included).
+    pub msg_jitter_ns: Nanos,
+    /// SPs that crash at uniform times in `0..=crash_window_ns`.
+    pub sp_crashes: u32,
+    pub crash_window_ns: Nanos,
+    /// Others learn of a crash after `detect_delay_ns` + uniform
+    /// `0..=detect_delay_ns`.
+    pub detect_delay_ns: Nanos,
+    /// Host ranks that die at uniform times in `0..=death_window_ns`.
+    pub rank_deaths: u32,
+    pub death_window_ns: Nanos,
+    /// Probability (parts per million) that a copy or a move fails with
+    /// `AccessError`.
+    pub copy_error_ppm: u32,
+    /// Non-root (collective, rank) posts made inconsistent on purpose: a
+    /// length off by one or another root (possibly the rank itself).
+    pub inconsistent_posts: u32,
+    /// The root of every collective dies before posting (nobody can
+    /// complete `Ok`).
+    pub kill_roots: bool,
+}
+
+/// Everything a run depends on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SimConfig {
+    pub seed: u64,
+    pub nodes: u32,
+    pub ranks_per_node: u32,
+    pub sps_per_node: u32,
+    pub layout: Layout,
+    pub max_inflight_reads: usize,
+    pub design: Design,
+    pub chunk_bytes: u64,
+    pub staging_slots: u32,
+    /// Root of every collective; `None`: uniform per collective.
+    pub root: Option<Rank>,
+    /// Message length of every collective; `None`: per collective 0 or 1
+    /// (10% each), a multiple of `chunk_bytes` (15%), else uniform in
+    /// `0..=max_len_bytes`.
+    pub len_bytes: Option<u64>,
+    pub max_len_bytes: u64,
+    /// Collectives, each posted at `i * op_gap_ns` + skew by every rank.
+    pub ops: u32,
+    pub op_gap_ns: Nanos,
+    pub arrival_skew_ns: Nanos,
+    /// World ranks that are always `late_delay_ns` later.
+    pub late_ranks: u32,
+    pub late_delay_ns: Nanos,
+    pub cost: CostModel,
+    pub faults: Faults,
+    pub max_events: u64,
+    pub max_virtual_ns: Nanos,
+}
+
+impl SimConfig {
+    /// 4 nodes x 8 ranks, 2 SPs per node, block layout, flat, 16-byte
+    /// chunks, 3 slots, random roots and lengths up to 100 bytes, two
+    /// collectives, no faults.
+    pub fn new(seed: u64) -> SimConfig {
+        SimConfig {
+            seed,
+            nodes: 4,
+            ranks_per_node: 8,
+            sps_per_node: 2,
+            layout: Layout::Block,
+            max_inflight_reads: 4,
+            design: Design::Flat,
+            chunk_bytes: 16,
+            staging_slots: 3,
+            root: None,
+            len_bytes: None,
+            max_len_bytes: 100,
+            ops: 2,
+            op_gap_ns: 2_000,
+            arrival_skew_ns: 20_000,
+            late_ranks: 2,
+            late_delay_ns: 100_000,
+            cost: CostModel::default(),
+            faults: Faults::default(),
+            max_events: 100_000_000,
+            max_virtual_ns: 100_000_000_000,
+        }
+    }
+
+    pub fn world_size(&self) -> u32 {
+        self.nodes * self.ranks_per_node
+    }
+
+    pub fn sp_count(&self) -> u32 {
+        self.nodes * self.sps_per_node
+    }
+}
+
+/// Key material: a rank's buffer, or the segment it can read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct SimKey {
+    pub op: u32,
+    pub rank: Rank,
+    pub shared: bool,
+}
+
+/// Outcome of a successful run.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SimReport {
+    pub seed: u64,
+    pub world_size: u32,
+    pub sps: u32,
+    /// Latest time a rank had the message in its own buffer: its
+    /// completion, plus the host's copy out of the segment for
+    /// `from_segment` completions.
+    pub end_ns: Nanos,
+    /// Latest completion emitted by an SP.
+    pub sp_end_ns: Nanos,
+    pub events: u64,
+    pub messages: u64,
+    pub moves: u64,
+    pub copies: u64,
+    pub bytes_moved_inter_node: u64,
+    pub bytes_moved_intra_node: u64,
+    /// Sum over collectives of `len * (nodes - 1)`.
+    pub min_inter_node_bytes: u64,
+    /// Bytes copied by SPs (reads from roots, writes to buffers/segments).
+    pub bytes_copied: u64,
+    pub max_in_flight: usize,
+    /// Instance counters summed (`max_slots_in_use`: the maximum).
+    pub stats: Stats,
+    pub error_completions: u64,
+    pub crashed_sps: Vec<SpId>,
+    pub dead_ranks: Vec<u32>,
+}
+
+/// Run one simulation; `Err` carries the seed and what went wrong.
+pub fn run(cfg: &SimConfig) -> Result<SimReport, SimFailure> {
+    let mut sim = Sim::new(cfg)?;
+    run_events(&mut sim)?;
+    sim.final_checks()?;
+    Ok(sim.report())
+}

@@ -1,0 +1,488 @@
+//! The checkers of copies and completions, the final checks and the report.
+
+use super::*;
+
+impl<'a> Sim<'a> {
+    /// The shape of a copy when the SP emits it.
+    pub(super) fn check_copy(
+        &self,
+        op: usize,
+        sp: SpId,
+        c: &Copy<SimKey>,
+    ) -> Result<(), SimFailure> {
+        let o = &self.ops[op];
+        let bad = |what: &str| Err(self.fail(format!("op {op}: SP {sp}: {what}: {c:?}")));
+        let chunk = self.cfg.chunk_bytes.max(1);
+        let p = self.cfg.world_size() as u64;
+        if c.len == 0 || c.len > chunk || (!o.inconsistent && c.chunk >= o.n) {
+            return bad("bad chunk or length");
+        }
+        if c.block as u64 >= p || self.core.rank_sp[c.block as usize] != sp {
+            return bad("a block of a rank this SP does not serve");
+        }
+        match (&c.src, &c.dst) {
+            (Loc::Host { key, offset }, Loc::Stage { offset: 0, .. }) => {
+                if key.op != op as u32
+                    || key.kind != KeyKind::Send
+                    || key.rank != c.block
+                    || c.rank != c.block
+                    || c.sp != sp
+                    || *offset != c.chunk * chunk
+                {
+                    return bad("a read that is not of the block's own chunk");
+                }
+                if o.post_ns[c.block as usize].is_none() {
+                    return bad("a read from a rank that has not posted");
+                }
+            }
+            (Loc::Stage { offset: 0, .. }, Loc::Host { key, offset }) => {
+                let r = key.rank as usize;
+                if key.op != op as u32 || r as u64 >= p || c.rank != key.rank {
+                    return bad("a write through a foreign key");
+                }
+                let to = self.core.rank_sp[r];
+                if c.sp != to {
+                    return bad("a write naming the wrong SP");
+                }
+                match key.kind {
+                    KeyKind::Send => return bad("a write into a send buffer"),
+                    KeyKind::Recv => {
+                        if o.post_ns[r].is_none() {
+                            return bad("a write into a rank that has not posted");
+                        }
+                        if !o.inconsistent && self.mode(o, to) != SimMode::Flat {
+                            return bad("a write into a rank of a hierarchical SP");
+                        }
+                    }
+                    KeyKind::Shared => {
+                        let Some((first, _)) = &o.region[to as usize] else {
+                            return bad("a write into the region of an SP without a post");
+                        };
+                        if !o.inconsistent
+                            && (self.mode(o, to) != SimMode::Region || *first != key.rank)
+                        {
+                            return bad("a region write not through a node owner's first rank");
+                        }
+                    }
+                }
+                if !o.inconsistent && *offset != c.block as u64 * o.len + c.chunk * chunk {
+                    return bad("a write at the wrong offset");
+                }
+            }
+            _ => return bad("not host<->stage at slot offset 0"),
+        }
+        Ok(())
+    }
+
+    /// No copy touches the buffers of a rank that completed, nor the region
+    /// of an SP one of whose ranks completed.
+    pub(super) fn check_open(
+        &self,
+        op: usize,
+        c: &Copy<SimKey>,
+        when: &str,
+    ) -> Result<(), SimFailure> {
+        let o = &self.ops[op];
+        for loc in [&c.src, &c.dst] {
+            let Loc::Host { key, .. } = loc else { continue };
+            let r = key.rank as usize;
+            match key.kind {
+                KeyKind::Shared => {
+                    let to = self.core.rank_sp[r] as usize;
+                    if let Some(t) = o.sealed[to] {
+                        return Err(self.fail(format!(
+                            "op {op}: copy {} {when} on the region of SP {to}, whose rank completed at {t}ns",
+                            c.id.0
+                        )));
+                    }
+                }
+                KeyKind::Send | KeyKind::Recv => {
+                    if let Some(d) = o.done[r] {
+                        let what = if key.kind == KeyKind::Send {
+                            "send"
+                        } else {
+                            "receive"
+                        };
+                        return Err(self.fail(format!(
+                            "op {op}: copy {} {when} on the {what} buffer of rank {r}, completed at {}ns",
+                            c.id.0, d.at
+                        )));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn finish_copy(
+        &mut self,
+        op: usize,
+        sp: SpId,
+        c: &Copy<SimKey>,
+        ok: bool,
+    ) -> Result<(), SimFailure> {
+        let src: Vec<Ext> = match &c.src {
+            Loc::Host { key, offset } => {
+                let end = offset + c.len;
+                if end > self.ops[op].post_len[key.rank as usize] {
+                    return Err(self.fail(format!("op {op}: read past the send block: {c:?}")));
+                }
+                vec![Ext {
+                    len: c.len,
+                    src: Src::Send(key.rank),
+                    base: *offset,
+                }]
+            }
+            Loc::Stage { slot, .. } => {
+                let s = self.shadow(op, sp, slot.0)?;
+                s.readers -= 1;
+                s.mem.read(0, c.len)
+            }
+        };
+        let pieces = if ok {
+            src
+        } else {
+            vec![Ext {
+                len: c.len,
+                src: Src::Garbage,
+                base: 0,
+            }]
+        };
+        match &c.dst {
+            Loc::Stage { slot, .. } => {
+                let s = self.shadow(op, sp, slot.0)?;
+                s.writers = 0;
+                s.mem.write(0, &pieces);
+                if ok {
+                    self.reads += 1;
+                    self.ops[op].reads += 1;
+                }
+            }
+            Loc::Host { key, offset } => {
+                let r = key.rank as usize;
+                let to = self.core.rank_sp[r];
+                let inter = self.core.sp_node(to) != self.core.sp_node(sp);
+                let o = &mut self.ops[op];
+                let mem = match key.kind {
+                    KeyKind::Recv => &mut o.recv[r],
+                    KeyKind::Shared => &mut o.region[to as usize].as_mut().expect("checked").1,
+                    KeyKind::Send => unreachable!("checked"),
+                };
+                if offset + c.len > mem.size - PAD {
+                    return Err(self.fail(format!("op {op}: write past the data: {c:?}")));
+                }
+                mem.write(*offset, &pieces);
+                if ok {
+                    self.writes += 1;
+                    if key.kind == KeyKind::Recv {
+                        o.writes_rank[r] += 1;
+                    } else {
+                        o.writes_region[to as usize] += 1;
+                    }
+                    if inter {
+                        o.bytes_inter += c.len;
+                    } else {
+                        o.bytes_intra += c.len;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn complete(
+        &mut self,
+        op: usize,
+        sp: SpId,
+        rank: Rank,
+        status: Status,
+        from_segment: bool,
+        at: Nanos,
+    ) -> Result<(), SimFailure> {
+        let r = rank as usize;
+        let o = &self.ops[op];
+        self.core.check_completion(
+            (op, sp, rank),
+            status,
+            o.post_ns[r].is_some(),
+            o.done[r].map(|d| (d.at, d.status)),
+            o.notified.contains(&sp),
+        )?;
+        let mut host_at = at;
+        let mode = self.mode(o, sp);
+        let mut read_from = None;
+        if from_segment {
+            if !status.is_ok() || mode == SimMode::Flat {
+                return Err(self.fail(format!(
+                    "op {op}: rank {rank} completed from the segment ({status}, {mode:?})"
+                )));
+            }
+            // The host copies P * len bytes out of its node owner's region in
+            // its wait: the SP says where that is.
+            let p = self.cfg.world_size() as u64;
+            let owner = self.owners[sp as usize];
+            let src = self.inst.get(&(sp, op)).and_then(|a| a.segment_source());
+            match src {
+                Some((s, at, total))
+                    if s == owner && at == region_at(owner) && total == p * o.len => {}
+                _ if o.inconsistent => {}
+                _ => {
+                    return Err(self.fail(format!(
+                        "op {op}: rank {rank} of SP {sp} copies from {src:?}, not from its \
+                         owner {owner}'s region"
+                    )))
+                }
+            }
+            let Some((_, region)) = &o.region[owner as usize] else {
+                return Err(self.fail(format!("op {op}: SP {sp} completed from no region")));
+            };
+            let n = (p * o.post_len[r]).min(region.size - PAD);
+            let data = region.read(0, n);
+            self.ops[op].recv[r].write(0, &data);
+            let node = self.core.sp_node(sp);
+            host_at = at + self.core.copy_cost(node, sp, n);
+            read_from = Some(owner);
+        }
+        let o = &mut self.ops[op];
+        // A region is sealed once a rank copied out of it, or once a rank of
+        // its owner completed (the stop handshake then covers the region).
+        if mode == SimMode::Region {
+            o.sealed[sp as usize].get_or_insert(at);
+        }
+        if let Some(owner) = read_from {
+            o.sealed[owner as usize].get_or_insert(at);
+        }
+        o.done[r] = Some(Done {
+            at,
+            status,
+            from_segment,
+            host_at,
+        });
+        Ok(())
+    }
+
+    pub(super) fn final_checks(&mut self) -> Result<(), SimFailure> {
+        let crashed: BTreeSet<SpId> = self.core.crashed.iter().copied().collect();
+        let p = self.cfg.world_size() as u64;
+        for (i, o) in self.ops.iter().enumerate() {
+            for r in 0..p as usize {
+                let sp = self.core.rank_sp[r];
+                let b = &o.recv[r];
+                if let Some(j) = b.touched_from(p * o.post_len[r]) {
+                    return Err(self.fail(format!(
+                        "op {i}: rank {r}: byte {j} past the data was written"
+                    )));
+                }
+                let d = match o.done[r] {
+                    Some(d) => d,
+                    None if crashed.contains(&sp) || o.post_ns[r].is_none() => continue,
+                    None => {
+                        let inst = self.inst.get(&(sp, i));
+                        return Err(self.fail(format!(
+                            "op {i} rank {r} (SP {sp}) never completed (posted {:?}; instance: {}) -- deadlock",
+                            o.post_ns[r],
+                            inst.map_or("none".into(), |a| format!(
+                                "abort={:?} in_flight={} slots={} stats={:?}",
+                                a.abort_status(),
+                                a.copies_in_flight(),
+                                a.slots_in_use(),
+                                a.stats()
+                            ))
+                        )));
+                    }
+                };
+                if !o.disturbed {
+                    let seg = self.mode(o, sp) != SimMode::Flat;
+                    if !d.status.is_ok() || d.from_segment != seg {
+                        return Err(self.fail(format!(
+                            "op {i} rank {r}: {} (from_segment {}) without a fault",
+                            d.status, d.from_segment
+                        )));
+                    }
+                }
+                if d.status.is_ok() {
+                    // Every rank posted, all with this rank's length and
+                    // comm (the injected lengths may happen to agree).
+                    let len = o.post_len[r];
+                    for x in 0..p as usize {
+                        if o.post_ns[x].is_none()
+                            || o.post_len[x] != len
+                            || o.post_comm[x].is_some()
+                        {
+                            return Err(self.fail(format!(
+                                "op {i} rank {r}: completed Ok although rank {x} did not post the same (posted {:?}, {} bytes, other comm {})",
+                                o.post_ns[x],
+                                o.post_len[x],
+                                o.post_comm[x].is_some()
+                            )));
+                        }
+                    }
+                    if len > 0 {
+                        if let Some(j) = b.wrong_block_byte(p, len) {
+                            return Err(self.fail(format!(
+                                "op {i} rank {r}: completed Ok but byte {j} is wrong (block {}, chunk {})",
+                                j / len,
+                                (j % len) / self.cfg.chunk_bytes.max(1)
+                            )));
+                        }
+                    }
+                }
+            }
+            if !o.disturbed {
+                let want = p * o.n;
+                if o.reads != want {
+                    return Err(self.fail(format!("op {i}: {} chunk reads, want {want}", o.reads)));
+                }
+                for r in 0..p as usize {
+                    let sp = self.core.rank_sp[r] as usize;
+                    if self.mode(o, sp as SpId) == SimMode::Flat && o.writes_rank[r] != want {
+                        return Err(self.fail(format!(
+                            "op {i}: {} chunk writes into rank {r}, want {want}",
+                            o.writes_rank[r]
+                        )));
+                    }
+                }
+                for &sp in &self.member_sps {
+                    let got = o.writes_region[sp as usize];
+                    let exp = if self.mode(o, sp) == SimMode::Region {
+                        want
+                    } else {
+                        0
+                    };
+                    if got != exp {
+                        return Err(self.fail(format!(
+                            "op {i}: {got} chunk writes into the region of SP {sp}, want {exp}"
+                        )));
+                    }
+                }
+                let exp = self.expected_inter(o);
+                if o.bytes_inter != exp {
+                    return Err(self.fail(format!(
+                        "op {i}: {} bytes crossed nodes, want {exp}",
+                        o.bytes_inter
+                    )));
+                }
+                let covered = self
+                    .member_sps
+                    .iter()
+                    .filter(|&&sp| self.mode(o, sp) == SimMode::Covered)
+                    .count() as u64;
+                let done: u64 = self
+                    .member_sps
+                    .iter()
+                    .filter_map(|&sp| self.inst.get(&(sp, i)))
+                    .map(|a| a.stats().regions_shared)
+                    .sum();
+                if done != covered {
+                    return Err(self.fail(format!(
+                        "op {i}: {done} RegionDone sent, want {covered} (covered SPs)"
+                    )));
+                }
+            }
+        }
+        for (&(sp, op), a) in &self.inst {
+            if crashed.contains(&sp) {
+                continue;
+            }
+            if a.stats().max_slots_in_use > self.cfg.staging_slots.max(1) {
+                return Err(self.fail(format!(
+                    "op {op}: SP {sp} used {} staging slots",
+                    a.stats().max_slots_in_use
+                )));
+            }
+            if a.members().is_some() && !a.is_finished() {
+                return Err(self.fail(format!(
+                    "op {op}: instance on live SP {sp} not finished at the end (abort={:?}, in flight {}, slots {})",
+                    a.abort_status(),
+                    a.copies_in_flight(),
+                    a.slots_in_use()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// How SP `sp` receives in `o` (on the world communicator): a node
+    /// owner by its own design, another SP flat if it or its owner is.
+    pub(super) fn mode(&self, o: &Op, sp: SpId) -> SimMode {
+        let owner = self.owners[sp as usize];
+        match (o.design[sp as usize], o.design[owner as usize]) {
+            (Design::Flat, _) => SimMode::Flat,
+            (Design::Hier, _) if owner == sp => SimMode::Region,
+            (Design::Hier, Design::Hier) => SimMode::Covered,
+            (Design::Hier, Design::Flat) => SimMode::Flat,
+        }
+    }
+
+    /// Bytes a fault-free collective writes across nodes: every block into
+    /// every rank of a flat SP, once into the region of a hierarchical one,
+    /// on other nodes.
+    pub(super) fn expected_inter(&self, o: &Op) -> u64 {
+        let mut per_node_units: BTreeMap<u32, u64> = BTreeMap::new();
+        for &sp in &self.member_sps {
+            let node = self.core.sp_node(sp);
+            let units = match self.mode(o, sp) {
+                SimMode::Region => 1,
+                SimMode::Covered => 0,
+                SimMode::Flat => self.core.rank_sp.iter().filter(|&&s| s == sp).count() as u64,
+            };
+            *per_node_units.entry(node).or_default() += units;
+        }
+        let total: u64 = per_node_units.values().sum();
+        self.core
+            .rank_node
+            .iter()
+            .map(|n| o.len * (total - per_node_units[n]))
+            .sum()
+    }
+
+    pub(super) fn report(&self) -> SimReport {
+        let mut stats = Stats::default();
+        for a in self.inst.values() {
+            let s = a.stats();
+            stats.bytes_staged += s.bytes_staged;
+            stats.chunk_reads += s.chunk_reads;
+            stats.chunk_writes += s.chunk_writes;
+            stats.max_slots_in_use = stats.max_slots_in_use.max(s.max_slots_in_use);
+            stats.writes_waited_for_key += s.writes_waited_for_key;
+            stats.keys_before_post += s.keys_before_post;
+            stats.written_msgs += s.written_msgs;
+            stats.unknown_done += s.unknown_done;
+            stats.ignored_from_lost_sp += s.ignored_from_lost_sp;
+        }
+        let done = self.ops.iter().flat_map(|o| o.done.iter()).flatten();
+        SimReport {
+            seed: self.cfg.seed,
+            world_size: self.cfg.world_size(),
+            sps: self.cfg.sp_count(),
+            end_ns: done.clone().map(|d| d.host_at).max().unwrap_or(0),
+            sp_end_ns: done.clone().map(|d| d.at).max().unwrap_or(0),
+            events: self.core.events,
+            messages: self.core.messages,
+            reads: self.reads,
+            writes: self.writes,
+            bytes_inter_node: self.ops.iter().map(|o| o.bytes_inter).sum(),
+            bytes_intra_node: self.ops.iter().map(|o| o.bytes_intra).sum(),
+            expected_inter_node_bytes: self.ops.iter().map(|o| self.expected_inter(o)).sum(),
+            max_link_busy_ns: self.link_busy.values().copied().max().unwrap_or(0),
+            max_in_flight: self.core.max_in_flight,
+            stats,
+            error_completions: done.filter(|d| !d.status.is_ok()).count() as u64,
+            after_finish_dropped: self.after_finish_dropped,
+            after_finish_refused: self.after_finish_refused,
+            crashed_sps: self.core.crashed.clone(),
+            dead_ranks: self.core.dead.clone(),
+        }
+    }
+}
+
+/// Size of a message's fields on the wire (a key counts 16 bytes).
+pub(super) fn msg_bytes(msg: &Msg<SimKey>) -> u64 {
+    match msg {
+        Msg::Key { .. } | Msg::Region { .. } => 4 + 8 + 8 + 16,
+        Msg::Written { ranks } => 4 * ranks.len() as u64,
+        Msg::WrittenRegion | Msg::Abort { .. } | Msg::Stopped { .. } => 1,
+        Msg::Covered { .. } | Msg::Waiting { .. } => 16,
+        Msg::RegionDone { .. } => 8,
+    }
+}

@@ -1,0 +1,259 @@
+//! Deterministic simulation of the staged [`StagedAllgather`] on the world
+//! communicator: flat, hierarchical, or a random design per SP.
+//!
+//! Shares placement, cost model, generator and the event driver with the
+//! other simulators. Copies go through the SP's
+//! [`CopyLimiter`](crate::sched::CopyLimiter); a read (local send buffer
+//! into staging) costs what [`CostModel`] says for a copy within the node; a
+//! write into a buffer or region on another node costs the fixed inter-node
+//! copy cost and then takes the directed node link in turn with messages
+//! (so flat writers of one node load their links P times per chunk,
+//! hierarchical ones once per SP); a write within the node costs an
+//! intra-node copy. A `from_segment` completion is the host's copy of
+//! `P * len` bytes out of the region, done at completion time and costed in
+//! `SimReport::end_ns`.
+//!
+//! *Exact bytes at any size.* Every byte is tracked by provenance rather
+//! than by value: each buffer, region and staging slot is a list of extents
+//! "these bytes are bytes `base..` of the send block of rank `s`" (or
+//! untouched, or garbage after a failed copy), split and merged as copies
+//! land. A receive buffer is right iff, for every `s`, bytes `s * len ..
+//! (s + 1) * len` are bytes `0..len` of rank `s`'s block: byte-exact, and
+//! cheap enough for 1 MiB blocks on 1024 ranks.
+//!
+//! Checkers (all outside the algorithm):
+//! * every rank that completes `Ok` holds every block at its place, and
+//!   every rank of the collective posted, with the same length and comm
+//!   (so a rank never completes `Ok` with an inconsistent post around);
+//!   bytes past `P * len` are never touched; without faults every rank
+//!   completes `Ok` (`from_segment` exactly on hierarchical SPs, each
+//!   reading its node owner's region at the place the owner's driver gave
+//!   it);
+//! * each posted rank completes exactly once, by its own SP; a rank never
+//!   completes `Ok` after its SP learned of a fault touching the collective
+//!   (peer loss, loss of a rank that had not completed, an `Abort` or
+//!   `Stopped`);
+//! * no copy starts or finishes on the receive buffer or the send buffer of
+//!   a rank that completed, nor on a region some rank already copied out
+//!   of (or, at its owner, completed); nothing is written into a rank
+//!   before it posted;
+//! * staging: every slot id is below `staging_slots`; a slot is never
+//!   written while anything else reads or writes it, and never read while
+//!   it is written; each SP's `max_slots_in_use` stays within the bound;
+//! * shape: reads only from the SP's own ranks' send buffers at `chunk *
+//!   chunk_bytes`, writes only of the SP's own ranks' blocks at `block *
+//!   len + chunk * chunk_bytes`, into receive buffers of ranks of flat SPs
+//!   or the region of node owners (hierarchical, through the shared key of
+//!   the rank that posted first there), never into the ranks of a covered
+//!   SP (hierarchical, not its node's owner, whose owner is hierarchical);
+//! * the run ends within the event/time bound, every posted rank of a live
+//!   SP completes, every instance of a live SP that saw a post is finished;
+//! * without faults: every block is read once, each chunk written exactly
+//!   once into every rank of a flat SP and into the region of every
+//!   hierarchical owner, exactly the bytes that this implies cross nodes,
+//!   and one `RegionDone` per covered SP.
+//!
+//! A message reaching an SP whose instance is finished is dropped, as the
+//! SP engine does, except in runs with posts of different comms, where it
+//! is answered with [`refusal`] (see the module docs of the algorithm).
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::{Deserialize, Serialize};
+
+use super::driver::{self, run_events, Collective, Core, Ev, Params};
+use super::{CostModel, Layout, SimFailure};
+use crate::staged_allgather::{
+    node_owner, refusal, Action, Config, Copy, Design, Loc, Msg, Post, StagedAllgather, Stats,
+};
+use crate::{CollKey, CommId, Nanos, Rank, SpId, Status};
+
+mod checks;
+mod events;
+mod memory;
+mod state;
+#[cfg(test)]
+mod tests;
+
+use checks::*;
+use memory::*;
+use state::*;
+
+/// How an SP receives (see the algorithm's module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum SimMode {
+    Flat,
+    /// A hierarchical node owner: into its region.
+    Region,
+    /// Hierarchical, not the owner, whose owner is hierarchical: its ranks
+    /// read the owner's region.
+    Covered,
+}
+
+/// Where the driver of SP `sp` places its region in its node segment (any
+/// value works; distinct ones let the checker see that ranks copy from the
+/// place their owner named).
+fn region_at(sp: SpId) -> u64 {
+    4096 * (u64::from(sp) + 1)
+}
+
+/// Untouched bytes after the data in every buffer and region.
+const PAD: u64 = 3;
+
+/// Injected faults (all off by default).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Faults {
+    /// Extra uniform `0..=msg_jitter_ns` per message (reorders them).
+    pub msg_jitter_ns: Nanos,
+    /// SPs that crash at uniform times in `0..=crash_window_ns`.
+    pub sp_crashes: u32,
+    pub crash_window_ns: Nanos,
+    /// Others learn of a crash after `detect_delay_ns` + uniform
+    /// `0..=detect_delay_ns`.
+    pub detect_delay_ns: Nanos,
+    /// Host ranks that die at uniform times in `0..=death_window_ns`.
+    pub rank_deaths: u32,
+    pub death_window_ns: Nanos,
+    /// Probability (parts per million) that a copy fails with
+    /// `AccessError` (its destination bytes become garbage).
+    pub copy_error_ppm: u32,
+    /// (collective, rank) posts with a length off by one.
+    pub inconsistent_len: u32,
+    /// (collective, rank) posts naming another comm: two other ranks of
+    /// different SPs (neither the poster's) swapped in `members`/`nodes`.
+    pub inconsistent_comm: u32,
+}
+
+/// Everything a run depends on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SimConfig {
+    pub seed: u64,
+    pub nodes: u32,
+    pub ranks_per_node: u32,
+    pub sps_per_node: u32,
+    pub layout: Layout,
+    pub max_inflight_reads: usize,
+    /// Design of every SP, unless `mixed_designs`.
+    pub design: Design,
+    /// Each SP picks its design at random per collective (as the engine
+    /// does when an SP has no segment room and delivers flat).
+    pub mixed_designs: bool,
+    pub chunk_bytes: u64,
+    pub staging_slots: u32,
+    /// Block length of every collective; `None`: per collective 0 or 1
+    /// (10% each), a multiple of `chunk_bytes` (15%), else uniform in
+    /// `0..=max_len_bytes`.
+    pub len_bytes: Option<u64>,
+    pub max_len_bytes: u64,
+    /// Collectives, each posted at `i * op_gap_ns` + skew by every rank.
+    pub ops: u32,
+    pub op_gap_ns: Nanos,
+    pub arrival_skew_ns: Nanos,
+    /// World ranks that are always `late_delay_ns` later.
+    pub late_ranks: u32,
+    pub late_delay_ns: Nanos,
+    pub cost: CostModel,
+    pub faults: Faults,
+    pub max_events: u64,
+    pub max_virtual_ns: Nanos,
+}
+
+impl SimConfig {
+    /// 4 nodes x 4 ranks, 2 SPs per node, block layout, flat, 16-byte
+    /// chunks, 3 slots, random block lengths up to 50 bytes, two
+    /// collectives, no faults.
+    pub fn new(seed: u64) -> SimConfig {
+        SimConfig {
+            seed,
+            nodes: 4,
+            ranks_per_node: 4,
+            sps_per_node: 2,
+            layout: Layout::Block,
+            max_inflight_reads: 4,
+            design: Design::Flat,
+            mixed_designs: false,
+            chunk_bytes: 16,
+            staging_slots: 3,
+            len_bytes: None,
+            max_len_bytes: 50,
+            ops: 2,
+            op_gap_ns: 2_000,
+            arrival_skew_ns: 20_000,
+            late_ranks: 2,
+            late_delay_ns: 100_000,
+            cost: CostModel::default(),
+            faults: Faults::default(),
+            max_events: 200_000_000,
+            max_virtual_ns: 1_000_000_000_000,
+        }
+    }
+
+    pub fn world_size(&self) -> u32 {
+        self.nodes * self.ranks_per_node
+    }
+
+    pub fn sp_count(&self) -> u32 {
+        self.nodes * self.sps_per_node
+    }
+}
+
+/// Which grant of a rank a key names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum KeyKind {
+    Send,
+    Recv,
+    /// The region of the rank's SP (hierarchical).
+    Shared,
+}
+
+/// Key material: one grant of one rank in one collective.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct SimKey {
+    pub op: u32,
+    pub rank: Rank,
+    pub kind: KeyKind,
+}
+
+/// Outcome of a successful run.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SimReport {
+    pub seed: u64,
+    pub world_size: u32,
+    pub sps: u32,
+    /// Latest time a rank had the data in its own buffer: its completion,
+    /// plus the host's copy out of the region for `from_segment`
+    /// completions.
+    pub end_ns: Nanos,
+    /// Latest completion emitted by an SP.
+    pub sp_end_ns: Nanos,
+    pub events: u64,
+    pub messages: u64,
+    /// Chunk reads and writes that finished `Ok`.
+    pub reads: u64,
+    pub writes: u64,
+    /// Bytes written into buffers/regions on another node / the same node.
+    pub bytes_inter_node: u64,
+    pub bytes_intra_node: u64,
+    /// What a fault-free run must move across nodes (sum over collectives).
+    pub expected_inter_node_bytes: u64,
+    /// Busy time of the busiest directed node link (writes only): a lower
+    /// bound of the run under this cost model.
+    pub max_link_busy_ns: Nanos,
+    pub max_in_flight: usize,
+    /// Instance counters summed (`max_slots_in_use`: the maximum).
+    pub stats: Stats,
+    pub error_completions: u64,
+    /// Messages that reached a finished instance: dropped, or answered.
+    pub after_finish_dropped: u64,
+    pub after_finish_refused: u64,
+    pub crashed_sps: Vec<SpId>,
+    pub dead_ranks: Vec<u32>,
+}
+
+/// Run one simulation; `Err` carries the seed and what went wrong.
+pub fn run(cfg: &SimConfig) -> Result<SimReport, SimFailure> {
+    let mut sim = Sim::new(cfg)?;
+    run_events(&mut sim)?;
+    sim.final_checks()?;
+    Ok(sim.report())
+}

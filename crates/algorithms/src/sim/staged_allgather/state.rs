@@ -1,0 +1,294 @@
+//! The simulator's state: staging shadows, collectives, SPs' instances;
+//! its setup.
+
+use super::*;
+
+// ---- the simulator ----------------------------------------------------------
+
+/// A staging slot as the simulator sees it.
+#[derive(Clone, Debug)]
+pub(super) struct Shadow {
+    pub(super) mem: Mem,
+    pub(super) readers: u32,
+    pub(super) writers: u32,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Done {
+    pub(super) at: Nanos,
+    pub(super) status: Status,
+    pub(super) from_segment: bool,
+    /// When the data are in the rank's own buffer.
+    pub(super) host_at: Nanos,
+}
+
+pub(super) struct Op {
+    pub(super) key: CollKey,
+    pub(super) len: u64,
+    pub(super) n: u64,
+    pub(super) post_len: Vec<u64>,
+    /// Per rank: `members`/`nodes` it posts instead of the real ones.
+    pub(super) post_comm: Vec<Option<(Vec<SpId>, Vec<u32>)>>,
+    pub(super) inconsistent: bool,
+    /// Per SP.
+    pub(super) design: Vec<Design>,
+    pub(super) recv: Vec<Mem>,
+    /// Per SP: the rank whose shared key names the region, and the region.
+    pub(super) region: Vec<Option<(Rank, Mem)>>,
+    /// Per SP: first completion of one of its ranks.
+    pub(super) sealed: Vec<Option<Nanos>>,
+    pub(super) staging: BTreeMap<SpId, Vec<Shadow>>,
+    pub(super) post_ns: Vec<Option<Nanos>>,
+    pub(super) done: Vec<Option<Done>>,
+    pub(super) disturbed: bool,
+    /// SPs that learned of a fault touching this collective.
+    pub(super) notified: BTreeSet<SpId>,
+    pub(super) reads: u64,
+    pub(super) writes_rank: Vec<u64>,
+    pub(super) writes_region: Vec<u64>,
+    pub(super) bytes_inter: u64,
+    pub(super) bytes_intra: u64,
+}
+
+pub(super) type Env = (usize, Msg<SimKey>);
+pub(super) type Input = driver::Input<Env, Copy<SimKey>>;
+
+pub(super) struct Sim<'a> {
+    pub(super) cfg: &'a SimConfig,
+    pub(super) core: Core<Env, Copy<SimKey>>,
+    pub(super) ops: Vec<Op>,
+    pub(super) inst: BTreeMap<(SpId, usize), StagedAllgather<SimKey>>,
+    /// SPs serving at least one rank.
+    pub(super) member_sps: BTreeSet<SpId>,
+    /// Per SP: the owner of its node on the world communicator (its lowest
+    /// member SP), computed once: the checkers ask for every write.
+    pub(super) owners: Vec<SpId>,
+    pub(super) reads: u64,
+    pub(super) writes: u64,
+    pub(super) after_finish_dropped: u64,
+    pub(super) after_finish_refused: u64,
+    /// Directed node link -> time its writes kept it busy.
+    pub(super) link_busy: BTreeMap<(u32, u32), Nanos>,
+}
+
+impl Collective for Sim<'_> {
+    type Msg = Env;
+    type Copy = Copy<SimKey>;
+
+    fn core(&mut self) -> &mut Core<Env, Copy<SimKey>> {
+        &mut self.core
+    }
+
+    fn on_crash(&mut self, _sp: SpId) {
+        for o in self.ops.iter_mut() {
+            o.disturbed = true;
+        }
+    }
+
+    fn on_rank_death(&mut self, world: u32) {
+        for o in self.ops.iter_mut() {
+            if o.done[world as usize].is_none() {
+                o.disturbed = true;
+            }
+        }
+    }
+
+    fn process(&mut self, sp: SpId, input: Input) -> Result<(), SimFailure> {
+        self.process_input(sp, input)
+    }
+
+    fn over_budget(core: &Core<Env, Copy<SimKey>>) -> SimFailure {
+        core.fail("no termination within the event/time bound")
+    }
+}
+
+impl<'a> Sim<'a> {
+    pub(super) fn new(cfg: &'a SimConfig) -> Result<Sim<'a>, SimFailure> {
+        let (core, mut setup) = Core::new(Params {
+            seed: cfg.seed,
+            nodes: cfg.nodes,
+            ranks_per_node: cfg.ranks_per_node,
+            sps_per_node: cfg.sps_per_node,
+            layout: cfg.layout,
+            max_inflight_reads: cfg.max_inflight_reads,
+            cost: cfg.cost,
+            msg_jitter_ns: cfg.faults.msg_jitter_ns,
+            detect_delay_ns: cfg.faults.detect_delay_ns,
+            max_events: cfg.max_events,
+            max_virtual_ns: cfg.max_virtual_ns,
+        })?;
+        let w = cfg.world_size();
+        let p = w as usize;
+        let chunk = cfg.chunk_bytes.max(1);
+        let sp_count = cfg.sp_count() as usize;
+        let member_sps: BTreeSet<SpId> = core.rank_sp.iter().copied().collect();
+        let owners: Vec<SpId> = (0..cfg.sp_count())
+            .map(|sp| node_owner(&core.rank_sp, &core.rank_node, sp).unwrap_or(sp))
+            .collect();
+        let mut ops = Vec::new();
+        for i in 0..cfg.ops as usize {
+            let len = cfg.len_bytes.unwrap_or_else(|| {
+                let pick = setup.below(100);
+                if pick < 10 {
+                    0
+                } else if pick < 20 {
+                    1
+                } else if pick < 35 {
+                    chunk * setup.range(1, 3)
+                } else {
+                    setup.range(0, cfg.max_len_bytes)
+                }
+            });
+            let design = (0..sp_count)
+                .map(|_| {
+                    if !cfg.mixed_designs {
+                        cfg.design
+                    } else if setup.chance(1, 2) {
+                        Design::Hier
+                    } else {
+                        Design::Flat
+                    }
+                })
+                .collect();
+            ops.push(Op {
+                key: CollKey {
+                    job: 1,
+                    comm: CommId { leader: 0, id: 0 },
+                    seq: i as u64,
+                },
+                len,
+                n: if len == 0 { 0 } else { len.div_ceil(chunk) },
+                post_len: vec![len; p],
+                post_comm: vec![None; p],
+                inconsistent: false,
+                design,
+                recv: Vec::new(),
+                region: vec![None; sp_count],
+                sealed: vec![None; sp_count],
+                staging: BTreeMap::new(),
+                post_ns: vec![None; p],
+                done: vec![None; p],
+                disturbed: false,
+                notified: BTreeSet::new(),
+                reads: 0,
+                writes_rank: vec![0; p],
+                writes_region: vec![0; sp_count],
+                bytes_inter: 0,
+                bytes_intra: 0,
+            });
+        }
+        if !ops.is_empty() && w > 1 {
+            for _ in 0..cfg.faults.inconsistent_len {
+                let i = setup.below(ops.len() as u64) as usize;
+                let o = &mut ops[i];
+                let r = setup.below(w as u64) as usize;
+                o.post_len[r] = if o.len > 0 && setup.chance(1, 2) {
+                    o.len - 1
+                } else {
+                    o.len + 1
+                };
+                o.inconsistent = true;
+            }
+            for _ in 0..cfg.faults.inconsistent_comm {
+                let i = setup.below(ops.len() as u64) as usize;
+                let r = setup.below(w as u64) as usize;
+                let sp_r = core.rank_sp[r];
+                // Two other ranks of two other, different SPs.
+                let mut found = None;
+                for _ in 0..32 {
+                    let x = setup.below(w as u64) as usize;
+                    let y = setup.below(w as u64) as usize;
+                    let (sx, sy) = (core.rank_sp[x], core.rank_sp[y]);
+                    if x != r && y != r && sx != sy && sx != sp_r && sy != sp_r {
+                        found = Some((x, y));
+                        break;
+                    }
+                }
+                let Some((x, y)) = found else { continue };
+                let (mut m, mut nd) = (core.rank_sp.clone(), core.rank_node.clone());
+                m.swap(x, y);
+                nd.swap(x, y);
+                let o = &mut ops[i];
+                o.post_comm[r] = Some((m, nd));
+                o.inconsistent = true;
+            }
+        }
+        for o in ops.iter_mut() {
+            o.recv = (0..p)
+                .map(|r| Mem::new(w as u64 * o.post_len[r] + PAD, Src::Init))
+                .collect();
+            if o.inconsistent {
+                o.disturbed = true;
+            }
+        }
+        let mut sim = Sim {
+            cfg,
+            core,
+            ops,
+            inst: BTreeMap::new(),
+            owners,
+            member_sps,
+            reads: 0,
+            writes: 0,
+            after_finish_dropped: 0,
+            after_finish_refused: 0,
+            link_busy: BTreeMap::new(),
+        };
+        sim.core.schedule_world_posts(
+            &mut setup,
+            cfg.ops,
+            cfg.op_gap_ns,
+            cfg.arrival_skew_ns,
+            (cfg.late_ranks, cfg.late_delay_ns),
+        );
+        let f = &cfg.faults;
+        sim.core.schedule_faults(
+            &mut setup,
+            (f.sp_crashes, f.crash_window_ns),
+            (f.rank_deaths, f.death_window_ns),
+        );
+        Ok(sim)
+    }
+
+    pub(super) fn fail(&self, what: impl Into<String>) -> SimFailure {
+        self.core.fail(what)
+    }
+
+    pub(super) fn instance(&mut self, sp: SpId, op: usize) -> &mut StagedAllgather<SimKey> {
+        let key = self.ops[op].key;
+        let cfg = Config {
+            me: sp,
+            chunk_bytes: self.cfg.chunk_bytes,
+            staging_slots: self.cfg.staging_slots,
+        };
+        self.inst
+            .entry((sp, op))
+            .or_insert_with(|| StagedAllgather::new(key, cfg))
+    }
+
+    pub(super) fn finished(&self, sp: SpId, op: usize) -> bool {
+        self.inst.get(&(sp, op)).is_some_and(|a| a.is_finished())
+    }
+
+    pub(super) fn slots(&self) -> usize {
+        self.cfg.staging_slots.max(1) as usize
+    }
+
+    pub(super) fn shadow(
+        &mut self,
+        op: usize,
+        sp: SpId,
+        slot: u32,
+    ) -> Result<&mut Shadow, SimFailure> {
+        let size = self.cfg.chunk_bytes.max(1);
+        let fresh = || Shadow {
+            mem: Mem::new(size, Src::Garbage),
+            readers: 0,
+            writers: 0,
+        };
+        let slots = self.slots();
+        let staging = &mut self.ops[op].staging;
+        self.core
+            .staging_slot(staging, (op, sp, slot), slots, fresh)
+    }
+}

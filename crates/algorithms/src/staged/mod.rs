@@ -1,0 +1,151 @@
+//! Machinery shared by the staged collectives ([`crate::bcast`] and
+//! [`crate::staged_allgather`]): their configuration, the design choice,
+//! the staging slots an instance owns on its SP, the places bytes are
+//! copied between, and the switch of deliberately broken variants their
+//! simulator tests turn on. Nothing here knows either protocol; both
+//! depend on this module, never the other way round.
+
+use std::ops::{Deref, DerefMut};
+
+use serde::{Deserialize, Serialize};
+
+use crate::SpId;
+
+/// Static configuration of one staged instance.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Config {
+    /// The SP running this instance.
+    pub me: SpId,
+    /// Bytes per chunk and per staging slot (0 is clamped to 1). The
+    /// broadcast needs the same value on every SP; the allgather does not.
+    pub chunk_bytes: u64,
+    /// Staging slots of this instance on this SP (0 is clamped to 1).
+    pub staging_slots: u32,
+}
+
+/// How an SP delivers the data to its ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Design {
+    /// Each chunk is written into every local non-root rank's buffer.
+    Flat,
+    /// Each chunk is written once into the node segment, by the node's
+    /// leader; ranks complete with `from_segment` and copy from it
+    /// themselves.
+    Hier,
+}
+
+/// A staging slot of one SP's instance: `0..staging_slots`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct SlotId(pub u32);
+
+/// Identifies a copy within one instance.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct CopyId(pub u64);
+
+/// A place bytes are copied from or to.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Loc<K> {
+    /// A host grant (a rank's buffer or a node segment).
+    Host { key: K, offset: u64 },
+    /// This SP's staging slot of this instance.
+    Stage { slot: SlotId, offset: u64 },
+}
+
+/// One staging slot; `H` is what the collective tracks about the chunk it
+/// holds.
+#[derive(Clone, Debug)]
+pub(crate) enum Slot<H> {
+    Free,
+    /// Granted to this parent (broadcast); awaiting its chunk.
+    Granted(SpId),
+    /// A read of a host buffer into this slot is in flight.
+    Reading,
+    Full(H),
+}
+
+/// The staging slots of one instance (`Config::staging_slots`, at least
+/// one).
+#[derive(Clone, Debug)]
+pub(crate) struct Slots<H>(Vec<Slot<H>>);
+
+impl<H: Clone> Slots<H> {
+    pub fn new(staging_slots: u32) -> Slots<H> {
+        Slots(vec![Slot::Free; staging_slots.max(1) as usize])
+    }
+}
+
+impl<H> Slots<H> {
+    /// Slots granted, being read, or holding a chunk.
+    pub fn in_use(&self) -> usize {
+        self.0.iter().filter(|s| !matches!(s, Slot::Free)).count()
+    }
+
+    /// The lowest free slot.
+    pub fn first_free(&self) -> Option<usize> {
+        self.0.iter().position(|s| matches!(s, Slot::Free))
+    }
+
+    pub fn all_free(&self) -> bool {
+        self.0.iter().all(|s| matches!(s, Slot::Free))
+    }
+
+    /// Whether slot `i` is granted to `sp`.
+    pub fn granted_to(&self, i: usize, sp: SpId) -> bool {
+        matches!(self.0.get(i), Some(Slot::Granted(g)) if *g == sp)
+    }
+
+    /// Every slot granted to `sp` is free again.
+    pub fn release_granted(&mut self, sp: SpId) {
+        for s in self.0.iter_mut() {
+            if matches!(s, Slot::Granted(g) if *g == sp) {
+                *s = Slot::Free;
+            }
+        }
+    }
+}
+
+impl<H> Deref for Slots<H> {
+    type Target = Vec<Slot<H>>;
+    fn deref(&self) -> &Vec<Slot<H>> {
+        &self.0
+    }
+}
+
+impl<H> DerefMut for Slots<H> {
+    fn deref_mut(&mut self) -> &mut Vec<Slot<H>> {
+        &mut self.0
+    }
+}
+
+/// Declares the per-thread switch of a collective's `Mutation` enum
+/// (deliberately broken variants its simulator tests switch on to show
+/// that the checkers catch them): `set_mutation` (test builds only) and
+/// `mutated`, always `false` outside test builds.
+macro_rules! mutation_switch {
+    ($m:ty) => {
+        #[cfg(test)]
+        thread_local! {
+            static MUTATION: std::cell::Cell<Option<$m>> = const { std::cell::Cell::new(None) };
+        }
+
+        /// Switch a [`Mutation`] on (or off) for the current thread.
+        #[cfg(test)]
+        pub(crate) fn set_mutation(m: Option<$m>) {
+            MUTATION.with(|c| c.set(m));
+        }
+
+        #[inline]
+        fn mutated(m: $m) -> bool {
+            #[cfg(test)]
+            {
+                MUTATION.with(|c| c.get() == Some(m))
+            }
+            #[cfg(not(test))]
+            {
+                let _ = m;
+                false
+            }
+        }
+    };
+}
+pub(crate) use mutation_switch;
