@@ -186,56 +186,66 @@ fn alltoallv<W: Write>(out: &mut Out<W>) {
     }
 }
 
+/// The fault settings the two staged simulators share (each has its own `Faults` type with
+/// these fields), followed by the kind's own settings.
+macro_rules! staged_settings {
+    ($($own:expr),* $(,)?) => {
+        [
+            ("clean", Faults::default()),
+            (
+                "jitter",
+                Faults {
+                    msg_jitter_ns: 3_000,
+                    ..Faults::default()
+                },
+            ),
+            (
+                "crash",
+                Faults {
+                    msg_jitter_ns: 2_000,
+                    sp_crashes: 1,
+                    crash_window_ns: 40_000,
+                    detect_delay_ns: 4_000,
+                    ..Faults::default()
+                },
+            ),
+            (
+                "crash+death",
+                Faults {
+                    msg_jitter_ns: 2_000,
+                    sp_crashes: 2,
+                    crash_window_ns: 40_000,
+                    detect_delay_ns: 4_000,
+                    rank_deaths: 2,
+                    death_window_ns: 40_000,
+                    ..Faults::default()
+                },
+            ),
+            (
+                "death",
+                Faults {
+                    rank_deaths: 1,
+                    death_window_ns: 30_000,
+                    ..Faults::default()
+                },
+            ),
+            (
+                "copy_err",
+                Faults {
+                    msg_jitter_ns: 2_000,
+                    copy_error_ppm: 20_000,
+                    ..Faults::default()
+                },
+            ),
+            $($own),*
+        ]
+    };
+}
+
 fn bcast<W: Write>(out: &mut Out<W>) {
     use algorithms::bcast::Design;
     use sim::bcast::{run, Faults, SimConfig};
-    let settings: [(&str, Faults); 8] = [
-        ("clean", Faults::default()),
-        (
-            "jitter",
-            Faults {
-                msg_jitter_ns: 3_000,
-                ..Faults::default()
-            },
-        ),
-        (
-            "crash",
-            Faults {
-                msg_jitter_ns: 2_000,
-                sp_crashes: 1,
-                crash_window_ns: 40_000,
-                detect_delay_ns: 4_000,
-                ..Faults::default()
-            },
-        ),
-        (
-            "crash+death",
-            Faults {
-                msg_jitter_ns: 2_000,
-                sp_crashes: 2,
-                crash_window_ns: 40_000,
-                detect_delay_ns: 4_000,
-                rank_deaths: 2,
-                death_window_ns: 40_000,
-                ..Faults::default()
-            },
-        ),
-        (
-            "death",
-            Faults {
-                rank_deaths: 1,
-                death_window_ns: 30_000,
-                ..Faults::default()
-            },
-        ),
-        (
-            "copy_err",
-            Faults {
-                msg_jitter_ns: 2_000,
-                copy_error_ppm: 20_000,
-                ..Faults::default()
-            },
-        ),
+    let settings: [(&str, Faults); 8] = staged_settings!(
         (
             "inconsistent",
             Faults {
@@ -250,7 +260,7 @@ fn bcast<W: Write>(out: &mut Out<W>) {
                 ..Faults::default()
             },
         ),
-    ];
+    );
     for design in [Design::Flat, Design::Hier] {
         for (name, faults) in settings {
             for i in 0..SEEDS {
@@ -282,53 +292,7 @@ fn bcast<W: Write>(out: &mut Out<W>) {
 fn staged_allgather<W: Write>(out: &mut Out<W>) {
     use algorithms::staged_allgather::Design;
     use sim::staged_allgather::{run, Faults, SimConfig};
-    let settings: [(&str, Faults); 8] = [
-        ("clean", Faults::default()),
-        (
-            "jitter",
-            Faults {
-                msg_jitter_ns: 3_000,
-                ..Faults::default()
-            },
-        ),
-        (
-            "crash",
-            Faults {
-                msg_jitter_ns: 2_000,
-                sp_crashes: 1,
-                crash_window_ns: 40_000,
-                detect_delay_ns: 4_000,
-                ..Faults::default()
-            },
-        ),
-        (
-            "crash+death",
-            Faults {
-                msg_jitter_ns: 2_000,
-                sp_crashes: 2,
-                crash_window_ns: 40_000,
-                detect_delay_ns: 4_000,
-                rank_deaths: 2,
-                death_window_ns: 40_000,
-                ..Faults::default()
-            },
-        ),
-        (
-            "death",
-            Faults {
-                rank_deaths: 1,
-                death_window_ns: 30_000,
-                ..Faults::default()
-            },
-        ),
-        (
-            "copy_err",
-            Faults {
-                msg_jitter_ns: 2_000,
-                copy_error_ppm: 20_000,
-                ..Faults::default()
-            },
-        ),
+    let settings: [(&str, Faults); 8] = staged_settings!(
         (
             "bad_len",
             Faults {
@@ -344,7 +308,7 @@ fn staged_allgather<W: Write>(out: &mut Out<W>) {
                 ..Faults::default()
             },
         ),
-    ];
+    );
     for (design, mixed) in [
         (Design::Flat, false),
         (Design::Hier, false),
