@@ -109,6 +109,7 @@ fn mpi_no_sp_reachable_falls_back_to_native() {
             index: 0,
             peer_addr: "127.0.0.1:9".parse().unwrap(),
             host_socket: dir.join(format!("absent-{i}.sock")),
+            host_addr: None,
         })
         .collect();
     let cluster = bootstrap::Cluster::new(2, 1, Some(2), bootstrap::Layout::Block, sps).unwrap();

@@ -39,8 +39,12 @@ pub struct SpEntry {
     pub index: u32,
     /// TCP address other SPs connect to.
     pub peer_addr: SocketAddr,
-    /// Unix socket host ranks of this node connect to.
+    /// Unix socket host ranks of this node connect to (hosts on the SP's own kernel).
     pub host_socket: PathBuf,
+    /// TCP address host ranks of this node connect to over the host-DPU network (real
+    /// clusters); when absent, hosts use `host_socket`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_addr: Option<SocketAddr>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -52,6 +56,10 @@ pub struct Cluster {
     pub layout: Layout,
     /// Indexed by SP id: `sps[i].id == i`, SP `k` of node `n` has id `n * sps_per_node + k`.
     pub sps: Vec<SpEntry>,
+    /// Host name of each node, indexed by node (what `MPI_Get_processor_name` says on the
+    /// node's host). Empty for an emulated cluster on one machine.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hosts: Vec<String>,
 }
 
 /// Where a world rank lives.
@@ -93,6 +101,7 @@ impl Cluster {
             ranks_per_node,
             layout,
             sps,
+            hosts: Vec::new(),
         };
         c.validate()?;
         Ok(c)
@@ -140,6 +149,23 @@ impl Cluster {
                     "SP entry {i} has id {} node {} index {}: expected id {i} = node * {} + index",
                     sp.id, sp.node, sp.index, self.sps_per_node
                 ));
+            }
+        }
+        if !self.hosts.is_empty() {
+            if self.hosts.len() as u64 != self.nodes as u64 {
+                return bad(format!(
+                    "{} host names for {} nodes",
+                    self.hosts.len(),
+                    self.nodes
+                ));
+            }
+            for (n, h) in self.hosts.iter().enumerate() {
+                if h.is_empty() || h.chars().any(char::is_whitespace) {
+                    return bad(format!("node {n} has host name {h:?}"));
+                }
+                if let Some(m) = self.hosts[..n].iter().position(|o| o == h) {
+                    return bad(format!("nodes {m} and {n} have the same host name {h:?}"));
+                }
             }
         }
         Ok(())
@@ -212,6 +238,7 @@ mod tests {
                 index: i % k,
                 peer_addr: "127.0.0.1:1".parse().unwrap(),
                 host_socket: format!("/tmp/sp{i}").into(),
+                host_addr: None,
             })
             .collect();
         Cluster::new(nodes, k, None, layout, sps).unwrap()
@@ -257,6 +284,35 @@ mod tests {
         c.sps[1].index = 0;
         assert!(c.validate().is_err());
         assert!(cluster(1, 1, Layout::Block).placement(3, 2).is_err());
+    }
+
+    #[test]
+    fn host_names_are_one_per_node_and_distinct() {
+        let mut c = cluster(2, 1, Layout::Block);
+        c.hosts = vec!["n1".into(), "n2".into()];
+        c.validate().unwrap();
+        c.hosts = vec!["n1".into()];
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("1 host names for 2 nodes"));
+        c.hosts = vec!["n1".into(), "n1".into()];
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("same host name"));
+        c.hosts = vec!["n1".into(), "".into()];
+        assert!(c.validate().is_err());
+        // Absent fields read as none: descriptions written before them still load.
+        let mut v = serde_json::to_value(cluster(1, 1, Layout::Block)).unwrap();
+        assert!(v.get("hosts").is_none() && v["sps"][0].get("host_addr").is_none());
+        v["hosts"] = serde_json::json!(["a"]);
+        v["sps"][0]["host_addr"] = serde_json::json!("10.0.0.1:7000");
+        let d: Cluster = serde_json::from_value(v).unwrap();
+        d.validate().unwrap();
+        assert_eq!(d.sps[0].host_addr, Some("10.0.0.1:7000".parse().unwrap()));
     }
 
     #[test]

@@ -20,6 +20,7 @@ fn no_sp_reachable_prints_one_line_per_rank_and_runs_natively() {
             index: 0,
             peer_addr: "127.0.0.1:9".parse().unwrap(),
             host_socket: dir.join(format!("absent-{i}.sock")),
+            host_addr: None,
         })
         .collect();
     let cluster: PathBuf = dir.join("cluster.json");

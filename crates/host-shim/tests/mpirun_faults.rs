@@ -234,6 +234,7 @@ fn refusing_sps(dir: &Path) -> PathBuf {
                 index: 0,
                 peer_addr: "127.0.0.1:9".parse().unwrap(),
                 host_socket: sock,
+                host_addr: None,
             }
         })
         .collect();

@@ -22,6 +22,7 @@ fn cluster() -> Cluster {
             index: i % 2,
             peer_addr: "127.0.0.1:9".parse().unwrap(),
             host_socket: std::path::PathBuf::from(format!("/nonexistent/sp-{i}.sock")),
+            host_addr: None,
         })
         .collect();
     Cluster::new(2, 2, Some(2), Layout::Block, sps).expect("a valid fixed cluster")

@@ -329,6 +329,7 @@ pub fn write_cluster(spec: &SpSetSpec, run_dir: &Path) -> Result<(PathBuf, Vec<T
                 index: i as u32 % spec.sps_per_node,
                 peer_addr: l.local_addr()?,
                 host_socket: run_dir.join(format!("sp-{i}.sock")),
+                host_addr: None,
             })
         })
         .collect::<std::io::Result<Vec<_>>>()?;

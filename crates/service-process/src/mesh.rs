@@ -206,6 +206,7 @@ mod tests {
                 index: 0,
                 peer_addr: l.local_addr().unwrap(),
                 host_socket: std::env::temp_dir().join(format!("mesh-test-{i}.sock")),
+                host_addr: None,
             })
             .collect();
         let c = Cluster::new(2, 1, Some(1), bootstrap::Layout::Block, sps).unwrap();
