@@ -357,6 +357,7 @@ fn register(
         world_size: size,
         node: placement.node,
         local_rank: placement.local_rank,
+        pid: std::process::id(),
     }))
     .map_err(|e| at("sending hello", &e))?;
     let sp = match ch
