@@ -51,6 +51,9 @@ pub struct Stats {
     /// bad or foreign job credential, a uid that is not the credential's, a taken rank),
     /// connections closed for saying no hello in time, posts beyond a limit.
     pub hosts_refused: u64,
+    /// Host connections accepted on the Unix socket and over TCP (`host_addr`).
+    pub host_conns_unix: u64,
+    pub host_conns_tcp: u64,
     pub hellos_refused: u64,
     pub hellos_timed_out: u64,
     pub posts_refused: u64,

@@ -48,7 +48,10 @@ impl Server {
                     };
                     let (peer, since) = (HostPeer::Local(peer), Instant::now());
                     match self.add_conn(Stream::Unix(s), Role::NewHost { peer, since }) {
-                        Ok(key) => self.watch_pidfd(key),
+                        Ok(key) => {
+                            self.stats.host_conns_unix += 1;
+                            self.watch_pidfd(key)
+                        }
                         Err(e) => warn!("cannot register a host connection: {e}"),
                     }
                 }
@@ -80,8 +83,9 @@ impl Server {
                         pinned: None,
                     };
                     let since = Instant::now();
-                    if let Err(e) = self.add_conn(Stream::Tcp(s), Role::NewHost { peer, since }) {
-                        warn!("cannot register a host connection: {e}");
+                    match self.add_conn(Stream::Tcp(s), Role::NewHost { peer, since }) {
+                        Ok(_) => self.stats.host_conns_tcp += 1,
+                        Err(e) => warn!("cannot register a host connection: {e}"),
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
@@ -323,6 +327,8 @@ impl Server {
                     Err(why) => {
                         let post = match &msg {
                             HostToSp::Post(d) => {
+                                // Counted as every post is, refused as those beyond a limit.
+                                self.stats.posts += 1;
                                 self.stats.posts_refused += 1;
                                 Some(&**d)
                             }
