@@ -112,6 +112,26 @@ impl TcpSps {
         stats
     }
 
+    /// Closes the peer listeners held for SPs not started yet, for SPs started without one
+    /// (they bind their peer address themselves).
+    pub fn release_listeners(&mut self) {
+        self.listeners.iter_mut().for_each(|l| *l = None);
+    }
+
+    /// `serve` of this cluster (description and key), to which the caller adds `--sp-id`.
+    pub fn serve_cmd(&self) -> std::process::Command {
+        let mut c = std::process::Command::new(&self.exe);
+        c.arg("serve")
+            .arg("--cluster")
+            .arg(&self.cluster_path)
+            .arg("--key")
+            .arg(launch::key_path(&self.cluster_path))
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        c
+    }
+
     pub fn host_addr(&self, sp: u32) -> SocketAddr {
         self.cluster.sps[sp as usize].host_addr.unwrap()
     }
