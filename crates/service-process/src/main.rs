@@ -228,7 +228,9 @@ enum Cmd {
         uid: Option<u32>,
     },
     /// Print the counters of every SP of a running cluster (the launcher prints them too when
-    /// the SPs stop). The cluster description is in the launcher's run directory.
+    /// the SPs stop). The cluster description is in the launcher's run directory (or wherever
+    /// the admin keeps it); an SP with a `host_addr` is asked over TCP there, else on its Unix
+    /// socket. Exit status 1 if an SP does not answer.
     Stats {
         /// Cluster description (JSON, as written by `launch`).
         #[arg(long)]

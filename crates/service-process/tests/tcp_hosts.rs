@@ -231,7 +231,7 @@ fn hostile_tcp_clients_are_refused_without_affecting_the_sp() {
 
     // The SP still serves: the first host registers now, stats answer over TCP, and the
     // counters saw every refusal.
-    let mailbox = vec![0u64; 2];
+    let mailbox = [0u64; 2];
     let grant = Registrar::new().register(mailbox.as_ptr() as u64, 16, Rights::READ_WRITE);
     good.send(&HostToSp::Register {
         cores: vec![],

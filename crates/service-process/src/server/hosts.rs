@@ -128,10 +128,11 @@ impl Server {
                 // A host the SP cannot attach to registers no mailbox (0 slots, see
                 // `remote_gate`): its posts complete by message.
                 let slotless = mailbox_slots == 0 && !h.peer.serves_cma();
-                if !slotless && mailbox.len < need
-                    || !slotless && !mailbox.rights.contains(Rights::READ_WRITE)
-                    || !slotless && mailbox.backend != BackendData::Cma
-                    || !slotless && mailbox_slots == 0
+                if !slotless
+                    && (mailbox.len < need
+                        || !mailbox.rights.contains(Rights::READ_WRITE)
+                        || mailbox.backend != BackendData::Cma
+                        || mailbox_slots == 0)
                 {
                     return self.send_error(
                         key,
