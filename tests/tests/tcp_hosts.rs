@@ -127,3 +127,126 @@ fn mpirun_over_tcp_from_another_machine_uses_ucx_and_no_mailbox() {
         assert_eq!(st["copies_inline"], 0, "{st}");
     }
 }
+
+/// The per-job deployment line itself: `mpirun --map-by ppr:2:node service-process serve
+/// --sp-id auto` starts the SPs of this node (each takes its id from the host name and
+/// Open MPI's local rank), `wait-ready` waits for them, a job runs over TCP, `stats` reads
+/// their counters over TCP, and a SIGTERM to that mpirun stops them all.
+#[test]
+fn sps_started_by_mpirun_serve_a_job_over_tcp() {
+    let mut sps = TcpSps::describe(&service_process(), 1, 2, 4);
+    sps.cluster.hosts = vec![service_process::deploy::host_name().unwrap()];
+    sps.cluster.save(&sps.cluster_path).unwrap();
+    sps.release_listeners();
+    let key = service_process::launch::key_path(&sps.cluster_path);
+    let mut launcher = {
+        use std::os::unix::process::CommandExt;
+        let mut c = Command::new("mpirun");
+        c.args(["--oversubscribe", "--bind-to", "none", "-np", "2"])
+            .args(["--map-by", "ppr:2:node"])
+            .arg(service_process())
+            .args([
+                "serve",
+                "--sp-id",
+                "auto",
+                "--hosts-same-kernel",
+                "--cluster",
+            ])
+            .arg(&sps.cluster_path)
+            .arg("--key")
+            .arg(&key)
+            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .process_group(0);
+        c.spawn().expect("cannot run mpirun")
+    };
+    let stdout = launcher.stdout.take().unwrap();
+    let lines = std::thread::spawn(move || {
+        use std::io::Read;
+        let mut s = String::new();
+        let _ = { stdout }.read_to_string(&mut s);
+        s
+    });
+    let ready = run(
+        {
+            let mut c = Command::new(service_process());
+            c.args(["wait-ready", "--timeout-secs", "60", "--cluster"])
+                .arg(&sps.cluster_path);
+            c
+        },
+        Duration::from_secs(90),
+    );
+    let stop = |launcher: &mut std::process::Child| {
+        // SAFETY: kill(2) on the process group made for the launcher.
+        unsafe { libc::kill(-(launcher.id() as i32), libc::SIGTERM) };
+        let t = std::time::Instant::now();
+        while launcher.try_wait().unwrap().is_none() {
+            if t.elapsed() > Duration::from_secs(20) {
+                // SAFETY: as above.
+                unsafe { libc::kill(-(launcher.id() as i32), libc::SIGKILL) };
+                panic!("the SPs' mpirun did not stop within 20 s of SIGTERM");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    if !ready.ok() {
+        stop(&mut launcher);
+        panic!(
+            "wait-ready failed\n{}\n--- SPs' mpirun\n{}",
+            ready.stderr,
+            lines.join().unwrap()
+        );
+    }
+
+    let seed = seed().to_string();
+    let cred = bootstrap::auth::JobCredential::issue_new(&sps.key, uid(), 4).encode();
+    let mut cmd = mpirun_offloaded(4, &sps.cluster_path, cred);
+    cmd.args(["-x", "SPOFF_HOSTS_SAME_KERNEL"])
+        .env("SPOFF_HOSTS_SAME_KERNEL", "1")
+        .env_remove("SPOFF_HOST_TRANSPORT")
+        .arg(artifact("alltoallv_check"))
+        .args(["--ops", "40", "--seed", &seed]);
+    let job = run(cmd, JOB_TIMEOUT);
+    let stats = run(
+        {
+            let mut c = Command::new(service_process());
+            c.args(["stats", "--json", "--cluster"])
+                .arg(&sps.cluster_path);
+            c
+        },
+        Duration::from_secs(30),
+    );
+    stop(&mut launcher);
+    let sp_out = lines.join().unwrap();
+    job.assert_ok("alltoallv_check on SPs started by mpirun");
+    assert!(
+        job.stdout.contains("40 ops, 0 mismatches"),
+        "{}",
+        job.stdout
+    );
+    stats.assert_ok("service-process stats over TCP");
+    let per_sp: Vec<serde_json::Value> = stats
+        .stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(per_sp.len(), 2, "{}", stats.stdout);
+    for st in &per_sp {
+        assert!(
+            st["posts"].as_u64().unwrap() > 0,
+            "an SP offloaded nothing: {st}"
+        );
+        assert_eq!(st["completions"], st["posts"], "{st}");
+        assert!(st["host_conns_tcp"].as_u64().unwrap() >= 2, "{st}");
+        assert_eq!(st["host_conns_unix"], 0, "{st}");
+    }
+    // Each SP took the id of its local rank, and stopped cleanly on the SIGTERM.
+    for sp in 0..2 {
+        assert!(sp_out.contains(&format!("READY sp={sp}")), "{sp_out}");
+    }
+    assert_eq!(sp_out.matches("STATS {").count(), 2, "{sp_out}");
+    let left = pids_matching(&sps.cluster_path.display().to_string());
+    assert!(left.is_empty(), "SP processes left behind: {left:?}");
+}
