@@ -30,6 +30,7 @@ use std::time::{Duration, Instant};
 const SO_PEERPIDFD: libc::c_int = 77;
 
 /// What the kernel says about the process at the other end of a Unix socket.
+#[derive(Debug)]
 pub struct PeerCred {
     pub pid: u32,
     pub uid: u32,
@@ -520,6 +521,48 @@ mod tests {
             check_hello(&garbled, &key, Some(1000), &l),
             Err(Refusal::BadCredential(_))
         ));
+    }
+
+    #[test]
+    fn over_tcp_the_credential_is_the_identity() {
+        let key = ClusterKey::generate();
+        let l = Limits::default();
+        // No kernel uid to compare: any uid's credential of this cluster is taken...
+        let c = JobCredential::issue(&key, 7, 4242, 4);
+        assert_eq!(check_hello(&hello(&c, 1, 4), &key, None, &l), Ok(c.clone()));
+        // ...and everything else is checked as on the socket.
+        let other = JobCredential::issue(&ClusterKey::generate(), 7, 4242, 4);
+        assert!(matches!(
+            check_hello(&hello(&other, 1, 4), &key, None, &l),
+            Err(Refusal::BadCredential(_))
+        ));
+        assert!(matches!(
+            check_hello(&hello(&c, 4, 4), &key, None, &l),
+            Err(Refusal::WorldSize(_))
+        ));
+    }
+
+    #[test]
+    fn a_claimed_pid_must_be_alive_and_of_the_credentials_uid() {
+        // SAFETY: geteuid has no preconditions.
+        let me = unsafe { libc::geteuid() };
+        let pid = std::process::id();
+        let p = pin_claimed(pid, me).unwrap();
+        assert_eq!((p.pid, p.uid), (pid, me));
+        assert_eq!(p.start, alias_mkey::process::start_time(pid).unwrap());
+        alias_mkey::process::check(pid, p.start).unwrap();
+        alias_mkey::process::unpin(pid, p.start);
+        let err = pin_claimed(pid, me ^ 1).unwrap_err();
+        assert!(err.contains(&format!("runs as uid {me}")), "{err}");
+        assert!(pin_claimed(0, me)
+            .unwrap_err()
+            .contains("must name its pid"));
+        assert!(pin_claimed(u32::MAX, me).is_err());
+        // An exited (reaped) process is no claim.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let gone = child.id();
+        child.wait().unwrap();
+        assert!(pin_claimed(gone, me).is_err());
     }
 
     #[test]

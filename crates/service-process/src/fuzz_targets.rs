@@ -92,6 +92,7 @@ pub fn credential(data: &[u8]) {
         pid: 0,
     };
     let _ = access::check_hello(&h, &key(), Some(0), &access::Limits::default());
+    let _ = access::check_hello(&h, &key(), None, &access::Limits::default());
 }
 
 /// Reads the fuzzer's bytes as a sequence of small numbers.
