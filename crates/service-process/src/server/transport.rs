@@ -1,6 +1,8 @@
-//! Connections: accepting hosts (with their credentials and pidfds), reading frames and
-//! dispatching them by role, writing frames, and closing broken connections after the handler
-//! that found them is done.
+//! Connections: accepting hosts (on the Unix socket with their kernel credentials and pidfds;
+//! over TCP with nothing but their address until their job credential is checked, see
+//! `access::HostPeer`), reading frames and dispatching them by role (a host the SP cannot
+//! attach to is kept from asking for cross-memory attach: `remote_gate`), writing frames, and
+//! closing broken connections after the handler that found them is done.
 
 use super::*;
 
