@@ -280,7 +280,7 @@ fn kind(key: &AliasKey) -> Kind {
 enum ExportSlot {
     Off,
     Unmade,
-    Made(ExportMover),
+    Made(Box<ExportMover>),
     Failed(AccessError),
 }
 
@@ -374,7 +374,7 @@ impl DynMover {
                 chunk_bytes: self.chunk_bytes,
                 ..Default::default()
             }) {
-                Ok(m) => ExportSlot::Made(m),
+                Ok(m) => ExportSlot::Made(Box::new(m)),
                 Err(e) => ExportSlot::Failed(e),
             };
         }

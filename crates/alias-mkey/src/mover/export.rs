@@ -312,6 +312,9 @@ impl ExportMover {
         *cur = (*cur).max(generation);
         let cur = *cur;
         self.imports.retain(|(rid, g), _| *rid != id || *g >= cur);
+        // Bounded: past the limit the table starts over, forgetting what it knew; only then can
+        // a stale key pass this check (its registration is gone at the host: on the device the
+        // import or the access then fails).
         if self.generations.len() > MAX_IMPORTS * 16 {
             self.generations.clear();
         }
@@ -398,7 +401,7 @@ impl ExportMover {
     }
 
     /// `n` bytes at `addr` (inside `memh`) into the staging buffer, remotely complete.
-    fn to_staging(
+    fn pull_into_staging(
         &mut self,
         memh: &Rc<MemHandle>,
         addr: u64,
@@ -423,14 +426,14 @@ impl ExportMover {
     }
 
     /// `n` bytes of the staging buffer to `addr` (inside `memh`).
-    fn from_staging(
+    fn push_from_staging(
         &mut self,
         memh: &Rc<MemHandle>,
         addr: u64,
         n: usize,
         pid: u32,
     ) -> Result<(), AccessError> {
-        // SAFETY: as in `to_staging`; the get writes the alias only.
+        // SAFETY: as in `pull_into_staging`; the get writes the alias only.
         let req = unsafe {
             self.ep.get_nbx_memh(
                 addr as *mut u8,
@@ -446,7 +449,7 @@ impl ExportMover {
 
     fn staging_slice(&mut self, n: usize) -> &mut [u8] {
         // SAFETY: UCX-allocated staging of at least chunk_bytes >= n bytes, reached by UCX only
-        // inside `to_staging`/`from_staging`, which have returned (or left the mover refusing
+        // inside `pull_into_staging`/`push_from_staging`, which have returned (or left the mover refusing
         // work, which never gets here).
         unsafe { std::slice::from_raw_parts_mut(self.staging.address(), n) }
     }
@@ -481,8 +484,8 @@ impl Mover for ExportMover {
         let mut moved = 0u64;
         while moved < len {
             let n = (len - moved).min(self.chunk() as u64) as usize;
-            self.to_staging(&sm, s + moved, n, src.owner.pid)?;
-            self.from_staging(&dm, d + moved, n, dst.owner.pid)?;
+            self.pull_into_staging(&sm, s + moved, n, src.owner.pid)?;
+            self.push_from_staging(&dm, d + moved, n, dst.owner.pid)?;
             moved += n as u64;
         }
         Ok(())
@@ -495,7 +498,7 @@ impl Mover for ExportMover {
         for (i, part) in data.chunks(self.chunk()).enumerate() {
             self.staging_slice(part.len()).copy_from_slice(part);
             let at = d + (i * self.chunk()) as u64;
-            self.from_staging(&dm, at, part.len(), dst.owner.pid)?;
+            self.push_from_staging(&dm, at, part.len(), dst.owner.pid)?;
         }
         Ok(())
     }
@@ -506,7 +509,7 @@ impl Mover for ExportMover {
         let sm = self.alias(src)?;
         let chunk = self.chunk();
         for (i, part) in out.chunks_mut(chunk).enumerate() {
-            self.to_staging(&sm, s + (i * chunk) as u64, part.len(), src.owner.pid)?;
+            self.pull_into_staging(&sm, s + (i * chunk) as u64, part.len(), src.owner.pid)?;
             part.copy_from_slice(self.staging_slice(part.len()));
         }
         Ok(())
