@@ -582,4 +582,38 @@ mod tests {
         let err = CmaMover::default().read(&k, 0, &mut out).unwrap_err();
         assert_eq!(err, AccessError::ProcessGone { pid });
     }
+
+    #[cfg(feature = "ucx")]
+    #[test]
+    fn dyn_mover_serves_ucx_export_keys_only_when_enabled_and_says_why_it_cannot() {
+        let buf = vec![0u8; 64];
+        let mut k = key_for(&buf, Rights::WRITE);
+        k.grant.backend = BackendData::UcxExport {
+            memh: vec![0xff; 300],
+        };
+        let mut off = DynMover::new(&MoverConfig::default()).unwrap();
+        assert_eq!(off.write(&k, 0, &[1; 8]), Err(EXPORT_OFF));
+        let mut on = DynMover::new(&MoverConfig {
+            ucx_export: true,
+            ..Default::default()
+        })
+        .unwrap();
+        let err = on.write(&k, 0, &[1; 8]).unwrap_err();
+        println!("{err}");
+        match (ucx_sys::EXPORT_API, &err) {
+            (false, AccessError::ExportNotBuilt { .. }) => {}
+            (true, AccessError::Ucx { status, .. }) if status.contains("malformed") => {}
+            (api, e) => panic!("export API {api}: unexpected {e}"),
+        }
+        // A copy from a cma grant into it is refused before anything moves, with the same
+        // reason.
+        let src = vec![7u8; 64];
+        let ks = key_for(&src, Rights::READ);
+        assert_eq!(on.copy(&ks, 0, &k, 0, 8), Err(err));
+        let seen: Vec<u8> = buf
+            .iter()
+            .map(|b| unsafe { std::ptr::read_volatile(b) })
+            .collect();
+        assert!(seen.iter().all(|&b| b == 0));
+    }
 }

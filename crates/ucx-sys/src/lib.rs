@@ -75,6 +75,15 @@
 //! BlueField (cross-GVMI) exports. `ucp_mem_map` of an exported buffer trusts
 //! its contents (bytes of 0xff crash 1.22's importer): callers must check
 //! them first.
+//!
+//! Built against 1.22, the tests written for 1.13's one-sidedness do not
+//! all hold: `two_process::registered_user_memory_needs_target_progress`
+//! fails because with `UCX_TLS=cma,tcp` a get on registered user memory
+//! completes although the target never progresses (cma is an RMA lane
+//! there; with `tcp` alone it still waits for the target), and
+//! alias-mkey's `host_that_stops_progressing_times_out...` fails likewise.
+//! `make test` builds against Debian's 1.13, where they hold; `make
+//! ucx-export-test` runs only the export tests against 1.22.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
