@@ -54,8 +54,9 @@ soak: build
 
 # The ucx-export backend (BlueField alias keys: UCX exported memory handles) built against
 # UCX >= 1.15 from the PyPI wheel libucx-cu12 (scripts/ucx-wheel.sh; Debian's UCX is 1.13), in
-# its own target directory: the export unit tests of ucx-sys and alias-mkey, and an mpirun job
-# whose ranks ask for ucx-export, are refused (no device here can export) and fall back to cma.
+# its own target directory: the export unit tests of ucx-sys and alias-mkey, an mpirun job whose
+# ranks ask for ucx-export, are refused (no device here can export) and fall back to cma, and an
+# SP handed an export grant it cannot import (the collective fails, the SP keeps serving).
 UCX_EXPORT_TARGET := target/ucx-export
 ucx-export-test: deps
 	prefix=$$(bash scripts/ucx-wheel.sh) && \
@@ -64,7 +65,8 @@ ucx-export-test: deps
 	$(CARGO) test --release -p ucx-sys --test export && \
 	$(CARGO) test --release -p alias-mkey --lib && \
 	$(CARGO) build --release -p service-process -p host-shim --bins --lib && \
-	$(CARGO) test --release -p host-shim --test mpirun_ucx ucx_export
+	$(CARGO) test --release -p host-shim --test mpirun_ucx ucx_export && \
+	$(CARGO) test --release -p service-process --test engine_hostile ucx_export
 
 # The full benchmark; writes docs/BENCHMARKS.md.
 bench: build
