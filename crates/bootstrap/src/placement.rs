@@ -147,7 +147,9 @@ pub fn place_ranks(cluster: &Cluster, reports: &[NodeReport]) -> Result<Vec<Plac
     for (r, rep) in reports.iter().enumerate() {
         let r = r as u32;
         let Some(node) = rep.node else {
-            return Err(format!("world rank {r} could not tell its node (see its message)"));
+            return Err(format!(
+                "world rank {r} could not tell its node (see its message)"
+            ));
         };
         if node >= cluster.nodes {
             return Err(format!(
@@ -264,7 +266,11 @@ mod tests {
                 .collect();
             let p = place_ranks(&c, &reports).unwrap();
             for r in 0..size {
-                assert_eq!(p[r as usize], c.placement(r, size).unwrap(), "{layout:?} {r}");
+                assert_eq!(
+                    p[r as usize],
+                    c.placement(r, size).unwrap(),
+                    "{layout:?} {r}"
+                );
             }
         }
     }
@@ -276,7 +282,10 @@ mod tests {
         let mut reps = by_name(&[0, 1]);
         reps[1].machine = 0;
         let e = place_ranks(&c, &reps).unwrap_err();
-        assert!(e.contains("share memory") && e.contains("(a)") && e.contains("(b)"), "{e}");
+        assert!(
+            e.contains("share memory") && e.contains("(a)") && e.contains("(b)"),
+            "{e}"
+        );
         // Two machines naming one node.
         let mut reps = by_name(&[0, 0]);
         reps[1].machine = 1;

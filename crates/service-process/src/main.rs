@@ -286,6 +286,12 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Write (`init`) or validate (`check`) the cluster description of a real cluster: each
+    /// node's host name, its DPU's addresses for hosts and for peer SPs, K SPs per DPU, ports.
+    Cluster {
+        #[command(subcommand)]
+        cmd: service_process::cluster_cmd::ClusterCmd,
+    },
     /// (internal) Run by mpirun for each rank: pin, preload the shim, exec the program.
     #[command(hide = true)]
     RankExec {
@@ -542,6 +548,7 @@ fn run(cli: Cli) -> Result<i32> {
             })?;
             Ok(0)
         }
+        Cmd::Cluster { cmd } => service_process::cluster_cmd::run(cmd),
         Cmd::RankExec {
             cpus,
             preload,
