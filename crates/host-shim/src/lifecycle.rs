@@ -3,6 +3,12 @@
 //! The start-up agreement is collective: every rank executes the same sequence of PMPI
 //! collectives whatever its own environment says, so ranks with inconsistent settings end
 //! disabled together instead of hanging.
+//!
+//! Where the rank runs comes from MPI, not from a launcher ([`place`]): its node from the
+//! `SPOFF_NODE` hint or its host name (`MPI_Get_processor_name`) in the cluster description,
+//! its machine from `MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)`, and one allgather gives every
+//! rank every rank's node, from which all compute the same local ranks and SPs
+//! (`bootstrap::placement`).
 
 use crate::boundary::{no_panic, say};
 use crate::conn::{self, Conn};

@@ -48,7 +48,7 @@ pub enum ClusterCmd {
         sps_per_node: u32,
         /// The DPU of host H is named H followed by this suffix (e.g. -dpu: node01-dpu),
         /// resolved to an address now.
-        #[arg(long, group = "dpus")]
+        #[arg(long, group = "dpus", allow_hyphen_values = true)]
         dpu_suffix: Option<String>,
         /// A file of lines `HOST DPU_ADDR [PEER_ADDR]`: the DPU address (IP or name) host
         /// ranks of HOST reach, and the one peer SPs reach (default: the same).
@@ -316,7 +316,15 @@ pub fn parse_dpu_map(text: &str) -> Result<HashMap<String, (String, String)>, St
 /// Parses and checks a description; on failure, every problem found (JSON errors with their
 /// line and column, field errors with the field's path).
 pub fn check_text(text: &str) -> Result<Cluster, Vec<String>> {
-    let at = |e: serde_json::Error| format!("line {} column {}: {e}", e.line(), e.column());
+    let at = |e: serde_json::Error| {
+        let (line, column) = (e.line(), e.column());
+        let msg = e.to_string();
+        let msg = msg
+            .strip_suffix(&format!(" at line {line} column {column}"))
+            .unwrap_or(&msg)
+            .to_string();
+        format!("line {line} column {column}: {msg}")
+    };
     let value: serde_json::Value = serde_json::from_str(text).map_err(|e| vec![at(e)])?;
     // Unknown fields are refused: a misspelt field would otherwise be ignored silently.
     let mut problems = Vec::new();

@@ -84,6 +84,10 @@ fn check_reports_json_errors_with_line_and_column() {
     let broken: String = text.lines().take(3).collect::<Vec<_>>().join("\n") + "\n,";
     let p = problems(&broken);
     assert!(p[0].starts_with("line 4 column"), "{p:?}");
+    assert!(
+        !p[0].contains(" at line"),
+        "the position is said once: {p:?}"
+    );
     // A wrong type names its line.
     let bad = text.replacen("\"sps_per_node\": 1", "\"sps_per_node\": \"one\"", 1);
     let p = problems(&bad);
