@@ -50,12 +50,13 @@ impl Server {
             return reject(
                 self,
                 format!(
-                    "rank {} says it is local rank {} of node {}: it belongs to SP {} of that \
-                     node, not to SP {} (SP {index} of node {node})",
+                    "rank {} says it is local rank {} of node {}: that is the SP of index {} of \
+                     node {}, not this SP {} (index {index} of node {node})",
                     hello.world_rank,
                     hello.local_rank,
                     hello.node,
                     hello.local_rank % k,
+                    hello.node,
                     self.me
                 ),
             );
