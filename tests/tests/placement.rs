@@ -207,6 +207,7 @@ fn assert_placed_and_offloaded(
     run: &Finished,
     prog: &str,
     nodes_of_ranks: &[u32],
+    placed_by: &str,
 ) -> Vec<serde_json::Value> {
     let e = eligible(run, prog);
     let want = expected(nodes_of_ranks, sps.k);
@@ -274,7 +275,7 @@ fn three_plus_one_ranks_on_two_nodes() {
         &["--bind-to", "none"],
         &[&ag, "4", &s],
     );
-    assert_placed_and_offloaded(&sps, &run, "ag_check", &[0, 0, 0, 1]);
+    assert_placed_and_offloaded(&sps, &run, "ag_check", &[0, 0, 0, 1], "SPOFF_NODE");
 }
 
 #[test]
@@ -294,7 +295,7 @@ fn one_plus_two_plus_one_ranks_on_three_nodes_with_two_sps_each() {
             &["--bind-to", "none"],
             &program,
         );
-        assert_placed_and_offloaded(&sps, &run, name, &[0, 1, 1, 2]);
+        assert_placed_and_offloaded(&sps, &run, name, &[0, 1, 1, 2], "SPOFF_NODE");
     }
 }
 
@@ -317,7 +318,7 @@ fn a_rankfile_with_interleaved_ranks() {
     let ag = prog("ag_check");
     let rf = rankfile.display().to_string();
     let run = sps.mpirun(&contexts, &["--rankfile", &rf], &[&ag, "3", &s, "late"]);
-    assert_placed_and_offloaded(&sps, &run, "ag_check", &nodes);
+    assert_placed_and_offloaded(&sps, &run, "ag_check", &nodes, "SPOFF_NODE");
 }
 
 #[test]
@@ -330,7 +331,13 @@ fn host_names_place_ranks_without_any_hint() {
     let ag = prog("ag_check");
     let s = seed().to_string();
     let run = sps.mpirun(&[(3, None)], &["--bind-to", "none"], &[&ag, "2", &s]);
-    assert_placed_and_offloaded(&sps, &run, "ag_check", &[1, 1, 1]);
+    assert_placed_and_offloaded(
+        &sps,
+        &run,
+        "ag_check",
+        &[1, 1, 1],
+        &format!("host name {me}"),
+    );
 }
 
 #[test]

@@ -165,7 +165,7 @@ unsafe fn start_inner() -> bool {
     // 3. Where every rank runs, from MPI (collective: every rank makes the same calls, and
     // every rank gets the same answer, so a failure disables the job everywhere).
     // SAFETY: MPI is initialised.
-    let placed = match unsafe { place(cluster.as_ref(), rank, size) } {
+    let (placed, source) = match unsafe { place(cluster.as_ref(), rank, size) } {
         Ok(p) => p,
         Err(Placing::Local(why)) => {
             say!("rank {rank}: {why}; running natively");
@@ -244,12 +244,20 @@ unsafe fn start_inner() -> bool {
     });
     if settings.verbose {
         say!(
-            "rank {rank}: offload active: job {job:#x}, node {}, local rank {}, SP {} at {}, {} mailbox slots",
+            "rank {rank}: offload active: job {job:#x}, node {}, local rank {}, SP {} at {}, {} mailbox slots, placed by {}",
             reg.node,
             reg.local_rank,
             reg.sp,
             reg.conn.path.display(),
-            state::mailbox_slot_count()
+            state::mailbox_slot_count(),
+            match source {
+                NodeSource::Hint => "SPOFF_NODE".to_string(),
+                NodeSource::HostName => format!(
+                    "host name {}",
+                    cluster.hosts.get(reg.node as usize).map_or("?", String::as_str)
+                ),
+                NodeSource::Layout => "the description's layout".to_string(),
+            }
         );
     }
     let backend = settings.backend.unwrap_or_else(|why| {
@@ -338,7 +346,7 @@ unsafe fn place(
     cluster: Result<&Cluster, &String>,
     rank: u32,
     size: u32,
-) -> Result<Vec<Placement>, Placing> {
+) -> Result<(Vec<Placement>, NodeSource), Placing> {
     let world = consts::COMM_WORLD();
     let (node, source) = match cluster {
         Ok(c) => own_node(c, rank, size),
@@ -411,7 +419,9 @@ unsafe fn place(
         .map(|w| NodeReport::decode([w[0], w[1], w[2]]))
         .collect();
     let cluster = cluster.expect("a node was found in it");
-    placement::place_ranks(cluster, &reports).map_err(Placing::Job)
+    placement::place_ranks(cluster, &reports)
+        .map(|p| (p, source))
+        .map_err(Placing::Job)
 }
 
 /// Most mailbox slots accepted from `SPOFF_MAILBOX_SLOTS`.
