@@ -223,6 +223,8 @@ fn assert_placed_and_offloaded(
             said.contains(&placed),
             "rank {r}: want {placed:?}, got {said:?}"
         );
+        let by = format!("placed by {placed_by}");
+        assert!(said.ends_with(&by), "rank {r}: want {by:?}, got {said:?}");
     }
     let stats = sps.stats();
     let mut total = 0;
