@@ -14,6 +14,7 @@ pub mod access;
 pub mod cluster_cmd;
 pub mod conn;
 pub mod datapath;
+pub mod deploy;
 pub mod drivers;
 #[doc(hidden)]
 pub mod fuzz_targets;

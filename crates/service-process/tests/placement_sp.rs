@@ -107,6 +107,7 @@ fn hello(set: &SpSet, sp: u32, rank: u32, size: u32, node: u32, local_rank: u32)
         world_size: size,
         node,
         local_rank,
+        pid: std::process::id(),
     }))
     .unwrap();
     ch.recv_hello().unwrap()

@@ -104,6 +104,7 @@ fn hello_as_on(
         world_size: size,
         node,
         local_rank: rank,
+        pid: std::process::id(),
     })) {
         return (None, format!("SEND-FAILED {e}"));
     }
