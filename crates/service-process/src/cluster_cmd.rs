@@ -31,8 +31,8 @@ pub enum ClusterCmd {
     /// Generate a cluster description for a real cluster: one node per host (in the given
     /// order), K SPs on each node's DPU. SP k of a node listens for peer SPs on
     /// DPU:PEER_PORT+k, for the node's host ranks on DPU:HOST_PORT+k (TCP) and on
-    /// SOCKET_DIR/sp-k.sock (Unix, for ranks on the SP's own kernel). The result is checked as
-    /// `check` does before it is written.
+    /// SOCKET_DIR/ID/host.sock (Unix, for same-kernel clients; the systemd unit's runtime
+    /// directory). The result is checked as `check` does before it is written.
     #[command(group(clap::ArgGroup::new("hosts_from").required(true)))]
     #[command(group(clap::ArgGroup::new("dpus").required(true)))]
     Init {
@@ -60,8 +60,9 @@ pub enum ClusterCmd {
         /// The host port of SP 0 of each DPU (SP k: +k).
         #[arg(long, default_value_t = 7200, value_parser = clap::value_parser!(u16).range(1..))]
         host_port: u16,
-        /// Directory of the SPs' Unix sockets on each DPU.
-        #[arg(long, default_value = "/run/service-process")]
+        /// Directory of the SPs' Unix sockets on each DPU: SP ID's is SOCKET_DIR/ID/host.sock
+        /// (the runtime directory of `spoff-sp@ID.service`).
+        #[arg(long, default_value = "/run/spoff")]
         socket_dir: PathBuf,
         /// Write here instead of standard output.
         #[arg(long, short)]
@@ -213,7 +214,7 @@ pub fn init(opts: &Init) -> Result<Cluster> {
                 node: n as u32,
                 index: i,
                 peer_addr: SocketAddr::new(for_peers, opts.peer_port + i as u16),
-                host_socket: opts.socket_dir.join(format!("sp-{i}.sock")),
+                host_socket: opts.socket_dir.join(id.to_string()).join("host.sock"),
                 host_addr: Some(SocketAddr::new(for_hosts, opts.host_port + i as u16)),
             });
         }

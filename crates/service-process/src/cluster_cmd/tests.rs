@@ -17,7 +17,7 @@ fn opts(hosts: &[&str], k: u32) -> Init {
         dpus: Dpus::Map(map),
         peer_port: 7100,
         host_port: 7200,
-        socket_dir: "/run/service-process".into(),
+        socket_dir: "/run/spoff".into(),
     }
 }
 
@@ -39,7 +39,7 @@ fn init_gives_each_node_its_host_dpu_addresses_and_k_sps() {
     assert_eq!((sp.node, sp.index), (1, 1));
     assert_eq!(sp.peer_addr, "10.1.0.2:7101".parse().unwrap());
     assert_eq!(sp.host_addr, Some("10.0.0.2:7201".parse().unwrap()));
-    assert_eq!(sp.host_socket, Path::new("/run/service-process/sp-1.sock"));
+    assert_eq!(sp.host_socket, Path::new("/run/spoff/3/host.sock"));
     // What init writes, check accepts.
     let text = generated(&["node01", "node02", "gpu7"], 2);
     assert_eq!(check_text(&text).unwrap(), c);
@@ -127,7 +127,7 @@ fn check_names_every_bad_field() {
     has("sps[2].index: 7 outside the 2 SPs of a node");
     has("sps[3].peer_addr: 0.0.0.0:0 has port 0");
     has("is not an address one can connect to");
-    has("sps[1].host_socket: /run/service-process/sp-1.sock is also sps[0].host_socket");
+    has("sps[1].host_socket: /run/spoff/1/host.sock is also sps[0].host_socket");
     has("sps[0].porrt: unknown field");
 
     let mut v: serde_json::Value = serde_json::from_str(&good).unwrap();
