@@ -19,8 +19,11 @@ all: build
 deps:
 	@bash scripts/deps.sh
 
+# Both ABIs: the workspace against Open MPI, then the host shim and the benchmark against
+# MPICH (target/release/libhost_shim_mpich.so, coll-bench-mpich; scripts/build-mpich.sh).
 build: deps
 	$(CARGO) build --release --workspace --bins --lib
+	CARGO=$(CARGO) bash scripts/build-mpich.sh
 
 # Every test: unit, simulator, SP engine, and the MPI integration tests (real SPs, real mpirun).
 test: build

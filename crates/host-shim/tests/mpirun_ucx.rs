@@ -118,7 +118,7 @@ fn ucx_backend_offloads_bcast() {
 fn ranks_mixing_cma_and_ucx_grants_agree() {
     let _serial = serial();
     let prog = prog("a2a_check");
-    let script = "case $OMPI_COMM_WORLD_RANK in\n\
+    let script = "case ${OMPI_COMM_WORLD_RANK:-$PMI_RANK} in\n\
                   1) export SPOFF_BACKEND=cma;;\n\
                   2) export UCX_TLS=no_such_transport;;\n\
                   esac\n\

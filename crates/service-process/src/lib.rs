@@ -16,6 +16,7 @@ pub mod drivers;
 #[doc(hidden)]
 pub mod fuzz_targets;
 pub mod launch;
+pub mod launch_mpi;
 pub mod mesh;
 pub mod record;
 pub mod segment;
