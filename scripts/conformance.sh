@@ -58,9 +58,10 @@ for i in "${!configs[@]}"; do
   rc=$?
   set -e
   ok=$(grep -c ': ok, ' "$work/out" || true)
-  calls=$(grep -o ': ok, [0-9]* cases, [0-9]* calls' "$work/out" | awk '{s+=$5} END{print s+0}')
-  posts=$(grep -o '"posts":[0-9]*' "$work/err" | cut -d: -f2 | awk '{s+=$1} END{print s+0}')
-  packed=$(grep -o '"posts_packed":[0-9]*' "$work/err" | cut -d: -f2 | awk '{s+=$1} END{print s+0}')
+  # (no match in a failed run must not end the script: set -e with pipefail)
+  calls=$( (grep -o ': ok, [0-9]* cases, [0-9]* calls' "$work/out" || true) | awk '{s+=$5} END{print s+0}')
+  posts=$( (grep -o '"posts":[0-9]*' "$work/err" || true) | cut -d: -f2 | awk '{s+=$1} END{print s+0}')
+  packed=$( (grep -o '"posts_packed":[0-9]*' "$work/err" || true) | cut -d: -f2 | awk '{s+=$1} END{print s+0}')
   fails=$(grep -c 'FAIL' "$work/out" || true)
   verdict=pass
   if [ "$rc" -ne 0 ] || [ "$ok" -ne 4 ] || [ "$fails" -ne 0 ] || [ "$posts" -ne "$calls" ]; then
