@@ -89,7 +89,7 @@ impl Mpi {
 pub fn family_of_ldd(ldd_output: &str) -> Option<Mpi> {
     let mut found = None;
     for line in ldd_output.lines() {
-        let name = line.trim().split_whitespace().next().unwrap_or("");
+        let name = line.split_whitespace().next().unwrap_or("");
         let this = if name.starts_with("libmpich.so") || name == "libmpi.so.12" {
             Some(Mpi::Mpich)
         } else if name.starts_with("libmpi.so") {
