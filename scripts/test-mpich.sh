@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# make test-mpich: every test file of the shim that runs MPI jobs (crates/host-shim/tests/
-# mpirun_*.rs), under MPICH (SPOFF_TEST_MPI=mpich: programs built with mpicc.mpich and
+# make test-mpich: the unit tests of mpi-ffi and the shim built for MPICH's ABI (target/mpich),
+# every test file of the shim that runs MPI jobs (crates/host-shim/tests/mpirun_*.rs), under MPICH (SPOFF_TEST_MPI=mpich: programs built with mpicc.mpich and
 # compared with MPICH's PMPI_*, Hydra's mpiexec.mpich, libhost_shim_mpich.so), then the
 # conformance generator under MPICH (CASES per configuration, default 1000; scripts/conformance.sh).
 set -euo pipefail
@@ -10,6 +10,8 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
   echo "test-mpich: target/release/libhost_shim_mpich.so is missing; run 'make build' first" >&2
   exit 1
 }
+MPI_FLAVOUR=mpich CARGO_TARGET_DIR=target/mpich ${CARGO:-cargo} test --release -p mpi-ffi \
+  -p host-shim --lib
 tests=()
 for f in crates/host-shim/tests/mpirun_*.rs; do
   tests+=(--test "$(basename "$f" .rs)")
