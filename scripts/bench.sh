@@ -167,6 +167,10 @@ packed_markdown() {
 mpich_sizes=${MPICH_SIZES:-4K,64K,1M}
 mpich_run() {
   local mpi bench mode extra
+  [ -e "$BIN/coll-bench-mpich" ] && [ -e "$BIN/libhost_shim_mpich.so" ] || {
+    echo "bench: $BIN/coll-bench-mpich or libhost_shim_mpich.so is missing; run 'make build' first" >&2
+    exit 1
+  }
   for mpi in openmpi mpich; do
     bench=$BENCH; [ $mpi = mpich ] && bench=$BIN/coll-bench-mpich
     for mode in native offload; do
@@ -178,6 +182,13 @@ mpich_run() {
         2> >(grep -v '^sp [0-9]* stats' >&2)
     done
   done
+}
+mpich_intro() {
+  echo "The setup of B for the same benchmark built against each MPI (\`coll-bench\` and"
+  echo "\`coll-bench-mpich\`, \`make build\` builds both); \`service-process launch\` finds each"
+  echo "binary's MPI and runs \`mpirun\` with \`libhost_shim.so\` or Hydra's \`mpiexec.mpich\` with"
+  echo "\`libhost_shim_mpich.so\`. Native is each MPI's own \`MPI_Ialltoallv\`. Read \`host_us\`"
+  echo "(the time the ranks spent in MPI calls instead of computing), as in B."
 }
 mpich_markdown() {
   local mpi
@@ -223,12 +234,10 @@ if [ $packed_only -eq 1 ]; then
 fi
 
 if [ $mpich_only -eq 1 ]; then
-  [ -e "$BIN/coll-bench-mpich" ] && [ -e "$BIN/libhost_shim_mpich.so" ] || {
-    echo "bench: $BIN/coll-bench-mpich or libhost_shim_mpich.so is missing; run 'make build' first" >&2
-    exit 1
-  }
   echo "== I. Ialltoallv under MPICH and Open MPI, compute ${compute_us} us, ranks on CPUs $b_ranks, SPs reserved on CPU $last"
   mpich_run
+  echo
+  mpich_intro
   echo
   mpich_markdown
   exit 0
@@ -277,6 +286,8 @@ if [ $demo -eq 0 ]; then
   staged_run iallgather
   echo "== H. a non-contiguous datatype (strided), compute ${compute_us} us, SPs reserved on CPU $last"
   packed_run
+  echo "== I. Ialltoallv under MPICH and Open MPI, compute ${compute_us} us, ranks on CPUs $b_ranks, SPs reserved on CPU $last"
+  mpich_run
 fi
 echo
 echo "== A. OSU method (compute = t_pure), one core per rank, SPs unpinned"
@@ -349,6 +360,12 @@ if [ $demo -eq 0 ]; then
     echo "bytes are data bytes (the buffers are twice as long)."
     echo
     packed_markdown
+    echo
+    echo "## I. Ialltoallv under MPICH beside Open MPI: ranks on CPUs $b_ranks, SPs reserved on CPU $last (polling), compute ${compute_us} us"
+    echo
+    mpich_intro
+    echo
+    mpich_markdown
     if [ -f docs/BENCHMARKS.notes.md ]; then
       echo
       cat docs/BENCHMARKS.notes.md
