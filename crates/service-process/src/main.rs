@@ -146,7 +146,8 @@ enum Cmd {
         connect_timeout_secs: u64,
     },
     /// Start an emulated cluster (N nodes x K SPs), run PROGRAM under mpirun with the host shim
-    /// preloaded, and stop everything when it exits. Exit status: the program's.
+    /// preloaded (an MPICH program under mpiexec.mpich with the MPICH-ABI shim; see --mpi), and
+    /// stop everything when it exits. Exit status: the program's.
     ///
     /// The ranks get SPOFF_CLUSTER (the cluster description), SPOFF_JOB_ID, SPOFF_NODES and
     /// SPOFF_RANKS_PER_NODE; the shim also reads SPOFF_OFFLOAD=0 (run natively) and
