@@ -9,6 +9,8 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use algorithms::sim::SimFailure;
 
+pub mod staged;
+
 pub const FIXED_SEEDS: [u64; 2] = [1, 0xDEAD_BEEF];
 
 /// Spreads consecutive indices over the seed space.
