@@ -16,6 +16,7 @@ pub mod alltoallv;
 pub mod bcast;
 mod driver;
 pub mod rng;
+mod shared;
 pub mod staged_allgather;
 #[cfg(test)]
 pub(crate) mod testnet;

@@ -72,36 +72,7 @@ pub(super) struct Sim<'a> {
     pub(super) bytes_copied: u64,
 }
 
-impl Collective for Sim<'_> {
-    type Msg = Env;
-    type Copy = Work;
-
-    fn core(&mut self) -> &mut Core<Env, Work> {
-        &mut self.core
-    }
-
-    fn on_crash(&mut self, _sp: SpId) {
-        for o in self.ops.iter_mut() {
-            o.disturbed = true;
-        }
-    }
-
-    fn on_rank_death(&mut self, world: u32) {
-        for o in self.ops.iter_mut() {
-            if o.done[world as usize].is_none() {
-                o.disturbed = true;
-            }
-        }
-    }
-
-    fn process(&mut self, sp: SpId, input: Input) -> Result<(), SimFailure> {
-        self.process_input(sp, input)
-    }
-
-    fn over_budget(core: &Core<Env, Work>) -> SimFailure {
-        core.fail("no termination within the event/time bound")
-    }
-}
+crate::sim::shared::world_collective!(Env, Work);
 
 /// The tree the simulator expects (computed here independently of the
 /// algorithm), as groups per node: the root's node first with the root's SP
@@ -146,19 +117,7 @@ pub(super) fn tree_children(tree: &[Vec<SpId>], sp: SpId) -> Vec<SpId> {
 
 impl<'a> Sim<'a> {
     pub(super) fn new(cfg: &'a SimConfig) -> Result<Sim<'a>, SimFailure> {
-        let (mut core, mut setup) = Core::new(Params {
-            seed: cfg.seed,
-            nodes: cfg.nodes,
-            ranks_per_node: cfg.ranks_per_node,
-            sps_per_node: cfg.sps_per_node,
-            layout: cfg.layout,
-            max_inflight_reads: cfg.max_inflight_reads,
-            cost: cfg.cost,
-            msg_jitter_ns: cfg.faults.msg_jitter_ns,
-            detect_delay_ns: cfg.faults.detect_delay_ns,
-            max_events: cfg.max_events,
-            max_virtual_ns: cfg.max_virtual_ns,
-        })?;
+        let (mut core, mut setup) = Core::new(cfg.params())?;
         let w = cfg.world_size();
         let p = w as usize;
         let chunk = cfg.chunk_bytes.max(1);
@@ -173,29 +132,14 @@ impl<'a> Sim<'a> {
         let mut ops = Vec::new();
         for i in 0..cfg.ops as usize {
             let root = cfg.root.unwrap_or_else(|| setup.below(w as u64) as Rank);
-            let len = cfg.len_bytes.unwrap_or_else(|| {
-                let pick = setup.below(100);
-                if pick < 10 {
-                    0
-                } else if pick < 20 {
-                    1
-                } else if pick < 35 {
-                    chunk * setup.range(1, 4)
-                } else {
-                    setup.range(0, cfg.max_len_bytes)
-                }
-            });
+            let len = draw_len(&mut setup, cfg.len_bytes, chunk, 4, cfg.max_len_bytes);
             let base = splitmix64(cfg.seed ^ splitmix64(i as u64 + 1));
             let data: Vec<u8> = (0..len)
                 .map(|b| splitmix64(base.wrapping_add(b)) as u8)
                 .collect();
             let n = if len == 0 { 1 } else { len.div_ceil(chunk) };
             ops.push(Op {
-                key: CollKey {
-                    job: 1,
-                    comm: CommId { leader: 0, id: 0 },
-                    seq: i as u64,
-                },
+                key: world_key(i),
                 root,
                 len,
                 n,
@@ -281,19 +225,7 @@ impl<'a> Sim<'a> {
             local,
             bytes_copied: 0,
         };
-        sim.core.schedule_world_posts(
-            &mut setup,
-            cfg.ops,
-            cfg.op_gap_ns,
-            cfg.arrival_skew_ns,
-            (cfg.late_ranks, cfg.late_delay_ns),
-        );
-        let f = &cfg.faults;
-        sim.core.schedule_faults(
-            &mut setup,
-            (f.sp_crashes, f.crash_window_ns),
-            (f.rank_deaths, f.death_window_ns),
-        );
+        cfg.schedule_world(&mut sim.core, &mut setup);
         Ok(sim)
     }
 
