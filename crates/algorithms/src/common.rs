@@ -91,3 +91,91 @@ macro_rules! common_api {
     };
 }
 pub(crate) use common_api;
+
+/// A collective's `PostError` (a rejected post; the instance is unchanged):
+/// the variants every collective has, then `$own` (variants with their doc
+/// comments), with `Display` (the shared messages, then the `$arms` for
+/// `$own`, written with the formatter `$f`) and `Error`. Also
+/// `PostError::check_served`, the first check of every post.
+macro_rules! post_error {
+    (own { $($own:tt)* } display($f:ident) { $($arms:tt)* }) => {
+        /// A rejected post; the instance is unchanged.
+        #[derive(Clone, Debug, PartialEq, Eq)]
+        pub enum PostError {
+            /// `rank >= members.len()` (also for an empty `members`).
+            RankOutOfRange { rank: Rank, size: usize },
+            /// `members[rank]` is another SP.
+            NotMine { rank: Rank, served_by: SpId },
+            /// A per-rank vector of the post does not have P entries.
+            LengthMismatch {
+                field: &'static str,
+                len: usize,
+                expected: usize,
+            },
+            /// This rank already posted to this instance.
+            DuplicatePost { rank: Rank },
+            /// This rank was declared lost (`handle_rank_lost`) before posting.
+            RankLost { rank: Rank },
+            $($own)*
+        }
+
+        impl PostError {
+            /// `rank` is a rank of `members` served by `me` (the bcast checks
+            /// its root between the two and does not use this).
+            #[allow(dead_code)]
+            pub(crate) fn check_served(
+                members: &[SpId],
+                rank: Rank,
+                me: SpId,
+            ) -> Result<(), PostError> {
+                let size = members.len();
+                if rank as usize >= size {
+                    return Err(PostError::RankOutOfRange { rank, size });
+                }
+                let served_by = members[rank as usize];
+                if served_by != me {
+                    return Err(PostError::NotMine { rank, served_by });
+                }
+                Ok(())
+            }
+        }
+
+        impl fmt::Display for PostError {
+            fn fmt(&self, $f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                match self {
+                    PostError::RankOutOfRange { rank, size } => {
+                        write!($f, "rank {rank} out of range for comm size {size}")
+                    }
+                    PostError::NotMine { rank, served_by } => {
+                        write!($f, "rank {rank} is served by SP {served_by}, not this SP")
+                    }
+                    PostError::LengthMismatch {
+                        field,
+                        len,
+                        expected,
+                    } => write!($f, "{field} has {len} entries, comm size is {expected}"),
+                    PostError::DuplicatePost { rank } => write!($f, "rank {rank} posted twice"),
+                    PostError::RankLost { rank } => write!($f, "rank {rank} was declared lost"),
+                    $($arms)*
+                }
+            }
+        }
+
+        impl std::error::Error for PostError {}
+    };
+}
+pub(crate) use post_error;
+
+/// `Display` as `Debug`, and `Error`, for an error type.
+macro_rules! debug_error {
+    ($error:ident) => {
+        impl fmt::Display for $error {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, "{self:?}")
+            }
+        }
+
+        impl std::error::Error for $error {}
+    };
+}
+pub(crate) use debug_error;

@@ -7,13 +7,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
     pub(super) fn validate_post(&self, post: &Post<K>) -> Result<(), PostError> {
         let p = post.members.len();
         let rank = post.rank;
-        if rank as usize >= p {
-            return Err(PostError::RankOutOfRange { rank, size: p });
-        }
-        let served_by = post.members[rank as usize];
-        if served_by != self.me {
-            return Err(PostError::NotMine { rank, served_by });
-        }
+        PostError::check_served(&post.members, rank, self.me)?;
         let vectors: [(&'static str, &Vec<u64>); 4] = [
             ("send_counts", &post.send_counts),
             ("send_displs", &post.send_displs),
