@@ -18,6 +18,7 @@ mod driver;
 pub mod rng;
 mod shared;
 pub mod staged_allgather;
+mod staged_common;
 #[cfg(test)]
 pub(crate) mod testnet;
 

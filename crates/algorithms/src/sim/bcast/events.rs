@@ -1,6 +1,7 @@
 //! Inputs of the SPs, and the actions of their instances executed.
 
 use super::*;
+use crate::sim::staged_common::check_completion;
 
 impl<'a> Sim<'a> {
     pub(super) fn process_input(&mut self, sp: SpId, input: Input) -> Result<(), SimFailure> {
@@ -223,12 +224,14 @@ impl<'a> Sim<'a> {
     ) -> Result<(), SimFailure> {
         let r = rank as usize;
         let o = &self.ops[op];
-        self.core.check_completion(
+        let notified = o.notified.contains(&sp);
+        check_completion(
+            &self.core,
             (op, sp, rank),
             status,
-            o.post_ns[r].is_some(),
-            o.done[r].map(|d| (d.at, d.status)),
-            o.notified.contains(&sp),
+            o.post_ns[r],
+            o.done[r],
+            notified,
         )?;
         let mut host_at = at;
         if from_segment {

@@ -13,14 +13,7 @@ pub(super) struct Shadow {
     pub(super) writers: u32,
 }
 
-#[derive(Clone, Copy, Debug)]
-pub(super) struct Done {
-    pub(super) at: Nanos,
-    pub(super) status: Status,
-    pub(super) from_segment: bool,
-    /// When the data are in the rank's own buffer.
-    pub(super) host_at: Nanos,
-}
+pub(super) use crate::sim::staged_common::Done;
 
 pub(super) struct Op {
     pub(super) key: CollKey,
