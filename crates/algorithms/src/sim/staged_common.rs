@@ -167,3 +167,120 @@ pub(crate) fn completion_summary<'a>(
         done.filter(|d| !d.status.is_ok()).count() as u64,
     )
 }
+
+/// A staging slot as the simulator sees it: its contents and the copies or
+/// moves in flight on it.
+#[derive(Clone, Debug)]
+pub(crate) struct Shadow<D> {
+    pub(crate) data: D,
+    pub(crate) readers: u32,
+    pub(crate) writers: u32,
+}
+
+impl<D> Shadow<D> {
+    pub(crate) fn new(data: D) -> Shadow<D> {
+        Shadow {
+            data,
+            readers: 0,
+            writers: 0,
+        }
+    }
+
+    /// Starts filling the slot; nothing else may be in flight on it (else
+    /// `Err((readers, writers))`).
+    pub(crate) fn begin_write(&mut self) -> Result<(), (u32, u32)> {
+        if self.readers > 0 || self.writers > 0 {
+            return Err((self.readers, self.writers));
+        }
+        self.writers = 1;
+        Ok(())
+    }
+
+    /// Starts reading the slot; no write may be in flight on it (else
+    /// `false`).
+    pub(crate) fn begin_read(&mut self) -> bool {
+        if self.writers > 0 {
+            return false;
+        }
+        self.readers += 1;
+        true
+    }
+}
+
+/// In a staged simulator's `impl Sim`: `fail`, `instance` (the `$machine`
+/// of SP `sp` in collective `op`, made on first use), `slots` and `shadow`
+/// (staging slot `slot` of `sp` in `op`, made as `Shadow::new($fresh)` with
+/// `$size` the chunk size).
+macro_rules! staged_sim_basics {
+    ($machine:ident, |$size:ident| $fresh:expr) => {
+        pub(super) fn fail(&self, what: impl Into<String>) -> SimFailure {
+            self.core.fail(what)
+        }
+
+        pub(super) fn instance(&mut self, sp: SpId, op: usize) -> &mut $machine<SimKey> {
+            let key = self.ops[op].key;
+            let cfg = Config {
+                me: sp,
+                chunk_bytes: self.cfg.chunk_bytes,
+                staging_slots: self.cfg.staging_slots,
+            };
+            self.inst
+                .entry((sp, op))
+                .or_insert_with(|| $machine::new(key, cfg))
+        }
+
+        pub(super) fn slots(&self) -> usize {
+            self.cfg.staging_slots.max(1) as usize
+        }
+
+        pub(super) fn shadow(
+            &mut self,
+            op: usize,
+            sp: SpId,
+            slot: u32,
+        ) -> Result<&mut Shadow, SimFailure> {
+            let $size = self.cfg.chunk_bytes.max(1);
+            let fresh = || Shadow::new($fresh);
+            let slots = self.slots();
+            let staging = &mut self.ops[op].staging;
+            self.core
+                .staging_slot(staging, (op, sp, slot), slots, fresh)
+        }
+    };
+}
+pub(crate) use staged_sim_basics;
+
+/// In a staged simulator's `impl Sim`: `complete`, SP `sp` completing
+/// `rank` of collective `op` at `at`: [`check_completion`], then the
+/// simulator's `host_copy` (the host's side), then the record.
+macro_rules! staged_complete {
+    () => {
+        pub(super) fn complete(
+            &mut self,
+            (op, sp, rank): (usize, SpId, Rank),
+            (status, from_segment): (Status, bool),
+            at: Nanos,
+        ) -> Result<(), SimFailure> {
+            let r = rank as usize;
+            let o = &self.ops[op];
+            let notified = o.notified.contains(&sp);
+            $crate::sim::staged_common::check_completion(
+                &self.core,
+                (op, sp, rank),
+                status,
+                o.post_ns[r],
+                o.done[r],
+                notified,
+            )?;
+            let host_at = self.host_copy((op, sp, rank), status, from_segment, at)?;
+            self.ops[op].done[r] = Some(Done {
+                at,
+                status,
+                from_segment,
+                host_at,
+            });
+            Ok(())
+        }
+    };
+}
+pub(crate) use staged_complete;

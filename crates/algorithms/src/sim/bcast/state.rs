@@ -4,12 +4,7 @@
 use super::*;
 
 /// A staging slot as the simulator sees it.
-#[derive(Clone, Debug, Default)]
-pub(super) struct Shadow {
-    pub(super) data: Vec<u8>,
-    pub(super) readers: u32,
-    pub(super) writers: u32,
-}
+pub(super) type Shadow = crate::sim::staged_common::Shadow<Vec<u8>>;
 
 pub(super) use crate::sim::staged_common::Done;
 
@@ -222,77 +217,33 @@ impl<'a> Sim<'a> {
         Ok(sim)
     }
 
-    pub(super) fn fail(&self, what: impl Into<String>) -> SimFailure {
-        self.core.fail(what)
-    }
-
-    pub(super) fn instance(&mut self, sp: SpId, op: usize) -> &mut Bcast<SimKey> {
-        let key = self.ops[op].key;
-        let cfg = Config {
-            me: sp,
-            chunk_bytes: self.cfg.chunk_bytes,
-            staging_slots: self.cfg.staging_slots,
-        };
-        self.inst
-            .entry((sp, op))
-            .or_insert_with(|| Bcast::new(key, cfg))
-    }
-
-    pub(super) fn slots(&self) -> usize {
-        self.cfg.staging_slots.max(1) as usize
-    }
-
-    pub(super) fn shadow(
-        &mut self,
-        op: usize,
-        sp: SpId,
-        slot: u32,
-    ) -> Result<&mut Shadow, SimFailure> {
-        let size = self.cfg.chunk_bytes.max(1) as usize;
-        let fresh = || Shadow {
-            data: vec![0xEE; size],
-            ..Shadow::default()
-        };
-        let slots = self.slots();
-        let staging = &mut self.ops[op].staging;
-        self.core
-            .staging_slot(staging, (op, sp, slot), slots, fresh)
-    }
+    crate::sim::staged_common::staged_sim_basics!(Bcast, |size| vec![0xEE; size as usize]);
 
     /// Start writing slot `slot` of `sp` (nothing else may touch it).
     pub(super) fn begin_write(
         &mut self,
-        op: usize,
-        sp: SpId,
-        slot: u32,
+        (op, sp, slot): (usize, SpId, u32),
         what: &str,
     ) -> Result<(), SimFailure> {
-        let s = self.shadow(op, sp, slot)?;
-        if s.readers > 0 || s.writers > 0 {
-            let (r, w) = (s.readers, s.writers);
+        if let Err((r, w)) = self.shadow(op, sp, slot)?.begin_write() {
             return Err(self.fail(format!(
                 "op {op}: {what} writes staging slot {slot} of SP {sp} while {r} reads and {w} writes are in flight on it"
             )));
         }
-        s.writers = 1;
         Ok(())
     }
 
     /// Start reading slot `slot` of `sp` (no write may be in flight).
     pub(super) fn begin_read(
         &mut self,
-        op: usize,
-        sp: SpId,
-        slot: u32,
+        (op, sp, slot): (usize, SpId, u32),
         what: &str,
     ) -> Result<(), SimFailure> {
-        let s = self.shadow(op, sp, slot)?;
-        if s.writers > 0 {
+        if !self.shadow(op, sp, slot)?.begin_read() {
             return Err(self.fail(format!(
                 "op {op}: {what} reads staging slot {slot} of SP {sp} while it is being written"
             )));
         }
-        s.readers += 1;
         Ok(())
     }
 }

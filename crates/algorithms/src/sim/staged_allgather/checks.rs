@@ -2,8 +2,7 @@
 
 use super::*;
 use crate::sim::staged_common::{
-    check_clean_completion, check_completion, check_instances_at_end, completion_summary,
-    due_completion,
+    check_clean_completion, check_instances_at_end, completion_summary, due_completion,
 };
 
 impl<'a> Sim<'a> {
@@ -140,7 +139,7 @@ impl<'a> Sim<'a> {
             Loc::Stage { slot, .. } => {
                 let s = self.shadow(op, sp, slot.0)?;
                 s.readers -= 1;
-                s.mem.read(0, c.len)
+                s.data.read(0, c.len)
             }
         };
         let pieces = if ok {
@@ -156,7 +155,7 @@ impl<'a> Sim<'a> {
             Loc::Stage { slot, .. } => {
                 let s = self.shadow(op, sp, slot.0)?;
                 s.writers = 0;
-                s.mem.write(0, &pieces);
+                s.data.write(0, &pieces);
                 if ok {
                     self.reads += 1;
                     self.ops[op].reads += 1;
@@ -194,26 +193,18 @@ impl<'a> Sim<'a> {
         Ok(())
     }
 
-    pub(super) fn complete(
+    /// The host's side of a completion the checks admitted: with
+    /// `from_segment`, the rank's copy out of the region (checked, done,
+    /// costed); returns when the data are in the rank's buffer.
+    fn host_copy(
         &mut self,
-        op: usize,
-        sp: SpId,
-        rank: Rank,
+        (op, sp, rank): (usize, SpId, Rank),
         status: Status,
         from_segment: bool,
         at: Nanos,
-    ) -> Result<(), SimFailure> {
+    ) -> Result<Nanos, SimFailure> {
         let r = rank as usize;
         let o = &self.ops[op];
-        let notified = o.notified.contains(&sp);
-        check_completion(
-            &self.core,
-            (op, sp, rank),
-            status,
-            o.post_ns[r],
-            o.done[r],
-            notified,
-        )?;
         let mut host_at = at;
         let mode = self.mode(o, sp);
         let mut read_from = None;
@@ -258,14 +249,10 @@ impl<'a> Sim<'a> {
         if let Some(owner) = read_from {
             o.sealed[owner as usize].get_or_insert(at);
         }
-        o.done[r] = Some(Done {
-            at,
-            status,
-            from_segment,
-            host_at,
-        });
-        Ok(())
+        Ok(host_at)
     }
+
+    crate::sim::staged_common::staged_complete!();
 
     pub(super) fn final_checks(&mut self) -> Result<(), SimFailure> {
         let crashed: BTreeSet<SpId> = self.core.crashed.iter().copied().collect();

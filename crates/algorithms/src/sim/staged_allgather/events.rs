@@ -138,7 +138,7 @@ impl<'a> Sim<'a> {
                     rank,
                     status,
                     from_segment,
-                } => self.complete(op, sp, rank, status, from_segment, out)?,
+                } => self.complete((op, sp, rank), (status, from_segment), out)?,
             }
         }
         Ok(())
@@ -149,25 +149,20 @@ impl<'a> Sim<'a> {
         while let Some((op, c)) = self.core.next_copy(sp)? {
             self.check_open(op, &c, "started")?;
             if let Loc::Stage { slot, .. } = c.src {
-                let s = self.shadow(op, sp, slot.0)?;
-                if s.writers > 0 {
+                if !self.shadow(op, sp, slot.0)?.begin_read() {
                     return Err(self.fail(format!(
                         "op {op}: a write reads staging slot {} of SP {sp} while it is being filled",
                         slot.0
                     )));
                 }
-                s.readers += 1;
             }
             if let Loc::Stage { slot, .. } = c.dst {
-                let s = self.shadow(op, sp, slot.0)?;
-                if s.readers > 0 || s.writers > 0 {
-                    let (r, w) = (s.readers, s.writers);
+                if let Err((r, w)) = self.shadow(op, sp, slot.0)?.begin_write() {
                     return Err(self.fail(format!(
                         "op {op}: a read fills staging slot {} of SP {sp} while {r} writes out of it and {w} reads into it are in flight",
                         slot.0
                     )));
                 }
-                s.writers = 1;
             }
             let node = self.core.sp_node(sp);
             let done_at = match &c.dst {

@@ -6,12 +6,7 @@ use super::*;
 // ---- the simulator ----------------------------------------------------------
 
 /// A staging slot as the simulator sees it.
-#[derive(Clone, Debug)]
-pub(super) struct Shadow {
-    pub(super) mem: Mem,
-    pub(super) readers: u32,
-    pub(super) writers: u32,
-}
+pub(super) type Shadow = crate::sim::staged_common::Shadow<Mem>;
 
 pub(super) use crate::sim::staged_common::Done;
 
@@ -175,45 +170,12 @@ impl<'a> Sim<'a> {
         Ok(sim)
     }
 
-    pub(super) fn fail(&self, what: impl Into<String>) -> SimFailure {
-        self.core.fail(what)
-    }
-
-    pub(super) fn instance(&mut self, sp: SpId, op: usize) -> &mut StagedAllgather<SimKey> {
-        let key = self.ops[op].key;
-        let cfg = Config {
-            me: sp,
-            chunk_bytes: self.cfg.chunk_bytes,
-            staging_slots: self.cfg.staging_slots,
-        };
-        self.inst
-            .entry((sp, op))
-            .or_insert_with(|| StagedAllgather::new(key, cfg))
-    }
+    crate::sim::staged_common::staged_sim_basics!(StagedAllgather, |size| Mem::new(
+        size,
+        Src::Garbage
+    ));
 
     pub(super) fn finished(&self, sp: SpId, op: usize) -> bool {
         self.inst.get(&(sp, op)).is_some_and(|a| a.is_finished())
-    }
-
-    pub(super) fn slots(&self) -> usize {
-        self.cfg.staging_slots.max(1) as usize
-    }
-
-    pub(super) fn shadow(
-        &mut self,
-        op: usize,
-        sp: SpId,
-        slot: u32,
-    ) -> Result<&mut Shadow, SimFailure> {
-        let size = self.cfg.chunk_bytes.max(1);
-        let fresh = || Shadow {
-            mem: Mem::new(size, Src::Garbage),
-            readers: 0,
-            writers: 0,
-        };
-        let slots = self.slots();
-        let staging = &mut self.ops[op].staging;
-        self.core
-            .staging_slot(staging, (op, sp, slot), slots, fresh)
     }
 }
