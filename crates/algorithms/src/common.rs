@@ -179,3 +179,81 @@ macro_rules! debug_error {
     };
 }
 pub(crate) use debug_error;
+
+/// In a collective's `impl`: `notify_abort(sp)`, sending SP `sp` the abort
+/// notice it is owed, if any (fields `abort`, `me`, `lost_sps`, `actions`;
+/// a `Msg::Abort { status }`).
+macro_rules! notify_abort {
+    () => {
+        pub(super) fn notify_abort(&mut self, sp: SpId) {
+            if let Some(status) = self.abort.notice_for(self.me, &self.lost_sps, sp) {
+                self.actions.push_back(Action::Send {
+                    to: sp,
+                    msg: Msg::Abort { status },
+                });
+            }
+        }
+    };
+}
+pub(crate) use notify_abort;
+
+/// In a v-collective's `impl`: `check_complete(rank)`, completing local
+/// `rank` (its state `$st` in `ranks`) once not `$busy` and, unless the
+/// instance aborted, with nothing left to receive.
+macro_rules! v_check_complete {
+    (|$st:ident| $busy:expr) => {
+        pub(super) fn check_complete(&mut self, rank: Rank) {
+            let aborted = self.abort.is_some();
+            let Some($st) = self.ranks.get_mut(&rank) else {
+                return;
+            };
+            if $st.out.completed || $busy {
+                return;
+            }
+            if !aborted && $st.recv_pending > 0 {
+                return;
+            }
+            $st.out.completed = true;
+            self.completed += 1;
+            self.actions.push_back(Action::Complete {
+                rank,
+                status: $st.out.status,
+            });
+        }
+    };
+}
+pub(crate) use v_check_complete;
+
+/// In a v-collective's `impl`: `maybe_broadcast_abort`, sending every member
+/// SP its abort notice once the instance aborted on its own and knows its
+/// members (`$members`, with `$s` the instance: `Option<&Vec<SpId>>`); and
+/// `finish_abort`, that broadcast then every local rank's completion check.
+macro_rules! v_abort_broadcast {
+    (|$s:ident| $members:expr) => {
+        pub(super) fn maybe_broadcast_abort(&mut self) {
+            let known = {
+                let $s = &*self;
+                $members.is_some()
+            };
+            if !self.abort.start_broadcast(self.abort_local && known) {
+                return;
+            }
+            let sps: BTreeSet<SpId> = {
+                let $s = &*self;
+                $members.unwrap().iter().copied().collect()
+            };
+            for sp in sps {
+                self.notify_abort(sp);
+            }
+        }
+
+        pub(super) fn finish_abort(&mut self) {
+            self.maybe_broadcast_abort();
+            let ranks: Vec<Rank> = self.ranks.keys().copied().collect();
+            for r in ranks {
+                self.check_complete(r);
+            }
+        }
+    };
+}
+pub(crate) use v_abort_broadcast;

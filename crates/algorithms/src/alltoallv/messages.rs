@@ -302,52 +302,12 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
                 self.notify_abort(q.from);
             }
         }
-        self.maybe_broadcast_abort();
-        let ranks: Vec<Rank> = self.ranks.keys().copied().collect();
-        for r in ranks {
-            self.check_complete(r);
-        }
+        self.finish_abort();
     }
 
-    pub(super) fn maybe_broadcast_abort(&mut self) {
-        if !self
-            .abort
-            .start_broadcast(self.abort_local && self.members.is_some())
-        {
-            return;
-        }
-        let members = self.members.as_ref().unwrap();
-        let sps: BTreeSet<SpId> = members.iter().copied().collect();
-        for sp in sps {
-            self.notify_abort(sp);
-        }
-    }
+    crate::common::v_abort_broadcast!(|s| s.members.as_ref());
 
-    pub(super) fn notify_abort(&mut self, sp: SpId) {
-        if let Some(status) = self.abort.notice_for(self.me, &self.lost_sps, sp) {
-            self.actions.push_back(Action::Send {
-                to: sp,
-                msg: Msg::Abort { status },
-            });
-        }
-    }
+    crate::common::notify_abort!();
 
-    pub(super) fn check_complete(&mut self, rank: Rank) {
-        let aborted = self.abort.is_some();
-        let Some(st) = self.ranks.get_mut(&rank) else {
-            return;
-        };
-        if st.out.completed || st.copies_in_flight > 0 || st.send_pending > 0 {
-            return;
-        }
-        if !aborted && st.recv_pending > 0 {
-            return;
-        }
-        st.out.completed = true;
-        self.completed += 1;
-        self.actions.push_back(Action::Complete {
-            rank,
-            status: st.out.status,
-        });
-    }
+    crate::common::v_check_complete!(|st| st.copies_in_flight > 0 || st.send_pending > 0);
 }

@@ -108,14 +108,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
         }
     }
 
-    pub(super) fn notify_abort(&mut self, sp: SpId) {
-        if let Some(status) = self.abort.notice_for(self.me, &self.lost_sps, sp) {
-            self.actions.push_back(Action::Send {
-                to: sp,
-                msg: Msg::Abort { status },
-            });
-        }
-    }
+    crate::common::notify_abort!();
 
     /// Do everything that can be done now; called at the end of every
     /// input.
