@@ -19,7 +19,8 @@ pub(crate) fn sp_nodes(members: &[SpId], nodes: &[u32]) -> Result<BTreeMap<SpId,
 /// The accessors and trivial inputs every collective's state machine has
 /// alike (fields `key`, `me`, `abort`, `stats`, `actions`). With `staged`,
 /// also the inputs the staged collectives handle alike (methods `process`,
-/// `copy_finished`, `enter_abort`, `pump`; field `now`, `slots`).
+/// `copy_finished`, `enter_abort`, `pump`; fields `now`, `slots`,
+/// `next_id`, `copies` of `CopyKind`s, `ranks`, `lost_unposted`).
 macro_rules! common_api {
     ($machine:ident) => {
         impl<K: Clone + fmt::Debug + PartialEq> $machine<K> {
@@ -85,6 +86,41 @@ macro_rules! common_api {
             pub fn abort(&mut self, now: Nanos, status: Status) {
                 self.now = now;
                 self.enter_abort(status);
+                self.pump();
+            }
+
+            pub(super) fn new_id(&mut self) -> u64 {
+                let id = self.next_id;
+                self.next_id += 1;
+                id
+            }
+
+            /// The copy `id` that finished with `status` (`None`, counted,
+            /// for an unknown id; a failure aborts), and whether its bytes
+            /// count (`Ok` and not aborted).
+            pub(super) fn take_copy(
+                &mut self,
+                id: u64,
+                status: Status,
+            ) -> Option<(CopyKind, bool)> {
+                let Some(kind) = self.copies.remove(&id) else {
+                    self.stats.unknown_done += 1;
+                    return None;
+                };
+                if !status.is_ok() {
+                    self.enter_abort(status);
+                }
+                Some((kind, status.is_ok() && self.abort.is_none()))
+            }
+
+            /// Local `rank`, a member of this SP, is lost: aborts with
+            /// `RankFailed` unless it completed.
+            pub(super) fn lose_local_rank(&mut self, rank: Rank) {
+                let out = self.ranks.get_mut(&rank).map(|st| &mut st.out);
+                if !lose_rank(out, &mut self.lost_unposted, rank) {
+                    return;
+                }
+                self.enter_abort(Status::RankFailed);
                 self.pump();
             }
         }

@@ -4,21 +4,10 @@
 use super::*;
 
 impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
-    pub(super) fn new_id(&mut self) -> u64 {
-        let id = self.next_id;
-        self.next_id += 1;
-        id
-    }
-
     pub(super) fn copy_finished(&mut self, id: u64, status: Status) {
-        let Some(kind) = self.copies.remove(&id) else {
-            self.stats.unknown_done += 1;
+        let Some((kind, ok)) = self.take_copy(id, status) else {
             return;
         };
-        if !status.is_ok() {
-            self.enter_abort(status);
-        }
-        let ok = status.is_ok() && self.abort.is_none();
         match kind {
             CopyKind::Read { slot, index, len } => {
                 let root = self.view.as_ref().unwrap().root;
