@@ -113,6 +113,23 @@ macro_rules! common_api {
                 Some((kind, status.is_ok() && self.abort.is_none()))
             }
 
+            /// Completes local `rank` with its outcome (`from_segment` if
+            /// it reads the region and succeeds).
+            pub(super) fn complete_rank(&mut self, rank: Rank, aborted: bool, from_segment: bool) {
+                let st = self.ranks.get_mut(&rank).unwrap();
+                let mut status = st.out.status;
+                if aborted && mutated(Mutation::OkAfterAbort) {
+                    status = Status::Ok;
+                }
+                st.out.completed = true;
+                self.completed += 1;
+                self.actions.push_back(Action::Complete {
+                    rank,
+                    status,
+                    from_segment: from_segment && status.is_ok(),
+                });
+            }
+
             /// Local `rank`, a member of this SP, is lost: aborts with
             /// `RankFailed` unless it completed.
             pub(super) fn lose_local_rank(&mut self, rank: Rank) {

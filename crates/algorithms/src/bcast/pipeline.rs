@@ -420,17 +420,6 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
         if !done {
             return;
         }
-        let st = self.ranks.get_mut(&rank).unwrap();
-        let mut status = st.out.status;
-        if aborted && mutated(Mutation::OkAfterAbort) {
-            status = Status::Ok;
-        }
-        st.out.completed = true;
-        self.completed += 1;
-        self.actions.push_back(Action::Complete {
-            rank,
-            status,
-            from_segment: from_segment && status.is_ok(),
-        });
+        self.complete_rank(rank, aborted, from_segment);
     }
 }

@@ -237,17 +237,10 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
         if wait {
             return;
         }
-        let st = self.ranks.get_mut(&rank).unwrap();
-        let mut status = st.out.status;
-        if aborted && mutated(Mutation::OkAfterAbort) {
-            status = Status::Ok;
-        }
-        st.out.completed = true;
-        self.completed += 1;
-        self.actions.push_back(Action::Complete {
+        self.complete_rank(
             rank,
-            status,
-            from_segment: matches!(mode, Some(Mode::Region | Mode::Covered)) && status.is_ok(),
-        });
+            aborted,
+            matches!(mode, Some(Mode::Region | Mode::Covered)),
+        );
     }
 }
