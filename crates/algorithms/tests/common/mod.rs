@@ -74,6 +74,31 @@ pub fn run_ok<C: Debug, R>(
     }
 }
 
+/// Runs `cfg` (seed `seed`) through `run`, printing the seed first and,
+/// on success, the time taken and `describe(report)`; a failure panics
+/// with the scenario name and the failure (which starts with the seed).
+pub fn run_logged<C, R>(
+    name: &str,
+    seed: u64,
+    cfg: &C,
+    run: impl FnOnce(&C) -> Result<R, SimFailure>,
+    describe: impl FnOnce(&R) -> String,
+) -> R {
+    eprintln!("{name}: seed={seed:#018x}");
+    let t0 = Instant::now();
+    match run(cfg) {
+        Ok(r) => {
+            eprintln!(
+                "{name}: seed={seed:#018x} ok in {:?}: {}",
+                t0.elapsed(),
+                describe(&r)
+            );
+            r
+        }
+        Err(e) => panic!("{name}: {e}"),
+    }
+}
+
 /// A random fault scenario: prints its base seed, runs `one(seed_of(base,
 /// i), i)` for `i` in `0..n` (each returns its error completions) and
 /// returns the base seed and the sum of the error completions.
