@@ -174,3 +174,25 @@ pub(crate) fn draw_len(
         }
     })
 }
+
+/// In a simulator's `impl Sim`: `finish_input`, the end of every input of
+/// SP `sp` at `now`: after the processing time, the actions of every
+/// collective the input `touched` (`drain`), then the copies the SP's
+/// limiter admits (`pump`).
+macro_rules! finish_input {
+    () => {
+        fn finish_input(
+            &mut self,
+            sp: SpId,
+            now: Nanos,
+            touched: Vec<usize>,
+        ) -> Result<(), SimFailure> {
+            let out = now + self.cfg.cost.msg_proc_ns;
+            for op in touched {
+                self.drain(sp, op, out)?;
+            }
+            self.pump(sp, out)
+        }
+    };
+}
+pub(crate) use finish_input;
