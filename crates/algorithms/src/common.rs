@@ -17,7 +17,7 @@ pub(crate) fn sp_nodes(members: &[SpId], nodes: &[u32]) -> Result<BTreeMap<SpId,
 }
 
 /// The accessors and trivial inputs every collective's state machine has
-/// alike (fields `key`, `me`, `abort`, `stats`, `actions`). With `staged`,
+/// alike (fields `key`, `me`, `abort`, `stats`, `actions`, `lost_sps`). With `staged`,
 /// also the inputs the staged collectives handle alike (methods `process`,
 /// `copy_finished`, `enter_abort`, `pump`; fields `now`, `slots`,
 /// `next_id`, `copies` of `CopyKind`s, `ranks`, `lost_unposted`).
@@ -50,6 +50,16 @@ macro_rules! common_api {
             /// This algorithm has no timers: always `None`.
             pub fn poll_timeout(&self) -> Option<Nanos> {
                 None
+            }
+
+            /// A message from `from` is to be ignored: the SP was declared
+            /// lost (counted in `stats.ignored_from_lost_sp`).
+            pub(super) fn from_lost_sp(&mut self, from: SpId) -> bool {
+                let lost = self.lost_sps.contains(&from);
+                if lost {
+                    self.stats.ignored_from_lost_sp += 1;
+                }
+                lost
             }
         }
     };
@@ -310,3 +320,27 @@ macro_rules! v_abort_broadcast {
     };
 }
 pub(crate) use v_abort_broadcast;
+
+/// In a v-collective's `impl`: `send(to, msg)` (to this SP itself: queued
+/// in `internal`; to a lost SP: dropped) and `run_internal`, which
+/// processes the queued messages as if from this SP.
+macro_rules! v_internal_send {
+    () => {
+        pub(super) fn send(&mut self, to: SpId, msg: Msg<K>) {
+            if to == self.me {
+                self.internal.push_back(msg);
+            } else if !self.lost_sps.contains(&to) {
+                self.actions.push_back(Action::Send { to, msg });
+            }
+        }
+
+        pub(super) fn run_internal(&mut self) {
+            while let Some(msg) = self.internal.pop_front() {
+                let me = self.me;
+                let res = self.process(me, msg);
+                debug_assert!(res.is_ok(), "internal message rejected: {res:?}");
+            }
+        }
+    };
+}
+pub(crate) use v_internal_send;
