@@ -54,7 +54,7 @@ macro_rules! common_api {
 
             /// A message from `from` is to be ignored: the SP was declared
             /// lost (counted in `stats.ignored_from_lost_sp`).
-            pub(super) fn from_lost_sp(&mut self, from: SpId) -> bool {
+            pub(super) fn ignores_lost_sender(&mut self, from: SpId) -> bool {
                 let lost = self.lost_sps.contains(&from);
                 if lost {
                     self.stats.ignored_from_lost_sp += 1;

@@ -81,7 +81,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
     crate::common::v_internal_send!();
 
     pub(super) fn process(&mut self, from: SpId, msg: Msg<K>) -> Result<(), MsgError> {
-        if self.from_lost_sp(from) {
+        if self.ignores_lost_sender(from) {
             return Ok(());
         }
         match msg {

@@ -4,7 +4,7 @@ use super::*;
 
 impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
     pub(super) fn process(&mut self, from: SpId, msg: Msg) -> Result<(), MsgError> {
-        if self.from_lost_sp(from) {
+        if self.ignores_lost_sender(from) {
             return Ok(());
         }
         match msg {

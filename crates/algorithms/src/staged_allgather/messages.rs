@@ -149,7 +149,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
     }
 
     pub(super) fn process(&mut self, from: SpId, msg: Msg<K>) -> Result<(), MsgError> {
-        if self.from_lost_sp(from) {
+        if self.ignores_lost_sender(from) {
             return Ok(());
         }
         if from == self.me {
