@@ -69,6 +69,7 @@ mod completion;
 mod conn;
 mod datatype;
 mod design;
+mod fortran;
 mod grants;
 mod lifecycle;
 mod pack;

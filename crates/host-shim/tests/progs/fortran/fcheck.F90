@@ -1,0 +1,468 @@
+! Checks the offloaded collectives called from Fortran, natively or with libhost_shim.so
+! preloaded: the same binary must give the same answers either way.
+!
+! One source, three programs: compiled with -DF08 it uses `use mpi_f08`, with -DUSE_MPI
+! `use mpi`, otherwise `include 'mpif.h'`.
+!
+! Usage: fcheck ROUNDS SEED. Every round runs, on MPI_COMM_WORLD and on two sub-communicators
+! (the even and odd ranks, in reverse order), MPI_Alltoallv, MPI_Ialltoallv, MPI_Alltoall
+! (with MPI_IN_PLACE), MPI_Ialltoall, MPI_Allgatherv (also with MPI_IN_PLACE), MPI_Iallgatherv,
+! MPI_Allgather (with a derived type), MPI_Iallgather, MPI_Bcast (also with a strided type)
+! and MPI_Ibcast, with counts drawn from SEED (zeros included), completed by every call of the
+! Wait/Test family, mixed with native point-to-point requests and MPI_REQUEST_NULL, with
+! statuses and with MPI_STATUS(ES)_IGNORE. Every result is compared with the same collective
+! done by the library's own Fortran PMPI_* binding. Prints "NAME: all ok (N checks on rank 0,
+! S ranks, E eligible calls per rank)" on rank 0 when every rank passed, "NAME: F failures"
+! otherwise (exit 1); E counts the calls the shim offloads, the same on every rank.
+
+#if defined(F08)
+#define NAME "fcheck_f08"
+#define COMM_T type(MPI_Comm)
+#define TYPE_T type(MPI_Datatype)
+#define REQ_T type(MPI_Request)
+#define STATUS_T type(MPI_Status)
+#define ONE_STATUS
+#define STATUSES(n) (n)
+#define SOURCE_OF(s, i) s(i)%MPI_SOURCE
+#define TAG_OF(s, i) s(i)%MPI_TAG
+#define SOURCE1(s) s%MPI_SOURCE
+#define TAG1(s) s%MPI_TAG
+#else
+#if defined(USE_MPI)
+#define NAME "fcheck_mpi"
+#else
+#define NAME "fcheck_mpifh"
+#endif
+#define COMM_T integer
+#define TYPE_T integer
+#define REQ_T integer
+#define STATUS_T integer
+#define ONE_STATUS (MPI_STATUS_SIZE)
+#define STATUSES(n) (MPI_STATUS_SIZE, n)
+#define SOURCE_OF(s, i) s(MPI_SOURCE, i)
+#define TAG_OF(s, i) s(MPI_TAG, i)
+#define SOURCE1(s) s(MPI_SOURCE)
+#define TAG1(s) s(MPI_TAG)
+#endif
+
+program fcheck
+#if defined(F08)
+    use mpi_f08
+#elif defined(USE_MPI)
+    use mpi
+#endif
+    implicit none
+#if !defined(F08) && !defined(USE_MPI)
+    include 'mpif.h'
+#endif
+    character(len=*), parameter :: prog = NAME
+    integer :: rank, nranks, failures, checks, eligible, ierr, rounds, round, all_failures
+    integer(8) :: shared_rng, local_rng, seed
+    character(len=32) :: arg
+    COMM_T :: sub, comms(3)
+    integer :: c
+
+    call MPI_Init(ierr)
+    call MPI_Comm_rank(MPI_COMM_WORLD, rank, ierr)
+    call MPI_Comm_size(MPI_COMM_WORLD, nranks, ierr)
+    failures = 0
+    checks = 0
+    eligible = 0
+    rounds = 2
+    seed = 1
+    if (command_argument_count() >= 1) then
+        call get_command_argument(1, arg)
+        read (arg, *) rounds
+    end if
+    if (command_argument_count() >= 2) then
+        call get_command_argument(2, arg)
+        read (arg, *) seed
+    end if
+    if (rank == 0) print '(A, " seed ", I0, ", ", I0, " rounds")', prog, seed, rounds
+    shared_rng = seed * 2654435761_8 + 88172645463325252_8
+    local_rng = shared_rng + 7919_8 * (rank + 1)
+
+    call MPI_Comm_split(MPI_COMM_WORLD, mod(rank, 2), nranks - rank, sub, ierr)
+    comms(1) = MPI_COMM_WORLD
+    comms(2) = sub
+    comms(3) = MPI_COMM_WORLD
+    do round = 1, rounds
+        do c = 1, 3
+            call alltoallv_tests(comms(c), c == 3)
+            call alltoall_tests(comms(c))
+            call allgatherv_tests(comms(c), c == 3)
+            call allgather_tests(comms(c))
+            call bcast_tests(comms(c), c == 3)
+        end do
+        call family_tests(round)
+    end do
+    call MPI_Comm_free(sub, ierr)
+
+    call MPI_Allreduce(failures, all_failures, 1, MPI_INTEGER, MPI_SUM, MPI_COMM_WORLD, ierr)
+    if (rank == 0) then
+        if (all_failures == 0) then
+            print '(A, ": all ok (", I0, " checks on rank 0, ", I0, " ranks, ", I0, &
+                & " eligible calls per rank)")', prog, checks, nranks, eligible
+        else
+            print '(A, ": ", I0, " failures")', prog, all_failures
+        end if
+    end if
+    call MPI_Finalize(ierr)
+    if (all_failures /= 0) stop 1
+
+contains
+
+    ! xorshift64: `shared` draws are the same on every rank, local ones are the rank's own.
+    integer function draw(state, n)
+        integer(8), intent(inout) :: state
+        integer, intent(in) :: n
+        state = ieor(state, ishft(state, 13))
+        state = ieor(state, ishft(state, -7))
+        state = ieor(state, ishft(state, 17))
+        draw = int(modulo(state, int(n, 8)))
+    end function
+
+    ! A count: zero a quarter of the time, now and then large.
+    integer function a_count()
+        select case (draw(shared_rng, 8))
+        case (0, 1)
+            a_count = 0
+        case (2)
+            a_count = 5000 + draw(shared_rng, 20000)
+        case default
+            a_count = 1 + draw(shared_rng, 300)
+        end select
+    end function
+
+    subroutine check(ok, what)
+        logical, intent(in) :: ok
+        character(len=*), intent(in) :: what
+        checks = checks + 1
+        if (.not. ok) then
+            failures = failures + 1
+            if (failures < 10) print '("rank ", I0, ": check failed: ", A)', rank, what
+        end if
+    end subroutine
+
+    subroutine fill(buf, n)
+        integer, intent(out) :: buf(:)
+        integer, intent(in) :: n
+        integer :: i
+        do i = 1, n
+            buf(i) = rank * 1000000 + draw(local_rng, 999999)
+        end do
+    end subroutine
+
+    ! Waits for `req` the way `how` (0..3) says: MPI_Wait, an MPI_Test loop, MPI_Waitall of one,
+    ! MPI_Request_get_status then MPI_Wait with MPI_STATUS_IGNORE.
+    subroutine complete(req, how)
+        REQ_T, intent(inout) :: req
+        integer, intent(in) :: how
+        STATUS_T :: st ONE_STATUS
+        REQ_T :: reqs(1)
+        logical :: flag
+        select case (how)
+        case (0)
+            call MPI_Wait(req, st, ierr)
+        case (1)
+            flag = .false.
+            do while (.not. flag)
+                call MPI_Test(req, flag, MPI_STATUS_IGNORE, ierr)
+            end do
+        case (2)
+            reqs(1) = req
+            call MPI_Waitall(1, reqs, MPI_STATUSES_IGNORE, ierr)
+            req = reqs(1)
+        case default
+            flag = .false.
+            do while (.not. flag)
+                call MPI_Request_get_status(req, flag, st, ierr)
+            end do
+            call MPI_Wait(req, MPI_STATUS_IGNORE, ierr)
+        end select
+        call check(ierr == MPI_SUCCESS, "completion returned an error")
+        call check(req == MPI_REQUEST_NULL, "a completed request is MPI_REQUEST_NULL")
+    end subroutine
+
+    ! Counts and displacements (with gaps) of an alltoallv on `comm` of `n` ranks, `me` in it.
+    subroutine v_layout(n, me, sc, sd, rc, rd, stotal, rtotal)
+        integer, intent(in) :: n, me
+        integer, intent(out) :: sc(0:), sd(0:), rc(0:), rd(0:), stotal, rtotal
+        integer :: cnt(0:nranks - 1, 0:nranks - 1), s, d
+        do s = 0, nranks - 1
+            do d = 0, nranks - 1
+                cnt(s, d) = a_count()
+            end do
+        end do
+        stotal = 0
+        rtotal = 0
+        do d = 0, n - 1
+            sc(d) = cnt(me, d)
+            sd(d) = stotal
+            stotal = stotal + sc(d) + mod(d, 3)
+            rc(d) = cnt(d, me)
+            rd(d) = rtotal
+            rtotal = rtotal + rc(d) + mod(d, 2)
+        end do
+    end subroutine
+
+    subroutine alltoallv_tests(comm, nonblocking)
+        COMM_T, intent(in) :: comm
+        logical, intent(in) :: nonblocking
+        integer :: n, me, stotal, rtotal
+        integer, allocatable :: sc(:), sd(:), rc(:), rd(:), sbuf(:), rbuf(:), ref(:)
+        REQ_T :: req
+        call MPI_Comm_size(comm, n, ierr)
+        call MPI_Comm_rank(comm, me, ierr)
+        allocate (sc(0:n - 1), sd(0:n - 1), rc(0:n - 1), rd(0:n - 1))
+        call v_layout(n, me, sc, sd, rc, rd, stotal, rtotal)
+        allocate (sbuf(max(stotal, 1)), rbuf(max(rtotal, 1)), ref(max(rtotal, 1)))
+        call fill(sbuf, size(sbuf))
+        rbuf = -7
+        ref = -7
+        if (nonblocking) then
+            call MPI_Ialltoallv(sbuf, sc, sd, MPI_INTEGER, rbuf, rc, rd, MPI_INTEGER, comm, &
+                & req, ierr)
+            call check(req /= MPI_REQUEST_NULL, "Ialltoallv gave a request")
+            call complete(req, draw(shared_rng, 4))
+        else
+            call MPI_Alltoallv(sbuf, sc, sd, MPI_INTEGER, rbuf, rc, rd, MPI_INTEGER, comm, ierr)
+        end if
+        eligible = eligible + 1
+        call check(ierr == MPI_SUCCESS, "MPI_(I)alltoallv returned an error")
+        call PMPI_Alltoallv(sbuf, sc, sd, MPI_INTEGER, ref, rc, rd, MPI_INTEGER, comm, ierr)
+        call check(all(rbuf == ref), "MPI_(I)alltoallv differs from PMPI_Alltoallv")
+    end subroutine
+
+    subroutine alltoall_tests(comm)
+        COMM_T, intent(in) :: comm
+        integer :: n, k
+        integer, allocatable :: sbuf(:), rbuf(:), ref(:), inplace(:)
+        REQ_T :: req
+        call MPI_Comm_size(comm, n, ierr)
+        k = a_count()
+        allocate (sbuf(max(k * n, 1)), rbuf(max(k * n, 1)), ref(max(k * n, 1)))
+        call fill(sbuf, size(sbuf))
+        rbuf = -7
+        ref = -7
+        call MPI_Ialltoall(sbuf, k, MPI_INTEGER, rbuf, k, MPI_INTEGER, comm, req, ierr)
+        call complete(req, draw(shared_rng, 4))
+        eligible = eligible + 1
+        call PMPI_Alltoall(sbuf, k, MPI_INTEGER, ref, k, MPI_INTEGER, comm, ierr)
+        call check(all(rbuf == ref), "MPI_Ialltoall differs from PMPI_Alltoall")
+        ! In place: the receive buffer holds what is sent.
+        inplace = sbuf
+        call MPI_Alltoall(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, inplace, k, MPI_INTEGER, comm, ierr)
+        eligible = eligible + 1
+        call check(ierr == MPI_SUCCESS, "MPI_Alltoall in place returned an error")
+        call check(all(inplace(1:k * n) == ref(1:k * n)), "MPI_Alltoall(MPI_IN_PLACE) differs from PMPI_Alltoall")
+    end subroutine
+
+    subroutine allgatherv_tests(comm, nonblocking)
+        COMM_T, intent(in) :: comm
+        logical, intent(in) :: nonblocking
+        integer :: n, me, i, total, cnt(0:nranks - 1)
+        integer, allocatable :: rc(:), displs(:), sbuf(:), rbuf(:), ref(:)
+        REQ_T :: req
+        call MPI_Comm_size(comm, n, ierr)
+        call MPI_Comm_rank(comm, me, ierr)
+        do i = 0, nranks - 1
+            cnt(i) = a_count()
+        end do
+        allocate (rc(0:n - 1), displs(0:n - 1))
+        total = 0
+        do i = 0, n - 1
+            rc(i) = cnt(i)
+            displs(i) = total
+            total = total + rc(i) + mod(i, 2)
+        end do
+        allocate (sbuf(max(rc(me), 1)), rbuf(max(total, 1)), ref(max(total, 1)))
+        call fill(sbuf, size(sbuf))
+        rbuf = -7
+        ref = -7
+        if (nonblocking) then
+            call MPI_Iallgatherv(sbuf, rc(me), MPI_INTEGER, rbuf, rc, displs, MPI_INTEGER, &
+                & comm, req, ierr)
+            call complete(req, draw(shared_rng, 4))
+        else
+            call MPI_Allgatherv(sbuf, rc(me), MPI_INTEGER, rbuf, rc, displs, MPI_INTEGER, &
+                & comm, ierr)
+        end if
+        eligible = eligible + 1
+        call PMPI_Allgatherv(sbuf, rc(me), MPI_INTEGER, ref, rc, displs, MPI_INTEGER, comm, ierr)
+        call check(all(rbuf == ref), "MPI_(I)allgatherv differs from PMPI_Allgatherv")
+        ! In place: this rank's block is already in the receive buffer.
+        rbuf = -7
+        if (rc(me) > 0) rbuf(displs(me) + 1:displs(me) + rc(me)) = sbuf(1:rc(me))
+        call MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, rbuf, rc, displs, MPI_INTEGER, &
+            & comm, ierr)
+        eligible = eligible + 1
+        call check(all(rbuf == ref), "MPI_Allgatherv(MPI_IN_PLACE) differs from PMPI_Allgatherv")
+    end subroutine
+
+    subroutine allgather_tests(comm)
+        COMM_T, intent(in) :: comm
+        integer :: n, k
+        integer, allocatable :: sbuf(:), rbuf(:), ref(:)
+        TYPE_T :: pair
+        REQ_T :: req
+        call MPI_Comm_size(comm, n, ierr)
+        k = a_count()
+        allocate (sbuf(max(2 * k, 1)), rbuf(max(2 * k * n, 1)), ref(max(2 * k * n, 1)))
+        call fill(sbuf, size(sbuf))
+        rbuf = -7
+        ref = -7
+        ! A derived type on the send side: two integers.
+        call MPI_Type_contiguous(2, MPI_INTEGER, pair, ierr)
+        call MPI_Type_commit(pair, ierr)
+        call MPI_Allgather(sbuf, k, pair, rbuf, 2 * k, MPI_INTEGER, comm, ierr)
+        eligible = eligible + 1
+        call PMPI_Allgather(sbuf, 2 * k, MPI_INTEGER, ref, 2 * k, MPI_INTEGER, comm, ierr)
+        call check(all(rbuf == ref), "MPI_Allgather differs from PMPI_Allgather")
+        rbuf = -7
+        call MPI_Iallgather(sbuf, 2 * k, MPI_INTEGER, rbuf, k, pair, comm, req, ierr)
+        call complete(req, draw(shared_rng, 4))
+        eligible = eligible + 1
+        call check(all(rbuf == ref), "MPI_Iallgather differs from PMPI_Allgather")
+        call MPI_Type_free(pair, ierr)
+    end subroutine
+
+    subroutine bcast_tests(comm, nonblocking)
+        COMM_T, intent(in) :: comm
+        logical, intent(in) :: nonblocking
+        integer :: n, me, k, root
+        integer, allocatable :: buf(:), ref(:)
+        TYPE_T :: strided
+        REQ_T :: req
+        call MPI_Comm_size(comm, n, ierr)
+        call MPI_Comm_rank(comm, me, ierr)
+        k = a_count()
+        root = draw(shared_rng, n)
+        allocate (buf(max(2 * k, 1)), ref(max(2 * k, 1)))
+        call fill(ref, size(ref))
+        buf = ref
+        if (nonblocking) then
+            call MPI_Ibcast(buf, k, MPI_INTEGER, root, comm, req, ierr)
+            call complete(req, draw(shared_rng, 4))
+        else
+            call MPI_Bcast(buf, k, MPI_INTEGER, root, comm, ierr)
+        end if
+        eligible = eligible + 1
+        call PMPI_Bcast(ref, k, MPI_INTEGER, root, comm, ierr)
+        call check(all(buf == ref), "MPI_(I)bcast differs from PMPI_Bcast")
+        ! Every other integer: a side that is not one run of bytes (packed by the shim).
+        call MPI_Type_vector(k, 1, 2, MPI_INTEGER, strided, ierr)
+        call MPI_Type_commit(strided, ierr)
+        call fill(ref, size(ref))
+        buf = ref
+        call MPI_Bcast(buf, 1, strided, root, comm, ierr)
+        eligible = eligible + 1
+        call PMPI_Bcast(ref, 1, strided, root, comm, ierr)
+        call check(all(buf == ref), "MPI_Bcast of a strided type differs from PMPI_Bcast")
+        call MPI_Type_free(strided, ierr)
+    end subroutine
+
+    ! Offloaded and native requests (and MPI_REQUEST_NULL) in one array, completed by
+    ! MPI_Waitall, MPI_Testall, MPI_Waitany, MPI_Testany, MPI_Waitsome and MPI_Testsome.
+    subroutine family_tests(round)
+        integer, intent(in) :: round
+        integer, parameter :: nreq = 6
+        REQ_T :: reqs(nreq)
+        STATUS_T :: sts STATUSES(nreq)
+        STATUS_T :: st ONE_STATUS
+        integer :: how, k, i, idx, outcount, indices(nreq), done, left, right, tag
+        integer :: bc(400), bc_ref(400), ag(400 * nranks), ag_ref(400 * nranks)
+        integer :: a2a(50 * nranks), a2a_out(50 * nranks), a2a_ref(50 * nranks)
+        integer :: sendv(16), recvv(16)
+        logical :: flag, seen(nreq)
+        left = modulo(rank - 1, nranks)
+        right = modulo(rank + 1, nranks)
+        do how = 0, 5
+            k = 1 + draw(shared_rng, 400)
+            tag = round * 10 + how
+            call fill(bc_ref, 400)
+            bc = bc_ref
+            call fill(a2a, size(a2a))
+            ag = -7
+            a2a_out = -7
+            sendv = rank * 100 + how
+            recvv = -1
+            call MPI_Ibcast(bc, k, MPI_INTEGER, mod(how, nranks), MPI_COMM_WORLD, reqs(1), ierr)
+            call MPI_Irecv(recvv, 16, MPI_INTEGER, left, tag, MPI_COMM_WORLD, reqs(2), ierr)
+            call MPI_Iallgather(bc_ref, k, MPI_INTEGER, ag, k, MPI_INTEGER, MPI_COMM_WORLD, &
+                & reqs(3), ierr)
+            reqs(4) = MPI_REQUEST_NULL
+            call MPI_Isend(sendv, 16, MPI_INTEGER, right, tag, MPI_COMM_WORLD, reqs(5), ierr)
+            call MPI_Ialltoall(a2a, 50, MPI_INTEGER, a2a_out, 50, MPI_INTEGER, MPI_COMM_WORLD, &
+                & reqs(6), ierr)
+            eligible = eligible + 3
+            select case (how)
+            case (0)
+                call MPI_Waitall(nreq, reqs, sts, ierr)
+                call check(SOURCE_OF(sts, 2) == left .and. TAG_OF(sts, 2) == tag, &
+                    & "MPI_Waitall: the receive's status")
+            case (1)
+                flag = .false.
+                do while (.not. flag)
+                    call MPI_Testall(nreq, reqs, flag, MPI_STATUSES_IGNORE, ierr)
+                end do
+            case (2, 3)
+                seen = .false.
+                seen(4) = .true.
+                do done = 1, nreq - 1
+                    if (how == 2) then
+                        call MPI_Waitany(nreq, reqs, idx, st, ierr)
+                    else
+                        flag = .false.
+                        do while (.not. flag)
+                            call MPI_Testany(nreq, reqs, idx, flag, st, ierr)
+                        end do
+                    end if
+                    call check(idx >= 1 .and. idx <= nreq, "Wait/Testany: a 1-based index")
+                    if (idx < 1 .or. idx > nreq) exit
+                    call check(.not. seen(idx), "Wait/Testany: each request once")
+                    seen(idx) = .true.
+                    if (idx == 2) call check(SOURCE1(st) == left .and. TAG1(st) == tag, &
+                        & "Wait/Testany: the receive's status")
+                end do
+                call MPI_Waitany(nreq, reqs, idx, st, ierr)
+                call check(idx == MPI_UNDEFINED, "MPI_Waitany with nothing left: MPI_UNDEFINED")
+            case default
+                seen = .false.
+                seen(4) = .true.
+                left_loop: do
+                    if (how == 4) then
+                        call MPI_Waitsome(nreq, reqs, outcount, indices, sts, ierr)
+                    else
+                        call MPI_Testsome(nreq, reqs, outcount, indices, MPI_STATUSES_IGNORE, &
+                            & ierr)
+                    end if
+                    if (outcount == MPI_UNDEFINED) exit left_loop
+                    do i = 1, outcount
+                        idx = indices(i)
+                        call check(idx >= 1 .and. idx <= nreq, "Wait/Testsome: 1-based indices")
+                        if (idx < 1 .or. idx > nreq) exit left_loop
+                        call check(.not. seen(idx), "Wait/Testsome: each request once")
+                        seen(idx) = .true.
+                        if (idx == 2 .and. how == 4) call check(SOURCE_OF(sts, i) == left &
+                            & .and. TAG_OF(sts, i) == tag, "MPI_Waitsome: the receive's status")
+                    end do
+                end do left_loop
+                call check(all(seen), "Wait/Testsome: every request completed")
+            end select
+            call check(ierr == MPI_SUCCESS, "a Wait/Test call returned an error")
+            call check(all(reqs == MPI_REQUEST_NULL), "every request is MPI_REQUEST_NULL")
+            call check(all(recvv == left * 100 + how), "the native receive's data")
+            ! bc_ref: the Iallgather's send buffer and what the Ibcast's buffer held before.
+            ag_ref = -7
+            call PMPI_Allgather(bc_ref, k, MPI_INTEGER, ag_ref, k, MPI_INTEGER, MPI_COMM_WORLD, &
+                & ierr)
+            call check(all(ag == ag_ref), "MPI_Iallgather in a mixed array differs")
+            call PMPI_Bcast(bc_ref, k, MPI_INTEGER, mod(how, nranks), MPI_COMM_WORLD, ierr)
+            call check(all(bc == bc_ref), "MPI_Ibcast in a mixed array differs from PMPI_Bcast")
+            call PMPI_Alltoall(a2a, 50, MPI_INTEGER, a2a_ref, 50, MPI_INTEGER, MPI_COMM_WORLD, &
+                & ierr)
+            call check(all(a2a_out == a2a_ref), "MPI_Ialltoall in a mixed array differs")
+        end do
+    end subroutine
+end program
