@@ -3,6 +3,8 @@
 # Debian/Ubuntu; run as root (or with sudo available). Prints what it does.
 set -euo pipefail
 pkgs=(libucx-dev openmpi-bin libopenmpi-dev libclang-dev pkg-config build-essential)
+# The Fortran test programs (mpifort needs a Fortran compiler).
+pkgs+=(gfortran)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -255,7 +255,8 @@ contains
         call MPI_Alltoall(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, inplace, k, MPI_INTEGER, comm, ierr)
         eligible = eligible + 1
         call check(ierr == MPI_SUCCESS, "MPI_Alltoall in place returned an error")
-        call check(all(inplace(1:k * n) == ref(1:k * n)), "MPI_Alltoall(MPI_IN_PLACE) differs from PMPI_Alltoall")
+        call check(all(inplace(1:k * n) == ref(1:k * n)), &
+            & "MPI_Alltoall(MPI_IN_PLACE) differs from PMPI_Alltoall")
     end subroutine
 
     subroutine allgatherv_tests(comm, nonblocking)
