@@ -60,7 +60,7 @@ program fcheck
     integer(8) :: shared_rng, local_rng, seed
     character(len=32) :: arg
     COMM_T :: sub, comms(3)
-    integer :: c
+    integer :: c, ignored_before(6), ignored_after(6)
 
     call MPI_Init(ierr)
     call MPI_Comm_rank(MPI_COMM_WORLD, rank, ierr)
@@ -82,6 +82,7 @@ program fcheck
     shared_rng = seed * 2654435761_8 + 88172645463325252_8
     local_rng = shared_rng + 7919_8 * (rank + 1)
 
+    call ignored(ignored_before)
     call MPI_Comm_split(MPI_COMM_WORLD, mod(rank, 2), nranks - rank, sub, ierr)
     comms(1) = MPI_COMM_WORLD
     comms(2) = sub
@@ -97,6 +98,10 @@ program fcheck
         call family_tests(round)
     end do
     call MPI_Comm_free(sub, ierr)
+    call error_tests()
+    ! Nothing was written through MPI_STATUS_IGNORE or MPI_STATUSES_IGNORE.
+    call ignored(ignored_after)
+    call check(all(ignored_before == ignored_after), "MPI_STATUS(ES)_IGNORE were written")
 
     call MPI_Allreduce(failures, all_failures, 1, MPI_INTEGER, MPI_SUM, MPI_COMM_WORLD, ierr)
     if (rank == 0) then
@@ -133,6 +138,43 @@ contains
             a_count = 1 + draw(shared_rng, 300)
         end select
     end function
+
+    ! The first fields of MPI_STATUS_IGNORE and MPI_STATUSES_IGNORE (variables of the library).
+    subroutine ignored(v)
+        integer, intent(out) :: v(6)
+#if defined(F08)
+        v(1) = MPI_STATUS_IGNORE%MPI_SOURCE
+        v(2) = MPI_STATUS_IGNORE%MPI_TAG
+        v(3) = MPI_STATUS_IGNORE%MPI_ERROR
+        v(4) = MPI_STATUSES_IGNORE(1)%MPI_SOURCE
+        v(5) = MPI_STATUSES_IGNORE(1)%MPI_TAG
+        v(6) = MPI_STATUSES_IGNORE(1)%MPI_ERROR
+#else
+        v(1:3) = MPI_STATUS_IGNORE(1:3)
+        v(4:6) = MPI_STATUSES_IGNORE(1:3, 1)
+#endif
+    end subroutine
+
+    ! Erroneous calls under MPI_ERRORS_RETURN: the error comes back in ierror (the calls go to
+    ! the native functions, which report them, so they are not eligible).
+    subroutine error_tests()
+        COMM_T :: dup
+        REQ_T :: req
+        integer :: buf(4)
+        call MPI_Comm_dup(MPI_COMM_WORLD, dup, ierr)
+        call MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN, ierr)
+        buf = rank
+        ierr = MPI_SUCCESS
+        call MPI_Bcast(buf, 4, MPI_INTEGER, nranks, dup, ierr)
+        call check(ierr /= MPI_SUCCESS, "MPI_Bcast with a root outside: an error in ierror")
+        ierr = MPI_SUCCESS
+        call MPI_Ibcast(buf, -1, MPI_INTEGER, 0, dup, req, ierr)
+        call check(ierr /= MPI_SUCCESS, "MPI_Ibcast with a negative count: an error in ierror")
+        ierr = MPI_SUCCESS
+        call MPI_Allgather(buf, 1, MPI_DATATYPE_NULL, buf, 1, MPI_INTEGER, dup, ierr)
+        call check(ierr /= MPI_SUCCESS, "MPI_Allgather of MPI_DATATYPE_NULL: an error in ierror")
+        call MPI_Comm_free(dup, ierr)
+    end subroutine
 
     subroutine check(ok, what)
         logical, intent(in) :: ok
@@ -346,7 +388,12 @@ contains
             call MPI_Ibcast(buf, k, MPI_INTEGER, root, comm, req, ierr)
             call complete(req, draw(shared_rng, 4))
         else
+#if defined(F08)
+            ! ierror is optional in mpi_f08.
+            call MPI_Bcast(buf, k, MPI_INTEGER, root, comm)
+#else
             call MPI_Bcast(buf, k, MPI_INTEGER, root, comm, ierr)
+#endif
         end if
         eligible = eligible + 1
         call PMPI_Bcast(ref, k, MPI_INTEGER, root, comm, ierr)
