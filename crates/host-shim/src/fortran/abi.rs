@@ -16,8 +16,9 @@
 //!   same symbols.
 //! - MPICH: `MPIR_F_MPI_IN_PLACE` and `MPIR_F_MPI_BOTTOM` hold the addresses of the `mpifcmb`
 //!   common-block variables (recorded by the Fortran `MPI_Init`), `MPIR_F08_MPI_IN_PLACE` and
-//!   `MPIR_F08_MPI_BOTTOM` are the `mpi_f08` ones themselves; `MPI_F_STATUS(ES)_IGNORE` (the
-//!   C names MPI defines for Fortran's status sentinels) hold the others.
+//!   `MPIR_F08_MPI_BOTTOM` are the `mpi_f08` ones themselves; `MPI_F_STATUS(ES)_IGNORE` and
+//!   `MPI_F08_STATUS(ES)_IGNORE` (the C names MPI defines for Fortran's status sentinels) hold
+//!   the others, `MPIR_F08_MPI_STATUS(ES)_IGNORE_OBJ` being the `mpi_f08` objects.
 //!
 //! Symbols are looked up with `dlsym` in the global scope (the program first, then the
 //! libraries in load order), which finds the definition every library's references resolve
@@ -115,6 +116,8 @@ static STATUS_IGNORE: Sentinel = Sentinel::new(&[
     Source::Addr(c"mpi_fortran_status_ignore__"),
     Source::Addr(c"MPI_FORTRAN_STATUS_IGNORE"),
     Source::Value(c"MPI_F_STATUS_IGNORE"),
+    Source::Addr(c"MPIR_F08_MPI_STATUS_IGNORE_OBJ"),
+    Source::Value(c"MPI_F08_STATUS_IGNORE"),
 ]);
 
 static STATUSES_IGNORE: Sentinel = Sentinel::new(&[
@@ -123,6 +126,8 @@ static STATUSES_IGNORE: Sentinel = Sentinel::new(&[
     Source::Addr(c"mpi_fortran_statuses_ignore__"),
     Source::Addr(c"MPI_FORTRAN_STATUSES_IGNORE"),
     Source::Value(c"MPI_F_STATUSES_IGNORE"),
+    Source::Addr(c"MPIR_F08_MPI_STATUSES_IGNORE_OBJ"),
+    Source::Value(c"MPI_F08_STATUSES_IGNORE"),
 ]);
 
 /// The C buffer argument for a Fortran one: `MPI_IN_PLACE` and `MPI_BOTTOM` become C's,
