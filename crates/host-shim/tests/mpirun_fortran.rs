@@ -3,8 +3,9 @@
 //! launcher on real SPs (2 nodes x 2 ranks): every collective the shim offloads, called from
 //! Fortran with counts drawn from a printed seed (zeros included), `MPI_IN_PLACE`, derived
 //! types, sub-communicators, and every call of the Wait/Test family over arrays mixing
-//! offloaded, native and null requests; each result compared inside the program with the
-//! library's own Fortran `PMPI_*` binding, and the SPs' counters proving that every eligible
+//! offloaded, native and null requests; each result compared inside the program with a
+//! native reference (the library's own Fortran `PMPI_*` binding under Open MPI; see
+//! `fcheck.F90` for MPICH), and the SPs' counters proving that every eligible
 //! call of every rank was offloaded. The same programs with the shim preloaded but not active
 //! run through the library's own Fortran functions, unchanged.
 
