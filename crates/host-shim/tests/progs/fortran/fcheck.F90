@@ -7,12 +7,14 @@
 ! Usage: fcheck ROUNDS SEED. Every round runs, on MPI_COMM_WORLD and on two sub-communicators
 ! (the even and odd ranks, in reverse order), MPI_Alltoallv, MPI_Ialltoallv, MPI_Alltoall
 ! (with MPI_IN_PLACE), MPI_Ialltoall, MPI_Allgatherv (also with MPI_IN_PLACE), MPI_Iallgatherv,
-! MPI_Allgather (with a derived type), MPI_Iallgather, MPI_Bcast (also with a strided type)
-! and MPI_Ibcast, with counts drawn from SEED (zeros included), completed by every call of the
-! Wait/Test family, mixed with native point-to-point requests and MPI_REQUEST_NULL, with
-! statuses and with MPI_STATUS(ES)_IGNORE. Every result is compared with a native reference
-! (`ref_*`: the same collective through the library's Fortran PMPI_* binding, or under MPICH,
-! whose PMPI_* binding calls the C MPI_* functions, native calls the shim never intercepts).
+! MPI_Allgather (with a derived type), MPI_Iallgather, MPI_Bcast (also with a strided type and
+! of MPI_BOTTOM) and MPI_Ibcast, with counts drawn from SEED (zeros included), completed by
+! every call of the Wait/Test family, mixed with native point-to-point requests and
+! MPI_REQUEST_NULL, with statuses and with MPI_STATUS(ES)_IGNORE; erroneous calls under
+! MPI_ERRORS_RETURN; MPI_Init_thread under mpi_f08, MPI_Init otherwise. Every result is
+! compared with a native reference (`ref_*`: the same collective through the library's
+! Fortran PMPI_* binding, or under MPICH, whose PMPI_* binding calls the C MPI_* functions,
+! native calls the shim never intercepts).
 ! Prints "NAME: all ok (N checks on rank 0,
 ! S ranks, E eligible calls per rank)" on rank 0 when every rank passed, "NAME: F failures"
 ! otherwise (exit 1); E counts the calls the shim offloads, the same on every rank.
@@ -63,10 +65,17 @@ program fcheck
     character(len=32) :: arg
     COMM_T :: sub, comms(3)
     integer :: c, ignored_before(6), ignored_after(6), vlen
+#if defined(F08)
+    integer :: provided
+#endif
     character(len=MPI_MAX_LIBRARY_VERSION_STRING) :: version
     logical :: is_mpich
 
+#if defined(F08)
+    call MPI_Init_thread(MPI_THREAD_FUNNELED, provided, ierr)
+#else
     call MPI_Init(ierr)
+#endif
     call MPI_Comm_rank(MPI_COMM_WORLD, rank, ierr)
     call MPI_Comm_size(MPI_COMM_WORLD, nranks, ierr)
     call MPI_Get_library_version(version, vlen, ierr)
@@ -478,8 +487,10 @@ contains
         logical, intent(in) :: nonblocking
         integer :: n, me, k, root
         integer, allocatable :: buf(:), ref(:)
-        TYPE_T :: strided
+        TYPE_T :: strided, absolute
         REQ_T :: req
+        integer(kind=MPI_ADDRESS_KIND) :: addr(1)
+        integer :: blocks(1)
         call MPI_Comm_size(comm, n, ierr)
         call MPI_Comm_rank(comm, me, ierr)
         k = a_count()
@@ -511,6 +522,18 @@ contains
         call ref_bcast(ref, 1, strided, root, comm)
         call check(all(buf == ref), "MPI_Bcast of a strided type differs from the native Bcast")
         call MPI_Type_free(strided, ierr)
+        ! MPI_BOTTOM with a type holding the buffer's absolute address.
+        call MPI_Get_address(buf, addr(1), ierr)
+        blocks(1) = k
+        call MPI_Type_create_hindexed(1, blocks, addr, MPI_INTEGER, absolute, ierr)
+        call MPI_Type_commit(absolute, ierr)
+        call fill(ref, size(ref))
+        buf = ref
+        call MPI_Bcast(MPI_BOTTOM, 1, absolute, root, comm, ierr)
+        eligible = eligible + 1
+        call ref_bcast(ref, k, MPI_INTEGER, root, comm)
+        call check(all(buf == ref), "MPI_Bcast(MPI_BOTTOM) differs from the native Bcast")
+        call MPI_Type_free(absolute, ierr)
     end subroutine
 
     ! Offloaded and native requests (and MPI_REQUEST_NULL) in one array, completed by
