@@ -10,91 +10,16 @@
 //! run through the library's own Fortran functions, unchanged.
 
 mod common;
+mod fortran;
 
 use common::*;
-use std::collections::BTreeMap;
-use std::path::Path;
-use std::process::Command;
-use std::sync::Mutex;
-
-/// How a Fortran program reaches MPI.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-enum Flavour {
-    /// `include 'mpif.h'`
-    Mpifh,
-    /// `use mpi`
-    UseMpi,
-    /// `use mpi_f08`
-    F08,
-}
-
-const FLAVOURS: [Flavour; 3] = [Flavour::Mpifh, Flavour::UseMpi, Flavour::F08];
-
-impl Flavour {
-    /// The program's name in its verdict line.
-    fn name(self) -> &'static str {
-        match self {
-            Flavour::Mpifh => "fcheck_mpifh",
-            Flavour::UseMpi => "fcheck_mpi",
-            Flavour::F08 => "fcheck_f08",
-        }
-    }
-
-    fn flags(self) -> &'static [&'static str] {
-        match self {
-            // Without interfaces gfortran (10 and later) refuses one buffer argument given an
-            // array in one call and the scalar MPI_IN_PLACE in another, unless told otherwise.
-            Flavour::Mpifh => &["-DMPIFH", "-fallow-argument-mismatch", "-w"],
-            Flavour::UseMpi => &["-DUSE_MPI"],
-            Flavour::F08 => &["-DF08"],
-        }
-    }
-}
-
-/// `progs/fortran/fcheck.F90` compiled for `flavour` with `mpifort` (once per test process).
-fn fcheck(flavour: Flavour) -> String {
-    static BUILT: Mutex<BTreeMap<Flavour, String>> = Mutex::new(BTreeMap::new());
-    let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
-    built
-        .entry(flavour)
-        .or_insert_with(|| {
-            let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/progs/fortran/fcheck.F90");
-            let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("host-shim-progs");
-            std::fs::create_dir_all(&dir).unwrap();
-            // A private name, then a rename: concurrent test runs never see half a binary.
-            let tmp = dir.join(format!("{}.{}", flavour.name(), std::process::id()));
-            // Each compile in a directory of its own: the module flavours write .mod files.
-            let work = dir.join(format!("{}.{}.d", flavour.name(), std::process::id()));
-            std::fs::create_dir_all(&work).unwrap();
-            let st = Command::new("mpifort")
-                .current_dir(&work)
-                .args(["-O1", "-Wall"])
-                .args(flavour.flags())
-                .arg("-o")
-                .arg(&tmp)
-                .arg(&src)
-                .status()
-                .unwrap_or_else(|e| {
-                    panic!("cannot run mpifort (install gfortran and Open MPI: `make deps`): {e}")
-                });
-            std::fs::remove_dir_all(&work).ok();
-            assert!(
-                st.success(),
-                "mpifort failed on {} ({flavour:?})",
-                src.display()
-            );
-            let out = dir.join(flavour.name());
-            std::fs::rename(&tmp, &out).unwrap();
-            out.display().to_string()
-        })
-        .clone()
-}
+use fortran::{fcheck, Flavour, FLAVOURS};
 
 /// `fcheck` of `flavour` under the launcher with `sps_per_node` SPs per node and `layout`:
 /// passes by its own verdict, and the SPs posted exactly its eligible calls of every rank.
 fn fcheck_offloads(flavour: Flavour, sps_per_node: u32, layout: &str) {
     let _serial = serial();
-    let prog = fcheck(flavour);
+    let prog = fcheck(flavour, "mpifort");
     let seed = integration_tests::seed().to_string();
     let run = launch_with(
         sps_per_node,
@@ -134,7 +59,7 @@ fn fortran_programs_with_an_inactive_shim_run_natively() {
     let _serial = serial();
     let seed = integration_tests::seed().to_string();
     for flavour in FLAVOURS {
-        let prog = fcheck(flavour);
+        let prog = fcheck(flavour, "mpifort");
         // Preloaded, not configured: every Fortran call goes to the library's own function.
         let run = mpirun_preloaded(&[&prog, "1", &seed], &[]);
         verdict(&run, flavour.name());
