@@ -12,19 +12,28 @@ BIN := target/release
 SP := $(BIN)/service-process
 BENCH := $(BIN)/coll-bench
 
-.PHONY: all deps build test demo bench conformance chaos fuzz soak fmt clippy clean
+.PHONY: all deps build test test-mpich demo bench conformance chaos fuzz soak ucx-export-test fmt clippy clean
 
 all: build
 
 deps:
 	@bash scripts/deps.sh
 
+# Both ABIs: the workspace against Open MPI, then the host shim and the benchmark against
+# MPICH (target/release/libhost_shim_mpich.so, coll-bench-mpich; scripts/build-mpich.sh).
 build: deps
 	$(CARGO) build --release --workspace --bins --lib
+	CARGO=$(CARGO) bash scripts/build-mpich.sh
 
 # Every test: unit, simulator, SP engine, and the MPI integration tests (real SPs, real mpirun).
 test: build
 	bash scripts/test.sh
+
+# Every shim test that runs MPI jobs (crates/host-shim/tests/mpirun_*.rs) under MPICH instead of
+# Open MPI (programs built with mpicc.mpich, run by Hydra, the MPICH-ABI shim), then the
+# conformance generator's large run under MPICH (make test runs mpirun_mpich.rs, a subset).
+test-mpich: build
+	bash scripts/test-mpich.sh
 
 # An emulated two-node cluster running the offloaded Ialltoallv overlap benchmark against
 # native Open MPI on the same layout, then the comparison.
@@ -32,7 +41,7 @@ demo: build
 	bash scripts/bench.sh --demo
 
 # The conformance generator's large run (12 configurations x CASES cases, default 1000);
-# writes docs/CONFORMANCE.md.
+# writes docs/CONFORMANCE.md (MPI=mpich: under MPICH, docs/CONFORMANCE.mpich.md).
 conformance: build
 	WRITE_DOCS=1 bash scripts/conformance.sh
 
@@ -51,6 +60,22 @@ fuzz: build
 # descriptors, jobs and instances are sampled; writes docs/SOAK.md and docs/soak.svg.
 soak: build
 	SOAK_COLLECTIVES=100000 SOAK_JOBS=200 SOAK_WRITE_DOCS=1 $(CARGO) test --release -p integration-tests --test soak -- --nocapture
+
+# The ucx-export backend (BlueField alias keys: UCX exported memory handles) built against
+# UCX >= 1.15 from the PyPI wheel libucx-cu12 (scripts/ucx-wheel.sh; Debian's UCX is 1.13), in
+# its own target directory: the export unit tests of ucx-sys and alias-mkey, an mpirun job whose
+# ranks ask for ucx-export, are refused (no device here can export) and fall back to cma, and an
+# SP handed an export grant it cannot import (the collective fails, the SP keeps serving).
+UCX_EXPORT_TARGET := target/ucx-export
+ucx-export-test: deps
+	prefix=$$(bash scripts/ucx-wheel.sh) && \
+	export UCX_DIR=$$prefix LD_LIBRARY_PATH=$$prefix/lib UCX_WARN_UNUSED_ENV_VARS=n \
+	  CARGO_TARGET_DIR=$(UCX_EXPORT_TARGET) && \
+	$(CARGO) test --release -p ucx-sys --test export && \
+	$(CARGO) test --release -p alias-mkey --lib && \
+	$(CARGO) build --release -p service-process -p host-shim --bins --lib && \
+	$(CARGO) test --release -p host-shim --test mpirun_ucx ucx_export && \
+	$(CARGO) test --release -p service-process --test engine_hostile ucx_export
 
 # The full benchmark; writes docs/BENCHMARKS.md.
 bench: build

@@ -1,7 +1,7 @@
 //! Real `mpirun` jobs that grant with the `ucx` backend (`SPOFF_BACKEND=ucx`, SPs with UCX on):
 //! every Wait/Test variant, buffers freed and reallocated between collectives, allgather(v),
 //! Testsome progressing UCX while a native request is pending, bcast, and ranks mixing cma and
-//! ucx grants.
+//! ucx grants, and `ucx-export` falling back to cma where no device can export.
 
 mod common;
 
@@ -113,16 +113,25 @@ fn ucx_backend_offloads_bcast() {
 
 /// Ranks may grant differently: rank 1 asks for cma, rank 2's UCX cannot initialise (it says
 /// so once and uses cma), ranks 0 and 3 use ucx. The SPs serve each grant with its own
-/// backend, so mixed cma/ucx copies are correct too.
+/// backend, so mixed cma/ucx copies are correct too. (Under MPICH, which runs on UCX itself,
+/// a rank without UCX could not start: there only rank 1 differs, asking for cma.)
 #[test]
 fn ranks_mixing_cma_and_ucx_grants_agree() {
     let _serial = serial();
     let prog = prog("a2a_check");
-    let script = "case $OMPI_COMM_WORLD_RANK in\n\
-                  1) export SPOFF_BACKEND=cma;;\n\
-                  2) export UCX_TLS=no_such_transport;;\n\
-                  esac\n\
-                  exec \"$@\"";
+    let mpich = mpi() == Mpi::Mpich;
+    let script = if mpich {
+        "case $PMI_RANK in\n\
+         1) export SPOFF_BACKEND=cma;;\n\
+         esac\n\
+         exec \"$@\""
+    } else {
+        "case $OMPI_COMM_WORLD_RANK in\n\
+         1) export SPOFF_BACKEND=cma;;\n\
+         2) export UCX_TLS=no_such_transport;;\n\
+         esac\n\
+         exec \"$@\""
+    };
     let run = launch_with(
         1,
         &["--sp-arg=--ucx"],
@@ -132,12 +141,63 @@ fn ranks_mixing_cma_and_ucx_grants_agree() {
     assert_offloaded(&run, "a2a_check", 2);
     let lines = shim_lines(&run.stderr);
     let said = |needle: &str| lines.iter().filter(|l| l.contains(needle)).count();
-    assert_eq!(said("ucx grants, memory events on"), 2, "{}", run.stderr);
-    assert_eq!(said("rank 2: cannot initialise UCX"), 1, "{}", run.stderr);
+    let (ucx_ranks, failed) = if mpich { (3, 0) } else { (2, 1) };
+    assert_eq!(
+        said("ucx grants, memory events on"),
+        ucx_ranks,
+        "{}",
+        run.stderr
+    );
+    assert_eq!(
+        said("rank 2: cannot initialise UCX"),
+        failed,
+        "{}",
+        run.stderr
+    );
     let inline = run.sp_total("copies_inline");
     assert!(
         inline > 0 && inline < run.sp_total("copies_started"),
         "both backends copied\n{}",
+        run.stderr
+    );
+}
+
+/// `SPOFF_BACKEND=ucx-export` where no device can export (any machine without a BlueField), or
+/// with a shim built against UCX < 1.15: every rank says why, once, and grants with cma; the
+/// job is still offloaded and correct (with cma every copy of this program runs inline).
+#[test]
+fn ucx_export_where_no_device_can_export_falls_back_to_cma() {
+    let _serial = serial();
+    let prog = prog("a2a_check");
+    let run = launch_with(
+        1,
+        &["--sp-arg=--ucx"],
+        &[&prog, "2", "free"],
+        &[("SPOFF_BACKEND", "ucx-export"), ("SPOFF_VERBOSE", "1")],
+    );
+    assert_offloaded(&run, "a2a_check", 2);
+    let why = if ucx_sys::EXPORT_API {
+        "this device cannot export memory (needs BlueField cross-GVMI)"
+    } else {
+        "built without UCX >= 1.15 export support"
+    };
+    let lines = shim_lines(&run.stderr);
+    for r in 0..NP {
+        let said = format!("rank {r}: cannot initialise UCX for SPOFF_BACKEND=ucx-export");
+        let said: Vec<&&str> = lines
+            .iter()
+            .filter(|l| l.contains(&said) && l.contains(why) && l.ends_with("using cma grants"))
+            .collect();
+        assert_eq!(said.len(), 1, "rank {r} said why once\n{}", run.stderr);
+        if r == 0 {
+            println!("{}", said[0]);
+        }
+    }
+    assert!(run.sp_total("copies_started") > 0, "{}", run.stderr);
+    assert_eq!(
+        run.sp_total("copies_inline"),
+        run.sp_total("copies_started"),
+        "every copy took the cma path\n{}",
         run.stderr
     );
 }

@@ -6,6 +6,7 @@
 //! SIGKILL, and if an SP dies during the run the job gets `fault_grace` to end on its own (the
 //! shims fail the affected collectives) before it is killed.
 
+use crate::launch_mpi::{self, Mpi};
 use anyhow::{bail, Context, Result};
 use bootstrap::auth::{ClusterKey, JobCredential};
 use bootstrap::cluster::{Cluster, Layout, SpEntry};
@@ -34,7 +35,10 @@ pub struct LaunchOpts {
     pub native: bool,
     pub shim: Option<PathBuf>,
     pub max_inflight_reads: usize,
-    pub mpirun: String,
+    /// The MPI of the program (`None`: detected from it, see `launch_mpi`).
+    pub mpi: Option<Mpi>,
+    /// The launcher (`None`: the MPI's own, `mpirun` or `mpiexec.mpich`).
+    pub mpirun: Option<String>,
     pub mpirun_args: Vec<String>,
     /// Extra arguments for every SP's `serve`.
     pub sp_args: Vec<String>,
@@ -111,7 +115,28 @@ pub fn make_realtime() -> std::io::Result<()> {
     Ok(())
 }
 
-/// `rank-exec`: pins this MPI rank, optionally preloads the shim, and execs the program.
+/// The variable in which `launch` gives `rank-exec` the emulated node of every world rank
+/// (`0,0,1,1`); `rank-exec` turns it into this rank's `SPOFF_NODE` hint.
+pub const RANK_NODES_VAR: &str = "SPOFF_RANK_NODES";
+
+/// The emulated node of each world rank of a job of `world` ranks under `cluster`'s layout:
+/// what `launch` tells the ranks (`SPOFF_NODE`).
+pub fn rank_nodes(cluster: &Cluster, world: u32) -> Result<Vec<u32>> {
+    (0..world)
+        .map(|r| Ok(cluster.placement(r, world)?.node))
+        .collect()
+}
+
+/// This rank's `SPOFF_NODE` from the launcher's list of every rank's node.
+fn node_hint(list: &str, rank: u32) -> Result<u32> {
+    list.split(',')
+        .nth(rank as usize)
+        .and_then(|n| n.trim().parse().ok())
+        .with_context(|| format!("{RANK_NODES_VAR}={list:?} names no node for world rank {rank}"))
+}
+
+/// `rank-exec`: pins this MPI rank, tells it its emulated node (`SPOFF_NODE`, from the list
+/// `launch` passed), optionally preloads the shim, and execs the program.
 pub fn rank_exec(cpus: Option<&[u32]>, preload: Option<&Path>, program: &[String]) -> Result<()> {
     let rank: u32 = ["OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"]
         .iter()
@@ -121,8 +146,15 @@ pub fn rank_exec(cpus: Option<&[u32]>, preload: Option<&Path>, program: &[String
         let cpu = cpus[rank as usize % cpus.len()];
         pin_to(&[cpu]).with_context(|| format!("pinning rank {rank} to CPU {cpu}"))?;
     }
+    let hint = match std::env::var(RANK_NODES_VAR) {
+        Ok(list) => Some(node_hint(&list, rank)?),
+        Err(_) => None,
+    };
     let mut cmd = Command::new(&program[0]);
-    cmd.args(&program[1..]);
+    cmd.args(&program[1..]).env_remove(RANK_NODES_VAR);
+    if let Some(node) = hint {
+        cmd.env("SPOFF_NODE", node.to_string());
+    }
     if let Some(lib) = preload {
         let old = std::env::var("LD_PRELOAD").unwrap_or_default();
         let val = if old.is_empty() {
@@ -465,17 +497,15 @@ pub fn launch(opts: &LaunchOpts) -> Result<i32> {
         bail!("no program given (usage: service-process launch [OPTIONS] -- PROGRAM [ARGS...])");
     }
     let exe = std::env::current_exe().context("locating the service-process binary")?;
+    let mpi = launch_mpi::choose(opts.mpi, &opts.program[0])?;
     let shim = match (&opts.shim, opts.native) {
         (_, true) => None,
         (Some(p), false) => Some(p.clone()),
-        (None, false) => Some(exe.with_file_name("libhost_shim.so")),
+        (None, false) => Some(launch_mpi::default_shim(&exe, mpi)?),
     };
     if let Some(s) = &shim {
         if !s.exists() {
-            bail!(
-                "host shim {} not found (build it with `cargo build -p host-shim`, or pass --shim)",
-                s.display()
-            );
+            bail!("host shim {} not found", s.display());
         }
     }
     let mut signals = crate::signals::SignalPipe::install()?;
@@ -486,7 +516,7 @@ pub fn launch(opts: &LaunchOpts) -> Result<i32> {
             run_dir.display()
         );
     }
-    let result = run_job(opts, &exe, shim.as_deref(), &run_dir, &mut signals);
+    let result = run_job(opts, mpi, &exe, shim.as_deref(), &run_dir, &mut signals);
     if !opts.keep_run_dir {
         let _ = std::fs::remove_dir_all(&run_dir);
     }
@@ -495,6 +525,7 @@ pub fn launch(opts: &LaunchOpts) -> Result<i32> {
 
 fn run_job(
     opts: &LaunchOpts,
+    mpi: Mpi,
     exe: &Path,
     shim: Option<&Path>,
     run_dir: &Path,
@@ -541,7 +572,11 @@ fn run_job(
         None => None,
     };
 
-    let mut cmd = Command::new(&opts.mpirun);
+    let launcher = opts
+        .mpirun
+        .clone()
+        .unwrap_or_else(|| mpi.default_launcher().to_string());
+    let mut cmd = Command::new(&launcher);
     cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
         .env("SPOFF_NODES", opts.nodes.to_string())
@@ -552,10 +587,9 @@ fn run_job(
                 Layout::Block => "block",
                 Layout::Cyclic => "cyclic",
             },
-        )
-        .args(["--oversubscribe", "--bind-to", "none", "-np"])
-        .arg(world.to_string())
-        .args(&opts.mpirun_args);
+        );
+    // SPOFF_NODES, SPOFF_RANKS_PER_NODE and SPOFF_LAYOUT are for the benchmark's traffic
+    // accounting (coll-bench); the shim places itself from MPI and the SPOFF_NODE hint.
     let mut exported = vec!["SPOFF_NODES", "SPOFF_RANKS_PER_NODE", "SPOFF_LAYOUT"];
     match (&cluster_path, &key) {
         (Some(p), Some(key)) => {
@@ -564,19 +598,22 @@ fn run_job(
             // SAFETY: geteuid has no preconditions.
             let uid = unsafe { libc::geteuid() };
             let cred = JobCredential::issue_new(key, uid, world);
+            let nodes = rank_nodes(&Cluster::load(p)?, world)?;
+            let nodes: Vec<String> = nodes.iter().map(u32::to_string).collect();
             cmd.env("SPOFF_CLUSTER", p)
-                .env("SPOFF_JOB_CREDENTIAL", cred.encode());
-            exported.push("SPOFF_CLUSTER");
-            exported.push("SPOFF_JOB_CREDENTIAL");
+                .env("SPOFF_JOB_CREDENTIAL", cred.encode())
+                .env(RANK_NODES_VAR, nodes.join(","))
+                .env_remove("SPOFF_NODE");
+            exported.extend(["SPOFF_CLUSTER", "SPOFF_JOB_CREDENTIAL", RANK_NODES_VAR]);
         }
         _ => {
             cmd.env_remove("SPOFF_CLUSTER")
-                .env_remove("SPOFF_JOB_CREDENTIAL");
+                .env_remove("SPOFF_JOB_CREDENTIAL")
+                .env_remove(RANK_NODES_VAR);
         }
     }
-    for var in exported {
-        cmd.arg("-x").arg(var);
-    }
+    cmd.args(mpi.launcher_args(world, &exported))
+        .args(&opts.mpirun_args);
     cmd.arg(exe).arg("rank-exec");
     if let Some(cpus) = &opts.rank_cpus {
         let list: Vec<String> = cpus.iter().map(u32::to_string).collect();
@@ -589,7 +626,7 @@ fn run_job(
     supervised(&mut cmd, libc::SIGTERM);
     let mut mpirun = cmd
         .spawn()
-        .with_context(|| format!("starting {}", opts.mpirun))?;
+        .with_context(|| format!("starting {launcher}"))?;
     let stop_watchdog = Arc::new(AtomicBool::new(false));
     let stuck: Arc<Vec<AtomicBool>> =
         Arc::new(sps.iter().map(|_| AtomicBool::new(false)).collect());
@@ -667,6 +704,28 @@ fn run_job(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rank_nodes_follow_the_layout_and_each_rank_finds_its_own() {
+        let spec = SpSetSpec {
+            nodes: 2,
+            sps_per_node: 1,
+            ranks_per_node: 3,
+            layout: Layout::Cyclic,
+            sp_cpus: None,
+            max_inflight_reads: 1,
+            extra_args: vec![],
+            sp_args: vec![],
+        };
+        let dir = new_run_dir().unwrap();
+        let (path, _listeners) = write_cluster(&spec, &dir).unwrap();
+        let cluster = Cluster::load(&path).unwrap();
+        std::fs::remove_dir_all(&dir).ok();
+        assert_eq!(rank_nodes(&cluster, 6).unwrap(), [0, 1, 0, 1, 0, 1]);
+        assert_eq!(node_hint("0,1,0,1", 3).unwrap(), 1);
+        assert!(node_hint("0,1", 2).is_err());
+        assert!(node_hint("0,x", 1).is_err());
+    }
 
     #[test]
     fn cpu_lists() {

@@ -7,6 +7,7 @@ use bootstrap::{Cluster, Layout};
 use clap::{Parser, Subcommand};
 use service_process::access::Limits;
 use service_process::launch::{self, CpuList, LaunchOpts};
+use service_process::launch_mpi::Mpi;
 use service_process::mesh::connect_mesh;
 use service_process::server::{ServeConfig, Server, UcxMode};
 use std::os::fd::FromRawFd;
@@ -42,12 +43,12 @@ enum Cmd {
         #[arg(long)]
         cluster: PathBuf,
         /// This SP's id in the description, or `auto`: node from this machine's host name (or
-        /// --node) in the description's `hosts`, index on the node from the launcher's local
+        /// --node) in the description's `dpus` or `hosts`, index on the node from the launcher's local
         /// rank (OMPI_COMM_WORLD_LOCAL_RANK, PMI_LOCAL_RANK, MPI_LOCALRANKID or SLURM_LOCALID).
         #[arg(long)]
         sp_id: service_process::deploy::SpIdArg,
-        /// With --sp-id auto: this node's name in the description's `hosts` (default: the host
-        /// name).
+        /// With --sp-id auto: this node's name in the description's `dpus` or `hosts`
+        /// (default: this machine's host name).
         #[arg(long)]
         node: Option<String>,
         /// The hosts reaching this SP over TCP share its kernel (network namespaces of one
@@ -145,11 +146,14 @@ enum Cmd {
         connect_timeout_secs: u64,
     },
     /// Start an emulated cluster (N nodes x K SPs), run PROGRAM under mpirun with the host shim
-    /// preloaded, and stop everything when it exits. Exit status: the program's.
+    /// preloaded (an MPICH program under mpiexec.mpich with the MPICH-ABI shim; see --mpi), and
+    /// stop everything when it exits. Exit status: the program's.
     ///
-    /// The ranks get SPOFF_CLUSTER (the cluster description), SPOFF_JOB_ID, SPOFF_NODES and
-    /// SPOFF_RANKS_PER_NODE; the shim also reads SPOFF_OFFLOAD=0 (run natively) and
-    /// SPOFF_VERBOSE=1 from the launcher's environment. At exit every SP's counters are printed
+    /// The ranks get SPOFF_CLUSTER (the cluster description), SPOFF_JOB_CREDENTIAL and
+    /// SPOFF_NODE (the emulated node --layout puts them on; the shim places itself from it and
+    /// MPI), and for the benchmarks SPOFF_NODES, SPOFF_RANKS_PER_NODE and SPOFF_LAYOUT; the
+    /// shim also reads SPOFF_OFFLOAD=0 (run natively) and SPOFF_VERBOSE=1 from the launcher's
+    /// environment. At exit every SP's counters are printed
     /// on stderr as `sp N stats: {json}`. SP logs: SPOFF_LOG (e.g. info, debug).
     Launch {
         /// Emulated nodes.
@@ -161,7 +165,8 @@ enum Cmd {
         /// SPs per node; local rank i is served by SP i mod K of its node.
         #[arg(long, default_value_t = 1)]
         sps_per_node: u32,
-        /// How world ranks map to nodes: block (rank / R) or cyclic (rank % N).
+        /// Which emulated node each world rank is told it is on: block (rank / R) or cyclic
+        /// (rank % N).
         #[arg(long, default_value = "block")]
         layout: Layout,
         /// CPUs for the SPs, assigned round-robin (stand-ins for the DPU's cores).
@@ -178,15 +183,22 @@ enum Cmd {
         /// Run without SPs and without the shim, on the same layout and pinning (the baseline).
         #[arg(long)]
         native: bool,
-        /// The host shim to preload (default: libhost_shim.so next to this binary).
+        /// The host shim to preload (default: the one built for the program's MPI next to this
+        /// binary: libhost_shim.so for Open MPI, libhost_shim_mpich.so for MPICH).
         #[arg(long)]
         shim: Option<PathBuf>,
+        /// The program's MPI, openmpi or mpich (the MPICH family: MPICH, MVAPICH, Intel MPI);
+        /// it picks the launcher and the shim. Default: detected from the libraries the
+        /// program links (libmpi.so.40 / libmpich.so.12); Open MPI for a program linking
+        /// neither.
+        #[arg(long, value_name = "MPI")]
+        mpi: Option<Mpi>,
         /// Copies active at once on each SP, across all collectives.
         #[arg(long, default_value_t = 4)]
         max_inflight_reads: usize,
-        /// The mpirun to use.
-        #[arg(long, default_value = "mpirun")]
-        mpirun: String,
+        /// The launcher to use (default: mpirun for Open MPI, mpiexec.mpich for MPICH).
+        #[arg(long)]
+        mpirun: Option<String>,
         /// Extra arguments for mpirun (repeatable), e.g. --mpirun-arg=--mca --mpirun-arg=pml
         #[arg(long = "mpirun-arg", allow_hyphen_values = true)]
         mpirun_args: Vec<String>,
@@ -324,6 +336,12 @@ enum Cmd {
         /// One JSON object per row instead of the table.
         #[arg(long)]
         json: bool,
+    },
+    /// Write (`init`) or validate (`check`) the cluster description of a real cluster: each
+    /// node's host name, its DPU's addresses for hosts and for peer SPs, K SPs per DPU, ports.
+    Cluster {
+        #[command(subcommand)]
+        cmd: service_process::cluster_cmd::ClusterCmd,
     },
     /// (internal) Run by mpirun for each rank: pin, preload the shim, exec the program.
     #[command(hide = true)]
@@ -517,6 +535,7 @@ fn run(cli: Cli) -> Result<i32> {
             rank_cpus,
             native,
             shim,
+            mpi,
             max_inflight_reads,
             mpirun,
             mpirun_args,
@@ -539,6 +558,7 @@ fn run(cli: Cli) -> Result<i32> {
                 native,
                 shim,
                 max_inflight_reads,
+                mpi,
                 mpirun,
                 mpirun_args,
                 sp_args,
@@ -645,6 +665,7 @@ fn run(cli: Cli) -> Result<i32> {
             })?;
             Ok(0)
         }
+        Cmd::Cluster { cmd } => service_process::cluster_cmd::run(cmd),
         Cmd::RankExec {
             cpus,
             preload,
