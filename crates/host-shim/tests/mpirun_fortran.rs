@@ -7,7 +7,9 @@
 //! native reference (the library's own Fortran `PMPI_*` binding under Open MPI; see
 //! `fcheck.F90` for MPICH), and the SPs' counters proving that every eligible
 //! call of every rank was offloaded. The same programs with the shim preloaded but not active
-//! run through the library's own Fortran functions, unchanged.
+//! run through the library's own Fortran functions, unchanged. Under Open MPI by default;
+//! `SPOFF_TEST_MPI=mpich` (`make test-mpich`) runs the same tests under MPICH, and
+//! `mpirun_fortran_mpich.rs` runs the offloaded programs under MPICH in `make test`.
 
 mod common;
 mod fortran;
@@ -15,11 +17,19 @@ mod fortran;
 use common::*;
 use fortran::{fcheck, Flavour, FLAVOURS};
 
+/// The Fortran compiler of the MPI the tests run under.
+fn compiler() -> &'static str {
+    match mpi() {
+        Mpi::OpenMpi => "mpifort",
+        Mpi::Mpich => "mpifort.mpich",
+    }
+}
+
 /// `fcheck` of `flavour` under the launcher with `sps_per_node` SPs per node and `layout`:
 /// passes by its own verdict, and the SPs posted exactly its eligible calls of every rank.
 fn fcheck_offloads(flavour: Flavour, sps_per_node: u32, layout: &str) {
     let _serial = serial();
-    let prog = fcheck(flavour, "mpifort");
+    let prog = fcheck(flavour, compiler());
     let seed = integration_tests::seed().to_string();
     let run = launch_with(
         sps_per_node,
@@ -59,7 +69,13 @@ fn fortran_programs_with_an_inactive_shim_run_natively() {
     let _serial = serial();
     let seed = integration_tests::seed().to_string();
     for flavour in FLAVOURS {
-        let prog = fcheck(flavour, "mpifort");
+        if flavour == Flavour::F08 && mpi() == Mpi::Mpich {
+            // MPICH 4.0.2's own mpi_f08 Waitany/Testany/Waitsome/Testsome give 0-based
+            // indices: the program fails natively (with the shim active its entries give
+            // Fortran's 1-based ones).
+            continue;
+        }
+        let prog = fcheck(flavour, compiler());
         // Preloaded, not configured: every Fortran call goes to the library's own function.
         let run = mpirun_preloaded(&[&prog, "1", &seed], &[]);
         verdict(&run, flavour.name());
