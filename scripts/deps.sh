@@ -5,6 +5,8 @@ set -euo pipefail
 # mpich + libmpich-dev: the MPICH-ABI shim (scripts/build-mpich.sh) and its tests; they install
 # beside Open MPI, which stays the default mpicc/mpirun.
 pkgs=(libucx-dev openmpi-bin libopenmpi-dev mpich libmpich-dev libclang-dev pkg-config build-essential)
+# The Fortran test programs (mpifort needs a Fortran compiler).
+pkgs+=(gfortran)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

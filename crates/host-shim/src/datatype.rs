@@ -79,6 +79,11 @@ pub unsafe fn create_keyval() {
 /// # Safety
 /// MPI is initialised.
 pub unsafe fn geometry(ty: ffi::MPI_Datatype) -> Option<TypeGeometry> {
+    // Not asked of MPI: Open MPI reports MPI_DATATYPE_NULL to the type queries through
+    // MPI_COMM_WORLD's handler (fatal by default), not through the call's communicator.
+    if ty == consts::DATATYPE_NULL() {
+        return None;
+    }
     // SAFETY: forwarded.
     let combiner = unsafe { envelope(ty)? }.3;
     let keyval = KEYVAL.load(Ordering::Acquire);

@@ -56,7 +56,8 @@
 //! `wait` + `backoff` (the Wait/Test family), `layout` (byte arithmetic),
 //! `grants` + `unmapped` (buffer grants, the `ucx` cache's unmap events), `datatype` + `pack`
 //! (which sides are runs; packing the others), `post` (laying out, packing and posting one
-//! collective), `design` (the staged designs and other per-job settings).
+//! collective), `design` (the staged designs and other per-job settings), `fortran` (the
+//! Fortran entry points, which convert their arguments and call the C ones).
 #![deny(unsafe_op_in_unsafe_fn)]
 // The exported functions keep MPI's names and signatures.
 #![allow(non_snake_case, clippy::missing_safety_doc, clippy::too_many_arguments)]
@@ -69,6 +70,7 @@ mod completion;
 mod conn;
 mod datatype;
 mod design;
+mod fortran;
 mod grants;
 mod lifecycle;
 mod pack;

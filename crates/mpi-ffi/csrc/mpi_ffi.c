@@ -70,3 +70,10 @@ const int MPIFFI_COMM_TYPE_SHARED = MPI_COMM_TYPE_SHARED;
 void mpiffi_status_set_count_bytes(MPI_Status *status, MPI_Count bytes) {
     MPI_Status_set_elements_x(status, MPI_BYTE, bytes);
 }
+
+/* Fortran handle conversion. Open MPI has functions for these, MPICH only macros (its handles
+ * are the Fortran integers themselves): written here once, they work for both. */
+MPI_Comm mpiffi_comm_f2c(MPI_Fint comm) { return PMPI_Comm_f2c(comm); }
+MPI_Datatype mpiffi_type_f2c(MPI_Fint datatype) { return PMPI_Type_f2c(datatype); }
+MPI_Request mpiffi_request_f2c(MPI_Fint request) { return PMPI_Request_f2c(request); }
+MPI_Fint mpiffi_request_c2f(MPI_Request request) { return PMPI_Request_c2f(request); }

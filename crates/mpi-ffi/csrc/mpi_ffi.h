@@ -75,4 +75,10 @@ extern const int MPIFFI_COMM_TYPE_SHARED;
 
 /* Status fields that are not part of the public struct in every implementation. */
 void mpiffi_status_set_count_bytes(MPI_Status *status, MPI_Count bytes);
+
+/* Fortran handle conversion (functions in Open MPI, macros in MPICH). */
+MPI_Comm mpiffi_comm_f2c(MPI_Fint comm);
+MPI_Datatype mpiffi_type_f2c(MPI_Fint datatype);
+MPI_Request mpiffi_request_f2c(MPI_Fint request);
+MPI_Fint mpiffi_request_c2f(MPI_Request request);
 #endif
