@@ -33,7 +33,7 @@ fn a2a_check_offloads(sps_per_node: u32, slots: &str) {
             lines
                 .iter()
                 .any(|l| l.contains(&format!("rank {r}: offload active"))
-                    && l.ends_with(&format!(", {slots} mailbox slots"))),
+                    && l.contains(&format!(", {slots} mailbox slots, placed by "))),
             "rank {r} did not activate with {slots} slots\n{}",
             run.stderr
         );

@@ -69,7 +69,7 @@ fn mpich_a2a_check_offloads_with_every_wait_and_test_variant() {
             lines
                 .iter()
                 .any(|l| l.contains(&format!("rank {r}: offload active"))
-                    && l.ends_with(", 4 mailbox slots")),
+                    && l.contains(", 4 mailbox slots, placed by ")),
             "rank {r} did not activate\n{}",
             run.stderr
         );

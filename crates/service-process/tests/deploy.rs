@@ -169,7 +169,7 @@ fn serve_sp_id_auto_takes_the_node_and_the_launchers_local_rank() {
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("is not in the cluster description's hosts"),
+        err.contains("is not in the cluster description's dpus or hosts"),
         "{err}"
     );
 
