@@ -178,9 +178,21 @@ fn sps_started_by_mpirun_serve_a_job_over_tcp() {
         },
         Duration::from_secs(90),
     );
+    let cluster_arg = sps.cluster_path.display().to_string();
     let stop = |launcher: &mut std::process::Child| {
-        // SAFETY: kill(2) on the process group made for the launcher.
-        unsafe { libc::kill(-(launcher.id() as i32), libc::SIGTERM) };
+        // SIGTERM to the SPs themselves, as an admin or systemd stops a daemon: mpirun ends on
+        // its own once both have exited, after forwarding all they printed. (A SIGTERM to the
+        // launcher's whole group races mpirun's output forwarding with the SPs' last lines.)
+        for pid in pids_matching(&cluster_arg) {
+            let argv = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let mut args = argv.split(|&b| b == 0).map(String::from_utf8_lossy);
+            let is_sp = args.next().is_some_and(|a| a.ends_with("service-process"))
+                && args.next().is_some_and(|a| a == "serve");
+            if is_sp {
+                // SAFETY: kill(2) with a pid and a signal number.
+                unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+            }
+        }
         let t = std::time::Instant::now();
         while launcher.try_wait().unwrap().is_none() {
             if t.elapsed() > Duration::from_secs(20) {

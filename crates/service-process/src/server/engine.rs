@@ -246,10 +246,16 @@ impl Server {
                     dst_offset,
                     len,
                 } => {
-                    // A rank waiting in a blocking call copies what is already on its node.
+                    // A rank waiting in a blocking call copies what is already on its node,
+                    // reading the source rank's process by pid: only a process this SP has
+                    // pinned (a host over TCP from another machine has none, pid 0: the SP
+                    // moves those bytes itself, through the grants).
                     let dst = inst.posted.get(&dst_rank).copied();
                     let by_host = dst.filter(|p| p.host_copies);
-                    if let Some(p) = by_host.filter(|_| self.is_local(&src_key.owner)) {
+                    let src_known = src_key.owner.pid != 0;
+                    if let Some(p) =
+                        by_host.filter(|_| src_known && self.is_local(&src_key.owner))
+                    {
                         self.hand_to_host(
                             ck, id, p, &src_key, src_offset, &dst_key, dst_offset, len,
                         );
