@@ -12,7 +12,7 @@ BIN := target/release
 SP := $(BIN)/service-process
 BENCH := $(BIN)/coll-bench
 
-.PHONY: all deps build test demo bench conformance chaos fuzz soak fmt clippy clean
+.PHONY: all deps build test demo bench conformance chaos fuzz soak deploy-test fmt clippy clean
 
 all: build
 
@@ -51,6 +51,13 @@ fuzz: build
 # descriptors, jobs and instances are sampled; writes docs/SOAK.md and docs/soak.svg.
 soak: build
 	SOAK_COLLECTIVES=100000 SOAK_JOBS=200 SOAK_WRITE_DOCS=1 $(CARGO) test --release -p integration-tests --test soak -- --nocapture
+
+# A real multi-node cluster made of network namespaces (needs root): per node a host and a DPU
+# namespace, SPs in the DPU namespaces, the job started by Open MPI's mpirun across the host
+# namespaces; correctness programs, the overlap benchmark, an SP and a rank killed; nothing
+# left behind (docs/DEPLOY.md). DEPLOY_SHORT=1 for the short run make test does.
+deploy-test: build
+	bash scripts/deploy-test.sh
 
 # The full benchmark; writes docs/BENCHMARKS.md.
 bench: build
