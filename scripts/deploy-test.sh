@@ -24,6 +24,7 @@ SHORT=${DEPLOY_SHORT:-0}
 started=$(date +%s)
 . scripts/deploy/netns.sh
 . scripts/deploy/sps.sh
+. scripts/deploy/slurm.sh
 
 for b in "$SP" "$BENCH" "$SHIM"; do
   [ -e "$b" ] || dt_die "$b is missing; run 'make build' first"
@@ -43,16 +44,30 @@ TAG=$(dt_key_tag "$DT_KEY")
 DT_SERVE_ARGS=(--ucx=off --heartbeat-ms 500 --peer-timeout-ms 4000)
 jobs_run=0 jobs_offloaded=0 faults=0 failures=0
 
+# count_strays: after an orderly end of the SPs and jobs nothing runs in our namespaces any
+# more; whatever does was left behind (added to `strays`, listed).
+strays=0
+count_strays() {
+  local pids
+  pids=$(dt_ns_pids | tr '\n' ' ' | sed 's/ *$//')
+  [ -n "$pids" ] || return 0
+  echo "deploy-test: processes left in the namespaces: $pids" >&2
+  ps -o pid,args -p "${pids// /,}" 2>/dev/null | cut -c1-150 >&2
+  strays=$((strays + $(wc -w <<< "$pids")))
+}
+
 # teardown: stops everything of this run and removes it; sets `left` to what it then still
 # finds of the run (namespaces, processes, sockets, shared-memory segments), each reported.
 teardown() {
   set +e
   local pid
+  dt_slurm_down
+  [ "${orderly:-0}" = 1 ] && count_strays
+  left=$strays
   for pid in "${DT_SP_PIDS[@]}" "${DT_DRAINERS[@]}"; do kill -KILL "$pid" 2>/dev/null; done
   for pid in "${DT_SP_PIDS[@]}" "${DT_DRAINERS[@]}"; do wait "$pid" 2>/dev/null; done
   DT_SP_PIDS=() DT_DRAINERS=()
   dt_cluster_down
-  left=0
   local ns procs socks segs
   ns=$(dt_ns_left)
   [ -z "$ns" ] || { echo "deploy-test: namespaces left: $ns" >&2; left=$((left + $(wc -w <<< "$ns"))); }
@@ -110,29 +125,47 @@ place_from_mpi=0
 "$SP" cluster --help >/dev/null 2>&1 && place_from_mpi=1
 
 # dt_job LABEL EXPECT TIMEOUT MAPPING OFFLOAD -- PROGRAM ARGS...
-#   EXPECT ok|fail; MAPPING "2+2" (ranks per node, node1 first) or "rankfile:FILE";
+#   EXPECT ok|fail; MAPPING "2+2" (mpirun; ranks per node, node1 first), "rankfile:FILE"
+#   (mpirun --rankfile) or "srun:NODES:NP[:PER_NODE]" (Slurm's srun --mpi=pmix; without
+#   PER_NODE, Slurm's own distribution);
 #   OFFLOAD 1 (shim preloaded, SP posts must grow) or 0 (native).
 # Output in $RUN/job-LABEL.{out,err}; sets job_rc, job_posts.
 dt_job() {
   local label=$1 expect=$2 secs=$3 mapping=$4 offload=$5
   shift 6
-  local map_opts=() np=0 n
-  if [[ $mapping == rankfile:* ]]; then
-    local rf=${mapping#rankfile:}
-    np=$(grep -c '^rank' "$rf")
-    map_opts=(--rankfile "$rf" --hostfile "$RUN/hosts-all")
-  else
-    dt_hostfile "$RUN/hosts-$label" "$mapping"
-    for n in ${mapping//+/ }; do np=$((np + n)); done
-    map_opts=(--hostfile "$RUN/hosts-$label" --map-by slot)
+  local launcher=() np=0 n i
+  case "$mapping" in
+    rankfile:*)
+      local rf=${mapping#rankfile:}
+      np=$(grep -c '^rank' "$rf")
+      : > "$RUN/hosts-all"
+      for i in $(seq 1 "$DT_NODES"); do echo "node$i slots=8" >> "$RUN/hosts-all"; done
+      launcher=("${DT_MPIRUN[@]}" -np "$np" --rankfile "$rf" --hostfile "$RUN/hosts-all") ;;
+    srun:*)
+      local per
+      IFS=: read -r _ n np per <<< "$mapping"
+      launcher=(srun -N "$n" -n "$np" --mpi=pmix ${per:+--ntasks-per-node="$per"}) ;;
+    *)
+      dt_hostfile "$RUN/hosts-$label" "$mapping"
+      for n in ${mapping//+/ }; do np=$((np + n)); done
+      launcher=("${DT_MPIRUN[@]}" -np "$np" --hostfile "$RUN/hosts-$label" --map-by slot) ;;
+  esac
+  if [ "$offload" = 1 ]; then
+    dt_offload_opts "$np"
+    if [ "${launcher[0]}" = srun ]; then
+      # srun hands its own environment to the tasks: the job's variables, and the preload for
+      # the tasks only.
+      launcher=(env "SPOFF_CLUSTER=$DT_CLUSTER" "SPOFF_JOB_CREDENTIAL=$DT_CRED" "${launcher[@]}"
+        "--export=ALL,LD_PRELOAD=$SHIM")
+    else
+      launcher+=("${DT_OFFLOAD[@]}")
+    fi
   fi
-  local off=()
-  if [ "$offload" = 1 ]; then dt_offload_opts "$np"; off=("${DT_OFFLOAD[@]}"); fi
   local before=0
   [ "$offload" = 1 ] && before=$(dt_counter posts)
   set +e
-  ip netns exec "$DT_FAB" timeout -k 5 "$secs" "${DT_MPIRUN[@]}" -np "$np" "${map_opts[@]}" \
-    "${off[@]}" "$@" > "$RUN/job-$label.out" 2> "$RUN/job-$label.err" < /dev/null
+  ip netns exec "$DT_FAB" timeout -k 5 "$secs" "${launcher[@]}" "$@" \
+    > "$RUN/job-$label.out" 2> "$RUN/job-$label.err" < /dev/null
   job_rc=$?
   set -e
   jobs_run=$((jobs_run + 1))
@@ -172,10 +205,14 @@ say "seed $seed, $cases conform cases per job"
 # correctness N K MAPPING: the checking programs on one mapping of a running N x K cluster.
 correctness() {
   local n=$1 k=$2 mapping=$3 label np=0 x
-  for x in ${mapping//+/ }; do np=$((np + x)); done
-  [[ $mapping == rankfile:* ]] && np=$(grep -c '^rank' "${mapping#rankfile:}")
+  case "$mapping" in
+    rankfile:*) np=$(grep -c '^rank' "${mapping#rankfile:}") ;;
+    srun:*) np=$(cut -d: -f3 <<< "$mapping") ;;
+    *) for x in ${mapping//+/ }; do np=$((np + x)); done ;;
+  esac
   local tag="${n}n${k}k-${mapping##*/}"
   tag=${tag//+/_}
+  tag=${tag//:/_}
   label="conform-$tag"
   if dt_job "$label" ok 300 "$mapping" 1 -- "$RUN/progs/conform" --cases "$cases" --seed "$seed" \
     --timeout 30 --mixed-in-place; then
@@ -351,6 +388,26 @@ bench() {
   fi
 }
 
+# slurm_phase N: Slurm on the N host namespaces (slurmctld in the fabric, a slurmd per host),
+# the correctness programs started by `srun --mpi=pmix` on the running cluster.
+slurm_phase() {
+  local n=$1
+  if ! dt_slurm_available; then
+    say "Slurm: skipped (not installed; apt-get install slurmd slurmctld slurm-client)"
+    return 0
+  fi
+  echo "== Slurm: slurmctld in the fabric namespace, slurmd in each of the $n host namespaces"
+  if ! dt_slurm_up "$n"; then
+    fail "Slurm: the daemons did not come up"
+    dt_slurm_down
+    return 0
+  fi
+  slurm_ran=1
+  correctness "$n" "$DT_K" "srun:$n:$((2 * n)):2"
+  [ "$place_from_mpi" = 1 ] && correctness "$n" "$DT_K" "srun:$n:$((2 * n))"
+  dt_slurm_down
+}
+
 # phase N K MAPPINGS...: a cluster of N nodes x K SPs; the correctness programs on each mapping.
 phase() {
   local n=$1 k=$2; shift 2
@@ -367,6 +424,7 @@ run_all() {
     echo "-- namespaces: $(ip netns list | awk '{print $1}' | grep "^$DT_PREFIX" | sed "s/^$DT_PREFIX//" | tr '\n' ' ')"
     phase 2 2 "$uniform2"
     [ "$place_from_mpi" = 1 ] && correctness 2 2 3+1
+    slurm_phase 2
     show_connections "$uniform2"
     bench 1+1
     fault_kill_rank "$uniform2"
@@ -381,10 +439,12 @@ run_all() {
   dt_sps_stop
   phase 2 2 "$uniform2"
   [ "$place_from_mpi" = 1 ] && correctness 2 2 3+1
+  slurm_phase 2
   show_connections "$uniform2"
   fault_kill_rank "$uniform2"
   fault_kill_sp 2 2 "$uniform2"
   dt_sps_stop
+  count_strays
   dt_cluster_down
   dt_cluster_up 4
   phase 4 1 "$uniform4"
@@ -405,7 +465,7 @@ if [ "$place_from_mpi" = 0 ]; then
   say "placement still comes from the description (no 'service-process cluster'): uniform block mappings only"
 fi
 run_all
-torn_down=1
+torn_down=1 orderly=1
 teardown
 secs=$(( $(date +%s) - started ))
 echo "deploy-test: $jobs_run jobs, $jobs_offloaded offloaded, $faults faults handled, $left left behind, in $secs s"

@@ -160,10 +160,10 @@ dt_mpirun_base() {
     --bind-to none --oversubscribe)
 }
 
-# dt_offload_env: the options that offload a job: the shim preloaded, the description and a
+# dt_offload_opts WORLD: the options (DT_OFFLOAD; the credential alone in DT_CRED) that offload a job: the shim preloaded, the description and a
 # job credential of WORLD ranks (issued from the cluster key, as a resource manager would).
 dt_offload_opts() {
-  local world=$1 cred
-  cred=$("$SP" credential --key "$DT_KEY" --world-size "$world") || dt_die "cannot issue a job credential"
-  DT_OFFLOAD=(-x "LD_PRELOAD=$SHIM" -x "SPOFF_CLUSTER=$DT_CLUSTER" -x "SPOFF_JOB_CREDENTIAL=$cred")
+  local world=$1
+  DT_CRED=$("$SP" credential --key "$DT_KEY" --world-size "$world") || dt_die "cannot issue a job credential"
+  DT_OFFLOAD=(-x "LD_PRELOAD=$SHIM" -x "SPOFF_CLUSTER=$DT_CLUSTER" -x "SPOFF_JOB_CREDENTIAL=$DT_CRED")
 }
