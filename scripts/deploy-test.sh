@@ -42,6 +42,9 @@ DT_KEY=$RUN/cluster.key
 dt_make_key "$DT_KEY"
 TAG=$(dt_key_tag "$DT_KEY")
 DT_SERVE_ARGS=(--ucx=off --heartbeat-ms 500 --peer-timeout-ms 4000)
+DT_JOB_ENV=()
+DT_SOCK_DIR=$RUN/sock   # the SPs' Unix sockets when mpirun starts them (private per DPU)
+mkdir -p "$DT_SOCK_DIR"
 jobs_run=0 jobs_offloaded=0 faults=0 failures=0
 
 # count_strays: after an orderly end of the SPs and jobs nothing runs in our namespaces any
@@ -64,8 +67,9 @@ teardown() {
   dt_slurm_down
   [ "${orderly:-0}" = 1 ] && count_strays
   left=$strays
-  for pid in "${DT_SP_PIDS[@]}" "${DT_DRAINERS[@]}"; do kill -KILL "$pid" 2>/dev/null; done
-  for pid in "${DT_SP_PIDS[@]}" "${DT_DRAINERS[@]}"; do wait "$pid" 2>/dev/null; done
+  for pid in $DT_SP_LAUNCHER "${DT_SP_PIDS[@]}" "${DT_DRAINERS[@]}"; do kill -KILL "$pid" 2>/dev/null; done
+  for pid in $DT_SP_LAUNCHER "${DT_SP_PIDS[@]}" "${DT_DRAINERS[@]}"; do wait "$pid" 2>/dev/null; done
+  DT_SP_LAUNCHER=""
   DT_SP_PIDS=() DT_DRAINERS=()
   dt_cluster_down
   local ns procs socks segs
@@ -119,10 +123,37 @@ done
 dt_write_agent "$RUN/agent"
 dt_mpirun_base
 
+# sps_up N K / sps_down: the SPs of an N x K cluster, started the way this build allows.
+sps_up() {
+  if [ "$launcher_mode" = 1 ]; then dt_sps_launch "$@"; else dt_sps_start "$@"; fi
+}
+sps_down() {
+  if [ "$launcher_mode" = 1 ]; then dt_sps_unlaunch; else dt_sps_stop; fi
+}
+
 # Whether placement comes from MPI itself (issue 17: `service-process cluster` exists) or still
 # from the description's ranks_per_node (uniform block mappings only).
 place_from_mpi=0
 "$SP" cluster --help >/dev/null 2>&1 && place_from_mpi=1
+# Whether SPs can be started by a launcher (serve --sp-id auto, wait-ready) and reached by their
+# hosts over TCP (host_addr): then the description comes from `cluster init`, the SPs from
+# mpirun across the DPU namespaces, and the ranks reach them over TCP.
+launcher_mode=0
+if [ "$place_from_mpi" = 1 ] && "$SP" wait-ready --help >/dev/null 2>&1 &&
+  "$SP" serve --help 2>&1 | grep -q -- '--hosts-same-kernel'; then
+  launcher_mode=1
+  DT_HOST_TCP=1
+  if [ "${DEPLOY_SAME_KERNEL:-0}" = 1 ]; then
+    # Hosts over TCP, but the SP may attach to them (cma), as on one kernel.
+    DT_SERVE_ARGS=(--hosts-same-kernel --ucx=off --heartbeat-ms 500 --peer-timeout-ms 4000)
+    DT_JOB_ENV=(-x SPOFF_HOSTS_SAME_KERNEL=1)
+  else
+    # As on a real cluster: the SP cannot attach to a host over TCP; memory is granted through
+    # UCX (rkeys), the SPs move it with UCX over the test network.
+    DT_SERVE_ARGS=(--ucx=on --heartbeat-ms 500 --peer-timeout-ms 4000)
+    DT_JOB_ENV=()
+  fi
+fi
 
 # dt_job LABEL EXPECT TIMEOUT MAPPING OFFLOAD -- PROGRAM ARGS...
 #   EXPECT ok|fail; MAPPING "2+2" (mpirun; ranks per node, node1 first), "rankfile:FILE"
@@ -155,7 +186,9 @@ dt_job() {
     if [ "${launcher[0]}" = srun ]; then
       # srun hands its own environment to the tasks: the job's variables, and the preload for
       # the tasks only.
-      launcher=(env "SPOFF_CLUSTER=$DT_CLUSTER" "SPOFF_JOB_CREDENTIAL=$DT_CRED" "${launcher[@]}"
+      local xs=() x
+      for x in "${DT_JOB_ENV[@]}"; do [ "$x" = -x ] || xs+=("$x"); done
+      launcher=(env "SPOFF_CLUSTER=$DT_CLUSTER" "SPOFF_JOB_CREDENTIAL=$DT_CRED" "${xs[@]}" "${launcher[@]}"
         "--export=ALL,LD_PRELOAD=$SHIM")
     else
       launcher+=("${DT_OFFLOAD[@]}")
@@ -337,6 +370,7 @@ fault_kill_sp() {
   t0=$(date +%s)
   kill -KILL "${DT_SP_PIDS[victim]}"
   wait "${DT_SP_PIDS[victim]}" 2>/dev/null || true
+  DT_SP_FAULTED=1
   unset "DT_SP_PIDS[victim]"
   # A killed SP cannot remove its socket file; the next SP of that id would.
   rm -f "$RUN/sp$victim.sock"
@@ -412,7 +446,7 @@ slurm_phase() {
 phase() {
   local n=$1 k=$2; shift 2
   echo "== $n nodes, $k SP(s) per DPU"
-  dt_sps_start "$n" "$k"
+  sps_up "$n" "$k"
   local m
   for m in "$@"; do correctness "$n" "$k" "$m"; done
 }
@@ -429,21 +463,21 @@ run_all() {
     bench 1+1
     fault_kill_rank "$uniform2"
     fault_kill_sp 2 2 "$uniform2"
-    dt_sps_stop
+    sps_down
     return
   fi
   dt_cluster_up 2
   echo "-- namespaces: $(ip netns list | awk '{print $1}' | grep "^$DT_PREFIX" | sed "s/^$DT_PREFIX//" | tr '\n' ' ')"
   phase 2 1 "$uniform2"
   bench 1+1
-  dt_sps_stop
+  sps_down
   phase 2 2 "$uniform2"
   [ "$place_from_mpi" = 1 ] && correctness 2 2 3+1
   slurm_phase 2
   show_connections "$uniform2"
   fault_kill_rank "$uniform2"
   fault_kill_sp 2 2 "$uniform2"
-  dt_sps_stop
+  sps_down
   count_strays
   dt_cluster_down
   dt_cluster_up 4
@@ -453,12 +487,12 @@ run_all() {
     printf 'rank 0=node1 slot=0\nrank 1=node3 slot=0\nrank 2=node1 slot=1\nrank 3=node2 slot=0\nrank 4=node4 slot=0\nrank 5=node3 slot=1\n' > "$RUN/rankfile"
     correctness 4 1 "rankfile:$RUN/rankfile"
   fi
-  dt_sps_stop
+  sps_down
   phase 4 2 2+2+2+2
   [ "$place_from_mpi" = 1 ] && correctness 4 2 1+2+1
   show_connections 2+2+2+2
   fault_kill_sp 4 2 2+2+2+2
-  dt_sps_stop
+  sps_down
 }
 
 if [ "$place_from_mpi" = 0 ]; then

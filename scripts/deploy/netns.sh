@@ -91,7 +91,8 @@ dt_wait_ping() {
 }
 
 # dt_write_agent FILE: the rsh agent Open MPI's mpirun calls as `AGENT HOST COMMAND...`: it runs
-# COMMAND in HOST's namespace under HOST's own host name (a UTS namespace of its own).
+# COMMAND in HOST's namespace under HOST's own host name (a UTS namespace of its own); on a DPU
+# with a private tmpfs at $DT_SOCK_DIR (the SPs' Unix sockets).
 dt_write_agent() {
   cat > "$1" <<EOF
 #!/bin/sh
@@ -101,7 +102,13 @@ case "\$host" in
   node[0-9]*) ;;
   *) echo "deploy-test agent: unknown host \$host" >&2; exit 255 ;;
 esac
-exec ip netns exec "${DT_PREFIX}\$host" unshare --uts sh -c 'hostname "\$0" && exec sh -c "\$*"' "\$host" "\$@"
+case "\$host" in
+  # A DPU: its SPs' Unix sockets in a directory of its own (each DPU is its own machine; \`ip netns
+  # exec\` gives the command a private mount namespace, where this tmpfs stays).
+  *-dpu) exec ip netns exec "${DT_PREFIX}\$host" unshare --uts sh -c \
+    'hostname "\$0" && mount -t tmpfs -o mode=0755 none "$DT_SOCK_DIR" && exec sh -c "\$*"' "\$host" "\$@" ;;
+  *) exec ip netns exec "${DT_PREFIX}\$host" unshare --uts sh -c 'hostname "\$0" && exec sh -c "\$*"' "\$host" "\$@" ;;
+esac
 EOF
   chmod 0755 "$1"
 }

@@ -165,5 +165,94 @@ dt_mpirun_base() {
 dt_offload_opts() {
   local world=$1
   DT_CRED=$("$SP" credential --key "$DT_KEY" --world-size "$world") || dt_die "cannot issue a job credential"
-  DT_OFFLOAD=(-x "LD_PRELOAD=$SHIM" -x "SPOFF_CLUSTER=$DT_CLUSTER" -x "SPOFF_JOB_CREDENTIAL=$DT_CRED")
+  DT_OFFLOAD=(-x "LD_PRELOAD=$SHIM" -x "SPOFF_CLUSTER=$DT_CLUSTER" -x "SPOFF_JOB_CREDENTIAL=$DT_CRED"
+    "${DT_JOB_ENV[@]}")
+}
+
+# --- Per-job SPs started by a real launcher (issue 17: serve --sp-id auto, wait-ready) -------
+
+DT_SP_LAUNCHER=""  # the pid of the mpirun that runs the SPs
+
+# dt_init_cluster NODES K: the description from `service-process cluster init`: a host file
+# (node1..nodeN) and a DPU map (nodeI -> its DPU namespace's address); checked.
+dt_init_cluster() {
+  local n=$1 k=$2 i
+  DT_CLUSTER=$RUN/cluster-${n}x$k.json
+  : > "$RUN/nodes"; : > "$RUN/dpus"
+  for i in $(seq 1 "$n"); do
+    echo "node$i" >> "$RUN/nodes"
+    echo "node$i $(dt_addr_dpu "$i")" >> "$RUN/dpus"
+  done
+  "$SP" cluster init --hosts-file "$RUN/nodes" --dpu-map "$RUN/dpus" --sps-per-node "$k" \
+    --peer-port "$DT_SP_PORT_BASE" --host-port "$DT_HOST_PORT_BASE" --socket-dir "$DT_SOCK_DIR" \
+    -o "$DT_CLUSTER" 2> "$RUN/cluster-init.err" ||
+    { cat "$RUN/cluster-init.err" >&2; dt_die "service-process cluster init failed"; }
+  "$SP" cluster check "$DT_CLUSTER" > "$RUN/cluster-check.out" 2>&1 ||
+    { cat "$RUN/cluster-check.out" >&2; dt_die "service-process cluster check refused the description"; }
+}
+
+# dt_sps_launch NODES K: the SPs of a job, started by Open MPI's mpirun across the DPU
+# namespaces (K per DPU, `serve --sp-id auto`: node from --node, index from the launcher's
+# local rank), waited on with `service-process wait-ready` (bounded); DT_SP_PIDS from the
+# processes found in each DPU namespace.
+dt_sps_launch() {
+  DT_NODES=$1 DT_K=$2
+  dt_init_cluster "$DT_NODES" "$DT_K"
+  local i app=()
+  for i in $(seq 1 "$DT_NODES"); do
+    [ "$i" -gt 1 ] && app+=(:)
+    app+=(-np "$DT_K" -H "node$i-dpu:$DT_K" "$SP" serve --cluster "$DT_CLUSTER" --key "$DT_KEY"
+      --sp-id auto --node "node$i" "${DT_SERVE_ARGS[@]}")
+  done
+  DT_SP_LAUNCH_LINE="mpirun ${app[*]}"
+  # A simple command in the background: $! is mpirun's own pid.
+  ip netns exec "$DT_FAB" "${DT_MPIRUN[@]}" "${app[@]}" > "$RUN/sps-$DT_NODES-$DT_K.out" \
+    2> "$RUN/sps-$DT_NODES-$DT_K.err" < /dev/null &
+  DT_SP_LAUNCHER=$!
+  if ! ip netns exec "$DT_FAB" "$SP" wait-ready --cluster "$DT_CLUSTER" --key "$DT_KEY" \
+    --timeout-secs 60 > "$RUN/wait-ready.out" 2>&1; then
+    cat "$RUN/wait-ready.out" >&2
+    tail -5 "$RUN/sps-$DT_NODES-$DT_K.err" >&2
+    dt_die "the SPs started by mpirun did not all become ready"
+  fi
+  DT_SP_PIDS=() DT_SP_NAMES=()
+  local pid id local_rank
+  for i in $(seq 1 "$DT_NODES"); do
+    for pid in $(ip netns pids "$(dt_ns_dpu "$i")"); do
+      [ "$(readlink "/proc/$pid/exe" 2>/dev/null)" = "$SP" ] || continue
+      local_rank=$(tr '\0' '\n' < "/proc/$pid/environ" 2>/dev/null | sed -n 's/^OMPI_COMM_WORLD_LOCAL_RANK=//p')
+      [ -n "$local_rank" ] || continue
+      id=$(( (i - 1) * DT_K + local_rank ))
+      DT_SP_PIDS[id]=$pid
+      DT_SP_NAMES[id]="node$i-dpu"
+    done
+  done
+  [ ${#DT_SP_PIDS[@]} -eq $((DT_NODES * DT_K)) ] ||
+    dt_die "found ${#DT_SP_PIDS[@]} SP processes in the DPU namespaces, expected $((DT_NODES * DT_K))"
+  echo "deploy-test: $((DT_NODES * DT_K)) SPs ready ($DT_NODES DPUs x $DT_K), started by mpirun across the DPU namespaces; $(head -1 "$RUN/wait-ready.out")"
+}
+
+# dt_sps_unlaunch: SIGTERM to the SPs' mpirun, which passes it to the SPs; waited on (bounded).
+# Every SP must have printed its counters holding no job (unless one was killed).
+dt_sps_unlaunch() {
+  [ -n "$DT_SP_LAUNCHER" ] || return 0
+  local t out=$RUN/sps-$DT_NODES-$DT_K.out want=${#DT_SP_PIDS[@]}
+  kill -TERM "$DT_SP_LAUNCHER" 2>/dev/null || true
+  for t in $(seq 1 150); do kill -0 "$DT_SP_LAUNCHER" 2>/dev/null || break; sleep 0.1; done
+  if kill -0 "$DT_SP_LAUNCHER" 2>/dev/null; then
+    echo "deploy-test: the SPs' mpirun did not stop within 15 s of SIGTERM; killing it" >&2
+    DT_STOP_PROBLEMS=$((DT_STOP_PROBLEMS + 1))
+    kill -KILL "$DT_SP_LAUNCHER" 2>/dev/null || true
+  fi
+  wait "$DT_SP_LAUNCHER" 2>/dev/null || true
+  DT_SP_LAUNCHER=""
+  [ "${DT_SP_FAULTED:-0}" = 1 ] && want=0   # an SP was killed: its mpirun ended the others
+  DT_SP_FAULTED=0
+  local clean
+  clean=$(grep -c '^STATS .*"jobs_at_exit":0,' "$out" || true)
+  if [ "$clean" -lt "$want" ]; then
+    echo "deploy-test: $clean of $want SPs stopped printing their counters with no job held" >&2
+    DT_STOP_PROBLEMS=$((DT_STOP_PROBLEMS + 1))
+  fi
+  DT_SP_PIDS=()
 }
