@@ -43,6 +43,7 @@ dt_make_key "$DT_KEY"
 TAG=$(dt_key_tag "$DT_KEY")
 DT_SERVE_ARGS=(--ucx=off --heartbeat-ms 500 --peer-timeout-ms 4000)
 DT_JOB_ENV=()
+DT_SP_ENV=()
 DT_SOCK_DIR=$RUN/sock   # the SPs' Unix sockets when mpirun starts them (private per DPU)
 mkdir -p "$DT_SOCK_DIR"
 jobs_run=0 jobs_offloaded=0 faults=0 failures=0
@@ -103,17 +104,6 @@ trap 'echo "deploy-test: interrupted" >&2; exit 130' INT TERM
 say() { echo "deploy-test: $*"; }
 fail() { echo "deploy-test: FAIL: $*" >&2; failures=$((failures + 1)); }
 
-echo "== deploy-test: a cluster of network namespaces on one machine"
-cat <<'EOF'
-What this proves: SPs and ranks on separate "machines" as far as the network and host names
-go. Each host and each DPU is a network namespace with its own address and UTS host name; SP-SP
-traffic goes over TCP between DPU namespaces through a bridge; the SPs are started in their DPU
-namespace and the job by Open MPI's own mpirun, through an rsh agent, across the host
-namespaces; jobs are authenticated by a credential issued from the cluster key.
-What it does not prove: all namespaces share one kernel, so the SP still reads and writes the
-ranks' memory with cross-memory attach (process_vm_readv/writev); on a real cluster that path
-is RDMA (the ucx or xgvmi backend). Same-kernel timing is not a network's timing.
-EOF
 
 # Compile the checking programs once.
 for p in conform legal_mix a2a_check ag_check bcast_check; do
@@ -150,10 +140,49 @@ if [ "$place_from_mpi" = 1 ] && "$SP" wait-ready --help >/dev/null 2>&1 &&
   else
     # As on a real cluster: the SP cannot attach to a host over TCP; memory is granted through
     # UCX (rkeys), the SPs move it with UCX over the test network.
+    # UCX kept to TCP (UCX_TLS=tcp) on both sides, so the bytes cross the test network too
+    # rather than shared memory between processes of this one machine.
+    # SPOFF_HOST_COPIES=0: a blocking allgather's intra-node copies stay with the SPs; handed to
+    # a host reached over TCP they fail (the SP names the source by a pid such a host does not
+    # have: found by this test, reported; see docs/DEPLOY.md).
     DT_SERVE_ARGS=(--ucx=on --heartbeat-ms 500 --peer-timeout-ms 4000)
-    DT_JOB_ENV=()
+    DT_SP_ENV=(-x UCX_TLS=tcp)
+    # shellcheck disable=SC2206
+    DT_JOB_ENV=(-x UCX_TLS=tcp -x SPOFF_HOST_COPIES=0 ${DEPLOY_JOB_ENV:-})
   fi
 fi
+
+echo "== deploy-test: a cluster of network namespaces on one machine"
+cat <<'EOF'
+What this proves: SPs and ranks on separate "machines" as far as the network and host names go.
+Each host and each DPU is a network namespace with its own address and UTS host name, joined by
+a bridge; SP-SP traffic is TCP between DPU namespaces; jobs are started by Open MPI's own mpirun
+(and Slurm's srun when installed) across the host namespaces through an rsh agent, with only
+the shim preloaded and a credential issued from the cluster key.
+EOF
+if [ "$launcher_mode" = 1 ]; then
+  cat <<'EOF'
+The description comes from `service-process cluster init`; the SPs are started by mpirun
+across the DPU namespaces (serve --sp-id auto) and waited on with `wait-ready`; every rank
+places itself from MPI (host name, shared-memory group) and reaches its SP over TCP.
+EOF
+  if [ "${DEPLOY_SAME_KERNEL:-0}" = 1 ]; then
+    echo "DEPLOY_SAME_KERNEL=1: the SPs attach to the ranks' memory (cross-memory attach), as on one kernel."
+  else
+    cat <<'EOF'
+As on a real cluster the SPs do not attach to the ranks: memory is granted through UCX (rkeys)
+and moved by UCX kept to TCP (UCX_TLS=tcp), through the namespaces' network stack.
+EOF
+  fi
+else
+  echo "This build has no launcher/TCP mode yet: each SP is started with ip netns exec, ranks reach"
+  echo "it over its Unix socket, and placement comes from the description's layout."
+fi
+cat <<'EOF'
+What it does not prove: all namespaces share one kernel and one memory, so no byte crosses a
+wire (cross-memory attach or the kernel's TCP loopback between namespaces stand in for RDMA);
+no BlueField, host-DPU link or exported memory keys; same-kernel timing is not a network's.
+EOF
 
 # dt_job LABEL EXPECT TIMEOUT MAPPING OFFLOAD -- PROGRAM ARGS...
 #   EXPECT ok|fail; MAPPING "2+2" (mpirun; ranks per node, node1 first), "rankfile:FILE"
@@ -354,7 +383,10 @@ dt_fault_end() {
     fail "$label: the job took $secs s (bound $bound s) to end after $what"
   else
     faults=$((faults + 1))
-    say "$label: $what -> the job ended with status $rc in $secs s; $(grep -h -m1 -o -i -E 'service process[^;]*|peer[^;]*failed[^;]*|error[^;]*' "$RUN/job-$label.err" "$RUN/job-$label.out" | head -1 | cut -c1-110)"
+    local why
+    why=$(cat "$RUN/job-$label.err" "$RUN/job-$label.out" | grep -m1 -E '^host-shim: |Assertion|exited on signal' ||
+      true)
+    say "$label: $what -> the job ended with status $rc in $secs s: $(cut -c1-140 <<< "$why")"
   fi
 }
 

@@ -206,7 +206,7 @@ dt_sps_launch() {
   done
   DT_SP_LAUNCH_LINE="mpirun ${app[*]}"
   # A simple command in the background: $! is mpirun's own pid.
-  ip netns exec "$DT_FAB" "${DT_MPIRUN[@]}" "${app[@]}" > "$RUN/sps-$DT_NODES-$DT_K.out" \
+  ip netns exec "$DT_FAB" "${DT_MPIRUN[@]}" "${DT_SP_ENV[@]}" "${app[@]}" > "$RUN/sps-$DT_NODES-$DT_K.out" \
     2> "$RUN/sps-$DT_NODES-$DT_K.err" < /dev/null &
   DT_SP_LAUNCHER=$!
   if ! ip netns exec "$DT_FAB" "$SP" wait-ready --cluster "$DT_CLUSTER" --key "$DT_KEY" \
