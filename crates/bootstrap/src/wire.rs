@@ -24,7 +24,8 @@ pub const MAGIC: [u8; 4] = *b"SPOF";
 /// 6: posts without a mailbox slot (`SpToHost::Completed`).
 /// 7: job credentials in the host hello, the SP-to-SP handshake proves the cluster key,
 /// authenticated admin requests.
-pub const PROTOCOL_VERSION: u32 = 7;
+/// 8: the host hello names the host's pid (hosts over TCP on the SP's kernel).
+pub const PROTOCOL_VERSION: u32 = 8;
 /// Largest frame accepted: a descriptor for 65536 ranks (four count vectors) fits.
 pub const MAX_FRAME_BYTES: u32 = 4 << 20;
 
@@ -46,6 +47,10 @@ pub struct HostHello {
     pub world_size: u32,
     pub node: u32,
     pub local_rank: u32,
+    /// The process's pid as it sees it. Over a Unix socket the SP takes the pid from the kernel
+    /// and ignores this; over TCP it is used only when the SP is told its hosts share its
+    /// kernel (`serve --hosts-same-kernel`), and then checked (alive, of the credential's uid).
+    pub pid: u32,
 }
 
 /// Identity of an SP, sent in its hello to a peer SP, with a fresh nonce for the handshake:
@@ -625,6 +630,7 @@ mod tests {
             world_size: 4,
             node: 0,
             local_rank: 1,
+            pid: 7,
         });
         assert_eq!(decode_hello(&encode_hello(&h)).unwrap(), h);
         for h in [

@@ -1,4 +1,14 @@
-//! The control connection to this rank's SP (a Unix stream socket).
+//! The control connection to this rank's SP: its Unix socket (an SP on this kernel) or TCP
+//! (its DPU over the host-DPU network).
+//!
+//! Which one ([`target`]): `SPOFF_HOST_TRANSPORT=unix|tcp|auto`. `auto` (the default) takes
+//! TCP when the SP's entry in the cluster description has a `host_addr` (the admin declared
+//! that hosts reach it over the network: on a real cluster its Unix socket is on the DPU, out
+//! of reach) and the Unix socket otherwise. Over TCP the SP cannot attach to this process's
+//! memory, unless `SPOFF_HOSTS_SAME_KERNEL=1` says it runs on this kernel (network namespaces of
+//! one machine, with the SP started with `--hosts-same-kernel`): then this is a
+//! [`Conn::remote`] connection, which registers no mailbox (completions come as messages) and
+//! grants memory through `ucx` unless `SPOFF_BACKEND` says otherwise.
 //!
 //! Start-up uses it blocking, with read and write timeouts, through [`wire::Channel`]. After
 //! registration the shim only writes posts (blocking, bounded by the write timeout) and reads
@@ -12,13 +22,102 @@
 //! rank and aborts its job on every SP, so it stops copying into receive buffers whose
 //! collectives the shim has already failed, and the peers fail instead of waiting for this rank.
 
+use bootstrap::cluster::SpEntry;
 use bootstrap::wire::{self, FrameDecoder, FrameError, HostToSp, SpToHost};
 use std::io::{self, Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd};
+use std::net::{SocketAddr, TcpStream};
+use std::os::fd::{AsRawFd, FromRawFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
+
+/// Where this rank's SP is reached.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Target {
+    Unix(PathBuf),
+    Tcp(SocketAddr),
+}
+
+impl std::fmt::Display for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Target::Unix(p) => write!(f, "{}", p.display()),
+            Target::Tcp(a) => write!(f, "tcp:{a}"),
+        }
+    }
+}
+
+/// The SP's address for this rank, by `transport` (`SPOFF_HOST_TRANSPORT`: `unix`, `tcp` or
+/// `auto`/unset, see the module documentation).
+pub fn target(entry: &SpEntry, transport: Option<&str>) -> Result<Target, String> {
+    match transport.map(str::trim).unwrap_or("") {
+        "" | "auto" => Ok(match entry.host_addr {
+            Some(a) => Target::Tcp(a),
+            None => Target::Unix(entry.host_socket.clone()),
+        }),
+        "unix" => Ok(Target::Unix(entry.host_socket.clone())),
+        "tcp" => entry.host_addr.map(Target::Tcp).ok_or_else(|| {
+            format!(
+                "SPOFF_HOST_TRANSPORT=tcp, but SP {} has no host_addr in the cluster description",
+                entry.id
+            )
+        }),
+        other => Err(format!(
+            "SPOFF_HOST_TRANSPORT={other} is none of unix, tcp, auto"
+        )),
+    }
+}
+
+/// `SPOFF_HOSTS_SAME_KERNEL=1`: an SP reached over TCP runs on this kernel and may attach to
+/// this process (its `serve --hosts-same-kernel` must say so too).
+pub fn hosts_same_kernel() -> bool {
+    std::env::var_os("SPOFF_HOSTS_SAME_KERNEL").is_some_and(|v| v == "1")
+}
+
+/// The stream to the SP.
+#[derive(Debug)]
+pub enum Socket {
+    Unix(UnixStream),
+    Tcp(TcpStream),
+}
+
+impl Socket {
+    fn fd(&self) -> RawFd {
+        match self {
+            Socket::Unix(s) => s.as_raw_fd(),
+            Socket::Tcp(s) => s.as_raw_fd(),
+        }
+    }
+
+    fn set_timeouts(&self, t: Option<Duration>) -> io::Result<()> {
+        match self {
+            Socket::Unix(s) => {
+                s.set_read_timeout(t)?;
+                s.set_write_timeout(t)
+            }
+            Socket::Tcp(s) => {
+                s.set_read_timeout(t)?;
+                s.set_write_timeout(t)
+            }
+        }
+    }
+
+    fn shutdown(&self) {
+        let _ = match self {
+            Socket::Unix(s) => s.shutdown(std::net::Shutdown::Both),
+            Socket::Tcp(s) => s.shutdown(std::net::Shutdown::Both),
+        };
+    }
+
+    #[cfg(test)]
+    fn try_clone(&self) -> io::Result<Socket> {
+        Ok(match self {
+            Socket::Unix(s) => Socket::Unix(s.try_clone()?),
+            Socket::Tcp(s) => Socket::Tcp(s.try_clone()?),
+        })
+    }
+}
 
 /// Bounds on connecting: total time, first and largest delay between attempts.
 pub const CONNECT_TOTAL: Duration = Duration::from_secs(2);
@@ -30,11 +129,14 @@ const CONNECT_ATTEMPT_TIMEOUT: Duration = Duration::from_millis(500);
 pub const IO_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A `Read + Write` view of the socket whose writes never raise `SIGPIPE`.
-pub struct NoSigPipe<'a>(pub &'a UnixStream);
+pub struct NoSigPipe<'a>(pub &'a Socket);
 
 impl Read for NoSigPipe<'_> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        (&mut &*self.0).read(buf)
+        match self.0 {
+            Socket::Unix(s) => (&mut &*s).read(buf),
+            Socket::Tcp(s) => (&mut &*s).read(buf),
+        }
     }
 }
 
@@ -45,7 +147,7 @@ impl Write for NoSigPipe<'_> {
             // the borrowed stream).
             let n = unsafe {
                 libc::send(
-                    self.0.as_raw_fd(),
+                    self.0.fd(),
                     buf.as_ptr().cast(),
                     buf.len(),
                     libc::MSG_NOSIGNAL,
@@ -119,16 +221,27 @@ fn retryable(e: &io::Error) -> bool {
     )
 }
 
-/// Connects to `path`, retrying refused or missing sockets with doubling delays for at most
+/// One TCP connect, bounded by [`CONNECT_ATTEMPT_TIMEOUT`], without Nagle's delay (a post is
+/// one small frame the SP should see at once).
+fn connect_once_tcp(addr: &SocketAddr) -> io::Result<TcpStream> {
+    let s = TcpStream::connect_timeout(addr, CONNECT_ATTEMPT_TIMEOUT)?;
+    s.set_nodelay(true)?;
+    Ok(s)
+}
+
+/// Connects to `target`, retrying refused or missing sockets with doubling delays for at most
 /// `total`. The stream comes back blocking, with [`IO_TIMEOUT`] on reads and writes.
-pub fn connect(path: &Path, total: Duration) -> io::Result<UnixStream> {
+pub fn connect(target: &Target, total: Duration) -> io::Result<Socket> {
     let start = Instant::now();
     let mut delay = CONNECT_DELAY_MIN;
     loop {
-        match connect_once(path) {
+        let attempt = match target {
+            Target::Unix(path) => connect_once(path).map(Socket::Unix),
+            Target::Tcp(addr) => connect_once_tcp(addr).map(Socket::Tcp),
+        };
+        match attempt {
             Ok(s) => {
-                s.set_read_timeout(Some(IO_TIMEOUT))?;
-                s.set_write_timeout(Some(IO_TIMEOUT))?;
+                s.set_timeouts(Some(IO_TIMEOUT))?;
                 return Ok(s);
             }
             Err(e) if retryable(&e) && start.elapsed() + delay < total => {
@@ -142,9 +255,12 @@ pub fn connect(path: &Path, total: Duration) -> io::Result<UnixStream> {
 
 /// The registered connection.
 pub struct Conn {
-    stream: UnixStream,
+    stream: Socket,
     decoder: FrameDecoder,
+    /// Where the SP is, for messages: its socket path or `tcp:ADDR`.
     pub path: PathBuf,
+    /// The SP cannot attach to this process (TCP without `SPOFF_HOSTS_SAME_KERNEL=1`).
+    remote: bool,
     /// Why the connection is unusable, once it is (set only by [`Conn::mark_broken`]).
     pub broken: Option<String>,
     /// When the SP last showed life: bytes read from it, or a post sent to it (which it
@@ -153,14 +269,22 @@ pub struct Conn {
 }
 
 impl Conn {
-    pub fn new(stream: UnixStream, path: PathBuf) -> Self {
+    pub fn new(stream: Socket, target: &Target) -> Self {
+        let remote = matches!(stream, Socket::Tcp(_)) && !hosts_same_kernel();
         Conn {
             stream,
             decoder: FrameDecoder::default(),
-            path,
+            path: PathBuf::from(target.to_string()),
+            remote,
             broken: None,
             last_heard: std::time::Instant::now(),
         }
+    }
+
+    /// Whether the SP cannot attach to this process's memory (see the module documentation):
+    /// no mailbox, `ucx` grants by default.
+    pub fn remote(&self) -> bool {
+        self.remote
     }
 
     /// Records why the connection is unusable (the first reason is kept) and shuts the socket
@@ -171,7 +295,7 @@ impl Conn {
         if self.broken.is_none() {
             self.broken = Some(why);
         }
-        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        self.stream.shutdown();
     }
 
     /// A blocking channel for the start-up exchange.
@@ -214,7 +338,7 @@ impl Conn {
             // SAFETY: `buf` is writable for its length; the fd is open.
             let n = unsafe {
                 libc::recv(
-                    self.stream.as_raw_fd(),
+                    self.stream.fd(),
                     buf.as_mut_ptr().cast(),
                     buf.len(),
                     libc::MSG_DONTWAIT,
@@ -268,7 +392,7 @@ impl Conn {
     /// Says goodbye (best effort) and closes.
     pub fn close(mut self) {
         let _ = self.send(&HostToSp::Goodbye);
-        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        self.stream.shutdown();
     }
 }
 
@@ -300,7 +424,7 @@ mod tests {
     #[test]
     fn missing_socket_fails_within_the_bound() {
         let t = Instant::now();
-        let err = connect(&tmp("missing"), Duration::from_millis(100)).unwrap_err();
+        let err = connect(&Target::Unix(tmp("missing")), Duration::from_millis(100)).unwrap_err();
         assert_eq!(err.raw_os_error(), Some(libc::ENOENT));
         assert!(t.elapsed() < Duration::from_secs(1));
     }
@@ -310,9 +434,10 @@ mod tests {
         let path = tmp("close");
         let _ = std::fs::remove_file(&path);
         let l = UnixListener::bind(&path).unwrap();
-        let s = connect(&path, CONNECT_TOTAL).unwrap();
+        let target = Target::Unix(path.clone());
+        let s = connect(&target, CONNECT_TOTAL).unwrap();
         let (peer, _) = l.accept().unwrap();
-        let mut c = Conn::new(s, path.clone());
+        let mut c = Conn::new(s, &target);
         assert!(c.poll_incoming().is_empty());
         assert!(c.broken.is_none());
         // The SP sends a refusal, then dies.
@@ -326,7 +451,7 @@ mod tests {
         assert_eq!(got, vec![msg]);
         assert!(c.broken.as_deref().unwrap().contains("closed"));
         // Writing to the dead peer is an error, not a signal.
-        let mut c2 = Conn::new(c.stream.try_clone().unwrap(), path.clone());
+        let mut c2 = Conn::new(c.stream.try_clone().unwrap(), &target);
         for _ in 0..3 {
             let _ = c2.send(&HostToSp::Goodbye);
         }
@@ -341,10 +466,11 @@ mod tests {
         let path = tmp("broken");
         let _ = std::fs::remove_file(&path);
         let l = UnixListener::bind(&path).unwrap();
-        let s = connect(&path, CONNECT_TOTAL).unwrap();
+        let target = Target::Unix(path.clone());
+        let s = connect(&target, CONNECT_TOTAL).unwrap();
         let (mut peer, _) = l.accept().unwrap();
         peer.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        let mut c = Conn::new(s, path.clone());
+        let mut c = Conn::new(s, &target);
         // A frame whose payload is not a message: the stream can no longer be trusted.
         peer.write_all(&wire::frame(&[0xff; 3])).unwrap();
         let t = Instant::now();
@@ -362,5 +488,79 @@ mod tests {
         assert_eq!(c.send(&HostToSp::Goodbye).unwrap_err(), first);
         c.close();
         std::fs::remove_file(&path).ok();
+    }
+
+    fn entry(host_addr: Option<&str>) -> SpEntry {
+        SpEntry {
+            id: 3,
+            node: 1,
+            index: 0,
+            peer_addr: "127.0.0.1:1".parse().unwrap(),
+            host_socket: "/run/spoff/sp-3.sock".into(),
+            host_addr: host_addr.map(|a| a.parse().unwrap()),
+        }
+    }
+
+    #[test]
+    fn the_transport_follows_the_description_unless_the_environment_says() {
+        let tcp = entry(Some("10.1.0.2:7100"));
+        let unix = entry(None);
+        let a: SocketAddr = "10.1.0.2:7100".parse().unwrap();
+        assert_eq!(target(&tcp, None), Ok(Target::Tcp(a)));
+        assert_eq!(target(&tcp, Some("auto")), Ok(Target::Tcp(a)));
+        assert_eq!(
+            target(&tcp, Some("unix")),
+            Ok(Target::Unix("/run/spoff/sp-3.sock".into()))
+        );
+        assert_eq!(
+            target(&unix, None),
+            Ok(Target::Unix("/run/spoff/sp-3.sock".into()))
+        );
+        let err = target(&unix, Some("tcp")).unwrap_err();
+        assert!(err.contains("SP 3 has no host_addr"), "{err}");
+        let err = target(&tcp, Some("rdma")).unwrap_err();
+        assert!(err.contains("none of unix, tcp, auto"), "{err}");
+        assert_eq!(Target::Tcp(a).to_string(), "tcp:10.1.0.2:7100");
+    }
+
+    /// An SP that starts listening a little after the rank looks for it is still found (the
+    /// retry covers TCP's refused connects), and the stream carries frames both ways.
+    #[test]
+    fn tcp_connects_retry_until_the_sp_listens() {
+        // A free port: bind, note it, close, listen again later.
+        let addr = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        let server = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(150));
+            let l = std::net::TcpListener::bind(addr).unwrap();
+            let (mut s, _) = l.accept().unwrap();
+            let msg = SpToHost::Heartbeat;
+            s.write_all(&wire::encode(&msg)).unwrap();
+            let mut b = [0u8; 64];
+            let n = s.read(&mut b).unwrap();
+            b[..n].to_vec()
+        });
+        let target = Target::Tcp(addr);
+        let t = Instant::now();
+        let s = connect(&target, CONNECT_TOTAL).unwrap();
+        assert!(t.elapsed() >= Duration::from_millis(100));
+        let mut c = Conn::new(s, &target);
+        assert_eq!(c.remote(), !hosts_same_kernel());
+        let got = (0..200)
+            .find_map(|_| {
+                let m = c.poll_incoming();
+                std::thread::sleep(Duration::from_millis(5));
+                (!m.is_empty()).then_some(m)
+            })
+            .expect("no frame over TCP");
+        assert_eq!(got, vec![SpToHost::Heartbeat]);
+        c.send(&HostToSp::Goodbye).unwrap();
+        assert_eq!(server.join().unwrap(), wire::encode(&HostToSp::Goodbye));
+        // Nobody listening at all: refused within the bound, not hung.
+        let t = Instant::now();
+        assert!(connect(&target, Duration::from_millis(100)).is_err());
+        assert!(t.elapsed() < Duration::from_secs(2));
     }
 }

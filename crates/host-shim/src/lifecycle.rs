@@ -242,7 +242,14 @@ unsafe fn start_inner() -> bool {
             state::mailbox_slot_count()
         );
     }
-    let backend = settings.backend.unwrap_or_else(|why| {
+    // Over TCP to an SP on another kernel only `ucx` grants can be served.
+    let backend = match settings.backend {
+        Ok(Backend::Cma) if reg.conn.remote() && std::env::var_os("SPOFF_BACKEND").is_none() => {
+            Ok(Backend::Ucx)
+        }
+        other => other,
+    };
+    let backend = backend.unwrap_or_else(|why| {
         say!("rank {rank}: {why}");
         Backend::Cma
     });
@@ -339,10 +346,12 @@ fn register(
     let entry = cluster
         .sp(placement.sp)
         .ok_or_else(|| format!("the cluster description has no SP {}", placement.sp))?;
-    let path = entry.host_socket.clone();
-    let stream = conn::connect(&path, conn::CONNECT_TOTAL)
-        .map_err(|e| format!("no service process reachable at {} ({e})", path.display()))?;
-    let conn = Conn::new(stream, path.clone());
+    let transport = std::env::var("SPOFF_HOST_TRANSPORT").ok();
+    let target = conn::target(entry, transport.as_deref())?;
+    let stream = conn::connect(&target, conn::CONNECT_TOTAL)
+        .map_err(|e| format!("no service process reachable at {target} ({e})"))?;
+    let conn = Conn::new(stream, &target);
+    let path = conn.path.clone();
     let at = |what: &str, e: &bootstrap::wire::FrameError| {
         format!(
             "service process at {}: {what}: {}",
@@ -357,6 +366,7 @@ fn register(
         world_size: size,
         node: placement.node,
         local_rank: placement.local_rank,
+        pid: std::process::id(),
     }))
     .map_err(|e| at("sending hello", &e))?;
     let sp = match ch
@@ -385,10 +395,12 @@ fn register(
         ));
     }
 
-    let slots = mailbox_slots();
-    let base = map_mailbox(slots)?;
+    // An SP that cannot attach to this process gets no mailbox: completions come as messages.
+    let slots = if conn.remote() { 0 } else { mailbox_slots() };
+    let base = map_mailbox(slots.max(1))?;
     let mut registrar = Registrar::new();
-    let mailbox = registrar.register(base as u64, slots as u64 * SLOT_BYTES, Rights::READ_WRITE);
+    let bytes = slots.max(1) as u64 * SLOT_BYTES;
+    let mailbox = registrar.register(base as u64, bytes, Rights::READ_WRITE);
     ch.send(&HostToSp::Register {
         cores: affinity_cores(),
         mailbox,

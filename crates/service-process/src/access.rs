@@ -5,10 +5,18 @@
 //! any local user can reach its host socket (if its mode allows), any process that can reach
 //! its TCP port can try to pose as a peer. So:
 //!
-//! - a host is identified by the kernel ([`PeerCred`]: pid, uid, and a pidfd pinning the very
-//!   process that connected) and by its job credential ([`check_hello`]), never by what it
-//!   says about itself: the job comes from a credential MAC'd with the cluster key, which must
-//!   name the connecting uid, and a (job, world rank) pair has at most one connection;
+//! - a host on the SP's Unix socket is identified by the kernel ([`PeerCred`]: pid, uid, and a
+//!   pidfd pinning the very process that connected) and by its job credential
+//!   ([`check_hello`]), never by what it says about itself: the job comes from a credential
+//!   MAC'd with the cluster key, which must name the connecting uid, and a (job, world rank)
+//!   pair has at most one connection;
+//! - a host over TCP ([`HostPeer::Tcp`]) has no kernel to vouch for it: its job credential is
+//!   its whole identity (job, uid, world size). On another machine the SP cannot attach to its
+//!   memory, so it serves only grants that carry their own access (`ucx`) and completes its
+//!   posts by message; only when the SP is told its hosts share its kernel
+//!   (`serve --hosts-same-kernel`, the namespace emulation) does it take the pid the hello
+//!   names, check that this process is alive and runs under the credential's uid
+//!   ([`pin_claimed`]), and pin it as it pins a Unix peer;
 //! - everything a client can make the SP hold is bounded ([`Limits`]), and what it can make
 //!   the SP log is rate-limited ([`LogLimit`]).
 
@@ -22,6 +30,7 @@ use std::time::{Duration, Instant};
 const SO_PEERPIDFD: libc::c_int = 77;
 
 /// What the kernel says about the process at the other end of a Unix socket.
+#[derive(Debug)]
 pub struct PeerCred {
     pub pid: u32,
     pub uid: u32,
@@ -29,6 +38,136 @@ pub struct PeerCred {
     pub pidfd: OwnedFd,
     /// Its start time, with `pid` its identity for cross-memory access.
     pub start: u64,
+}
+
+/// Who is at the other end of a host connection, as far as the SP can know.
+pub enum HostPeer {
+    /// The Unix socket: the kernel says which process connected.
+    Local(PeerCred),
+    /// TCP: nobody vouches for the process; the job credential is its identity. `pinned`: the
+    /// process its hello named, checked and pinned, on an SP told that its hosts share its
+    /// kernel (set at the hello); `None` before, and always for hosts on other machines.
+    Tcp {
+        addr: std::net::SocketAddr,
+        same_kernel: bool,
+        pinned: Option<PeerCred>,
+    },
+}
+
+impl HostPeer {
+    /// The pinned process, if the SP knows one (what the `cma` backend reaches).
+    pub fn pinned(&self) -> Option<&PeerCred> {
+        match self {
+            HostPeer::Local(p) => Some(p),
+            HostPeer::Tcp { pinned, .. } => pinned.as_ref(),
+        }
+    }
+
+    /// The uid the kernel vouches for; `None` over TCP (the credential's uid is taken).
+    pub fn kernel_uid(&self) -> Option<u32> {
+        match self {
+            HostPeer::Local(p) => Some(p.uid),
+            HostPeer::Tcp { .. } => None,
+        }
+    }
+
+    /// The owner pid and start time of this host's grants (0 when no process is pinned: then
+    /// no `cma` grant of it is ever served, see [`HostPeer::serves_cma`]).
+    pub fn pid(&self) -> u32 {
+        self.pinned().map_or(0, |p| p.pid)
+    }
+
+    pub fn start(&self) -> u64 {
+        self.pinned().map_or(0, |p| p.start)
+    }
+
+    /// Whether the SP can reach this host's memory by cross-memory attach: a Unix peer, or a
+    /// TCP host on this kernel whose claimed process was checked and pinned.
+    pub fn serves_cma(&self) -> bool {
+        self.pinned().is_some()
+    }
+
+    /// For logs: `pid 12 uid 1000` or `tcp 10.0.0.1:40000`.
+    pub fn describe(&self) -> String {
+        match self {
+            HostPeer::Local(p) => format!("pid {} uid {}", p.pid, p.uid),
+            HostPeer::Tcp { addr, pinned, .. } => match pinned {
+                Some(p) => format!("tcp {addr} pid {}", p.pid),
+                None => format!("tcp {addr}"),
+            },
+        }
+    }
+}
+
+/// A TCP host on this kernel (`serve --hosts-same-kernel`) named `pid` in its hello: checks
+/// what can be checked (the process exists, its effective uid is `uid`, the credential's) and
+/// pins it. A holder of a job credential of uid `uid` can thus name any process of that uid,
+/// which is what that uid's own processes may do to each other anyway (`ptrace`, and the
+/// `cma` backend's `PR_SET_PTRACER_ANY`); it can never name another user's process.
+pub fn pin_claimed(pid: u32, uid: u32) -> Result<PeerCred, String> {
+    if pid == 0 || pid > i32::MAX as u32 {
+        return Err(format!(
+            "a host over TCP on this kernel must name its pid in its hello (it said {pid})"
+        ));
+    }
+    let pidfd = alias_mkey::process::pidfd_open(pid)
+        .map_err(|e| format!("the pid {pid} the hello names is no live process here: {e}"))?;
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .map_err(|e| format!("cannot read the status of pid {pid}: {e}"))?;
+    let euid = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse::<u32>().ok())
+        .ok_or_else(|| format!("no uid in the status of pid {pid}"))?;
+    if euid != uid {
+        return Err(format!(
+            "the job credential is for uid {uid}, but pid {pid} runs as uid {euid}"
+        ));
+    }
+    // The status read above is the pidfd's process's only if that process was still running
+    // after the read (a pid is reused only once its process is gone).
+    if !alias_mkey::process::alive(&pidfd) {
+        return Err(format!("pid {pid} exited while it was checked"));
+    }
+    let start = pidfd
+        .try_clone()
+        .and_then(|fd| alias_mkey::process::pin(fd, pid))
+        .map_err(|e| format!("cannot pin pid {pid}: {e}"))?;
+    Ok(PeerCred {
+        pid,
+        uid,
+        pidfd,
+        start,
+    })
+}
+
+/// TCP options of a host or admin connection: no Nagle delay (a post is one small frame the SP
+/// should see at once), and keepalive probes so that a host whose machine vanished is noticed
+/// (after about a minute) even when it had nothing outstanding.
+pub fn tune_tcp(fd: &impl AsRawFd) -> std::io::Result<()> {
+    let set = |level, opt, v: libc::c_int| {
+        // SAFETY: setsockopt with a pointer to a live c_int and its size.
+        let rc = unsafe {
+            libc::setsockopt(
+                fd.as_raw_fd(),
+                level,
+                opt,
+                (&v as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(std::io::Error::last_os_error())
+        }
+    };
+    set(libc::IPPROTO_TCP, libc::TCP_NODELAY, 1)?;
+    set(libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1)?;
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, 30)?;
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, 10)?;
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 3)
 }
 
 /// The peer credentials of `fd`, a connected Unix socket.
@@ -143,12 +282,13 @@ impl std::fmt::Display for Refusal {
     }
 }
 
-/// Checks a host hello against the cluster key and the connecting uid; returns the job's
+/// Checks a host hello against the cluster key and the connecting uid (`None` over TCP, where
+/// no kernel vouches for one and the credential's uid is the identity); returns the job's
 /// credential. The world rank's place in the cluster is checked by the caller.
 pub fn check_hello(
     hello: &HostHello,
     key: &ClusterKey,
-    peer_uid: u32,
+    peer_uid: Option<u32>,
     limits: &Limits,
 ) -> Result<JobCredential, Refusal> {
     let cred = JobCredential::decode(&hello.credential)
@@ -158,10 +298,10 @@ pub fn check_hello(
             "its MAC does not match (not issued for this cluster)".into(),
         ));
     }
-    if cred.uid != peer_uid {
+    if let Some(peer) = peer_uid.filter(|&u| u != cred.uid) {
         return Err(Refusal::WrongUid {
             credential: cred.uid,
-            peer: peer_uid,
+            peer,
         });
     }
     if cred.world_size != hello.world_size {
@@ -326,6 +466,7 @@ mod tests {
             world_size: size,
             node: 0,
             local_rank: 0,
+            pid: 0,
         }
     }
 
@@ -334,11 +475,14 @@ mod tests {
         let key = ClusterKey::generate();
         let l = Limits::default();
         let c = JobCredential::issue(&key, 7, 1000, 4);
-        assert_eq!(check_hello(&hello(&c, 3, 4), &key, 1000, &l), Ok(c.clone()));
+        assert_eq!(
+            check_hello(&hello(&c, 3, 4), &key, Some(1000), &l),
+            Ok(c.clone())
+        );
         // Another cluster's credential, or a forged job id.
         let other = JobCredential::issue(&ClusterKey::generate(), 7, 1000, 4);
         assert!(matches!(
-            check_hello(&hello(&other, 0, 4), &key, 1000, &l),
+            check_hello(&hello(&other, 0, 4), &key, Some(1000), &l),
             Err(Refusal::BadCredential(_))
         ));
         let forged = JobCredential {
@@ -346,12 +490,12 @@ mod tests {
             ..c.clone()
         };
         assert!(matches!(
-            check_hello(&hello(&forged, 0, 4), &key, 1000, &l),
+            check_hello(&hello(&forged, 0, 4), &key, Some(1000), &l),
             Err(Refusal::BadCredential(_))
         ));
         // Another user's process presenting it.
         assert_eq!(
-            check_hello(&hello(&c, 0, 4), &key, 1001, &l),
+            check_hello(&hello(&c, 0, 4), &key, Some(1001), &l),
             Err(Refusal::WrongUid {
                 credential: 1000,
                 peer: 1001
@@ -359,24 +503,66 @@ mod tests {
         );
         // Sizes: as in the credential, within the limit, rank inside.
         assert!(matches!(
-            check_hello(&hello(&c, 0, 5), &key, 1000, &l),
+            check_hello(&hello(&c, 0, 5), &key, Some(1000), &l),
             Err(Refusal::WorldSize(_))
         ));
         assert!(matches!(
-            check_hello(&hello(&c, 4, 4), &key, 1000, &l),
+            check_hello(&hello(&c, 4, 4), &key, Some(1000), &l),
             Err(Refusal::WorldSize(_))
         ));
         let huge = JobCredential::issue(&key, 9, 1000, u32::MAX);
         assert!(matches!(
-            check_hello(&hello(&huge, 0, u32::MAX), &key, 1000, &l),
+            check_hello(&hello(&huge, 0, u32::MAX), &key, Some(1000), &l),
             Err(Refusal::WorldSize(_))
         ));
         let mut garbled = hello(&c, 0, 4);
         garbled.credential = "x".into();
         assert!(matches!(
-            check_hello(&garbled, &key, 1000, &l),
+            check_hello(&garbled, &key, Some(1000), &l),
             Err(Refusal::BadCredential(_))
         ));
+    }
+
+    #[test]
+    fn over_tcp_the_credential_is_the_identity() {
+        let key = ClusterKey::generate();
+        let l = Limits::default();
+        // No kernel uid to compare: any uid's credential of this cluster is taken...
+        let c = JobCredential::issue(&key, 7, 4242, 4);
+        assert_eq!(check_hello(&hello(&c, 1, 4), &key, None, &l), Ok(c.clone()));
+        // ...and everything else is checked as on the socket.
+        let other = JobCredential::issue(&ClusterKey::generate(), 7, 4242, 4);
+        assert!(matches!(
+            check_hello(&hello(&other, 1, 4), &key, None, &l),
+            Err(Refusal::BadCredential(_))
+        ));
+        assert!(matches!(
+            check_hello(&hello(&c, 4, 4), &key, None, &l),
+            Err(Refusal::WorldSize(_))
+        ));
+    }
+
+    #[test]
+    fn a_claimed_pid_must_be_alive_and_of_the_credentials_uid() {
+        // SAFETY: geteuid has no preconditions.
+        let me = unsafe { libc::geteuid() };
+        let pid = std::process::id();
+        let p = pin_claimed(pid, me).unwrap();
+        assert_eq!((p.pid, p.uid), (pid, me));
+        assert_eq!(p.start, alias_mkey::process::start_time(pid).unwrap());
+        alias_mkey::process::check(pid, p.start).unwrap();
+        alias_mkey::process::unpin(pid, p.start);
+        let err = pin_claimed(pid, me ^ 1).unwrap_err();
+        assert!(err.contains(&format!("runs as uid {me}")), "{err}");
+        assert!(pin_claimed(0, me)
+            .unwrap_err()
+            .contains("must name its pid"));
+        assert!(pin_claimed(u32::MAX, me).is_err());
+        // An exited (reaped) process is no claim.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let gone = child.id();
+        child.wait().unwrap();
+        assert!(pin_claimed(gone, me).is_err());
     }
 
     #[test]

@@ -43,7 +43,7 @@ pub fn host_frames(data: &[u8]) {
         if first {
             first = false;
             if let Ok(wire::Hello::Host(h)) = wire::decode_hello(&f) {
-                let _ = access::check_hello(&h, &key(), 0, &access::Limits::default());
+                let _ = access::check_hello(&h, &key(), Some(0), &access::Limits::default());
             }
             continue;
         }
@@ -89,8 +89,10 @@ pub fn credential(data: &[u8]) {
         world_size: data.get(1).copied().unwrap_or(1) as u32,
         node: 0,
         local_rank: 0,
+        pid: 0,
     };
-    let _ = access::check_hello(&h, &key(), 0, &access::Limits::default());
+    let _ = access::check_hello(&h, &key(), Some(0), &access::Limits::default());
+    let _ = access::check_hello(&h, &key(), None, &access::Limits::default());
 }
 
 /// Reads the fuzzer's bytes as a sequence of small numbers.

@@ -12,6 +12,7 @@
 pub mod access;
 pub mod conn;
 pub mod datapath;
+pub mod deploy;
 pub mod drivers;
 #[doc(hidden)]
 pub mod fuzz_targets;

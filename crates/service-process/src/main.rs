@@ -27,15 +27,36 @@ struct Cli {
 enum Cmd {
     /// Run one SP of a cluster: connect to its peers, then serve host ranks until SIGTERM.
     ///
-    /// Prints `READY sp=N` on stdout once every peer is connected and the host socket listens,
-    /// and `STATS {json}` (its counters) when it stops. Logs go to stderr (SPOFF_LOG).
+    /// Hosts connect to its Unix socket (`host_socket` of its entry in the description) and,
+    /// when the entry has a `host_addr`, over TCP there (hosts on other machines: identified by
+    /// their job credential only; see --hosts-same-kernel). Prints `READY sp=N` on stdout once
+    /// every peer is connected and the host listeners are open, and tells systemd the same
+    /// (`READY=1` to $NOTIFY_SOCKET, for a `Type=notify` unit); prints `STATS {json}` (its
+    /// counters) when it stops. Logs go to stderr (SPOFF_LOG).
+    ///
+    /// Started by a launcher, one per slot: `mpirun --map-by ppr:K:node service-process serve
+    /// --sp-id auto ...` or `srun --ntasks-per-node=K ...`; `service-process wait-ready` tells
+    /// when all serve.
     Serve {
-        /// Cluster description (JSON, as written by `launch`).
+        /// Cluster description (JSON, as written by `launch` or an admin).
         #[arg(long)]
         cluster: PathBuf,
-        /// This SP's id in the description.
+        /// This SP's id in the description, or `auto`: node from this machine's host name (or
+        /// --node) in the description's `hosts`, index on the node from the launcher's local
+        /// rank (OMPI_COMM_WORLD_LOCAL_RANK, PMI_LOCAL_RANK, MPI_LOCALRANKID or SLURM_LOCALID).
         #[arg(long)]
-        sp_id: u32,
+        sp_id: service_process::deploy::SpIdArg,
+        /// With --sp-id auto: this node's name in the description's `hosts` (default: the host
+        /// name).
+        #[arg(long)]
+        node: Option<String>,
+        /// The hosts reaching this SP over TCP share its kernel (network namespaces of one
+        /// machine, as in the deployment test): their hellos name their pid, which the SP
+        /// checks (alive, running as the job credential's uid) and pins, and their `cma`
+        /// grants are served. Without it a TCP host is on another machine: only `ucx` grants,
+        /// no mailbox (completions come as messages), no node segment.
+        #[arg(long)]
+        hosts_same_kernel: bool,
         /// The cluster key (a file of mode 0600; `launch` writes one per cluster): peer SPs,
         /// job credentials and admin requests are checked with it.
         #[arg(long)]
@@ -207,7 +228,9 @@ enum Cmd {
         uid: Option<u32>,
     },
     /// Print the counters of every SP of a running cluster (the launcher prints them too when
-    /// the SPs stop). The cluster description is in the launcher's run directory.
+    /// the SPs stop). The cluster description is in the launcher's run directory (or wherever
+    /// the admin keeps it); an SP with a `host_addr` is asked over TCP there, else on its Unix
+    /// socket. Exit status 1 if an SP does not answer.
     Stats {
         /// Cluster description (JSON, as written by `launch`).
         #[arg(long)]
@@ -219,6 +242,22 @@ enum Cmd {
         /// One JSON object per SP (with an "sp" field) instead of a table.
         #[arg(long)]
         json: bool,
+    },
+    /// Wait until every SP of a cluster description serves: asks each for its counters (as
+    /// `stats` does, over TCP where the description gives a host address) until all answer.
+    /// Exit status 0 then; at the timeout, names the SPs that did not answer and why, exit
+    /// status 1. For job scripts that start SPs with their launcher: wait, never sleep.
+    WaitReady {
+        /// Cluster description (JSON).
+        #[arg(long)]
+        cluster: PathBuf,
+        /// The cluster key that proves the requests (default: cluster.key beside the
+        /// description).
+        #[arg(long)]
+        key: Option<PathBuf>,
+        /// Seconds to wait for all of them.
+        #[arg(long, default_value_t = 60)]
+        timeout_secs: u64,
     },
     /// Run the deterministic simulator of the allgather or the bcast at scale (virtual time under
     /// the simulator's cost model, not a measurement) and print completion time and inter-node
@@ -345,6 +384,8 @@ fn run(cli: Cli) -> Result<i32> {
         Cmd::Serve {
             cluster,
             sp_id,
+            node,
+            hosts_same_kernel,
             key,
             socket_mode,
             max_world_size,
@@ -376,6 +417,17 @@ fn run(cli: Cli) -> Result<i32> {
                 launch::make_realtime().context("--realtime: cannot switch to SCHED_FIFO")?;
             }
             let cluster = Cluster::load(&cluster)?;
+            let sp_id = match sp_id {
+                service_process::deploy::SpIdArg::Id(id) => id,
+                service_process::deploy::SpIdArg::Auto => {
+                    let host = service_process::deploy::host_name()
+                        .context("--sp-id auto: cannot read the host name")?;
+                    service_process::deploy::resolve_sp_id(&cluster, node.as_deref(), &host, |v| {
+                        std::env::var(v).ok()
+                    })
+                    .map_err(anyhow::Error::msg)?
+                }
+            };
             let entry = cluster
                 .sp(sp_id)
                 .with_context(|| format!("SP id {sp_id} is not in the cluster description"))?
@@ -403,12 +455,21 @@ fn run(cli: Cli) -> Result<i32> {
                 ..Backoff::default()
             };
             let key = bootstrap::auth::ClusterKey::load(&key)?;
+            // Bound before the mesh so that a taken address fails at once; served once ready.
+            let host_listener = match entry.host_addr {
+                Some(addr) => Some(std::net::TcpListener::bind(addr).with_context(|| {
+                    format!("binding the host TCP address {addr} (host_addr of SP {sp_id})")
+                })?),
+                None => None,
+            };
             let peers = connect_mesh(sp_id, &cluster, &listener, backoff, &key)?;
             let cfg = ServeConfig {
                 sp: sp_id,
                 cluster,
                 peer_listener: listener,
                 host_socket: entry.host_socket.clone(),
+                host_listener,
+                hosts_same_kernel,
                 max_inflight_reads: max_inflight_reads.max(1),
                 datapath_threads: datapath_threads.unwrap_or(max_inflight_reads).max(1),
                 chunk_bytes,
@@ -436,7 +497,13 @@ fn run(cli: Cli) -> Result<i32> {
             };
             let server = Server::new(cfg, peers)?;
             println!("READY sp={sp_id}");
+            if let Err(e) = service_process::deploy::sd_notify(&format!(
+                "READY=1\nSTATUS=serving as SP {sp_id}"
+            )) {
+                eprintln!("service-process: cannot notify the service manager: {e}");
+            }
             let stats = server.run()?;
+            let _ = service_process::deploy::sd_notify("STOPPING=1");
             println!("STATS {}", serde_json::to_string(&stats)?);
             Ok(0)
         }
@@ -500,6 +567,42 @@ fn run(cli: Cli) -> Result<i32> {
             let key = bootstrap::auth::ClusterKey::load(&key)?;
             let cluster = Cluster::load(&cluster)?;
             service_process::stats::print_cluster_stats(&cluster, &key, json)
+        }
+        Cmd::WaitReady {
+            cluster,
+            key,
+            timeout_secs,
+        } => {
+            let key = key.unwrap_or_else(|| launch::key_path(&cluster));
+            let key = bootstrap::auth::ClusterKey::load(&key)?;
+            let cluster = Cluster::load(&cluster)?;
+            let t = std::time::Instant::now();
+            match service_process::deploy::wait_ready(
+                &cluster,
+                &key,
+                Duration::from_secs(timeout_secs),
+                Duration::from_millis(200),
+            ) {
+                Ok(()) => {
+                    println!(
+                        "ready: all {} SPs answer ({:.1} s)",
+                        cluster.sps.len(),
+                        t.elapsed().as_secs_f64()
+                    );
+                    Ok(0)
+                }
+                Err(service_process::deploy::NotReady(missing)) => {
+                    for (sp, why) in &missing {
+                        eprintln!("service-process wait-ready: SP {sp} does not answer: {why}");
+                    }
+                    eprintln!(
+                        "service-process wait-ready: {} of {} SPs not ready after {timeout_secs} s",
+                        missing.len(),
+                        cluster.sps.len()
+                    );
+                    Ok(1)
+                }
+            }
         }
         Cmd::Simulate {
             coll,

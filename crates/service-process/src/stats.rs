@@ -51,6 +51,9 @@ pub struct Stats {
     /// bad or foreign job credential, a uid that is not the credential's, a taken rank),
     /// connections closed for saying no hello in time, posts beyond a limit.
     pub hosts_refused: u64,
+    /// Host connections accepted on the Unix socket and over TCP (`host_addr`).
+    pub host_conns_unix: u64,
+    pub host_conns_tcp: u64,
     pub hellos_refused: u64,
     pub hellos_timed_out: u64,
     pub posts_refused: u64,
@@ -115,8 +118,8 @@ impl Stats {
     }
 }
 
-/// Asks one SP for its counters over its host socket, proving the request with the cluster
-/// key.
+/// Asks one SP for its counters, proving the request with the cluster key: over TCP at its
+/// `host_addr` when it has one (as its hosts reach it), else over its host socket.
 pub fn query(
     sp: &bootstrap::cluster::SpEntry,
     key: &bootstrap::auth::ClusterKey,
@@ -124,7 +127,34 @@ pub fn query(
     query_within(sp, key, std::time::Duration::from_secs(5))
 }
 
-/// [`query`], giving up after `timeout` without an answer.
+/// A connection to an SP's host side, Unix or TCP.
+enum HostSide {
+    Unix(std::os::unix::net::UnixStream),
+    Tcp(std::net::TcpStream),
+}
+
+impl std::io::Read for HostSide {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            HostSide::Unix(s) => s.read(buf),
+            HostSide::Tcp(s) => s.read(buf),
+        }
+    }
+}
+
+impl std::io::Write for HostSide {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match self {
+            HostSide::Unix(s) => s.write(buf),
+            HostSide::Tcp(s) => s.write(buf),
+        }
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// [`query`], giving up after `timeout` without an answer (connecting included).
 pub fn query_within(
     sp: &bootstrap::cluster::SpEntry,
     key: &bootstrap::auth::ClusterKey,
@@ -133,10 +163,22 @@ pub fn query_within(
     use anyhow::Context;
     use bootstrap::auth;
     use bootstrap::wire::{AdminHello, Channel, Hello};
-    let s = std::os::unix::net::UnixStream::connect(&sp.host_socket)
-        .with_context(|| format!("SP {} at {}", sp.id, sp.host_socket.display()))?;
-    s.set_read_timeout(Some(timeout))?;
-    s.set_write_timeout(Some(timeout))?;
+    let s = match sp.host_addr {
+        Some(addr) => {
+            let s = std::net::TcpStream::connect_timeout(&addr, timeout)
+                .with_context(|| format!("SP {} at {addr}", sp.id))?;
+            s.set_read_timeout(Some(timeout))?;
+            s.set_write_timeout(Some(timeout))?;
+            HostSide::Tcp(s)
+        }
+        None => {
+            let s = std::os::unix::net::UnixStream::connect(&sp.host_socket)
+                .with_context(|| format!("SP {} at {}", sp.id, sp.host_socket.display()))?;
+            s.set_read_timeout(Some(timeout))?;
+            s.set_write_timeout(Some(timeout))?;
+            HostSide::Unix(s)
+        }
+    };
     let mut ch = Channel::new(s);
     let (nonce, unix_secs) = (auth::nonce(), auth::unix_secs());
     ch.send_hello(&Hello::Admin(AdminHello {

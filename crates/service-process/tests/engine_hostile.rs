@@ -190,6 +190,7 @@ fn wrong_protocol_version_is_refused_with_a_clear_reason() {
         world_size: 1,
         node: 0,
         local_rank: 0,
+        pid: std::process::id(),
     });
     ch.send_raw(&wire::frame(&wire::encode_hello_with_version(&hello, 99)))
         .unwrap();
@@ -216,6 +217,7 @@ fn wrong_protocol_version_is_refused_with_a_clear_reason() {
         world_size: 2,
         node: 1,
         local_rank: 0,
+        pid: std::process::id(),
     }))
     .unwrap();
     assert!(matches!(ch.recv_hello().unwrap(), Hello::Reject { .. }));

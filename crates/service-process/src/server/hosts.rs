@@ -9,11 +9,11 @@ impl Server {
         let Some(Role::NewHost { peer, .. }) = self.conns.get(key).map(|c| &c.role) else {
             return;
         };
-        let (pid, uid) = (peer.pid, peer.uid);
+        let who = peer.describe();
         let reject = |s: &mut Self, reason: String| {
             s.stats.hellos_refused += 1;
             let shown = reason.clone();
-            s.client_warn(|| format!("refusing host pid {pid} uid {uid}: {shown}"));
+            s.client_warn(|| format!("refusing host {who}: {shown}"));
             s.send_frame(key, &frame(&encode_hello(&Hello::Reject { reason })));
             s.close_conn(key, "hello refused");
         };
@@ -35,9 +35,9 @@ impl Server {
             Ok(other) => return reject(self, format!("expected a host hello, got {other:?}")),
             Err(e) => return reject(self, e.to_string()),
         };
-        let cred = match access::check_hello(&hello, &self.key, uid, &self.limits) {
+        let cred = match self.identify_host(key, &hello) {
             Ok(c) => c,
-            Err(why) => return reject(self, why.to_string()),
+            Err(why) => return reject(self, why),
         };
         match self.cluster.placement(hello.world_rank, hello.world_size) {
             Ok(p) if p.sp == self.me => {}
@@ -69,7 +69,7 @@ impl Server {
             sp = self.me,
             job = cred.job,
             rank = hello.world_rank,
-            pid,
+            who,
             "host connected"
         );
         let job = self.jobs.entry(cred.job).or_default();
@@ -125,10 +125,14 @@ impl Server {
                     );
                 }
                 let need = mailbox::slot_offset(mailbox_slots);
-                if mailbox.len < need
-                    || !mailbox.rights.contains(Rights::READ_WRITE)
-                    || mailbox.backend != BackendData::Cma
-                    || mailbox_slots == 0
+                // A host the SP cannot attach to registers no mailbox (0 slots, see
+                // `remote_gate`): its posts complete by message.
+                let slotless = mailbox_slots == 0 && !h.peer.serves_cma();
+                if !slotless
+                    && (mailbox.len < need
+                        || !mailbox.rights.contains(Rights::READ_WRITE)
+                        || mailbox.backend != BackendData::Cma
+                        || mailbox_slots == 0)
                 {
                     return self.send_error(
                         key,
@@ -168,8 +172,8 @@ impl Server {
             owner: Owner {
                 job: h.job,
                 world_rank: h.hello.world_rank,
-                pid: h.peer.pid,
-                start: h.peer.start,
+                pid: h.peer.pid(),
+                start: h.peer.start(),
             },
             grant,
         }
@@ -182,13 +186,7 @@ impl Server {
         let mut conn = self.conns.remove(key);
         let _ = self.poll.registry().deregister(conn.stream.source());
         match conn.role {
-            Role::NewHost { peer, .. } => {
-                let _ = self
-                    .poll
-                    .registry()
-                    .deregister(&mut mio::unix::SourceFd(&peer.pidfd.as_raw_fd()));
-                alias_mkey::process::unpin(peer.pid, peer.start);
-            }
+            Role::NewHost { peer, .. } => self.release_peer(&peer),
             Role::Peer(sp) => {
                 if self.leaving_peers.contains(&sp) {
                     debug!(sp = self.me, peer = sp, "peer SP left");
@@ -219,11 +217,7 @@ impl Server {
             }
             Role::Host(h) => {
                 let job = h.job;
-                let _ = self
-                    .poll
-                    .registry()
-                    .deregister(&mut mio::unix::SourceFd(&h.peer.pidfd.as_raw_fd()));
-                alias_mkey::process::unpin(h.peer.pid, h.peer.start);
+                self.release_peer(&h.peer);
                 if let Some(j) = self.jobs.get_mut(&job) {
                     j.hosts.remove(&key);
                     j.ranks.remove(&h.hello.world_rank);

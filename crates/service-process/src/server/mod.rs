@@ -1,4 +1,5 @@
-//! The SP daemon: one mio event loop serving host ranks (Unix socket) and peer SPs (TCP).
+//! The SP daemon: one mio event loop serving host ranks (its Unix socket, and a TCP listener when
+//! its cluster entry has a `host_addr`) and peer SPs (TCP).
 //!
 //! Readiness rules, as mio documents them and as this loop follows them:
 //! - events can be spurious: every handler tries the operation and treats `WouldBlock` as
@@ -8,7 +9,7 @@
 //! - read/write-closed flags are hints: a connection is closed when a read returns 0 bytes or an
 //!   error, not when a flag says so.
 //!
-//! Tokens: [`LISTEN_HOSTS`], [`WAKER`], [`SIGNALS`] are reserved; connection `k` of the slab has
+//! Tokens: [`LISTEN_HOSTS`], [`LISTEN_HOSTS_TCP`], [`WAKER`], [`SIGNALS`] are reserved; connection `k` of the slab has
 //! token `CONN_BASE + k`. Peer SPs are connected before the loop starts (see [`crate::mesh::connect_mesh`]),
 //! so "ready" means the whole mesh is up.
 //!
@@ -38,7 +39,7 @@ mod regions;
 mod timers;
 mod transport;
 
-use crate::access::{self, Limits, LogLimit, PeerCred};
+use crate::access::{self, HostPeer, Limits, LogLimit};
 use crate::conn::{Conn, ReadEnd, Stream};
 use crate::datapath::{CopyJob, Datapath};
 use crate::drivers::{self, Act, CollDriver, LocalPost, StagedConfig};
@@ -57,7 +58,7 @@ use bootstrap::wire::{
     CopySrc, ErrorCode, Hello, HostHello, HostToSp, PostDesc, SpToHost, SpToSp, StagedDesign,
 };
 use bootstrap::Cluster;
-use mio::net::UnixListener;
+use mio::net::{TcpListener, UnixListener};
 use mio::{Events, Interest, Poll, Token, Waker};
 use slab::Slab;
 use std::collections::{HashMap, HashSet};
@@ -73,6 +74,8 @@ pub const WAKER: Token = Token(1);
 pub const SIGNALS: Token = Token(2);
 /// The staging UCX worker's event fd (with UCX on, see [`UcxMode`]).
 const UCX_EVENTS: Token = Token(3);
+/// The TCP listener for hosts on other machines (or other network namespaces).
+pub const LISTEN_HOSTS_TCP: Token = Token(4);
 const CONN_BASE: usize = 16;
 /// The pidfd of host connection `k` (readable once its process exits) has token
 /// `PIDFD_BASE + k`.
@@ -117,6 +120,12 @@ pub struct ServeConfig {
     pub cluster: Cluster,
     pub peer_listener: std::net::TcpListener,
     pub host_socket: PathBuf,
+    /// Hosts over TCP (the entry's `host_addr`), already bound: identified by their job
+    /// credential only (see `access`).
+    pub host_listener: Option<std::net::TcpListener>,
+    /// The TCP hosts share this SP's kernel (`serve --hosts-same-kernel`): their hellos name
+    /// their pid, which is checked and pinned, and their `cma` grants are served.
+    pub hosts_same_kernel: bool,
     pub max_inflight_reads: usize,
     pub datapath_threads: usize,
     pub chunk_bytes: usize,
@@ -151,7 +160,7 @@ pub struct ServeConfig {
 enum Role {
     /// A host connected; its hello has not arrived yet. Who it is comes from the kernel.
     NewHost {
-        peer: PeerCred,
+        peer: HostPeer,
         since: Instant,
     },
     Host(HostState),
@@ -164,7 +173,7 @@ struct HostState {
     hello: HostHello,
     /// The job, from the hello's verified credential.
     job: u64,
-    peer: PeerCred,
+    peer: HostPeer,
     mailbox: Option<(AliasKey, u32)>,
     said_goodbye: bool,
     /// Posts of this connection not completed yet (bounded by `Limits::max_posts_per_rank`).
@@ -250,6 +259,8 @@ pub struct Server {
     poll: Poll,
     hosts_listener: UnixListener,
     host_socket: PathBuf,
+    hosts_tcp: Option<TcpListener>,
+    hosts_same_kernel: bool,
     conns: Slab<Conn<Role>>,
     /// Serial of the next connection ([`Conn::serial`]).
     next_serial: u64,
@@ -377,6 +388,16 @@ impl Server {
         }
         poll.registry()
             .register(&mut hosts_listener, LISTEN_HOSTS, Interest::READABLE)?;
+        let hosts_tcp = match cfg.host_listener {
+            Some(l) => {
+                l.set_nonblocking(true)?;
+                let mut l = TcpListener::from_std(l);
+                poll.registry()
+                    .register(&mut l, LISTEN_HOSTS_TCP, Interest::READABLE)?;
+                Some(l)
+            }
+            None => None,
+        };
         let signals = crate::signals::SignalPipe::install()?;
         poll.registry()
             .register(&mut signals.source(), SIGNALS, Interest::READABLE)?;
@@ -428,6 +449,8 @@ impl Server {
             poll,
             hosts_listener,
             host_socket: cfg.host_socket,
+            hosts_tcp,
+            hosts_same_kernel: cfg.hosts_same_kernel,
             conns: Slab::new(),
             next_serial: 0,
             doomed: Vec::new(),
@@ -502,7 +525,8 @@ impl Server {
     /// Runs until SIGINT/SIGTERM. Returns the stats.
     pub fn run(mut self) -> anyhow::Result<Stats> {
         let mut events = Events::with_capacity(256);
-        info!(sp = self.me, socket = %self.host_socket.display(), "serving");
+        let tcp = self.hosts_tcp.as_ref().and_then(|l| l.local_addr().ok());
+        info!(sp = self.me, socket = %self.host_socket.display(), tcp = ?tcp, "serving");
         if self.poll_interval.is_some() {
             // Naps of a few tens of microseconds: Linux's default timer slack (50 us) would
             // stretch each one by up to that much.
@@ -550,6 +574,7 @@ impl Server {
             for ev in events.iter() {
                 match ev.token() {
                     LISTEN_HOSTS => self.accept_hosts(),
+                    LISTEN_HOSTS_TCP => self.accept_tcp_hosts(),
                     WAKER | UCX_EVENTS => {}
                     SIGNALS => {
                         if self.signals.drain() {

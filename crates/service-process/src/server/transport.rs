@@ -1,34 +1,42 @@
-//! Connections: accepting hosts (with their credentials and pidfds), reading frames and
-//! dispatching them by role, writing frames, and closing broken connections after the handler
-//! that found them is done.
+//! Connections: accepting hosts (on the Unix socket with their kernel credentials and pidfds;
+//! over TCP with nothing but their address until their job credential is checked, see
+//! `access::HostPeer`), reading frames and dispatching them by role (a host the SP cannot
+//! attach to is kept from asking for cross-memory attach: `remote_gate`), writing frames, and
+//! closing broken connections after the handler that found them is done.
 
 use super::*;
 
 impl Server {
+    /// Whether one more host connection fits the limits (counted and logged if not).
+    fn host_room(&mut self, via: &str) -> bool {
+        let (mut hosts, mut pending) = (0, 0);
+        for (_, c) in self.conns.iter() {
+            match c.role {
+                Role::NewHost { .. } => pending += 1,
+                Role::Host(_) => hosts += 1,
+                Role::Peer(_) => {}
+            }
+        }
+        if hosts + pending >= self.limits.max_hosts || pending >= self.limits.max_pending_hellos {
+            self.stats.hosts_refused += 1;
+            let (max_hosts, max_pending) = (self.limits.max_hosts, self.limits.max_pending_hellos);
+            self.client_warn(|| {
+                format!(
+                    "refusing a host connection ({via}): {hosts} hosts and {pending} without a \
+                     hello already (limits {max_hosts} and {max_pending})"
+                )
+            });
+            return false;
+        }
+        true
+    }
+
+    /// Hosts on the Unix socket: the kernel names their process (`SO_PEERCRED`, pidfd).
     pub(super) fn accept_hosts(&mut self) {
         loop {
             match self.hosts_listener.accept() {
                 Ok((s, _)) => {
-                    let (mut hosts, mut pending) = (0, 0);
-                    for (_, c) in self.conns.iter() {
-                        match c.role {
-                            Role::NewHost { .. } => pending += 1,
-                            Role::Host(_) => hosts += 1,
-                            Role::Peer(_) => {}
-                        }
-                    }
-                    if hosts + pending >= self.limits.max_hosts
-                        || pending >= self.limits.max_pending_hellos
-                    {
-                        self.stats.hosts_refused += 1;
-                        let (max_hosts, max_pending) =
-                            (self.limits.max_hosts, self.limits.max_pending_hellos);
-                        self.client_warn(|| {
-                            format!(
-                                "refusing a host connection: {hosts} hosts and {pending} without \
-                                 a hello already (limits {max_hosts} and {max_pending})"
-                            )
-                        });
+                    if !self.host_room("unix socket") {
                         continue;
                     }
                     let peer = match access::peer_cred(&s) {
@@ -40,9 +48,12 @@ impl Server {
                             continue;
                         }
                     };
-                    let since = Instant::now();
+                    let (peer, since) = (HostPeer::Local(peer), Instant::now());
                     match self.add_conn(Stream::Unix(s), Role::NewHost { peer, since }) {
-                        Ok(key) => self.watch_pidfd(key),
+                        Ok(key) => {
+                            self.stats.host_conns_unix += 1;
+                            self.watch_pidfd(key)
+                        }
                         Err(e) => warn!("cannot register a host connection: {e}"),
                     }
                 }
@@ -55,12 +66,120 @@ impl Server {
         }
     }
 
+    /// Hosts over TCP: nothing is known of them but their address until their hello's job
+    /// credential is checked (`identify_host`). Bounded and timed exactly as Unix hosts.
+    pub(super) fn accept_tcp_hosts(&mut self) {
+        loop {
+            let Some(l) = &self.hosts_tcp else { return };
+            match l.accept() {
+                Ok((s, addr)) => {
+                    if !self.host_room(&format!("tcp from {addr}")) {
+                        continue;
+                    }
+                    if let Err(e) = access::tune_tcp(&s) {
+                        warn!(sp = self.me, "cannot set TCP options for host {addr}: {e}");
+                    }
+                    let peer = HostPeer::Tcp {
+                        addr,
+                        same_kernel: self.hosts_same_kernel,
+                        pinned: None,
+                    };
+                    let since = Instant::now();
+                    match self.add_conn(Stream::Tcp(s), Role::NewHost { peer, since }) {
+                        Ok(_) => self.stats.host_conns_tcp += 1,
+                        Err(e) => warn!("cannot register a host connection: {e}"),
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    // ECONNABORTED and the like concern one client; EMFILE clears as
+                    // connections close. Either way the next readiness event tries again.
+                    warn!(sp = self.me, "accept on the host TCP listener failed: {e}");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Checks the hello of new host connection `key` (its credential, and for a TCP host on
+    /// this kernel the process it names, which is then pinned and watched); returns the job's
+    /// credential or why the host is refused.
+    pub(super) fn identify_host(
+        &mut self,
+        key: usize,
+        hello: &HostHello,
+    ) -> Result<auth::JobCredential, String> {
+        let Some(Role::NewHost { peer, .. }) = self.conns.get_mut(key).map(|c| &mut c.role) else {
+            return Err("the connection is gone".into());
+        };
+        let cred = access::check_hello(hello, &self.key, peer.kernel_uid(), &self.limits)
+            .map_err(|e| e.to_string())?;
+        if let HostPeer::Tcp {
+            same_kernel: true,
+            pinned,
+            ..
+        } = peer
+        {
+            *pinned = Some(access::pin_claimed(hello.pid, cred.uid)?);
+            self.watch_pidfd(key);
+        }
+        Ok(cred)
+    }
+
+    /// Stops watching and unpins the process of a host connection that closed.
+    pub(super) fn release_peer(&self, peer: &HostPeer) {
+        if let Some(p) = peer.pinned() {
+            let _ = self
+                .poll
+                .registry()
+                .deregister(&mut mio::unix::SourceFd(&p.pidfd.as_raw_fd()));
+            alias_mkey::process::unpin(p.pid, p.start);
+        }
+    }
+
+    /// A host the SP cannot reach by cross-memory attach (over TCP from another machine) may
+    /// not ask for it: no `cma` mailbox (it registers 0 slots and its posts complete by
+    /// message), no `cma` grant in a post. `Err`: the error for the host.
+    fn remote_gate(&self, key: usize, msg: &HostToSp) -> Result<(), String> {
+        let Some(Role::Host(h)) = self.conns.get(key).map(|c| &c.role) else {
+            return Ok(());
+        };
+        if h.peer.serves_cma() {
+            return Ok(());
+        }
+        const WHY: &str = "this SP cannot attach to the memory of a host over TCP (serve \
+                           --hosts-same-kernel declares hosts on its kernel)";
+        match msg {
+            HostToSp::Register { mailbox_slots, .. } if *mailbox_slots > 0 => Err(format!(
+                "a mailbox of {mailbox_slots} slots: {WHY}; register 0 slots and take \
+                 completions as messages"
+            )),
+            HostToSp::Post(d) => {
+                let cma = |g: &Grant| g.backend == BackendData::Cma;
+                if cma(&d.send) || cma(&d.recv) {
+                    Err(format!("a cma grant: {WHY}; grant memory through ucx"))
+                } else if d.staged.as_ref().is_some_and(|st| st.segment.is_some()) {
+                    Err(format!(
+                        "a node segment (hierarchical staged design): {WHY}; use a flat design"
+                    ))
+                } else {
+                    Ok(())
+                }
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// Registers the pidfd of host connection `key` with the poller: readable once the
     /// connected process has exited, even if another process (a child it forked) still holds
     /// the socket.
     pub(super) fn watch_pidfd(&mut self, key: usize) {
         let fd = match self.conns.get(key).map(|c| &c.role) {
-            Some(Role::NewHost { peer, .. }) => peer.pidfd.as_raw_fd(),
+            Some(Role::NewHost { peer, .. }) => match peer.pinned() {
+                Some(p) => p.pidfd.as_raw_fd(),
+                None => return,
+            },
             _ => return,
         };
         let registered = self.poll.registry().register(
@@ -76,12 +195,15 @@ impl Server {
     /// The pidfd of host connection `key` became readable: if its process has exited, the
     /// rank is gone, whoever still holds the socket.
     pub(super) fn on_pidfd(&mut self, key: usize) {
-        let gone = match self.conns.get(key).map(|c| &c.role) {
-            Some(Role::NewHost { peer, .. }) => !alias_mkey::process::alive(&peer.pidfd),
-            Some(Role::Host(h)) => !alias_mkey::process::alive(&h.peer.pidfd),
-            _ => false,
+        let peer = match self.conns.get(key).map(|c| &c.role) {
+            Some(Role::NewHost { peer, .. }) => peer,
+            Some(Role::Host(h)) => &h.peer,
+            _ => return,
         };
-        if gone {
+        if peer
+            .pinned()
+            .is_some_and(|p| !alias_mkey::process::alive(&p.pidfd))
+        {
             self.close_conn(key, "the rank's process exited");
         }
     }
@@ -202,7 +324,22 @@ impl Server {
         match role {
             None => self.on_host_hello(key, &payload),
             Some(true) => match decode::<HostToSp>(&payload) {
-                Ok(msg) => self.on_host_msg(key, msg),
+                Ok(msg) => match self.remote_gate(key, &msg) {
+                    Ok(()) => self.on_host_msg(key, msg),
+                    Err(why) => {
+                        let post = match &msg {
+                            HostToSp::Post(d) => {
+                                // Counted as every post is, refused as those beyond a limit.
+                                self.stats.posts += 1;
+                                self.stats.posts_refused += 1;
+                                Some(&**d)
+                            }
+                            _ => None,
+                        };
+                        self.client_warn(|| format!("refused from a host over TCP: {why}"));
+                        self.send_error(key, post, ErrorCode::BadDescriptor, why);
+                    }
+                },
                 Err(e) => {
                     let rank = self.host(key).hello.world_rank;
                     self.client_warn(|| format!("undecodable message from rank {rank}: {e}"));

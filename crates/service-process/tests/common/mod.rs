@@ -172,6 +172,7 @@ impl Host {
             world_size,
             node: p.node,
             local_rank: p.local_rank,
+            pid: std::process::id(),
         }))
         .unwrap();
         assert_eq!(ch.recv_hello().unwrap(), Hello::Welcome { sp: p.sp });

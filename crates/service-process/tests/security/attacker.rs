@@ -92,6 +92,7 @@ fn hello_as(
         world_size: size,
         node: 0,
         local_rank: rank,
+        pid: std::process::id(),
     })) {
         return (None, format!("SEND-FAILED {e}"));
     }

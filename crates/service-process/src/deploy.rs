@@ -1,0 +1,283 @@
+//! SPs started by a site's own tools: which SP this process is when a launcher starts one per
+//! slot (`serve --sp-id auto`), readiness told to systemd (`sd_notify`), and readiness waited
+//! on by a job (`wait-ready`).
+//!
+//! - **Per job**: `mpirun --map-by ppr:K:node service-process serve --sp-id auto ...` (or
+//!   `srun --ntasks-per-node=K ...`) starts K SPs on every node of the allocation. Each finds
+//!   its node by its host name in the cluster description's `hosts` (or `--node NAME`) and its
+//!   index on the node by the launcher's local rank ([`LOCAL_RANK_VARS`]).
+//! - **Daemon**: systemd starts one `serve` per DPU (`deploy/systemd/spoff-sp@.service`,
+//!   `Type=notify`); the SP sends `READY=1` to `$NOTIFY_SOCKET` itself once its peers are
+//!   connected and its host listeners open (a Unix datagram, no libsystemd needed).
+//! - **Waiting**: `service-process wait-ready` asks every SP of a description for its counters
+//!   until all answer (an SP answers only once it serves), so job scripts never `sleep`.
+
+use algorithms::SpId;
+use bootstrap::auth::ClusterKey;
+use bootstrap::Cluster;
+use std::time::{Duration, Instant};
+
+/// The SP a `serve` should be: a number, or `auto` (see [`resolve_sp_id`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SpIdArg {
+    Id(SpId),
+    Auto,
+}
+
+impl std::str::FromStr for SpIdArg {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s == "auto" {
+            return Ok(SpIdArg::Auto);
+        }
+        s.parse()
+            .map(SpIdArg::Id)
+            .map_err(|_| format!("expected an SP id (a number) or auto, not {s:?}"))
+    }
+}
+
+/// Environment variables that carry a process's rank on its node, by launcher, in the order
+/// they are looked at: Open MPI, MPICH/Hydra (two spellings), Slurm's `srun`.
+pub const LOCAL_RANK_VARS: [&str; 4] = [
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "PMI_LOCAL_RANK",
+    "MPI_LOCALRANKID",
+    "SLURM_LOCALID",
+];
+
+/// The SP id of a `serve --sp-id auto`: node from `node_name` (`--node`) or else `host_name`
+/// (this machine's) looked up in the description's `hosts`; the index on the node from the
+/// launcher's local rank (`env` looks variables up, [`LOCAL_RANK_VARS`]). A host name matches
+/// exactly, or by its first label when only one node's does (`dpu1` for `dpu1.site`).
+pub fn resolve_sp_id(
+    cluster: &Cluster,
+    node_name: Option<&str>,
+    host_name: &str,
+    env: impl Fn(&str) -> Option<String>,
+) -> Result<SpId, String> {
+    if cluster.hosts.is_empty() {
+        return Err(
+            "--sp-id auto needs the host name of every node in the cluster description \
+             (its \"hosts\" list); give --sp-id N instead"
+                .into(),
+        );
+    }
+    let name = node_name.unwrap_or(host_name);
+    let short = |s: &str| s.split('.').next().unwrap_or(s).to_string();
+    let node = match cluster.hosts.iter().position(|h| h == name) {
+        Some(n) => n,
+        None => {
+            let matches: Vec<usize> = (0..cluster.hosts.len())
+                .filter(|&n| short(&cluster.hosts[n]) == short(name))
+                .collect();
+            match matches[..] {
+                [n] => n,
+                [] => {
+                    return Err(format!(
+                        "host {name:?} is not in the cluster description's hosts ({}); give \
+                         --node NAME or --sp-id N",
+                        cluster.hosts.join(", ")
+                    ))
+                }
+                _ => {
+                    return Err(format!(
+                        "host {name:?} matches several nodes of the cluster description by its \
+                         short name; give --node with the full name"
+                    ))
+                }
+            }
+        }
+    };
+    let (var, value) = LOCAL_RANK_VARS
+        .iter()
+        .find_map(|v| env(v).map(|x| (*v, x)))
+        .ok_or_else(|| {
+            format!(
+                "--sp-id auto: no launcher local rank in the environment (none of {}); start \
+                 the SPs with mpirun or srun, or give --sp-id N",
+                LOCAL_RANK_VARS.join(", ")
+            )
+        })?;
+    let local: u32 = value
+        .trim()
+        .parse()
+        .map_err(|_| format!("{var}={value:?} is not a local rank"))?;
+    if local >= cluster.sps_per_node {
+        return Err(format!(
+            "{var}={local}, but the cluster description has {} SPs per node: start exactly {} \
+             per node (e.g. mpirun --map-by ppr:{}:node)",
+            cluster.sps_per_node, cluster.sps_per_node, cluster.sps_per_node
+        ));
+    }
+    Ok(node as u32 * cluster.sps_per_node + local)
+}
+
+/// This machine's host name.
+pub fn host_name() -> std::io::Result<String> {
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most `buf.len()` bytes into the live buffer.
+    if unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    Ok(String::from_utf8_lossy(&buf[..end]).into_owned())
+}
+
+/// Tells the service manager `state` (e.g. `READY=1`) through `$NOTIFY_SOCKET` (a Unix
+/// datagram socket, `@` for the abstract namespace), as `sd_notify(3)` does. `Ok(false)`:
+/// no service manager asked (the variable is unset).
+pub fn sd_notify(state: &str) -> std::io::Result<bool> {
+    let Some(path) = std::env::var_os("NOTIFY_SOCKET").filter(|p| !p.is_empty()) else {
+        return Ok(false);
+    };
+    notify_to(&path, state)?;
+    Ok(true)
+}
+
+/// Sends `state` as one datagram to the notify socket at `path`.
+pub fn notify_to(path: &std::ffi::OsStr, state: &str) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    use std::os::unix::net::{SocketAddr, UnixDatagram};
+    let bytes = path.as_bytes();
+    let addr = match bytes.strip_prefix(b"@") {
+        Some(name) => {
+            use std::os::linux::net::SocketAddrExt;
+            SocketAddr::from_abstract_name(name)?
+        }
+        None => SocketAddr::from_pathname(std::path::Path::new(path))?,
+    };
+    let s = UnixDatagram::unbound()?;
+    let n = s.send_to_addr(state.as_bytes(), &addr)?;
+    if n != state.len() {
+        return Err(std::io::Error::other("the notification was cut short"));
+    }
+    Ok(())
+}
+
+/// What [`wait_ready`] found: the SPs that never answered, each with its last error.
+#[derive(Debug)]
+pub struct NotReady(pub Vec<(SpId, String)>);
+
+/// Asks every SP of `cluster` for its counters (`stats::query_within`, over the transport the
+/// hosts use) until all have answered once, or `timeout` passed. Retries every `interval`.
+pub fn wait_ready(
+    cluster: &Cluster,
+    key: &ClusterKey,
+    timeout: Duration,
+    interval: Duration,
+) -> Result<(), NotReady> {
+    let start = Instant::now();
+    let mut waiting: Vec<(SpId, String)> = cluster
+        .sps
+        .iter()
+        .map(|e| (e.id, "not asked yet".to_string()))
+        .collect();
+    loop {
+        let mut still = Vec::new();
+        for (id, _) in waiting {
+            let entry = &cluster.sps[id as usize];
+            let left = timeout.saturating_sub(start.elapsed());
+            let per_try = left.clamp(Duration::from_millis(100), Duration::from_secs(2));
+            match crate::stats::query_within(entry, key, per_try) {
+                Ok(_) => {}
+                Err(e) => still.push((id, format!("{e:#}"))),
+            }
+        }
+        if still.is_empty() {
+            return Ok(());
+        }
+        if start.elapsed() + interval >= timeout {
+            return Err(NotReady(still));
+        }
+        waiting = still;
+        std::thread::sleep(interval);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bootstrap::cluster::SpEntry;
+    use bootstrap::Layout;
+    use std::collections::HashMap;
+
+    fn cluster(hosts: &[&str], k: u32) -> Cluster {
+        let n = hosts.len() as u32;
+        let sps = (0..n * k)
+            .map(|i| SpEntry {
+                id: i,
+                node: i / k,
+                index: i % k,
+                peer_addr: "127.0.0.1:1".parse().unwrap(),
+                host_socket: format!("/tmp/sp{i}").into(),
+                host_addr: None,
+            })
+            .collect();
+        let mut c = Cluster::new(n, k, None, Layout::Block, sps).unwrap();
+        c.hosts = hosts.iter().map(|h| h.to_string()).collect();
+        c.validate().unwrap();
+        c
+    }
+
+    fn env(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let m: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |k| m.get(k).cloned()
+    }
+
+    #[test]
+    fn sp_id_auto_comes_from_the_host_name_and_the_launchers_local_rank() {
+        let c = cluster(&["h0", "h1.site", "h2"], 2);
+        // Open MPI, on the second node, second slot.
+        let e = env(&[("OMPI_COMM_WORLD_LOCAL_RANK", "1")]);
+        assert_eq!(resolve_sp_id(&c, None, "h1.site", &e), Ok(3));
+        // By short name, both ways; --node wins over the host name.
+        assert_eq!(resolve_sp_id(&c, None, "h1", &e), Ok(3));
+        assert_eq!(resolve_sp_id(&c, None, "h2.site", &e), Ok(5));
+        assert_eq!(resolve_sp_id(&c, Some("h0"), "h2", &e), Ok(1));
+        // Slurm and Hydra.
+        let e = env(&[("SLURM_LOCALID", "0")]);
+        assert_eq!(resolve_sp_id(&c, None, "h2", &e), Ok(4));
+        let e = env(&[("PMI_LOCAL_RANK", "1")]);
+        assert_eq!(resolve_sp_id(&c, None, "h0", &e), Ok(1));
+        let e = env(&[("MPI_LOCALRANKID", "0")]);
+        assert_eq!(resolve_sp_id(&c, None, "h0", &e), Ok(0));
+    }
+
+    #[test]
+    fn sp_id_auto_says_clearly_what_is_missing() {
+        let c = cluster(&["h0", "h1"], 2);
+        let e = env(&[("OMPI_COMM_WORLD_LOCAL_RANK", "0")]);
+        let err = resolve_sp_id(&c, None, "elsewhere", &e).unwrap_err();
+        assert!(
+            err.contains("not in the cluster description's hosts (h0, h1)"),
+            "{err}"
+        );
+        let err = resolve_sp_id(&c, None, "h0", env(&[])).unwrap_err();
+        assert!(err.contains("no launcher local rank"), "{err}");
+        assert!(err.contains("SLURM_LOCALID"), "{err}");
+        let err = resolve_sp_id(&c, None, "h0", env(&[("SLURM_LOCALID", "2")])).unwrap_err();
+        assert!(err.contains("2 SPs per node"), "{err}");
+        assert!(err.contains("ppr:2:node"), "{err}");
+        let err = resolve_sp_id(&c, None, "h0", env(&[("SLURM_LOCALID", "x")])).unwrap_err();
+        assert!(err.contains("not a local rank"), "{err}");
+        let mut no_hosts = c.clone();
+        no_hosts.hosts.clear();
+        let err = resolve_sp_id(&no_hosts, None, "h0", &e).unwrap_err();
+        assert!(err.contains("\"hosts\""), "{err}");
+        // Two nodes with the same first label: only the full name decides.
+        let twins = cluster(&["a.x", "a.y"], 1);
+        let err = resolve_sp_id(&twins, None, "a", &e).unwrap_err();
+        assert!(err.contains("several nodes"), "{err}");
+        assert_eq!(resolve_sp_id(&twins, None, "a.y", &e), Ok(1));
+    }
+
+    #[test]
+    fn sp_id_argument_parses_numbers_and_auto() {
+        assert_eq!("7".parse::<SpIdArg>(), Ok(SpIdArg::Id(7)));
+        assert_eq!("auto".parse::<SpIdArg>(), Ok(SpIdArg::Auto));
+        assert!("seven".parse::<SpIdArg>().unwrap_err().contains("auto"));
+    }
+}
