@@ -129,8 +129,7 @@ place_from_mpi=0
 # hosts over TCP (host_addr): then the description comes from `cluster init`, the SPs from
 # mpirun across the DPU namespaces, and the ranks reach them over TCP.
 launcher_mode=0
-if [ "$place_from_mpi" = 1 ] && "$SP" wait-ready --help >/dev/null 2>&1 &&
-  "$SP" serve --help 2>&1 | grep -q -- '--hosts-same-kernel'; then
+if "$SP" wait-ready --help >/dev/null 2>&1 && "$SP" serve --help 2>&1 | grep -q -- '--hosts-same-kernel'; then
   launcher_mode=1
   DT_HOST_TCP=1
   if [ "${DEPLOY_SAME_KERNEL:-0}" = 1 ]; then
@@ -148,7 +147,7 @@ if [ "$place_from_mpi" = 1 ] && "$SP" wait-ready --help >/dev/null 2>&1 &&
     DT_SERVE_ARGS=(--ucx=on --heartbeat-ms 500 --peer-timeout-ms 4000)
     DT_SP_ENV=(-x UCX_TLS=tcp)
     # shellcheck disable=SC2206
-    DT_JOB_ENV=(-x UCX_TLS=tcp -x SPOFF_HOST_COPIES=0 ${DEPLOY_JOB_ENV:-})
+    DT_JOB_ENV=(-x UCX_TLS=tcp -x "SPOFF_HOST_COPIES=${DEPLOY_HOST_COPIES:-0}" ${DEPLOY_JOB_ENV:-})
   fi
 fi
 
@@ -162,10 +161,16 @@ the shim preloaded and a credential issued from the cluster key.
 EOF
 if [ "$launcher_mode" = 1 ]; then
   cat <<'EOF'
-The description comes from `service-process cluster init`; the SPs are started by mpirun
-across the DPU namespaces (serve --sp-id auto) and waited on with `wait-ready`; every rank
-places itself from MPI (host name, shared-memory group) and reaches its SP over TCP.
+The SPs are started by mpirun across the DPU namespaces (serve --sp-id auto) and waited on
+with `wait-ready`; every rank reaches its SP over TCP (host_addr).
 EOF
+  if [ "$place_from_mpi" = 1 ]; then
+    echo "The description comes from \`service-process cluster init\`; every rank places itself from MPI"
+    echo "(host name, shared-memory group), so any mapping works."
+  else
+    echo "This build has no placement from MPI yet: the description is written by this script, and"
+    echo "only uniform block mappings are run."
+  fi
   if [ "${DEPLOY_SAME_KERNEL:-0}" = 1 ]; then
     echo "DEPLOY_SAME_KERNEL=1: the SPs attach to the ranks' memory (cross-memory attach), as on one kernel."
   else
@@ -238,7 +243,7 @@ dt_job() {
   if [ "$expect" = ok ]; then
     if [ "$job_rc" -ne 0 ]; then
       fail "$label: exit status $job_rc"
-      tail -8 "$RUN/job-$label.out" "$RUN/job-$label.err" >&2
+      tail -n 8 "$RUN/job-$label.out" "$RUN/job-$label.err" >&2
       return 1
     fi
     if [ "$offload" = 1 ]; then
@@ -398,6 +403,7 @@ fault_kill_sp() {
   base=$(dt_counter_of "$victim" posts)
   dt_job_bg "$label" 180 "$mapping" -- "$RUN/progs/conform" --cases 100000 --seed "$seed" --timeout 60
   dt_wait_posts "$victim" "$base" || { fail "$label: SP $victim never served a post"; wait "$job_pid" || true; return; }
+  kill -0 "$job_pid" 2>/dev/null || { fail "$label: the job ended before the fault"; wait "$job_pid" || true; return; }
   local t0
   t0=$(date +%s)
   kill -KILL "${DT_SP_PIDS[victim]}"
@@ -423,6 +429,7 @@ fault_kill_rank() {
   [ -n "$victim" ] || { fail "$label: no rank process found"; wait "$job_pid" || true; return; }
   local host
   host=$(ip netns identify "$victim" 2>/dev/null)
+  kill -0 "$job_pid" 2>/dev/null || { fail "$label: the job ended before the fault"; wait "$job_pid" || true; return; }
   local t0
   t0=$(date +%s)
   kill -KILL "$victim"

@@ -27,7 +27,7 @@ dt_key_tag() {
 # dt_write_cluster FILE NODES K: the cluster description: node i's host name node$i, its SPs on
 # its DPU's address (peer port DT_SP_PORT_BASE + index, hosts' port DT_HOST_PORT_BASE + index).
 dt_write_cluster() {
-  local file=$1 n=$2 k=$3 i j id sep=""
+  local file=$1 n=$2 k=$3 i j id sock sep=""
   {
     echo "{"
     echo "  \"nodes\": $n,"
@@ -38,8 +38,11 @@ dt_write_cluster() {
     for i in $(seq 0 $((n - 1))); do
       for j in $(seq 0 $((k - 1))); do
         id=$((i * k + j))
+        # SPs started by mpirun keep their sockets in their DPU's private directory.
+        sock=$RUN/sp$id.sock
+        [ "${DT_HOST_TCP:-0}" = 1 ] && sock=$DT_SOCK_DIR/sp-$j.sock
         printf '%s    {"id": %d, "node": %d, "index": %d, "peer_addr": "%s:%d", "host_socket": "%s"' \
-          "$sep" "$id" "$i" "$j" "$(dt_addr_dpu $((i + 1)))" $((DT_SP_PORT_BASE + j)) "$RUN/sp$id.sock"
+          "$sep" "$id" "$i" "$j" "$(dt_addr_dpu $((i + 1)))" $((DT_SP_PORT_BASE + j)) "$sock"
         if [ "${DT_HOST_TCP:-0}" = 1 ]; then
           printf ', "host_addr": "%s:%d"' "$(dt_addr_dpu $((i + 1)))" $((DT_HOST_PORT_BASE + j))
         fi
@@ -197,7 +200,12 @@ dt_init_cluster() {
 # processes found in each DPU namespace.
 dt_sps_launch() {
   DT_NODES=$1 DT_K=$2
-  dt_init_cluster "$DT_NODES" "$DT_K"
+  if "$SP" cluster --help >/dev/null 2>&1; then
+    dt_init_cluster "$DT_NODES" "$DT_K"
+  else
+    DT_CLUSTER=$RUN/cluster-${DT_NODES}x$DT_K.json
+    DT_HOST_TCP=1 dt_write_cluster "$DT_CLUSTER" "$DT_NODES" "$DT_K"
+  fi
   local i app=()
   for i in $(seq 1 "$DT_NODES"); do
     [ "$i" -gt 1 ] && app+=(:)
