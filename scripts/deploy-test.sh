@@ -11,7 +11,11 @@
 #   DEPLOY_SHORT=1 scripts/deploy-test.sh   a short run (make test runs it): fewer configurations
 #                                        and cases, still both faults
 # Needs root (namespaces). BIN (default target/release) holds service-process, coll-bench and
-# libhost_shim.so. Prints one summary line at the end:
+# libhost_shim.so. Other knobs: CASES (conform cases per job), SEED, DEPLOY_SAME_KERNEL=1 (SPs
+# attach to the ranks with cma instead of UCX grants), DEPLOY_HOST_COPIES=1 (leave the blocking
+# allgathers' host copies on), DEPLOY_JOB_ENV="-x VAR=VALUE ..." (more for the ranks),
+# KEEP_RUN_DIR=1 (keep the logs). docs/DEPLOY.md says what it proves and what not.
+# Prints one summary line at the end:
 #   deploy-test: N jobs, M offloaded, K faults handled, 0 left behind, in S s
 set -euo pipefail
 cd "$(dirname "$0")/.."
