@@ -11,6 +11,18 @@ dt_slurm_available() {
     ls /usr/lib/*/slurm-wlm/mpi_pmix.so >/dev/null 2>&1
 }
 
+# dt_slurm_install: Debian's Slurm daemons and client (no munge: auth/none), when missing and
+# apt-get is there; false if they still are not.
+dt_slurm_install() {
+  dt_slurm_available && return 0
+  command -v apt-get >/dev/null || return 1
+  echo "deploy-test: installing slurmd slurmctld slurm-client (DEPLOY_SLURM=0 skips Slurm)"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+    slurmd slurmctld slurm-client > "$RUN/slurm-install.log" 2>&1 ||
+    { tail -3 "$RUN/slurm-install.log" >&2; return 1; }
+  dt_slurm_available
+}
+
 # dt_slurm_up N: writes the configuration for N nodes and starts the daemons; waits (bounded)
 # until every node is idle.
 dt_slurm_up() {
