@@ -12,7 +12,7 @@ BIN := target/release
 SP := $(BIN)/service-process
 BENCH := $(BIN)/coll-bench
 
-.PHONY: all deps build test demo bench conformance chaos fuzz soak deploy-test fmt clippy clean
+.PHONY: all deps build test demo bench conformance chaos fuzz soak ucx-export-test deploy-test fmt clippy clean
 
 all: build
 
@@ -51,6 +51,22 @@ fuzz: build
 # descriptors, jobs and instances are sampled; writes docs/SOAK.md and docs/soak.svg.
 soak: build
 	SOAK_COLLECTIVES=100000 SOAK_JOBS=200 SOAK_WRITE_DOCS=1 $(CARGO) test --release -p integration-tests --test soak -- --nocapture
+
+# The ucx-export backend (BlueField alias keys: UCX exported memory handles) built against
+# UCX >= 1.15 from the PyPI wheel libucx-cu12 (scripts/ucx-wheel.sh; Debian's UCX is 1.13), in
+# its own target directory: the export unit tests of ucx-sys and alias-mkey, an mpirun job whose
+# ranks ask for ucx-export, are refused (no device here can export) and fall back to cma, and an
+# SP handed an export grant it cannot import (the collective fails, the SP keeps serving).
+UCX_EXPORT_TARGET := target/ucx-export
+ucx-export-test: deps
+	prefix=$$(bash scripts/ucx-wheel.sh) && \
+	export UCX_DIR=$$prefix LD_LIBRARY_PATH=$$prefix/lib UCX_WARN_UNUSED_ENV_VARS=n \
+	  CARGO_TARGET_DIR=$(UCX_EXPORT_TARGET) && \
+	$(CARGO) test --release -p ucx-sys --test export && \
+	$(CARGO) test --release -p alias-mkey --lib && \
+	$(CARGO) build --release -p service-process -p host-shim --bins --lib && \
+	$(CARGO) test --release -p host-shim --test mpirun_ucx ucx_export && \
+	$(CARGO) test --release -p service-process --test engine_hostile ucx_export
 
 # A real multi-node cluster made of network namespaces (needs root): per node a host and a DPU
 # namespace, SPs in the DPU namespaces, the job started by Open MPI's mpirun across the host

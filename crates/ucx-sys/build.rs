@@ -9,6 +9,15 @@
 //! 2. pkg-config package `ucx`, at least version 1.12 (Debian: `libucx-dev`).
 //!
 //! If every probe fails the build panics with the reason each one failed.
+//!
+//! Exported memory handles: if the `ucp.h` found has `UCP_MEMH_PACK_FLAG_EXPORT` (UCX >= 1.15),
+//! the crate is built with `--cfg ucx_export` and binds `ucp_memh_pack` and friends
+//! (`ucx_sys::EXPORT_API` says which). Debian's 1.13 does not have it; `scripts/ucx-wheel.sh`
+//! installs a UCX that does (`UCX_DIR=$(scripts/ucx-wheel.sh)`).
+//!
+//! With `UCX_DIR`, this crate's own binaries and tests get an rpath to `$UCX_DIR/lib`, so they
+//! load that UCX and not the system's; dependents run with `LD_LIBRARY_PATH=$UCX_DIR/lib` (or
+//! from a target directory containing it, which cargo adds to the search path itself).
 
 use std::env;
 use std::path::{Path, PathBuf};
@@ -46,14 +55,54 @@ fn probe_ucx_dir() -> Result<Found, String> {
         ));
     }
     println!("cargo:rustc-link-search=native={}", lib.display());
+    // This crate's own binaries and tests: load this UCX, not the system's.
+    println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());
     // `ucm`: the memory hooks (`ucm_set_event_handler`), bound in `ucx_sys::memhooks`.
     for l in ["ucp", "uct", "ucs", "ucm"] {
         println!("cargo:rustc-link-lib={l}");
     }
+    let version = header_version(&include).unwrap_or_else(|| "(version unknown)".into());
     Ok(Found {
         include_paths: vec![include],
-        how: format!("UCX_DIR={}", dir.display()),
+        how: format!("UCX_DIR={} {version}", dir.display()),
     })
+}
+
+/// `major.minor` from `ucp/api/ucp_version.h` under `include`.
+fn header_version(include: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(include.join("ucp/api/ucp_version.h")).ok()?;
+    let field = |name: &str| {
+        text.lines().find_map(|l| {
+            let mut w = l.split_whitespace();
+            (w.next() == Some("#define") && w.next() == Some(name))
+                .then(|| w.next().map(str::to_string))
+                .flatten()
+        })
+    };
+    Some(format!(
+        "{}.{}",
+        field("UCP_API_MAJOR")?,
+        field("UCP_API_MINOR")?
+    ))
+}
+
+/// True if the `ucp.h` found first on `include_paths` (then the system directories) declares
+/// the exported-memory-handle API (UCX >= 1.15).
+fn has_export_api(include_paths: &[PathBuf]) -> bool {
+    let system = [
+        PathBuf::from("/usr/include"),
+        PathBuf::from("/usr/local/include"),
+    ];
+    include_paths
+        .iter()
+        .chain(system.iter())
+        .map(|p| p.join("ucp/api/ucp.h"))
+        .find(|h| h.is_file())
+        .and_then(|h| {
+            println!("cargo:rerun-if-changed={}", h.display());
+            std::fs::read_to_string(h).ok()
+        })
+        .is_some_and(|t| t.contains("UCP_MEMH_PACK_FLAG_EXPORT"))
 }
 
 fn probe_pkg_config() -> Result<Found, String> {
@@ -96,6 +145,12 @@ fn main() {
     });
     // Exposed as `ucx_sys::BUILD_PROBE` so a binary can say which UCX it was built against.
     println!("cargo:rustc-env=UCXSYS_BUILD_PROBE={}", found.how);
+    println!("cargo:rustc-check-cfg=cfg(ucx_export)");
+    if has_export_api(&found.include_paths) {
+        println!("cargo:rustc-cfg=ucx_export");
+        // For dependents' build scripts: DEP_UCP_EXPORT=1.
+        println!("cargo:export=1");
+    }
     for p in &found.include_paths {
         println!("cargo:include={}", p.display());
     }

@@ -152,10 +152,11 @@ mod ucx_backend {
     use std::rc::Rc;
     use ucx_sys::{Context, Features, MemHandle, Worker};
 
-    /// A live `ucp_mem_map` of a user buffer and the remote key packed from it.
+    /// A live `ucp_mem_map` of a user buffer and the remote key (or, exporting, the exported
+    /// memory handle) packed from it.
     #[derive(Debug)]
     pub(super) struct Mapping {
-        rkey: Vec<u8>,
+        packed: Vec<u8>,
         // Unmapped (`ucp_mem_unmap`) when dropped: on invalidation, eviction or registrar drop.
         _mem: MemHandle,
     }
@@ -165,6 +166,23 @@ mod ucx_backend {
             op: e.op,
             pid: std::process::id(),
             status: e.status.to_string(),
+        }
+    }
+
+    /// A failed `ucp_memh_pack` with the export flag: `UCS_ERR_UNSUPPORTED` means no memory
+    /// domain of this machine can export.
+    fn export_error(e: ucx_sys::Error) -> AccessError {
+        if !ucx_sys::EXPORT_API {
+            AccessError::ExportNotBuilt {
+                probe: ucx_sys::BUILD_PROBE,
+            }
+        } else if e.status == ucx_sys::Status::ERR_UNSUPPORTED {
+            AccessError::CannotExport {
+                op: e.op,
+                status: e.status.to_string(),
+            }
+        } else {
+            ucx_error(e)
         }
     }
 
@@ -183,18 +201,28 @@ mod ucx_backend {
     /// foreign memory). A host waiting for a collective must therefore call `progress` in its
     /// wait loop, or sleep in `poll` on [`UcxRegistrar::event_fd`] after a successful
     /// [`UcxRegistrar::arm`]. On InfiniBand RC/DC, or with UCX >= 1.15 exported memory keys
-    /// (the `xgvmi` backend), the NIC serves the accesses and the host need not progress.
+    /// (the `ucx-export` backend, [`UcxRegistrar::exporting`]), the NIC serves the accesses and
+    /// the host need not progress.
     ///
     /// The emulation also means that here the host's UCX does not check remote accesses
     /// against its registrations: exactly as with `cma`, [`crate::AliasKey::check`] in the SP is
     /// the only gate. On RDMA hardware the NIC additionally refuses accesses outside a live
     /// registration.
+    ///
+    /// # Exporting (`ucx-export`, BlueField cross-GVMI)
+    ///
+    /// Made with [`UcxRegistrar::exporting`], the registrar packs every mapping with
+    /// `ucp_memh_pack(..., UCP_MEMH_PACK_FLAG_EXPORT)` and grants [`BackendData::UcxExport`]: the
+    /// SP on the DPU imports it as an alias of this memory and the device serves its accesses,
+    /// so this process need not progress. Where no device can export, registering fails with
+    /// [`AccessError::CannotExport`]; [`UcxRegistrar::probe_export`] finds that out once.
     pub struct UcxRegistrar {
         // Dropped first: unmaps every registration while the context is alive (each MemHandle
         // also holds the context).
         cache: Cache<Option<Mapping>>,
         worker_address: Vec<u8>,
         worker: Rc<Worker>,
+        export: bool,
     }
 
     impl UcxRegistrar {
@@ -214,7 +242,55 @@ mod ucx_backend {
                 cache: Cache::default(),
                 worker_address,
                 worker,
+                export: false,
             })
+        }
+
+        /// A registrar for the `ucx-export` backend: grants carry exported memory handles
+        /// ([`BackendData::UcxExport`]) instead of remote keys. Fails with
+        /// [`AccessError::ExportNotBuilt`] if ucx-sys was built against UCX < 1.15. Creating it
+        /// does not yet know whether a device can export: see
+        /// [`UcxRegistrar::probe_export`].
+        pub fn exporting(overrides: &[(&str, &str)]) -> Result<Self, AccessError> {
+            if !ucx_sys::EXPORT_API {
+                return Err(AccessError::ExportNotBuilt {
+                    probe: ucx_sys::BUILD_PROBE,
+                });
+            }
+            let features = Features::RMA | Features::WAKEUP | Features::EXPORTED_MEMH;
+            let context = Context::with_config(features, overrides).map_err(ucx_error)?;
+            let worker = Worker::new(&context).map_err(ucx_error)?;
+            let worker_address = worker.address().map_err(ucx_error)?;
+            Ok(UcxRegistrar {
+                cache: Cache::default(),
+                worker_address,
+                worker,
+                export: true,
+            })
+        }
+
+        /// True for a registrar made by [`UcxRegistrar::exporting`].
+        pub fn exports(&self) -> bool {
+            self.export
+        }
+
+        /// Exports one page of this registrar's own (mapped, packed, then unmapped at once):
+        /// `Ok` if this machine's devices can export, [`AccessError::CannotExport`] ("this
+        /// device cannot export memory (needs BlueField cross-GVMI)") if not. Nothing is cached.
+        pub fn probe_export(&self) -> Result<(), AccessError> {
+            if !ucx_sys::EXPORT_API {
+                return Err(AccessError::ExportNotBuilt {
+                    probe: ucx_sys::BUILD_PROBE,
+                });
+            }
+            let mut page = vec![0u8; 4096];
+            // SAFETY: `page` outlives `mem`, which is dropped (unmapped) before it.
+            let mem = unsafe { MemHandle::map(self.worker.context(), page.as_mut_ptr(), 4096) }
+                .map_err(ucx_error)?;
+            let packed = mem.export_pack().map_err(export_error);
+            drop(mem);
+            drop(page);
+            packed.map(drop)
         }
 
         /// A grant for `len` bytes at `addr` with `rights`, backed by a `ucp_mem_map` of that
@@ -241,7 +317,7 @@ mod ucx_backend {
             let ulen = usize::try_from(len).map_err(|_| AccessError::BadGrant)?;
             addr.checked_add(len).ok_or(AccessError::BadGrant)?;
             let e = self.cache.entry(addr, len, rights);
-            let rkey = if len == 0 {
+            let packed = if len == 0 {
                 Vec::new()
             } else {
                 if e.data.is_none() {
@@ -250,10 +326,22 @@ mod ucx_backend {
                     let mem =
                         unsafe { MemHandle::map(self.worker.context(), addr as *mut u8, ulen) }
                             .map_err(ucx_error)?;
-                    let rkey = mem.rkey_pack().map_err(ucx_error)?;
-                    e.data = Some(Mapping { rkey, _mem: mem });
+                    let packed = if self.export {
+                        mem.export_pack().map_err(export_error)?
+                    } else {
+                        mem.rkey_pack().map_err(ucx_error)?
+                    };
+                    e.data = Some(Mapping { packed, _mem: mem });
                 }
-                e.data.as_ref().expect("mapped above").rkey.clone()
+                e.data.as_ref().expect("mapped above").packed.clone()
+            };
+            let backend = if self.export {
+                BackendData::UcxExport { memh: packed }
+            } else {
+                BackendData::Ucx {
+                    worker_address: self.worker_address.clone(),
+                    rkey: packed,
+                }
             };
             Ok(Grant {
                 region: e.region,
@@ -261,10 +349,7 @@ mod ucx_backend {
                 addr,
                 len,
                 rights,
-                backend: BackendData::Ucx {
-                    worker_address: self.worker_address.clone(),
-                    rkey,
-                },
+                backend,
             })
         }
 
@@ -277,7 +362,7 @@ mod ucx_backend {
             self.cache.invalidate(addr, len, |e| e.data = None)
         }
 
-        /// Runs one round of UCX progress on the worker whose address is in the grants;
+        /// Runs one round of UCX progress on the worker whose address is in the `ucx` grants;
         /// returns the number of events processed. See the type docs for why a host must call
         /// this while it waits (UCX 1.13 over tcp/shared memory).
         pub fn progress(&self) -> u32 {
@@ -392,5 +477,44 @@ mod tests {
         r.progress();
         drop(r);
         drop(buf);
+    }
+
+    #[cfg(feature = "ucx")]
+    #[test]
+    fn an_exporting_registrar_says_clearly_why_it_cannot_export_here() {
+        for tls in ["tcp", "sm", "self"] {
+            match (
+                ucx_sys::EXPORT_API,
+                UcxRegistrar::exporting(&[("TLS", tls)]),
+            ) {
+                (false, Err(e)) => {
+                    let msg = e.to_string();
+                    println!("{msg}");
+                    assert!(matches!(e, crate::AccessError::ExportNotBuilt { .. }));
+                    assert!(
+                        msg.contains("built without UCX >= 1.15 export support"),
+                        "{msg}"
+                    );
+                }
+                (true, Ok(mut r)) => {
+                    assert!(r.exports());
+                    let e = r.probe_export().unwrap_err();
+                    println!("UCX_TLS={tls}: {e}");
+                    assert!(matches!(e, crate::AccessError::CannotExport { .. }), "{e}");
+                    assert!(e.to_string().starts_with(
+                        "this device cannot export memory (needs BlueField cross-GVMI)"
+                    ));
+                    let buf = vec![0u8; 8192];
+                    // SAFETY: `buf` outlives `r` (dropped first below).
+                    let e =
+                        unsafe { r.register(buf.as_ptr() as u64, 8192, Rights::READ) }.unwrap_err();
+                    assert!(matches!(e, crate::AccessError::CannotExport { .. }), "{e}");
+                    assert_eq!(r.mapped(), 0, "a failed export keeps no mapping");
+                    drop(r);
+                    drop(buf);
+                }
+                (api, r) => panic!("export API {api}, but the registrar: {r:?}"),
+            }
+        }
     }
 }

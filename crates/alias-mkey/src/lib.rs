@@ -11,10 +11,10 @@
 //! | backend | host side | SP side ([`mover`]) | what it needs of the host | status |
 //! |---|---|---|---|---|
 //! | `cma` (default) | [`host::Registrar`]: no resource, [`BackendData::Cma`] | [`mover::CmaMover`]: `process_vm_readv`/`writev` staged through a bounded buffer | nothing (the kernel must let the SP attach: same user and Yama `ptrace_scope` 0, `PR_SET_PTRACER`, or root) | used by the SP |
-//! | `ucx` (feature `ucx`, on by default; chosen at run time) | [`host::UcxRegistrar`]: `ucp_mem_map` of the user buffer + packed rkey, [`BackendData::Ucx`] | [`mover::UcxMover`]: `ucp_get_nbx` into a bounded staging buffer, `ucp_put_nbx` out of it, `ucp_ep_flush_nbx`; every wait bounded | **UCX 1.13 here: the host must progress its worker** ([`host::UcxRegistrar::progress`]) while SPs access its memory: tcp and shared-memory RMA on `ucp_mem_map`ped user memory is emulated over active messages. Not needed on InfiniBand RC/DC | implemented and tested with real processes; not wired into the SP |
-//! | `xgvmi` (future, BlueField) | UCX >= 1.15: `ucp_mem_map` + `ucp_memh_pack(..., UCP_MEMH_PACK_FLAG_EXPORT)`, context feature `UCP_FEATURE_EXPORTED_MEMH` | `ucp_mem_map` with `UCP_MEM_MAP_PARAM_FIELD_EXPORTED_MEMH_BUFFER` (the alias mkey), then local-to-remote RDMA without staging | nothing: the NIC serves the accesses | designed; needs one more [`BackendData`] variant; UCX returns `UCS_ERR_UNSUPPORTED` where the hardware cannot |
+//! | `ucx` (feature `ucx`, on by default; chosen at run time) | [`host::UcxRegistrar`]: `ucp_mem_map` of the user buffer + packed rkey, [`BackendData::Ucx`] | [`mover::UcxMover`]: `ucp_get_nbx` into a bounded staging buffer, `ucp_put_nbx` out of it, `ucp_ep_flush_nbx`; every wait bounded | **UCX 1.13 here: the host must progress its worker** ([`host::UcxRegistrar::progress`]) while SPs access its memory: tcp and shared-memory RMA on `ucp_mem_map`ped user memory is emulated over active messages. Not needed on InfiniBand RC/DC | implemented and tested with real processes; served by the SP with UCX on (`serve --ucx`) |
+//! | `ucx-export` (feature `ucx`; needs ucx-sys built against UCX >= 1.15: `UCX_DIR=$(scripts/ucx-wheel.sh)`) | [`host::UcxRegistrar::exporting`]: `ucp_mem_map` + `ucp_memh_pack(..., UCP_MEMH_PACK_FLAG_EXPORT)`, [`BackendData::UcxExport`] | [`mover::ExportMover`]: checks the exported buffer's framing and that it covers the grant, `ucp_mem_map` with `UCP_MEM_MAP_PARAM_FIELD_EXPORTED_MEMH_BUFFER` (the alias mkey, context feature `UCP_FEATURE_EXPORTED_MEMH`), then `ucp_put_nbx`/`ucp_get_nbx` with the alias as the *local* memory handle on a loopback endpoint, to and from a registered staging buffer | nothing: the device serves the accesses | the BlueField cross-GVMI path. No device here can export: the host's registration fails with [`AccessError::CannotExport`] ("this device cannot export memory (needs BlueField cross-GVMI)"); built against UCX < 1.15 it fails with [`AccessError::ExportNotBuilt`] |
 //!
-//! An SP serves both kinds of grants with [`mover::DynMover`] (built from a
+//! An SP serves every kind of grant with [`mover::DynMover`] (built from a
 //! [`mover::MoverConfig`]), which dispatches per key and stages mixed copies.
 //!
 //! What the `ucx` backend works with on this machine (Debian UCX 1.13.1, one host; see
@@ -75,6 +75,10 @@ pub enum BackendData {
         worker_address: Vec<u8>,
         rkey: Vec<u8>,
     },
+    /// UCX exported memory handle (BlueField cross-GVMI): the bytes of
+    /// `ucp_memh_pack(..., UCP_MEMH_PACK_FLAG_EXPORT)` of the owner's `ucp_mem_map`, which the SP
+    /// imports as an alias of the owner's memory ([`mover::ExportMover`]).
+    UcxExport { memh: Vec<u8> },
 }
 
 /// A region a host process grants to its SP. Produced by [`host::Registrar`].
@@ -152,6 +156,19 @@ pub enum AccessError {
         pid: u32,
         after_ms: u64,
     },
+    /// The `ucx-export` backend cannot run here: UCX found no memory domain able to export
+    /// (only the mlx5 device of a BlueField can, for its DPU's cross-GVMI aliases).
+    #[error(
+        "this device cannot export memory (needs BlueField cross-GVMI): {op} returned {status}"
+    )]
+    CannotExport { op: &'static str, status: String },
+    /// The `ucx-export` backend was asked for, but ucx-sys was built against a UCX without
+    /// exported memory handles (`probe` says which UCX).
+    #[error(
+        "ucx-export: built without UCX >= 1.15 export support ({probe}); rebuild with \
+         UCX_DIR=$(scripts/ucx-wheel.sh) or a UCX >= 1.15 install"
+    )]
+    ExportNotBuilt { probe: &'static str },
 }
 
 impl AliasKey {

@@ -15,8 +15,12 @@
 //! granted with [`crate::host::UcxRegistrar`]; see [its module](ucx) for the transports that
 //! work here and what the host must do (progress).
 //!
-//! [`DynMover`] serves both kinds of grants: it dispatches each access to the mover of the
-//! key's backend, and stages copies between a `cma` and a `ucx` grant through its own bounded
+//! [`ExportMover`] (cargo feature `ucx`, UCX >= 1.15 at build time) is the BlueField alias-key
+//! path: it imports the exported memory handle of a `ucx-export` grant and reaches the host's
+//! memory through it (see [its module](export)).
+//!
+//! [`DynMover`] serves every kind of grant: it dispatches each access to the mover of the
+//! key's backend, and stages copies between grants of two backends through its own bounded
 //! buffer. Build it from a [`MoverConfig`]; `cma` alone is the default.
 
 use crate::{AccessError, AliasKey, BackendData, Owner, Rights};
@@ -25,6 +29,10 @@ use crate::{AccessError, AliasKey, BackendData, Owner, Rights};
 pub mod ucx;
 #[cfg(feature = "ucx")]
 pub use ucx::{ErrorHandling, UcxMover, UcxMoverConfig, UcxMoverStats};
+#[cfg(feature = "ucx")]
+pub mod export;
+#[cfg(feature = "ucx")]
+pub use export::{ExportMover, ExportMoverConfig, ExportMoverStats};
 
 /// Default staging chunk per copy in flight.
 pub const DEFAULT_CHUNK_BYTES: usize = 1 << 20;
@@ -68,6 +76,9 @@ fn require_cma(key: &AliasKey) -> Result<(), AccessError> {
     match key.grant.backend {
         BackendData::Cma => Ok(()),
         BackendData::Ucx { .. } => Err(AccessError::Unsupported("ucx (in the cma mover)")),
+        BackendData::UcxExport { .. } => {
+            Err(AccessError::Unsupported("ucx-export (in the cma mover)"))
+        }
     }
 }
 
@@ -233,6 +244,10 @@ pub struct MoverConfig {
     /// Also serve `ucx` grants (needs the `ucx` feature; the UCX context is configured from
     /// the environment, `UCX_TLS` included). Off by default: `cma` only.
     pub ucx: bool,
+    /// Also serve `ucx-export` grants (needs the `ucx` feature and UCX >= 1.15 at build time;
+    /// the [`ExportMover`] is created on the first such grant, and if it cannot be, every such
+    /// access fails with the reason). Off by default.
+    pub ucx_export: bool,
 }
 
 impl Default for MoverConfig {
@@ -240,6 +255,7 @@ impl Default for MoverConfig {
         MoverConfig {
             chunk_bytes: DEFAULT_CHUNK_BYTES,
             ucx: false,
+            ucx_export: false,
         }
     }
 }
@@ -248,14 +264,31 @@ impl Default for MoverConfig {
 enum Kind {
     Cma,
     Ucx,
+    UcxExport,
 }
 
 fn kind(key: &AliasKey) -> Kind {
     match key.grant.backend {
         BackendData::Cma => Kind::Cma,
         BackendData::Ucx { .. } => Kind::Ucx,
+        BackendData::UcxExport { .. } => Kind::UcxExport,
     }
 }
+
+/// The [`DynMover`]'s `ucx-export` mover, made on first use.
+#[cfg(feature = "ucx")]
+enum ExportSlot {
+    Off,
+    Unmade,
+    Made(Box<ExportMover>),
+    Failed(AccessError),
+}
+
+const EXPORT_OFF: AccessError = AccessError::Unsupported(if cfg!(feature = "ucx") {
+    "ucx-export (not enabled in this mover's config)"
+} else {
+    "ucx-export (alias-mkey built without the `ucx` feature)"
+});
 
 /// A mover for every kind of grant: `cma` keys go to a [`CmaMover`], `ucx` keys to a
 /// [`UcxMover`] (if enabled), and a copy between a `cma` and a `ucx` key is staged through a
@@ -264,6 +297,8 @@ pub struct DynMover {
     cma: CmaMover,
     #[cfg(feature = "ucx")]
     ucx: Option<UcxMover>,
+    #[cfg(feature = "ucx")]
+    export: ExportSlot,
     chunk_bytes: usize,
     /// For mixed copies only; allocated on first use.
     staging: Vec<u8>,
@@ -293,6 +328,11 @@ impl DynMover {
             Ok(DynMover {
                 cma: CmaMover::new(chunk_bytes),
                 ucx,
+                export: if cfg.ucx_export {
+                    ExportSlot::Unmade
+                } else {
+                    ExportSlot::Off
+                },
                 chunk_bytes,
                 staging: Vec::new(),
             })
@@ -301,6 +341,9 @@ impl DynMover {
         {
             if cfg.ucx {
                 return Err(UCX_OFF);
+            }
+            if cfg.ucx_export {
+                return Err(EXPORT_OFF);
             }
             Ok(DynMover {
                 cma: CmaMover::new(chunk_bytes),
@@ -317,8 +360,28 @@ impl DynMover {
         DynMover {
             cma,
             ucx,
+            export: ExportSlot::Off,
             chunk_bytes: chunk_bytes.max(4096),
             staging: Vec::new(),
+        }
+    }
+
+    /// The `ucx-export` mover, made now if enabled and not yet made.
+    #[cfg(feature = "ucx")]
+    fn export_mover(&mut self) -> Result<&mut ExportMover, AccessError> {
+        if matches!(self.export, ExportSlot::Unmade) {
+            self.export = match ExportMover::new(ExportMoverConfig {
+                chunk_bytes: self.chunk_bytes,
+                ..Default::default()
+            }) {
+                Ok(m) => ExportSlot::Made(Box::new(m)),
+                Err(e) => ExportSlot::Failed(e),
+            };
+        }
+        match &mut self.export {
+            ExportSlot::Made(m) => Ok(m),
+            ExportSlot::Failed(e) => Err(e.clone()),
+            ExportSlot::Off | ExportSlot::Unmade => Err(EXPORT_OFF),
         }
     }
 
@@ -330,7 +393,7 @@ impl DynMover {
 
     /// Every check of `key` that moves nothing, with the mover of its backend.
     fn precheck(
-        &self,
+        &mut self,
         key: &AliasKey,
         offset: u64,
         len: u64,
@@ -345,6 +408,13 @@ impl DynMover {
             },
             #[cfg(not(feature = "ucx"))]
             Kind::Ucx => Err(UCX_OFF),
+            #[cfg(feature = "ucx")]
+            Kind::UcxExport => self
+                .export_mover()?
+                .precheck(key, offset, len, need)
+                .map(drop),
+            #[cfg(not(feature = "ucx"))]
+            Kind::UcxExport => Err(EXPORT_OFF),
         }
     }
 
@@ -358,6 +428,10 @@ impl DynMover {
             },
             #[cfg(not(feature = "ucx"))]
             Kind::Ucx => Err(UCX_OFF),
+            #[cfg(feature = "ucx")]
+            Kind::UcxExport => Ok(self.export_mover()?),
+            #[cfg(not(feature = "ucx"))]
+            Kind::UcxExport => Err(EXPORT_OFF),
         }
     }
 }
@@ -507,5 +581,39 @@ mod tests {
         child.wait().unwrap();
         let err = CmaMover::default().read(&k, 0, &mut out).unwrap_err();
         assert_eq!(err, AccessError::ProcessGone { pid });
+    }
+
+    #[cfg(feature = "ucx")]
+    #[test]
+    fn dyn_mover_serves_ucx_export_keys_only_when_enabled_and_says_why_it_cannot() {
+        let buf = vec![0u8; 64];
+        let mut k = key_for(&buf, Rights::WRITE);
+        k.grant.backend = BackendData::UcxExport {
+            memh: vec![0xff; 300],
+        };
+        let mut off = DynMover::new(&MoverConfig::default()).unwrap();
+        assert_eq!(off.write(&k, 0, &[1; 8]), Err(EXPORT_OFF));
+        let mut on = DynMover::new(&MoverConfig {
+            ucx_export: true,
+            ..Default::default()
+        })
+        .unwrap();
+        let err = on.write(&k, 0, &[1; 8]).unwrap_err();
+        println!("{err}");
+        match (ucx_sys::EXPORT_API, &err) {
+            (false, AccessError::ExportNotBuilt { .. }) => {}
+            (true, AccessError::Ucx { status, .. }) if status.contains("malformed") => {}
+            (api, e) => panic!("export API {api}: unexpected {e}"),
+        }
+        // A copy from a cma grant into it is refused before anything moves, with the same
+        // reason.
+        let src = vec![7u8; 64];
+        let ks = key_for(&src, Rights::READ);
+        assert_eq!(on.copy(&ks, 0, &k, 0, 8), Err(err));
+        let seen: Vec<u8> = buf
+            .iter()
+            .map(|b| unsafe { std::ptr::read_volatile(b) })
+            .collect();
+        assert!(seen.iter().all(|&b| b == 0));
     }
 }

@@ -1,4 +1,5 @@
-//! Grants on the program's buffers: the `cma` backend (default) or `ucx` (`SPOFF_BACKEND=ucx`).
+//! Grants on the program's buffers: the `cma` backend (default), `ucx` (`SPOFF_BACKEND=ucx`) or
+//! `ucx-export` (`SPOFF_BACKEND=ucx-export`, the BlueField alias-key path).
 //!
 //! The mailbox is always a `cma` grant: the SP writes completion flags into it with
 //! `process_vm_writev`. With `ucx`, send and receive buffers are `ucp_mem_map`ped by an
@@ -23,6 +24,16 @@
 //! collectives: every registration is dropped as soon as no offloaded collective is
 //! outstanding.
 //!
+//! # `ucx-export`
+//!
+//! The same registrar in exporting mode ([`UcxRegistrar::exporting`]): buffers are granted as
+//! exported memory handles that the SP on the DPU imports (cross-GVMI), so the NIC serves the
+//! accesses. It needs the shim built against UCX >= 1.15 (`UCX_DIR=$(scripts/ucx-wheel.sh)`) and
+//! a device that can export (a BlueField's). At start-up the rank exports one page of its own:
+//! where that fails ("this device cannot export memory (needs BlueField cross-GVMI)", or "built
+//! without UCX >= 1.15 export support") it says so once and grants with `cma`, as for any
+//! refused UCX set-up.
+//!
 //! The backend is chosen per rank; if UCX cannot initialise the rank says so once and uses
 //! `cma`. Mixing is fine: the SP serves each grant with the backend it names (`DynMover`), as
 //! long as every SP has UCX on (an SP without it refuses `ucx` grants, and the
@@ -43,18 +54,32 @@ static INVALIDATED: AtomicU64 = AtomicU64::new(0);
 pub enum Backend {
     Cma,
     Ucx,
+    UcxExport,
 }
 
 impl Backend {
-    /// `cma` (or unset) / `ucx`; anything else is reported and taken as `cma`.
+    /// `cma` (or unset) / `ucx` / `ucx-export`; anything else is reported and taken as `cma`.
     pub fn parse(v: Option<&str>) -> Result<Backend, String> {
         match v.map(str::trim) {
             None | Some("") | Some("cma") => Ok(Backend::Cma),
             Some("ucx") => Ok(Backend::Ucx),
+            Some("ucx-export") => Ok(Backend::UcxExport),
             Some(other) => Err(format!(
-                "SPOFF_BACKEND={other} is neither cma nor ucx; using cma"
+                "SPOFF_BACKEND={other} is none of cma, ucx, ucx-export; using cma"
             )),
         }
+    }
+}
+
+/// A registrar for `backend` (`ucx` or `ucx-export`); for `ucx-export`, only if this machine
+/// can export (one page is tried).
+fn ucx_registrar(backend: Backend) -> Result<UcxRegistrar, alias_mkey::AccessError> {
+    if backend == Backend::UcxExport {
+        let r = UcxRegistrar::exporting(&[])?;
+        r.probe_export()?;
+        Ok(r)
+    } else {
+        UcxRegistrar::new()
     }
 }
 
@@ -83,7 +108,7 @@ impl Grants {
     pub fn new(cma: Registrar, backend: Backend, rank: u32) -> Grants {
         let ucx = match backend {
             Backend::Cma => None,
-            Backend::Ucx => match UcxRegistrar::new() {
+            Backend::Ucx | Backend::UcxExport => match ucx_registrar(backend) {
                 Ok(registrar) => {
                     let hook = match crate::unmapped::install() {
                         Ok(h) => Some(h),
@@ -96,7 +121,12 @@ impl Grants {
                     Some(Ucx { registrar, hook })
                 }
                 Err(e) => {
-                    say!("rank {rank}: cannot initialise UCX for SPOFF_BACKEND=ucx ({e}); using cma grants");
+                    let name = if backend == Backend::UcxExport {
+                        "ucx-export"
+                    } else {
+                        "ucx"
+                    };
+                    say!("rank {rank}: cannot initialise UCX for SPOFF_BACKEND={name} ({e}); using cma grants");
                     None
                 }
             },
@@ -106,10 +136,10 @@ impl Grants {
 
     /// The backend in use.
     pub fn backend(&self) -> Backend {
-        if self.ucx.is_some() {
-            Backend::Ucx
-        } else {
-            Backend::Cma
+        match &self.ucx {
+            Some(u) if u.registrar.exports() => Backend::UcxExport,
+            Some(_) => Backend::Ucx,
+            None => Backend::Cma,
         }
     }
 
@@ -177,7 +207,8 @@ impl Grants {
             Some(u) => {
                 let (hits, misses) = u.registrar.stats();
                 format!(
-                    "ucx grants: {hits} cache hits, {misses} misses, {} invalidated by {} unmap events, memory events {}",
+                    "{} grants: {hits} cache hits, {misses} misses, {} invalidated by {} unmap events, memory events {}",
+                    if u.registrar.exports() { "ucx-export" } else { "ucx" },
                     INVALIDATED.load(Ordering::Relaxed),
                     crate::unmapped::recorded(),
                     if u.hook.is_some() { "on" } else { "off" }

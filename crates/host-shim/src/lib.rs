@@ -18,7 +18,7 @@
 //! `SPOFF_OFFLOAD=0` (native), `SPOFF_JOB_CREDENTIAL` (the job's identity at the SPs, issued
 //! by the launcher; without it the job runs natively),
 //! `SPOFF_VERBOSE=1` (a line per rank on activation), `SPOFF_MAILBOX_SLOTS` (completion slots,
-//! default 1024; a collective posted while all are taken completes by a message), `SPOFF_BACKEND=cma|ucx`
+//! default 1024; a collective posted while all are taken completes by a message), `SPOFF_BACKEND=cma|ucx|ucx-export`
 //! (how the program's buffers are granted, default `cma`; see below).
 //!
 //! Errors: an offloaded collective that fails (its post, or its completion: a dead SP, a

@@ -1,7 +1,7 @@
 //! Real `mpirun` jobs that grant with the `ucx` backend (`SPOFF_BACKEND=ucx`, SPs with UCX on):
 //! every Wait/Test variant, buffers freed and reallocated between collectives, allgather(v),
 //! Testsome progressing UCX while a native request is pending, bcast, and ranks mixing cma and
-//! ucx grants.
+//! ucx grants, and `ucx-export` falling back to cma where no device can export.
 
 mod common;
 
@@ -138,6 +138,46 @@ fn ranks_mixing_cma_and_ucx_grants_agree() {
     assert!(
         inline > 0 && inline < run.sp_total("copies_started"),
         "both backends copied\n{}",
+        run.stderr
+    );
+}
+
+/// `SPOFF_BACKEND=ucx-export` where no device can export (any machine without a BlueField), or
+/// with a shim built against UCX < 1.15: every rank says why, once, and grants with cma; the
+/// job is still offloaded and correct (with cma every copy of this program runs inline).
+#[test]
+fn ucx_export_where_no_device_can_export_falls_back_to_cma() {
+    let _serial = serial();
+    let prog = prog("a2a_check");
+    let run = launch_with(
+        1,
+        &["--sp-arg=--ucx"],
+        &[&prog, "2", "free"],
+        &[("SPOFF_BACKEND", "ucx-export"), ("SPOFF_VERBOSE", "1")],
+    );
+    assert_offloaded(&run, "a2a_check", 2);
+    let why = if ucx_sys::EXPORT_API {
+        "this device cannot export memory (needs BlueField cross-GVMI)"
+    } else {
+        "built without UCX >= 1.15 export support"
+    };
+    let lines = shim_lines(&run.stderr);
+    for r in 0..NP {
+        let said = format!("rank {r}: cannot initialise UCX for SPOFF_BACKEND=ucx-export");
+        let said: Vec<&&str> = lines
+            .iter()
+            .filter(|l| l.contains(&said) && l.contains(why) && l.ends_with("using cma grants"))
+            .collect();
+        assert_eq!(said.len(), 1, "rank {r} said why once\n{}", run.stderr);
+        if r == 0 {
+            println!("{}", said[0]);
+        }
+    }
+    assert!(run.sp_total("copies_started") > 0, "{}", run.stderr);
+    assert_eq!(
+        run.sp_total("copies_inline"),
+        run.sp_total("copies_started"),
+        "every copy took the cma path\n{}",
         run.stderr
     );
 }

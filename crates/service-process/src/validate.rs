@@ -232,6 +232,13 @@ pub fn check_post(
                      (UCX is off on it: see serve --ucx)"
                 ))
             }
+            BackendData::UcxExport { .. } if ucx => {}
+            BackendData::UcxExport { .. } => {
+                return bad(format!(
+                    "the {what} grant is for the ucx-export backend, which this SP does not \
+                     serve (UCX is off on it: see serve --ucx)"
+                ))
+            }
         }
         if grant.addr.checked_add(grant.len).is_none() {
             return bad(format!("the {what} grant wraps the address space"));

@@ -258,3 +258,55 @@ fn ucx_grants_are_refused_by_an_sp_without_ucx() {
         other => panic!("expected a refusal, got {other:?}"),
     }
 }
+
+/// A `ucx-export` grant (BlueField alias key) whose exported memory handle this SP cannot
+/// import: built against UCX < 1.15 the SP lacks the export API; built against 1.22 it refuses
+/// these bytes (0xff: the buffer that crashes UCX 1.22's importer) before UCX sees them. Either
+/// way the collective fails with an access error, promptly, and the SP keeps serving. An SP with
+/// UCX off refuses the grant outright.
+#[test]
+fn ucx_export_grants_the_sp_cannot_import_fail_the_collective_and_the_sp_keeps_serving() {
+    for ucx in ["--ucx=on", "--ucx=off"] {
+        let set = SpSet::start_with(1, 1, 2, Layout::Block, &[ucx]);
+        let job = new_job();
+        let mut hosts: Vec<Host> = (0..2).map(|r| Host::connect(&set, job, r, 2)).collect();
+        let (sbuf, rbuf) = (vec![7u8; 16], vec![0u8; 16]);
+        let mut s = hosts[0].grant(&sbuf, Rights::READ);
+        s.backend = alias_mkey::BackendData::UcxExport {
+            memh: vec![0xff; 300],
+        };
+        let r = hosts[0].grant(&rbuf, Rights::WRITE);
+        let d = desc(
+            CommId { leader: 0, id: 1 },
+            0,
+            0,
+            vec![0],
+            0,
+            s,
+            r,
+            (vec![8], vec![0], vec![8], vec![0]),
+        );
+        let (slot, token) = hosts[0].post(d);
+        if ucx == "--ucx=off" {
+            match hosts[0].recv() {
+                SpToHost::Error {
+                    code: ErrorCode::BadDescriptor,
+                    message,
+                    ..
+                } => assert!(message.contains("ucx-export"), "{message}"),
+                other => panic!("expected a refusal, got {other:?}"),
+            }
+            continue;
+        }
+        let t = std::time::Instant::now();
+        let got = hosts[0].wait(slot, token, Duration::from_secs(30));
+        assert_eq!(
+            got,
+            Some(mailbox::status_code(algorithms::Status::AccessError)),
+            "the collective fails with an access error"
+        );
+        assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+        assert!(rbuf.iter().all(|&b| b == 0), "nothing was written");
+        still_serves(&mut hosts, 0, 1, 1);
+    }
+}

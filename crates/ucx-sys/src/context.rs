@@ -18,10 +18,10 @@ use crate::status::{Error, Result, Status};
 
 /// Feature bits requested from UCP (`UCP_FEATURE_*`).
 ///
-/// Only the ones this project uses are named. The xgvmi (cross-GVMI) backend
-/// on BlueField will need `UCP_FEATURE_EXPORTED_MEMH`, which exists only in
-/// UCX >= 1.15; it is deliberately absent here because the system UCX is
-/// 1.13.
+/// Only the ones this project uses are named. [`Features::EXPORTED_MEMH`]
+/// (importing exported memory handles, the BlueField cross-GVMI path) exists
+/// only in UCX >= 1.15: built against an older UCX it is the empty set (see
+/// [`crate::EXPORT_API`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Features(pub u64);
 
@@ -33,6 +33,14 @@ impl Features {
     /// Event-fd based wakeup: required for [`crate::Worker::event_fd`] and
     /// [`crate::Worker::arm`].
     pub const WAKEUP: Features = Features(raw::UCP_FEATURE_WAKEUP as u64);
+    /// `UCP_FEATURE_EXPORTED_MEMH`: [`crate::MemHandle::import`] of a peer's exported memory
+    /// handle. Empty (no bit) when built without the export API.
+    #[cfg(ucx_export)]
+    pub const EXPORTED_MEMH: Features = Features(raw::UCP_FEATURE_EXPORTED_MEMH as u64);
+    /// `UCP_FEATURE_EXPORTED_MEMH`: [`crate::MemHandle::import`] of a peer's exported memory
+    /// handle. Empty (no bit) when built without the export API.
+    #[cfg(not(ucx_export))]
+    pub const EXPORTED_MEMH: Features = Features(0);
 
     /// True if every bit of `other` is set in `self`.
     pub fn contains(self, other: Features) -> bool {

@@ -14,7 +14,7 @@ use std::ptr;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
-use crate::memory::RemoteKey;
+use crate::memory::{MemHandle, RemoteKey};
 use crate::raw;
 use crate::request::Request;
 use crate::status::{ptr_is_ptr, ptr_status, Error, Result, Status};
@@ -131,22 +131,29 @@ impl Endpoint {
         remote_addr: u64,
         rkey: &RemoteKey,
     ) -> Result<Request> {
-        self.check_rkey("ucp_get_nbx", rkey)?;
-        let param = raw::ucp_request_param_t::default();
-        // SAFETY: ep and rkey are alive (and kept alive by the request); the
-        // caller guarantees the local buffer; param selects contiguous bytes
-        // with no callback.
-        unsafe {
-            let p = raw::ucp_get_nbx(
-                self.handle,
-                local as *mut c_void,
-                len,
-                remote_addr,
-                rkey.as_raw(),
-                &param,
-            );
-            Request::from_status_ptr(p, "ucp_get_nbx", Rc::clone(&self.worker), self.keep(rkey))
-        }
+        // SAFETY: forwarded from the caller.
+        unsafe { self.rma(Rma::Get, local, len, None, remote_addr, rkey) }
+    }
+
+    /// Like [`Endpoint::get_nbx`], with the local buffer described by `memh`
+    /// (`UCP_OP_ATTR_FIELD_MEMH`): an imported exported handle
+    /// ([`MemHandle::import`]) makes `local` an address of the exporting
+    /// process, written by the device (cross-GVMI). The request keeps `memh`
+    /// alive.
+    ///
+    /// # Safety
+    /// As [`Endpoint::get_nbx`], and `local..local+len` must lie inside the
+    /// region `memh` covers.
+    pub unsafe fn get_nbx_memh(
+        self: &Rc<Self>,
+        local: *mut u8,
+        len: usize,
+        memh: &Rc<MemHandle>,
+        remote_addr: u64,
+        rkey: &RemoteKey,
+    ) -> Result<Request> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.rma(Rma::Get, local, len, Some(memh), remote_addr, rkey) }
     }
 
     /// Starts writing `len` bytes from `local` to `remote_addr` (covered by
@@ -164,19 +171,85 @@ impl Endpoint {
         remote_addr: u64,
         rkey: &RemoteKey,
     ) -> Result<Request> {
-        self.check_rkey("ucp_put_nbx", rkey)?;
-        let param = raw::ucp_request_param_t::default();
-        // SAFETY: as in get_nbx, with the buffer only read.
+        // SAFETY: forwarded from the caller.
+        unsafe { self.rma(Rma::Put, local as *mut u8, len, None, remote_addr, rkey) }
+    }
+
+    /// Like [`Endpoint::put_nbx`], with the local buffer described by `memh`
+    /// (see [`Endpoint::get_nbx_memh`]). The request keeps `memh` alive.
+    ///
+    /// # Safety
+    /// As [`Endpoint::put_nbx`], and `local..local+len` must lie inside the
+    /// region `memh` covers.
+    pub unsafe fn put_nbx_memh(
+        self: &Rc<Self>,
+        local: *const u8,
+        len: usize,
+        memh: &Rc<MemHandle>,
+        remote_addr: u64,
+        rkey: &RemoteKey,
+    ) -> Result<Request> {
+        // SAFETY: forwarded from the caller.
         unsafe {
-            let p = raw::ucp_put_nbx(
-                self.handle,
-                local as *const c_void,
+            self.rma(
+                Rma::Put,
+                local as *mut u8,
                 len,
+                Some(memh),
                 remote_addr,
-                rkey.as_raw(),
-                &param,
-            );
-            Request::from_status_ptr(p, "ucp_put_nbx", Rc::clone(&self.worker), self.keep(rkey))
+                rkey,
+            )
+        }
+    }
+
+    /// # Safety
+    /// As the public get/put functions.
+    unsafe fn rma(
+        self: &Rc<Self>,
+        op: Rma,
+        local: *mut u8,
+        len: usize,
+        memh: Option<&Rc<MemHandle>>,
+        remote_addr: u64,
+        rkey: &RemoteKey,
+    ) -> Result<Request> {
+        let name = match op {
+            Rma::Get => "ucp_get_nbx",
+            Rma::Put => "ucp_put_nbx",
+        };
+        self.check_rkey(name, rkey)?;
+        let mut param = raw::ucp_request_param_t::default();
+        if let Some(m) = memh {
+            param.op_attr_mask |= raw::UCP_OP_ATTR_FIELD_MEMH;
+            param.memh = m.as_raw();
+        }
+        let keep: Box<dyn std::any::Any> = match memh {
+            None => self.keep(rkey),
+            Some(m) => Box::new((Rc::clone(self), rkey.clone(), Rc::clone(m))),
+        };
+        // SAFETY: ep, rkey (and memh) are alive and kept alive by the request;
+        // the caller guarantees the local buffer; param selects contiguous
+        // bytes with no callback.
+        unsafe {
+            let p = match op {
+                Rma::Get => raw::ucp_get_nbx(
+                    self.handle,
+                    local as *mut c_void,
+                    len,
+                    remote_addr,
+                    rkey.as_raw(),
+                    &param,
+                ),
+                Rma::Put => raw::ucp_put_nbx(
+                    self.handle,
+                    local as *const c_void,
+                    len,
+                    remote_addr,
+                    rkey.as_raw(),
+                    &param,
+                ),
+            };
+            Request::from_status_ptr(p, name, Rc::clone(&self.worker), keep)
         }
     }
 
@@ -223,6 +296,13 @@ impl Endpoint {
     pub fn flush(self: &Rc<Self>) -> Result<()> {
         self.flush_nbx()?.wait()
     }
+}
+
+/// Which RMA operation [`Endpoint::rma`] issues.
+#[derive(Clone, Copy)]
+enum Rma {
+    Get,
+    Put,
 }
 
 impl Drop for Endpoint {

@@ -59,6 +59,31 @@
 //! exposes into UCX-allocated memory. On a BlueField, RDMA transports
 //! (`rc`/`dc`) register user memory and are one-sided; the cross-GVMI path
 //! additionally needs `UCP_FEATURE_EXPORTED_MEMH` (UCX >= 1.15).
+//!
+//! # Exported memory handles (UCX >= 1.15)
+//!
+//! Built against a UCX whose headers have `UCP_MEMH_PACK_FLAG_EXPORT`
+//! (`UCX_DIR=$(scripts/ucx-wheel.sh)`: the PyPI wheel `libucx-cu12`, UCX
+//! 1.22), [`EXPORT_API`] is true and [`MemHandle::export_pack`] /
+//! [`MemHandle::import`] call UCX; [`Endpoint::get_nbx_memh`] /
+//! [`Endpoint::put_nbx_memh`] name the local buffer's memory handle (an
+//! imported one is how a BlueField SP reaches host memory). With UCX 1.22 on
+//! this machine (transports self, tcp, sysv, posix, cma; no InfiniBand
+//! device) no memory domain can export: `ucp_memh_pack` with the export flag
+//! returns `UCS_ERR_UNSUPPORTED` for user and UCX-allocated memory under every
+//! `UCX_TLS` (`tests/export.rs`). Only the mlx5 memory domain of a
+//! BlueField (cross-GVMI) exports. `ucp_mem_map` of an exported buffer trusts
+//! its contents (bytes of 0xff crash 1.22's importer): callers must check
+//! them first.
+//!
+//! Built against 1.22, the tests written for 1.13's one-sidedness do not
+//! all hold: `two_process::registered_user_memory_needs_target_progress`
+//! fails because with `UCX_TLS=cma,tcp` a get on registered user memory
+//! completes although the target never progresses (cma is an RMA lane
+//! there; with `tcp` alone it still waits for the target), and
+//! alias-mkey's `host_that_stops_progressing_times_out...` fails likewise.
+//! `make test` builds against Debian's 1.13, where they hold; `make
+//! ucx-export-test` runs only the export tests against 1.22.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
@@ -94,5 +119,22 @@ pub use request::{Request, DROP_WAIT_LIMIT};
 pub use status::{Error, Result, Status};
 pub use worker::Worker;
 
-/// How the build script found UCX (`UCX_DIR=...` or `pkg-config ucx X.Y.Z`).
+/// How the build script found UCX (`UCX_DIR=... X.Y` or `pkg-config ucx X.Y.Z`).
 pub const BUILD_PROBE: &str = env!("UCXSYS_BUILD_PROBE");
+
+/// True if built against a UCX with exported memory handles (UCX >= 1.15: `ucp_memh_pack` with
+/// `UCP_MEMH_PACK_FLAG_EXPORT`, `ucp_mem_map` of an exported buffer). Without it
+/// [`MemHandle::export_pack`] and [`MemHandle::import`] fail with `UCS_ERR_UNSUPPORTED` and the
+/// op name says why.
+pub const EXPORT_API: bool = cfg!(ucx_export);
+
+/// The version of the UCX library loaded at run time (`ucp_get_version`): (major, minor,
+/// release). It may differ from the headers' (see [`BUILD_PROBE`]) if the loader found another
+/// UCX (e.g. the system's, for a binary built with `UCX_DIR` but run without its
+/// `LD_LIBRARY_PATH`).
+pub fn library_version() -> (u32, u32, u32) {
+    let (mut major, mut minor, mut release) = (0u32, 0u32, 0u32);
+    // SAFETY: three valid out-pointers; the call has no other effect.
+    unsafe { raw::ucp_get_version(&mut major, &mut minor, &mut release) };
+    (major, minor, release)
+}

@@ -139,6 +139,83 @@ impl MemHandle {
     }
 }
 
+/// What [`MemHandle::export_pack`] and [`MemHandle::import`] report when the crate was built
+/// without the export API (UCX < 1.15).
+#[cfg(not(ucx_export))]
+fn no_export_api() -> Error {
+    Error::new(
+        "ucp_memh_pack/import (ucx-sys built against UCX < 1.15: no export API)",
+        Status::ERR_UNSUPPORTED,
+    )
+}
+
+impl MemHandle {
+    /// Packs this registration as an exported memory handle (`ucp_memh_pack` with
+    /// `UCP_MEMH_PACK_FLAG_EXPORT`): opaque bytes for a peer's [`MemHandle::import`] on the
+    /// same physical device (a BlueField SP aliasing host memory: cross-GVMI). The context
+    /// needs no extra feature on this side.
+    ///
+    /// `UCS_ERR_UNSUPPORTED` where no memory domain of the context can export (everything
+    /// but mlx5 devices), and always when built without the export API ([`crate::EXPORT_API`]).
+    pub fn export_pack(&self) -> Result<Vec<u8>> {
+        #[cfg(ucx_export)]
+        {
+            let params = raw::ucp_memh_pack_params_t {
+                field_mask: raw::UCP_MEMH_PACK_PARAM_FIELD_FLAGS as u64,
+                flags: raw::UCP_MEMH_PACK_FLAG_EXPORT as u64,
+            };
+            let mut buf: *mut c_void = ptr::null_mut();
+            let mut size: usize = 0;
+            // SAFETY: memh is alive; params is fully initialised; buf and size are valid
+            // out-pointers.
+            let st = unsafe { raw::ucp_memh_pack(self.handle, &params, &mut buf, &mut size) };
+            Status(st).check("ucp_memh_pack")?;
+            let release = raw::ucp_memh_buffer_release_params_t { field_mask: 0 };
+            // SAFETY: on success buf holds `size` bytes, copied and then released exactly once.
+            let v = unsafe {
+                let v = std::slice::from_raw_parts(buf as *const u8, size).to_vec();
+                raw::ucp_memh_buffer_release(buf, &release);
+                v
+            };
+            Ok(v)
+        }
+        #[cfg(not(ucx_export))]
+        {
+            Err(no_export_api())
+        }
+    }
+
+    /// Maps a peer's exported memory handle (`ucp_mem_map` with
+    /// `UCP_MEM_MAP_PARAM_FIELD_EXPORTED_MEMH_BUFFER`): the result is an alias of the peer's
+    /// memory, usable as the *local* memory handle of operations
+    /// ([`crate::Endpoint::get_nbx_memh`], [`crate::Endpoint::put_nbx_memh`]) whose local
+    /// address is the peer's. [`MemHandle::address`] and [`MemHandle::len`] are the peer's
+    /// region. The context must have [`crate::Features::EXPORTED_MEMH`].
+    ///
+    /// # Safety
+    /// `exported` must be exactly the bytes a peer's [`MemHandle::export_pack`] produced with a
+    /// compatible UCX: `ucp_mem_map` takes no length and trusts the sizes and bit maps in the
+    /// buffer (arbitrary bytes make UCX 1.22 read and write out of bounds). Callers check the
+    /// framing first and pass a zero-padded copy.
+    pub unsafe fn import(context: &Rc<Context>, exported: &[u8]) -> Result<MemHandle> {
+        #[cfg(ucx_export)]
+        {
+            let params = raw::ucp_mem_map_params_t {
+                field_mask: raw::UCP_MEM_MAP_PARAM_FIELD_EXPORTED_MEMH_BUFFER as u64,
+                exported_memh_buffer: exported.as_ptr() as *const c_void,
+                ..Default::default()
+            };
+            // SAFETY: the caller vouches for the buffer; the context is alive.
+            unsafe { Self::map_params(context, &params) }
+        }
+        #[cfg(not(ucx_export))]
+        {
+            let _ = (context, exported);
+            Err(no_export_api())
+        }
+    }
+}
+
 impl Drop for MemHandle {
     fn drop(&mut self) {
         // SAFETY: the registration is live and unmapped exactly once; the

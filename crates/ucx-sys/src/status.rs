@@ -34,6 +34,9 @@ impl Status {
     pub const ERR_CANCELED: Status = Status(raw::UCS_ERR_CANCELED);
     /// `UCS_ERR_UNREACHABLE`.
     pub const ERR_UNREACHABLE: Status = Status(raw::UCS_ERR_UNREACHABLE);
+    /// `UCS_ERR_UNSUPPORTED`: e.g. `ucp_memh_pack` with the export flag where no memory domain
+    /// can export.
+    pub const ERR_UNSUPPORTED: Status = Status(raw::UCS_ERR_UNSUPPORTED);
 
     /// True for `UCS_OK` only.
     pub fn is_ok(self) -> bool {

@@ -195,6 +195,9 @@ fn ucx_parts(key: &AliasKey) -> Result<(&[u8], &[u8]), AccessError> {
             rkey,
         } => Ok((worker_address, rkey)),
         BackendData::Cma => Err(AccessError::Unsupported("cma (in the ucx mover)")),
+        BackendData::UcxExport { .. } => {
+            Err(AccessError::Unsupported("ucx-export (in the ucx mover)"))
+        }
     }
 }
 

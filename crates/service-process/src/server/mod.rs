@@ -423,6 +423,10 @@ impl Server {
                 alias_mkey::mover::MoverConfig {
                     chunk_bytes: cfg.chunk_bytes,
                     ucx,
+                    // ucx-export grants: the SP imports the host's exported memory handle
+                    // (BlueField cross-GVMI); made on first use, refused with the reason if
+                    // this build or device cannot.
+                    ucx_export: ucx,
                 },
                 waker.clone(),
             )
