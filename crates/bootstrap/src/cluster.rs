@@ -1,9 +1,17 @@
-//! The cluster description: nodes, SPs per node, where each SP listens, and the rank layout.
+//! The cluster description: nodes, the host name of each node, SPs per node (K), where each SP
+//! listens (for its peers, and for the host ranks of its node: a Unix socket on its own kernel
+//! and/or a TCP address over the host-DPU network).
 //!
-//! Written by the launcher as JSON, read by every SP and every host shim. World rank `r` of a
-//! job of `P` ranks on `N` nodes with `R` ranks per node lives on node `r / R` (block) or
-//! `r % N` (cyclic); its local rank is `r % R` (block) or `r / N` (cyclic); it is served by SP
-//! `local_rank % K` of its node, where `K` is SPs per node.
+//! Written by `service-process launch` for an emulated cluster, or by the administrator
+//! (`service-process cluster init`, checked with `service-process cluster check`) for a real
+//! one; read by every SP and every host shim. Where a world rank runs is not part of it: the
+//! shim learns it at `MPI_Init` (see [`crate::placement`]): a rank's node from its host name
+//! (or a launcher's `SPOFF_NODE` hint), its local rank from its position among the ranks of its
+//! node, and its SP is SP `local_rank % K` of its node.
+//!
+//! `layout` and `ranks_per_node` only describe an emulation on one machine: where `launch`
+//! puts the ranks of each emulated node (block: rank `r` on node `r / R`; cyclic: on `r % N`),
+//! and where a rank goes when a description without host names gets no hint.
 
 use algorithms::SpId;
 use serde::{Deserialize, Serialize};
@@ -51,8 +59,11 @@ pub struct SpEntry {
 pub struct Cluster {
     pub nodes: u32,
     pub sps_per_node: u32,
-    /// Ranks per node; when absent, `ceil(world size / nodes)`.
+    /// Emulation only: ranks per node of the layout; when absent, `ceil(world size / nodes)`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ranks_per_node: Option<u32>,
+    /// Emulation only: how `launch` spreads world ranks over emulated nodes (absent: block).
+    #[serde(default = "block")]
     pub layout: Layout,
     /// Indexed by SP id: `sps[i].id == i`, SP `k` of node `n` has id `n * sps_per_node + k`.
     pub sps: Vec<SpEntry>,
@@ -60,6 +71,10 @@ pub struct Cluster {
     /// node's host). Empty for an emulated cluster on one machine.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub hosts: Vec<String>,
+}
+
+fn block() -> Layout {
+    Layout::Block
 }
 
 /// Where a world rank lives.
@@ -186,7 +201,10 @@ impl Cluster {
             .max(1)
     }
 
-    /// Where `world_rank` of a job of `world_size` ranks lives.
+    /// Where the emulation layout (`layout`, `ranks_per_node`) puts `world_rank` of a job of
+    /// `world_size` ranks: what `launch` tells each rank, and the node of a rank that got no
+    /// hint from a description without host names. Real placement is
+    /// [`crate::placement::place_ranks`].
     pub fn placement(&self, world_rank: u32, world_size: u32) -> Result<Placement, ClusterError> {
         if world_rank >= world_size {
             return Err(ClusterError::Invalid(format!(

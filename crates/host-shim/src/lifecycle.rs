@@ -3,6 +3,12 @@
 //! The start-up agreement is collective: every rank executes the same sequence of PMPI
 //! collectives whatever its own environment says, so ranks with inconsistent settings end
 //! disabled together instead of hanging.
+//!
+//! Where the rank runs comes from MPI, not from a launcher ([`place`]): its node from the
+//! `SPOFF_NODE` hint or its host name (`MPI_Get_processor_name`) in the cluster description,
+//! its machine from `MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)`, and one allgather gives every
+//! rank every rank's node, from which all compute the same local ranks and SPs
+//! (`bootstrap::placement`).
 
 use crate::boundary::{no_panic, say};
 use crate::conn::{self, Conn};
@@ -15,8 +21,9 @@ use alias_mkey::host::Registrar;
 use alias_mkey::Rights;
 use bootstrap::auth::JobCredential;
 use bootstrap::mailbox::{DEFAULT_SLOTS, SLOT_BYTES};
+use bootstrap::placement::{self, NodeReport, NodeSource, REPORT_WORDS};
 use bootstrap::wire::{Hello, HostHello, HostToSp, SpToHost};
-use bootstrap::Cluster;
+use bootstrap::{Cluster, Placement};
 use mpi_ffi as ffi;
 use mpi_ffi::consts;
 use std::os::raw::c_int;
@@ -148,7 +155,32 @@ unsafe fn start_inner() -> bool {
         Err(e) => Err(format!("SPOFF_JOB_CREDENTIAL: {e}")),
     };
 
-    // 3. Connect and register, each rank on its own.
+    let cluster_path = settings.cluster.clone().expect("checked by `want`");
+    let cluster = Cluster::load(&cluster_path)
+        .map_err(|e| format!("cannot use the cluster description: {e}"));
+    // SAFETY: MPI is initialised. (Without the datatype cache's keyval, types are analysed at
+    // every call.)
+    unsafe { crate::datatype::create_keyval() };
+
+    // 3. Where every rank runs, from MPI (collective: every rank makes the same calls, and
+    // every rank gets the same answer, so a failure disables the job everywhere).
+    // SAFETY: MPI is initialised.
+    let (placed, source) = match unsafe { place(cluster.as_ref(), rank, size) } {
+        Ok(p) => p,
+        Err(Placing::Local(why)) => {
+            say!("rank {rank}: {why}; running natively");
+            return false;
+        }
+        Err(Placing::Job(why)) => {
+            if rank == 0 {
+                say!("offload is off for this job: {why}; running natively");
+            }
+            return false;
+        }
+    };
+    let cluster = cluster.expect("placed: every rank read the description");
+
+    // 4. Connect and register, each rank on its own.
     // PR_SET_PTRACER_ANY, not PR_SET_PTRACER(sp_pid): with the `cma` backend the SPs of *all*
     // nodes copy out of and into this rank's memory with process_vm_readv/writev (the SP of
     // every peer, not only our own, several different pids, not known here and possibly
@@ -161,19 +193,16 @@ unsafe fn start_inner() -> bool {
     unsafe {
         libc::prctl(libc::PR_SET_PTRACER, libc::PR_SET_PTRACER_ANY, 0, 0, 0);
     }
-    let cluster_path = settings.cluster.clone().expect("checked by `want`");
-    // SAFETY: MPI is initialised. (Without the datatype cache's keyval, types are analysed at
-    // every call.)
-    unsafe { crate::datatype::create_keyval() };
+    let me = placed[rank as usize];
     // SAFETY: MPI is initialised.
     let local = match unsafe { crate::comm::create_keyval() } {
-        Ok(()) => same_job.and_then(|()| register(&cluster_path, &credential, rank, size)),
+        Ok(()) => same_job.and_then(|()| register(&cluster, &credential, rank, size, me)),
         Err(rc) => Err(format!(
             "cannot create a communicator keyval (MPI error {rc})"
         )),
     };
 
-    // 4. Agree: count the ranks that failed.
+    // 5. Agree: count the ranks that failed.
     let mut failed: c_int = local.is_err() as c_int;
     // SAFETY: in-place reduction over one int.
     let rc = unsafe {
@@ -204,27 +233,8 @@ unsafe fn start_inner() -> bool {
         Ok(reg) => reg,
     };
 
-    // 5. Who serves whom.
-    let mut sp_of_world: Vec<u32> = vec![0; size as usize];
-    let mine: u32 = reg.sp;
-    // SAFETY: gathers one u32 per rank into a buffer of world size.
-    let rc = unsafe {
-        ffi::PMPI_Allgather(
-            (&mine as *const u32).cast(),
-            1,
-            consts::UINT32_T(),
-            sp_of_world.as_mut_ptr().cast(),
-            1,
-            consts::UINT32_T(),
-            world,
-        )
-    };
-    if rc != consts::SUCCESS() {
-        // Collective failure: every rank sees it alike.
-        reg.conn.close();
-        return false;
-    }
-
+    // Who serves whom: the placement every rank computed alike.
+    let sp_of_world: Vec<SpId> = placed.iter().map(|p| p.sp).collect();
     state::set_topology(Topology {
         world_rank: rank,
         world_size: size,
@@ -234,12 +244,20 @@ unsafe fn start_inner() -> bool {
     });
     if settings.verbose {
         say!(
-            "rank {rank}: offload active: job {job:#x}, node {}, local rank {}, SP {} at {}, {} mailbox slots",
+            "rank {rank}: offload active: job {job:#x}, node {}, local rank {}, SP {} at {}, {} mailbox slots, placed by {}",
             reg.node,
             reg.local_rank,
             reg.sp,
             reg.conn.path.display(),
-            state::mailbox_slot_count()
+            state::mailbox_slot_count(),
+            match source {
+                NodeSource::Hint => "SPOFF_NODE".to_string(),
+                NodeSource::HostName => format!(
+                    "host name {}",
+                    cluster.hosts.get(reg.node as usize).map_or("?", String::as_str)
+                ),
+                NodeSource::Layout => "the description's layout".to_string(),
+            }
         );
     }
     // Over TCP to an SP on another kernel only `ucx` grants can be served.
@@ -273,6 +291,144 @@ unsafe fn start_inner() -> bool {
         libc::pthread_atfork(None, None, Some(after_fork_in_child));
     }
     true
+}
+
+/// Why a job has no placement.
+enum Placing {
+    /// This rank could not tell its node (the reason); the others see [`Placing::Job`].
+    Local(String),
+    /// The ranks' reports do not make a placement (the same reason on every rank).
+    Job(String),
+}
+
+/// This rank's node, as it can tell on its own: the `SPOFF_NODE` hint, else its host name
+/// against the description's hosts, else (an emulated description without host names) the
+/// description's layout.
+fn own_node(cluster: &Cluster, rank: u32, size: u32) -> (Result<u32, String>, NodeSource) {
+    if let Some(hint) = std::env::var("SPOFF_NODE").ok().filter(|v| !v.is_empty()) {
+        return (placement::node_of_hint(cluster, &hint), NodeSource::Hint);
+    }
+    if !cluster.hosts.is_empty() {
+        let name = processor_name();
+        return (
+            name.and_then(|n| placement::node_of_host(cluster, &n)),
+            NodeSource::HostName,
+        );
+    }
+    let node = if cluster.nodes == 1 {
+        Ok(0)
+    } else {
+        cluster.placement(rank, size).map(|p| p.node).map_err(|e| {
+            format!(
+                "{e} (the description names no hosts: give each rank SPOFF_NODE, or list the \
+                 nodes' host names)"
+            )
+        })
+    };
+    (node, NodeSource::Layout)
+}
+
+/// `MPI_Get_processor_name`.
+fn processor_name() -> Result<String, String> {
+    // Longer than MPI_MAX_PROCESSOR_NAME of Open MPI (256) and MPICH (128).
+    let mut buf = vec![0u8; 4096];
+    let mut len: c_int = 0;
+    // SAFETY: the buffer is longer than any implementation's MPI_MAX_PROCESSOR_NAME.
+    let rc = unsafe { ffi::PMPI_Get_processor_name(buf.as_mut_ptr().cast(), &mut len) };
+    if rc != consts::SUCCESS() || len <= 0 {
+        return Err(format!("MPI_Get_processor_name failed (MPI error {rc})"));
+    }
+    buf.truncate(len.clamp(0, 4096) as usize);
+    Ok(String::from_utf8_lossy(&buf).trim().to_string())
+}
+
+/// Places every rank of the job (see `bootstrap::placement`): each rank finds its node on its
+/// own, learns its machine (the lowest world rank of its `MPI_COMM_TYPE_SHARED` group), and
+/// one allgather gives every rank every report. Collective: the same MPI calls on every rank
+/// whatever it found.
+///
+/// # Safety
+/// MPI is initialised.
+unsafe fn place(
+    cluster: Result<&Cluster, &String>,
+    rank: u32,
+    size: u32,
+) -> Result<(Vec<Placement>, NodeSource), Placing> {
+    let world = consts::COMM_WORLD();
+    let (node, source) = match cluster {
+        Ok(c) => own_node(c, rank, size),
+        Err(why) => (Err(why.clone()), NodeSource::Layout),
+    };
+    // The machine: the lowest world rank sharing memory with this one.
+    let mut info: ffi::MPI_Info = unsafe { std::mem::zeroed() };
+    let mut shm: ffi::MPI_Comm = consts::COMM_NULL();
+    let mut machine: u32 = rank;
+    // SAFETY: live out-pointers; the info and the communicator are freed below.
+    let rc = unsafe {
+        let mut rc = ffi::PMPI_Info_create(&mut info);
+        if rc == consts::SUCCESS() {
+            rc = ffi::PMPI_Comm_split_type(
+                world,
+                consts::COMM_TYPE_SHARED(),
+                rank as c_int,
+                info,
+                &mut shm,
+            );
+            ffi::PMPI_Info_free(&mut info);
+        }
+        if rc == consts::SUCCESS() {
+            rc = ffi::PMPI_Allreduce(
+                consts::IN_PLACE(),
+                (&mut machine as *mut u32).cast(),
+                1,
+                consts::UINT32_T(),
+                consts::OP_MIN(),
+                shm,
+            );
+            ffi::PMPI_Comm_free(&mut shm);
+        }
+        rc
+    };
+    if rc != consts::SUCCESS() {
+        return Err(Placing::Job(format!(
+            "cannot learn which ranks share a machine (MPI error {rc})"
+        )));
+    }
+    let mine = NodeReport {
+        node: node.as_ref().ok().copied(),
+        machine,
+        source,
+    }
+    .encode();
+    let mut all: Vec<u32> = vec![0; size as usize * REPORT_WORDS];
+    // SAFETY: gathers REPORT_WORDS u32 per rank into a buffer of world size x REPORT_WORDS.
+    let rc = unsafe {
+        ffi::PMPI_Allgather(
+            mine.as_ptr().cast(),
+            REPORT_WORDS as c_int,
+            consts::UINT32_T(),
+            all.as_mut_ptr().cast(),
+            REPORT_WORDS as c_int,
+            consts::UINT32_T(),
+            world,
+        )
+    };
+    if rc != consts::SUCCESS() {
+        return Err(Placing::Job(format!(
+            "cannot gather where the ranks run (MPI error {rc})"
+        )));
+    }
+    if let Err(why) = node {
+        return Err(Placing::Local(why));
+    }
+    let reports: Vec<NodeReport> = all
+        .chunks_exact(REPORT_WORDS)
+        .map(|w| NodeReport::decode([w[0], w[1], w[2]]))
+        .collect();
+    let cluster = cluster.expect("a node was found in it");
+    placement::place_ranks(cluster, &reports)
+        .map(|p| (p, source))
+        .map_err(Placing::Job)
 }
 
 /// Most mailbox slots accepted from `SPOFF_MAILBOX_SLOTS`.
@@ -328,21 +484,14 @@ fn map_mailbox(slots: u32) -> Result<*mut u8, String> {
     Ok(p.cast())
 }
 
-/// Connects to this rank's SP and registers. Errors are one-line reasons.
+/// Connects to the SP of this rank's placement and registers. Errors are one-line reasons.
 fn register(
-    cluster_path: &std::path::Path,
+    cluster: &Cluster,
     credential: &str,
     rank: u32,
     size: u32,
+    placement: Placement,
 ) -> Result<Registered, String> {
-    let cluster = Cluster::load(cluster_path)
-        .map_err(|e| format!("cannot use the cluster description: {e}"))?;
-    let placement = cluster.placement(rank, size).map_err(|e| {
-        format!(
-            "no place in the cluster description {}: {e}",
-            cluster_path.display()
-        )
-    })?;
     let entry = cluster
         .sp(placement.sp)
         .ok_or_else(|| format!("the cluster description has no SP {}", placement.sp))?;

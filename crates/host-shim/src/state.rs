@@ -8,7 +8,8 @@
 //!
 //! - `Uninit`: loaded, nothing done. Every call is native.
 //! - `Connecting`: entered by the intercepted `MPI_Init`/`MPI_Init_thread` once `PMPI_Init*`
-//!   has returned. The rank reads its configuration, connects and registers with its SP, and
+//!   has returned. The rank reads its configuration, learns with the others where every rank
+//!   runs (node and local rank, from MPI: `lifecycle.rs`), connects and registers with its SP, and
 //!   all ranks agree (collectively, on `MPI_COMM_WORLD`) whether offload is on for the job.
 //!   Calls made meanwhile are native.
 //! - `Active`: every rank of the job is registered with its SP; the collectives in `coll.rs`
@@ -73,7 +74,8 @@ pub fn is_active() -> bool {
 pub struct Topology {
     pub world_rank: u32,
     pub world_size: u32,
-    /// The SP serving each world rank.
+    /// The SP serving each world rank: the placement every rank computed alike at `MPI_Init`
+    /// from every rank's node (gathered once; see `bootstrap::placement`).
     pub sp_of_world: Vec<SpId>,
     /// The node of each SP of the cluster description, indexed by SP id.
     pub node_of_sp: Vec<u32>,

@@ -20,7 +20,6 @@
 //! - everything a client can make the SP hold is bounded ([`Limits`]), and what it can make
 //!   the SP log is rate-limited ([`LogLimit`]).
 
-use algorithms::SpId;
 use bootstrap::auth::{ClusterKey, JobCredential};
 use bootstrap::wire::HostHello;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -447,12 +446,6 @@ pub fn interface_of(ip: std::net::IpAddr) -> Option<String> {
     // SAFETY: the list from getifaddrs above, freed once.
     unsafe { libc::freeifaddrs(addrs) };
     found
-}
-
-/// The SPs that a job's world rank may be served by, when the cluster places ranks itself
-/// (block or cyclic emulation). `None`: the cluster cannot say.
-pub fn sp_of(cluster: &bootstrap::Cluster, world_rank: u32, world_size: u32) -> Option<SpId> {
-    cluster.placement(world_rank, world_size).ok().map(|p| p.sp)
 }
 
 #[cfg(test)]

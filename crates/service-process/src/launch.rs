@@ -111,7 +111,28 @@ pub fn make_realtime() -> std::io::Result<()> {
     Ok(())
 }
 
-/// `rank-exec`: pins this MPI rank, optionally preloads the shim, and execs the program.
+/// The variable in which `launch` gives `rank-exec` the emulated node of every world rank
+/// (`0,0,1,1`); `rank-exec` turns it into this rank's `SPOFF_NODE` hint.
+pub const RANK_NODES_VAR: &str = "SPOFF_RANK_NODES";
+
+/// The emulated node of each world rank of a job of `world` ranks under `cluster`'s layout:
+/// what `launch` tells the ranks (`SPOFF_NODE`).
+pub fn rank_nodes(cluster: &Cluster, world: u32) -> Result<Vec<u32>> {
+    (0..world)
+        .map(|r| Ok(cluster.placement(r, world)?.node))
+        .collect()
+}
+
+/// This rank's `SPOFF_NODE` from the launcher's list of every rank's node.
+fn node_hint(list: &str, rank: u32) -> Result<u32> {
+    list.split(',')
+        .nth(rank as usize)
+        .and_then(|n| n.trim().parse().ok())
+        .with_context(|| format!("{RANK_NODES_VAR}={list:?} names no node for world rank {rank}"))
+}
+
+/// `rank-exec`: pins this MPI rank, tells it its emulated node (`SPOFF_NODE`, from the list
+/// `launch` passed), optionally preloads the shim, and execs the program.
 pub fn rank_exec(cpus: Option<&[u32]>, preload: Option<&Path>, program: &[String]) -> Result<()> {
     let rank: u32 = ["OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"]
         .iter()
@@ -121,8 +142,15 @@ pub fn rank_exec(cpus: Option<&[u32]>, preload: Option<&Path>, program: &[String
         let cpu = cpus[rank as usize % cpus.len()];
         pin_to(&[cpu]).with_context(|| format!("pinning rank {rank} to CPU {cpu}"))?;
     }
+    let hint = match std::env::var(RANK_NODES_VAR) {
+        Ok(list) => Some(node_hint(&list, rank)?),
+        Err(_) => None,
+    };
     let mut cmd = Command::new(&program[0]);
-    cmd.args(&program[1..]);
+    cmd.args(&program[1..]).env_remove(RANK_NODES_VAR);
+    if let Some(node) = hint {
+        cmd.env("SPOFF_NODE", node.to_string());
+    }
     if let Some(lib) = preload {
         let old = std::env::var("LD_PRELOAD").unwrap_or_default();
         let val = if old.is_empty() {
@@ -556,6 +584,8 @@ fn run_job(
         .args(["--oversubscribe", "--bind-to", "none", "-np"])
         .arg(world.to_string())
         .args(&opts.mpirun_args);
+    // SPOFF_NODES, SPOFF_RANKS_PER_NODE and SPOFF_LAYOUT are for the benchmark's traffic
+    // accounting (coll-bench); the shim places itself from MPI and the SPOFF_NODE hint.
     let mut exported = vec!["SPOFF_NODES", "SPOFF_RANKS_PER_NODE", "SPOFF_LAYOUT"];
     match (&cluster_path, &key) {
         (Some(p), Some(key)) => {
@@ -564,14 +594,18 @@ fn run_job(
             // SAFETY: geteuid has no preconditions.
             let uid = unsafe { libc::geteuid() };
             let cred = JobCredential::issue_new(key, uid, world);
+            let nodes = rank_nodes(&Cluster::load(p)?, world)?;
+            let nodes: Vec<String> = nodes.iter().map(u32::to_string).collect();
             cmd.env("SPOFF_CLUSTER", p)
-                .env("SPOFF_JOB_CREDENTIAL", cred.encode());
-            exported.push("SPOFF_CLUSTER");
-            exported.push("SPOFF_JOB_CREDENTIAL");
+                .env("SPOFF_JOB_CREDENTIAL", cred.encode())
+                .env(RANK_NODES_VAR, nodes.join(","))
+                .env_remove("SPOFF_NODE");
+            exported.extend(["SPOFF_CLUSTER", "SPOFF_JOB_CREDENTIAL", RANK_NODES_VAR]);
         }
         _ => {
             cmd.env_remove("SPOFF_CLUSTER")
-                .env_remove("SPOFF_JOB_CREDENTIAL");
+                .env_remove("SPOFF_JOB_CREDENTIAL")
+                .env_remove(RANK_NODES_VAR);
         }
     }
     for var in exported {
@@ -667,6 +701,28 @@ fn run_job(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rank_nodes_follow_the_layout_and_each_rank_finds_its_own() {
+        let spec = SpSetSpec {
+            nodes: 2,
+            sps_per_node: 1,
+            ranks_per_node: 3,
+            layout: Layout::Cyclic,
+            sp_cpus: None,
+            max_inflight_reads: 1,
+            extra_args: vec![],
+            sp_args: vec![],
+        };
+        let dir = new_run_dir().unwrap();
+        let (path, _listeners) = write_cluster(&spec, &dir).unwrap();
+        let cluster = Cluster::load(&path).unwrap();
+        std::fs::remove_dir_all(&dir).ok();
+        assert_eq!(rank_nodes(&cluster, 6).unwrap(), [0, 1, 0, 1, 0, 1]);
+        assert_eq!(node_hint("0,1,0,1", 3).unwrap(), 1);
+        assert!(node_hint("0,1", 2).is_err());
+        assert!(node_hint("0,x", 1).is_err());
+    }
 
     #[test]
     fn cpu_lists() {

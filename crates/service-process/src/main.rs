@@ -147,9 +147,11 @@ enum Cmd {
     /// Start an emulated cluster (N nodes x K SPs), run PROGRAM under mpirun with the host shim
     /// preloaded, and stop everything when it exits. Exit status: the program's.
     ///
-    /// The ranks get SPOFF_CLUSTER (the cluster description), SPOFF_JOB_ID, SPOFF_NODES and
-    /// SPOFF_RANKS_PER_NODE; the shim also reads SPOFF_OFFLOAD=0 (run natively) and
-    /// SPOFF_VERBOSE=1 from the launcher's environment. At exit every SP's counters are printed
+    /// The ranks get SPOFF_CLUSTER (the cluster description), SPOFF_JOB_CREDENTIAL and
+    /// SPOFF_NODE (the emulated node --layout puts them on; the shim places itself from it and
+    /// MPI), and for the benchmarks SPOFF_NODES, SPOFF_RANKS_PER_NODE and SPOFF_LAYOUT; the
+    /// shim also reads SPOFF_OFFLOAD=0 (run natively) and SPOFF_VERBOSE=1 from the launcher's
+    /// environment. At exit every SP's counters are printed
     /// on stderr as `sp N stats: {json}`. SP logs: SPOFF_LOG (e.g. info, debug).
     Launch {
         /// Emulated nodes.
@@ -161,7 +163,8 @@ enum Cmd {
         /// SPs per node; local rank i is served by SP i mod K of its node.
         #[arg(long, default_value_t = 1)]
         sps_per_node: u32,
-        /// How world ranks map to nodes: block (rank / R) or cyclic (rank % N).
+        /// Which emulated node each world rank is told it is on: block (rank / R) or cyclic
+        /// (rank % N).
         #[arg(long, default_value = "block")]
         layout: Layout,
         /// CPUs for the SPs, assigned round-robin (stand-ins for the DPU's cores).
@@ -324,6 +327,12 @@ enum Cmd {
         /// One JSON object per row instead of the table.
         #[arg(long)]
         json: bool,
+    },
+    /// Write (`init`) or validate (`check`) the cluster description of a real cluster: each
+    /// node's host name, its DPU's addresses for hosts and for peer SPs, K SPs per DPU, ports.
+    Cluster {
+        #[command(subcommand)]
+        cmd: service_process::cluster_cmd::ClusterCmd,
     },
     /// (internal) Run by mpirun for each rank: pin, preload the shim, exec the program.
     #[command(hide = true)]
@@ -645,6 +654,7 @@ fn run(cli: Cli) -> Result<i32> {
             })?;
             Ok(0)
         }
+        Cmd::Cluster { cmd } => service_process::cluster_cmd::run(cmd),
         Cmd::RankExec {
             cpus,
             preload,

@@ -2,7 +2,6 @@
 //! host sends is untrusted. Pure (no state of the SP but what the caller passes), so the
 //! fuzzer drives it directly.
 
-use crate::access;
 use algorithms::SpId;
 use alias_mkey::{BackendData, Rights};
 use bootstrap::wire::{CollKind, ErrorCode, PostDesc, StagedDesign};
@@ -157,21 +156,15 @@ pub fn check_post(
             }
         }
     }
+    // Which SP serves a world rank is the job's (the ranks place themselves at `MPI_Init`):
+    // the SP checks it against what its hellos and earlier descriptors said (server/post.rs).
     let mut seen = HashSet::with_capacity(p);
-    for (r, (&w, &sp)) in d.world_ranks.iter().zip(&d.members).enumerate() {
+    for (r, &w) in d.world_ranks.iter().enumerate() {
         if w >= world_size || !seen.insert(w) {
             return bad(format!(
                 "comm rank {r} is world rank {w}: outside the job's {world_size} ranks or \
                  named twice"
             ));
-        }
-        if let Some(placed) = access::sp_of(cluster, w, world_size) {
-            if placed != sp {
-                return bad(format!(
-                    "comm rank {r} (world rank {w}) is said to be served by SP {sp}, but \
-                     it is SP {placed}'s"
-                ));
-            }
         }
     }
     if let Some((members, world_ranks)) = shape {

@@ -74,13 +74,16 @@ impl Server {
         }
     }
 
+    /// The node of world rank `world_rank` of `job`, as this SP knows it: the node of the SP
+    /// its hello or the job's descriptors named (`None`: never named here).
+    pub(super) fn node_of_rank(&self, job: u64, world_rank: u32) -> Option<u32> {
+        let sp = *self.jobs.get(&job)?.sp_of_rank.get(&world_rank)?;
+        self.cluster.sp(sp).map(|e| e.node)
+    }
+
     /// The owner runs on this SP's node.
     pub(super) fn is_local(&self, owner: &Owner) -> bool {
-        let node = self
-            .jobs
-            .get(&owner.job)
-            .and_then(|j| self.cluster.placement(owner.world_rank, j.world_size).ok())
-            .map(|p| p.node);
+        let node = self.node_of_rank(owner.job, owner.world_rank);
         node.is_some() && node == self.cluster.sp(self.me).map(|e| e.node)
     }
 
@@ -248,12 +251,7 @@ impl Server {
                     if k.owner.world_rank == crate::staging::STAGE_OWNER_RANK {
                         return here;
                     }
-                    self.jobs.get(&k.owner.job).and_then(|j| {
-                        self.cluster
-                            .placement(k.owner.world_rank, j.world_size)
-                            .ok()
-                            .map(|p| p.node)
-                    })
+                    self.node_of_rank(k.owner.job, k.owner.world_rank)
                 };
                 if node_of(&job.src) != node_of(&job.dst) {
                     self.stats.bytes_inter_node += job.len;

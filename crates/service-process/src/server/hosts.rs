@@ -39,18 +39,27 @@ impl Server {
             Ok(c) => c,
             Err(why) => return reject(self, why),
         };
-        match self.cluster.placement(hello.world_rank, hello.world_size) {
-            Ok(p) if p.sp == self.me => {}
-            Ok(p) => {
-                return reject(
-                    self,
-                    format!(
-                        "rank {} of {} belongs to SP {}, not SP {}",
-                        hello.world_rank, hello.world_size, p.sp, self.me
-                    ),
-                )
-            }
-            Err(e) => return reject(self, e.to_string()),
+        // The rank placed itself (its node from MPI, its SP local rank mod K of its node):
+        // it must have come to the SP that placement names.
+        let (node, index) = self
+            .cluster
+            .sp(self.me)
+            .map_or((u32::MAX, u32::MAX), |e| (e.node, e.index));
+        let k = self.cluster.sps_per_node;
+        if hello.node != node || hello.local_rank % k != index {
+            return reject(
+                self,
+                format!(
+                    "rank {} says it is local rank {} of node {}: that is the SP of index {} of \
+                     node {}, not this SP {} (index {index} of node {node})",
+                    hello.world_rank,
+                    hello.local_rank,
+                    hello.node,
+                    hello.local_rank % k,
+                    hello.node,
+                    self.me
+                ),
+            );
         }
         if self
             .jobs
@@ -76,6 +85,7 @@ impl Server {
         job.world_size = cred.world_size;
         job.hosts.insert(key);
         job.ranks.insert(hello.world_rank);
+        job.sp_of_rank.insert(hello.world_rank, self.me);
         self.next_conn_id += 1;
         let conn_id = self.next_conn_id;
         let conn = &mut self.conns[key];

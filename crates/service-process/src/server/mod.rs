@@ -248,6 +248,10 @@ struct Job {
     hosts: HashSet<usize>,
     /// The world ranks connected here (one connection each).
     ranks: HashSet<u32>,
+    /// The SP of each world rank of the job known here: its hello (ranks of this SP) or the
+    /// first descriptor that named it; a later descriptor that says otherwise is refused.
+    /// Locality (host copies, the byte counters) comes from it, never from a layout.
+    sp_of_rank: HashMap<u32, SpId>,
     failed: Option<Status>,
     finished: HashSet<(CommId, u64)>,
     finished_order: std::collections::VecDeque<(CommId, u64)>,

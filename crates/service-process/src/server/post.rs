@@ -25,7 +25,25 @@ impl Server {
             &self.cluster,
             self.ucx,
             shape.map(|(m, w)| (m.as_slice(), w.as_slice())),
-        )
+        )?;
+        // Each world rank has one SP for the whole job: the one its hello or an earlier
+        // descriptor named (the ranks place themselves; no layout says it here).
+        let known = self.jobs.get(&ck.job).map(|j| &j.sp_of_rank);
+        for (r, (w, &sp)) in d.world_ranks.iter().zip(&d.members).enumerate() {
+            match known.and_then(|m| m.get(w)) {
+                Some(&was) if was != sp => {
+                    return Err((
+                        ErrorCode::BadDescriptor,
+                        format!(
+                            "comm rank {r} (world rank {w}) is said to be served by SP {sp}, \
+                             but it is SP {was}'s"
+                        ),
+                    ))
+                }
+                _ => {}
+            }
+        }
+        Ok(())
     }
 
     pub(super) fn on_post(&mut self, key: usize, d: PostDesc) {
@@ -125,6 +143,11 @@ impl Server {
                 self.drive(ck);
             }
             return;
+        }
+        if let Some(j) = self.jobs.get_mut(&job) {
+            for (&w, &sp) in d.world_ranks.iter().zip(&d.members) {
+                j.sp_of_rank.entry(w).or_insert(sp);
+            }
         }
         if self
             .jobs

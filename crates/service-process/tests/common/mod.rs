@@ -159,6 +159,18 @@ impl Host {
     /// Connects as `world_rank` of a `world_size` job and registers a mailbox.
     pub fn connect(set: &SpSet, job: u64, world_rank: u32, world_size: u32) -> Host {
         let p = set.cluster.placement(world_rank, world_size).unwrap();
+        Host::connect_placed(set, job, world_rank, world_size, p)
+    }
+
+    /// As [`Host::connect`], placed at `p` (its node, local rank and SP) instead of by the
+    /// emulation layout.
+    pub fn connect_placed(
+        set: &SpSet,
+        job: u64,
+        world_rank: u32,
+        world_size: u32,
+        p: bootstrap::Placement,
+    ) -> Host {
         let path = &set.cluster.sp(p.sp).unwrap().host_socket;
         let s = UnixStream::connect(path).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();

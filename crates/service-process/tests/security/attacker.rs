@@ -73,12 +73,24 @@ fn say(what: impl std::fmt::Display) {
     println!("ATTACK: {what}");
 }
 
-/// Connects to a host socket and says hello; the answer as a line.
+/// [`hello_as_on`] node 0.
 fn hello_as(
     socket: &str,
     cred: String,
     rank: u32,
     size: u32,
+) -> (Option<Channel<UnixStream>>, String) {
+    hello_as_on(socket, cred, rank, size, 0)
+}
+
+/// Connects to a host socket and says hello as `rank` of `size` on `node` (local rank: the
+/// rank); the answer as a line.
+fn hello_as_on(
+    socket: &str,
+    cred: String,
+    rank: u32,
+    size: u32,
+    node: u32,
 ) -> (Option<Channel<UnixStream>>, String) {
     let s = match UnixStream::connect(socket) {
         Ok(s) => s,
@@ -90,7 +102,7 @@ fn hello_as(
         credential: cred,
         world_rank: rank,
         world_size: size,
-        node: 0,
+        node,
         local_rank: rank,
         pid: std::process::id(),
     })) {
@@ -185,7 +197,8 @@ pub fn run() {
                 return;
             };
             register(&mut ch);
-            let (other, out) = hello_as(&var("SOCK1"), var("CRED"), 1, 2);
+            // Rank 1 is the only rank of node 1 (SOCK1 is its SP).
+            let (other, out) = hello_as_on(&var("SOCK1"), var("CRED"), 1, 2, 1);
             let Some(mut other) = other else {
                 say(out);
                 return;
