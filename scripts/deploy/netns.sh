@@ -92,7 +92,9 @@ dt_wait_ping() {
 
 # dt_write_agent FILE: the rsh agent Open MPI's mpirun calls as `AGENT HOST COMMAND...`: it runs
 # COMMAND in HOST's namespace under HOST's own host name (a UTS namespace of its own); on a DPU
-# with a private tmpfs at $DT_SOCK_DIR (the SPs' Unix sockets).
+# with a private tmpfs at $DT_SOCK_DIR holding the directories SUBDIRS (the SPs' Unix sockets
+# are SOCKET_DIR/ID/host.sock, as systemd's RuntimeDirectory makes them). dt_write_agent FILE
+# [SUBDIRS].
 dt_write_agent() {
   cat > "$1" <<EOF
 #!/bin/sh
@@ -106,7 +108,8 @@ case "\$host" in
   # A DPU: its SPs' Unix sockets in a directory of its own (each DPU is its own machine; \`ip netns
   # exec\` gives the command a private mount namespace, where this tmpfs stays).
   *-dpu) exec ip netns exec "${DT_PREFIX}\$host" unshare --uts sh -c \
-    'hostname "\$0" && mount -t tmpfs -o mode=0755 none "$DT_SOCK_DIR" && exec sh -c "\$*"' "\$host" "\$@" ;;
+    'hostname "\$0" && mount -t tmpfs -o mode=0755 none "$DT_SOCK_DIR" &&
+     for d in ${2:-}; do mkdir -m 0755 "$DT_SOCK_DIR/\$d"; done && exec sh -c "\$*"' "\$host" "\$@" ;;
   *) exec ip netns exec "${DT_PREFIX}\$host" unshare --uts sh -c 'hostname "\$0" && exec sh -c "\$*"' "\$host" "\$@" ;;
 esac
 EOF

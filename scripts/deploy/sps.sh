@@ -40,7 +40,7 @@ dt_write_cluster() {
         id=$((i * k + j))
         # SPs started by mpirun keep their sockets in their DPU's private directory.
         sock=$RUN/sp$id.sock
-        [ "${DT_HOST_TCP:-0}" = 1 ] && sock=$DT_SOCK_DIR/sp-$j.sock
+        [ "${DT_HOST_TCP:-0}" = 1 ] && sock=$DT_SOCK_DIR/$id/host.sock
         printf '%s    {"id": %d, "node": %d, "index": %d, "peer_addr": "%s:%d", "host_socket": "%s"' \
           "$sep" "$id" "$i" "$j" "$(dt_addr_dpu $((i + 1)))" $((DT_SP_PORT_BASE + j)) "$sock"
         if [ "${DT_HOST_TCP:-0}" = 1 ]; then
@@ -206,6 +206,8 @@ dt_sps_launch() {
     DT_CLUSTER=$RUN/cluster-${DT_NODES}x$DT_K.json
     DT_HOST_TCP=1 dt_write_cluster "$DT_CLUSTER" "$DT_NODES" "$DT_K"
   fi
+  # Each DPU's private socket directory gets a directory per SP id (only its own are used).
+  dt_write_agent "$RUN/agent" "$(seq -s ' ' 0 $((DT_NODES * DT_K - 1)))"
   local i app=()
   for i in $(seq 1 "$DT_NODES"); do
     [ "$i" -gt 1 ] && app+=(:)
