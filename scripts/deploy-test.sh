@@ -103,6 +103,9 @@ cleanup() {
   exit "$rc"
 }
 trap cleanup EXIT
+# Never end silently: a command that fails outside a test says where.
+set -E
+trap 'rc=$?; [[ $- != *e* ]] || echo "deploy-test: FAILED: unexpected error (status $rc) at line $LINENO: $BASH_COMMAND" >&2' ERR
 trap 'echo "deploy-test: interrupted" >&2; exit 130' INT TERM
 
 say() { echo "deploy-test: $*"; }
@@ -428,11 +431,12 @@ fault_kill_rank() {
   dt_job_bg "$label" 180 "$mapping" -- "$RUN/progs/conform" --cases 100000 --seed "$seed" --timeout 60
   dt_wait_posts 0 "$base" || { fail "$label: SP 0 never served a post"; wait "$job_pid" || true; return; }
   local victim
-  victim=$(dt_pids_naming "$RUN/progs/conform" |
-    while read -r p; do [ "$(readlink "/proc/$p/exe")" = "$RUN/progs/conform" ] && echo "$p"; done | tail -1)
+  victim=$(dt_pids_naming "$RUN/progs/conform" | while read -r p; do
+    if [ "$(readlink "/proc/$p/exe" 2>/dev/null)" = "$RUN/progs/conform" ]; then echo "$p"; fi
+  done | tail -1)
   [ -n "$victim" ] || { fail "$label: no rank process found"; wait "$job_pid" || true; return; }
   local host
-  host=$(ip netns identify "$victim" 2>/dev/null)
+  host=$(ip netns identify "$victim" 2>/dev/null || true)
   kill -0 "$job_pid" 2>/dev/null || { fail "$label: the job ended before the fault"; wait "$job_pid" || true; return; }
   local t0
   t0=$(date +%s)

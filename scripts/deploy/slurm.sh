@@ -88,7 +88,7 @@ dt_slurm_up() {
   done
   local t idle=0
   for t in $(seq 1 300); do
-    idle=$(ip netns exec "$DT_FAB" sinfo -h -N -t idle -o '%N' 2>/dev/null | sort -u | wc -l)
+    idle=$({ ip netns exec "$DT_FAB" sinfo -h -N -t idle -o '%N' 2>/dev/null || true; } | sort -u | wc -l)
     [ "$idle" -ge "$n" ] && return 0
     sleep 0.1
   done

@@ -135,13 +135,16 @@ dt_sps_stop() {
 # Sum of one counter over every SP of the running cluster (from `service-process stats --json`,
 # asked from the fabric namespace).
 dt_counter() {
-  ip netns exec "$DT_FAB" "$SP" stats --cluster "$DT_CLUSTER" --key "$DT_KEY" --json 2>/dev/null |
-    grep -o "\"$1\":[0-9]*" | cut -d: -f2 | awk '{s+=$1} END{print s+0}'
+  local json
+  json=$(ip netns exec "$DT_FAB" "$SP" stats --cluster "$DT_CLUSTER" --key "$DT_KEY" --json 2>/dev/null || true)
+  { grep -o "\"$1\":[0-9]*" <<< "$json" || true; } | cut -d: -f2 | awk '{s+=$1} END{print s+0}'
 }
 # The same counter of one SP.
 dt_counter_of() {
-  ip netns exec "$DT_FAB" "$SP" stats --cluster "$DT_CLUSTER" --key "$DT_KEY" --json 2>/dev/null |
-    grep "\"sp\":$1[,}]" | grep -o "\"$2\":[0-9]*" | cut -d: -f2 | awk '{s+=$1} END{print s+0}'
+  local json
+  json=$(ip netns exec "$DT_FAB" "$SP" stats --cluster "$DT_CLUSTER" --key "$DT_KEY" --json 2>/dev/null || true)
+  { grep "\"sp\":$1[,}]" <<< "$json" || true; } | { grep -o "\"$2\":[0-9]*" || true; } |
+    cut -d: -f2 | awk '{s+=$1} END{print s+0}'
 }
 
 # dt_hostfile FILE SPEC: SPEC is "a+b+c" ranks per node (node1 gets a slots, ...).
@@ -230,7 +233,7 @@ dt_sps_launch() {
   for i in $(seq 1 "$DT_NODES"); do
     for pid in $(ip netns pids "$(dt_ns_dpu "$i")"); do
       [ "$(readlink "/proc/$pid/exe" 2>/dev/null)" = "$SP" ] || continue
-      local_rank=$(tr '\0' '\n' < "/proc/$pid/environ" 2>/dev/null | sed -n 's/^OMPI_COMM_WORLD_LOCAL_RANK=//p')
+      local_rank=$({ tr '\0' '\n' < "/proc/$pid/environ"; } 2>/dev/null | sed -n 's/^OMPI_COMM_WORLD_LOCAL_RANK=//p' || true)
       [ -n "$local_rank" ] || continue
       id=$(( (i - 1) * DT_K + local_rank ))
       DT_SP_PIDS[id]=$pid
