@@ -71,6 +71,10 @@ pub struct Cluster {
     /// node's host). Empty for an emulated cluster on one machine.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub hosts: Vec<String>,
+    /// Host name of each node's DPU, indexed by node (what `hostname` says on the DPU, where
+    /// `serve --sp-id auto` runs). Optional.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dpus: Vec<String>,
 }
 
 fn block() -> Layout {
@@ -117,6 +121,7 @@ impl Cluster {
             layout,
             sps,
             hosts: Vec::new(),
+            dpus: Vec::new(),
         };
         c.validate()?;
         Ok(c)
@@ -166,22 +171,28 @@ impl Cluster {
                 ));
             }
         }
-        if !self.hosts.is_empty() {
-            if self.hosts.len() as u64 != self.nodes as u64 {
+        for (list, what) in [(&self.hosts, "host"), (&self.dpus, "DPU")] {
+            if list.is_empty() {
+                continue;
+            }
+            if list.len() as u64 != self.nodes as u64 {
                 return bad(format!(
-                    "{} host names for {} nodes",
-                    self.hosts.len(),
+                    "{} {what} names for {} nodes",
+                    list.len(),
                     self.nodes
                 ));
             }
-            for (n, h) in self.hosts.iter().enumerate() {
+            for (n, h) in list.iter().enumerate() {
                 if h.is_empty() || h.chars().any(char::is_whitespace) {
-                    return bad(format!("node {n} has host name {h:?}"));
+                    return bad(format!("node {n} has {what} name {h:?}"));
                 }
-                if let Some(m) = self.hosts[..n].iter().position(|o| o == h) {
-                    return bad(format!("nodes {m} and {n} have the same host name {h:?}"));
+                if let Some(m) = list[..n].iter().position(|o| o == h) {
+                    return bad(format!("nodes {m} and {n} have the same {what} name {h:?}"));
                 }
             }
+        }
+        if let Some(d) = self.dpus.iter().find(|d| self.hosts.contains(d)) {
+            return bad(format!("{d:?} is both a host name and a DPU name"));
         }
         Ok(())
     }
@@ -323,6 +334,22 @@ mod tests {
             .contains("same host name"));
         c.hosts = vec!["n1".into(), "".into()];
         assert!(c.validate().is_err());
+        c.hosts = vec!["n1".into(), "n2".into()];
+        c.dpus = vec!["n1-dpu".into(), "n2-dpu".into()];
+        c.validate().unwrap();
+        c.dpus = vec!["n1-dpu".into(), "n1-dpu".into()];
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("same DPU name"));
+        c.dpus = vec!["n2".into(), "n1-dpu".into()];
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("both a host name and a DPU"));
+        c.dpus.clear();
         // Absent fields read as none: descriptions written before them still load.
         let mut v = serde_json::to_value(cluster(1, 1, Layout::Block)).unwrap();
         assert!(v.get("hosts").is_none() && v["sps"][0].get("host_addr").is_none());

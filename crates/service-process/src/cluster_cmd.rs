@@ -221,6 +221,25 @@ pub fn init(opts: &Init) -> Result<Cluster> {
     }
     let mut c = Cluster::new(opts.hosts.len() as u32, k, None, Layout::Block, sps)?;
     c.hosts = opts.hosts.clone();
+    // The DPUs' own names, where they are names (`serve --sp-id auto` finds its node by them).
+    c.dpus = match &opts.dpus {
+        // An empty suffix: the SPs run on the hosts themselves.
+        Dpus::Suffix(s) if s.is_empty() => Vec::new(),
+        Dpus::Suffix(s) => opts.hosts.iter().map(|h| format!("{h}{s}")).collect(),
+        Dpus::Map(m) => {
+            let names: Vec<String> = opts
+                .hosts
+                .iter()
+                .filter_map(|h| m.get(h).map(|(a, _)| a.clone()))
+                .filter(|a| a.parse::<IpAddr>().is_err())
+                .collect();
+            if names.len() == opts.hosts.len() {
+                names
+            } else {
+                Vec::new()
+            }
+        }
+    };
     c.validate()?;
     Ok(c)
 }
@@ -329,13 +348,14 @@ pub fn check_text(text: &str) -> Result<Cluster, Vec<String>> {
     let value: serde_json::Value = serde_json::from_str(text).map_err(|e| vec![at(e)])?;
     // Unknown fields are refused: a misspelt field would otherwise be ignored silently.
     let mut problems = Vec::new();
-    const TOP: [&str; 6] = [
+    const TOP: [&str; 7] = [
         "nodes",
         "sps_per_node",
         "ranks_per_node",
         "layout",
         "sps",
         "hosts",
+        "dpus",
     ];
     const SP: [&str; 6] = [
         "id",
@@ -455,20 +475,22 @@ pub fn field_problems(c: &Cluster) -> Vec<String> {
             ));
         }
     }
-    if !c.hosts.is_empty() && c.hosts.len() as u64 != c.nodes as u64 {
-        p.push(format!(
-            "hosts: {} names for {} nodes",
-            c.hosts.len(),
-            c.nodes
-        ));
-    }
-    let mut names: HashMap<&str, usize> = HashMap::new();
-    for (n, h) in c.hosts.iter().enumerate() {
-        if h.is_empty() || h.chars().any(|c| c.is_whitespace() || c.is_control()) {
-            p.push(format!("hosts[{n}]: {h:?} is not a host name"));
+    let mut names: HashMap<&str, String> = HashMap::new();
+    for (list, field) in [(&c.hosts, "hosts"), (&c.dpus, "dpus")] {
+        if !list.is_empty() && list.len() as u64 != c.nodes as u64 {
+            p.push(format!(
+                "{field}: {} names for {} nodes",
+                list.len(),
+                c.nodes
+            ));
         }
-        if let Some(m) = names.insert(h.as_str(), n) {
-            p.push(format!("hosts[{n}]: {h:?} is also hosts[{m}]"));
+        for (n, h) in list.iter().enumerate() {
+            if h.is_empty() || h.chars().any(|c| c.is_whitespace() || c.is_control()) {
+                p.push(format!("{field}[{n}]: {h:?} is not a host name"));
+            }
+            if let Some(m) = names.insert(h.as_str(), format!("{field}[{n}]")) {
+                p.push(format!("{field}[{n}]: {h:?} is also {m}"));
+            }
         }
     }
     if p.is_empty() {
@@ -516,7 +538,8 @@ pub fn summary(path: &Path, c: &Cluster) -> String {
     }
     for n in 0..c.nodes {
         let host = c.hosts.get(n as usize).map_or("-", String::as_str);
-        s += &format!("  node {n} host {host}\n");
+        let dpu = c.dpus.get(n as usize).map_or("-", String::as_str);
+        s += &format!("  node {n} host {host} dpu {dpu}\n");
         for sp in c.sps.iter().filter(|sp| sp.node == n) {
             let tcp = sp.host_addr.map_or("-".to_string(), |a| a.to_string());
             s += &format!(

@@ -55,28 +55,44 @@ pub fn resolve_sp_id(
     host_name: &str,
     env: impl Fn(&str) -> Option<String>,
 ) -> Result<SpId, String> {
-    if cluster.hosts.is_empty() {
+    if cluster.hosts.is_empty() && cluster.dpus.is_empty() {
         return Err(
-            "--sp-id auto needs the host name of every node in the cluster description \
-             (its \"hosts\" list); give --sp-id N instead"
+            "--sp-id auto needs the DPU or host name of every node in the cluster description \
+             (its \"dpus\" or \"hosts\" list); give --sp-id N instead"
                 .into(),
         );
     }
     let name = node_name.unwrap_or(host_name);
     let short = |s: &str| s.split('.').next().unwrap_or(s).to_string();
-    let node = match cluster.hosts.iter().position(|h| h == name) {
-        Some(n) => n,
+    // The DPU names first (the SP runs on the DPU), then the hosts' (SPs started on the hosts,
+    // or --node with a host name). Names are distinct across both lists (validated).
+    let names: Vec<&String> = cluster.dpus.iter().chain(&cluster.hosts).collect();
+    let node_of = |i: usize| {
+        if i < cluster.dpus.len() {
+            i
+        } else {
+            i - cluster.dpus.len()
+        }
+    };
+    let node = match names.iter().position(|h| *h == name) {
+        Some(i) => node_of(i),
         None => {
-            let matches: Vec<usize> = (0..cluster.hosts.len())
-                .filter(|&n| short(&cluster.hosts[n]) == short(name))
+            let matches: Vec<usize> = (0..names.len())
+                .filter(|&i| short(names[i]) == short(name))
+                .map(node_of)
                 .collect();
             match matches[..] {
                 [n] => n,
+                [n, m] if n == m => n,
                 [] => {
                     return Err(format!(
-                        "host {name:?} is not in the cluster description's hosts ({}); give \
-                         --node NAME or --sp-id N",
-                        cluster.hosts.join(", ")
+                        "host {name:?} is not in the cluster description's dpus or hosts ({}); \
+                         give --node NAME or --sp-id N",
+                        names
+                            .iter()
+                            .map(|s| s.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", ")
                     ))
                 }
                 _ => {
@@ -247,12 +263,28 @@ mod tests {
     }
 
     #[test]
+    fn sp_id_auto_on_a_dpu_finds_its_node_by_the_dpu_name() {
+        let mut c = cluster(&["h0", "h1"], 2);
+        c.dpus = vec!["h0-dpu".into(), "h1-dpu.site".into()];
+        c.validate().unwrap();
+        let e = env(&[("OMPI_COMM_WORLD_LOCAL_RANK", "1")]);
+        assert_eq!(resolve_sp_id(&c, None, "h1-dpu.site", &e), Ok(3));
+        assert_eq!(resolve_sp_id(&c, None, "h1-dpu", &e), Ok(3));
+        assert_eq!(resolve_sp_id(&c, None, "h0-dpu", &e), Ok(1));
+        // A host name still names its node (SPs started on the hosts, or --node).
+        assert_eq!(resolve_sp_id(&c, None, "h1", &e), Ok(3));
+        assert_eq!(resolve_sp_id(&c, Some("h0"), "h1-dpu", &e), Ok(1));
+        let err = resolve_sp_id(&c, None, "h2-dpu", &e).unwrap_err();
+        assert!(err.contains("(h0-dpu, h1-dpu.site, h0, h1)"), "{err}");
+    }
+
+    #[test]
     fn sp_id_auto_says_clearly_what_is_missing() {
         let c = cluster(&["h0", "h1"], 2);
         let e = env(&[("OMPI_COMM_WORLD_LOCAL_RANK", "0")]);
         let err = resolve_sp_id(&c, None, "elsewhere", &e).unwrap_err();
         assert!(
-            err.contains("not in the cluster description's hosts (h0, h1)"),
+            err.contains("not in the cluster description's dpus or hosts (h0, h1)"),
             "{err}"
         );
         let err = resolve_sp_id(&c, None, "h0", env(&[])).unwrap_err();

@@ -42,12 +42,12 @@ enum Cmd {
         #[arg(long)]
         cluster: PathBuf,
         /// This SP's id in the description, or `auto`: node from this machine's host name (or
-        /// --node) in the description's `hosts`, index on the node from the launcher's local
+        /// --node) in the description's `dpus` or `hosts`, index on the node from the launcher's local
         /// rank (OMPI_COMM_WORLD_LOCAL_RANK, PMI_LOCAL_RANK, MPI_LOCALRANKID or SLURM_LOCALID).
         #[arg(long)]
         sp_id: service_process::deploy::SpIdArg,
-        /// With --sp-id auto: this node's name in the description's `hosts` (default: the host
-        /// name).
+        /// With --sp-id auto: this node's name in the description's `dpus` or `hosts`
+        /// (default: this machine's host name).
         #[arg(long)]
         node: Option<String>,
         /// The hosts reaching this SP over TCP share its kernel (network namespaces of one

@@ -75,6 +75,38 @@ fn init_resolves_a_dpu_suffix() {
     o.dpus = Dpus::Suffix(String::new());
     let c = init(&o).unwrap();
     assert!(c.sps[0].peer_addr.ip().is_loopback());
+    assert!(
+        c.dpus.is_empty(),
+        "an empty suffix names no DPU: {:?}",
+        c.dpus
+    );
+}
+
+#[test]
+fn init_names_the_dpus_where_they_have_names() {
+    // A map of addresses names no DPU; a map of names does (serve --sp-id auto uses them).
+    assert!(init(&opts(&["a", "b"], 1)).unwrap().dpus.is_empty());
+    let mut o = opts(&["a"], 1);
+    o.dpus = Dpus::Map(
+        [(
+            "a".to_string(),
+            ("localhost".to_string(), "localhost".to_string()),
+        )]
+        .into_iter()
+        .collect(),
+    );
+    let c = init(&o).unwrap();
+    assert_eq!(c.dpus, ["localhost"]);
+    assert!(summary(Path::new("c.json"), &c).contains("node 0 host a dpu localhost"));
+    // check refuses a DPU name that is also a host name, naming both fields.
+    let mut v = serde_json::to_value(&c).unwrap();
+    v["dpus"] = serde_json::json!(["a"]);
+    let p = problems(&serde_json::to_string_pretty(&v).unwrap());
+    assert!(
+        p.iter()
+            .any(|m| m.contains("dpus[0]: \"a\" is also hosts[0]")),
+        "{p:?}"
+    );
 }
 
 #[test]
