@@ -12,6 +12,7 @@ DT_NET=${DT_NET:-10.77.0}
 DT_CIDR="$DT_NET.0/24"
 DT_FAB=""          # the fabric namespace, once made
 DT_NAMESPACES=()   # every namespace made, in creation order
+DT_ETC_NETNS=()    # /etc/netns/NS directories made (the fabric's host names)
 
 dt_die() { echo "deploy-test: FAILED: $*" >&2; exit 1; }
 
@@ -64,6 +65,18 @@ dt_cluster_up() {
   ip -n "$DT_FAB" link add br0 type bridge || dt_die "cannot create the bridge in $DT_FAB"
   ip -n "$DT_FAB" addr add "$DT_NET.1/24" dev br0
   ip -n "$DT_FAB" link set br0 up
+  # Names for the fabric's resolver: `ip netns exec` bind-mounts /etc/netns/NS/hosts over
+  # /etc/hosts for commands run in NS (e.g. `cluster init --dpu-suffix -dpu` resolving nodeI-dpu).
+  mkdir -p "/etc/netns/$DT_FAB"
+  DT_ETC_NETNS+=("/etc/netns/$DT_FAB")
+  {
+    echo "127.0.0.1 localhost"
+    echo "$DT_NET.1 fabric"
+    for i in $(seq 1 "$n"); do
+      echo "$(dt_addr_host "$i") node$i"
+      echo "$(dt_addr_dpu "$i") node$i-dpu"
+    done
+  } > "/etc/netns/$DT_FAB/hosts"
   for i in $(seq 1 "$n"); do
     dt_ns_add "$(dt_ns_host "$i")"
     dt_link "$(dt_ns_host "$i")" "h$i" "$(dt_addr_host "$i")"
@@ -158,10 +171,14 @@ dt_cluster_down() {
     ip netns del "$ns" 2>/dev/null || true
   done
   DT_NAMESPACES=()
+  for ns in "${DT_ETC_NETNS[@]}"; do rm -rf "$ns"; done
+  DT_ETC_NETNS=()
   DT_FAB=""
 }
 
-# Our namespaces still listed by `ip netns list` (should print nothing).
+# Our namespaces still listed by `ip netns list`, and /etc/netns directories of ours (should
+# print nothing).
 dt_ns_left() {
   ip netns list | awk '{print $1}' | grep "^${DT_PREFIX}" || true
+  ls -d /etc/netns/"${DT_PREFIX}"* 2>/dev/null || true
 }

@@ -184,14 +184,12 @@ DT_SP_LAUNCHER=""  # the pid of the mpirun that runs the SPs
 dt_init_cluster() {
   local n=$1 k=$2 i
   DT_CLUSTER=$RUN/cluster-${n}x$k.json
-  : > "$RUN/nodes"; : > "$RUN/dpus"
-  for i in $(seq 1 "$n"); do
-    echo "node$i" >> "$RUN/nodes"
-    echo "node$i $(dt_addr_dpu "$i")" >> "$RUN/dpus"
-  done
-  "$SP" cluster init --hosts-file "$RUN/nodes" --dpu-map "$RUN/dpus" --sps-per-node "$k" \
-    --peer-port "$DT_SP_PORT_BASE" --host-port "$DT_HOST_PORT_BASE" --socket-dir "$DT_SOCK_DIR" \
-    -o "$DT_CLUSTER" 2> "$RUN/cluster-init.err" ||
+  : > "$RUN/nodes"
+  for i in $(seq 1 "$n"); do echo "node$i" >> "$RUN/nodes"; done
+  # Each DPU is its host's name + "-dpu", resolved by the fabric's resolver (its /etc/hosts).
+  ip netns exec "$DT_FAB" "$SP" cluster init --hosts-file "$RUN/nodes" --dpu-suffix -dpu \
+    --sps-per-node "$k" --peer-port "$DT_SP_PORT_BASE" --host-port "$DT_HOST_PORT_BASE" \
+    --socket-dir "$DT_SOCK_DIR" -o "$DT_CLUSTER" 2> "$RUN/cluster-init.err" ||
     { cat "$RUN/cluster-init.err" >&2; dt_die "service-process cluster init failed"; }
   "$SP" cluster check "$DT_CLUSTER" > "$RUN/cluster-check.out" 2>&1 ||
     { cat "$RUN/cluster-check.out" >&2; dt_die "service-process cluster check refused the description"; }
@@ -212,11 +210,20 @@ dt_sps_launch() {
   # Each DPU's private socket directory gets a directory per SP id (only its own are used).
   dt_write_agent "$RUN/agent" "$(seq -s ' ' 0 $((DT_NODES * DT_K - 1)))"
   local i app=()
-  for i in $(seq 1 "$DT_NODES"); do
-    [ "$i" -gt 1 ] && app+=(:)
-    app+=(-np "$DT_K" -H "node$i-dpu:$DT_K" "$SP" serve --cluster "$DT_CLUSTER" --key "$DT_KEY"
-      --sp-id auto --node "node$i" "${DT_SERVE_ARGS[@]}")
-  done
+  if grep -q '"dpus"' "$DT_CLUSTER"; then
+    # The description names the DPUs: one line, K per DPU, each finds its id by its host name.
+    : > "$RUN/dpu-hosts"
+    for i in $(seq 1 "$DT_NODES"); do echo "node$i-dpu slots=$DT_K" >> "$RUN/dpu-hosts"; done
+    app=(--hostfile "$RUN/dpu-hosts" --map-by "ppr:$DT_K:node" "$SP" serve --cluster "$DT_CLUSTER"
+      --key "$DT_KEY" --sp-id auto "${DT_SERVE_ARGS[@]}")
+  else
+    # No DPU names in the description: one application context per DPU, its node by --node.
+    for i in $(seq 1 "$DT_NODES"); do
+      [ "$i" -gt 1 ] && app+=(:)
+      app+=(-np "$DT_K" -H "node$i-dpu:$DT_K" "$SP" serve --cluster "$DT_CLUSTER" --key "$DT_KEY"
+        --sp-id auto --node "node$i" "${DT_SERVE_ARGS[@]}")
+    done
+  fi
   DT_SP_LAUNCH_LINE="mpirun ${app[*]}"
   # A simple command in the background: $! is mpirun's own pid.
   ip netns exec "$DT_FAB" "${DT_MPIRUN[@]}" "${DT_SP_ENV[@]}" "${app[@]}" > "$RUN/sps-$DT_NODES-$DT_K.out" \
@@ -243,6 +250,8 @@ dt_sps_launch() {
   [ ${#DT_SP_PIDS[@]} -eq $((DT_NODES * DT_K)) ] ||
     dt_die "found ${#DT_SP_PIDS[@]} SP processes in the DPU namespaces, expected $((DT_NODES * DT_K))"
   echo "deploy-test: $((DT_NODES * DT_K)) SPs ready ($DT_NODES DPUs x $DT_K), started by mpirun across the DPU namespaces; $(head -1 "$RUN/wait-ready.out")"
+  local line=${DT_SP_LAUNCH_LINE//$RUN/RUN}
+  echo "   (${line//$SP/service-process})"
 }
 
 # dt_sps_unlaunch: SIGTERM to the SPs' mpirun, which passes it to the SPs; waited on (bounded).
