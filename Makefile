@@ -12,19 +12,28 @@ BIN := target/release
 SP := $(BIN)/service-process
 BENCH := $(BIN)/coll-bench
 
-.PHONY: all deps build test demo bench conformance chaos fuzz soak ucx-export-test deploy-test fmt clippy clean
+.PHONY: all deps build test test-mpich demo bench conformance chaos fuzz soak ucx-export-test deploy-test fmt clippy clean
 
 all: build
 
 deps:
 	@bash scripts/deps.sh
 
+# Both ABIs: the workspace against Open MPI, then the host shim and the benchmark against
+# MPICH (target/release/libhost_shim_mpich.so, coll-bench-mpich; scripts/build-mpich.sh).
 build: deps
 	$(CARGO) build --release --workspace --bins --lib
+	CARGO=$(CARGO) bash scripts/build-mpich.sh
 
 # Every test: unit, simulator, SP engine, and the MPI integration tests (real SPs, real mpirun).
 test: build
 	bash scripts/test.sh
+
+# Every shim test that runs MPI jobs (crates/host-shim/tests/mpirun_*.rs) under MPICH instead of
+# Open MPI (programs built with mpicc.mpich, run by Hydra, the MPICH-ABI shim), then the
+# conformance generator's large run under MPICH (make test runs mpirun_mpich.rs, a subset).
+test-mpich: build
+	bash scripts/test-mpich.sh
 
 # An emulated two-node cluster running the offloaded Ialltoallv overlap benchmark against
 # native Open MPI on the same layout, then the comparison.
@@ -32,7 +41,7 @@ demo: build
 	bash scripts/bench.sh --demo
 
 # The conformance generator's large run (12 configurations x CASES cases, default 1000);
-# writes docs/CONFORMANCE.md.
+# writes docs/CONFORMANCE.md (MPI=mpich: under MPICH, docs/CONFORMANCE.mpich.md).
 conformance: build
 	WRITE_DOCS=1 bash scripts/conformance.sh
 

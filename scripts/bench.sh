@@ -16,6 +16,9 @@
 #                                     Markdown; writes no file
 #   scripts/bench.sh --packed-only    only section H (a non-contiguous datatype, which the
 #                                     offloaded path packs), printed as Markdown; writes no file
+#   scripts/bench.sh --mpich-only     only section I (Ialltoallv overlap, the setup of B, under
+#                                     MPICH beside Open MPI: coll-bench-mpich, Hydra and the
+#                                     MPICH-ABI shim), printed as Markdown; writes no file
 # BIN (default target/release) is where service-process, coll-bench and the shim are.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,13 +34,15 @@ demo=0
 traffic_only=0
 staged_only=0
 packed_only=0
+mpich_only=0
 case "${1:-}" in
   --demo) demo=1 ;;
   --traffic-only) traffic_only=1 ;;
   --staged-only) staged_only=1 ;;
   --packed-only) packed_only=1 ;;
+  --mpich-only) mpich_only=1 ;;
   "") ;;
-  *) echo "bench: unknown option $1 (expected --demo, --traffic-only, --staged-only or --packed-only)" >&2; exit 2 ;;
+  *) echo "bench: unknown option $1 (expected --demo, --traffic-only, --staged-only, --packed-only or --mpich-only)" >&2; exit 2 ;;
 esac
 if [ $demo -eq 1 ]; then
   sizes=${SIZES:-4K,64K,1M}
@@ -156,6 +161,49 @@ packed_markdown() {
   done
 }
 
+# I. Ialltoallv overlap under MPICH beside Open MPI: the setup of B (fixed compute, SPs reserved
+# and polling), the same benchmark built against each MPI (coll-bench, coll-bench-mpich); the
+# launcher finds each binary's MPI and runs mpirun or mpiexec.mpich with the matching shim.
+mpich_sizes=${MPICH_SIZES:-4K,64K,1M}
+mpich_run() {
+  local mpi bench mode extra
+  [ -e "$BIN/coll-bench-mpich" ] && [ -e "$BIN/libhost_shim_mpich.so" ] || {
+    echo "bench: $BIN/coll-bench-mpich or libhost_shim_mpich.so is missing; run 'make build' first" >&2
+    exit 1
+  }
+  for mpi in openmpi mpich; do
+    bench=$BENCH; [ $mpi = mpich ] && bench=$BIN/coll-bench-mpich
+    for mode in native offload; do
+      if [ $mode = native ]; then extra=(--native); else extra=("${reserved_sps[@]}"); fi
+      echo "-- ialltoallv under $mpi: $mode"
+      "$SP" launch "${base[@]}" --rank-cpus "$b_ranks" "${extra[@]}" -- \
+        "$bench" overlap --coll ialltoallv --sizes "$mpich_sizes" "${iters[@]}" \
+        --compute-us "$compute_us" --json "$out/i-$mpi-$mode.json" \
+        2> >(grep -v '^sp [0-9]* stats' >&2)
+    done
+  done
+}
+mpich_intro() {
+  echo "The setup of B for the same benchmark built against each MPI (\`coll-bench\` and"
+  echo "\`coll-bench-mpich\`, \`make build\` builds both); \`service-process launch\` finds each"
+  echo "binary's MPI and runs \`mpirun\` with \`libhost_shim.so\` or Hydra's \`mpiexec.mpich\` with"
+  echo "\`libhost_shim_mpich.so\`. Native is each MPI's own \`MPI_Ialltoallv\`. Read \`host_us\`"
+  echo "(the time the ranks spent in MPI calls instead of computing), as in B."
+}
+mpich_markdown() {
+  local mpi
+  for mpi in openmpi mpich; do
+    if [ $mpi = openmpi ]; then
+      echo "Open MPI $(mpirun --version | head -1 | awk '{print $NF}') (\`coll-bench\`, \`mpirun\`, \`libhost_shim.so\`):"
+    else
+      echo "MPICH $(mpiexec.mpich --version | awk '/Version:/{print $2; exit}') (\`coll-bench-mpich\`, Hydra's \`mpiexec.mpich\`, \`libhost_shim_mpich.so\`):"
+    fi
+    echo
+    "$BENCH" compare --native "$out/i-$mpi-native.json" --offload "$out/i-$mpi-offload.json" --markdown
+    echo
+  done
+}
+
 run() { # name, collective, launch options..., -- coll-bench options...
   local name=$1 coll=$2; shift 2
   local opts=()
@@ -182,6 +230,16 @@ if [ $packed_only -eq 1 ]; then
   packed_run
   echo
   packed_markdown
+  exit 0
+fi
+
+if [ $mpich_only -eq 1 ]; then
+  echo "== I. Ialltoallv under MPICH and Open MPI, compute ${compute_us} us, ranks on CPUs $b_ranks, SPs reserved on CPU $last"
+  mpich_run
+  echo
+  mpich_intro
+  echo
+  mpich_markdown
   exit 0
 fi
 
@@ -228,6 +286,8 @@ if [ $demo -eq 0 ]; then
   staged_run iallgather
   echo "== H. a non-contiguous datatype (strided), compute ${compute_us} us, SPs reserved on CPU $last"
   packed_run
+  echo "== I. Ialltoallv under MPICH and Open MPI, compute ${compute_us} us, ranks on CPUs $b_ranks, SPs reserved on CPU $last"
+  mpich_run
 fi
 echo
 echo "== A. OSU method (compute = t_pure), one core per rank, SPs unpinned"
@@ -300,6 +360,12 @@ if [ $demo -eq 0 ]; then
     echo "bytes are data bytes (the buffers are twice as long)."
     echo
     packed_markdown
+    echo
+    echo "## I. Ialltoallv under MPICH beside Open MPI: ranks on CPUs $b_ranks, SPs reserved on CPU $last (polling), compute ${compute_us} us"
+    echo
+    mpich_intro
+    echo
+    mpich_markdown
     if [ -f docs/BENCHMARKS.notes.md ]; then
       echo
       cat docs/BENCHMARKS.notes.md

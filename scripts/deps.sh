@@ -2,7 +2,9 @@
 # Installs the system packages the build and the tests need, when they are missing.
 # Debian/Ubuntu; run as root (or with sudo available). Prints what it does.
 set -euo pipefail
-pkgs=(libucx-dev openmpi-bin libopenmpi-dev libclang-dev pkg-config build-essential)
+# mpich + libmpich-dev: the MPICH-ABI shim (scripts/build-mpich.sh) and its tests; they install
+# beside Open MPI, which stays the default mpicc/mpirun.
+pkgs=(libucx-dev openmpi-bin libopenmpi-dev mpich libmpich-dev libclang-dev pkg-config build-essential)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -17,9 +17,10 @@ pub(crate) fn sp_nodes(members: &[SpId], nodes: &[u32]) -> Result<BTreeMap<SpId,
 }
 
 /// The accessors and trivial inputs every collective's state machine has
-/// alike (fields `key`, `me`, `abort`, `stats`, `actions`). With `staged`,
+/// alike (fields `key`, `me`, `abort`, `stats`, `actions`, `lost_sps`). With `staged`,
 /// also the inputs the staged collectives handle alike (methods `process`,
-/// `copy_finished`, `enter_abort`, `pump`; field `now`, `slots`).
+/// `copy_finished`, `enter_abort`, `pump`; fields `now`, `slots`,
+/// `next_id`, `copies` of `CopyKind`s, `ranks`, `lost_unposted`).
 macro_rules! common_api {
     ($machine:ident) => {
         impl<K: Clone + fmt::Debug + PartialEq> $machine<K> {
@@ -49,6 +50,16 @@ macro_rules! common_api {
             /// This algorithm has no timers: always `None`.
             pub fn poll_timeout(&self) -> Option<Nanos> {
                 None
+            }
+
+            /// A message from `from` is to be ignored: the SP was declared
+            /// lost (counted in `stats.ignored_from_lost_sp`).
+            pub(super) fn ignores_lost_sender(&mut self, from: SpId) -> bool {
+                let lost = self.lost_sps.contains(&from);
+                if lost {
+                    self.stats.ignored_from_lost_sp += 1;
+                }
+                lost
             }
         }
     };
@@ -87,7 +98,249 @@ macro_rules! common_api {
                 self.enter_abort(status);
                 self.pump();
             }
+
+            pub(super) fn new_id(&mut self) -> u64 {
+                let id = self.next_id;
+                self.next_id += 1;
+                id
+            }
+
+            /// The copy `id` that finished with `status` (`None`, counted,
+            /// for an unknown id; a failure aborts), and whether its bytes
+            /// count (`Ok` and not aborted).
+            pub(super) fn take_copy(
+                &mut self,
+                id: u64,
+                status: Status,
+            ) -> Option<(CopyKind, bool)> {
+                let Some(kind) = self.copies.remove(&id) else {
+                    self.stats.unknown_done += 1;
+                    return None;
+                };
+                if !status.is_ok() {
+                    self.enter_abort(status);
+                }
+                Some((kind, status.is_ok() && self.abort.is_none()))
+            }
+
+            /// Completes local `rank` with its outcome (`from_segment` if
+            /// it reads the region and succeeds).
+            pub(super) fn complete_rank(&mut self, rank: Rank, aborted: bool, from_segment: bool) {
+                let st = self.ranks.get_mut(&rank).unwrap();
+                let mut status = st.out.status;
+                if aborted && mutated(Mutation::OkAfterAbort) {
+                    status = Status::Ok;
+                }
+                st.out.completed = true;
+                self.completed += 1;
+                self.actions.push_back(Action::Complete {
+                    rank,
+                    status,
+                    from_segment: from_segment && status.is_ok(),
+                });
+            }
+
+            /// Local `rank`, a member of this SP, is lost: aborts with
+            /// `RankFailed` unless it completed.
+            pub(super) fn lose_local_rank(&mut self, rank: Rank) {
+                let out = self.ranks.get_mut(&rank).map(|st| &mut st.out);
+                if !lose_rank(out, &mut self.lost_unposted, rank) {
+                    return;
+                }
+                self.enter_abort(Status::RankFailed);
+                self.pump();
+            }
         }
     };
 }
 pub(crate) use common_api;
+
+/// A collective's `PostError` (a rejected post; the instance is unchanged):
+/// the variants every collective has, then `$own` (variants with their doc
+/// comments), with `Display` (the shared messages, then the `$arms` for
+/// `$own`, written with the formatter `$f`) and `Error`. Also
+/// `PostError::check_served`, the first check of every post.
+macro_rules! post_error {
+    (own { $($own:tt)* } display($f:ident) { $($arms:tt)* }) => {
+        /// A rejected post; the instance is unchanged.
+        #[derive(Clone, Debug, PartialEq, Eq)]
+        pub enum PostError {
+            /// `rank >= members.len()` (also for an empty `members`).
+            RankOutOfRange { rank: Rank, size: usize },
+            /// `members[rank]` is another SP.
+            NotMine { rank: Rank, served_by: SpId },
+            /// A per-rank vector of the post does not have P entries.
+            LengthMismatch {
+                field: &'static str,
+                len: usize,
+                expected: usize,
+            },
+            /// This rank already posted to this instance.
+            DuplicatePost { rank: Rank },
+            /// This rank was declared lost (`handle_rank_lost`) before posting.
+            RankLost { rank: Rank },
+            $($own)*
+        }
+
+        impl PostError {
+            /// `rank` is a rank of `members` served by `me` (the bcast checks
+            /// its root between the two and does not use this).
+            #[allow(dead_code)]
+            pub(crate) fn check_served(
+                members: &[SpId],
+                rank: Rank,
+                me: SpId,
+            ) -> Result<(), PostError> {
+                let size = members.len();
+                if rank as usize >= size {
+                    return Err(PostError::RankOutOfRange { rank, size });
+                }
+                let served_by = members[rank as usize];
+                if served_by != me {
+                    return Err(PostError::NotMine { rank, served_by });
+                }
+                Ok(())
+            }
+        }
+
+        impl fmt::Display for PostError {
+            fn fmt(&self, $f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                match self {
+                    PostError::RankOutOfRange { rank, size } => {
+                        write!($f, "rank {rank} out of range for comm size {size}")
+                    }
+                    PostError::NotMine { rank, served_by } => {
+                        write!($f, "rank {rank} is served by SP {served_by}, not this SP")
+                    }
+                    PostError::LengthMismatch {
+                        field,
+                        len,
+                        expected,
+                    } => write!($f, "{field} has {len} entries, comm size is {expected}"),
+                    PostError::DuplicatePost { rank } => write!($f, "rank {rank} posted twice"),
+                    PostError::RankLost { rank } => write!($f, "rank {rank} was declared lost"),
+                    $($arms)*
+                }
+            }
+        }
+
+        impl std::error::Error for PostError {}
+    };
+}
+pub(crate) use post_error;
+
+/// `Display` as `Debug`, and `Error`, for an error type.
+macro_rules! debug_error {
+    ($error:ident) => {
+        impl fmt::Display for $error {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, "{self:?}")
+            }
+        }
+
+        impl std::error::Error for $error {}
+    };
+}
+pub(crate) use debug_error;
+
+/// In a collective's `impl`: `notify_abort(sp)`, sending SP `sp` the abort
+/// notice it is owed, if any (fields `abort`, `me`, `lost_sps`, `actions`;
+/// a `Msg::Abort { status }`).
+macro_rules! notify_abort {
+    () => {
+        pub(super) fn notify_abort(&mut self, sp: SpId) {
+            if let Some(status) = self.abort.notice_for(self.me, &self.lost_sps, sp) {
+                self.actions.push_back(Action::Send {
+                    to: sp,
+                    msg: Msg::Abort { status },
+                });
+            }
+        }
+    };
+}
+pub(crate) use notify_abort;
+
+/// In a v-collective's `impl`: `check_complete(rank)`, completing local
+/// `rank` (its state `$st` in `ranks`) once not `$busy` and, unless the
+/// instance aborted, with nothing left to receive.
+macro_rules! v_check_complete {
+    (|$st:ident| $busy:expr) => {
+        pub(super) fn check_complete(&mut self, rank: Rank) {
+            let aborted = self.abort.is_some();
+            let Some($st) = self.ranks.get_mut(&rank) else {
+                return;
+            };
+            if $st.out.completed || $busy {
+                return;
+            }
+            if !aborted && $st.recv_pending > 0 {
+                return;
+            }
+            $st.out.completed = true;
+            self.completed += 1;
+            self.actions.push_back(Action::Complete {
+                rank,
+                status: $st.out.status,
+            });
+        }
+    };
+}
+pub(crate) use v_check_complete;
+
+/// In a v-collective's `impl`: `maybe_broadcast_abort`, sending every member
+/// SP its abort notice once the instance aborted on its own and knows its
+/// members (`$members`, with `$s` the instance: `Option<&Vec<SpId>>`); and
+/// `finish_abort`, that broadcast then every local rank's completion check.
+macro_rules! v_abort_broadcast {
+    (|$s:ident| $members:expr) => {
+        pub(super) fn maybe_broadcast_abort(&mut self) {
+            let known = {
+                let $s = &*self;
+                $members.is_some()
+            };
+            if !self.abort.start_broadcast(self.abort_local && known) {
+                return;
+            }
+            let sps: BTreeSet<SpId> = {
+                let $s = &*self;
+                $members.unwrap().iter().copied().collect()
+            };
+            for sp in sps {
+                self.notify_abort(sp);
+            }
+        }
+
+        pub(super) fn finish_abort(&mut self) {
+            self.maybe_broadcast_abort();
+            let ranks: Vec<Rank> = self.ranks.keys().copied().collect();
+            for r in ranks {
+                self.check_complete(r);
+            }
+        }
+    };
+}
+pub(crate) use v_abort_broadcast;
+
+/// In a v-collective's `impl`: `send(to, msg)` (to this SP itself: queued
+/// in `internal`; to a lost SP: dropped) and `run_internal`, which
+/// processes the queued messages as if from this SP.
+macro_rules! v_internal_send {
+    () => {
+        pub(super) fn send(&mut self, to: SpId, msg: Msg<K>) {
+            if to == self.me {
+                self.internal.push_back(msg);
+            } else if !self.lost_sps.contains(&to) {
+                self.actions.push_back(Action::Send { to, msg });
+            }
+        }
+
+        pub(super) fn run_internal(&mut self) {
+            while let Some(msg) = self.internal.pop_front() {
+                let me = self.me;
+                let res = self.process(me, msg);
+                debug_assert!(res.is_ok(), "internal message rejected: {res:?}");
+            }
+        }
+    };
+}
+pub(crate) use v_internal_send;

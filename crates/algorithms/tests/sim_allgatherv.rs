@@ -4,35 +4,25 @@
 
 mod common;
 
-use std::time::Instant;
-
 use algorithms::sim::allgatherv::{run, Faults, SimConfig, SimReport};
 use algorithms::sim::Layout;
 
 use common::seeds;
 
 fn run_ok(name: &str, cfg: &SimConfig) -> SimReport {
-    eprintln!("{name}: seed={:#018x}", cfg.seed);
-    let t0 = Instant::now();
-    match run(cfg) {
-        Ok(r) => {
-            eprintln!(
-                "{name}: seed={:#018x} ok in {:?}: virtual {}ns, {} events, {} msgs, {} copies, inter {} (min {}), stats {:?}, errors {}",
-                cfg.seed,
-                t0.elapsed(),
-                r.end_ns,
-                r.events,
-                r.messages,
-                r.copies,
-                r.bytes_copied_inter_node,
-                r.min_inter_node_bytes,
-                r.stats,
-                r.error_completions
-            );
-            r
-        }
-        Err(e) => panic!("{name}: {e}"),
-    }
+    common::run_logged(name, cfg.seed, cfg, run, |r| {
+        format!(
+            "virtual {}ns, {} events, {} msgs, {} copies, inter {} (min {}), stats {:?}, errors {}",
+            r.end_ns,
+            r.events,
+            r.messages,
+            r.copies,
+            r.bytes_copied_inter_node,
+            r.min_inter_node_bytes,
+            r.stats,
+            r.error_completions
+        )
+    })
 }
 
 fn clean(name: &str, r: &SimReport) {
@@ -108,20 +98,25 @@ fn allgatherv_pass_and_pending_paths_are_taken() {
     }
 }
 
-fn fault_run(name: &str, seed: u64, deaths: u32, crashes: u32) {
-    let mut cfg = SimConfig::new(seed);
-    cfg.nodes = 4;
-    cfg.ranks_per_node = 8;
-    cfg.sps_per_node = 2;
-    cfg.ops = 2;
-    cfg.faults = Faults {
+/// `crashes` SP crashes and `deaths` rank deaths within 60 us, with jitter.
+fn crash_faults(deaths: u32, crashes: u32) -> Faults {
+    Faults {
         msg_jitter_ns: 2_000,
         sp_crashes: crashes,
         crash_window_ns: 60_000,
         detect_delay_ns: 5_000,
         rank_deaths: deaths,
         death_window_ns: 60_000,
-    };
+    }
+}
+
+fn fault_run(name: &str, seed: u64, deaths: u32, crashes: u32) {
+    let mut cfg = SimConfig::new(seed);
+    cfg.nodes = 4;
+    cfg.ranks_per_node = 8;
+    cfg.sps_per_node = 2;
+    cfg.ops = 2;
+    cfg.faults = crash_faults(deaths, crashes);
     run_ok(name, &cfg);
 }
 
@@ -177,14 +172,7 @@ fn allgatherv_sp_crash_stress() {
                 cfg.max_block_bytes = 16;
             }
             cfg.ops = 2;
-            cfg.faults = Faults {
-                msg_jitter_ns: 2_000,
-                sp_crashes: crashes,
-                crash_window_ns: 60_000,
-                detect_delay_ns: 5_000,
-                rank_deaths: deaths,
-                death_window_ns: 60_000,
-            };
+            cfg.faults = crash_faults(deaths, crashes);
             if let Err(e) = run(&cfg) {
                 panic!(
                     "allgatherv_sp_crash_stress: seed={seed:#018x} deaths={deaths} crashes={crashes} {cfg:?}: {e}"

@@ -4,8 +4,6 @@
 
 mod common;
 
-use std::time::Instant;
-
 use algorithms::sim::alltoallv::{run, Faults, Layout, SimConfig, SimReport};
 use algorithms::sim::rng::{splitmix64, Rng};
 use algorithms::Status;
@@ -20,26 +18,18 @@ fn seeds() -> Vec<u64> {
 }
 
 fn run_ok(name: &str, cfg: &SimConfig) -> SimReport {
-    eprintln!("{name}: seed={:#018x}", cfg.seed);
-    let t0 = Instant::now();
-    match run(cfg) {
-        Ok(r) => {
-            eprintln!(
-                "{name}: seed={:#018x} ok in {:?}: virtual {}ns, {} events, {} msgs, {} copies, late={}, max_in_flight={}, errors={}",
-                cfg.seed,
-                t0.elapsed(),
-                r.end_ns,
-                r.events,
-                r.messages,
-                r.copies,
-                r.late_announcements,
-                r.max_in_flight,
-                r.error_completions
-            );
-            r
-        }
-        Err(e) => panic!("{name}: {e}"),
-    }
+    common::run_logged(name, cfg.seed, cfg, run, |r| {
+        format!(
+            "virtual {}ns, {} events, {} msgs, {} copies, late={}, max_in_flight={}, errors={}",
+            r.end_ns,
+            r.events,
+            r.messages,
+            r.copies,
+            r.late_announcements,
+            r.max_in_flight,
+            r.error_completions
+        )
+    })
 }
 
 fn scenario(name: &str, make: impl Fn(u64) -> SimConfig) -> Vec<SimReport> {

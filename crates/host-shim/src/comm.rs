@@ -136,8 +136,8 @@ pub unsafe fn info(comm: ffi::MPI_Comm) -> Result<*const CommInfo, NotOffloaded>
 
 /// World ranks of `comm`'s members, in comm rank order.
 unsafe fn world_ranks(comm: ffi::MPI_Comm, size: c_int) -> Result<Vec<c_int>, NotOffloaded> {
-    let mut group: ffi::MPI_Group = std::ptr::null_mut();
-    let mut world_group: ffi::MPI_Group = std::ptr::null_mut();
+    let mut group = consts::GROUP_NULL();
+    let mut world_group = consts::GROUP_NULL();
     let ranks: Vec<c_int> = (0..size).collect();
     let mut world: Vec<c_int> = vec![0; size as usize];
     // SAFETY: valid communicators and out-pointers; arrays of `size` entries.
@@ -155,10 +155,10 @@ unsafe fn world_ranks(comm: ffi::MPI_Comm, size: c_int) -> Result<Vec<c_int>, No
                 world.as_mut_ptr(),
             );
         }
-        if !group.is_null() {
+        if group != consts::GROUP_NULL() {
             ffi::PMPI_Group_free(&mut group);
         }
-        if !world_group.is_null() {
+        if world_group != consts::GROUP_NULL() {
             ffi::PMPI_Group_free(&mut world_group);
         }
         rc

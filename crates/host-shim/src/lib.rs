@@ -152,8 +152,8 @@ unsafe fn complete(
         (Offload::Native, _) => Flow::Native,
         (Offload::Posted(addr), None) => Flow::checked(comm, wait::wait_and_release(addr)),
         (Offload::Posted(addr), Some(request)) => {
-            // SAFETY: the caller's request slot.
-            unsafe { *request = addr as ffi::MPI_Request };
+            // SAFETY: the caller's request slot; `addr` was just posted and is ours.
+            unsafe { *request = request::handle_of(addr) };
             Flow::Done(consts::SUCCESS())
         }
         (Offload::Failed(rc), request) => {

@@ -292,8 +292,10 @@ pub unsafe fn post(
                 if host_copies {
                     req.accept_host_copies((recv_addr as usize, r.region_len));
                 }
-                let req = Box::into_raw(Box::new(req));
-                sh.registry.insert(req as usize);
+                let mut req = Box::new(req);
+                // The object's address does not change when it leaves the box.
+                req.handle = sh.registry.insert(&*req as *const OffloadRequest as usize);
+                let req = Box::into_raw(req);
                 TRACKED.fetch_add(1, Ordering::AcqRel);
                 Ok(req as usize)
             }

@@ -1,8 +1,9 @@
 //! Offloaded request objects and their completion. (The work on the shim's state that completes
 //! them, [`crate::completion`], sits above this module.)
 //!
-//! A request is created when a collective is posted and lives on the heap; its address is the
-//! `MPI_Request` handle given to the program (see `registry.rs`). Its result is written once,
+//! A request is created when a collective is posted and lives on the heap; the registry names
+//! it with the `MPI_Request` handle given to the program (its address under Open MPI, a number
+//! MPICH never uses under MPICH: see `registry.rs`). Its result is written once,
 //! under the shim lock, by whichever thread first sees the completion (the owner polling in a
 //! Wait/Test call, or another thread harvesting slots); the owner reads it without the lock.
 //! Polling the mailbox (`completion::poll`) needs no lock either: the token word is read with an
@@ -30,7 +31,7 @@ use crate::state;
 use algorithms::CommId;
 use bootstrap::wire::CollKind;
 use mpi_ffi as ffi;
-use mpi_ffi::consts;
+use mpi_ffi::{abi, consts};
 use std::os::raw::c_int;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -55,6 +56,9 @@ pub struct OffloadRequest {
     /// For a post with `host_copies`: the start and length of the receive region granted to
     /// the SP, which the SP's `Copy` requests write into (at offsets it checked).
     pub host_copy_region: Option<(usize, u64)>,
+    /// The handle the program holds (bits of an `MPI_Request`, [`mpi_ffi::abi::handle_bits`]),
+    /// set when the request is registered, before it is shared.
+    pub handle: usize,
     /// The `MPI_Comm` handle of the call (as an integer: `MPI_Comm` is a pointer in Open MPI,
     /// an int in MPICH), whose error handler reports the request's failure.
     errhandler_comm: AtomicUsize,
@@ -83,7 +87,8 @@ impl OffloadRequest {
             comm,
             seq,
             host_copy_region: None,
-            errhandler_comm: AtomicUsize::new(handle as usize),
+            handle: 0,
+            errhandler_comm: AtomicUsize::new(abi::handle_bits(handle)),
             staging: Mutex::new(staging),
             done: AtomicBool::new(false),
             code: AtomicI32::new(0),
@@ -99,13 +104,13 @@ impl OffloadRequest {
 
     /// The communicator whose error handler reports this request's failure.
     pub fn errhandler_comm(&self) -> ffi::MPI_Comm {
-        self.errhandler_comm.load(Ordering::Acquire) as ffi::MPI_Comm
+        abi::handle_from_bits(self.errhandler_comm.load(Ordering::Acquire))
     }
 
     /// The program freed the communicator of this request: report through `MPI_COMM_WORLD`.
     pub fn comm_freed(&self) {
         self.errhandler_comm
-            .store(consts::COMM_WORLD() as usize, Ordering::Release);
+            .store(abi::handle_bits(consts::COMM_WORLD()), Ordering::Release);
     }
 
     /// Records the result (under the shim lock), once. On success a packed receive side is
@@ -186,14 +191,17 @@ pub unsafe fn fill_status(status: *mut ffi::MPI_Status, code: c_int) {
     if status.is_null() || status == consts::STATUS_IGNORE() {
         return;
     }
-    // SAFETY: a valid status object (precondition).
-    unsafe {
-        (*status).MPI_SOURCE = consts::ANY_SOURCE();
-        (*status).MPI_TAG = consts::ANY_TAG();
-        (*status).MPI_ERROR = code;
-        ffi::mpiffi_status_set_count_bytes(status, 0);
-        ffi::PMPI_Status_set_cancelled(status, 0);
-    }
+    // SAFETY: a valid status object, not MPI_STATUS_IGNORE (checked above).
+    unsafe { abi::status_set_empty(status, code) }
+}
+
+/// The handle the program holds for the live request at `addr`.
+///
+/// # Safety
+/// `addr` is a registered request the caller owns (as for [`by_addr`]).
+pub unsafe fn handle_of(addr: usize) -> ffi::MPI_Request {
+    // SAFETY: forwarded precondition.
+    abi::handle_from_bits(unsafe { by_addr(addr) }.handle)
 }
 
 /// The world rank, for messages.

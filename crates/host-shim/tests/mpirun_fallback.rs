@@ -75,7 +75,7 @@ fn one_unreachable_sp_keeps_the_whole_job_native() {
     // Real SPs, but every rank gets a copy of the cluster description in which SP 1's socket
     // is a path where nothing listens: ranks 0 and 1 register with the real SP 0, ranks 2 and
     // 3 reach nothing, and the whole job agrees to run natively.
-    let broken = r##"c="$SPOFF_CLUSTER.rank$OMPI_COMM_WORLD_RANK"
+    let broken = r##"c="$SPOFF_CLUSTER.rank${OMPI_COMM_WORLD_RANK:-$PMI_RANK}"
         sed 's#/sp-1\.sock"#/absent.sock"#' "$SPOFF_CLUSTER" > "$c" && grep -q absent.sock "$c" &&
         SPOFF_CLUSTER="$c" exec "$0" "$@""##;
     let run = launch(1, &["sh", "-c", broken, &prog, "1"], &[]);

@@ -10,6 +10,7 @@
 extern const MPI_Comm MPIFFI_COMM_WORLD;
 extern const MPI_Comm MPIFFI_COMM_SELF;
 extern const MPI_Comm MPIFFI_COMM_NULL;
+extern const MPI_Group MPIFFI_GROUP_NULL;
 extern const MPI_Request MPIFFI_REQUEST_NULL;
 extern const MPI_Datatype MPIFFI_DATATYPE_NULL;
 extern const MPI_Datatype MPIFFI_BYTE;

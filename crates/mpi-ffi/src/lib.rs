@@ -2,7 +2,9 @@
 //! handle types, and the predefined handles (`MPI_COMM_WORLD`, `MPI_BYTE`, ...) as constants
 //! that a small C file takes from the implementation's own macros. It never wraps, owns or
 //! checks anything: callers (the host shim, the benchmark and the test programs) decide what is
-//! safe. Works with Open MPI (the distribution's) and MPICH; see `build.rs` for how MPI is found.
+//! safe. Works with Open MPI (the distribution's) and MPICH (`MPI_FLAVOUR=mpich`); see
+//! `build.rs` for how MPI is found. What differs between the two ABIs and matters to a caller
+//! beyond the bindings themselves is in [`abi`], and nowhere else.
 #![allow(
     non_upper_case_globals,
     non_camel_case_types,
@@ -33,6 +35,7 @@ pub mod consts {
         COMM_WORLD: MPI_Comm = MPIFFI_COMM_WORLD;
         COMM_SELF: MPI_Comm = MPIFFI_COMM_SELF;
         COMM_NULL: MPI_Comm = MPIFFI_COMM_NULL;
+        GROUP_NULL: MPI_Group = MPIFFI_GROUP_NULL;
         REQUEST_NULL: MPI_Request = MPIFFI_REQUEST_NULL;
         DATATYPE_NULL: MPI_Datatype = MPIFFI_DATATYPE_NULL;
         BYTE: MPI_Datatype = MPIFFI_BYTE;
@@ -93,5 +96,156 @@ pub mod consts {
         ERR_IN_STATUS: i32 = MPIFFI_ERR_IN_STATUS;
         ERR_PENDING: i32 = MPIFFI_ERR_PENDING;
         COMM_TYPE_SHARED: i32 = MPIFFI_COMM_TYPE_SHARED;
+    }
+}
+
+/// The differences between the MPI ABIs (Open MPI's and the MPICH family's: MPICH, MVAPICH,
+/// Intel MPI, Cray MPICH) that a program interposing on MPI must know beyond the bindings.
+///
+/// - Handles: Open MPI's are pointers to library objects; MPICH's are 32-bit integers that
+///   encode a kind (bits 30-31: invalid, builtin, direct, indirect), an object class (bits
+///   26-29) and an index. Code that stores a handle as an integer uses [`handle_bits`] and
+///   [`handle_from_bits`], which are exact for both.
+/// - Requests the interposer creates itself need handles that can never equal one of the
+///   library's live requests: [`SHIM_REQUESTS`].
+/// - `MPI_Status`: both have the public `MPI_SOURCE`, `MPI_TAG` and `MPI_ERROR` fields, but the
+///   count and the cancelled flag are private fields laid out differently (`_ucount`,
+///   `_cancelled` in Open MPI; `count_lo`, `count_hi_and_cancelled` in MPICH): set them only
+///   through [`status_set_empty`].
+/// - The predefined handles and constants are macros of different values: they come from C
+///   ([`crate::consts`]), never as literals.
+pub mod abi {
+    use super::*;
+    use std::os::raw::c_int;
+
+    /// An MPI family, that is an ABI.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum Flavour {
+        OpenMpi,
+        Mpich,
+    }
+
+    impl Flavour {
+        /// The name used on command lines and in `MPI_FLAVOUR` (`openmpi`, `mpich`).
+        pub const fn name(self) -> &'static str {
+            match self {
+                Flavour::OpenMpi => "openmpi",
+                Flavour::Mpich => "mpich",
+            }
+        }
+    }
+
+    /// The family these bindings were built for (from the header's own macros).
+    #[cfg(mpi_flavour = "openmpi")]
+    pub const FLAVOUR: Flavour = Flavour::OpenMpi;
+    /// The family these bindings were built for (from the header's own macros).
+    #[cfg(mpi_flavour = "mpich")]
+    pub const FLAVOUR: Flavour = Flavour::Mpich;
+
+    /// How an interposer names the requests it creates (its handles are checked against its own
+    /// table first; only the ones not in it reach the library).
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum ShimRequests {
+        /// The handle is the address of the interposer's live heap object: the library's own
+        /// requests are live objects of the library, at other addresses (Open MPI).
+        ObjectAddress,
+        /// Handles are drawn from `first..first + count`, values the library never gives out
+        /// (MPICH: kind "invalid", class request, index 1 up to 2^26 - 1; the library's requests
+        /// are of kind builtin, direct or indirect, and `MPI_REQUEST_NULL` is index 0). Passed
+        /// to the library by mistake, MPICH reports an invalid request instead of touching
+        /// memory.
+        Range { first: usize, count: usize },
+    }
+
+    /// How requests created by an interposer are named under this ABI.
+    #[cfg(mpi_flavour = "openmpi")]
+    pub const SHIM_REQUESTS: ShimRequests = ShimRequests::ObjectAddress;
+    /// How requests created by an interposer are named under this ABI.
+    #[cfg(mpi_flavour = "mpich")]
+    pub const SHIM_REQUESTS: ShimRequests = ShimRequests::Range {
+        first: 0x2c00_0001,
+        count: 0x03ff_ffff,
+    };
+
+    /// A handle type of this ABI (a pointer in Open MPI, an `int` in MPICH).
+    pub trait Handle: Copy + Eq {
+        /// The handle's value as an integer, exact and reversible.
+        fn bits(self) -> usize;
+        /// The handle whose [`Handle::bits`] are `bits`.
+        fn from_bits(bits: usize) -> Self;
+    }
+
+    impl<T> Handle for *mut T {
+        fn bits(self) -> usize {
+            self as usize
+        }
+        fn from_bits(bits: usize) -> Self {
+            bits as *mut T
+        }
+    }
+
+    impl Handle for c_int {
+        fn bits(self) -> usize {
+            // As unsigned 32 bits: MPICH's direct and indirect handles have the sign bit set.
+            self as u32 as usize
+        }
+        fn from_bits(bits: usize) -> Self {
+            bits as u32 as c_int
+        }
+    }
+
+    /// A handle as an integer (for tables and atomics), exact under both ABIs.
+    pub fn handle_bits<H: Handle>(handle: H) -> usize {
+        handle.bits()
+    }
+
+    /// The handle stored by [`handle_bits`].
+    pub fn handle_from_bits<H: Handle>(bits: usize) -> H {
+        H::from_bits(bits)
+    }
+
+    /// Sets `status` as for a completed operation that moved no data: source `MPI_ANY_SOURCE`,
+    /// tag `MPI_ANY_TAG`, error `code`, count 0, not cancelled (the private fields through the
+    /// library, whatever their layout).
+    ///
+    /// # Safety
+    /// `status` is valid for writes (not `MPI_STATUS_IGNORE`).
+    pub unsafe fn status_set_empty(status: *mut MPI_Status, code: c_int) {
+        // SAFETY: a valid status object (precondition).
+        unsafe {
+            (*status).MPI_SOURCE = crate::consts::ANY_SOURCE();
+            (*status).MPI_TAG = crate::consts::ANY_TAG();
+            (*status).MPI_ERROR = code;
+            mpiffi_status_set_count_bytes(status, 0);
+            PMPI_Status_set_cancelled(status, 0);
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn handles_round_trip_through_bits() {
+            let world = crate::consts::COMM_WORLD();
+            assert!(handle_from_bits::<MPI_Comm>(handle_bits(world)) == world);
+            let null = crate::consts::REQUEST_NULL();
+            assert!(handle_from_bits::<MPI_Request>(handle_bits(null)) == null);
+        }
+
+        #[test]
+        fn shim_request_range_excludes_the_null_request() {
+            let null = handle_bits(crate::consts::REQUEST_NULL());
+            match SHIM_REQUESTS {
+                ShimRequests::ObjectAddress => assert_eq!(FLAVOUR, Flavour::OpenMpi),
+                ShimRequests::Range { first, count } => {
+                    assert_eq!(FLAVOUR, Flavour::Mpich);
+                    assert!(!(first..first + count).contains(&null));
+                    // The same class as MPI_REQUEST_NULL (kind bits 0, class = request).
+                    assert_eq!(first >> 26, null >> 26);
+                    assert_eq!((first + count - 1) >> 26, null >> 26);
+                }
+            }
+        }
     }
 }

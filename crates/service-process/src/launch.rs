@@ -6,6 +6,7 @@
 //! SIGKILL, and if an SP dies during the run the job gets `fault_grace` to end on its own (the
 //! shims fail the affected collectives) before it is killed.
 
+use crate::launch_mpi::{self, Mpi};
 use anyhow::{bail, Context, Result};
 use bootstrap::auth::{ClusterKey, JobCredential};
 use bootstrap::cluster::{Cluster, Layout, SpEntry};
@@ -34,7 +35,10 @@ pub struct LaunchOpts {
     pub native: bool,
     pub shim: Option<PathBuf>,
     pub max_inflight_reads: usize,
-    pub mpirun: String,
+    /// The MPI of the program (`None`: detected from it, see `launch_mpi`).
+    pub mpi: Option<Mpi>,
+    /// The launcher (`None`: the MPI's own, `mpirun` or `mpiexec.mpich`).
+    pub mpirun: Option<String>,
     pub mpirun_args: Vec<String>,
     /// Extra arguments for every SP's `serve`.
     pub sp_args: Vec<String>,
@@ -493,17 +497,15 @@ pub fn launch(opts: &LaunchOpts) -> Result<i32> {
         bail!("no program given (usage: service-process launch [OPTIONS] -- PROGRAM [ARGS...])");
     }
     let exe = std::env::current_exe().context("locating the service-process binary")?;
+    let mpi = launch_mpi::choose(opts.mpi, &opts.program[0])?;
     let shim = match (&opts.shim, opts.native) {
         (_, true) => None,
         (Some(p), false) => Some(p.clone()),
-        (None, false) => Some(exe.with_file_name("libhost_shim.so")),
+        (None, false) => Some(launch_mpi::default_shim(&exe, mpi)?),
     };
     if let Some(s) = &shim {
         if !s.exists() {
-            bail!(
-                "host shim {} not found (build it with `cargo build -p host-shim`, or pass --shim)",
-                s.display()
-            );
+            bail!("host shim {} not found", s.display());
         }
     }
     let mut signals = crate::signals::SignalPipe::install()?;
@@ -514,7 +516,7 @@ pub fn launch(opts: &LaunchOpts) -> Result<i32> {
             run_dir.display()
         );
     }
-    let result = run_job(opts, &exe, shim.as_deref(), &run_dir, &mut signals);
+    let result = run_job(opts, mpi, &exe, shim.as_deref(), &run_dir, &mut signals);
     if !opts.keep_run_dir {
         let _ = std::fs::remove_dir_all(&run_dir);
     }
@@ -523,6 +525,7 @@ pub fn launch(opts: &LaunchOpts) -> Result<i32> {
 
 fn run_job(
     opts: &LaunchOpts,
+    mpi: Mpi,
     exe: &Path,
     shim: Option<&Path>,
     run_dir: &Path,
@@ -569,7 +572,11 @@ fn run_job(
         None => None,
     };
 
-    let mut cmd = Command::new(&opts.mpirun);
+    let launcher = opts
+        .mpirun
+        .clone()
+        .unwrap_or_else(|| mpi.default_launcher().to_string());
+    let mut cmd = Command::new(&launcher);
     cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
         .env("SPOFF_NODES", opts.nodes.to_string())
@@ -580,10 +587,7 @@ fn run_job(
                 Layout::Block => "block",
                 Layout::Cyclic => "cyclic",
             },
-        )
-        .args(["--oversubscribe", "--bind-to", "none", "-np"])
-        .arg(world.to_string())
-        .args(&opts.mpirun_args);
+        );
     // SPOFF_NODES, SPOFF_RANKS_PER_NODE and SPOFF_LAYOUT are for the benchmark's traffic
     // accounting (coll-bench); the shim places itself from MPI and the SPOFF_NODE hint.
     let mut exported = vec!["SPOFF_NODES", "SPOFF_RANKS_PER_NODE", "SPOFF_LAYOUT"];
@@ -608,9 +612,8 @@ fn run_job(
                 .env_remove(RANK_NODES_VAR);
         }
     }
-    for var in exported {
-        cmd.arg("-x").arg(var);
-    }
+    cmd.args(mpi.launcher_args(world, &exported))
+        .args(&opts.mpirun_args);
     cmd.arg(exe).arg("rank-exec");
     if let Some(cpus) = &opts.rank_cpus {
         let list: Vec<String> = cpus.iter().map(u32::to_string).collect();
@@ -623,7 +626,7 @@ fn run_job(
     supervised(&mut cmd, libc::SIGTERM);
     let mut mpirun = cmd
         .spawn()
-        .with_context(|| format!("starting {}", opts.mpirun))?;
+        .with_context(|| format!("starting {launcher}"))?;
     let stop_watchdog = Arc::new(AtomicBool::new(false));
     let stuck: Arc<Vec<AtomicBool>> =
         Arc::new(sps.iter().map(|_| AtomicBool::new(false)).collect());

@@ -20,6 +20,7 @@ pub mod drivers;
 pub mod fuzz_targets;
 pub mod hostlist;
 pub mod launch;
+pub mod launch_mpi;
 pub mod mesh;
 pub mod record;
 pub mod segment;

@@ -7,6 +7,7 @@ use bootstrap::{Cluster, Layout};
 use clap::{Parser, Subcommand};
 use service_process::access::Limits;
 use service_process::launch::{self, CpuList, LaunchOpts};
+use service_process::launch_mpi::Mpi;
 use service_process::mesh::connect_mesh;
 use service_process::server::{ServeConfig, Server, UcxMode};
 use std::os::fd::FromRawFd;
@@ -145,7 +146,8 @@ enum Cmd {
         connect_timeout_secs: u64,
     },
     /// Start an emulated cluster (N nodes x K SPs), run PROGRAM under mpirun with the host shim
-    /// preloaded, and stop everything when it exits. Exit status: the program's.
+    /// preloaded (an MPICH program under mpiexec.mpich with the MPICH-ABI shim; see --mpi), and
+    /// stop everything when it exits. Exit status: the program's.
     ///
     /// The ranks get SPOFF_CLUSTER (the cluster description), SPOFF_JOB_CREDENTIAL and
     /// SPOFF_NODE (the emulated node --layout puts them on; the shim places itself from it and
@@ -181,15 +183,22 @@ enum Cmd {
         /// Run without SPs and without the shim, on the same layout and pinning (the baseline).
         #[arg(long)]
         native: bool,
-        /// The host shim to preload (default: libhost_shim.so next to this binary).
+        /// The host shim to preload (default: the one built for the program's MPI next to this
+        /// binary: libhost_shim.so for Open MPI, libhost_shim_mpich.so for MPICH).
         #[arg(long)]
         shim: Option<PathBuf>,
+        /// The program's MPI, openmpi or mpich (the MPICH family: MPICH, MVAPICH, Intel MPI);
+        /// it picks the launcher and the shim. Default: detected from the libraries the
+        /// program links (libmpi.so.40 / libmpich.so.12); Open MPI for a program linking
+        /// neither.
+        #[arg(long, value_name = "MPI")]
+        mpi: Option<Mpi>,
         /// Copies active at once on each SP, across all collectives.
         #[arg(long, default_value_t = 4)]
         max_inflight_reads: usize,
-        /// The mpirun to use.
-        #[arg(long, default_value = "mpirun")]
-        mpirun: String,
+        /// The launcher to use (default: mpirun for Open MPI, mpiexec.mpich for MPICH).
+        #[arg(long)]
+        mpirun: Option<String>,
         /// Extra arguments for mpirun (repeatable), e.g. --mpirun-arg=--mca --mpirun-arg=pml
         #[arg(long = "mpirun-arg", allow_hyphen_values = true)]
         mpirun_args: Vec<String>,
@@ -526,6 +535,7 @@ fn run(cli: Cli) -> Result<i32> {
             rank_cpus,
             native,
             shim,
+            mpi,
             max_inflight_reads,
             mpirun,
             mpirun_args,
@@ -548,6 +558,7 @@ fn run(cli: Cli) -> Result<i32> {
                 native,
                 shim,
                 max_inflight_reads,
+                mpi,
                 mpirun,
                 mpirun_args,
                 sp_args,

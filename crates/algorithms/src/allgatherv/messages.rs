@@ -7,13 +7,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
     pub(super) fn validate_post(&self, post: &Post<K>) -> Result<(), PostError> {
         let p = post.members.len();
         let rank = post.rank;
-        if rank as usize >= p {
-            return Err(PostError::RankOutOfRange { rank, size: p });
-        }
-        let served_by = post.members[rank as usize];
-        if served_by != self.me {
-            return Err(PostError::NotMine { rank, served_by });
-        }
+        PostError::check_served(&post.members, rank, self.me)?;
         for (field, len) in [
             ("nodes", post.nodes.len()),
             ("recv_counts", post.recv_counts.len()),
@@ -136,21 +130,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
         self.check_complete(a.0);
     }
 
-    pub(super) fn send(&mut self, to: SpId, msg: Msg<K>) {
-        if to == self.me {
-            self.internal.push_back(msg);
-        } else if !self.lost_sps.contains(&to) {
-            self.actions.push_back(Action::Send { to, msg });
-        }
-    }
-
-    pub(super) fn run_internal(&mut self) {
-        while let Some(msg) = self.internal.pop_front() {
-            let me = self.me;
-            let res = self.process(me, msg);
-            debug_assert!(res.is_ok(), "internal message rejected: {res:?}");
-        }
-    }
+    crate::common::v_internal_send!();
 
     pub(super) fn size(&self) -> usize {
         self.topo.as_ref().map_or(0, |t| t.members.len())
@@ -165,8 +145,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
     }
 
     pub(super) fn process(&mut self, from: SpId, msg: Msg<K>) -> Result<(), MsgError> {
-        if self.lost_sps.contains(&from) {
-            self.stats.ignored_from_lost_sp += 1;
+        if self.ignores_lost_sender(from) {
             return Ok(());
         }
         match msg {

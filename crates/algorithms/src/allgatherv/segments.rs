@@ -131,52 +131,12 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
             }
             self.check_seg(s);
         }
-        self.maybe_broadcast_abort();
-        let ranks: Vec<Rank> = self.ranks.keys().copied().collect();
-        for r in ranks {
-            self.check_complete(r);
-        }
+        self.finish_abort();
     }
 
-    pub(super) fn maybe_broadcast_abort(&mut self) {
-        if !self
-            .abort
-            .start_broadcast(self.abort_local && self.topo.is_some())
-        {
-            return;
-        }
-        let t = self.topo.as_ref().unwrap();
-        let sps: BTreeSet<SpId> = t.members.iter().copied().collect();
-        for sp in sps {
-            self.notify_abort(sp);
-        }
-    }
+    crate::common::v_abort_broadcast!(|s| s.topo.as_ref().map(|t| &t.members));
 
-    pub(super) fn notify_abort(&mut self, sp: SpId) {
-        if let Some(status) = self.abort.notice_for(self.me, &self.lost_sps, sp) {
-            self.actions.push_back(Action::Send {
-                to: sp,
-                msg: Msg::Abort { status },
-            });
-        }
-    }
+    crate::common::notify_abort!();
 
-    pub(super) fn check_complete(&mut self, rank: Rank) {
-        let aborted = self.abort.is_some();
-        let Some(st) = self.ranks.get_mut(&rank) else {
-            return;
-        };
-        if st.out.completed || st.writes > 0 || st.readers > 0 {
-            return;
-        }
-        if !aborted && st.recv_pending > 0 {
-            return;
-        }
-        st.out.completed = true;
-        self.completed += 1;
-        self.actions.push_back(Action::Complete {
-            rank,
-            status: st.out.status,
-        });
-    }
+    crate::common::v_check_complete!(|st| st.writes > 0 || st.readers > 0);
 }

@@ -139,72 +139,23 @@ pub enum Action<K> {
     Complete { rank: Rank, status: Status },
 }
 
-/// A rejected post; the instance is unchanged.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum PostError {
-    RankOutOfRange {
-        rank: Rank,
-        size: usize,
-    },
-    NotMine {
-        rank: Rank,
-        served_by: SpId,
-    },
-    LengthMismatch {
-        field: &'static str,
-        len: usize,
-        expected: usize,
-    },
-    /// `members`/`nodes` differ from an earlier post of this instance.
-    MembersDisagree,
-    /// One SP serves ranks on two nodes.
-    SpOnTwoNodes {
-        sp: SpId,
-    },
-    DuplicatePost {
-        rank: Rank,
-    },
-    RankLost {
-        rank: Rank,
-    },
-    /// `recv_displs[index] + recv_counts[index]` overflows `u64`.
-    Overflow {
-        rank: Rank,
-        index: usize,
-    },
-}
-
-impl fmt::Display for PostError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            PostError::RankOutOfRange { rank, size } => {
-                write!(f, "rank {rank} out of range for comm size {size}")
-            }
-            PostError::NotMine { rank, served_by } => {
-                write!(f, "rank {rank} is served by SP {served_by}, not this SP")
-            }
-            PostError::LengthMismatch {
-                field,
-                len,
-                expected,
-            } => write!(f, "{field} has {len} entries, comm size is {expected}"),
-            PostError::MembersDisagree => {
-                write!(f, "members/nodes differ from an earlier post")
-            }
-            PostError::SpOnTwoNodes { sp } => write!(f, "SP {sp} serves ranks on two nodes"),
-            PostError::DuplicatePost { rank } => write!(f, "rank {rank} posted twice"),
-            PostError::RankLost { rank } => write!(f, "rank {rank} was declared lost"),
-            PostError::Overflow { rank, index } => {
-                write!(
-                    f,
-                    "rank {rank}: receive displacement+count overflows at {index}"
-                )
-            }
+crate::common::post_error! {
+    own {
+        /// `members`/`nodes` differ from an earlier post of this instance.
+        MembersDisagree,
+        /// One SP serves ranks on two nodes.
+        SpOnTwoNodes { sp: SpId },
+        /// `recv_displs[index] + recv_counts[index]` overflows `u64`.
+        Overflow { rank: Rank, index: usize },
+    }
+    display(f) {
+        PostError::MembersDisagree => write!(f, "members/nodes differ from an earlier post"),
+        PostError::SpOnTwoNodes { sp } => write!(f, "SP {sp} serves ranks on two nodes"),
+        PostError::Overflow { rank, index } => {
+            write!(f, "rank {rank}: receive displacement+count overflows at {index}")
         }
     }
 }
-
-impl std::error::Error for PostError {}
 
 /// A protocol violation by a peer; the instance is unchanged.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -236,13 +187,7 @@ pub enum MsgError {
     },
 }
 
-impl fmt::Display for MsgError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{self:?}")
-    }
-}
-
-impl std::error::Error for MsgError {}
+crate::common::debug_error!(MsgError);
 
 /// Counters for drivers, tests and the simulator.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -7,13 +7,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
     pub(super) fn validate_post(&self, post: &Post<K>) -> Result<(), PostError> {
         let p = post.members.len();
         let rank = post.rank;
-        if rank as usize >= p {
-            return Err(PostError::RankOutOfRange { rank, size: p });
-        }
-        let served_by = post.members[rank as usize];
-        if served_by != self.me {
-            return Err(PostError::NotMine { rank, served_by });
-        }
+        PostError::check_served(&post.members, rank, self.me)?;
         let vectors: [(&'static str, &Vec<u64>); 4] = [
             ("send_counts", &post.send_counts),
             ("send_displs", &post.send_displs),
@@ -84,25 +78,10 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
         self.members.as_ref().expect("membership known")[rank as usize]
     }
 
-    pub(super) fn send(&mut self, to: SpId, msg: Msg<K>) {
-        if to == self.me {
-            self.internal.push_back(msg);
-        } else if !self.lost_sps.contains(&to) {
-            self.actions.push_back(Action::Send { to, msg });
-        }
-    }
-
-    pub(super) fn run_internal(&mut self) {
-        while let Some(msg) = self.internal.pop_front() {
-            let me = self.me;
-            let res = self.process(me, msg);
-            debug_assert!(res.is_ok(), "internal message rejected: {res:?}");
-        }
-    }
+    crate::common::v_internal_send!();
 
     pub(super) fn process(&mut self, from: SpId, msg: Msg<K>) -> Result<(), MsgError> {
-        if self.lost_sps.contains(&from) {
-            self.stats.ignored_from_lost_sp += 1;
+        if self.ignores_lost_sender(from) {
             return Ok(());
         }
         match msg {
@@ -308,52 +287,12 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
                 self.notify_abort(q.from);
             }
         }
-        self.maybe_broadcast_abort();
-        let ranks: Vec<Rank> = self.ranks.keys().copied().collect();
-        for r in ranks {
-            self.check_complete(r);
-        }
+        self.finish_abort();
     }
 
-    pub(super) fn maybe_broadcast_abort(&mut self) {
-        if !self
-            .abort
-            .start_broadcast(self.abort_local && self.members.is_some())
-        {
-            return;
-        }
-        let members = self.members.as_ref().unwrap();
-        let sps: BTreeSet<SpId> = members.iter().copied().collect();
-        for sp in sps {
-            self.notify_abort(sp);
-        }
-    }
+    crate::common::v_abort_broadcast!(|s| s.members.as_ref());
 
-    pub(super) fn notify_abort(&mut self, sp: SpId) {
-        if let Some(status) = self.abort.notice_for(self.me, &self.lost_sps, sp) {
-            self.actions.push_back(Action::Send {
-                to: sp,
-                msg: Msg::Abort { status },
-            });
-        }
-    }
+    crate::common::notify_abort!();
 
-    pub(super) fn check_complete(&mut self, rank: Rank) {
-        let aborted = self.abort.is_some();
-        let Some(st) = self.ranks.get_mut(&rank) else {
-            return;
-        };
-        if st.out.completed || st.copies_in_flight > 0 || st.send_pending > 0 {
-            return;
-        }
-        if !aborted && st.recv_pending > 0 {
-            return;
-        }
-        st.out.completed = true;
-        self.completed += 1;
-        self.actions.push_back(Action::Complete {
-            rank,
-            status: st.out.status,
-        });
-    }
+    crate::common::v_check_complete!(|st| st.copies_in_flight > 0 || st.send_pending > 0);
 }

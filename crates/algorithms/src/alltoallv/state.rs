@@ -120,28 +120,19 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
     /// A local rank posted its part of the collective.
     pub fn handle_post(&mut self, _now: Nanos, post: Post<K>) -> Result<(), PostError> {
         self.validate_post(&post)?;
-        let Post {
-            rank,
-            members,
-            send_key,
-            recv_key,
-            send_counts,
-            send_displs,
-            recv_counts,
-            recv_displs,
-        } = post;
-        let p = members.len();
+        let rank = post.rank;
+        let p = post.members.len();
         if self.members.is_none() {
-            self.learn_membership(members);
+            self.learn_membership(post.members);
         }
         let aborted = self.abort.status;
         let mut st = LocalRank {
-            send_key,
-            recv_key,
-            send_counts,
-            send_displs,
-            recv_counts,
-            recv_displs,
+            send_key: post.send_key,
+            recv_key: post.recv_key,
+            send_counts: post.send_counts,
+            send_displs: post.send_displs,
+            recv_counts: post.recv_counts,
+            recv_displs: post.recv_displs,
             recv: vec![RecvState::Waiting; p],
             send: vec![SendState::NotSent; p],
             recv_pending: p,

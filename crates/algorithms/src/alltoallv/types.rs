@@ -86,63 +86,26 @@ pub enum Action<K> {
     Complete { rank: Rank, status: Status },
 }
 
-/// A rejected post; the instance is unchanged.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum PostError {
-    /// `rank >= members.len()` (also for an empty `members`).
-    RankOutOfRange { rank: Rank, size: usize },
-    /// `members[rank]` is another SP.
-    NotMine { rank: Rank, served_by: SpId },
-    /// A count/displacement vector does not have P entries.
-    LengthMismatch {
-        field: &'static str,
-        len: usize,
-        expected: usize,
-    },
-    /// `members` differs from an earlier post of this instance.
-    MembersDisagree,
-    /// This rank already posted to this instance.
-    DuplicatePost { rank: Rank },
-    /// This rank was declared lost (`handle_rank_lost`) before posting.
-    RankLost { rank: Rank },
-    /// `displs[index] + counts[index]` overflows `u64`.
-    Overflow {
-        rank: Rank,
-        field: &'static str,
-        index: usize,
-    },
-}
-
-impl fmt::Display for PostError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            PostError::RankOutOfRange { rank, size } => {
-                write!(f, "rank {rank} out of range for comm size {size}")
-            }
-            PostError::NotMine { rank, served_by } => {
-                write!(f, "rank {rank} is served by SP {served_by}, not this SP")
-            }
-            PostError::LengthMismatch {
-                field,
-                len,
-                expected,
-            } => write!(f, "{field} has {len} entries, comm size is {expected}"),
-            PostError::MembersDisagree => {
-                write!(f, "members differ from an earlier post of this collective")
-            }
-            PostError::DuplicatePost { rank } => write!(f, "rank {rank} posted twice"),
-            PostError::RankLost { rank } => write!(f, "rank {rank} was declared lost"),
-            PostError::Overflow { rank, field, index } => {
-                write!(
-                    f,
-                    "rank {rank}: {field} displacement+count overflows at {index}"
-                )
-            }
+crate::common::post_error! {
+    own {
+        /// `members` differs from an earlier post of this instance.
+        MembersDisagree,
+        /// `displs[index] + counts[index]` overflows `u64`.
+        Overflow {
+            rank: Rank,
+            field: &'static str,
+            index: usize,
+        },
+    }
+    display(f) {
+        PostError::MembersDisagree => {
+            write!(f, "members differ from an earlier post of this collective")
+        }
+        PostError::Overflow { rank, field, index } => {
+            write!(f, "rank {rank}: {field} displacement+count overflows at {index}")
         }
     }
 }
-
-impl std::error::Error for PostError {}
 
 /// A protocol violation by a peer; the instance is unchanged.
 #[derive(Clone, Debug, PartialEq, Eq)]

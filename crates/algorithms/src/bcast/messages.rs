@@ -4,8 +4,7 @@ use super::*;
 
 impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
     pub(super) fn process(&mut self, from: SpId, msg: Msg) -> Result<(), MsgError> {
-        if self.lost_sps.contains(&from) {
-            self.stats.ignored_from_lost_sp += 1;
+        if self.ignores_lost_sender(from) {
             return Ok(());
         }
         match msg {

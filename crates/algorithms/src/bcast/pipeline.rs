@@ -4,21 +4,10 @@
 use super::*;
 
 impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
-    pub(super) fn new_id(&mut self) -> u64 {
-        let id = self.next_id;
-        self.next_id += 1;
-        id
-    }
-
     pub(super) fn copy_finished(&mut self, id: u64, status: Status) {
-        let Some(kind) = self.copies.remove(&id) else {
-            self.stats.unknown_done += 1;
+        let Some((kind, ok)) = self.take_copy(id, status) else {
             return;
         };
-        if !status.is_ok() {
-            self.enter_abort(status);
-        }
-        let ok = status.is_ok() && self.abort.is_none();
         match kind {
             CopyKind::Read { slot, index, len } => {
                 let root = self.view.as_ref().unwrap().root;
@@ -108,14 +97,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
         }
     }
 
-    pub(super) fn notify_abort(&mut self, sp: SpId) {
-        if let Some(status) = self.abort.notice_for(self.me, &self.lost_sps, sp) {
-            self.actions.push_back(Action::Send {
-                to: sp,
-                msg: Msg::Abort { status },
-            });
-        }
-    }
+    crate::common::notify_abort!();
 
     /// Do everything that can be done now; called at the end of every
     /// input.
@@ -438,17 +420,6 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
         if !done {
             return;
         }
-        let st = self.ranks.get_mut(&rank).unwrap();
-        let mut status = st.out.status;
-        if aborted && mutated(Mutation::OkAfterAbort) {
-            status = Status::Ok;
-        }
-        st.out.completed = true;
-        self.completed += 1;
-        self.actions.push_back(Action::Complete {
-            rank,
-            status,
-            from_segment: from_segment && status.is_ok(),
-        });
+        self.complete_rank(rank, aborted, from_segment);
     }
 }

@@ -271,12 +271,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
                 return;
             }
         }
-        let out = self.ranks.get_mut(&rank).map(|st| &mut st.out);
-        if !lose_rank(out, &mut self.lost_unposted, rank) {
-            return;
-        }
-        self.enter_abort(Status::RankFailed);
-        self.pump();
+        self.lose_local_rank(rank);
     }
 
     /// Every local rank completed (or was lost before posting), no copy or

@@ -1,16 +1,9 @@
 use super::*;
 use crate::sim::testnet::{Machine, Out};
-use crate::CommId;
 
 type Tag = (char, Rank);
 
-const KEY: CollKey = CollKey {
-    job: 1,
-    comm: CommId { leader: 0, id: 7 },
-    seq: 0,
-};
-const CHUNK: u64 = 4;
-const SLOTS: u32 = 2;
+crate::sim::testnet::staged_test_basics!(Bcast, comm: 7);
 
 /// A copy or a move, as the test network executes them.
 #[derive(Clone, Debug)]
@@ -33,14 +26,7 @@ impl Machine for Tb {
 
     fn create(sp: SpId) -> Self {
         Tb {
-            m: Bcast::new(
-                KEY,
-                Config {
-                    me: sp,
-                    chunk_bytes: CHUNK,
-                    staging_slots: SLOTS,
-                },
-            ),
+            m: new_machine(sp),
             out: VecDeque::new(),
         }
     }
@@ -102,14 +88,6 @@ fn post(rank: Rank, root: Rank, len: u64, members: &[SpId], nodes: &[u32]) -> Po
         shared_key: None,
         shared_at: 0,
     }
-}
-
-/// Hierarchical; the SP places its region at `100 * sp`.
-fn hier(mut p: Post<Tag>) -> Post<Tag> {
-    p.design = Design::Hier;
-    p.shared_key = Some(('h', p.rank));
-    p.shared_at = 100 * u64::from(p.members[p.rank as usize]);
-    p
 }
 
 fn moves(net: &Net) -> Vec<Move> {
@@ -243,8 +221,7 @@ fn late_sp_forwards_what_fits_in_staging_and_catches_up() {
     assert_eq!(net.status(2), None);
     net.post(1, post(1, 0, 10, &members, &nodes));
     net.run();
-    assert_eq!(net.status(1), Some(Status::Ok));
-    assert_eq!(net.status(2), Some(Status::Ok));
+    net.expect_status(&[1, 2], Some(Status::Ok));
     all_finished(&mut net, &[0, 1, 2]);
 }
 
@@ -255,8 +232,7 @@ fn a_one_chunk_message_passes_an_sp_whose_rank_has_not_posted() {
     net.post(0, post(0, 0, 3, &members, &nodes));
     net.post(2, post(2, 0, 3, &members, &nodes));
     net.run();
-    assert_eq!(net.status(0), Some(Status::Ok));
-    assert_eq!(net.status(2), Some(Status::Ok));
+    net.expect_status(&[0, 2], Some(Status::Ok));
     assert_eq!(net.status(1), None);
     net.post(1, post(1, 0, 3, &members, &nodes));
     net.run();
@@ -578,8 +554,7 @@ fn rank_lost_before_posting_fails_every_rank() {
     net.post(0, post(0, 0, 10, &members, &nodes));
     net.post(2, post(2, 0, 10, &members, &nodes));
     net.run();
-    assert_eq!(net.status(0), Some(Status::RankFailed));
-    assert_eq!(net.status(2), Some(Status::RankFailed));
+    net.expect_status(&[0, 2], Some(Status::RankFailed));
     assert_eq!(net.status(1), None);
     all_finished(&mut net, &[0, 2]);
 }
@@ -602,8 +577,7 @@ fn middle_sp_lost_mid_pipeline() {
         net.collect(sp);
     }
     net.run();
-    assert_eq!(net.status(0), Some(Status::PeerFailed));
-    assert_eq!(net.status(2), Some(Status::PeerFailed));
+    net.expect_status(&[0, 2], Some(Status::PeerFailed));
     all_finished(&mut net, &[0, 2]);
 }
 
@@ -627,8 +601,7 @@ fn failed_move_gives_the_slot_back() {
     net.copies.push_front(w);
     assert!(net.finish_copy(Status::AccessError));
     net.run();
-    assert_eq!(net.status(0), Some(Status::AccessError));
-    assert_eq!(net.status(1), Some(Status::AccessError));
+    net.expect_status(&[0, 1], Some(Status::AccessError));
     all_finished(&mut net, &[0, 1]);
 }
 

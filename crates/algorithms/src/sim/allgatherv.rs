@@ -14,11 +14,12 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
-use super::driver::{self, run_events, Collective, Core, Ev, Params};
+use super::driver::{self, Core, Ev};
 use super::rng::splitmix64;
+use super::shared::world_key;
 use super::{sentinel, CostModel, Layout, SimFailure};
 use crate::allgatherv::{Action, Allgatherv, Config, Copy, Msg, Post, Stats};
-use crate::{CollKey, CommId, Nanos, Rank, SpId, Status};
+use crate::{CollKey, Nanos, Rank, SpId, Status};
 
 /// Injected faults (all off by default).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -88,14 +89,6 @@ impl SimConfig {
             max_virtual_ns: 100_000_000_000,
         }
     }
-
-    pub fn world_size(&self) -> u32 {
-        self.nodes * self.ranks_per_node
-    }
-
-    pub fn sp_count(&self) -> u32 {
-        self.nodes * self.sps_per_node
-    }
 }
 
 /// Key material: which buffer of which rank of which collective.
@@ -128,13 +121,8 @@ pub struct SimReport {
     pub dead_ranks: Vec<u32>,
 }
 
-/// Run one simulation; `Err` carries the seed and what went wrong.
-pub fn run(cfg: &SimConfig) -> Result<SimReport, SimFailure> {
-    let mut sim = Sim::new(cfg)?;
-    run_events(&mut sim)?;
-    sim.final_checks()?;
-    Ok(sim.report())
-}
+super::shared::sim_config!();
+super::shared::world_schedule!();
 
 struct Op {
     key: CollKey,
@@ -155,52 +143,11 @@ struct Sim<'a> {
     inst: BTreeMap<(SpId, usize), Allgatherv<SimKey>>,
 }
 
-impl Collective for Sim<'_> {
-    type Msg = (usize, Msg<SimKey>);
-    type Copy = Copy<SimKey>;
-
-    fn core(&mut self) -> &mut Core<Self::Msg, Self::Copy> {
-        &mut self.core
-    }
-
-    fn on_crash(&mut self, _sp: SpId) {
-        for o in self.ops.iter_mut() {
-            o.disturbed = true;
-        }
-    }
-
-    fn on_rank_death(&mut self, world: u32) {
-        for o in self.ops.iter_mut() {
-            if o.done[world as usize].is_none() {
-                o.disturbed = true;
-            }
-        }
-    }
-
-    fn process(&mut self, sp: SpId, input: Input) -> Result<(), SimFailure> {
-        self.process_input(sp, input)
-    }
-
-    fn over_budget(core: &Core<Self::Msg, Self::Copy>) -> SimFailure {
-        core.fail("no termination within the event/time bound")
-    }
-}
+super::shared::world_collective!((usize, Msg<SimKey>), Copy<SimKey>);
 
 impl<'a> Sim<'a> {
     fn new(cfg: &'a SimConfig) -> Result<Sim<'a>, SimFailure> {
-        let (core, mut setup) = Core::new(Params {
-            seed: cfg.seed,
-            nodes: cfg.nodes,
-            ranks_per_node: cfg.ranks_per_node,
-            sps_per_node: cfg.sps_per_node,
-            layout: cfg.layout,
-            max_inflight_reads: cfg.max_inflight_reads,
-            cost: cfg.cost,
-            msg_jitter_ns: cfg.faults.msg_jitter_ns,
-            detect_delay_ns: cfg.faults.detect_delay_ns,
-            max_events: cfg.max_events,
-            max_virtual_ns: cfg.max_virtual_ns,
-        })?;
+        let (core, mut setup) = Core::new(cfg.params())?;
         let w = cfg.world_size();
         let p = w as usize;
         let mut ops = Vec::new();
@@ -242,11 +189,7 @@ impl<'a> Sim<'a> {
                 recv_buf.push((0..at as usize).map(sentinel).collect());
             }
             ops.push(Op {
-                key: CollKey {
-                    job: 1,
-                    comm: CommId { leader: 0, id: 0 },
-                    seq: i as u64,
-                },
+                key: world_key(i),
                 send_buf,
                 recv_displs,
                 recv_buf,
@@ -261,19 +204,7 @@ impl<'a> Sim<'a> {
             ops,
             inst: BTreeMap::new(),
         };
-        sim.core.schedule_world_posts(
-            &mut setup,
-            cfg.ops,
-            cfg.op_gap_ns,
-            cfg.arrival_skew_ns,
-            (cfg.late_ranks, cfg.late_delay_ns),
-        );
-        let f = &cfg.faults;
-        sim.core.schedule_faults(
-            &mut setup,
-            (f.sp_crashes, f.crash_window_ns),
-            (f.rank_deaths, f.death_window_ns),
-        );
+        cfg.schedule_world(&mut sim.core, &mut setup);
         Ok(sim)
     }
 
@@ -356,12 +287,10 @@ impl<'a> Sim<'a> {
                 }
             }
         }
-        let out = now + self.cfg.cost.msg_proc_ns;
-        for op in touched {
-            self.drain(sp, op, out)?;
-        }
-        self.pump(sp, out)
+        self.finish_input(sp, now, touched)
     }
+
+    crate::sim::shared::finish_input!();
 
     fn drain(&mut self, sp: SpId, op: usize, out: Nanos) -> Result<(), SimFailure> {
         while let Some(action) = self.instance(sp, op).poll_action() {

@@ -286,14 +286,8 @@ impl<M, C> Core<M, C> {
             return Err(self.fail(format!("op {op}: SP {sp} sent to unknown SP {to}")));
         }
         self.messages += 1;
-        let link = (self.sp_node(sp), self.sp_node(to));
-        let c = &self.p.cost;
-        let (lat, bw) = if link.0 == link.1 {
-            (c.intra_node_latency_ns, c.intra_node_bytes_per_ns)
-        } else {
-            (c.inter_node_latency_ns, c.inter_node_bytes_per_ns)
-        };
-        let wire = c.msg_header_bytes + wire;
+        let (link, lat, bw) = self.link(sp, to);
+        let wire = self.p.cost.msg_header_bytes + wire;
         let free = self.link_free.entry(link).or_insert(0);
         let departed = (*free).max(out) + wire.div_ceil(bw.max(1));
         *free = departed;
@@ -308,11 +302,9 @@ impl<M, C> Core<M, C> {
         Ok(())
     }
 
-    /// Bulk bytes from `sp` to SP `to` (a staged chunk moved between SPs)
-    /// leaving no earlier than `out`: they take the directed node link in
-    /// turn with messages, at its bandwidth. Returns when the last byte has
-    /// arrived (latency included).
-    pub fn transfer(&mut self, sp: SpId, to: SpId, bytes: u64, out: Nanos) -> Nanos {
+    /// The directed node link from SP `sp` to SP `to`, its latency and its
+    /// bandwidth (bytes per ns).
+    fn link(&self, sp: SpId, to: SpId) -> ((u32, u32), Nanos, u64) {
         let link = (self.sp_node(sp), self.sp_node(to));
         let c = &self.p.cost;
         let (lat, bw) = if link.0 == link.1 {
@@ -320,6 +312,15 @@ impl<M, C> Core<M, C> {
         } else {
             (c.inter_node_latency_ns, c.inter_node_bytes_per_ns)
         };
+        (link, lat, bw)
+    }
+
+    /// Bulk bytes from `sp` to SP `to` (a staged chunk moved between SPs)
+    /// leaving no earlier than `out`: they take the directed node link in
+    /// turn with messages, at its bandwidth. Returns when the last byte has
+    /// arrived (latency included).
+    pub fn transfer(&mut self, sp: SpId, to: SpId, bytes: u64, out: Nanos) -> Nanos {
+        let (link, lat, bw) = self.link(sp, to);
         let free = self.link_free.entry(link).or_insert(0);
         let departed = (*free).max(out) + bytes.div_ceil(bw.max(1));
         *free = departed;

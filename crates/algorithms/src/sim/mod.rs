@@ -16,7 +16,9 @@ pub mod alltoallv;
 pub mod bcast;
 mod driver;
 pub mod rng;
+mod shared;
 pub mod staged_allgather;
+mod staged_common;
 #[cfg(test)]
 pub(crate) mod testnet;
 

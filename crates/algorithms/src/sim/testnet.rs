@@ -143,4 +143,50 @@ impl<A: Machine> Net<A> {
             .find(|&&(_, r, _)| r == rank)
             .map(|&(_, _, s)| s)
     }
+
+    /// Asserts that every rank of `ranks` ended with `want` (`None`: it
+    /// never completed).
+    pub fn expect_status(&self, ranks: &[Rank], want: Option<Status>) {
+        for &r in ranks {
+            assert_eq!(self.status(r), want, "rank {r}");
+        }
+    }
 }
+
+/// In a staged collective's tests: `KEY` (comm id `$comm`), `CHUNK`,
+/// `SLOTS`, `new_machine(sp)` (`$machine` with those) and `hier(post)`
+/// (hierarchical; the SP places its region at `100 * sp`).
+macro_rules! staged_test_basics {
+    ($machine:ident, comm: $comm:expr) => {
+        const KEY: CollKey = CollKey {
+            job: 1,
+            comm: crate::CommId {
+                leader: 0,
+                id: $comm,
+            },
+            seq: 0,
+        };
+        const CHUNK: u64 = 4;
+        const SLOTS: u32 = 2;
+
+        fn new_machine(sp: SpId) -> $machine<Tag> {
+            $machine::new(
+                KEY,
+                Config {
+                    me: sp,
+                    chunk_bytes: CHUNK,
+                    staging_slots: SLOTS,
+                },
+            )
+        }
+
+        /// Hierarchical; the SP places its region at `100 * sp`.
+        fn hier(mut p: Post<Tag>) -> Post<Tag> {
+            p.design = Design::Hier;
+            p.shared_key = Some(('h', p.rank));
+            p.shared_at = 100 * u64::from(p.members[p.rank as usize]);
+            p
+        }
+    };
+}
+pub(crate) use staged_test_basics;

@@ -4,21 +4,10 @@
 use super::*;
 
 impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
-    pub(super) fn new_id(&mut self) -> u64 {
-        let id = self.next_id;
-        self.next_id += 1;
-        id
-    }
-
     pub(super) fn copy_finished(&mut self, id: u64, status: Status) {
-        let Some(kind) = self.copies.remove(&id) else {
-            self.stats.unknown_done += 1;
+        let Some((kind, ok)) = self.take_copy(id, status) else {
             return;
         };
-        if !status.is_ok() {
-            self.enter_abort(status);
-        }
-        let ok = status.is_ok() && self.abort.is_none();
         match kind {
             CopyKind::Read {
                 slot,
@@ -248,17 +237,10 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
         if wait {
             return;
         }
-        let st = self.ranks.get_mut(&rank).unwrap();
-        let mut status = st.out.status;
-        if aborted && mutated(Mutation::OkAfterAbort) {
-            status = Status::Ok;
-        }
-        st.out.completed = true;
-        self.completed += 1;
-        self.actions.push_back(Action::Complete {
+        self.complete_rank(
             rank,
-            status,
-            from_segment: matches!(mode, Some(Mode::Region | Mode::Covered)) && status.is_ok(),
-        });
+            aborted,
+            matches!(mode, Some(Mode::Region | Mode::Covered)),
+        );
     }
 }

@@ -149,8 +149,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
     }
 
     pub(super) fn process(&mut self, from: SpId, msg: Msg<K>) -> Result<(), MsgError> {
-        if self.lost_sps.contains(&from) {
-            self.stats.ignored_from_lost_sp += 1;
+        if self.ignores_lost_sender(from) {
             return Ok(());
         }
         if from == self.me {

@@ -361,12 +361,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
                 return;
             }
         }
-        let out = self.ranks.get_mut(&rank).map(|st| &mut st.out);
-        if !lose_rank(out, &mut self.lost_unposted, rank) {
-            return;
-        }
-        self.enter_abort(Status::RankFailed);
-        self.pump();
+        self.lose_local_rank(rank);
     }
 
     /// Every local rank completed (or was lost before posting), no copy is
@@ -404,13 +399,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
     pub(super) fn validate_post(&self, post: &Post<K>) -> Result<(), PostError> {
         let p = post.members.len();
         let rank = post.rank;
-        if rank as usize >= p {
-            return Err(PostError::RankOutOfRange { rank, size: p });
-        }
-        let served_by = post.members[rank as usize];
-        if served_by != self.me {
-            return Err(PostError::NotMine { rank, served_by });
-        }
+        PostError::check_served(&post.members, rank, self.me)?;
         if post.nodes.len() != p {
             return Err(PostError::LengthMismatch {
                 field: "nodes",

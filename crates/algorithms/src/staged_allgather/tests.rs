@@ -1,16 +1,9 @@
 use super::*;
 use crate::sim::testnet::{Machine, Out};
-use crate::CommId;
 
 type Tag = (char, Rank);
 
-const KEY: CollKey = CollKey {
-    job: 1,
-    comm: CommId { leader: 0, id: 9 },
-    seq: 0,
-};
-const CHUNK: u64 = 4;
-const SLOTS: u32 = 2;
+crate::sim::testnet::staged_test_basics!(StagedAllgather, comm: 9);
 
 struct Tb {
     m: StagedAllgather<Tag>,
@@ -25,14 +18,7 @@ impl Machine for Tb {
 
     fn create(sp: SpId) -> Self {
         Tb {
-            m: StagedAllgather::new(
-                KEY,
-                Config {
-                    me: sp,
-                    chunk_bytes: CHUNK,
-                    staging_slots: SLOTS,
-                },
-            ),
+            m: new_machine(sp),
             segs: Vec::new(),
         }
     }
@@ -83,14 +69,6 @@ fn post(rank: Rank, len: u64, members: &[SpId], nodes: &[u32]) -> Post<Tag> {
         shared_key: None,
         shared_at: 0,
     }
-}
-
-/// Hierarchical; an owner places its region at `100 * sp`.
-fn hier(mut p: Post<Tag>) -> Post<Tag> {
-    p.design = Design::Hier;
-    p.shared_key = Some(('h', p.rank));
-    p.shared_at = 100 * u64::from(p.members[p.rank as usize]);
-    p
 }
 
 fn writes(net: &Net) -> Vec<Copy<Tag>> {
@@ -463,8 +441,7 @@ fn a_lost_writer_counts_as_stopped() {
         net.collect(sp);
     }
     net.run();
-    assert_eq!(net.status(0), Some(Status::PeerFailed));
-    assert_eq!(net.status(1), Some(Status::PeerFailed));
+    net.expect_status(&[0, 1], Some(Status::PeerFailed));
     all_finished(&mut net, &[0, 1]);
 }
 
@@ -476,8 +453,7 @@ fn a_rank_lost_before_posting_fails_every_rank() {
     net.post(0, post(0, 8, &members, &nodes));
     net.post(2, post(2, 8, &members, &nodes));
     net.run();
-    assert_eq!(net.status(0), Some(Status::RankFailed));
-    assert_eq!(net.status(2), Some(Status::RankFailed));
+    net.expect_status(&[0, 2], Some(Status::RankFailed));
     assert_eq!(net.status(1), None);
     // SP 1 never sees a post: it answered the keys with `Stopped` and
     // is dropped with the job.
@@ -496,8 +472,7 @@ fn a_failed_write_aborts_with_access_error() {
     net.deliver_all();
     assert!(net.finish_copy(Status::AccessError));
     net.run();
-    assert_eq!(net.status(0), Some(Status::AccessError));
-    assert_eq!(net.status(1), Some(Status::AccessError));
+    net.expect_status(&[0, 1], Some(Status::AccessError));
     all_finished(&mut net, &[0, 1]);
 }
 

@@ -129,73 +129,25 @@ pub enum Action<K> {
     },
 }
 
-/// A rejected post; the instance is unchanged.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum PostError {
-    RankOutOfRange {
-        rank: Rank,
-        size: usize,
-    },
-    NotMine {
-        rank: Rank,
-        served_by: SpId,
-    },
-    LengthMismatch {
-        field: &'static str,
-        len: usize,
-        expected: usize,
-    },
-    /// One SP serves ranks on two nodes.
-    SpOnTwoNodes {
-        sp: SpId,
-    },
-    DuplicatePost {
-        rank: Rank,
-    },
-    RankLost {
-        rank: Rank,
-    },
-    /// `Design::Hier` without a `shared_key`.
-    MissingSharedKey {
-        rank: Rank,
-    },
-    /// `P * len` overflows `u64`.
-    Overflow {
-        rank: Rank,
-    },
-}
-
-impl fmt::Display for PostError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            PostError::RankOutOfRange { rank, size } => {
-                write!(f, "rank {rank} out of range for comm size {size}")
-            }
-            PostError::NotMine { rank, served_by } => {
-                write!(f, "rank {rank} is served by SP {served_by}, not this SP")
-            }
-            PostError::LengthMismatch {
-                field,
-                len,
-                expected,
-            } => write!(f, "{field} has {len} entries, comm size is {expected}"),
-            PostError::SpOnTwoNodes { sp } => write!(f, "SP {sp} serves ranks on two nodes"),
-            PostError::DuplicatePost { rank } => write!(f, "rank {rank} posted twice"),
-            PostError::RankLost { rank } => write!(f, "rank {rank} was declared lost"),
-            PostError::MissingSharedKey { rank } => {
-                write!(
-                    f,
-                    "rank {rank}: hierarchical allgather without a shared segment"
-                )
-            }
-            PostError::Overflow { rank } => {
-                write!(f, "rank {rank}: comm size times block length overflows")
-            }
+crate::common::post_error! {
+    own {
+        /// One SP serves ranks on two nodes.
+        SpOnTwoNodes { sp: SpId },
+        /// `Design::Hier` without a `shared_key`.
+        MissingSharedKey { rank: Rank },
+        /// `P * len` overflows `u64`.
+        Overflow { rank: Rank },
+    }
+    display(f) {
+        PostError::SpOnTwoNodes { sp } => write!(f, "SP {sp} serves ranks on two nodes"),
+        PostError::MissingSharedKey { rank } => {
+            write!(f, "rank {rank}: hierarchical allgather without a shared segment")
+        }
+        PostError::Overflow { rank } => {
+            write!(f, "rank {rank}: comm size times block length overflows")
         }
     }
 }
-
-impl std::error::Error for PostError {}
 
 /// A protocol violation by a peer; the instance is unchanged.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -208,13 +160,7 @@ pub enum MsgError {
     Unexpected { sp: SpId },
 }
 
-impl fmt::Display for MsgError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{self:?}")
-    }
-}
-
-impl std::error::Error for MsgError {}
+crate::common::debug_error!(MsgError);
 
 /// Counters for drivers, tests and the simulator.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

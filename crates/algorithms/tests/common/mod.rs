@@ -9,6 +9,8 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use algorithms::sim::SimFailure;
 
+pub mod staged;
+
 pub const FIXED_SEEDS: [u64; 2] = [1, 0xDEAD_BEEF];
 
 /// Spreads consecutive indices over the seed space.
@@ -69,6 +71,31 @@ pub fn run_ok<C: Debug, R>(
             "{name}: {e}\n  config: {cfg:?}\n  (elapsed {:?})",
             t0.elapsed()
         ),
+    }
+}
+
+/// Runs `cfg` (seed `seed`) through `run`, printing the seed first and,
+/// on success, the time taken and `describe(report)`; a failure panics
+/// with the scenario name and the failure (which starts with the seed).
+pub fn run_logged<C, R>(
+    name: &str,
+    seed: u64,
+    cfg: &C,
+    run: impl FnOnce(&C) -> Result<R, SimFailure>,
+    describe: impl FnOnce(&R) -> String,
+) -> R {
+    eprintln!("{name}: seed={seed:#018x}");
+    let t0 = Instant::now();
+    match run(cfg) {
+        Ok(r) => {
+            eprintln!(
+                "{name}: seed={seed:#018x} ok in {:?}: {}",
+                t0.elapsed(),
+                describe(&r)
+            );
+            r
+        }
+        Err(e) => panic!("{name}: {e}"),
     }
 }
 

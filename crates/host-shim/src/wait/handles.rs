@@ -8,7 +8,7 @@ use crate::registry::Class;
 use crate::request::{by_addr, fill_status};
 use crate::state::{is_active, with_shim, TRACKED};
 use mpi_ffi as ffi;
-use mpi_ffi::consts;
+use mpi_ffi::{abi, consts};
 use std::os::raw::c_int;
 use std::sync::atomic::Ordering;
 
@@ -17,11 +17,11 @@ pub(super) fn classify(handles: &[ffi::MPI_Request]) -> Option<Vec<Class>> {
     if TRACKED.load(Ordering::Acquire) == 0 {
         return None;
     }
-    let null = consts::REQUEST_NULL() as usize;
+    let null = abi::handle_bits(consts::REQUEST_NULL());
     let classes = with_shim(|s| {
         handles
             .iter()
-            .map(|&h| s.registry.classify(h as usize, null))
+            .map(|&h| s.registry.classify(abi::handle_bits(h), null))
             .collect::<Vec<_>>()
     })?;
     classes
@@ -165,8 +165,8 @@ mod tests {
     #[test]
     fn native_subset_masks_ours_and_write_back_skips_them() {
         let null = consts::REQUEST_NULL();
-        let a = 0x1000usize as ffi::MPI_Request;
-        let b = 0x2000usize as ffi::MPI_Request;
+        let a: ffi::MPI_Request = abi::handle_from_bits(0x1000);
+        let b: ffi::MPI_Request = abi::handle_from_bits(0x2000);
         let handles = [a, null, b];
         let classes = [Class::Ours(0x1000), Class::Null, Class::Native];
         let natives = native_subset(&handles, &classes);

@@ -6,12 +6,19 @@
 //! The launcher, the SP and the shim come from the target directory of the test executable:
 //! build the workspace first (`cargo build --release --workspace`; `make test` does). A missing
 //! artifact, `mpicc` or `mpirun` is a failure, never a skip.
+//!
+//! Every test runs under the MPI of [`mpi`]: Open MPI, or MPICH when `SPOFF_TEST_MPI=mpich`
+//! (`make test-mpich` runs every test file so) or when the test file chose it with
+//! [`use_mpi`] (`mpirun_mpich.rs`). Under MPICH the programs are built with `mpicc.mpich`, the
+//! launcher finds their MPI itself (and so preloads `libhost_shim_mpich.so` and runs Hydra's
+//! `mpiexec.mpich`), and plain preloaded runs use `mpiexec.mpich` and that shim.
 #![allow(dead_code)]
 
 use integration_tests::{launch_cmd, run, shim, Finished};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -43,34 +50,97 @@ pub fn some_credential() -> String {
     bootstrap::auth::JobCredential::issue(&key, 1, uid, NP as u32).encode()
 }
 
+/// The MPI the jobs of this test process run under.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mpi {
+    OpenMpi,
+    Mpich,
+}
+
+/// 0: not chosen yet; 1: Open MPI; 2: MPICH.
+static MPI: AtomicU8 = AtomicU8::new(0);
+
+/// Makes `mpi` the MPI of this test process (every test of a file that calls it must call it
+/// first, with the same value).
+pub fn use_mpi(mpi: Mpi) {
+    let code = match mpi {
+        Mpi::OpenMpi => 1,
+        Mpi::Mpich => 2,
+    };
+    let was = MPI.swap(code, Ordering::AcqRel);
+    assert!(was == 0 || was == code, "one MPI per test process");
+}
+
+/// The MPI of this test process: the one [`use_mpi`] chose, else `SPOFF_TEST_MPI`
+/// (`openmpi`, the default, or `mpich`).
+pub fn mpi() -> Mpi {
+    match MPI.load(Ordering::Acquire) {
+        1 => return Mpi::OpenMpi,
+        2 => return Mpi::Mpich,
+        _ => {}
+    }
+    let mpi = match std::env::var("SPOFF_TEST_MPI").as_deref() {
+        Err(_) | Ok("") | Ok("openmpi") => Mpi::OpenMpi,
+        Ok("mpich") => Mpi::Mpich,
+        Ok(other) => panic!("SPOFF_TEST_MPI={other}: expected openmpi or mpich"),
+    };
+    use_mpi(mpi);
+    mpi
+}
+
+/// The shim of [`mpi`]'s ABI.
+pub fn mpi_shim() -> std::path::PathBuf {
+    match mpi() {
+        Mpi::OpenMpi => shim(),
+        Mpi::Mpich => {
+            let s = integration_tests::artifact("libhost_shim_mpich.so");
+            assert!(
+                s.exists(),
+                "{} is missing: build it with `make build` (scripts/build-mpich.sh)",
+                s.display()
+            );
+            s
+        }
+    }
+}
+
 /// One MPI job at a time (the machine has few cores).
 pub fn serial() -> MutexGuard<'static, ()> {
     static SERIAL: Mutex<()> = Mutex::new(());
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// `progs/<name>.c` compiled with `mpicc` (once per test process).
+/// `progs/<name>.c` compiled with [`mpi`]'s `mpicc` (once per test process).
 pub fn prog(name: &'static str) -> String {
+    let (mpicc, subdir, flags): (&str, &str, &[&str]) = match mpi() {
+        Mpi::OpenMpi => ("mpicc", "host-shim-progs", &[]),
+        // GCC takes MPICH's MPI_STATUSES_IGNORE, (MPI_Status *)1, for an empty array.
+        Mpi::Mpich => (
+            "mpicc.mpich",
+            "host-shim-progs-mpich",
+            &["-Wno-stringop-overflow"],
+        ),
+    };
     static BUILT: Mutex<BTreeMap<&str, String>> = Mutex::new(BTreeMap::new());
     let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
     built
         .entry(name)
         .or_insert_with(|| {
             let src = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/progs/{name}.c"));
-            let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("host-shim-progs");
+            let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(subdir);
             std::fs::create_dir_all(&dir).unwrap();
             // Built under a private name, then renamed: concurrent test runs never see a
             // half-written binary.
             let tmp = dir.join(format!("{name}.{}", std::process::id()));
-            let st = Command::new("mpicc")
-                .args(["-O1", "-Wall", "-pthread", "-o"])
+            let st = Command::new(mpicc)
+                .args(["-O1", "-Wall", "-pthread"])
+                .args(flags)
+                .arg("-o")
                 .arg(&tmp)
                 .arg(&src)
                 .status()
-                .unwrap_or_else(|e| {
-                    panic!("cannot run mpicc (install Open MPI: `make deps`): {e}")
-                });
-            assert!(st.success(), "mpicc failed on {}", src.display());
+                .unwrap_or_else(|e| panic!("cannot run {mpicc} (install it: `make deps`): {e}"));
+            assert!(st.success(), "{mpicc} failed on {}", src.display());
             let out = dir.join(name);
             std::fs::rename(&tmp, &out).unwrap();
             out.display().to_string()
@@ -111,13 +181,19 @@ pub fn launch_with(
         "--sps-per-node",
         &k,
     ];
+    // Under MPICH the MPI is named: a program may be a script (`sh -c ...`), which links no
+    // MPI for the launcher to find.
+    if mpi() == Mpi::Mpich {
+        args.extend_from_slice(&["--mpi", "mpich"]);
+    }
     args.extend_from_slice(extra);
     let run = run(with_env(launch_cmd(&args, program), env), TIMEOUT);
     eprintln!("{} under the launcher: {:?}", shown(program), run.elapsed);
     run
 }
 
-/// `program` on `NP` ranks under plain `mpirun` with the shim preloaded and `env` exported.
+/// `program` on `NP` ranks under plain `mpirun` (`mpiexec.mpich` under MPICH) with the shim
+/// preloaded and `env` exported.
 pub fn mpirun_preloaded(program: &[&str], env: &[(&str, &str)]) -> Finished {
     mpirun_preloaded_within(program, env, TIMEOUT)
 }
@@ -128,19 +204,32 @@ pub fn mpirun_preloaded_within(
     env: &[(&str, &str)],
     timeout: Duration,
 ) -> Finished {
-    let mut cmd = Command::new("mpirun");
-    cmd.args([
-        "--oversubscribe",
-        "--bind-to",
-        "none",
-        "-np",
-        &NP.to_string(),
-    ])
-    .args(["-x", "LD_PRELOAD"])
-    .env("LD_PRELOAD", shim());
-    for (k, _) in env {
-        cmd.arg("-x").arg(k);
-    }
+    let mut cmd = match mpi() {
+        Mpi::OpenMpi => {
+            let mut cmd = Command::new("mpirun");
+            cmd.args([
+                "--oversubscribe",
+                "--bind-to",
+                "none",
+                "-np",
+                &NP.to_string(),
+            ])
+            .args(["-x", "LD_PRELOAD"]);
+            for (k, _) in env {
+                cmd.arg("-x").arg(k);
+            }
+            cmd
+        }
+        Mpi::Mpich => {
+            let mut cmd = Command::new("mpiexec.mpich");
+            let mut vars = vec!["LD_PRELOAD"];
+            vars.extend(env.iter().map(|(k, _)| *k));
+            cmd.args(["-np", &NP.to_string(), "-bind-to", "none", "-genvlist"])
+                .arg(vars.join(","));
+            cmd
+        }
+    };
+    cmd.env("LD_PRELOAD", mpi_shim());
     cmd.args(program);
     let run = run(with_env(cmd, env), timeout);
     eprintln!("{} under mpirun: {:?}", shown(program), run.elapsed);

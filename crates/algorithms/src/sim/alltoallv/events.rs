@@ -86,12 +86,10 @@ impl<'a> Sim<'a> {
                 }
             }
         }
-        let out = now + self.cfg.cost.msg_proc_ns;
-        for op in touched {
-            self.drain(sp, op, out)?;
-        }
-        self.pump(sp, out)
+        self.finish_input(sp, now, touched)
     }
+
+    crate::sim::shared::finish_input!();
 
     pub(super) fn drain(&mut self, sp: SpId, op: usize, out: Nanos) -> Result<(), SimFailure> {
         while let Some(action) = self.instance(sp, op).poll_action() {

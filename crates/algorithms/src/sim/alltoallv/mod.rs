@@ -24,7 +24,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
-use super::driver::{self, run_events, Collective, Core, Params};
+use super::driver::{self, Collective, Core};
 use super::rng::{splitmix64, Rng};
 use super::{sentinel, SimFailure};
 pub use super::{CostModel, Layout};
@@ -128,14 +128,6 @@ impl SimConfig {
             max_virtual_ns: 100_000_000_000,
         }
     }
-
-    pub fn world_size(&self) -> u32 {
-        self.nodes * self.ranks_per_node
-    }
-
-    pub fn sp_count(&self) -> u32 {
-        self.nodes * self.sps_per_node
-    }
 }
 
 /// Key material in the simulation: which buffer of which rank of which
@@ -187,10 +179,4 @@ pub struct SimReport {
     pub dead_ranks: Vec<u32>,
 }
 
-/// Run one simulation; `Err` carries the seed and what went wrong.
-pub fn run(cfg: &SimConfig) -> Result<SimReport, SimFailure> {
-    let mut sim = Sim::new(cfg)?;
-    run_events(&mut sim)?;
-    sim.final_checks()?;
-    Ok(sim.report())
-}
+super::shared::sim_config!();

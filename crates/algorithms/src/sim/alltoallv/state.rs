@@ -78,19 +78,7 @@ impl Collective for Sim<'_> {
 
 impl<'a> Sim<'a> {
     pub(super) fn new(cfg: &'a SimConfig) -> Result<Sim<'a>, SimFailure> {
-        let (core, mut setup) = Core::new(Params {
-            seed: cfg.seed,
-            nodes: cfg.nodes,
-            ranks_per_node: cfg.ranks_per_node,
-            sps_per_node: cfg.sps_per_node,
-            layout: cfg.layout,
-            max_inflight_reads: cfg.max_inflight_reads,
-            cost: cfg.cost,
-            msg_jitter_ns: cfg.faults.msg_jitter_ns,
-            detect_delay_ns: cfg.faults.detect_delay_ns,
-            max_events: cfg.max_events,
-            max_virtual_ns: cfg.max_virtual_ns,
-        })?;
+        let (core, mut setup) = Core::new(cfg.params())?;
         let w = cfg.world_size();
         // Communicators: 0 is the world.
         let mut comms: Vec<Vec<u32>> = vec![(0..w).collect()];
@@ -195,12 +183,7 @@ impl<'a> Sim<'a> {
             }
         }
         // Faults.
-        let f = &cfg.faults;
-        sim.core.schedule_faults(
-            &mut setup,
-            (f.sp_crashes, f.crash_window_ns),
-            (f.rank_deaths, f.death_window_ns),
-        );
+        cfg.schedule_faults(&mut sim.core, &mut setup);
         Ok(sim)
     }
 

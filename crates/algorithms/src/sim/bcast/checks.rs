@@ -2,6 +2,9 @@
 //! report.
 
 use super::*;
+use crate::sim::staged_common::{
+    check_clean_completion, check_instances_at_end, completion_summary, due_completion,
+};
 
 impl<'a> Sim<'a> {
     /// The shape of a copy when the SP emits it.
@@ -169,32 +172,18 @@ impl<'a> Sim<'a> {
                 if r == o.root as usize && b[..want] != o.data[..] {
                     return Err(self.fail(format!("op {i}: the root's buffer changed")));
                 }
-                let d = match o.done[r] {
-                    Some(d) => d,
-                    None if crashed.contains(&sp) || o.post_ns[r].is_none() => continue,
-                    None => {
-                        let inst = self.inst.get(&(sp, i));
-                        return Err(self.fail(format!(
-                            "op {i} rank {r} (SP {sp}) never completed (posted {:?}; instance: {}) -- deadlock",
-                            o.post_ns[r],
-                            inst.map_or("none".into(), |a| format!(
-                                "abort={:?} in_flight={} slots={} stats={:?}",
-                                a.abort_status(),
-                                a.copies_in_flight(),
-                                a.slots_in_use(),
-                                a.stats()
-                            ))
-                        )));
-                    }
-                };
+                let due = due_completion(
+                    &self.core,
+                    &self.inst,
+                    &crashed,
+                    (i, r, sp),
+                    o.done[r],
+                    o.post_ns[r],
+                )?;
+                let Some(d) = due else { continue };
                 if !o.disturbed {
                     let seg = self.cfg.design == Design::Hier && r != o.root as usize;
-                    if !d.status.is_ok() || d.from_segment != seg {
-                        return Err(self.fail(format!(
-                            "op {i} rank {r}: {} (from_segment {}) without a fault",
-                            d.status, d.from_segment
-                        )));
-                    }
+                    check_clean_completion(&self.core, (i, r), d, seg)?;
                 }
                 if d.status.is_ok() {
                     // Ok: the rank's post agrees with that of the rank it
@@ -279,26 +268,7 @@ impl<'a> Sim<'a> {
                 }
             }
         }
-        for (&(sp, op), a) in &self.inst {
-            if crashed.contains(&sp) {
-                continue;
-            }
-            if a.stats().max_slots_in_use > self.cfg.staging_slots.max(1) {
-                return Err(self.fail(format!(
-                    "op {op}: SP {sp} used {} staging slots",
-                    a.stats().max_slots_in_use
-                )));
-            }
-            if a.members().is_some() && !a.is_finished() {
-                return Err(self.fail(format!(
-                    "op {op}: instance on live SP {sp} not finished at the end (abort={:?}, in flight {}, slots {})",
-                    a.abort_status(),
-                    a.copies_in_flight(),
-                    a.slots_in_use()
-                )));
-            }
-        }
-        Ok(())
+        check_instances_at_end(&self.core, &self.inst, &crashed, self.cfg.staging_slots)
     }
 
     pub(super) fn report(&self) -> SimReport {
@@ -314,12 +284,13 @@ impl<'a> Sim<'a> {
             stats.regions_shared += s.regions_shared;
         }
         let done = self.ops.iter().flat_map(|o| o.done.iter()).flatten();
+        let (end_ns, sp_end_ns, error_completions) = completion_summary(done);
         SimReport {
             seed: self.cfg.seed,
             world_size: self.cfg.world_size(),
             sps: self.cfg.sp_count(),
-            end_ns: done.clone().map(|d| d.host_at).max().unwrap_or(0),
-            sp_end_ns: done.clone().map(|d| d.at).max().unwrap_or(0),
+            end_ns,
+            sp_end_ns,
             events: self.core.events,
             messages: self.core.messages,
             moves: self.ops.iter().map(|o| o.moves).sum(),
@@ -336,7 +307,7 @@ impl<'a> Sim<'a> {
             bytes_copied: self.bytes_copied,
             max_in_flight: self.core.max_in_flight,
             stats,
-            error_completions: done.filter(|d| !d.status.is_ok()).count() as u64,
+            error_completions,
             crashed_sps: self.core.crashed.clone(),
             dead_ranks: self.core.dead.clone(),
         }

@@ -112,12 +112,10 @@ impl<'a> Sim<'a> {
                 }
             }
         }
-        let out = now + self.cfg.cost.msg_proc_ns;
-        for op in touched {
-            self.drain(sp, op, out)?;
-        }
-        self.pump(sp, out)
+        self.finish_input(sp, now, touched)
     }
+
+    crate::sim::shared::finish_input!();
 
     pub(super) fn drain(&mut self, sp: SpId, op: usize, out: Nanos) -> Result<(), SimFailure> {
         while let Some(action) = self.instance(sp, op).poll_action() {
@@ -136,7 +134,7 @@ impl<'a> Sim<'a> {
                     rank,
                     status,
                     from_segment,
-                } => self.complete(op, sp, rank, status, from_segment, out)?,
+                } => self.complete((op, sp, rank), (status, from_segment), out)?,
             }
         }
         Ok(())
@@ -160,14 +158,14 @@ impl<'a> Sim<'a> {
                 "op {op}: SP {sp} emitted a bad move {m:?} (its children: {want:?})"
             )));
         }
-        self.begin_read(op, sp, m.src_slot.0, "a move")?;
+        self.begin_read((op, sp, m.src_slot.0), "a move")?;
         let payload = self.shadow(op, sp, m.src_slot.0)?.data[..m.len as usize].to_vec();
         let ppm = self.cfg.faults.copy_error_ppm as u64;
         let fail = ppm > 0 && self.core.rng.chance(ppm, 1_000_000);
         if fail {
             self.ops[op].disturbed = true;
         } else {
-            self.begin_write(op, m.to, m.dst_slot.0, "an incoming move")?;
+            self.begin_write((op, m.to, m.dst_slot.0), "an incoming move")?;
         }
         let inter = self.core.sp_node(sp) != self.core.sp_node(m.to);
         let c = &self.cfg.cost;
@@ -212,24 +210,18 @@ impl<'a> Sim<'a> {
         Ok(())
     }
 
-    pub(super) fn complete(
+    /// The host's side of a completion the checks admitted: with
+    /// `from_segment`, the rank's copy out of the region (checked, done,
+    /// costed); returns when the data are in the rank's buffer.
+    fn host_copy(
         &mut self,
-        op: usize,
-        sp: SpId,
-        rank: Rank,
+        (op, sp, rank): (usize, SpId, Rank),
         status: Status,
         from_segment: bool,
         at: Nanos,
-    ) -> Result<(), SimFailure> {
+    ) -> Result<Nanos, SimFailure> {
         let r = rank as usize;
         let o = &self.ops[op];
-        self.core.check_completion(
-            (op, sp, rank),
-            status,
-            o.post_ns[r].is_some(),
-            o.done[r].map(|d| (d.at, d.status)),
-            o.notified.contains(&sp),
-        )?;
         let mut host_at = at;
         if from_segment {
             if !status.is_ok() || self.cfg.design != Design::Hier || o.post_root[r] == rank {
@@ -274,14 +266,10 @@ impl<'a> Sim<'a> {
             let node = self.core.sp_node(sp);
             host_at = at + self.core.copy_cost(node, sp, n as u64);
         }
-        self.ops[op].done[r] = Some(Done {
-            at,
-            status,
-            from_segment,
-            host_at,
-        });
-        Ok(())
+        Ok(host_at)
     }
+
+    crate::sim::staged_common::staged_complete!();
 
     pub(super) fn pump(&mut self, sp: SpId, at: Nanos) -> Result<(), SimFailure> {
         while let Some((op, work)) = self.core.next_copy(sp)? {
@@ -290,10 +278,10 @@ impl<'a> Sim<'a> {
             };
             self.check_open(op, sp, &c, "started")?;
             if let Loc::Stage { slot, .. } = c.src {
-                self.begin_read(op, sp, slot.0, "a copy")?;
+                self.begin_read((op, sp, slot.0), "a copy")?;
             }
             if let Loc::Stage { slot, .. } = c.dst {
-                self.begin_write(op, sp, slot.0, "a read from the root")?;
+                self.begin_write((op, sp, slot.0), "a read from the root")?;
             }
             let node = self.core.sp_node(sp);
             let cost = self.core.copy_cost(node, sp, c.len);

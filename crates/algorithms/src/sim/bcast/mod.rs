@@ -52,11 +52,12 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
-use super::driver::{self, run_events, Collective, Core, Ev, Params};
+use super::driver::{self, Core, Ev};
 use super::rng::splitmix64;
+use super::shared::{draw_len, world_key};
 use super::{sentinel, CostModel, Layout, SimFailure};
 use crate::bcast::{Action, Bcast, Config, Copy, Design, Loc, Move, Msg, Post, Stats};
-use crate::{CollKey, CommId, Nanos, Rank, SpId, Status};
+use crate::{CollKey, Nanos, Rank, SpId, Status};
 
 mod checks;
 mod events;
@@ -156,14 +157,6 @@ impl SimConfig {
             max_virtual_ns: 100_000_000_000,
         }
     }
-
-    pub fn world_size(&self) -> u32 {
-        self.nodes * self.ranks_per_node
-    }
-
-    pub fn sp_count(&self) -> u32 {
-        self.nodes * self.sps_per_node
-    }
 }
 
 /// Key material: a rank's buffer, or the segment it can read.
@@ -204,10 +197,5 @@ pub struct SimReport {
     pub dead_ranks: Vec<u32>,
 }
 
-/// Run one simulation; `Err` carries the seed and what went wrong.
-pub fn run(cfg: &SimConfig) -> Result<SimReport, SimFailure> {
-    let mut sim = Sim::new(cfg)?;
-    run_events(&mut sim)?;
-    sim.final_checks()?;
-    Ok(sim.report())
-}
+super::shared::sim_config!();
+super::shared::world_schedule!();

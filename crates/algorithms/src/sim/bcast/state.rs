@@ -4,21 +4,9 @@
 use super::*;
 
 /// A staging slot as the simulator sees it.
-#[derive(Clone, Debug, Default)]
-pub(super) struct Shadow {
-    pub(super) data: Vec<u8>,
-    pub(super) readers: u32,
-    pub(super) writers: u32,
-}
+pub(super) type Shadow = crate::sim::staged_common::Shadow<Vec<u8>>;
 
-#[derive(Clone, Copy, Debug)]
-pub(super) struct Done {
-    pub(super) at: Nanos,
-    pub(super) status: Status,
-    pub(super) from_segment: bool,
-    /// When the data is in the rank's own buffer.
-    pub(super) host_at: Nanos,
-}
+pub(super) use crate::sim::staged_common::Done;
 
 pub(super) struct Op {
     pub(super) key: CollKey,
@@ -72,36 +60,7 @@ pub(super) struct Sim<'a> {
     pub(super) bytes_copied: u64,
 }
 
-impl Collective for Sim<'_> {
-    type Msg = Env;
-    type Copy = Work;
-
-    fn core(&mut self) -> &mut Core<Env, Work> {
-        &mut self.core
-    }
-
-    fn on_crash(&mut self, _sp: SpId) {
-        for o in self.ops.iter_mut() {
-            o.disturbed = true;
-        }
-    }
-
-    fn on_rank_death(&mut self, world: u32) {
-        for o in self.ops.iter_mut() {
-            if o.done[world as usize].is_none() {
-                o.disturbed = true;
-            }
-        }
-    }
-
-    fn process(&mut self, sp: SpId, input: Input) -> Result<(), SimFailure> {
-        self.process_input(sp, input)
-    }
-
-    fn over_budget(core: &Core<Env, Work>) -> SimFailure {
-        core.fail("no termination within the event/time bound")
-    }
-}
+crate::sim::shared::world_collective!(Env, Work);
 
 /// The tree the simulator expects (computed here independently of the
 /// algorithm), as groups per node: the root's node first with the root's SP
@@ -146,19 +105,7 @@ pub(super) fn tree_children(tree: &[Vec<SpId>], sp: SpId) -> Vec<SpId> {
 
 impl<'a> Sim<'a> {
     pub(super) fn new(cfg: &'a SimConfig) -> Result<Sim<'a>, SimFailure> {
-        let (mut core, mut setup) = Core::new(Params {
-            seed: cfg.seed,
-            nodes: cfg.nodes,
-            ranks_per_node: cfg.ranks_per_node,
-            sps_per_node: cfg.sps_per_node,
-            layout: cfg.layout,
-            max_inflight_reads: cfg.max_inflight_reads,
-            cost: cfg.cost,
-            msg_jitter_ns: cfg.faults.msg_jitter_ns,
-            detect_delay_ns: cfg.faults.detect_delay_ns,
-            max_events: cfg.max_events,
-            max_virtual_ns: cfg.max_virtual_ns,
-        })?;
+        let (mut core, mut setup) = Core::new(cfg.params())?;
         let w = cfg.world_size();
         let p = w as usize;
         let chunk = cfg.chunk_bytes.max(1);
@@ -173,29 +120,14 @@ impl<'a> Sim<'a> {
         let mut ops = Vec::new();
         for i in 0..cfg.ops as usize {
             let root = cfg.root.unwrap_or_else(|| setup.below(w as u64) as Rank);
-            let len = cfg.len_bytes.unwrap_or_else(|| {
-                let pick = setup.below(100);
-                if pick < 10 {
-                    0
-                } else if pick < 20 {
-                    1
-                } else if pick < 35 {
-                    chunk * setup.range(1, 4)
-                } else {
-                    setup.range(0, cfg.max_len_bytes)
-                }
-            });
+            let len = draw_len(&mut setup, cfg.len_bytes, chunk, 4, cfg.max_len_bytes);
             let base = splitmix64(cfg.seed ^ splitmix64(i as u64 + 1));
             let data: Vec<u8> = (0..len)
                 .map(|b| splitmix64(base.wrapping_add(b)) as u8)
                 .collect();
             let n = if len == 0 { 1 } else { len.div_ceil(chunk) };
             ops.push(Op {
-                key: CollKey {
-                    job: 1,
-                    comm: CommId { leader: 0, id: 0 },
-                    seq: i as u64,
-                },
+                key: world_key(i),
                 root,
                 len,
                 n,
@@ -281,93 +213,37 @@ impl<'a> Sim<'a> {
             local,
             bytes_copied: 0,
         };
-        sim.core.schedule_world_posts(
-            &mut setup,
-            cfg.ops,
-            cfg.op_gap_ns,
-            cfg.arrival_skew_ns,
-            (cfg.late_ranks, cfg.late_delay_ns),
-        );
-        let f = &cfg.faults;
-        sim.core.schedule_faults(
-            &mut setup,
-            (f.sp_crashes, f.crash_window_ns),
-            (f.rank_deaths, f.death_window_ns),
-        );
+        cfg.schedule_world(&mut sim.core, &mut setup);
         Ok(sim)
     }
 
-    pub(super) fn fail(&self, what: impl Into<String>) -> SimFailure {
-        self.core.fail(what)
-    }
-
-    pub(super) fn instance(&mut self, sp: SpId, op: usize) -> &mut Bcast<SimKey> {
-        let key = self.ops[op].key;
-        let cfg = Config {
-            me: sp,
-            chunk_bytes: self.cfg.chunk_bytes,
-            staging_slots: self.cfg.staging_slots,
-        };
-        self.inst
-            .entry((sp, op))
-            .or_insert_with(|| Bcast::new(key, cfg))
-    }
-
-    pub(super) fn slots(&self) -> usize {
-        self.cfg.staging_slots.max(1) as usize
-    }
-
-    pub(super) fn shadow(
-        &mut self,
-        op: usize,
-        sp: SpId,
-        slot: u32,
-    ) -> Result<&mut Shadow, SimFailure> {
-        let size = self.cfg.chunk_bytes.max(1) as usize;
-        let fresh = || Shadow {
-            data: vec![0xEE; size],
-            ..Shadow::default()
-        };
-        let slots = self.slots();
-        let staging = &mut self.ops[op].staging;
-        self.core
-            .staging_slot(staging, (op, sp, slot), slots, fresh)
-    }
+    crate::sim::staged_common::staged_sim_basics!(Bcast, |size| vec![0xEE; size as usize]);
 
     /// Start writing slot `slot` of `sp` (nothing else may touch it).
     pub(super) fn begin_write(
         &mut self,
-        op: usize,
-        sp: SpId,
-        slot: u32,
+        (op, sp, slot): (usize, SpId, u32),
         what: &str,
     ) -> Result<(), SimFailure> {
-        let s = self.shadow(op, sp, slot)?;
-        if s.readers > 0 || s.writers > 0 {
-            let (r, w) = (s.readers, s.writers);
+        if let Err((r, w)) = self.shadow(op, sp, slot)?.begin_write() {
             return Err(self.fail(format!(
                 "op {op}: {what} writes staging slot {slot} of SP {sp} while {r} reads and {w} writes are in flight on it"
             )));
         }
-        s.writers = 1;
         Ok(())
     }
 
     /// Start reading slot `slot` of `sp` (no write may be in flight).
     pub(super) fn begin_read(
         &mut self,
-        op: usize,
-        sp: SpId,
-        slot: u32,
+        (op, sp, slot): (usize, SpId, u32),
         what: &str,
     ) -> Result<(), SimFailure> {
-        let s = self.shadow(op, sp, slot)?;
-        if s.writers > 0 {
+        if !self.shadow(op, sp, slot)?.begin_read() {
             return Err(self.fail(format!(
                 "op {op}: {what} reads staging slot {slot} of SP {sp} while it is being written"
             )));
         }
-        s.readers += 1;
         Ok(())
     }
 }

@@ -1,6 +1,9 @@
 //! The checkers of copies and completions, the final checks and the report.
 
 use super::*;
+use crate::sim::staged_common::{
+    check_clean_completion, check_instances_at_end, completion_summary, due_completion,
+};
 
 impl<'a> Sim<'a> {
     /// The shape of a copy when the SP emits it.
@@ -136,7 +139,7 @@ impl<'a> Sim<'a> {
             Loc::Stage { slot, .. } => {
                 let s = self.shadow(op, sp, slot.0)?;
                 s.readers -= 1;
-                s.mem.read(0, c.len)
+                s.data.read(0, c.len)
             }
         };
         let pieces = if ok {
@@ -152,7 +155,7 @@ impl<'a> Sim<'a> {
             Loc::Stage { slot, .. } => {
                 let s = self.shadow(op, sp, slot.0)?;
                 s.writers = 0;
-                s.mem.write(0, &pieces);
+                s.data.write(0, &pieces);
                 if ok {
                     self.reads += 1;
                     self.ops[op].reads += 1;
@@ -190,24 +193,18 @@ impl<'a> Sim<'a> {
         Ok(())
     }
 
-    pub(super) fn complete(
+    /// The host's side of a completion the checks admitted: with
+    /// `from_segment`, the rank's copy out of the region (checked, done,
+    /// costed); returns when the data are in the rank's buffer.
+    fn host_copy(
         &mut self,
-        op: usize,
-        sp: SpId,
-        rank: Rank,
+        (op, sp, rank): (usize, SpId, Rank),
         status: Status,
         from_segment: bool,
         at: Nanos,
-    ) -> Result<(), SimFailure> {
+    ) -> Result<Nanos, SimFailure> {
         let r = rank as usize;
         let o = &self.ops[op];
-        self.core.check_completion(
-            (op, sp, rank),
-            status,
-            o.post_ns[r].is_some(),
-            o.done[r].map(|d| (d.at, d.status)),
-            o.notified.contains(&sp),
-        )?;
         let mut host_at = at;
         let mode = self.mode(o, sp);
         let mut read_from = None;
@@ -252,14 +249,10 @@ impl<'a> Sim<'a> {
         if let Some(owner) = read_from {
             o.sealed[owner as usize].get_or_insert(at);
         }
-        o.done[r] = Some(Done {
-            at,
-            status,
-            from_segment,
-            host_at,
-        });
-        Ok(())
+        Ok(host_at)
     }
+
+    crate::sim::staged_common::staged_complete!();
 
     pub(super) fn final_checks(&mut self) -> Result<(), SimFailure> {
         let crashed: BTreeSet<SpId> = self.core.crashed.iter().copied().collect();
@@ -273,32 +266,18 @@ impl<'a> Sim<'a> {
                         "op {i}: rank {r}: byte {j} past the data was written"
                     )));
                 }
-                let d = match o.done[r] {
-                    Some(d) => d,
-                    None if crashed.contains(&sp) || o.post_ns[r].is_none() => continue,
-                    None => {
-                        let inst = self.inst.get(&(sp, i));
-                        return Err(self.fail(format!(
-                            "op {i} rank {r} (SP {sp}) never completed (posted {:?}; instance: {}) -- deadlock",
-                            o.post_ns[r],
-                            inst.map_or("none".into(), |a| format!(
-                                "abort={:?} in_flight={} slots={} stats={:?}",
-                                a.abort_status(),
-                                a.copies_in_flight(),
-                                a.slots_in_use(),
-                                a.stats()
-                            ))
-                        )));
-                    }
-                };
+                let due = due_completion(
+                    &self.core,
+                    &self.inst,
+                    &crashed,
+                    (i, r, sp),
+                    o.done[r],
+                    o.post_ns[r],
+                )?;
+                let Some(d) = due else { continue };
                 if !o.disturbed {
                     let seg = self.mode(o, sp) != SimMode::Flat;
-                    if !d.status.is_ok() || d.from_segment != seg {
-                        return Err(self.fail(format!(
-                            "op {i} rank {r}: {} (from_segment {}) without a fault",
-                            d.status, d.from_segment
-                        )));
-                    }
+                    check_clean_completion(&self.core, (i, r), d, seg)?;
                 }
                 if d.status.is_ok() {
                     // Every rank posted, all with this rank's length and
@@ -380,26 +359,7 @@ impl<'a> Sim<'a> {
                 }
             }
         }
-        for (&(sp, op), a) in &self.inst {
-            if crashed.contains(&sp) {
-                continue;
-            }
-            if a.stats().max_slots_in_use > self.cfg.staging_slots.max(1) {
-                return Err(self.fail(format!(
-                    "op {op}: SP {sp} used {} staging slots",
-                    a.stats().max_slots_in_use
-                )));
-            }
-            if a.members().is_some() && !a.is_finished() {
-                return Err(self.fail(format!(
-                    "op {op}: instance on live SP {sp} not finished at the end (abort={:?}, in flight {}, slots {})",
-                    a.abort_status(),
-                    a.copies_in_flight(),
-                    a.slots_in_use()
-                )));
-            }
-        }
-        Ok(())
+        check_instances_at_end(&self.core, &self.inst, &crashed, self.cfg.staging_slots)
     }
 
     /// How SP `sp` receives in `o` (on the world communicator): a node
@@ -451,12 +411,13 @@ impl<'a> Sim<'a> {
             stats.ignored_from_lost_sp += s.ignored_from_lost_sp;
         }
         let done = self.ops.iter().flat_map(|o| o.done.iter()).flatten();
+        let (end_ns, sp_end_ns, error_completions) = completion_summary(done);
         SimReport {
             seed: self.cfg.seed,
             world_size: self.cfg.world_size(),
             sps: self.cfg.sp_count(),
-            end_ns: done.clone().map(|d| d.host_at).max().unwrap_or(0),
-            sp_end_ns: done.clone().map(|d| d.at).max().unwrap_or(0),
+            end_ns,
+            sp_end_ns,
             events: self.core.events,
             messages: self.core.messages,
             reads: self.reads,
@@ -467,7 +428,7 @@ impl<'a> Sim<'a> {
             max_link_busy_ns: self.link_busy.values().copied().max().unwrap_or(0),
             max_in_flight: self.core.max_in_flight,
             stats,
-            error_completions: done.filter(|d| !d.status.is_ok()).count() as u64,
+            error_completions,
             after_finish_dropped: self.after_finish_dropped,
             after_finish_refused: self.after_finish_refused,
             crashed_sps: self.core.crashed.clone(),

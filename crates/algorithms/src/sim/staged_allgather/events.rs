@@ -116,12 +116,10 @@ impl<'a> Sim<'a> {
                 }
             }
         }
-        let out = now + self.cfg.cost.msg_proc_ns;
-        for op in touched {
-            self.drain(sp, op, out)?;
-        }
-        self.pump(sp, out)
+        self.finish_input(sp, now, touched)
     }
+
+    crate::sim::shared::finish_input!();
 
     pub(super) fn drain(&mut self, sp: SpId, op: usize, out: Nanos) -> Result<(), SimFailure> {
         while let Some(action) = self.inst.get_mut(&(sp, op)).and_then(|a| a.poll_action()) {
@@ -138,7 +136,7 @@ impl<'a> Sim<'a> {
                     rank,
                     status,
                     from_segment,
-                } => self.complete(op, sp, rank, status, from_segment, out)?,
+                } => self.complete((op, sp, rank), (status, from_segment), out)?,
             }
         }
         Ok(())
@@ -149,25 +147,20 @@ impl<'a> Sim<'a> {
         while let Some((op, c)) = self.core.next_copy(sp)? {
             self.check_open(op, &c, "started")?;
             if let Loc::Stage { slot, .. } = c.src {
-                let s = self.shadow(op, sp, slot.0)?;
-                if s.writers > 0 {
+                if !self.shadow(op, sp, slot.0)?.begin_read() {
                     return Err(self.fail(format!(
                         "op {op}: a write reads staging slot {} of SP {sp} while it is being filled",
                         slot.0
                     )));
                 }
-                s.readers += 1;
             }
             if let Loc::Stage { slot, .. } = c.dst {
-                let s = self.shadow(op, sp, slot.0)?;
-                if s.readers > 0 || s.writers > 0 {
-                    let (r, w) = (s.readers, s.writers);
+                if let Err((r, w)) = self.shadow(op, sp, slot.0)?.begin_write() {
                     return Err(self.fail(format!(
                         "op {op}: a read fills staging slot {} of SP {sp} while {r} writes out of it and {w} reads into it are in flight",
                         slot.0
                     )));
                 }
-                s.writers = 1;
             }
             let node = self.core.sp_node(sp);
             let done_at = match &c.dst {

@@ -61,12 +61,13 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
-use super::driver::{self, run_events, Collective, Core, Ev, Params};
+use super::driver::{self, Core, Ev};
+use super::shared::{draw_len, world_key};
 use super::{CostModel, Layout, SimFailure};
 use crate::staged_allgather::{
     node_owner, refusal, Action, Config, Copy, Design, Loc, Msg, Post, StagedAllgather, Stats,
 };
-use crate::{CollKey, CommId, Nanos, Rank, SpId, Status};
+use crate::{CollKey, Nanos, Rank, SpId, Status};
 
 mod checks;
 mod events;
@@ -187,14 +188,6 @@ impl SimConfig {
             max_virtual_ns: 1_000_000_000_000,
         }
     }
-
-    pub fn world_size(&self) -> u32 {
-        self.nodes * self.ranks_per_node
-    }
-
-    pub fn sp_count(&self) -> u32 {
-        self.nodes * self.sps_per_node
-    }
 }
 
 /// Which grant of a rank a key names.
@@ -250,10 +243,5 @@ pub struct SimReport {
     pub dead_ranks: Vec<u32>,
 }
 
-/// Run one simulation; `Err` carries the seed and what went wrong.
-pub fn run(cfg: &SimConfig) -> Result<SimReport, SimFailure> {
-    let mut sim = Sim::new(cfg)?;
-    run_events(&mut sim)?;
-    sim.final_checks()?;
-    Ok(sim.report())
-}
+super::shared::sim_config!();
+super::shared::world_schedule!();

@@ -6,21 +6,9 @@ use super::*;
 // ---- the simulator ----------------------------------------------------------
 
 /// A staging slot as the simulator sees it.
-#[derive(Clone, Debug)]
-pub(super) struct Shadow {
-    pub(super) mem: Mem,
-    pub(super) readers: u32,
-    pub(super) writers: u32,
-}
+pub(super) type Shadow = crate::sim::staged_common::Shadow<Mem>;
 
-#[derive(Clone, Copy, Debug)]
-pub(super) struct Done {
-    pub(super) at: Nanos,
-    pub(super) status: Status,
-    pub(super) from_segment: bool,
-    /// When the data are in the rank's own buffer.
-    pub(super) host_at: Nanos,
-}
+pub(super) use crate::sim::staged_common::Done;
 
 pub(super) struct Op {
     pub(super) key: CollKey,
@@ -71,52 +59,11 @@ pub(super) struct Sim<'a> {
     pub(super) link_busy: BTreeMap<(u32, u32), Nanos>,
 }
 
-impl Collective for Sim<'_> {
-    type Msg = Env;
-    type Copy = Copy<SimKey>;
-
-    fn core(&mut self) -> &mut Core<Env, Copy<SimKey>> {
-        &mut self.core
-    }
-
-    fn on_crash(&mut self, _sp: SpId) {
-        for o in self.ops.iter_mut() {
-            o.disturbed = true;
-        }
-    }
-
-    fn on_rank_death(&mut self, world: u32) {
-        for o in self.ops.iter_mut() {
-            if o.done[world as usize].is_none() {
-                o.disturbed = true;
-            }
-        }
-    }
-
-    fn process(&mut self, sp: SpId, input: Input) -> Result<(), SimFailure> {
-        self.process_input(sp, input)
-    }
-
-    fn over_budget(core: &Core<Env, Copy<SimKey>>) -> SimFailure {
-        core.fail("no termination within the event/time bound")
-    }
-}
+crate::sim::shared::world_collective!(Env, Copy<SimKey>);
 
 impl<'a> Sim<'a> {
     pub(super) fn new(cfg: &'a SimConfig) -> Result<Sim<'a>, SimFailure> {
-        let (core, mut setup) = Core::new(Params {
-            seed: cfg.seed,
-            nodes: cfg.nodes,
-            ranks_per_node: cfg.ranks_per_node,
-            sps_per_node: cfg.sps_per_node,
-            layout: cfg.layout,
-            max_inflight_reads: cfg.max_inflight_reads,
-            cost: cfg.cost,
-            msg_jitter_ns: cfg.faults.msg_jitter_ns,
-            detect_delay_ns: cfg.faults.detect_delay_ns,
-            max_events: cfg.max_events,
-            max_virtual_ns: cfg.max_virtual_ns,
-        })?;
+        let (core, mut setup) = Core::new(cfg.params())?;
         let w = cfg.world_size();
         let p = w as usize;
         let chunk = cfg.chunk_bytes.max(1);
@@ -127,18 +74,7 @@ impl<'a> Sim<'a> {
             .collect();
         let mut ops = Vec::new();
         for i in 0..cfg.ops as usize {
-            let len = cfg.len_bytes.unwrap_or_else(|| {
-                let pick = setup.below(100);
-                if pick < 10 {
-                    0
-                } else if pick < 20 {
-                    1
-                } else if pick < 35 {
-                    chunk * setup.range(1, 3)
-                } else {
-                    setup.range(0, cfg.max_len_bytes)
-                }
-            });
+            let len = draw_len(&mut setup, cfg.len_bytes, chunk, 3, cfg.max_len_bytes);
             let design = (0..sp_count)
                 .map(|_| {
                     if !cfg.mixed_designs {
@@ -151,11 +87,7 @@ impl<'a> Sim<'a> {
                 })
                 .collect();
             ops.push(Op {
-                key: CollKey {
-                    job: 1,
-                    comm: CommId { leader: 0, id: 0 },
-                    seq: i as u64,
-                },
+                key: world_key(i),
                 len,
                 n: if len == 0 { 0 } else { len.div_ceil(chunk) },
                 post_len: vec![len; p],
@@ -234,61 +166,16 @@ impl<'a> Sim<'a> {
             after_finish_refused: 0,
             link_busy: BTreeMap::new(),
         };
-        sim.core.schedule_world_posts(
-            &mut setup,
-            cfg.ops,
-            cfg.op_gap_ns,
-            cfg.arrival_skew_ns,
-            (cfg.late_ranks, cfg.late_delay_ns),
-        );
-        let f = &cfg.faults;
-        sim.core.schedule_faults(
-            &mut setup,
-            (f.sp_crashes, f.crash_window_ns),
-            (f.rank_deaths, f.death_window_ns),
-        );
+        cfg.schedule_world(&mut sim.core, &mut setup);
         Ok(sim)
     }
 
-    pub(super) fn fail(&self, what: impl Into<String>) -> SimFailure {
-        self.core.fail(what)
-    }
-
-    pub(super) fn instance(&mut self, sp: SpId, op: usize) -> &mut StagedAllgather<SimKey> {
-        let key = self.ops[op].key;
-        let cfg = Config {
-            me: sp,
-            chunk_bytes: self.cfg.chunk_bytes,
-            staging_slots: self.cfg.staging_slots,
-        };
-        self.inst
-            .entry((sp, op))
-            .or_insert_with(|| StagedAllgather::new(key, cfg))
-    }
+    crate::sim::staged_common::staged_sim_basics!(StagedAllgather, |size| Mem::new(
+        size,
+        Src::Garbage
+    ));
 
     pub(super) fn finished(&self, sp: SpId, op: usize) -> bool {
         self.inst.get(&(sp, op)).is_some_and(|a| a.is_finished())
-    }
-
-    pub(super) fn slots(&self) -> usize {
-        self.cfg.staging_slots.max(1) as usize
-    }
-
-    pub(super) fn shadow(
-        &mut self,
-        op: usize,
-        sp: SpId,
-        slot: u32,
-    ) -> Result<&mut Shadow, SimFailure> {
-        let size = self.cfg.chunk_bytes.max(1);
-        let fresh = || Shadow {
-            mem: Mem::new(size, Src::Garbage),
-            readers: 0,
-            writers: 0,
-        };
-        let slots = self.slots();
-        let staging = &mut self.ops[op].staging;
-        self.core
-            .staging_slot(staging, (op, sp, slot), slots, fresh)
     }
 }

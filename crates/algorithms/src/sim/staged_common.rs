@@ -1,0 +1,286 @@
+//! What the two staged simulators (`bcast`, `staged_allgather`) share:
+//! the record of a rank's completion, and the checks of completions and
+//! instances that do not depend on the collective.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::driver::Core;
+use super::SimFailure;
+use crate::bcast::Bcast;
+use crate::staged_allgather::StagedAllgather;
+use crate::{Nanos, Rank, SpId, Status};
+
+/// A rank's completion as the simulator recorded it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Done {
+    pub(crate) at: Nanos,
+    pub(crate) status: Status,
+    pub(crate) from_segment: bool,
+    /// When the data are in the rank's own buffer.
+    pub(crate) host_at: Nanos,
+}
+
+/// What the checks ask of a staged instance.
+pub(crate) trait StagedInstance {
+    fn abort_status(&self) -> Option<Status>;
+    fn copies_in_flight(&self) -> usize;
+    fn slots_in_use(&self) -> usize;
+    fn max_slots_in_use(&self) -> u32;
+    /// Its counters, with `Debug`.
+    fn stats_text(&self) -> String;
+    /// It learned its members (a local rank posted, or a peer told it).
+    fn has_members(&self) -> bool;
+    fn is_finished(&self) -> bool;
+}
+
+macro_rules! staged_instance {
+    ($machine:ident) => {
+        impl<K: Clone + std::fmt::Debug + PartialEq> StagedInstance for $machine<K> {
+            fn abort_status(&self) -> Option<Status> {
+                $machine::abort_status(self)
+            }
+            fn copies_in_flight(&self) -> usize {
+                $machine::copies_in_flight(self)
+            }
+            fn slots_in_use(&self) -> usize {
+                $machine::slots_in_use(self)
+            }
+            fn max_slots_in_use(&self) -> u32 {
+                self.stats().max_slots_in_use
+            }
+            fn stats_text(&self) -> String {
+                format!("{:?}", self.stats())
+            }
+            fn has_members(&self) -> bool {
+                self.members().is_some()
+            }
+            fn is_finished(&self) -> bool {
+                $machine::is_finished(self)
+            }
+        }
+    };
+}
+staged_instance!(Bcast);
+staged_instance!(StagedAllgather);
+
+/// Checks a completion of `rank` of collective `op` by SP `sp` against what
+/// the simulator recorded for the rank (`post_ns`, `done`) and whether `sp`
+/// learned of a fault touching the collective (`notified`).
+pub(crate) fn check_completion<M, C>(
+    core: &Core<M, C>,
+    at: (usize, SpId, Rank),
+    status: Status,
+    post_ns: Option<Nanos>,
+    done: Option<Done>,
+    notified: bool,
+) -> Result<(), SimFailure> {
+    let before = done.map(|d| (d.at, d.status));
+    core.check_completion(at, status, post_ns.is_some(), before, notified)
+}
+
+/// Rank `r` (on SP `sp`) of collective `i` at the end of the run: its
+/// completion, `None` if none was due (its SP crashed or it never posted),
+/// or a deadlock failure naming the instance's state.
+pub(crate) fn due_completion<M, C, I: StagedInstance>(
+    core: &Core<M, C>,
+    inst: &BTreeMap<(SpId, usize), I>,
+    crashed: &BTreeSet<SpId>,
+    (i, r, sp): (usize, usize, SpId),
+    done: Option<Done>,
+    post_ns: Option<Nanos>,
+) -> Result<Option<Done>, SimFailure> {
+    match done {
+        Some(d) => Ok(Some(d)),
+        None if crashed.contains(&sp) || post_ns.is_none() => Ok(None),
+        None => {
+            let inst = inst.get(&(sp, i));
+            Err(core.fail(format!(
+                "op {i} rank {r} (SP {sp}) never completed (posted {post_ns:?}; instance: {}) -- deadlock",
+                inst.map_or("none".into(), |a| format!(
+                    "abort={:?} in_flight={} slots={} stats={}",
+                    a.abort_status(),
+                    a.copies_in_flight(),
+                    a.slots_in_use(),
+                    a.stats_text()
+                ))
+            )))
+        }
+    }
+}
+
+/// A completion of a collective no fault touched: `Ok`, and from the
+/// segment exactly when `seg`.
+pub(crate) fn check_clean_completion<M, C>(
+    core: &Core<M, C>,
+    (i, r): (usize, usize),
+    d: Done,
+    seg: bool,
+) -> Result<(), SimFailure> {
+    if !d.status.is_ok() || d.from_segment != seg {
+        return Err(core.fail(format!(
+            "op {i} rank {r}: {} (from_segment {}) without a fault",
+            d.status, d.from_segment
+        )));
+    }
+    Ok(())
+}
+
+/// Every instance of a live SP at the end: within `staging_slots` (at
+/// least 1), and finished if it learned its members.
+pub(crate) fn check_instances_at_end<M, C, I: StagedInstance>(
+    core: &Core<M, C>,
+    inst: &BTreeMap<(SpId, usize), I>,
+    crashed: &BTreeSet<SpId>,
+    staging_slots: u32,
+) -> Result<(), SimFailure> {
+    for (&(sp, op), a) in inst {
+        if crashed.contains(&sp) {
+            continue;
+        }
+        if a.max_slots_in_use() > staging_slots.max(1) {
+            return Err(core.fail(format!(
+                "op {op}: SP {sp} used {} staging slots",
+                a.max_slots_in_use()
+            )));
+        }
+        if a.has_members() && !a.is_finished() {
+            return Err(core.fail(format!(
+                "op {op}: instance on live SP {sp} not finished at the end (abort={:?}, in flight {}, slots {})",
+                a.abort_status(),
+                a.copies_in_flight(),
+                a.slots_in_use()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Over every recorded completion: the latest time a rank had the data in
+/// its own buffer, the latest completion by an SP, and the completions
+/// that were not `Ok`.
+pub(crate) fn completion_summary<'a>(
+    done: impl Iterator<Item = &'a Done> + Clone,
+) -> (Nanos, Nanos, u64) {
+    (
+        done.clone().map(|d| d.host_at).max().unwrap_or(0),
+        done.clone().map(|d| d.at).max().unwrap_or(0),
+        done.filter(|d| !d.status.is_ok()).count() as u64,
+    )
+}
+
+/// A staging slot as the simulator sees it: its contents and the copies or
+/// moves in flight on it.
+#[derive(Clone, Debug)]
+pub(crate) struct Shadow<D> {
+    pub(crate) data: D,
+    pub(crate) readers: u32,
+    pub(crate) writers: u32,
+}
+
+impl<D> Shadow<D> {
+    pub(crate) fn new(data: D) -> Shadow<D> {
+        Shadow {
+            data,
+            readers: 0,
+            writers: 0,
+        }
+    }
+
+    /// Starts filling the slot; nothing else may be in flight on it (else
+    /// `Err((readers, writers))`).
+    pub(crate) fn begin_write(&mut self) -> Result<(), (u32, u32)> {
+        if self.readers > 0 || self.writers > 0 {
+            return Err((self.readers, self.writers));
+        }
+        self.writers = 1;
+        Ok(())
+    }
+
+    /// Starts reading the slot; no write may be in flight on it (else
+    /// `false`).
+    pub(crate) fn begin_read(&mut self) -> bool {
+        if self.writers > 0 {
+            return false;
+        }
+        self.readers += 1;
+        true
+    }
+}
+
+/// In a staged simulator's `impl Sim`: `fail`, `instance` (the `$machine`
+/// of SP `sp` in collective `op`, made on first use), `slots` and `shadow`
+/// (staging slot `slot` of `sp` in `op`, made as `Shadow::new($fresh)` with
+/// `$size` the chunk size).
+macro_rules! staged_sim_basics {
+    ($machine:ident, |$size:ident| $fresh:expr) => {
+        pub(super) fn fail(&self, what: impl Into<String>) -> SimFailure {
+            self.core.fail(what)
+        }
+
+        pub(super) fn instance(&mut self, sp: SpId, op: usize) -> &mut $machine<SimKey> {
+            let key = self.ops[op].key;
+            let cfg = Config {
+                me: sp,
+                chunk_bytes: self.cfg.chunk_bytes,
+                staging_slots: self.cfg.staging_slots,
+            };
+            self.inst
+                .entry((sp, op))
+                .or_insert_with(|| $machine::new(key, cfg))
+        }
+
+        pub(super) fn slots(&self) -> usize {
+            self.cfg.staging_slots.max(1) as usize
+        }
+
+        pub(super) fn shadow(
+            &mut self,
+            op: usize,
+            sp: SpId,
+            slot: u32,
+        ) -> Result<&mut Shadow, SimFailure> {
+            let $size = self.cfg.chunk_bytes.max(1);
+            let fresh = || Shadow::new($fresh);
+            let slots = self.slots();
+            let staging = &mut self.ops[op].staging;
+            self.core
+                .staging_slot(staging, (op, sp, slot), slots, fresh)
+        }
+    };
+}
+pub(crate) use staged_sim_basics;
+
+/// In a staged simulator's `impl Sim`: `complete`, SP `sp` completing
+/// `rank` of collective `op` at `at`: [`check_completion`], then the
+/// simulator's `host_copy` (the host's side), then the record.
+macro_rules! staged_complete {
+    () => {
+        pub(super) fn complete(
+            &mut self,
+            (op, sp, rank): (usize, SpId, Rank),
+            (status, from_segment): (Status, bool),
+            at: Nanos,
+        ) -> Result<(), SimFailure> {
+            let r = rank as usize;
+            let o = &self.ops[op];
+            let notified = o.notified.contains(&sp);
+            $crate::sim::staged_common::check_completion(
+                &self.core,
+                (op, sp, rank),
+                status,
+                o.post_ns[r],
+                o.done[r],
+                notified,
+            )?;
+            let host_at = self.host_copy((op, sp, rank), status, from_segment, at)?;
+            self.ops[op].done[r] = Some(Done {
+                at,
+                status,
+                from_segment,
+                host_at,
+            });
+            Ok(())
+        }
+    };
+}
+pub(crate) use staged_complete;
