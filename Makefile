@@ -12,7 +12,7 @@ BIN := target/release
 SP := $(BIN)/service-process
 BENCH := $(BIN)/coll-bench
 
-.PHONY: all deps build test test-mpich demo bench conformance chaos fuzz soak ucx-export-test fmt clippy clean
+.PHONY: all deps build test test-mpich demo bench conformance chaos fuzz soak ucx-export-test deploy-test fmt clippy clean
 
 all: build
 
@@ -76,6 +76,13 @@ ucx-export-test: deps
 	$(CARGO) build --release -p service-process -p host-shim --bins --lib && \
 	$(CARGO) test --release -p host-shim --test mpirun_ucx ucx_export && \
 	$(CARGO) test --release -p service-process --test engine_hostile ucx_export
+
+# A real multi-node cluster made of network namespaces (needs root): per node a host and a DPU
+# namespace, SPs in the DPU namespaces, the job started by Open MPI's mpirun across the host
+# namespaces; correctness programs, the overlap benchmark, an SP and a rank killed; nothing
+# left behind (docs/DEPLOY.md). DEPLOY_SHORT=1 for the short run make test does.
+deploy-test: build
+	bash scripts/deploy-test.sh
 
 # The full benchmark; writes docs/BENCHMARKS.md.
 bench: build
