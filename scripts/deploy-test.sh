@@ -12,8 +12,8 @@
 #                                        and cases, still both faults
 # Needs root (namespaces). BIN (default target/release) holds service-process, coll-bench and
 # libhost_shim.so. Other knobs: CASES (conform cases per job), SEED, DEPLOY_SAME_KERNEL=1 (SPs
-# attach to the ranks with cma instead of UCX grants), DEPLOY_HOST_COPIES=1 (leave the blocking
-# allgathers' host copies on), DEPLOY_JOB_ENV="-x VAR=VALUE ..." (more for the ranks),
+# attach to the ranks with cma instead of UCX grants), DEPLOY_HOST_COPIES=0 (turn the blocking
+# allgathers' host copies off in the ranks), DEPLOY_JOB_ENV="-x VAR=VALUE ..." (more for the ranks),
 # KEEP_RUN_DIR=1 (keep the logs). docs/DEPLOY.md says what it proves and what not.
 # Prints one summary line at the end:
 #   deploy-test: N jobs, M offloaded, K faults handled, 0 left behind, in S s
@@ -148,13 +148,13 @@ if "$SP" wait-ready --help >/dev/null 2>&1 && "$SP" serve --help 2>&1 | grep -q 
     # UCX (rkeys), the SPs move it with UCX over the test network.
     # UCX kept to TCP (UCX_TLS=tcp) on both sides, so the bytes cross the test network too
     # rather than shared memory between processes of this one machine.
-    # SPOFF_HOST_COPIES=0: a blocking allgather's intra-node copies stay with the SPs; handed to
-    # a host reached over TCP they fail (the SP names the source by a pid such a host does not
-    # have: found by this test, reported; see docs/DEPLOY.md).
+    # Host copies stay on (the ranks' default): the SP hands a blocking allgather's intra-node
+    # copy to a rank only when it pinned the source's process, which it cannot over TCP from
+    # another machine; there it moves the bytes itself (see docs/DEPLOY.md).
     DT_SERVE_ARGS=(--ucx=on --heartbeat-ms 500 --peer-timeout-ms 4000)
     DT_SP_ENV=(-x UCX_TLS=tcp)
     # shellcheck disable=SC2206
-    DT_JOB_ENV=(-x UCX_TLS=tcp -x "SPOFF_HOST_COPIES=${DEPLOY_HOST_COPIES:-0}" ${DEPLOY_JOB_ENV:-})
+    DT_JOB_ENV=(-x UCX_TLS=tcp -x "SPOFF_HOST_COPIES=${DEPLOY_HOST_COPIES:-1}" ${DEPLOY_JOB_ENV:-})
   fi
 fi
 
