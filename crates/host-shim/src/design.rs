@@ -10,11 +10,21 @@ use bootstrap::wire::{CollKind, StagedDesign};
 /// segment part (`SPOFF_SEGMENT_BYTES`) is always `Flat`; otherwise `SPOFF_BCAST_DESIGN` (a
 /// bcast) or `SPOFF_IALLGATHER_DESIGN` (a staged iallgather) `=flat|hier` forces one, and
 /// `auto` picks `Hier` when some node has at least `SPOFF_HIER_MIN_RANKS` (default
-/// [`hier_min_ranks`]) of the members (the hierarchical designs write once per node). The
+/// [`hier_min_ranks`]) of the members (the hierarchical designs write once per node). Without
+/// a node segment (`segment_shared` false: ranks reached over TCP from another machine, which
+/// share no memory with their SP) every design is `Flat`. The
 /// nodes and the length are the same on every rank (and so, in a correct job, is the
 /// environment), so every rank decides alike. The variables are read once, at the first
 /// `MPI_Ibcast`/`MPI_Bcast` or `MPI_Iallgather` (a post is on the host's critical path).
-pub fn staged_design(kind: CollKind, max_per_node: usize, len: u64) -> StagedDesign {
+pub fn staged_design(
+    kind: CollKind,
+    max_per_node: usize,
+    len: u64,
+    segment_shared: bool,
+) -> StagedDesign {
+    if !segment_shared {
+        return StagedDesign::Flat;
+    }
     let env = staged_env();
     let forced = match kind {
         CollKind::StagedAllgather => env.iallgather.as_deref(),
@@ -125,5 +135,12 @@ mod tests {
         assert_eq!(skewed, 3);
         assert_eq!(choose_design(None, 3, skewed, 1, 64), StagedDesign::Hier);
         assert_eq!(crate::comm::max_per_node(&[]), 0);
+    }
+
+    #[test]
+    fn without_a_shared_segment_every_design_is_flat() {
+        for kind in [CollKind::Bcast, CollKind::StagedAllgather] {
+            assert_eq!(staged_design(kind, 1 << 10, 1, false), StagedDesign::Flat);
+        }
     }
 }

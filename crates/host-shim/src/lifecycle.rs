@@ -241,6 +241,7 @@ unsafe fn start_inner() -> bool {
         sp_of_world,
         node_of_sp: reg.node_of_sp.clone(),
         segment: reg.segment.clone(),
+        remote: reg.conn.remote(),
     });
     if settings.verbose {
         say!(

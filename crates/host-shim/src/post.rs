@@ -215,8 +215,8 @@ pub unsafe fn post(
         CollKind::Alltoallv | CollKind::Bcast | CollKind::StagedAllgather => Rights::WRITE,
         CollKind::Allgatherv => Rights::READ_WRITE,
     };
-    let design =
-        root.map(|_| staged_design(kind, info.max_per_node, s.region_len.max(r.region_len)));
+    let len = s.region_len.max(r.region_len);
+    let design = root.map(|_| staged_design(kind, info.max_per_node, len, !topology().remote));
     // Hier: SPs write the segment this rank shares with the other ranks of its node, and the
     // rank copies from it into its buffer (the root receives nothing).
     let segment = match design {

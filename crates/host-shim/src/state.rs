@@ -82,6 +82,9 @@ pub struct Topology {
     /// The name of the job's segment on this rank's node (hierarchical staged designs), as
     /// its SP named it.
     pub segment: String,
+    /// The SP cannot attach to this rank (it is reached over TCP from another machine), so no
+    /// segment can be shared with it: the staged collectives take their flat designs.
+    pub remote: bool,
 }
 
 static TOPOLOGY: OnceLock<Topology> = OnceLock::new();

@@ -253,8 +253,7 @@ impl Server {
                     let dst = inst.posted.get(&dst_rank).copied();
                     let by_host = dst.filter(|p| p.host_copies);
                     let src_known = src_key.owner.pid != 0;
-                    if let Some(p) =
-                        by_host.filter(|_| src_known && self.is_local(&src_key.owner))
+                    if let Some(p) = by_host.filter(|_| src_known && self.is_local(&src_key.owner))
                     {
                         self.hand_to_host(
                             ck, id, p, &src_key, src_offset, &dst_key, dst_offset, len,
