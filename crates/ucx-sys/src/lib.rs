@@ -112,9 +112,9 @@ pub mod status;
 pub mod worker;
 
 pub use context::{Context, Features};
-pub use endpoint::{Endpoint, ErrorHandling, CLOSE_WAIT_LIMIT};
+pub use endpoint::{Endpoint, ErrorHandling, RemoteKey, CLOSE_WAIT_LIMIT};
 pub use memhooks::VmUnmappedHook;
-pub use memory::{MemHandle, RemoteKey};
+pub use memory::MemHandle;
 pub use request::{Request, DROP_WAIT_LIMIT};
 pub use status::{Error, Result, Status};
 pub use worker::Worker;

@@ -1,17 +1,17 @@
-//! Memory registration (local side) and remote keys (remote side).
+//! Memory registration (local side).
 //!
 //! The owner of a buffer maps it with [`MemHandle::map`] (an existing
 //! buffer) or [`MemHandle::allocate`] (UCX allocates it), packs a remote key
 //! with [`MemHandle::rkey_pack`], and sends those bytes plus the buffer's
 //! address to the peer by any means. The peer turns the bytes into a
-//! [`RemoteKey`] for one of its endpoints and uses it for get/put.
+//! [`crate::RemoteKey`] for one of its endpoints (`endpoint.rs`, where keys
+//! live with the endpoint they are unpacked on) and uses it for get/put.
 
 use std::os::raw::c_void;
 use std::ptr;
 use std::rc::Rc;
 
 use crate::context::Context;
-use crate::endpoint::Endpoint;
 use crate::raw;
 use crate::status::{Error, Result, Status};
 
@@ -225,96 +225,12 @@ impl Drop for MemHandle {
     }
 }
 
-struct RkeyInner {
-    handle: raw::ucp_rkey_h,
-    // Declared after `handle` only for readability: Drop below destroys the
-    // rkey before this Rc (and so possibly the endpoint) is released, as UCX
-    // requires.
-    endpoint: Rc<Endpoint>,
-}
-
-impl Drop for RkeyInner {
-    fn drop(&mut self) {
-        // SAFETY: the rkey is live, destroyed exactly once, and its endpoint
-        // is still alive (we hold an Rc). Requests using the key hold a clone
-        // of the RemoteKey, so none is outstanding.
-        unsafe { raw::ucp_rkey_destroy(self.handle) };
-    }
-}
-
-/// An unpacked remote key (`ucp_rkey_h`), tied to the endpoint it was
-/// unpacked on. Cloning is cheap (shared handle); the key is destroyed when
-/// the last clone and every request using it are gone.
-#[derive(Clone)]
-pub struct RemoteKey {
-    inner: Rc<RkeyInner>,
-}
-
-/// Smallest packed key UCX 1.13 produces: an 8-byte memory-domain map and a
-/// 1-byte memory type.
-const MIN_PACKED_RKEY_LEN: usize = 9;
-
-impl RemoteKey {
-    /// Unpacks a key packed by a peer's [`MemHandle::rkey_pack`]
-    /// (`ucp_ep_rkey_unpack`).
-    ///
-    /// Inputs shorter than the smallest possible packed key are rejected
-    /// with `UCS_ERR_INVALID_PARAM` before UCX sees them.
-    ///
-    /// # Safety
-    /// `packed` must be exactly the bytes some `ucp_rkey_pack` of a
-    /// compatible UCX produced. `ucp_ep_rkey_unpack` takes no length: it
-    /// trusts the sizes encoded in the buffer, so arbitrary bytes can make it
-    /// read past the slice, and the per-transport unpackers act on what they
-    /// read (shared-memory transports attach segments named in the key).
-    pub unsafe fn unpack(endpoint: &Rc<Endpoint>, packed: &[u8]) -> Result<RemoteKey> {
-        if packed.len() < MIN_PACKED_RKEY_LEN {
-            return Err(Error::new("ucp_ep_rkey_unpack", Status::ERR_INVALID_PARAM));
-        }
-        let mut handle: raw::ucp_rkey_h = ptr::null_mut();
-        // SAFETY: the endpoint is alive; the caller guarantees packed is a
-        // well-formed key; handle is a valid out-pointer.
-        let st = unsafe {
-            raw::ucp_ep_rkey_unpack(
-                endpoint.as_raw(),
-                packed.as_ptr() as *const c_void,
-                &mut handle,
-            )
-        };
-        Status(st).check("ucp_ep_rkey_unpack")?;
-        Ok(RemoteKey {
-            inner: Rc::new(RkeyInner {
-                handle,
-                endpoint: Rc::clone(endpoint),
-            }),
-        })
-    }
-
-    /// The endpoint this key was unpacked on.
-    pub fn endpoint(&self) -> &Rc<Endpoint> {
-        &self.inner.endpoint
-    }
-
-    /// The raw handle. Valid while `self` is alive.
-    pub fn as_raw(&self) -> raw::ucp_rkey_h {
-        self.inner.handle
-    }
-}
-
 impl std::fmt::Debug for MemHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MemHandle")
             .field("handle", &self.handle)
             .field("address", &self.address)
             .field("len", &self.len)
-            .finish()
-    }
-}
-
-impl std::fmt::Debug for RemoteKey {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RemoteKey")
-            .field("handle", &self.inner.handle)
             .finish()
     }
 }
