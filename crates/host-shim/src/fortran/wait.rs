@@ -170,32 +170,13 @@ unsafe fn test(name: &str, native: &dyn Fn(), request: Out, flag: Out, status: O
     })
 }
 
-unsafe fn waitall(name: &str, native: &dyn Fn(), n: In, requests: Out, statuses: Out, ierr: Out) {
-    run(name, native, ierr, |committed| {
-        // SAFETY: the caller's arguments (MPI preconditions), here and below.
-        let Some(count) = (unsafe { count(n) }).filter(|_| ours()) else {
-            return Outcome::Native;
-        };
-        let (mut r, mut s) = unsafe {
-            (
-                Requests::new(requests, count),
-                Statuses::array(statuses, count),
-            )
-        };
-        *committed = true;
-        let code = unsafe { crate::MPI_Waitall(count as c_int, r.ptr(), s.ptr(false)) };
-        r.back();
-        s.back();
-        Outcome::Done(code)
-    })
-}
-
-unsafe fn testall(
+/// `MPI_WAITALL` (`flag` none) and `MPI_TESTALL`.
+unsafe fn all(
     name: &str,
     native: &dyn Fn(),
     n: In,
     requests: Out,
-    flag: Out,
+    flag: Option<Out>,
     statuses: Out,
     ierr: Out,
 ) {
@@ -212,11 +193,69 @@ unsafe fn testall(
         };
         let mut c_flag = 0;
         *committed = true;
-        let code =
-            unsafe { crate::MPI_Testall(count as c_int, r.ptr(), &mut c_flag, s.ptr(false)) };
+        let code = match flag {
+            None => unsafe { crate::MPI_Waitall(count as c_int, r.ptr(), s.ptr(false)) },
+            Some(_) => unsafe {
+                crate::MPI_Testall(count as c_int, r.ptr(), &mut c_flag, s.ptr(false))
+            },
+        };
         r.back();
         s.back();
-        unsafe { set_flag(flag, c_flag) };
+        if let Some(flag) = flag {
+            unsafe { set_flag(flag, c_flag) };
+        }
+        Outcome::Done(code)
+    })
+}
+
+unsafe fn waitall(name: &str, native: &dyn Fn(), n: In, requests: Out, statuses: Out, ierr: Out) {
+    // SAFETY: the caller's arguments.
+    unsafe { all(name, native, n, requests, None, statuses, ierr) }
+}
+
+unsafe fn testall(
+    name: &str,
+    native: &dyn Fn(),
+    n: In,
+    requests: Out,
+    flag: Out,
+    statuses: Out,
+    ierr: Out,
+) {
+    // SAFETY: the caller's arguments.
+    unsafe { all(name, native, n, requests, Some(flag), statuses, ierr) }
+}
+
+/// `MPI_WAITANY` (`flag` none) and `MPI_TESTANY`.
+unsafe fn any(
+    name: &str,
+    native: &dyn Fn(),
+    n: In,
+    requests: Out,
+    index: Out,
+    flag: Option<Out>,
+    status: Out,
+    ierr: Out,
+) {
+    run(name, native, ierr, |committed| {
+        // SAFETY: the caller's arguments (MPI preconditions), here and below.
+        let Some(count) = (unsafe { count(n) }).filter(|_| ours()) else {
+            return Outcome::Native;
+        };
+        let (mut r, mut s) = unsafe { (Requests::new(requests, count), Statuses::one(status)) };
+        let (mut c_index, mut c_flag) = (consts::UNDEFINED(), 0);
+        *committed = true;
+        let (n, rp, sp) = (count as c_int, r.ptr(), s.ptr(true));
+        let code = match flag {
+            None => unsafe { crate::MPI_Waitany(n, rp, &mut c_index, sp) },
+            Some(_) => unsafe { crate::MPI_Testany(n, rp, &mut c_index, &mut c_flag, sp) },
+        };
+        r.back();
+        s.back();
+        unsafe { *index = index_c2f(c_index) };
+        if let Some(flag) = flag {
+            unsafe { set_flag(flag, c_flag) };
+        }
         Outcome::Done(code)
     })
 }
@@ -230,21 +269,8 @@ unsafe fn waitany(
     status: Out,
     ierr: Out,
 ) {
-    run(name, native, ierr, |committed| {
-        // SAFETY: the caller's arguments (MPI preconditions), here and below.
-        let Some(count) = (unsafe { count(n) }).filter(|_| ours()) else {
-            return Outcome::Native;
-        };
-        let (mut r, mut s) = unsafe { (Requests::new(requests, count), Statuses::one(status)) };
-        let mut c_index = consts::UNDEFINED();
-        *committed = true;
-        let code =
-            unsafe { crate::MPI_Waitany(count as c_int, r.ptr(), &mut c_index, s.ptr(true)) };
-        r.back();
-        s.back();
-        unsafe { *index = index_c2f(c_index) };
-        Outcome::Done(code)
-    })
+    // SAFETY: the caller's arguments.
+    unsafe { any(name, native, n, requests, index, None, status, ierr) }
 }
 
 unsafe fn testany(
@@ -257,31 +283,8 @@ unsafe fn testany(
     status: Out,
     ierr: Out,
 ) {
-    run(name, native, ierr, |committed| {
-        // SAFETY: the caller's arguments (MPI preconditions), here and below.
-        let Some(count) = (unsafe { count(n) }).filter(|_| ours()) else {
-            return Outcome::Native;
-        };
-        let (mut r, mut s) = unsafe { (Requests::new(requests, count), Statuses::one(status)) };
-        let (mut c_index, mut c_flag) = (consts::UNDEFINED(), 0);
-        *committed = true;
-        let code = unsafe {
-            crate::MPI_Testany(
-                count as c_int,
-                r.ptr(),
-                &mut c_index,
-                &mut c_flag,
-                s.ptr(true),
-            )
-        };
-        r.back();
-        s.back();
-        unsafe {
-            *index = index_c2f(c_index);
-            set_flag(flag, c_flag);
-        }
-        Outcome::Done(code)
-    })
+    // SAFETY: the caller's arguments.
+    unsafe { any(name, native, n, requests, index, Some(flag), status, ierr) }
 }
 
 /// `MPI_WAITSOME` (`blocking`) and `MPI_TESTSOME`.
