@@ -162,23 +162,7 @@ fn conformance_generator_matches_native_byte_for_byte() {
                 ("SPOFF_IALLGATHER_DESIGN", iallgather),
             ],
         );
-        let all = format!("--- stdout\n{}\n--- stderr\n{}", run.stdout, run.stderr);
-        run.assert_ok(&format!("conform --seed {s}"));
-        assert!(!run.stdout.contains("FAIL"), "{all}");
-        let mut calls = 0;
-        for r in 0..NP {
-            let head = format!("conform: rank {r}: ok, 121 cases, ");
-            calls += run
-                .stdout
-                .lines()
-                .find_map(|l| l.strip_prefix(head.as_str()))
-                .and_then(|l| l.strip_suffix(" calls"))
-                .and_then(|n| n.parse::<u64>().ok())
-                .unwrap_or_else(|| panic!("rank {r} did not pass (seed {s})\n{all}"));
-        }
-        assert_eq!(run.sp_total("posts"), calls, "every call offloaded\n{all}");
-        assert_eq!(run.sp_total("completions"), calls, "{all}");
-        assert!(run.sp_total("posts_packed") > 0, "{all}");
+        let calls = assert_conform_offloaded(&run, &s.to_string(), NP, 121);
         eprintln!(
             "conform seed {s}: {calls} calls offloaded, {} packed",
             run.sp_total("posts_packed")

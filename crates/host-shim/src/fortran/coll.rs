@@ -85,15 +85,38 @@ unsafe fn alltoallv(
     }
 }
 
-unsafe fn alltoall(
+/// The C entry points of a collective whose ranks all send and receive one count (`MPI_ALLTOALL`,
+/// `MPI_ALLGATHER`): blocking and nonblocking.
+type EqualCounts = (
+    unsafe extern "C" fn(
+        *const c_void,
+        c_int,
+        ffi::MPI_Datatype,
+        *mut c_void,
+        c_int,
+        ffi::MPI_Datatype,
+        ffi::MPI_Comm,
+    ) -> c_int,
+    unsafe extern "C" fn(
+        *const c_void,
+        c_int,
+        ffi::MPI_Datatype,
+        *mut c_void,
+        c_int,
+        ffi::MPI_Datatype,
+        ffi::MPI_Comm,
+        *mut ffi::MPI_Request,
+    ) -> c_int,
+);
+
+/// `MPI_ALLTOALL`/`MPI_ALLGATHER` and their nonblocking forms (with `request`): each side is
+/// (buffer, count, type).
+unsafe fn equal_counts(
+    (blocking, nonblocking): EqualCounts,
     name: &str,
     native: &dyn Fn(),
-    sendbuf: Buf,
-    sendcount: Ints,
-    sendtype: Handle,
-    recvbuf: Buf,
-    recvcount: Ints,
-    recvtype: Handle,
+    (sendbuf, sendcount, sendtype): (Buf, Ints, Handle),
+    (recvbuf, recvcount, recvtype): (Buf, Ints, Handle),
     comm: Handle,
     request: Option<Out>,
     ierr: Out,
@@ -108,11 +131,39 @@ unsafe fn alltoall(
             );
             let (sb, rb) = (abi::buffer(sendbuf), abi::buffer(recvbuf));
             if req.is_null() {
-                crate::MPI_Alltoall(sb, *sendcount, st, rb, *recvcount, rt, c)
+                blocking(sb, *sendcount, st, rb, *recvcount, rt, c)
             } else {
-                crate::MPI_Ialltoall(sb, *sendcount, st, rb, *recvcount, rt, c, req)
+                nonblocking(sb, *sendcount, st, rb, *recvcount, rt, c, req)
             }
         })
+    }
+}
+
+unsafe fn alltoall(
+    name: &str,
+    native: &dyn Fn(),
+    sendbuf: Buf,
+    sendcount: Ints,
+    sendtype: Handle,
+    recvbuf: Buf,
+    recvcount: Ints,
+    recvtype: Handle,
+    comm: Handle,
+    request: Option<Out>,
+    ierr: Out,
+) {
+    // SAFETY: the caller's arguments.
+    unsafe {
+        equal_counts(
+            (crate::MPI_Alltoall, crate::MPI_Ialltoall),
+            name,
+            native,
+            (sendbuf, sendcount, sendtype),
+            (recvbuf, recvcount, recvtype),
+            comm,
+            request,
+            ierr,
+        )
     }
 }
 
@@ -161,21 +212,18 @@ unsafe fn allgather(
     request: Option<Out>,
     ierr: Out,
 ) {
-    // SAFETY: as above.
+    // SAFETY: the caller's arguments.
     unsafe {
-        collective(name, native, request, ierr, |req| {
-            let (st, rt, c) = (
-                abi::type_f2c(*sendtype),
-                abi::type_f2c(*recvtype),
-                abi::comm_f2c(*comm),
-            );
-            let (sb, rb) = (abi::buffer(sendbuf), abi::buffer(recvbuf));
-            if req.is_null() {
-                crate::MPI_Allgather(sb, *sendcount, st, rb, *recvcount, rt, c)
-            } else {
-                crate::MPI_Iallgather(sb, *sendcount, st, rb, *recvcount, rt, c, req)
-            }
-        })
+        equal_counts(
+            (crate::MPI_Allgather, crate::MPI_Iallgather),
+            name,
+            native,
+            (sendbuf, sendcount, sendtype),
+            (recvbuf, recvcount, recvtype),
+            comm,
+            request,
+            ierr,
+        )
     }
 }
 

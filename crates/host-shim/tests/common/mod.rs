@@ -304,3 +304,28 @@ pub fn shm_segments() -> std::collections::BTreeSet<String> {
         })
         .unwrap_or_default()
 }
+
+/// Checks a `conform` run of `np` ranks and `cases` cases each (seed `seed`): it succeeded,
+/// no case failed, every rank passed, and the SPs posted and completed exactly the calls the
+/// ranks counted, some of them packed. Returns the calls.
+#[allow(dead_code)] // not every test file checks conform runs
+pub fn assert_conform_offloaded(run: &Finished, seed: &str, np: u64, cases: u32) -> u64 {
+    let all = format!("--- stdout\n{}\n--- stderr\n{}", run.stdout, run.stderr);
+    run.assert_ok(&format!("conform --seed {seed}"));
+    assert!(!run.stdout.contains("FAIL"), "{all}");
+    let mut calls = 0;
+    for r in 0..np {
+        let head = format!("conform: rank {r}: ok, {cases} cases, ");
+        calls += run
+            .stdout
+            .lines()
+            .find_map(|l| l.strip_prefix(head.as_str()))
+            .and_then(|l| l.strip_suffix(" calls"))
+            .and_then(|n| n.parse::<u64>().ok())
+            .unwrap_or_else(|| panic!("rank {r} did not pass (seed {seed})\n{all}"));
+    }
+    assert_eq!(run.sp_total("posts"), calls, "every call offloaded\n{all}");
+    assert_eq!(run.sp_total("completions"), calls, "{all}");
+    assert!(run.sp_total("posts_packed") > 0, "{all}");
+    calls
+}
