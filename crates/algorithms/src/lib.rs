@@ -19,6 +19,8 @@ pub mod sched;
 pub mod sim;
 mod staged;
 pub mod staged_allgather;
+#[cfg(test)]
+mod test_util;
 
 /// Global index of a service process in the cluster.
 pub type SpId = u32;

@@ -1,5 +1,8 @@
 use super::*;
 use crate::sim::testnet::{Machine, Out};
+use crate::test_util::{
+    all_finished, plain_machine, post_ranks, tell_peer_lost, zero_bytes_without_copies,
+};
 use crate::CommId;
 
 type Tag = (char, Rank);
@@ -36,35 +39,7 @@ fn post(rank: Rank, members: &[SpId], nodes: &[u32], lens: &[u64]) -> Post<Tag> 
 
 type Net = crate::sim::testnet::Net<Allgatherv<Tag>>;
 
-impl Machine for Allgatherv<Tag> {
-    type Post = Post<Tag>;
-    type Msg = Msg<Tag>;
-    type Copy = Copy<Tag>;
-
-    fn create(sp: SpId) -> Self {
-        Allgatherv::new(KEY, Config { me: sp })
-    }
-
-    fn post(&mut self, now: Nanos, post: Post<Tag>) {
-        self.handle_post(now, post).unwrap();
-    }
-
-    fn msg(&mut self, now: Nanos, from: SpId, msg: Msg<Tag>) {
-        self.handle_msg(now, from, msg).unwrap();
-    }
-
-    fn copy_done(&mut self, now: Nanos, copy: &Copy<Tag>, status: Status) {
-        self.handle_copy_done(now, copy.id, status);
-    }
-
-    fn poll(&mut self) -> Option<Out<Msg<Tag>, Copy<Tag>>> {
-        Some(match self.poll_action()? {
-            Action::Send { to, msg } => Out::Send { to, msg },
-            Action::Copy(c) => Out::Copy(c),
-            Action::Complete { rank, status } => Out::Complete { rank, status },
-        })
-    }
-}
+plain_machine!(Allgatherv);
 
 #[test]
 fn late_arrival_is_parked_then_served() {
@@ -83,7 +58,7 @@ fn late_arrival_is_parked_then_served() {
     assert!(net.sp(1).stats().parked_wait_ns > 0);
     // Two self copies, two inter-node landings.
     assert_eq!(net.copied.len(), 4);
-    assert!(net.sp(0).is_finished() && net.sp(1).is_finished());
+    all_finished(&mut net, &[0, 1]);
 }
 
 #[test]
@@ -91,8 +66,9 @@ fn announcement_passes_to_a_ready_sibling_and_is_distributed() {
     // Node 0: SP 0 (rank 0). Node 1: SP 1 (rank 1), SP 2 (rank 2).
     let (members, nodes, lens) = ([0, 1, 2], [0, 1, 1], [4, 2, 6]);
     let mut net = Net::new(3);
-    net.post(1, post(1, &members, &nodes, &lens));
-    net.post(0, post(0, &members, &nodes, &lens));
+    post_ranks(&mut net, &members, [1, 0], |r| {
+        post(r, &members, &nodes, &lens)
+    });
     net.run();
     // Rank 0's announcement went to SP 2 (no rank yet) and was passed.
     assert_eq!(net.sp(2).stats().no_ready_rank, 1);
@@ -101,9 +77,7 @@ fn announcement_passes_to_a_ready_sibling_and_is_distributed() {
     assert!(net.completes.is_empty());
     net.post(2, post(2, &members, &nodes, &lens));
     net.run();
-    for r in 0..3 {
-        assert_eq!(net.status(r), Some(Status::Ok), "rank {r}");
-    }
+    net.expect_status(&[0, 1, 2], Some(Status::Ok));
     // Rank 0's block enters node 1 once, then an intra-node copy.
     let inter: Vec<_> = net
         .copied
@@ -117,23 +91,13 @@ fn announcement_passes_to_a_ready_sibling_and_is_distributed() {
         .find(|c| c.seg == 0 && c.dst_rank == 2)
         .unwrap();
     assert_eq!((into_2.src_rank, into_2.src_key), (1, ('r', 1)));
-    for sp in 0..3 {
-        assert!(net.sp(sp).is_finished(), "sp {sp}");
-    }
+    all_finished(&mut net, &[0, 1, 2]);
 }
 
 #[test]
 fn zero_length_blocks_complete_without_copies() {
     let (members, nodes, lens) = ([0, 1, 1], [0, 1, 1], [0, 0, 0]);
-    let mut net = Net::new(2);
-    for r in 0..3 {
-        net.post(members[r as usize], post(r, &members, &nodes, &lens));
-    }
-    net.run();
-    assert!(net.copied.is_empty());
-    for r in 0..3 {
-        assert_eq!(net.status(r), Some(Status::Ok));
-    }
+    zero_bytes_without_copies::<Allgatherv<Tag>>(2, &members, |r| post(r, &members, &nodes, &lens));
 }
 
 #[test]
@@ -147,14 +111,12 @@ fn abort_acks_parked_announcements_and_completes_everyone() {
     net.collect(0);
     net.run();
     assert_eq!(net.status(0), Some(Status::Aborted));
-    net.post(1, post(1, &members, &nodes, &lens));
-    net.post(2, post(2, &members, &nodes, &lens));
+    post_ranks(&mut net, &members, [1, 2], |r| {
+        post(r, &members, &nodes, &lens)
+    });
     net.run();
-    assert_eq!(net.status(1), Some(Status::Aborted));
-    assert_eq!(net.status(2), Some(Status::Aborted));
-    for sp in 0..3 {
-        assert!(net.sp(sp).is_finished(), "sp {sp}");
-    }
+    net.expect_status(&[1, 2], Some(Status::Aborted));
+    all_finished(&mut net, &[0, 1, 2]);
 }
 
 #[test]
@@ -164,13 +126,13 @@ fn rank_lost_before_any_post_reaches_every_sp() {
     let mut net = Net::new(3);
     net.sp(2).handle_rank_lost(0, 2);
     net.collect(2);
-    net.post(0, post(0, &members, &nodes, &lens));
-    net.post(1, post(1, &members, &nodes, &lens));
+    post_ranks(&mut net, &members, [0, 1], |r| {
+        post(r, &members, &nodes, &lens)
+    });
     net.run();
-    assert_eq!(net.status(0), Some(Status::RankFailed));
-    assert_eq!(net.status(1), Some(Status::RankFailed));
+    net.expect_status(&[0, 1], Some(Status::RankFailed));
     assert_eq!(net.status(2), None);
-    assert!(net.sp(0).is_finished() && net.sp(1).is_finished());
+    all_finished(&mut net, &[0, 1]);
 }
 
 /// Node 0: SP 0 (rank 0). Node 1: SP 1 (rank 1), SP 2 (rank 2). Rank 0's announcement to
@@ -199,8 +161,7 @@ fn pass_in_flight_then_sp_2_lost() -> (Net, (SpId, SpId, Msg<Tag>)) {
     // SP 2 dies; SP 0 must not settle rank 0's ack to node 1 yet.
     net.msgs.retain(|(f, t, _)| *f != 2 && *t != 2);
     net.sps.remove(&2);
-    net.sp(0).handle_peer_lost(200, 2);
-    net.collect(0);
+    tell_peer_lost(&mut net, 200, 2, &[0]);
     (net, pass)
 }
 
@@ -223,11 +184,10 @@ fn lost_sp_passed_the_announcement_on_source_waits_for_release() {
     );
     net.run();
     assert_eq!(net.status(0), Some(Status::PeerFailed));
-    net.sp(1).handle_peer_lost(400, 2);
-    net.collect(1);
+    tell_peer_lost(&mut net, 400, 2, &[1]);
     net.run();
     assert_eq!(net.status(1), Some(Status::PeerFailed));
-    assert!(net.sp(0).is_finished() && net.sp(1).is_finished());
+    all_finished(&mut net, &[0, 1]);
 }
 
 #[test]
@@ -242,11 +202,10 @@ fn release_before_the_pass_arrives_blocks_the_landing() {
         !net.copies.iter().any(|(_, c)| c.src_rank == 0),
         "an aborted SP started a landing copy"
     );
-    net.sp(1).handle_peer_lost(400, 2);
-    net.collect(1);
+    tell_peer_lost(&mut net, 400, 2, &[1]);
     net.run();
     assert_eq!(net.status(1), Some(Status::PeerFailed));
-    assert!(net.sp(0).is_finished() && net.sp(1).is_finished());
+    all_finished(&mut net, &[0, 1]);
 }
 
 #[test]

@@ -1,5 +1,8 @@
 use super::*;
 use crate::sim::testnet::{Machine, Out};
+use crate::test_util::{
+    all_finished, plain_machine, post_all_ok, post_ranks, tell_peer_lost, zero_bytes_without_copies,
+};
 use crate::CommId;
 
 /// Key material in the tests: (buffer kind, rank).
@@ -45,52 +48,19 @@ fn matrix_post(rank: Rank, members: &[SpId], m: &[Vec<u64>]) -> Post<Tag> {
 
 type Net = crate::sim::testnet::Net<Alltoallv<Tag>>;
 
-impl Machine for Alltoallv<Tag> {
-    type Post = Post<Tag>;
-    type Msg = Msg<Tag>;
-    type Copy = Copy<Tag>;
-
-    fn create(sp: SpId) -> Self {
-        Alltoallv::new(KEY, Config { me: sp })
-    }
-
-    fn post(&mut self, now: Nanos, post: Post<Tag>) {
-        self.handle_post(now, post).unwrap();
-    }
-
-    fn msg(&mut self, now: Nanos, from: SpId, msg: Msg<Tag>) {
-        self.handle_msg(now, from, msg).unwrap();
-    }
-
-    fn copy_done(&mut self, now: Nanos, copy: &Copy<Tag>, status: Status) {
-        self.handle_copy_done(now, copy.id, status);
-    }
-
-    fn poll(&mut self) -> Option<Out<Msg<Tag>, Copy<Tag>>> {
-        Some(match self.poll_action()? {
-            Action::Send { to, msg } => Out::Send { to, msg },
-            Action::Copy(c) => Out::Copy(c),
-            Action::Complete { rank, status } => Out::Complete { rank, status },
-        })
-    }
-
+plain_machine!(
+    Alltoallv,
     fn check_copy(&self, sp: SpId, c: &Copy<Tag>) {
         assert_eq!(self.members().unwrap()[c.dst_rank as usize], sp);
     }
-}
+);
 
 #[test]
 fn two_sps_three_ranks_all_blocks_copied_once() {
     let members = [0, 1, 0];
     let m = vec![vec![3, 0, 5], vec![2, 4, 0], vec![0, 1, 6]];
     let mut net = Net::new(2);
-    for r in 0..3 {
-        net.post(members[r as usize], matrix_post(r, &members, &m));
-    }
-    net.run();
-    for r in 0..3 {
-        assert_eq!(net.status(r), Some(Status::Ok), "rank {r}");
-    }
+    post_all_ok(&mut net, &members, 0..3, |r| matrix_post(r, &members, &m));
     let mut blocks: Vec<(Rank, Rank, u64, u64, u64)> = net
         .copied
         .iter()
@@ -153,25 +123,16 @@ fn late_arrival_is_queued_then_served() {
     assert!(!net.sp(0).is_finished());
     net.post(1, matrix_post(1, &members, &m));
     net.run();
-    assert_eq!(net.status(0), Some(Status::Ok));
-    assert_eq!(net.status(1), Some(Status::Ok));
+    net.expect_status(&[0, 1], Some(Status::Ok));
     assert_eq!(net.copied.len(), 4);
-    assert!(net.sp(0).is_finished() && net.sp(1).is_finished());
+    all_finished(&mut net, &[0, 1]);
 }
 
 #[test]
 fn zero_length_blocks_complete_without_copies() {
     let members = [0, 1, 1];
     let m = vec![vec![0; 3]; 3];
-    let mut net = Net::new(2);
-    for r in 0..3 {
-        net.post(members[r as usize], matrix_post(r, &members, &m));
-    }
-    net.run();
-    assert!(net.copied.is_empty());
-    for r in 0..3 {
-        assert_eq!(net.status(r), Some(Status::Ok));
-    }
+    zero_bytes_without_copies::<Alltoallv<Tag>>(2, &members, |r| matrix_post(r, &members, &m));
 }
 
 #[test]
@@ -206,8 +167,7 @@ fn count_mismatch_fails_both_sides_without_hanging() {
         net.post(r, p);
     }
     net.run();
-    assert_eq!(net.status(0), Some(Status::CountMismatch));
-    assert_eq!(net.status(1), Some(Status::CountMismatch));
+    net.expect_status(&[0, 1], Some(Status::CountMismatch));
     assert_eq!(net.status(2), Some(Status::Ok));
     assert!(!net
         .copied
@@ -221,43 +181,47 @@ fn failed_copy_reports_error_to_both_sides() {
     let members = [0, 1];
     let m = vec![vec![0, 4], vec![0, 0]];
     let mut net = Net::new(2);
-    net.post(0, matrix_post(0, &members, &m));
-    net.post(1, matrix_post(1, &members, &m));
+    post_ranks(&mut net, &members, 0..2, |r| matrix_post(r, &members, &m));
     net.deliver_all();
     assert!(net.finish_copy(Status::AccessError));
     net.run();
-    assert_eq!(net.status(0), Some(Status::AccessError));
-    assert_eq!(net.status(1), Some(Status::AccessError));
+    net.expect_status(&[0, 1], Some(Status::AccessError));
+}
+
+/// Asserts that `a` rejects each message `(from, msg)` of `cases` with its
+/// error.
+fn rejects(a: &mut Alltoallv<Tag>, cases: Vec<(SpId, Msg<Tag>, MsgError)>) {
+    for (from, msg, err) in cases {
+        let what = format!("{msg:?} from SP {from}");
+        assert_eq!(a.handle_msg(0, from, msg), Err(err), "{what}");
+    }
 }
 
 #[test]
 fn protocol_violations_are_errors_and_change_nothing() {
+    use MsgError::*;
     let members = [0, 1];
     let mut a: Alltoallv<Tag> = Alltoallv::new(KEY, Config { me: 1 });
-    let ann = |src, dst, len| Msg::Announce {
+    let ann = |src, dst, offset| Msg::Announce {
         src,
         dst,
         key: ('s', src),
-        offset: 0,
-        len,
+        offset,
+        len: 2,
+    };
+    let ack = || Msg::Ack {
+        src: 1,
+        dst: 0,
+        status: Status::Ok,
     };
     // Before membership: queued, duplicates still detected.
-    a.handle_msg(0, 0, ann(0, 1, 2)).unwrap();
-    assert_eq!(
-        a.handle_msg(0, 0, ann(0, 1, 2)),
-        Err(MsgError::DuplicateAnnounce { src: 0, dst: 1 })
-    );
-    assert_eq!(
-        a.handle_msg(
-            0,
-            0,
-            Msg::Ack {
-                src: 1,
-                dst: 0,
-                status: Status::Ok
-            }
-        ),
-        Err(MsgError::UnexpectedAck { src: 1, dst: 0 })
+    a.handle_msg(0, 0, ann(0, 1, 0)).unwrap();
+    rejects(
+        &mut a,
+        vec![
+            (0, ann(0, 1, 0), DuplicateAnnounce { src: 0, dst: 1 }),
+            (0, ack(), UnexpectedAck { src: 1, dst: 0 }),
+        ],
     );
     a.handle_post(0, post(1, &members, vec![2, 3], vec![2, 3]))
         .unwrap();
@@ -266,73 +230,33 @@ fn protocol_violations_are_errors_and_change_nothing() {
         copies += matches!(act, Action::Copy(_)) as usize;
     }
     assert_eq!(copies, 2, "queued announce and self block");
-    assert_eq!(
-        a.handle_msg(0, 0, ann(0, 1, 2)),
-        Err(MsgError::DuplicateAnnounce { src: 0, dst: 1 })
-    );
-    assert_eq!(
-        a.handle_msg(0, 0, ann(5, 1, 2)),
-        Err(MsgError::RankOutOfRange { rank: 5, size: 2 })
-    );
-    assert_eq!(
-        a.handle_msg(0, 0, ann(0, 0, 2)),
-        Err(MsgError::NotLocal { rank: 0 })
-    );
-    assert_eq!(
-        a.handle_msg(0, 7, ann(0, 1, 2)),
-        Err(MsgError::WrongSender {
-            rank: 0,
-            expected: 0,
-            got: 7
-        })
-    );
-    assert_eq!(
-        a.handle_msg(
-            0,
-            0,
-            Msg::Announce {
-                src: 0,
-                dst: 1,
-                key: ('s', 0),
-                offset: u64::MAX,
-                len: 2
-            }
-        ),
-        Err(MsgError::Overflow { src: 0, dst: 1 })
+    let wrong_sender = WrongSender {
+        rank: 0,
+        expected: 0,
+        got: 7,
+    };
+    rejects(
+        &mut a,
+        vec![
+            (0, ann(0, 1, 0), DuplicateAnnounce { src: 0, dst: 1 }),
+            (0, ann(5, 1, 0), RankOutOfRange { rank: 5, size: 2 }),
+            (0, ann(0, 0, 0), NotLocal { rank: 0 }),
+            (7, ann(0, 1, 0), wrong_sender),
+            (0, ann(0, 1, u64::MAX), Overflow { src: 0, dst: 1 }),
+        ],
     );
     // Ack for a block never announced to rank 0 ... rank 1 announced to
     // 0 already; a second ack is unexpected.
-    a.handle_msg(
-        0,
-        0,
-        Msg::Ack {
-            src: 1,
-            dst: 0,
-            status: Status::Ok,
-        },
-    )
-    .unwrap();
-    assert_eq!(
-        a.handle_msg(
-            0,
-            0,
-            Msg::Ack {
-                src: 1,
-                dst: 0,
-                status: Status::Ok
-            }
-        ),
-        Err(MsgError::UnexpectedAck { src: 1, dst: 0 })
-    );
-    assert_eq!(
-        a.handle_msg(
-            0,
-            9,
-            Msg::Abort {
-                status: Status::Aborted
-            }
-        ),
-        Err(MsgError::NotMember { sp: 9 })
+    a.handle_msg(0, 0, ack()).unwrap();
+    let abort = Msg::Abort {
+        status: Status::Aborted,
+    };
+    rejects(
+        &mut a,
+        vec![
+            (0, ack(), UnexpectedAck { src: 1, dst: 0 }),
+            (9, abort, NotMember { sp: 9 }),
+        ],
     );
     assert_eq!(a.abort_status(), None);
     assert!(a.poll_action().is_none());
@@ -405,12 +329,10 @@ fn abort_before_any_post() {
     // SP 1 answered the announcements and told SP 0 about the abort.
     assert_eq!(net.status(0), Some(Status::Aborted));
     assert!(net.sp(0).is_finished());
-    net.post(1, matrix_post(1, &members, &m));
-    net.post(1, matrix_post(2, &members, &m));
+    post_ranks(&mut net, &members, 1..3, |r| matrix_post(r, &members, &m));
     net.run();
-    assert_eq!(net.status(1), Some(Status::Aborted));
-    assert_eq!(net.status(2), Some(Status::Aborted));
-    assert!(net.sp(1).is_finished());
+    net.expect_status(&[1, 2], Some(Status::Aborted));
+    all_finished(&mut net, &[1]);
     // Only the self block of rank 0 may have been copied.
     assert!(net
         .copied
@@ -423,8 +345,7 @@ fn abort_after_post_waits_for_copies_in_flight() {
     let members = [0, 1, 2];
     let m = vec![vec![3; 3]; 3];
     let mut net = Net::new(3);
-    net.post(0, matrix_post(0, &members, &m));
-    net.post(1, matrix_post(1, &members, &m));
+    post_ranks(&mut net, &members, 0..2, |r| matrix_post(r, &members, &m));
     net.deliver_all();
     // Copies into ranks 0 and 1 are in flight; rank 2 never posts.
     let in_flight = net.copies.len();
@@ -432,45 +353,30 @@ fn abort_after_post_waits_for_copies_in_flight() {
     net.sp(0).abort(0, Status::RankFailed);
     net.collect(0);
     net.deliver_all();
-    assert_eq!(net.sp(1).abort_status(), Some(Status::RankFailed));
-    assert_eq!(net.sp(2).abort_status(), Some(Status::RankFailed));
+    for sp in 1..3 {
+        assert_eq!(net.sp(sp).abort_status(), Some(Status::RankFailed));
+    }
     assert!(
         net.completes.is_empty(),
         "nobody completes while copies touching its buffers run"
     );
     net.run();
-    assert_eq!(net.status(0), Some(Status::RankFailed));
-    assert_eq!(net.status(1), Some(Status::RankFailed));
+    net.expect_status(&[0, 1], Some(Status::RankFailed));
     assert_eq!(net.copied.len(), in_flight, "no new copies after the abort");
     net.post(2, matrix_post(2, &members, &m));
     net.run();
     assert_eq!(net.status(2), Some(Status::RankFailed));
-    for sp in 0..3 {
-        assert!(net.sp(sp).is_finished(), "sp {sp}");
-    }
+    all_finished(&mut net, &[0, 1, 2]);
 }
 
 #[test]
 fn abort_from_peer_completes_later_posts_immediately() {
     let members = [0, 1];
     let mut a: Alltoallv<Tag> = Alltoallv::new(KEY, Config { me: 1 });
-    a.handle_msg(
-        0,
-        0,
-        Msg::Abort {
-            status: Status::Aborted,
-        },
-    )
-    .unwrap();
     // A second abort is harmless.
-    a.handle_msg(
-        0,
-        0,
-        Msg::Abort {
-            status: Status::PeerFailed,
-        },
-    )
-    .unwrap();
+    for status in [Status::Aborted, Status::PeerFailed] {
+        a.handle_msg(0, 0, Msg::Abort { status }).unwrap();
+    }
     a.handle_post(0, post(1, &members, vec![1, 1], vec![1, 1]))
         .unwrap();
     assert_eq!(
@@ -493,22 +399,16 @@ fn peer_lost_fails_ranks_and_settles_blocks_to_it() {
     let members = [0, 1, 2];
     let m = vec![vec![1; 3]; 3];
     let mut net = Net::new(3);
-    for r in 0..3 {
-        net.post(r, matrix_post(r, &members, &m));
-    }
+    post_ranks(&mut net, &members, 0..3, |r| matrix_post(r, &members, &m));
     // SP 2 dies before processing anything.
     net.dead.insert(2);
     net.run();
     assert!(net.completes.is_empty());
-    for sp in 0..2 {
-        net.sp(sp).handle_peer_lost(0, 2);
-        net.collect(sp);
-    }
+    tell_peer_lost(&mut net, 0, 2, &[0, 1]);
     net.run();
-    assert_eq!(net.status(0), Some(Status::PeerFailed));
-    assert_eq!(net.status(1), Some(Status::PeerFailed));
+    net.expect_status(&[0, 1], Some(Status::PeerFailed));
     assert_eq!(net.status(2), None);
-    assert!(net.sp(0).is_finished() && net.sp(1).is_finished());
+    all_finished(&mut net, &[0, 1]);
     // Repeated or irrelevant loss notifications are harmless.
     net.sp(0).handle_peer_lost(0, 2);
     net.sp(0).handle_peer_lost(0, 0);
@@ -555,7 +455,7 @@ fn rank_lost_before_post_lets_instance_finish() {
     assert_eq!(net.status(0), Some(Status::RankFailed));
     assert_eq!(net.status(1), None, "never posted: no completion");
     assert_eq!(net.status(2), Some(Status::RankFailed));
-    assert!(net.sp(0).is_finished() && net.sp(1).is_finished());
+    all_finished(&mut net, &[0, 1]);
     assert_eq!(
         net.sp(0).handle_post(0, matrix_post(1, &members, &m)),
         Err(PostError::RankLost { rank: 1 })

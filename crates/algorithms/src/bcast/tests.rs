@@ -1,5 +1,9 @@
 use super::*;
 use crate::sim::testnet::{Machine, Out};
+use crate::test_util::{
+    all_finished, copy_first, fail_a_copy, forward_inputs, instance, lose_sp, post_all_ok,
+    post_ranks, rank_1_lost_before_posting, rank_2_length_mismatch, zero_bytes_without_copies,
+};
 
 type Tag = (char, Rank);
 
@@ -31,13 +35,7 @@ impl Machine for Tb {
         }
     }
 
-    fn post(&mut self, now: Nanos, post: Post<Tag>) {
-        self.m.handle_post(now, post).unwrap();
-    }
-
-    fn msg(&mut self, now: Nanos, from: SpId, msg: Msg) {
-        self.m.handle_msg(now, from, msg).unwrap();
-    }
+    forward_inputs!(m);
 
     fn copy_done(&mut self, now: Nanos, w: &Work, status: Status) {
         match w {
@@ -73,6 +71,8 @@ impl Machine for Tb {
         }
     }
 }
+
+instance!(Tb, m);
 
 type Net = crate::sim::testnet::Net<Tb>;
 
@@ -114,20 +114,21 @@ fn copies(net: &Net) -> Vec<Copy<Tag>> {
 /// the net runs until quiet and every rank completed `Ok`.
 fn all_post_and_succeed(members: &[SpId], nodes: &[u32], sps: u32) -> Net {
     let mut net = Net::new(sps);
-    for r in 0..members.len() as Rank {
-        net.post(members[r as usize], post(r, 0, 10, members, nodes));
-    }
-    net.run();
-    for r in 0..members.len() as Rank {
-        assert_eq!(net.status(r), Some(Status::Ok), "rank {r}");
-    }
+    let ranks = 0..members.len() as Rank;
+    post_all_ok(&mut net, members, ranks, |r| post(r, 0, 10, members, nodes));
     net
 }
 
-fn all_finished(net: &mut Net, sps: &[SpId]) {
-    for &sp in sps {
-        assert!(net.sp(sp).m.is_finished(), "sp {sp} not finished");
-    }
+/// The instance of SP `me` with its own chunk size and staging slots.
+fn machine(me: SpId, chunk_bytes: u64, staging_slots: u32) -> Bcast<Tag> {
+    Bcast::new(
+        KEY,
+        Config {
+            me,
+            chunk_bytes,
+            staging_slots,
+        },
+    )
 }
 
 #[test]
@@ -209,8 +210,9 @@ fn late_sp_forwards_what_fits_in_staging_and_catches_up() {
     // Chain 0 -> 1 -> 2 (one SP per node); SP 1's rank posts last.
     let (members, nodes) = ([0, 1, 2], [0, 1, 2]);
     let mut net = Net::new(3);
-    net.post(2, post(2, 0, 10, &members, &nodes));
-    net.post(0, post(0, 0, 10, &members, &nodes));
+    post_ranks(&mut net, &members, [2, 0], |r| {
+        post(r, 0, 10, &members, &nodes)
+    });
     net.run();
     // SP 1 learned the tree from SP 0's Open and forwarded the two
     // chunks its two slots hold; the root's SP read all three.
@@ -229,8 +231,9 @@ fn late_sp_forwards_what_fits_in_staging_and_catches_up() {
 fn a_one_chunk_message_passes_an_sp_whose_rank_has_not_posted() {
     let (members, nodes) = ([0, 1, 2], [0, 1, 2]);
     let mut net = Net::new(3);
-    net.post(0, post(0, 0, 3, &members, &nodes));
-    net.post(2, post(2, 0, 3, &members, &nodes));
+    post_ranks(&mut net, &members, [0, 2], |r| {
+        post(r, 0, 3, &members, &nodes)
+    });
     net.run();
     net.expect_status(&[0, 2], Some(Status::Ok));
     assert_eq!(net.status(1), None);
@@ -245,13 +248,9 @@ fn hier_writes_each_chunk_once_into_the_writers_segment() {
     // SP 0: root 0 and rank 3; SP 1: ranks 1, 2, 4.
     let (members, nodes) = ([0, 1, 1, 0, 1], [0, 1, 1, 0, 1]);
     let mut net = Net::new(2);
-    for r in [4, 2, 0, 3, 1] {
-        net.post(members[r as usize], hier(post(r, 0, 9, &members, &nodes)));
-    }
-    net.run();
-    for r in 0..5 {
-        assert_eq!(net.status(r), Some(Status::Ok), "rank {r}");
-    }
+    post_all_ok(&mut net, &members, [4, 2, 0, 3, 1], |r| {
+        hier(post(r, 0, 9, &members, &nodes))
+    });
     let c = copies(&net);
     let writes: Vec<_> = c.iter().filter(|c| c.rank != 0).collect();
     // SP 0 writes into rank 3's segment, SP 1 into rank 1's: 3 chunks each.
@@ -269,13 +268,9 @@ fn a_hier_leader_writes_the_node_region_once_and_seals_it_for_its_nodes_other_sp
     // (rank 2), SP 3 (rank 5).
     let (members, nodes) = ([0, 1, 2, 0, 1, 3], [0, 0, 1, 0, 0, 1]);
     let mut net = Net::new(4);
-    for r in [5, 4, 2, 1, 3, 0] {
-        net.post(members[r as usize], hier(post(r, 0, 20, &members, &nodes)));
-    }
-    net.run();
-    for r in 0..6 {
-        assert_eq!(net.status(r), Some(Status::Ok), "rank {r}");
-    }
+    post_all_ok(&mut net, &members, [5, 4, 2, 1, 3, 0], |r| {
+        hier(post(r, 0, 20, &members, &nodes))
+    });
     // Only the chain of leaders moves chunks: 5 chunks, SP 0 -> SP 2.
     let mv = moves(&net);
     assert_eq!(mv.len(), 5, "{mv:?}");
@@ -287,25 +282,20 @@ fn a_hier_leader_writes_the_node_region_once_and_seals_it_for_its_nodes_other_sp
         .filter(|c| matches!(c.dst, Loc::Host { .. }))
         .map(|c| c.dst)
         .collect();
-    assert_eq!(
-        w.iter()
-            .filter(|d| matches!(d, Loc::Host { key: ('h', 3), .. }))
-            .count(),
-        5
-    );
-    assert_eq!(
-        w.iter()
-            .filter(|d| matches!(d, Loc::Host { key: ('h', 2), .. }))
-            .count(),
-        5
-    );
+    for leader in [3, 2] {
+        let into = w
+            .iter()
+            .filter(|d| matches!(d, Loc::Host { key: ('h', k), .. } if *k == leader));
+        assert_eq!(into.count(), 5, "leader rank {leader}");
+    }
     assert_eq!(w.len(), 10, "{w:?}");
     // The other SPs' ranks copy out of their leader's region.
     assert_eq!(net.sp(1).m.segment_source(), Some((0, 0, 20)));
     assert_eq!(net.sp(3).m.segment_source(), Some((2, 200, 20)));
     assert_eq!(net.sp(0).m.segment_source(), Some((0, 0, 20)));
-    assert_eq!(net.sp(0).m.stats().regions_shared, 1);
-    assert_eq!(net.sp(2).m.stats().regions_shared, 1);
+    for sp in [0, 2] {
+        assert_eq!(net.sp(sp).m.stats().regions_shared, 1, "SP {sp}");
+    }
     all_finished(&mut net, &[0, 1, 2, 3]);
 }
 
@@ -314,13 +304,9 @@ fn a_root_alone_on_its_sp_writes_the_region_through_its_own_grant() {
     // SP 0 serves only the root; SP 1, same node, ranks 1 and 2.
     let (members, nodes) = ([0, 1, 1], [0, 0, 0]);
     let mut net = Net::new(2);
-    for r in [1, 2, 0] {
-        net.post(members[r as usize], hier(post(r, 0, 9, &members, &nodes)));
-    }
-    net.run();
-    for r in 0..3 {
-        assert_eq!(net.status(r), Some(Status::Ok), "rank {r}");
-    }
+    post_all_ok(&mut net, &members, [1, 2, 0], |r| {
+        hier(post(r, 0, 9, &members, &nodes))
+    });
     let w: Vec<_> = copies(&net)
         .into_iter()
         .filter(|c| matches!(c.dst, Loc::Host { .. }))
@@ -342,13 +328,14 @@ fn a_flat_leader_feeds_its_nodes_hier_sps_chunk_by_chunk() {
     // hierarchical: it gets the chunks and writes its ranks' buffers.
     let (members, nodes) = ([0, 1, 1], [0, 0, 0]);
     let mut net = Net::new(2);
-    net.post(1, hier(post(1, 0, 9, &members, &nodes)));
-    net.post(1, hier(post(2, 0, 9, &members, &nodes)));
-    net.post(0, post(0, 0, 9, &members, &nodes));
-    net.run();
-    for r in 0..3 {
-        assert_eq!(net.status(r), Some(Status::Ok), "rank {r}");
-    }
+    post_all_ok(&mut net, &members, [1, 2, 0], |r| {
+        let p = post(r, 0, 9, &members, &nodes);
+        if r == 0 {
+            p
+        } else {
+            hier(p)
+        }
+    });
     assert_eq!(moves(&net).len(), 3);
     let w: Vec<_> = copies(&net)
         .into_iter()
@@ -369,14 +356,7 @@ fn a_flat_leader_feeds_its_nodes_hier_sps_chunk_by_chunk() {
 #[test]
 fn a_flat_post_after_its_leader_sealed_aborts() {
     let (members, nodes) = ([0, 0, 1], [0, 0, 0]);
-    let mut m: Bcast<Tag> = Bcast::new(
-        KEY,
-        Config {
-            me: 1,
-            chunk_bytes: 8,
-            staging_slots: 2,
-        },
-    );
+    let mut m = machine(1, 8, 2);
     let open = Msg::Open {
         root: 0,
         len: 5,
@@ -410,14 +390,7 @@ fn a_flat_post_after_its_leader_sealed_aborts() {
 #[test]
 fn hier_completions_say_copy_from_the_segment() {
     let (members, nodes) = ([0, 1, 1], [0, 1, 1]);
-    let mut m: Bcast<Tag> = Bcast::new(
-        KEY,
-        Config {
-            me: 1,
-            chunk_bytes: 8,
-            staging_slots: 1,
-        },
-    );
+    let mut m = machine(1, 8, 1);
     m.handle_post(0, hier(post(2, 0, 5, &members, &nodes)))
         .unwrap();
     m.handle_msg(
@@ -494,33 +467,16 @@ fn hier_completions_say_copy_from_the_segment() {
 #[test]
 fn zero_bytes_still_pass_the_tree_without_copies() {
     let (members, nodes) = ([0, 1, 2, 2], [0, 1, 1, 1]);
-    let mut net = Net::new(3);
-    for r in 0..4 {
-        net.post(members[r as usize], post(r, 2, 0, &members, &nodes));
-    }
-    net.run();
-    assert!(net.copied.is_empty());
-    for r in 0..4 {
-        assert_eq!(net.status(r), Some(Status::Ok));
-    }
+    let mut net: Net = zero_bytes_without_copies(3, &members, |r| post(r, 2, 0, &members, &nodes));
     all_finished(&mut net, &[0, 1, 2]);
 }
 
 #[test]
 fn a_length_mismatch_aborts_everyone() {
-    let (members, nodes) = ([0, 1, 2], [0, 1, 2]);
-    let mut net = Net::new(3);
-    net.post(0, post(0, 0, 10, &members, &nodes));
-    net.post(1, post(1, 0, 10, &members, &nodes));
-    net.post(2, post(2, 0, 11, &members, &nodes));
-    net.run();
-    assert_eq!(net.status(2), Some(Status::CountMismatch));
-    for r in 0..3 {
-        assert!(net.status(r).is_some(), "rank {r}");
-    }
+    let (members, lens) = ([0, 1, 2], [10, 10, 11]);
+    let net = rank_2_length_mismatch(|r| post(r, 0, lens[r as usize], &members, &members));
     // SP 2 never wrote into the rank whose length disagrees.
     assert!(!copies(&net).iter().any(|c| c.rank == 2));
-    all_finished(&mut net, &[0, 1, 2]);
 }
 
 /// Ranks 0 and 1 name root 0, ranks 2 and 3 root 2: the two views'
@@ -549,72 +505,42 @@ fn disagreeing_roots_are_detected_without_a_hang() {
 #[test]
 fn rank_lost_before_posting_fails_every_rank() {
     let (members, nodes) = ([0, 1, 2], [0, 1, 2]);
-    let mut net = Net::new(3);
-    net.sp(1).m.handle_rank_lost(0, 1);
-    net.post(0, post(0, 0, 10, &members, &nodes));
-    net.post(2, post(2, 0, 10, &members, &nodes));
-    net.run();
-    net.expect_status(&[0, 2], Some(Status::RankFailed));
-    assert_eq!(net.status(1), None);
-    all_finished(&mut net, &[0, 2]);
+    rank_1_lost_before_posting::<Tb>(|r| post(r, 0, 10, &members, &nodes));
 }
 
 #[test]
 fn middle_sp_lost_mid_pipeline() {
     let (members, nodes) = ([0, 1, 2], [0, 1, 2]);
     let mut net = Net::new(3);
-    for r in 0..3 {
-        net.post(r, post(r, 0, 30, &members, &nodes));
-    }
+    post_ranks(&mut net, &members, 0..3, |r| {
+        post(r, 0, 30, &members, &nodes)
+    });
     // Let a few chunks through, then SP 1 dies.
     for _ in 0..6 {
         net.deliver_all();
         net.finish_copy(Status::Ok);
     }
-    net.dead.insert(1);
-    for sp in [0, 2] {
-        net.sp(sp).m.handle_peer_lost(100, 1);
-        net.collect(sp);
-    }
-    net.run();
-    net.expect_status(&[0, 2], Some(Status::PeerFailed));
-    all_finished(&mut net, &[0, 2]);
+    lose_sp(&mut net, 1, &[0, 2]);
 }
 
 #[test]
 fn failed_move_gives_the_slot_back() {
     let (members, nodes) = ([0, 1], [0, 1]);
     let mut net = Net::new(2);
-    for r in 0..2 {
-        net.post(r, post(r, 0, 8, &members, &nodes));
-    }
+    post_ranks(&mut net, &members, 0..2, |r| {
+        post(r, 0, 8, &members, &nodes)
+    });
     net.deliver_all();
     // The read, then the move, fails.
     assert!(net.finish_copy(Status::Ok));
     net.deliver_all();
-    let i = net
-        .copies
-        .iter()
-        .position(|(_, w)| matches!(w, Work::M(_)))
-        .unwrap();
-    let w = net.copies.remove(i).unwrap();
-    net.copies.push_front(w);
-    assert!(net.finish_copy(Status::AccessError));
-    net.run();
-    net.expect_status(&[0, 1], Some(Status::AccessError));
-    all_finished(&mut net, &[0, 1]);
+    assert!(copy_first(&mut net, |(_, w)| matches!(w, Work::M(_))));
+    fail_a_copy(&mut net);
 }
 
 #[test]
 fn credits_never_exceed_the_chunks_expected() {
-    let mut m: Bcast<Tag> = Bcast::new(
-        KEY,
-        Config {
-            me: 1,
-            chunk_bytes: 100,
-            staging_slots: 8,
-        },
-    );
+    let mut m = machine(1, 100, 8);
     m.handle_post(0, post(1, 0, 150, &[0, 1], &[0, 1])).unwrap();
     let acts: Vec<_> = std::iter::from_fn(|| m.poll_action()).collect();
     assert!(
@@ -625,30 +551,22 @@ fn credits_never_exceed_the_chunks_expected() {
 
 #[test]
 fn invalid_posts_are_rejected() {
-    let mut m: Bcast<Tag> = Bcast::new(
-        KEY,
-        Config {
-            me: 0,
-            chunk_bytes: 4,
-            staging_slots: 2,
-        },
-    );
-    let mut p = post(0, 0, 4, &[0, 1], &[0, 1]);
-    p.design = Design::Hier;
-    assert_eq!(
-        m.handle_post(0, p),
-        Err(PostError::MissingSharedKey { rank: 0 })
-    );
-    assert_eq!(
-        m.handle_post(0, post(0, 2, 4, &[0, 1], &[0, 1])),
-        Err(PostError::RootOutOfRange { root: 2, size: 2 })
-    );
-    assert_eq!(
-        m.handle_post(0, post(1, 0, 4, &[0, 1], &[0, 1])),
-        Err(PostError::NotMine {
-            rank: 1,
-            served_by: 1
-        })
-    );
+    let mut m = new_machine(0);
+    let two = |rank, root| post(rank, root, 4, &[0, 1], &[0, 1]);
+    let no_shared_key = Post {
+        design: Design::Hier,
+        ..two(0, 0)
+    };
+    let not_mine = PostError::NotMine {
+        rank: 1,
+        served_by: 1,
+    };
+    for (p, err) in [
+        (no_shared_key, PostError::MissingSharedKey { rank: 0 }),
+        (two(0, 2), PostError::RootOutOfRange { root: 2, size: 2 }),
+        (two(1, 0), not_mine),
+    ] {
+        assert_eq!(m.handle_post(0, p), Err(err));
+    }
     assert!(m.members().is_none() && m.poll_action().is_none());
 }

@@ -1,5 +1,9 @@
 use super::*;
 use crate::sim::testnet::{Machine, Out};
+use crate::test_util::{
+    all_finished, copy_first, fail_a_copy, forward_inputs, instance, lose_sp, post_all_ok,
+    post_ranks, rank_1_lost_before_posting, rank_2_length_mismatch, zero_bytes_without_copies,
+};
 
 type Tag = (char, Rank);
 
@@ -23,13 +27,7 @@ impl Machine for Tb {
         }
     }
 
-    fn post(&mut self, now: Nanos, post: Post<Tag>) {
-        self.m.handle_post(now, post).unwrap();
-    }
-
-    fn msg(&mut self, now: Nanos, from: SpId, msg: Msg<Tag>) {
-        self.m.handle_msg(now, from, msg).unwrap();
-    }
+    forward_inputs!(m);
 
     fn copy_done(&mut self, now: Nanos, c: &Copy<Tag>, status: Status) {
         self.m.handle_copy_done(now, c.id, status);
@@ -55,6 +53,8 @@ impl Machine for Tb {
     }
 }
 
+instance!(Tb, m);
+
 type Net = crate::sim::testnet::Net<Tb>;
 
 fn post(rank: Rank, len: u64, members: &[SpId], nodes: &[u32]) -> Post<Tag> {
@@ -79,12 +79,6 @@ fn writes(net: &Net) -> Vec<Copy<Tag>> {
         .collect()
 }
 
-fn all_finished(net: &mut Net, sps: &[SpId]) {
-    for &sp in sps {
-        assert!(net.sp(sp).m.is_finished(), "sp {sp} not finished");
-    }
-}
-
 fn sent(net: &Net, from: SpId, to: SpId) -> Vec<Msg<Tag>> {
     // Messages still queued (delivered ones are gone).
     net.msgs
@@ -99,13 +93,9 @@ fn flat_writes_every_chunk_into_every_rank_once() {
     // Node 0: SP 0 (ranks 0, 3); node 1: SP 1 (rank 1), SP 2 (rank 2).
     let (members, nodes) = ([0, 1, 2, 0], [0, 1, 1, 0]);
     let mut net = Net::new(3);
-    for r in [2, 0, 3, 1] {
-        net.post(members[r as usize], post(r, 6, &members, &nodes));
-    }
-    net.run();
-    for r in 0..4 {
-        assert_eq!(net.status(r), Some(Status::Ok), "rank {r}");
-    }
+    post_all_ok(&mut net, &members, [2, 0, 3, 1], |r| {
+        post(r, 6, &members, &nodes)
+    });
     // 4 blocks x 2 chunks (4 + 2 bytes) into 4 ranks.
     let w = writes(&net);
     assert_eq!(w.len(), 32);
@@ -141,23 +131,10 @@ fn writers_start_at_their_own_node_and_go_round() {
     // then rank 2, then rank 0.
     let (members, nodes) = ([0, 1, 2], [0, 1, 2]);
     let mut net = Net::new(3);
-    for r in 0..3 {
-        net.post(r, post(r, 3, &members, &nodes));
-    }
+    post_ranks(&mut net, &members, 0..3, |r| post(r, 3, &members, &nodes));
     net.deliver_all();
     // Finish the reads only.
-    while net
-        .copies
-        .iter()
-        .any(|(_, c)| matches!(c.dst, Loc::Stage { .. }))
-    {
-        let i = net
-            .copies
-            .iter()
-            .position(|(_, c)| matches!(c.dst, Loc::Stage { .. }))
-            .unwrap();
-        let w = net.copies.remove(i).unwrap();
-        net.copies.push_front(w);
+    while copy_first(&mut net, |(_, c)| matches!(c.dst, Loc::Stage { .. })) {
         net.finish_copy(Status::Ok);
     }
     let order: Vec<Rank> = net
@@ -168,9 +145,7 @@ fn writers_start_at_their_own_node_and_go_round() {
         .collect();
     assert_eq!(order, [1, 2, 0]);
     net.run();
-    for r in 0..3 {
-        assert_eq!(net.status(r), Some(Status::Ok));
-    }
+    net.expect_status(&[0, 1, 2], Some(Status::Ok));
     all_finished(&mut net, &[0, 1, 2]);
 }
 
@@ -179,17 +154,10 @@ fn writers_take_one_unit_of_each_node_in_turn() {
     // Nodes 0, 1, 2 with one SP and ranks {0, 3}, {1, 4}, {2, 5}.
     let (members, nodes) = ([0, 1, 2, 0, 1, 2], [0, 1, 2, 0, 1, 2]);
     let mut net = Net::new(3);
-    for r in 0..6 {
-        net.post(members[r as usize], post(r, 2, &members, &nodes));
-    }
+    post_ranks(&mut net, &members, 0..6, |r| post(r, 2, &members, &nodes));
     net.deliver_all();
-    let i = net
-        .copies
-        .iter()
-        .position(|(sp, c)| *sp == 1 && matches!(c.dst, Loc::Stage { .. }))
-        .unwrap();
-    let w = net.copies.remove(i).unwrap();
-    net.copies.push_front(w);
+    let read_on_1 = |(sp, c): &(SpId, Copy<Tag>)| *sp == 1 && matches!(c.dst, Loc::Stage { .. });
+    assert!(copy_first(&mut net, read_on_1));
     net.finish_copy(Status::Ok);
     let order: Vec<Rank> = net
         .copies
@@ -199,9 +167,7 @@ fn writers_take_one_unit_of_each_node_in_turn() {
         .collect();
     assert_eq!(order, [1, 2, 0, 4, 5, 3]);
     net.run();
-    for r in 0..6 {
-        assert_eq!(net.status(r), Some(Status::Ok));
-    }
+    net.expect_status(&[0, 1, 2, 3, 4, 5], Some(Status::Ok));
     all_finished(&mut net, &[0, 1, 2]);
 }
 
@@ -210,8 +176,7 @@ fn a_late_rank_stalls_reads_then_everything_resumes() {
     // SP 0 serves ranks 0 and 2, SP 1 rank 1; 2 chunks per block, 2 slots.
     let (members, nodes) = ([0, 1, 0], [0, 1, 0]);
     let mut net = Net::new(2);
-    net.post(0, post(0, 8, &members, &nodes));
-    net.post(0, post(2, 8, &members, &nodes));
+    post_ranks(&mut net, &members, [0, 2], |r| post(r, 8, &members, &nodes));
     net.run();
     let m = &net.sp(0).m;
     // Both slots hold chunks written into ranks 0 and 2 but not into
@@ -224,9 +189,7 @@ fn a_late_rank_stalls_reads_then_everything_resumes() {
     assert_eq!(net.sp(1).m.stats().keys_before_post, 2);
     net.post(1, post(1, 8, &members, &nodes));
     net.run();
-    for r in 0..3 {
-        assert_eq!(net.status(r), Some(Status::Ok), "rank {r}");
-    }
+    net.expect_status(&[0, 1, 2], Some(Status::Ok));
     assert_eq!(net.sp(0).m.stats().writes_waited_for_key, 2);
     assert_eq!(net.sp(0).m.stats().chunk_writes, 12);
     all_finished(&mut net, &[0, 1]);
@@ -238,13 +201,9 @@ fn hier_writes_each_chunk_once_per_node_into_its_owners_region() {
     // 2), SP 3 (rank 3). SPs 0 and 2 own their nodes' regions.
     let (members, nodes) = ([0, 1, 2, 3, 1, 0], [0, 0, 1, 1, 0, 0]);
     let mut net = Net::new(4);
-    for r in [4, 3, 5, 1, 2, 0] {
-        net.post(members[r as usize], hier(post(r, 6, &members, &nodes)));
-    }
-    net.run();
-    for r in 0..6 {
-        assert_eq!(net.status(r), Some(Status::Ok), "rank {r}");
-    }
+    post_all_ok(&mut net, &members, [4, 3, 5, 1, 2, 0], |r| {
+        hier(post(r, 6, &members, &nodes))
+    });
     // 6 blocks x 2 chunks into 2 regions (one per node), through the
     // shared key of the first rank that posted at each owner (5 on SP
     // 0, 2 on SP 2); nothing into any rank's buffer.
@@ -266,8 +225,9 @@ fn hier_writes_each_chunk_once_per_node_into_its_owners_region() {
             "SP {sp}"
         );
     }
-    assert_eq!(net.sp(0).m.stats().regions_shared, 1);
-    assert_eq!(net.sp(2).m.stats().regions_shared, 1);
+    for sp in [0, 2] {
+        assert_eq!(net.sp(sp).m.stats().regions_shared, 1, "SP {sp}");
+    }
     all_finished(&mut net, &[0, 1, 2, 3]);
 }
 
@@ -277,15 +237,12 @@ fn a_flat_owner_makes_its_nodes_hier_sps_flat() {
     // node, is hierarchical: it announces its ranks' keys after SP 0's.
     let (members, nodes) = ([0, 1, 1], [0, 0, 0]);
     let mut net = Net::new(2);
-    net.post(1, hier(post(1, 3, &members, &nodes)));
-    net.post(1, hier(post(2, 3, &members, &nodes)));
+    post_ranks(&mut net, &members, [1, 2], |r| {
+        hier(post(r, 3, &members, &nodes))
+    });
     net.run();
     assert!(writes(&net).is_empty(), "SP 1 waits for its owner");
-    net.post(0, post(0, 3, &members, &nodes));
-    net.run();
-    for r in 0..3 {
-        assert_eq!(net.status(r), Some(Status::Ok), "rank {r}");
-    }
+    post_all_ok(&mut net, &members, [0], |r| post(r, 3, &members, &nodes));
     let w = writes(&net);
     assert_eq!(w.len(), 9, "3 blocks into 3 buffers: {w:?}");
     assert!(w
@@ -305,13 +262,11 @@ fn an_owner_that_fails_before_it_posts_stops_its_nodes_waiting_sps() {
     let (members, nodes) = ([0, 1, 1], [0, 0, 0]);
     let mut net = Net::new(2);
     net.sp(0).m.handle_rank_lost(0, 0);
-    for r in 1..3 {
-        net.post(1, hier(post(r, 4, &members, &nodes)));
-    }
+    post_ranks(&mut net, &members, 1..3, |r| {
+        hier(post(r, 4, &members, &nodes))
+    });
     net.run();
-    for r in 1..3 {
-        assert_eq!(net.status(r), Some(Status::RankFailed), "rank {r}");
-    }
+    net.expect_status(&[1, 2], Some(Status::RankFailed));
     all_finished(&mut net, &[1]);
 }
 
@@ -320,14 +275,14 @@ fn designs_may_differ_per_sp() {
     // SP 0 flat (ranks 0, 2), SP 1 hierarchical (ranks 1, 3).
     let (members, nodes) = ([0, 1, 0, 1], [0, 1, 0, 1]);
     let mut net = Net::new(2);
-    for r in 0..4 {
+    post_all_ok(&mut net, &members, 0..4, |r| {
         let p = post(r, 3, &members, &nodes);
-        net.post(members[r as usize], if r % 2 == 1 { hier(p) } else { p });
-    }
-    net.run();
-    for r in 0..4 {
-        assert_eq!(net.status(r), Some(Status::Ok), "rank {r}");
-    }
+        if r % 2 == 1 {
+            hier(p)
+        } else {
+            p
+        }
+    });
     let w = writes(&net);
     // 4 blocks into ranks 0 and 2 each, and once into SP 1's region.
     assert_eq!(w.iter().filter(|c| c.sp == 0).count(), 8);
@@ -341,37 +296,26 @@ fn designs_may_differ_per_sp() {
 fn zero_length_blocks_complete_without_copies() {
     let (members, nodes) = ([0, 1, 1], [0, 1, 1]);
     for design in [Design::Flat, Design::Hier] {
-        let mut net = Net::new(2);
-        for r in 0..3 {
-            let mut p = post(r, 0, &members, &nodes);
+        let mut net: Net = zero_bytes_without_copies(2, &members, |r| {
+            let p = post(r, 0, &members, &nodes);
             if design == Design::Hier {
-                p = hier(p);
+                hier(p)
+            } else {
+                p
             }
-            net.post(members[r as usize], p);
-        }
-        net.run();
-        assert!(net.copied.is_empty());
-        for r in 0..3 {
-            assert_eq!(net.status(r), Some(Status::Ok));
-        }
+        });
         all_finished(&mut net, &[0, 1]);
     }
 }
 
 #[test]
 fn a_length_mismatch_aborts_everyone_without_writing_there() {
-    let (members, nodes) = ([0, 1, 2], [0, 1, 2]);
-    let mut net = Net::new(3);
-    net.post(0, post(0, 6, &members, &nodes));
-    net.post(1, post(1, 6, &members, &nodes));
-    net.post(2, post(2, 7, &members, &nodes));
-    net.run();
+    let (members, lens) = ([0, 1, 2], [6, 6, 7]);
+    let net = rank_2_length_mismatch(|r| post(r, lens[r as usize], &members, &members));
     for r in 0..3 {
         assert!(!net.status(r).unwrap().is_ok(), "rank {r}");
     }
-    assert_eq!(net.status(2), Some(Status::CountMismatch));
     assert!(!writes(&net).iter().any(|c| c.rank == 2));
-    all_finished(&mut net, &[0, 1, 2]);
 }
 
 #[test]
@@ -379,13 +323,10 @@ fn another_comm_aborts_with_invalid_post() {
     // Rank 2 posts with ranks 0 and 1 swapped (SPs and nodes).
     let (members, nodes) = ([0, 1, 2], [0, 1, 2]);
     let mut net = Net::new(3);
-    net.post(0, post(0, 4, &members, &nodes));
-    net.post(1, post(1, 4, &members, &nodes));
+    post_ranks(&mut net, &members, 0..2, |r| post(r, 4, &members, &nodes));
     net.post(2, post(2, 4, &[1, 0, 2], &[1, 0, 2]));
     net.run();
-    for r in 0..3 {
-        assert_eq!(net.status(r), Some(Status::InvalidPost), "rank {r}");
-    }
+    net.expect_status(&[0, 1, 2], Some(Status::InvalidPost));
     all_finished(&mut net, &[0, 1, 2]);
 }
 
@@ -396,8 +337,7 @@ fn another_comm_aborts_with_invalid_post() {
 fn an_aborted_rank_waits_for_remote_writers_to_stop() {
     let (members, nodes) = ([0, 1], [0, 1]);
     let mut net = Net::new(2);
-    net.post(0, post(0, 4, &members, &nodes));
-    net.post(1, post(1, 4, &members, &nodes));
+    post_ranks(&mut net, &members, 0..2, |r| post(r, 4, &members, &nodes));
     net.deliver_all();
     assert!(net.finish_copy(Status::Ok) && net.finish_copy(Status::Ok));
     // Hold SP 0's write into rank 1.
@@ -431,49 +371,28 @@ fn an_aborted_rank_waits_for_remote_writers_to_stop() {
 fn a_lost_writer_counts_as_stopped() {
     let (members, nodes) = ([0, 1, 2], [0, 1, 2]);
     let mut net = Net::new(3);
-    for r in 0..3 {
-        net.post(r, post(r, 4, &members, &nodes));
-    }
+    post_ranks(&mut net, &members, 0..3, |r| post(r, 4, &members, &nodes));
     net.deliver_all();
-    net.dead.insert(2);
-    for sp in [0, 1] {
-        net.sp(sp).m.handle_peer_lost(100, 2);
-        net.collect(sp);
-    }
-    net.run();
-    net.expect_status(&[0, 1], Some(Status::PeerFailed));
-    all_finished(&mut net, &[0, 1]);
+    lose_sp(&mut net, 2, &[0, 1]);
 }
 
 #[test]
 fn a_rank_lost_before_posting_fails_every_rank() {
-    let (members, nodes) = ([0, 1, 2], [0, 1, 2]);
-    let mut net = Net::new(3);
-    net.sp(1).m.handle_rank_lost(0, 1);
-    net.post(0, post(0, 8, &members, &nodes));
-    net.post(2, post(2, 8, &members, &nodes));
-    net.run();
-    net.expect_status(&[0, 2], Some(Status::RankFailed));
-    assert_eq!(net.status(1), None);
     // SP 1 never sees a post: it answered the keys with `Stopped` and
     // is dropped with the job.
-    all_finished(&mut net, &[0, 2]);
+    let (members, nodes) = ([0, 1, 2], [0, 1, 2]);
+    rank_1_lost_before_posting::<Tb>(|r| post(r, 8, &members, &nodes));
 }
 
 #[test]
 fn a_failed_write_aborts_with_access_error() {
     let (members, nodes) = ([0, 1], [0, 1]);
     let mut net = Net::new(2);
-    for r in 0..2 {
-        net.post(r, post(r, 4, &members, &nodes));
-    }
+    post_ranks(&mut net, &members, 0..2, |r| post(r, 4, &members, &nodes));
     net.deliver_all();
     assert!(net.finish_copy(Status::Ok) && net.finish_copy(Status::Ok));
     net.deliver_all();
-    assert!(net.finish_copy(Status::AccessError));
-    net.run();
-    net.expect_status(&[0, 1], Some(Status::AccessError));
-    all_finished(&mut net, &[0, 1]);
+    fail_a_copy(&mut net);
 }
 
 #[test]
@@ -499,35 +418,27 @@ fn refusals_answer_what_waits_for_an_answer() {
 
 #[test]
 fn invalid_posts_and_messages_are_rejected() {
-    let mut m: StagedAllgather<Tag> = StagedAllgather::new(
-        KEY,
-        Config {
-            me: 0,
-            chunk_bytes: 4,
-            staging_slots: 2,
-        },
-    );
-    let mut p = post(0, 4, &[0, 1], &[0, 1]);
-    p.design = Design::Hier;
-    assert_eq!(
-        m.handle_post(0, p),
-        Err(PostError::MissingSharedKey { rank: 0 })
-    );
-    assert_eq!(
-        m.handle_post(0, post(1, 4, &[0, 1], &[0, 1])),
-        Err(PostError::NotMine {
-            rank: 1,
-            served_by: 1
-        })
-    );
-    assert_eq!(
-        m.handle_post(0, post(0, 4, &[0, 0], &[0, 1])),
-        Err(PostError::SpOnTwoNodes { sp: 0 })
-    );
-    assert_eq!(
-        m.handle_post(0, post(0, u64::MAX, &[0, 1], &[0, 1])),
-        Err(PostError::Overflow { rank: 0 })
-    );
+    let mut m = new_machine(0);
+    let two = |rank, len| post(rank, len, &[0, 1], &[0, 1]);
+    let no_shared_key = Post {
+        design: Design::Hier,
+        ..two(0, 4)
+    };
+    let not_mine = PostError::NotMine {
+        rank: 1,
+        served_by: 1,
+    };
+    for (p, err) in [
+        (no_shared_key, PostError::MissingSharedKey { rank: 0 }),
+        (two(1, 4), not_mine),
+        (
+            post(0, 4, &[0, 0], &[0, 1]),
+            PostError::SpOnTwoNodes { sp: 0 },
+        ),
+        (two(0, u64::MAX), PostError::Overflow { rank: 0 }),
+    ] {
+        assert_eq!(m.handle_post(0, p), Err(err));
+    }
     assert!(m.members().is_none() && m.poll_action().is_none());
     assert_eq!(
         m.handle_msg(0, 1, Msg::WrittenRegion),
@@ -541,9 +452,9 @@ fn invalid_posts_and_messages_are_rejected() {
     };
     m.handle_msg(0, 1, key.clone()).unwrap();
     assert_eq!(m.handle_msg(0, 1, key), Err(MsgError::Duplicate { sp: 1 }));
-    m.handle_post(0, post(0, 4, &[0, 1], &[0, 1])).unwrap();
+    m.handle_post(0, two(0, 4)).unwrap();
     assert_eq!(
-        m.handle_post(0, post(0, 4, &[0, 1], &[0, 1])),
+        m.handle_post(0, two(0, 4)),
         Err(PostError::DuplicatePost { rank: 0 })
     );
     assert_eq!(
