@@ -3,7 +3,17 @@
 //! ([`Net`]), and the setup, fault and check steps their scenarios repeat.
 
 use crate::sim::testnet::{Machine, Net};
-use crate::{Nanos, Rank, SpId, Status};
+use crate::{CollKey, CommId, Nanos, Rank, SpId, Status};
+
+/// The key of the tests' collective: job 1, communicator `id` led by rank 0,
+/// sequence number `seq`.
+pub(crate) const fn test_key(id: u32, seq: u64) -> CollKey {
+    CollKey {
+        job: 1,
+        comm: CommId { leader: 0, id },
+        seq,
+    }
+}
 
 /// What a test asks of an instance besides the [`Machine`] calls.
 pub(crate) trait Instance: Machine {
@@ -95,17 +105,24 @@ pub(crate) fn post_ranks<A: Machine>(
     }
 }
 
-/// Every rank of `members` posts `post(r)` at its SP, in the order `ranks`;
-/// the net runs until quiet and every rank completed `Ok`.
-pub(crate) fn post_all_ok<A: Machine>(
-    net: &mut Net<A>,
+/// A net of `sps` SPs where the ranks `ranks` posted `post(r)`, in that
+/// order, at their SPs (`members[r]`).
+pub(crate) fn posted<A: Machine>(
+    sps: u32,
     members: &[SpId],
     ranks: impl IntoIterator<Item = Rank>,
     post: impl Fn(Rank) -> A::Post,
-) {
-    post_ranks(net, members, ranks, post);
+) -> Net<A> {
+    let mut net = Net::new(sps);
+    post_ranks(&mut net, members, ranks, post);
+    net
+}
+
+/// Runs the net until quiet: all ranks of a communicator of `size` completed
+/// `Ok`.
+pub(crate) fn run_all_ok<A: Machine>(net: &mut Net<A>, size: usize) {
     net.run();
-    let all: Vec<Rank> = (0..members.len() as Rank).collect();
+    let all: Vec<Rank> = (0..size as Rank).collect();
     net.expect_status(&all, Some(Status::Ok));
 }
 
@@ -146,8 +163,8 @@ pub(crate) fn zero_bytes_without_copies<A: Machine>(
     members: &[SpId],
     post: impl Fn(Rank) -> A::Post,
 ) -> Net<A> {
-    let mut net = Net::new(sps);
-    post_all_ok(&mut net, members, 0..members.len() as Rank, post);
+    let mut net = posted(sps, members, 0..members.len() as Rank, post);
+    run_all_ok(&mut net, members.len());
     assert!(net.copied.is_empty());
     net
 }
@@ -169,8 +186,7 @@ pub(crate) fn rank_1_lost_before_posting<A: Instance>(post: impl Fn(Rank) -> A::
 /// and rank 2's length disagrees: the net runs until quiet, every rank
 /// completed, rank 2 with `CountMismatch`, and every SP finished.
 pub(crate) fn rank_2_length_mismatch<A: Instance>(post: impl Fn(Rank) -> A::Post) -> Net<A> {
-    let mut net = Net::new(3);
-    post_ranks(&mut net, &[0, 1, 2], 0..3, post);
+    let mut net = posted(3, &[0, 1, 2], 0..3, post);
     net.run();
     assert_eq!(net.status(2), Some(Status::CountMismatch));
     for r in 0..3 {

@@ -12,11 +12,8 @@ use common::seeds;
 fn run_ok(name: &str, cfg: &SimConfig) -> SimReport {
     common::run_logged(name, cfg.seed, cfg, run, |r| {
         format!(
-            "virtual {}ns, {} events, {} msgs, {} copies, inter {} (min {}), stats {:?}, errors {}",
-            r.end_ns,
-            r.events,
-            r.messages,
-            r.copies,
+            "{}, inter {} (min {}), stats {:?}, errors {}",
+            common::copy_run_summary(r.end_ns, r.events, r.messages, r.copies),
             r.bytes_copied_inter_node,
             r.min_inter_node_bytes,
             r.stats,
@@ -34,6 +31,23 @@ fn clean(name: &str, r: &SimReport) {
     );
 }
 
+/// [`run_ok`] and the fault-free checks ([`clean`]).
+fn run_clean(name: &str, cfg: &SimConfig) -> SimReport {
+    let r = run_ok(name, cfg);
+    clean(name, &r);
+    r
+}
+
+/// The default config of `seed` on `nodes` nodes of `ranks_per_node` ranks
+/// and `sps_per_node` SPs.
+fn shaped(seed: u64, nodes: u32, ranks_per_node: u32, sps_per_node: u32) -> SimConfig {
+    let mut cfg = SimConfig::new(seed);
+    cfg.nodes = nodes;
+    cfg.ranks_per_node = ranks_per_node;
+    cfg.sps_per_node = sps_per_node;
+    cfg
+}
+
 #[test]
 fn allgatherv_256_ranks_8_nodes_random_skew() {
     for seed in seeds() {
@@ -42,8 +56,7 @@ fn allgatherv_256_ranks_8_nodes_random_skew() {
                 let mut cfg = SimConfig::new(seed);
                 cfg.sps_per_node = sps;
                 cfg.layout = layout;
-                let r = run_ok("allgatherv_256_ranks_8_nodes_random_skew", &cfg);
-                clean("allgatherv_256_ranks_8_nodes_random_skew", &r);
+                run_clean("allgatherv_256_ranks_8_nodes_random_skew", &cfg);
             }
         }
     }
@@ -55,18 +68,14 @@ fn allgatherv_inter_node_bytes_are_minimal_block_and_cyclic() {
     for seed in seeds() {
         for layout in [Layout::Block, Layout::Cyclic] {
             for equal in [false, true] {
-                let mut cfg = SimConfig::new(seed);
-                cfg.nodes = 6;
-                cfg.ranks_per_node = 10;
-                cfg.sps_per_node = 3;
+                let mut cfg = shaped(seed, 6, 10, 3);
                 cfg.layout = layout;
                 cfg.equal_counts = equal;
                 cfg.ops = 3;
                 cfg.op_gap_ns = 5_000;
                 cfg.zero_block_percent = 0;
                 cfg.max_block_bytes = 200;
-                let r = run_ok(name, &cfg);
-                clean(name, &r);
+                let r = run_clean(name, &cfg);
                 assert!(r.min_inter_node_bytes > 0, "{name}: seed={seed:#018x}");
             }
         }
@@ -77,15 +86,11 @@ fn allgatherv_inter_node_bytes_are_minimal_block_and_cyclic() {
 fn allgatherv_pass_and_pending_paths_are_taken() {
     let name = "allgatherv_pass_and_pending_paths_are_taken";
     for seed in seeds() {
-        let mut cfg = SimConfig::new(seed);
-        cfg.nodes = 4;
-        cfg.ranks_per_node = 8;
-        cfg.sps_per_node = 4;
+        let mut cfg = shaped(seed, 4, 8, 4);
         cfg.arrival_skew_ns = 200_000;
         cfg.late_ranks = 8;
         cfg.late_delay_ns = 500_000;
-        let r = run_ok(name, &cfg);
-        clean(name, &r);
+        let r = run_clean(name, &cfg);
         let s = r.stats;
         assert!(s.no_ready_rank > 0, "{name}: seed={seed:#018x} {s:?}");
         assert!(s.served_after_pass > 0, "{name}: seed={seed:#018x} {s:?}");
@@ -111,10 +116,7 @@ fn crash_faults(deaths: u32, crashes: u32) -> Faults {
 }
 
 fn fault_run(name: &str, seed: u64, deaths: u32, crashes: u32) {
-    let mut cfg = SimConfig::new(seed);
-    cfg.nodes = 4;
-    cfg.ranks_per_node = 8;
-    cfg.sps_per_node = 2;
+    let mut cfg = shaped(seed, 4, 8, 2);
     cfg.ops = 2;
     cfg.faults = crash_faults(deaths, crashes);
     run_ok(name, &cfg);
@@ -146,21 +148,20 @@ fn allgatherv_sp_crash_random_seeds() {
 #[test]
 #[ignore]
 fn allgatherv_sp_crash_stress() {
-    let n: u64 = std::env::var("SIM_ITERS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(5_000);
+    let n = common::iters(5_000);
     let base = *seeds().last().unwrap();
     eprintln!("allgatherv_sp_crash_stress: base seed={base:#018x}, {n} seeds");
     for i in 0..n {
-        let seed = base.wrapping_add(i.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let seed = common::spread(base, i);
         for (deaths, crashes) in [(0, 1), (2, 2)] {
-            let mut cfg = SimConfig::new(seed);
             // Every other seed the `fault_run` shape, else a small random one.
             let small = i % 2 == 1;
-            cfg.nodes = if small { 2 + (i / 2 % 3) as u32 } else { 4 };
-            cfg.ranks_per_node = if small { 1 + (i / 6 % 6) as u32 } else { 8 };
-            cfg.sps_per_node = 2 + (i / 2 % 3) as u32;
+            let mut cfg = shaped(
+                seed,
+                if small { 2 + (i / 2 % 3) as u32 } else { 4 },
+                if small { 1 + (i / 6 % 6) as u32 } else { 8 },
+                2 + (i / 2 % 3) as u32,
+            );
             cfg.layout = if i / 4 % 2 == 0 {
                 Layout::Block
             } else {
@@ -186,10 +187,12 @@ fn allgatherv_sp_crash_stress() {
 fn allgatherv_small_clusters_many_seeds() {
     let name = "allgatherv_small_clusters_many_seeds";
     for seed in 0..200u64 {
-        let mut cfg = SimConfig::new(seed);
-        cfg.nodes = 1 + (seed % 4) as u32;
-        cfg.ranks_per_node = 1 + (seed / 4 % 5) as u32;
-        cfg.sps_per_node = 1 + (seed / 20 % 3) as u32;
+        let mut cfg = shaped(
+            seed,
+            1 + (seed % 4) as u32,
+            1 + (seed / 4 % 5) as u32,
+            1 + (seed / 20 % 3) as u32,
+        );
         cfg.layout = if seed % 2 == 0 {
             Layout::Block
         } else {
@@ -222,12 +225,8 @@ fn allgatherv_1024_ranks_32_nodes() {
     let name = "allgatherv_1024_ranks_32_nodes";
     let seed = seeds()[0];
     for sps in [1, 2, 4, 8] {
-        let mut cfg = SimConfig::new(seed);
-        cfg.nodes = 32;
-        cfg.ranks_per_node = 32;
-        cfg.sps_per_node = sps;
+        let mut cfg = shaped(seed, 32, 32, sps);
         cfg.max_block_bytes = 16;
-        let r = run_ok(name, &cfg);
-        clean(name, &r);
+        run_clean(name, &cfg);
     }
 }

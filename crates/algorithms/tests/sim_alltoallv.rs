@@ -20,11 +20,8 @@ fn seeds() -> Vec<u64> {
 fn run_ok(name: &str, cfg: &SimConfig) -> SimReport {
     common::run_logged(name, cfg.seed, cfg, run, |r| {
         format!(
-            "virtual {}ns, {} events, {} msgs, {} copies, late={}, max_in_flight={}, errors={}",
-            r.end_ns,
-            r.events,
-            r.messages,
-            r.copies,
+            "{}, late={}, max_in_flight={}, errors={}",
+            common::copy_run_summary(r.end_ns, r.events, r.messages, r.copies),
             r.late_announcements,
             r.max_in_flight,
             r.error_completions
@@ -32,11 +29,32 @@ fn run_ok(name: &str, cfg: &SimConfig) -> SimReport {
     })
 }
 
-fn scenario(name: &str, make: impl Fn(u64) -> SimConfig) -> Vec<SimReport> {
+/// Runs every seed of [`seeds`] with the default config adjusted by `set`.
+fn scenario(name: &str, set: impl Fn(&mut SimConfig)) -> Vec<SimReport> {
     seeds()
         .into_iter()
-        .map(|s| run_ok(name, &make(s)))
+        .map(|s| {
+            let mut c = SimConfig::new(s);
+            set(&mut c);
+            run_ok(name, &c)
+        })
         .collect()
+}
+
+/// Sets the cluster shape of `c`: `nodes` nodes of `ranks_per_node` ranks
+/// and `sps_per_node` SPs.
+fn shape(c: &mut SimConfig, nodes: u32, ranks_per_node: u32, sps_per_node: u32) {
+    c.nodes = nodes;
+    c.ranks_per_node = ranks_per_node;
+    c.sps_per_node = sps_per_node;
+}
+
+/// Whether some rank of some collective of `r` completed with `want`.
+fn any_status(r: &SimReport, want: Status) -> bool {
+    r.ops
+        .iter()
+        .flat_map(|o| &o.status)
+        .any(|s| *s == Some(want))
 }
 
 fn all_ok(r: &SimReport) {
@@ -55,7 +73,7 @@ fn all_ok(r: &SimReport) {
 
 #[test]
 fn alltoallv_256_ranks_8_nodes_random_skew() {
-    for r in scenario("256r_8n", SimConfig::new) {
+    for r in scenario("256r_8n", |_| {}) {
         assert_eq!(r.world_size, 256);
         all_ok(&r);
         assert!(r.bytes_copied_inter_node > 0 && r.bytes_copied_intra_node > 0);
@@ -145,25 +163,18 @@ fn alltoallv_small_clusters_all_faults_many_seeds() {
 #[test]
 #[ignore]
 fn alltoallv_small_clusters_stress() {
-    let n = std::env::var("SIM_ITERS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(20_000);
-    let errs = small_clusters(extra_seed(), n);
+    let n = common::iters(20_000);
+    let errs = small_clusters(extra_seed(), n as usize);
     eprintln!("{errs} of {n} runs had error completions");
 }
 
 #[test]
 fn alltoallv_cyclic_layout_sub_communicator() {
-    let reports = scenario("cyclic_subcomm", |seed| {
-        let mut c = SimConfig::new(seed);
-        c.nodes = 16;
-        c.ranks_per_node = 16;
-        c.sps_per_node = 2;
+    let reports = scenario("cyclic_subcomm", |c| {
+        shape(c, 16, 16, 2);
         c.layout = Layout::Cyclic;
         c.sub_comms = 2;
         c.ops = 3; // sub-communicator 1, sub-communicator 2, world
-        c
     });
     for r in reports {
         all_ok(&r);
@@ -176,13 +187,7 @@ fn alltoallv_cyclic_layout_sub_communicator() {
 
 #[test]
 fn alltoallv_32_nodes_8_sps_per_node() {
-    for r in scenario("32n_8sp", |seed| {
-        let mut c = SimConfig::new(seed);
-        c.nodes = 32;
-        c.ranks_per_node = 8;
-        c.sps_per_node = 8;
-        c
-    }) {
+    for r in scenario("32n_8sp", |c| shape(c, 32, 8, 8)) {
         assert_eq!(r.sps, 256);
         all_ok(&r);
     }
@@ -190,11 +195,9 @@ fn alltoallv_32_nodes_8_sps_per_node() {
 
 #[test]
 fn alltoallv_one_sp_per_node_saturates_copy_limiter() {
-    for r in scenario("1sp_per_node", |seed| {
-        let mut c = SimConfig::new(seed);
+    for r in scenario("1sp_per_node", |c| {
         c.sps_per_node = 1;
         c.max_inflight_reads = 4;
-        c
     }) {
         all_ok(&r);
         assert_eq!(r.max_in_flight, 4, "seed={:#018x}", r.seed);
@@ -203,13 +206,11 @@ fn alltoallv_one_sp_per_node_saturates_copy_limiter() {
 
 #[test]
 fn alltoallv_overlapping_ops_demultiplexed() {
-    for r in scenario("overlap_ops", |seed| {
-        let mut c = SimConfig::new(seed);
+    for r in scenario("overlap_ops", |c| {
         c.ops = 3;
         c.overlap_ops = true;
         c.op_gap_ns = 2_000;
         c.sub_comms = 1; // ops alternate between a sub-communicator and the world
-        c
     }) {
         all_ok(&r);
         // The collectives really overlapped in time.
@@ -221,14 +222,10 @@ fn alltoallv_overlapping_ops_demultiplexed() {
 
 #[test]
 fn alltoallv_back_to_back_ops() {
-    for r in scenario("back_to_back", |seed| {
-        let mut c = SimConfig::new(seed);
+    for r in scenario("back_to_back", |c| {
         c.ops = 3;
         c.overlap_ops = false;
-        c.nodes = 16;
-        c.ranks_per_node = 16;
-        c.sps_per_node = 2;
-        c
+        shape(c, 16, 16, 2);
     }) {
         all_ok(&r);
         assert_eq!(
@@ -240,11 +237,9 @@ fn alltoallv_back_to_back_ops() {
 
 #[test]
 fn alltoallv_message_jitter_reorders_messages() {
-    for r in scenario("jitter", |seed| {
-        let mut c = SimConfig::new(seed);
+    for r in scenario("jitter", |c| {
         c.faults.msg_jitter_ns = 10_000;
         c.sps_per_node = 8;
-        c
     }) {
         all_ok(&r);
     }
@@ -252,14 +247,12 @@ fn alltoallv_message_jitter_reorders_messages() {
 
 #[test]
 fn alltoallv_sp_crash_ends_with_errors() {
-    let reports = scenario("sp_crash", |seed| {
-        let mut c = SimConfig::new(seed);
+    let reports = scenario("sp_crash", |c| {
         c.ops = 2;
         c.overlap_ops = false;
         c.faults.sp_crashes = 2;
         c.faults.crash_window_ns = 1_500_000; // op 0 ends near 1ms
         c.faults.detect_delay_ns = 20_000;
-        c
     });
     for r in &reports {
         assert_eq!(r.crashed_sps.len(), 2);
@@ -283,29 +276,21 @@ fn alltoallv_sp_crash_ends_with_errors() {
 
 #[test]
 fn alltoallv_rank_death_aborts_collective() {
-    let reports = scenario("rank_death", |seed| {
-        let mut c = SimConfig::new(seed);
+    let reports = scenario("rank_death", |c| {
         c.ops = 2;
         c.faults.rank_deaths = 2;
         c.faults.death_window_ns = 300_000;
-        c
     });
     for r in &reports {
         assert_eq!(r.dead_ranks.len(), 2);
-        assert!(r
-            .ops
-            .iter()
-            .flat_map(|o| &o.status)
-            .any(|s| matches!(s, Some(Status::RankFailed))));
+        assert!(any_status(r, Status::RankFailed));
     }
 }
 
 #[test]
 fn alltoallv_count_mismatch_does_not_hang() {
-    for r in scenario("count_mismatch", |seed| {
-        let mut c = SimConfig::new(seed);
+    for r in scenario("count_mismatch", |c| {
         c.faults.count_mismatches = 3;
-        c
     }) {
         // Exactly the ranks on both sides of a bad block report
         // CountMismatch (checked by the simulator), everyone completes.
@@ -321,17 +306,11 @@ fn alltoallv_count_mismatch_does_not_hang() {
 
 #[test]
 fn alltoallv_copy_errors_fail_both_sides() {
-    for r in scenario("copy_errors", |seed| {
-        let mut c = SimConfig::new(seed);
+    for r in scenario("copy_errors", |c| {
         c.faults.copy_error_ppm = 200;
-        c
     }) {
         assert!(r.ops[0].status.iter().all(|s| s.is_some()));
-        assert!(r
-            .ops
-            .iter()
-            .flat_map(|o| &o.status)
-            .any(|s| matches!(s, Some(Status::AccessError))));
+        assert!(any_status(&r, Status::AccessError));
     }
 }
 
@@ -339,11 +318,9 @@ fn alltoallv_copy_errors_fail_both_sides() {
 /// their destination posted, and SPs hitting the copy limit.
 #[test]
 fn alltoallv_paths_are_exercised() {
-    let reports = scenario("paths", |seed| {
-        let mut c = SimConfig::new(seed);
+    let reports = scenario("paths", |c| {
         c.late_ranks = 8;
         c.max_inflight_reads = 2;
-        c
     });
     assert!(reports.iter().any(|r| r.late_announcements > 0));
     assert!(reports.iter().any(|r| r.max_in_flight == 2));
@@ -388,13 +365,9 @@ fn sim_failure_message_contains_seed() {
 #[test]
 #[ignore]
 fn alltoallv_1024_ranks_32_nodes() {
-    for r in scenario("1024r_32n", |seed| {
-        let mut c = SimConfig::new(seed);
-        c.nodes = 32;
-        c.ranks_per_node = 32;
-        c.sps_per_node = 4;
+    for r in scenario("1024r_32n", |c| {
+        shape(c, 32, 32, 4);
         c.max_block_bytes = 16;
-        c
     }) {
         all_ok(&r);
     }

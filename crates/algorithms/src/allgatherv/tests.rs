@@ -1,17 +1,10 @@
 use super::*;
 use crate::sim::testnet::{Machine, Out};
-use crate::test_util::{
-    all_finished, plain_machine, post_ranks, tell_peer_lost, zero_bytes_without_copies,
-};
-use crate::CommId;
+use crate::test_util::*;
 
 type Tag = (char, Rank);
 
-const KEY: CollKey = CollKey {
-    job: 1,
-    comm: CommId { leader: 0, id: 9 },
-    seq: 0,
-};
+const KEY: CollKey = test_key(9, 0);
 
 /// Comm rank r has a block of `lens[r]` bytes; receive displacements
 /// are prefix sums.
@@ -65,10 +58,7 @@ fn late_arrival_is_parked_then_served() {
 fn announcement_passes_to_a_ready_sibling_and_is_distributed() {
     // Node 0: SP 0 (rank 0). Node 1: SP 1 (rank 1), SP 2 (rank 2).
     let (members, nodes, lens) = ([0, 1, 2], [0, 1, 1], [4, 2, 6]);
-    let mut net = Net::new(3);
-    post_ranks(&mut net, &members, [1, 0], |r| {
-        post(r, &members, &nodes, &lens)
-    });
+    let mut net: Net = posted(3, &members, [1, 0], |r| post(r, &members, &nodes, &lens));
     net.run();
     // Rank 0's announcement went to SP 2 (no rank yet) and was passed.
     assert_eq!(net.sp(2).stats().no_ready_rank, 1);
@@ -76,8 +66,7 @@ fn announcement_passes_to_a_ready_sibling_and_is_distributed() {
     assert_eq!(net.sp(2).parked() + net.sp(1).parked(), 0);
     assert!(net.completes.is_empty());
     net.post(2, post(2, &members, &nodes, &lens));
-    net.run();
-    net.expect_status(&[0, 1, 2], Some(Status::Ok));
+    run_all_ok(&mut net, members.len());
     // Rank 0's block enters node 1 once, then an intra-node copy.
     let inter: Vec<_> = net
         .copied
@@ -165,6 +154,15 @@ fn pass_in_flight_then_sp_2_lost() -> (Net, (SpId, SpId, Msg<Tag>)) {
     (net, pass)
 }
 
+/// SP 1 learns of SP 2's loss at last: rank 1 fails with `PeerFailed` and SPs 0
+/// and 1 finish.
+fn sp_1_learns_the_loss(net: &mut Net) {
+    tell_peer_lost(net, 400, 2, &[1]);
+    net.run();
+    assert_eq!(net.status(1), Some(Status::PeerFailed));
+    all_finished(net, &[0, 1]);
+}
+
 #[test]
 fn lost_sp_passed_the_announcement_on_source_waits_for_release() {
     // Node 0: SP 0 (rank 0). Node 1: SP 1 (rank 1), SP 2 (rank 2).
@@ -184,10 +182,7 @@ fn lost_sp_passed_the_announcement_on_source_waits_for_release() {
     );
     net.run();
     assert_eq!(net.status(0), Some(Status::PeerFailed));
-    tell_peer_lost(&mut net, 400, 2, &[1]);
-    net.run();
-    assert_eq!(net.status(1), Some(Status::PeerFailed));
-    all_finished(&mut net, &[0, 1]);
+    sp_1_learns_the_loss(&mut net);
 }
 
 #[test]
@@ -202,10 +197,7 @@ fn release_before_the_pass_arrives_blocks_the_landing() {
         !net.copies.iter().any(|(_, c)| c.src_rank == 0),
         "an aborted SP started a landing copy"
     );
-    tell_peer_lost(&mut net, 400, 2, &[1]);
-    net.run();
-    assert_eq!(net.status(1), Some(Status::PeerFailed));
-    all_finished(&mut net, &[0, 1]);
+    sp_1_learns_the_loss(&mut net);
 }
 
 #[test]

@@ -1,18 +1,11 @@
 use super::*;
 use crate::sim::testnet::{Machine, Out};
-use crate::test_util::{
-    all_finished, plain_machine, post_all_ok, post_ranks, tell_peer_lost, zero_bytes_without_copies,
-};
-use crate::CommId;
+use crate::test_util::*;
 
 /// Key material in the tests: (buffer kind, rank).
 type Tag = (char, Rank);
 
-const KEY: CollKey = CollKey {
-    job: 1,
-    comm: CommId { leader: 0, id: 7 },
-    seq: 3,
-};
+const KEY: CollKey = test_key(7, 3);
 
 fn prefix(counts: &[u64]) -> Vec<u64> {
     let mut at = 0;
@@ -59,8 +52,8 @@ plain_machine!(
 fn two_sps_three_ranks_all_blocks_copied_once() {
     let members = [0, 1, 0];
     let m = vec![vec![3, 0, 5], vec![2, 4, 0], vec![0, 1, 6]];
-    let mut net = Net::new(2);
-    post_all_ok(&mut net, &members, 0..3, |r| matrix_post(r, &members, &m));
+    let mut net: Net = posted(2, &members, 0..3, |r| matrix_post(r, &members, &m));
+    run_all_ok(&mut net, members.len());
     let mut blocks: Vec<(Rank, Rank, u64, u64, u64)> = net
         .copied
         .iter()
@@ -122,8 +115,7 @@ fn late_arrival_is_queued_then_served() {
     assert!(net.completes.is_empty());
     assert!(!net.sp(0).is_finished());
     net.post(1, matrix_post(1, &members, &m));
-    net.run();
-    net.expect_status(&[0, 1], Some(Status::Ok));
+    run_all_ok(&mut net, members.len());
     assert_eq!(net.copied.len(), 4);
     all_finished(&mut net, &[0, 1]);
 }
@@ -180,8 +172,7 @@ fn count_mismatch_fails_both_sides_without_hanging() {
 fn failed_copy_reports_error_to_both_sides() {
     let members = [0, 1];
     let m = vec![vec![0, 4], vec![0, 0]];
-    let mut net = Net::new(2);
-    post_ranks(&mut net, &members, 0..2, |r| matrix_post(r, &members, &m));
+    let mut net: Net = posted(2, &members, 0..2, |r| matrix_post(r, &members, &m));
     net.deliver_all();
     assert!(net.finish_copy(Status::AccessError));
     net.run();
@@ -340,12 +331,20 @@ fn abort_before_any_post() {
         .all(|c| c.src_rank == 0 && c.dst_rank == 0));
 }
 
+/// Three SPs, rank `r` on SP `r`, where every block is `len` bytes: the post
+/// of rank `r`.
+fn uniform_post(r: Rank, len: u64) -> Post<Tag> {
+    matrix_post(r, &[0, 1, 2], &vec![vec![len; 3]; 3])
+}
+
+/// [`uniform_post`]s of the ranks `ranks`, on a net of the three SPs.
+fn uniform_posts(len: u64, ranks: std::ops::Range<Rank>) -> Net {
+    posted(3, &[0, 1, 2], ranks, |r| uniform_post(r, len))
+}
+
 #[test]
 fn abort_after_post_waits_for_copies_in_flight() {
-    let members = [0, 1, 2];
-    let m = vec![vec![3; 3]; 3];
-    let mut net = Net::new(3);
-    post_ranks(&mut net, &members, 0..2, |r| matrix_post(r, &members, &m));
+    let mut net = uniform_posts(3, 0..2);
     net.deliver_all();
     // Copies into ranks 0 and 1 are in flight; rank 2 never posts.
     let in_flight = net.copies.len();
@@ -363,7 +362,7 @@ fn abort_after_post_waits_for_copies_in_flight() {
     net.run();
     net.expect_status(&[0, 1], Some(Status::RankFailed));
     assert_eq!(net.copied.len(), in_flight, "no new copies after the abort");
-    net.post(2, matrix_post(2, &members, &m));
+    net.post(2, uniform_post(2, 3));
     net.run();
     assert_eq!(net.status(2), Some(Status::RankFailed));
     all_finished(&mut net, &[0, 1, 2]);
@@ -396,10 +395,7 @@ fn abort_from_peer_completes_later_posts_immediately() {
 
 #[test]
 fn peer_lost_fails_ranks_and_settles_blocks_to_it() {
-    let members = [0, 1, 2];
-    let m = vec![vec![1; 3]; 3];
-    let mut net = Net::new(3);
-    post_ranks(&mut net, &members, 0..3, |r| matrix_post(r, &members, &m));
+    let mut net = uniform_posts(1, 0..3);
     // SP 2 dies before processing anything.
     net.dead.insert(2);
     net.run();

@@ -1,9 +1,6 @@
 use super::*;
 use crate::sim::testnet::{Machine, Out};
-use crate::test_util::{
-    all_finished, copy_first, fail_a_copy, forward_inputs, instance, lose_sp, post_all_ok,
-    post_ranks, rank_1_lost_before_posting, rank_2_length_mismatch, zero_bytes_without_copies,
-};
+use crate::test_util::*;
 
 type Tag = (char, Rank);
 
@@ -113,9 +110,9 @@ fn copies(net: &Net) -> Vec<Copy<Tag>> {
 /// Every rank posts a flat 10-byte broadcast from rank 0 on `sps` SPs;
 /// the net runs until quiet and every rank completed `Ok`.
 fn all_post_and_succeed(members: &[SpId], nodes: &[u32], sps: u32) -> Net {
-    let mut net = Net::new(sps);
     let ranks = 0..members.len() as Rank;
-    post_all_ok(&mut net, members, ranks, |r| post(r, 0, 10, members, nodes));
+    let mut net = posted(sps, members, ranks, |r| post(r, 0, 10, members, nodes));
+    run_all_ok(&mut net, members.len());
     net
 }
 
@@ -209,10 +206,7 @@ fn flat_pipeline_delivers_every_chunk_once_per_hop() {
 fn late_sp_forwards_what_fits_in_staging_and_catches_up() {
     // Chain 0 -> 1 -> 2 (one SP per node); SP 1's rank posts last.
     let (members, nodes) = ([0, 1, 2], [0, 1, 2]);
-    let mut net = Net::new(3);
-    post_ranks(&mut net, &members, [2, 0], |r| {
-        post(r, 0, 10, &members, &nodes)
-    });
+    let mut net: Net = posted(3, &members, [2, 0], |r| post(r, 0, 10, &members, &nodes));
     net.run();
     // SP 1 learned the tree from SP 0's Open and forwarded the two
     // chunks its two slots hold; the root's SP read all three.
@@ -230,10 +224,7 @@ fn late_sp_forwards_what_fits_in_staging_and_catches_up() {
 #[test]
 fn a_one_chunk_message_passes_an_sp_whose_rank_has_not_posted() {
     let (members, nodes) = ([0, 1, 2], [0, 1, 2]);
-    let mut net = Net::new(3);
-    post_ranks(&mut net, &members, [0, 2], |r| {
-        post(r, 0, 3, &members, &nodes)
-    });
+    let mut net: Net = posted(3, &members, [0, 2], |r| post(r, 0, 3, &members, &nodes));
     net.run();
     net.expect_status(&[0, 2], Some(Status::Ok));
     assert_eq!(net.status(1), None);
@@ -247,10 +238,10 @@ fn a_one_chunk_message_passes_an_sp_whose_rank_has_not_posted() {
 fn hier_writes_each_chunk_once_into_the_writers_segment() {
     // SP 0: root 0 and rank 3; SP 1: ranks 1, 2, 4.
     let (members, nodes) = ([0, 1, 1, 0, 1], [0, 1, 1, 0, 1]);
-    let mut net = Net::new(2);
-    post_all_ok(&mut net, &members, [4, 2, 0, 3, 1], |r| {
+    let mut net: Net = posted(2, &members, [4, 2, 0, 3, 1], |r| {
         hier(post(r, 0, 9, &members, &nodes))
     });
+    run_all_ok(&mut net, members.len());
     let c = copies(&net);
     let writes: Vec<_> = c.iter().filter(|c| c.rank != 0).collect();
     // SP 0 writes into rank 3's segment, SP 1 into rank 1's: 3 chunks each.
@@ -267,10 +258,10 @@ fn a_hier_leader_writes_the_node_region_once_and_seals_it_for_its_nodes_other_sp
     // Node 0: SP 0 (root 0, rank 3), SP 1 (ranks 1, 4); node 1: SP 2
     // (rank 2), SP 3 (rank 5).
     let (members, nodes) = ([0, 1, 2, 0, 1, 3], [0, 0, 1, 0, 0, 1]);
-    let mut net = Net::new(4);
-    post_all_ok(&mut net, &members, [5, 4, 2, 1, 3, 0], |r| {
+    let mut net: Net = posted(4, &members, [5, 4, 2, 1, 3, 0], |r| {
         hier(post(r, 0, 20, &members, &nodes))
     });
+    run_all_ok(&mut net, members.len());
     // Only the chain of leaders moves chunks: 5 chunks, SP 0 -> SP 2.
     let mv = moves(&net);
     assert_eq!(mv.len(), 5, "{mv:?}");
@@ -303,10 +294,10 @@ fn a_hier_leader_writes_the_node_region_once_and_seals_it_for_its_nodes_other_sp
 fn a_root_alone_on_its_sp_writes_the_region_through_its_own_grant() {
     // SP 0 serves only the root; SP 1, same node, ranks 1 and 2.
     let (members, nodes) = ([0, 1, 1], [0, 0, 0]);
-    let mut net = Net::new(2);
-    post_all_ok(&mut net, &members, [1, 2, 0], |r| {
+    let mut net: Net = posted(2, &members, [1, 2, 0], |r| {
         hier(post(r, 0, 9, &members, &nodes))
     });
+    run_all_ok(&mut net, members.len());
     let w: Vec<_> = copies(&net)
         .into_iter()
         .filter(|c| matches!(c.dst, Loc::Host { .. }))
@@ -327,8 +318,7 @@ fn a_flat_leader_feeds_its_nodes_hier_sps_chunk_by_chunk() {
     // The leader had no segment room (its driver posts flat); SP 1 is
     // hierarchical: it gets the chunks and writes its ranks' buffers.
     let (members, nodes) = ([0, 1, 1], [0, 0, 0]);
-    let mut net = Net::new(2);
-    post_all_ok(&mut net, &members, [1, 2, 0], |r| {
+    let mut net: Net = posted(2, &members, [1, 2, 0], |r| {
         let p = post(r, 0, 9, &members, &nodes);
         if r == 0 {
             p
@@ -336,6 +326,7 @@ fn a_flat_leader_feeds_its_nodes_hier_sps_chunk_by_chunk() {
             hier(p)
         }
     });
+    run_all_ok(&mut net, members.len());
     assert_eq!(moves(&net).len(), 3);
     let w: Vec<_> = copies(&net)
         .into_iter()
@@ -511,10 +502,7 @@ fn rank_lost_before_posting_fails_every_rank() {
 #[test]
 fn middle_sp_lost_mid_pipeline() {
     let (members, nodes) = ([0, 1, 2], [0, 1, 2]);
-    let mut net = Net::new(3);
-    post_ranks(&mut net, &members, 0..3, |r| {
-        post(r, 0, 30, &members, &nodes)
-    });
+    let mut net: Net = posted(3, &members, 0..3, |r| post(r, 0, 30, &members, &nodes));
     // Let a few chunks through, then SP 1 dies.
     for _ in 0..6 {
         net.deliver_all();
@@ -526,10 +514,7 @@ fn middle_sp_lost_mid_pipeline() {
 #[test]
 fn failed_move_gives_the_slot_back() {
     let (members, nodes) = ([0, 1], [0, 1]);
-    let mut net = Net::new(2);
-    post_ranks(&mut net, &members, 0..2, |r| {
-        post(r, 0, 8, &members, &nodes)
-    });
+    let mut net: Net = posted(2, &members, 0..2, |r| post(r, 0, 8, &members, &nodes));
     net.deliver_all();
     // The read, then the move, fails.
     assert!(net.finish_copy(Status::Ok));

@@ -1,9 +1,6 @@
 use super::*;
 use crate::sim::testnet::{Machine, Out};
-use crate::test_util::{
-    all_finished, copy_first, fail_a_copy, forward_inputs, instance, lose_sp, post_all_ok,
-    post_ranks, rank_1_lost_before_posting, rank_2_length_mismatch, zero_bytes_without_copies,
-};
+use crate::test_util::*;
 
 type Tag = (char, Rank);
 
@@ -92,10 +89,8 @@ fn sent(net: &Net, from: SpId, to: SpId) -> Vec<Msg<Tag>> {
 fn flat_writes_every_chunk_into_every_rank_once() {
     // Node 0: SP 0 (ranks 0, 3); node 1: SP 1 (rank 1), SP 2 (rank 2).
     let (members, nodes) = ([0, 1, 2, 0], [0, 1, 1, 0]);
-    let mut net = Net::new(3);
-    post_all_ok(&mut net, &members, [2, 0, 3, 1], |r| {
-        post(r, 6, &members, &nodes)
-    });
+    let mut net: Net = posted(3, &members, [2, 0, 3, 1], |r| post(r, 6, &members, &nodes));
+    run_all_ok(&mut net, members.len());
     // 4 blocks x 2 chunks (4 + 2 bytes) into 4 ranks.
     let w = writes(&net);
     assert_eq!(w.len(), 32);
@@ -130,8 +125,7 @@ fn writers_start_at_their_own_node_and_go_round() {
     // Nodes 0, 1, 2 with one SP and one rank each; SP 1 writes rank 1,
     // then rank 2, then rank 0.
     let (members, nodes) = ([0, 1, 2], [0, 1, 2]);
-    let mut net = Net::new(3);
-    post_ranks(&mut net, &members, 0..3, |r| post(r, 3, &members, &nodes));
+    let mut net: Net = posted(3, &members, 0..3, |r| post(r, 3, &members, &nodes));
     net.deliver_all();
     // Finish the reads only.
     while copy_first(&mut net, |(_, c)| matches!(c.dst, Loc::Stage { .. })) {
@@ -144,8 +138,7 @@ fn writers_start_at_their_own_node_and_go_round() {
         .map(|(_, c)| c.rank)
         .collect();
     assert_eq!(order, [1, 2, 0]);
-    net.run();
-    net.expect_status(&[0, 1, 2], Some(Status::Ok));
+    run_all_ok(&mut net, members.len());
     all_finished(&mut net, &[0, 1, 2]);
 }
 
@@ -153,8 +146,7 @@ fn writers_start_at_their_own_node_and_go_round() {
 fn writers_take_one_unit_of_each_node_in_turn() {
     // Nodes 0, 1, 2 with one SP and ranks {0, 3}, {1, 4}, {2, 5}.
     let (members, nodes) = ([0, 1, 2, 0, 1, 2], [0, 1, 2, 0, 1, 2]);
-    let mut net = Net::new(3);
-    post_ranks(&mut net, &members, 0..6, |r| post(r, 2, &members, &nodes));
+    let mut net: Net = posted(3, &members, 0..6, |r| post(r, 2, &members, &nodes));
     net.deliver_all();
     let read_on_1 = |(sp, c): &(SpId, Copy<Tag>)| *sp == 1 && matches!(c.dst, Loc::Stage { .. });
     assert!(copy_first(&mut net, read_on_1));
@@ -166,8 +158,7 @@ fn writers_take_one_unit_of_each_node_in_turn() {
         .map(|(_, c)| c.rank)
         .collect();
     assert_eq!(order, [1, 2, 0, 4, 5, 3]);
-    net.run();
-    net.expect_status(&[0, 1, 2, 3, 4, 5], Some(Status::Ok));
+    run_all_ok(&mut net, members.len());
     all_finished(&mut net, &[0, 1, 2]);
 }
 
@@ -175,8 +166,7 @@ fn writers_take_one_unit_of_each_node_in_turn() {
 fn a_late_rank_stalls_reads_then_everything_resumes() {
     // SP 0 serves ranks 0 and 2, SP 1 rank 1; 2 chunks per block, 2 slots.
     let (members, nodes) = ([0, 1, 0], [0, 1, 0]);
-    let mut net = Net::new(2);
-    post_ranks(&mut net, &members, [0, 2], |r| post(r, 8, &members, &nodes));
+    let mut net: Net = posted(2, &members, [0, 2], |r| post(r, 8, &members, &nodes));
     net.run();
     let m = &net.sp(0).m;
     // Both slots hold chunks written into ranks 0 and 2 but not into
@@ -188,8 +178,7 @@ fn a_late_rank_stalls_reads_then_everything_resumes() {
     // SP 1 knew the keys of ranks 0 and 2 before its rank posted.
     assert_eq!(net.sp(1).m.stats().keys_before_post, 2);
     net.post(1, post(1, 8, &members, &nodes));
-    net.run();
-    net.expect_status(&[0, 1, 2], Some(Status::Ok));
+    run_all_ok(&mut net, members.len());
     assert_eq!(net.sp(0).m.stats().writes_waited_for_key, 2);
     assert_eq!(net.sp(0).m.stats().chunk_writes, 12);
     all_finished(&mut net, &[0, 1]);
@@ -200,10 +189,10 @@ fn hier_writes_each_chunk_once_per_node_into_its_owners_region() {
     // Node 0: SP 0 (ranks 0, 5), SP 1 (ranks 1, 4); node 1: SP 2 (rank
     // 2), SP 3 (rank 3). SPs 0 and 2 own their nodes' regions.
     let (members, nodes) = ([0, 1, 2, 3, 1, 0], [0, 0, 1, 1, 0, 0]);
-    let mut net = Net::new(4);
-    post_all_ok(&mut net, &members, [4, 3, 5, 1, 2, 0], |r| {
+    let mut net: Net = posted(4, &members, [4, 3, 5, 1, 2, 0], |r| {
         hier(post(r, 6, &members, &nodes))
     });
+    run_all_ok(&mut net, members.len());
     // 6 blocks x 2 chunks into 2 regions (one per node), through the
     // shared key of the first rank that posted at each owner (5 on SP
     // 0, 2 on SP 2); nothing into any rank's buffer.
@@ -236,13 +225,11 @@ fn a_flat_owner_makes_its_nodes_hier_sps_flat() {
     // SP 0 owns node 0 but delivers flat (no segment room); SP 1, same
     // node, is hierarchical: it announces its ranks' keys after SP 0's.
     let (members, nodes) = ([0, 1, 1], [0, 0, 0]);
-    let mut net = Net::new(2);
-    post_ranks(&mut net, &members, [1, 2], |r| {
-        hier(post(r, 3, &members, &nodes))
-    });
+    let mut net: Net = posted(2, &members, [1, 2], |r| hier(post(r, 3, &members, &nodes)));
     net.run();
     assert!(writes(&net).is_empty(), "SP 1 waits for its owner");
-    post_all_ok(&mut net, &members, [0], |r| post(r, 3, &members, &nodes));
+    net.post(0, post(0, 3, &members, &nodes));
+    run_all_ok(&mut net, members.len());
     let w = writes(&net);
     assert_eq!(w.len(), 9, "3 blocks into 3 buffers: {w:?}");
     assert!(w
@@ -274,8 +261,7 @@ fn an_owner_that_fails_before_it_posts_stops_its_nodes_waiting_sps() {
 fn designs_may_differ_per_sp() {
     // SP 0 flat (ranks 0, 2), SP 1 hierarchical (ranks 1, 3).
     let (members, nodes) = ([0, 1, 0, 1], [0, 1, 0, 1]);
-    let mut net = Net::new(2);
-    post_all_ok(&mut net, &members, 0..4, |r| {
+    let mut net: Net = posted(2, &members, 0..4, |r| {
         let p = post(r, 3, &members, &nodes);
         if r % 2 == 1 {
             hier(p)
@@ -283,6 +269,7 @@ fn designs_may_differ_per_sp() {
             p
         }
     });
+    run_all_ok(&mut net, members.len());
     let w = writes(&net);
     // 4 blocks into ranks 0 and 2 each, and once into SP 1's region.
     assert_eq!(w.iter().filter(|c| c.sp == 0).count(), 8);
@@ -322,8 +309,7 @@ fn a_length_mismatch_aborts_everyone_without_writing_there() {
 fn another_comm_aborts_with_invalid_post() {
     // Rank 2 posts with ranks 0 and 1 swapped (SPs and nodes).
     let (members, nodes) = ([0, 1, 2], [0, 1, 2]);
-    let mut net = Net::new(3);
-    post_ranks(&mut net, &members, 0..2, |r| post(r, 4, &members, &nodes));
+    let mut net: Net = posted(3, &members, 0..2, |r| post(r, 4, &members, &nodes));
     net.post(2, post(2, 4, &[1, 0, 2], &[1, 0, 2]));
     net.run();
     net.expect_status(&[0, 1, 2], Some(Status::InvalidPost));
@@ -336,8 +322,7 @@ fn another_comm_aborts_with_invalid_post() {
 #[test]
 fn an_aborted_rank_waits_for_remote_writers_to_stop() {
     let (members, nodes) = ([0, 1], [0, 1]);
-    let mut net = Net::new(2);
-    post_ranks(&mut net, &members, 0..2, |r| post(r, 4, &members, &nodes));
+    let mut net: Net = posted(2, &members, 0..2, |r| post(r, 4, &members, &nodes));
     net.deliver_all();
     assert!(net.finish_copy(Status::Ok) && net.finish_copy(Status::Ok));
     // Hold SP 0's write into rank 1.
@@ -370,8 +355,7 @@ fn an_aborted_rank_waits_for_remote_writers_to_stop() {
 #[test]
 fn a_lost_writer_counts_as_stopped() {
     let (members, nodes) = ([0, 1, 2], [0, 1, 2]);
-    let mut net = Net::new(3);
-    post_ranks(&mut net, &members, 0..3, |r| post(r, 4, &members, &nodes));
+    let mut net: Net = posted(3, &members, 0..3, |r| post(r, 4, &members, &nodes));
     net.deliver_all();
     lose_sp(&mut net, 2, &[0, 1]);
 }
@@ -387,8 +371,7 @@ fn a_rank_lost_before_posting_fails_every_rank() {
 #[test]
 fn a_failed_write_aborts_with_access_error() {
     let (members, nodes) = ([0, 1], [0, 1]);
-    let mut net = Net::new(2);
-    post_ranks(&mut net, &members, 0..2, |r| post(r, 4, &members, &nodes));
+    let mut net: Net = posted(2, &members, 0..2, |r| post(r, 4, &members, &nodes));
     net.deliver_all();
     assert!(net.finish_copy(Status::Ok) && net.finish_copy(Status::Ok));
     net.deliver_all();

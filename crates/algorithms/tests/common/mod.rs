@@ -99,6 +99,13 @@ pub fn run_logged<C, R>(
     }
 }
 
+/// How a run of the copy-based simulators (allgatherv, alltoallv) starts its
+/// log line: `virtual {end_ns}ns, {events} events, {messages} msgs, {copies}
+/// copies`.
+pub fn copy_run_summary(end_ns: u64, events: u64, messages: u64, copies: u64) -> String {
+    format!("virtual {end_ns}ns, {events} events, {messages} msgs, {copies} copies")
+}
+
 /// A random fault scenario: prints its base seed, runs `one(seed_of(base,
 /// i), i)` for `i` in `0..n` (each returns its error completions) and
 /// returns the base seed and the sum of the error completions.
