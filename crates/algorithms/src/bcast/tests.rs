@@ -202,12 +202,22 @@ fn flat_pipeline_delivers_every_chunk_once_per_hop() {
     all_finished(&mut net, &[0, 1, 2]);
 }
 
+/// Three SPs on three nodes, rank `r` alone on SP `r` and node `r`.
+const CHAIN: [u32; 3] = [0, 1, 2];
+
+/// On [`CHAIN`], ranks 0 and 2 post (in the order `order`) a broadcast of
+/// `len` bytes from rank 0, and the net runs until quiet; rank 1 has not
+/// posted.
+fn chain_but_rank_1(order: [Rank; 2], len: u64) -> Net {
+    let mut net: Net = posted(3, &CHAIN, order, |r| post(r, 0, len, &CHAIN, &CHAIN));
+    net.run();
+    net
+}
+
 #[test]
 fn late_sp_forwards_what_fits_in_staging_and_catches_up() {
     // Chain 0 -> 1 -> 2 (one SP per node); SP 1's rank posts last.
-    let (members, nodes) = ([0, 1, 2], [0, 1, 2]);
-    let mut net: Net = posted(3, &members, [2, 0], |r| post(r, 0, 10, &members, &nodes));
-    net.run();
+    let mut net = chain_but_rank_1([2, 0], 10);
     // SP 1 learned the tree from SP 0's Open and forwarded the two
     // chunks its two slots hold; the root's SP read all three.
     assert_eq!(net.sp(1).m.tree(), Some(&[vec![0], vec![1], vec![2]][..]));
@@ -215,7 +225,7 @@ fn late_sp_forwards_what_fits_in_staging_and_catches_up() {
     assert_eq!(net.sp(1).m.slots_in_use(), 2);
     assert_eq!(net.status(0), Some(Status::Ok));
     assert_eq!(net.status(2), None);
-    net.post(1, post(1, 0, 10, &members, &nodes));
+    net.post(1, post(1, 0, 10, &CHAIN, &CHAIN));
     net.run();
     net.expect_status(&[1, 2], Some(Status::Ok));
     all_finished(&mut net, &[0, 1, 2]);
@@ -223,12 +233,10 @@ fn late_sp_forwards_what_fits_in_staging_and_catches_up() {
 
 #[test]
 fn a_one_chunk_message_passes_an_sp_whose_rank_has_not_posted() {
-    let (members, nodes) = ([0, 1, 2], [0, 1, 2]);
-    let mut net: Net = posted(3, &members, [0, 2], |r| post(r, 0, 3, &members, &nodes));
-    net.run();
+    let mut net = chain_but_rank_1([0, 2], 3);
     net.expect_status(&[0, 2], Some(Status::Ok));
     assert_eq!(net.status(1), None);
-    net.post(1, post(1, 0, 3, &members, &nodes));
+    net.post(1, post(1, 0, 3, &CHAIN, &CHAIN));
     net.run();
     assert_eq!(net.status(1), Some(Status::Ok));
     all_finished(&mut net, &[0, 1, 2]);

@@ -316,15 +316,22 @@ fn another_comm_aborts_with_invalid_post() {
     all_finished(&mut net, &[0, 1, 2]);
 }
 
+/// Two SPs on two nodes, one rank each, posting one-chunk blocks: both
+/// reads finished, the writes are in flight.
+fn both_reads_done() -> Net {
+    let (members, nodes) = ([0, 1], [0, 1]);
+    let mut net: Net = posted(2, &members, 0..2, |r| post(r, 4, &members, &nodes));
+    net.deliver_all();
+    assert!(net.finish_copy(Status::Ok) && net.finish_copy(Status::Ok));
+    net
+}
+
 /// SP 1 aborts while SP 0's write into rank 1 is in flight: rank 1
 /// completes only after SP 0 reports `Stopped`, which it does once the
 /// write finished.
 #[test]
 fn an_aborted_rank_waits_for_remote_writers_to_stop() {
-    let (members, nodes) = ([0, 1], [0, 1]);
-    let mut net: Net = posted(2, &members, 0..2, |r| post(r, 4, &members, &nodes));
-    net.deliver_all();
-    assert!(net.finish_copy(Status::Ok) && net.finish_copy(Status::Ok));
+    let mut net = both_reads_done();
     // Hold SP 0's write into rank 1.
     let i = net
         .copies
@@ -370,10 +377,7 @@ fn a_rank_lost_before_posting_fails_every_rank() {
 
 #[test]
 fn a_failed_write_aborts_with_access_error() {
-    let (members, nodes) = ([0, 1], [0, 1]);
-    let mut net: Net = posted(2, &members, 0..2, |r| post(r, 4, &members, &nodes));
-    net.deliver_all();
-    assert!(net.finish_copy(Status::Ok) && net.finish_copy(Status::Ok));
+    let mut net = both_reads_done();
     net.deliver_all();
     fail_a_copy(&mut net);
 }
