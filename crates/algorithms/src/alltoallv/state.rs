@@ -42,9 +42,12 @@ pub(super) struct LocalRank<K> {
     pub(super) out: Outcome,
 }
 
+/// An announcement from SP `from`.
 #[derive(Clone, Debug)]
-pub(super) struct Queued<K> {
+pub(super) struct Ann<K> {
     pub(super) from: SpId,
+    pub(super) src: Rank,
+    pub(super) dst: Rank,
     pub(super) key: K,
     pub(super) offset: u64,
     pub(super) len: u64,
@@ -65,7 +68,7 @@ pub struct Alltoallv<K> {
     /// Local ranks declared lost before they posted.
     pub(super) lost_unposted: BTreeSet<Rank>,
     /// Announcements waiting for their destination to post, by (dst, src).
-    pub(super) queued: BTreeMap<(Rank, Rank), Queued<K>>,
+    pub(super) queued: BTreeMap<(Rank, Rank), Ann<K>>,
     /// Copies in flight: id -> (dst, src).
     pub(super) copies: BTreeMap<u64, (Rank, Rank)>,
     pub(super) next_copy: u64,
@@ -173,9 +176,9 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
                 .range((rank, 0)..=(rank, Rank::MAX))
                 .map(|(k, _)| *k)
                 .collect();
-            for (dst, src) in waiting {
-                if let Some(q) = self.queued.remove(&(dst, src)) {
-                    let res = self.deliver_announce(q.from, src, dst, q.key, q.offset, q.len);
+            for k in waiting {
+                if let Some(ann) = self.queued.remove(&k) {
+                    let res = self.deliver_announce(ann);
                     debug_assert!(res.is_ok(), "queued announcement rejected: {res:?}");
                 }
             }
