@@ -460,38 +460,8 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
             self.schedule_notices();
         }
         for (from, msg) in std::mem::take(&mut self.early) {
-            match msg {
-                Msg::Key {
-                    rank,
-                    len,
-                    comm,
-                    key,
-                } => {
-                    if self.on_key(from, rank, len, comm, key).is_err() {
-                        self.enter_abort(Status::InvalidPost);
-                    }
-                }
-                Msg::Region {
-                    rank,
-                    len,
-                    comm,
-                    key,
-                } => {
-                    if self.on_region(from, rank, len, comm, key).is_err() {
-                        self.enter_abort(Status::InvalidPost);
-                    }
-                }
-                Msg::Covered { len, comm } => {
-                    if self.on_covered(from, len, comm).is_err() {
-                        self.enter_abort(Status::InvalidPost);
-                    }
-                }
-                Msg::Waiting { len, comm } => {
-                    if self.on_waiting(from, len, comm).is_err() {
-                        self.enter_abort(Status::InvalidPost);
-                    }
-                }
-                _ => unreachable!("only keys wait for the view"),
+            if self.on_announcement(from, msg).is_err() {
+                self.enter_abort(Status::InvalidPost);
             }
         }
     }
