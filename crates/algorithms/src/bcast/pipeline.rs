@@ -207,10 +207,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
                         key: key.clone(),
                         offset,
                     },
-                    dst: Loc::Stage {
-                        slot: SlotId(slot as u32),
-                        offset: 0,
-                    },
+                    dst: Loc::slot_start(slot),
                     len,
                 }));
             }
@@ -324,10 +321,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
                     id: CopyId(id),
                     rank,
                     chunk: index,
-                    src: Loc::Stage {
-                        slot: SlotId(slot as u32),
-                        offset: 0,
-                    },
+                    src: Loc::slot_start(slot),
                     dst: Loc::Host { key, offset },
                     len,
                 }));

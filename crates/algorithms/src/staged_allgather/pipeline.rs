@@ -169,10 +169,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
             sp,
             block: h.block,
             chunk: h.chunk,
-            src: Loc::Stage {
-                slot: SlotId(slot as u32),
-                offset: 0,
-            },
+            src: Loc::slot_start(slot),
             dst: Loc::Host { key, offset },
             len: h.len,
         }));
@@ -242,10 +239,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
                     key,
                     offset: chunk * self.chunk_bytes,
                 },
-                dst: Loc::Stage {
-                    slot: SlotId(slot as u32),
-                    offset: 0,
-                },
+                dst: Loc::slot_start(slot),
                 len,
             }));
             progress = true;
