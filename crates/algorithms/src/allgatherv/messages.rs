@@ -106,7 +106,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
                 st.readers -= 1;
             }
         }
-        self.enter_abort(Status::PeerFailed, true);
+        self.enter_abort(Status::PeerFailed);
         let status = self.abort.status.expect("aborted");
         for ((src, node), live) in ask {
             for to in live {
@@ -145,9 +145,6 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
     }
 
     pub(super) fn process(&mut self, from: SpId, msg: Msg<K>) -> Result<(), MsgError> {
-        if self.ignores_lost_sender(from) {
-            return Ok(());
-        }
         match msg {
             Msg::Announce(ann) => {
                 if ann.origin != from {
@@ -261,7 +258,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
                 }
                 // From now on no landing copy starts here (an aborted SP
                 // acks every announcement without copying).
-                self.enter_abort(status, true);
+                self.enter_abort(status);
                 let landing = self
                     .copies
                     .values()
@@ -281,7 +278,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
                 }
                 // Re-broadcast: the SP where the abort started may not know
                 // the membership (a rank lost before any local post).
-                self.enter_abort(status, true);
+                self.enter_abort(status);
                 Ok(())
             }
         }
@@ -389,7 +386,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
         let st = self.ranks.get_mut(&holder).unwrap();
         if st.recv_counts[s] != ann.len || st.have[s] != Have::Missing {
             self.ack(&ann, Status::CountMismatch);
-            self.enter_abort(Status::CountMismatch, true);
+            self.enter_abort(Status::CountMismatch);
             return;
         }
         st.held += 1;

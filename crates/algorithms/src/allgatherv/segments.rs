@@ -53,7 +53,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
             return;
         }
         if st.recv_counts[i] != e.seg.len {
-            self.enter_abort(Status::CountMismatch, true);
+            self.enter_abort(Status::CountMismatch);
             return;
         }
         self.segs.get_mut(&s).unwrap().copying += 1;
@@ -126,9 +126,11 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
         self.send(to, Msg::SegmentDone { src: s, status });
     }
 
-    pub(super) fn enter_abort(&mut self, status: Status, local: bool) {
+    /// Aborts with `status` (`Ok`: `Aborted`); every abort is broadcast
+    /// again from here (see the module docs).
+    pub(super) fn enter_abort(&mut self, status: Status) {
         let (_, status) = self.abort.enter(status);
-        self.abort_local |= local;
+        self.abort_local = true;
         fail_pending(self.ranks.values_mut().map(|st| &mut st.out), status);
         let blind = self.topo.is_none();
         for (ann, since) in std::mem::take(&mut self.parked) {

@@ -125,7 +125,7 @@ pub struct Allgatherv<K> {
     pub(super) stats: Stats,
 }
 
-common_api!(Allgatherv);
+common_api!(Allgatherv, Msg<K>, settle = run_internal, clock = now);
 
 impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
     /// Create an instance; the driver may do so on the first event of any
@@ -263,30 +263,21 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
             self.serve(ann);
         }
         if mismatch {
-            self.enter_abort(Status::CountMismatch, true);
+            self.enter_abort(Status::CountMismatch);
         }
         self.run_internal();
         self.check_complete(rank);
         Ok(())
     }
 
-    /// A message from SP `from` for this instance.
-    pub fn handle_msg(&mut self, now: Nanos, from: SpId, msg: Msg<K>) -> Result<(), MsgError> {
-        self.now = now;
-        let res = self.process(from, msg);
-        self.run_internal();
-        res
-    }
-
     /// The copy `id` finished with `status`.
-    pub fn handle_copy_done(&mut self, now: Nanos, id: CopyId, status: Status) {
-        self.now = now;
-        let Some(kind) = self.copies.remove(&id.0) else {
+    pub(super) fn copy_finished(&mut self, id: u64, status: Status) {
+        let Some(kind) = self.copies.remove(&id) else {
             self.stats.unknown_copy_done += 1;
             return;
         };
         if !status.is_ok() {
-            self.enter_abort(status, true);
+            self.enter_abort(status);
         }
         match kind {
             CopyKind::Land { ann, holder } => {
@@ -317,7 +308,6 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
                 self.check_complete(dst);
             }
         }
-        self.run_internal();
     }
 
     /// SP `sp` died: abort with `PeerFailed` if it serves a member; its
@@ -334,29 +324,6 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
             return; // applied when the topology becomes known
         }
         self.apply_peer_lost(sp);
-        self.run_internal();
-    }
-
-    /// Local abort; `Status::Ok` becomes `Status::Aborted`.
-    pub fn abort(&mut self, now: Nanos, status: Status) {
-        self.now = now;
-        self.enter_abort(status, true);
-        self.run_internal();
-    }
-
-    /// Local host `rank` died: aborts with `RankFailed` unless it completed.
-    pub fn handle_rank_lost(&mut self, now: Nanos, rank: Rank) {
-        self.now = now;
-        if let Some(t) = &self.topo {
-            if t.members.get(rank as usize) != Some(&self.me) {
-                return;
-            }
-        }
-        let out = self.ranks.get_mut(&rank).map(|st| &mut st.out);
-        if !lose_rank(out, &mut self.lost_unposted, rank) {
-            return;
-        }
-        self.enter_abort(Status::RankFailed, true);
         self.run_internal();
     }
 

@@ -68,7 +68,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
         let peer_lost = self.lost_sps.iter().any(|s| members.contains(s));
         self.members = Some(members);
         if peer_lost {
-            self.enter_abort(Status::PeerFailed, true);
+            self.enter_abort(Status::PeerFailed);
         } else if self.abort.is_some() {
             self.maybe_broadcast_abort();
         }
@@ -81,9 +81,6 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
     crate::common::v_internal_send!();
 
     pub(super) fn process(&mut self, from: SpId, msg: Msg<K>) -> Result<(), MsgError> {
-        if self.ignores_lost_sender(from) {
-            return Ok(());
-        }
         match msg {
             Msg::Announce {
                 src,
@@ -106,7 +103,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
                         return Err(MsgError::NotMember { sp: from });
                     }
                 }
-                self.enter_abort(status, false);
+                self.abort_instance(status, false);
                 Ok(())
             }
         }
@@ -253,7 +250,14 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
         Ok(())
     }
 
-    pub(super) fn enter_abort(&mut self, status: Status, local: bool) {
+    /// Aborts with `status` (`Ok`: `Aborted`), broadcasting it.
+    pub(super) fn enter_abort(&mut self, status: Status) {
+        self.abort_instance(status, true);
+    }
+
+    /// Aborts with `status`; `local`: the abort started here and is to be
+    /// broadcast (else it came with a peer's `Abort`).
+    pub(super) fn abort_instance(&mut self, status: Status, local: bool) {
         let (_, status) = self.abort.enter(status);
         self.abort_local |= local;
         fail_pending(self.ranks.values_mut().map(|st| &mut st.out), status);

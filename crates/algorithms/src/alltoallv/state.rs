@@ -83,7 +83,7 @@ pub struct Alltoallv<K> {
     pub(super) stats: Stats,
 }
 
-common_api!(Alltoallv);
+common_api!(Alltoallv, Msg<K>, settle = run_internal);
 
 impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
     /// Create an instance; the driver may do so on the first event of any
@@ -188,17 +188,10 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
         Ok(())
     }
 
-    /// A message from SP `from` for this instance.
-    pub fn handle_msg(&mut self, _now: Nanos, from: SpId, msg: Msg<K>) -> Result<(), MsgError> {
-        let res = self.process(from, msg);
-        self.run_internal();
-        res
-    }
-
     /// The copy `id` finished with `status` (anything but `Ok` means the
     /// receive buffer content of that block is undefined).
-    pub fn handle_copy_done(&mut self, _now: Nanos, id: CopyId, status: Status) {
-        let Some((dst, src)) = self.copies.remove(&id.0) else {
+    pub(super) fn copy_finished(&mut self, id: u64, status: Status) {
+        let Some((dst, src)) = self.copies.remove(&id) else {
             self.stats.unknown_copy_done += 1;
             return;
         };
@@ -211,7 +204,6 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
         let to = self.member(src);
         self.send(to, Msg::Ack { src, dst, status });
         self.check_complete(dst);
-        self.run_internal();
     }
 
     /// SP `sp` died. If it serves a rank of this communicator, every local
@@ -238,36 +230,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
                 }
             }
         }
-        self.enter_abort(Status::PeerFailed, true);
-        self.run_internal();
-    }
-
-    /// Local abort: every local rank not yet complete completes with
-    /// `status` (once no copy touches its buffers), ranks posting later
-    /// complete immediately, and every other SP of the communicator is sent
-    /// an `Abort` (as soon as the membership is known). `Status::Ok` is
-    /// replaced by `Status::Aborted`.
-    pub fn abort(&mut self, _now: Nanos, status: Status) {
-        self.enter_abort(status, true);
-        self.run_internal();
-    }
-
-    /// Local host `rank` died (extension of `abort`): if it already completed
-    /// nothing happens; otherwise the instance aborts with `RankFailed`. If
-    /// the rank had posted it still gets its `Complete`; if not, it will
-    /// never post and no longer keeps the instance from finishing. Ignored
-    /// if `rank` is known not to be served by this SP.
-    pub fn handle_rank_lost(&mut self, _now: Nanos, rank: Rank) {
-        if let Some(members) = &self.members {
-            if members.get(rank as usize) != Some(&self.me) {
-                return;
-            }
-        }
-        let out = self.ranks.get_mut(&rank).map(|st| &mut st.out);
-        if !lose_rank(out, &mut self.lost_unposted, rank) {
-            return;
-        }
-        self.enter_abort(Status::RankFailed, true);
+        self.enter_abort(Status::PeerFailed);
         self.run_internal();
     }
 

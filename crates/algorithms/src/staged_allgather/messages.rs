@@ -149,9 +149,6 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
     }
 
     pub(super) fn process(&mut self, from: SpId, msg: Msg<K>) -> Result<(), MsgError> {
-        if self.ignores_lost_sender(from) {
-            return Ok(());
-        }
         if from == self.me {
             return Err(MsgError::Unexpected { sp: from });
         }

@@ -163,7 +163,7 @@ pub struct StagedAllgather<K> {
     pub(super) stats: Stats,
 }
 
-common_api!(StagedAllgather, staged, Msg<K>);
+common_api!(StagedAllgather, Msg<K>, staged);
 
 impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
     /// Create an instance; the driver may do so on the first event of any
@@ -351,17 +351,6 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
             self.enter_abort(Status::PeerFailed);
         }
         self.pump();
-    }
-
-    /// Local host `rank` died: aborts with `RankFailed` unless it completed.
-    pub fn handle_rank_lost(&mut self, now: Nanos, rank: Rank) {
-        self.now = now;
-        if let Some(v) = &self.view {
-            if v.members.get(rank as usize) != Some(&self.me) && !self.ranks.contains_key(&rank) {
-                return;
-            }
-        }
-        self.lose_local_rank(rank);
     }
 
     /// Every local rank completed (or was lost before posting), no copy is
