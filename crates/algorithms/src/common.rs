@@ -16,6 +16,20 @@ pub(crate) fn sp_nodes(members: &[SpId], nodes: &[u32]) -> Result<BTreeMap<SpId,
     Ok(sp_node)
 }
 
+/// Takes the copy or move `id` that finished out of `in_flight`; an
+/// unknown id (a driver error, ignored) is counted in `unknown`.
+pub(crate) fn take_finished<T>(
+    in_flight: &mut BTreeMap<u64, T>,
+    id: u64,
+    unknown: &mut u64,
+) -> Option<T> {
+    let taken = in_flight.remove(&id);
+    if taken.is_none() {
+        *unknown += 1;
+    }
+    taken
+}
+
 /// The accessors and inputs every collective's state machine has alike:
 /// `common_api!(Machine, Msg, settle = f, clock = now)` (fields `key`,
 /// `me`, `abort`, `stats`, `actions`, `lost_sps`, `ranks` with an `out`
@@ -142,10 +156,7 @@ macro_rules! common_api {
                 id: u64,
                 status: Status,
             ) -> Option<(CopyKind, bool)> {
-                let Some(kind) = self.copies.remove(&id) else {
-                    self.stats.unknown_done += 1;
-                    return None;
-                };
+                let kind = take_finished(&mut self.copies, id, &mut self.stats.unknown_done)?;
                 if !status.is_ok() {
                     self.enter_abort(status);
                 }

@@ -272,8 +272,8 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
 
     /// The copy `id` finished with `status`.
     pub(super) fn copy_finished(&mut self, id: u64, status: Status) {
-        let Some(kind) = self.copies.remove(&id) else {
-            self.stats.unknown_copy_done += 1;
+        let copies = &mut self.copies;
+        let Some(kind) = take_finished(copies, id, &mut self.stats.unknown_copy_done) else {
             return;
         };
         if !status.is_ok() {

@@ -191,8 +191,8 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
     /// The copy `id` finished with `status` (anything but `Ok` means the
     /// receive buffer content of that block is undefined).
     pub(super) fn copy_finished(&mut self, id: u64, status: Status) {
-        let Some((dst, src)) = self.copies.remove(&id) else {
-            self.stats.unknown_copy_done += 1;
+        let copies = &mut self.copies;
+        let Some((dst, src)) = take_finished(copies, id, &mut self.stats.unknown_copy_done) else {
             return;
         };
         if let Some(r) = self.ranks.get_mut(&dst) {

@@ -45,8 +45,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
     }
 
     pub(super) fn move_finished(&mut self, id: u64, status: Status) {
-        let Some(m) = self.moves.remove(&id) else {
-            self.stats.unknown_done += 1;
+        let Some(m) = take_finished(&mut self.moves, id, &mut self.stats.unknown_done) else {
             return;
         };
         if !status.is_ok() {
