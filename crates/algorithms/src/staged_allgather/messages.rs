@@ -11,7 +11,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
         debug_assert!(t.mode.is_none());
         t.mode = Some(mode);
         self.epoch += 1;
-        t.epoch = self.epoch;
+        t.unit.epoch = self.epoch;
         self.modes_unresolved -= 1;
         self.units_total += match mode {
             Mode::Flat => v.sp_ranks[b].len(),
@@ -121,7 +121,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
         self.epoch += 1;
         let t = &mut self.rtgts[rank as usize];
         t.key = Some(key);
-        t.epoch = self.epoch;
+        t.unit.epoch = self.epoch;
         self.new_ranks.push(rank);
         self.check_unit(Unit::Rank(rank));
     }

@@ -21,14 +21,10 @@ pub(super) struct Tgt<K> {
     pub(super) mode: Option<Mode>,
     /// Hierarchical: (rank, shared key) of its region.
     pub(super) region: Option<(Rank, K)>,
-    /// When `mode` became known (see `Stats::writes_waited_for_key`).
-    pub(super) epoch: u64,
-    /// This SP's writes into its ranks or region, in flight.
-    pub(super) in_flight: u32,
-    /// Hierarchical: chunks written into its region, and whether
-    /// `WrittenRegion` went out.
-    pub(super) done: u64,
-    pub(super) sent: bool,
+    /// `epoch`: when `mode` became known; `in_flight`: this SP's writes
+    /// into its ranks or region; hierarchical, `done` and `sent`: its
+    /// region as a unit.
+    pub(super) unit: UnitWrites,
     /// It reported `WrittenRegion` for this SP's region.
     pub(super) wrote_region: bool,
 }
@@ -37,10 +33,27 @@ pub(super) struct Tgt<K> {
 #[derive(Clone, Debug)]
 pub(super) struct RankTgt<K> {
     pub(super) key: Option<K>,
+    pub(super) unit: UnitWrites,
+}
+
+/// This SP's writes into one unit (a rank's receive buffer or an SP's
+/// region).
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct UnitWrites {
+    /// When its key became known (see `Stats::writes_waited_for_key`).
     pub(super) epoch: u64,
+    /// Writes in flight.
     pub(super) in_flight: u32,
+    /// Chunks written, and whether `Written`/`WrittenRegion` went out.
     pub(super) done: u64,
     pub(super) sent: bool,
+}
+
+impl UnitWrites {
+    /// Every one of `need` chunks is written and the unit not reported yet.
+    pub(super) fn complete(&self, need: u64) -> bool {
+        !self.sent && self.in_flight == 0 && self.done == need
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -421,20 +434,14 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
             .map(|_| Tgt {
                 mode: None,
                 region: None,
-                epoch: 0,
-                in_flight: 0,
-                done: 0,
-                sent: false,
+                unit: UnitWrites::default(),
                 wrote_region: false,
             })
             .collect();
         self.rtgts = (0..p)
             .map(|_| RankTgt {
                 key: None,
-                epoch: 0,
-                in_flight: 0,
-                done: 0,
-                sent: false,
+                unit: UnitWrites::default(),
             })
             .collect();
         self.modes_unresolved = view.sps.len();
