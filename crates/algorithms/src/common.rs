@@ -16,13 +16,32 @@ pub(crate) fn sp_nodes(members: &[SpId], nodes: &[u32]) -> Result<BTreeMap<SpId,
     Ok(sp_node)
 }
 
-/// The accessors and trivial inputs every collective's state machine has
-/// alike (fields `key`, `me`, `abort`, `stats`, `actions`, `lost_sps`). With `staged`,
-/// also the inputs the staged collectives handle alike (methods `process`,
-/// `copy_finished`, `enter_abort`, `pump`; fields `now`, `slots`,
-/// `next_id`, `copies` of `CopyKind`s, `ranks`, `lost_unposted`).
+/// Takes the copy or move `id` that finished out of `in_flight`; an
+/// unknown id (a driver error, ignored) is counted in `unknown`.
+pub(crate) fn take_finished<T>(
+    in_flight: &mut BTreeMap<u64, T>,
+    id: u64,
+    unknown: &mut u64,
+) -> Option<T> {
+    let taken = in_flight.remove(&id);
+    if taken.is_none() {
+        *unknown += 1;
+    }
+    taken
+}
+
+/// The accessors and inputs every collective's state machine has alike:
+/// `common_api!(Machine, Msg, settle = f, clock = now)` (fields `key`,
+/// `me`, `abort`, `stats`, `actions`, `lost_sps`, `ranks` with an `out`
+/// each, `lost_unposted`; methods `process`, `copy_finished`,
+/// `enter_abort`, `members`). Every input runs through `input`: it records
+/// `now` in the field `clock` (a machine without one ignores the time),
+/// then calls the method `settle` (doing what the input made possible).
+/// With `staged`, also what the staged collectives have alike (field
+/// `next_id`, `copies` of `CopyKind`s, `slots`, `completed`; settle with
+/// `pump`, clock `now`).
 macro_rules! common_api {
-    ($machine:ident) => {
+    ($machine:ident, $msg:ty, settle = $settle:ident $(, clock = $now:ident)?) => {
         impl<K: Clone + fmt::Debug + PartialEq> $machine<K> {
             pub fn key(&self) -> CollKey {
                 self.key
@@ -52,51 +71,75 @@ macro_rules! common_api {
                 None
             }
 
-            /// A message from `from` is to be ignored: the SP was declared
-            /// lost (counted in `stats.ignored_from_lost_sp`).
-            pub(super) fn ignores_lost_sender(&mut self, from: SpId) -> bool {
-                let lost = self.lost_sps.contains(&from);
-                if lost {
-                    self.stats.ignored_from_lost_sp += 1;
+            /// Records the time of an input.
+            pub(super) fn set_clock(&mut self, now: Nanos) {
+                let _ = now;
+                $(self.$now = now;)?
+            }
+
+            /// Runs input `f` at time `now`, then settles.
+            pub(super) fn input<T>(&mut self, now: Nanos, f: impl FnOnce(&mut Self) -> T) -> T {
+                self.set_clock(now);
+                let res = f(self);
+                self.$settle();
+                res
+            }
+
+            /// A message from SP `from` for this instance (ignored, and
+            /// counted in `stats.ignored_from_lost_sp`, if `from` was
+            /// declared lost).
+            pub fn handle_msg(&mut self, now: Nanos, from: SpId, msg: $msg) -> Result<(), MsgError> {
+                self.input(now, |s| {
+                    if s.lost_sps.contains(&from) {
+                        s.stats.ignored_from_lost_sp += 1;
+                        return Ok(());
+                    }
+                    s.process(from, msg)
+                })
+            }
+
+            /// The copy `id` finished with `status` (anything but `Ok`
+            /// aborts the instance).
+            pub fn handle_copy_done(&mut self, now: Nanos, id: CopyId, status: Status) {
+                self.input(now, |s| s.copy_finished(id.0, status))
+            }
+
+            /// Local abort: every local rank not yet complete completes
+            /// with `status` (once nothing touches its buffers), ranks
+            /// posting later complete at once, and the other SPs learn of
+            /// it. `Status::Ok` becomes `Status::Aborted`.
+            pub fn abort(&mut self, now: Nanos, status: Status) {
+                self.input(now, |s| s.enter_abort(status))
+            }
+
+            /// Local host `rank` died: aborts with `RankFailed` unless it
+            /// completed; a rank that had posted still gets its `Complete`,
+            /// one that had not no longer keeps the instance from
+            /// finishing. Ignored for a rank known not to be served by this
+            /// SP that did not post here.
+            pub fn handle_rank_lost(&mut self, now: Nanos, rank: Rank) {
+                self.set_clock(now);
+                let me = self.me;
+                let foreign = self
+                    .members()
+                    .is_some_and(|m| m.get(rank as usize) != Some(&me));
+                if foreign && !self.ranks.contains_key(&rank) {
+                    return;
                 }
-                lost
+                let out = self.ranks.get_mut(&rank).map(|st| &mut st.out);
+                if lose_rank(out, &mut self.lost_unposted, rank) {
+                    self.input(now, |s| s.enter_abort(Status::RankFailed));
+                }
             }
         }
     };
-    ($machine:ident, staged, $msg:ty) => {
-        common_api!($machine);
+    ($machine:ident, $msg:ty, staged) => {
+        common_api!($machine, $msg, settle = pump, clock = now);
 
         impl<K: Clone + fmt::Debug + PartialEq> $machine<K> {
             /// Staging slots granted, being read, or holding a chunk.
             pub fn slots_in_use(&self) -> usize {
                 self.slots.in_use()
-            }
-
-            /// A message from SP `from` for this instance.
-            pub fn handle_msg(
-                &mut self,
-                now: Nanos,
-                from: SpId,
-                msg: $msg,
-            ) -> Result<(), MsgError> {
-                self.now = now;
-                let res = self.process(from, msg);
-                self.pump();
-                res
-            }
-
-            /// The copy `id` finished with `status`.
-            pub fn handle_copy_done(&mut self, now: Nanos, id: CopyId, status: Status) {
-                self.now = now;
-                self.copy_finished(id.0, status);
-                self.pump();
-            }
-
-            /// Local abort; `Status::Ok` becomes `Status::Aborted`.
-            pub fn abort(&mut self, now: Nanos, status: Status) {
-                self.now = now;
-                self.enter_abort(status);
-                self.pump();
             }
 
             pub(super) fn new_id(&mut self) -> u64 {
@@ -113,10 +156,7 @@ macro_rules! common_api {
                 id: u64,
                 status: Status,
             ) -> Option<(CopyKind, bool)> {
-                let Some(kind) = self.copies.remove(&id) else {
-                    self.stats.unknown_done += 1;
-                    return None;
-                };
+                let kind = take_finished(&mut self.copies, id, &mut self.stats.unknown_done)?;
                 if !status.is_ok() {
                     self.enter_abort(status);
                 }
@@ -138,17 +178,6 @@ macro_rules! common_api {
                     status,
                     from_segment: from_segment && status.is_ok(),
                 });
-            }
-
-            /// Local `rank`, a member of this SP, is lost: aborts with
-            /// `RankFailed` unless it completed.
-            pub(super) fn lose_local_rank(&mut self, rank: Rank) {
-                let out = self.ranks.get_mut(&rank).map(|st| &mut st.out);
-                if !lose_rank(out, &mut self.lost_unposted, rank) {
-                    return;
-                }
-                self.enter_abort(Status::RankFailed);
-                self.pump();
             }
         }
     };

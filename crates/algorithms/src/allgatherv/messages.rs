@@ -106,7 +106,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
                 st.readers -= 1;
             }
         }
-        self.enter_abort(Status::PeerFailed, true);
+        self.enter_abort(Status::PeerFailed);
         let status = self.abort.status.expect("aborted");
         for ((src, node), live) in ask {
             for to in live {
@@ -145,60 +145,21 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
     }
 
     pub(super) fn process(&mut self, from: SpId, msg: Msg<K>) -> Result<(), MsgError> {
-        if self.ignores_lost_sender(from) {
-            return Ok(());
-        }
         match msg {
-            Msg::Announce {
-                src,
-                origin,
-                key,
-                offset,
-                len,
-                node,
-                node_sps,
-            } => {
-                if origin != from {
+            Msg::Announce(ann) => {
+                if ann.origin != from {
                     return Err(MsgError::WrongSp {
-                        rank: src,
+                        rank: ann.src,
                         got: from,
                     });
                 }
-                let ann = Ann {
-                    src,
-                    origin,
-                    key,
-                    offset,
-                    len,
-                    node,
-                    node_sps,
-                    since: self.now,
-                };
                 self.on_announce(ann, None)
             }
             Msg::Pass {
-                src,
-                origin,
-                key,
-                offset,
-                len,
-                node,
-                node_sps,
+                ann,
                 remaining,
                 parked,
-            } => {
-                let ann = Ann {
-                    src,
-                    origin,
-                    key,
-                    offset,
-                    len,
-                    node,
-                    node_sps,
-                    since: self.now,
-                };
-                self.on_announce(ann, Some((remaining, parked)))
-            }
+            } => self.on_announce(ann, Some((remaining, parked))),
             Msg::Ack { src, node, status } => {
                 if self.settled.contains(&(src, node)) {
                     return Ok(()); // settled on a peer loss; late but fine
@@ -228,47 +189,33 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
                 if from != self.me {
                     self.ready_siblings.insert(from);
                     if self.ranks.is_empty() {
-                        for mut ann in std::mem::take(&mut self.parked) {
-                            self.stats.parked_wait_ns += self.now.saturating_sub(ann.since);
-                            ann.since = self.now;
+                        for (ann, since) in std::mem::take(&mut self.parked) {
+                            self.stats.parked_wait_ns += self.now.saturating_sub(since);
                             self.pass(from, ann, 0, true);
                         }
                     }
                 }
                 Ok(())
             }
-            Msg::Segment {
-                src,
-                holder,
-                holder_sp,
-                key,
-                offset,
-                len,
-                from_send,
-            } => {
+            Msg::Segment(seg) => {
+                let src = seg.src;
                 if self.segs.contains_key(&src) {
                     return Err(MsgError::Duplicate { src });
                 }
                 if self.topo.is_some() {
                     self.check_rank(src)?;
-                    self.check_rank(holder)?;
+                    self.check_rank(seg.holder)?;
                 }
-                if offset.checked_add(len).is_none() {
+                if seg.offset.checked_add(seg.len).is_none() {
                     return Err(MsgError::Overflow { src });
                 }
-                self.segs.insert(
-                    src,
-                    Seg {
-                        holder,
-                        holder_sp,
-                        key,
-                        offset,
-                        len,
-                        from_send,
-                        copying: 0,
-                        done_sent: false,
-                    },
-                );
+                let holder_sp = seg.holder_sp;
+                let e = Seg {
+                    seg,
+                    copying: 0,
+                    done_sent: false,
+                };
+                self.segs.insert(src, e);
                 if self.abort.is_some() {
                     if self.topo.is_none() {
                         self.notify_abort(holder_sp);
@@ -311,7 +258,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
                 }
                 // From now on no landing copy starts here (an aborted SP
                 // acks every announcement without copying).
-                self.enter_abort(status, true);
+                self.enter_abort(status);
                 let landing = self
                     .copies
                     .values()
@@ -331,7 +278,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
                 }
                 // Re-broadcast: the SP where the abort started may not know
                 // the membership (a rank lost before any local post).
-                self.enter_abort(status, true);
+                self.enter_abort(status);
                 Ok(())
             }
         }
@@ -340,7 +287,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
     /// An announcement (or pass) arrived here.
     pub(super) fn on_announce(
         &mut self,
-        ann: Ann<K>,
+        ann: Announcement<K>,
         pass: Option<(u32, bool)>,
     ) -> Result<(), MsgError> {
         if ann.offset.checked_add(ann.len).is_none() {
@@ -365,16 +312,8 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
             return Err(MsgError::Duplicate { src: ann.src });
         }
         if let Some(status) = self.abort.status {
-            let origin = ann.origin;
-            self.send(
-                origin,
-                Msg::Ack {
-                    src: ann.src,
-                    node: ann.node,
-                    status,
-                },
-            );
-            self.notify_abort(origin);
+            self.ack(&ann, status);
+            self.notify_abort(ann.origin);
             return Ok(());
         }
         let ready_here = self.ranks.values().any(|r| !r.out.completed);
@@ -396,7 +335,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
             self.pass(y, ann, 0, was_parked);
         } else if remaining == 0 {
             self.stats.parked += 1;
-            self.parked.push(ann);
+            self.parked.push((ann, self.now));
         } else {
             let i = ann.node_sps.iter().position(|&s| s == self.me).unwrap();
             let next = ann.node_sps[(i + 1) % ann.node_sps.len()];
@@ -405,23 +344,29 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
         Ok(())
     }
 
-    pub(super) fn pass(&mut self, to: SpId, ann: Ann<K>, remaining: u32, parked: bool) {
+    /// Acks `ann` to the SP of its source: this SP is done with it.
+    pub(super) fn ack(&mut self, ann: &Announcement<K>, status: Status) {
+        self.send(
+            ann.origin,
+            Msg::Ack {
+                src: ann.src,
+                node: ann.node,
+                status,
+            },
+        );
+    }
+
+    pub(super) fn pass(&mut self, to: SpId, ann: Announcement<K>, remaining: u32, parked: bool) {
         if self.lost_sps.contains(&to) {
             // Cannot happen without an abort in progress; keep it here.
-            self.parked.push(ann);
+            self.parked.push((ann, self.now));
             return;
         }
         self.announced.remove(&ann.src);
         self.send(
             to,
             Msg::Pass {
-                src: ann.src,
-                origin: ann.origin,
-                key: ann.key,
-                offset: ann.offset,
-                len: ann.len,
-                node: ann.node,
-                node_sps: ann.node_sps,
+                ann,
                 remaining,
                 parked,
             },
@@ -429,7 +374,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
     }
 
     /// Land an announcement in a ready local rank (one exists, no abort).
-    pub(super) fn serve(&mut self, ann: Ann<K>) {
+    pub(super) fn serve(&mut self, ann: Announcement<K>) {
         let holder = self
             .ranks
             .iter()
@@ -440,49 +385,11 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
         let s = ann.src as usize;
         let st = self.ranks.get_mut(&holder).unwrap();
         if st.recv_counts[s] != ann.len || st.have[s] != Have::Missing {
-            let origin = ann.origin;
-            self.send(
-                origin,
-                Msg::Ack {
-                    src: ann.src,
-                    node: ann.node,
-                    status: Status::CountMismatch,
-                },
-            );
-            self.enter_abort(Status::CountMismatch, true);
+            self.ack(&ann, Status::CountMismatch);
+            self.enter_abort(Status::CountMismatch);
             return;
         }
         st.held += 1;
-        st.have[s] = Have::Copying;
-        st.writes += 1;
-        let id = self.next_copy;
-        self.next_copy += 1;
-        let copy = Copy {
-            id: CopyId(id),
-            seg: ann.src,
-            src_rank: ann.src,
-            src_key: ann.key.clone(),
-            src_offset: ann.offset,
-            dst_rank: holder,
-            dst_key: st.recv_key.clone(),
-            dst_offset: st.recv_displs[s],
-            len: ann.len,
-        };
-        let bare = Ann {
-            src: ann.src,
-            origin: ann.origin,
-            key: (),
-            offset: ann.offset,
-            len: ann.len,
-            node: ann.node,
-            node_sps: Vec::new(),
-            since: ann.since,
-        };
-        self.copies.insert(id, CopyKind::Land { ann: bare, holder });
-        if ann.len == 0 {
-            self.handle_copy_done_internal(id);
-        } else {
-            self.actions.push_back(Action::Copy(copy));
-        }
+        self.start_copy(CopyKind::Land { ann, holder });
     }
 }

@@ -11,26 +11,28 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
 
     /// Publish the landed segment `src` (in `holder`'s receive buffer) to
     /// every SP of this node.
-    pub(super) fn publish(&mut self, src: Rank, holder: Rank, len: u64) {
-        let my_sps = self.topo.as_ref().unwrap().my_sps().to_vec();
+    pub(super) fn publish_landed(&mut self, src: Rank, holder: Rank, len: u64) {
         let st = &self.ranks[&holder];
-        let (key, offset) = (st.recv_key.clone(), st.recv_displs[src as usize]);
-        self.ranks.get_mut(&holder).unwrap().readers += my_sps.len();
+        self.publish(Segment {
+            src,
+            holder,
+            holder_sp: self.me,
+            key: st.recv_key.clone(),
+            offset: st.recv_displs[src as usize],
+            len,
+            from_send: false,
+        });
+    }
+
+    /// Publish `seg` (its holder is local) to every SP of this node, each
+    /// of which answers with `SegmentDone`.
+    pub(super) fn publish(&mut self, seg: Segment<K>) {
+        let my_sps = self.topo.as_ref().unwrap().my_sps().to_vec();
+        self.ranks.get_mut(&seg.holder).unwrap().readers += my_sps.len();
         self.held
-            .insert(src, (holder, my_sps.iter().copied().collect()));
+            .insert(seg.src, (seg.holder, my_sps.iter().copied().collect()));
         for sp in my_sps {
-            self.send(
-                sp,
-                Msg::Segment {
-                    src,
-                    holder,
-                    holder_sp: self.me,
-                    key: key.clone(),
-                    offset,
-                    len,
-                    from_send: false,
-                },
-            );
+            self.send(sp, Msg::Segment(seg.clone()));
         }
     }
 
@@ -40,39 +42,59 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
             return;
         }
         let Some(e) = self.segs.get(&s) else { return };
-        if r == e.holder && !e.from_send {
+        if r == e.seg.holder && !e.seg.from_send {
             return;
         }
-        let Some(st) = self.ranks.get_mut(&r) else {
+        let Some(st) = self.ranks.get(&r) else {
             return;
         };
         let i = s as usize;
         if st.out.completed || st.have[i] != Have::Missing {
             return;
         }
-        if st.recv_counts[i] != e.len {
-            self.enter_abort(Status::CountMismatch, true);
+        if st.recv_counts[i] != e.seg.len {
+            self.enter_abort(Status::CountMismatch);
             return;
         }
+        self.segs.get_mut(&s).unwrap().copying += 1;
+        self.start_copy(CopyKind::Dist { seg: s, dst: r });
+    }
+
+    /// Starts the copy `kind` of a segment into a local rank's receive
+    /// buffer; a zero-length one is done at once.
+    pub(super) fn start_copy(&mut self, kind: CopyKind<K>) {
+        let (seg, dst, src_rank, src_key, src_offset, len) = match &kind {
+            CopyKind::Land { ann, holder } => (
+                ann.src,
+                *holder,
+                ann.src,
+                ann.key.clone(),
+                ann.offset,
+                ann.len,
+            ),
+            CopyKind::Dist { seg, dst } => {
+                let e = &self.segs[seg].seg;
+                (*seg, *dst, e.holder, e.key.clone(), e.offset, e.len)
+            }
+        };
         let id = self.next_copy;
         self.next_copy += 1;
-        st.have[i] = Have::Copying;
+        let st = self.ranks.get_mut(&dst).expect("copies go to posted ranks");
+        st.have[seg as usize] = Have::Copying;
         st.writes += 1;
         let copy = Copy {
             id: CopyId(id),
-            seg: s,
-            src_rank: e.holder,
-            src_key: e.key.clone(),
-            src_offset: e.offset,
-            dst_rank: r,
+            seg,
+            src_rank,
+            src_key,
+            src_offset,
+            dst_rank: dst,
             dst_key: st.recv_key.clone(),
-            dst_offset: st.recv_displs[i],
-            len: e.len,
+            dst_offset: st.recv_displs[seg as usize],
+            len,
         };
-        let zero = e.len == 0;
-        self.segs.get_mut(&s).unwrap().copying += 1;
-        self.copies.insert(id, CopyKind::Dist { seg: s, dst: r });
-        if zero {
+        self.copies.insert(id, kind);
+        if len == 0 {
             self.handle_copy_done_internal(id);
         } else {
             self.actions.push_back(Action::Copy(copy));
@@ -88,7 +110,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
         if self.abort.is_none() {
             let Some(t) = &self.topo else { return };
             for &r in &t.local {
-                if r == e.holder && !e.from_send {
+                if r == e.seg.holder && !e.seg.from_send {
                     continue;
                 }
                 match self.ranks.get(&r) {
@@ -99,26 +121,21 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
         }
         let e = self.segs.get_mut(&s).unwrap();
         e.done_sent = true;
-        let to = e.holder_sp;
+        let to = e.seg.holder_sp;
         let status = self.abort.status.unwrap_or(Status::Ok);
         self.send(to, Msg::SegmentDone { src: s, status });
     }
 
-    pub(super) fn enter_abort(&mut self, status: Status, local: bool) {
+    /// Aborts with `status` (`Ok`: `Aborted`); every abort is broadcast
+    /// again from here (see the module docs).
+    pub(super) fn enter_abort(&mut self, status: Status) {
         let (_, status) = self.abort.enter(status);
-        self.abort_local |= local;
+        self.abort_local = true;
         fail_pending(self.ranks.values_mut().map(|st| &mut st.out), status);
         let blind = self.topo.is_none();
-        for ann in std::mem::take(&mut self.parked) {
-            self.stats.parked_wait_ns += self.now.saturating_sub(ann.since);
-            self.send(
-                ann.origin,
-                Msg::Ack {
-                    src: ann.src,
-                    node: ann.node,
-                    status,
-                },
-            );
+        for (ann, since) in std::mem::take(&mut self.parked) {
+            self.stats.parked_wait_ns += self.now.saturating_sub(since);
+            self.ack(&ann, status);
             if blind {
                 self.notify_abort(ann.origin);
             }
@@ -126,7 +143,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
         let segs: Vec<Rank> = self.segs.keys().copied().collect();
         for s in segs {
             if blind {
-                let sp = self.segs[&s].holder_sp;
+                let sp = self.segs[&s].seg.holder_sp;
                 self.notify_abort(sp);
             }
             self.check_seg(s);

@@ -26,28 +26,11 @@ pub(super) struct LocalRank<K> {
     pub(super) out: Outcome,
 }
 
-/// An announcement waiting at this SP.
-#[derive(Clone, Debug)]
-pub(super) struct Ann<K> {
-    pub(super) src: Rank,
-    pub(super) origin: SpId,
-    pub(super) key: K,
-    pub(super) offset: u64,
-    pub(super) len: u64,
-    pub(super) node: u32,
-    pub(super) node_sps: Vec<SpId>,
-    pub(super) since: Nanos,
-}
-
 /// A segment available on this node, as seen by this SP.
 #[derive(Clone, Debug)]
 pub(super) struct Seg<K> {
-    pub(super) holder: Rank,
-    pub(super) holder_sp: SpId,
-    pub(super) key: K,
-    pub(super) offset: u64,
-    pub(super) len: u64,
-    pub(super) from_send: bool,
+    pub(super) seg: Segment<K>,
+    /// Copies of it into local ranks in flight.
     pub(super) copying: usize,
     pub(super) done_sent: bool,
 }
@@ -98,9 +81,9 @@ impl Topo {
     }
 }
 
-pub(super) enum CopyKind {
-    /// Inter-node landing of `src` into local `holder`.
-    Land { ann: Ann<()>, holder: Rank },
+pub(super) enum CopyKind<K> {
+    /// Inter-node landing of `ann.src` into local `holder`.
+    Land { ann: Announcement<K>, holder: Rank },
     /// Intra-node distribution of segment `seg` into local `dst`.
     Dist { seg: Rank, dst: Rank },
 }
@@ -113,8 +96,8 @@ pub struct Allgatherv<K> {
     pub(super) ranks: BTreeMap<Rank, LocalRank<K>>,
     pub(super) completed: usize,
     pub(super) lost_unposted: BTreeSet<Rank>,
-    /// Announcements parked here.
-    pub(super) parked: Vec<Ann<K>>,
+    /// Announcements parked here, and since when.
+    pub(super) parked: Vec<(Announcement<K>, Nanos)>,
     /// Sibling SPs known to have a posted rank.
     pub(super) ready_siblings: BTreeSet<SpId>,
     pub(super) ready_sent: bool,
@@ -131,7 +114,7 @@ pub struct Allgatherv<K> {
     pub(super) settled: BTreeSet<(Rank, u32)>,
     /// Announcements received (to detect duplicates).
     pub(super) announced: BTreeSet<Rank>,
-    pub(super) copies: BTreeMap<u64, CopyKind>,
+    pub(super) copies: BTreeMap<u64, CopyKind<K>>,
     pub(super) next_copy: u64,
     pub(super) abort: Abort,
     pub(super) abort_local: bool,
@@ -142,7 +125,7 @@ pub struct Allgatherv<K> {
     pub(super) stats: Stats,
 }
 
-common_api!(Allgatherv);
+common_api!(Allgatherv, Msg<K>, settle = run_internal, clock = now);
 
 impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
     /// Create an instance; the driver may do so on the first event of any
@@ -233,7 +216,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
             sends.push((
                 to,
                 n,
-                Msg::Announce {
+                Msg::Announce(Announcement {
                     src: rank,
                     origin: self.me,
                     key: post.send_key.clone(),
@@ -241,32 +224,25 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
                     len: post.send_len,
                     node: n,
                     node_sps: sps.clone(),
-                },
+                }),
             ));
         }
         let my_sps = topo.my_sps().to_vec();
-        st.readers = sends.len() + my_sps.len();
+        st.readers = sends.len();
         self.ranks.insert(rank, st);
         for (to, n, msg) in sends {
             self.acks.insert((rank, n));
             self.send(to, msg);
         }
-        self.held
-            .insert(rank, (rank, my_sps.iter().copied().collect()));
-        for &sp in &my_sps {
-            self.send(
-                sp,
-                Msg::Segment {
-                    src: rank,
-                    holder: rank,
-                    holder_sp: self.me,
-                    key: post.send_key.clone(),
-                    offset: 0,
-                    len: post.send_len,
-                    from_send: true,
-                },
-            );
-        }
+        self.publish(Segment {
+            src: rank,
+            holder: rank,
+            holder_sp: self.me,
+            key: post.send_key.clone(),
+            offset: 0,
+            len: post.send_len,
+            from_send: true,
+        });
         if !self.ready_sent {
             self.ready_sent = true;
             for &sp in &my_sps {
@@ -282,35 +258,26 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
             self.dist_one(s, rank);
         }
         // Parked announcements can be served now.
-        for ann in std::mem::take(&mut self.parked) {
-            self.stats.parked_wait_ns += now.saturating_sub(ann.since);
+        for (ann, since) in std::mem::take(&mut self.parked) {
+            self.stats.parked_wait_ns += now.saturating_sub(since);
             self.serve(ann);
         }
         if mismatch {
-            self.enter_abort(Status::CountMismatch, true);
+            self.enter_abort(Status::CountMismatch);
         }
         self.run_internal();
         self.check_complete(rank);
         Ok(())
     }
 
-    /// A message from SP `from` for this instance.
-    pub fn handle_msg(&mut self, now: Nanos, from: SpId, msg: Msg<K>) -> Result<(), MsgError> {
-        self.now = now;
-        let res = self.process(from, msg);
-        self.run_internal();
-        res
-    }
-
     /// The copy `id` finished with `status`.
-    pub fn handle_copy_done(&mut self, now: Nanos, id: CopyId, status: Status) {
-        self.now = now;
-        let Some(kind) = self.copies.remove(&id.0) else {
-            self.stats.unknown_copy_done += 1;
+    pub(super) fn copy_finished(&mut self, id: u64, status: Status) {
+        let copies = &mut self.copies;
+        let Some(kind) = take_finished(copies, id, &mut self.stats.unknown_copy_done) else {
             return;
         };
         if !status.is_ok() {
-            self.enter_abort(status, true);
+            self.enter_abort(status);
         }
         match kind {
             CopyKind::Land { ann, holder } => {
@@ -321,16 +288,9 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
                 st.have[s] = Have::Done;
                 st.recv_pending -= 1;
                 let ack = self.abort.status.unwrap_or(Status::Ok);
-                self.send(
-                    ann.origin,
-                    Msg::Ack {
-                        src: ann.src,
-                        node: ann.node,
-                        status: ack,
-                    },
-                );
+                self.ack(&ann, ack);
                 if self.abort.is_none() {
-                    self.publish(ann.src, holder, ann.len);
+                    self.publish_landed(ann.src, holder, ann.len);
                 }
                 self.check_complete(holder);
             }
@@ -348,7 +308,6 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
                 self.check_complete(dst);
             }
         }
-        self.run_internal();
     }
 
     /// SP `sp` died: abort with `PeerFailed` if it serves a member; its
@@ -365,29 +324,6 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
             return; // applied when the topology becomes known
         }
         self.apply_peer_lost(sp);
-        self.run_internal();
-    }
-
-    /// Local abort; `Status::Ok` becomes `Status::Aborted`.
-    pub fn abort(&mut self, now: Nanos, status: Status) {
-        self.now = now;
-        self.enter_abort(status, true);
-        self.run_internal();
-    }
-
-    /// Local host `rank` died: aborts with `RankFailed` unless it completed.
-    pub fn handle_rank_lost(&mut self, now: Nanos, rank: Rank) {
-        self.now = now;
-        if let Some(t) = &self.topo {
-            if t.members.get(rank as usize) != Some(&self.me) {
-                return;
-            }
-        }
-        let out = self.ranks.get_mut(&rank).map(|st| &mut st.out);
-        if !lose_rank(out, &mut self.lost_unposted, rank) {
-            return;
-        }
-        self.enter_abort(Status::RankFailed, true);
         self.run_internal();
     }
 

@@ -28,31 +28,43 @@ pub struct Post<K> {
     pub recv_displs: Vec<u64>,
 }
 
+/// `src`'s segment is at (`key`, `offset`, `len`); land it on `node`
+/// (whose SPs are `node_sps`); ack to `origin` (the SP of `src`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Announcement<K> {
+    pub src: Rank,
+    pub origin: SpId,
+    pub key: K,
+    pub offset: u64,
+    pub len: u64,
+    pub node: u32,
+    pub node_sps: Vec<SpId>,
+}
+
+/// `src`'s segment is on this node at (`key`, `offset`, `len`) in
+/// `holder`'s buffer (`from_send`: its send buffer, else its receive
+/// buffer), served by `holder_sp`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Segment<K> {
+    pub src: Rank,
+    pub holder: Rank,
+    pub holder_sp: SpId,
+    pub key: K,
+    pub offset: u64,
+    pub len: u64,
+    pub from_send: bool,
+}
+
 /// SP-to-SP messages of this collective (the driver adds the `CollKey`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Msg<K> {
-    /// `src`'s segment is at (`key`, `offset`, `len`); land it on `node`
-    /// (whose SPs are `node_sps`); ack to `origin` (the SP of `src`).
-    Announce {
-        src: Rank,
-        origin: SpId,
-        key: K,
-        offset: u64,
-        len: u64,
-        node: u32,
-        node_sps: Vec<SpId>,
-    },
+    /// From the SP of `src` to one SP of another node.
+    Announce(Announcement<K>),
     /// An announcement passed between SPs of its node. `remaining`: SPs of
     /// the ring still to visit after the receiver (0: park if not ready).
     /// `parked`: it was parked before.
     Pass {
-        src: Rank,
-        origin: SpId,
-        key: K,
-        offset: u64,
-        len: u64,
-        node: u32,
-        node_sps: Vec<SpId>,
+        ann: Announcement<K>,
         remaining: u32,
         parked: bool,
     },
@@ -64,17 +76,8 @@ pub enum Msg<K> {
     },
     /// The sender has a posted rank (sent once, to the node's other SPs).
     RankReady,
-    /// `src`'s segment is on this node in `holder`'s buffer (`from_send`:
-    /// its send buffer, else its receive buffer), served by `holder_sp`.
-    Segment {
-        src: Rank,
-        holder: Rank,
-        holder_sp: SpId,
-        key: K,
-        offset: u64,
-        len: u64,
-        from_send: bool,
-    },
+    /// To every SP of the holder's node, itself included.
+    Segment(Segment<K>),
     /// The sender's ranks will not read `src`'s segment from its holder any
     /// more.
     SegmentDone { src: Rank, status: Status },
@@ -96,9 +99,12 @@ impl<K> Msg<K> {
     /// The memory keys the message carries (an SP checks where a peer's keys point).
     pub fn keys(&self) -> Vec<&K> {
         match self {
-            Msg::Announce { key, .. } | Msg::Pass { key, .. } | Msg::Segment { key, .. } => {
-                vec![key]
+            Msg::Announce(Announcement { key, .. })
+            | Msg::Pass {
+                ann: Announcement { key, .. },
+                ..
             }
+            | Msg::Segment(Segment { key, .. }) => vec![key],
             Msg::Ack { .. }
             | Msg::RankReady
             | Msg::SegmentDone { .. }

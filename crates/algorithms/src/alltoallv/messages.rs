@@ -68,7 +68,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
         let peer_lost = self.lost_sps.iter().any(|s| members.contains(s));
         self.members = Some(members);
         if peer_lost {
-            self.enter_abort(Status::PeerFailed, true);
+            self.enter_abort(Status::PeerFailed);
         } else if self.abort.is_some() {
             self.maybe_broadcast_abort();
         }
@@ -81,9 +81,6 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
     crate::common::v_internal_send!();
 
     pub(super) fn process(&mut self, from: SpId, msg: Msg<K>) -> Result<(), MsgError> {
-        if self.ignores_lost_sender(from) {
-            return Ok(());
-        }
         match msg {
             Msg::Announce {
                 src,
@@ -91,7 +88,14 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
                 key,
                 offset,
                 len,
-            } => self.on_announce(from, src, dst, key, offset, len),
+            } => self.on_announce(Ann {
+                from,
+                src,
+                dst,
+                key,
+                offset,
+                len,
+            }),
             Msg::Ack { src, dst, status } => self.on_ack(from, src, dst, status),
             Msg::Abort { status } => {
                 if let Some(m) = &self.members {
@@ -99,30 +103,44 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
                         return Err(MsgError::NotMember { sp: from });
                     }
                 }
-                self.enter_abort(status, false);
+                self.abort_instance(status, false);
                 Ok(())
             }
         }
     }
 
-    pub(super) fn check_ranks(&self, ranks: [Rank; 2]) -> Result<(), MsgError> {
-        let size = self.members.as_ref().map_or(0, Vec::len);
-        match ranks.into_iter().find(|&r| r as usize >= size) {
-            Some(rank) => Err(MsgError::RankOutOfRange { rank, size }),
-            None => Ok(()),
-        }
-    }
-
-    pub(super) fn on_announce(
-        &mut self,
+    /// A message from `from` about `src`'s block for `dst` (membership
+    /// known): an announcement (`to_dst`: `dst` must be served by this SP,
+    /// `src` by `from`) or an ack (the other way round).
+    pub(super) fn check_block(
+        &self,
         from: SpId,
         src: Rank,
         dst: Rank,
-        key: K,
-        offset: u64,
-        len: u64,
+        to_dst: bool,
     ) -> Result<(), MsgError> {
-        if offset.checked_add(len).is_none() {
+        let size = self.members.as_ref().map_or(0, Vec::len);
+        if let Some(rank) = [src, dst].into_iter().find(|&r| r as usize >= size) {
+            return Err(MsgError::RankOutOfRange { rank, size });
+        }
+        let (local, remote) = if to_dst { (dst, src) } else { (src, dst) };
+        if self.member(local) != self.me {
+            return Err(MsgError::NotLocal { rank: local });
+        }
+        let expected = self.member(remote);
+        if expected != from {
+            return Err(MsgError::WrongSender {
+                rank: remote,
+                expected,
+                got: from,
+            });
+        }
+        Ok(())
+    }
+
+    pub(super) fn on_announce(&mut self, ann: Ann<K>) -> Result<(), MsgError> {
+        let (from, src, dst) = (ann.from, ann.src, ann.dst);
+        if ann.offset.checked_add(ann.len).is_none() {
             return Err(MsgError::Overflow { src, dst });
         }
         if self.members.is_none() {
@@ -133,66 +151,35 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
                 self.notify_abort(from);
                 return Ok(());
             }
-            return self.queue_announce(from, src, dst, key, offset, len);
+            return self.queue_announce(ann);
         }
-        self.check_ranks([src, dst])?;
-        if self.member(dst) != self.me {
-            return Err(MsgError::NotLocal { rank: dst });
-        }
-        let expected = self.member(src);
-        if expected != from {
-            return Err(MsgError::WrongSender {
-                rank: src,
-                expected,
-                got: from,
-            });
-        }
-        self.deliver_announce(from, src, dst, key, offset, len)
+        self.check_block(from, src, dst, true)?;
+        self.deliver_announce(ann)
     }
 
     /// Keeps an announcement whose destination cannot take it yet (membership
     /// unknown, or `dst` has not posted): a late arrival.
-    pub(super) fn queue_announce(
-        &mut self,
-        from: SpId,
-        src: Rank,
-        dst: Rank,
-        key: K,
-        offset: u64,
-        len: u64,
-    ) -> Result<(), MsgError> {
+    pub(super) fn queue_announce(&mut self, ann: Ann<K>) -> Result<(), MsgError> {
+        let (src, dst) = (ann.src, ann.dst);
         if self.queued.contains_key(&(dst, src)) {
             return Err(MsgError::DuplicateAnnounce { src, dst });
         }
-        let q = Queued {
-            from,
-            key,
-            offset,
-            len,
-        };
-        self.queued.insert((dst, src), q);
+        self.queued.insert((dst, src), ann);
         self.stats.late_announcements += 1;
         Ok(())
     }
 
     /// A validated announcement (membership known, `dst` local, `from`
     /// serves `src`).
-    pub(super) fn deliver_announce(
-        &mut self,
-        from: SpId,
-        src: Rank,
-        dst: Rank,
-        key: K,
-        offset: u64,
-        len: u64,
-    ) -> Result<(), MsgError> {
+    pub(super) fn deliver_announce(&mut self, ann: Ann<K>) -> Result<(), MsgError> {
+        let (from, src, dst, len) = (ann.from, ann.src, ann.dst, ann.len);
         let abort = self.abort.status;
         let Some(st) = self.ranks.get_mut(&dst) else {
             if let Some(status) = abort {
                 self.send(from, Msg::Ack { src, dst, status });
                 return Ok(());
             }
-            return self.queue_announce(from, src, dst, key, offset, len);
+            return self.queue_announce(ann);
         };
         let s = src as usize;
         if st.recv[s] != RecvState::Waiting {
@@ -213,8 +200,8 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
             let copy = Copy {
                 id,
                 src_rank: src,
-                src_key: key,
-                src_offset: offset,
+                src_key: ann.key,
+                src_offset: ann.offset,
                 dst_rank: dst,
                 dst_key: st.recv_key.clone(),
                 dst_offset: st.recv_displs[s],
@@ -248,18 +235,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
         if self.members.is_none() {
             return Err(MsgError::UnexpectedAck { src, dst });
         }
-        self.check_ranks([src, dst])?;
-        if self.member(src) != self.me {
-            return Err(MsgError::NotLocal { rank: src });
-        }
-        let expected = self.member(dst);
-        if expected != from {
-            return Err(MsgError::WrongSender {
-                rank: dst,
-                expected,
-                got: from,
-            });
-        }
+        self.check_block(from, src, dst, false)?;
         let Some(st) = self.ranks.get_mut(&src) else {
             return Err(MsgError::UnexpectedAck { src, dst });
         };
@@ -274,7 +250,14 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
         Ok(())
     }
 
-    pub(super) fn enter_abort(&mut self, status: Status, local: bool) {
+    /// Aborts with `status` (`Ok`: `Aborted`), broadcasting it.
+    pub(super) fn enter_abort(&mut self, status: Status) {
+        self.abort_instance(status, true);
+    }
+
+    /// Aborts with `status`; `local`: the abort started here and is to be
+    /// broadcast (else it came with a peer's `Abort`).
+    pub(super) fn abort_instance(&mut self, status: Status, local: bool) {
         let (_, status) = self.abort.enter(status);
         self.abort_local |= local;
         fail_pending(self.ranks.values_mut().map(|st| &mut st.out), status);

@@ -33,7 +33,7 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 
 use crate::abort::{fail_pending, lose_rank, Abort, Outcome};
-use crate::common::common_api;
+use crate::common::{common_api, take_finished};
 use crate::{CollKey, Nanos, Rank, SpId, Status};
 
 mod messages;

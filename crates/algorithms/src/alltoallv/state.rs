@@ -42,9 +42,12 @@ pub(super) struct LocalRank<K> {
     pub(super) out: Outcome,
 }
 
+/// An announcement from SP `from`.
 #[derive(Clone, Debug)]
-pub(super) struct Queued<K> {
+pub(super) struct Ann<K> {
     pub(super) from: SpId,
+    pub(super) src: Rank,
+    pub(super) dst: Rank,
     pub(super) key: K,
     pub(super) offset: u64,
     pub(super) len: u64,
@@ -65,7 +68,7 @@ pub struct Alltoallv<K> {
     /// Local ranks declared lost before they posted.
     pub(super) lost_unposted: BTreeSet<Rank>,
     /// Announcements waiting for their destination to post, by (dst, src).
-    pub(super) queued: BTreeMap<(Rank, Rank), Queued<K>>,
+    pub(super) queued: BTreeMap<(Rank, Rank), Ann<K>>,
     /// Copies in flight: id -> (dst, src).
     pub(super) copies: BTreeMap<u64, (Rank, Rank)>,
     pub(super) next_copy: u64,
@@ -80,7 +83,7 @@ pub struct Alltoallv<K> {
     pub(super) stats: Stats,
 }
 
-common_api!(Alltoallv);
+common_api!(Alltoallv, Msg<K>, settle = run_internal);
 
 impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
     /// Create an instance; the driver may do so on the first event of any
@@ -173,9 +176,9 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
                 .range((rank, 0)..=(rank, Rank::MAX))
                 .map(|(k, _)| *k)
                 .collect();
-            for (dst, src) in waiting {
-                if let Some(q) = self.queued.remove(&(dst, src)) {
-                    let res = self.deliver_announce(q.from, src, dst, q.key, q.offset, q.len);
+            for k in waiting {
+                if let Some(ann) = self.queued.remove(&k) {
+                    let res = self.deliver_announce(ann);
                     debug_assert!(res.is_ok(), "queued announcement rejected: {res:?}");
                 }
             }
@@ -185,18 +188,11 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
         Ok(())
     }
 
-    /// A message from SP `from` for this instance.
-    pub fn handle_msg(&mut self, _now: Nanos, from: SpId, msg: Msg<K>) -> Result<(), MsgError> {
-        let res = self.process(from, msg);
-        self.run_internal();
-        res
-    }
-
     /// The copy `id` finished with `status` (anything but `Ok` means the
     /// receive buffer content of that block is undefined).
-    pub fn handle_copy_done(&mut self, _now: Nanos, id: CopyId, status: Status) {
-        let Some((dst, src)) = self.copies.remove(&id.0) else {
-            self.stats.unknown_copy_done += 1;
+    pub(super) fn copy_finished(&mut self, id: u64, status: Status) {
+        let copies = &mut self.copies;
+        let Some((dst, src)) = take_finished(copies, id, &mut self.stats.unknown_copy_done) else {
             return;
         };
         if let Some(r) = self.ranks.get_mut(&dst) {
@@ -208,7 +204,6 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
         let to = self.member(src);
         self.send(to, Msg::Ack { src, dst, status });
         self.check_complete(dst);
-        self.run_internal();
     }
 
     /// SP `sp` died. If it serves a rank of this communicator, every local
@@ -235,36 +230,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
                 }
             }
         }
-        self.enter_abort(Status::PeerFailed, true);
-        self.run_internal();
-    }
-
-    /// Local abort: every local rank not yet complete completes with
-    /// `status` (once no copy touches its buffers), ranks posting later
-    /// complete immediately, and every other SP of the communicator is sent
-    /// an `Abort` (as soon as the membership is known). `Status::Ok` is
-    /// replaced by `Status::Aborted`.
-    pub fn abort(&mut self, _now: Nanos, status: Status) {
-        self.enter_abort(status, true);
-        self.run_internal();
-    }
-
-    /// Local host `rank` died (extension of `abort`): if it already completed
-    /// nothing happens; otherwise the instance aborts with `RankFailed`. If
-    /// the rank had posted it still gets its `Complete`; if not, it will
-    /// never post and no longer keeps the instance from finishing. Ignored
-    /// if `rank` is known not to be served by this SP.
-    pub fn handle_rank_lost(&mut self, _now: Nanos, rank: Rank) {
-        if let Some(members) = &self.members {
-            if members.get(rank as usize) != Some(&self.me) {
-                return;
-            }
-        }
-        let out = self.ranks.get_mut(&rank).map(|st| &mut st.out);
-        if !lose_rank(out, &mut self.lost_unposted, rank) {
-            return;
-        }
-        self.enter_abort(Status::RankFailed, true);
+        self.enter_abort(Status::PeerFailed);
         self.run_internal();
     }
 

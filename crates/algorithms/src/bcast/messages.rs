@@ -4,9 +4,6 @@ use super::*;
 
 impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
     pub(super) fn process(&mut self, from: SpId, msg: Msg) -> Result<(), MsgError> {
-        if self.ignores_lost_sender(from) {
-            return Ok(());
-        }
         match msg {
             Msg::Open {
                 root,

@@ -45,8 +45,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
     }
 
     pub(super) fn move_finished(&mut self, id: u64, status: Status) {
-        let Some(m) = self.moves.remove(&id) else {
-            self.stats.unknown_done += 1;
+        let Some(m) = take_finished(&mut self.moves, id, &mut self.stats.unknown_done) else {
             return;
         };
         if !status.is_ok() {
@@ -207,10 +206,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
                         key: key.clone(),
                         offset,
                     },
-                    dst: Loc::Stage {
-                        slot: SlotId(slot as u32),
-                        offset: 0,
-                    },
+                    dst: Loc::slot_start(slot),
                     len,
                 }));
             }
@@ -324,10 +320,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
                     id: CopyId(id),
                     rank,
                     chunk: index,
-                    src: Loc::Stage {
-                        slot: SlotId(slot as u32),
-                        offset: 0,
-                    },
+                    src: Loc::slot_start(slot),
                     dst: Loc::Host { key, offset },
                     len,
                 }));

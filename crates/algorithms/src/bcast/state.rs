@@ -107,7 +107,7 @@ pub struct Bcast<K> {
     pub(super) stats: Stats,
 }
 
-common_api!(Bcast, staged, Msg);
+common_api!(Bcast, Msg, staged);
 
 impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
     /// kind for `key`.
@@ -244,9 +244,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
     /// The move `id` finished with `status` (`Ok`: the bytes are in the
     /// peer's slot and its `Chunk` message is on its way).
     pub fn handle_move_done(&mut self, now: Nanos, id: MoveId, status: Status) {
-        self.now = now;
-        self.move_finished(id.0, status);
-        self.pump();
+        self.input(now, |s| s.move_finished(id.0, status))
     }
 
     /// SP `sp` died: abort with `PeerFailed` if it is in the tree; slots
@@ -261,17 +259,6 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
         self.early_credits.retain(|c| c.from != sp);
         self.apply_peer_lost(sp);
         self.pump();
-    }
-
-    /// Local host `rank` died: aborts with `RankFailed` unless it completed.
-    pub fn handle_rank_lost(&mut self, now: Nanos, rank: Rank) {
-        self.now = now;
-        if let Some(t) = &self.topo {
-            if t.members.get(rank as usize) != Some(&self.me) {
-                return;
-            }
-        }
-        self.lose_local_rank(rank);
     }
 
     /// Every local rank completed (or was lost before posting), no copy or

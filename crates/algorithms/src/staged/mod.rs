@@ -51,6 +51,16 @@ pub enum Loc<K> {
     Stage { slot: SlotId, offset: u64 },
 }
 
+impl<K> Loc<K> {
+    /// The start of this SP's staging slot `slot`, where a chunk sits.
+    pub(crate) fn slot_start(slot: usize) -> Loc<K> {
+        Loc::Stage {
+            slot: SlotId(slot as u32),
+            offset: 0,
+        }
+    }
+}
+
 /// One staging slot; `H` is what the collective tracks about the chunk it
 /// holds.
 #[derive(Clone, Debug)]

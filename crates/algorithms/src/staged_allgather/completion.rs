@@ -44,13 +44,13 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
                         "write from a slot that changed"
                     ),
                 }
-                self.tgts[sp].in_flight -= 1;
+                self.tgts[sp].unit.in_flight -= 1;
                 if status.is_ok() {
                     self.stats.chunk_writes += 1;
                 }
                 match rank {
                     Some(r) => {
-                        let t = &mut self.rtgts[r as usize];
+                        let t = &mut self.rtgts[r as usize].unit;
                         t.in_flight -= 1;
                         if ok {
                             t.done += 1;
@@ -59,7 +59,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
                     }
                     None => {
                         if ok {
-                            self.tgts[sp].done += 1;
+                            self.tgts[sp].unit.done += 1;
                             self.check_unit(Unit::Region(sp));
                         }
                     }
@@ -83,10 +83,10 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
         match u {
             Unit::Rank(r) => {
                 let t = &mut self.rtgts[r as usize];
-                if t.sent || t.key.is_none() || t.in_flight > 0 || t.done != need {
+                if t.key.is_none() || !t.unit.complete(need) {
                     return;
                 }
-                t.sent = true;
+                t.unit.sent = true;
                 self.units_sent += 1;
                 let b = v.members[r as usize];
                 if b == me {
@@ -101,10 +101,10 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
             }
             Unit::Region(b) => {
                 let t = &mut self.tgts[b];
-                if t.sent || t.mode != Some(Mode::Region) || t.in_flight > 0 || t.done != need {
+                if t.mode != Some(Mode::Region) || !t.unit.complete(need) {
                     return;
                 }
-                t.sent = true;
+                t.unit.sent = true;
                 self.units_sent += 1;
                 if b == v.mine {
                     t.wrote_region = true;
@@ -162,7 +162,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
                 .view
                 .as_ref()
                 .and_then(|v| v.idx(sp))
-                .is_some_and(|b| self.tgts[b].in_flight > 0);
+                .is_some_and(|b| self.tgts[b].unit.in_flight > 0);
             let n = self.notices.entry(sp).or_default();
             if !busy {
                 n.stopped_sent = true;
@@ -202,7 +202,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
         // Only an SP that sent keys (`Key`s or its `Region`) can have writers.
         let exposed = matches!(mode, Some(Mode::Flat | Mode::Region));
         let wait = if aborted {
-            let own_busy = self.tgts[v.mine].in_flight > 0;
+            let own_busy = self.tgts[v.mine].unit.in_flight > 0;
             own_busy
                 || (exposed
                     && !mutated(Mutation::SkipStopHandshake)

@@ -11,7 +11,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
         debug_assert!(t.mode.is_none());
         t.mode = Some(mode);
         self.epoch += 1;
-        t.epoch = self.epoch;
+        t.unit.epoch = self.epoch;
         self.modes_unresolved -= 1;
         self.units_total += match mode {
             Mode::Flat => v.sp_ranks[b].len(),
@@ -121,7 +121,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
         self.epoch += 1;
         let t = &mut self.rtgts[rank as usize];
         t.key = Some(key);
-        t.epoch = self.epoch;
+        t.unit.epoch = self.epoch;
         self.new_ranks.push(rank);
         self.check_unit(Unit::Rank(rank));
     }
@@ -149,9 +149,6 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
     }
 
     pub(super) fn process(&mut self, from: SpId, msg: Msg<K>) -> Result<(), MsgError> {
-        if self.ignores_lost_sender(from) {
-            return Ok(());
-        }
         if from == self.me {
             return Err(MsgError::Unexpected { sp: from });
         }
@@ -179,23 +176,12 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
             }
         }
         match msg {
-            Msg::Key {
-                rank,
-                len,
-                comm,
-                key,
-            } => self.on_key(from, rank, len, comm, key),
-            Msg::Region {
-                rank,
-                len,
-                comm,
-                key,
-            } => self.on_region(from, rank, len, comm, key),
             // The sender of `Waiting` is a contact now (owed a `Stopped`
             // if this SP aborts) and learns this SP's mode from its
             // announcement.
-            Msg::Waiting { len, comm } => self.on_waiting(from, len, comm),
-            Msg::Covered { len, comm } => self.on_covered(from, len, comm),
+            Msg::Key { .. } | Msg::Region { .. } | Msg::Waiting { .. } | Msg::Covered { .. } => {
+                self.on_announcement(from, msg)
+            }
             Msg::RegionDone { at } => {
                 let bad = Err(MsgError::Unexpected { sp: from });
                 let Some(v) = &self.view else { return bad };
@@ -294,17 +280,44 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
         )
     }
 
-    pub(super) fn on_key(
-        &mut self,
-        from: SpId,
-        rank: Rank,
-        len: u64,
-        comm: u64,
-        key: K,
-    ) -> Result<(), MsgError> {
+    /// A `Key`, `Region`, `Waiting` or `Covered` from `from`, with the view
+    /// known (on arrival, or kept until `form_view`). A `Key` or `Region`
+    /// is checked against the view (`key_sender`), then names the receive
+    /// key of `rank` (flat) or the region of its SP, an owner (through the
+    /// shared key of `rank`).
+    pub(super) fn on_announcement(&mut self, from: SpId, msg: Msg<K>) -> Result<(), MsgError> {
+        let (rank, len, comm, key, region) = match msg {
+            Msg::Key {
+                rank,
+                len,
+                comm,
+                key,
+            } => (rank, len, comm, key, false),
+            Msg::Region {
+                rank,
+                len,
+                comm,
+                key,
+            } => (rank, len, comm, key, true),
+            Msg::Waiting { len, comm } => return self.on_waiting(from, len, comm),
+            Msg::Covered { len, comm } => return self.on_covered(from, len, comm),
+            _ => unreachable!("not an announcement"),
+        };
         let Some(b) = self.key_sender(from, rank, len, comm) else {
             return Ok(());
         };
+        if region {
+            if self.view.as_ref().unwrap().owner[b] != b {
+                // Same members (the digest matched), so the same owners:
+                // only an owner announces a region.
+                return Err(MsgError::Unexpected { sp: from });
+            }
+            if self.first_mode(b, from, Mode::Region)? {
+                self.tgts[b].region = Some((rank, key));
+                self.resolve_sp(b, Mode::Region);
+            }
+            return Ok(());
+        }
         if matches!(self.tgts[b].mode, Some(Mode::Region | Mode::Covered)) {
             self.enter_abort(Status::InvalidPost);
             return Ok(());
@@ -319,29 +332,6 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
             self.resolve_sp(b, Mode::Flat);
         }
         self.learn_rank_key(rank, key);
-        Ok(())
-    }
-
-    pub(super) fn on_region(
-        &mut self,
-        from: SpId,
-        rank: Rank,
-        len: u64,
-        comm: u64,
-        key: K,
-    ) -> Result<(), MsgError> {
-        let Some(b) = self.key_sender(from, rank, len, comm) else {
-            return Ok(());
-        };
-        if self.view.as_ref().unwrap().owner[b] != b {
-            // Same members (the digest matched), so the same owners: only
-            // an owner announces a region.
-            return Err(MsgError::Unexpected { sp: from });
-        }
-        if self.first_mode(b, from, Mode::Region)? {
-            self.tgts[b].region = Some((rank, key));
-            self.resolve_sp(b, Mode::Region);
-        }
         Ok(())
     }
 

@@ -143,12 +143,12 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
         let (key_rank, key, known_at) = match rank {
             Some(r) => {
                 let t = &self.rtgts[r as usize];
-                (r, t.key.clone().expect("known"), t.epoch)
+                (r, t.key.clone().expect("known"), t.unit.epoch)
             }
             None => {
                 let t = &self.tgts[b];
                 let (r, k) = t.region.clone().expect("known with the mode");
-                (r, k, t.epoch)
+                (r, k, t.unit.epoch)
             }
         };
         let sp = v.sps[b];
@@ -156,9 +156,9 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
             self.stats.writes_waited_for_key += 1;
         }
         h.writing += 1;
-        self.tgts[b].in_flight += 1;
+        self.tgts[b].unit.in_flight += 1;
         if let Some(r) = rank {
-            self.rtgts[r as usize].in_flight += 1;
+            self.rtgts[r as usize].unit.in_flight += 1;
         }
         let id = self.new_id();
         self.copies
@@ -169,10 +169,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
             sp,
             block: h.block,
             chunk: h.chunk,
-            src: Loc::Stage {
-                slot: SlotId(slot as u32),
-                offset: 0,
-            },
+            src: Loc::slot_start(slot),
             dst: Loc::Host { key, offset },
             len: h.len,
         }));
@@ -242,10 +239,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
                     key,
                     offset: chunk * self.chunk_bytes,
                 },
-                dst: Loc::Stage {
-                    slot: SlotId(slot as u32),
-                    offset: 0,
-                },
+                dst: Loc::slot_start(slot),
                 len,
             }));
             progress = true;

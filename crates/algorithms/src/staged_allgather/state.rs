@@ -21,14 +21,10 @@ pub(super) struct Tgt<K> {
     pub(super) mode: Option<Mode>,
     /// Hierarchical: (rank, shared key) of its region.
     pub(super) region: Option<(Rank, K)>,
-    /// When `mode` became known (see `Stats::writes_waited_for_key`).
-    pub(super) epoch: u64,
-    /// This SP's writes into its ranks or region, in flight.
-    pub(super) in_flight: u32,
-    /// Hierarchical: chunks written into its region, and whether
-    /// `WrittenRegion` went out.
-    pub(super) done: u64,
-    pub(super) sent: bool,
+    /// `epoch`: when `mode` became known; `in_flight`: this SP's writes
+    /// into its ranks or region; hierarchical, `done` and `sent`: its
+    /// region as a unit.
+    pub(super) unit: UnitWrites,
     /// It reported `WrittenRegion` for this SP's region.
     pub(super) wrote_region: bool,
 }
@@ -37,10 +33,27 @@ pub(super) struct Tgt<K> {
 #[derive(Clone, Debug)]
 pub(super) struct RankTgt<K> {
     pub(super) key: Option<K>,
+    pub(super) unit: UnitWrites,
+}
+
+/// This SP's writes into one unit (a rank's receive buffer or an SP's
+/// region).
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct UnitWrites {
+    /// When its key became known (see `Stats::writes_waited_for_key`).
     pub(super) epoch: u64,
+    /// Writes in flight.
     pub(super) in_flight: u32,
+    /// Chunks written, and whether `Written`/`WrittenRegion` went out.
     pub(super) done: u64,
     pub(super) sent: bool,
+}
+
+impl UnitWrites {
+    /// Every one of `need` chunks is written and the unit not reported yet.
+    pub(super) fn complete(&self, need: u64) -> bool {
+        !self.sent && self.in_flight == 0 && self.done == need
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -163,7 +176,7 @@ pub struct StagedAllgather<K> {
     pub(super) stats: Stats,
 }
 
-common_api!(StagedAllgather, staged, Msg<K>);
+common_api!(StagedAllgather, Msg<K>, staged);
 
 impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
     /// Create an instance; the driver may do so on the first event of any
@@ -353,17 +366,6 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
         self.pump();
     }
 
-    /// Local host `rank` died: aborts with `RankFailed` unless it completed.
-    pub fn handle_rank_lost(&mut self, now: Nanos, rank: Rank) {
-        self.now = now;
-        if let Some(v) = &self.view {
-            if v.members.get(rank as usize) != Some(&self.me) && !self.ranks.contains_key(&rank) {
-                return;
-            }
-        }
-        self.lose_local_rank(rank);
-    }
-
     /// Every local rank completed (or was lost before posting), no copy is
     /// in flight, no slot is in use, every action was polled, and either
     /// every `Written`/`WrittenRegion` went out or (aborted) every SP of the
@@ -432,20 +434,14 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
             .map(|_| Tgt {
                 mode: None,
                 region: None,
-                epoch: 0,
-                in_flight: 0,
-                done: 0,
-                sent: false,
+                unit: UnitWrites::default(),
                 wrote_region: false,
             })
             .collect();
         self.rtgts = (0..p)
             .map(|_| RankTgt {
                 key: None,
-                epoch: 0,
-                in_flight: 0,
-                done: 0,
-                sent: false,
+                unit: UnitWrites::default(),
             })
             .collect();
         self.modes_unresolved = view.sps.len();
@@ -460,38 +456,8 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
             self.schedule_notices();
         }
         for (from, msg) in std::mem::take(&mut self.early) {
-            match msg {
-                Msg::Key {
-                    rank,
-                    len,
-                    comm,
-                    key,
-                } => {
-                    if self.on_key(from, rank, len, comm, key).is_err() {
-                        self.enter_abort(Status::InvalidPost);
-                    }
-                }
-                Msg::Region {
-                    rank,
-                    len,
-                    comm,
-                    key,
-                } => {
-                    if self.on_region(from, rank, len, comm, key).is_err() {
-                        self.enter_abort(Status::InvalidPost);
-                    }
-                }
-                Msg::Covered { len, comm } => {
-                    if self.on_covered(from, len, comm).is_err() {
-                        self.enter_abort(Status::InvalidPost);
-                    }
-                }
-                Msg::Waiting { len, comm } => {
-                    if self.on_waiting(from, len, comm).is_err() {
-                        self.enter_abort(Status::InvalidPost);
-                    }
-                }
-                _ => unreachable!("only keys wait for the view"),
+            if self.on_announcement(from, msg).is_err() {
+                self.enter_abort(Status::InvalidPost);
             }
         }
     }

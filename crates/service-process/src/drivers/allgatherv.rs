@@ -40,24 +40,22 @@ fn refuse(msg: &CollMsg, from: SpId, status: Status) -> Vec<(SpId, CollMsg)> {
     let abort = CollMsg::Allgatherv(allgatherv::Msg::Abort { status });
     let ack = |src, node| CollMsg::Allgatherv(allgatherv::Msg::Ack { src, node, status });
     match msg {
-        allgatherv::Msg::Announce {
-            src, node, origin, ..
-        }
-        | allgatherv::Msg::Pass {
-            src, node, origin, ..
-        } => vec![
-            (*origin, ack(*src, *node)),
-            (*origin, abort.clone()),
+        allgatherv::Msg::Announce(ann) | allgatherv::Msg::Pass { ann, .. } => vec![
+            (ann.origin, ack(ann.src, ann.node)),
+            (ann.origin, abort.clone()),
             (from, abort),
         ],
         // The source's SP waits for this SP's answer to a release before it lets its rank go.
         allgatherv::Msg::Release { src, node, .. } => vec![(from, ack(*src, *node))],
-        allgatherv::Msg::Segment { src, holder_sp, .. } => vec![
+        allgatherv::Msg::Segment(seg) => vec![
             (
-                *holder_sp,
-                CollMsg::Allgatherv(allgatherv::Msg::SegmentDone { src: *src, status }),
+                seg.holder_sp,
+                CollMsg::Allgatherv(allgatherv::Msg::SegmentDone {
+                    src: seg.src,
+                    status,
+                }),
             ),
-            (*holder_sp, abort),
+            (seg.holder_sp, abort),
         ],
         // Messages that expect no answer. Listed one by one so that a new message kind has to
         // be considered here.
