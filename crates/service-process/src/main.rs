@@ -291,52 +291,7 @@ enum Cmd {
     ///
     /// Ranks post within the simulator's default arrival skew (20 us); --late-ranks of them
     /// come later still. A simulator failure prints its seed and exits with status 1.
-    Simulate {
-        /// The collective to simulate.
-        #[arg(long, value_enum, default_value = "allgather")]
-        coll: service_process::simulate::Coll,
-        #[arg(long, default_value_t = 32)]
-        nodes: u32,
-        #[arg(long, default_value_t = 32)]
-        ranks_per_node: u32,
-        /// Comma-separated SPs per node to compare.
-        #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
-        sps_per_node: Vec<u32>,
-        /// Comma-separated layouts to compare.
-        #[arg(long, value_delimiter = ',', default_value = "block,cyclic")]
-        layout: Vec<Layout>,
-        /// Allgather only: bytes each rank contributes (the simulator keeps real buffers: keep
-        /// it small) [default: 64]
-        #[arg(long)]
-        block_bytes: Option<u64>,
-        /// World ranks that arrive late (the simulator's late-rank delay: 100 us).
-        #[arg(long, default_value_t = 0)]
-        late_ranks: u32,
-        /// Bcast only: bytes broadcast (the simulator keeps a real buffer per rank: about nodes x
-        /// ranks-per-node x bcast-bytes of memory, 1 GiB and 0.5 to 1.5 s a run at 32x32 and 1 MiB)
-        /// [default: 1048576]
-        #[arg(long)]
-        bcast_bytes: Option<u64>,
-        /// Bcast only: bytes per chunk and per staging buffer, as `serve --stage-chunk-bytes`
-        /// [default: 262144]
-        #[arg(long, value_parser = clap::value_parser!(u64).range(1..=2 * 1024 * 1024))]
-        chunk_bytes: Option<u64>,
-        /// Bcast only: staging buffers per SP (the pipeline depth), as `serve --stage-slots`
-        /// [default: 4]
-        #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
-        slots: Option<u32>,
-        /// Bcast only: the root's world rank [default: 0]
-        #[arg(long)]
-        root: Option<u32>,
-        /// Runs per point (seeds seed, seed+1, ...), averaged.
-        #[arg(long, default_value_t = 3)]
-        seeds: u32,
-        #[arg(long, default_value_t = 1)]
-        seed: u64,
-        /// One JSON object per row instead of the table.
-        #[arg(long)]
-        json: bool,
-    },
+    Simulate(service_process::simulate::SimulateOpts),
     /// Write (`init`) or validate (`check`) the cluster description of a real cluster: each
     /// node's host name, its DPU's addresses for hosts and for peer SPs, K SPs per DPU, ports.
     Cluster {
@@ -624,45 +579,8 @@ fn run(cli: Cli) -> Result<i32> {
                 }
             }
         }
-        Cmd::Simulate {
-            coll,
-            nodes,
-            ranks_per_node,
-            sps_per_node,
-            layout,
-            block_bytes,
-            late_ranks,
-            bcast_bytes,
-            chunk_bytes,
-            slots,
-            root,
-            seeds,
-            seed,
-            json,
-        } => {
-            let layouts = layout
-                .into_iter()
-                .map(|l| match l {
-                    Layout::Block => algorithms::sim::Layout::Block,
-                    Layout::Cyclic => algorithms::sim::Layout::Cyclic,
-                })
-                .collect();
-            service_process::simulate::simulate(&service_process::simulate::SimulateOpts {
-                nodes,
-                ranks_per_node,
-                sps_per_node,
-                layouts,
-                coll,
-                block_bytes,
-                late_ranks,
-                bcast_bytes,
-                chunk_bytes,
-                slots,
-                root,
-                seeds,
-                seed,
-                json,
-            })?;
+        Cmd::Simulate(opts) => {
+            service_process::simulate::simulate(&opts)?;
             Ok(0)
         }
         Cmd::Cluster { cmd } => service_process::cluster_cmd::run(cmd),

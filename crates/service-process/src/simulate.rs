@@ -29,24 +29,64 @@ pub const DEFAULT_ROOT: u32 = 0;
 /// Default of `--block-bytes` (allgather).
 pub const DEFAULT_BLOCK_BYTES: u64 = 64;
 
-#[derive(Clone, Debug)]
+/// The options of `service-process simulate` (its `--help` is made of these comments).
+#[derive(Clone, Debug, clap::Args)]
 pub struct SimulateOpts {
-    pub nodes: u32,
-    pub ranks_per_node: u32,
-    pub sps_per_node: Vec<u32>,
-    pub layouts: Vec<Layout>,
+    /// The collective to simulate.
+    #[arg(long, value_enum, default_value = "allgather")]
     pub coll: Coll,
-    /// Allgather only (`None`: [`DEFAULT_BLOCK_BYTES`]).
+    #[arg(long, default_value_t = 32)]
+    pub nodes: u32,
+    #[arg(long, default_value_t = 32)]
+    pub ranks_per_node: u32,
+    /// Comma-separated SPs per node to compare.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
+    pub sps_per_node: Vec<u32>,
+    /// Comma-separated layouts to compare.
+    #[arg(long = "layout", value_name = "LAYOUT", value_delimiter = ',', default_value = "block,cyclic", value_parser = parse_layout)]
+    pub layouts: Vec<Layout>,
+    /// Allgather only: bytes each rank contributes (the simulator keeps real buffers: keep
+    /// it small) [default: 64]
+    // `None`: [`DEFAULT_BLOCK_BYTES`]; given with `--coll bcast`, an error.
+    #[arg(long)]
     pub block_bytes: Option<u64>,
+    /// World ranks that arrive late (the simulator's late-rank delay: 100 us).
+    #[arg(long, default_value_t = 0)]
     pub late_ranks: u32,
-    /// Bcast only (`None`: the `DEFAULT_*` above).
+    /// Bcast only: bytes broadcast (the simulator keeps a real buffer per rank: about nodes x
+    /// ranks-per-node x bcast-bytes of memory, 1 GiB and 0.5 to 1.5 s a run at 32x32 and 1 MiB)
+    /// [default: 1048576]
+    // The bcast options: `None` is the `DEFAULT_*` above; given with `--coll allgather`, an
+    // error.
+    #[arg(long)]
     pub bcast_bytes: Option<u64>,
+    /// Bcast only: bytes per chunk and per staging buffer, as `serve --stage-chunk-bytes`
+    /// [default: 262144]
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=2 * 1024 * 1024))]
     pub chunk_bytes: Option<u64>,
+    /// Bcast only: staging buffers per SP (the pipeline depth), as `serve --stage-slots`
+    /// [default: 4]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub slots: Option<u32>,
+    /// Bcast only: the root's world rank [default: 0]
+    #[arg(long)]
     pub root: Option<u32>,
+    /// Runs per point (seeds seed, seed+1, ...), averaged.
+    #[arg(long, default_value_t = 3)]
     pub seeds: u32,
+    #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// One JSON object per row instead of the table.
+    #[arg(long)]
     pub json: bool,
+}
+
+/// A `--layout` value: the names of the cluster description's layouts (`bootstrap::Layout`).
+fn parse_layout(s: &str) -> Result<Layout, String> {
+    Ok(match s.parse::<bootstrap::Layout>()? {
+        bootstrap::Layout::Block => Layout::Block,
+        bootstrap::Layout::Cyclic => Layout::Cyclic,
+    })
 }
 
 #[derive(Serialize)]
