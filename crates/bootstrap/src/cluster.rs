@@ -55,6 +55,26 @@ pub struct SpEntry {
     pub host_addr: Option<SocketAddr>,
 }
 
+impl SpEntry {
+    /// SP `id` of a cluster of `sps_per_node` SPs per node, numbered as a description numbers
+    /// them (SP `k` of node `n` has id `n * sps_per_node + k`); without a host TCP address.
+    pub fn numbered(
+        id: SpId,
+        sps_per_node: u32,
+        peer_addr: SocketAddr,
+        host_socket: PathBuf,
+    ) -> Self {
+        SpEntry {
+            id,
+            node: id / sps_per_node,
+            index: id % sps_per_node,
+            peer_addr,
+            host_socket,
+            host_addr: None,
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Cluster {
     pub nodes: u32,
@@ -125,6 +145,23 @@ impl Cluster {
         };
         c.validate()?;
         Ok(c)
+    }
+
+    /// A valid description for tests (of this crate and of the crates using it): `nodes` x
+    /// `sps_per_node` SPs, peer addresses on loopback where nothing listens, host sockets in
+    /// /tmp, `hosts` its host names (or none).
+    #[doc(hidden)]
+    pub fn for_tests(nodes: u32, sps_per_node: u32, layout: Layout, hosts: &[&str]) -> Cluster {
+        let sps = (0..nodes * sps_per_node)
+            .map(|i| {
+                let peer_addr = SocketAddr::from(([127, 0, 0, 1], 1000 + i as u16));
+                SpEntry::numbered(i, sps_per_node, peer_addr, format!("/tmp/sp{i}").into())
+            })
+            .collect();
+        let mut c = Cluster::new(nodes, sps_per_node, None, layout, sps).unwrap();
+        c.hosts = hosts.iter().map(|h| h.to_string()).collect();
+        c.validate().unwrap();
+        c
     }
 
     pub fn load(path: &Path) -> Result<Self, ClusterError> {
@@ -260,17 +297,7 @@ mod tests {
     use super::*;
 
     fn cluster(nodes: u32, k: u32, layout: Layout) -> Cluster {
-        let sps = (0..nodes * k)
-            .map(|i| SpEntry {
-                id: i,
-                node: i / k,
-                index: i % k,
-                peer_addr: "127.0.0.1:1".parse().unwrap(),
-                host_socket: format!("/tmp/sp{i}").into(),
-                host_addr: None,
-            })
-            .collect();
-        Cluster::new(nodes, k, None, layout, sps).unwrap()
+        Cluster::for_tests(nodes, k, layout, &[])
     }
 
     #[test]

@@ -195,23 +195,10 @@ pub fn place_ranks(cluster: &Cluster, reports: &[NodeReport]) -> Result<Vec<Plac
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cluster::{Layout, SpEntry};
+    use crate::cluster::Layout;
 
     fn cluster(nodes: u32, k: u32, hosts: &[&str]) -> Cluster {
-        let sps = (0..nodes * k)
-            .map(|i| SpEntry {
-                id: i,
-                node: i / k,
-                index: i % k,
-                peer_addr: format!("127.0.0.1:{}", 1000 + i).parse().unwrap(),
-                host_socket: format!("/tmp/sp{i}").into(),
-                host_addr: None,
-            })
-            .collect();
-        let mut c = Cluster::new(nodes, k, None, Layout::Block, sps).unwrap();
-        c.hosts = hosts.iter().map(|h| h.to_string()).collect();
-        c.validate().unwrap();
-        c
+        Cluster::for_tests(nodes, k, Layout::Block, hosts)
     }
 
     fn by_name(nodes: &[u32]) -> Vec<NodeReport> {

@@ -336,14 +336,13 @@ pub fn write_cluster(spec: &SpSetSpec, run_dir: &Path) -> Result<(PathBuf, Vec<T
         .iter()
         .enumerate()
         .map(|(i, l)| {
-            Ok(SpEntry {
-                id: i as u32,
-                node: i as u32 / spec.sps_per_node,
-                index: i as u32 % spec.sps_per_node,
-                peer_addr: l.local_addr()?,
-                host_socket: run_dir.join(format!("sp-{i}.sock")),
-                host_addr: None,
-            })
+            let host_socket = run_dir.join(format!("sp-{i}.sock"));
+            Ok(SpEntry::numbered(
+                i as u32,
+                spec.sps_per_node,
+                l.local_addr()?,
+                host_socket,
+            ))
         })
         .collect::<std::io::Result<Vec<_>>>()?;
     let cluster = Cluster::new(
