@@ -147,23 +147,6 @@ impl Cluster {
         Ok(c)
     }
 
-    /// A valid description for tests (of this crate and of the crates using it): `nodes` x
-    /// `sps_per_node` SPs, peer addresses on loopback where nothing listens, host sockets in
-    /// /tmp, `hosts` its host names (or none).
-    #[doc(hidden)]
-    pub fn for_tests(nodes: u32, sps_per_node: u32, layout: Layout, hosts: &[&str]) -> Cluster {
-        let sps = (0..nodes * sps_per_node)
-            .map(|i| {
-                let peer_addr = SocketAddr::from(([127, 0, 0, 1], 1000 + i as u16));
-                SpEntry::numbered(i, sps_per_node, peer_addr, format!("/tmp/sp{i}").into())
-            })
-            .collect();
-        let mut c = Cluster::new(nodes, sps_per_node, None, layout, sps).unwrap();
-        c.hosts = hosts.iter().map(|h| h.to_string()).collect();
-        c.validate().unwrap();
-        c
-    }
-
     pub fn load(path: &Path) -> Result<Self, ClusterError> {
         let text = std::fs::read_to_string(path).map_err(|source| ClusterError::Io {
             path: path.into(),
@@ -297,7 +280,7 @@ mod tests {
     use super::*;
 
     fn cluster(nodes: u32, k: u32, layout: Layout) -> Cluster {
-        Cluster::for_tests(nodes, k, layout, &[])
+        crate::testing::cluster(nodes, k, layout, &[])
     }
 
     #[test]

@@ -198,7 +198,7 @@ mod tests {
     use crate::cluster::Layout;
 
     fn cluster(nodes: u32, k: u32, hosts: &[&str]) -> Cluster {
-        Cluster::for_tests(nodes, k, Layout::Block, hosts)
+        crate::testing::cluster(nodes, k, Layout::Block, hosts)
     }
 
     fn by_name(nodes: &[u32]) -> Vec<NodeReport> {
@@ -279,14 +279,7 @@ mod tests {
         let e = place_ranks(&c, &reps).unwrap_err();
         assert!(e.contains("two machines"), "{e}");
         // Hints are the emulation's word: one machine, several nodes.
-        let reps: Vec<NodeReport> = [0, 1, 0]
-            .iter()
-            .map(|&n| NodeReport {
-                node: Some(n),
-                machine: 0,
-                source: NodeSource::Hint,
-            })
-            .collect();
+        let reps = crate::testing::hinted_reports(&[0, 1, 0]);
         assert_eq!(place_ranks(&c, &reps).unwrap()[2].local_rank, 1);
     }
 

@@ -217,7 +217,7 @@ mod tests {
     use std::collections::HashMap;
 
     fn cluster(hosts: &[&str], k: u32) -> Cluster {
-        Cluster::for_tests(hosts.len() as u32, k, Layout::Block, hosts)
+        bootstrap::testing::cluster(hosts.len() as u32, k, Layout::Block, hosts)
     }
 
     fn env(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {

@@ -8,7 +8,8 @@ mod common;
 
 use algorithms::CommId;
 use bootstrap::mailbox::STATUS_OK;
-use bootstrap::placement::{place_ranks, NodeReport, NodeSource};
+use bootstrap::placement::place_ranks;
+use bootstrap::testing::hinted_reports;
 use bootstrap::wire::{self, ErrorCode, Hello, HostHello, SpToHost};
 use bootstrap::{Layout, Placement};
 use common::alltoallv::make_op;
@@ -17,15 +18,7 @@ use std::time::Duration;
 
 /// Every rank's placement for a node-of-rank map, as the shim computes it.
 fn placed(set: &SpSet, nodes: &[u32]) -> Vec<Placement> {
-    let reports: Vec<NodeReport> = nodes
-        .iter()
-        .map(|&n| NodeReport {
-            node: Some(n),
-            machine: 0,
-            source: NodeSource::Hint,
-        })
-        .collect();
-    place_ranks(&set.cluster, &reports).unwrap()
+    place_ranks(&set.cluster, &hinted_reports(nodes)).unwrap()
 }
 
 /// Irregular node maps (3+1, 1+2+1 interleaved, a node without ranks) that no layout of

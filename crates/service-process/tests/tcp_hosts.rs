@@ -12,7 +12,7 @@ use alias_mkey::host::Registrar;
 use alias_mkey::Rights;
 use bootstrap::auth::{ClusterKey, JobCredential};
 use bootstrap::wire::{self, Channel, ErrorCode, Hello, HostHello, HostToSp, SpToHost};
-use common::{desc, new_job};
+use common::{desc, new_job, register};
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::PathBuf;
@@ -95,27 +95,15 @@ fn a_tcp_host_is_its_credential_and_gets_no_cross_memory_attach() {
     let mailbox = vec![0u64; 128];
     let mut reg = Registrar::new();
     let grant = reg.register(mailbox.as_ptr() as u64, 1024, Rights::READ_WRITE);
-    ch.send(&HostToSp::Register {
-        cores: vec![],
-        mailbox: grant.clone(),
-        mailbox_slots: 64,
-    })
-    .unwrap();
-    match ch.recv::<SpToHost>().unwrap() {
+    match register(&mut ch, grant.clone(), 64) {
         SpToHost::Error { message, .. } => {
             assert!(message.contains("cannot attach"), "{message}");
             assert!(message.contains("register 0 slots"), "{message}");
         }
         other => panic!("expected a refusal, got {other:?}"),
     }
-    ch.send(&HostToSp::Register {
-        cores: vec![],
-        mailbox: grant,
-        mailbox_slots: 0,
-    })
-    .unwrap();
     assert!(matches!(
-        ch.recv::<SpToHost>().unwrap(),
+        register(&mut ch, grant, 0),
         SpToHost::Registered { sp: 0, .. }
     ));
     // A post granting memory through cma is refused with the reason, before any check.
@@ -253,14 +241,8 @@ fn hostile_tcp_clients_are_refused_without_affecting_the_sp() {
     // counters saw every refusal.
     let mailbox = [0u64; 2];
     let grant = Registrar::new().register(mailbox.as_ptr() as u64, 16, Rights::READ_WRITE);
-    good.send(&HostToSp::Register {
-        cores: vec![],
-        mailbox: grant,
-        mailbox_slots: 0,
-    })
-    .unwrap();
     assert!(matches!(
-        good.recv::<SpToHost>().unwrap(),
+        register(&mut good, grant, 0),
         SpToHost::Registered { .. }
     ));
     let st = stats_over_tcp(&sps, 0);
@@ -306,14 +288,8 @@ fn same_kernel_tcp_hosts_must_name_a_live_process_of_their_uid() {
     );
     let mailbox: &'static [u64] = Box::leak(vec![0u64; 128].into_boxed_slice());
     let grant = Registrar::new().register(mailbox.as_ptr() as u64, 1024, Rights::READ_WRITE);
-    ch.send(&HostToSp::Register {
-        cores: vec![],
-        mailbox: grant,
-        mailbox_slots: 64,
-    })
-    .unwrap();
     assert!(matches!(
-        ch.recv::<SpToHost>().unwrap(),
+        register(&mut ch, grant, 64),
         SpToHost::Registered { .. }
     ));
     ch.send(&HostToSp::Goodbye).unwrap();

@@ -155,6 +155,22 @@ pub struct Host {
 
 pub const SLOTS: u32 = 64;
 
+/// Sends a `Register` of mailbox `grant` (`slots` slots, no cores) on a welcomed connection;
+/// returns the SP's answer.
+pub fn register<S: std::io::Read + std::io::Write>(
+    ch: &mut Channel<S>,
+    grant: Grant,
+    slots: u32,
+) -> SpToHost {
+    ch.send(&HostToSp::Register {
+        cores: vec![],
+        mailbox: grant,
+        mailbox_slots: slots,
+    })
+    .unwrap();
+    ch.recv::<SpToHost>().unwrap()
+}
+
 impl Host {
     /// Connects as `world_rank` of a `world_size` job and registers a mailbox.
     pub fn connect(set: &SpSet, job: u64, world_rank: u32, world_size: u32) -> Host {
@@ -197,13 +213,7 @@ impl Host {
             SLOTS as u64 * mailbox::SLOT_BYTES,
             Rights::READ_WRITE,
         );
-        ch.send(&HostToSp::Register {
-            cores: vec![],
-            mailbox: grant,
-            mailbox_slots: SLOTS,
-        })
-        .unwrap();
-        match ch.recv::<SpToHost>().unwrap() {
+        match register(&mut ch, grant, SLOTS) {
             SpToHost::Registered { sp, .. } => assert_eq!(sp, p.sp),
             other => panic!("register answered with {other:?}"),
         }

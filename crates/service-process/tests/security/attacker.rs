@@ -124,13 +124,7 @@ fn register(ch: &mut Channel<UnixStream>) {
         4 * mailbox::SLOT_BYTES,
         Rights::READ_WRITE,
     );
-    ch.send(&HostToSp::Register {
-        cores: vec![],
-        mailbox: grant,
-        mailbox_slots: 4,
-    })
-    .unwrap();
-    match ch.recv::<SpToHost>().unwrap() {
+    match crate::common::register(ch, grant, 4) {
         SpToHost::Registered { .. } => {}
         other => panic!("attacker: register answered {other:?}"),
     }
