@@ -310,13 +310,12 @@ fn host_copy_answers_are_checked_and_a_host_dying_with_copies_pending_fails_the_
             ok: true,
         })
         .unwrap();
-    match hosts[0].recv() {
-        bootstrap::wire::SpToHost::Error { code, message, .. } => {
-            assert_eq!(code, bootstrap::wire::ErrorCode::BadDescriptor, "{message}");
-            assert!(message.contains("12345"), "{message}");
-        }
-        other => panic!("expected a refusal, got {other:?}"),
-    }
+    let message = refusal(
+        hosts[0].recv(),
+        bootstrap::wire::ErrorCode::BadDescriptor,
+        "a CopyDone of an unknown ticket",
+    );
+    assert!(message.contains("12345"), "{message}");
     let mut rng = Rng(seed);
     // At least one block must be nonempty: every block lands once in node 0 and is copied to
     // its other rank, which is what leaves copies pending. With every count 0 (about one

@@ -7,7 +7,7 @@ mod common;
 use algorithms::{CommId, Status};
 use alias_mkey::{Grant, Rights};
 use bootstrap::mailbox::{self, STATUS_OK};
-use bootstrap::wire::{CollKind, ErrorCode, PostDesc, SpToHost, Staged, StagedDesign};
+use bootstrap::wire::{CollKind, ErrorCode, PostDesc, Staged, StagedDesign};
 use bootstrap::Layout;
 use common::*;
 use std::time::Duration;
@@ -200,13 +200,8 @@ fn bcast_through_real_sps_and_hostile_descriptors() {
     cases.push(("two receive blocks", d));
     for (what, d) in cases {
         let (slot, token) = hosts[1].post(d);
-        match hosts[1].recv() {
-            SpToHost::Error { code, message, .. } => {
-                assert_eq!(code, ErrorCode::BadDescriptor, "{what}: {message}");
-                eprintln!("{what}: refused: {message}");
-            }
-            other => panic!("{what}: expected an error, got {other:?}"),
-        }
+        let message = refusal(hosts[1].recv(), ErrorCode::BadDescriptor, what);
+        eprintln!("{what}: refused: {message}");
         assert_eq!(
             hosts[1].wait(slot, token, WAIT),
             Some(mailbox::status_code(Status::InvalidPost)),

@@ -16,7 +16,9 @@ use alias_mkey::host::Registrar;
 use alias_mkey::{Grant, Rights};
 use bootstrap::auth::{ClusterKey, JobCredential};
 use bootstrap::mailbox;
-use bootstrap::wire::{Channel, CollKind, Hello, HostHello, HostToSp, PostDesc, SpToHost};
+use bootstrap::wire::{
+    Channel, CollKind, ErrorCode, Hello, HostHello, HostToSp, PostDesc, SpToHost,
+};
 use bootstrap::{Cluster, Layout};
 use service_process::launch::{self, Sp, SpSetSpec};
 use std::os::unix::net::UnixStream;
@@ -169,6 +171,20 @@ pub fn register<S: std::io::Read + std::io::Write>(
     })
     .unwrap();
     ch.recv::<SpToHost>().unwrap()
+}
+
+/// The message of `answer`, which must be an error reply with `code`; `what` names the case
+/// in the panics.
+pub fn refusal(answer: SpToHost, code: ErrorCode, what: &str) -> String {
+    match answer {
+        SpToHost::Error {
+            code: got, message, ..
+        } => {
+            assert_eq!(got, code, "{what}: {message}");
+            message
+        }
+        other => panic!("{what}: expected a refusal, got {other:?}"),
+    }
 }
 
 impl Host {
