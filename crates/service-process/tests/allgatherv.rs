@@ -128,9 +128,7 @@ fn run(
 ) -> Vec<serde_json::Value> {
     let (nodes, rpn) = (2u32, 2u32);
     let world = nodes * rpn;
-    let mut set = SpSet::start(nodes, sps_per_node, rpn, layout);
-    let job = new_job();
-    let mut hosts = Host::connect_all(&set, job, world);
+    let (mut set, mut hosts) = SpSet::start_job(nodes, sps_per_node, rpn, layout);
     let mut rng = Rng(seed);
     for round in 0..rounds {
         let mut members: Vec<u32> = (0..world).collect();
@@ -229,9 +227,7 @@ fn allgatherv_inter_node_bytes_are_minimal_whatever_the_layout() {
         (2, Layout::Block),
         (2, Layout::Cyclic),
     ] {
-        let mut set = SpSet::start(2, k, 2, layout);
-        let job = new_job();
-        let mut hosts = Host::connect_all(&set, job, 4);
+        let (mut set, mut hosts) = SpSet::start_job(2, k, 2, layout);
         let mut rng = Rng(seed);
         let op = make(
             &mut rng,
@@ -299,9 +295,7 @@ fn allgatherv_late_ranks_take_the_pass_and_park_paths() {
 #[test]
 fn host_copy_answers_are_checked_and_a_host_dying_with_copies_pending_fails_the_job() {
     let seed = test_seed();
-    let mut set = SpSet::start(2, 1, 2, Layout::Block);
-    let job = new_job();
-    let mut hosts = Host::connect_all(&set, job, 4);
+    let (mut set, mut hosts) = SpSet::start_job(2, 1, 2, Layout::Block);
     // An answer to a copy that was never handed out is refused; the SP keeps serving.
     hosts[0]
         .ch

@@ -155,9 +155,7 @@ fn flat_bcast(
 
 #[test]
 fn bcast_through_real_sps_and_hostile_descriptors() {
-    let mut set = SpSet::start(2, 1, 2, Layout::Block);
-    let job = new_job();
-    let mut hosts = Host::connect_all(&set, job, 4);
+    let (mut set, mut hosts) = SpSet::start_job(2, 1, 2, Layout::Block);
     // Several sizes around the default 256 KiB chunk, every root.
     for (seq, (root, len)) in [(0, 0), (1, 1), (2, 262_144), (3, 700_001)]
         .into_iter()
@@ -225,9 +223,7 @@ fn bcast_through_real_sps_and_hostile_descriptors() {
 /// collective of the ranks that wait for it, in bounded time.
 #[test]
 fn ranks_that_leave_once_their_part_is_done_fail_nobody() {
-    let mut set = SpSet::start(2, 1, 2, Layout::Block);
-    let job = new_job();
-    let mut hosts = Host::connect_all(&set, job, 4);
+    let (mut set, mut hosts) = SpSet::start_job(2, 1, 2, Layout::Block);
     let comm = CommId { leader: 0, id: 1 };
     // Fits the root SP's staging: the root completes before node 1 posts anything.
     let len = 100_003;
@@ -328,9 +324,7 @@ fn a_bcast_beyond_the_staging_bound_fails_instead_of_allocating() {
 
 #[test]
 fn a_peer_sp_that_dies_mid_bcast_fails_it_on_every_live_rank() {
-    let mut set = SpSet::start(2, 1, 2, Layout::Block);
-    let job = new_job();
-    let mut hosts = Host::connect_all(&set, job, 4);
+    let (mut set, mut hosts) = SpSet::start_job(2, 1, 2, Layout::Block);
     let comm = CommId { leader: 0, id: 1 };
     let len = 4 << 20;
     let data = vec![7u8; len];

@@ -116,9 +116,7 @@ fn alltoallv_block_2sp_and_cyclic_1sp() {
 /// by different ranks.
 #[test]
 fn posts_without_a_slot_complete_by_message() {
-    let mut set = SpSet::start(2, 1, 2, Layout::Block);
-    let job = new_job();
-    let mut hosts = Host::connect_all(&set, job, 4);
+    let (mut set, mut hosts) = SpSet::start_job(2, 1, 2, Layout::Block);
     let mut rng = Rng(test_seed());
     let members: Vec<u32> = hosts.iter().map(|h| h.sp).collect();
     let comms = [CommId { leader: 0, id: 1 }, CommId { leader: 0, id: 2 }];
@@ -229,9 +227,7 @@ fn alltoallv_with_ucx_grants() {
 
 #[test]
 fn stats_command_reads_the_counters_of_running_sps() {
-    let mut set = SpSet::start(2, 1, 2, Layout::Block);
-    let job = new_job();
-    let mut hosts = Host::connect_all(&set, job, 4);
+    let (mut set, mut hosts) = SpSet::start_job(2, 1, 2, Layout::Block);
     let mut rng = Rng(21);
     let op = make_op(
         &mut rng,

@@ -14,9 +14,7 @@ use std::time::Duration;
 
 #[test]
 fn a_rank_that_dies_mid_collective_fails_it_everywhere() {
-    let set = SpSet::start(2, 1, 2, Layout::Block);
-    let job = new_job();
-    let mut hosts = Host::connect_all(&set, job, 4);
+    let (set, mut hosts) = SpSet::start_job(2, 1, 2, Layout::Block);
     let mut rng = Rng(7);
     let comm = CommId { leader: 0, id: 1 };
     let op = make_op(&mut rng, comm, 0, vec![0, 1, 2, 3], 32);
@@ -42,9 +40,7 @@ fn a_rank_that_dies_mid_collective_fails_it_everywhere() {
 
 #[test]
 fn a_peer_sp_that_dies_fails_the_collectives_that_need_it() {
-    let mut set = SpSet::start(2, 1, 2, Layout::Block);
-    let job = new_job();
-    let mut hosts = Host::connect_all(&set, job, 4);
+    let (mut set, mut hosts) = SpSet::start_job(2, 1, 2, Layout::Block);
     let mut rng = Rng(8);
     let comm = CommId { leader: 0, id: 1 };
     let op = make_op(&mut rng, comm, 0, vec![0, 1, 2, 3], 32);
@@ -78,9 +74,7 @@ fn posts_after_a_peer_sp_died_fail_instead_of_waiting() {
 fn a_post_after_a_rank_died_fails_instead_of_waiting() {
     // Rank 0 dies without posting; its SP forgets the job. Rank 1 posts afterwards: its
     // announcement to rank 0's SP must still be answered, so rank 1 completes with an error.
-    let set = SpSet::start(2, 1, 1, Layout::Block);
-    let job = new_job();
-    let mut hosts = Host::connect_all(&set, job, 2);
+    let (set, mut hosts) = SpSet::start_job(2, 1, 1, Layout::Block);
     let mut rng = Rng(11);
     let op = make_op(&mut rng, CommId { leader: 0, id: 1 }, 0, vec![0, 1], 32);
     let members = vec![hosts[0].sp, hosts[1].sp];
@@ -99,9 +93,7 @@ fn a_completion_never_reaches_a_host_that_reused_a_dead_hosts_connection() {
     // stopped, then dies; rank 1 stays, so SP 0 keeps the job and the instance. A rank of job 2
     // connects to SP 0 and may get the dead host's table entry. When SP 1 resumes, the dead
     // rank's instance completes: that completion must not land in job 2's mailbox.
-    let mut set = SpSet::start(2, 1, 2, Layout::Block);
-    let job1 = new_job();
-    let mut hosts = Host::connect_all(&set, job1, 4);
+    let (mut set, mut hosts) = SpSet::start_job(2, 1, 2, Layout::Block);
     let mut rng = Rng(12);
     let op = make_op(
         &mut rng,

@@ -17,9 +17,7 @@ use std::time::Duration;
 
 #[test]
 fn hostile_descriptors_get_errors_and_the_sp_keeps_serving() {
-    let mut set = SpSet::start(2, 1, 2, Layout::Block);
-    let job = new_job();
-    let mut hosts = Host::connect_all(&set, job, 4);
+    let (mut set, mut hosts) = SpSet::start_job(2, 1, 2, Layout::Block);
     let buf = vec![0u8; 64];
     let members = vec![hosts[0].sp, hosts[1].sp];
     let comm = CommId { leader: 0, id: 9 };

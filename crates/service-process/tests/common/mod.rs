@@ -42,6 +42,19 @@ impl SpSet {
         Self::start_with(nodes, sps_per_node, ranks_per_node, layout, &[])
     }
 
+    /// As `start`, then every rank of a new job (`nodes * ranks_per_node` of them) connected,
+    /// in world-rank order.
+    pub fn start_job(
+        nodes: u32,
+        sps_per_node: u32,
+        ranks_per_node: u32,
+        layout: Layout,
+    ) -> (SpSet, Vec<Host>) {
+        let set = Self::start(nodes, sps_per_node, ranks_per_node, layout);
+        let hosts = Host::connect_all(&set, new_job(), nodes * ranks_per_node);
+        (set, hosts)
+    }
+
     /// As `start`, with more `serve` arguments for every SP.
     pub fn start_with(
         nodes: u32,
