@@ -174,11 +174,10 @@ fn run(
         );
     }
     let stats = set.stats_after_goodbyes(hosts);
-    for s in &stats {
-        assert_eq!(s["copies_failed"], 0, "{s}");
-        assert_eq!(s["errors_sent"], 0, "{s}");
-        assert_eq!(s["instances_at_exit"], 0, "{s}");
-    }
+    assert_zero(
+        &stats,
+        &["copies_failed", "errors_sent", "instances_at_exit"],
+    );
     stats
 }
 
@@ -348,9 +347,7 @@ fn host_copy_answers_are_checked_and_a_host_dying_with_copies_pending_fails_the_
     assert!(got.iter().all(|g| g.is_some()), "seed {seed}: {got:?}");
     assert_ne!(got[0], Some(STATUS_OK), "seed {seed}: {got:?}");
     let stats = set.stats_after_goodbyes(hosts);
-    for s in &stats {
-        assert_eq!(s["instances_at_exit"], 0, "{s}");
-    }
+    assert_zero(&stats, &["instances_at_exit"]);
     let handed = sum(&stats, "host_copies");
     assert!(handed > 0, "{stats:?}");
 }

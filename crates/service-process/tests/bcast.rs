@@ -285,11 +285,10 @@ fn sps_with_and_without_ucx_broadcast_together() {
         );
     }
     let stats = set.stats_after_goodbyes(hosts);
-    for s in &stats {
-        assert_eq!(s["copies_failed"], 0, "{s}");
-        assert_eq!(s["chunks_moved_ucx"], 0, "{s}");
-        assert_eq!(s["instances_at_exit"], 0, "{s}");
-    }
+    assert_zero(
+        &stats,
+        &["copies_failed", "chunks_moved_ucx", "instances_at_exit"],
+    );
     // 600 000 bytes are 3 chunks of 256 KiB; each of the 4 broadcasts crosses once.
     let moved = sum(&stats, "chunks_moved");
     assert_eq!(moved, 12, "{stats:?}");

@@ -10,7 +10,7 @@ mod common;
 use algorithms::CommId;
 use bootstrap::mailbox::STATUS_OK;
 use bootstrap::Layout;
-use common::alltoallv::{make_op, Op};
+use common::alltoallv::{first_op, make_op, Op};
 use common::*;
 use std::time::Duration;
 
@@ -77,10 +77,7 @@ fn run_random_ops_with(
         }
     }
     let stats = set.stats_after_goodbyes(hosts);
-    for s in &stats {
-        assert_eq!(s["copies_failed"], 0, "{s}");
-        assert_eq!(s["errors_sent"], 0, "{s}");
-    }
+    assert_zero(&stats, &["copies_failed", "errors_sent"]);
     stats
 }
 
@@ -228,14 +225,7 @@ fn alltoallv_with_ucx_grants() {
 #[test]
 fn stats_command_reads_the_counters_of_running_sps() {
     let (mut set, mut hosts) = SpSet::start_job(2, 1, 2, Layout::Block);
-    let mut rng = Rng(21);
-    let op = make_op(
-        &mut rng,
-        CommId { leader: 0, id: 1 },
-        0,
-        vec![0, 1, 2, 3],
-        64,
-    );
+    let op = first_op(21, 4, 64);
     let posted = op.post(&mut hosts, &|w| w as usize, 0);
     assert_completed(&hosts, &posted, STATUS_OK, "one alltoallv");
     let stats = |set: &SpSet| {

@@ -44,6 +44,15 @@ fn my_uid() -> u32 {
     unsafe { libc::geteuid() }
 }
 
+/// Runs the attacker `mode` as a rank of a new job of `world` ranks of this uid, at SP 0's
+/// socket (`SOCK`, `CRED`), with `vars` besides.
+fn attack_at_sp0(set: &SpSet, mode: &str, world: u32, vars: &[(&str, String)]) -> Vec<String> {
+    let cred = JobCredential::issue(&set.key, new_job(), my_uid(), world).encode();
+    let mut all = vec![("SOCK", socket_of(set, 0)), ("CRED", cred)];
+    all.extend_from_slice(vars);
+    attack(mode, &all, None)
+}
+
 /// A 4-rank alltoallv of the world communicator of `hosts` (comm rank = world rank): 8 bytes
 /// to every peer, checked; returns each rank's status.
 fn alltoallv(hosts: &mut [Host], comm: CommId, seq: u64) -> Vec<Option<u32>> {
@@ -174,16 +183,7 @@ fn another_jobs_ranks_cannot_be_joined_impersonated_or_killed() {
 #[test]
 fn a_refused_post_on_a_connection_that_closed_does_not_crash_the_sp() {
     let set = SpSet::start(1, 1, 1, Layout::Block);
-    let cred = JobCredential::issue(&set.key, new_job(), my_uid(), 1).encode();
-    let out = attack(
-        "bad-post-then-close",
-        &[
-            ("SOCK", socket_of(&set, 0)),
-            ("CRED", cred),
-            ("TIMES", "200".into()),
-        ],
-        None,
-    );
+    let out = attack_at_sp0(&set, "bad-post-then-close", 1, &[("TIMES", "200".into())]);
     assert_eq!(out, ["DONE"]);
     std::thread::sleep(Duration::from_millis(200));
     let mut set = set;
@@ -220,17 +220,15 @@ fn posts_that_never_complete_are_bounded() {
     let mut set = SpSet::start_with(2, 1, 1, Layout::Block, &["--max-posts-per-rank=2000"]);
     let pid = set.sps[0].child.id();
     let before = rss_kib(pid);
-    let cred = JobCredential::issue(&set.key, new_job(), my_uid(), 2).encode();
-    let out = attack(
+    let out = attack_at_sp0(
+        &set,
         "flood-posts",
+        2,
         &[
-            ("SOCK", socket_of(&set, 0)),
-            ("CRED", cred),
             ("POSTS", "30000".into()),
             ("SOCK1", socket_of(&set, 1)),
             ("OTHER_SP", "1".into()),
         ],
-        None,
     );
     let refused: u64 = out[0].strip_prefix("REFUSED ").unwrap().parse().unwrap();
     assert!(refused >= 28_000, "{out:?}");

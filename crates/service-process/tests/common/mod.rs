@@ -548,9 +548,15 @@ pub fn sum(stats: &[serde_json::Value], field: &str) -> u64 {
 
 /// Asserts that no SP holds a job or an instance any more.
 pub fn assert_nothing_held(stats: &[serde_json::Value]) {
+    assert_zero(stats, &["jobs_at_exit", "instances_at_exit"]);
+}
+
+/// Every SP's counters `fields` are 0.
+pub fn assert_zero(stats: &[serde_json::Value], fields: &[&str]) {
     for s in stats {
-        assert_eq!(s["jobs_at_exit"], 0, "{s}");
-        assert_eq!(s["instances_at_exit"], 0, "{s}");
+        for f in fields {
+            assert_eq!(s[*f], 0, "{f}: {s}");
+        }
     }
 }
 
