@@ -325,40 +325,30 @@ mod tests {
         assert!(cluster(1, 1, Layout::Block).placement(3, 2).is_err());
     }
 
+    /// `c` is refused with an error that says `why`.
+    fn invalid_because(c: &Cluster, why: &str) {
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains(why), "{e}");
+    }
+
     #[test]
     fn host_names_are_one_per_node_and_distinct() {
         let mut c = cluster(2, 1, Layout::Block);
         c.hosts = vec!["n1".into(), "n2".into()];
         c.validate().unwrap();
         c.hosts = vec!["n1".into()];
-        assert!(c
-            .validate()
-            .unwrap_err()
-            .to_string()
-            .contains("1 host names for 2 nodes"));
+        invalid_because(&c, "1 host names for 2 nodes");
         c.hosts = vec!["n1".into(), "n1".into()];
-        assert!(c
-            .validate()
-            .unwrap_err()
-            .to_string()
-            .contains("same host name"));
+        invalid_because(&c, "same host name");
         c.hosts = vec!["n1".into(), "".into()];
         assert!(c.validate().is_err());
         c.hosts = vec!["n1".into(), "n2".into()];
         c.dpus = vec!["n1-dpu".into(), "n2-dpu".into()];
         c.validate().unwrap();
         c.dpus = vec!["n1-dpu".into(), "n1-dpu".into()];
-        assert!(c
-            .validate()
-            .unwrap_err()
-            .to_string()
-            .contains("same DPU name"));
+        invalid_because(&c, "same DPU name");
         c.dpus = vec!["n2".into(), "n1-dpu".into()];
-        assert!(c
-            .validate()
-            .unwrap_err()
-            .to_string()
-            .contains("both a host name and a DPU"));
+        invalid_because(&c, "both a host name and a DPU");
         c.dpus.clear();
         // Absent fields read as none: descriptions written before them still load.
         let mut v = serde_json::to_value(cluster(1, 1, Layout::Block)).unwrap();

@@ -72,6 +72,15 @@ fn closed_within(mut s: &TcpStream) -> Option<Duration> {
     }
 }
 
+/// Says goodbye on the host connection `ch` and closes it; once the SP has seen it go, stops
+/// the SPs: the counters each printed at exit.
+fn goodbye_and_stats(mut ch: Channel<TcpStream>, sps: &mut TcpSps) -> Vec<serde_json::Value> {
+    ch.send(&HostToSp::Goodbye).unwrap();
+    drop(ch);
+    std::thread::sleep(Duration::from_millis(100));
+    sps.stop_and_stats()
+}
+
 fn stats_over_tcp(sps: &TcpSps, sp: u32) -> serde_json::Value {
     service_process::stats::query(&sps.cluster.sps[sp as usize], &sps.key).unwrap()
 }
@@ -150,10 +159,7 @@ fn a_tcp_host_is_its_credential_and_gets_no_cross_memory_attach() {
         unix(JobCredential::issue(&sps.key, job, uid(), 2).encode()),
         Hello::Welcome { sp: 0 }
     );
-    ch.send(&HostToSp::Goodbye).unwrap();
-    drop(ch);
-    std::thread::sleep(Duration::from_millis(100));
-    let st = sps.stop_and_stats();
+    let st = goodbye_and_stats(ch, &mut sps);
     assert_eq!(st[0]["host_conns_unix"], 2, "{}", st[0]);
     assert_eq!(st[0]["posts"], 1, "{}", st[0]);
     assert_eq!(st[0]["posts_refused"], 1, "{}", st[0]);
@@ -248,10 +254,7 @@ fn hostile_tcp_clients_are_refused_without_affecting_the_sp() {
     let st = stats_over_tcp(&sps, 0);
     assert!(st["hellos_refused"].as_u64().unwrap() >= 5, "{st}");
     assert!(st["hellos_timed_out"].as_u64().unwrap() >= 2, "{st}");
-    good.send(&HostToSp::Goodbye).unwrap();
-    drop(good);
-    std::thread::sleep(Duration::from_millis(100));
-    let st = sps.stop_and_stats();
+    let st = goodbye_and_stats(good, &mut sps);
     assert!(!st[0].is_null(), "the SP must stop cleanly and report");
     assert_eq!(st[0]["jobs_at_exit"], 0, "{}", st[0]);
 }
@@ -292,10 +295,7 @@ fn same_kernel_tcp_hosts_must_name_a_live_process_of_their_uid() {
         register(&mut ch, grant, 64),
         SpToHost::Registered { .. }
     ));
-    ch.send(&HostToSp::Goodbye).unwrap();
-    drop(ch);
-    std::thread::sleep(Duration::from_millis(100));
-    let st = sps.stop_and_stats();
+    let st = goodbye_and_stats(ch, &mut sps);
     assert_eq!(st[0]["hellos_refused"], 3, "{}", st[0]);
     assert_eq!(st[0]["jobs_at_exit"], 0, "{}", st[0]);
 }
