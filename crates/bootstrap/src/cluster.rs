@@ -55,6 +55,26 @@ pub struct SpEntry {
     pub host_addr: Option<SocketAddr>,
 }
 
+impl SpEntry {
+    /// SP `id` of a cluster of `sps_per_node` SPs per node, numbered as a description numbers
+    /// them (SP `k` of node `n` has id `n * sps_per_node + k`); without a host TCP address.
+    pub fn numbered(
+        id: SpId,
+        sps_per_node: u32,
+        peer_addr: SocketAddr,
+        host_socket: PathBuf,
+    ) -> Self {
+        SpEntry {
+            id,
+            node: id / sps_per_node,
+            index: id % sps_per_node,
+            peer_addr,
+            host_socket,
+            host_addr: None,
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Cluster {
     pub nodes: u32,
@@ -260,17 +280,7 @@ mod tests {
     use super::*;
 
     fn cluster(nodes: u32, k: u32, layout: Layout) -> Cluster {
-        let sps = (0..nodes * k)
-            .map(|i| SpEntry {
-                id: i,
-                node: i / k,
-                index: i % k,
-                peer_addr: "127.0.0.1:1".parse().unwrap(),
-                host_socket: format!("/tmp/sp{i}").into(),
-                host_addr: None,
-            })
-            .collect();
-        Cluster::new(nodes, k, None, layout, sps).unwrap()
+        crate::testing::cluster(nodes, k, layout, &[])
     }
 
     #[test]
@@ -315,40 +325,30 @@ mod tests {
         assert!(cluster(1, 1, Layout::Block).placement(3, 2).is_err());
     }
 
+    /// `c` is refused with an error that says `why`.
+    fn invalid_because(c: &Cluster, why: &str) {
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains(why), "{e}");
+    }
+
     #[test]
     fn host_names_are_one_per_node_and_distinct() {
         let mut c = cluster(2, 1, Layout::Block);
         c.hosts = vec!["n1".into(), "n2".into()];
         c.validate().unwrap();
         c.hosts = vec!["n1".into()];
-        assert!(c
-            .validate()
-            .unwrap_err()
-            .to_string()
-            .contains("1 host names for 2 nodes"));
+        invalid_because(&c, "1 host names for 2 nodes");
         c.hosts = vec!["n1".into(), "n1".into()];
-        assert!(c
-            .validate()
-            .unwrap_err()
-            .to_string()
-            .contains("same host name"));
+        invalid_because(&c, "same host name");
         c.hosts = vec!["n1".into(), "".into()];
         assert!(c.validate().is_err());
         c.hosts = vec!["n1".into(), "n2".into()];
         c.dpus = vec!["n1-dpu".into(), "n2-dpu".into()];
         c.validate().unwrap();
         c.dpus = vec!["n1-dpu".into(), "n1-dpu".into()];
-        assert!(c
-            .validate()
-            .unwrap_err()
-            .to_string()
-            .contains("same DPU name"));
+        invalid_because(&c, "same DPU name");
         c.dpus = vec!["n2".into(), "n1-dpu".into()];
-        assert!(c
-            .validate()
-            .unwrap_err()
-            .to_string()
-            .contains("both a host name and a DPU"));
+        invalid_because(&c, "both a host name and a DPU");
         c.dpus.clear();
         // Absent fields read as none: descriptions written before them still load.
         let mut v = serde_json::to_value(cluster(1, 1, Layout::Block)).unwrap();

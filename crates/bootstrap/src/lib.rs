@@ -11,6 +11,8 @@ pub mod cluster;
 pub mod mailbox;
 pub mod placement;
 pub mod rendezvous;
+#[doc(hidden)]
+pub mod testing;
 pub mod wire;
 
 pub use cluster::{Cluster, Layout, Placement};

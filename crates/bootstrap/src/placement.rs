@@ -195,23 +195,10 @@ pub fn place_ranks(cluster: &Cluster, reports: &[NodeReport]) -> Result<Vec<Plac
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cluster::{Layout, SpEntry};
+    use crate::cluster::Layout;
 
     fn cluster(nodes: u32, k: u32, hosts: &[&str]) -> Cluster {
-        let sps = (0..nodes * k)
-            .map(|i| SpEntry {
-                id: i,
-                node: i / k,
-                index: i % k,
-                peer_addr: format!("127.0.0.1:{}", 1000 + i).parse().unwrap(),
-                host_socket: format!("/tmp/sp{i}").into(),
-                host_addr: None,
-            })
-            .collect();
-        let mut c = Cluster::new(nodes, k, None, Layout::Block, sps).unwrap();
-        c.hosts = hosts.iter().map(|h| h.to_string()).collect();
-        c.validate().unwrap();
-        c
+        crate::testing::cluster(nodes, k, Layout::Block, hosts)
     }
 
     fn by_name(nodes: &[u32]) -> Vec<NodeReport> {
@@ -292,14 +279,7 @@ mod tests {
         let e = place_ranks(&c, &reps).unwrap_err();
         assert!(e.contains("two machines"), "{e}");
         // Hints are the emulation's word: one machine, several nodes.
-        let reps: Vec<NodeReport> = [0, 1, 0]
-            .iter()
-            .map(|&n| NodeReport {
-                node: Some(n),
-                machine: 0,
-                source: NodeSource::Hint,
-            })
-            .collect();
+        let reps = crate::testing::hinted_reports(&[0, 1, 0]);
         assert_eq!(place_ranks(&c, &reps).unwrap()[2].local_rank, 1);
     }
 

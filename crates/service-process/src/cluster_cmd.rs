@@ -209,13 +209,11 @@ pub fn init(opts: &Init) -> Result<Cluster> {
         };
         for i in 0..k {
             let id = n as u32 * k + i;
+            let peer_addr = SocketAddr::new(for_peers, opts.peer_port + i as u16);
+            let host_socket = opts.socket_dir.join(id.to_string()).join("host.sock");
             sps.push(SpEntry {
-                id,
-                node: n as u32,
-                index: i,
-                peer_addr: SocketAddr::new(for_peers, opts.peer_port + i as u16),
-                host_socket: opts.socket_dir.join(id.to_string()).join("host.sock"),
                 host_addr: Some(SocketAddr::new(for_hosts, opts.host_port + i as u16)),
+                ..SpEntry::numbered(id, k, peer_addr, host_socket)
             });
         }
     }

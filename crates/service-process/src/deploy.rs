@@ -213,26 +213,11 @@ pub fn wait_ready(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use bootstrap::cluster::SpEntry;
     use bootstrap::Layout;
     use std::collections::HashMap;
 
     fn cluster(hosts: &[&str], k: u32) -> Cluster {
-        let n = hosts.len() as u32;
-        let sps = (0..n * k)
-            .map(|i| SpEntry {
-                id: i,
-                node: i / k,
-                index: i % k,
-                peer_addr: "127.0.0.1:1".parse().unwrap(),
-                host_socket: format!("/tmp/sp{i}").into(),
-                host_addr: None,
-            })
-            .collect();
-        let mut c = Cluster::new(n, k, None, Layout::Block, sps).unwrap();
-        c.hosts = hosts.iter().map(|h| h.to_string()).collect();
-        c.validate().unwrap();
-        c
+        bootstrap::testing::cluster(hosts.len() as u32, k, Layout::Block, hosts)
     }
 
     fn env(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {

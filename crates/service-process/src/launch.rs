@@ -6,6 +6,7 @@
 //! SIGKILL, and if an SP dies during the run the job gets `fault_grace` to end on its own (the
 //! shims fail the affected collectives) before it is killed.
 
+use crate::cpus::{pin_to, CpuList};
 use crate::launch_mpi::{self, Mpi};
 use anyhow::{bail, Context, Result};
 use bootstrap::auth::{ClusterKey, JobCredential};
@@ -23,96 +24,76 @@ use std::time::{Duration, Instant};
 /// File descriptor number under which an SP receives its pre-bound peer listener.
 pub const LISTEN_FD: RawFd = 3;
 
-#[derive(Clone, Debug)]
+/// The options of `service-process launch` (its `--help` is made of these comments).
+#[derive(Clone, Debug, clap::Args)]
 pub struct LaunchOpts {
+    /// Emulated nodes.
+    #[arg(long)]
     pub nodes: u32,
+    /// MPI ranks per node (mpirun -np is nodes x ranks-per-node).
+    #[arg(long)]
     pub ranks_per_node: u32,
+    /// SPs per node; local rank i is served by SP i mod K of its node.
+    #[arg(long, default_value_t = 1)]
     pub sps_per_node: u32,
+    /// Which emulated node each world rank is told it is on: block (rank / R) or cyclic
+    /// (rank % N).
+    #[arg(long, default_value = "block")]
     pub layout: Layout,
-    pub sp_cpus: Option<Vec<u32>>,
+    /// CPUs for the SPs, assigned round-robin (stand-ins for the DPU's cores).
+    #[arg(long)]
+    pub sp_cpus: Option<CpuList>,
+    /// Run the SPs under SCHED_FIFO (see `serve --realtime`): on a machine with too few cores
+    /// to reserve some for the SPs, they then preempt computing ranks as DPU cores would
+    /// not need to.
+    #[arg(long)]
     pub sp_realtime: bool,
-    pub rank_cpus: Option<Vec<u32>>,
+    /// CPUs for the ranks, assigned round-robin by world rank.
+    #[arg(long)]
+    pub rank_cpus: Option<CpuList>,
+    /// Run without SPs and without the shim, on the same layout and pinning (the baseline).
+    #[arg(long)]
     pub native: bool,
+    /// The host shim to preload (default: the one built for the program's MPI next to this
+    /// binary: libhost_shim.so for Open MPI, libhost_shim_mpich.so for MPICH).
+    #[arg(long)]
     pub shim: Option<PathBuf>,
-    pub max_inflight_reads: usize,
-    /// The MPI of the program (`None`: detected from it, see `launch_mpi`).
+    /// The program's MPI, openmpi or mpich (the MPICH family: MPICH, MVAPICH, Intel MPI);
+    /// it picks the launcher and the shim. Default: detected from the libraries the
+    /// program links (libmpi.so.40 / libmpich.so.12); Open MPI for a program linking
+    /// neither.
+    #[arg(long, value_name = "MPI")]
     pub mpi: Option<Mpi>,
-    /// The launcher (`None`: the MPI's own, `mpirun` or `mpiexec.mpich`).
+    /// Copies active at once on each SP, across all collectives.
+    #[arg(long, default_value_t = 4)]
+    pub max_inflight_reads: usize,
+    /// The launcher to use (default: mpirun for Open MPI, mpiexec.mpich for MPICH).
+    #[arg(long)]
     pub mpirun: Option<String>,
+    /// Extra arguments for mpirun (repeatable), e.g. --mpirun-arg=--mca --mpirun-arg=pml
+    #[arg(long = "mpirun-arg", allow_hyphen_values = true)]
     pub mpirun_args: Vec<String>,
-    /// Extra arguments for every SP's `serve`.
+    /// Extra arguments for every SP's `serve` (repeatable), e.g.
+    /// --sp-arg=--inline-copy-bytes=0
+    #[arg(long = "sp-arg", allow_hyphen_values = true)]
     pub sp_args: Vec<String>,
-    pub ready_timeout: Duration,
-    pub fault_grace: Duration,
-    /// An SP that does not answer a stats request for this long is stuck and is killed
-    /// (zero: no watchdog).
-    pub sp_watchdog: Duration,
+    /// Seconds to wait for the SPs to be ready.
+    #[arg(long, default_value_t = 30)]
+    pub ready_timeout_secs: u64,
+    /// Seconds the job may run on after an SP died before it is killed.
+    #[arg(long, default_value_t = 30)]
+    pub fault_grace_secs: u64,
+    /// An SP that answers no stats request for this many seconds is considered stuck and
+    /// killed, so that the job fails instead of hanging (0: no watchdog).
+    #[arg(long, default_value_t = 10)]
+    pub sp_watchdog_secs: u64,
+    /// Keep the run directory (cluster description and key, sockets) for inspection; its
+    /// path is printed on stderr at the start.
+    #[arg(long)]
     pub keep_run_dir: bool,
+    /// The MPI program and its arguments.
+    #[arg(last = true, required = true)]
     pub program: Vec<String>,
-}
-
-/// A CPU list from the command line, such as `0,2-3`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct CpuList(pub Vec<u32>);
-
-impl std::str::FromStr for CpuList {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        parse_cpu_list(s).map(CpuList)
-    }
-}
-
-/// Parses a CPU list such as `0,2-3`.
-pub fn parse_cpu_list(s: &str) -> Result<Vec<u32>, String> {
-    let mut out = Vec::new();
-    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        let (a, b) = match part.split_once('-') {
-            Some((a, b)) => (a, b),
-            None => (part, part),
-        };
-        let a: u32 = a
-            .parse()
-            .map_err(|_| format!("bad CPU number {a:?} in {s:?}"))?;
-        let b: u32 = b
-            .parse()
-            .map_err(|_| format!("bad CPU number {b:?} in {s:?}"))?;
-        if b < a || b - a > 4096 {
-            return Err(format!("bad CPU range {part:?}"));
-        }
-        out.extend(a..=b);
-    }
-    if out.is_empty() {
-        return Err(format!("empty CPU list {s:?}"));
-    }
-    Ok(out)
-}
-
-/// Pins the calling thread (and what it execs) to `cpus`.
-pub fn pin_to(cpus: &[u32]) -> std::io::Result<()> {
-    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET writes inside it.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        for &c in cpus {
-            if (c as usize) < libc::CPU_SETSIZE as usize {
-                libc::CPU_SET(c as usize, &mut set);
-            }
-        }
-        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-    }
-    Ok(())
-}
-
-/// Switches the calling process to SCHED_FIFO at a low real-time priority; threads it creates
-/// afterwards inherit it. Linux's real-time throttling still leaves the other tasks 5% of a CPU.
-pub fn make_realtime() -> std::io::Result<()> {
-    let param = libc::sched_param { sched_priority: 10 };
-    // SAFETY: `param` is a valid sched_param for the duration of the call.
-    if unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &param) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
 }
 
 /// The variable in which `launch` gives `rank-exec` the emulated node of every world rank
@@ -355,14 +336,13 @@ pub fn write_cluster(spec: &SpSetSpec, run_dir: &Path) -> Result<(PathBuf, Vec<T
         .iter()
         .enumerate()
         .map(|(i, l)| {
-            Ok(SpEntry {
-                id: i as u32,
-                node: i as u32 / spec.sps_per_node,
-                index: i as u32 % spec.sps_per_node,
-                peer_addr: l.local_addr()?,
-                host_socket: run_dir.join(format!("sp-{i}.sock")),
-                host_addr: None,
-            })
+            let host_socket = run_dir.join(format!("sp-{i}.sock"));
+            Ok(SpEntry::numbered(
+                i as u32,
+                spec.sps_per_node,
+                l.local_addr()?,
+                host_socket,
+            ))
         })
         .collect::<std::io::Result<Vec<_>>>()?;
     let cluster = Cluster::new(
@@ -541,7 +521,7 @@ fn run_job(
             sps_per_node: opts.sps_per_node,
             ranks_per_node: opts.ranks_per_node,
             layout: opts.layout,
-            sp_cpus: opts.sp_cpus.clone(),
+            sp_cpus: opts.sp_cpus.as_ref().map(|c| c.0.clone()),
             max_inflight_reads: opts.max_inflight_reads,
             extra_args: {
                 let mut a = opts.sp_args.clone();
@@ -554,7 +534,12 @@ fn run_job(
         };
         let (path, children) = spawn_sps(exe, &spec, run_dir, tx.clone())?;
         sps = children;
-        match wait_ready(&mut sps, &rx, opts.ready_timeout, Some(signals)) {
+        match wait_ready(
+            &mut sps,
+            &rx,
+            Duration::from_secs(opts.ready_timeout_secs),
+            Some(signals),
+        ) {
             Ok(true) => {}
             Ok(false) => {
                 stop_sps(&mut sps, Duration::from_secs(2));
@@ -616,7 +601,7 @@ fn run_job(
         .args(&opts.mpirun_args);
     cmd.arg(exe).arg("rank-exec");
     if let Some(cpus) = &opts.rank_cpus {
-        let list: Vec<String> = cpus.iter().map(u32::to_string).collect();
+        let list: Vec<String> = cpus.0.iter().map(u32::to_string).collect();
         cmd.arg("--cpus").arg(list.join(","));
     }
     if let Some(shim) = shim {
@@ -631,16 +616,17 @@ fn run_job(
     let stuck: Arc<Vec<AtomicBool>> =
         Arc::new(sps.iter().map(|_| AtomicBool::new(false)).collect());
     let watchdog = match (&cluster_path, &key) {
-        (Some(path), Some(key)) if !opts.sp_watchdog.is_zero() => Some(spawn_watchdog(
+        (Some(path), Some(key)) if opts.sp_watchdog_secs > 0 => Some(spawn_watchdog(
             Cluster::load(path)?,
             key.clone(),
             stuck.clone(),
-            opts.sp_watchdog,
+            Duration::from_secs(opts.sp_watchdog_secs),
             stop_watchdog.clone(),
         )),
         _ => None,
     };
 
+    let fault_grace = Duration::from_secs(opts.fault_grace_secs);
     let mut fault_at: Option<Instant> = None;
     let status = loop {
         if let Some(st) = mpirun.try_wait()? {
@@ -664,13 +650,13 @@ fn run_job(
                     eprintln!(
                         "service-process launch: SP {} exited during the job ({st}); the job has \
                          {:?} to end",
-                        sp.id, opts.fault_grace
+                        sp.id, fault_grace
                     );
                     fault_at = Some(Instant::now());
                 }
             }
         }
-        if fault_at.is_some_and(|t| t.elapsed() > opts.fault_grace) {
+        if fault_at.is_some_and(|t| t.elapsed() > fault_grace) {
             eprintln!(
                 "service-process launch: the job did not end after an SP failure; killing it"
             );
@@ -725,14 +711,5 @@ mod tests {
         assert_eq!(node_hint("0,1,0,1", 3).unwrap(), 1);
         assert!(node_hint("0,1", 2).is_err());
         assert!(node_hint("0,x", 1).is_err());
-    }
-
-    #[test]
-    fn cpu_lists() {
-        assert_eq!(parse_cpu_list("0,2-4").unwrap(), vec![0, 2, 3, 4]);
-        assert_eq!(parse_cpu_list("1").unwrap(), vec![1]);
-        assert!(parse_cpu_list("").is_err());
-        assert!(parse_cpu_list("3-1").is_err());
-        assert!(parse_cpu_list("a").is_err());
     }
 }

@@ -6,13 +6,14 @@
 //! Modules: [`server`] (event loop and engine), [`drivers`] (one per collective kind, behind
 //! one interface), [`validate`] (every check of a descriptor), [`conn`] (framed nonblocking connections),
 //! [`access`] (who may use the SP and how much), [`mesh`] (the authenticated SP mesh),
-//! [`datapath`] (copy worker threads), [`launch`] (the emulated cluster), [`stats`],
+//! [`datapath`] (copy worker threads), [`launch`] (the emulated cluster), [`cpus`] (CPU lists and pinning), [`stats`],
 //! [`cluster_cmd`] (`cluster check|init`: the description of a real cluster).
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod access;
 pub mod cluster_cmd;
 pub mod conn;
+pub mod cpus;
 pub mod datapath;
 pub mod deploy;
 pub mod drivers;

@@ -3,11 +3,11 @@
 
 use anyhow::{Context, Result};
 use bootstrap::rendezvous::Backoff;
-use bootstrap::{Cluster, Layout};
+use bootstrap::Cluster;
 use clap::{Parser, Subcommand};
 use service_process::access::Limits;
-use service_process::launch::{self, CpuList, LaunchOpts};
-use service_process::launch_mpi::Mpi;
+use service_process::cpus::{make_realtime, pin_to, CpuList};
+use service_process::launch::{self, LaunchOpts};
 use service_process::mesh::connect_mesh;
 use service_process::server::{ServeConfig, Server, UcxMode};
 use std::os::fd::FromRawFd;
@@ -155,75 +155,7 @@ enum Cmd {
     /// shim also reads SPOFF_OFFLOAD=0 (run natively) and SPOFF_VERBOSE=1 from the launcher's
     /// environment. At exit every SP's counters are printed
     /// on stderr as `sp N stats: {json}`. SP logs: SPOFF_LOG (e.g. info, debug).
-    Launch {
-        /// Emulated nodes.
-        #[arg(long)]
-        nodes: u32,
-        /// MPI ranks per node (mpirun -np is nodes x ranks-per-node).
-        #[arg(long)]
-        ranks_per_node: u32,
-        /// SPs per node; local rank i is served by SP i mod K of its node.
-        #[arg(long, default_value_t = 1)]
-        sps_per_node: u32,
-        /// Which emulated node each world rank is told it is on: block (rank / R) or cyclic
-        /// (rank % N).
-        #[arg(long, default_value = "block")]
-        layout: Layout,
-        /// CPUs for the SPs, assigned round-robin (stand-ins for the DPU's cores).
-        #[arg(long)]
-        sp_cpus: Option<CpuList>,
-        /// Run the SPs under SCHED_FIFO (see `serve --realtime`): on a machine with too few cores
-        /// to reserve some for the SPs, they then preempt computing ranks as DPU cores would
-        /// not need to.
-        #[arg(long)]
-        sp_realtime: bool,
-        /// CPUs for the ranks, assigned round-robin by world rank.
-        #[arg(long)]
-        rank_cpus: Option<CpuList>,
-        /// Run without SPs and without the shim, on the same layout and pinning (the baseline).
-        #[arg(long)]
-        native: bool,
-        /// The host shim to preload (default: the one built for the program's MPI next to this
-        /// binary: libhost_shim.so for Open MPI, libhost_shim_mpich.so for MPICH).
-        #[arg(long)]
-        shim: Option<PathBuf>,
-        /// The program's MPI, openmpi or mpich (the MPICH family: MPICH, MVAPICH, Intel MPI);
-        /// it picks the launcher and the shim. Default: detected from the libraries the
-        /// program links (libmpi.so.40 / libmpich.so.12); Open MPI for a program linking
-        /// neither.
-        #[arg(long, value_name = "MPI")]
-        mpi: Option<Mpi>,
-        /// Copies active at once on each SP, across all collectives.
-        #[arg(long, default_value_t = 4)]
-        max_inflight_reads: usize,
-        /// The launcher to use (default: mpirun for Open MPI, mpiexec.mpich for MPICH).
-        #[arg(long)]
-        mpirun: Option<String>,
-        /// Extra arguments for mpirun (repeatable), e.g. --mpirun-arg=--mca --mpirun-arg=pml
-        #[arg(long = "mpirun-arg", allow_hyphen_values = true)]
-        mpirun_args: Vec<String>,
-        /// Extra arguments for every SP's `serve` (repeatable), e.g.
-        /// --sp-arg=--inline-copy-bytes=0
-        #[arg(long = "sp-arg", allow_hyphen_values = true)]
-        sp_args: Vec<String>,
-        /// Seconds to wait for the SPs to be ready.
-        #[arg(long, default_value_t = 30)]
-        ready_timeout_secs: u64,
-        /// Seconds the job may run on after an SP died before it is killed.
-        #[arg(long, default_value_t = 30)]
-        fault_grace_secs: u64,
-        /// An SP that answers no stats request for this many seconds is considered stuck and
-        /// killed, so that the job fails instead of hanging (0: no watchdog).
-        #[arg(long, default_value_t = 10)]
-        sp_watchdog_secs: u64,
-        /// Keep the run directory (cluster description and key, sockets) for inspection; its
-        /// path is printed on stderr at the start.
-        #[arg(long)]
-        keep_run_dir: bool,
-        /// The MPI program and its arguments.
-        #[arg(last = true, required = true)]
-        program: Vec<String>,
-    },
+    Launch(LaunchOpts),
     /// Issue a job credential: what a job's ranks present to the SPs (in SPOFF_JOB_CREDENTIAL)
     /// to be served. Printed on stdout. Whoever can read the cluster key can issue one, for any
     /// uid: on a shared cluster that is the resource manager (e.g. a prologue running as
@@ -291,52 +223,7 @@ enum Cmd {
     ///
     /// Ranks post within the simulator's default arrival skew (20 us); --late-ranks of them
     /// come later still. A simulator failure prints its seed and exits with status 1.
-    Simulate {
-        /// The collective to simulate.
-        #[arg(long, value_enum, default_value = "allgather")]
-        coll: service_process::simulate::Coll,
-        #[arg(long, default_value_t = 32)]
-        nodes: u32,
-        #[arg(long, default_value_t = 32)]
-        ranks_per_node: u32,
-        /// Comma-separated SPs per node to compare.
-        #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
-        sps_per_node: Vec<u32>,
-        /// Comma-separated layouts to compare.
-        #[arg(long, value_delimiter = ',', default_value = "block,cyclic")]
-        layout: Vec<Layout>,
-        /// Allgather only: bytes each rank contributes (the simulator keeps real buffers: keep
-        /// it small) [default: 64]
-        #[arg(long)]
-        block_bytes: Option<u64>,
-        /// World ranks that arrive late (the simulator's late-rank delay: 100 us).
-        #[arg(long, default_value_t = 0)]
-        late_ranks: u32,
-        /// Bcast only: bytes broadcast (the simulator keeps a real buffer per rank: about nodes x
-        /// ranks-per-node x bcast-bytes of memory, 1 GiB and 0.5 to 1.5 s a run at 32x32 and 1 MiB)
-        /// [default: 1048576]
-        #[arg(long)]
-        bcast_bytes: Option<u64>,
-        /// Bcast only: bytes per chunk and per staging buffer, as `serve --stage-chunk-bytes`
-        /// [default: 262144]
-        #[arg(long, value_parser = clap::value_parser!(u64).range(1..=2 * 1024 * 1024))]
-        chunk_bytes: Option<u64>,
-        /// Bcast only: staging buffers per SP (the pipeline depth), as `serve --stage-slots`
-        /// [default: 4]
-        #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
-        slots: Option<u32>,
-        /// Bcast only: the root's world rank [default: 0]
-        #[arg(long)]
-        root: Option<u32>,
-        /// Runs per point (seeds seed, seed+1, ...), averaged.
-        #[arg(long, default_value_t = 3)]
-        seeds: u32,
-        #[arg(long, default_value_t = 1)]
-        seed: u64,
-        /// One JSON object per row instead of the table.
-        #[arg(long)]
-        json: bool,
-    },
+    Simulate(service_process::simulate::SimulateOpts),
     /// Write (`init`) or validate (`check`) the cluster description of a real cluster: each
     /// node's host name, its DPU's addresses for hosts and for peer SPs, K SPs per DPU, ports.
     Cluster {
@@ -429,10 +316,10 @@ fn run(cli: Cli) -> Result<i32> {
         } => {
             init_tracing();
             if let Some(cpus) = &cpus {
-                launch::pin_to(&cpus.0).context("pinning the SP")?;
+                pin_to(&cpus.0).context("pinning the SP")?;
             }
             if realtime {
-                launch::make_realtime().context("--realtime: cannot switch to SCHED_FIFO")?;
+                make_realtime().context("--realtime: cannot switch to SCHED_FIFO")?;
             }
             let cluster = Cluster::load(&cluster)?;
             let sp_id = match sp_id {
@@ -525,49 +412,9 @@ fn run(cli: Cli) -> Result<i32> {
             println!("STATS {}", serde_json::to_string(&stats)?);
             Ok(0)
         }
-        Cmd::Launch {
-            nodes,
-            ranks_per_node,
-            sps_per_node,
-            layout,
-            sp_cpus,
-            sp_realtime,
-            rank_cpus,
-            native,
-            shim,
-            mpi,
-            max_inflight_reads,
-            mpirun,
-            mpirun_args,
-            sp_args,
-            ready_timeout_secs,
-            fault_grace_secs,
-            sp_watchdog_secs,
-            keep_run_dir,
-            program,
-        } => {
+        Cmd::Launch(opts) => {
             init_tracing();
-            launch::launch(&LaunchOpts {
-                nodes,
-                ranks_per_node,
-                sps_per_node,
-                layout,
-                sp_cpus: sp_cpus.map(|c| c.0),
-                sp_realtime,
-                rank_cpus: rank_cpus.map(|c| c.0),
-                native,
-                shim,
-                max_inflight_reads,
-                mpi,
-                mpirun,
-                mpirun_args,
-                sp_args,
-                ready_timeout: Duration::from_secs(ready_timeout_secs),
-                fault_grace: Duration::from_secs(fault_grace_secs),
-                sp_watchdog: Duration::from_secs(sp_watchdog_secs),
-                keep_run_dir,
-                program,
-            })
+            launch::launch(&opts)
         }
         Cmd::Credential {
             key,
@@ -624,45 +471,8 @@ fn run(cli: Cli) -> Result<i32> {
                 }
             }
         }
-        Cmd::Simulate {
-            coll,
-            nodes,
-            ranks_per_node,
-            sps_per_node,
-            layout,
-            block_bytes,
-            late_ranks,
-            bcast_bytes,
-            chunk_bytes,
-            slots,
-            root,
-            seeds,
-            seed,
-            json,
-        } => {
-            let layouts = layout
-                .into_iter()
-                .map(|l| match l {
-                    Layout::Block => algorithms::sim::Layout::Block,
-                    Layout::Cyclic => algorithms::sim::Layout::Cyclic,
-                })
-                .collect();
-            service_process::simulate::simulate(&service_process::simulate::SimulateOpts {
-                nodes,
-                ranks_per_node,
-                sps_per_node,
-                layouts,
-                coll,
-                block_bytes,
-                late_ranks,
-                bcast_bytes,
-                chunk_bytes,
-                slots,
-                root,
-                seeds,
-                seed,
-                json,
-            })?;
+        Cmd::Simulate(opts) => {
+            service_process::simulate::simulate(&opts)?;
             Ok(0)
         }
         Cmd::Cluster { cmd } => service_process::cluster_cmd::run(cmd),

@@ -29,33 +29,120 @@ pub const DEFAULT_ROOT: u32 = 0;
 /// Default of `--block-bytes` (allgather).
 pub const DEFAULT_BLOCK_BYTES: u64 = 64;
 
-#[derive(Clone, Debug)]
+/// The options of `service-process simulate` (its `--help` is made of these comments).
+#[derive(Clone, Debug, clap::Args)]
 pub struct SimulateOpts {
-    pub nodes: u32,
-    pub ranks_per_node: u32,
-    pub sps_per_node: Vec<u32>,
-    pub layouts: Vec<Layout>,
+    /// The collective to simulate.
+    #[arg(long, value_enum, default_value = "allgather")]
     pub coll: Coll,
-    /// Allgather only (`None`: [`DEFAULT_BLOCK_BYTES`]).
+    #[arg(long, default_value_t = 32)]
+    pub nodes: u32,
+    #[arg(long, default_value_t = 32)]
+    pub ranks_per_node: u32,
+    /// Comma-separated SPs per node to compare.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
+    pub sps_per_node: Vec<u32>,
+    /// Comma-separated layouts to compare.
+    #[arg(long = "layout", value_name = "LAYOUT", value_delimiter = ',', default_value = "block,cyclic", value_parser = parse_layout)]
+    pub layouts: Vec<Layout>,
+    /// Allgather only: bytes each rank contributes (the simulator keeps real buffers: keep
+    /// it small) [default: 64]
+    // `None`: [`DEFAULT_BLOCK_BYTES`]; given with `--coll bcast`, an error.
+    #[arg(long)]
     pub block_bytes: Option<u64>,
+    /// World ranks that arrive late (the simulator's late-rank delay: 100 us).
+    #[arg(long, default_value_t = 0)]
     pub late_ranks: u32,
-    /// Bcast only (`None`: the `DEFAULT_*` above).
+    /// Bcast only: bytes broadcast (the simulator keeps a real buffer per rank: about nodes x
+    /// ranks-per-node x bcast-bytes of memory, 1 GiB and 0.5 to 1.5 s a run at 32x32 and 1 MiB)
+    /// [default: 1048576]
+    // The bcast options: `None` is the `DEFAULT_*` above; given with `--coll allgather`, an
+    // error.
+    #[arg(long)]
     pub bcast_bytes: Option<u64>,
+    /// Bcast only: bytes per chunk and per staging buffer, as `serve --stage-chunk-bytes`
+    /// [default: 262144]
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=2 * 1024 * 1024))]
     pub chunk_bytes: Option<u64>,
+    /// Bcast only: staging buffers per SP (the pipeline depth), as `serve --stage-slots`
+    /// [default: 4]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub slots: Option<u32>,
+    /// Bcast only: the root's world rank [default: 0]
+    #[arg(long)]
     pub root: Option<u32>,
+    /// Runs per point (seeds seed, seed+1, ...), averaged.
+    #[arg(long, default_value_t = 3)]
     pub seeds: u32,
+    #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// One JSON object per row instead of the table.
+    #[arg(long)]
     pub json: bool,
 }
 
-#[derive(Serialize)]
-struct Row {
+/// A `--layout` value: the names of the cluster description's layouts (`bootstrap::Layout`).
+fn parse_layout(s: &str) -> Result<Layout, String> {
+    Ok(match s.parse::<bootstrap::Layout>()? {
+        bootstrap::Layout::Block => Layout::Block,
+        bootstrap::Layout::Cyclic => Layout::Cyclic,
+    })
+}
+
+/// What a row of either collective starts with: the point simulated.
+#[derive(Clone, Copy, Serialize)]
+struct Point {
     coll: &'static str,
     nodes: u32,
     ranks_per_node: u32,
     sps_per_node: u32,
     layout: &'static str,
+}
+
+impl SimulateOpts {
+    /// The point of `coll` with `k` SPs per node and `layout`.
+    fn point(&self, coll: &'static str, k: u32, layout: Layout) -> Point {
+        Point {
+            coll,
+            nodes: self.nodes,
+            ranks_per_node: self.ranks_per_node,
+            sps_per_node: k,
+            layout: layout_name(layout),
+        }
+    }
+}
+
+/// The columns of a text table: each a header and a width (right-aligned, one space apart).
+type Columns<const N: usize> = [(&'static str, usize); N];
+
+fn print_header<const N: usize>(columns: &Columns<N>) {
+    print_row(columns, columns.map(|(name, _)| name.to_string()));
+}
+
+fn print_row<const N: usize>(columns: &Columns<N>, cells: [String; N]) {
+    let cells: Vec<String> = columns
+        .iter()
+        .zip(cells)
+        .map(|((_, width), cell)| format!("{cell:>width$}"))
+        .collect();
+    println!("{}", cells.join(" "));
+}
+
+const ALLGATHER_COLUMNS: Columns<8> = [
+    ("sps", 4),
+    ("layout", 7),
+    ("completion_us", 14),
+    ("inter_node_B", 16),
+    ("min_inter_B", 16),
+    ("no_ready", 9),
+    ("passed", 9),
+    ("parked", 7),
+];
+
+#[derive(Serialize)]
+struct Row {
+    #[serde(flatten)]
+    point: Point,
     late_ranks: u32,
     block_bytes: u64,
     runs: u32,
@@ -108,26 +195,12 @@ fn simulate_allgather(o: &SimulateOpts, block_bytes: u64) -> Result<()> {
              from {:#x} (virtual time)",
             o.nodes, o.ranks_per_node, block_bytes, o.late_ranks, o.seeds, o.seed
         );
-        println!(
-            "{:>4} {:>7} {:>14} {:>16} {:>16} {:>9} {:>9} {:>7}",
-            "sps",
-            "layout",
-            "completion_us",
-            "inter_node_B",
-            "min_inter_B",
-            "no_ready",
-            "passed",
-            "parked"
-        );
+        print_header(&ALLGATHER_COLUMNS);
     }
     for &k in &o.sps_per_node {
         for &layout in &o.layouts {
             let mut row = Row {
-                coll: "allgather",
-                nodes: o.nodes,
-                ranks_per_node: o.ranks_per_node,
-                sps_per_node: k,
-                layout: layout_name(layout),
+                point: o.point("allgather", k, layout),
                 late_ranks: o.late_ranks,
                 block_bytes,
                 runs: o.seeds,
@@ -159,16 +232,18 @@ fn simulate_allgather(o: &SimulateOpts, block_bytes: u64) -> Result<()> {
             if o.json {
                 println!("{}", serde_json::to_string(&row)?);
             } else {
-                println!(
-                    "{:>4} {:>7} {:>14.1} {:>16} {:>16} {:>9} {:>9} {:>7}",
-                    row.sps_per_node,
-                    row.layout,
-                    row.mean_completion_us,
-                    row.inter_node_bytes,
-                    row.min_inter_node_bytes,
-                    row.no_ready_rank,
-                    row.served_after_pass,
-                    row.parked
+                print_row(
+                    &ALLGATHER_COLUMNS,
+                    [
+                        k.to_string(),
+                        row.point.layout.to_string(),
+                        format!("{:.1}", row.mean_completion_us),
+                        row.inter_node_bytes.to_string(),
+                        row.min_inter_node_bytes.to_string(),
+                        row.no_ready_rank.to_string(),
+                        row.served_after_pass.to_string(),
+                        row.parked.to_string(),
+                    ],
                 );
             }
         }
@@ -176,13 +251,21 @@ fn simulate_allgather(o: &SimulateOpts, block_bytes: u64) -> Result<()> {
     Ok(())
 }
 
+const BCAST_COLUMNS: Columns<8> = [
+    ("sps", 4),
+    ("layout", 7),
+    ("design", 6),
+    ("completion_us", 14),
+    ("sp_completion_us", 17),
+    ("inter_node_B", 14),
+    ("min_inter_B", 14),
+    ("hier/flat", 10),
+];
+
 #[derive(Serialize)]
 struct BcastRow {
-    coll: &'static str,
-    nodes: u32,
-    ranks_per_node: u32,
-    sps_per_node: u32,
-    layout: &'static str,
+    #[serde(flatten)]
+    point: Point,
     design: &'static str,
     root: u32,
     bcast_bytes: u64,
@@ -245,28 +328,14 @@ fn simulate_bcast(o: &SimulateOpts) -> Result<()> {
              ranks, {} seeds from {:#x} (virtual time)",
             o.nodes, o.ranks_per_node, root, len, chunk, slots, o.late_ranks, o.seeds, o.seed
         );
-        println!(
-            "{:>4} {:>7} {:>6} {:>14} {:>17} {:>14} {:>14} {:>10}",
-            "sps",
-            "layout",
-            "design",
-            "completion_us",
-            "sp_completion_us",
-            "inter_node_B",
-            "min_inter_B",
-            "hier/flat"
-        );
+        print_header(&BCAST_COLUMNS);
     }
     for &k in &o.sps_per_node {
         for &layout in &o.layouts {
             let mut rows = Vec::with_capacity(2);
             for design in [Design::Flat, Design::Hier] {
                 let mut row = BcastRow {
-                    coll: "bcast",
-                    nodes: o.nodes,
-                    ranks_per_node: o.ranks_per_node,
-                    sps_per_node: k,
-                    layout: layout_name(layout),
+                    point: o.point("bcast", k, layout),
                     design: match design {
                         Design::Flat => "flat",
                         Design::Hier => "hier",
@@ -302,7 +371,7 @@ fn simulate_bcast(o: &SimulateOpts) -> Result<()> {
                     cfg.late_ranks = o.late_ranks;
                     let what = format!(
                         "bcast simulation failed ({} SPs per node, {} layout, {} design)",
-                        k, row.layout, row.design
+                        k, row.point.layout, row.design
                     );
                     let r = bcast::run(&cfg).map_err(|e| anyhow!("{what}: {e}"))?;
                     if r.error_completions != 0 {
@@ -327,17 +396,19 @@ fn simulate_bcast(o: &SimulateOpts) -> Result<()> {
                 if o.json {
                     println!("{}", serde_json::to_string(row)?);
                 } else {
-                    println!(
-                        "{:>4} {:>7} {:>6} {:>14.1} {:>17.1} {:>14} {:>14} {:>10}",
-                        row.sps_per_node,
-                        row.layout,
-                        row.design,
-                        row.mean_completion_us,
-                        row.mean_sp_completion_us,
-                        row.inter_node_bytes,
-                        row.min_inter_node_bytes,
-                        row.hier_over_flat
-                            .map_or_else(|| "-".to_string(), |x| format!("{x:.3}"))
+                    print_row(
+                        &BCAST_COLUMNS,
+                        [
+                            k.to_string(),
+                            row.point.layout.to_string(),
+                            row.design.to_string(),
+                            format!("{:.1}", row.mean_completion_us),
+                            format!("{:.1}", row.mean_sp_completion_us),
+                            row.inter_node_bytes.to_string(),
+                            row.min_inter_node_bytes.to_string(),
+                            row.hier_over_flat
+                                .map_or_else(|| "-".to_string(), |x| format!("{x:.3}")),
+                        ],
                     );
                 }
             }

@@ -128,9 +128,7 @@ fn run(
 ) -> Vec<serde_json::Value> {
     let (nodes, rpn) = (2u32, 2u32);
     let world = nodes * rpn;
-    let mut set = SpSet::start(nodes, sps_per_node, rpn, layout);
-    let job = new_job();
-    let mut hosts = Host::connect_all(&set, job, world);
+    let (mut set, mut hosts) = SpSet::start_job(nodes, sps_per_node, rpn, layout);
     let mut rng = Rng(seed);
     for round in 0..rounds {
         let mut members: Vec<u32> = (0..world).collect();
@@ -176,11 +174,10 @@ fn run(
         );
     }
     let stats = set.stats_after_goodbyes(hosts);
-    for s in &stats {
-        assert_eq!(s["copies_failed"], 0, "{s}");
-        assert_eq!(s["errors_sent"], 0, "{s}");
-        assert_eq!(s["instances_at_exit"], 0, "{s}");
-    }
+    assert_zero(
+        &stats,
+        &["copies_failed", "errors_sent", "instances_at_exit"],
+    );
     stats
 }
 
@@ -229,9 +226,7 @@ fn allgatherv_inter_node_bytes_are_minimal_whatever_the_layout() {
         (2, Layout::Block),
         (2, Layout::Cyclic),
     ] {
-        let mut set = SpSet::start(2, k, 2, layout);
-        let job = new_job();
-        let mut hosts = Host::connect_all(&set, job, 4);
+        let (mut set, mut hosts) = SpSet::start_job(2, k, 2, layout);
         let mut rng = Rng(seed);
         let op = make(
             &mut rng,
@@ -299,9 +294,7 @@ fn allgatherv_late_ranks_take_the_pass_and_park_paths() {
 #[test]
 fn host_copy_answers_are_checked_and_a_host_dying_with_copies_pending_fails_the_job() {
     let seed = test_seed();
-    let mut set = SpSet::start(2, 1, 2, Layout::Block);
-    let job = new_job();
-    let mut hosts = Host::connect_all(&set, job, 4);
+    let (mut set, mut hosts) = SpSet::start_job(2, 1, 2, Layout::Block);
     // An answer to a copy that was never handed out is refused; the SP keeps serving.
     hosts[0]
         .ch
@@ -310,13 +303,12 @@ fn host_copy_answers_are_checked_and_a_host_dying_with_copies_pending_fails_the_
             ok: true,
         })
         .unwrap();
-    match hosts[0].recv() {
-        bootstrap::wire::SpToHost::Error { code, message, .. } => {
-            assert_eq!(code, bootstrap::wire::ErrorCode::BadDescriptor, "{message}");
-            assert!(message.contains("12345"), "{message}");
-        }
-        other => panic!("expected a refusal, got {other:?}"),
-    }
+    let message = refusal(
+        hosts[0].recv(),
+        bootstrap::wire::ErrorCode::BadDescriptor,
+        "a CopyDone of an unknown ticket",
+    );
+    assert!(message.contains("12345"), "{message}");
     let mut rng = Rng(seed);
     // At least one block must be nonempty: every block lands once in node 0 and is copied to
     // its other rank, which is what leaves copies pending. With every count 0 (about one
@@ -355,9 +347,7 @@ fn host_copy_answers_are_checked_and_a_host_dying_with_copies_pending_fails_the_
     assert!(got.iter().all(|g| g.is_some()), "seed {seed}: {got:?}");
     assert_ne!(got[0], Some(STATUS_OK), "seed {seed}: {got:?}");
     let stats = set.stats_after_goodbyes(hosts);
-    for s in &stats {
-        assert_eq!(s["instances_at_exit"], 0, "{s}");
-    }
+    assert_zero(&stats, &["instances_at_exit"]);
     let handed = sum(&stats, "host_copies");
     assert!(handed > 0, "{stats:?}");
 }

@@ -7,7 +7,7 @@ mod common;
 use algorithms::{CommId, Status};
 use alias_mkey::{Grant, Rights};
 use bootstrap::mailbox::{self, STATUS_OK};
-use bootstrap::wire::{CollKind, ErrorCode, PostDesc, SpToHost, Staged, StagedDesign};
+use bootstrap::wire::{CollKind, ErrorCode, PostDesc, Staged, StagedDesign};
 use bootstrap::Layout;
 use common::*;
 use std::time::Duration;
@@ -155,9 +155,7 @@ fn flat_bcast(
 
 #[test]
 fn bcast_through_real_sps_and_hostile_descriptors() {
-    let mut set = SpSet::start(2, 1, 2, Layout::Block);
-    let job = new_job();
-    let mut hosts = Host::connect_all(&set, job, 4);
+    let (mut set, mut hosts) = SpSet::start_job(2, 1, 2, Layout::Block);
     // Several sizes around the default 256 KiB chunk, every root.
     for (seq, (root, len)) in [(0, 0), (1, 1), (2, 262_144), (3, 700_001)]
         .into_iter()
@@ -200,13 +198,8 @@ fn bcast_through_real_sps_and_hostile_descriptors() {
     cases.push(("two receive blocks", d));
     for (what, d) in cases {
         let (slot, token) = hosts[1].post(d);
-        match hosts[1].recv() {
-            SpToHost::Error { code, message, .. } => {
-                assert_eq!(code, ErrorCode::BadDescriptor, "{what}: {message}");
-                eprintln!("{what}: refused: {message}");
-            }
-            other => panic!("{what}: expected an error, got {other:?}"),
-        }
+        let message = refusal(hosts[1].recv(), ErrorCode::BadDescriptor, what);
+        eprintln!("{what}: refused: {message}");
         assert_eq!(
             hosts[1].wait(slot, token, WAIT),
             Some(mailbox::status_code(Status::InvalidPost)),
@@ -230,9 +223,7 @@ fn bcast_through_real_sps_and_hostile_descriptors() {
 /// collective of the ranks that wait for it, in bounded time.
 #[test]
 fn ranks_that_leave_once_their_part_is_done_fail_nobody() {
-    let mut set = SpSet::start(2, 1, 2, Layout::Block);
-    let job = new_job();
-    let mut hosts = Host::connect_all(&set, job, 4);
+    let (mut set, mut hosts) = SpSet::start_job(2, 1, 2, Layout::Block);
     let comm = CommId { leader: 0, id: 1 };
     // Fits the root SP's staging: the root completes before node 1 posts anything.
     let len = 100_003;
@@ -294,11 +285,10 @@ fn sps_with_and_without_ucx_broadcast_together() {
         );
     }
     let stats = set.stats_after_goodbyes(hosts);
-    for s in &stats {
-        assert_eq!(s["copies_failed"], 0, "{s}");
-        assert_eq!(s["chunks_moved_ucx"], 0, "{s}");
-        assert_eq!(s["instances_at_exit"], 0, "{s}");
-    }
+    assert_zero(
+        &stats,
+        &["copies_failed", "chunks_moved_ucx", "instances_at_exit"],
+    );
     // 600 000 bytes are 3 chunks of 256 KiB; each of the 4 broadcasts crosses once.
     let moved = sum(&stats, "chunks_moved");
     assert_eq!(moved, 12, "{stats:?}");
@@ -333,9 +323,7 @@ fn a_bcast_beyond_the_staging_bound_fails_instead_of_allocating() {
 
 #[test]
 fn a_peer_sp_that_dies_mid_bcast_fails_it_on_every_live_rank() {
-    let mut set = SpSet::start(2, 1, 2, Layout::Block);
-    let job = new_job();
-    let mut hosts = Host::connect_all(&set, job, 4);
+    let (mut set, mut hosts) = SpSet::start_job(2, 1, 2, Layout::Block);
     let comm = CommId { leader: 0, id: 1 };
     let len = 4 << 20;
     let data = vec![7u8; len];

@@ -10,7 +10,7 @@ mod common;
 use algorithms::CommId;
 use bootstrap::mailbox::STATUS_OK;
 use bootstrap::Layout;
-use common::alltoallv::{make_op, Op};
+use common::alltoallv::{first_op, make_op, Op};
 use common::*;
 use std::time::Duration;
 
@@ -77,10 +77,7 @@ fn run_random_ops_with(
         }
     }
     let stats = set.stats_after_goodbyes(hosts);
-    for s in &stats {
-        assert_eq!(s["copies_failed"], 0, "{s}");
-        assert_eq!(s["errors_sent"], 0, "{s}");
-    }
+    assert_zero(&stats, &["copies_failed", "errors_sent"]);
     stats
 }
 
@@ -116,9 +113,7 @@ fn alltoallv_block_2sp_and_cyclic_1sp() {
 /// by different ranks.
 #[test]
 fn posts_without_a_slot_complete_by_message() {
-    let mut set = SpSet::start(2, 1, 2, Layout::Block);
-    let job = new_job();
-    let mut hosts = Host::connect_all(&set, job, 4);
+    let (mut set, mut hosts) = SpSet::start_job(2, 1, 2, Layout::Block);
     let mut rng = Rng(test_seed());
     let members: Vec<u32> = hosts.iter().map(|h| h.sp).collect();
     let comms = [CommId { leader: 0, id: 1 }, CommId { leader: 0, id: 2 }];
@@ -229,17 +224,8 @@ fn alltoallv_with_ucx_grants() {
 
 #[test]
 fn stats_command_reads_the_counters_of_running_sps() {
-    let mut set = SpSet::start(2, 1, 2, Layout::Block);
-    let job = new_job();
-    let mut hosts = Host::connect_all(&set, job, 4);
-    let mut rng = Rng(21);
-    let op = make_op(
-        &mut rng,
-        CommId { leader: 0, id: 1 },
-        0,
-        vec![0, 1, 2, 3],
-        64,
-    );
+    let (mut set, mut hosts) = SpSet::start_job(2, 1, 2, Layout::Block);
+    let op = first_op(21, 4, 64);
     let posted = op.post(&mut hosts, &|w| w as usize, 0);
     assert_completed(&hosts, &posted, STATUS_OK, "one alltoallv");
     let stats = |set: &SpSet| {

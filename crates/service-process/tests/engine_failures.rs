@@ -5,21 +5,16 @@
 
 mod common;
 
-use algorithms::CommId;
 use bootstrap::mailbox;
 use bootstrap::Layout;
-use common::alltoallv::make_op;
+use common::alltoallv::first_op;
 use common::*;
 use std::time::Duration;
 
 #[test]
 fn a_rank_that_dies_mid_collective_fails_it_everywhere() {
-    let set = SpSet::start(2, 1, 2, Layout::Block);
-    let job = new_job();
-    let mut hosts = Host::connect_all(&set, job, 4);
-    let mut rng = Rng(7);
-    let comm = CommId { leader: 0, id: 1 };
-    let op = make_op(&mut rng, comm, 0, vec![0, 1, 2, 3], 32);
+    let (set, mut hosts) = SpSet::start_job(2, 1, 2, Layout::Block);
+    let op = first_op(7, 4, 32);
     // Ranks 0..3 post; rank 3 "dies" (its connection drops) without posting.
     let p = op.members_world.len();
     let members: Vec<u32> = hosts.iter().map(|h| h.sp).collect();
@@ -42,12 +37,8 @@ fn a_rank_that_dies_mid_collective_fails_it_everywhere() {
 
 #[test]
 fn a_peer_sp_that_dies_fails_the_collectives_that_need_it() {
-    let mut set = SpSet::start(2, 1, 2, Layout::Block);
-    let job = new_job();
-    let mut hosts = Host::connect_all(&set, job, 4);
-    let mut rng = Rng(8);
-    let comm = CommId { leader: 0, id: 1 };
-    let op = make_op(&mut rng, comm, 0, vec![0, 1, 2, 3], 32);
+    let (mut set, mut hosts) = SpSet::start_job(2, 1, 2, Layout::Block);
+    let op = first_op(8, 4, 32);
     let members: Vec<u32> = hosts.iter().map(|h| h.sp).collect();
     let posted = op.post_ranks(&mut hosts, &|w| w as usize, &members, 0, &[0, 1]);
     set.kill(1);
@@ -65,9 +56,7 @@ fn posts_after_a_peer_sp_died_fail_instead_of_waiting() {
     // Give SP 0 time to see the loss first: this is the path where the peer is already known
     // dead when the posts arrive.
     std::thread::sleep(Duration::from_millis(300));
-    let mut rng = Rng(9);
-    let comm = CommId { leader: 0, id: 1 };
-    let op = make_op(&mut rng, comm, 0, vec![0, 1, 2, 3], 32);
+    let op = first_op(9, 4, 32);
     let members = vec![0, 0, 1, 1];
     let posted = op.post_ranks(&mut hosts, &|w| w as usize, &members, 0, &[0, 1]);
     let failed = mailbox::status_code(algorithms::Status::PeerFailed);
@@ -78,11 +67,8 @@ fn posts_after_a_peer_sp_died_fail_instead_of_waiting() {
 fn a_post_after_a_rank_died_fails_instead_of_waiting() {
     // Rank 0 dies without posting; its SP forgets the job. Rank 1 posts afterwards: its
     // announcement to rank 0's SP must still be answered, so rank 1 completes with an error.
-    let set = SpSet::start(2, 1, 1, Layout::Block);
-    let job = new_job();
-    let mut hosts = Host::connect_all(&set, job, 2);
-    let mut rng = Rng(11);
-    let op = make_op(&mut rng, CommId { leader: 0, id: 1 }, 0, vec![0, 1], 32);
+    let (set, mut hosts) = SpSet::start_job(2, 1, 1, Layout::Block);
+    let op = first_op(11, 2, 32);
     let members = vec![hosts[0].sp, hosts[1].sp];
     // Rank 0's connection drops; give the SPs time to forget the job.
     let dead = std::mem::replace(&mut hosts[0], Host::connect(&set, new_job(), 0, 2));
@@ -99,17 +85,8 @@ fn a_completion_never_reaches_a_host_that_reused_a_dead_hosts_connection() {
     // stopped, then dies; rank 1 stays, so SP 0 keeps the job and the instance. A rank of job 2
     // connects to SP 0 and may get the dead host's table entry. When SP 1 resumes, the dead
     // rank's instance completes: that completion must not land in job 2's mailbox.
-    let mut set = SpSet::start(2, 1, 2, Layout::Block);
-    let job1 = new_job();
-    let mut hosts = Host::connect_all(&set, job1, 4);
-    let mut rng = Rng(12);
-    let op = make_op(
-        &mut rng,
-        CommId { leader: 0, id: 1 },
-        0,
-        vec![0, 1, 2, 3],
-        32,
-    );
+    let (mut set, mut hosts) = SpSet::start_job(2, 1, 2, Layout::Block);
+    let op = first_op(12, 4, 32);
     let members: Vec<u32> = hosts.iter().map(|h| h.sp).collect();
     let sp1 = set.sps[1].child.id() as i32;
     // SAFETY: signalling our own child.

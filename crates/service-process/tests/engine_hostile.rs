@@ -17,9 +17,7 @@ use std::time::Duration;
 
 #[test]
 fn hostile_descriptors_get_errors_and_the_sp_keeps_serving() {
-    let mut set = SpSet::start(2, 1, 2, Layout::Block);
-    let job = new_job();
-    let mut hosts = Host::connect_all(&set, job, 4);
+    let (mut set, mut hosts) = SpSet::start_job(2, 1, 2, Layout::Block);
     let buf = vec![0u8; 64];
     let members = vec![hosts[0].sp, hosts[1].sp];
     let comm = CommId { leader: 0, id: 9 };
@@ -128,15 +126,8 @@ fn hostile_descriptors_get_errors_and_the_sp_keeps_serving() {
     ];
     for (what, d, code) in cases {
         let (slot, token) = hosts[0].post(d);
-        match hosts[0].recv() {
-            SpToHost::Error {
-                code: got, message, ..
-            } => {
-                assert_eq!(got, code, "{what}: {message}");
-                eprintln!("{what}: refused: {message}");
-            }
-            other => panic!("{what}: expected an error, got {other:?}"),
-        }
+        let message = refusal(hosts[0].recv(), code, what);
+        eprintln!("{what}: refused: {message}");
         if slot < SLOTS {
             assert_eq!(
                 hosts[0].wait(slot, token, WAIT),
@@ -247,16 +238,8 @@ fn ucx_grants_are_refused_by_an_sp_without_ucx() {
         (vec![8], vec![0], vec![8], vec![0]),
     );
     hosts[0].post(d);
-    match hosts[0].recv() {
-        SpToHost::Error {
-            code: ErrorCode::BadDescriptor,
-            message,
-            ..
-        } => {
-            assert!(message.contains("ucx"), "{message}")
-        }
-        other => panic!("expected a refusal, got {other:?}"),
-    }
+    let message = refusal(hosts[0].recv(), ErrorCode::BadDescriptor, "a ucx grant");
+    assert!(message.contains("ucx"), "{message}");
 }
 
 /// A `ucx-export` grant (BlueField alias key) whose exported memory handle this SP cannot
@@ -288,14 +271,8 @@ fn ucx_export_grants_the_sp_cannot_import_fail_the_collective_and_the_sp_keeps_s
         );
         let (slot, token) = hosts[0].post(d);
         if ucx == "--ucx=off" {
-            match hosts[0].recv() {
-                SpToHost::Error {
-                    code: ErrorCode::BadDescriptor,
-                    message,
-                    ..
-                } => assert!(message.contains("ucx-export"), "{message}"),
-                other => panic!("expected a refusal, got {other:?}"),
-            }
+            let message = refusal(hosts[0].recv(), ErrorCode::BadDescriptor, ucx);
+            assert!(message.contains("ucx-export"), "{message}");
             continue;
         }
         let t = std::time::Instant::now();

@@ -8,8 +8,9 @@ mod common;
 
 use algorithms::CommId;
 use bootstrap::mailbox::STATUS_OK;
-use bootstrap::placement::{place_ranks, NodeReport, NodeSource};
-use bootstrap::wire::{self, ErrorCode, Hello, HostHello, SpToHost};
+use bootstrap::placement::place_ranks;
+use bootstrap::testing::hinted_reports;
+use bootstrap::wire::{self, ErrorCode, Hello, HostHello};
 use bootstrap::{Layout, Placement};
 use common::alltoallv::make_op;
 use common::*;
@@ -17,15 +18,7 @@ use std::time::Duration;
 
 /// Every rank's placement for a node-of-rank map, as the shim computes it.
 fn placed(set: &SpSet, nodes: &[u32]) -> Vec<Placement> {
-    let reports: Vec<NodeReport> = nodes
-        .iter()
-        .map(|&n| NodeReport {
-            node: Some(n),
-            machine: 0,
-            source: NodeSource::Hint,
-        })
-        .collect();
-    place_ranks(&set.cluster, &reports).unwrap()
+    place_ranks(&set.cluster, &hinted_reports(nodes)).unwrap()
 }
 
 /// Irregular node maps (3+1, 1+2+1 interleaved, a node without ranks) that no layout of
@@ -155,16 +148,11 @@ fn a_descriptor_cannot_move_a_rank_to_another_sp() {
     // Rank 0 says rank 1 is SP 1's: SP 0 heard rank 1's hello.
     let d = op.desc_for(&mut hosts[0], &[0, 1, 1], 0, 0);
     hosts[0].post(d);
-    match hosts[0].recv() {
-        SpToHost::Error { code, message, .. } => {
-            assert_eq!(code, ErrorCode::BadDescriptor, "{message}");
-            assert!(
-                message.contains("world rank 1) is said to be served by SP 1, but it is SP 0's"),
-                "{message}"
-            );
-        }
-        other => panic!("expected a refusal, got {other:?}"),
-    }
+    let message = refusal(hosts[0].recv(), ErrorCode::BadDescriptor, "a wrong SP");
+    assert!(
+        message.contains("world rank 1) is said to be served by SP 1, but it is SP 0's"),
+        "{message}"
+    );
     // The true placement still works on another communicator.
     let comm = CommId { leader: 0, id: 2 };
     let op = make_op(&mut rng, comm, 0, vec![0, 1, 2], 64);

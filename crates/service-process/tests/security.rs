@@ -15,7 +15,7 @@ use alias_mkey::Rights;
 use attacker::{attack, attack_hello};
 use bootstrap::auth::{ClusterKey, JobCredential};
 use bootstrap::mailbox::STATUS_OK;
-use bootstrap::wire::{ErrorCode, SpToHost};
+use bootstrap::wire::ErrorCode;
 use bootstrap::Layout;
 use common::*;
 use std::time::{Duration, Instant};
@@ -42,6 +42,15 @@ fn socket_of(set: &SpSet, sp: u32) -> String {
 fn my_uid() -> u32 {
     // SAFETY: geteuid has no preconditions.
     unsafe { libc::geteuid() }
+}
+
+/// Runs the attacker `mode` as a rank of a new job of `world` ranks of this uid, at SP 0's
+/// socket (`SOCK`, `CRED`), with `vars` besides.
+fn attack_at_sp0(set: &SpSet, mode: &str, world: u32, vars: &[(&str, String)]) -> Vec<String> {
+    let cred = JobCredential::issue(&set.key, new_job(), my_uid(), world).encode();
+    let mut all = vec![("SOCK", socket_of(set, 0)), ("CRED", cred)];
+    all.extend_from_slice(vars);
+    attack(mode, &all, None)
 }
 
 /// A 4-rank alltoallv of the world communicator of `hosts` (comm rank = world rank): 8 bytes
@@ -157,16 +166,11 @@ fn another_jobs_ranks_cannot_be_joined_impersonated_or_killed() {
         ),
     );
     hosts[0].post(d);
-    match hosts[0].recv() {
-        SpToHost::Error { code, message, .. } => {
-            assert_eq!(code, ErrorCode::UnknownComm, "{message}");
-            assert!(
-                message.contains("this connection is world rank 0"),
-                "{message}"
-            );
-        }
-        other => panic!("expected a refusal, got {other:?}"),
-    }
+    let message = refusal(hosts[0].recv(), ErrorCode::UnknownComm, "a post as rank 1");
+    assert!(
+        message.contains("this connection is world rank 0"),
+        "{message}"
+    );
     // The victim job runs as if nothing happened.
     let got = alltoallv(&mut hosts, comm, 0);
     assert_eq!(got, vec![Some(STATUS_OK); 4]);
@@ -179,16 +183,7 @@ fn another_jobs_ranks_cannot_be_joined_impersonated_or_killed() {
 #[test]
 fn a_refused_post_on_a_connection_that_closed_does_not_crash_the_sp() {
     let set = SpSet::start(1, 1, 1, Layout::Block);
-    let cred = JobCredential::issue(&set.key, new_job(), my_uid(), 1).encode();
-    let out = attack(
-        "bad-post-then-close",
-        &[
-            ("SOCK", socket_of(&set, 0)),
-            ("CRED", cred),
-            ("TIMES", "200".into()),
-        ],
-        None,
-    );
+    let out = attack_at_sp0(&set, "bad-post-then-close", 1, &[("TIMES", "200".into())]);
     assert_eq!(out, ["DONE"]);
     std::thread::sleep(Duration::from_millis(200));
     let mut set = set;
@@ -225,17 +220,15 @@ fn posts_that_never_complete_are_bounded() {
     let mut set = SpSet::start_with(2, 1, 1, Layout::Block, &["--max-posts-per-rank=2000"]);
     let pid = set.sps[0].child.id();
     let before = rss_kib(pid);
-    let cred = JobCredential::issue(&set.key, new_job(), my_uid(), 2).encode();
-    let out = attack(
+    let out = attack_at_sp0(
+        &set,
         "flood-posts",
+        2,
         &[
-            ("SOCK", socket_of(&set, 0)),
-            ("CRED", cred),
             ("POSTS", "30000".into()),
             ("SOCK1", socket_of(&set, 1)),
             ("OTHER_SP", "1".into()),
         ],
-        None,
     );
     let refused: u64 = out[0].strip_prefix("REFUSED ").unwrap().parse().unwrap();
     assert!(refused >= 28_000, "{out:?}");

@@ -12,7 +12,7 @@ use alias_mkey::host::Registrar;
 use alias_mkey::Rights;
 use bootstrap::auth::{ClusterKey, JobCredential};
 use bootstrap::wire::{self, Channel, ErrorCode, Hello, HostHello, HostToSp, SpToHost};
-use common::{desc, new_job};
+use common::{desc, new_job, register};
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::PathBuf;
@@ -72,6 +72,15 @@ fn closed_within(mut s: &TcpStream) -> Option<Duration> {
     }
 }
 
+/// Says goodbye on the host connection `ch` and closes it; once the SP has seen it go, stops
+/// the SPs: the counters each printed at exit.
+fn goodbye_and_stats(mut ch: Channel<TcpStream>, sps: &mut TcpSps) -> Vec<serde_json::Value> {
+    ch.send(&HostToSp::Goodbye).unwrap();
+    drop(ch);
+    std::thread::sleep(Duration::from_millis(100));
+    sps.stop_and_stats()
+}
+
 fn stats_over_tcp(sps: &TcpSps, sp: u32) -> serde_json::Value {
     service_process::stats::query(&sps.cluster.sps[sp as usize], &sps.key).unwrap()
 }
@@ -95,27 +104,15 @@ fn a_tcp_host_is_its_credential_and_gets_no_cross_memory_attach() {
     let mailbox = vec![0u64; 128];
     let mut reg = Registrar::new();
     let grant = reg.register(mailbox.as_ptr() as u64, 1024, Rights::READ_WRITE);
-    ch.send(&HostToSp::Register {
-        cores: vec![],
-        mailbox: grant.clone(),
-        mailbox_slots: 64,
-    })
-    .unwrap();
-    match ch.recv::<SpToHost>().unwrap() {
+    match register(&mut ch, grant.clone(), 64) {
         SpToHost::Error { message, .. } => {
             assert!(message.contains("cannot attach"), "{message}");
             assert!(message.contains("register 0 slots"), "{message}");
         }
         other => panic!("expected a refusal, got {other:?}"),
     }
-    ch.send(&HostToSp::Register {
-        cores: vec![],
-        mailbox: grant,
-        mailbox_slots: 0,
-    })
-    .unwrap();
     assert!(matches!(
-        ch.recv::<SpToHost>().unwrap(),
+        register(&mut ch, grant, 0),
         SpToHost::Registered { sp: 0, .. }
     ));
     // A post granting memory through cma is refused with the reason, before any check.
@@ -162,10 +159,7 @@ fn a_tcp_host_is_its_credential_and_gets_no_cross_memory_attach() {
         unix(JobCredential::issue(&sps.key, job, uid(), 2).encode()),
         Hello::Welcome { sp: 0 }
     );
-    ch.send(&HostToSp::Goodbye).unwrap();
-    drop(ch);
-    std::thread::sleep(Duration::from_millis(100));
-    let st = sps.stop_and_stats();
+    let st = goodbye_and_stats(ch, &mut sps);
     assert_eq!(st[0]["host_conns_unix"], 2, "{}", st[0]);
     assert_eq!(st[0]["posts"], 1, "{}", st[0]);
     assert_eq!(st[0]["posts_refused"], 1, "{}", st[0]);
@@ -253,23 +247,14 @@ fn hostile_tcp_clients_are_refused_without_affecting_the_sp() {
     // counters saw every refusal.
     let mailbox = [0u64; 2];
     let grant = Registrar::new().register(mailbox.as_ptr() as u64, 16, Rights::READ_WRITE);
-    good.send(&HostToSp::Register {
-        cores: vec![],
-        mailbox: grant,
-        mailbox_slots: 0,
-    })
-    .unwrap();
     assert!(matches!(
-        good.recv::<SpToHost>().unwrap(),
+        register(&mut good, grant, 0),
         SpToHost::Registered { .. }
     ));
     let st = stats_over_tcp(&sps, 0);
     assert!(st["hellos_refused"].as_u64().unwrap() >= 5, "{st}");
     assert!(st["hellos_timed_out"].as_u64().unwrap() >= 2, "{st}");
-    good.send(&HostToSp::Goodbye).unwrap();
-    drop(good);
-    std::thread::sleep(Duration::from_millis(100));
-    let st = sps.stop_and_stats();
+    let st = goodbye_and_stats(good, &mut sps);
     assert!(!st[0].is_null(), "the SP must stop cleanly and report");
     assert_eq!(st[0]["jobs_at_exit"], 0, "{}", st[0]);
 }
@@ -306,20 +291,11 @@ fn same_kernel_tcp_hosts_must_name_a_live_process_of_their_uid() {
     );
     let mailbox: &'static [u64] = Box::leak(vec![0u64; 128].into_boxed_slice());
     let grant = Registrar::new().register(mailbox.as_ptr() as u64, 1024, Rights::READ_WRITE);
-    ch.send(&HostToSp::Register {
-        cores: vec![],
-        mailbox: grant,
-        mailbox_slots: 64,
-    })
-    .unwrap();
     assert!(matches!(
-        ch.recv::<SpToHost>().unwrap(),
+        register(&mut ch, grant, 64),
         SpToHost::Registered { .. }
     ));
-    ch.send(&HostToSp::Goodbye).unwrap();
-    drop(ch);
-    std::thread::sleep(Duration::from_millis(100));
-    let st = sps.stop_and_stats();
+    let st = goodbye_and_stats(ch, &mut sps);
     assert_eq!(st[0]["hellos_refused"], 3, "{}", st[0]);
     assert_eq!(st[0]["jobs_at_exit"], 0, "{}", st[0]);
 }

@@ -133,43 +133,58 @@ fn check_reports_json_errors_with_line_and_column() {
 #[test]
 fn check_names_every_bad_field() {
     let good = generated(&["a", "b"], 2);
-    let mut v: serde_json::Value = serde_json::from_str(&good).unwrap();
-    v["sps"][1]["peer_addr"] = v["sps"][0]["peer_addr"].clone();
-    v["sps"][2]["host_addr"] = v["sps"][3]["host_addr"].clone();
-    v["sps"][3]["host_socket"] = "relative.sock".into();
-    v["hosts"][1] = "a".into();
-    v["colour"] = "blue".into();
-    let p = problems(&v.to_string());
-    let has = |s: &str| assert!(p.iter().any(|x| x.contains(s)), "{s:?} not in {p:#?}");
-    has("sps[1].peer_addr: 10.1.0.1:7100 is also sps[0].peer_addr");
-    has("sps[3].host_addr: 10.0.0.2:7201 is also sps[2].host_addr");
-    has("sps[3].host_socket: relative.sock is not an absolute path");
-    has("hosts[1]: \"a\" is also hosts[0]");
-    has("colour: unknown field");
-
-    let mut v: serde_json::Value = serde_json::from_str(&good).unwrap();
-    v["sps"][1]["id"] = 5.into();
-    v["sps"][2]["index"] = 7.into();
-    v["sps"][3]["peer_addr"] = "0.0.0.0:0".into();
-    v["sps"][0]["host_socket"] = v["sps"][1]["host_socket"].clone();
-    v["sps"][0]["porrt"] = 1.into();
-    let p = problems(&v.to_string());
-    let has = |s: &str| assert!(p.iter().any(|x| x.contains(s)), "{s:?} not in {p:#?}");
-    has("sps[1].id: 5");
-    has("sps[2].index: 7 outside the 2 SPs of a node");
-    has("sps[3].peer_addr: 0.0.0.0:0 has port 0");
-    has("is not an address one can connect to");
-    has("sps[1].host_socket: /run/spoff/1/host.sock is also sps[0].host_socket");
-    has("sps[0].porrt: unknown field");
-
-    let mut v: serde_json::Value = serde_json::from_str(&good).unwrap();
-    v["sps_per_node"] = 0.into();
-    v["hosts"] = serde_json::json!(["a"]);
-    let p = problems(&v.to_string());
-    let has = |s: &str| assert!(p.iter().any(|x| x.contains(s)), "{s:?} not in {p:#?}");
-    has("sps_per_node: must be at least 1");
-    has("sps: 4 entries, but nodes x sps_per_node = 2 x 0 = 0");
-    has("hosts: 1 names for 2 nodes");
+    let assert_problems_after = |edit: &dyn Fn(&mut serde_json::Value), said: &[&str]| {
+        let mut v: serde_json::Value = serde_json::from_str(&good).unwrap();
+        edit(&mut v);
+        let p = problems(&v.to_string());
+        for s in said {
+            assert!(p.iter().any(|x| x.contains(s)), "{s:?} not in {p:#?}");
+        }
+    };
+    assert_problems_after(
+        &|v| {
+            v["sps"][1]["peer_addr"] = v["sps"][0]["peer_addr"].clone();
+            v["sps"][2]["host_addr"] = v["sps"][3]["host_addr"].clone();
+            v["sps"][3]["host_socket"] = "relative.sock".into();
+            v["hosts"][1] = "a".into();
+            v["colour"] = "blue".into();
+        },
+        &[
+            "sps[1].peer_addr: 10.1.0.1:7100 is also sps[0].peer_addr",
+            "sps[3].host_addr: 10.0.0.2:7201 is also sps[2].host_addr",
+            "sps[3].host_socket: relative.sock is not an absolute path",
+            "hosts[1]: \"a\" is also hosts[0]",
+            "colour: unknown field",
+        ],
+    );
+    assert_problems_after(
+        &|v| {
+            v["sps"][1]["id"] = 5.into();
+            v["sps"][2]["index"] = 7.into();
+            v["sps"][3]["peer_addr"] = "0.0.0.0:0".into();
+            v["sps"][0]["host_socket"] = v["sps"][1]["host_socket"].clone();
+            v["sps"][0]["porrt"] = 1.into();
+        },
+        &[
+            "sps[1].id: 5",
+            "sps[2].index: 7 outside the 2 SPs of a node",
+            "sps[3].peer_addr: 0.0.0.0:0 has port 0",
+            "is not an address one can connect to",
+            "sps[1].host_socket: /run/spoff/1/host.sock is also sps[0].host_socket",
+            "sps[0].porrt: unknown field",
+        ],
+    );
+    assert_problems_after(
+        &|v| {
+            v["sps_per_node"] = 0.into();
+            v["hosts"] = serde_json::json!(["a"]);
+        },
+        &[
+            "sps_per_node: must be at least 1",
+            "sps: 4 entries, but nodes x sps_per_node = 2 x 0 = 0",
+            "hosts: 1 names for 2 nodes",
+        ],
+    );
 
     let mut v: serde_json::Value = serde_json::from_str(&good).unwrap();
     v["sps"].as_array_mut().unwrap().pop();

@@ -17,21 +17,7 @@ pub static SPEC: KindSpec = KindSpec {
     region_len: super::no_region_len,
 };
 
-struct Driver(allgatherv::Allgatherv<AliasKey>);
-
-fn new(key: CollKey, me: SpId, _: StagedConfig) -> Box<dyn CollDriver> {
-    Box::new(Driver(allgatherv::Allgatherv::new(
-        key,
-        allgatherv::Config { me },
-    )))
-}
-
-fn inbound(msg: &CollMsg) -> Inbound {
-    Inbound {
-        announce: matches!(msg, CollMsg::Allgatherv(allgatherv::Msg::Announce { .. })),
-        ..Inbound::default()
-    }
-}
+super::direct_driver!(allgatherv::Allgatherv, CollMsg::Allgatherv);
 
 fn refuse(msg: &CollMsg, from: SpId, status: Status) -> Vec<(SpId, CollMsg)> {
     let CollMsg::Allgatherv(msg) = msg else {
@@ -69,9 +55,6 @@ fn refuse(msg: &CollMsg, from: SpId, status: Status) -> Vec<(SpId, CollMsg)> {
 impl CollDriver for Driver {
     super::delegate!(CollMsg::Allgatherv, allgatherv::CopyId, "an allgatherv");
 
-    fn kind(&self) -> CollKind {
-        CollKind::Allgatherv
-    }
     fn handle_post(&mut self, now: Nanos, p: LocalPost) -> Result<(), String> {
         let d = p.desc;
         // `check_post` made sure the send block is the one entry at offset 0.
@@ -87,22 +70,7 @@ impl CollDriver for Driver {
         };
         self.0.handle_post(now, post).map_err(|e| e.to_string())
     }
-    fn poll_action(&mut self) -> Option<Act> {
-        Some(match self.0.poll_action()? {
-            allgatherv::Action::Send { to, msg } => Act::Send {
-                to,
-                msg: CollMsg::Allgatherv(msg),
-                lends_region: false,
-                grants_slots: vec![],
-            },
-            allgatherv::Action::Copy(c) => super::direct_copy!(c),
-            allgatherv::Action::Complete { rank, status } => Act::Complete {
-                rank,
-                status,
-                from_segment: false,
-            },
-        })
-    }
+    super::direct_poll_action!(allgatherv, CollMsg::Allgatherv);
     fn late_arrivals(&self) -> LateArrivals {
         let s = self.0.stats();
         LateArrivals {

@@ -17,21 +17,7 @@ pub static SPEC: KindSpec = KindSpec {
     region_len: super::no_region_len,
 };
 
-struct Driver(alltoallv::Alltoallv<AliasKey>);
-
-fn new(key: CollKey, me: SpId, _: StagedConfig) -> Box<dyn CollDriver> {
-    Box::new(Driver(alltoallv::Alltoallv::new(
-        key,
-        alltoallv::Config { me },
-    )))
-}
-
-fn inbound(msg: &CollMsg) -> Inbound {
-    Inbound {
-        announce: matches!(msg, CollMsg::Alltoallv(alltoallv::Msg::Announce { .. })),
-        ..Inbound::default()
-    }
-}
+super::direct_driver!(alltoallv::Alltoallv, CollMsg::Alltoallv);
 
 fn refuse(msg: &CollMsg, from: SpId, status: Status) -> Vec<(SpId, CollMsg)> {
     let CollMsg::Alltoallv(msg) = msg else {
@@ -58,9 +44,6 @@ fn refuse(msg: &CollMsg, from: SpId, status: Status) -> Vec<(SpId, CollMsg)> {
 impl CollDriver for Driver {
     super::delegate!(CollMsg::Alltoallv, alltoallv::CopyId, "an alltoallv");
 
-    fn kind(&self) -> CollKind {
-        CollKind::Alltoallv
-    }
     fn handle_post(&mut self, now: Nanos, p: LocalPost) -> Result<(), String> {
         let d = p.desc;
         let post = alltoallv::Post {
@@ -75,20 +58,5 @@ impl CollDriver for Driver {
         };
         self.0.handle_post(now, post).map_err(|e| e.to_string())
     }
-    fn poll_action(&mut self) -> Option<Act> {
-        Some(match self.0.poll_action()? {
-            alltoallv::Action::Send { to, msg } => Act::Send {
-                to,
-                msg: CollMsg::Alltoallv(msg),
-                lends_region: false,
-                grants_slots: vec![],
-            },
-            alltoallv::Action::Copy(c) => super::direct_copy!(c),
-            alltoallv::Action::Complete { rank, status } => Act::Complete {
-                rank,
-                status,
-                from_segment: false,
-            },
-        })
-    }
+    super::direct_poll_action!(alltoallv, CollMsg::Alltoallv);
 }

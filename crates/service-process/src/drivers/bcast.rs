@@ -22,14 +22,7 @@ pub static SPEC: KindSpec = KindSpec {
 struct Driver(bcast::Bcast<AliasKey>);
 
 fn new(key: CollKey, me: SpId, staged: StagedConfig) -> Box<dyn CollDriver> {
-    Box::new(Driver(bcast::Bcast::new(
-        key,
-        bcast::Config {
-            me,
-            chunk_bytes: staged.chunk_bytes,
-            staging_slots: staged.slots,
-        },
-    )))
+    Box::new(Driver(bcast::Bcast::new(key, staged.machine(me))))
 }
 
 /// A node's leader in the bcast's tree writes the node's region.
@@ -81,9 +74,6 @@ fn refuse(msg: &CollMsg, from: SpId, status: Status) -> Vec<(SpId, CollMsg)> {
 impl CollDriver for Driver {
     super::delegate!(CollMsg::Bcast, bcast::CopyId, "a bcast");
 
-    fn kind(&self) -> CollKind {
-        CollKind::Bcast
-    }
     fn handle_post(&mut self, now: Nanos, mut p: LocalPost) -> Result<(), String> {
         let (design, shared_key, shared_at) = p.staged_parts();
         let d = p.desc;

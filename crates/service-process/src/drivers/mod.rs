@@ -29,6 +29,17 @@ pub struct StagedConfig {
     pub slots: u32,
 }
 
+impl StagedConfig {
+    /// The configuration of a staged machine (bcast, staged allgather) on SP `me`.
+    fn machine(self, me: SpId) -> algorithms::bcast::Config {
+        algorithms::bcast::Config {
+            me,
+            chunk_bytes: self.chunk_bytes,
+            staging_slots: self.slots,
+        }
+    }
+}
+
 /// A location of a staged collective's copy: a rank's granted memory or a staging slot of the
 /// instance.
 pub type Loc = algorithms::bcast::Loc<AliasKey>;
@@ -237,10 +248,14 @@ pub fn refuse(msg: &CollMsg, from: SpId, status: Status) -> Vec<(SpId, CollMsg)>
 }
 
 /// The methods of [`CollDriver`] that a driver (a tuple struct around its machine) passes to
-/// the machine as they are: `$variant` is the kind's `CollMsg` variant, `$copy_id` the
-/// machine's copy id type, `$name` the kind in messages.
+/// the machine as they are, and its `kind` (that of its module's `SPEC`): `$variant` is the
+/// kind's `CollMsg` variant, `$copy_id` the machine's copy id type, `$name` the kind in
+/// messages.
 macro_rules! delegate {
     ($variant:path, $copy_id:path, $name:literal) => {
+        fn kind(&self) -> CollKind {
+            SPEC.kind
+        }
         fn handle_msg(&mut self, now: Nanos, from: SpId, msg: CollMsg) -> Result<(), String> {
             match msg {
                 $variant(m) => self.0.handle_msg(now, from, m).map_err(|e| e.to_string()),
@@ -269,23 +284,61 @@ macro_rules! delegate {
 }
 use delegate;
 
-/// A machine's copy between two ranks' grants as an [`Act::Copy`] (the direct collectives
-/// name their copies alike, each with its own types).
-macro_rules! direct_copy {
-    ($c:expr) => {{
-        let c = $c;
-        Act::Copy {
-            id: c.id.0,
-            dst_rank: c.dst_rank,
-            src_key: c.src_key,
-            src_offset: c.src_offset,
-            dst_key: c.dst_key,
-            dst_offset: c.dst_offset,
-            len: c.len,
+/// What the drivers of the direct collectives (copies between two ranks' grants, no staging,
+/// no segment) write alike, each with its own types: the driver (a tuple struct around machine
+/// `$m::$machine`), its constructor and its [`Inbound`] (announcements counted). `$variant`
+/// is the kind's `CollMsg` variant. Inside the `CollDriver` impl, [`direct_poll_action`] goes
+/// with it.
+macro_rules! direct_driver {
+    ($m:ident::$machine:ident, $variant:path) => {
+        struct Driver($m::$machine<AliasKey>);
+
+        fn new(key: CollKey, me: SpId, _: StagedConfig) -> Box<dyn CollDriver> {
+            Box::new(Driver($m::$machine::new(key, $m::Config { me })))
         }
-    }};
+
+        fn inbound(msg: &CollMsg) -> Inbound {
+            Inbound {
+                announce: matches!(msg, $variant($m::Msg::Announce { .. })),
+                ..Inbound::default()
+            }
+        }
+    };
 }
-use direct_copy;
+use direct_driver;
+
+/// `poll_action` of a direct collective's driver (see [`direct_driver`]): its messages lend
+/// nothing and grant nothing, its copies are between two ranks' grants, its ranks complete
+/// with their data in place.
+macro_rules! direct_poll_action {
+    ($m:ident, $variant:path) => {
+        fn poll_action(&mut self) -> Option<Act> {
+            Some(match self.0.poll_action()? {
+                $m::Action::Send { to, msg } => Act::Send {
+                    to,
+                    msg: $variant(msg),
+                    lends_region: false,
+                    grants_slots: vec![],
+                },
+                $m::Action::Copy(c) => Act::Copy {
+                    id: c.id.0,
+                    dst_rank: c.dst_rank,
+                    src_key: c.src_key,
+                    src_offset: c.src_offset,
+                    dst_key: c.dst_key,
+                    dst_offset: c.dst_offset,
+                    len: c.len,
+                },
+                $m::Action::Complete { rank, status } => Act::Complete {
+                    rank,
+                    status,
+                    from_segment: false,
+                },
+            })
+        }
+    };
+}
+use direct_poll_action;
 
 /// A staged machine's copy (one end may be a staging slot) as an [`Act::StageCopy`].
 macro_rules! stage_copy {

@@ -24,11 +24,7 @@ struct Driver(staged_allgather::StagedAllgather<AliasKey>);
 fn new(key: CollKey, me: SpId, staged: StagedConfig) -> Box<dyn CollDriver> {
     Box::new(Driver(staged_allgather::StagedAllgather::new(
         key,
-        staged_allgather::Config {
-            me,
-            chunk_bytes: staged.chunk_bytes,
-            staging_slots: staged.slots,
-        },
+        staged.machine(me),
     )))
 }
 
@@ -63,9 +59,6 @@ impl CollDriver for Driver {
         "a staged allgather"
     );
 
-    fn kind(&self) -> CollKind {
-        CollKind::StagedAllgather
-    }
     fn handle_post(&mut self, now: Nanos, mut p: LocalPost) -> Result<(), String> {
         let (design, shared_key, shared_at) = p.staged_parts();
         let d = p.desc;

@@ -28,6 +28,13 @@ fn layout(rng: &mut Rng, sizes: &[u64]) -> (Vec<u64>, u64) {
     (displs, end + rng.below(2) * 16)
 }
 
+/// The first alltoallv (seq 0) of world ranks `0..world` on communicator (leader 0, id 1),
+/// blocks of up to `max` bytes, its counts drawn from seed `seed`.
+pub fn first_op(seed: u64, world: u32, max: u64) -> Op {
+    let comm = CommId { leader: 0, id: 1 };
+    make_op(&mut Rng(seed), comm, 0, (0..world).collect(), max)
+}
+
 pub fn make_op(rng: &mut Rng, comm: CommId, seq: u64, members_world: Vec<u32>, max: u64) -> Op {
     let p = members_world.len();
     let all_zero = rng.below(10) == 0;

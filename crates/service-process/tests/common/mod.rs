@@ -16,7 +16,9 @@ use alias_mkey::host::Registrar;
 use alias_mkey::{Grant, Rights};
 use bootstrap::auth::{ClusterKey, JobCredential};
 use bootstrap::mailbox;
-use bootstrap::wire::{Channel, CollKind, Hello, HostHello, HostToSp, PostDesc, SpToHost};
+use bootstrap::wire::{
+    Channel, CollKind, ErrorCode, Hello, HostHello, HostToSp, PostDesc, SpToHost,
+};
 use bootstrap::{Cluster, Layout};
 use service_process::launch::{self, Sp, SpSetSpec};
 use std::os::unix::net::UnixStream;
@@ -38,6 +40,19 @@ pub struct SpSet {
 impl SpSet {
     pub fn start(nodes: u32, sps_per_node: u32, ranks_per_node: u32, layout: Layout) -> SpSet {
         Self::start_with(nodes, sps_per_node, ranks_per_node, layout, &[])
+    }
+
+    /// As `start`, then every rank of a new job (`nodes * ranks_per_node` of them) connected,
+    /// in world-rank order.
+    pub fn start_job(
+        nodes: u32,
+        sps_per_node: u32,
+        ranks_per_node: u32,
+        layout: Layout,
+    ) -> (SpSet, Vec<Host>) {
+        let set = Self::start(nodes, sps_per_node, ranks_per_node, layout);
+        let hosts = Host::connect_all(&set, new_job(), nodes * ranks_per_node);
+        (set, hosts)
     }
 
     /// As `start`, with more `serve` arguments for every SP.
@@ -155,6 +170,36 @@ pub struct Host {
 
 pub const SLOTS: u32 = 64;
 
+/// Sends a `Register` of mailbox `grant` (`slots` slots, no cores) on a welcomed connection;
+/// returns the SP's answer.
+pub fn register<S: std::io::Read + std::io::Write>(
+    ch: &mut Channel<S>,
+    grant: Grant,
+    slots: u32,
+) -> SpToHost {
+    ch.send(&HostToSp::Register {
+        cores: vec![],
+        mailbox: grant,
+        mailbox_slots: slots,
+    })
+    .unwrap();
+    ch.recv::<SpToHost>().unwrap()
+}
+
+/// The message of `answer`, which must be an error reply with `code`; `what` names the case
+/// in the panics.
+pub fn refusal(answer: SpToHost, code: ErrorCode, what: &str) -> String {
+    match answer {
+        SpToHost::Error {
+            code: got, message, ..
+        } => {
+            assert_eq!(got, code, "{what}: {message}");
+            message
+        }
+        other => panic!("{what}: expected a refusal, got {other:?}"),
+    }
+}
+
 impl Host {
     /// Connects as `world_rank` of a `world_size` job and registers a mailbox.
     pub fn connect(set: &SpSet, job: u64, world_rank: u32, world_size: u32) -> Host {
@@ -197,13 +242,7 @@ impl Host {
             SLOTS as u64 * mailbox::SLOT_BYTES,
             Rights::READ_WRITE,
         );
-        ch.send(&HostToSp::Register {
-            cores: vec![],
-            mailbox: grant,
-            mailbox_slots: SLOTS,
-        })
-        .unwrap();
-        match ch.recv::<SpToHost>().unwrap() {
+        match register(&mut ch, grant, SLOTS) {
             SpToHost::Registered { sp, .. } => assert_eq!(sp, p.sp),
             other => panic!("register answered with {other:?}"),
         }
@@ -509,9 +548,15 @@ pub fn sum(stats: &[serde_json::Value], field: &str) -> u64 {
 
 /// Asserts that no SP holds a job or an instance any more.
 pub fn assert_nothing_held(stats: &[serde_json::Value]) {
+    assert_zero(stats, &["jobs_at_exit", "instances_at_exit"]);
+}
+
+/// Every SP's counters `fields` are 0.
+pub fn assert_zero(stats: &[serde_json::Value], fields: &[&str]) {
     for s in stats {
-        assert_eq!(s["jobs_at_exit"], 0, "{s}");
-        assert_eq!(s["instances_at_exit"], 0, "{s}");
+        for f in fields {
+            assert_eq!(s[*f], 0, "{f}: {s}");
+        }
     }
 }
 

@@ -116,22 +116,28 @@ fn hello_as_on(
     }
 }
 
-/// Registers a mailbox of 4 slots on a welcomed connection.
-fn register(ch: &mut Channel<UnixStream>) {
+/// [`hello_as_on`], then a mailbox of 4 slots registered on the welcomed connection; `None`,
+/// the answer said, if the SP did not welcome it.
+fn registered(
+    socket: &str,
+    cred: String,
+    rank: u32,
+    size: u32,
+    node: u32,
+) -> Option<Channel<UnixStream>> {
+    let (ch, out) = hello_as_on(socket, cred, rank, size, node);
+    let Some(mut ch) = ch else {
+        say(out);
+        return None;
+    };
     let mb: &'static [u64] = Box::leak(vec![0u64; 64].into_boxed_slice());
     let grant = alias_mkey::host::Registrar::new().register(
         mb.as_ptr() as u64,
         4 * mailbox::SLOT_BYTES,
         Rights::READ_WRITE,
     );
-    ch.send(&HostToSp::Register {
-        cores: vec![],
-        mailbox: grant,
-        mailbox_slots: 4,
-    })
-    .unwrap();
-    match ch.recv::<SpToHost>().unwrap() {
-        SpToHost::Registered { .. } => {}
+    match crate::common::register(&mut ch, grant, 4) {
+        SpToHost::Registered { .. } => Some(ch),
         other => panic!("attacker: register answered {other:?}"),
     }
 }
@@ -175,12 +181,9 @@ pub fn run() {
         // A bad post, and the connection closed at once, many times.
         "bad-post-then-close" => {
             for i in 0..n("TIMES") {
-                let (ch, out) = hello_as(&var("SOCK"), var("CRED"), 0, 1);
-                let Some(mut ch) = ch else {
-                    say(out);
+                let Some(mut ch) = registered(&var("SOCK"), var("CRED"), 0, 1, 0) else {
                     return;
                 };
-                register(&mut ch);
                 let mut d = stuck_post(i, vec![0], vec![0]);
                 d.send_counts = vec![1 << 40];
                 ch.send(&HostToSp::Post(Box::new(d))).unwrap();
@@ -191,19 +194,13 @@ pub fn run() {
         // Posts that can never complete, as many as asked for: rank 1 of the job is connected
         // to its SP (so the job is there) and never posts.
         "flood-posts" => {
-            let (ch, out) = hello_as(&var("SOCK"), var("CRED"), 0, 2);
-            let Some(mut ch) = ch else {
-                say(out);
+            let Some(mut ch) = registered(&var("SOCK"), var("CRED"), 0, 2, 0) else {
                 return;
             };
-            register(&mut ch);
-            // Rank 1 is the only rank of node 1 (SOCK1 is its SP).
-            let (other, out) = hello_as_on(&var("SOCK1"), var("CRED"), 1, 2, 1);
-            let Some(mut other) = other else {
-                say(out);
+            // Rank 1 is the only rank of node 1 (SOCK1 is its SP); it stays connected.
+            let Some(_other) = registered(&var("SOCK1"), var("CRED"), 1, 2, 1) else {
                 return;
             };
-            register(&mut other);
             let other_sp = n("OTHER_SP") as u32;
             for i in 0..n("POSTS") {
                 let d = stuck_post(i, vec![0, other_sp], vec![0, 1]);
@@ -226,12 +223,9 @@ pub fn run() {
         // Register, fork a child that keeps the socket, exit: the SP must drop the connection
         // (the process it served is gone, and its pid may be another process's tomorrow).
         "fork-and-exit" => {
-            let (ch, out) = hello_as(&var("SOCK"), var("CRED"), 0, 1);
-            let Some(mut ch) = ch else {
-                say(out);
+            let Some(ch) = registered(&var("SOCK"), var("CRED"), 0, 1, 0) else {
                 return;
             };
-            register(&mut ch);
             // SAFETY: fork in this single-threaded attacker (the test harness runs one test,
             // on one thread); the child only uses the socket and exits.
             let pid = unsafe { libc::fork() };
