@@ -4,7 +4,7 @@
 
 use algorithms::SpId;
 use alias_mkey::{BackendData, Rights};
-use bootstrap::wire::{CollKind, ErrorCode, PostDesc, StagedDesign};
+use bootstrap::wire::{ErrorCode, PostDesc, StagedDesign};
 use bootstrap::Cluster;
 use std::collections::HashSet;
 
@@ -53,71 +53,9 @@ pub fn check_post(
             ),
         ));
     }
-    // Alltoallv: one send block per rank; allgatherv: this rank's one block, at offset 0;
-    // bcast: one block each way, one of them empty.
-    let (send_entries, recv_entries) = match d.kind {
-        CollKind::Alltoallv => (p, p),
-        CollKind::Allgatherv | CollKind::StagedAllgather => (1, p),
-        CollKind::Bcast => (1, 1),
-    };
-    for (name, v, want) in [
-        ("send_counts", &d.send_counts, send_entries),
-        ("send_displs", &d.send_displs, send_entries),
-        ("recv_counts", &d.recv_counts, recv_entries),
-        ("recv_displs", &d.recv_displs, recv_entries),
-    ] {
-        if v.len() != want {
-            return bad(format!("{name} has {} entries, expected {want}", v.len()));
-        }
-    }
-    let allgather = matches!(d.kind, CollKind::Allgatherv | CollKind::StagedAllgather);
-    if allgather && d.send_displs[0] != 0 {
-        return bad("the allgatherv send block must start at offset 0 of its grant".into());
-    }
-    if d.kind != CollKind::Alltoallv && d.nodes.len() != p {
-        return bad(format!("nodes has {} entries for {p} ranks", d.nodes.len()));
-    }
-    match (d.kind, &d.staged) {
-        (CollKind::Bcast, None) => return bad("a bcast without its root and design".into()),
-        (CollKind::Bcast, Some(st)) => {
-            if st.root as usize >= p {
-                return bad(format!("root {} outside a communicator of {p}", st.root));
-            }
-            if d.send_displs[0] != 0 || d.recv_displs[0] != 0 {
-                return bad("a bcast's buffer must start at offset 0 of its grant".into());
-            }
-            let is_root = st.root == d.comm_rank;
-            let empty = if is_root {
-                d.recv_counts[0]
-            } else {
-                d.send_counts[0]
-            };
-            if empty != 0 {
-                return bad(format!(
-                    "a bcast {} sends nothing else: {empty} bytes on its other side",
-                    if is_root { "root" } else { "receiver" }
-                ));
-            }
-        }
-        (CollKind::StagedAllgather, None) => {
-            return bad("a staged allgather without its design".into())
-        }
-        (CollKind::StagedAllgather, Some(_)) => {
-            // Equal blocks in rank order: block i at i * len.
-            let len = d.send_counts[0];
-            let ordered = (0..p as u64).all(|i| {
-                d.recv_counts[i as usize] == len
-                    && i.checked_mul(len) == Some(d.recv_displs[i as usize])
-            });
-            if !ordered || len.checked_mul(p as u64).is_none() {
-                return bad(format!(
-                    "a staged allgather needs {p} blocks of {len} bytes in rank order"
-                ));
-            }
-        }
-        (_, Some(_)) => return bad(format!("{:?} is not a staged collective", d.kind)),
-        (_, None) => {}
-    }
+    // The kind's own layout of the descriptor: its blocks, its staged fields, its nodes.
+    let spec = crate::drivers::spec(d.kind);
+    (spec.check_desc)(d).or_else(bad)?;
     if let Some(st) = d
         .staged
         .as_ref()
@@ -183,12 +121,7 @@ pub fn check_post(
             ),
         ));
     }
-    // Allgatherv: once a segment landed in one rank of a node, the node's other ranks copy
-    // it from that rank's receive buffer, so the receive grant must allow reading too.
-    let recv_needs = match d.kind {
-        CollKind::Alltoallv | CollKind::Bcast | CollKind::StagedAllgather => Rights::WRITE,
-        CollKind::Allgatherv => Rights::READ_WRITE,
-    };
+    let (recv_needs, recv_why) = spec.recv_rights;
     for (grant, need, counts, displs, what) in [
         (
             &d.send,
@@ -206,11 +139,7 @@ pub fn check_post(
         ),
     ] {
         if !grant.rights.contains(need) {
-            let why = if d.kind == CollKind::Allgatherv && what == "receive" {
-                " (the node's other ranks copy segments out of it)"
-            } else {
-                ""
-            };
+            let why = if what == "receive" { recv_why } else { "" };
             return bad(format!(
                 "the {what} grant gives {} rights, {:?} needs {need}{why}",
                 grant.rights, d.kind

@@ -2,8 +2,8 @@
 
 use super::{Act, CollDriver, Inbound, KindSpec, LateArrivals, LocalPost, StagedConfig};
 use algorithms::{allgatherv, CollKey, Nanos, Rank, SpId, Status};
-use alias_mkey::AliasKey;
-use bootstrap::wire::{CollKind, CollMsg};
+use alias_mkey::{AliasKey, Rights};
+use bootstrap::wire::{CollKind, CollMsg, PostDesc};
 
 pub static SPEC: KindSpec = KindSpec {
     kind: CollKind::Allgatherv,
@@ -15,7 +15,23 @@ pub static SPEC: KindSpec = KindSpec {
     inbound,
     region_writer: super::no_region_writer,
     region_len: super::no_region_len,
+    check_desc,
+    // Once a segment landed in one rank of a node, the node's other ranks copy it from that
+    // rank's receive buffer.
+    recv_rights: (
+        Rights::READ_WRITE,
+        " (the node's other ranks copy segments out of it)",
+    ),
 };
+
+/// This rank's one block, at offset 0, and every rank's block on the receive side; the node
+/// of every rank.
+fn check_desc(d: &PostDesc) -> Result<(), String> {
+    super::block_entries(d, 1, d.members.len())?;
+    super::send_block_at_zero(d)?;
+    super::nodes_listed(d)?;
+    super::not_staged(d)
+}
 
 super::direct_driver!(allgatherv::Allgatherv, CollMsg::Allgatherv);
 

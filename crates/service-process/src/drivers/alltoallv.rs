@@ -2,8 +2,8 @@
 
 use super::{Act, CollDriver, Inbound, KindSpec, LocalPost, StagedConfig};
 use algorithms::{alltoallv, CollKey, Nanos, Rank, SpId, Status};
-use alias_mkey::AliasKey;
-use bootstrap::wire::{CollKind, CollMsg};
+use alias_mkey::{AliasKey, Rights};
+use bootstrap::wire::{CollKind, CollMsg, PostDesc};
 
 pub static SPEC: KindSpec = KindSpec {
     kind: CollKind::Alltoallv,
@@ -15,7 +15,16 @@ pub static SPEC: KindSpec = KindSpec {
     inbound,
     region_writer: super::no_region_writer,
     region_len: super::no_region_len,
+    check_desc,
+    recv_rights: (Rights::WRITE, ""),
 };
+
+/// One send and one receive block per rank.
+fn check_desc(d: &PostDesc) -> Result<(), String> {
+    let p = d.members.len();
+    super::block_entries(d, p, p)?;
+    super::not_staged(d)
+}
 
 super::direct_driver!(alltoallv::Alltoallv, CollMsg::Alltoallv);
 

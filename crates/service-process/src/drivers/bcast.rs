@@ -3,7 +3,7 @@
 
 use super::{Act, CollDriver, Inbound, KindSpec, LocalPost, StagedConfig};
 use algorithms::{bcast, CollKey, Nanos, Rank, SpId, Status};
-use alias_mkey::AliasKey;
+use alias_mkey::{AliasKey, Rights};
 use bootstrap::wire::{CollKind, CollMsg, PostDesc};
 
 pub static SPEC: KindSpec = KindSpec {
@@ -17,7 +17,39 @@ pub static SPEC: KindSpec = KindSpec {
     region_writer,
     // The message is the one block: the root's send side, the others' receive side.
     region_len: |d| d.send_counts[0].max(d.recv_counts[0]),
+    check_desc,
+    recv_rights: (Rights::WRITE, ""),
 };
+
+/// One block each way, at offset 0, one of them empty (the root only sends, the others only
+/// receive); a root inside the communicator; the node of every rank.
+fn check_desc(d: &PostDesc) -> Result<(), String> {
+    let p = d.members.len();
+    super::block_entries(d, 1, 1)?;
+    super::nodes_listed(d)?;
+    let Some(st) = &d.staged else {
+        return Err("a bcast without its root and design".into());
+    };
+    if st.root as usize >= p {
+        return Err(format!("root {} outside a communicator of {p}", st.root));
+    }
+    if d.send_displs[0] != 0 || d.recv_displs[0] != 0 {
+        return Err("a bcast's buffer must start at offset 0 of its grant".into());
+    }
+    let is_root = st.root == d.comm_rank;
+    let empty = if is_root {
+        d.recv_counts[0]
+    } else {
+        d.send_counts[0]
+    };
+    if empty != 0 {
+        return Err(format!(
+            "a bcast {} sends nothing else: {empty} bytes on its other side",
+            if is_root { "root" } else { "receiver" }
+        ));
+    }
+    Ok(())
+}
 
 struct Driver(bcast::Bcast<AliasKey>);
 

@@ -9,9 +9,9 @@
 //! post, a peer message, a copy or move done, a peer or rank lost, an abort, a timer) with the
 //! time passed in, and executes the [`Act`]s they emit; it never names a kind.
 //!
-//! Adding a collective kind: a `CollKind` and a `CollMsg` variant in `bootstrap::wire`, its
-//! checks in `validate`, a file here with its driver and `SPEC`, and a line in [`KINDS`] and
-//! [`kind_of`].
+//! Adding a collective kind: a `CollKind` and a `CollMsg` variant in `bootstrap::wire`, a file
+//! here with its driver and `SPEC` (which carries its descriptor checks), and a line in
+//! [`KINDS`] and [`kind_of`].
 
 mod allgatherv;
 mod alltoallv;
@@ -19,7 +19,7 @@ mod bcast;
 mod staged_allgather;
 
 use algorithms::{CollKey, Nanos, Rank, SpId, Status};
-use alias_mkey::AliasKey;
+use alias_mkey::{AliasKey, Rights};
 use bootstrap::wire::{CollKind, CollMsg, PostDesc};
 
 /// Staging of the staged collectives (the same on every SP of a cluster).
@@ -209,6 +209,13 @@ pub struct KindSpec {
     pub region_writer: fn(d: &PostDesc, me: SpId) -> bool,
     /// Hierarchical design: the bytes of the node's region (the whole message).
     pub region_len: fn(&PostDesc) -> u64,
+    /// The kind's own checks of a descriptor's layout, run by `validate::check_post` once the
+    /// communicator's size and the poster's name are checked: how many blocks each side has
+    /// and where they start, its staged fields, its node list.
+    pub check_desc: fn(&PostDesc) -> Result<(), String>,
+    /// The rights the receive grant must give, and why when that is more than writing (said
+    /// in the refusal).
+    pub recv_rights: (Rights, &'static str),
 }
 
 /// Every kind the engine serves.
@@ -354,6 +361,46 @@ macro_rules! stage_copy {
     }};
 }
 use stage_copy;
+
+/// `d` lists `send` blocks on its send side and `recv` on its receive side.
+fn block_entries(d: &PostDesc, send: usize, recv: usize) -> Result<(), String> {
+    for (name, v, want) in [
+        ("send_counts", &d.send_counts, send),
+        ("send_displs", &d.send_displs, send),
+        ("recv_counts", &d.recv_counts, recv),
+        ("recv_displs", &d.recv_displs, recv),
+    ] {
+        if v.len() != want {
+            return Err(format!("{name} has {} entries, expected {want}", v.len()));
+        }
+    }
+    Ok(())
+}
+
+/// The allgathers' one send block starts at offset 0 of its grant.
+fn send_block_at_zero(d: &PostDesc) -> Result<(), String> {
+    if d.send_displs[0] != 0 {
+        return Err("the allgatherv send block must start at offset 0 of its grant".into());
+    }
+    Ok(())
+}
+
+/// The node of every rank is listed (the hierarchical collectives route by node).
+fn nodes_listed(d: &PostDesc) -> Result<(), String> {
+    let p = d.members.len();
+    if d.nodes.len() != p {
+        return Err(format!("nodes has {} entries for {p} ranks", d.nodes.len()));
+    }
+    Ok(())
+}
+
+/// A kind without staging carries no staged fields.
+fn not_staged(d: &PostDesc) -> Result<(), String> {
+    match d.staged {
+        Some(_) => Err(format!("{:?} is not a staged collective", d.kind)),
+        None => Ok(()),
+    }
+}
 
 /// Region defaults of kinds without a hierarchical design.
 fn no_region_writer(_: &PostDesc, _: SpId) -> bool {

@@ -2,8 +2,8 @@
 
 use super::{Act, CollDriver, Inbound, KindSpec, LocalPost, StagedConfig};
 use algorithms::{bcast, staged_allgather, CollKey, Nanos, Rank, SpId, Status};
-use alias_mkey::AliasKey;
-use bootstrap::wire::{CollKind, CollMsg};
+use alias_mkey::{AliasKey, Rights};
+use bootstrap::wire::{CollKind, CollMsg, PostDesc};
 
 pub static SPEC: KindSpec = KindSpec {
     kind: CollKind::StagedAllgather,
@@ -17,7 +17,31 @@ pub static SPEC: KindSpec = KindSpec {
     region_writer: |d, me| staged_allgather::node_owner(&d.members, &d.nodes, me) == Some(me),
     // The whole message: P blocks (checked not to overflow).
     region_len: |d| d.recv_counts.iter().sum(),
+    check_desc,
+    recv_rights: (Rights::WRITE, ""),
 };
+
+/// This rank's one block at offset 0, and equal blocks in rank order on the receive side
+/// (block i at i * len); its design; the node of every rank.
+fn check_desc(d: &PostDesc) -> Result<(), String> {
+    let p = d.members.len();
+    super::block_entries(d, 1, p)?;
+    super::send_block_at_zero(d)?;
+    super::nodes_listed(d)?;
+    if d.staged.is_none() {
+        return Err("a staged allgather without its design".into());
+    }
+    let len = d.send_counts[0];
+    let ordered = (0..p as u64).all(|i| {
+        d.recv_counts[i as usize] == len && i.checked_mul(len) == Some(d.recv_displs[i as usize])
+    });
+    if !ordered || len.checked_mul(p as u64).is_none() {
+        return Err(format!(
+            "a staged allgather needs {p} blocks of {len} bytes in rank order"
+        ));
+    }
+    Ok(())
+}
 
 struct Driver(staged_allgather::StagedAllgather<AliasKey>);
 
