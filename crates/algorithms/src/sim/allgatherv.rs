@@ -17,76 +17,35 @@ use serde::{Deserialize, Serialize};
 use super::driver::{self, Core, Ev};
 use super::rng::splitmix64;
 use super::shared::world_key;
-use super::{sentinel, CostModel, Layout, SimFailure};
+use super::{sentinel, Common, SimFailure};
 use crate::allgatherv::{Action, Allgatherv, Config, Copy, Msg, Post, Stats};
 use crate::{CollKey, Nanos, Rank, SpId, Status};
 
-/// Injected faults (all off by default).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Faults {
-    /// Extra uniform `0..=msg_jitter_ns` per message.
-    pub msg_jitter_ns: Nanos,
-    /// SPs that crash at uniform times in `0..=crash_window_ns`.
-    pub sp_crashes: u32,
-    pub crash_window_ns: Nanos,
-    /// Others learn of a crash after `detect_delay_ns` + uniform
-    /// `0..=detect_delay_ns`.
-    pub detect_delay_ns: Nanos,
-    /// Host ranks that die at uniform times in `0..=death_window_ns`.
-    pub rank_deaths: u32,
-    pub death_window_ns: Nanos,
-}
+super::config::sim_faults!();
 
 /// Everything a run depends on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SimConfig {
-    pub seed: u64,
-    pub nodes: u32,
-    pub ranks_per_node: u32,
-    pub sps_per_node: u32,
-    pub layout: Layout,
-    pub max_inflight_reads: usize,
+    #[serde(flatten)]
+    pub common: Common,
     /// Per-rank block sizes uniform in `0..=max_block_bytes` ...
     pub max_block_bytes: u64,
     /// ... except this share (percent) forced to 0.
     pub zero_block_percent: u32,
     /// true: all blocks have the same size (Allgather).
     pub equal_counts: bool,
-    /// Collectives, each posted at `i * op_gap_ns` + skew by every rank.
-    pub ops: u32,
-    pub op_gap_ns: Nanos,
-    pub arrival_skew_ns: Nanos,
-    /// World ranks that are always `late_delay_ns` later.
-    pub late_ranks: u32,
-    pub late_delay_ns: Nanos,
-    pub cost: CostModel,
     pub faults: Faults,
-    pub max_events: u64,
-    pub max_virtual_ns: Nanos,
 }
 
 impl SimConfig {
-    /// 8 nodes x 32 ranks, 4 SPs per node, block layout, one collective.
+    /// [`Common::new`], blocks up to 64 bytes (10% empty), no faults.
     pub fn new(seed: u64) -> SimConfig {
         SimConfig {
-            seed,
-            nodes: 8,
-            ranks_per_node: 32,
-            sps_per_node: 4,
-            layout: Layout::Block,
-            max_inflight_reads: 4,
+            common: Common::new(seed),
             max_block_bytes: 64,
             zero_block_percent: 10,
             equal_counts: false,
-            ops: 1,
-            op_gap_ns: 0,
-            arrival_skew_ns: 20_000,
-            late_ranks: 4,
-            late_delay_ns: 100_000,
-            cost: CostModel::default(),
             faults: Faults::default(),
-            max_events: 100_000_000,
-            max_virtual_ns: 100_000_000_000,
         }
     }
 }
@@ -121,8 +80,8 @@ pub struct SimReport {
     pub dead_ranks: Vec<u32>,
 }
 
-super::shared::sim_config!();
-super::shared::world_schedule!();
+super::config::sim_config!([max_block_bytes, zero_block_percent, equal_counts], [], []);
+super::config::world_schedule!();
 
 struct Op {
     key: CollKey,
@@ -147,7 +106,7 @@ super::shared::world_collective!((usize, Msg<SimKey>), Copy<SimKey>);
 
 impl<'a> Sim<'a> {
     fn new(cfg: &'a SimConfig) -> Result<Sim<'a>, SimFailure> {
-        let (core, mut setup) = Core::new(cfg.params())?;
+        let (core, mut setup) = cfg.core()?;
         let w = cfg.world_size();
         let p = w as usize;
         let mut ops = Vec::new();

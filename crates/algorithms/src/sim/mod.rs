@@ -11,9 +11,12 @@ use serde::{Deserialize, Serialize};
 
 use crate::{Nanos, SpId};
 
+pub use config::Common;
+
 pub mod allgatherv;
 pub mod alltoallv;
 pub mod bcast;
+mod config;
 mod driver;
 pub mod rng;
 mod shared;

@@ -26,7 +26,11 @@ fn a_run_moves_and_copies_real_bytes() {
 /// Runs `c` under `m` for a few seeds; every seed must fail with a
 /// message containing one of `want`. Returns the first failure.
 fn caught(m: Mutation, c: SimConfig, want: &[&str]) -> String {
-    driver::caught(m, set_mutation, |seed| SimConfig { seed, ..c }, run, want)
+    let with_seed = |seed| SimConfig {
+        common: Common { seed, ..c.common },
+        ..c
+    };
+    driver::caught(m, set_mutation, with_seed, run, want)
 }
 
 #[test]

@@ -159,7 +159,11 @@ fn a_run_writes_every_block_everywhere() {
 /// Runs `c` under `m` for a few seeds; every seed must fail with a
 /// message containing one of `want`. Returns the first failure.
 fn caught(m: Mutation, c: SimConfig, want: &[&str]) -> String {
-    driver::caught(m, set_mutation, |seed| SimConfig { seed, ..c }, run, want)
+    let with_seed = |seed| SimConfig {
+        common: Common { seed, ..c.common },
+        ..c
+    };
+    driver::caught(m, set_mutation, with_seed, run, want)
 }
 
 #[test]

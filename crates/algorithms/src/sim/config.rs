@@ -1,0 +1,258 @@
+//! What every simulator's configuration has: [`Common`] (the cluster, the
+//! posts' schedule, the cost model, the run's bounds), embedded in each
+//! `SimConfig`, and the faults the driver injects, declared once in each
+//! simulator's `Faults` by [`sim_faults!`].
+
+use std::fmt::{self, Debug};
+
+use serde::{Deserialize, Serialize};
+
+use super::{CostModel, Layout};
+use crate::Nanos;
+
+/// The parameters every simulator has. Each simulator's `SimConfig` embeds
+/// one as `common` and reads as it (`cfg.nodes`, `cfg.world_size()`)
+/// through `Deref`; its `Debug` shows these fields as the config's own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Common {
+    pub seed: u64,
+    pub nodes: u32,
+    pub ranks_per_node: u32,
+    /// SP of a rank = node * sps_per_node + local_rank % sps_per_node.
+    pub sps_per_node: u32,
+    pub layout: Layout,
+    /// Copies in flight per SP (CopyLimiter bound; 0 is clamped to 1).
+    pub max_inflight_reads: usize,
+    /// Collectives, each posted at `i * op_gap_ns` + skew by every rank.
+    pub ops: u32,
+    pub op_gap_ns: Nanos,
+    /// Each post happens a uniform `0..=arrival_skew_ns` late.
+    pub arrival_skew_ns: Nanos,
+    /// World ranks that are always `late_delay_ns` later.
+    pub late_ranks: u32,
+    pub late_delay_ns: Nanos,
+    pub cost: CostModel,
+    /// The run fails if it processes more events than this ...
+    pub max_events: u64,
+    /// ... or virtual time passes this.
+    pub max_virtual_ns: Nanos,
+}
+
+/// A config's own fields shown with `Debug`, by name.
+pub(crate) type Fields<'a> = &'a [(&'static str, &'a dyn Debug)];
+
+impl Common {
+    /// 8 nodes x 32 ranks, 4 SPs per node, block layout, 4 copies in flight
+    /// per SP, one collective, 20 us skew, 4 ranks 100 us late, the default
+    /// costs, bounds of 10^8 events and 100 s.
+    pub fn new(seed: u64) -> Common {
+        Common {
+            seed,
+            nodes: 8,
+            ranks_per_node: 32,
+            sps_per_node: 4,
+            layout: Layout::Block,
+            max_inflight_reads: 4,
+            ops: 1,
+            op_gap_ns: 0,
+            arrival_skew_ns: 20_000,
+            late_ranks: 4,
+            late_delay_ns: 100_000,
+            cost: CostModel::default(),
+            max_events: 100_000_000,
+            max_virtual_ns: 100_000_000_000,
+        }
+    }
+
+    /// [`Common::new`] scaled down for the staged simulators: 4 nodes x 8
+    /// ranks, 2 SPs per node, two collectives 2 us apart, 2 late ranks.
+    pub fn staged(seed: u64) -> Common {
+        Common {
+            nodes: 4,
+            ranks_per_node: 8,
+            sps_per_node: 2,
+            ops: 2,
+            op_gap_ns: 2_000,
+            late_ranks: 2,
+            ..Common::new(seed)
+        }
+    }
+
+    /// `nodes * ranks_per_node`.
+    pub fn world_size(&self) -> u32 {
+        self.nodes * self.ranks_per_node
+    }
+
+    /// `nodes * sps_per_node`.
+    pub fn sp_count(&self) -> u32 {
+        self.nodes * self.sps_per_node
+    }
+
+    /// Writes a simulator's `SimConfig` with `Debug` as if these fields were
+    /// its own: its fields `[own, after_ops, after_gap]` after
+    /// `max_inflight_reads`, `ops` and `op_gap_ns`, its `faults` after
+    /// `cost` (the order the reports have always shown).
+    pub(crate) fn fmt_config(
+        &self,
+        f: &mut fmt::Formatter<'_>,
+        [own, after_ops, after_gap]: [Fields<'_>; 3],
+        faults: &dyn Debug,
+    ) -> fmt::Result {
+        let mut d = f.debug_struct("SimConfig");
+        d.field("seed", &self.seed)
+            .field("nodes", &self.nodes)
+            .field("ranks_per_node", &self.ranks_per_node)
+            .field("sps_per_node", &self.sps_per_node)
+            .field("layout", &self.layout)
+            .field("max_inflight_reads", &self.max_inflight_reads);
+        for (name, value) in own {
+            d.field(name, value);
+        }
+        d.field("ops", &self.ops);
+        for (name, value) in after_ops {
+            d.field(name, value);
+        }
+        d.field("op_gap_ns", &self.op_gap_ns);
+        for (name, value) in after_gap {
+            d.field(name, value);
+        }
+        d.field("arrival_skew_ns", &self.arrival_skew_ns)
+            .field("late_ranks", &self.late_ranks)
+            .field("late_delay_ns", &self.late_delay_ns)
+            .field("cost", &self.cost)
+            .field("faults", faults)
+            .field("max_events", &self.max_events)
+            .field("max_virtual_ns", &self.max_virtual_ns)
+            .finish()
+    }
+}
+
+/// Declares a simulator's `Faults` (all off by default): the faults the
+/// driver injects (message jitter, SP crashes and their detection, host
+/// rank deaths), then the simulator's own fields given. Declared rather than
+/// embedded so that each `Faults` keeps its fields flat (`Faults {
+/// msg_jitter_ns: 1_000, ..Faults::default() }`).
+macro_rules! sim_faults {
+    ($($(#[$doc:meta])* pub $field:ident: $ty:ty,)*) => {
+        /// Injected faults (all off by default).
+        #[derive(
+            Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize,
+        )]
+        pub struct Faults {
+            /// Each message is delayed by an extra uniform
+            /// `0..=msg_jitter_ns` (this reorders messages between a pair of
+            /// SPs).
+            pub msg_jitter_ns: $crate::Nanos,
+            /// SPs that crash (at least one SP always survives) at uniform
+            /// times in `0..=crash_window_ns`.
+            pub sp_crashes: u32,
+            pub crash_window_ns: $crate::Nanos,
+            /// Every other SP learns of a crash after `detect_delay_ns` plus
+            /// a uniform `0..=detect_delay_ns`; messages from the crashed SP
+            /// that arrive later are dropped.
+            pub detect_delay_ns: $crate::Nanos,
+            /// Host ranks that die at uniform times in `0..=death_window_ns`;
+            /// their SP gets `handle_rank_lost`.
+            pub rank_deaths: u32,
+            pub death_window_ns: $crate::Nanos,
+            $($(#[$doc])* pub $field: $ty,)*
+        }
+    };
+}
+pub(crate) use sim_faults;
+
+/// In a simulator's module, whose `SimConfig` embeds [`Common`] as `common`
+/// and has `faults`: `SimConfig` reads as its `Common` (`Deref`), shows with
+/// `Debug` as one flat struct (its own fields `[$own]`, `[$after_ops]`,
+/// `[$after_gap]` placed as [`Common::fmt_config`] says), `core` (the
+/// driver's [`Core`](super::driver::Core) for it), `schedule_faults` (SP
+/// crashes and rank deaths, drawn from `setup` after everything else), and
+/// `run` (which builds `Sim::new(cfg)`, runs its events, then `final_checks`
+/// and `report`).
+macro_rules! sim_config {
+    ([$($own:ident),*], [$($after_ops:ident),*], [$($after_gap:ident),*]) => {
+        impl std::ops::Deref for SimConfig {
+            type Target = $crate::sim::Common;
+
+            fn deref(&self) -> &$crate::sim::Common {
+                &self.common
+            }
+        }
+
+        impl std::ops::DerefMut for SimConfig {
+            fn deref_mut(&mut self) -> &mut $crate::sim::Common {
+                &mut self.common
+            }
+        }
+
+        impl std::fmt::Debug for SimConfig {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                self.common.fmt_config(
+                    f,
+                    [
+                        &[$((stringify!($own), &self.$own as &dyn std::fmt::Debug)),*],
+                        &[$((stringify!($after_ops), &self.$after_ops as &dyn std::fmt::Debug)),*],
+                        &[$((stringify!($after_gap), &self.$after_gap as &dyn std::fmt::Debug)),*],
+                    ],
+                    &self.faults,
+                )
+            }
+        }
+
+        impl SimConfig {
+            /// The driver's core for this config, and the setup generator.
+            pub(crate) fn core<M, C>(
+                &self,
+            ) -> Result<($crate::sim::driver::Core<M, C>, $crate::sim::rng::Rng), SimFailure> {
+                $crate::sim::driver::Core::new(
+                    self.common,
+                    (self.faults.msg_jitter_ns, self.faults.detect_delay_ns),
+                )
+            }
+
+            /// Schedules the faults (SP crashes, rank deaths), drawn from
+            /// `setup` after everything else.
+            pub(crate) fn schedule_faults<M, C>(
+                &self,
+                core: &mut $crate::sim::driver::Core<M, C>,
+                setup: &mut $crate::sim::rng::Rng,
+            ) {
+                let f = &self.faults;
+                core.schedule_faults(
+                    setup,
+                    (f.sp_crashes, f.crash_window_ns),
+                    (f.rank_deaths, f.death_window_ns),
+                );
+            }
+        }
+
+        /// Run one simulation; `Err` carries the seed and what went wrong.
+        pub fn run(cfg: &SimConfig) -> Result<SimReport, SimFailure> {
+            let mut sim = Sim::new(cfg)?;
+            $crate::sim::driver::run_events(&mut sim)?;
+            sim.final_checks()?;
+            Ok(sim.report())
+        }
+    };
+}
+pub(crate) use sim_config;
+
+/// In a simulator whose collectives are all on the world communicator:
+/// `SimConfig::schedule_world`, the posts of every rank (`ops` collectives
+/// `op_gap_ns` apart, skew, late ranks) and then the faults.
+macro_rules! world_schedule {
+    () => {
+        impl SimConfig {
+            /// Schedules every rank's posts, then the faults.
+            pub(crate) fn schedule_world<M, C>(
+                &self,
+                core: &mut $crate::sim::driver::Core<M, C>,
+                setup: &mut $crate::sim::rng::Rng,
+            ) {
+                core.schedule_world_posts(setup);
+                self.schedule_faults(core, setup);
+            }
+        }
+    };
+}
+pub(crate) use world_schedule;
