@@ -17,9 +17,10 @@ use serde::{Deserialize, Serialize};
 use super::driver::{self, Core, Ev};
 use super::rng::splitmix64;
 use super::shared::world_key;
+pub use super::shared::SimKey;
 use super::{sentinel, Common, SimFailure};
 use crate::allgatherv::{Action, Allgatherv, Config, Copy, Msg, Post, Stats};
-use crate::{CollKey, Nanos, Rank, SpId, Status};
+use crate::{CollKey, Nanos, SpId, Status};
 
 super::config::sim_faults!();
 
@@ -48,14 +49,6 @@ impl SimConfig {
             faults: Faults::default(),
         }
     }
-}
-
-/// Key material: which buffer of which rank of which collective.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub struct SimKey {
-    pub op: u32,
-    pub rank: Rank,
-    pub send: bool,
 }
 
 /// Outcome of a successful run.
@@ -190,17 +183,9 @@ impl<'a> Sim<'a> {
                     rank,
                     members: self.core.rank_sp.clone(),
                     nodes: self.core.rank_node.clone(),
-                    send_key: SimKey {
-                        op: op as u32,
-                        rank,
-                        send: true,
-                    },
+                    send_key: SimKey::send(op, rank),
                     send_len: o.send_buf[r].len() as u64,
-                    recv_key: SimKey {
-                        op: op as u32,
-                        rank,
-                        send: false,
-                    },
+                    recv_key: SimKey::recv(op, rank),
                     recv_counts: o.send_buf.iter().map(|b| b.len() as u64).collect(),
                     recv_displs: o.recv_displs[r].clone(),
                 };
@@ -318,12 +303,7 @@ impl<'a> Sim<'a> {
         if c.src_key.op != op as u32
             || c.src_key.rank != c.src_rank
             || (from_send && c.src_rank != c.seg)
-            || c.dst_key
-                != (SimKey {
-                    op: op as u32,
-                    rank: c.dst_rank,
-                    send: false,
-                })
+            || c.dst_key != SimKey::recv(op, c.dst_rank)
         {
             return bad("wrong keys");
         }

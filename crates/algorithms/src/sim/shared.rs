@@ -2,8 +2,40 @@
 //! ([`super::config`]): macros expanded in each simulator's module, where
 //! `Sim`, `Op` and `SimFailure` are that simulator's, and plain functions.
 
+use serde::{Deserialize, Serialize};
+
 use super::rng::Rng;
-use crate::{CollKey, CommId};
+use crate::{CollKey, CommId, Rank};
+
+/// Key material of the v-collectives' simulators (`allgatherv`,
+/// `alltoallv`): which buffer of which rank of which collective (checked on
+/// every copy, so a mixed-up instance is caught).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct SimKey {
+    pub op: u32,
+    pub rank: Rank,
+    pub send: bool,
+}
+
+impl SimKey {
+    /// The send buffer of `rank` in collective `op`.
+    pub(crate) fn send(op: usize, rank: Rank) -> SimKey {
+        SimKey {
+            op: op as u32,
+            rank,
+            send: true,
+        }
+    }
+
+    /// The receive buffer of `rank` in collective `op`.
+    pub(crate) fn recv(op: usize, rank: Rank) -> SimKey {
+        SimKey {
+            op: op as u32,
+            rank,
+            send: false,
+        }
+    }
+}
 
 /// The [`Collective`](super::driver::Collective) impl of a `Sim` whose
 /// collectives are all on the world communicator, each an `Op` with

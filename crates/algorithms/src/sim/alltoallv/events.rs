@@ -15,16 +15,8 @@ impl<'a> Sim<'a> {
                 let post = Post {
                     rank,
                     members: o.members.clone(),
-                    send_key: SimKey {
-                        op: op as u32,
-                        rank,
-                        send: true,
-                    },
-                    recv_key: SimKey {
-                        op: op as u32,
-                        rank,
-                        send: false,
-                    },
+                    send_key: SimKey::send(op, rank),
+                    recv_key: SimKey::recv(op, rank),
                     send_counts: o.send_counts[r].clone(),
                     send_displs: o.send_displs[r].clone(),
                     recv_counts: o.recv_counts[r].clone(),
@@ -201,16 +193,8 @@ impl<'a> Sim<'a> {
         if c.src_rank as usize >= p || c.dst_rank as usize >= p {
             return Err(self.fail(format!("op {op}: copy with rank out of range: {c:?}")));
         }
-        let want_src = SimKey {
-            op: op as u32,
-            rank: c.src_rank,
-            send: true,
-        };
-        let want_dst = SimKey {
-            op: op as u32,
-            rank: c.dst_rank,
-            send: false,
-        };
+        let want_src = SimKey::send(op, c.src_rank);
+        let want_dst = SimKey::recv(op, c.dst_rank);
         if c.src_key != want_src || c.dst_key != want_dst {
             return Err(self.fail(format!("op {op}: copy with foreign keys: {c:?}")));
         }

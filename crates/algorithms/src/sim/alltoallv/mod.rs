@@ -26,6 +26,7 @@ use serde::{Deserialize, Serialize};
 
 use super::driver::{self, Collective, Core};
 use super::rng::{splitmix64, Rng};
+pub use super::shared::SimKey;
 use super::{sentinel, Common, SimFailure};
 pub use super::{CostModel, Layout};
 use crate::alltoallv::{Action, Alltoallv, Config, Copy, Msg, Post};
@@ -78,15 +79,6 @@ impl SimConfig {
             faults: Faults::default(),
         }
     }
-}
-
-/// Key material in the simulation: which buffer of which rank of which
-/// collective (checked on every copy, so a mixed-up instance is caught).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub struct SimKey {
-    pub op: u32,
-    pub rank: Rank,
-    pub send: bool,
 }
 
 /// Outcome of one collective.
