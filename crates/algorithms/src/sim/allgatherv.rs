@@ -18,7 +18,7 @@ use super::driver::{self, Core, Ev};
 use super::rng::splitmix64;
 use super::shared::world_key;
 pub use super::shared::SimKey;
-use super::{sentinel, Common, SimFailure};
+use super::{sentinel, Common, Outcome, SimFailure};
 use crate::allgatherv::{Action, Allgatherv, Config, Copy, Msg, Post, Stats};
 use crate::{CollKey, Nanos, SpId, Status};
 
@@ -52,28 +52,28 @@ impl SimConfig {
 }
 
 /// Outcome of a successful run.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SimReport {
-    pub seed: u64,
-    pub world_size: u32,
-    pub sps: u32,
+    #[serde(flatten)]
+    pub outcome: Outcome,
     pub end_ns: Nanos,
-    pub events: u64,
-    pub messages: u64,
     pub copies: u64,
     pub bytes_copied_intra_node: u64,
     pub bytes_copied_inter_node: u64,
     /// Sum over ops of each rank's block size times (nodes - 1).
     pub min_inter_node_bytes: u64,
-    pub max_in_flight: usize,
     /// Sum of every instance's counters (pass path, pending path, ...).
     pub stats: Stats,
-    pub error_completions: u64,
-    pub crashed_sps: Vec<SpId>,
-    pub dead_ranks: Vec<u32>,
 }
 
-super::config::sim_config!([max_block_bytes, zero_block_percent, equal_counts], [], []);
+super::config::sim_config! {
+    config: [max_block_bytes, zero_block_percent, equal_counts], [], [];
+    report:
+        [end_ns],
+        [copies, bytes_copied_intra_node, bytes_copied_inter_node, min_inter_node_bytes],
+        [stats],
+        [];
+}
 super::config::world_schedule!();
 
 struct Op {
@@ -454,21 +454,15 @@ impl<'a> Sim<'a> {
         }
         let done = self.ops.iter().flat_map(|o| o.done.iter()).flatten();
         SimReport {
-            seed: self.cfg.seed,
-            world_size: self.cfg.world_size(),
-            sps: self.cfg.sp_count(),
-            end_ns: done.clone().map(|&(t, _)| t).max().unwrap_or(0),
-            events: self.core.events,
-            messages: self.core.messages,
+            outcome: self
+                .core
+                .outcome(done.clone().filter(|(_, s)| !s.is_ok()).count() as u64),
+            end_ns: done.map(|&(t, _)| t).max().unwrap_or(0),
             copies: self.core.copies,
             bytes_copied_intra_node: self.core.bytes_intra,
             bytes_copied_inter_node: self.core.bytes_inter,
             min_inter_node_bytes: self.min_inter(),
-            max_in_flight: self.core.max_in_flight,
             stats,
-            error_completions: done.filter(|(_, s)| !s.is_ok()).count() as u64,
-            crashed_sps: self.core.crashed.clone(),
-            dead_ranks: self.core.dead.clone(),
         }
     }
 }

@@ -1,14 +1,15 @@
-//! What every simulator's configuration has: [`Common`] (the cluster, the
-//! posts' schedule, the cost model, the run's bounds), embedded in each
-//! `SimConfig`, and the faults the driver injects, declared once in each
-//! simulator's `Faults` by [`sim_faults!`].
+//! What every simulator's configuration and report have: [`Common`] (the
+//! cluster, the posts' schedule, the cost model, the run's bounds), embedded
+//! in each `SimConfig`, the faults the driver injects, declared once in each
+//! simulator's `Faults` by [`sim_faults!`], and [`Outcome`] (what every
+//! run reports), embedded in each `SimReport`.
 
 use std::fmt::{self, Debug};
 
 use serde::{Deserialize, Serialize};
 
 use super::{CostModel, Layout};
-use crate::Nanos;
+use crate::{Nanos, SpId};
 
 /// The parameters every simulator has. Each simulator's `SimConfig` embeds
 /// one as `common` and reads as it (`cfg.nodes`, `cfg.world_size()`)
@@ -38,8 +39,72 @@ pub struct Common {
     pub max_virtual_ns: Nanos,
 }
 
-/// A config's own fields shown with `Debug`, by name.
+/// What every simulator's report has. Each simulator's `SimReport` embeds
+/// one as `outcome` and reads as it (`r.events`) through `Deref`; its
+/// `Debug` shows these fields as the report's own.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Outcome {
+    pub seed: u64,
+    pub world_size: u32,
+    pub sps: u32,
+    pub events: u64,
+    /// SP-to-SP messages sent (deliveries inside one SP are not messages).
+    pub messages: u64,
+    /// Highest number of copies in flight observed on any SP.
+    pub max_in_flight: usize,
+    /// Completions with a status other than `Ok`.
+    pub error_completions: u64,
+    pub crashed_sps: Vec<SpId>,
+    pub dead_ranks: Vec<u32>,
+}
+
+/// A config's or a report's own fields shown with `Debug`, by name.
 pub(crate) type Fields<'a> = &'a [(&'static str, &'a dyn Debug)];
+
+/// Writes `name { .. }` with `Debug`, the fields of `parts` in turn, as
+/// `#[derive(Debug)]` on a struct with those fields would.
+fn debug_flat(f: &mut fmt::Formatter<'_>, name: &str, parts: &[Fields<'_>]) -> fmt::Result {
+    let mut d = f.debug_struct(name);
+    for (name, value) in parts.iter().copied().flatten() {
+        d.field(name, value);
+    }
+    d.finish()
+}
+
+impl Outcome {
+    /// Writes a simulator's `SimReport` with `Debug` as if these fields
+    /// were its own: its fields `[own, after_messages, after_in_flight,
+    /// after_errors]` after `sps`, `messages`, `max_in_flight` and
+    /// `error_completions` (the order the reports have always shown).
+    pub(crate) fn fmt_report(
+        &self,
+        f: &mut fmt::Formatter<'_>,
+        [own, after_messages, after_in_flight, after_errors]: [Fields<'_>; 4],
+    ) -> fmt::Result {
+        debug_flat(
+            f,
+            "SimReport",
+            &[
+                &[
+                    ("seed", &self.seed),
+                    ("world_size", &self.world_size),
+                    ("sps", &self.sps),
+                ],
+                own,
+                &[("events", &self.events), ("messages", &self.messages)],
+                after_messages,
+                &[("max_in_flight", &self.max_in_flight)],
+                after_in_flight,
+                &[("error_completions", &self.error_completions)],
+                after_errors,
+                &[
+                    ("crashed_sps", &self.crashed_sps),
+                    ("dead_ranks", &self.dead_ranks),
+                ],
+            ],
+        )
+    }
+}
 
 impl Common {
     /// 8 nodes x 32 ranks, 4 SPs per node, block layout, 4 copies in flight
@@ -89,41 +154,44 @@ impl Common {
     }
 
     /// Writes a simulator's `SimConfig` with `Debug` as if these fields were
-    /// its own: its fields `[own, after_ops, after_gap]` after
-    /// `max_inflight_reads`, `ops` and `op_gap_ns`, its `faults` after
-    /// `cost` (the order the reports have always shown).
+    /// its own: its fields `[own, after_ops, after_gap, after_cost]` after
+    /// `max_inflight_reads`, `ops`, `op_gap_ns` and `cost` (the order the
+    /// reports have always shown).
     pub(crate) fn fmt_config(
         &self,
         f: &mut fmt::Formatter<'_>,
-        [own, after_ops, after_gap]: [Fields<'_>; 3],
-        faults: &dyn Debug,
+        [own, after_ops, after_gap, after_cost]: [Fields<'_>; 4],
     ) -> fmt::Result {
-        let mut d = f.debug_struct("SimConfig");
-        d.field("seed", &self.seed)
-            .field("nodes", &self.nodes)
-            .field("ranks_per_node", &self.ranks_per_node)
-            .field("sps_per_node", &self.sps_per_node)
-            .field("layout", &self.layout)
-            .field("max_inflight_reads", &self.max_inflight_reads);
-        for (name, value) in own {
-            d.field(name, value);
-        }
-        d.field("ops", &self.ops);
-        for (name, value) in after_ops {
-            d.field(name, value);
-        }
-        d.field("op_gap_ns", &self.op_gap_ns);
-        for (name, value) in after_gap {
-            d.field(name, value);
-        }
-        d.field("arrival_skew_ns", &self.arrival_skew_ns)
-            .field("late_ranks", &self.late_ranks)
-            .field("late_delay_ns", &self.late_delay_ns)
-            .field("cost", &self.cost)
-            .field("faults", faults)
-            .field("max_events", &self.max_events)
-            .field("max_virtual_ns", &self.max_virtual_ns)
-            .finish()
+        debug_flat(
+            f,
+            "SimConfig",
+            &[
+                &[
+                    ("seed", &self.seed),
+                    ("nodes", &self.nodes),
+                    ("ranks_per_node", &self.ranks_per_node),
+                    ("sps_per_node", &self.sps_per_node),
+                    ("layout", &self.layout),
+                    ("max_inflight_reads", &self.max_inflight_reads),
+                ],
+                own,
+                &[("ops", &self.ops)],
+                after_ops,
+                &[("op_gap_ns", &self.op_gap_ns)],
+                after_gap,
+                &[
+                    ("arrival_skew_ns", &self.arrival_skew_ns),
+                    ("late_ranks", &self.late_ranks),
+                    ("late_delay_ns", &self.late_delay_ns),
+                    ("cost", &self.cost),
+                ],
+                after_cost,
+                &[
+                    ("max_events", &self.max_events),
+                    ("max_virtual_ns", &self.max_virtual_ns),
+                ],
+            ],
+        )
     }
 }
 
@@ -162,42 +230,23 @@ macro_rules! sim_faults {
 pub(crate) use sim_faults;
 
 /// In a simulator's module, whose `SimConfig` embeds [`Common`] as `common`
-/// and has `faults`: `SimConfig` reads as its `Common` (`Deref`), shows with
-/// `Debug` as one flat struct (its own fields `[$own]`, `[$after_ops]`,
-/// `[$after_gap]` placed as [`Common::fmt_config`] says), `core` (the
-/// driver's [`Core`](super::driver::Core) for it), `schedule_faults` (SP
-/// crashes and rank deaths, drawn from `setup` after everything else), and
-/// `run` (which builds `Sim::new(cfg)`, runs its events, then `final_checks`
-/// and `report`).
+/// and has `faults`, and whose `SimReport` embeds [`Outcome`] as `outcome`:
+/// `SimConfig` and `SimReport` read as what they embed (`Deref`) and show
+/// with `Debug` as flat structs (their own fields, given in lists, placed as
+/// [`Common::fmt_config`] and [`Outcome::fmt_report`] say, `faults` last),
+/// `SimConfig::core` (the driver's [`Core`](super::driver::Core) for it),
+/// `SimConfig::schedule_faults` (SP crashes and rank deaths, drawn from
+/// `setup` after everything else), and `run` (which builds `Sim::new(cfg)`,
+/// runs its events, then `final_checks` and `report`).
 macro_rules! sim_config {
-    ([$($own:ident),*], [$($after_ops:ident),*], [$($after_gap:ident),*]) => {
-        impl std::ops::Deref for SimConfig {
-            type Target = $crate::sim::Common;
-
-            fn deref(&self) -> &$crate::sim::Common {
-                &self.common
-            }
-        }
-
-        impl std::ops::DerefMut for SimConfig {
-            fn deref_mut(&mut self) -> &mut $crate::sim::Common {
-                &mut self.common
-            }
-        }
-
-        impl std::fmt::Debug for SimConfig {
-            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                self.common.fmt_config(
-                    f,
-                    [
-                        &[$((stringify!($own), &self.$own as &dyn std::fmt::Debug)),*],
-                        &[$((stringify!($after_ops), &self.$after_ops as &dyn std::fmt::Debug)),*],
-                        &[$((stringify!($after_gap), &self.$after_gap as &dyn std::fmt::Debug)),*],
-                    ],
-                    &self.faults,
-                )
-            }
-        }
+    (
+        config: $([$($config:ident),* $(,)?]),*;
+        report: $([$($report:ident),* $(,)?]),*;
+    ) => {
+        $crate::sim::config::embeds!(
+            SimConfig.common: $crate::sim::Common => fmt_config($([$($config),*],)* [faults]);
+            SimReport.outcome: $crate::sim::Outcome => fmt_report($([$($report),*]),*);
+        );
 
         impl SimConfig {
             /// The driver's core for this config, and the setup generator.
@@ -256,3 +305,34 @@ macro_rules! world_schedule {
     };
 }
 pub(crate) use world_schedule;
+
+/// Each `$ty`, which embeds a `$common` as `$field`, reads as it (`Deref`,
+/// `DerefMut`) and shows with `Debug` as one flat struct: `$common::$fmt`
+/// places `$ty`'s own fields, given in lists, among its own.
+macro_rules! embeds {
+    ($($ty:ident.$field:ident: $common:ty => $fmt:ident($([$($own:ident),*]),*);)*) => {$(
+        impl std::ops::Deref for $ty {
+            type Target = $common;
+
+            fn deref(&self) -> &$common {
+                &self.$field
+            }
+        }
+
+        impl std::ops::DerefMut for $ty {
+            fn deref_mut(&mut self) -> &mut $common {
+                &mut self.$field
+            }
+        }
+
+        impl std::fmt::Debug for $ty {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                self.$field.$fmt(
+                    f,
+                    [$(&[$((stringify!($own), &self.$own as &dyn std::fmt::Debug)),*]),*],
+                )
+            }
+        }
+    )*};
+}
+pub(crate) use embeds;

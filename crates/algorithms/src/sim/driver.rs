@@ -8,7 +8,7 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use super::rng::Rng;
-use super::{place_rank, Common, SimFailure};
+use super::{place_rank, Common, Outcome, SimFailure};
 use crate::sched::CopyLimiter;
 use crate::{Nanos, Rank, SpId, Status};
 
@@ -130,6 +130,21 @@ impl<M, C> Core<M, C> {
 
     pub fn sp_count(&self) -> u32 {
         self.p.sp_count()
+    }
+
+    /// What every report says of this run, with its `error_completions`.
+    pub fn outcome(&self, error_completions: u64) -> Outcome {
+        Outcome {
+            seed: self.p.seed,
+            world_size: self.p.world_size(),
+            sps: self.sp_count(),
+            events: self.events,
+            messages: self.messages,
+            max_in_flight: self.max_in_flight,
+            error_completions,
+            crashed_sps: self.crashed.clone(),
+            dead_ranks: self.dead.clone(),
+        }
     }
 
     pub fn fail(&self, what: impl Into<String>) -> SimFailure {
@@ -496,21 +511,25 @@ pub(crate) fn run_events<S: Collective>(sim: &mut S) -> Result<(), SimFailure> {
     }
 }
 
-/// Runs `config(seed)` for seeds 1 to 4 with mutation `m` switched on
-/// through `set`; every seed must fail with a message containing one of
-/// `want`. Returns the first failure.
+/// Runs `cfg` with seeds 1 to 4 with mutation `m` switched on through
+/// `set`; every seed must fail with a message containing one of `want`.
+/// Returns the first failure.
 #[cfg(test)]
 pub(crate) fn caught<M: Copy + std::fmt::Debug, C, R: std::fmt::Debug>(
     m: M,
     set: fn(Option<M>),
-    config: impl Fn(u64) -> C,
+    cfg: C,
     run: fn(&C) -> Result<R, SimFailure>,
     want: &[&str],
-) -> String {
+) -> String
+where
+    C: Copy + std::ops::DerefMut<Target = Common>,
+{
     set(Some(m));
     let mut first = None;
     for seed in 1..=4 {
-        let c = config(seed);
+        let mut c = cfg;
+        c.seed = seed;
         let res = run(&c);
         let e = match res {
             Ok(r) => {

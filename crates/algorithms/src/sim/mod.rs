@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::{Nanos, SpId};
 
-pub use config::Common;
+pub use config::{Common, Outcome};
 
 pub mod allgatherv;
 pub mod alltoallv;

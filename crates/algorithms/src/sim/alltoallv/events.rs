@@ -377,25 +377,17 @@ impl<'a> Sim<'a> {
             .filter(|d| matches!(d, Some((_, s)) if !s.is_ok()))
             .count() as u64;
         SimReport {
-            seed: self.cfg.seed,
-            world_size: self.cfg.world_size(),
-            sps: self.cfg.sp_count(),
+            outcome: self.core.outcome(error_completions),
             end_ns: ops.iter().filter_map(|o| o.done_ns).max().unwrap_or(0),
             ops,
-            events: self.core.events,
-            messages: self.core.messages,
             copies: self.core.copies,
             bytes_copied_intra_node: self.core.bytes_intra,
             bytes_copied_inter_node: self.core.bytes_inter,
-            max_in_flight: self.core.max_in_flight,
             late_announcements: self
                 .inst
                 .values()
                 .map(|a| a.stats().late_announcements)
                 .sum(),
-            error_completions,
-            crashed_sps: self.core.crashed.clone(),
-            dead_ranks: self.core.dead.clone(),
         }
     }
 }

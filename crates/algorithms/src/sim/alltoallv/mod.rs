@@ -27,7 +27,7 @@ use serde::{Deserialize, Serialize};
 use super::driver::{self, Collective, Core};
 use super::rng::{splitmix64, Rng};
 pub use super::shared::SimKey;
-use super::{sentinel, Common, SimFailure};
+use super::{sentinel, Common, Outcome, SimFailure};
 pub use super::{CostModel, Layout};
 use crate::alltoallv::{Action, Alltoallv, Config, Copy, Msg, Post};
 
@@ -97,32 +97,25 @@ pub struct OpReport {
 }
 
 /// Outcome of a successful (all checks passed) run.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SimReport {
-    pub seed: u64,
-    pub world_size: u32,
-    pub sps: u32,
+    #[serde(flatten)]
+    pub outcome: Outcome,
     pub ops: Vec<OpReport>,
     /// Last completion over all collectives.
     pub end_ns: Nanos,
-    pub events: u64,
-    /// SP-to-SP messages sent (deliveries inside one SP are not messages).
-    pub messages: u64,
     pub copies: u64,
     pub bytes_copied_intra_node: u64,
     pub bytes_copied_inter_node: u64,
-    /// Highest number of copies in flight observed on any SP.
-    pub max_in_flight: usize,
     /// Announcements that arrived before their destination rank posted.
     pub late_announcements: u64,
-    /// Completions with a status other than `Ok`.
-    pub error_completions: u64,
-    pub crashed_sps: Vec<SpId>,
-    pub dead_ranks: Vec<u32>,
 }
 
-super::config::sim_config!(
-    [max_block_bytes, zero_block_percent],
-    [overlap_ops],
-    [sub_comms]
-);
+super::config::sim_config! {
+    config: [max_block_bytes, zero_block_percent], [overlap_ops], [sub_comms];
+    report:
+        [ops, end_ns],
+        [copies, bytes_copied_intra_node, bytes_copied_inter_node],
+        [late_announcements],
+        [];
+}

@@ -55,7 +55,7 @@ use serde::{Deserialize, Serialize};
 use super::driver::{self, Core, Ev};
 use super::rng::splitmix64;
 use super::shared::{draw_len, world_key};
-use super::{sentinel, Common, SimFailure};
+use super::{sentinel, Common, Outcome, SimFailure};
 use crate::bcast::{Action, Bcast, Config, Copy, Design, Loc, Move, Msg, Post, Stats};
 use crate::{CollKey, Nanos, Rank, SpId, Status};
 
@@ -127,19 +127,16 @@ pub struct SimKey {
 }
 
 /// Outcome of a successful run.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SimReport {
-    pub seed: u64,
-    pub world_size: u32,
-    pub sps: u32,
+    #[serde(flatten)]
+    pub outcome: Outcome,
     /// Latest time a rank had the message in its own buffer: its
     /// completion, plus the host's copy out of the segment for
     /// `from_segment` completions.
     pub end_ns: Nanos,
     /// Latest completion emitted by an SP.
     pub sp_end_ns: Nanos,
-    pub events: u64,
-    pub messages: u64,
     pub moves: u64,
     pub copies: u64,
     pub bytes_moved_inter_node: u64,
@@ -148,24 +145,23 @@ pub struct SimReport {
     pub min_inter_node_bytes: u64,
     /// Bytes copied by SPs (reads from roots, writes to buffers/segments).
     pub bytes_copied: u64,
-    pub max_in_flight: usize,
     /// Instance counters summed (`max_slots_in_use`: the maximum).
     pub stats: Stats,
-    pub error_completions: u64,
-    pub crashed_sps: Vec<SpId>,
-    pub dead_ranks: Vec<u32>,
 }
 
-super::config::sim_config!(
-    [
-        design,
-        chunk_bytes,
-        staging_slots,
-        root,
-        len_bytes,
-        max_len_bytes
-    ],
-    [],
-    []
-);
+super::config::sim_config! {
+    config: [design, chunk_bytes, staging_slots, root, len_bytes, max_len_bytes], [], [];
+    report:
+        [end_ns, sp_end_ns],
+        [
+            moves,
+            copies,
+            bytes_moved_inter_node,
+            bytes_moved_intra_node,
+            min_inter_node_bytes,
+            bytes_copied,
+        ],
+        [stats],
+        [];
+}
 super::config::world_schedule!();

@@ -63,7 +63,7 @@ use serde::{Deserialize, Serialize};
 
 use super::driver::{self, Core, Ev};
 use super::shared::{draw_len, world_key};
-use super::{Common, SimFailure};
+use super::{Common, Outcome, SimFailure};
 use crate::staged_allgather::{
     node_owner, refusal, Action, Config, Copy, Design, Loc, Msg, Post, StagedAllgather, Stats,
 };
@@ -173,19 +173,16 @@ pub struct SimKey {
 }
 
 /// Outcome of a successful run.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SimReport {
-    pub seed: u64,
-    pub world_size: u32,
-    pub sps: u32,
+    #[serde(flatten)]
+    pub outcome: Outcome,
     /// Latest time a rank had the data in its own buffer: its completion,
     /// plus the host's copy out of the region for `from_segment`
     /// completions.
     pub end_ns: Nanos,
     /// Latest completion emitted by an SP.
     pub sp_end_ns: Nanos,
-    pub events: u64,
-    pub messages: u64,
     /// Chunk reads and writes that finished `Ok`.
     pub reads: u64,
     pub writes: u64,
@@ -197,27 +194,26 @@ pub struct SimReport {
     /// Busy time of the busiest directed node link (writes only): a lower
     /// bound of the run under this cost model.
     pub max_link_busy_ns: Nanos,
-    pub max_in_flight: usize,
     /// Instance counters summed (`max_slots_in_use`: the maximum).
     pub stats: Stats,
-    pub error_completions: u64,
     /// Messages that reached a finished instance: dropped, or answered.
     pub after_finish_dropped: u64,
     pub after_finish_refused: u64,
-    pub crashed_sps: Vec<SpId>,
-    pub dead_ranks: Vec<u32>,
 }
 
-super::config::sim_config!(
-    [
-        design,
-        mixed_designs,
-        chunk_bytes,
-        staging_slots,
-        len_bytes,
-        max_len_bytes
-    ],
-    [],
-    []
-);
+super::config::sim_config! {
+    config: [design, mixed_designs, chunk_bytes, staging_slots, len_bytes, max_len_bytes], [], [];
+    report:
+        [end_ns, sp_end_ns],
+        [
+            reads,
+            writes,
+            bytes_inter_node,
+            bytes_intra_node,
+            expected_inter_node_bytes,
+            max_link_busy_ns,
+        ],
+        [stats],
+        [after_finish_dropped, after_finish_refused];
+}
 super::config::world_schedule!();
