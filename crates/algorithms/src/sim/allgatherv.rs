@@ -17,112 +17,64 @@ use serde::{Deserialize, Serialize};
 use super::driver::{self, Core, Ev};
 use super::rng::splitmix64;
 use super::shared::world_key;
-use super::{sentinel, CostModel, Layout, SimFailure};
+pub use super::shared::SimKey;
+use super::{sentinel, Common, Outcome, SimFailure};
 use crate::allgatherv::{Action, Allgatherv, Config, Copy, Msg, Post, Stats};
-use crate::{CollKey, Nanos, Rank, SpId, Status};
+use crate::{CollKey, Nanos, SpId, Status};
 
-/// Injected faults (all off by default).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Faults {
-    /// Extra uniform `0..=msg_jitter_ns` per message.
-    pub msg_jitter_ns: Nanos,
-    /// SPs that crash at uniform times in `0..=crash_window_ns`.
-    pub sp_crashes: u32,
-    pub crash_window_ns: Nanos,
-    /// Others learn of a crash after `detect_delay_ns` + uniform
-    /// `0..=detect_delay_ns`.
-    pub detect_delay_ns: Nanos,
-    /// Host ranks that die at uniform times in `0..=death_window_ns`.
-    pub rank_deaths: u32,
-    pub death_window_ns: Nanos,
-}
+super::config::sim_faults!();
 
 /// Everything a run depends on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SimConfig {
-    pub seed: u64,
-    pub nodes: u32,
-    pub ranks_per_node: u32,
-    pub sps_per_node: u32,
-    pub layout: Layout,
-    pub max_inflight_reads: usize,
+    #[serde(flatten)]
+    pub common: Common,
     /// Per-rank block sizes uniform in `0..=max_block_bytes` ...
     pub max_block_bytes: u64,
     /// ... except this share (percent) forced to 0.
     pub zero_block_percent: u32,
     /// true: all blocks have the same size (Allgather).
     pub equal_counts: bool,
-    /// Collectives, each posted at `i * op_gap_ns` + skew by every rank.
-    pub ops: u32,
-    pub op_gap_ns: Nanos,
-    pub arrival_skew_ns: Nanos,
-    /// World ranks that are always `late_delay_ns` later.
-    pub late_ranks: u32,
-    pub late_delay_ns: Nanos,
-    pub cost: CostModel,
     pub faults: Faults,
-    pub max_events: u64,
-    pub max_virtual_ns: Nanos,
 }
 
 impl SimConfig {
-    /// 8 nodes x 32 ranks, 4 SPs per node, block layout, one collective.
+    /// [`Common::new`], blocks up to 64 bytes (10% empty), no faults.
     pub fn new(seed: u64) -> SimConfig {
         SimConfig {
-            seed,
-            nodes: 8,
-            ranks_per_node: 32,
-            sps_per_node: 4,
-            layout: Layout::Block,
-            max_inflight_reads: 4,
+            common: Common::new(seed),
             max_block_bytes: 64,
             zero_block_percent: 10,
             equal_counts: false,
-            ops: 1,
-            op_gap_ns: 0,
-            arrival_skew_ns: 20_000,
-            late_ranks: 4,
-            late_delay_ns: 100_000,
-            cost: CostModel::default(),
             faults: Faults::default(),
-            max_events: 100_000_000,
-            max_virtual_ns: 100_000_000_000,
         }
     }
 }
 
-/// Key material: which buffer of which rank of which collective.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub struct SimKey {
-    pub op: u32,
-    pub rank: Rank,
-    pub send: bool,
-}
-
 /// Outcome of a successful run.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SimReport {
-    pub seed: u64,
-    pub world_size: u32,
-    pub sps: u32,
+    #[serde(flatten)]
+    pub outcome: Outcome,
     pub end_ns: Nanos,
-    pub events: u64,
-    pub messages: u64,
     pub copies: u64,
     pub bytes_copied_intra_node: u64,
     pub bytes_copied_inter_node: u64,
     /// Sum over ops of each rank's block size times (nodes - 1).
     pub min_inter_node_bytes: u64,
-    pub max_in_flight: usize,
     /// Sum of every instance's counters (pass path, pending path, ...).
     pub stats: Stats,
-    pub error_completions: u64,
-    pub crashed_sps: Vec<SpId>,
-    pub dead_ranks: Vec<u32>,
 }
 
-super::shared::sim_config!();
-super::shared::world_schedule!();
+super::config::sim_config! {
+    config: [max_block_bytes, zero_block_percent, equal_counts], [], [];
+    report:
+        [end_ns],
+        [copies, bytes_copied_intra_node, bytes_copied_inter_node, min_inter_node_bytes],
+        [stats],
+        [];
+}
+super::config::world_schedule!();
 
 struct Op {
     key: CollKey,
@@ -147,7 +99,7 @@ super::shared::world_collective!((usize, Msg<SimKey>), Copy<SimKey>);
 
 impl<'a> Sim<'a> {
     fn new(cfg: &'a SimConfig) -> Result<Sim<'a>, SimFailure> {
-        let (core, mut setup) = Core::new(cfg.params())?;
+        let (core, mut setup) = cfg.core()?;
         let w = cfg.world_size();
         let p = w as usize;
         let mut ops = Vec::new();
@@ -231,17 +183,9 @@ impl<'a> Sim<'a> {
                     rank,
                     members: self.core.rank_sp.clone(),
                     nodes: self.core.rank_node.clone(),
-                    send_key: SimKey {
-                        op: op as u32,
-                        rank,
-                        send: true,
-                    },
+                    send_key: SimKey::send(op, rank),
                     send_len: o.send_buf[r].len() as u64,
-                    recv_key: SimKey {
-                        op: op as u32,
-                        rank,
-                        send: false,
-                    },
+                    recv_key: SimKey::recv(op, rank),
                     recv_counts: o.send_buf.iter().map(|b| b.len() as u64).collect(),
                     recv_displs: o.recv_displs[r].clone(),
                 };
@@ -359,12 +303,7 @@ impl<'a> Sim<'a> {
         if c.src_key.op != op as u32
             || c.src_key.rank != c.src_rank
             || (from_send && c.src_rank != c.seg)
-            || c.dst_key
-                != (SimKey {
-                    op: op as u32,
-                    rank: c.dst_rank,
-                    send: false,
-                })
+            || c.dst_key != SimKey::recv(op, c.dst_rank)
         {
             return bad("wrong keys");
         }
@@ -515,21 +454,15 @@ impl<'a> Sim<'a> {
         }
         let done = self.ops.iter().flat_map(|o| o.done.iter()).flatten();
         SimReport {
-            seed: self.cfg.seed,
-            world_size: self.cfg.world_size(),
-            sps: self.cfg.sp_count(),
-            end_ns: done.clone().map(|&(t, _)| t).max().unwrap_or(0),
-            events: self.core.events,
-            messages: self.core.messages,
+            outcome: self
+                .core
+                .outcome(done.clone().filter(|(_, s)| !s.is_ok()).count() as u64),
+            end_ns: done.map(|&(t, _)| t).max().unwrap_or(0),
             copies: self.core.copies,
             bytes_copied_intra_node: self.core.bytes_intra,
             bytes_copied_inter_node: self.core.bytes_inter,
             min_inter_node_bytes: self.min_inter(),
-            max_in_flight: self.core.max_in_flight,
             stats,
-            error_completions: done.filter(|(_, s)| !s.is_ok()).count() as u64,
-            crashed_sps: self.core.crashed.clone(),
-            dead_ranks: self.core.dead.clone(),
         }
     }
 }

@@ -8,7 +8,7 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use super::rng::Rng;
-use super::{place_rank, CostModel, Layout, SimFailure};
+use super::{place_rank, Common, Outcome, SimFailure};
 use crate::sched::CopyLimiter;
 use crate::{Nanos, Rank, SpId, Status};
 
@@ -48,24 +48,11 @@ pub(crate) struct SpState<M, C> {
     pub known_lost: BTreeSet<SpId>,
 }
 
-/// The parts of a simulator configuration the driver needs.
-pub(crate) struct Params {
-    pub seed: u64,
-    pub nodes: u32,
-    pub ranks_per_node: u32,
-    pub sps_per_node: u32,
-    pub layout: Layout,
-    pub max_inflight_reads: usize,
-    pub cost: CostModel,
-    pub msg_jitter_ns: Nanos,
-    pub detect_delay_ns: Nanos,
-    pub max_events: u64,
-    pub max_virtual_ns: Nanos,
-}
-
 /// Driver state common to the simulators.
 pub(crate) struct Core<M, C> {
-    pub p: Params,
+    pub p: Common,
+    msg_jitter_ns: Nanos,
+    detect_delay_ns: Nanos,
     pub rng: Rng,
     pub now: Nanos,
     seq: u64,
@@ -87,9 +74,13 @@ pub(crate) struct Core<M, C> {
 }
 
 impl<M, C> Core<M, C> {
-    /// The core and the setup generator (the run's generator is forked
-    /// from it first).
-    pub fn new(p: Params) -> Result<(Core<M, C>, Rng), SimFailure> {
+    /// The core for `p` with messages delayed by up to `msg_jitter_ns` and
+    /// crashes detected after `detect_delay_ns` to twice that, and the setup
+    /// generator (the run's generator is forked from it first).
+    pub fn new(
+        p: Common,
+        (msg_jitter_ns, detect_delay_ns): (Nanos, Nanos),
+    ) -> Result<(Core<M, C>, Rng), SimFailure> {
         if p.nodes == 0 || p.ranks_per_node == 0 || p.sps_per_node == 0 {
             return Err(SimFailure {
                 seed: p.seed,
@@ -114,6 +105,8 @@ impl<M, C> Core<M, C> {
             .collect();
         let core = Core {
             p,
+            msg_jitter_ns,
+            detect_delay_ns,
             rng,
             now: 0,
             seq: 0,
@@ -136,7 +129,22 @@ impl<M, C> Core<M, C> {
     }
 
     pub fn sp_count(&self) -> u32 {
-        self.p.nodes * self.p.sps_per_node
+        self.p.sp_count()
+    }
+
+    /// What every report says of this run, with its `error_completions`.
+    pub fn outcome(&self, error_completions: u64) -> Outcome {
+        Outcome {
+            seed: self.p.seed,
+            world_size: self.p.world_size(),
+            sps: self.sp_count(),
+            events: self.events,
+            messages: self.messages,
+            max_in_flight: self.max_in_flight,
+            error_completions,
+            crashed_sps: self.crashed.clone(),
+            dead_ranks: self.dead.clone(),
+        }
     }
 
     pub fn fail(&self, what: impl Into<String>) -> SimFailure {
@@ -187,27 +195,25 @@ impl<M, C> Core<M, C> {
         }
     }
 
-    /// Every world rank posts each of `ops` collectives of the world comm
-    /// at `op * op_gap_ns` + uniform `0..=arrival_skew_ns`, plus
+    /// Every world rank posts each of the `ops` collectives of the world
+    /// comm at `op * op_gap_ns` + uniform `0..=arrival_skew_ns`, plus
     /// `late_delay_ns` for `late_ranks` world ranks picked at random.
-    pub fn schedule_world_posts(
-        &mut self,
-        setup: &mut Rng,
-        ops: u32,
-        op_gap_ns: Nanos,
-        arrival_skew_ns: Nanos,
-        (late_ranks, late_delay_ns): (u32, Nanos),
-    ) {
+    pub fn schedule_world_posts(&mut self, setup: &mut Rng) {
+        let p = self.p;
         let w = self.rank_sp.len() as u32;
         let late: BTreeSet<u32> = {
             let mut all: Vec<u32> = (0..w).collect();
             setup.shuffle(&mut all);
-            all.into_iter().take(late_ranks as usize).collect()
+            all.into_iter().take(p.late_ranks as usize).collect()
         };
-        for op in 0..ops as usize {
+        for op in 0..p.ops as usize {
             for r in 0..w {
-                let late_ns = if late.contains(&r) { late_delay_ns } else { 0 };
-                let t = op as Nanos * op_gap_ns + setup.range(0, arrival_skew_ns) + late_ns;
+                let late_ns = if late.contains(&r) {
+                    p.late_delay_ns
+                } else {
+                    0
+                };
+                let t = op as Nanos * p.op_gap_ns + setup.range(0, p.arrival_skew_ns) + late_ns;
                 self.schedule_post(t, r, op, r);
             }
         }
@@ -291,7 +297,7 @@ impl<M, C> Core<M, C> {
         let free = self.link_free.entry(link).or_insert(0);
         let departed = (*free).max(out) + wire.div_ceil(bw.max(1));
         *free = departed;
-        let jitter = self.rng.range(0, self.p.msg_jitter_ns);
+        let jitter = self.rng.range(0, self.msg_jitter_ns);
         self.schedule(
             departed + lat + jitter,
             Ev::Input {
@@ -399,7 +405,7 @@ impl<M, C> Core<M, C> {
         s.inbox.clear();
         s.limiter.clear_queued().for_each(drop);
         self.crashed.push(sp);
-        let delay = self.p.detect_delay_ns;
+        let delay = self.detect_delay_ns;
         for other in 0..self.sp_count() {
             if other != sp && self.sps[other as usize].alive {
                 let at = self.now + delay + self.rng.range(0, delay);
@@ -505,21 +511,25 @@ pub(crate) fn run_events<S: Collective>(sim: &mut S) -> Result<(), SimFailure> {
     }
 }
 
-/// Runs `config(seed)` for seeds 1 to 4 with mutation `m` switched on
-/// through `set`; every seed must fail with a message containing one of
-/// `want`. Returns the first failure.
+/// Runs `cfg` with seeds 1 to 4 with mutation `m` switched on through
+/// `set`; every seed must fail with a message containing one of `want`.
+/// Returns the first failure.
 #[cfg(test)]
 pub(crate) fn caught<M: Copy + std::fmt::Debug, C, R: std::fmt::Debug>(
     m: M,
     set: fn(Option<M>),
-    config: impl Fn(u64) -> C,
+    cfg: C,
     run: fn(&C) -> Result<R, SimFailure>,
     want: &[&str],
-) -> String {
+) -> String
+where
+    C: Copy + std::ops::DerefMut<Target = Common>,
+{
     set(Some(m));
     let mut first = None;
     for seed in 1..=4 {
-        let c = config(seed);
+        let mut c = cfg;
+        c.seed = seed;
         let res = run(&c);
         let e = match res {
             Ok(r) => {

@@ -7,13 +7,14 @@
 
 use std::fmt;
 
-use serde::{Deserialize, Serialize};
+use crate::SpId;
 
-use crate::{Nanos, SpId};
+pub use config::{Common, CostModel, Layout, Outcome};
 
 pub mod allgatherv;
 pub mod alltoallv;
 pub mod bcast;
+mod config;
 mod driver;
 pub mod rng;
 mod shared;
@@ -37,53 +38,6 @@ impl fmt::Display for SimFailure {
 }
 
 impl std::error::Error for SimFailure {}
-
-/// Placement of world ranks on nodes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Layout {
-    /// node = rank / ranks_per_node.
-    Block,
-    /// node = rank % nodes.
-    Cyclic,
-}
-
-/// Virtual-time costs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct CostModel {
-    /// One-way latency of a message between SPs on different nodes.
-    pub inter_node_latency_ns: Nanos,
-    /// One-way latency of a message between SPs of the same node.
-    pub intra_node_latency_ns: Nanos,
-    /// SP time spent on each input (post, message, copy completion, ...).
-    pub msg_proc_ns: Nanos,
-    /// Fixed cost of a copy whose source is on another node.
-    pub copy_fixed_inter_ns: Nanos,
-    /// Fixed cost of a copy within a node.
-    pub copy_fixed_intra_ns: Nanos,
-    /// Bandwidth between nodes (bytes per ns, at least 1), for copies and
-    /// for messages (each directed node-to-node link sends one message at a
-    /// time; copies do not contend with each other).
-    pub inter_node_bytes_per_ns: u64,
-    /// Bandwidth within a node (bytes per ns, at least 1), likewise.
-    pub intra_node_bytes_per_ns: u64,
-    /// Wire size of a message on top of its fields (CollKey, framing).
-    pub msg_header_bytes: u64,
-}
-
-impl Default for CostModel {
-    fn default() -> Self {
-        CostModel {
-            inter_node_latency_ns: 1_500,
-            intra_node_latency_ns: 200,
-            msg_proc_ns: 100,
-            copy_fixed_inter_ns: 2_000,
-            copy_fixed_intra_ns: 400,
-            inter_node_bytes_per_ns: 12,
-            intra_node_bytes_per_ns: 48,
-            msg_header_bytes: 32,
-        }
-    }
-}
 
 /// (node, SP) of world rank `r`: block or cyclic placement on nodes, and
 /// SP = node * sps_per_node + (index of the rank on its node) % sps_per_node.

@@ -1,101 +1,41 @@
-//! What the simulators' modules share beyond the driver: their configs are
-//! different types with the same driver fields (`seed`, `nodes`,
-//! `ranks_per_node`, `sps_per_node`, `layout`, `max_inflight_reads`, `ops`,
-//! `op_gap_ns`, `arrival_skew_ns`, `late_ranks`, `late_delay_ns`, `cost`,
-//! `faults.{msg_jitter_ns, detect_delay_ns, sp_crashes, crash_window_ns,
-//! rank_deaths, death_window_ns}`, `max_events`, `max_virtual_ns`), so
-//! what reads those fields is a macro expanded in each simulator's module,
-//! where `SimConfig`, `SimReport`, `Sim` and `SimFailure` are that
-//! simulator's. What does not read them is a plain function.
+//! What the simulators' modules share beyond the driver and the config
+//! ([`super::config`]): macros expanded in each simulator's module, where
+//! `Sim`, `Op` and `SimFailure` are that simulator's, and plain functions.
+
+use serde::{Deserialize, Serialize};
 
 use super::rng::Rng;
-use crate::{CollKey, CommId};
+use crate::{CollKey, CommId, Rank};
 
-/// In a simulator's module: `SimConfig::{world_size, sp_count, params}` and
-/// `run` (which builds `Sim::new(cfg)`, runs its events, then
-/// `final_checks` and `report`).
-macro_rules! sim_config {
-    () => {
-        impl SimConfig {
-            /// `nodes * ranks_per_node`.
-            pub fn world_size(&self) -> u32 {
-                self.nodes * self.ranks_per_node
-            }
-
-            /// `nodes * sps_per_node`.
-            pub fn sp_count(&self) -> u32 {
-                self.nodes * self.sps_per_node
-            }
-
-            /// The part of this config the driver needs.
-            pub(crate) fn params(&self) -> $crate::sim::driver::Params {
-                $crate::sim::driver::Params {
-                    seed: self.seed,
-                    nodes: self.nodes,
-                    ranks_per_node: self.ranks_per_node,
-                    sps_per_node: self.sps_per_node,
-                    layout: self.layout,
-                    max_inflight_reads: self.max_inflight_reads,
-                    cost: self.cost,
-                    msg_jitter_ns: self.faults.msg_jitter_ns,
-                    detect_delay_ns: self.faults.detect_delay_ns,
-                    max_events: self.max_events,
-                    max_virtual_ns: self.max_virtual_ns,
-                }
-            }
-
-            /// Schedules the faults (SP crashes, rank deaths), drawn from
-            /// `setup` after everything else.
-            pub(crate) fn schedule_faults<M, C>(
-                &self,
-                core: &mut $crate::sim::driver::Core<M, C>,
-                setup: &mut $crate::sim::rng::Rng,
-            ) {
-                let f = &self.faults;
-                core.schedule_faults(
-                    setup,
-                    (f.sp_crashes, f.crash_window_ns),
-                    (f.rank_deaths, f.death_window_ns),
-                );
-            }
-        }
-
-        /// Run one simulation; `Err` carries the seed and what went wrong.
-        pub fn run(cfg: &SimConfig) -> Result<SimReport, SimFailure> {
-            let mut sim = Sim::new(cfg)?;
-            $crate::sim::driver::run_events(&mut sim)?;
-            sim.final_checks()?;
-            Ok(sim.report())
-        }
-    };
+/// Key material of the v-collectives' simulators (`allgatherv`,
+/// `alltoallv`): which buffer of which rank of which collective (checked on
+/// every copy, so a mixed-up instance is caught).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct SimKey {
+    pub op: u32,
+    pub rank: Rank,
+    pub send: bool,
 }
-pub(crate) use sim_config;
 
-/// In a simulator whose collectives are all on the world communicator:
-/// `SimConfig::schedule_world`, the posts of every rank (`ops` collectives
-/// `op_gap_ns` apart, skew, late ranks) and then the faults.
-macro_rules! world_schedule {
-    () => {
-        impl SimConfig {
-            /// Schedules every rank's posts, then the faults.
-            pub(crate) fn schedule_world<M, C>(
-                &self,
-                core: &mut $crate::sim::driver::Core<M, C>,
-                setup: &mut $crate::sim::rng::Rng,
-            ) {
-                core.schedule_world_posts(
-                    setup,
-                    self.ops,
-                    self.op_gap_ns,
-                    self.arrival_skew_ns,
-                    (self.late_ranks, self.late_delay_ns),
-                );
-                self.schedule_faults(core, setup);
-            }
+impl SimKey {
+    /// The send buffer of `rank` in collective `op`.
+    pub(crate) fn send(op: usize, rank: Rank) -> SimKey {
+        SimKey {
+            op: op as u32,
+            rank,
+            send: true,
         }
-    };
+    }
+
+    /// The receive buffer of `rank` in collective `op`.
+    pub(crate) fn recv(op: usize, rank: Rank) -> SimKey {
+        SimKey {
+            op: op as u32,
+            rank,
+            send: false,
+        }
+    }
 }
-pub(crate) use world_schedule;
 
 /// The [`Collective`](super::driver::Collective) impl of a `Sim` whose
 /// collectives are all on the world communicator, each an `Op` with

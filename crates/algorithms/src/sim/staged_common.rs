@@ -284,3 +284,26 @@ macro_rules! staged_complete {
     };
 }
 pub(crate) use staged_complete;
+
+/// Runs the config `cfg(design)` gives for each design, flat then
+/// hierarchical: each run must pass its checks without an error completion.
+/// The reports, each shown on stderr.
+#[cfg(test)]
+pub(crate) fn clean_by_design<C, R>(
+    cfg: impl Fn(crate::staged::Design) -> C,
+    run: fn(&C) -> Result<R, SimFailure>,
+) -> Vec<R>
+where
+    R: std::fmt::Debug + std::ops::Deref<Target = super::Outcome>,
+{
+    use crate::staged::Design;
+    [Design::Flat, Design::Hier]
+        .into_iter()
+        .map(|design| {
+            let r = run(&cfg(design)).unwrap();
+            eprintln!("{r:?}");
+            assert_eq!(r.error_completions, 0);
+            r
+        })
+        .collect()
+}

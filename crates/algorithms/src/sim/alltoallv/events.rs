@@ -15,16 +15,8 @@ impl<'a> Sim<'a> {
                 let post = Post {
                     rank,
                     members: o.members.clone(),
-                    send_key: SimKey {
-                        op: op as u32,
-                        rank,
-                        send: true,
-                    },
-                    recv_key: SimKey {
-                        op: op as u32,
-                        rank,
-                        send: false,
-                    },
+                    send_key: SimKey::send(op, rank),
+                    recv_key: SimKey::recv(op, rank),
                     send_counts: o.send_counts[r].clone(),
                     send_displs: o.send_displs[r].clone(),
                     recv_counts: o.recv_counts[r].clone(),
@@ -201,16 +193,8 @@ impl<'a> Sim<'a> {
         if c.src_rank as usize >= p || c.dst_rank as usize >= p {
             return Err(self.fail(format!("op {op}: copy with rank out of range: {c:?}")));
         }
-        let want_src = SimKey {
-            op: op as u32,
-            rank: c.src_rank,
-            send: true,
-        };
-        let want_dst = SimKey {
-            op: op as u32,
-            rank: c.dst_rank,
-            send: false,
-        };
+        let want_src = SimKey::send(op, c.src_rank);
+        let want_dst = SimKey::recv(op, c.dst_rank);
         if c.src_key != want_src || c.dst_key != want_dst {
             return Err(self.fail(format!("op {op}: copy with foreign keys: {c:?}")));
         }
@@ -393,25 +377,17 @@ impl<'a> Sim<'a> {
             .filter(|d| matches!(d, Some((_, s)) if !s.is_ok()))
             .count() as u64;
         SimReport {
-            seed: self.cfg.seed,
-            world_size: self.cfg.world_size(),
-            sps: self.cfg.sp_count(),
+            outcome: self.core.outcome(error_completions),
             end_ns: ops.iter().filter_map(|o| o.done_ns).max().unwrap_or(0),
             ops,
-            events: self.core.events,
-            messages: self.core.messages,
             copies: self.core.copies,
             bytes_copied_intra_node: self.core.bytes_intra,
             bytes_copied_inter_node: self.core.bytes_inter,
-            max_in_flight: self.core.max_in_flight,
             late_announcements: self
                 .inst
                 .values()
                 .map(|a| a.stats().late_announcements)
                 .sum(),
-            error_completions,
-            crashed_sps: self.core.crashed.clone(),
-            dead_ranks: self.core.dead.clone(),
         }
     }
 }

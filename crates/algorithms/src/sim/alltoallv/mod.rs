@@ -26,7 +26,8 @@ use serde::{Deserialize, Serialize};
 
 use super::driver::{self, Collective, Core};
 use super::rng::{splitmix64, Rng};
-use super::{sentinel, SimFailure};
+pub use super::shared::SimKey;
+use super::{sentinel, Common, Outcome, SimFailure};
 pub use super::{CostModel, Layout};
 use crate::alltoallv::{Action, Alltoallv, Config, Copy, Msg, Post};
 
@@ -37,106 +38,47 @@ mod state;
 
 use state::*;
 
-/// Injected faults (all off by default).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Faults {
-    /// Each message is delayed by an extra uniform `0..=msg_jitter_ns`
-    /// (this reorders messages between a pair of SPs).
-    pub msg_jitter_ns: Nanos,
-    /// Number of SPs that crash (at least one SP always survives).
-    pub sp_crashes: u32,
-    /// Crashes happen at uniform times in `0..=crash_window_ns`.
-    pub crash_window_ns: Nanos,
-    /// Every other SP learns of a crash after `detect_delay_ns` plus a
-    /// uniform `0..=detect_delay_ns`; messages from the crashed SP that
-    /// arrive later are dropped.
-    pub detect_delay_ns: Nanos,
-    /// Number of host ranks that die; their SP gets `handle_rank_lost` for
-    /// every collective the rank belongs to.
-    pub rank_deaths: u32,
-    /// Deaths happen at uniform times in `0..=death_window_ns`.
-    pub death_window_ns: Nanos,
+super::config::sim_faults!(
     /// Number of (collective, dst, src) receive counts made wrong on purpose.
     pub count_mismatches: u32,
     /// Probability (parts per million) that a copy fails with `AccessError`.
     pub copy_error_ppm: u32,
-}
+);
 
 /// Everything a run depends on; the run is a pure function of this.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SimConfig {
-    pub seed: u64,
-    pub nodes: u32,
-    pub ranks_per_node: u32,
-    /// SP of a rank = node * sps_per_node + local_rank % sps_per_node.
-    pub sps_per_node: u32,
-    pub layout: Layout,
-    /// Copies in flight per SP (CopyLimiter bound; 0 is clamped to 1).
-    pub max_inflight_reads: usize,
+    #[serde(flatten)]
+    pub common: Common,
     /// Block sizes are uniform in `0..=max_block_bytes` ...
     pub max_block_bytes: u64,
     /// ... except that this share (percent) of blocks is forced to 0.
     pub zero_block_percent: u32,
-    /// Number of collectives.
-    pub ops: u32,
     /// true: each rank posts collective i at `i * op_gap_ns` + skew, without
     /// waiting (several outstanding at once); false: back to back, a rank
     /// posts the next one a skew after its previous one completed.
     pub overlap_ops: bool,
-    pub op_gap_ns: Nanos,
     /// 0: every collective runs on the world communicator. k > 0: k random
     /// sub-communicators (random subset of world ranks, random comm-rank
     /// order); collective i runs on communicator `(i + 1) % (k + 1)` where
     /// 0 is the world.
     pub sub_comms: u32,
-    /// Each post happens a uniform `0..=arrival_skew_ns` late.
-    pub arrival_skew_ns: Nanos,
-    /// Number of world ranks that are always `late_delay_ns` later.
-    pub late_ranks: u32,
-    pub late_delay_ns: Nanos,
-    pub cost: CostModel,
     pub faults: Faults,
-    /// The run fails if it processes more events than this ...
-    pub max_events: u64,
-    /// ... or virtual time passes this.
-    pub max_virtual_ns: Nanos,
 }
 
 impl SimConfig {
-    /// 8 nodes x 32 ranks, 4 SPs per node, block layout, tiny blocks, one
-    /// collective, no faults.
+    /// [`Common::new`], tiny blocks (30% empty), overlapping collectives on
+    /// the world communicator, no faults.
     pub fn new(seed: u64) -> SimConfig {
         SimConfig {
-            seed,
-            nodes: 8,
-            ranks_per_node: 32,
-            sps_per_node: 4,
-            layout: Layout::Block,
-            max_inflight_reads: 4,
+            common: Common::new(seed),
             max_block_bytes: 64,
             zero_block_percent: 30,
-            ops: 1,
             overlap_ops: true,
-            op_gap_ns: 0,
             sub_comms: 0,
-            arrival_skew_ns: 20_000,
-            late_ranks: 4,
-            late_delay_ns: 100_000,
-            cost: CostModel::default(),
             faults: Faults::default(),
-            max_events: 100_000_000,
-            max_virtual_ns: 100_000_000_000,
         }
     }
-}
-
-/// Key material in the simulation: which buffer of which rank of which
-/// collective (checked on every copy, so a mixed-up instance is caught).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub struct SimKey {
-    pub op: u32,
-    pub rank: Rank,
-    pub send: bool,
 }
 
 /// Outcome of one collective.
@@ -155,28 +97,25 @@ pub struct OpReport {
 }
 
 /// Outcome of a successful (all checks passed) run.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SimReport {
-    pub seed: u64,
-    pub world_size: u32,
-    pub sps: u32,
+    #[serde(flatten)]
+    pub outcome: Outcome,
     pub ops: Vec<OpReport>,
     /// Last completion over all collectives.
     pub end_ns: Nanos,
-    pub events: u64,
-    /// SP-to-SP messages sent (deliveries inside one SP are not messages).
-    pub messages: u64,
     pub copies: u64,
     pub bytes_copied_intra_node: u64,
     pub bytes_copied_inter_node: u64,
-    /// Highest number of copies in flight observed on any SP.
-    pub max_in_flight: usize,
     /// Announcements that arrived before their destination rank posted.
     pub late_announcements: u64,
-    /// Completions with a status other than `Ok`.
-    pub error_completions: u64,
-    pub crashed_sps: Vec<SpId>,
-    pub dead_ranks: Vec<u32>,
 }
 
-super::shared::sim_config!();
+super::config::sim_config! {
+    config: [max_block_bytes, zero_block_percent], [overlap_ops], [sub_comms];
+    report:
+        [ops, end_ns],
+        [copies, bytes_copied_intra_node, bytes_copied_inter_node],
+        [late_announcements],
+        [];
+}

@@ -78,7 +78,7 @@ impl Collective for Sim<'_> {
 
 impl<'a> Sim<'a> {
     pub(super) fn new(cfg: &'a SimConfig) -> Result<Sim<'a>, SimFailure> {
-        let (core, mut setup) = Core::new(cfg.params())?;
+        let (core, mut setup) = cfg.core()?;
         let w = cfg.world_size();
         // Communicators: 0 is the world.
         let mut comms: Vec<Vec<u32>> = vec![(0..w).collect()];

@@ -286,13 +286,9 @@ impl<'a> Sim<'a> {
         let done = self.ops.iter().flat_map(|o| o.done.iter()).flatten();
         let (end_ns, sp_end_ns, error_completions) = completion_summary(done);
         SimReport {
-            seed: self.cfg.seed,
-            world_size: self.cfg.world_size(),
-            sps: self.cfg.sp_count(),
+            outcome: self.core.outcome(error_completions),
             end_ns,
             sp_end_ns,
-            events: self.core.events,
-            messages: self.core.messages,
             moves: self.ops.iter().map(|o| o.moves).sum(),
             copies: self.core.copies,
             bytes_moved_inter_node: self.ops.iter().map(|o| o.bytes_inter).sum(),
@@ -305,11 +301,7 @@ impl<'a> Sim<'a> {
                     .sum()
             },
             bytes_copied: self.bytes_copied,
-            max_in_flight: self.core.max_in_flight,
             stats,
-            error_completions,
-            crashed_sps: self.core.crashed.clone(),
-            dead_ranks: self.core.dead.clone(),
         }
     }
 }

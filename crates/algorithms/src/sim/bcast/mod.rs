@@ -8,7 +8,7 @@
 //! takes the directed node link (in turn with messages) and its `Chunk`
 //! message arrives with the last byte; copies go through the SP's
 //! [`CopyLimiter`](crate::sched::CopyLimiter) and cost what
-//! [`CostModel`] says for a copy within the node. A `from_segment`
+//! [`CostModel`](super::CostModel) says for a copy within the node. A `from_segment`
 //! completion is the host's copy out of the segment, done at completion
 //! time (and costed in `SimReport::end_ns`).
 //!
@@ -55,7 +55,7 @@ use serde::{Deserialize, Serialize};
 use super::driver::{self, Core, Ev};
 use super::rng::splitmix64;
 use super::shared::{draw_len, world_key};
-use super::{sentinel, CostModel, Layout, SimFailure};
+use super::{sentinel, Common, Outcome, SimFailure};
 use crate::bcast::{Action, Bcast, Config, Copy, Design, Loc, Move, Msg, Post, Stats};
 use crate::{CollKey, Nanos, Rank, SpId, Status};
 
@@ -71,20 +71,7 @@ use state::*;
 /// Untouched bytes after the message in every buffer and segment.
 const PAD: usize = 3;
 
-/// Injected faults (all off by default).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Faults {
-    /// Extra uniform `0..=msg_jitter_ns` per message (chunks included).
-    pub msg_jitter_ns: Nanos,
-    /// SPs that crash at uniform times in `0..=crash_window_ns`.
-    pub sp_crashes: u32,
-    pub crash_window_ns: Nanos,
-    /// Others learn of a crash after `detect_delay_ns` + uniform
-    /// `0..=detect_delay_ns`.
-    pub detect_delay_ns: Nanos,
-    /// Host ranks that die at uniform times in `0..=death_window_ns`.
-    pub rank_deaths: u32,
-    pub death_window_ns: Nanos,
+super::config::sim_faults!(
     /// Probability (parts per million) that a copy or a move fails with
     /// `AccessError`.
     pub copy_error_ppm: u32,
@@ -94,17 +81,13 @@ pub struct Faults {
     /// The root of every collective dies before posting (nobody can
     /// complete `Ok`).
     pub kill_roots: bool,
-}
+);
 
 /// Everything a run depends on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SimConfig {
-    pub seed: u64,
-    pub nodes: u32,
-    pub ranks_per_node: u32,
-    pub sps_per_node: u32,
-    pub layout: Layout,
-    pub max_inflight_reads: usize,
+    #[serde(flatten)]
+    pub common: Common,
     pub design: Design,
     pub chunk_bytes: u64,
     pub staging_slots: u32,
@@ -115,46 +98,22 @@ pub struct SimConfig {
     /// `0..=max_len_bytes`.
     pub len_bytes: Option<u64>,
     pub max_len_bytes: u64,
-    /// Collectives, each posted at `i * op_gap_ns` + skew by every rank.
-    pub ops: u32,
-    pub op_gap_ns: Nanos,
-    pub arrival_skew_ns: Nanos,
-    /// World ranks that are always `late_delay_ns` later.
-    pub late_ranks: u32,
-    pub late_delay_ns: Nanos,
-    pub cost: CostModel,
     pub faults: Faults,
-    pub max_events: u64,
-    pub max_virtual_ns: Nanos,
 }
 
 impl SimConfig {
-    /// 4 nodes x 8 ranks, 2 SPs per node, block layout, flat, 16-byte
-    /// chunks, 3 slots, random roots and lengths up to 100 bytes, two
-    /// collectives, no faults.
+    /// [`Common::staged`], flat, 16-byte chunks, 3 slots, random roots and
+    /// lengths up to 100 bytes, no faults.
     pub fn new(seed: u64) -> SimConfig {
         SimConfig {
-            seed,
-            nodes: 4,
-            ranks_per_node: 8,
-            sps_per_node: 2,
-            layout: Layout::Block,
-            max_inflight_reads: 4,
+            common: Common::staged(seed),
             design: Design::Flat,
             chunk_bytes: 16,
             staging_slots: 3,
             root: None,
             len_bytes: None,
             max_len_bytes: 100,
-            ops: 2,
-            op_gap_ns: 2_000,
-            arrival_skew_ns: 20_000,
-            late_ranks: 2,
-            late_delay_ns: 100_000,
-            cost: CostModel::default(),
             faults: Faults::default(),
-            max_events: 100_000_000,
-            max_virtual_ns: 100_000_000_000,
         }
     }
 }
@@ -168,19 +127,16 @@ pub struct SimKey {
 }
 
 /// Outcome of a successful run.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SimReport {
-    pub seed: u64,
-    pub world_size: u32,
-    pub sps: u32,
+    #[serde(flatten)]
+    pub outcome: Outcome,
     /// Latest time a rank had the message in its own buffer: its
     /// completion, plus the host's copy out of the segment for
     /// `from_segment` completions.
     pub end_ns: Nanos,
     /// Latest completion emitted by an SP.
     pub sp_end_ns: Nanos,
-    pub events: u64,
-    pub messages: u64,
     pub moves: u64,
     pub copies: u64,
     pub bytes_moved_inter_node: u64,
@@ -189,13 +145,23 @@ pub struct SimReport {
     pub min_inter_node_bytes: u64,
     /// Bytes copied by SPs (reads from roots, writes to buffers/segments).
     pub bytes_copied: u64,
-    pub max_in_flight: usize,
     /// Instance counters summed (`max_slots_in_use`: the maximum).
     pub stats: Stats,
-    pub error_completions: u64,
-    pub crashed_sps: Vec<SpId>,
-    pub dead_ranks: Vec<u32>,
 }
 
-super::shared::sim_config!();
-super::shared::world_schedule!();
+super::config::sim_config! {
+    config: [design, chunk_bytes, staging_slots, root, len_bytes, max_len_bytes], [], [];
+    report:
+        [end_ns, sp_end_ns],
+        [
+            moves,
+            copies,
+            bytes_moved_inter_node,
+            bytes_moved_intra_node,
+            min_inter_node_bytes,
+            bytes_copied,
+        ],
+        [stats],
+        [];
+}
+super::config::world_schedule!();

@@ -105,7 +105,7 @@ pub(super) fn tree_children(tree: &[Vec<SpId>], sp: SpId) -> Vec<SpId> {
 
 impl<'a> Sim<'a> {
     pub(super) fn new(cfg: &'a SimConfig) -> Result<Sim<'a>, SimFailure> {
-        let (mut core, mut setup) = Core::new(cfg.params())?;
+        let (mut core, mut setup) = cfg.core()?;
         let w = cfg.world_size();
         let p = w as usize;
         let chunk = cfg.chunk_bytes.max(1);

@@ -1,5 +1,6 @@
 use super::*;
 use crate::bcast::{set_mutation, Mutation};
+use crate::sim::staged_common::clean_by_design;
 
 fn cfg(seed: u64) -> SimConfig {
     let mut c = SimConfig::new(seed);
@@ -10,12 +11,8 @@ fn cfg(seed: u64) -> SimConfig {
 
 #[test]
 fn a_run_moves_and_copies_real_bytes() {
-    for design in [Design::Flat, Design::Hier] {
-        let mut c = cfg(5);
-        c.design = design;
-        let r = run(&c).unwrap();
-        eprintln!("{r:?}");
-        assert_eq!(r.error_completions, 0);
+    let cfg = |design| SimConfig { design, ..cfg(5) };
+    for r in clean_by_design(cfg, run) {
         assert_eq!(r.bytes_moved_inter_node, r.min_inter_node_bytes);
         assert!(r.moves > 0 && r.copies > 0);
         assert_eq!(r.stats.chunks_forwarded, r.moves);
@@ -26,7 +23,7 @@ fn a_run_moves_and_copies_real_bytes() {
 /// Runs `c` under `m` for a few seeds; every seed must fail with a
 /// message containing one of `want`. Returns the first failure.
 fn caught(m: Mutation, c: SimConfig, want: &[&str]) -> String {
-    driver::caught(m, set_mutation, |seed| SimConfig { seed, ..c }, run, want)
+    driver::caught(m, set_mutation, c, run, want)
 }
 
 #[test]

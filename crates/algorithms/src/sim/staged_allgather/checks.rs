@@ -413,26 +413,18 @@ impl<'a> Sim<'a> {
         let done = self.ops.iter().flat_map(|o| o.done.iter()).flatten();
         let (end_ns, sp_end_ns, error_completions) = completion_summary(done);
         SimReport {
-            seed: self.cfg.seed,
-            world_size: self.cfg.world_size(),
-            sps: self.cfg.sp_count(),
+            outcome: self.core.outcome(error_completions),
             end_ns,
             sp_end_ns,
-            events: self.core.events,
-            messages: self.core.messages,
             reads: self.reads,
             writes: self.writes,
             bytes_inter_node: self.ops.iter().map(|o| o.bytes_inter).sum(),
             bytes_intra_node: self.ops.iter().map(|o| o.bytes_intra).sum(),
             expected_inter_node_bytes: self.ops.iter().map(|o| self.expected_inter(o)).sum(),
             max_link_busy_ns: self.link_busy.values().copied().max().unwrap_or(0),
-            max_in_flight: self.core.max_in_flight,
             stats,
-            error_completions,
             after_finish_dropped: self.after_finish_dropped,
             after_finish_refused: self.after_finish_refused,
-            crashed_sps: self.core.crashed.clone(),
-            dead_ranks: self.core.dead.clone(),
         }
     }
 }

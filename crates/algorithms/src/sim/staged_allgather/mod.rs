@@ -4,7 +4,7 @@
 //! Shares placement, cost model, generator and the event driver with the
 //! other simulators. Copies go through the SP's
 //! [`CopyLimiter`](crate::sched::CopyLimiter); a read (local send buffer
-//! into staging) costs what [`CostModel`] says for a copy within the node; a
+//! into staging) costs what [`CostModel`](super::CostModel) says for a copy within the node; a
 //! write into a buffer or region on another node costs the fixed inter-node
 //! copy cost and then takes the directed node link in turn with messages
 //! (so flat writers of one node load their links P times per chunk,
@@ -63,7 +63,7 @@ use serde::{Deserialize, Serialize};
 
 use super::driver::{self, Core, Ev};
 use super::shared::{draw_len, world_key};
-use super::{CostModel, Layout, SimFailure};
+use super::{Common, Outcome, SimFailure};
 use crate::staged_allgather::{
     node_owner, refusal, Action, Config, Copy, Design, Loc, Msg, Post, StagedAllgather, Stats,
 };
@@ -101,20 +101,7 @@ fn region_at(sp: SpId) -> u64 {
 /// Untouched bytes after the data in every buffer and region.
 const PAD: u64 = 3;
 
-/// Injected faults (all off by default).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Faults {
-    /// Extra uniform `0..=msg_jitter_ns` per message (reorders them).
-    pub msg_jitter_ns: Nanos,
-    /// SPs that crash at uniform times in `0..=crash_window_ns`.
-    pub sp_crashes: u32,
-    pub crash_window_ns: Nanos,
-    /// Others learn of a crash after `detect_delay_ns` + uniform
-    /// `0..=detect_delay_ns`.
-    pub detect_delay_ns: Nanos,
-    /// Host ranks that die at uniform times in `0..=death_window_ns`.
-    pub rank_deaths: u32,
-    pub death_window_ns: Nanos,
+super::config::sim_faults!(
     /// Probability (parts per million) that a copy fails with
     /// `AccessError` (its destination bytes become garbage).
     pub copy_error_ppm: u32,
@@ -123,17 +110,13 @@ pub struct Faults {
     /// (collective, rank) posts naming another comm: two other ranks of
     /// different SPs (neither the poster's) swapped in `members`/`nodes`.
     pub inconsistent_comm: u32,
-}
+);
 
 /// Everything a run depends on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SimConfig {
-    pub seed: u64,
-    pub nodes: u32,
-    pub ranks_per_node: u32,
-    pub sps_per_node: u32,
-    pub layout: Layout,
-    pub max_inflight_reads: usize,
+    #[serde(flatten)]
+    pub common: Common,
     /// Design of every SP, unless `mixed_designs`.
     pub design: Design,
     /// Each SP picks its design at random per collective (as the engine
@@ -146,46 +129,28 @@ pub struct SimConfig {
     /// `0..=max_len_bytes`.
     pub len_bytes: Option<u64>,
     pub max_len_bytes: u64,
-    /// Collectives, each posted at `i * op_gap_ns` + skew by every rank.
-    pub ops: u32,
-    pub op_gap_ns: Nanos,
-    pub arrival_skew_ns: Nanos,
-    /// World ranks that are always `late_delay_ns` later.
-    pub late_ranks: u32,
-    pub late_delay_ns: Nanos,
-    pub cost: CostModel,
     pub faults: Faults,
-    pub max_events: u64,
-    pub max_virtual_ns: Nanos,
 }
 
 impl SimConfig {
-    /// 4 nodes x 4 ranks, 2 SPs per node, block layout, flat, 16-byte
-    /// chunks, 3 slots, random block lengths up to 50 bytes, two
-    /// collectives, no faults.
+    /// [`Common::staged`] with 4 ranks per node and bounds of 2 * 10^8
+    /// events and 1000 s, flat, 16-byte chunks, 3 slots, random block
+    /// lengths up to 50 bytes, no faults.
     pub fn new(seed: u64) -> SimConfig {
         SimConfig {
-            seed,
-            nodes: 4,
-            ranks_per_node: 4,
-            sps_per_node: 2,
-            layout: Layout::Block,
-            max_inflight_reads: 4,
+            common: Common {
+                ranks_per_node: 4,
+                max_events: 200_000_000,
+                max_virtual_ns: 1_000_000_000_000,
+                ..Common::staged(seed)
+            },
             design: Design::Flat,
             mixed_designs: false,
             chunk_bytes: 16,
             staging_slots: 3,
             len_bytes: None,
             max_len_bytes: 50,
-            ops: 2,
-            op_gap_ns: 2_000,
-            arrival_skew_ns: 20_000,
-            late_ranks: 2,
-            late_delay_ns: 100_000,
-            cost: CostModel::default(),
             faults: Faults::default(),
-            max_events: 200_000_000,
-            max_virtual_ns: 1_000_000_000_000,
         }
     }
 }
@@ -208,19 +173,16 @@ pub struct SimKey {
 }
 
 /// Outcome of a successful run.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SimReport {
-    pub seed: u64,
-    pub world_size: u32,
-    pub sps: u32,
+    #[serde(flatten)]
+    pub outcome: Outcome,
     /// Latest time a rank had the data in its own buffer: its completion,
     /// plus the host's copy out of the region for `from_segment`
     /// completions.
     pub end_ns: Nanos,
     /// Latest completion emitted by an SP.
     pub sp_end_ns: Nanos,
-    pub events: u64,
-    pub messages: u64,
     /// Chunk reads and writes that finished `Ok`.
     pub reads: u64,
     pub writes: u64,
@@ -232,16 +194,26 @@ pub struct SimReport {
     /// Busy time of the busiest directed node link (writes only): a lower
     /// bound of the run under this cost model.
     pub max_link_busy_ns: Nanos,
-    pub max_in_flight: usize,
     /// Instance counters summed (`max_slots_in_use`: the maximum).
     pub stats: Stats,
-    pub error_completions: u64,
     /// Messages that reached a finished instance: dropped, or answered.
     pub after_finish_dropped: u64,
     pub after_finish_refused: u64,
-    pub crashed_sps: Vec<SpId>,
-    pub dead_ranks: Vec<u32>,
 }
 
-super::shared::sim_config!();
-super::shared::world_schedule!();
+super::config::sim_config! {
+    config: [design, mixed_designs, chunk_bytes, staging_slots, len_bytes, max_len_bytes], [], [];
+    report:
+        [end_ns, sp_end_ns],
+        [
+            reads,
+            writes,
+            bytes_inter_node,
+            bytes_intra_node,
+            expected_inter_node_bytes,
+            max_link_busy_ns,
+        ],
+        [stats],
+        [after_finish_dropped, after_finish_refused];
+}
+super::config::world_schedule!();

@@ -63,7 +63,7 @@ crate::sim::shared::world_collective!(Env, Copy<SimKey>);
 
 impl<'a> Sim<'a> {
     pub(super) fn new(cfg: &'a SimConfig) -> Result<Sim<'a>, SimFailure> {
-        let (core, mut setup) = Core::new(cfg.params())?;
+        let (core, mut setup) = cfg.core()?;
         let w = cfg.world_size();
         let p = w as usize;
         let chunk = cfg.chunk_bytes.max(1);

@@ -1,4 +1,5 @@
 use super::*;
+use crate::sim::staged_common::clean_by_design;
 use crate::staged_allgather::{set_mutation, Mutation};
 
 #[test]
@@ -143,12 +144,8 @@ fn cfg(seed: u64) -> SimConfig {
 
 #[test]
 fn a_run_writes_every_block_everywhere() {
-    for design in [Design::Flat, Design::Hier] {
-        let mut c = cfg(5);
-        c.design = design;
-        let r = run(&c).unwrap();
-        eprintln!("{r:?}");
-        assert_eq!(r.error_completions, 0);
+    let cfg = |design| SimConfig { design, ..cfg(5) };
+    for r in clean_by_design(cfg, run) {
         assert_eq!(r.bytes_inter_node, r.expected_inter_node_bytes);
         assert!(r.reads > 0 && r.writes > 0);
         assert!(r.stats.max_slots_in_use >= 2, "{:?}", r.stats);
@@ -159,7 +156,7 @@ fn a_run_writes_every_block_everywhere() {
 /// Runs `c` under `m` for a few seeds; every seed must fail with a
 /// message containing one of `want`. Returns the first failure.
 fn caught(m: Mutation, c: SimConfig, want: &[&str]) -> String {
-    driver::caught(m, set_mutation, |seed| SimConfig { seed, ..c }, run, want)
+    driver::caught(m, set_mutation, c, run, want)
 }
 
 #[test]
