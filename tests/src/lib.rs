@@ -5,6 +5,7 @@
 //! The binaries come from the same target directory as the test executable; `make test` builds
 //! them first. A missing binary or `mpirun` is a failure with a message, never a skip.
 
+pub mod procfs;
 pub mod splitmix;
 
 pub use splitmix::Rng;

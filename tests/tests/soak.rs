@@ -46,14 +46,9 @@ fn soak_prog() -> PathBuf {
     out
 }
 
+/// An SP's resident size; 0 once it is gone (a sample taken as it stops).
 fn rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
+    integration_tests::procfs::rss_kib(pid).unwrap_or(0)
 }
 
 /// Open descriptors of `pid` by kind ("socket", "anon_inode:[eventfd]", ...), for messages.

@@ -101,13 +101,7 @@ fn alltoallv(hosts: &mut [Host], comm: CommId, seq: u64) -> Vec<Option<u32>> {
 }
 
 fn rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next())
-        .and_then(|v| v.parse().ok())
-        .unwrap()
+    common::procfs::rss_kib(pid).expect("the SP under attack is alive and has a VmRSS line")
 }
 
 fn query(set: &SpSet, sp: u32) -> serde_json::Value {

@@ -5,8 +5,10 @@
 #![allow(dead_code)]
 
 pub mod alltoallv;
-// SplitMix64 and the seed, shared with the workspace's integration tests (whose crate this one
-// cannot depend on).
+// `/proc` readings, SplitMix64 and the seed, shared with the workspace's integration tests
+// (whose crate this one cannot depend on).
+#[path = "../../../../tests/src/procfs.rs"]
+pub mod procfs;
 #[path = "../../../../tests/src/splitmix.rs"]
 mod splitmix;
 pub use splitmix::Rng;
