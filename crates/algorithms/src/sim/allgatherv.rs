@@ -16,8 +16,8 @@ use serde::{Deserialize, Serialize};
 
 use super::driver::{self, Core, Ev};
 use super::rng::splitmix64;
-use super::shared::world_key;
 pub use super::shared::SimKey;
+use super::shared::{check_buffers_open, deliver, due_completion, world_key};
 use super::{sentinel, Common, Outcome, SimFailure};
 use crate::allgatherv::{Action, Allgatherv, Config, Copy, Msg, Post, Stats};
 use crate::{CollKey, Nanos, SpId, Status};
@@ -201,12 +201,8 @@ impl<'a> Sim<'a> {
                 if self.core.sps[sp as usize].known_lost.contains(&from) {
                     return Ok(());
                 }
-                let shown = format!("{msg:?}");
-                if let Err(e) = self.instance(sp, op).handle_msg(now, from, msg) {
-                    return Err(self.fail(format!(
-                        "op {op}: SP {sp} rejected {shown} from SP {from}: {e}"
-                    )));
-                }
+                deliver(self.instance(sp, op), now, (op, sp, from), msg)
+                    .map_err(|e| self.fail(e))?;
                 touched.push(op);
             }
             Input::CopyDone { op, copy, .. } => {
@@ -324,16 +320,8 @@ impl<'a> Sim<'a> {
     }
 
     fn check_open(&self, op: usize, c: &Copy<SimKey>, when: &str) -> Result<(), SimFailure> {
-        let o = &self.ops[op];
-        for (rank, what) in [(c.src_rank, "source"), (c.dst_rank, "receive")] {
-            if let Some((t, _)) = o.done[rank as usize] {
-                return Err(self.fail(format!(
-                    "op {op}: copy {} {when} on the {what} buffer of rank {rank}, completed at {t}ns",
-                    c.id.0
-                )));
-            }
-        }
-        Ok(())
+        let bufs = [(c.src_rank, "source"), (c.dst_rank, "receive")];
+        check_buffers_open(&self.core, (op, c.id.0), bufs, &self.ops[op].done, when)
     }
 
     fn do_copy(&mut self, op: usize, c: &Copy<SimKey>) -> Result<(), SimFailure> {
@@ -370,26 +358,17 @@ impl<'a> Sim<'a> {
                 let sp = self.core.rank_sp[r];
                 let exempt =
                     crashed.contains(&sp) || (self.core.host_dead[r] && o.post_ns[r].is_none());
-                let status = match o.done[r] {
-                    Some((_, st)) => st,
-                    None if exempt => {
-                        self.check_recv(i, r, false)?;
-                        continue;
-                    }
-                    None => {
-                        let inst = self.inst.get(&(sp, i));
-                        return Err(self.fail(format!(
-                            "op {i} rank {r} (SP {sp}) never completed (posted {:?}; instance: {}) -- deadlock",
-                            o.post_ns[r],
-                            inst.map_or("none".into(), |a| format!(
-                                "abort={:?} copies={} parked={} stats={:?}",
-                                a.abort_status(),
-                                a.copies_in_flight(),
-                                a.parked(),
-                                a.stats()
-                            ))
-                        )));
-                    }
+                let due = due_completion(
+                    &self.core,
+                    &self.inst,
+                    (i, sp),
+                    format_args!("op {i} rank {r} (SP {sp})"),
+                    (o.done[r], exempt),
+                    o.post_ns[r],
+                )?;
+                let Some((_, status)) = due else {
+                    self.check_recv(i, r, false)?;
+                    continue;
                 };
                 if !o.disturbed && !status.is_ok() {
                     return Err(self.fail(format!("op {i} rank {r}: {status} without a fault")));

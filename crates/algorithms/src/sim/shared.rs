@@ -2,10 +2,15 @@
 //! ([`super::config`]): macros expanded in each simulator's module, where
 //! `Sim`, `Op` and `SimFailure` are that simulator's, and plain functions.
 
+use std::collections::BTreeMap;
+use std::fmt;
+
 use serde::{Deserialize, Serialize};
 
+use super::driver::Core;
 use super::rng::Rng;
-use crate::{CollKey, CommId, Rank};
+use super::SimFailure;
+use crate::{CollKey, CommId, Nanos, Rank, SpId};
 
 /// Key material of the v-collectives' simulators (`allgatherv`,
 /// `alltoallv`): which buffer of which rank of which collective (checked on
@@ -136,3 +141,112 @@ macro_rules! finish_input {
     };
 }
 pub(crate) use finish_input;
+
+/// What every simulator asks of its collective's instance beyond the
+/// inputs it handles itself: messages (a rejection fails the run) and its
+/// state, for a deadlock report.
+pub(crate) trait Instance {
+    type Msg: fmt::Debug;
+    type Error: fmt::Display;
+    fn handle_msg(&mut self, now: Nanos, from: SpId, msg: Self::Msg) -> Result<(), Self::Error>;
+    /// Abort status, work in flight and counters, in one line.
+    fn describe(&self) -> String;
+}
+
+/// `impl Instance for crate::$m::$machine<K>`: its `handle_msg` (the
+/// module's `Msg`, generic or not, and `MsgError`), and `describe`, `$text`
+/// of what its methods `$part` return (for a `staged` machine: its abort
+/// status, copies in flight, slots in use and counters).
+macro_rules! instance {
+    ($m:ident::$machine:ident, Msg$(<$k:ident>)?, $text:literal, [$($part:ident),*]) => {
+        impl<K: Clone + fmt::Debug + PartialEq> Instance for crate::$m::$machine<K> {
+            type Msg = crate::$m::Msg$(<$k>)?;
+            type Error = crate::$m::MsgError;
+            fn handle_msg(
+                &mut self,
+                now: Nanos,
+                from: SpId,
+                msg: Self::Msg,
+            ) -> Result<(), Self::Error> {
+                crate::$m::$machine::handle_msg(self, now, from, msg)
+            }
+            fn describe(&self) -> String {
+                format!($text, $(self.$part()),*)
+            }
+        }
+    };
+    ($m:ident::$machine:ident, Msg$(<$k:ident>)?, staged) => {
+        instance!($m::$machine, Msg$(<$k>)?, "abort={:?} in_flight={} slots={} stats={:?}",
+            [abort_status, copies_in_flight, slots_in_use, stats]);
+    };
+}
+
+instance!(
+    allgatherv::Allgatherv,
+    Msg<K>,
+    "abort={:?} copies={} parked={} stats={:?}",
+    [abort_status, copies_in_flight, parked, stats]
+);
+instance!(
+    alltoallv::Alltoallv,
+    Msg<K>,
+    "abort={:?} copies_in_flight={} stats={:?}",
+    [abort_status, copies_in_flight, stats]
+);
+instance!(bcast::Bcast, Msg, staged);
+instance!(staged_allgather::StagedAllgather, Msg<K>, staged);
+
+/// No copy `id` of collective `op` starts or finishes (`when`) on a buffer
+/// of a rank that completed: `bufs`, its two buffers (rank and kind);
+/// `done`, the completions of the collective's ranks.
+pub(crate) fn check_buffers_open<M, C>(
+    core: &Core<M, C>,
+    (op, id): (usize, u64),
+    bufs: [(Rank, &str); 2],
+    done: &[Option<(Nanos, crate::Status)>],
+    when: &str,
+) -> Result<(), SimFailure> {
+    for (rank, what) in bufs {
+        if let Some((t, _)) = done[rank as usize] {
+            return Err(core.fail(format!(
+                "op {op}: copy {id} {when} on the {what} buffer of rank {rank}, completed at {t}ns"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Hands `msg` from SP `from` at `now` to `inst`, the instance of
+/// collective `op` on SP `sp`; `Err`: its rejection, described (the run
+/// fails with it).
+pub(crate) fn deliver<I: Instance>(
+    inst: &mut I,
+    now: Nanos,
+    (op, sp, from): (usize, SpId, SpId),
+    msg: I::Msg,
+) -> Result<(), String> {
+    let shown = format!("{msg:?}");
+    inst.handle_msg(now, from, msg)
+        .map_err(|e| format!("op {op}: SP {sp} rejected {shown} from SP {from}: {e}"))
+}
+
+/// Rank `who` (on SP `sp`) of collective `i` at the end of the run: its
+/// completion `done`, `None` if none was due (`exempt`: e.g. its SP
+/// crashed), or a deadlock failure naming the instance's state.
+pub(crate) fn due_completion<M, C, D, I: Instance>(
+    core: &Core<M, C>,
+    inst: &BTreeMap<(SpId, usize), I>,
+    (i, sp): (usize, SpId),
+    who: impl fmt::Display,
+    (done, exempt): (Option<D>, bool),
+    post_ns: Option<Nanos>,
+) -> Result<Option<D>, SimFailure> {
+    match done {
+        Some(d) => Ok(Some(d)),
+        None if exempt => Ok(None),
+        None => Err(core.fail(format!(
+            "{who} never completed (posted {post_ns:?}; instance: {}) -- deadlock",
+            inst.get(&(sp, i)).map_or("none".into(), |a| a.describe())
+        ))),
+    }
+}

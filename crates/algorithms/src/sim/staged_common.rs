@@ -26,8 +26,6 @@ pub(crate) trait StagedInstance {
     fn copies_in_flight(&self) -> usize;
     fn slots_in_use(&self) -> usize;
     fn max_slots_in_use(&self) -> u32;
-    /// Its counters, with `Debug`.
-    fn stats_text(&self) -> String;
     /// It learned its members (a local rank posted, or a peer told it).
     fn has_members(&self) -> bool;
     fn is_finished(&self) -> bool;
@@ -47,9 +45,6 @@ macro_rules! staged_instance {
             }
             fn max_slots_in_use(&self) -> u32 {
                 self.stats().max_slots_in_use
-            }
-            fn stats_text(&self) -> String {
-                format!("{:?}", self.stats())
             }
             fn has_members(&self) -> bool {
                 self.members().is_some()
@@ -76,36 +71,6 @@ pub(crate) fn check_completion<M, C>(
 ) -> Result<(), SimFailure> {
     let before = done.map(|d| (d.at, d.status));
     core.check_completion(at, status, post_ns.is_some(), before, notified)
-}
-
-/// Rank `r` (on SP `sp`) of collective `i` at the end of the run: its
-/// completion, `None` if none was due (its SP crashed or it never posted),
-/// or a deadlock failure naming the instance's state.
-pub(crate) fn due_completion<M, C, I: StagedInstance>(
-    core: &Core<M, C>,
-    inst: &BTreeMap<(SpId, usize), I>,
-    crashed: &BTreeSet<SpId>,
-    (i, r, sp): (usize, usize, SpId),
-    done: Option<Done>,
-    post_ns: Option<Nanos>,
-) -> Result<Option<Done>, SimFailure> {
-    match done {
-        Some(d) => Ok(Some(d)),
-        None if crashed.contains(&sp) || post_ns.is_none() => Ok(None),
-        None => {
-            let inst = inst.get(&(sp, i));
-            Err(core.fail(format!(
-                "op {i} rank {r} (SP {sp}) never completed (posted {post_ns:?}; instance: {}) -- deadlock",
-                inst.map_or("none".into(), |a| format!(
-                    "abort={:?} in_flight={} slots={} stats={}",
-                    a.abort_status(),
-                    a.copies_in_flight(),
-                    a.slots_in_use(),
-                    a.stats_text()
-                ))
-            )))
-        }
-    }
 }
 
 /// A completion of a collective no fault touched: `Ok`, and from the

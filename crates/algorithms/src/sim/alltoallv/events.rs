@@ -2,6 +2,7 @@
 //! checkers, the final checks and the report.
 
 use super::*;
+use crate::sim::shared::{check_buffers_open, deliver, due_completion};
 
 impl<'a> Sim<'a> {
     pub(super) fn process_input(&mut self, sp: SpId, input: Input) -> Result<(), SimFailure> {
@@ -40,12 +41,8 @@ impl<'a> Sim<'a> {
                 if self.core.sps[sp as usize].known_lost.contains(&from) {
                     return Ok(()); // the connection to `from` is gone
                 }
-                let shown = msg.clone();
-                if let Err(e) = self.instance(sp, op).handle_msg(now, from, msg) {
-                    return Err(self.fail(format!(
-                        "op {op}: SP {sp} rejected {shown:?} from SP {from}: {e}"
-                    )));
-                }
+                deliver(self.instance(sp, op), now, (op, sp, from), msg)
+                    .map_err(|e| self.fail(e))?;
                 touched.push(op);
             }
             Input::CopyDone { op, copy, fail } => {
@@ -222,16 +219,8 @@ impl<'a> Sim<'a> {
         c: &Copy<SimKey>,
         when: &str,
     ) -> Result<(), SimFailure> {
-        let o = &self.ops[op];
-        for (rank, what) in [(c.src_rank, "send"), (c.dst_rank, "receive")] {
-            if let Some((t, _)) = o.done[rank as usize] {
-                return Err(self.fail(format!(
-                    "op {op}: copy {} {when} on the {what} buffer of rank {rank}, which completed at {t}ns",
-                    c.id.0
-                )));
-            }
-        }
-        Ok(())
+        let bufs = [(c.src_rank, "send"), (c.dst_rank, "receive")];
+        check_buffers_open(&self.core, (op, c.id.0), bufs, &self.ops[op].done, when)
     }
 
     pub(super) fn do_copy(&mut self, op: usize, c: &Copy<SimKey>) -> Result<(), SimFailure> {
@@ -257,25 +246,17 @@ impl<'a> Sim<'a> {
                 // that never posted has nothing to complete.
                 let exempt = crashed.contains(&sp)
                     || (self.core.host_dead[w as usize] && o.post_ns[r].is_none());
-                let status = match o.done[r] {
-                    Some((_, st)) => st,
-                    None if exempt => {
-                        self.check_recv_buffer(i, r, false)?;
-                        continue;
-                    }
-                    None => {
-                        let inst = self.inst.get(&(sp, i));
-                        return Err(self.fail(format!(
-                            "{what} never completed (posted: {:?}, instance: {}) -- deadlock",
-                            o.post_ns[r],
-                            inst.map_or("none".to_string(), |a| format!(
-                                "abort={:?} copies_in_flight={} stats={:?}",
-                                a.abort_status(),
-                                a.copies_in_flight(),
-                                a.stats()
-                            )),
-                        )));
-                    }
+                let due = due_completion(
+                    &self.core,
+                    &self.inst,
+                    (i, sp),
+                    &what,
+                    (o.done[r], exempt),
+                    o.post_ns[r],
+                )?;
+                let Some((_, status)) = due else {
+                    self.check_recv_buffer(i, r, false)?;
+                    continue;
                 };
                 let rank = r as Rank;
                 let expected = if o.disturbed {

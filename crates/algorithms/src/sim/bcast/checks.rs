@@ -2,8 +2,9 @@
 //! report.
 
 use super::*;
+use crate::sim::shared::due_completion;
 use crate::sim::staged_common::{
-    check_clean_completion, check_instances_at_end, completion_summary, due_completion,
+    check_clean_completion, check_instances_at_end, completion_summary,
 };
 
 impl<'a> Sim<'a> {
@@ -175,9 +176,9 @@ impl<'a> Sim<'a> {
                 let due = due_completion(
                     &self.core,
                     &self.inst,
-                    &crashed,
-                    (i, r, sp),
-                    o.done[r],
+                    (i, sp),
+                    format_args!("op {i} rank {r} (SP {sp})"),
+                    (o.done[r], crashed.contains(&sp) || o.post_ns[r].is_none()),
                     o.post_ns[r],
                 )?;
                 let Some(d) = due else { continue };

@@ -1,6 +1,7 @@
 //! Inputs of the SPs, and the actions of their instances executed.
 
 use super::*;
+use crate::sim::shared::deliver;
 
 impl<'a> Sim<'a> {
     pub(super) fn process_input(&mut self, sp: SpId, input: Input) -> Result<(), SimFailure> {
@@ -70,12 +71,8 @@ impl<'a> Sim<'a> {
                     self.after_finish_dropped += 1;
                     return Ok(());
                 }
-                let shown = format!("{msg:?}");
-                if let Err(e) = self.instance(sp, op).handle_msg(now, from, msg) {
-                    return Err(self.fail(format!(
-                        "op {op}: SP {sp} rejected {shown} from SP {from}: {e}"
-                    )));
-                }
+                deliver(self.instance(sp, op), now, (op, sp, from), msg)
+                    .map_err(|e| self.fail(e))?;
                 touched.push(op);
             }
             driver::Input::CopyDone { op, copy, fail } => {
