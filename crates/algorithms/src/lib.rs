@@ -15,9 +15,10 @@ pub mod allgatherv;
 pub mod alltoallv;
 pub mod bcast;
 mod common;
+pub mod direct;
 pub mod sched;
 pub mod sim;
-mod staged;
+pub mod staged;
 pub mod staged_allgather;
 #[cfg(test)]
 mod test_util;

@@ -25,17 +25,41 @@ pub enum Layout {
     Cyclic,
 }
 
-impl std::str::FromStr for Layout {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "block" => Ok(Layout::Block),
-            "cyclic" => Ok(Layout::Cyclic),
-            other => Err(format!(
-                "unknown layout {other:?} (expected block or cyclic)"
-            )),
+crate::from_word!(Layout, ["block" => Layout::Block, "cyclic" => Layout::Cyclic], |s, words| {
+    format!("unknown layout {s:?} (expected {words})")
+});
+
+/// `impl FromStr for $t` (a command-line choice): one of the words of its table, each naming
+/// a value; anything else is the error `$err`, with `$s` the string given and `$words` the
+/// table's words as in "a, b or c" (see [`parse_word`]).
+#[macro_export]
+macro_rules! from_word {
+    ($t:ty, [$($w:literal => $v:expr),+ $(,)?], |$s:ident, $words:ident| $err:expr) => {
+        impl std::str::FromStr for $t {
+            type Err = String;
+            fn from_str(s: &str) -> Result<Self, String> {
+                $crate::cluster::parse_word(s, &[$(($w, $v)),+], |$s, $words| $err)
+            }
         }
+    };
+}
+
+/// `s` as one of the words of `table`, or the error `err(s, words)` where `words` lists the
+/// table's words as in "a, b or c".
+pub fn parse_word<T: Copy>(
+    s: &str,
+    table: &[(&str, T)],
+    err: impl FnOnce(&str, &str) -> String,
+) -> Result<T, String> {
+    if let Some(&(_, v)) = table.iter().find(|(w, _)| *w == s) {
+        return Ok(v);
     }
+    let words: Vec<&str> = table.iter().map(|(w, _)| *w).collect();
+    let words = match words.split_last() {
+        Some((last, rest)) if !rest.is_empty() => format!("{} or {last}", rest.join(", ")),
+        _ => words.concat(),
+    };
+    Err(err(s, &words))
 }
 
 /// One SP of the cluster.

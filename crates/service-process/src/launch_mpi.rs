@@ -20,16 +20,9 @@ pub enum Mpi {
     Mpich,
 }
 
-impl std::str::FromStr for Mpi {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "openmpi" => Ok(Mpi::OpenMpi),
-            "mpich" => Ok(Mpi::Mpich),
-            _ => Err(format!("unknown MPI `{s}`: expected openmpi or mpich")),
-        }
-    }
-}
+bootstrap::from_word!(Mpi, ["openmpi" => Mpi::OpenMpi, "mpich" => Mpi::Mpich], |s, words| {
+    format!("unknown MPI `{s}`: expected {words}")
+});
 
 impl Mpi {
     pub fn name(self) -> &'static str {

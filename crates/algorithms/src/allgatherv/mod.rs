@@ -97,6 +97,7 @@ use serde::{Deserialize, Serialize};
 use crate::abort::{fail_pending, lose_rank, Abort, Outcome};
 use crate::common::sp_nodes;
 use crate::common::{common_api, take_finished};
+pub use crate::direct::{Config, CopyId};
 use crate::{CollKey, Nanos, Rank, SpId, Status};
 
 mod messages;

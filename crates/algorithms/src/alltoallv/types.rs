@@ -1,14 +1,7 @@
-//! The alltoallv's public types: config, posts, messages, copies, actions,
+//! The alltoallv's public types: posts, messages, copies, actions,
 //! errors and counters.
 
 use super::*;
-
-/// Static configuration of one instance.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct Config {
-    /// The SP running this instance.
-    pub me: SpId,
-}
 
 /// What one local rank posted. Counts and displacements are in bytes and
 /// have already been checked by the driver against the rank's buffers.
@@ -56,10 +49,6 @@ impl<K> Msg<K> {
     }
 }
 
-/// Identifies a copy within one instance.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub struct CopyId(pub u64);
-
 /// Copy `len` bytes from `src_rank`'s send buffer to `dst_rank`'s receive
 /// buffer (`dst_rank` is always served by this SP).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -75,16 +64,7 @@ pub struct Copy<K> {
 }
 
 /// Output of the state machine.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Action<K> {
-    /// Send `msg` to SP `to` (never this SP itself).
-    Send { to: SpId, msg: Msg<K> },
-    /// Start this copy and report it with `handle_copy_done`.
-    Copy(Copy<K>),
-    /// Local `rank` is done with the collective; emitted exactly once per
-    /// posted rank.
-    Complete { rank: Rank, status: Status },
-}
+pub type Action<K> = crate::direct::Action<Msg<K>, Copy<K>>;
 
 crate::common::post_error! {
     own {

@@ -104,26 +104,9 @@ impl Move {
     }
 }
 
-/// Output of the state machine.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Action<K> {
-    /// Send `msg` to SP `to` (never this SP itself).
-    Send { to: SpId, msg: Msg },
-    /// Start this copy and report it with `handle_copy_done`.
-    Copy(Copy<K>),
-    /// Start this move and report it with `handle_move_done`.
-    Move(Move),
-    /// Local `rank` is done; emitted exactly once per posted rank.
-    /// `from_segment` (only with `Status::Ok`, hierarchical design, non-root
-    /// ranks): the message is in the node segment, not in the rank's
-    /// buffer; the host copies `len` bytes from offset 0 of its
-    /// `shared_key` segment into its buffer before returning from the wait.
-    Complete {
-        rank: Rank,
-        status: Status,
-        from_segment: bool,
-    },
-}
+/// Output of the state machine. `Complete`'s `from_segment` is for
+/// non-root ranks, which copy `len` bytes out of the segment.
+pub type Action<K> = crate::staged::Action<Msg, Copy<K>, Move>;
 
 crate::common::post_error! {
     own {

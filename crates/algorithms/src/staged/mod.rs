@@ -1,15 +1,15 @@
 //! Machinery shared by the staged collectives ([`crate::bcast`] and
 //! [`crate::staged_allgather`]): their configuration, the design choice,
 //! the staging slots an instance owns on its SP, the places bytes are
-//! copied between, and the switch of deliberately broken variants their
-//! simulator tests turn on. Nothing here knows either protocol; both
-//! depend on this module, never the other way round.
+//! copied between, the actions they emit, and the switch of deliberately
+//! broken variants their simulator tests turn on. Nothing here knows
+//! either protocol; both depend on this module, never the other way round.
 
 use std::ops::{Deref, DerefMut};
 
 use serde::{Deserialize, Serialize};
 
-use crate::SpId;
+use crate::{Rank, SpId, Status};
 
 /// Static configuration of one staged instance.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -59,6 +59,30 @@ impl<K> Loc<K> {
             offset: 0,
         }
     }
+}
+
+/// Output of a staged state machine: `M` its messages, `C` its copies, `V`
+/// its moves (the broadcast's; [`Infallible`](std::convert::Infallible) for
+/// a collective without moves).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Action<M, C, V> {
+    /// Send `msg` to SP `to` (never this SP itself).
+    Send { to: SpId, msg: M },
+    /// Start this copy and report it with `handle_copy_done`.
+    Copy(C),
+    /// Start this move and report it with `handle_move_done`.
+    Move(V),
+    /// Local `rank` is done; emitted exactly once per posted rank.
+    /// `from_segment` (only with `Status::Ok`, hierarchical design, ranks
+    /// that receive): the data are in the node segment, not in the rank's
+    /// buffer; the host copies them from offset 0 of its `shared_key`
+    /// region into its buffer before returning from the wait (see the
+    /// collective's docs for how many bytes).
+    Complete {
+        rank: Rank,
+        status: Status,
+        from_segment: bool,
+    },
 }
 
 /// One staging slot; `H` is what the collective tracks about the chunk it

@@ -110,24 +110,10 @@ pub struct Copy<K> {
     pub len: u64,
 }
 
-/// Output of the state machine.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Action<K> {
-    /// Send `msg` to SP `to` (never this SP itself).
-    Send { to: SpId, msg: Msg<K> },
-    /// Start this copy and report it with `handle_copy_done`.
-    Copy(Copy<K>),
-    /// Local `rank` is done; emitted exactly once per posted rank.
-    /// `from_segment` (only with `Status::Ok`, hierarchical design): the
-    /// data are in the region, not in the rank's buffer; the host copies
-    /// `P * len` bytes from offset 0 of its `shared_key` region into its
-    /// receive buffer before returning from the wait.
-    Complete {
-        rank: Rank,
-        status: Status,
-        from_segment: bool,
-    },
-}
+/// Output of the state machine (it has no moves). `Complete`'s
+/// `from_segment` is for every rank, which copies `P * len` bytes out of
+/// the region.
+pub type Action<K> = crate::staged::Action<Msg<K>, Copy<K>, std::convert::Infallible>;
 
 crate::common::post_error! {
     own {

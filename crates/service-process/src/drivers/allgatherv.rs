@@ -86,7 +86,6 @@ impl CollDriver for Driver {
         };
         self.0.handle_post(now, post).map_err(|e| e.to_string())
     }
-    super::direct_poll_action!(allgatherv, CollMsg::Allgatherv);
     fn late_arrivals(&self) -> LateArrivals {
         let s = self.0.stats();
         LateArrivals {

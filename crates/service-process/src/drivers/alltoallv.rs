@@ -67,5 +67,4 @@ impl CollDriver for Driver {
         };
         self.0.handle_post(now, post).map_err(|e| e.to_string())
     }
-    super::direct_poll_action!(alltoallv, CollMsg::Alltoallv);
 }

@@ -53,6 +53,38 @@ fn check_desc(d: &PostDesc) -> Result<(), String> {
 
 struct Driver(bcast::Bcast<AliasKey>);
 
+/// A `Sealed` lends the receiver this node leader's region; a `Credit` grants slots.
+impl super::KindMsg for bcast::Msg {
+    fn into_coll(self) -> CollMsg {
+        CollMsg::Bcast(self)
+    }
+    fn lends_region(&self) -> bool {
+        matches!(self, bcast::Msg::Sealed { .. })
+    }
+    fn grants_slots(&self) -> Vec<u32> {
+        match self {
+            bcast::Msg::Credit { slots, .. } => slots.iter().map(|s| s.0).collect(),
+            _ => vec![],
+        }
+    }
+}
+
+super::copy_act!(bcast::Copy<AliasKey> => StageCopy { rank, src, dst, len });
+
+/// A move carries its chunk's bytes into the child's slot, then its `Chunk` message.
+impl From<bcast::Move> for Act {
+    fn from(mv: bcast::Move) -> Act {
+        Act::Move {
+            id: mv.id.0,
+            to: mv.to,
+            src_slot: mv.src_slot.0,
+            dst_slot: mv.dst_slot.0,
+            len: mv.len,
+            msg: CollMsg::Bcast(mv.chunk_msg()),
+        }
+    }
+}
+
 fn new(key: CollKey, me: SpId, staged: StagedConfig) -> Box<dyn CollDriver> {
     Box::new(Driver(bcast::Bcast::new(key, staged.machine(me))))
 }
@@ -130,37 +162,6 @@ impl CollDriver for Driver {
     }
     fn handle_move_done(&mut self, now: Nanos, id: u64, status: Status) {
         self.0.handle_move_done(now, bcast::MoveId(id), status)
-    }
-    fn poll_action(&mut self) -> Option<Act> {
-        Some(match self.0.poll_action()? {
-            bcast::Action::Send { to, msg } => Act::Send {
-                to,
-                lends_region: matches!(msg, bcast::Msg::Sealed { .. }),
-                grants_slots: match &msg {
-                    bcast::Msg::Credit { slots, .. } => slots.iter().map(|s| s.0).collect(),
-                    _ => vec![],
-                },
-                msg: CollMsg::Bcast(msg),
-            },
-            bcast::Action::Copy(c) => super::stage_copy!(c),
-            bcast::Action::Move(mv) => Act::Move {
-                id: mv.id.0,
-                to: mv.to,
-                src_slot: mv.src_slot.0,
-                dst_slot: mv.dst_slot.0,
-                len: mv.len,
-                msg: CollMsg::Bcast(mv.chunk_msg()),
-            },
-            bcast::Action::Complete {
-                rank,
-                status,
-                from_segment,
-            } => Act::Complete {
-                rank,
-                status,
-                from_segment,
-            },
-        })
     }
     fn may_fill(&self, from: SpId, slot: u32) -> bool {
         self.0.may_fill(from, bcast::SlotId(slot))

@@ -18,7 +18,9 @@ mod alltoallv;
 mod bcast;
 mod staged_allgather;
 
-use algorithms::{CollKey, Nanos, Rank, SpId, Status};
+use std::convert::Infallible;
+
+use algorithms::{direct, staged, CollKey, Nanos, Rank, SpId, Status};
 use alias_mkey::{AliasKey, Rights};
 use bootstrap::wire::{CollKind, CollMsg, PostDesc};
 
@@ -287,18 +289,31 @@ macro_rules! delegate {
         fn copies_in_flight(&self) -> usize {
             self.0.copies_in_flight()
         }
+        fn poll_action(&mut self) -> Option<Act> {
+            self.0.poll_action().map(Act::from)
+        }
     };
 }
 use delegate;
 
 /// What the drivers of the direct collectives (copies between two ranks' grants, no staging,
 /// no segment) write alike, each with its own types: the driver (a tuple struct around machine
-/// `$m::$machine`), its constructor and its [`Inbound`] (announcements counted). `$variant`
-/// is the kind's `CollMsg` variant. Inside the `CollDriver` impl, [`direct_poll_action`] goes
-/// with it.
+/// `$m::$machine`), its constructor, its [`Inbound`] (announcements counted), and how its
+/// messages (which lend and grant nothing) and copies become [`Act`]s. `$variant` is the
+/// kind's `CollMsg` variant.
 macro_rules! direct_driver {
     ($m:ident::$machine:ident, $variant:path) => {
         struct Driver($m::$machine<AliasKey>);
+
+        impl super::KindMsg for $m::Msg<AliasKey> {
+            fn into_coll(self) -> CollMsg {
+                $variant(self)
+            }
+        }
+
+        super::copy_act!($m::Copy<AliasKey> => Copy {
+            dst_rank, src_key, src_offset, dst_key, dst_offset, len
+        });
 
         fn new(key: CollKey, me: SpId, _: StagedConfig) -> Box<dyn CollDriver> {
             Box::new(Driver($m::$machine::new(key, $m::Config { me })))
@@ -314,53 +329,89 @@ macro_rules! direct_driver {
 }
 use direct_driver;
 
-/// `poll_action` of a direct collective's driver (see [`direct_driver`]): its messages lend
-/// nothing and grant nothing, its copies are between two ranks' grants, its ranks complete
-/// with their data in place.
-macro_rules! direct_poll_action {
-    ($m:ident, $variant:path) => {
-        fn poll_action(&mut self) -> Option<Act> {
-            Some(match self.0.poll_action()? {
-                $m::Action::Send { to, msg } => Act::Send {
-                    to,
-                    msg: $variant(msg),
-                    lends_region: false,
-                    grants_slots: vec![],
-                },
-                $m::Action::Copy(c) => Act::Copy {
+/// A kind's message as the engine sends it (see [`Act::Send`]).
+trait KindMsg {
+    /// The message on the wire.
+    fn into_coll(self) -> CollMsg;
+    /// It lends the receiver this SP's region.
+    fn lends_region(&self) -> bool {
+        false
+    }
+    /// The staging slots it grants the receiver.
+    fn grants_slots(&self) -> Vec<u32> {
+        vec![]
+    }
+}
+
+impl Act {
+    fn send(to: SpId, msg: impl KindMsg) -> Act {
+        Act::Send {
+            to,
+            lends_region: msg.lends_region(),
+            grants_slots: msg.grants_slots(),
+            msg: msg.into_coll(),
+        }
+    }
+}
+
+/// A staged machine's action (its copies and moves convert themselves).
+impl<M: KindMsg, C: Into<Act>, V: Into<Act>> From<staged::Action<M, C, V>> for Act {
+    fn from(a: staged::Action<M, C, V>) -> Act {
+        match a {
+            staged::Action::Send { to, msg } => Act::send(to, msg),
+            staged::Action::Copy(c) => c.into(),
+            staged::Action::Move(m) => m.into(),
+            staged::Action::Complete {
+                rank,
+                status,
+                from_segment,
+            } => Act::Complete {
+                rank,
+                status,
+                from_segment,
+            },
+        }
+    }
+}
+
+/// A direct machine's action: its ranks complete with their data in place.
+impl<M: KindMsg, C: Into<Act>> From<direct::Action<M, C>> for Act {
+    fn from(a: direct::Action<M, C>) -> Act {
+        match a {
+            direct::Action::Send { to, msg } => Act::send(to, msg),
+            direct::Action::Copy(c) => c.into(),
+            direct::Action::Complete { rank, status } => Act::Complete {
+                rank,
+                status,
+                from_segment: false,
+            },
+        }
+    }
+}
+
+/// The move of a staged machine without moves.
+impl From<Infallible> for Act {
+    fn from(never: Infallible) -> Act {
+        match never {}
+    }
+}
+
+/// `From<$copy> for Act`: a machine's copy is the [`Act`] variant `$act`, with the copy's id
+/// and the fields `$f` as they are. A direct machine's copy, between two ranks' grants, is an
+/// [`Act::Copy`]; a staged machine's (one end may be a staging slot), an [`Act::StageCopy`].
+macro_rules! copy_act {
+    ($copy:ty => $act:ident { $($f:ident),* }) => {
+        impl From<$copy> for Act {
+            fn from(c: $copy) -> Act {
+                Act::$act {
                     id: c.id.0,
-                    dst_rank: c.dst_rank,
-                    src_key: c.src_key,
-                    src_offset: c.src_offset,
-                    dst_key: c.dst_key,
-                    dst_offset: c.dst_offset,
-                    len: c.len,
-                },
-                $m::Action::Complete { rank, status } => Act::Complete {
-                    rank,
-                    status,
-                    from_segment: false,
-                },
-            })
+                    $($f: c.$f,)*
+                }
+            }
         }
     };
 }
-use direct_poll_action;
-
-/// A staged machine's copy (one end may be a staging slot) as an [`Act::StageCopy`].
-macro_rules! stage_copy {
-    ($c:expr) => {{
-        let c = $c;
-        Act::StageCopy {
-            id: c.id.0,
-            rank: c.rank,
-            src: c.src,
-            dst: c.dst,
-            len: c.len,
-        }
-    }};
-}
-use stage_copy;
+use copy_act;
 
 /// `d` lists `send` blocks on its send side and `recv` on its receive side.
 fn block_entries(d: &PostDesc, send: usize, recv: usize) -> Result<(), String> {

@@ -1,7 +1,7 @@
 //! The staged Iallgather, flat and hierarchical (`algorithms::staged_allgather`).
 
 use super::{Act, CollDriver, Inbound, KindSpec, LocalPost, StagedConfig};
-use algorithms::{bcast, staged_allgather, CollKey, Nanos, Rank, SpId, Status};
+use algorithms::{staged_allgather, CollKey, Nanos, Rank, SpId, Status};
 use alias_mkey::{AliasKey, Rights};
 use bootstrap::wire::{CollKind, CollMsg, PostDesc};
 
@@ -45,6 +45,18 @@ fn check_desc(d: &PostDesc) -> Result<(), String> {
 
 struct Driver(staged_allgather::StagedAllgather<AliasKey>);
 
+/// A `RegionDone` lends the receiver this node owner's region.
+impl super::KindMsg for staged_allgather::Msg<AliasKey> {
+    fn into_coll(self) -> CollMsg {
+        CollMsg::StagedAllgather(self)
+    }
+    fn lends_region(&self) -> bool {
+        matches!(self, staged_allgather::Msg::RegionDone { .. })
+    }
+}
+
+super::copy_act!(staged_allgather::Copy<AliasKey> => StageCopy { rank, src, dst, len });
+
 fn new(key: CollKey, me: SpId, staged: StagedConfig) -> Box<dyn CollDriver> {
     Box::new(Driver(staged_allgather::StagedAllgather::new(
         key,
@@ -79,7 +91,7 @@ fn refuse(msg: &CollMsg, from: SpId, status: Status) -> Vec<(SpId, CollMsg)> {
 impl CollDriver for Driver {
     super::delegate!(
         CollMsg::StagedAllgather,
-        bcast::CopyId,
+        staged_allgather::CopyId,
         "a staged allgather"
     );
 
@@ -98,26 +110,6 @@ impl CollDriver for Driver {
             shared_at,
         };
         self.0.handle_post(now, post).map_err(|e| e.to_string())
-    }
-    fn poll_action(&mut self) -> Option<Act> {
-        Some(match self.0.poll_action()? {
-            staged_allgather::Action::Send { to, msg } => Act::Send {
-                to,
-                lends_region: matches!(msg, staged_allgather::Msg::RegionDone { .. }),
-                grants_slots: vec![],
-                msg: CollMsg::StagedAllgather(msg),
-            },
-            staged_allgather::Action::Copy(c) => super::stage_copy!(c),
-            staged_allgather::Action::Complete {
-                rank,
-                status,
-                from_segment,
-            } => Act::Complete {
-                rank,
-                status,
-                from_segment,
-            },
-        })
     }
     fn segment_source(&self) -> Option<(SpId, u64, u64)> {
         self.0.segment_source()

@@ -100,17 +100,11 @@ pub enum UcxMode {
     Off,
 }
 
-impl std::str::FromStr for UcxMode {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "auto" => Ok(UcxMode::Auto),
-            "on" => Ok(UcxMode::On),
-            "off" => Ok(UcxMode::Off),
-            _ => Err(format!("expected auto, on or off, not {s:?}")),
-        }
-    }
-}
+bootstrap::from_word!(
+    UcxMode,
+    ["auto" => UcxMode::Auto, "on" => UcxMode::On, "off" => UcxMode::Off],
+    |s, words| format!("expected {words}, not {s:?}")
+);
 
 /// Timer slack of a polling SP (`ServeConfig::poll_interval`), in ns.
 const POLL_TIMER_SLACK_NS: libc::c_ulong = 1_000;

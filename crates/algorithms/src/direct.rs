@@ -1,0 +1,31 @@
+//! What the direct collectives ([`crate::allgatherv`] and
+//! [`crate::alltoallv`]: copies between two ranks' buffers, no staging)
+//! have alike: their configuration, copy ids and the actions they emit.
+//! Nothing here knows either protocol.
+
+use serde::{Deserialize, Serialize};
+
+use crate::{Rank, SpId, Status};
+
+/// Static configuration of one instance.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Config {
+    /// The SP running this instance.
+    pub me: SpId,
+}
+
+/// Identifies a copy within one instance.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct CopyId(pub u64);
+
+/// Output of a direct state machine: `M` its messages, `C` its copies.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Action<M, C> {
+    /// Send `msg` to SP `to` (never this SP itself).
+    Send { to: SpId, msg: M },
+    /// Start this copy and report it with `handle_copy_done`.
+    Copy(C),
+    /// Local `rank` is done with the collective; emitted exactly once per
+    /// posted rank.
+    Complete { rank: Rank, status: Status },
+}
