@@ -20,6 +20,14 @@ pub(crate) struct Done {
     pub(crate) host_at: Nanos,
 }
 
+/// Whether a copy or move of chunk `index`, `len` bytes, has the shape of
+/// one of the `n` chunks of `chunk` bytes of a collective: not empty, not
+/// longer than a chunk, and (unless the posts were inconsistent, when the
+/// SPs may disagree on `n`) in range.
+pub(crate) fn chunk_fits((len, index): (u64, u64), chunk: u64, n: u64, inconsistent: bool) -> bool {
+    len > 0 && len <= chunk && (inconsistent || index < n)
+}
+
 /// What the checks ask of a staged instance.
 pub(crate) trait StagedInstance {
     fn abort_status(&self) -> Option<Status>;

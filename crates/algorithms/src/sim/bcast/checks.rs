@@ -4,7 +4,7 @@
 use super::*;
 use crate::sim::shared::due_completion;
 use crate::sim::staged_common::{
-    check_clean_completion, check_instances_at_end, completion_summary,
+    check_clean_completion, check_instances_at_end, chunk_fits, completion_summary,
 };
 
 impl<'a> Sim<'a> {
@@ -18,7 +18,7 @@ impl<'a> Sim<'a> {
         let o = &self.ops[op];
         let bad = |what: &str| Err(self.fail(format!("op {op}: SP {sp}: {what}: {c:?}")));
         let chunk = self.cfg.chunk_bytes.max(1);
-        if c.len == 0 || c.len > chunk || (!o.inconsistent && c.chunk >= o.n) {
+        if !chunk_fits((c.len, c.chunk), chunk, o.n, o.inconsistent) {
             return bad("bad chunk or length");
         }
         if c.rank as usize >= o.buf.len() || self.core.rank_sp[c.rank as usize] != sp {
@@ -275,14 +275,7 @@ impl<'a> Sim<'a> {
     pub(super) fn report(&self) -> SimReport {
         let mut stats = Stats::default();
         for a in self.inst.values() {
-            let s = a.stats();
-            stats.chunks_forwarded += s.chunks_forwarded;
-            stats.bytes_staged += s.bytes_staged;
-            stats.chunks_before_post += s.chunks_before_post;
-            stats.max_slots_in_use = stats.max_slots_in_use.max(s.max_slots_in_use);
-            stats.unknown_done += s.unknown_done;
-            stats.ignored_from_lost_sp += s.ignored_from_lost_sp;
-            stats.regions_shared += s.regions_shared;
+            stats.absorb(&a.stats());
         }
         let done = self.ops.iter().flat_map(|o| o.done.iter()).flatten();
         let (end_ns, sp_end_ns, error_completions) = completion_summary(done);

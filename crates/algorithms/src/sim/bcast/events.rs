@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::sim::shared::deliver;
+use crate::sim::staged_common::chunk_fits;
 
 impl<'a> Sim<'a> {
     pub(super) fn process_input(&mut self, sp: SpId, input: Input) -> Result<(), SimFailure> {
@@ -146,10 +147,9 @@ impl<'a> Sim<'a> {
     ) -> Result<(), SimFailure> {
         let o = &self.ops[op];
         let want = tree_children(&o.tree, sp);
+        let chunk = self.cfg.chunk_bytes.max(1);
         if (!o.inconsistent && !want.contains(&m.to))
-            || m.len == 0
-            || m.len > self.cfg.chunk_bytes.max(1)
-            || (!o.inconsistent && m.chunk >= o.n)
+            || !chunk_fits((m.len, m.chunk), chunk, o.n, o.inconsistent)
         {
             return Err(self.fail(format!(
                 "op {op}: SP {sp} emitted a bad move {m:?} (its children: {want:?})"

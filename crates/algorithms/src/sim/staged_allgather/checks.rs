@@ -3,7 +3,7 @@
 use super::*;
 use crate::sim::shared::due_completion;
 use crate::sim::staged_common::{
-    check_clean_completion, check_instances_at_end, completion_summary,
+    check_clean_completion, check_instances_at_end, chunk_fits, completion_summary,
 };
 
 impl<'a> Sim<'a> {
@@ -18,7 +18,7 @@ impl<'a> Sim<'a> {
         let bad = |what: &str| Err(self.fail(format!("op {op}: SP {sp}: {what}: {c:?}")));
         let chunk = self.cfg.chunk_bytes.max(1);
         let p = self.cfg.world_size() as u64;
-        if c.len == 0 || c.len > chunk || (!o.inconsistent && c.chunk >= o.n) {
+        if !chunk_fits((c.len, c.chunk), chunk, o.n, o.inconsistent) {
             return bad("bad chunk or length");
         }
         if c.block as u64 >= p || self.core.rank_sp[c.block as usize] != sp {
@@ -400,17 +400,11 @@ impl<'a> Sim<'a> {
     pub(super) fn report(&self) -> SimReport {
         let mut stats = Stats::default();
         for a in self.inst.values() {
-            let s = a.stats();
-            stats.bytes_staged += s.bytes_staged;
-            stats.chunk_reads += s.chunk_reads;
-            stats.chunk_writes += s.chunk_writes;
-            stats.max_slots_in_use = stats.max_slots_in_use.max(s.max_slots_in_use);
-            stats.writes_waited_for_key += s.writes_waited_for_key;
-            stats.keys_before_post += s.keys_before_post;
-            stats.written_msgs += s.written_msgs;
-            stats.unknown_done += s.unknown_done;
-            stats.ignored_from_lost_sp += s.ignored_from_lost_sp;
+            stats.absorb(&a.stats());
         }
+        // The report has never totalled `regions_shared` (the final checks
+        // count it per collective); kept at 0 so reports stay comparable.
+        stats.regions_shared = 0;
         let done = self.ops.iter().flat_map(|o| o.done.iter()).flatten();
         let (end_ns, sp_end_ns, error_completions) = completion_summary(done);
         SimReport {
