@@ -258,6 +258,38 @@ macro_rules! staged_complete {
 }
 pub(crate) use staged_complete;
 
+/// In a staged simulator's `impl Sim`: `drain`, the actions of SP `sp`'s
+/// instance of collective `op`, emitted at `out`, in turn: a message goes
+/// out (`msg_bytes` on the wire, `$env` what travels), a copy is checked
+/// (`check_copy`) and queued in the SP's limiter as `$work`, a move starts
+/// (`start_move`), a completion is checked and recorded (`complete`).
+macro_rules! staged_drain {
+    (send: |$op:ident, $msg:ident| $env:expr, copy: |$c:ident| $work:expr) => {
+        pub(super) fn drain(&mut self, sp: SpId, $op: usize, out: Nanos) -> Result<(), SimFailure> {
+            while let Some(action) = self.inst.get_mut(&(sp, $op)).and_then(|a| a.poll_action()) {
+                match action {
+                    Action::Send { to, msg: $msg } => {
+                        let wire = msg_bytes(&$msg);
+                        self.core.send($op, sp, to, wire, out, $env)?;
+                    }
+                    Action::Copy($c) => {
+                        self.check_copy($op, sp, &$c)?;
+                        self.core.sps[sp as usize].limiter.push(($op, $work));
+                    }
+                    Action::Move(m) => self.start_move($op, sp, m, out)?,
+                    Action::Complete {
+                        rank,
+                        status,
+                        from_segment,
+                    } => self.complete(($op, sp, rank), (status, from_segment), out)?,
+                }
+            }
+            Ok(())
+        }
+    };
+}
+pub(crate) use staged_drain;
+
 /// Runs the config `cfg(design)` gives for each design, flat then
 /// hierarchical: each run must pass its checks without an error completion.
 /// The reports, each shown on stderr.

@@ -115,28 +115,10 @@ impl<'a> Sim<'a> {
 
     crate::sim::shared::finish_input!();
 
-    pub(super) fn drain(&mut self, sp: SpId, op: usize, out: Nanos) -> Result<(), SimFailure> {
-        while let Some(action) = self.instance(sp, op).poll_action() {
-            match action {
-                Action::Send { to, msg } => {
-                    let wire = msg_bytes(&msg);
-                    self.core
-                        .send(op, sp, to, wire, out, (op, msg, Vec::new()))?;
-                }
-                Action::Copy(c) => {
-                    self.check_copy(op, sp, &c)?;
-                    self.core.sps[sp as usize].limiter.push((op, Work::Copy(c)));
-                }
-                Action::Move(m) => self.start_move(op, sp, m, out)?,
-                Action::Complete {
-                    rank,
-                    status,
-                    from_segment,
-                } => self.complete((op, sp, rank), (status, from_segment), out)?,
-            }
-        }
-        Ok(())
-    }
+    crate::sim::staged_common::staged_drain!(
+        send: |op, msg| (op, msg, Vec::new()),
+        copy: |c| Work::Copy(c)
+    );
 
     pub(super) fn start_move(
         &mut self,
