@@ -5,6 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use super::driver::Core;
+use super::shared::{due_completion, Instance};
 use super::SimFailure;
 use crate::bcast::Bcast;
 use crate::staged_allgather::StagedAllgather;
@@ -83,7 +84,7 @@ pub(crate) fn check_completion<M, C>(
 
 /// A completion of a collective no fault touched: `Ok`, and from the
 /// segment exactly when `seg`.
-pub(crate) fn check_clean_completion<M, C>(
+fn check_clean_completion<M, C>(
     core: &Core<M, C>,
     (i, r): (usize, usize),
     d: Done,
@@ -96,6 +97,28 @@ pub(crate) fn check_clean_completion<M, C>(
         )));
     }
     Ok(())
+}
+
+/// Rank `r` of collective `i` at the end of a staged run: its completion,
+/// `None` if none was due (its SP crashed or it never posted), or a
+/// deadlock failure ([`due_completion`]); with `clean: Some(seg)` (no fault
+/// touched the collective) also [`check_clean_completion`].
+pub(crate) fn due_rank<M, C, I: Instance>(
+    core: &Core<M, C>,
+    inst: &BTreeMap<(SpId, usize), I>,
+    crashed: &BTreeSet<SpId>,
+    (i, r): (usize, usize),
+    (done, post_ns): (Option<Done>, Option<Nanos>),
+    clean: Option<bool>,
+) -> Result<Option<Done>, SimFailure> {
+    let sp = core.rank_sp[r];
+    let exempt = crashed.contains(&sp) || post_ns.is_none();
+    let who = format_args!("op {i} rank {r} (SP {sp})");
+    let due = due_completion(core, inst, (i, sp), who, (done, exempt), post_ns)?;
+    if let (Some(d), Some(seg)) = (due, clean) {
+        check_clean_completion(core, (i, r), d, seg)?;
+    }
+    Ok(due)
 }
 
 /// Every instance of a live SP at the end: within `staging_slots` (at
@@ -157,6 +180,18 @@ impl<D> Shadow<D> {
             readers: 0,
             writers: 0,
         }
+    }
+
+    /// A read out of the slot ended: its contents.
+    pub(crate) fn end_read(&mut self) -> &D {
+        self.readers -= 1;
+        &self.data
+    }
+
+    /// The fill of the slot ended (or will never land): its contents.
+    pub(crate) fn end_write(&mut self) -> &mut D {
+        self.writers = 0;
+        &mut self.data
     }
 
     /// Starts filling the slot; nothing else may be in flight on it (else
@@ -261,7 +296,8 @@ pub(crate) use staged_complete;
 /// In a staged simulator's `impl Sim`: `drain`, the actions of SP `sp`'s
 /// instance of collective `op`, emitted at `out`, in turn: a message goes
 /// out (`msg_bytes` on the wire, `$env` what travels), a copy is checked
-/// (`check_copy`) and queued in the SP's limiter as `$work`, a move starts
+/// (`check_copy`, also defined here) and queued in the SP's limiter as
+/// `$work`, a move starts
 /// (`start_move`), a completion is checked and recorded (`complete`).
 macro_rules! staged_drain {
     (send: |$op:ident, $msg:ident| $env:expr, copy: |$c:ident| $work:expr) => {
@@ -285,6 +321,31 @@ macro_rules! staged_drain {
                 }
             }
             Ok(())
+        }
+
+        /// The shape of a copy when the SP emits it: one chunk
+        /// ([`chunk_fits`]) read or written where the simulator's
+        /// `copy_places` allows.
+        pub(super) fn check_copy(
+            &self,
+            op: usize,
+            sp: SpId,
+            c: &Copy<SimKey>,
+        ) -> Result<(), SimFailure> {
+            let o = &self.ops[op];
+            let chunk = self.cfg.chunk_bytes.max(1);
+            let fits = $crate::sim::staged_common::chunk_fits(
+                (c.len, c.chunk),
+                chunk,
+                o.n,
+                o.inconsistent,
+            );
+            let placed = if fits {
+                self.copy_places(op, sp, c, chunk)
+            } else {
+                Err("bad chunk or length")
+            };
+            placed.map_err(|what| self.fail(format!("op {op}: SP {sp}: {what}: {c:?}")))
         }
     };
 }

@@ -47,7 +47,7 @@ impl<'a> Sim<'a> {
                 if self.core.sps[sp as usize].known_lost.contains(&from) {
                     // The connection is gone: the chunk never lands.
                     if let Some((slot, _)) = chunk {
-                        self.shadow(op, sp, slot)?.writers = 0;
+                        self.shadow(op, sp, slot)?.end_write();
                     }
                     return Ok(());
                 }
@@ -58,8 +58,7 @@ impl<'a> Sim<'a> {
                             "op {op}: chunk into slot {slot} of SP {sp} without its move"
                         )));
                     }
-                    s.data[..len as usize].copy_from_slice(&payload);
-                    s.writers = 0;
+                    s.end_write()[..len as usize].copy_from_slice(&payload);
                 }
                 if matches!(msg, Msg::Abort { .. }) {
                     self.ops[op].notified.insert(sp);
@@ -82,7 +81,7 @@ impl<'a> Sim<'a> {
                         self.instance(sp, op).handle_copy_done(now, c.id, status);
                     }
                     Work::Move(m) => {
-                        self.shadow(op, sp, m.src_slot.0)?.readers -= 1;
+                        self.shadow(op, sp, m.src_slot.0)?.end_read();
                         self.instance(sp, op).handle_move_done(now, m.id, status);
                     }
                 }
