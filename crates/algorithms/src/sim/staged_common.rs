@@ -29,6 +29,65 @@ pub(crate) fn chunk_fits((len, index): (u64, u64), chunk: u64, n: u64, inconsist
     len > 0 && len <= chunk && (inconsistent || index < n)
 }
 
+/// What both staged simulators record of each collective besides their
+/// own: the staging shadows of every SP (`D` a slot's contents), every
+/// rank's post and completion, whether a fault touched it, and the bytes
+/// it wrote across nodes and within them. A simulator's `Op` embeds one
+/// and reads as it (`o.done`) through `Deref`.
+pub(crate) struct OpRecord<D> {
+    pub(crate) staging: BTreeMap<SpId, Vec<Shadow<D>>>,
+    pub(crate) post_ns: Vec<Option<Nanos>>,
+    pub(crate) done: Vec<Option<Done>>,
+    pub(crate) disturbed: bool,
+    /// SPs that learned of a fault touching this collective.
+    pub(crate) notified: BTreeSet<SpId>,
+    pub(crate) bytes_inter: u64,
+    pub(crate) bytes_intra: u64,
+}
+
+impl<D> OpRecord<D> {
+    /// Nothing posted, staged or written yet, for `p` ranks.
+    pub(crate) fn new(p: usize) -> OpRecord<D> {
+        OpRecord {
+            staging: BTreeMap::new(),
+            post_ns: vec![None; p],
+            done: vec![None; p],
+            disturbed: false,
+            notified: BTreeSet::new(),
+            bytes_inter: 0,
+            bytes_intra: 0,
+        }
+    }
+
+    /// `len` bytes written across nodes (`inter`) or within one.
+    pub(crate) fn count_bytes(&mut self, inter: bool, len: u64) {
+        if inter {
+            self.bytes_inter += len;
+        } else {
+            self.bytes_intra += len;
+        }
+    }
+}
+
+/// `Deref` of a simulator's `Op` to its [`OpRecord`] field `rec`.
+macro_rules! op_record_deref {
+    ($data:ty) => {
+        impl std::ops::Deref for Op {
+            type Target = $crate::sim::staged_common::OpRecord<$data>;
+            fn deref(&self) -> &Self::Target {
+                &self.rec
+            }
+        }
+
+        impl std::ops::DerefMut for Op {
+            fn deref_mut(&mut self) -> &mut Self::Target {
+                &mut self.rec
+            }
+        }
+    };
+}
+pub(crate) use op_record_deref;
+
 /// What the checks ask of a staged instance.
 pub(crate) trait StagedInstance {
     fn abort_status(&self) -> Option<Status>;

@@ -154,11 +154,7 @@ impl<'a> Sim<'a> {
         };
         let o = &mut self.ops[op];
         o.moves += 1;
-        if inter {
-            o.bytes_inter += m.len;
-        } else {
-            o.bytes_intra += m.len;
-        }
+        o.count_bytes(inter, m.len);
         let landed = self.core.transfer(sp, m.to, m.len, out + fixed);
         self.core.schedule(
             landed,

@@ -171,11 +171,7 @@ impl<'a> Sim<'a> {
                     } else {
                         o.writes_region[to as usize] += 1;
                     }
-                    if inter {
-                        o.bytes_inter += c.len;
-                    } else {
-                        o.bytes_intra += c.len;
-                    }
+                    o.count_bytes(inter, c.len);
                 }
             }
         }
