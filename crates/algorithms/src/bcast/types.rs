@@ -174,3 +174,9 @@ pub struct Stats {
     /// region instead of receiving chunks.
     pub regions_shared: u64,
 }
+
+crate::staged::stats_absorb!(Stats {
+    sum: chunks_forwarded, bytes_staged, chunks_before_post, unknown_done,
+        ignored_from_lost_sp, regions_shared;
+    max: max_slots_in_use
+});

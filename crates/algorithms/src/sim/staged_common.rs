@@ -5,6 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use super::driver::Core;
+use super::shared::{due_completion, Instance};
 use super::SimFailure;
 use crate::bcast::Bcast;
 use crate::staged_allgather::StagedAllgather;
@@ -19,6 +20,73 @@ pub(crate) struct Done {
     /// When the data are in the rank's own buffer.
     pub(crate) host_at: Nanos,
 }
+
+/// Whether a copy or move of chunk `index`, `len` bytes, has the shape of
+/// one of the `n` chunks of `chunk` bytes of a collective: not empty, not
+/// longer than a chunk, and (unless the posts were inconsistent, when the
+/// SPs may disagree on `n`) in range.
+pub(crate) fn chunk_fits((len, index): (u64, u64), chunk: u64, n: u64, inconsistent: bool) -> bool {
+    len > 0 && len <= chunk && (inconsistent || index < n)
+}
+
+/// What both staged simulators record of each collective besides their
+/// own: the staging shadows of every SP (`D` a slot's contents), every
+/// rank's post and completion, whether a fault touched it, and the bytes
+/// it wrote across nodes and within them. A simulator's `Op` embeds one
+/// and reads as it (`o.done`) through `Deref`.
+pub(crate) struct OpRecord<D> {
+    pub(crate) staging: BTreeMap<SpId, Vec<Shadow<D>>>,
+    pub(crate) post_ns: Vec<Option<Nanos>>,
+    pub(crate) done: Vec<Option<Done>>,
+    pub(crate) disturbed: bool,
+    /// SPs that learned of a fault touching this collective.
+    pub(crate) notified: BTreeSet<SpId>,
+    pub(crate) bytes_inter: u64,
+    pub(crate) bytes_intra: u64,
+}
+
+impl<D> OpRecord<D> {
+    /// Nothing posted, staged or written yet, for `p` ranks.
+    pub(crate) fn new(p: usize) -> OpRecord<D> {
+        OpRecord {
+            staging: BTreeMap::new(),
+            post_ns: vec![None; p],
+            done: vec![None; p],
+            disturbed: false,
+            notified: BTreeSet::new(),
+            bytes_inter: 0,
+            bytes_intra: 0,
+        }
+    }
+
+    /// `len` bytes written across nodes (`inter`) or within one.
+    pub(crate) fn count_bytes(&mut self, inter: bool, len: u64) {
+        if inter {
+            self.bytes_inter += len;
+        } else {
+            self.bytes_intra += len;
+        }
+    }
+}
+
+/// `Deref` of a simulator's `Op` to its [`OpRecord`] field `rec`.
+macro_rules! op_record_deref {
+    ($data:ty) => {
+        impl std::ops::Deref for Op {
+            type Target = $crate::sim::staged_common::OpRecord<$data>;
+            fn deref(&self) -> &Self::Target {
+                &self.rec
+            }
+        }
+
+        impl std::ops::DerefMut for Op {
+            fn deref_mut(&mut self) -> &mut Self::Target {
+                &mut self.rec
+            }
+        }
+    };
+}
+pub(crate) use op_record_deref;
 
 /// What the checks ask of a staged instance.
 pub(crate) trait StagedInstance {
@@ -75,7 +143,7 @@ pub(crate) fn check_completion<M, C>(
 
 /// A completion of a collective no fault touched: `Ok`, and from the
 /// segment exactly when `seg`.
-pub(crate) fn check_clean_completion<M, C>(
+fn check_clean_completion<M, C>(
     core: &Core<M, C>,
     (i, r): (usize, usize),
     d: Done,
@@ -88,6 +156,28 @@ pub(crate) fn check_clean_completion<M, C>(
         )));
     }
     Ok(())
+}
+
+/// Rank `r` of collective `i` at the end of a staged run: its completion,
+/// `None` if none was due (its SP crashed or it never posted), or a
+/// deadlock failure ([`due_completion`]); with `clean: Some(seg)` (no fault
+/// touched the collective) also [`check_clean_completion`].
+pub(crate) fn due_rank<M, C, I: Instance>(
+    core: &Core<M, C>,
+    inst: &BTreeMap<(SpId, usize), I>,
+    crashed: &BTreeSet<SpId>,
+    (i, r): (usize, usize),
+    (done, post_ns): (Option<Done>, Option<Nanos>),
+    clean: Option<bool>,
+) -> Result<Option<Done>, SimFailure> {
+    let sp = core.rank_sp[r];
+    let exempt = crashed.contains(&sp) || post_ns.is_none();
+    let who = format_args!("op {i} rank {r} (SP {sp})");
+    let due = due_completion(core, inst, (i, sp), who, (done, exempt), post_ns)?;
+    if let (Some(d), Some(seg)) = (due, clean) {
+        check_clean_completion(core, (i, r), d, seg)?;
+    }
+    Ok(due)
 }
 
 /// Every instance of a live SP at the end: within `staging_slots` (at
@@ -149,6 +239,18 @@ impl<D> Shadow<D> {
             readers: 0,
             writers: 0,
         }
+    }
+
+    /// A read out of the slot ended: its contents.
+    pub(crate) fn end_read(&mut self) -> &D {
+        self.readers -= 1;
+        &self.data
+    }
+
+    /// The fill of the slot ended (or will never land): its contents.
+    pub(crate) fn end_write(&mut self) -> &mut D {
+        self.writers = 0;
+        &mut self.data
     }
 
     /// Starts filling the slot; nothing else may be in flight on it (else
@@ -249,6 +351,64 @@ macro_rules! staged_complete {
     };
 }
 pub(crate) use staged_complete;
+
+/// In a staged simulator's `impl Sim`: `drain`, the actions of SP `sp`'s
+/// instance of collective `op`, emitted at `out`, in turn: a message goes
+/// out (`msg_bytes` on the wire, `$env` what travels), a copy is checked
+/// (`check_copy`, also defined here) and queued in the SP's limiter as
+/// `$work`, a move starts
+/// (`start_move`), a completion is checked and recorded (`complete`).
+macro_rules! staged_drain {
+    (send: |$op:ident, $msg:ident| $env:expr, copy: |$c:ident| $work:expr) => {
+        pub(super) fn drain(&mut self, sp: SpId, $op: usize, out: Nanos) -> Result<(), SimFailure> {
+            while let Some(action) = self.inst.get_mut(&(sp, $op)).and_then(|a| a.poll_action()) {
+                match action {
+                    Action::Send { to, msg: $msg } => {
+                        let wire = msg_bytes(&$msg);
+                        self.core.send($op, sp, to, wire, out, $env)?;
+                    }
+                    Action::Copy($c) => {
+                        self.check_copy($op, sp, &$c)?;
+                        self.core.sps[sp as usize].limiter.push(($op, $work));
+                    }
+                    Action::Move(m) => self.start_move($op, sp, m, out)?,
+                    Action::Complete {
+                        rank,
+                        status,
+                        from_segment,
+                    } => self.complete(($op, sp, rank), (status, from_segment), out)?,
+                }
+            }
+            Ok(())
+        }
+
+        /// The shape of a copy when the SP emits it: one chunk
+        /// ([`chunk_fits`]) read or written where the simulator's
+        /// `copy_places` allows.
+        pub(super) fn check_copy(
+            &self,
+            op: usize,
+            sp: SpId,
+            c: &Copy<SimKey>,
+        ) -> Result<(), SimFailure> {
+            let o = &self.ops[op];
+            let chunk = self.cfg.chunk_bytes.max(1);
+            let fits = $crate::sim::staged_common::chunk_fits(
+                (c.len, c.chunk),
+                chunk,
+                o.n,
+                o.inconsistent,
+            );
+            let placed = if fits {
+                self.copy_places(op, sp, c, chunk)
+            } else {
+                Err("bad chunk or length")
+            };
+            placed.map_err(|what| self.fail(format!("op {op}: SP {sp}: {what}: {c:?}")))
+        }
+    };
+}
+pub(crate) use staged_drain;
 
 /// Runs the config `cfg(design)` gives for each design, flat then
 /// hierarchical: each run must pass its checks without an error completion.

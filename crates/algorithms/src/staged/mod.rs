@@ -183,3 +183,22 @@ macro_rules! mutation_switch {
     };
 }
 pub(crate) use mutation_switch;
+
+/// `impl Stats { fn absorb }` for a staged collective's counters:
+/// `stats_absorb!(Stats { sum: a, b; max: c })` adds each counter named
+/// after `sum` and keeps the larger high-water mark of each after `max`.
+/// Every field must be named (the pattern is exhaustive).
+macro_rules! stats_absorb {
+    ($stats:ident { sum: $($sum:ident),+; max: $($max:ident),+ }) => {
+        impl $stats {
+            /// Adds `other`'s counters into these, as when totalling the
+            /// counters of many instances.
+            pub fn absorb(&mut self, other: &$stats) {
+                let $stats { $($sum,)+ $($max,)+ } = *other;
+                $(self.$sum += $sum;)+
+                $(self.$max = self.$max.max($max);)+
+            }
+        }
+    };
+}
+pub(crate) use stats_absorb;

@@ -177,6 +177,12 @@ pub struct Stats {
     pub ignored_from_lost_sp: u64,
 }
 
+crate::staged::stats_absorb!(Stats {
+    sum: bytes_staged, chunk_reads, chunk_writes, writes_waited_for_key, keys_before_post,
+        written_msgs, regions_shared, unknown_done, ignored_from_lost_sp;
+    max: max_slots_in_use
+});
+
 /// The answer an SP sends back to the sender of `msg` when the instance is
 /// finished or gone there (its ranks will never post or have all
 /// completed, so it writes nothing): `Stopped { status }` for `Key`,

@@ -2,53 +2,47 @@
 //! report.
 
 use super::*;
-use crate::sim::shared::due_completion;
-use crate::sim::staged_common::{
-    check_clean_completion, check_instances_at_end, completion_summary,
-};
+use crate::sim::staged_common::{check_instances_at_end, completion_summary, due_rank};
 
 impl<'a> Sim<'a> {
-    /// The shape of a copy when the SP emits it.
-    pub(super) fn check_copy(
+    /// Where a copy the SP emits reads and writes (its shape as a chunk is
+    /// checked already, `chunk` the chunk size): `Err` what is wrong.
+    pub(super) fn copy_places(
         &self,
         op: usize,
         sp: SpId,
         c: &Copy<SimKey>,
-    ) -> Result<(), SimFailure> {
+        chunk: u64,
+    ) -> Result<(), &'static str> {
         let o = &self.ops[op];
-        let bad = |what: &str| Err(self.fail(format!("op {op}: SP {sp}: {what}: {c:?}")));
-        let chunk = self.cfg.chunk_bytes.max(1);
-        if c.len == 0 || c.len > chunk || (!o.inconsistent && c.chunk >= o.n) {
-            return bad("bad chunk or length");
-        }
         if c.rank as usize >= o.buf.len() || self.core.rank_sp[c.rank as usize] != sp {
-            return bad("a rank this SP does not serve");
+            return Err("a rank this SP does not serve");
         }
         let (host, stage_is_dst) = match (&c.src, &c.dst) {
             (Loc::Host { key, offset }, Loc::Stage { offset: 0, .. }) => ((key, offset), true),
             (Loc::Stage { offset: 0, .. }, Loc::Host { key, offset }) => ((key, offset), false),
-            _ => return bad("not host<->stage at slot offset 0"),
+            _ => return Err("not host<->stage at slot offset 0"),
         };
         let (key, &offset) = host;
         if key.op != op as u32 || key.rank != c.rank || offset != c.chunk * chunk {
-            return bad("wrong key or offset");
+            return Err("wrong key or offset");
         }
         if stage_is_dst {
             // A read: only from a rank that named itself root.
             if key.shared || o.post_root[c.rank as usize] != c.rank {
-                return bad("read from a rank that is not the root");
+                return Err("read from a rank that is not the root");
             }
         } else {
             if o.post_root[c.rank as usize] == c.rank && !key.shared {
-                return bad("write into the root's buffer");
+                return Err("write into the root's buffer");
             }
             if key.shared != (self.cfg.design == Design::Hier) {
-                return bad("write into the wrong kind of buffer");
+                return Err("write into the wrong kind of buffer");
             }
             if key.shared && !o.inconsistent {
                 let group = o.tree.iter().find(|g| g.contains(&sp));
                 if group.is_none_or(|g| g[0] != sp) {
-                    return bad("segment write by an SP that is not its node's leader");
+                    return Err("segment write by an SP that is not its node's leader");
                 }
                 let siblings = group.is_some_and(|g| g.len() > 1);
                 let local = &self.local[&sp];
@@ -58,7 +52,7 @@ impl<'a> Sim<'a> {
                     .find(|&r| r != o.root)
                     .or((siblings && local.contains(&o.root)).then_some(o.root));
                 if writer != Some(c.rank) {
-                    return bad("segment write through another rank than the writer");
+                    return Err("segment write through another rank than the writer");
                 }
             }
         }
@@ -111,18 +105,13 @@ impl<'a> Sim<'a> {
                 }
                 b[*offset as usize..end].to_vec()
             }
-            Loc::Stage { slot, .. } => {
-                let s = self.shadow(op, sp, slot.0)?;
-                s.readers -= 1;
-                s.data[..len].to_vec()
-            }
+            Loc::Stage { slot, .. } => self.shadow(op, sp, slot.0)?.end_read()[..len].to_vec(),
         };
         match &c.dst {
             Loc::Stage { slot, .. } => {
-                let s = self.shadow(op, sp, slot.0)?;
-                s.writers = 0;
+                let data = self.shadow(op, sp, slot.0)?.end_write();
                 if ok {
-                    s.data[..len].copy_from_slice(&src);
+                    data[..len].copy_from_slice(&src);
                 }
             }
             Loc::Host { key, offset } => {
@@ -162,7 +151,6 @@ impl<'a> Sim<'a> {
         for (i, o) in self.ops.iter().enumerate() {
             let want = o.len as usize;
             for r in 0..o.buf.len() {
-                let sp = self.core.rank_sp[r];
                 let b = &o.buf[r];
                 let plen = o.post_len[r] as usize;
                 if let Some(j) = (plen..b.len()).find(|&j| b[j] != sentinel(j)) {
@@ -173,19 +161,12 @@ impl<'a> Sim<'a> {
                 if r == o.root as usize && b[..want] != o.data[..] {
                     return Err(self.fail(format!("op {i}: the root's buffer changed")));
                 }
-                let due = due_completion(
-                    &self.core,
-                    &self.inst,
-                    (i, sp),
-                    format_args!("op {i} rank {r} (SP {sp})"),
-                    (o.done[r], crashed.contains(&sp) || o.post_ns[r].is_none()),
-                    o.post_ns[r],
-                )?;
-                let Some(d) = due else { continue };
-                if !o.disturbed {
-                    let seg = self.cfg.design == Design::Hier && r != o.root as usize;
-                    check_clean_completion(&self.core, (i, r), d, seg)?;
-                }
+                let seg = self.cfg.design == Design::Hier && r != o.root as usize;
+                let (done, clean) = ((o.done[r], o.post_ns[r]), (!o.disturbed).then_some(seg));
+                let Some(d) = due_rank(&self.core, &self.inst, &crashed, (i, r), done, clean)?
+                else {
+                    continue;
+                };
                 if d.status.is_ok() {
                     // Ok: the rank's post agrees with that of the rank it
                     // names as root, which names itself, and it holds that
@@ -275,14 +256,7 @@ impl<'a> Sim<'a> {
     pub(super) fn report(&self) -> SimReport {
         let mut stats = Stats::default();
         for a in self.inst.values() {
-            let s = a.stats();
-            stats.chunks_forwarded += s.chunks_forwarded;
-            stats.bytes_staged += s.bytes_staged;
-            stats.chunks_before_post += s.chunks_before_post;
-            stats.max_slots_in_use = stats.max_slots_in_use.max(s.max_slots_in_use);
-            stats.unknown_done += s.unknown_done;
-            stats.ignored_from_lost_sp += s.ignored_from_lost_sp;
-            stats.regions_shared += s.regions_shared;
+            stats.absorb(&a.stats());
         }
         let done = self.ops.iter().flat_map(|o| o.done.iter()).flatten();
         let (end_ns, sp_end_ns, error_completions) = completion_summary(done);

@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::sim::shared::deliver;
+use crate::sim::staged_common::chunk_fits;
 
 impl<'a> Sim<'a> {
     pub(super) fn process_input(&mut self, sp: SpId, input: Input) -> Result<(), SimFailure> {
@@ -46,7 +47,7 @@ impl<'a> Sim<'a> {
                 if self.core.sps[sp as usize].known_lost.contains(&from) {
                     // The connection is gone: the chunk never lands.
                     if let Some((slot, _)) = chunk {
-                        self.shadow(op, sp, slot)?.writers = 0;
+                        self.shadow(op, sp, slot)?.end_write();
                     }
                     return Ok(());
                 }
@@ -57,8 +58,7 @@ impl<'a> Sim<'a> {
                             "op {op}: chunk into slot {slot} of SP {sp} without its move"
                         )));
                     }
-                    s.data[..len as usize].copy_from_slice(&payload);
-                    s.writers = 0;
+                    s.end_write()[..len as usize].copy_from_slice(&payload);
                 }
                 if matches!(msg, Msg::Abort { .. }) {
                     self.ops[op].notified.insert(sp);
@@ -81,7 +81,7 @@ impl<'a> Sim<'a> {
                         self.instance(sp, op).handle_copy_done(now, c.id, status);
                     }
                     Work::Move(m) => {
-                        self.shadow(op, sp, m.src_slot.0)?.readers -= 1;
+                        self.shadow(op, sp, m.src_slot.0)?.end_read();
                         self.instance(sp, op).handle_move_done(now, m.id, status);
                     }
                 }
@@ -114,28 +114,10 @@ impl<'a> Sim<'a> {
 
     crate::sim::shared::finish_input!();
 
-    pub(super) fn drain(&mut self, sp: SpId, op: usize, out: Nanos) -> Result<(), SimFailure> {
-        while let Some(action) = self.instance(sp, op).poll_action() {
-            match action {
-                Action::Send { to, msg } => {
-                    let wire = msg_bytes(&msg);
-                    self.core
-                        .send(op, sp, to, wire, out, (op, msg, Vec::new()))?;
-                }
-                Action::Copy(c) => {
-                    self.check_copy(op, sp, &c)?;
-                    self.core.sps[sp as usize].limiter.push((op, Work::Copy(c)));
-                }
-                Action::Move(m) => self.start_move(op, sp, m, out)?,
-                Action::Complete {
-                    rank,
-                    status,
-                    from_segment,
-                } => self.complete((op, sp, rank), (status, from_segment), out)?,
-            }
-        }
-        Ok(())
-    }
+    crate::sim::staged_common::staged_drain!(
+        send: |op, msg| (op, msg, Vec::new()),
+        copy: |c| Work::Copy(c)
+    );
 
     pub(super) fn start_move(
         &mut self,
@@ -146,10 +128,9 @@ impl<'a> Sim<'a> {
     ) -> Result<(), SimFailure> {
         let o = &self.ops[op];
         let want = tree_children(&o.tree, sp);
+        let chunk = self.cfg.chunk_bytes.max(1);
         if (!o.inconsistent && !want.contains(&m.to))
-            || m.len == 0
-            || m.len > self.cfg.chunk_bytes.max(1)
-            || (!o.inconsistent && m.chunk >= o.n)
+            || !chunk_fits((m.len, m.chunk), chunk, o.n, o.inconsistent)
         {
             return Err(self.fail(format!(
                 "op {op}: SP {sp} emitted a bad move {m:?} (its children: {want:?})"
@@ -173,11 +154,7 @@ impl<'a> Sim<'a> {
         };
         let o = &mut self.ops[op];
         o.moves += 1;
-        if inter {
-            o.bytes_inter += m.len;
-        } else {
-            o.bytes_intra += m.len;
-        }
+        o.count_bytes(inter, m.len);
         let landed = self.core.transfer(sp, m.to, m.len, out + fixed);
         self.core.schedule(
             landed,

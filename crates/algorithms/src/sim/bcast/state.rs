@@ -6,7 +6,7 @@ use super::*;
 /// A staging slot as the simulator sees it.
 pub(super) type Shadow = crate::sim::staged_common::Shadow<Vec<u8>>;
 
-pub(super) use crate::sim::staged_common::Done;
+pub(super) use crate::sim::staged_common::{Done, OpRecord};
 
 pub(super) struct Op {
     pub(super) key: CollKey,
@@ -26,16 +26,11 @@ pub(super) struct Op {
     pub(super) seg_sealed: Vec<Option<Nanos>>,
     pub(super) seg_writes: Vec<u64>,
     pub(super) buf_writes: Vec<u64>,
-    pub(super) staging: BTreeMap<SpId, Vec<Shadow>>,
-    pub(super) post_ns: Vec<Option<Nanos>>,
-    pub(super) done: Vec<Option<Done>>,
-    pub(super) disturbed: bool,
-    /// SPs that learned of a fault touching this collective.
-    pub(super) notified: BTreeSet<SpId>,
+    pub(super) rec: OpRecord<Vec<u8>>,
     pub(super) moves: u64,
-    pub(super) bytes_inter: u64,
-    pub(super) bytes_intra: u64,
 }
+
+crate::sim::staged_common::op_record_deref!(Vec<u8>);
 
 /// A copy or a move in the driver's hands.
 #[derive(Clone, Debug)]
@@ -141,14 +136,8 @@ impl<'a> Sim<'a> {
                 seg_sealed: vec![None; sp_count],
                 seg_writes: vec![0; sp_count],
                 buf_writes: vec![0; p],
-                staging: BTreeMap::new(),
-                post_ns: vec![None; p],
-                done: vec![None; p],
-                disturbed: false,
-                notified: BTreeSet::new(),
+                rec: OpRecord::new(p),
                 moves: 0,
-                bytes_inter: 0,
-                bytes_intra: 0,
             });
         }
         // Inconsistent posts: a non-root rank names another length or root.

@@ -1,28 +1,22 @@
 //! The checkers of copies and completions, the final checks and the report.
 
 use super::*;
-use crate::sim::shared::due_completion;
-use crate::sim::staged_common::{
-    check_clean_completion, check_instances_at_end, completion_summary,
-};
+use crate::sim::staged_common::{check_instances_at_end, completion_summary, due_rank};
 
 impl<'a> Sim<'a> {
-    /// The shape of a copy when the SP emits it.
-    pub(super) fn check_copy(
+    /// Where a copy the SP emits reads and writes (its shape as a chunk is
+    /// checked already, `chunk` the chunk size): `Err` what is wrong.
+    pub(super) fn copy_places(
         &self,
         op: usize,
         sp: SpId,
         c: &Copy<SimKey>,
-    ) -> Result<(), SimFailure> {
+        chunk: u64,
+    ) -> Result<(), &'static str> {
         let o = &self.ops[op];
-        let bad = |what: &str| Err(self.fail(format!("op {op}: SP {sp}: {what}: {c:?}")));
-        let chunk = self.cfg.chunk_bytes.max(1);
         let p = self.cfg.world_size() as u64;
-        if c.len == 0 || c.len > chunk || (!o.inconsistent && c.chunk >= o.n) {
-            return bad("bad chunk or length");
-        }
         if c.block as u64 >= p || self.core.rank_sp[c.block as usize] != sp {
-            return bad("a block of a rank this SP does not serve");
+            return Err("a block of a rank this SP does not serve");
         }
         match (&c.src, &c.dst) {
             (Loc::Host { key, offset }, Loc::Stage { offset: 0, .. }) => {
@@ -33,47 +27,47 @@ impl<'a> Sim<'a> {
                     || c.sp != sp
                     || *offset != c.chunk * chunk
                 {
-                    return bad("a read that is not of the block's own chunk");
+                    return Err("a read that is not of the block's own chunk");
                 }
                 if o.post_ns[c.block as usize].is_none() {
-                    return bad("a read from a rank that has not posted");
+                    return Err("a read from a rank that has not posted");
                 }
             }
             (Loc::Stage { offset: 0, .. }, Loc::Host { key, offset }) => {
                 let r = key.rank as usize;
                 if key.op != op as u32 || r as u64 >= p || c.rank != key.rank {
-                    return bad("a write through a foreign key");
+                    return Err("a write through a foreign key");
                 }
                 let to = self.core.rank_sp[r];
                 if c.sp != to {
-                    return bad("a write naming the wrong SP");
+                    return Err("a write naming the wrong SP");
                 }
                 match key.kind {
-                    KeyKind::Send => return bad("a write into a send buffer"),
+                    KeyKind::Send => return Err("a write into a send buffer"),
                     KeyKind::Recv => {
                         if o.post_ns[r].is_none() {
-                            return bad("a write into a rank that has not posted");
+                            return Err("a write into a rank that has not posted");
                         }
                         if !o.inconsistent && self.mode(o, to) != SimMode::Flat {
-                            return bad("a write into a rank of a hierarchical SP");
+                            return Err("a write into a rank of a hierarchical SP");
                         }
                     }
                     KeyKind::Shared => {
                         let Some((first, _)) = &o.region[to as usize] else {
-                            return bad("a write into the region of an SP without a post");
+                            return Err("a write into the region of an SP without a post");
                         };
                         if !o.inconsistent
                             && (self.mode(o, to) != SimMode::Region || *first != key.rank)
                         {
-                            return bad("a region write not through a node owner's first rank");
+                            return Err("a region write not through a node owner's first rank");
                         }
                     }
                 }
                 if !o.inconsistent && *offset != c.block as u64 * o.len + c.chunk * chunk {
-                    return bad("a write at the wrong offset");
+                    return Err("a write at the wrong offset");
                 }
             }
-            _ => return bad("not host<->stage at slot offset 0"),
+            _ => return Err("not host<->stage at slot offset 0"),
         }
         Ok(())
     }
@@ -137,11 +131,7 @@ impl<'a> Sim<'a> {
                     base: *offset,
                 }]
             }
-            Loc::Stage { slot, .. } => {
-                let s = self.shadow(op, sp, slot.0)?;
-                s.readers -= 1;
-                s.data.read(0, c.len)
-            }
+            Loc::Stage { slot, .. } => self.shadow(op, sp, slot.0)?.end_read().read(0, c.len),
         };
         let pieces = if ok {
             src
@@ -154,9 +144,7 @@ impl<'a> Sim<'a> {
         };
         match &c.dst {
             Loc::Stage { slot, .. } => {
-                let s = self.shadow(op, sp, slot.0)?;
-                s.writers = 0;
-                s.data.write(0, &pieces);
+                self.shadow(op, sp, slot.0)?.end_write().write(0, &pieces);
                 if ok {
                     self.reads += 1;
                     self.ops[op].reads += 1;
@@ -183,11 +171,7 @@ impl<'a> Sim<'a> {
                     } else {
                         o.writes_region[to as usize] += 1;
                     }
-                    if inter {
-                        o.bytes_inter += c.len;
-                    } else {
-                        o.bytes_intra += c.len;
-                    }
+                    o.count_bytes(inter, c.len);
                 }
             }
         }
@@ -267,19 +251,12 @@ impl<'a> Sim<'a> {
                         "op {i}: rank {r}: byte {j} past the data was written"
                     )));
                 }
-                let due = due_completion(
-                    &self.core,
-                    &self.inst,
-                    (i, sp),
-                    format_args!("op {i} rank {r} (SP {sp})"),
-                    (o.done[r], crashed.contains(&sp) || o.post_ns[r].is_none()),
-                    o.post_ns[r],
-                )?;
-                let Some(d) = due else { continue };
-                if !o.disturbed {
-                    let seg = self.mode(o, sp) != SimMode::Flat;
-                    check_clean_completion(&self.core, (i, r), d, seg)?;
-                }
+                let seg = self.mode(o, sp) != SimMode::Flat;
+                let (done, clean) = ((o.done[r], o.post_ns[r]), (!o.disturbed).then_some(seg));
+                let Some(d) = due_rank(&self.core, &self.inst, &crashed, (i, r), done, clean)?
+                else {
+                    continue;
+                };
                 if d.status.is_ok() {
                     // Every rank posted, all with this rank's length and
                     // comm (the injected lengths may happen to agree).
@@ -400,17 +377,11 @@ impl<'a> Sim<'a> {
     pub(super) fn report(&self) -> SimReport {
         let mut stats = Stats::default();
         for a in self.inst.values() {
-            let s = a.stats();
-            stats.bytes_staged += s.bytes_staged;
-            stats.chunk_reads += s.chunk_reads;
-            stats.chunk_writes += s.chunk_writes;
-            stats.max_slots_in_use = stats.max_slots_in_use.max(s.max_slots_in_use);
-            stats.writes_waited_for_key += s.writes_waited_for_key;
-            stats.keys_before_post += s.keys_before_post;
-            stats.written_msgs += s.written_msgs;
-            stats.unknown_done += s.unknown_done;
-            stats.ignored_from_lost_sp += s.ignored_from_lost_sp;
+            stats.absorb(&a.stats());
         }
+        // The report has never totalled `regions_shared` (the final checks
+        // count it per collective); kept at 0 so reports stay comparable.
+        stats.regions_shared = 0;
         let done = self.ops.iter().flat_map(|o| o.done.iter()).flatten();
         let (end_ns, sp_end_ns, error_completions) = completion_summary(done);
         SimReport {

@@ -1,5 +1,7 @@
 //! Inputs of the SPs, and the actions of their instances executed.
 
+use std::convert::Infallible;
+
 use super::*;
 use crate::sim::shared::deliver;
 
@@ -118,25 +120,11 @@ impl<'a> Sim<'a> {
 
     crate::sim::shared::finish_input!();
 
-    pub(super) fn drain(&mut self, sp: SpId, op: usize, out: Nanos) -> Result<(), SimFailure> {
-        while let Some(action) = self.inst.get_mut(&(sp, op)).and_then(|a| a.poll_action()) {
-            match action {
-                Action::Send { to, msg } => {
-                    let wire = msg_bytes(&msg);
-                    self.core.send(op, sp, to, wire, out, (op, msg))?;
-                }
-                Action::Copy(c) => {
-                    self.check_copy(op, sp, &c)?;
-                    self.core.sps[sp as usize].limiter.push((op, c));
-                }
-                Action::Complete {
-                    rank,
-                    status,
-                    from_segment,
-                } => self.complete((op, sp, rank), (status, from_segment), out)?,
-            }
-        }
-        Ok(())
+    crate::sim::staged_common::staged_drain!(send: |op, msg| (op, msg), copy: |c| c);
+
+    /// The allgather emits no moves.
+    fn start_move(&mut self, _: usize, _: SpId, m: Infallible, _: Nanos) -> Result<(), SimFailure> {
+        match m {}
     }
 
     /// Starts the copies the SP's limiter admits.

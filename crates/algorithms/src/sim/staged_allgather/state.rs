@@ -8,7 +8,7 @@ use super::*;
 /// A staging slot as the simulator sees it.
 pub(super) type Shadow = crate::sim::staged_common::Shadow<Mem>;
 
-pub(super) use crate::sim::staged_common::Done;
+pub(super) use crate::sim::staged_common::{Done, OpRecord};
 
 pub(super) struct Op {
     pub(super) key: CollKey,
@@ -25,18 +25,13 @@ pub(super) struct Op {
     pub(super) region: Vec<Option<(Rank, Mem)>>,
     /// Per SP: first completion of one of its ranks.
     pub(super) sealed: Vec<Option<Nanos>>,
-    pub(super) staging: BTreeMap<SpId, Vec<Shadow>>,
-    pub(super) post_ns: Vec<Option<Nanos>>,
-    pub(super) done: Vec<Option<Done>>,
-    pub(super) disturbed: bool,
-    /// SPs that learned of a fault touching this collective.
-    pub(super) notified: BTreeSet<SpId>,
+    pub(super) rec: OpRecord<Mem>,
     pub(super) reads: u64,
     pub(super) writes_rank: Vec<u64>,
     pub(super) writes_region: Vec<u64>,
-    pub(super) bytes_inter: u64,
-    pub(super) bytes_intra: u64,
 }
+
+crate::sim::staged_common::op_record_deref!(Mem);
 
 pub(super) type Env = (usize, Msg<SimKey>);
 pub(super) type Input = driver::Input<Env, Copy<SimKey>>;
@@ -97,16 +92,10 @@ impl<'a> Sim<'a> {
                 recv: Vec::new(),
                 region: vec![None; sp_count],
                 sealed: vec![None; sp_count],
-                staging: BTreeMap::new(),
-                post_ns: vec![None; p],
-                done: vec![None; p],
-                disturbed: false,
-                notified: BTreeSet::new(),
+                rec: OpRecord::new(p),
                 reads: 0,
                 writes_rank: vec![0; p],
                 writes_region: vec![0; sp_count],
-                bytes_inter: 0,
-                bytes_intra: 0,
             });
         }
         if !ops.is_empty() && w > 1 {
