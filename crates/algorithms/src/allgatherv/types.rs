@@ -109,19 +109,8 @@ impl<K> Msg<K> {
 
 /// Copy `len` bytes of segment `seg` from `src_rank`'s buffer (`src_key`:
 /// its send buffer, or its receive buffer holding `seg`) into `dst_rank`'s
-/// receive buffer (`dst_rank` is always served by this SP).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Copy<K> {
-    pub id: CopyId,
-    pub seg: Rank,
-    pub src_rank: Rank,
-    pub src_key: K,
-    pub src_offset: u64,
-    pub dst_rank: Rank,
-    pub dst_key: K,
-    pub dst_offset: u64,
-    pub len: u64,
-}
+/// receive buffer.
+pub type Copy<K> = crate::direct::Copy<K, Rank>;
 
 /// Output of the state machine.
 pub type Action<K> = crate::direct::Action<Msg<K>, Copy<K>>;

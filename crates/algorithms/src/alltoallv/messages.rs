@@ -206,6 +206,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
                 dst_key: st.recv_key.clone(),
                 dst_offset: st.recv_displs[s],
                 len,
+                seg: (),
             };
             self.copies.insert(id.0, (dst, src));
             self.actions.push_back(Action::Copy(copy));

@@ -50,18 +50,8 @@ impl<K> Msg<K> {
 }
 
 /// Copy `len` bytes from `src_rank`'s send buffer to `dst_rank`'s receive
-/// buffer (`dst_rank` is always served by this SP).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Copy<K> {
-    pub id: CopyId,
-    pub src_rank: Rank,
-    pub src_key: K,
-    pub src_offset: u64,
-    pub dst_rank: Rank,
-    pub dst_key: K,
-    pub dst_offset: u64,
-    pub len: u64,
-}
+/// buffer (no segment: `seg` is `()`).
+pub type Copy<K> = crate::direct::Copy<K>;
 
 /// Output of the state machine.
 pub type Action<K> = crate::direct::Action<Msg<K>, Copy<K>>;
