@@ -42,6 +42,7 @@ pub struct Post<K, O> {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Copy<K, S = ()> {
     pub id: CopyId,
+    pub seg: S,
     pub src_rank: Rank,
     pub src_key: K,
     pub src_offset: u64,
@@ -49,7 +50,6 @@ pub struct Copy<K, S = ()> {
     pub dst_key: K,
     pub dst_offset: u64,
     pub len: u64,
-    pub seg: S,
 }
 
 /// Output of a direct state machine: `M` its messages, `C` its copies.

@@ -199,6 +199,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
             st.copies_in_flight += 1;
             let copy = Copy {
                 id,
+                seg: (),
                 src_rank: src,
                 src_key: ann.key,
                 src_offset: ann.offset,
@@ -206,7 +207,6 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
                 dst_key: st.recv_key.clone(),
                 dst_offset: st.recv_displs[s],
                 len,
-                seg: (),
             };
             self.copies.insert(id.0, (dst, src));
             self.actions.push_back(Action::Copy(copy));
