@@ -9,7 +9,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
         let rank = post.rank;
         PostError::check_served(&post.members, rank, self.me)?;
         for (field, len) in [
-            ("nodes", post.nodes.len()),
+            ("nodes", post.own.nodes.len()),
             ("recv_counts", post.recv_counts.len()),
             ("recv_displs", post.recv_displs.len()),
         ] {
@@ -22,11 +22,11 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
             }
         }
         if let Some(t) = &self.topo {
-            if t.members != post.members || t.nodes != post.nodes {
+            if t.members != post.members || t.nodes != post.own.nodes {
                 return Err(PostError::MembersDisagree);
             }
         } else {
-            Topo::build(self.me, &post.members, &post.nodes)?;
+            Topo::build(self.me, &post.members, &post.own.nodes)?;
         }
         if self.ranks.contains_key(&rank) {
             return Err(PostError::DuplicatePost { rank });

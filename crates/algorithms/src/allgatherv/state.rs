@@ -178,7 +178,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
         self.now = now;
         self.validate_post(&post)?;
         if self.topo.is_none() {
-            let topo = Topo::build(self.me, &post.members, &post.nodes)?;
+            let topo = Topo::build(self.me, &post.members, &post.own.nodes)?;
             self.learn_topology(topo);
         }
         let p = post.members.len();
@@ -201,7 +201,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
             self.run_internal();
             return Ok(());
         }
-        let mismatch = st.recv_counts[rank as usize] != post.send_len;
+        let mismatch = st.recv_counts[rank as usize] != post.own.send_len;
         let topo = self.topo.as_ref().expect("topology known");
         let my_node = topo.my_node;
         let r = rank as usize;
@@ -221,7 +221,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
                     origin: self.me,
                     key: post.send_key.clone(),
                     offset: 0,
-                    len: post.send_len,
+                    len: post.own.send_len,
                     node: n,
                     node_sps: sps.clone(),
                 }),
@@ -240,7 +240,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
             holder_sp: self.me,
             key: post.send_key.clone(),
             offset: 0,
-            len: post.send_len,
+            len: post.own.send_len,
             from_send: true,
         });
         if !self.ready_sent {

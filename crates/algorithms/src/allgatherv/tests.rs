@@ -21,12 +21,14 @@ fn post(rank: Rank, members: &[SpId], nodes: &[u32], lens: &[u64]) -> Post<Tag> 
     Post {
         rank,
         members: members.to_vec(),
-        nodes: nodes.to_vec(),
         send_key: ('s', rank),
-        send_len: lens[rank as usize],
         recv_key: ('r', rank),
         recv_counts: lens.to_vec(),
         recv_displs: displs,
+        own: Own {
+            nodes: nodes.to_vec(),
+            send_len: lens[rank as usize],
+        },
     }
 }
 
@@ -208,7 +210,7 @@ fn invalid_posts_are_rejected() {
         Err(PostError::SpOnTwoNodes { sp: 0 })
     );
     let mut p = post(0, &[0, 1], &[0, 1], &[1, 1]);
-    p.nodes.pop();
+    p.own.nodes.pop();
     assert_eq!(
         a.handle_post(0, p),
         Err(PostError::LengthMismatch {

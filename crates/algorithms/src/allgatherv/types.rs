@@ -3,22 +3,17 @@
 
 use super::*;
 
-/// What one local rank posted (sizes in bytes, already checked by the
-/// driver against the rank's buffers). The SPs of each node are derived
-/// from `members` and `nodes`.
+/// What one local rank posted. The SPs of each node are derived from
+/// `members` and `own.nodes`.
+pub type Post<K> = crate::direct::Post<K, Own>;
+
+/// The allgatherv's own part of a [`Post`].
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Post<K> {
-    pub rank: Rank,
-    /// SP serving each comm rank; its length is the comm size P.
-    pub members: Vec<SpId>,
+pub struct Own {
     /// Node of each comm rank.
     pub nodes: Vec<u32>,
-    pub send_key: K,
     /// The send block starts at offset 0 of `send_key`.
     pub send_len: u64,
-    pub recv_key: K,
-    pub recv_counts: Vec<u64>,
-    pub recv_displs: Vec<u64>,
 }
 
 /// `src`'s segment is at (`key`, `offset`, `len`); land it on `node`
@@ -109,19 +104,8 @@ impl<K> Msg<K> {
 
 /// Copy `len` bytes of segment `seg` from `src_rank`'s buffer (`src_key`:
 /// its send buffer, or its receive buffer holding `seg`) into `dst_rank`'s
-/// receive buffer (`dst_rank` is always served by this SP).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Copy<K> {
-    pub id: CopyId,
-    pub seg: Rank,
-    pub src_rank: Rank,
-    pub src_key: K,
-    pub src_offset: u64,
-    pub dst_rank: Rank,
-    pub dst_key: K,
-    pub dst_offset: u64,
-    pub len: u64,
-}
+/// receive buffer.
+pub type Copy<K> = crate::direct::Copy<K, Rank>;
 
 /// Output of the state machine.
 pub type Action<K> = crate::direct::Action<Msg<K>, Copy<K>>;

@@ -9,8 +9,8 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
         let rank = post.rank;
         PostError::check_served(&post.members, rank, self.me)?;
         let vectors: [(&'static str, &Vec<u64>); 4] = [
-            ("send_counts", &post.send_counts),
-            ("send_displs", &post.send_displs),
+            ("send_counts", &post.own.send_counts),
+            ("send_displs", &post.own.send_displs),
             ("recv_counts", &post.recv_counts),
             ("recv_displs", &post.recv_displs),
         ];
@@ -35,7 +35,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
             return Err(PostError::RankLost { rank });
         }
         let pairs = [
-            ("send", &post.send_displs, &post.send_counts),
+            ("send", &post.own.send_displs, &post.own.send_counts),
             ("recv", &post.recv_displs, &post.recv_counts),
         ];
         for (field, displs, counts) in pairs {
@@ -199,6 +199,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
             st.copies_in_flight += 1;
             let copy = Copy {
                 id,
+                seg: (),
                 src_rank: src,
                 src_key: ann.key,
                 src_offset: ann.offset,

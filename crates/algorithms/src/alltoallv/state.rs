@@ -132,8 +132,8 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
         let mut st = LocalRank {
             send_key: post.send_key,
             recv_key: post.recv_key,
-            send_counts: post.send_counts,
-            send_displs: post.send_displs,
+            send_counts: post.own.send_counts,
+            send_displs: post.own.send_displs,
             recv_counts: post.recv_counts,
             recv_displs: post.recv_displs,
             recv: vec![RecvState::Waiting; p],

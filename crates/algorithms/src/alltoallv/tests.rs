@@ -25,10 +25,12 @@ fn post(rank: Rank, members: &[SpId], send: Vec<u64>, recv: Vec<u64>) -> Post<Ta
         members: members.to_vec(),
         send_key: ('s', rank),
         recv_key: ('r', rank),
-        send_displs: prefix(&send),
-        send_counts: send,
         recv_displs: prefix(&recv),
         recv_counts: recv,
+        own: Own {
+            send_displs: prefix(&send),
+            send_counts: send,
+        },
     }
 }
 

@@ -3,19 +3,15 @@
 
 use super::*;
 
-/// What one local rank posted. Counts and displacements are in bytes and
-/// have already been checked by the driver against the rank's buffers.
+/// What one local rank posted.
+pub type Post<K> = crate::direct::Post<K, Own>;
+
+/// The alltoallv's own part of a [`Post`]: where its block for each comm
+/// rank is in its send buffer.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Post<K> {
-    pub rank: Rank,
-    /// SP serving each comm rank; its length is the comm size P.
-    pub members: Vec<SpId>,
-    pub send_key: K,
-    pub recv_key: K,
+pub struct Own {
     pub send_counts: Vec<u64>,
     pub send_displs: Vec<u64>,
-    pub recv_counts: Vec<u64>,
-    pub recv_displs: Vec<u64>,
 }
 
 /// SP-to-SP messages of this collective (the driver adds the `CollKey`).
@@ -50,18 +46,8 @@ impl<K> Msg<K> {
 }
 
 /// Copy `len` bytes from `src_rank`'s send buffer to `dst_rank`'s receive
-/// buffer (`dst_rank` is always served by this SP).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Copy<K> {
-    pub id: CopyId,
-    pub src_rank: Rank,
-    pub src_key: K,
-    pub src_offset: u64,
-    pub dst_rank: Rank,
-    pub dst_key: K,
-    pub dst_offset: u64,
-    pub len: u64,
-}
+/// buffer (no segment: `seg` is `()`).
+pub type Copy<K> = crate::direct::Copy<K>;
 
 /// Output of the state machine.
 pub type Action<K> = crate::direct::Action<Msg<K>, Copy<K>>;

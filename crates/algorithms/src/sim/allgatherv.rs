@@ -19,7 +19,7 @@ use super::rng::splitmix64;
 pub use super::shared::SimKey;
 use super::shared::{check_buffers_open, deliver, due_completion, world_key};
 use super::{sentinel, Common, Outcome, SimFailure};
-use crate::allgatherv::{Action, Allgatherv, Config, Copy, Msg, Post, Stats};
+use crate::allgatherv::{Action, Allgatherv, Config, Copy, Msg, Own, Post, Stats};
 use crate::{CollKey, Nanos, SpId, Status};
 
 super::config::sim_faults!();
@@ -182,12 +182,14 @@ impl<'a> Sim<'a> {
                 let post = Post {
                     rank,
                     members: self.core.rank_sp.clone(),
-                    nodes: self.core.rank_node.clone(),
                     send_key: SimKey::send(op, rank),
-                    send_len: o.send_buf[r].len() as u64,
                     recv_key: SimKey::recv(op, rank),
                     recv_counts: o.send_buf.iter().map(|b| b.len() as u64).collect(),
                     recv_displs: o.recv_displs[r].clone(),
+                    own: Own {
+                        nodes: self.core.rank_node.clone(),
+                        send_len: o.send_buf[r].len() as u64,
+                    },
                 };
                 if let Err(e) = self.instance(sp, op).handle_post(now, post) {
                     return Err(self.fail(format!("op {op} rank {rank}: post rejected: {e}")));

@@ -72,18 +72,11 @@ impl CollDriver for Driver {
     super::delegate!(CollMsg::Allgatherv, allgatherv::CopyId, "an allgatherv");
 
     fn handle_post(&mut self, now: Nanos, p: LocalPost) -> Result<(), String> {
-        let d = p.desc;
         // `check_post` made sure the send block is the one entry at offset 0.
-        let post = allgatherv::Post {
-            rank: d.comm_rank,
-            members: d.members,
-            nodes: d.nodes,
-            send_key: p.send,
+        let post = p.direct(|d| allgatherv::Own {
+            nodes: std::mem::take(&mut d.nodes),
             send_len: d.send_counts[0],
-            recv_key: p.recv,
-            recv_counts: d.recv_counts,
-            recv_displs: d.recv_displs,
-        };
+        });
         self.0.handle_post(now, post).map_err(|e| e.to_string())
     }
     fn late_arrivals(&self) -> LateArrivals {

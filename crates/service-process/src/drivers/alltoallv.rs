@@ -54,17 +54,10 @@ impl CollDriver for Driver {
     super::delegate!(CollMsg::Alltoallv, alltoallv::CopyId, "an alltoallv");
 
     fn handle_post(&mut self, now: Nanos, p: LocalPost) -> Result<(), String> {
-        let d = p.desc;
-        let post = alltoallv::Post {
-            rank: d.comm_rank,
-            members: d.members,
-            send_key: p.send,
-            recv_key: p.recv,
-            send_counts: d.send_counts,
-            send_displs: d.send_displs,
-            recv_counts: d.recv_counts,
-            recv_displs: d.recv_displs,
-        };
+        let post = p.direct(|d| alltoallv::Own {
+            send_counts: std::mem::take(&mut d.send_counts),
+            send_displs: std::mem::take(&mut d.send_displs),
+        });
         self.0.handle_post(now, post).map_err(|e| e.to_string())
     }
 }

@@ -110,6 +110,21 @@ pub struct LocalPost {
 }
 
 impl LocalPost {
+    /// The post of a direct collective, `own` taking the kind's own part out of the descriptor.
+    fn direct<O>(self, own: impl FnOnce(&mut PostDesc) -> O) -> direct::Post<AliasKey, O> {
+        let mut d = self.desc;
+        let own = own(&mut d);
+        direct::Post {
+            rank: d.comm_rank,
+            members: d.members,
+            send_key: self.send,
+            recv_key: self.recv,
+            recv_counts: d.recv_counts,
+            recv_displs: d.recv_displs,
+            own,
+        }
+    }
+
     /// The staged collectives' design, region key and offset (`None`, 0 without a region).
     fn staged_parts(&mut self) -> (algorithms::bcast::Design, Option<AliasKey>, u64) {
         let design = if self.hier {

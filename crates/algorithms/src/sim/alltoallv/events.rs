@@ -18,10 +18,12 @@ impl<'a> Sim<'a> {
                     members: o.members.clone(),
                     send_key: SimKey::send(op, rank),
                     recv_key: SimKey::recv(op, rank),
-                    send_counts: o.send_counts[r].clone(),
-                    send_displs: o.send_displs[r].clone(),
                     recv_counts: o.recv_counts[r].clone(),
                     recv_displs: o.recv_displs[r].clone(),
+                    own: Own {
+                        send_counts: o.send_counts[r].clone(),
+                        send_displs: o.send_displs[r].clone(),
+                    },
                 };
                 if let Err(e) = self.instance(sp, op).handle_post(now, post) {
                     return Err(self.fail(format!(

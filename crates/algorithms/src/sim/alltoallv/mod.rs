@@ -29,7 +29,7 @@ use super::rng::{splitmix64, Rng};
 pub use super::shared::SimKey;
 use super::{sentinel, Common, Outcome, SimFailure};
 pub use super::{CostModel, Layout};
-use crate::alltoallv::{Action, Alltoallv, Config, Copy, Msg, Post};
+use crate::alltoallv::{Action, Alltoallv, Config, Copy, Msg, Own, Post};
 
 use crate::{CollKey, CommId, Nanos, Rank, SpId, Status};
 
