@@ -379,9 +379,6 @@ impl<'a> Sim<'a> {
         for a in self.inst.values() {
             stats.absorb(&a.stats());
         }
-        // The report has never totalled `regions_shared` (the final checks
-        // count it per collective); kept at 0 so reports stay comparable.
-        stats.regions_shared = 0;
         let done = self.ops.iter().flat_map(|o| o.done.iter()).flatten();
         let (end_ns, sp_end_ns, error_completions) = completion_summary(done);
         SimReport {
