@@ -1,8 +1,63 @@
 //! Pieces shared by the collectives' state machines.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
-use crate::SpId;
+use crate::abort::Abort;
+use crate::{CollKey, Nanos, Rank, SpId};
+
+/// The bookkeeping every collective's state machine keeps alike (its field
+/// `core`): `R` is the state of a posted local rank, `C` what a copy in
+/// flight does, `A` the machine's `Action` and `S` its `Stats`.
+#[derive(Clone, Debug)]
+pub(crate) struct Core<R, C, A, S> {
+    pub(crate) key: CollKey,
+    pub(crate) me: SpId,
+    /// Posted local ranks.
+    pub(crate) ranks: BTreeMap<Rank, R>,
+    /// Posted local ranks that completed.
+    pub(crate) completed: usize,
+    /// Local ranks declared lost before they posted.
+    pub(crate) lost_unposted: BTreeSet<Rank>,
+    /// Copies in flight, by id.
+    pub(crate) copies: BTreeMap<u64, C>,
+    /// The id the next copy (or move) gets.
+    pub(crate) next_id: u64,
+    pub(crate) abort: Abort,
+    pub(crate) lost_sps: BTreeSet<SpId>,
+    pub(crate) actions: VecDeque<A>,
+    /// The time of the latest input.
+    pub(crate) now: Nanos,
+    pub(crate) stats: S,
+}
+
+impl<R, C, A, S: Default> Core<R, C, A, S> {
+    /// A fresh instance `key` at SP `me`.
+    pub(crate) fn new(key: CollKey, me: SpId) -> Self {
+        Core {
+            key,
+            me,
+            ranks: BTreeMap::new(),
+            completed: 0,
+            lost_unposted: BTreeSet::new(),
+            copies: BTreeMap::new(),
+            next_id: 0,
+            abort: Abort::default(),
+            lost_sps: BTreeSet::new(),
+            actions: VecDeque::new(),
+            now: 0,
+            stats: S::default(),
+        }
+    }
+}
+
+impl<R, C, A, S> Core<R, C, A, S> {
+    /// A fresh copy (or move) id.
+    pub(crate) fn new_id(&mut self) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        id
+    }
+}
 
 /// The node of every SP serving a member (`members[r]` serves comm rank `r`
 /// on node `nodes[r]`), or the first SP found serving ranks on two nodes.
@@ -31,39 +86,37 @@ pub(crate) fn take_finished<T>(
 }
 
 /// The accessors and inputs every collective's state machine has alike:
-/// `common_api!(Machine, Msg, settle = f, clock = now)` (fields `key`,
-/// `me`, `abort`, `stats`, `actions`, `lost_sps`, `ranks` with an `out`
-/// each, `lost_unposted`; methods `process`, `copy_finished`,
+/// `common_api!(Machine, Msg, settle = f)` (field `core`, a `Core` whose
+/// `ranks` have an `out` each; methods `process`, `copy_finished`,
 /// `enter_abort`, `members`). Every input runs through `input`: it records
-/// `now` in the field `clock` (a machine without one ignores the time),
-/// then calls the method `settle` (doing what the input made possible).
-/// With `staged`, also what the staged collectives have alike (field
-/// `next_id`, `copies` of `CopyKind`s, `slots`, `completed`; settle with
-/// `pump`, clock `now`).
+/// the time in `core.now`, then calls the method `settle` (doing what the
+/// input made possible). With `staged`, also what the staged collectives
+/// have alike (`core.copies` of `CopyKind`s, field `slots`; settle with
+/// `pump`).
 macro_rules! common_api {
-    ($machine:ident, $msg:ty, settle = $settle:ident $(, clock = $now:ident)?) => {
+    ($machine:ident, $msg:ty, settle = $settle:ident) => {
         impl<K: Clone + fmt::Debug + PartialEq> $machine<K> {
             pub fn key(&self) -> CollKey {
-                self.key
+                self.core.key
             }
 
             pub fn me(&self) -> SpId {
-                self.me
+                self.core.me
             }
 
             pub fn abort_status(&self) -> Option<Status> {
-                self.abort.status
+                self.core.abort.status
             }
 
             pub fn stats(&self) -> Stats {
-                self.stats
+                self.core.stats
             }
 
             /// This algorithm has no timers.
             pub fn handle_timeout(&mut self, _now: Nanos) {}
 
             pub fn poll_action(&mut self) -> Option<Action<K>> {
-                self.actions.pop_front()
+                self.core.actions.pop_front()
             }
 
             /// This algorithm has no timers: always `None`.
@@ -73,8 +126,7 @@ macro_rules! common_api {
 
             /// Records the time of an input.
             pub(super) fn set_clock(&mut self, now: Nanos) {
-                let _ = now;
-                $(self.$now = now;)?
+                self.core.now = now;
             }
 
             /// Runs input `f` at time `now`, then settles.
@@ -88,10 +140,15 @@ macro_rules! common_api {
             /// A message from SP `from` for this instance (ignored, and
             /// counted in `stats.ignored_from_lost_sp`, if `from` was
             /// declared lost).
-            pub fn handle_msg(&mut self, now: Nanos, from: SpId, msg: $msg) -> Result<(), MsgError> {
+            pub fn handle_msg(
+                &mut self,
+                now: Nanos,
+                from: SpId,
+                msg: $msg,
+            ) -> Result<(), MsgError> {
                 self.input(now, |s| {
-                    if s.lost_sps.contains(&from) {
-                        s.stats.ignored_from_lost_sp += 1;
+                    if s.core.lost_sps.contains(&from) {
+                        s.core.stats.ignored_from_lost_sp += 1;
                         return Ok(());
                     }
                     s.process(from, msg)
@@ -119,33 +176,27 @@ macro_rules! common_api {
             /// SP that did not post here.
             pub fn handle_rank_lost(&mut self, now: Nanos, rank: Rank) {
                 self.set_clock(now);
-                let me = self.me;
+                let me = self.core.me;
                 let foreign = self
                     .members()
                     .is_some_and(|m| m.get(rank as usize) != Some(&me));
-                if foreign && !self.ranks.contains_key(&rank) {
+                if foreign && !self.core.ranks.contains_key(&rank) {
                     return;
                 }
-                let out = self.ranks.get_mut(&rank).map(|st| &mut st.out);
-                if lose_rank(out, &mut self.lost_unposted, rank) {
+                let out = self.core.ranks.get_mut(&rank).map(|st| &mut st.out);
+                if lose_rank(out, &mut self.core.lost_unposted, rank) {
                     self.input(now, |s| s.enter_abort(Status::RankFailed));
                 }
             }
         }
     };
     ($machine:ident, $msg:ty, staged) => {
-        common_api!($machine, $msg, settle = pump, clock = now);
+        common_api!($machine, $msg, settle = pump);
 
         impl<K: Clone + fmt::Debug + PartialEq> $machine<K> {
             /// Staging slots granted, being read, or holding a chunk.
             pub fn slots_in_use(&self) -> usize {
                 self.slots.in_use()
-            }
-
-            pub(super) fn new_id(&mut self) -> u64 {
-                let id = self.next_id;
-                self.next_id += 1;
-                id
             }
 
             /// The copy `id` that finished with `status` (`None`, counted,
@@ -156,24 +207,25 @@ macro_rules! common_api {
                 id: u64,
                 status: Status,
             ) -> Option<(CopyKind, bool)> {
-                let kind = take_finished(&mut self.copies, id, &mut self.stats.unknown_done)?;
+                let kind =
+                    take_finished(&mut self.core.copies, id, &mut self.core.stats.unknown_done)?;
                 if !status.is_ok() {
                     self.enter_abort(status);
                 }
-                Some((kind, status.is_ok() && self.abort.is_none()))
+                Some((kind, status.is_ok() && self.core.abort.is_none()))
             }
 
             /// Completes local `rank` with its outcome (`from_segment` if
             /// it reads the region and succeeds).
             pub(super) fn complete_rank(&mut self, rank: Rank, aborted: bool, from_segment: bool) {
-                let st = self.ranks.get_mut(&rank).unwrap();
+                let st = self.core.ranks.get_mut(&rank).unwrap();
                 let mut status = st.out.status;
                 if aborted && mutated(Mutation::OkAfterAbort) {
                     status = Status::Ok;
                 }
                 st.out.completed = true;
-                self.completed += 1;
-                self.actions.push_back(Action::Complete {
+                self.core.completed += 1;
+                self.core.actions.push_back(Action::Complete {
                     rank,
                     status,
                     from_segment: from_segment && status.is_ok(),
@@ -278,8 +330,12 @@ pub(crate) use debug_error;
 macro_rules! notify_abort {
     () => {
         pub(super) fn notify_abort(&mut self, sp: SpId) {
-            if let Some(status) = self.abort.notice_for(self.me, &self.lost_sps, sp) {
-                self.actions.push_back(Action::Send {
+            if let Some(status) = self
+                .core
+                .abort
+                .notice_for(self.core.me, &self.core.lost_sps, sp)
+            {
+                self.core.actions.push_back(Action::Send {
                     to: sp,
                     msg: Msg::Abort { status },
                 });
@@ -295,8 +351,8 @@ pub(crate) use notify_abort;
 macro_rules! v_check_complete {
     (|$st:ident| $busy:expr) => {
         pub(super) fn check_complete(&mut self, rank: Rank) {
-            let aborted = self.abort.is_some();
-            let Some($st) = self.ranks.get_mut(&rank) else {
+            let aborted = self.core.abort.is_some();
+            let Some($st) = self.core.ranks.get_mut(&rank) else {
                 return;
             };
             if $st.out.completed || $busy {
@@ -306,8 +362,8 @@ macro_rules! v_check_complete {
                 return;
             }
             $st.out.completed = true;
-            self.completed += 1;
-            self.actions.push_back(Action::Complete {
+            self.core.completed += 1;
+            self.core.actions.push_back(Action::Complete {
                 rank,
                 status: $st.out.status,
             });
@@ -327,7 +383,7 @@ macro_rules! v_abort_broadcast {
                 let $s = &*self;
                 $members.is_some()
             };
-            if !self.abort.start_broadcast(self.abort_local && known) {
+            if !self.core.abort.start_broadcast(self.abort_local && known) {
                 return;
             }
             let sps: BTreeSet<SpId> = {
@@ -341,7 +397,7 @@ macro_rules! v_abort_broadcast {
 
         pub(super) fn finish_abort(&mut self) {
             self.maybe_broadcast_abort();
-            let ranks: Vec<Rank> = self.ranks.keys().copied().collect();
+            let ranks: Vec<Rank> = self.core.ranks.keys().copied().collect();
             for r in ranks {
                 self.check_complete(r);
             }
@@ -356,16 +412,16 @@ pub(crate) use v_abort_broadcast;
 macro_rules! v_internal_send {
     () => {
         pub(super) fn send(&mut self, to: SpId, msg: Msg<K>) {
-            if to == self.me {
+            if to == self.core.me {
                 self.internal.push_back(msg);
-            } else if !self.lost_sps.contains(&to) {
-                self.actions.push_back(Action::Send { to, msg });
+            } else if !self.core.lost_sps.contains(&to) {
+                self.core.actions.push_back(Action::Send { to, msg });
             }
         }
 
         pub(super) fn run_internal(&mut self) {
             while let Some(msg) = self.internal.pop_front() {
-                let me = self.me;
+                let me = self.core.me;
                 let res = self.process(me, msg);
                 debug_assert!(res.is_ok(), "internal message rejected: {res:?}");
             }

@@ -7,7 +7,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
     pub(super) fn validate_post(&self, post: &Post<K>) -> Result<(), PostError> {
         let p = post.members.len();
         let rank = post.rank;
-        PostError::check_served(&post.members, rank, self.me)?;
+        PostError::check_served(&post.members, rank, self.core.me)?;
         for (field, len) in [
             ("nodes", post.own.nodes.len()),
             ("recv_counts", post.recv_counts.len()),
@@ -26,12 +26,12 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
                 return Err(PostError::MembersDisagree);
             }
         } else {
-            Topo::build(self.me, &post.members, &post.own.nodes)?;
+            Topo::build(self.core.me, &post.members, &post.own.nodes)?;
         }
-        if self.ranks.contains_key(&rank) {
+        if self.core.ranks.contains_key(&rank) {
             return Err(PostError::DuplicatePost { rank });
         }
-        if self.lost_unposted.contains(&rank) {
+        if self.core.lost_unposted.contains(&rank) {
             return Err(PostError::RankLost { rank });
         }
         if let Some(index) = (0..p).find(|&i| {
@@ -45,15 +45,16 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
     }
 
     pub(super) fn learn_topology(&mut self, topo: Topo) {
-        let me = self.me;
-        self.lost_unposted
+        let me = self.core.me;
+        self.core
+            .lost_unposted
             .retain(|&r| topo.members.get(r as usize) == Some(&me));
-        let lost: Vec<SpId> = self.lost_sps.iter().copied().collect();
+        let lost: Vec<SpId> = self.core.lost_sps.iter().copied().collect();
         self.topo = Some(topo);
         for sp in lost {
             self.apply_peer_lost(sp);
         }
-        if self.abort.is_some() {
+        if self.core.abort.is_some() {
             self.maybe_broadcast_abort();
         }
     }
@@ -82,7 +83,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
         if let Some(n) = lost_node {
             let live: BTreeSet<SpId> = topo.node_sps[&n]
                 .iter()
-                .filter(|s| !self.lost_sps.contains(s))
+                .filter(|s| !self.core.lost_sps.contains(s))
                 .copied()
                 .collect();
             for &a in self.acks.iter().filter(|&&(_, m)| m == n) {
@@ -102,12 +103,12 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
             }
         }
         for r in released {
-            if let Some(st) = self.ranks.get_mut(&r) {
+            if let Some(st) = self.core.ranks.get_mut(&r) {
                 st.readers -= 1;
             }
         }
         self.enter_abort(Status::PeerFailed);
-        let status = self.abort.status.expect("aborted");
+        let status = self.core.abort.status.expect("aborted");
         for ((src, node), live) in ask {
             for to in live {
                 self.send(to, Msg::Release { src, node, status });
@@ -124,7 +125,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
         self.acks.remove(&a);
         self.releasing.remove(&a);
         self.settled.insert(a);
-        if let Some(st) = self.ranks.get_mut(&a.0) {
+        if let Some(st) = self.core.ranks.get_mut(&a.0) {
             st.readers -= 1;
         }
         self.check_complete(a.0);
@@ -173,24 +174,28 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
                     if waiting.remove(&from) && waiting.is_empty() {
                         self.settle((src, node));
                     }
-                    if let Some(st) = self.ranks.get_mut(&src) {
+                    if let Some(st) = self.core.ranks.get_mut(&src) {
                         st.out.set_error(status);
                     }
                     return Ok(());
                 }
                 self.acks.remove(&(src, node));
-                let st = self.ranks.get_mut(&src).expect("ack for a posted rank");
+                let st = self
+                    .core
+                    .ranks
+                    .get_mut(&src)
+                    .expect("ack for a posted rank");
                 st.readers -= 1;
                 st.out.set_error(status);
                 self.check_complete(src);
                 Ok(())
             }
             Msg::RankReady => {
-                if from != self.me {
+                if from != self.core.me {
                     self.ready_siblings.insert(from);
-                    if self.ranks.is_empty() {
+                    if self.core.ranks.is_empty() {
                         for (ann, since) in std::mem::take(&mut self.parked) {
-                            self.stats.parked_wait_ns += self.now.saturating_sub(since);
+                            self.core.stats.parked_wait_ns += self.core.now.saturating_sub(since);
                             self.pass(from, ann, 0, true);
                         }
                     }
@@ -216,12 +221,12 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
                     done_sent: false,
                 };
                 self.segs.insert(src, e);
-                if self.abort.is_some() {
+                if self.core.abort.is_some() {
                     if self.topo.is_none() {
                         self.notify_abort(holder_sp);
                     }
                 } else {
-                    let locals: Vec<Rank> = self.ranks.keys().copied().collect();
+                    let locals: Vec<Rank> = self.core.ranks.keys().copied().collect();
                     for r in locals {
                         self.dist_one(src, r);
                     }
@@ -237,7 +242,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
                     return Err(MsgError::Unexpected { src });
                 }
                 let holder = *holder;
-                let st = self.ranks.get_mut(&holder).expect("holder posted");
+                let st = self.core.ranks.get_mut(&holder).expect("holder posted");
                 st.readers -= 1;
                 st.out.set_error(status);
                 self.check_complete(holder);
@@ -260,11 +265,12 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
                 // acks every announcement without copying).
                 self.enter_abort(status);
                 let landing = self
+                    .core
                     .copies
                     .values()
                     .any(|k| matches!(k, CopyKind::Land { ann, .. } if ann.src == src));
                 if !landing {
-                    let status = self.abort.status.expect("aborted");
+                    let status = self.core.abort.status.expect("aborted");
                     self.send(from, Msg::Ack { src, node, status });
                 }
                 // Else the landing copy acks `from` when it finishes.
@@ -293,7 +299,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
         if ann.offset.checked_add(ann.len).is_none() {
             return Err(MsgError::Overflow { src: ann.src });
         }
-        if !ann.node_sps.contains(&self.me) {
+        if !ann.node_sps.contains(&self.core.me) {
             return Err(MsgError::WrongNode { node: ann.node });
         }
         if let Some(t) = &self.topo {
@@ -311,16 +317,16 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
         if !self.announced.insert(ann.src) {
             return Err(MsgError::Duplicate { src: ann.src });
         }
-        if let Some(status) = self.abort.status {
+        if let Some(status) = self.core.abort.status {
             self.ack(&ann, status);
             self.notify_abort(ann.origin);
             return Ok(());
         }
-        let ready_here = self.ranks.values().any(|r| !r.out.completed);
+        let ready_here = self.core.ranks.values().any(|r| !r.out.completed);
         let (remaining, was_parked) = match pass {
             None => {
                 if !ready_here {
-                    self.stats.no_ready_rank += 1;
+                    self.core.stats.no_ready_rank += 1;
                 }
                 (ann.node_sps.len() as u32 - 1, false)
             }
@@ -328,16 +334,20 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
         };
         if ready_here {
             if pass.is_some() && !was_parked {
-                self.stats.served_after_pass += 1;
+                self.core.stats.served_after_pass += 1;
             }
             self.serve(ann);
         } else if let Some(&y) = self.ready_siblings.iter().next() {
             self.pass(y, ann, 0, was_parked);
         } else if remaining == 0 {
-            self.stats.parked += 1;
-            self.parked.push((ann, self.now));
+            self.core.stats.parked += 1;
+            self.parked.push((ann, self.core.now));
         } else {
-            let i = ann.node_sps.iter().position(|&s| s == self.me).unwrap();
+            let i = ann
+                .node_sps
+                .iter()
+                .position(|&s| s == self.core.me)
+                .unwrap();
             let next = ann.node_sps[(i + 1) % ann.node_sps.len()];
             self.pass(next, ann, remaining - 1, was_parked);
         }
@@ -357,9 +367,9 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
     }
 
     pub(super) fn pass(&mut self, to: SpId, ann: Announcement<K>, remaining: u32, parked: bool) {
-        if self.lost_sps.contains(&to) {
+        if self.core.lost_sps.contains(&to) {
             // Cannot happen without an abort in progress; keep it here.
-            self.parked.push((ann, self.now));
+            self.parked.push((ann, self.core.now));
             return;
         }
         self.announced.remove(&ann.src);
@@ -376,6 +386,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
     /// Land an announcement in a ready local rank (one exists, no abort).
     pub(super) fn serve(&mut self, ann: Announcement<K>) {
         let holder = self
+            .core
             .ranks
             .iter()
             .filter(|(_, r)| !r.out.completed)
@@ -383,7 +394,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
             .map(|(&rank, _)| rank)
             .expect("a ready local rank");
         let s = ann.src as usize;
-        let st = self.ranks.get_mut(&holder).unwrap();
+        let st = self.core.ranks.get_mut(&holder).unwrap();
         if st.recv_counts[s] != ann.len || st.have[s] != Have::Missing {
             self.ack(&ann, Status::CountMismatch);
             self.enter_abort(Status::CountMismatch);

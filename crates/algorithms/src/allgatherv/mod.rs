@@ -94,9 +94,9 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use crate::abort::{fail_pending, lose_rank, Abort, Outcome};
+use crate::abort::{fail_pending, lose_rank, Outcome};
 use crate::common::sp_nodes;
-use crate::common::{common_api, take_finished};
+use crate::common::{common_api, take_finished, Core};
 pub use crate::direct::{Config, CopyId};
 use crate::{CollKey, Nanos, Rank, SpId, Status};
 

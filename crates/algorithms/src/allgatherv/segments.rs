@@ -5,18 +5,18 @@ use super::*;
 
 impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
     pub(super) fn handle_copy_done_internal(&mut self, id: u64) {
-        let now = self.now;
+        let now = self.core.now;
         self.handle_copy_done(now, CopyId(id), Status::Ok);
     }
 
     /// Publish the landed segment `src` (in `holder`'s receive buffer) to
     /// every SP of this node.
     pub(super) fn publish_landed(&mut self, src: Rank, holder: Rank, len: u64) {
-        let st = &self.ranks[&holder];
+        let st = &self.core.ranks[&holder];
         self.publish(Segment {
             src,
             holder,
-            holder_sp: self.me,
+            holder_sp: self.core.me,
             key: st.recv_key.clone(),
             offset: st.recv_displs[src as usize],
             len,
@@ -28,7 +28,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
     /// of which answers with `SegmentDone`.
     pub(super) fn publish(&mut self, seg: Segment<K>) {
         let my_sps = self.topo.as_ref().unwrap().my_sps().to_vec();
-        self.ranks.get_mut(&seg.holder).unwrap().readers += my_sps.len();
+        self.core.ranks.get_mut(&seg.holder).unwrap().readers += my_sps.len();
         self.held
             .insert(seg.src, (seg.holder, my_sps.iter().copied().collect()));
         for sp in my_sps {
@@ -38,14 +38,14 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
 
     /// Copy segment `s` into local rank `r` if it needs it.
     pub(super) fn dist_one(&mut self, s: Rank, r: Rank) {
-        if self.abort.is_some() {
+        if self.core.abort.is_some() {
             return;
         }
         let Some(e) = self.segs.get(&s) else { return };
         if r == e.seg.holder && !e.seg.from_send {
             return;
         }
-        let Some(st) = self.ranks.get(&r) else {
+        let Some(st) = self.core.ranks.get(&r) else {
             return;
         };
         let i = s as usize;
@@ -77,9 +77,12 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
                 (*seg, *dst, e.holder, e.key.clone(), e.offset, e.len)
             }
         };
-        let id = self.next_copy;
-        self.next_copy += 1;
-        let st = self.ranks.get_mut(&dst).expect("copies go to posted ranks");
+        let id = self.core.new_id();
+        let st = self
+            .core
+            .ranks
+            .get_mut(&dst)
+            .expect("copies go to posted ranks");
         st.have[seg as usize] = Have::Copying;
         st.writes += 1;
         let copy = Copy {
@@ -93,11 +96,11 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
             dst_offset: st.recv_displs[seg as usize],
             len,
         };
-        self.copies.insert(id, kind);
+        self.core.copies.insert(id, kind);
         if len == 0 {
             self.handle_copy_done_internal(id);
         } else {
-            self.actions.push_back(Action::Copy(copy));
+            self.core.actions.push_back(Action::Copy(copy));
         }
     }
 
@@ -107,13 +110,13 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
         if e.done_sent || e.copying > 0 {
             return;
         }
-        if self.abort.is_none() {
+        if self.core.abort.is_none() {
             let Some(t) = &self.topo else { return };
             for &r in &t.local {
                 if r == e.seg.holder && !e.seg.from_send {
                     continue;
                 }
-                match self.ranks.get(&r) {
+                match self.core.ranks.get(&r) {
                     Some(st) if st.have[s as usize] == Have::Done => {}
                     _ => return,
                 }
@@ -122,19 +125,19 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
         let e = self.segs.get_mut(&s).unwrap();
         e.done_sent = true;
         let to = e.seg.holder_sp;
-        let status = self.abort.status.unwrap_or(Status::Ok);
+        let status = self.core.abort.status.unwrap_or(Status::Ok);
         self.send(to, Msg::SegmentDone { src: s, status });
     }
 
     /// Aborts with `status` (`Ok`: `Aborted`); every abort is broadcast
     /// again from here (see the module docs).
     pub(super) fn enter_abort(&mut self, status: Status) {
-        let (_, status) = self.abort.enter(status);
+        let (_, status) = self.core.abort.enter(status);
         self.abort_local = true;
-        fail_pending(self.ranks.values_mut().map(|st| &mut st.out), status);
+        fail_pending(self.core.ranks.values_mut().map(|st| &mut st.out), status);
         let blind = self.topo.is_none();
         for (ann, since) in std::mem::take(&mut self.parked) {
-            self.stats.parked_wait_ns += self.now.saturating_sub(since);
+            self.core.stats.parked_wait_ns += self.core.now.saturating_sub(since);
             self.ack(&ann, status);
             if blind {
                 self.notify_abort(ann.origin);

@@ -90,12 +90,8 @@ pub(super) enum CopyKind<K> {
 
 /// The per-SP state machine of one hierarchical `Allgatherv` instance.
 pub struct Allgatherv<K> {
-    pub(super) key: CollKey,
-    pub(super) me: SpId,
+    pub(super) core: Core<LocalRank<K>, CopyKind<K>, Action<K>, Stats>,
     pub(super) topo: Option<Topo>,
-    pub(super) ranks: BTreeMap<Rank, LocalRank<K>>,
-    pub(super) completed: usize,
-    pub(super) lost_unposted: BTreeSet<Rank>,
     /// Announcements parked here, and since when.
     pub(super) parked: Vec<(Announcement<K>, Nanos)>,
     /// Sibling SPs known to have a posted rank.
@@ -114,30 +110,19 @@ pub struct Allgatherv<K> {
     pub(super) settled: BTreeSet<(Rank, u32)>,
     /// Announcements received (to detect duplicates).
     pub(super) announced: BTreeSet<Rank>,
-    pub(super) copies: BTreeMap<u64, CopyKind<K>>,
-    pub(super) next_copy: u64,
-    pub(super) abort: Abort,
     pub(super) abort_local: bool,
-    pub(super) lost_sps: BTreeSet<SpId>,
-    pub(super) actions: VecDeque<Action<K>>,
     pub(super) internal: VecDeque<Msg<K>>,
-    pub(super) now: Nanos,
-    pub(super) stats: Stats,
 }
 
-common_api!(Allgatherv, Msg<K>, settle = run_internal, clock = now);
+common_api!(Allgatherv, Msg<K>, settle = run_internal);
 
 impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
     /// Create an instance; the driver may do so on the first event of any
     /// kind for `key`.
     pub fn new(key: CollKey, cfg: Config) -> Self {
         Allgatherv {
-            key,
-            me: cfg.me,
+            core: Core::new(key, cfg.me),
             topo: None,
-            ranks: BTreeMap::new(),
-            completed: 0,
-            lost_unposted: BTreeSet::new(),
             parked: Vec::new(),
             ready_siblings: BTreeSet::new(),
             ready_sent: false,
@@ -147,15 +132,8 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
             releasing: BTreeMap::new(),
             settled: BTreeSet::new(),
             announced: BTreeSet::new(),
-            copies: BTreeMap::new(),
-            next_copy: 0,
-            abort: Abort::default(),
             abort_local: false,
-            lost_sps: BTreeSet::new(),
-            actions: VecDeque::new(),
             internal: VecDeque::new(),
-            now: 0,
-            stats: Stats::default(),
         }
     }
 
@@ -165,7 +143,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
     }
 
     pub fn copies_in_flight(&self) -> usize {
-        self.copies.len()
+        self.core.copies.len()
     }
 
     /// Announcements currently parked here.
@@ -175,10 +153,10 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
 
     /// A local rank posted its part of the collective.
     pub fn handle_post(&mut self, now: Nanos, post: Post<K>) -> Result<(), PostError> {
-        self.now = now;
+        self.core.now = now;
         self.validate_post(&post)?;
         if self.topo.is_none() {
-            let topo = Topo::build(self.me, &post.members, &post.own.nodes)?;
+            let topo = Topo::build(self.core.me, &post.members, &post.own.nodes)?;
             self.learn_topology(topo);
         }
         let p = post.members.len();
@@ -194,9 +172,9 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
             held: 0,
             out: Outcome::new(),
         };
-        if let Some(status) = self.abort.status {
+        if let Some(status) = self.core.abort.status {
             st.out.set_error(status);
-            self.ranks.insert(rank, st);
+            self.core.ranks.insert(rank, st);
             self.check_complete(rank);
             self.run_internal();
             return Ok(());
@@ -218,7 +196,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
                 n,
                 Msg::Announce(Announcement {
                     src: rank,
-                    origin: self.me,
+                    origin: self.core.me,
                     key: post.send_key.clone(),
                     offset: 0,
                     len: post.own.send_len,
@@ -229,7 +207,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
         }
         let my_sps = topo.my_sps().to_vec();
         st.readers = sends.len();
-        self.ranks.insert(rank, st);
+        self.core.ranks.insert(rank, st);
         for (to, n, msg) in sends {
             self.acks.insert((rank, n));
             self.send(to, msg);
@@ -237,7 +215,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
         self.publish(Segment {
             src: rank,
             holder: rank,
-            holder_sp: self.me,
+            holder_sp: self.core.me,
             key: post.send_key.clone(),
             offset: 0,
             len: post.own.send_len,
@@ -246,7 +224,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
         if !self.ready_sent {
             self.ready_sent = true;
             for &sp in &my_sps {
-                if sp != self.me {
+                if sp != self.core.me {
                     self.send(sp, Msg::RankReady);
                 }
             }
@@ -259,7 +237,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
         }
         // Parked announcements can be served now.
         for (ann, since) in std::mem::take(&mut self.parked) {
-            self.stats.parked_wait_ns += now.saturating_sub(since);
+            self.core.stats.parked_wait_ns += now.saturating_sub(since);
             self.serve(ann);
         }
         if mismatch {
@@ -272,8 +250,8 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
 
     /// The copy `id` finished with `status`.
     pub(super) fn copy_finished(&mut self, id: u64, status: Status) {
-        let copies = &mut self.copies;
-        let Some(kind) = take_finished(copies, id, &mut self.stats.unknown_copy_done) else {
+        let copies = &mut self.core.copies;
+        let Some(kind) = take_finished(copies, id, &mut self.core.stats.unknown_copy_done) else {
             return;
         };
         if !status.is_ok() {
@@ -281,21 +259,21 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
         }
         match kind {
             CopyKind::Land { ann, holder } => {
-                let st = self.ranks.get_mut(&holder).expect("holder posted");
+                let st = self.core.ranks.get_mut(&holder).expect("holder posted");
                 st.writes -= 1;
                 st.out.set_error(status);
                 let s = ann.src as usize;
                 st.have[s] = Have::Done;
                 st.recv_pending -= 1;
-                let ack = self.abort.status.unwrap_or(Status::Ok);
+                let ack = self.core.abort.status.unwrap_or(Status::Ok);
                 self.ack(&ann, ack);
-                if self.abort.is_none() {
+                if self.core.abort.is_none() {
                     self.publish_landed(ann.src, holder, ann.len);
                 }
                 self.check_complete(holder);
             }
             CopyKind::Dist { seg, dst } => {
-                if let Some(st) = self.ranks.get_mut(&dst) {
+                if let Some(st) = self.core.ranks.get_mut(&dst) {
                     st.writes -= 1;
                     st.out.set_error(status);
                     st.have[seg as usize] = Have::Done;
@@ -315,8 +293,8 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
     /// asked to `Release` the announcements still unacked there. Messages
     /// from `sp` are ignored from now on.
     pub fn handle_peer_lost(&mut self, now: Nanos, sp: SpId) {
-        self.now = now;
-        if sp == self.me || !self.lost_sps.insert(sp) {
+        self.core.now = now;
+        if sp == self.core.me || !self.core.lost_sps.insert(sp) {
             return;
         }
         self.ready_siblings.remove(&sp);
@@ -332,10 +310,10 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
     pub fn is_finished(&self) -> bool {
         self.topo
             .as_ref()
-            .is_some_and(|t| self.completed + self.lost_unposted.len() == t.local.len())
-            && self.copies.is_empty()
+            .is_some_and(|t| self.core.completed + self.core.lost_unposted.len() == t.local.len())
+            && self.core.copies.is_empty()
             && self.parked.is_empty()
             && self.segs.values().all(|e| e.done_sent)
-            && self.actions.is_empty()
+            && self.core.actions.is_empty()
     }
 }

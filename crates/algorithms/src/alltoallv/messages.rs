@@ -7,7 +7,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
     pub(super) fn validate_post(&self, post: &Post<K>) -> Result<(), PostError> {
         let p = post.members.len();
         let rank = post.rank;
-        PostError::check_served(&post.members, rank, self.me)?;
+        PostError::check_served(&post.members, rank, self.core.me)?;
         let vectors: [(&'static str, &Vec<u64>); 4] = [
             ("send_counts", &post.own.send_counts),
             ("send_displs", &post.own.send_displs),
@@ -28,10 +28,10 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
                 return Err(PostError::MembersDisagree);
             }
         }
-        if self.ranks.contains_key(&rank) {
+        if self.core.ranks.contains_key(&rank) {
             return Err(PostError::DuplicatePost { rank });
         }
-        if self.lost_unposted.contains(&rank) {
+        if self.core.lost_unposted.contains(&rank) {
             return Err(PostError::RankLost { rank });
         }
         let pairs = [
@@ -47,7 +47,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
     }
 
     pub(super) fn learn_membership(&mut self, members: Vec<SpId>) {
-        let me = self.me;
+        let me = self.core.me;
         let p = members.len();
         self.local_count = members.iter().filter(|&&s| s == me).count();
         // Announcements queued blindly are validated now.
@@ -60,16 +60,17 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
             if ok {
                 self.queued.insert((dst, src), q);
             } else {
-                self.stats.discarded_announcements += 1;
+                self.core.stats.discarded_announcements += 1;
             }
         }
-        self.lost_unposted
+        self.core
+            .lost_unposted
             .retain(|&r| (r as usize) < p && members[r as usize] == me);
-        let peer_lost = self.lost_sps.iter().any(|s| members.contains(s));
+        let peer_lost = self.core.lost_sps.iter().any(|s| members.contains(s));
         self.members = Some(members);
         if peer_lost {
             self.enter_abort(Status::PeerFailed);
-        } else if self.abort.is_some() {
+        } else if self.core.abort.is_some() {
             self.maybe_broadcast_abort();
         }
     }
@@ -124,7 +125,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
             return Err(MsgError::RankOutOfRange { rank, size });
         }
         let (local, remote) = if to_dst { (dst, src) } else { (src, dst) };
-        if self.member(local) != self.me {
+        if self.member(local) != self.core.me {
             return Err(MsgError::NotLocal { rank: local });
         }
         let expected = self.member(remote);
@@ -144,7 +145,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
             return Err(MsgError::Overflow { src, dst });
         }
         if self.members.is_none() {
-            if let Some(status) = self.abort.status {
+            if let Some(status) = self.core.abort.status {
                 // Cannot validate, but the sender must not wait for us; make
                 // sure its SP learns about the abort too.
                 self.send(from, Msg::Ack { src, dst, status });
@@ -165,7 +166,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
             return Err(MsgError::DuplicateAnnounce { src, dst });
         }
         self.queued.insert((dst, src), ann);
-        self.stats.late_announcements += 1;
+        self.core.stats.late_announcements += 1;
         Ok(())
     }
 
@@ -173,8 +174,8 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
     /// serves `src`).
     pub(super) fn deliver_announce(&mut self, ann: Ann<K>) -> Result<(), MsgError> {
         let (from, src, dst, len) = (ann.from, ann.src, ann.dst, ann.len);
-        let abort = self.abort.status;
-        let Some(st) = self.ranks.get_mut(&dst) else {
+        let abort = self.core.abort.status;
+        let Some(st) = self.core.ranks.get_mut(&dst) else {
             if let Some(status) = abort {
                 self.send(from, Msg::Ack { src, dst, status });
                 return Ok(());
@@ -193,8 +194,9 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
         } else if len == 0 {
             Status::Ok
         } else {
-            let id = CopyId(self.next_copy);
-            self.next_copy += 1;
+            // (`st` borrows `ranks`: no `core.new_id()` here)
+            let id = CopyId(self.core.next_id);
+            self.core.next_id += 1;
             st.recv[s] = RecvState::Copying;
             st.copies_in_flight += 1;
             let copy = Copy {
@@ -208,8 +210,8 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
                 dst_offset: st.recv_displs[s],
                 len,
             };
-            self.copies.insert(id.0, (dst, src));
-            self.actions.push_back(Action::Copy(copy));
+            self.core.copies.insert(id.0, (dst, src));
+            self.core.actions.push_back(Action::Copy(copy));
             return Ok(());
         };
         st.recv[s] = RecvState::Done;
@@ -237,7 +239,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
             return Err(MsgError::UnexpectedAck { src, dst });
         }
         self.check_block(from, src, dst, false)?;
-        let Some(st) = self.ranks.get_mut(&src) else {
+        let Some(st) = self.core.ranks.get_mut(&src) else {
             return Err(MsgError::UnexpectedAck { src, dst });
         };
         let d = dst as usize;
@@ -259,9 +261,9 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
     /// Aborts with `status`; `local`: the abort started here and is to be
     /// broadcast (else it came with a peer's `Abort`).
     pub(super) fn abort_instance(&mut self, status: Status, local: bool) {
-        let (_, status) = self.abort.enter(status);
+        let (_, status) = self.core.abort.enter(status);
         self.abort_local |= local;
-        fail_pending(self.ranks.values_mut().map(|st| &mut st.out), status);
+        fail_pending(self.core.ranks.values_mut().map(|st| &mut st.out), status);
         // Nobody will read into a rank that has not posted: release senders.
         let queued = std::mem::take(&mut self.queued);
         let blind = self.members.is_none();

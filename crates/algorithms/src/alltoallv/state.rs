@@ -56,31 +56,17 @@ pub(super) struct Ann<K> {
 /// The per-SP state machine of one ring `Ialltoallv` instance.
 #[derive(Clone, Debug)]
 pub struct Alltoallv<K> {
-    pub(super) key: CollKey,
-    pub(super) me: SpId,
+    pub(super) core: Core<LocalRank<K>, (Rank, Rank), Action<K>, Stats>,
     pub(super) members: Option<Vec<SpId>>,
     /// Number of comm ranks served by this SP (valid once `members` is known).
     pub(super) local_count: usize,
-    /// Posted local ranks.
-    pub(super) ranks: BTreeMap<Rank, LocalRank<K>>,
-    /// Posted local ranks that completed.
-    pub(super) completed: usize,
-    /// Local ranks declared lost before they posted.
-    pub(super) lost_unposted: BTreeSet<Rank>,
     /// Announcements waiting for their destination to post, by (dst, src).
     pub(super) queued: BTreeMap<(Rank, Rank), Ann<K>>,
-    /// Copies in flight: id -> (dst, src).
-    pub(super) copies: BTreeMap<u64, (Rank, Rank)>,
-    pub(super) next_copy: u64,
-    pub(super) abort: Abort,
     /// The abort originated here (local abort, peer loss, rank loss) and
     /// must be broadcast to the communicator.
     pub(super) abort_local: bool,
-    pub(super) lost_sps: BTreeSet<SpId>,
-    pub(super) actions: VecDeque<Action<K>>,
     /// Messages to this SP itself, processed before returning to the driver.
     pub(super) internal: VecDeque<Msg<K>>,
-    pub(super) stats: Stats,
 }
 
 common_api!(Alltoallv, Msg<K>, settle = run_internal);
@@ -90,22 +76,12 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
     /// kind for `key` (a peer message can arrive before any local post).
     pub fn new(key: CollKey, cfg: Config) -> Self {
         Alltoallv {
-            key,
-            me: cfg.me,
+            core: Core::new(key, cfg.me),
             members: None,
             local_count: 0,
-            ranks: BTreeMap::new(),
-            completed: 0,
-            lost_unposted: BTreeSet::new(),
             queued: BTreeMap::new(),
-            copies: BTreeMap::new(),
-            next_copy: 0,
-            abort: Abort::default(),
             abort_local: false,
-            lost_sps: BTreeSet::new(),
-            actions: VecDeque::new(),
             internal: VecDeque::new(),
-            stats: Stats::default(),
         }
     }
 
@@ -117,7 +93,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
     /// The abort status, if the instance was aborted.
     /// Copies emitted and not yet reported done.
     pub fn copies_in_flight(&self) -> usize {
-        self.copies.len()
+        self.core.copies.len()
     }
 
     /// A local rank posted its part of the collective.
@@ -128,7 +104,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
         if self.members.is_none() {
             self.learn_membership(post.members);
         }
-        let aborted = self.abort.status;
+        let aborted = self.core.abort.status;
         let mut st = LocalRank {
             send_key: post.send_key,
             recv_key: post.recv_key,
@@ -146,7 +122,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
         if let Some(status) = aborted {
             // Nothing will be exchanged: complete right away, no announcements.
             st.out.set_error(status);
-            self.ranks.insert(rank, st);
+            self.core.ranks.insert(rank, st);
         } else {
             let r = rank as usize;
             let mut announces = Vec::with_capacity(p);
@@ -165,7 +141,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
                 ));
             }
             st.send_pending = p;
-            self.ranks.insert(rank, st);
+            self.core.ranks.insert(rank, st);
             for (d, msg) in announces {
                 let to = self.member(d as Rank);
                 self.send(to, msg);
@@ -191,11 +167,12 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
     /// The copy `id` finished with `status` (anything but `Ok` means the
     /// receive buffer content of that block is undefined).
     pub(super) fn copy_finished(&mut self, id: u64, status: Status) {
-        let copies = &mut self.copies;
-        let Some((dst, src)) = take_finished(copies, id, &mut self.stats.unknown_copy_done) else {
+        let copies = &mut self.core.copies;
+        let Some((dst, src)) = take_finished(copies, id, &mut self.core.stats.unknown_copy_done)
+        else {
             return;
         };
-        if let Some(r) = self.ranks.get_mut(&dst) {
+        if let Some(r) = self.core.ranks.get_mut(&dst) {
             r.recv[src as usize] = RecvState::Done;
             r.recv_pending -= 1;
             r.copies_in_flight -= 1;
@@ -212,7 +189,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
     /// Blocks announced to ranks of `sp` are considered never read.
     /// Messages from `sp` are ignored from now on.
     pub fn handle_peer_lost(&mut self, _now: Nanos, sp: SpId) {
-        if sp == self.me || !self.lost_sps.insert(sp) {
+        if sp == self.core.me || !self.core.lost_sps.insert(sp) {
             return;
         }
         self.queued.retain(|_, q| q.from != sp);
@@ -222,7 +199,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
         if !members.contains(&sp) {
             return;
         }
-        for st in self.ranks.values_mut() {
+        for st in self.core.ranks.values_mut() {
             for (d, s) in st.send.iter_mut().enumerate() {
                 if *s == SendState::Pending && members[d] == sp {
                     *s = SendState::Abandoned;
@@ -239,8 +216,8 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
     /// the driver may drop the instance.
     pub fn is_finished(&self) -> bool {
         self.members.is_some()
-            && self.completed + self.lost_unposted.len() == self.local_count
-            && self.copies.is_empty()
-            && self.actions.is_empty()
+            && self.core.completed + self.core.lost_unposted.len() == self.local_count
+            && self.core.copies.is_empty()
+            && self.core.actions.is_empty()
     }
 }

@@ -11,7 +11,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
                 chunk_bytes,
                 tree,
             } => {
-                let me = self.me;
+                let me = self.core.me;
                 let place = tree
                     .iter()
                     .enumerate()
@@ -44,7 +44,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
                         }
                     }
                 }
-                if self.abort.is_some() {
+                if self.core.abort.is_some() {
                     self.notify_abort(from);
                 }
                 Ok(())
@@ -62,7 +62,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
                     chunk_bytes,
                     slots,
                 };
-                if self.view.is_none() && self.abort.is_none() {
+                if self.view.is_none() && self.core.abort.is_none() {
                     self.early_credits.push(c);
                     return Ok(());
                 }
@@ -76,7 +76,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
                 if !self.slots.granted_to(i, from) {
                     return Err(MsgError::SlotNotGranted { slot });
                 }
-                if self.abort.is_some() {
+                if self.core.abort.is_some() {
                     self.slots[i] = Slot::Free;
                     return Ok(());
                 }
@@ -96,9 +96,9 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
                 } else {
                     self.recv_above.insert(index);
                 }
-                self.stats.bytes_staged += len;
+                self.core.stats.bytes_staged += len;
                 if self.topo.is_none() {
-                    self.stats.chunks_before_post += 1;
+                    self.core.stats.chunks_before_post += 1;
                 }
                 self.slots[i] = Slot::Full(Held::new(index, len));
                 self.by_index.insert(index, i);
@@ -137,7 +137,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
                 // The leader holds none of our grants any more, whatever
                 // happened here meanwhile.
                 self.slots.release_granted(from);
-                if self.abort.is_some() {
+                if self.core.abort.is_some() {
                     return Ok(());
                 }
                 self.sealed = Some(at);
@@ -178,14 +178,14 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
     /// A hierarchical leader whose region holds every chunk seals it for
     /// the node's other SPs that credited it.
     pub(super) fn seal(&mut self) {
-        if self.abort.is_some() {
+        if self.core.abort.is_some() {
             return;
         }
         let Some(todo) = self.sealing() else { return };
         let v = self.view.as_ref().expect("sealing needs a view");
         let n = v.n;
         let writer = self.targets.as_ref().and_then(|t| t.first());
-        let Some(w) = writer.and_then(|w| self.ranks.get(w)) else {
+        let Some(w) = writer.and_then(|w| self.core.ranks.get(w)) else {
             return;
         };
         if w.written < n {
@@ -200,7 +200,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
             if let Some(g) = self.grants.get_mut(&s) {
                 g.clear();
             }
-            self.stats.regions_shared += 1;
+            self.core.stats.regions_shared += 1;
             self.send(s, Msg::Sealed { at });
         }
     }
@@ -211,7 +211,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
             // Sent before our `Sealed` reached it: those slots are void.
             return;
         }
-        if self.abort.is_none() {
+        if self.core.abort.is_none() {
             let v = self.view.as_ref().expect("view known");
             let status = v
                 .disagreement(c.root, c.len, c.chunk_bytes, None)

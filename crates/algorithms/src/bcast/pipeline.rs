@@ -11,13 +11,13 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
         match kind {
             CopyKind::Read { slot, index, len } => {
                 let root = self.view.as_ref().unwrap().root;
-                if let Some(st) = self.ranks.get_mut(&root) {
+                if let Some(st) = self.core.ranks.get_mut(&root) {
                     st.reads -= 1;
                     st.out.set_error(status);
                 }
                 if ok {
                     self.reads_done += 1;
-                    self.stats.bytes_staged += len;
+                    self.core.stats.bytes_staged += len;
                     self.slots[slot] = Slot::Full(Held::new(index, len));
                     self.by_index.insert(index, slot);
                 } else {
@@ -25,7 +25,11 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
                 }
             }
             CopyKind::Write { slot, index, rank } => {
-                let st = self.ranks.get_mut(&rank).expect("write into a posted rank");
+                let st = self
+                    .core
+                    .ranks
+                    .get_mut(&rank)
+                    .expect("write into a posted rank");
                 st.writes -= 1;
                 st.out.set_error(status);
                 if ok {
@@ -45,7 +49,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
     }
 
     pub(super) fn move_finished(&mut self, id: u64, status: Status) {
-        let Some(m) = take_finished(&mut self.moves, id, &mut self.stats.unknown_done) else {
+        let Some(m) = take_finished(&mut self.moves, id, &mut self.core.stats.unknown_done) else {
             return;
         };
         if !status.is_ok() {
@@ -63,13 +67,13 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
             }
         }
         if status.is_ok() {
-            self.stats.chunks_forwarded += 1;
+            self.core.stats.chunks_forwarded += 1;
         }
     }
 
     pub(super) fn enter_abort(&mut self, status: Status) {
-        let (first, status) = self.abort.enter(status);
-        fail_pending(self.ranks.values_mut().map(|st| &mut st.out), status);
+        let (first, status) = self.core.abort.enter(status);
+        fail_pending(self.core.ranks.values_mut().map(|st| &mut st.out), status);
         if first {
             let held: Vec<(SpId, Vec<SlotId>)> = self
                 .grants
@@ -88,7 +92,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
     }
 
     pub(super) fn maybe_broadcast_abort(&mut self) {
-        if !self.abort.start_broadcast(self.view.is_some()) {
+        if !self.core.abort.start_broadcast(self.view.is_some()) {
             return;
         }
         for sp in self.view.as_ref().unwrap().all() {
@@ -121,16 +125,16 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
         }
         self.seal();
         self.grant();
-        let ranks: Vec<Rank> = self.ranks.keys().copied().collect();
+        let ranks: Vec<Rank> = self.core.ranks.keys().copied().collect();
         for r in ranks {
             self.check_complete(r);
         }
         let in_use = self.slots_in_use() as u32;
-        self.stats.max_slots_in_use = self.stats.max_slots_in_use.max(in_use);
+        self.core.stats.max_slots_in_use = self.core.stats.max_slots_in_use.max(in_use);
     }
 
     pub(super) fn free_slots(&mut self) -> bool {
-        let aborted = self.abort.is_some();
+        let aborted = self.core.abort.is_some();
         let children = self.receivers();
         let mut progress = false;
         for i in 0..self.slots.len() {
@@ -170,11 +174,11 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
     /// The root's SP reads chunks from the root's buffer into free slots.
     pub(super) fn start_reads(&mut self) -> bool {
         let Some(v) = &self.view else { return false };
-        if self.abort.is_some() || !v.is_top() {
+        if self.core.abort.is_some() || !v.is_top() {
             return false;
         }
         let (root, n) = (v.root, v.n);
-        let Some(st) = self.ranks.get(&root) else {
+        let Some(st) = self.core.ranks.get(&root) else {
             return false;
         };
         if st.out.completed {
@@ -192,13 +196,15 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
             );
             self.next_read += 1;
             self.slots[slot] = Slot::Reading;
-            self.ranks.get_mut(&root).unwrap().reads += 1;
-            let id = self.new_id();
-            self.copies.insert(id, CopyKind::Read { slot, index, len });
+            self.core.ranks.get_mut(&root).unwrap().reads += 1;
+            let id = self.core.new_id();
+            self.core
+                .copies
+                .insert(id, CopyKind::Read { slot, index, len });
             if len == 0 {
                 self.zero_copies.push_back(id);
             } else {
-                self.actions.push_back(Action::Copy(Copy {
+                self.core.actions.push_back(Action::Copy(Copy {
                     id: CopyId(id),
                     rank: root,
                     chunk: index,
@@ -219,7 +225,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
     /// granted.
     pub(super) fn forward(&mut self) -> bool {
         let Some(v) = &self.view else { return false };
-        if self.abort.is_some() {
+        if self.core.abort.is_some() {
             return false;
         }
         let n = v.n;
@@ -241,7 +247,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
                 let (index, len) = (h.index, h.len);
                 let dst = self.grants.get_mut(&to).unwrap().pop_front().unwrap();
                 self.next_fwd.insert(to, next + 1);
-                let id = self.new_id();
+                let id = self.core.new_id();
                 self.moves.insert(
                     id,
                     MoveSt {
@@ -263,7 +269,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
                     self.send(to, mv.chunk_msg());
                     self.zero_moves.push_back(id);
                 } else {
-                    self.actions.push_back(Action::Move(mv));
+                    self.core.actions.push_back(Action::Move(mv));
                 }
                 progress = true;
             }
@@ -273,7 +279,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
 
     /// Write staged chunks into the targets that have posted.
     pub(super) fn write_targets(&mut self) -> bool {
-        if self.abort.is_some() {
+        if self.core.abort.is_some() {
             return false;
         }
         let (Some(targets), Some(v), Some(t)) = (&self.targets, &self.view, &self.topo) else {
@@ -286,7 +292,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
                 continue;
             };
             for &r in targets {
-                let Some(st) = self.ranks.get(&r) else {
+                let Some(st) = self.core.ranks.get(&r) else {
                     continue;
                 };
                 if st.out.completed || h.done.contains(&r) || h.writing.contains(&r) {
@@ -309,14 +315,15 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
                 unreachable!()
             };
             h.writing.insert(rank);
-            self.ranks.get_mut(&rank).unwrap().writes += 1;
-            let id = self.new_id();
-            self.copies
+            self.core.ranks.get_mut(&rank).unwrap().writes += 1;
+            let id = self.core.new_id();
+            self.core
+                .copies
                 .insert(id, CopyKind::Write { slot, index, rank });
             if len == 0 {
                 self.zero_copies.push_back(id);
             } else {
-                self.actions.push_back(Action::Copy(Copy {
+                self.core.actions.push_back(Action::Copy(Copy {
                     id: CopyId(id),
                     rank,
                     chunk: index,
@@ -334,7 +341,10 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
     pub(super) fn grant(&mut self) {
         let Some(v) = &self.view else { return };
         let Some(parent) = v.parent() else { return };
-        if self.abort.is_some() || self.lost_sps.contains(&parent) || self.sealed.is_some() {
+        if self.core.abort.is_some()
+            || self.core.lost_sps.contains(&parent)
+            || self.sealed.is_some()
+        {
             return;
         }
         let (root, len, chunk_bytes, n) = (v.root, v.len, v.chunk_bytes, v.n);
@@ -370,8 +380,8 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
     }
 
     pub(super) fn check_complete(&mut self, rank: Rank) {
-        let aborted = self.abort.is_some();
-        let st = &self.ranks[&rank];
+        let aborted = self.core.abort.is_some();
+        let st = &self.core.ranks[&rank];
         let reads = st.reads > 0 && !mutated(Mutation::RootCompletesBeforeReads);
         if st.out.completed || st.writes > 0 || reads {
             return;
@@ -384,7 +394,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
             };
             let writer = self.targets.as_ref().and_then(|t| t.first());
             let region_full = writer
-                .and_then(|w| self.ranks.get(w))
+                .and_then(|w| self.core.ranks.get(w))
                 .is_some_and(|w| w.written == v.n);
             let leader_hier = t.design == Design::Hier && v.at == 0;
             if rank == v.root {

@@ -63,8 +63,7 @@ pub(super) struct EarlyCredit {
 /// Drive it like the other collectives: feed inputs through `handle_*`,
 /// then drain `poll_action` after every input.
 pub struct Bcast<K> {
-    pub(super) key: CollKey,
-    pub(super) me: SpId,
+    pub(super) core: Core<LocalRank<K>, CopyKind, Action<K>, Stats>,
     pub(super) chunk_bytes: u64,
     pub(super) topo: Option<Topo>,
     pub(super) view: Option<View>,
@@ -72,9 +71,6 @@ pub struct Bcast<K> {
     pub(super) opened_by: BTreeSet<SpId>,
     /// Targets of this SP (known once topology and view are).
     pub(super) targets: Option<Vec<Rank>>,
-    pub(super) ranks: BTreeMap<Rank, LocalRank<K>>,
-    pub(super) completed: usize,
-    pub(super) lost_unposted: BTreeSet<Rank>,
     pub(super) slots: Slots<Held>,
     /// Chunk index -> slot holding it (Full).
     pub(super) by_index: BTreeMap<u64, usize>,
@@ -95,16 +91,9 @@ pub struct Bcast<K> {
     pub(super) sealed_to: BTreeSet<SpId>,
     /// A node's other SP: where its leader's region is, once `Sealed`.
     pub(super) sealed: Option<u64>,
-    pub(super) copies: BTreeMap<u64, CopyKind>,
     pub(super) moves: BTreeMap<u64, MoveSt>,
-    pub(super) next_id: u64,
     pub(super) zero_copies: VecDeque<u64>,
     pub(super) zero_moves: VecDeque<u64>,
-    pub(super) abort: Abort,
-    pub(super) lost_sps: BTreeSet<SpId>,
-    pub(super) actions: VecDeque<Action<K>>,
-    pub(super) now: Nanos,
-    pub(super) stats: Stats,
 }
 
 common_api!(Bcast, Msg, staged);
@@ -113,16 +102,12 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
     /// kind for `key`.
     pub fn new(key: CollKey, cfg: Config) -> Self {
         Bcast {
-            key,
-            me: cfg.me,
+            core: Core::new(key, cfg.me),
             chunk_bytes: cfg.chunk_bytes.max(1),
             topo: None,
             view: None,
             opened_by: BTreeSet::new(),
             targets: None,
-            ranks: BTreeMap::new(),
-            completed: 0,
-            lost_unposted: BTreeSet::new(),
             slots: Slots::new(cfg.staging_slots),
             by_index: BTreeMap::new(),
             next_read: 0,
@@ -135,16 +120,9 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
             credited: BTreeSet::new(),
             sealed_to: BTreeSet::new(),
             sealed: None,
-            copies: BTreeMap::new(),
             moves: BTreeMap::new(),
-            next_id: 0,
             zero_copies: VecDeque::new(),
             zero_moves: VecDeque::new(),
-            abort: Abort::default(),
-            lost_sps: BTreeSet::new(),
-            actions: VecDeque::new(),
-            now: 0,
-            stats: Stats::default(),
         }
     }
 
@@ -171,17 +149,17 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
             return None;
         }
         let writer = self.targets.as_ref()?.first()?;
-        Some((self.me, self.ranks.get(writer)?.shared_at, v.len))
+        Some((self.core.me, self.core.ranks.get(writer)?.shared_at, v.len))
     }
 
     /// Copies and moves started and not reported done.
     pub fn copies_in_flight(&self) -> usize {
-        self.copies.len() + self.moves.len()
+        self.core.copies.len() + self.moves.len()
     }
 
     /// A local rank posted its part of the collective.
     pub fn handle_post(&mut self, now: Nanos, post: Post<K>) -> Result<(), PostError> {
-        self.now = now;
+        self.core.now = now;
         let tree = self.validate_post(&post)?;
         let rank = post.rank;
         let mut st = LocalRank {
@@ -194,18 +172,19 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
             staged_at_post: self.by_index.keys().next_back().map_or(0, |i| i + 1),
             out: Outcome::new(),
         };
-        if let Some(status) = self.abort.status {
+        if let Some(status) = self.core.abort.status {
             st.out.set_error(status);
         }
-        self.ranks.insert(rank, st);
+        self.core.ranks.insert(rank, st);
         let first = self.topo.is_none();
         if first {
-            let me = self.me;
-            self.lost_unposted
+            let me = self.core.me;
+            self.core
+                .lost_unposted
                 .retain(|&r| post.members.get(r as usize) == Some(&me));
             self.topo = Some(Topo {
                 local: (0..post.members.len() as Rank)
-                    .filter(|&r| post.members[r as usize] == self.me)
+                    .filter(|&r| post.members[r as usize] == self.core.me)
                     .collect(),
                 members: post.members,
                 nodes: post.nodes,
@@ -215,7 +194,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
         let design_differs = self.topo.as_ref().unwrap().design != post.design;
         match &self.view {
             None => {
-                let view = View::new(self.me, post.root, post.len, self.chunk_bytes, tree)
+                let view = View::new(self.core.me, post.root, post.len, self.chunk_bytes, tree)
                     .expect("this SP serves the posting rank");
                 self.form_view(view);
             }
@@ -233,7 +212,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
         }
         if first {
             self.learn_targets();
-            if self.abort.is_some() {
+            if self.core.abort.is_some() {
                 self.maybe_broadcast_abort();
             }
         }
@@ -252,8 +231,8 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
     /// from `sp` are ignored from now on. Moves to it still in flight must
     /// be reported by the driver (`handle_move_done`).
     pub fn handle_peer_lost(&mut self, now: Nanos, sp: SpId) {
-        self.now = now;
-        if sp == self.me || !self.lost_sps.insert(sp) {
+        self.core.now = now;
+        if sp == self.core.me || !self.core.lost_sps.insert(sp) {
             return;
         }
         self.early_credits.retain(|c| c.from != sp);
@@ -268,14 +247,14 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
     pub fn is_finished(&self) -> bool {
         self.topo
             .as_ref()
-            .is_some_and(|t| self.completed + self.lost_unposted.len() == t.local.len())
-            && self.copies.is_empty()
+            .is_some_and(|t| self.core.completed + self.core.lost_unposted.len() == t.local.len())
+            && self.core.copies.is_empty()
             && self.moves.is_empty()
             && self.slots.all_free()
             && self.grants.values().all(|g| g.is_empty())
             && self.early_credits.is_empty()
-            && self.actions.is_empty()
-            && (self.abort.is_some() || self.sealing().is_none_or(|s| s.is_empty()))
+            && self.core.actions.is_empty()
+            && (self.core.abort.is_some() || self.sealing().is_none_or(|s| s.is_empty()))
     }
 }
 
@@ -294,7 +273,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
             });
         }
         let served_by = post.members[rank as usize];
-        if served_by != self.me {
+        if served_by != self.core.me {
             return Err(PostError::NotMine { rank, served_by });
         }
         if post.nodes.len() != p {
@@ -310,13 +289,13 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
             }
         }
         let tree = build_tree(&post.members, &post.nodes, post.root)?;
-        if self.ranks.contains_key(&rank) {
+        if self.core.ranks.contains_key(&rank) {
             return Err(PostError::DuplicatePost { rank });
         }
-        if self.lost_unposted.contains(&rank) {
+        if self.core.lost_unposted.contains(&rank) {
             return Err(PostError::RankLost { rank });
         }
-        let leader = tree.iter().any(|g| g[0] == self.me);
+        let leader = tree.iter().any(|g| g[0] == self.core.me);
         if post.design == Design::Hier && leader && post.shared_key.is_none() {
             return Err(PostError::MissingSharedKey { rank });
         }
@@ -333,7 +312,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
             chunk_bytes: view.chunk_bytes,
             tree: view.tree.clone(),
         };
-        let lost = view.all().iter().any(|s| self.lost_sps.contains(s));
+        let lost = view.all().iter().any(|s| self.core.lost_sps.contains(s));
         for &c in &children {
             self.next_fwd.insert(c, 0);
             self.grants.insert(c, VecDeque::new());
@@ -342,7 +321,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
         if lost {
             self.enter_abort(Status::PeerFailed);
         }
-        if self.abort.is_some() {
+        if self.core.abort.is_some() {
             self.maybe_broadcast_abort();
         } else {
             for c in children {
@@ -388,9 +367,9 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
     }
 
     pub(super) fn send(&mut self, to: SpId, msg: Msg) {
-        debug_assert_ne!(to, self.me, "bcast never messages itself");
-        if to != self.me && !self.lost_sps.contains(&to) {
-            self.actions.push_back(Action::Send { to, msg });
+        debug_assert_ne!(to, self.core.me, "bcast never messages itself");
+        if to != self.core.me && !self.core.lost_sps.contains(&to) {
+            self.core.actions.push_back(Action::Send { to, msg });
         }
     }
 }
@@ -414,6 +393,6 @@ impl<K> Bcast<K> {
     /// the bytes of an incoming chunk into the slot (then delivers the `Chunk` message), so
     /// that a confused peer cannot overwrite a chunk still in use.
     pub fn may_fill(&self, from: SpId, slot: SlotId) -> bool {
-        !self.lost_sps.contains(&from) && self.slots.granted_to(slot.0 as usize, from)
+        !self.core.lost_sps.contains(&from) && self.slots.granted_to(slot.0 as usize, from)
     }
 }

@@ -15,13 +15,17 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
                 chunk,
                 len,
             } => {
-                let st = self.ranks.get_mut(&rank).expect("read from a posted rank");
+                let st = self
+                    .core
+                    .ranks
+                    .get_mut(&rank)
+                    .expect("read from a posted rank");
                 st.reads_in_flight -= 1;
                 st.out.set_error(status);
                 if ok {
                     st.reads_done += 1;
-                    self.stats.chunk_reads += 1;
-                    self.stats.bytes_staged += len;
+                    self.core.stats.chunk_reads += 1;
+                    self.core.stats.bytes_staged += len;
                     self.slots[slot] = Slot::Full(Held {
                         block: rank,
                         chunk,
@@ -46,7 +50,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
                 }
                 self.tgts[sp].unit.in_flight -= 1;
                 if status.is_ok() {
-                    self.stats.chunk_writes += 1;
+                    self.core.stats.chunk_writes += 1;
                 }
                 match rank {
                     Some(r) => {
@@ -71,7 +75,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
     /// Sends (or records, for this SP) `Written` for `u` once every chunk
     /// of every local block is in it.
     pub(super) fn check_unit(&mut self, u: Unit) {
-        if self.abort.is_some() {
+        if self.core.abort.is_some() {
             return;
         }
         let v = self.view.as_ref().unwrap();
@@ -79,7 +83,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
             return;
         }
         let need = v.n * v.local.len() as u64;
-        let me = self.me;
+        let me = self.core.me;
         match u {
             Unit::Rank(r) => {
                 let t = &mut self.rtgts[r as usize];
@@ -90,7 +94,8 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
                 self.units_sent += 1;
                 let b = v.members[r as usize];
                 if b == me {
-                    self.ranks
+                    self.core
+                        .ranks
                         .get_mut(&r)
                         .expect("own key known: posted")
                         .written_from
@@ -111,7 +116,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
                     self.region_writers += 1;
                 } else {
                     let to = v.sps[b];
-                    self.stats.written_msgs += 1;
+                    self.core.stats.written_msgs += 1;
                     self.send(to, Msg::WrittenRegion);
                 }
             }
@@ -119,8 +124,8 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
     }
 
     pub(super) fn enter_abort(&mut self, status: Status) {
-        let (first, status) = self.abort.enter(status);
-        fail_pending(self.ranks.values_mut().map(|st| &mut st.out), status);
+        let (first, status) = self.core.abort.enter(status);
+        fail_pending(self.core.ranks.values_mut().map(|st| &mut st.out), status);
         if first {
             self.read_queue.clear();
             self.pending_written.clear();
@@ -141,7 +146,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
     }
 
     pub(super) fn schedule_notice(&mut self, sp: SpId) {
-        if sp == self.me || self.lost_sps.contains(&sp) {
+        if sp == self.core.me || self.core.lost_sps.contains(&sp) {
             return;
         }
         if !self.notices.get(&sp).is_some_and(|n| n.stopped_sent) {
@@ -151,11 +156,11 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
 
     /// Sends the abort notices that are due.
     pub(super) fn notify(&mut self) {
-        let Some(status) = self.abort.status else {
+        let Some(status) = self.core.abort.status else {
             return;
         };
         for sp in std::mem::take(&mut self.notify_todo) {
-            if self.lost_sps.contains(&sp) {
+            if self.core.lost_sps.contains(&sp) {
                 continue;
             }
             let busy = self
@@ -166,14 +171,14 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
             let n = self.notices.entry(sp).or_default();
             if !busy {
                 n.stopped_sent = true;
-                self.actions.push_back(Action::Send {
+                self.core.actions.push_back(Action::Send {
                     to: sp,
                     msg: Msg::Stopped { status },
                 });
             } else {
                 if !n.abort_sent {
                     n.abort_sent = true;
-                    self.actions.push_back(Action::Send {
+                    self.core.actions.push_back(Action::Send {
                         to: sp,
                         msg: Msg::Abort { status },
                     });
@@ -187,11 +192,11 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
 impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
     pub(super) fn check_complete(&mut self, rank: Rank) {
         let Some(v) = &self.view else { return };
-        let st = &self.ranks[&rank];
+        let st = &self.core.ranks[&rank];
         if st.out.completed {
             return;
         }
-        let aborted = self.abort.is_some();
+        let aborted = self.core.abort.is_some();
         let reads_busy =
             st.reads_in_flight > 0 && !(aborted && mutated(Mutation::IgnoreReadsOnAbort));
         if reads_busy {
@@ -207,8 +212,8 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
                 || (exposed
                     && !mutated(Mutation::SkipStopHandshake)
                     && !v.sps.iter().enumerate().all(|(b, &w)| {
-                        w == self.me
-                            || self.lost_sps.contains(&w)
+                        w == self.core.me
+                            || self.core.lost_sps.contains(&w)
                             || self.stopped_from.contains(&w)
                             || if hier {
                                 self.tgts[b].wrote_region

@@ -30,7 +30,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
     /// of its ranks that posted).
     pub(super) fn settle(&mut self) {
         let Some(v) = &self.view else { return };
-        if v.design != Design::Hier || v.is_owner() || self.abort.is_some() {
+        if v.design != Design::Hier || v.is_owner() || self.core.abort.is_some() {
             return;
         }
         let (mine, owner) = (v.mine, v.owner[v.mine]);
@@ -45,7 +45,12 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
         self.resolve_sp(mine, mode);
         let v = self.view.as_ref().unwrap();
         let (len, comm) = (v.len, v.digest);
-        let to: Vec<SpId> = v.sps.iter().copied().filter(|&s| s != self.me).collect();
+        let to: Vec<SpId> = v
+            .sps
+            .iter()
+            .copied()
+            .filter(|&s| s != self.core.me)
+            .collect();
         if mode == Mode::Covered {
             for sp in to {
                 self.send(sp, Msg::Covered { len, comm });
@@ -55,8 +60,8 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
         let keys: Vec<(Rank, K)> = self
             .posted
             .iter()
-            .filter(|r| self.ranks[r].in_view)
-            .map(|&r| (r, self.ranks[&r].recv_key.clone()))
+            .filter(|r| self.core.ranks[r].in_view)
+            .map(|&r| (r, self.core.ranks[&r].recv_key.clone()))
             .collect();
         for (rank, key) in keys {
             self.share_rank_key(rank, key, &to);
@@ -106,12 +111,12 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
         let Some(v) = &self.view else { return };
         let full =
             self.tgts[v.mine].mode == Some(Mode::Region) && self.region_writers == v.sps.len();
-        if !full || self.abort.is_some() {
+        if !full || self.core.abort.is_some() {
             return;
         }
         for b in self.owed_region_done() {
             self.done_sent.insert(b);
-            self.stats.regions_shared += 1;
+            self.core.stats.regions_shared += 1;
             let to = self.view.as_ref().unwrap().sps[b];
             self.send(to, Msg::RegionDone { at: self.region_at });
         }
@@ -142,17 +147,17 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
     }
 
     pub(super) fn send(&mut self, to: SpId, msg: Msg<K>) {
-        debug_assert_ne!(to, self.me, "never messages itself");
-        if to != self.me && !self.lost_sps.contains(&to) {
-            self.actions.push_back(Action::Send { to, msg });
+        debug_assert_ne!(to, self.core.me, "never messages itself");
+        if to != self.core.me && !self.core.lost_sps.contains(&to) {
+            self.core.actions.push_back(Action::Send { to, msg });
         }
     }
 
     pub(super) fn process(&mut self, from: SpId, msg: Msg<K>) -> Result<(), MsgError> {
-        if from == self.me {
+        if from == self.core.me {
             return Err(MsgError::Unexpected { sp: from });
         }
-        if self.contacts.insert(from) && self.abort.is_some() {
+        if self.contacts.insert(from) && self.core.abort.is_some() {
             self.schedule_notice(from);
         }
         if self.view.is_none() {
@@ -169,7 +174,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
                     return Err(MsgError::Duplicate { sp: from });
                 }
                 if announces {
-                    self.stats.keys_before_post += 1;
+                    self.core.stats.keys_before_post += 1;
                 }
                 self.early.push((from, msg));
                 return Ok(());
@@ -202,7 +207,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
                     return bad;
                 }
                 for r in &ranks {
-                    match self.ranks.get(r) {
+                    match self.core.ranks.get(r) {
                         Some(st) if st.in_view && !st.written_from.contains(&from) => {}
                         _ => return bad,
                     }
@@ -211,7 +216,12 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
                     return bad;
                 }
                 for r in ranks {
-                    self.ranks.get_mut(&r).unwrap().written_from.insert(from);
+                    self.core
+                        .ranks
+                        .get_mut(&r)
+                        .unwrap()
+                        .written_from
+                        .insert(from);
                 }
                 Ok(())
             }
@@ -325,7 +335,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
         if self.rtgts[rank as usize].key.is_some() {
             return Err(MsgError::Duplicate { sp: from });
         }
-        if self.abort.is_some() {
+        if self.core.abort.is_some() {
             return Ok(());
         }
         if self.tgts[b].mode.is_none() {
@@ -351,7 +361,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
                 self.enter_abort(Status::InvalidPost);
                 Ok(false)
             }
-            None => Ok(self.abort.is_none()),
+            None => Ok(self.core.abort.is_none()),
         }
     }
 

@@ -197,9 +197,9 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use crate::abort::{fail_pending, lose_rank, Abort, Outcome};
+use crate::abort::{fail_pending, lose_rank, Outcome};
 use crate::common::sp_nodes;
-use crate::common::{common_api, take_finished};
+use crate::common::{common_api, take_finished, Core};
 use crate::staged::{mutation_switch, Slots};
 pub use crate::staged::{Config, CopyId, Design, Loc, SlotId};
 type Slot = crate::staged::Slot<Held>;

@@ -19,19 +19,19 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
                 }
             }
             for (to, ranks) in std::mem::take(&mut self.pending_written) {
-                self.stats.written_msgs += 1;
+                self.core.stats.written_msgs += 1;
                 self.send(to, Msg::Written { ranks });
             }
             self.send_region_done();
         }
         self.notify();
-        if self.completed < self.posted.len() {
+        if self.core.completed < self.posted.len() {
             for i in 0..self.posted.len() {
                 self.check_complete(self.posted[i]);
             }
         }
         let in_use = self.slots_in_use() as u32;
-        self.stats.max_slots_in_use = self.stats.max_slots_in_use.max(in_use);
+        self.core.stats.max_slots_in_use = self.core.stats.max_slots_in_use.max(in_use);
     }
 
     /// Issues the writes that waited for keys resolved since the last call.
@@ -41,7 +41,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
         }
         let sps = std::mem::take(&mut self.new_sps);
         let ranks = std::mem::take(&mut self.new_ranks);
-        if self.abort.is_some() {
+        if self.core.abort.is_some() {
             return false;
         }
         let mut progress = false;
@@ -77,7 +77,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
 
     /// Moves every chunk's cursor as far as the known keys allow.
     pub(super) fn advance_all(&mut self) -> bool {
-        if self.abort.is_some() {
+        if self.core.abort.is_some() {
             return false;
         }
         let order_len = self.view.as_ref().unwrap().order.len();
@@ -153,17 +153,18 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
         };
         let sp = v.sps[b];
         if known_at > h.epoch {
-            self.stats.writes_waited_for_key += 1;
+            self.core.stats.writes_waited_for_key += 1;
         }
         h.writing += 1;
         self.tgts[b].unit.in_flight += 1;
         if let Some(r) = rank {
             self.rtgts[r as usize].unit.in_flight += 1;
         }
-        let id = self.new_id();
-        self.copies
+        let id = self.core.new_id();
+        self.core
+            .copies
             .insert(id, CopyKind::Write { slot, sp: b, rank });
-        self.actions.push_back(Action::Copy(Copy {
+        self.core.actions.push_back(Action::Copy(Copy {
             id: CopyId(id),
             rank: key_rank,
             sp,
@@ -176,7 +177,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
     }
 
     pub(super) fn free_slots(&mut self) -> bool {
-        let aborted = self.abort.is_some();
+        let aborted = self.core.abort.is_some();
         let order_len = self.view.as_ref().map_or(0, |v| v.order.len());
         let mut progress = false;
         for s in self.slots.iter_mut() {
@@ -200,7 +201,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
 
     /// Reads local send blocks, chunk by chunk, into free slots.
     pub(super) fn start_reads(&mut self) -> bool {
-        if self.abort.is_some() {
+        if self.core.abort.is_some() {
             return false;
         }
         let mut progress = false;
@@ -209,9 +210,9 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
                 break;
             };
             let v = self.view.as_ref().unwrap();
-            let chunk = self.ranks[&rank].next_read;
+            let chunk = self.core.ranks[&rank].next_read;
             let (n, len) = (v.n, v.chunk_len(self.chunk_bytes, chunk));
-            let st = self.ranks.get_mut(&rank).expect("queued at post");
+            let st = self.core.ranks.get_mut(&rank).expect("queued at post");
             st.next_read += 1;
             st.reads_in_flight += 1;
             let key = st.send_key.clone();
@@ -219,8 +220,8 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
                 self.read_queue.pop_front();
             }
             self.slots[slot] = Slot::Reading;
-            let id = self.new_id();
-            self.copies.insert(
+            let id = self.core.new_id();
+            self.core.copies.insert(
                 id,
                 CopyKind::Read {
                     slot,
@@ -229,10 +230,10 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
                     len,
                 },
             );
-            self.actions.push_back(Action::Copy(Copy {
+            self.core.actions.push_back(Action::Copy(Copy {
                 id: CopyId(id),
                 rank,
-                sp: self.me,
+                sp: self.core.me,
                 block: rank,
                 chunk,
                 src: Loc::Host {

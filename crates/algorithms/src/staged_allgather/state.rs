@@ -122,26 +122,20 @@ pub(super) struct Notice {
 /// Drive it like the other collectives: feed inputs through `handle_*`,
 /// then drain `poll_action` after every input.
 pub struct StagedAllgather<K> {
-    pub(super) key: CollKey,
-    pub(super) me: SpId,
+    pub(super) core: Core<LocalRank<K>, CopyKind, Action<K>, Stats>,
     pub(super) chunk_bytes: u64,
     pub(super) view: Option<View>,
     /// Per member SP (index into `View::sps`).
     pub(super) tgts: Vec<Tgt<K>>,
     /// Per comm rank.
     pub(super) rtgts: Vec<RankTgt<K>>,
-    pub(super) ranks: BTreeMap<Rank, LocalRank<K>>,
     /// The keys of `ranks`, in post order.
     pub(super) posted: Vec<Rank>,
     /// View-local ranks that posted (agreeing or not).
     pub(super) local_posted: usize,
-    pub(super) completed: usize,
-    pub(super) lost_unposted: BTreeSet<Rank>,
     pub(super) slots: Slots<Held>,
     /// Local ranks with chunks left to read, in post order.
     pub(super) read_queue: VecDeque<Rank>,
-    pub(super) copies: BTreeMap<u64, CopyKind>,
-    pub(super) next_id: u64,
     /// Bumped whenever a key becomes known.
     pub(super) epoch: u64,
     /// Resolved since the last pump: flat ranks, SPs (indices).
@@ -165,15 +159,10 @@ pub struct StagedAllgather<K> {
     pub(super) early: Vec<(SpId, Msg<K>)>,
     pub(super) early_seen: BTreeSet<(SpId, Option<Rank>)>,
     pub(super) contacts: BTreeSet<SpId>,
-    pub(super) lost_sps: BTreeSet<SpId>,
     pub(super) stopped_from: BTreeSet<SpId>,
-    pub(super) abort: Abort,
     pub(super) notices: BTreeMap<SpId, Notice>,
     /// SPs still owed a `Stopped`.
     pub(super) notify_todo: BTreeSet<SpId>,
-    pub(super) actions: VecDeque<Action<K>>,
-    pub(super) now: Nanos,
-    pub(super) stats: Stats,
 }
 
 common_api!(StagedAllgather, Msg<K>, staged);
@@ -183,21 +172,15 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
     /// kind for `key`.
     pub fn new(key: CollKey, cfg: Config) -> Self {
         StagedAllgather {
-            key,
-            me: cfg.me,
+            core: Core::new(key, cfg.me),
             chunk_bytes: cfg.chunk_bytes.max(1),
             view: None,
             tgts: Vec::new(),
             rtgts: Vec::new(),
-            ranks: BTreeMap::new(),
             posted: Vec::new(),
             local_posted: 0,
-            completed: 0,
-            lost_unposted: BTreeSet::new(),
             slots: Slots::new(cfg.staging_slots),
             read_queue: VecDeque::new(),
-            copies: BTreeMap::new(),
-            next_id: 0,
             epoch: 0,
             new_ranks: Vec::new(),
             new_sps: Vec::new(),
@@ -213,14 +196,9 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
             early: Vec::new(),
             early_seen: BTreeSet::new(),
             contacts: BTreeSet::new(),
-            lost_sps: BTreeSet::new(),
             stopped_from: BTreeSet::new(),
-            abort: Abort::default(),
             notices: BTreeMap::new(),
             notify_todo: BTreeSet::new(),
-            actions: VecDeque::new(),
-            now: 0,
-            stats: Stats::default(),
         }
     }
 
@@ -242,7 +220,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
         let v = self.view.as_ref()?;
         let total = v.len * v.members.len() as u64;
         match self.tgts.get(v.mine)?.mode? {
-            Mode::Region => Some((self.me, self.region_at, total)),
+            Mode::Region => Some((self.core.me, self.region_at, total)),
             Mode::Covered => Some((v.sps[v.owner[v.mine]], self.region_done?, total)),
             Mode::Flat => None,
         }
@@ -250,17 +228,17 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
 
     /// Copies started and not reported done.
     pub fn copies_in_flight(&self) -> usize {
-        self.copies.len()
+        self.core.copies.len()
     }
 
     /// A local rank posted its part of the collective.
     pub fn handle_post(&mut self, now: Nanos, post: Post<K>) -> Result<(), PostError> {
-        self.now = now;
+        self.core.now = now;
         self.validate_post(&post)?;
         let rank = post.rank;
         let first = self.view.is_none();
         if first {
-            let view = View::build(self.me, self.chunk_bytes, &post)?;
+            let view = View::build(self.core.me, self.chunk_bytes, &post)?;
             self.form_view(view);
         }
         let v = self.view.as_ref().expect("formed above");
@@ -274,7 +252,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
         } else {
             None
         };
-        let in_view_local = v.members.get(rank as usize) == Some(&self.me);
+        let in_view_local = v.members.get(rank as usize) == Some(&self.core.me);
         let (n, design) = (v.n, v.design);
         let mut st = LocalRank {
             send_key: post.send_key,
@@ -286,10 +264,10 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
             written_from: BTreeSet::new(),
             out: Outcome::new(),
         };
-        if let Some(status) = self.abort.status.or(disagreement) {
+        if let Some(status) = self.core.abort.status.or(disagreement) {
             st.out.set_error(status);
         }
-        self.ranks.insert(rank, st);
+        self.core.ranks.insert(rank, st);
         self.posted.push(rank);
         if in_view_local {
             self.local_posted += 1;
@@ -314,10 +292,15 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
         }
         if let Some(status) = disagreement {
             self.enter_abort(status);
-        } else if self.abort.is_none() {
+        } else if self.core.abort.is_none() {
             let v = self.view.as_ref().unwrap();
             let (len, comm) = (v.len, v.digest);
-            let to: Vec<SpId> = v.sps.iter().copied().filter(|&s| s != self.me).collect();
+            let to: Vec<SpId> = v
+                .sps
+                .iter()
+                .copied()
+                .filter(|&s| s != self.core.me)
+                .collect();
             match self.tgts[mine].mode {
                 Some(Mode::Flat) => self.share_rank_key(rank, post.recv_key, &to),
                 Some(Mode::Region) if first => {
@@ -354,8 +337,8 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
     /// from `sp` are ignored from now on; it counts as stopped. Copies into
     /// its ranks still in flight must be reported by the driver.
     pub fn handle_peer_lost(&mut self, now: Nanos, sp: SpId) {
-        self.now = now;
-        if sp == self.me || !self.lost_sps.insert(sp) {
+        self.core.now = now;
+        if sp == self.core.me || !self.core.lost_sps.insert(sp) {
             return;
         }
         self.early.retain(|(f, _)| *f != sp);
@@ -374,7 +357,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
     /// with the job).
     pub fn is_finished(&self) -> bool {
         let Some(v) = &self.view else { return false };
-        let tail = match self.abort.status {
+        let tail = match self.core.abort.status {
             Some(_) => self.notify_todo.is_empty(),
             None => {
                 self.modes_unresolved == 0
@@ -386,11 +369,11 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
                     })
             }
         };
-        self.completed == self.ranks.len()
-            && self.local_posted + self.lost_unposted.len() >= v.local.len()
-            && self.copies.is_empty()
+        self.core.completed == self.core.ranks.len()
+            && self.local_posted + self.core.lost_unposted.len() >= v.local.len()
+            && self.core.copies.is_empty()
             && self.slots.all_free()
-            && self.actions.is_empty()
+            && self.core.actions.is_empty()
             && tail
     }
 }
@@ -401,7 +384,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
     pub(super) fn validate_post(&self, post: &Post<K>) -> Result<(), PostError> {
         let p = post.members.len();
         let rank = post.rank;
-        PostError::check_served(&post.members, rank, self.me)?;
+        PostError::check_served(&post.members, rank, self.core.me)?;
         if post.nodes.len() != p {
             return Err(PostError::LengthMismatch {
                 field: "nodes",
@@ -413,13 +396,13 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
         if post.len.checked_mul(p as u64).is_none() {
             return Err(PostError::Overflow { rank });
         }
-        if self.ranks.contains_key(&rank) {
+        if self.core.ranks.contains_key(&rank) {
             return Err(PostError::DuplicatePost { rank });
         }
-        if self.lost_unposted.contains(&rank) {
+        if self.core.lost_unposted.contains(&rank) {
             return Err(PostError::RankLost { rank });
         }
-        let owner = node_owner(&post.members, &post.nodes, self.me) == Some(self.me);
+        let owner = node_owner(&post.members, &post.nodes, self.core.me) == Some(self.core.me);
         if post.design == Design::Hier && owner && post.shared_key.is_none() {
             return Err(PostError::MissingSharedKey { rank });
         }
@@ -428,7 +411,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
 
     /// This SP has a view for the first time.
     pub(super) fn form_view(&mut self, view: View) {
-        let me = self.me;
+        let me = self.core.me;
         let p = view.members.len();
         self.tgts = (0..view.sps.len())
             .map(|_| Tgt {
@@ -445,14 +428,15 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
             })
             .collect();
         self.modes_unresolved = view.sps.len();
-        self.lost_unposted
+        self.core
+            .lost_unposted
             .retain(|&r| view.members.get(r as usize) == Some(&me));
-        let lost = view.sps.iter().any(|s| self.lost_sps.contains(s));
+        let lost = view.sps.iter().any(|s| self.core.lost_sps.contains(s));
         self.view = Some(view);
         if lost {
             self.enter_abort(Status::PeerFailed);
         }
-        if self.abort.is_some() {
+        if self.core.abort.is_some() {
             self.schedule_notices();
         }
         for (from, msg) in std::mem::take(&mut self.early) {
