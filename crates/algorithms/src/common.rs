@@ -71,6 +71,32 @@ pub(crate) fn sp_nodes(members: &[SpId], nodes: &[u32]) -> Result<BTreeMap<SpId,
     Ok(sp_node)
 }
 
+/// A v-collective's posted rank's receive buffer: its key, the count and
+/// displacement of each source's block in it, and its progress.
+#[derive(Clone, Debug)]
+pub(crate) struct VRecv<K> {
+    pub(crate) key: K,
+    pub(crate) counts: Vec<u64>,
+    pub(crate) displs: Vec<u64>,
+    /// Sources whose block is not in yet.
+    pub(crate) pending: usize,
+    /// Copies writing into it.
+    pub(crate) writes: usize,
+}
+
+impl<K> VRecv<K> {
+    /// The buffer of a rank that just posted, all `p` blocks to come.
+    pub(crate) fn new(key: K, counts: Vec<u64>, displs: Vec<u64>, p: usize) -> Self {
+        VRecv {
+            key,
+            counts,
+            displs,
+            pending: p,
+            writes: 0,
+        }
+    }
+}
+
 /// Takes the copy or move `id` that finished out of `in_flight`; an
 /// unknown id (a driver error, ignored) is counted in `unknown`.
 pub(crate) fn take_finished<T>(
@@ -358,7 +384,7 @@ macro_rules! v_check_complete {
             if $st.out.completed || $busy {
                 return;
             }
-            if !aborted && $st.recv_pending > 0 {
+            if !aborted && $st.buf.pending > 0 {
                 return;
             }
             $st.out.completed = true;

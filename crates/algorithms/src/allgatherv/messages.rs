@@ -395,7 +395,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
             .expect("a ready local rank");
         let s = ann.src as usize;
         let st = self.core.ranks.get_mut(&holder).unwrap();
-        if st.recv_counts[s] != ann.len || st.have[s] != Have::Missing {
+        if st.buf.counts[s] != ann.len || st.have[s] != Have::Missing {
             self.ack(&ann, Status::CountMismatch);
             self.enter_abort(Status::CountMismatch);
             return;

@@ -96,7 +96,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::abort::{fail_pending, lose_rank, Outcome};
 use crate::common::sp_nodes;
-use crate::common::{common_api, take_finished, Core};
+use crate::common::{common_api, take_finished, Core, VRecv};
 pub use crate::direct::{Config, CopyId};
 use crate::{CollKey, Nanos, Rank, SpId, Status};
 

@@ -17,8 +17,8 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
             src,
             holder,
             holder_sp: self.core.me,
-            key: st.recv_key.clone(),
-            offset: st.recv_displs[src as usize],
+            key: st.buf.key.clone(),
+            offset: st.buf.displs[src as usize],
             len,
             from_send: false,
         });
@@ -52,7 +52,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
         if st.out.completed || st.have[i] != Have::Missing {
             return;
         }
-        if st.recv_counts[i] != e.seg.len {
+        if st.buf.counts[i] != e.seg.len {
             self.enter_abort(Status::CountMismatch);
             return;
         }
@@ -84,7 +84,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
             .get_mut(&dst)
             .expect("copies go to posted ranks");
         st.have[seg as usize] = Have::Copying;
-        st.writes += 1;
+        st.buf.writes += 1;
         let copy = Copy {
             id: CopyId(id),
             seg,
@@ -92,8 +92,8 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
             src_key,
             src_offset,
             dst_rank: dst,
-            dst_key: st.recv_key.clone(),
-            dst_offset: st.recv_displs[seg as usize],
+            dst_key: st.buf.key.clone(),
+            dst_offset: st.buf.displs[seg as usize],
             len,
         };
         self.core.copies.insert(id, kind);
@@ -158,5 +158,5 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
 
     crate::common::notify_abort!();
 
-    crate::common::v_check_complete!(|st| st.writes > 0 || st.readers > 0);
+    crate::common::v_check_complete!(|st| st.buf.writes > 0 || st.readers > 0);
 }

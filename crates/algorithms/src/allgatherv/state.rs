@@ -11,13 +11,8 @@ pub(super) enum Have {
 
 #[derive(Clone, Debug)]
 pub(super) struct LocalRank<K> {
-    pub(super) recv_key: K,
-    pub(super) recv_counts: Vec<u64>,
-    pub(super) recv_displs: Vec<u64>,
+    pub(super) buf: VRecv<K>,
     pub(super) have: Vec<Have>,
-    pub(super) recv_pending: usize,
-    /// Copies writing into this rank's receive buffer.
-    pub(super) writes: usize,
     /// Outstanding readers of its buffers: pending remote acks plus pending
     /// `SegmentDone`s for segments it holds.
     pub(super) readers: usize,
@@ -162,12 +157,8 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
         let p = post.members.len();
         let rank = post.rank;
         let mut st = LocalRank {
-            recv_key: post.recv_key,
-            recv_counts: post.recv_counts,
-            recv_displs: post.recv_displs,
+            buf: VRecv::new(post.recv_key, post.recv_counts, post.recv_displs, p),
             have: vec![Have::Missing; p],
-            recv_pending: p,
-            writes: 0,
             readers: 0,
             held: 0,
             out: Outcome::new(),
@@ -179,7 +170,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
             self.run_internal();
             return Ok(());
         }
-        let mismatch = st.recv_counts[rank as usize] != post.own.send_len;
+        let mismatch = st.buf.counts[rank as usize] != post.own.send_len;
         let topo = self.topo.as_ref().expect("topology known");
         let my_node = topo.my_node;
         let r = rank as usize;
@@ -260,11 +251,11 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
         match kind {
             CopyKind::Land { ann, holder } => {
                 let st = self.core.ranks.get_mut(&holder).expect("holder posted");
-                st.writes -= 1;
+                st.buf.writes -= 1;
                 st.out.set_error(status);
                 let s = ann.src as usize;
                 st.have[s] = Have::Done;
-                st.recv_pending -= 1;
+                st.buf.pending -= 1;
                 let ack = self.core.abort.status.unwrap_or(Status::Ok);
                 self.ack(&ann, ack);
                 if self.core.abort.is_none() {
@@ -274,10 +265,10 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
             }
             CopyKind::Dist { seg, dst } => {
                 if let Some(st) = self.core.ranks.get_mut(&dst) {
-                    st.writes -= 1;
+                    st.buf.writes -= 1;
                     st.out.set_error(status);
                     st.have[seg as usize] = Have::Done;
-                    st.recv_pending -= 1;
+                    st.buf.pending -= 1;
                 }
                 if let Some(e) = self.segs.get_mut(&seg) {
                     e.copying -= 1;

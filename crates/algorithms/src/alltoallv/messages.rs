@@ -188,7 +188,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
         }
         let ack = if let Some(status) = abort {
             status
-        } else if len != st.recv_counts[s] {
+        } else if len != st.buf.counts[s] {
             st.out.set_error(Status::CountMismatch);
             Status::CountMismatch
         } else if len == 0 {
@@ -198,7 +198,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
             let id = CopyId(self.core.next_id);
             self.core.next_id += 1;
             st.recv[s] = RecvState::Copying;
-            st.copies_in_flight += 1;
+            st.buf.writes += 1;
             let copy = Copy {
                 id,
                 seg: (),
@@ -206,8 +206,8 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
                 src_key: ann.key,
                 src_offset: ann.offset,
                 dst_rank: dst,
-                dst_key: st.recv_key.clone(),
-                dst_offset: st.recv_displs[s],
+                dst_key: st.buf.key.clone(),
+                dst_offset: st.buf.displs[s],
                 len,
             };
             self.core.copies.insert(id.0, (dst, src));
@@ -215,7 +215,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
             return Ok(());
         };
         st.recv[s] = RecvState::Done;
-        st.recv_pending -= 1;
+        st.buf.pending -= 1;
         self.send(
             from,
             Msg::Ack {
@@ -280,5 +280,5 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
 
     crate::common::notify_abort!();
 
-    crate::common::v_check_complete!(|st| st.copies_in_flight > 0 || st.send_pending > 0);
+    crate::common::v_check_complete!(|st| st.buf.writes > 0 || st.send_pending > 0);
 }

@@ -33,7 +33,7 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 
 use crate::abort::{fail_pending, lose_rank, Outcome};
-use crate::common::{common_api, take_finished, Core};
+use crate::common::{common_api, take_finished, Core, VRecv};
 pub use crate::direct::{Config, CopyId};
 use crate::{CollKey, Nanos, Rank, SpId, Status};
 

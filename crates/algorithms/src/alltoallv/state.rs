@@ -26,19 +26,14 @@ pub(super) enum SendState {
 #[derive(Clone, Debug)]
 pub(super) struct LocalRank<K> {
     pub(super) send_key: K,
-    pub(super) recv_key: K,
     pub(super) send_counts: Vec<u64>,
     pub(super) send_displs: Vec<u64>,
-    pub(super) recv_counts: Vec<u64>,
-    pub(super) recv_displs: Vec<u64>,
+    /// `pending`: the sources whose block is not `Done`.
+    pub(super) buf: VRecv<K>,
     pub(super) recv: Vec<RecvState>,
     pub(super) send: Vec<SendState>,
-    /// Sources whose block is not `Done`.
-    pub(super) recv_pending: usize,
     /// Destinations whose block is `Pending`.
     pub(super) send_pending: usize,
-    /// Copies writing into this rank's receive buffer.
-    pub(super) copies_in_flight: usize,
     pub(super) out: Outcome,
 }
 
@@ -107,16 +102,12 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
         let aborted = self.core.abort.status;
         let mut st = LocalRank {
             send_key: post.send_key,
-            recv_key: post.recv_key,
             send_counts: post.own.send_counts,
             send_displs: post.own.send_displs,
-            recv_counts: post.recv_counts,
-            recv_displs: post.recv_displs,
+            buf: VRecv::new(post.recv_key, post.recv_counts, post.recv_displs, p),
             recv: vec![RecvState::Waiting; p],
             send: vec![SendState::NotSent; p],
-            recv_pending: p,
             send_pending: 0,
-            copies_in_flight: 0,
             out: Outcome::new(),
         };
         if let Some(status) = aborted {
@@ -174,8 +165,8 @@ impl<K: Clone + fmt::Debug + PartialEq> Alltoallv<K> {
         };
         if let Some(r) = self.core.ranks.get_mut(&dst) {
             r.recv[src as usize] = RecvState::Done;
-            r.recv_pending -= 1;
-            r.copies_in_flight -= 1;
+            r.buf.pending -= 1;
+            r.buf.writes -= 1;
             r.out.set_error(status);
         }
         let to = self.member(src);
