@@ -45,12 +45,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
         self.resolve_sp(mine, mode);
         let v = self.view.as_ref().unwrap();
         let (len, comm) = (v.len, v.digest);
-        let to: Vec<SpId> = v
-            .sps
-            .iter()
-            .copied()
-            .filter(|&s| s != self.core.me)
-            .collect();
+        let to = v.others(self.core.me);
         if mode == Mode::Covered {
             for sp in to {
                 self.send(sp, Msg::Covered { len, comm });

@@ -295,12 +295,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
         } else if self.core.abort.is_none() {
             let v = self.view.as_ref().unwrap();
             let (len, comm) = (v.len, v.digest);
-            let to: Vec<SpId> = v
-                .sps
-                .iter()
-                .copied()
-                .filter(|&s| s != self.core.me)
-                .collect();
+            let to = v.others(self.core.me);
             match self.tgts[mine].mode {
                 Some(Mode::Flat) => self.share_rank_key(rank, post.recv_key, &to),
                 Some(Mode::Region) if first => {

@@ -126,6 +126,11 @@ impl View {
         })
     }
 
+    /// The member SPs but `me`, in view order.
+    pub(super) fn others(&self, me: SpId) -> Vec<SpId> {
+        self.sps.iter().copied().filter(|&s| s != me).collect()
+    }
+
     pub(super) fn is_owner(&self) -> bool {
         self.owner[self.mine] == self.mine
     }
