@@ -32,6 +32,12 @@ pub(crate) struct Core<R, C, A, S> {
 
 impl<R, C, A, S: Default> Core<R, C, A, S> {
     /// A fresh instance `key` at SP `me`.
+    /// The posted local rank `rank`; `what` names the event that needs it
+    /// posted (the panic message if it is not: a broken invariant).
+    pub(crate) fn posted(&mut self, rank: Rank, what: &'static str) -> &mut R {
+        self.ranks.get_mut(&rank).expect(what)
+    }
+
     pub(crate) fn new(key: CollKey, me: SpId) -> Self {
         Core {
             key,

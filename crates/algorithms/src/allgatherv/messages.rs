@@ -180,11 +180,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
                     return Ok(());
                 }
                 self.acks.remove(&(src, node));
-                let st = self
-                    .core
-                    .ranks
-                    .get_mut(&src)
-                    .expect("ack for a posted rank");
+                let st = self.core.posted(src, "ack for a posted rank");
                 st.readers -= 1;
                 st.out.set_error(status);
                 self.check_complete(src);
@@ -242,7 +238,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
                     return Err(MsgError::Unexpected { src });
                 }
                 let holder = *holder;
-                let st = self.core.ranks.get_mut(&holder).expect("holder posted");
+                let st = self.core.posted(holder, "holder posted");
                 st.readers -= 1;
                 st.out.set_error(status);
                 self.check_complete(holder);

@@ -78,11 +78,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
             }
         };
         let id = self.core.new_id();
-        let st = self
-            .core
-            .ranks
-            .get_mut(&dst)
-            .expect("copies go to posted ranks");
+        let st = self.core.posted(dst, "copies go to posted ranks");
         st.have[seg as usize] = Have::Copying;
         st.buf.writes += 1;
         let copy = Copy {

@@ -250,7 +250,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
         }
         match kind {
             CopyKind::Land { ann, holder } => {
-                let st = self.core.ranks.get_mut(&holder).expect("holder posted");
+                let st = self.core.posted(holder, "holder posted");
                 st.buf.writes -= 1;
                 st.out.set_error(status);
                 let s = ann.src as usize;

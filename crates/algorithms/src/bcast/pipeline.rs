@@ -25,11 +25,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
                 }
             }
             CopyKind::Write { slot, index, rank } => {
-                let st = self
-                    .core
-                    .ranks
-                    .get_mut(&rank)
-                    .expect("write into a posted rank");
+                let st = self.core.posted(rank, "write into a posted rank");
                 st.writes -= 1;
                 st.out.set_error(status);
                 if ok {

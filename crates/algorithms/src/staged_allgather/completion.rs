@@ -15,11 +15,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
                 chunk,
                 len,
             } => {
-                let st = self
-                    .core
-                    .ranks
-                    .get_mut(&rank)
-                    .expect("read from a posted rank");
+                let st = self.core.posted(rank, "read from a posted rank");
                 st.reads_in_flight -= 1;
                 st.out.set_error(status);
                 if ok {
@@ -95,9 +91,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
                 let b = v.members[r as usize];
                 if b == me {
                     self.core
-                        .ranks
-                        .get_mut(&r)
-                        .expect("own key known: posted")
+                        .posted(r, "own key known: posted")
                         .written_from
                         .insert(me);
                 } else {

@@ -212,7 +212,7 @@ impl<K: Clone + fmt::Debug + PartialEq> StagedAllgather<K> {
             let v = self.view.as_ref().unwrap();
             let chunk = self.core.ranks[&rank].next_read;
             let (n, len) = (v.n, v.chunk_len(self.chunk_bytes, chunk));
-            let st = self.core.ranks.get_mut(&rank).expect("queued at post");
+            let st = self.core.posted(rank, "queued at post");
             st.next_read += 1;
             st.reads_in_flight += 1;
             let key = st.send_key.clone();
