@@ -193,25 +193,12 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
             self.next_read += 1;
             self.slots[slot] = Slot::Reading;
             self.core.ranks.get_mut(&root).unwrap().reads += 1;
-            let id = self.core.new_id();
-            self.core
-                .copies
-                .insert(id, CopyKind::Read { slot, index, len });
-            if len == 0 {
-                self.zero_copies.push_back(id);
-            } else {
-                self.core.actions.push_back(Action::Copy(Copy {
-                    id: CopyId(id),
-                    rank: root,
-                    chunk: index,
-                    src: Loc::Host {
-                        key: key.clone(),
-                        offset,
-                    },
-                    dst: Loc::slot_start(slot),
-                    len,
-                }));
-            }
+            let src = Loc::Host {
+                key: key.clone(),
+                offset,
+            };
+            let read = CopyKind::Read { slot, index, len };
+            self.start_copy(read, root, index, (src, Loc::slot_start(slot)), len);
             progress = true;
         }
         progress
@@ -312,24 +299,39 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
             };
             h.writing.insert(rank);
             self.core.ranks.get_mut(&rank).unwrap().writes += 1;
-            let id = self.core.new_id();
-            self.core
-                .copies
-                .insert(id, CopyKind::Write { slot, index, rank });
-            if len == 0 {
-                self.zero_copies.push_back(id);
-            } else {
-                self.core.actions.push_back(Action::Copy(Copy {
-                    id: CopyId(id),
-                    rank,
-                    chunk: index,
-                    src: Loc::slot_start(slot),
-                    dst: Loc::Host { key, offset },
-                    len,
-                }));
-            }
+            let write = CopyKind::Write { slot, index, rank };
+            let dst = Loc::Host { key, offset };
+            self.start_copy(write, rank, index, (Loc::slot_start(slot), dst), len);
         }
         progress
+    }
+
+    /// Records copy `kind` under a new id and emits it: chunk `chunk` of
+    /// `len` bytes between `rank`'s grant and a slot, `(src, dst)`. A
+    /// zero-length copy is not emitted; it completes by itself
+    /// (`zero_copies`).
+    fn start_copy(
+        &mut self,
+        kind: CopyKind,
+        rank: Rank,
+        chunk: u64,
+        (src, dst): (Loc<K>, Loc<K>),
+        len: u64,
+    ) {
+        let id = self.core.new_id();
+        self.core.copies.insert(id, kind);
+        if len == 0 {
+            self.zero_copies.push_back(id);
+        } else {
+            self.core.actions.push_back(Action::Copy(Copy {
+                id: CopyId(id),
+                rank,
+                chunk,
+                src,
+                dst,
+                len,
+            }));
+        }
     }
 
     /// Grant free slots to the parent, never more than the chunks still
