@@ -31,13 +31,13 @@ pub(crate) struct Core<R, C, A, S> {
 }
 
 impl<R, C, A, S: Default> Core<R, C, A, S> {
-    /// A fresh instance `key` at SP `me`.
     /// The posted local rank `rank`; `what` names the event that needs it
     /// posted (the panic message if it is not: a broken invariant).
     pub(crate) fn posted(&mut self, rank: Rank, what: &'static str) -> &mut R {
         self.ranks.get_mut(&rank).expect(what)
     }
 
+    /// A fresh instance `key` at SP `me`.
     pub(crate) fn new(key: CollKey, me: SpId) -> Self {
         Core {
             key,
@@ -187,8 +187,10 @@ macro_rules! common_api {
                 })
             }
 
-            /// The copy `id` finished with `status` (anything but `Ok`
-            /// aborts the instance).
+            /// The copy `id` finished with `status`. What a failed copy
+            /// does is the collective's: the staged ones and allgatherv
+            /// abort the instance; alltoallv fails the block's two ranks
+            /// (the receiver's block is undefined) and goes on.
             pub fn handle_copy_done(&mut self, now: Nanos, id: CopyId, status: Status) {
                 self.input(now, |s| s.copy_finished(id.0, status))
             }
