@@ -102,6 +102,14 @@ impl Sps {
     }
 
     /// Every SP's counters now, by SP id.
+    /// Posts served by all SPs together.
+    fn posts(&self) -> u64 {
+        self.stats()
+            .iter()
+            .map(|s| s["posts"].as_u64().unwrap())
+            .sum()
+    }
+
     fn stats(&self) -> Vec<serde_json::Value> {
         let c = bootstrap::Cluster::load(&self.cluster).unwrap();
         c.sps
@@ -367,12 +375,7 @@ fn a_rank_that_cannot_place_itself_sends_every_rank_native() {
         run.stderr
     );
     assert!(!run.stderr.contains("offload active"), "{}", run.stderr);
-    let posts: u64 = sps
-        .stats()
-        .iter()
-        .map(|s| s["posts"].as_u64().unwrap())
-        .sum();
-    assert_eq!(posts, 0);
+    assert_eq!(sps.posts(), 0);
     drop(sps);
 
     // The host names of the description do not include this machine.
@@ -386,10 +389,5 @@ fn a_rank_that_cannot_place_itself_sends_every_rank_native() {
         run.stderr
     );
     assert!(!run.stderr.contains("offload active"), "{}", run.stderr);
-    let posts: u64 = sps
-        .stats()
-        .iter()
-        .map(|s| s["posts"].as_u64().unwrap())
-        .sum();
-    assert_eq!(posts, 0);
+    assert_eq!(sps.posts(), 0);
 }

@@ -234,15 +234,23 @@ mod ucx_backend {
         /// Like [`UcxRegistrar::new`], with UCX configuration keys overridden (named without
         /// the `UCX_` prefix, e.g. `[("TLS", "tcp")]`).
         pub fn with_config(overrides: &[(&str, &str)]) -> Result<Self, AccessError> {
-            let context = Context::with_config(Features::RMA | Features::WAKEUP, overrides)
-                .map_err(ucx_error)?;
+            Self::open(Features::RMA | Features::WAKEUP, overrides, false)
+        }
+
+        /// A UCX context with `features`, its worker and the worker's address.
+        fn open(
+            features: Features,
+            overrides: &[(&str, &str)],
+            export: bool,
+        ) -> Result<Self, AccessError> {
+            let context = Context::with_config(features, overrides).map_err(ucx_error)?;
             let worker = Worker::new(&context).map_err(ucx_error)?;
             let worker_address = worker.address().map_err(ucx_error)?;
             Ok(UcxRegistrar {
                 cache: Cache::default(),
                 worker_address,
                 worker,
-                export: false,
+                export,
             })
         }
 
@@ -258,15 +266,7 @@ mod ucx_backend {
                 });
             }
             let features = Features::RMA | Features::WAKEUP | Features::EXPORTED_MEMH;
-            let context = Context::with_config(features, overrides).map_err(ucx_error)?;
-            let worker = Worker::new(&context).map_err(ucx_error)?;
-            let worker_address = worker.address().map_err(ucx_error)?;
-            Ok(UcxRegistrar {
-                cache: Cache::default(),
-                worker_address,
-                worker,
-                export: true,
-            })
+            Self::open(features, overrides, true)
         }
 
         /// True for a registrar made by [`UcxRegistrar::exporting`].
