@@ -25,6 +25,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod host;
+pub mod ids;
 pub mod mover;
 pub mod process;
 
@@ -94,7 +95,8 @@ pub struct Grant {
     pub backend: BackendData,
 }
 
-/// Who owns a granted region. The SP fills `pid` from the Unix socket's peer credentials.
+/// Who owns a granted region, and as whom it is reached. The SP fills `pid`, `uid` and `gid`
+/// from what the kernel says of the connected host (never from the host's message).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Owner {
     pub job: u64,
@@ -103,6 +105,10 @@ pub struct Owner {
     /// The process's start time (clock ticks after boot): with `pid`, names the process for
     /// good (a pid alone is recycled). Every cross-memory access checks it ([`process`]).
     pub start: u64,
+    /// The client's uid and gid: the process's memory is opened with these ids, never with
+    /// the SP's own, so the kernel refuses what that user could not `ptrace` ([`ids`]).
+    pub uid: u32,
+    pub gid: u32,
 }
 
 /// A grant bound to its owner: what SPs pass among themselves to access a host region.
@@ -137,6 +143,19 @@ pub enum AccessError {
     },
     #[error("process {pid} is gone (exited, or its pid now names another process)")]
     ProcessGone { pid: u32 },
+    /// The process has called `exec` since its memory was granted: the grant named memory of
+    /// a program that no longer runs.
+    #[error("process {pid} has executed another program since it granted this memory")]
+    ImageChanged { pid: u32 },
+    /// The kernel refused to open the process's memory for its client (what that user could
+    /// not do with `ptrace`: another user's, setuid, setgid or non-dumpable process).
+    #[error("the memory of process {pid} may not be reached as uid {uid} gid {gid}: {why}")]
+    NotPermitted {
+        pid: u32,
+        uid: u32,
+        gid: u32,
+        why: String,
+    },
     #[error("backend {0} is not available in this build")]
     Unsupported(&'static str),
     /// A UCX call failed (or refused its input) for the region of process `pid`; `status` is
@@ -220,6 +239,8 @@ mod tests {
                 world_rank: 0,
                 pid: 1,
                 start: 1,
+                uid: 0,
+                gid: 0,
             },
             grant: Grant {
                 region: 7,

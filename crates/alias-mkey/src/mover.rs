@@ -6,9 +6,12 @@
 //! nothing. A copy that fails half way (the owner died, the memory was unmapped) may have written
 //! part of the destination; it returns the error and the caller fails the collective.
 //!
-//! [`CmaMover`] is the commodity backend: `process_vm_readv` from the source process into a
-//! bounded staging buffer, then `process_vm_writev` into the destination process, one chunk at
-//! a time. The kernel must allow the SP to attach to the hosts (same user with Yama
+//! [`CmaMover`] is the commodity backend: a read of the source process's memory into a
+//! bounded staging buffer, then a write into the destination process, one chunk at a time,
+//! through each process's `/proc/PID/mem` opened **as its client** ([`crate::process`],
+//! [`crate::ids`]): the kernel lets the SP reach exactly what the client's user could reach
+//! with `ptrace`, and nothing of an image the process left by `exec`. The kernel must allow
+//! that user to attach to the hosts (same user with Yama
 //! `ptrace_scope` 0, or the host calls `prctl(PR_SET_PTRACER, ...)`, or root).
 //!
 //! [`UcxMover`] (cargo feature `ucx`) does the same through UCX get/put on regions a host
@@ -24,6 +27,7 @@
 //! buffer. Build it from a [`MoverConfig`]; `cma` alone is the default.
 
 use crate::{AccessError, AliasKey, BackendData, Owner, Rights};
+use std::os::fd::AsRawFd;
 
 #[cfg(feature = "ucx")]
 pub mod ucx;
@@ -91,8 +95,9 @@ enum Direction {
     Write,
 }
 
-/// Moves `len` bytes between `local` in this process and `addr` in `pid`, looping over partial
-/// transfers.
+/// Moves `len` bytes between `local` in this process and `addr` in the owner's process,
+/// looping over partial transfers, through the owner's `/proc/PID/mem` as its client opened
+/// it ([`crate::process`]): never with the SP's own rights, never into another image.
 ///
 /// # Safety
 /// `local` must be valid for `len` bytes: for writes into it when `dir` is `Read`, for reads
@@ -104,34 +109,25 @@ unsafe fn vm_transfer(
     local: *mut u8,
     len: usize,
 ) -> Result<(), AccessError> {
-    // The process the key was made for, still alive: its pid cannot name another one.
-    crate::process::check(owner.pid, owner.start)?;
+    // The process the key was made for, still alive, opened as its client.
+    let pinned = crate::process::check(owner)?;
+    let fd = pinned.mem().as_raw_fd();
     let pid = owner.pid;
     let op = match dir {
-        Direction::Read => "process_vm_readv",
-        Direction::Write => "process_vm_writev",
+        Direction::Read => "read of /proc/PID/mem",
+        Direction::Write => "write of /proc/PID/mem",
     };
     let mut done = 0usize;
     while done < len {
-        let local_iov = libc::iovec {
-            // SAFETY: `done < len`, inside the caller's buffer.
-            iov_base: unsafe { local.add(done) }.cast(),
-            iov_len: len - done,
-        };
-        let remote_iov = libc::iovec {
-            iov_base: (addr + done as u64) as *mut libc::c_void,
-            iov_len: len - done,
-        };
-        // SAFETY: the local iovec lies in the caller's buffer, valid as the contract says; the
-        // remote iovec is only interpreted by the kernel in the other process.
+        // SAFETY: `done < len`, inside the caller's buffer.
+        let here = unsafe { local.add(done) };
+        let at = (addr + done as u64) as libc::off_t;
+        // SAFETY: the local range lies in the caller's buffer, valid as the contract says; the
+        // offset is only interpreted by the kernel as an address in the other process.
         let n = unsafe {
             match dir {
-                Direction::Read => {
-                    libc::process_vm_readv(pid as libc::pid_t, &local_iov, 1, &remote_iov, 1, 0)
-                }
-                Direction::Write => {
-                    libc::process_vm_writev(pid as libc::pid_t, &local_iov, 1, &remote_iov, 1, 0)
-                }
+                Direction::Read => libc::pread(fd, here.cast(), len - done, at),
+                Direction::Write => libc::pwrite(fd, here.cast(), len - done, at),
             }
         };
         if n < 0 {
@@ -139,10 +135,12 @@ unsafe fn vm_transfer(
             return Err(AccessError::Os { op, pid, errno });
         }
         if n == 0 {
-            return Err(AccessError::Os {
-                op,
-                pid,
-                errno: libc::EFAULT,
+            // The kernel moves nothing once the image the descriptor was opened on is gone
+            // (an unmapped address is EIO instead).
+            return Err(if crate::process::alive_pid(owner) {
+                AccessError::ImageChanged { pid }
+            } else {
+                AccessError::ProcessGone { pid }
             });
         }
         done += n as usize;
@@ -500,6 +498,9 @@ mod tests {
                 world_rank: 0,
                 pid: std::process::id(),
                 start: crate::process::start_time(std::process::id()).unwrap(),
+                // SAFETY: geteuid/getegid have no preconditions.
+                uid: unsafe { libc::geteuid() },
+                gid: unsafe { libc::getegid() },
             },
             grant: Grant {
                 region: 1,
@@ -560,10 +561,7 @@ mod tests {
 
     #[test]
     fn a_dead_or_recycled_process_is_refused_before_any_access() {
-        let mut child = std::process::Command::new("sleep")
-            .arg("10")
-            .spawn()
-            .unwrap();
+        let mut child = crate::process::running_sleep("10");
         let pid = child.id();
         let buf = vec![0u8; 8];
         let mut k = key_for(&buf, Rights::READ);

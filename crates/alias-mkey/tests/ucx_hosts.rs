@@ -117,6 +117,8 @@ impl Host {
                 world_rank: self.rank,
                 pid: self.pid(),
                 start: alias_mkey::process::start_time(self.pid()).unwrap_or(0),
+                uid: 0,
+                gid: 0,
             },
             grant: Grant {
                 region: f[1].parse().unwrap(),

@@ -25,7 +25,8 @@ pub const MAGIC: [u8; 4] = *b"SPOF";
 /// 7: job credentials in the host hello, the SP-to-SP handshake proves the cluster key,
 /// authenticated admin requests.
 /// 8: the host hello names the host's pid (hosts over TCP on the SP's kernel).
-pub const PROTOCOL_VERSION: u32 = 8;
+/// 9: alias keys name the uid and gid their owner's memory is opened with (its client's).
+pub const PROTOCOL_VERSION: u32 = 9;
 /// Largest frame accepted: a descriptor for 65536 ranks (four count vectors) fits.
 pub const MAX_FRAME_BYTES: u32 = 4 << 20;
 

@@ -33,10 +33,15 @@ const SO_PEERPIDFD: libc::c_int = 77;
 pub struct PeerCred {
     pub pid: u32,
     pub uid: u32,
+    /// The gid its memory is opened with (with `uid`: the client's ids, `alias_mkey::ids`).
+    pub gid: u32,
     /// Pins that process (see `alias_mkey::process`): readable once it has exited.
     pub pidfd: OwnedFd,
     /// Its start time, with `pid` its identity for cross-memory access.
     pub start: u64,
+    /// The process was pinned before on an image it has left by `exec` since: the
+    /// connections of that image must end (`Server::end_old_images`).
+    pub exec_since: bool,
 }
 
 /// Who is at the other end of a host connection, as far as the SP can know.
@@ -99,10 +104,12 @@ impl HostPeer {
 }
 
 /// A TCP host on this kernel (`serve --hosts-same-kernel`) named `pid` in its hello: checks
-/// what can be checked (the process exists, its effective uid is `uid`, the credential's) and
-/// pins it. A holder of a job credential of uid `uid` can thus name any process of that uid,
-/// which is what that uid's own processes may do to each other anyway (`ptrace`, and the
-/// `cma` backend's `PR_SET_PTRACER_ANY`); it can never name another user's process.
+/// what can be checked (the process exists, its uid is `uid`, the credential's) and pins it,
+/// reached as `uid` with the process's own real gid: the kernel then refuses it unless that
+/// user could `ptrace` it (its real, effective and saved ids all the user's and that gid's,
+/// dumpable: not a setuid, setgid or non-dumpable program). A holder of a job credential of
+/// uid `uid` can thus name only what that uid's own processes may reach anyway; never another
+/// user's process, never one that gained rights by `exec`.
 pub fn pin_claimed(pid: u32, uid: u32) -> Result<PeerCred, String> {
     if pid == 0 || pid > i32::MAX as u32 {
         return Err(format!(
@@ -113,15 +120,18 @@ pub fn pin_claimed(pid: u32, uid: u32) -> Result<PeerCred, String> {
         .map_err(|e| format!("the pid {pid} the hello names is no live process here: {e}"))?;
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
         .map_err(|e| format!("cannot read the status of pid {pid}: {e}"))?;
-    let euid = status
-        .lines()
-        .find_map(|l| l.strip_prefix("Uid:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse::<u32>().ok())
-        .ok_or_else(|| format!("no uid in the status of pid {pid}"))?;
-    if euid != uid {
+    let ids = |key: &str| -> Option<Vec<u32>> {
+        let line = status.lines().find_map(|l| l.strip_prefix(key))?;
+        line.split_whitespace().map(|v| v.parse().ok()).collect()
+    };
+    let (uids, gids) = ids("Uid:")
+        .zip(ids("Gid:"))
+        .filter(|(u, g)| u.len() == 4 && g.len() == 4)
+        .ok_or_else(|| format!("no uid or gid in the status of pid {pid}"))?;
+    if uids[1] != uid {
         return Err(format!(
-            "the job credential is for uid {uid}, but pid {pid} runs as uid {euid}"
+            "the job credential is for uid {uid}, but pid {pid} runs as uid {}",
+            uids[1]
         ));
     }
     // The status read above is the pidfd's process's only if that process was still running
@@ -129,16 +139,130 @@ pub fn pin_claimed(pid: u32, uid: u32) -> Result<PeerCred, String> {
     if !alias_mkey::process::alive(&pidfd) {
         return Err(format!("pid {pid} exited while it was checked"));
     }
-    let start = pidfd
+    let gid = gids[0];
+    let pin = pidfd
         .try_clone()
-        .and_then(|fd| alias_mkey::process::pin(fd, pid))
-        .map_err(|e| format!("cannot pin pid {pid}: {e}"))?;
+        .and_then(|fd| alias_mkey::process::pin(fd, pid, uid, gid))
+        .map_err(|e| refused_pin(pid, uid, gid, &e))?;
     Ok(PeerCred {
         pid,
         uid,
+        gid,
         pidfd,
-        start,
+        start: pin.start,
+        exec_since: pin.exec_since,
     })
+}
+
+/// Why a process cannot be served, in the words of the kernel's refusal.
+fn refused_pin(pid: u32, uid: u32, gid: u32, e: &std::io::Error) -> String {
+    match e.raw_os_error() {
+        Some(libc::EACCES) | Some(libc::EPERM) => format!(
+            "pid {pid} may not be reached as uid {uid} gid {gid} (the kernel refuses it, as it \
+             would refuse that user's ptrace: a setuid, setgid or non-dumpable program, or \
+             another user's): {e}"
+        ),
+        _ => format!("cannot pin pid {pid}: {e}"),
+    }
+}
+
+/// The capabilities an SP keeps when it runs as root (a site daemon serving every user of a
+/// node), and why; every other one is dropped for good at start ([`drop_capabilities`]).
+/// Above all `CAP_SYS_PTRACE` goes: a host's memory is opened with its client's ids
+/// (`alias_mkey::ids`), and only without that capability does the kernel judge the open as it
+/// would judge that user's `ptrace`.
+pub const KEPT_CAPABILITIES: &[(u32, &str)] = &[
+    (
+        0,
+        "CAP_CHOWN: the socket directory and socket it creates for other users",
+    ),
+    (
+        1,
+        "CAP_DAC_OVERRIDE: the run directory, key file and shared-memory segments",
+    ),
+    (
+        3,
+        "CAP_FOWNER: removing its cluster's stale segments from the sticky /dev/shm",
+    ),
+    (
+        6,
+        "CAP_SETGID: taking a client's gid on one thread to open its memory",
+    ),
+    (
+        7,
+        "CAP_SETUID: taking a client's uid on one thread to open its memory",
+    ),
+    (
+        10,
+        "CAP_NET_BIND_SERVICE: peer and host addresses a site may put below 1024",
+    ),
+    (14, "CAP_IPC_LOCK: UCX registers (pins) staging memory"),
+    (
+        19,
+        "CAP_SYS_PTRACE: permitted but never effective, except on the thread that opens the \
+         memory of a root client's process (root could trace it itself)",
+    ),
+    (23, "CAP_SYS_NICE: serve --realtime (SCHED_FIFO)"),
+    (24, "CAP_SYS_RESOURCE: UCX raising its locked-memory limit"),
+];
+
+/// Drops every capability but [`KEPT_CAPABILITIES`] from the bounding, permitted, effective
+/// and inheritable sets of this thread (call it before any other thread starts), then
+/// `CAP_SYS_PTRACE` from the effective set, and checks that it is not effective. An SP that is
+/// not root has none of them: nothing changes.
+pub fn drop_capabilities() -> anyhow::Result<()> {
+    let last: u32 = std::fs::read_to_string("/proc/sys/kernel/cap_last_cap")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(40);
+    let drop: Vec<u32> = (0..=last)
+        .filter(|c| !KEPT_CAPABILITIES.iter().any(|(k, _)| k == c))
+        .collect();
+    alias_mkey::ids::drop_for_good(&drop)?;
+    alias_mkey::ids::drop_effective(&[alias_mkey::ids::CAP_SYS_PTRACE])?;
+    if alias_mkey::ids::has_effective(alias_mkey::ids::CAP_SYS_PTRACE)? {
+        anyhow::bail!("CAP_SYS_PTRACE is still effective after dropping it");
+    }
+    Ok(())
+}
+
+/// UCX transports that reach another process of this machine by what a worker address names
+/// (its pid, a segment or file): a `ucx` grant's worker address comes from the host, so on a
+/// root SP they would reach any root process with the SP's own rights.
+const UCX_LOCAL_TRANSPORTS: &[&str] = &[
+    "all", "sm", "shm", "mm", "posix", "sysv", "cma", "knem", "xpmem",
+];
+
+/// Keeps a root SP's UCX off the transports that reach processes of this machine
+/// ([`UCX_LOCAL_TRANSPORTS`]): with `UCX_TLS` unset it becomes `tcp` (what a `ucx` grant then
+/// reaches is whatever the host's worker serves over the network, with the host's rights);
+/// a `UCX_TLS` that names one of them (or excludes with `^`) is refused. An SP that is not
+/// root is left alone: UCX then acts with its own user's rights. Call it before UCX starts.
+pub fn confine_ucx_transports() -> anyhow::Result<()> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return Ok(());
+    }
+    match std::env::var("UCX_TLS") {
+        Err(_) => std::env::set_var("UCX_TLS", "tcp"),
+        Ok(tls) => {
+            let local = tls.starts_with('^')
+                || tls
+                    .split(',')
+                    .map(|t| t.trim().trim_start_matches('\\'))
+                    .any(|t| UCX_LOCAL_TRANSPORTS.contains(&t));
+            if local {
+                anyhow::bail!(
+                    "UCX_TLS={tls}: an SP running as root uses no UCX transport that reaches \
+                     processes of this machine ({}): a host's worker address would make it \
+                     reach them as root; name network transports only (e.g. tcp, rc, dc, ud), \
+                     or serve --ucx=off",
+                    UCX_LOCAL_TRANSPORTS.join(", ")
+                );
+            }
+        }
+    }
+    Ok(())
 }
 
 /// TCP options of a host or admin connection: no Nagle delay (a post is one small frame the SP
@@ -193,13 +317,18 @@ pub fn peer_cred(fd: &impl AsRawFd) -> std::io::Result<PeerCred> {
     let pid = cred.pid as u32;
     let pidfd = peer_pidfd(fd).or_else(|_| alias_mkey::process::pidfd_open(pid))?;
     // Pins the process: with SO_PEERPIDFD the one that connected, with the fallback the one
-    // that has the pid now (alive, so it is the same unless it exited before pidfd_open).
-    let start = alias_mkey::process::pin(pidfd.try_clone()?, pid)?;
+    // that has the pid now (alive, so it is the same unless it exited before pidfd_open). Its
+    // memory is opened as the ids it connected with: the kernel refuses a process that user
+    // could not ptrace.
+    let pin = alias_mkey::process::pin(pidfd.try_clone()?, pid, cred.uid, cred.gid)
+        .map_err(|e| std::io::Error::new(e.kind(), refused_pin(pid, cred.uid, cred.gid, &e)))?;
     Ok(PeerCred {
         pid,
         uid: cred.uid,
+        gid: cred.gid,
         pidfd,
-        start,
+        start: pin.start,
+        exec_since: pin.exec_since,
     })
 }
 
@@ -543,7 +672,15 @@ mod tests {
         let p = pin_claimed(pid, me).unwrap();
         assert_eq!((p.pid, p.uid), (pid, me));
         assert_eq!(p.start, alias_mkey::process::start_time(pid).unwrap());
-        alias_mkey::process::check(pid, p.start).unwrap();
+        alias_mkey::process::check(&alias_mkey::Owner {
+            job: 1,
+            world_rank: 0,
+            pid,
+            start: p.start,
+            uid: p.uid,
+            gid: p.gid,
+        })
+        .unwrap();
         alias_mkey::process::unpin(pid, p.start);
         let err = pin_claimed(pid, me ^ 1).unwrap_err();
         assert!(err.contains(&format!("runs as uid {me}")), "{err}");

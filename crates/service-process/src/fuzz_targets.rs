@@ -125,6 +125,8 @@ fn fake_key(rank: u32) -> AliasKey {
             world_rank: rank,
             pid: 1,
             start: 1,
+            uid: 0,
+            gid: 0,
         },
         grant: Grant {
             region: rank as u64,

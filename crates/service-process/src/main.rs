@@ -315,6 +315,11 @@ fn run(cli: Cli) -> Result<i32> {
             connect_timeout_secs,
         } => {
             init_tracing();
+            // First, while this process has one thread (every later thread inherits it).
+            service_process::access::drop_capabilities().context("dropping capabilities")?;
+            if ucx != UcxMode::Off {
+                service_process::access::confine_ucx_transports()?;
+            }
             if let Some(cpus) = &cpus {
                 pin_to(&cpus.0).context("pinning the SP")?;
             }

@@ -39,6 +39,9 @@ impl Stage {
                 world_rank: STAGE_OWNER_RANK,
                 pid: std::process::id(),
                 start: my_start_time(),
+                // SAFETY: geteuid/getegid have no preconditions.
+                uid: unsafe { libc::geteuid() },
+                gid: unsafe { libc::getegid() },
             },
             grant: Grant {
                 region,

@@ -51,6 +51,9 @@ pub struct Stats {
     /// bad or foreign job credential, a uid that is not the credential's, a taken rank),
     /// connections closed for saying no hello in time, posts beyond a limit.
     pub hosts_refused: u64,
+    /// Host connections ended because their process executed another program (its grants
+    /// named memory of an image that no longer runs).
+    pub hosts_exec_ended: u64,
     /// Host connections accepted on the Unix socket and over TCP (`host_addr`).
     pub host_conns_unix: u64,
     pub host_conns_tcp: u64,

@@ -127,6 +127,8 @@ fn owner() -> Owner {
         world_rank: 3,
         pid: std::process::id(),
         start: 1,
+        uid: 0,
+        gid: 0,
     }
 }
 

@@ -651,6 +651,8 @@ mod tests {
                 world_rank: 3,
                 pid: 4242,
                 start: 1,
+                uid: 0,
+                gid: 0,
             },
             grant: Grant {
                 region: 9,

@@ -307,6 +307,9 @@ impl Server {
                 Err(e) => {
                     warn!(sp = self.me, ?ck, "copy failed: {e}");
                     self.stats.copies_failed += 1;
+                    if let alias_mkey::AccessError::ImageChanged { pid } = e {
+                        self.end_old_images(*pid, usize::MAX);
+                    }
                     Status::AccessError
                 }
             };

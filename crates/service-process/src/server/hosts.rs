@@ -184,6 +184,8 @@ impl Server {
                 world_rank: h.hello.world_rank,
                 pid: h.peer.pid(),
                 start: h.peer.start(),
+                uid: h.peer.pinned().map_or(u32::MAX, |p| p.uid),
+                gid: h.peer.pinned().map_or(u32::MAX, |p| p.gid),
             },
             grant,
         }

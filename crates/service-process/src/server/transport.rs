@@ -48,11 +48,15 @@ impl Server {
                             continue;
                         }
                     };
+                    let (pid, exec_since) = (peer.pid, peer.exec_since);
                     let (peer, since) = (HostPeer::Local(peer), Instant::now());
                     match self.add_conn(Stream::Unix(s), Role::NewHost { peer, since }) {
                         Ok(key) => {
                             self.stats.host_conns_unix += 1;
-                            self.watch_pidfd(key)
+                            self.watch_pidfd(key);
+                            if exec_since {
+                                self.end_old_images(pid, key);
+                            }
                         }
                         Err(e) => warn!("cannot register a host connection: {e}"),
                     }
@@ -121,10 +125,40 @@ impl Server {
             ..
         } = peer
         {
-            *pinned = Some(access::pin_claimed(hello.pid, cred.uid)?);
+            let p = access::pin_claimed(hello.pid, cred.uid)?;
+            let (pid, exec_since) = (p.pid, p.exec_since);
+            *pinned = Some(p);
             self.watch_pidfd(key);
+            if exec_since {
+                self.end_old_images(pid, key);
+            }
         }
         Ok(cred)
+    }
+
+    /// Process `pid` has called `exec` since some of its connections were made (a new
+    /// connection of it found its old image gone, or an access found no memory): those
+    /// connections and their grants belong to a program that no longer runs, whoever holds the
+    /// sockets now (a child forked before the `exec`). Ends every host connection pinned to
+    /// `pid` but `keep`.
+    pub(super) fn end_old_images(&mut self, pid: u32, keep: usize) {
+        let doomed: Vec<usize> = self
+            .conns
+            .iter()
+            .filter(|(k, c)| {
+                *k != keep
+                    && match &c.role {
+                        Role::NewHost { peer, .. } => peer.pid() == pid,
+                        Role::Host(h) => h.peer.pid() == pid,
+                        Role::Peer(_) => false,
+                    }
+            })
+            .map(|(k, _)| k)
+            .collect();
+        for k in doomed {
+            self.stats.hosts_exec_ended += 1;
+            self.close_conn(k, "the rank's process executed another program");
+        }
     }
 
     /// Stops watching and unpins the process of a host connection that closed.
