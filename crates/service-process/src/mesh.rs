@@ -43,6 +43,9 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// not said hello yet (or, if all have, the oldest).
 pub const MAX_PENDING_PEERS: usize = 64;
 
+/// Connections accepted per round of the handshake loop (well below [`MAX_PENDING_PEERS`]).
+const ACCEPTS_PER_ROUND: usize = 16;
+
 fn ch_into_inner(ch: wire::Channel<TcpStream>) -> TcpStream {
     ch.get_ref().try_clone().expect("dup of a connected socket")
 }
@@ -255,7 +258,9 @@ pub fn connect_mesh(
     let mut pending: Vec<Pending> = Vec::new();
     while (peers.len() as SpId) < total - 1 {
         let mut progressed = false;
-        loop {
+        // A few at a time, each round reading all of them: a connection is read at least once
+        // before newer ones can push it out (a real SP's hello is there as soon as it connects).
+        for _ in 0..ACCEPTS_PER_ROUND {
             match listener.accept() {
                 Ok((s, from)) => {
                     progressed = true;
@@ -391,5 +396,36 @@ mod tests {
         prove_to(1, 0, s, fp, &key).unwrap();
         let peers = sp0.join().unwrap().unwrap();
         assert_eq!(peers.keys().copied().collect::<Vec<_>>(), [1]);
+    }
+
+    #[test]
+    fn silent_and_oversized_would_be_peers_do_not_hold_up_the_real_one() {
+        let (cluster, l0, _l1) = pair();
+        let key = ClusterKey::generate();
+        let addr = cluster.sp(0).unwrap().peer_addr;
+        let fp = cluster.fingerprint();
+        let backoff = Backoff {
+            deadline: Duration::from_secs(10),
+            ..Backoff::default()
+        };
+        // Queued before SP 0 even looks: silent ones, one that stops halfway through its
+        // hello, one that announces a frame far beyond a hello's.
+        let mut held: Vec<TcpStream> = (0..3).map(|_| TcpStream::connect(addr).unwrap()).collect();
+        let mut half = TcpStream::connect(addr).unwrap();
+        half.write_all(&100u32.to_le_bytes()).unwrap();
+        half.write_all(b"SPOF").unwrap();
+        held.push(half);
+        let mut big = TcpStream::connect(addr).unwrap();
+        big.write_all(&(4u32 << 20).to_le_bytes()).unwrap();
+        held.push(big);
+        let (k0, c0) = (key.clone(), cluster.clone());
+        let sp0 = std::thread::spawn(move || connect_mesh(0, &c0, &l0, backoff, &k0));
+        let t = Instant::now();
+        let s = connect_with_backoff(addr, backoff).unwrap();
+        prove_to(1, 0, s, fp, &key).unwrap();
+        let peers = sp0.join().unwrap().unwrap();
+        assert_eq!(peers.keys().copied().collect::<Vec<_>>(), [1]);
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+        drop(held);
     }
 }
