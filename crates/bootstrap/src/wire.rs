@@ -29,6 +29,9 @@ pub const MAGIC: [u8; 4] = *b"SPOF";
 pub const PROTOCOL_VERSION: u32 = 9;
 /// Largest frame accepted: a descriptor for 65536 ranks (four count vectors) fits.
 pub const MAX_FRAME_BYTES: u32 = 4 << 20;
+/// Largest hello frame accepted (every kind of [`Hello`]; a host hello with its credential is
+/// about 150 bytes): what a connection may make its peer hold before it has said who it is.
+pub const MAX_HELLO_FRAME_BYTES: u32 = 16 << 10;
 
 const ROLE_HOST: u8 = 1;
 const ROLE_SP: u8 = 2;
@@ -545,6 +548,23 @@ impl FrameDecoder {
     pub fn pending(&self) -> usize {
         self.buf.len() - self.start
     }
+
+    /// Bytes still missing from the next frame (its length first, then its payload); 0 when
+    /// a whole frame is buffered. A reader that reads no more than this never buffers past
+    /// the frame, nor more than `4 + max` bytes of it.
+    pub fn wanted(&self) -> usize {
+        let avail = &self.buf[self.start..];
+        if avail.len() < 4 {
+            return 4 - avail.len();
+        }
+        let len = u32::from_le_bytes(avail[..4].try_into().unwrap()).min(self.max) as usize;
+        (4 + len).saturating_sub(avail.len())
+    }
+
+    /// Changes the largest frame accepted from now on (what is buffered is kept).
+    pub fn set_max(&mut self, max: u32) {
+        self.max = max;
+    }
 }
 
 /// A blocking channel over any byte stream (a Unix or TCP socket, a pipe): the transport used
@@ -578,6 +598,11 @@ impl<S: Read + Write> Channel<S> {
 
     /// Reads one frame's payload (checking its length before allocating).
     pub fn recv_raw(&mut self) -> Result<Vec<u8>, FrameError> {
+        self.recv_raw_max(MAX_FRAME_BYTES)
+    }
+
+    /// [`Self::recv_raw`] of a frame of at most `max` bytes.
+    fn recv_raw_max(&mut self, max: u32) -> Result<Vec<u8>, FrameError> {
         let mut len = [0u8; 4];
         if let Err(e) = self.stream.read_exact(&mut len) {
             return Err(if e.kind() == std::io::ErrorKind::UnexpectedEof {
@@ -587,11 +612,8 @@ impl<S: Read + Write> Channel<S> {
             });
         }
         let len = u32::from_le_bytes(len);
-        if len > MAX_FRAME_BYTES {
-            return Err(FrameError::TooLarge {
-                len,
-                max: MAX_FRAME_BYTES,
-            });
+        if len > max {
+            return Err(FrameError::TooLarge { len, max });
         }
         let mut payload = vec![0u8; len as usize];
         self.stream.read_exact(&mut payload)?;
@@ -602,8 +624,10 @@ impl<S: Read + Write> Channel<S> {
         decode(&self.recv_raw()?)
     }
 
+    /// Reads a hello (at most [`MAX_HELLO_FRAME_BYTES`]).
     pub fn recv_hello(&mut self) -> Result<Hello, FrameError> {
-        decode_hello(&self.recv_raw()?).map_err(|e| FrameError::Decode(e.to_string()))
+        decode_hello(&self.recv_raw_max(MAX_HELLO_FRAME_BYTES)?)
+            .map_err(|e| FrameError::Decode(e.to_string()))
     }
 }
 
@@ -760,6 +784,31 @@ mod tests {
         ));
         let mut ch = Channel::new(std::io::Cursor::new(u32::MAX.to_le_bytes().to_vec()));
         assert!(matches!(ch.recv_raw(), Err(FrameError::TooLarge { .. })));
+    }
+
+    #[test]
+    fn a_hello_frame_is_small_and_read_no_further_than_needed() {
+        let mut d = FrameDecoder::new(MAX_HELLO_FRAME_BYTES);
+        assert_eq!(d.wanted(), 4);
+        d.extend(&10u32.to_le_bytes()[..2]);
+        assert_eq!(d.wanted(), 2);
+        d.extend(&10u32.to_le_bytes()[2..]);
+        assert_eq!(d.wanted(), 10);
+        d.extend(&[1; 4]);
+        assert_eq!(d.wanted(), 6);
+        d.extend(&[1; 6]);
+        assert_eq!(d.wanted(), 0);
+        assert_eq!(d.next_frame().unwrap().unwrap(), vec![1; 10]);
+        d.extend(&(MAX_HELLO_FRAME_BYTES + 1).to_le_bytes());
+        assert!(matches!(d.next_frame(), Err(FrameError::TooLarge { .. })));
+        // A larger frame after the hello, once allowed.
+        let mut d = FrameDecoder::new(MAX_HELLO_FRAME_BYTES);
+        d.extend(&(MAX_HELLO_FRAME_BYTES + 1).to_le_bytes());
+        d.set_max(MAX_FRAME_BYTES);
+        assert_eq!(d.wanted(), MAX_HELLO_FRAME_BYTES as usize + 1);
+        let big = (MAX_HELLO_FRAME_BYTES + 1).to_le_bytes().to_vec();
+        let mut ch = Channel::new(std::io::Cursor::new(big));
+        assert!(matches!(ch.recv_hello(), Err(FrameError::TooLarge { .. })));
     }
 
     #[test]

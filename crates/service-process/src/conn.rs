@@ -87,6 +87,39 @@ impl<R> Conn<R> {
         self
     }
 
+    /// Changes the largest frame this connection may send from now on (what is buffered is
+    /// kept): a connection that has not said hello gets a hello's
+    /// ([`bootstrap::wire::MAX_HELLO_FRAME_BYTES`]).
+    pub fn set_max_frame(&mut self, max: u32) {
+        self.decoder.set_max(max);
+    }
+
+    /// Reads one frame at most and not a byte past it (what follows stays in the socket for
+    /// [`Self::read_frames`], under the limits set after the frame is handled): the bytes held
+    /// are bounded by the frame maximum. `Open` also when it handed over a frame, without
+    /// having seen `WouldBlock`: read on with `read_frames`, or close.
+    pub fn read_one_frame(
+        &mut self,
+        on_frame: impl FnOnce(Vec<u8>),
+    ) -> Result<ReadEnd, FrameError> {
+        let mut buf = [0u8; 4096];
+        loop {
+            if let Some(f) = self.decoder.next_frame()? {
+                on_frame(f);
+                return Ok(ReadEnd::Open);
+            }
+            let want = self.decoder.wanted().min(buf.len());
+            match self.stream.read(&mut buf[..want]) {
+                Ok(0) => return Ok(ReadEnd::Closed),
+                Ok(n) => self.decoder.extend(&buf[..n]),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(ReadEnd::Open),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) if e.kind() == io::ErrorKind::ConnectionReset => return Ok(ReadEnd::Closed),
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
     /// Reads until `WouldBlock` or end of stream, handing every whole frame to `on_frame`.
     /// Stops early (with the error) on an oversized frame.
     pub fn read_frames(

@@ -17,21 +17,34 @@
 //! description. A would-be peer that fails any step is refused with a reason and does not
 //! take the place of the SP it claimed to be: the real one can still connect until the
 //! deadline. Every read during the handshake is bounded by a timeout.
+//!
+//! The accepting side runs the handshakes of all would-be peers at once (nonblocking sockets,
+//! polled in one loop): a connection that says nothing, or stops halfway, holds only its own
+//! slot until its timeout, never the real SPs queued behind it (issue 24, item 6). Each
+//! holds at most one hello frame ([`wire::MAX_HELLO_FRAME_BYTES`]); beyond
+//! [`MAX_PENDING_PEERS`] at once the oldest of those that have not said hello is dropped.
 
 use algorithms::SpId;
 use anyhow::{bail, Context};
 use bootstrap::auth::{self, ClusterKey};
 use bootstrap::rendezvous::{connect_with_backoff, Backoff};
-use bootstrap::wire::{self, Hello, SpHello};
+use bootstrap::wire::{self, FrameDecoder, Hello, SpHello};
 use bootstrap::Cluster;
 use std::collections::HashMap;
-use std::io;
-use std::net::TcpStream;
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 use tracing::warn;
 
 /// A would-be peer must finish its handshake within this.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Would-be peers in their handshake at once; a new one beyond this drops the oldest that has
+/// not said hello yet (or, if all have, the oldest).
+pub const MAX_PENDING_PEERS: usize = 64;
+
+/// Connections accepted per round of the handshake loop (well below [`MAX_PENDING_PEERS`]).
+const ACCEPTS_PER_ROUND: usize = 16;
 
 fn ch_into_inner(ch: wire::Channel<TcpStream>) -> TcpStream {
     ch.get_ref().try_clone().expect("dup of a connected socket")
@@ -75,58 +88,139 @@ fn prove_to(
     Ok(s)
 }
 
-/// The accepting side: the id of the SP that proved itself, or why not.
-fn check_peer(
-    me: SpId,
-    total: SpId,
-    s: &TcpStream,
-    fingerprint: u64,
-    key: &ClusterKey,
-    have: &HashMap<SpId, TcpStream>,
-) -> Result<SpId, String> {
-    let _ = s.set_nodelay(true);
-    s.set_read_timeout(Some(HANDSHAKE_TIMEOUT))
-        .map_err(|e| e.to_string())?;
-    let mut ch = wire::Channel::new(s.try_clone().map_err(|e| e.to_string())?);
-    let reject = |ch: &mut wire::Channel<TcpStream>, reason: String| {
-        let _ = ch.send_hello(&Hello::Reject {
+/// Where the handshake of an accepted would-be peer stands.
+enum Stage {
+    /// Waiting for its [`SpHello`].
+    Hello,
+    /// Welcomed as SP `sp` (our nonce `nb`, its `na`): waiting for its proof.
+    Proof {
+        sp: SpId,
+        na: auth::Nonce,
+        nb: auth::Nonce,
+    },
+}
+
+/// One accepted would-be peer (its socket nonblocking), in its handshake.
+struct Pending {
+    s: TcpStream,
+    from: SocketAddr,
+    since: Instant,
+    /// Bounded by [`wire::MAX_HELLO_FRAME_BYTES`]: reads only what the next frame needs.
+    dec: FrameDecoder,
+    stage: Stage,
+}
+
+/// What one step of a handshake came to.
+enum Step {
+    /// Nothing more to read now.
+    Wait,
+    /// A frame was handled and the handshake goes on.
+    Progress,
+    /// The peer proved itself: SP `sp`.
+    Done(SpId),
+    /// Refused (the reason was sent to it when it could be).
+    Refused(String),
+}
+
+impl Pending {
+    fn new(s: TcpStream, from: SocketAddr) -> io::Result<Pending> {
+        s.set_nonblocking(true)?;
+        let _ = s.set_nodelay(true);
+        Ok(Pending {
+            s,
+            from,
+            since: Instant::now(),
+            dec: FrameDecoder::new(wire::MAX_HELLO_FRAME_BYTES),
+            stage: Stage::Hello,
+        })
+    }
+
+    /// Sends a hello frame; a fresh socket's buffer takes it whole (if not, the peer is not
+    /// reading and is refused).
+    fn send(&mut self, h: &Hello) -> Result<(), String> {
+        self.s
+            .write_all(&wire::frame(&wire::encode_hello(h)))
+            .map_err(|e| format!("cannot answer: {e}"))
+    }
+
+    fn reject(&mut self, reason: String) -> Step {
+        let _ = self.send(&Hello::Reject {
             reason: reason.clone(),
         });
-        Err(reason)
-    };
-    let h = match ch.recv_hello() {
-        Ok(Hello::Sp(h)) => h,
-        Ok(other) => return reject(&mut ch, format!("expected an SP hello, got {other:?}")),
-        Err(e) => return Err(format!("bad hello: {e}")),
-    };
-    if h.cluster_fingerprint != fingerprint {
-        return reject(
-            &mut ch,
-            format!("SP {} has a different cluster description", h.sp),
-        );
+        Step::Refused(reason)
     }
-    if h.sp <= me || h.sp >= total || have.contains_key(&h.sp) {
-        return reject(&mut ch, format!("unexpected SP id {} at SP {me}", h.sp));
-    }
-    let nb = auth::nonce();
-    ch.send_hello(&Hello::SpWelcome {
-        sp: me,
-        nonce: nb,
-        proof: auth::sp_proof(key, me, h.sp, me, &h.nonce, &nb),
-    })
-    .map_err(|e| e.to_string())?;
-    match ch.recv_hello() {
-        Ok(Hello::SpProof { proof })
-            if proof == auth::sp_proof(key, h.sp, h.sp, me, &h.nonce, &nb) =>
-        {
-            Ok(h.sp)
+
+    /// Reads what the next frame still needs (never more) and handles the frame once whole.
+    fn step(
+        &mut self,
+        me: SpId,
+        total: SpId,
+        fingerprint: u64,
+        key: &ClusterKey,
+        have: &HashMap<SpId, TcpStream>,
+    ) -> Step {
+        let payload = loop {
+            match self.dec.next_frame() {
+                Ok(Some(p)) => break p,
+                Ok(None) => {}
+                Err(e) => return self.reject(format!("bad hello: {e}")),
+            }
+            let mut buf = [0u8; 1024];
+            let want = self.dec.wanted().min(buf.len());
+            match self.s.read(&mut buf[..want]) {
+                Ok(0) => return Step::Refused("closed before its handshake ended".into()),
+                Ok(n) => self.dec.extend(&buf[..n]),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Step::Wait,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Step::Refused(format!("bad hello: {e}")),
+            }
+        };
+        let hello = match wire::decode_hello(&payload) {
+            Ok(h) => h,
+            Err(e) => return self.reject(format!("bad hello: {e}")),
+        };
+        let stage = match self.stage {
+            Stage::Hello => None,
+            Stage::Proof { sp, na, nb } => Some((sp, na, nb)),
+        };
+        match (stage, hello) {
+            (None, Hello::Sp(h)) => {
+                if h.cluster_fingerprint != fingerprint {
+                    return self.reject(format!("SP {} has a different cluster description", h.sp));
+                }
+                if h.sp <= me || h.sp >= total || have.contains_key(&h.sp) {
+                    return self.reject(format!("unexpected SP id {} at SP {me}", h.sp));
+                }
+                let nb = auth::nonce();
+                let welcome = Hello::SpWelcome {
+                    sp: me,
+                    nonce: nb,
+                    proof: auth::sp_proof(key, me, h.sp, me, &h.nonce, &nb),
+                };
+                if let Err(e) = self.send(&welcome) {
+                    return Step::Refused(e);
+                }
+                self.stage = Stage::Proof {
+                    sp: h.sp,
+                    na: h.nonce,
+                    nb,
+                };
+                Step::Progress
+            }
+            (None, other) => self.reject(format!("expected an SP hello, got {other:?}")),
+            (Some((sp, na, nb)), Hello::SpProof { proof }) => {
+                if proof != auth::sp_proof(key, sp, sp, me, &na, &nb) {
+                    return self.reject(format!(
+                        "the would-be SP {sp} did not prove the cluster key"
+                    ));
+                }
+                if have.contains_key(&sp) {
+                    return self.reject(format!("SP {sp} is already connected to SP {me}"));
+                }
+                Step::Done(sp)
+            }
+            (Some(_), other) => self.reject(format!("expected the SP's proof, got {other:?}")),
         }
-        Ok(Hello::SpProof { .. }) => reject(
-            &mut ch,
-            format!("the would-be SP {} did not prove the cluster key", h.sp),
-        ),
-        Ok(other) => reject(&mut ch, format!("expected the SP's proof, got {other:?}")),
-        Err(e) => Err(format!("no proof from the would-be SP {}: {e}", h.sp)),
     }
 }
 
@@ -154,36 +248,87 @@ pub fn connect_mesh(
     let deadline = Instant::now() + backoff.deadline;
     listener.set_nonblocking(true)?;
     let mut refused = 0u32;
+    let mut refuse = |from: SocketAddr, why: &str| {
+        refused += 1;
+        // Bounded: a flood of impostors must not flood the log.
+        if refused <= 10 {
+            warn!(%from, "refusing a would-be peer SP: {why}");
+        }
+    };
+    let mut pending: Vec<Pending> = Vec::new();
     while (peers.len() as SpId) < total - 1 {
-        let (s, from) = match listener.accept() {
-            Ok(x) => x,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                if Instant::now() > deadline {
-                    let missing: Vec<SpId> =
-                        (me + 1..total).filter(|p| !peers.contains_key(p)).collect();
-                    bail!(
-                        "SP {me}: SPs {missing:?} did not connect within {:?}",
-                        backoff.deadline
-                    );
+        let mut progressed = false;
+        // A few at a time, each round reading all of them: a connection is read at least once
+        // before newer ones can push it out (a real SP's hello is there as soon as it connects).
+        for _ in 0..ACCEPTS_PER_ROUND {
+            match listener.accept() {
+                Ok((s, from)) => {
+                    progressed = true;
+                    if pending.len() >= MAX_PENDING_PEERS {
+                        let oldest = pending
+                            .iter()
+                            .position(|p| matches!(p.stage, Stage::Hello))
+                            .unwrap_or(0);
+                        let p = pending.remove(oldest);
+                        refuse(
+                            p.from,
+                            "dropped for a newer connection: too many would-be peers",
+                        );
+                    }
+                    match Pending::new(s, from) {
+                        Ok(p) => pending.push(p),
+                        Err(e) => refuse(from, &e.to_string()),
+                    }
                 }
-                std::thread::sleep(Duration::from_millis(2));
-                continue;
-            }
-            Err(e) => return Err(e.into()),
-        };
-        s.set_nonblocking(false)?;
-        match check_peer(me, total, &s, fingerprint, key, &peers) {
-            Ok(sp) => {
-                s.set_read_timeout(None)?;
-                peers.insert(sp, s);
-            }
-            Err(why) => {
-                refused += 1;
-                // Bounded: a flood of impostors must not flood the log.
-                if refused <= 10 {
-                    warn!(%from, "refusing a would-be peer SP: {why}");
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                // One client's trouble (ECONNABORTED) or descriptors running out: try again
+                // on the next round, until the deadline.
+                Err(e) => {
+                    warn!("SP {me}: accept on the peer listener failed: {e}");
+                    break;
                 }
             }
+        }
+        let now = Instant::now();
+        let mut i = 0;
+        while i < pending.len() {
+            let step = if now.duration_since(pending[i].since) > HANDSHAKE_TIMEOUT {
+                Step::Refused(format!("no handshake within {HANDSHAKE_TIMEOUT:?}"))
+            } else {
+                pending[i].step(me, total, fingerprint, key, &peers)
+            };
+            match step {
+                Step::Wait => i += 1,
+                Step::Progress => {
+                    progressed = true;
+                    i += 1;
+                }
+                Step::Done(sp) => {
+                    progressed = true;
+                    let p = pending.remove(i);
+                    p.s.set_nonblocking(false)?;
+                    peers.insert(sp, p.s);
+                }
+                Step::Refused(why) => {
+                    progressed = true;
+                    let p = pending.remove(i);
+                    refuse(p.from, &why);
+                }
+            }
+        }
+        if (peers.len() as SpId) >= total - 1 {
+            break;
+        }
+        if Instant::now() > deadline {
+            let missing: Vec<SpId> = (me + 1..total).filter(|p| !peers.contains_key(p)).collect();
+            bail!(
+                "SP {me}: SPs {missing:?} did not connect within {:?}",
+                backoff.deadline
+            );
+        }
+        if !progressed {
+            std::thread::sleep(Duration::from_millis(2));
         }
     }
     Ok(peers)
@@ -251,5 +396,36 @@ mod tests {
         prove_to(1, 0, s, fp, &key).unwrap();
         let peers = sp0.join().unwrap().unwrap();
         assert_eq!(peers.keys().copied().collect::<Vec<_>>(), [1]);
+    }
+
+    #[test]
+    fn silent_and_oversized_would_be_peers_do_not_hold_up_the_real_one() {
+        let (cluster, l0, _l1) = pair();
+        let key = ClusterKey::generate();
+        let addr = cluster.sp(0).unwrap().peer_addr;
+        let fp = cluster.fingerprint();
+        let backoff = Backoff {
+            deadline: Duration::from_secs(10),
+            ..Backoff::default()
+        };
+        // Queued before SP 0 even looks: silent ones, one that stops halfway through its
+        // hello, one that announces a frame far beyond a hello's.
+        let mut held: Vec<TcpStream> = (0..3).map(|_| TcpStream::connect(addr).unwrap()).collect();
+        let mut half = TcpStream::connect(addr).unwrap();
+        half.write_all(&100u32.to_le_bytes()).unwrap();
+        half.write_all(b"SPOF").unwrap();
+        held.push(half);
+        let mut big = TcpStream::connect(addr).unwrap();
+        big.write_all(&(4u32 << 20).to_le_bytes()).unwrap();
+        held.push(big);
+        let (k0, c0) = (key.clone(), cluster.clone());
+        let sp0 = std::thread::spawn(move || connect_mesh(0, &c0, &l0, backoff, &k0));
+        let t = Instant::now();
+        let s = connect_with_backoff(addr, backoff).unwrap();
+        prove_to(1, 0, s, fp, &key).unwrap();
+        let peers = sp0.join().unwrap().unwrap();
+        assert_eq!(peers.keys().copied().collect::<Vec<_>>(), [1]);
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+        drop(held);
     }
 }

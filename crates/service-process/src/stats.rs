@@ -59,6 +59,9 @@ pub struct Stats {
     pub host_conns_tcp: u64,
     pub hellos_refused: u64,
     pub hellos_timed_out: u64,
+    /// Connections without a hello closed to make room for a newer one, when as many as
+    /// `Limits::max_pending_hellos` were waiting (the oldest of the source holding the most).
+    pub hellos_evicted: u64,
     pub posts_refused: u64,
     /// Peer SPs dropped for sending nothing (not even a heartbeat) for `--peer-timeout-ms`.
     pub peers_silent: u64,

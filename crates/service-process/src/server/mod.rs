@@ -515,7 +515,11 @@ impl Server {
             Role::Peer(_) => crate::conn::MAX_PENDING_OUT_BYTES,
             Role::NewHost { .. } | Role::Host(_) => self.limits.max_host_out_bytes,
         };
+        let hello = matches!(role, Role::NewHost { .. });
         let conn = entry.insert(Conn::new(stream, role, self.next_serial).with_out_limit(limit));
+        if hello {
+            conn.set_max_frame(wire::MAX_HELLO_FRAME_BYTES);
+        }
         self.poll.registry().register(
             conn.stream.source(),
             Token(CONN_BASE + key),

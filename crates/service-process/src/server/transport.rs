@@ -6,8 +6,28 @@
 
 use super::*;
 
+/// Who a connection without a hello comes from, as far as the SP can tell before any
+/// credential: the uid the kernel names on the Unix socket, the address over TCP.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+enum Source {
+    Uid(u32),
+    Ip(std::net::IpAddr),
+}
+
+fn source(peer: &HostPeer) -> Source {
+    match peer {
+        HostPeer::Local(p) => Source::Uid(p.uid),
+        HostPeer::Tcp { addr, .. } => Source::Ip(addr.ip()),
+    }
+}
+
 impl Server {
-    /// Whether one more host connection fits the limits (counted and logged if not).
+    /// Whether one more host connection fits the limits (counted and logged if not). A
+    /// connection without a hello costs little (a hello's bytes, `--hello-timeout-ms`) and a
+    /// rank says hello as soon as it connects: when those waiting fill their share, the oldest
+    /// of them is closed to make room (from the source holding the most), so that idle
+    /// connections can delay no hello. Only authenticated hosts filling `max_hosts` refuse a
+    /// new one.
     fn host_room(&mut self, via: &str) -> bool {
         let (mut hosts, mut pending) = (0, 0);
         for (_, c) in self.conns.iter() {
@@ -17,9 +37,9 @@ impl Server {
                 Role::Peer(_) => {}
             }
         }
-        if hosts + pending >= self.limits.max_hosts || pending >= self.limits.max_pending_hellos {
+        let (max_hosts, max_pending) = (self.limits.max_hosts, self.limits.max_pending_hellos);
+        if hosts >= max_hosts || max_pending == 0 {
             self.stats.hosts_refused += 1;
-            let (max_hosts, max_pending) = (self.limits.max_hosts, self.limits.max_pending_hellos);
             self.client_warn(|| {
                 format!(
                     "refusing a host connection ({via}): {hosts} hosts and {pending} without a \
@@ -28,7 +48,43 @@ impl Server {
             });
             return false;
         }
+        if hosts + pending >= max_hosts || pending >= max_pending {
+            self.evict_oldest_pending(via);
+        }
         true
+    }
+
+    /// Closes the connection without a hello that has waited longest, of the source (uid or
+    /// address) with the most of them waiting.
+    fn evict_oldest_pending(&mut self, via: &str) {
+        let mut by_source: HashMap<Source, (usize, Instant, usize)> = HashMap::new();
+        for (k, c) in self.conns.iter() {
+            if let Role::NewHost { peer, since } = &c.role {
+                let e = by_source.entry(source(peer)).or_insert((0, *since, k));
+                e.0 += 1;
+                if *since < e.1 {
+                    (e.1, e.2) = (*since, k);
+                }
+            }
+        }
+        let Some(&(n, since, victim)) = by_source.values().max_by_key(|(n, since, _)| {
+            // The most connections waiting; among equals, the oldest one.
+            (*n, std::cmp::Reverse(*since))
+        }) else {
+            return;
+        };
+        self.stats.hellos_evicted += 1;
+        let waited = since.elapsed().as_millis();
+        self.client_warn(|| {
+            format!(
+                "a host connection ({via}) closes the oldest of {n} connections of one source \
+                 without a hello (it waited {waited} ms)"
+            )
+        });
+        self.close_conn(
+            victim,
+            "evicted: no hello, and newer connections need the room",
+        );
     }
 
     /// Hosts on the Unix socket: the kernel names their process (`SO_PEERCRED`, pidfd).
@@ -253,25 +309,42 @@ impl Server {
         }
     }
 
+    /// Reads what connection `key` has sent. Before its hello, only the hello is read (at most
+    /// [`wire::MAX_HELLO_FRAME_BYTES`], not a byte past it); once the hello made it a host,
+    /// what follows is read under a host's frame bound.
     pub(super) fn on_readable(&mut self, key: usize) {
-        let Some(conn) = self.conns.get_mut(key) else {
-            return;
-        };
-        let mut frames = Vec::new();
-        let end = conn.read_frames(|f| frames.push(f));
-        for f in frames {
-            self.on_frame(key, f);
-            if !self.conns.contains(key) || self.is_doomed(key) {
+        loop {
+            let Some(conn) = self.conns.get_mut(key) else {
                 return;
+            };
+            let before_hello = matches!(conn.role, Role::NewHost { .. });
+            let mut frames = Vec::new();
+            let end = if before_hello {
+                conn.read_one_frame(|f| frames.push(f))
+            } else {
+                conn.read_frames(|f| frames.push(f))
+            };
+            let got_hello = before_hello && !frames.is_empty();
+            for f in frames {
+                self.on_frame(key, f);
+                if !self.conns.contains(key) || self.is_doomed(key) {
+                    return;
+                }
             }
-        }
-        match end {
-            Ok(ReadEnd::Open) => {}
-            Ok(ReadEnd::Closed) => self.close_conn(key, "closed by the other side"),
-            Err(e) => {
-                // An oversized or undecodable frame: the stream can no longer be trusted.
-                self.send_error(key, None, ErrorCode::BadDescriptor, e.to_string());
-                self.close_conn(key, &e.to_string());
+            match end {
+                Ok(ReadEnd::Open) => {}
+                Ok(ReadEnd::Closed) => return self.close_conn(key, "closed by the other side"),
+                Err(e) => {
+                    // An oversized or undecodable frame: the stream can no longer be trusted.
+                    self.send_error(key, None, ErrorCode::BadDescriptor, e.to_string());
+                    return self.close_conn(key, &e.to_string());
+                }
+            }
+            match self.conns.get_mut(key) {
+                Some(c) if got_hello && matches!(c.role, Role::Host(_)) => {
+                    c.set_max_frame(wire::MAX_FRAME_BYTES)
+                }
+                _ => return,
             }
         }
     }

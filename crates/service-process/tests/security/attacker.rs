@@ -336,6 +336,174 @@ pub fn run() {
             }
             say(format!("CLOSED {closed}"));
         }
+        // Many connections that never say hello (issue 24, items 5 and 6): `CONNS` to each
+        // target of `TARGETS` (`unix:PATH` or `tcp:ADDR`, comma-separated), each sending the
+        // 4-byte length `HEADER` and `SEND` bytes of that frame's payload if given (else
+        // nothing); `READY n` once they are open, then, for `HOLD_MS`, every closed one is
+        // opened again (with `REFILL`) and `GROW` more are opened to each target every 100 ms.
+        "flood" => {
+            let targets: Vec<String> = var("TARGETS").split(',').map(String::from).collect();
+            let opt = |k: &str| std::env::var(k).ok().map(|v| v.parse::<u64>().unwrap());
+            let (conns, hold) = (n("CONNS"), Duration::from_millis(n("HOLD_MS")));
+            let (header, send) = (opt("HEADER"), opt("SEND").unwrap_or(0));
+            let (refill, grow) = (opt("REFILL").unwrap_or(0) > 0, opt("GROW").unwrap_or(0));
+            let open = |t: &str| -> Option<FloodConn> {
+                let mut c = if let Some(p) = t.strip_prefix("unix:") {
+                    FloodConn::Unix(UnixStream::connect(p).ok()?)
+                } else {
+                    let a = t.strip_prefix("tcp:").expect("unix:PATH or tcp:ADDR");
+                    FloodConn::Tcp(std::net::TcpStream::connect(a).ok()?)
+                };
+                if let Some(len) = header {
+                    c.set_write_timeout(Duration::from_secs(2));
+                    let mut bytes = (len as u32).to_le_bytes().to_vec();
+                    bytes.resize(4 + send as usize, 0x5a);
+                    // Refused and closed by the SP at any point: that is its right.
+                    let _ = c.write_all(&bytes);
+                }
+                c.set_nonblocking();
+                Some(c)
+            };
+            let mut held: Vec<(usize, Option<FloodConn>)> = vec![];
+            for (i, t) in targets.iter().enumerate() {
+                for _ in 0..conns {
+                    held.push((i, open(t)));
+                }
+            }
+            let opened = held.iter().filter(|h| h.1.is_some()).count();
+            say(format!("READY {opened}"));
+            let (t0, mut reopened, mut last_grow) = (Instant::now(), 0u64, Instant::now());
+            while t0.elapsed() < hold {
+                std::thread::sleep(Duration::from_millis(20));
+                if refill {
+                    for (i, c) in held.iter_mut() {
+                        if c.as_mut().is_none_or(|c| c.closed()) {
+                            *c = open(&targets[*i]);
+                            reopened += 1;
+                        }
+                    }
+                }
+                if grow > 0 && last_grow.elapsed() >= Duration::from_millis(100) {
+                    last_grow = Instant::now();
+                    for (i, t) in targets.iter().enumerate() {
+                        for _ in 0..grow {
+                            held.push((i, open(t)));
+                        }
+                    }
+                }
+            }
+            say(format!("DONE reopened {reopened} held {}", held.len()));
+        }
         other => panic!("unknown attack {other}"),
     }
+}
+
+/// A connection of the `flood` attack.
+enum FloodConn {
+    Unix(UnixStream),
+    Tcp(std::net::TcpStream),
+}
+
+impl FloodConn {
+    fn set_write_timeout(&self, t: Duration) {
+        let _ = match self {
+            FloodConn::Unix(s) => s.set_write_timeout(Some(t)),
+            FloodConn::Tcp(s) => s.set_write_timeout(Some(t)),
+        };
+    }
+
+    fn set_nonblocking(&self) {
+        let _ = match self {
+            FloodConn::Unix(s) => s.set_nonblocking(true),
+            FloodConn::Tcp(s) => s.set_nonblocking(true),
+        };
+    }
+
+    fn write_all(&mut self, b: &[u8]) -> std::io::Result<()> {
+        match self {
+            FloodConn::Unix(s) => s.write_all(b),
+            FloodConn::Tcp(s) => s.write_all(b),
+        }
+    }
+
+    /// Whether the SP closed it (read on a nonblocking socket: end of stream or an error).
+    fn closed(&mut self) -> bool {
+        let mut b = [0u8; 256];
+        let r = match self {
+            FloodConn::Unix(s) => s.read(&mut b),
+            FloodConn::Tcp(s) => s.read(&mut b),
+        };
+        match r {
+            Ok(0) => true,
+            Ok(_) => false,
+            Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
+        }
+    }
+}
+
+/// An attacker running alongside the test (see [`attack_spawn`]).
+#[allow(dead_code)]
+pub struct Running {
+    pub child: std::process::Child,
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+#[allow(dead_code)]
+impl Running {
+    /// The next `ATTACK:` line, if one comes within `t`.
+    pub fn line(&self, t: Duration) -> Option<String> {
+        self.lines.recv_timeout(t).ok()
+    }
+
+    /// Waits for the attacker to end; its remaining `ATTACK:` lines.
+    pub fn finish(mut self) -> Vec<String> {
+        let _ = self.child.wait();
+        self.lines.try_iter().collect()
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// As [`attack`], but returns at once: the attacker runs alongside the test, its `ATTACK:`
+/// lines come through [`Running::line`].
+#[allow(dead_code)]
+pub fn attack_spawn(mode: &str, vars: &[(&str, String)], uid: Option<u32>) -> Running {
+    use std::io::BufRead;
+    use std::os::unix::process::CommandExt;
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args([
+        "attacker_process",
+        "--exact",
+        "--ignored",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env("SPOFF_ATTACK", mode)
+    .stdout(std::process::Stdio::piped());
+    for (k, v) in vars {
+        cmd.env(k, v);
+    }
+    if let Some(uid) = uid {
+        cmd.uid(uid).gid(uid);
+    }
+    let mut child = cmd.spawn().expect("the attacker process runs");
+    let out = child.stdout.take().unwrap();
+    let (tx, lines) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for l in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+            if let Some((_, a)) = l.split_once("ATTACK: ") {
+                if tx.send(a.to_string()).is_err() {
+                    return;
+                }
+            }
+        }
+    });
+    Running { child, lines }
 }
