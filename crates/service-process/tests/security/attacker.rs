@@ -283,7 +283,7 @@ pub fn run() {
             ch.send_hello(&Hello::Admin(AdminHello {
                 nonce,
                 unix_secs,
-                proof: auth::admin_proof(&ClusterKey::generate(), &nonce, unix_secs),
+                proof: auth::admin_proof(&ClusterKey::generate(), 0, &nonce, unix_secs),
             }))
             .unwrap();
             match ch.recv_hello() {
