@@ -325,8 +325,7 @@ impl AdminReplays {
         }
         if self.seen.contains(proof) {
             return Err(
-                "this admin request was already answered: a request is answered once \
-                        (a replay?)"
+                "this admin request was already answered: a request is answered once (a replay?)"
                     .into(),
             );
         }
