@@ -261,14 +261,95 @@ pub fn sp_proof(key: &ClusterKey, prover: u32, a: u32, b: u32, na: &Nonce, nb: &
     )
 }
 
-/// The proof of an admin request (`service-process stats`) made at `unix_secs` with `nonce`.
-pub fn admin_proof(key: &ClusterKey, nonce: &Nonce, unix_secs: u64) -> Tag {
-    key.mac("spoff admin v1", &[nonce, &unix_secs.to_le_bytes()])
+/// The proof of an admin request (`service-process stats`) to SP `sp`, made at `unix_secs`
+/// with `nonce`. It names the SP, so a request seen on its way to one SP proves nothing to
+/// another; the SP answers it once ([`AdminReplays`]) and only within [`ADMIN_WINDOW_SECS`] of
+/// its clock.
+pub fn admin_proof(key: &ClusterKey, sp: u32, nonce: &Nonce, unix_secs: u64) -> Tag {
+    key.mac(
+        "spoff admin v2",
+        &[&sp.to_le_bytes(), nonce, &unix_secs.to_le_bytes()],
+    )
 }
 
-/// Whether `proof` is [`admin_proof`] of `nonce` and `unix_secs` (constant time).
-pub fn admin_proof_ok(key: &ClusterKey, nonce: &Nonce, unix_secs: u64, proof: &Tag) -> bool {
-    key.verify("spoff admin v1", &[nonce, &unix_secs.to_le_bytes()], proof)
+/// Whether `proof` is [`admin_proof`] of `sp`, `nonce` and `unix_secs` (constant time).
+pub fn admin_proof_ok(
+    key: &ClusterKey,
+    sp: u32,
+    nonce: &Nonce,
+    unix_secs: u64,
+    proof: &Tag,
+) -> bool {
+    key.verify(
+        "spoff admin v2",
+        &[&sp.to_le_bytes(), nonce, &unix_secs.to_le_bytes()],
+        proof,
+    )
+}
+
+/// How far the time of an admin request may be from the SP's clock, either way.
+pub const ADMIN_WINDOW_SECS: u64 = 60;
+
+/// The admin requests an SP answered and that its clock could still accept: each is answered
+/// once. A proof stays here for twice the window (by the monotonic clock) after it was
+/// answered: by then its time is out of the window. At most `cap` are held, so at most `cap`
+/// requests are answered per two minutes (only a holder of the key can make one).
+pub struct AdminReplays {
+    seen: std::collections::HashSet<Tag>,
+    order: std::collections::VecDeque<(std::time::Instant, Tag)>,
+    cap: usize,
+}
+
+/// How long [`AdminReplays`] keeps a proof.
+pub const ADMIN_REPLAY_KEEP: std::time::Duration =
+    std::time::Duration::from_secs(2 * ADMIN_WINDOW_SECS + 1);
+
+impl AdminReplays {
+    pub fn new(cap: usize) -> AdminReplays {
+        AdminReplays {
+            seen: Default::default(),
+            order: Default::default(),
+            cap,
+        }
+    }
+
+    /// Takes `proof` (already checked) as answered at `now`; `Err`: why it is refused (seen
+    /// before, or too many requests in the last two minutes).
+    pub fn admit(&mut self, now: std::time::Instant, proof: &Tag) -> Result<(), String> {
+        while let Some((at, p)) = self.order.front() {
+            if now.saturating_duration_since(*at) < ADMIN_REPLAY_KEEP {
+                break;
+            }
+            self.seen.remove(p);
+            self.order.pop_front();
+        }
+        if self.seen.contains(proof) {
+            return Err(
+                "this admin request was already answered: a request is answered once (a replay?)"
+                    .into(),
+            );
+        }
+        if self.order.len() >= self.cap {
+            return Err(format!(
+                "{} admin requests were answered in the last {} s, the most an SP answers; \
+                 try again later",
+                self.order.len(),
+                ADMIN_REPLAY_KEEP.as_secs()
+            ));
+        }
+        self.seen.insert(*proof);
+        self.order.push_back((now, *proof));
+        Ok(())
+    }
+
+    /// Proofs held.
+    pub fn len(&self) -> usize {
+        self.order.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.order.is_empty()
+    }
 }
 
 /// Seconds since the epoch.
@@ -350,5 +431,28 @@ mod tests {
         assert_ne!(p, sp_proof(&k, 0, 1, 0, &na, &nb));
         assert_ne!(p, sp_proof(&k, 1, 1, 0, &nb, &na));
         assert_ne!(p, sp_proof(&ClusterKey::generate(), 1, 1, 0, &na, &nb));
+    }
+
+    #[test]
+    fn admin_proofs_bind_the_sp_and_are_answered_once_within_the_window() {
+        let k = ClusterKey::generate();
+        let (n, t) = (nonce(), unix_secs());
+        let p = admin_proof(&k, 1, &n, t);
+        assert!(admin_proof_ok(&k, 1, &n, t, &p));
+        assert!(!admin_proof_ok(&k, 0, &n, t, &p), "another SP");
+        assert!(!admin_proof_ok(&k, 1, &n, t + 1, &p), "another time");
+        let mut seen = AdminReplays::new(2);
+        let t0 = std::time::Instant::now();
+        assert!(seen.admit(t0, &p).is_ok());
+        let again = seen.admit(t0 + std::time::Duration::from_secs(30), &p);
+        assert!(again.unwrap_err().contains("already answered"));
+        let q = admin_proof(&k, 1, &nonce(), t);
+        assert!(seen.admit(t0, &q).is_ok());
+        let full = seen.admit(t0, &admin_proof(&k, 1, &nonce(), t));
+        assert!(full.unwrap_err().contains("the most an SP answers"));
+        // Kept for twice the window, then forgotten (its time is out of the window by then).
+        let later = t0 + ADMIN_REPLAY_KEEP;
+        assert!(seen.admit(later, &admin_proof(&k, 1, &nonce(), t)).is_ok());
+        assert_eq!(seen.len(), 1);
     }
 }

@@ -67,8 +67,9 @@ pub struct SpHello {
     pub nonce: crate::auth::Nonce,
 }
 
-/// An admin request (`service-process stats`): proven with the cluster key over a nonce and
-/// the time (`auth::admin_proof`; the SP accepts a time within a minute of its own).
+/// An admin request (`service-process stats`): proven with the cluster key over the SP it
+/// asks, a nonce and the time (`auth::admin_proof`; the SP accepts a time within a minute of
+/// its own, and answers each proof once: `auth::AdminReplays`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AdminHello {
     pub nonce: crate::auth::Nonce,

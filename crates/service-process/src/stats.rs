@@ -190,7 +190,7 @@ pub fn query_within(
     ch.send_hello(&Hello::Admin(AdminHello {
         nonce,
         unix_secs,
-        proof: auth::admin_proof(key, &nonce, unix_secs),
+        proof: auth::admin_proof(key, sp.id, &nonce, unix_secs),
     }))?;
     let json: String = ch
         .recv()

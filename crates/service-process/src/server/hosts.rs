@@ -20,11 +20,8 @@ impl Server {
         let hello = match decode_hello(payload) {
             Ok(Hello::Host(h)) => h,
             Ok(Hello::Admin(a)) => {
-                if !self.admin_ok(&a) {
-                    return reject(
-                        self,
-                        "the admin request is not proven with the cluster key".into(),
-                    );
+                if let Err(why) = self.admin_check(&a) {
+                    return reject(self, why);
                 }
                 // `service-process stats`: the counters now, then goodbye.
                 let json = serde_json::to_string(&self.stats_now()).unwrap_or_default();
@@ -74,6 +71,26 @@ impl Server {
                 ),
             );
         }
+        // Which SP serves a world rank is what the job's collectives here rely on (each
+        // descriptor is checked against it; locality comes from it): once a descriptor named
+        // it, a hello cannot move it (a job credential replayed over TCP as a rank of
+        // another SP).
+        if let Some(&was) = self
+            .jobs
+            .get(&cred.job)
+            .and_then(|j| j.sp_of_rank.get(&hello.world_rank))
+        {
+            if was != self.me {
+                return reject(
+                    self,
+                    format!(
+                        "rank {} of this job is served by SP {was} (the job's collectives here \
+                         said so), not this SP {}",
+                        hello.world_rank, self.me
+                    ),
+                );
+            }
+        }
         debug!(
             sp = self.me,
             job = cred.job,
@@ -85,7 +102,11 @@ impl Server {
         job.world_size = cred.world_size;
         job.hosts.insert(key);
         job.ranks.insert(hello.world_rank);
-        job.sp_of_rank.insert(hello.world_rank, self.me);
+        if let std::collections::hash_map::Entry::Vacant(e) = job.sp_of_rank.entry(hello.world_rank)
+        {
+            e.insert(self.me);
+            job.hello_only.insert(hello.world_rank);
+        }
         self.next_conn_id += 1;
         let conn_id = self.next_conn_id;
         let conn = &mut self.conns[key];
@@ -105,10 +126,23 @@ impl Server {
         self.send_frame(key, &frame(&encode_hello(&Hello::Welcome { sp: self.me })));
     }
 
-    /// Whether an admin request is proven with the cluster key, within a minute of now.
-    pub(super) fn admin_ok(&self, a: &AdminHello) -> bool {
-        auth::unix_secs().abs_diff(a.unix_secs) <= 60
-            && auth::admin_proof_ok(&self.key, &a.nonce, a.unix_secs, &a.proof)
+    /// Whether an admin request may be answered: proven with the cluster key for this SP,
+    /// made within a minute of this SP's clock, and not answered before (`Err`: why not).
+    pub(super) fn admin_check(&mut self, a: &AdminHello) -> Result<(), String> {
+        if !auth::admin_proof_ok(&self.key, self.me, &a.nonce, a.unix_secs, &a.proof) {
+            return Err(format!(
+                "the admin request is not proven with the cluster key for SP {}",
+                self.me
+            ));
+        }
+        let off = auth::unix_secs().abs_diff(a.unix_secs);
+        if off > auth::ADMIN_WINDOW_SECS {
+            return Err(format!(
+                "the admin request was made {off} s away from this SP's clock (at most {} s)",
+                auth::ADMIN_WINDOW_SECS
+            ));
+        }
+        self.admin_replays.admit(Instant::now(), &a.proof)
     }
 
     pub(super) fn host(&self, key: usize) -> &HostState {
@@ -233,6 +267,11 @@ impl Server {
                 if let Some(j) = self.jobs.get_mut(&job) {
                     j.hosts.remove(&key);
                     j.ranks.remove(&h.hello.world_rank);
+                    // What only this connection's hello said goes with it; what a descriptor
+                    // named stays.
+                    if j.hello_only.remove(&h.hello.world_rank) {
+                        j.sp_of_rank.remove(&h.hello.world_rank);
+                    }
                 }
                 if h.said_goodbye {
                     debug!(sp = self.me, job, rank = h.hello.world_rank, "host left");

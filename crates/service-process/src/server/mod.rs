@@ -235,6 +235,10 @@ struct Instance {
     stages: Option<StageSet>,
 }
 
+/// Most admin requests an SP answers per two minutes (`auth::AdminReplays`): a launcher's
+/// watchdog asks each SP at most ten times a second.
+const ADMIN_REQUESTS_KEPT: usize = 16384;
+
 #[derive(Default)]
 struct Job {
     /// World size of the job (from its credential): places any of its ranks on a node.
@@ -246,6 +250,10 @@ struct Job {
     /// first descriptor that named it; a later descriptor that says otherwise is refused.
     /// Locality (host copies, the byte counters) comes from it, never from a layout.
     sp_of_rank: HashMap<u32, SpId>,
+    /// Ranks of `sp_of_rank` that only their hello here named (no descriptor yet): what the
+    /// hello claimed goes with its connection, so a hello + goodbye changes nothing the job's
+    /// collectives rely on.
+    hello_only: HashSet<u32>,
     failed: Option<Status>,
     finished: HashSet<(CommId, u64)>,
     finished_order: std::collections::VecDeque<(CommId, u64)>,
@@ -319,6 +327,8 @@ pub struct Server {
     log_limit: LogLimit,
     /// When connections without a hello were last checked for their timeout.
     last_hello_sweep: Instant,
+    /// Admin requests answered lately: each is answered once (`admin_check`).
+    admin_replays: auth::AdminReplays,
     /// `SPOFF_RECORD_FRAMES`: received frames written to files (the fuzzer's seed corpus).
     recorder: Option<crate::record::Recorder>,
     heartbeat: Duration,
@@ -489,6 +499,7 @@ impl Server {
             limits: cfg.limits,
             log_limit: LogLimit::new(20, Duration::from_secs(10)),
             last_hello_sweep: Instant::now(),
+            admin_replays: auth::AdminReplays::new(ADMIN_REQUESTS_KEPT),
             recorder: crate::record::Recorder::from_env(cfg.sp),
             heartbeat: cfg.heartbeat,
             peer_timeout: cfg.peer_timeout,

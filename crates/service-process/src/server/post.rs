@@ -147,6 +147,7 @@ impl Server {
         if let Some(j) = self.jobs.get_mut(&job) {
             for (&w, &sp) in d.world_ranks.iter().zip(&d.members) {
                 j.sp_of_rank.entry(w).or_insert(sp);
+                j.hello_only.remove(&w);
             }
         }
         if self

@@ -283,7 +283,7 @@ pub fn run() {
             ch.send_hello(&Hello::Admin(AdminHello {
                 nonce,
                 unix_secs,
-                proof: auth::admin_proof(&ClusterKey::generate(), &nonce, unix_secs),
+                proof: auth::admin_proof(&ClusterKey::generate(), 0, &nonce, unix_secs),
             }))
             .unwrap();
             match ch.recv_hello() {
@@ -393,6 +393,54 @@ pub fn run() {
                 }
             }
             say(format!("DONE reopened {reopened} held {}", held.len()));
+        // Issue 24, item 7: a captured job credential replayed over TCP (`ADDR`): a hello
+        // as rank `RANK` of `SIZE` on node `NODE` (local rank `LOCAL`), a goodbye at once if
+        // welcomed, then the connection closed, as a rank that leaves politely.
+        "tcp-hello-goodbye" => {
+            let s = std::net::TcpStream::connect(var("ADDR")).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            let mut ch = Channel::new(s);
+            ch.send_hello(&Hello::Host(HostHello {
+                credential: var("CRED"),
+                world_rank: n("RANK") as u32,
+                world_size: n("SIZE") as u32,
+                node: n("NODE") as u32,
+                local_rank: n("LOCAL") as u32,
+                pid: 0,
+            }))
+            .unwrap();
+            match ch.recv_hello() {
+                Ok(Hello::Welcome { sp }) => {
+                    ch.send(&HostToSp::Goodbye).unwrap();
+                    say(format!("WELCOME {sp}"));
+                }
+                Ok(Hello::Reject { reason }) => say(format!("REJECT {reason}")),
+                Ok(other) => say(format!("OTHER {other:?}")),
+                Err(e) => say(format!("CLOSED {e}")),
+            }
+        }
+        // Issue 24, item 8: bytes captured on the wire (`BYTES`, hex) sent again as they were
+        // to `ADDR` (TCP): is the request answered?
+        "replay-bytes" => {
+            let hex = var("BYTES");
+            let bytes: Vec<u8> = (0..hex.len() / 2)
+                .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap())
+                .collect();
+            let mut s = std::net::TcpStream::connect(var("ADDR")).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            s.write_all(&bytes).unwrap();
+            let mut ch = Channel::new(s);
+            match ch.recv_raw() {
+                Ok(p) if p.starts_with(&wire::MAGIC) => match wire::decode_hello(&p) {
+                    Ok(Hello::Reject { reason }) => say(format!("REJECT {reason}")),
+                    other => say(format!("OTHER {other:?}")),
+                },
+                Ok(p) => match wire::decode::<String>(&p) {
+                    Ok(json) => say(format!("ANSWERED {json}")),
+                    Err(e) => say(format!("OTHER {e}")),
+                },
+                Err(e) => say(format!("CLOSED {e}")),
+            }
         }
         other => panic!("unknown attack {other}"),
     }
