@@ -393,6 +393,7 @@ pub fn run() {
                 }
             }
             say(format!("DONE reopened {reopened} held {}", held.len()));
+        }
         // Issue 24, item 7: a captured job credential replayed over TCP (`ADDR`): a hello
         // as rank `RANK` of `SIZE` on node `NODE` (local rank `LOCAL`), a goodbye at once if
         // welcomed, then the connection closed, as a rank that leaves politely.
