@@ -119,8 +119,7 @@ impl World {
         let dir = std::env::temp_dir().join(format!("spoff-exec-{n}-{tag}"));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir(&dir).unwrap();
-        let secret = format!("SECRET-{:032x}", n as u128 * 0x9e37_79b9_7f4a_7c15 + 17)
-            .into_bytes();
+        let secret = format!("SECRET-{:032x}", n as u128 * 0x9e37_79b9_7f4a_7c15 + 17).into_bytes();
         let w = World {
             user,
             group,
@@ -195,7 +194,9 @@ impl World {
 impl Drop for World {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.dir);
-        let _ = Command::new("pkill").args(["-KILL", "-u", &self.user]).status();
+        let _ = Command::new("pkill")
+            .args(["-KILL", "-u", &self.user])
+            .status();
         let _ = Command::new("userdel").arg(&self.user).status();
         let _ = Command::new("groupdel").arg(&self.group).status();
     }
@@ -570,9 +571,22 @@ fn own_read(pid: u32, addr: u64) -> String {
 /// Both ranks post the 2-rank Alltoallv: rank 0's send grant names `secret` (32 bytes to each
 /// rank), its receive grant `target`; rank 1 sends 'A's and receives into its own buffer.
 /// Reports what each rank's connection answered and what rank 1 received.
-fn post_both(ch0: Option<&mut Channel<Stream>>, ch1: &mut Channel<Stream>, secret: u64, target: u64) {
-    let comm = CommId { leader: 0, id: 4242 };
-    let counts = (vec![32u64, 32], vec![0u64, 0], vec![32u64, 32], vec![0u64, 32]);
+fn post_both(
+    ch0: Option<&mut Channel<Stream>>,
+    ch1: &mut Channel<Stream>,
+    secret: u64,
+    target: u64,
+) {
+    let comm = CommId {
+        leader: 0,
+        id: 4242,
+    };
+    let counts = (
+        vec![32u64, 32],
+        vec![0u64, 0],
+        vec![32u64, 32],
+        vec![0u64, 32],
+    );
     let mut reg = Registrar::new();
     let post = |rank: u32, send, recv| {
         let mut d = desc(comm, 0, rank, vec![0, 0], 0, send, recv, counts.clone());
@@ -629,7 +643,13 @@ fn exec_parent() {
     assert_eq!(unsafe { libc::pipe(pipe.as_mut_ptr()) }, 0);
     let mut child = Command::new(std::env::current_exe().unwrap());
     child
-        .args(["exec_attacker", "--exact", "--ignored", "--nocapture", "--test-threads=1"])
+        .args([
+            "exec_attacker",
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env("SPOFF_EXEC_ATTACK", "exec-child")
         .env("CONN_FD", fd.to_string())
         .env("PIPE_FD", pipe[0].to_string())
@@ -672,7 +692,9 @@ fn exec_child() {
             Ok(SpToHost::Completed { status, .. }) => break format!("completed {status}"),
             Ok(SpToHost::Error { .. }) => continue,
             Ok(other) => break format!("other {other:?}"),
-            Err(e) if e.to_string().contains("timed out") || e.to_string().contains("WouldBlock") => {
+            Err(e)
+                if e.to_string().contains("timed out") || e.to_string().contains("WouldBlock") =>
+            {
                 break "open".to_string()
             }
             Err(_) => break "closed".to_string(),
