@@ -230,6 +230,14 @@ pub fn running_sleep(secs: &str) -> std::process::Child {
     child
 }
 
+/// Whether the image of a pinned, running process is still the one its memory was opened on:
+/// `None` if it is not pinned here or has exited, `Some(false)` once it has called `exec`.
+pub fn image_alive(pid: u32, start: u64, uid: u32, gid: u32) -> Option<bool> {
+    let p = with_table(|t, _| t.get(&(pid, start, uid, gid)).cloned())?;
+    let image = p.image_alive();
+    alive(&p.pidfd).then_some(image)
+}
+
 /// What [`pin`] found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Pin {

@@ -102,6 +102,7 @@ impl Server {
             // Pins of processes that exited since (a job's ranks may still have been exiting
             // when the job ended here).
             alias_mkey::process::sweep();
+            self.end_exec_images();
             let beat = encode(&SpToSp::Heartbeat);
             let peers: Vec<usize> = self.peer_conn.values().copied().collect();
             for k in peers {

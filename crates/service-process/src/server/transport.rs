@@ -192,6 +192,30 @@ impl Server {
         Ok(cred)
     }
 
+    /// Ends the connections of every host process that has called `exec` since it connected
+    /// (checked once a heartbeat period: one byte read through each pinned image), so that
+    /// no connection of a program that no longer runs outlives it by more than that, even
+    /// when nothing touches its memory.
+    pub(super) fn end_exec_images(&mut self) {
+        let mut gone: Vec<u32> = self
+            .conns
+            .iter()
+            .filter_map(|(_, c)| match &c.role {
+                Role::Host(h) => h.peer.pinned(),
+                Role::NewHost { peer, .. } => peer.pinned(),
+                Role::Peer(_) => None,
+            })
+            .filter(|p| {
+                alias_mkey::process::image_alive(p.pid, p.start, p.uid, p.gid) == Some(false)
+            })
+            .map(|p| p.pid)
+            .collect();
+        gone.dedup();
+        for pid in gone {
+            self.end_old_images(pid, usize::MAX);
+        }
+    }
+
     /// Process `pid` has called `exec` since some of its connections were made (a new
     /// connection of it found its old image gone, or an access found no memory): those
     /// connections and their grants belong to a program that no longer runs, whoever holds the
