@@ -336,6 +336,129 @@ pub fn run() {
             }
             say(format!("CLOSED {closed}"));
         }
+        // Issue 24, item 3: staged broadcasts that never complete, as many as asked for, from
+        // rank 0 (the root) of a 2-rank job whose rank 1 (on the same SP) stays connected and
+        // never posts; the answers are counted, then the connections are held for HOLD_MS.
+        "hold-bcasts" => {
+            let sock = var("SOCK");
+            let Some(mut ch) = registered(&sock, var("CRED"), 0, 2, 0) else {
+                return;
+            };
+            let Some(_other) = registered(&sock, var("CRED"), 1, 2, 0) else {
+                return;
+            };
+            let data: &'static [u8] = Box::leak(vec![7u8; 64].into_boxed_slice());
+            let mut reg = alias_mkey::host::Registrar::new();
+            for i in 0..n("POSTS") {
+                let mut d = desc(
+                    CommId { leader: 0, id: 78 },
+                    i,
+                    0,
+                    vec![0, 0],
+                    0,
+                    reg.register(data.as_ptr() as u64, 64, Rights::READ),
+                    reg.register(data.as_ptr() as u64, 0, Rights::WRITE),
+                    (vec![64], vec![0], vec![0], vec![0]),
+                );
+                d.kind = wire::CollKind::Bcast;
+                d.slot = None;
+                d.token = i + 1;
+                d.world_ranks = vec![0, 1];
+                d.nodes = vec![0, 0];
+                d.staged = Some(wire::Staged {
+                    root: 0,
+                    design: wire::StagedDesign::Flat,
+                    segment: None,
+                });
+                ch.send(&HostToSp::Post(Box::new(d))).unwrap();
+            }
+            ch.get_ref()
+                .set_read_timeout(Some(Duration::from_millis(1000)))
+                .unwrap();
+            let (mut refused, mut ok, mut failed, mut first) = (0, 0, 0, String::new());
+            while let Ok(m) = ch.recv::<SpToHost>() {
+                match m {
+                    SpToHost::Error { message, .. } => {
+                        refused += 1;
+                        if first.is_empty() {
+                            first = message;
+                        }
+                    }
+                    SpToHost::Completed { status, .. } if status == mailbox::STATUS_OK => ok += 1,
+                    SpToHost::Completed { .. } => failed += 1,
+                    _ => {}
+                }
+            }
+            say(format!("HELD ok {ok} failed {failed} refused {refused}"));
+            say(format!("FIRST-REFUSAL {first}"));
+            std::thread::sleep(Duration::from_millis(n("HOLD_MS")));
+        }
+        // Issue 24, item 4: alltoallv posts on a communicator of all WORLD ranks of the job (the
+        // credential's world size), every one served by this SP, which only rank 0 ever posts:
+        // each instance waits for ranks that never come. Once the SP has taken them in (a
+        // bad post at the end is answered after them), the SP's resident memory (SP_PID) is
+        // said, and the connection closed.
+        "wide-posts" => {
+            let world = n("WORLD") as u32;
+            let Some(mut ch) = registered(&var("SOCK"), var("CRED"), 0, world, 0) else {
+                return;
+            };
+            let mut reg = alias_mkey::host::Registrar::new();
+            let g = reg.register(0x1000, 16, Rights::READ_WRITE);
+            let p = world as usize;
+            let post = |seq: u64, id: u32| {
+                let mut d = desc(
+                    CommId { leader: 0, id },
+                    seq,
+                    0,
+                    vec![0; p],
+                    0,
+                    g.clone(),
+                    g.clone(),
+                    (vec![0; p], vec![0; p], vec![0; p], vec![0; p]),
+                );
+                d.slot = None;
+                d.token = seq + 1;
+                d.world_ranks = (0..world).collect();
+                d
+            };
+            let t = Instant::now();
+            for i in 0..n("POSTS") {
+                ch.send(&HostToSp::Post(Box::new(post(i, 79)))).unwrap();
+            }
+            // The sentinel: refused (counts of another length), answered after every post.
+            let mut bad = post(0, 80);
+            bad.send_counts.pop();
+            ch.send(&HostToSp::Post(Box::new(bad))).unwrap();
+            ch.get_ref()
+                .set_read_timeout(Some(Duration::from_secs(60)))
+                .unwrap();
+            let (mut refused, mut first) = (0, String::new());
+            loop {
+                match ch.recv::<SpToHost>() {
+                    Ok(SpToHost::Error { comm, message, .. }) => {
+                        if comm == Some(CommId { leader: 0, id: 80 }) {
+                            break;
+                        }
+                        refused += 1;
+                        if first.is_empty() {
+                            first = message;
+                        }
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        say(format!("LOST {e}"));
+                        break;
+                    }
+                }
+            }
+            let rss = crate::common::procfs::rss_kib(n("SP_PID") as u32).unwrap_or(0);
+            say(format!(
+                "TAKEN-IN refused {refused} rss_kib {rss} in_ms {}",
+                t.elapsed().as_millis()
+            ));
+            say(format!("FIRST-REFUSAL {first}"));
+        }
         other => panic!("unknown attack {other}"),
     }
 }
