@@ -57,6 +57,8 @@ pub struct Stats {
     pub hellos_refused: u64,
     pub hellos_timed_out: u64,
     pub posts_refused: u64,
+    /// Most SP memory the hosts' posts held at once (estimated, see `held::post_bytes`).
+    pub held_peak_bytes: u64,
     /// Peer SPs dropped for sending nothing (not even a heartbeat) for `--peer-timeout-ms`.
     pub peers_silent: u64,
     /// Looks of a polling event loop (`serve --poll-us`) that found nothing (0 without it).

@@ -4,6 +4,8 @@
 
 mod common;
 
+// Shared with security.rs, whose helpers this file does not all use.
+#[allow(dead_code)]
 #[path = "security/attacker.rs"]
 mod attacker;
 
@@ -128,7 +130,10 @@ fn one_job_cannot_take_the_staging_memory_of_all_jobs() {
     // Job A has posted and holds its staging.
     let t = Instant::now();
     while query(&set, 0)["staging_refused"].as_u64().unwrap() < 20 {
-        assert!(t.elapsed() < Duration::from_secs(10), "job A never filled its share");
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "job A never filled its share"
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
     let s = query(&set, 0);

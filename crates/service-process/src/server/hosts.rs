@@ -83,6 +83,7 @@ impl Server {
         );
         let job = self.jobs.entry(cred.job).or_default();
         job.world_size = cred.world_size;
+        job.uid = cred.uid;
         job.hosts.insert(key);
         job.ranks.insert(hello.world_rank);
         job.sp_of_rank.insert(hello.world_rank, self.me);
@@ -248,6 +249,11 @@ impl Server {
                     self.abort_unposted(job);
                 }
                 self.forget_job_if_done(job);
+                // The job may live on (its other ranks), the memory of this rank's posts is
+                // free: once a lot of it is, the allocator is asked to return it.
+                if self.held.released_over(GIVE_BACK_BYTES) {
+                    crate::held::give_back_memory();
+                }
             }
         }
     }
