@@ -18,8 +18,8 @@ impl Server {
                 holds: Vec::new(),
             };
             if drivers::spec(kind).staging {
-                // The job's uid is known here when one of its ranks is connected here; an
-                // instance a peer's message creates first counts against the job's share only.
+                // Instances exist only for jobs with a rank connected here (a peer's message
+                // for another job is refused), so the job's uid is known.
                 let uid = self.jobs.get(&ck.job).map(|j| j.uid);
                 match self
                     .budget
