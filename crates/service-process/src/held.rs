@@ -13,14 +13,9 @@ use std::rc::Rc;
 
 /// Bytes a post is charged whatever its size (the instance, its maps, the post's grants).
 pub const POST_BASE_BYTES: u64 = 4096;
-/// Bytes charged per member of a post's communicator for the state the post creates in its
-/// instance, beyond the descriptor's own vectors (40 bytes per member): an alltoallv of 4096
-/// ranks was measured to grow the SP by about 440 bytes per member in all (its rank state and
-/// one announcement per member, queued until the member posts); rounded up.
-pub const STATE_BYTES_PER_MEMBER: u64 = 512;
-
 /// The bytes `d` makes the SP hold, estimated from above: its vectors (kept by the instance)
-/// and the state per member it creates.
+/// and the state per member it creates (its kind's `KindSpec::state_bytes_per_member`: an
+/// alltoallv's is 512, about 450 bytes per member in all were measured).
 pub fn post_bytes(d: &PostDesc) -> u64 {
     let p = d.members.len() as u64;
     let words = [
@@ -33,7 +28,8 @@ pub fn post_bytes(d: &PostDesc) -> u64 {
     .map(|v| v.len() as u64)
     .sum::<u64>();
     let small = (d.members.len() + d.world_ranks.len() + d.nodes.len()) as u64;
-    POST_BASE_BYTES + 8 * words + 4 * small + STATE_BYTES_PER_MEMBER * p
+    let state = crate::drivers::spec(d.kind).state_bytes_per_member;
+    POST_BASE_BYTES + 8 * words + 4 * small + state * p
 }
 
 /// The limits, in bytes.
@@ -259,6 +255,6 @@ mod tests {
             staged: None,
         };
         assert!(post_bytes(&post(2)) < 8192);
-        assert!(post_bytes(&post(4096)) >= 4096 * (STATE_BYTES_PER_MEMBER + 40));
+        assert_eq!(post_bytes(&post(4096)), 4096 + 4096 * (512 + 40));
     }
 }

@@ -234,3 +234,58 @@ fn what_one_connection_makes_the_sp_hold_is_bounded_and_given_back() {
     assert_eq!(s["instances_at_exit"], 0, "{s}");
     assert_eq!(s["jobs_at_exit"], 0, "{s}");
 }
+
+/// Item 4, the estimate behind the bound: for each kind, what a post of a 4096-rank
+/// communicator is charged (the SP's `held_peak_bytes`, 4 KiB + 552 bytes per member) covers
+/// what it makes the SP hold (its resident growth), so that the bounds hold in bytes.
+/// (Fails on the code before the fix, which has neither the charge nor its flags.)
+#[test]
+fn the_charge_of_a_post_covers_what_it_makes_the_sp_hold() {
+    for kind in ["alltoallv", "allgatherv", "bcast", "staged-allgather"] {
+        let set = SpSet::start_with(
+            1,
+            1,
+            1,
+            Layout::Block,
+            &[
+                "--max-held-mib-per-rank=4096",
+                "--max-held-mib-per-job=4096",
+                "--max-held-mib-per-uid=4096",
+                "--staging-mib=1024",
+                "--stage-slots=1",
+                "--stage-chunk-bytes=4096",
+            ],
+        );
+        let pid = set.sps[0].child.id();
+        std::thread::sleep(Duration::from_millis(200));
+        let before = rss_kib(pid);
+        let cred = JobCredential::issue(&set.key, new_job(), my_uid(), 4096).encode();
+        let out = attack(
+            "wide-posts",
+            &[
+                ("SOCK", socket_of(&set, 0)),
+                ("CRED", cred),
+                ("WORLD", "4096".into()),
+                ("POSTS", "100".into()),
+                ("SP_PID", pid.to_string()),
+                ("KIND", kind.into()),
+            ],
+            None,
+        );
+        let words: Vec<&str> = out[0].split(' ').collect();
+        assert_eq!(words[..3], ["TAKEN-IN", "refused", "0"], "{kind}: {out:?}");
+        let grown = words[4].parse::<u64>().unwrap().saturating_sub(before) * 1024;
+        let s = query(&set, 0);
+        let charged = s["held_peak_bytes"].as_u64().unwrap();
+        eprintln!(
+            "{kind}: 100 posts of 4096 ranks grew the SP by {grown} bytes, charged {charged} \
+             ({:.0} and {:.0} bytes per member and post)",
+            grown as f64 / 409_600.0,
+            charged as f64 / 409_600.0
+        );
+        assert!(
+            grown <= charged,
+            "{kind}: grew by {grown}, charged {charged}"
+        );
+    }
+}

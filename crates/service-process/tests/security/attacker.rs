@@ -406,6 +406,9 @@ pub fn run() {
             let mut reg = alias_mkey::host::Registrar::new();
             let g = reg.register(0x1000, 16, Rights::READ_WRITE);
             let p = world as usize;
+            // KIND: alltoallv (the default), allgatherv, bcast (flat, rank 0 the root) or
+            // staged-allgather (flat).
+            let kind = std::env::var("KIND").unwrap_or_else(|_| "alltoallv".into());
             let post = |seq: u64, id: u32| {
                 let mut d = desc(
                     CommId { leader: 0, id },
@@ -420,6 +423,37 @@ pub fn run() {
                 d.slot = None;
                 d.token = seq + 1;
                 d.world_ranks = (0..world).collect();
+                match kind.as_str() {
+                    "allgatherv" => {
+                        d.kind = wire::CollKind::Allgatherv;
+                        (d.send_counts, d.send_displs) = (vec![0], vec![0]);
+                        d.nodes = vec![0; p];
+                    }
+                    "bcast" => {
+                        d.kind = wire::CollKind::Bcast;
+                        d.send_counts = vec![0];
+                        d.send_displs = vec![0];
+                        d.recv_counts = vec![0];
+                        d.recv_displs = vec![0];
+                        d.nodes = vec![0; p];
+                        d.staged = Some(wire::Staged {
+                            root: 0,
+                            design: wire::StagedDesign::Flat,
+                            segment: None,
+                        });
+                    }
+                    "staged-allgather" => {
+                        d.kind = wire::CollKind::StagedAllgather;
+                        (d.send_counts, d.send_displs) = (vec![0], vec![0]);
+                        d.nodes = vec![0; p];
+                        d.staged = Some(wire::Staged {
+                            root: 0,
+                            design: wire::StagedDesign::Flat,
+                            segment: None,
+                        });
+                    }
+                    _ => {}
+                }
                 d
             };
             let t = Instant::now();
