@@ -289,3 +289,64 @@ fn the_charge_of_a_post_covers_what_it_makes_the_sp_hold() {
         );
     }
 }
+
+/// Item 4, the job's and the user's bounds: with 64 MiB per rank connection, 96 MiB per job
+/// and 128 MiB per uid, two ranks of one job and a rank of a second job of the same user, each
+/// posting 40 alltoallvs of 4096 ranks (2.2 MiB each as charged): the first rank is refused at
+/// its own bound, the second at the job's, the other job's rank at the user's, each with an
+/// error naming the flag; once they are gone their memory is given back. (Fails on the code
+/// before the fix, which has no such bounds.)
+#[test]
+fn a_job_and_a_user_hold_only_their_share_of_post_memory() {
+    let set = SpSet::start_with(
+        1,
+        1,
+        1,
+        Layout::Block,
+        &[
+            "--max-held-mib-per-rank=64",
+            "--max-held-mib-per-job=96",
+            "--max-held-mib-per-uid=128",
+        ],
+    );
+    let pid = set.sps[0].child.id();
+    let before = rss_kib(pid);
+    let cred = |job| JobCredential::issue(&set.key, job, my_uid(), 4096).encode();
+    let out = attack(
+        "wide-posts-jobs",
+        &[
+            ("SOCK", socket_of(&set, 0)),
+            ("CRED", cred(new_job())),
+            ("RANKS", "0,1".into()),
+            ("CRED2", cred(new_job())),
+            ("RANKS2", "0".into()),
+            ("WORLD", "4096".into()),
+            ("POSTS", "40".into()),
+        ],
+        None,
+    );
+    eprintln!("{out:#?}");
+    // 2 265 088 bytes a post: 29 fit in 64 MiB, 15 more in the job's 96, 15 more in the
+    // user's 128.
+    let expect = [
+        ("CRED:0 refused 11: ", "--max-held-mib-per-rank"),
+        ("CRED:1 refused 25: ", "--max-held-mib-per-job"),
+        ("CRED2:0 refused 25: ", "--max-held-mib-per-uid"),
+    ];
+    assert_eq!(out.len(), 3, "{out:?}");
+    for (line, (head, flag)) in out.iter().zip(expect) {
+        assert!(
+            line.starts_with(head) && line.contains(flag),
+            "expected {head}... {flag}: {line}"
+        );
+    }
+    let s = query(&set, 0);
+    assert!(s["held_peak_bytes"].as_u64().unwrap() <= 128 << 20, "{s}");
+    // The attacker is gone, and with it what its jobs held.
+    let grown = rss_kib(pid).saturating_sub(before);
+    eprintln!(
+        "charged at most {}; the SP kept {grown} KiB once both jobs were gone",
+        s["held_peak_bytes"]
+    );
+    assert!(grown < 32 * 1024, "the SP kept {grown} KiB");
+}

@@ -161,6 +161,61 @@ fn stuck_post(seq: u64, members: Vec<u32>, world: Vec<u32>) -> wire::PostDesc {
     d
 }
 
+/// A post of `kind` by world rank `rank` (its comm rank) on a communicator of all `world` ranks
+/// of the job, every one served by SP 0, with empty blocks in grant `g`.
+fn wide_post(
+    kind: &str,
+    world: u32,
+    rank: u32,
+    seq: u64,
+    id: u32,
+    g: &alias_mkey::Grant,
+) -> wire::PostDesc {
+    let p = world as usize;
+    let mut d = desc(
+        CommId { leader: 0, id },
+        seq,
+        rank,
+        vec![0; p],
+        0,
+        g.clone(),
+        g.clone(),
+        (vec![0; p], vec![0; p], vec![0; p], vec![0; p]),
+    );
+    d.slot = None;
+    d.token = seq + 1;
+    d.world_ranks = (0..world).collect();
+    let staged = || {
+        Some(wire::Staged {
+            root: 0,
+            design: wire::StagedDesign::Flat,
+            segment: None,
+        })
+    };
+    match kind {
+        "allgatherv" => {
+            d.kind = wire::CollKind::Allgatherv;
+            (d.send_counts, d.send_displs) = (vec![0], vec![0]);
+            d.nodes = vec![0; p];
+        }
+        "bcast" => {
+            d.kind = wire::CollKind::Bcast;
+            (d.send_counts, d.send_displs) = (vec![0], vec![0]);
+            (d.recv_counts, d.recv_displs) = (vec![0], vec![0]);
+            d.nodes = vec![0; p];
+            d.staged = staged();
+        }
+        "staged-allgather" => {
+            d.kind = wire::CollKind::StagedAllgather;
+            (d.send_counts, d.send_displs) = (vec![0], vec![0]);
+            d.nodes = vec![0; p];
+            d.staged = staged();
+        }
+        _ => {}
+    }
+    d
+}
+
 /// The attacker subprocess: what `SPOFF_ATTACK` names, or nothing without it.
 pub fn run() {
     let Ok(mode) = std::env::var("SPOFF_ATTACK") else {
@@ -405,57 +460,10 @@ pub fn run() {
             };
             let mut reg = alias_mkey::host::Registrar::new();
             let g = reg.register(0x1000, 16, Rights::READ_WRITE);
-            let p = world as usize;
             // KIND: alltoallv (the default), allgatherv, bcast (flat, rank 0 the root) or
             // staged-allgather (flat).
             let kind = std::env::var("KIND").unwrap_or_else(|_| "alltoallv".into());
-            let post = |seq: u64, id: u32| {
-                let mut d = desc(
-                    CommId { leader: 0, id },
-                    seq,
-                    0,
-                    vec![0; p],
-                    0,
-                    g.clone(),
-                    g.clone(),
-                    (vec![0; p], vec![0; p], vec![0; p], vec![0; p]),
-                );
-                d.slot = None;
-                d.token = seq + 1;
-                d.world_ranks = (0..world).collect();
-                match kind.as_str() {
-                    "allgatherv" => {
-                        d.kind = wire::CollKind::Allgatherv;
-                        (d.send_counts, d.send_displs) = (vec![0], vec![0]);
-                        d.nodes = vec![0; p];
-                    }
-                    "bcast" => {
-                        d.kind = wire::CollKind::Bcast;
-                        d.send_counts = vec![0];
-                        d.send_displs = vec![0];
-                        d.recv_counts = vec![0];
-                        d.recv_displs = vec![0];
-                        d.nodes = vec![0; p];
-                        d.staged = Some(wire::Staged {
-                            root: 0,
-                            design: wire::StagedDesign::Flat,
-                            segment: None,
-                        });
-                    }
-                    "staged-allgather" => {
-                        d.kind = wire::CollKind::StagedAllgather;
-                        (d.send_counts, d.send_displs) = (vec![0], vec![0]);
-                        d.nodes = vec![0; p];
-                        d.staged = Some(wire::Staged {
-                            root: 0,
-                            design: wire::StagedDesign::Flat,
-                            segment: None,
-                        });
-                    }
-                    _ => {}
-                }
-                d
-            };
+            let post = |seq: u64, id: u32| wide_post(&kind, world, 0, seq, id, &g);
             let t = Instant::now();
             for i in 0..n("POSTS") {
                 ch.send(&HostToSp::Post(Box::new(post(i, 79)))).unwrap();
@@ -492,6 +500,59 @@ pub fn run() {
                 t.elapsed().as_millis()
             ));
             say(format!("FIRST-REFUSAL {first}"));
+        }
+        // Issue 24, item 4: wide alltoallv posts (see `wide_post`) from several connections at
+        // once: world ranks RANKS (comma-separated) of the job of CRED, then RANKS2 of the job of
+        // CRED2 (both of WORLD ranks), POSTS each, one connection after the other while all
+        // stay open; for each, the posts refused and the first refusal.
+        "wide-posts-jobs" => {
+            let world = n("WORLD") as u32;
+            let mut reg = alias_mkey::host::Registrar::new();
+            let g = reg.register(0x1000, 16, Rights::READ_WRITE);
+            let mut conns = vec![];
+            for (cred, ranks) in [("CRED", "RANKS"), ("CRED2", "RANKS2")] {
+                let Ok(list) = std::env::var(ranks) else {
+                    continue;
+                };
+                for r in list.split(',').map(|r| r.parse::<u32>().unwrap()) {
+                    let Some(ch) = registered(&var("SOCK"), var(cred), r, world, 0) else {
+                        return;
+                    };
+                    conns.push((format!("{cred}:{r}"), r, ch));
+                }
+            }
+            for (name, r, ch) in conns.iter_mut() {
+                for i in 0..n("POSTS") {
+                    let d = wide_post("alltoallv", world, *r, i, 81, &g);
+                    ch.send(&HostToSp::Post(Box::new(d))).unwrap();
+                }
+                let mut bad = wide_post("alltoallv", world, *r, 0, 82, &g);
+                bad.send_counts.pop();
+                ch.send(&HostToSp::Post(Box::new(bad))).unwrap();
+                ch.get_ref()
+                    .set_read_timeout(Some(Duration::from_secs(60)))
+                    .unwrap();
+                let (mut refused, mut first) = (0, String::new());
+                loop {
+                    match ch.recv::<SpToHost>() {
+                        Ok(SpToHost::Error { comm, message, .. }) => {
+                            if comm == Some(CommId { leader: 0, id: 82 }) {
+                                break;
+                            }
+                            refused += 1;
+                            if first.is_empty() {
+                                first = message;
+                            }
+                        }
+                        Ok(_) => {}
+                        Err(e) => {
+                            say(format!("LOST {e}"));
+                            break;
+                        }
+                    }
+                }
+                say(format!("{name} refused {refused}: {first}"));
+            }
         }
         other => panic!("unknown attack {other}"),
     }
