@@ -120,11 +120,12 @@ fn one_job_cannot_take_the_staging_memory_of_all_jobs() {
     // 16 MiB of staging; an instance takes 4 slots of 256 KiB: 16 instances fill it.
     let set = SpSet::start_with(1, 1, 2, Layout::Block, &["--staging-mib=16"]);
     let cred = JobCredential::issue(&set.key, new_job(), my_uid(), 2).encode();
+    let hold_until = set.run_dir.join("job-b-done");
     let vars = vec![
         ("SOCK", socket_of(&set, 0)),
         ("CRED", cred),
         ("POSTS", "40".to_string()),
-        ("HOLD_MS", "4000".to_string()),
+        ("HOLD_UNTIL", hold_until.display().to_string()),
     ];
     let a = std::thread::spawn(move || attack("hold-bcasts", &vars, None));
     // Job A has posted and holds its staging.
@@ -147,6 +148,7 @@ fn one_job_cannot_take_the_staging_memory_of_all_jobs() {
         let got = bcast(&mut b, seq, 600_000);
         assert_eq!(got, [Some(STATUS_OK); 2], "job B's bcast {seq}");
     }
+    std::fs::write(&hold_until, b"").unwrap();
     let out = a.join().unwrap();
     eprintln!("job A: {out:?}");
     // A: 8 instances (8 MiB, half of 16) held, the 32 others refused by the SP with an error.

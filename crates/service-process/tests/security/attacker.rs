@@ -393,7 +393,8 @@ pub fn run() {
         }
         // Issue 24, item 3: staged broadcasts that never complete, as many as asked for, from
         // rank 0 (the root) of a 2-rank job whose rank 1 (on the same SP) stays connected and
-        // never posts; the answers are counted, then the connections are held for HOLD_MS.
+        // never posts; the answers are counted, then the connections are held until the file
+        // HOLD_UNTIL exists.
         "hold-bcasts" => {
             let sock = var("SOCK");
             let Some(mut ch) = registered(&sock, var("CRED"), 0, 2, 0) else {
@@ -427,26 +428,49 @@ pub fn run() {
                 });
                 ch.send(&HostToSp::Post(Box::new(d))).unwrap();
             }
+            // The sentinel: a post of another communicator refused at once (a second receive
+            // block), answered after every post above.
+            let mut bad = stuck_post(0, vec![0, 0], vec![0, 1]);
+            bad.comm = CommId { leader: 0, id: 79 };
+            bad.recv_counts.push(0);
+            bad.recv_displs.push(0);
+            ch.send(&HostToSp::Post(Box::new(bad))).unwrap();
             ch.get_ref()
-                .set_read_timeout(Some(Duration::from_millis(1000)))
+                .set_read_timeout(Some(Duration::from_secs(60)))
                 .unwrap();
             let (mut refused, mut ok, mut failed, mut first) = (0, 0, 0, String::new());
-            while let Ok(m) = ch.recv::<SpToHost>() {
-                match m {
-                    SpToHost::Error { message, .. } => {
+            loop {
+                match ch.recv::<SpToHost>() {
+                    Ok(SpToHost::Error {
+                        comm: Some(CommId { leader: 0, id: 79 }),
+                        ..
+                    }) => break,
+                    Ok(SpToHost::Error { message, .. }) => {
                         refused += 1;
                         if first.is_empty() {
                             first = message;
                         }
                     }
-                    SpToHost::Completed { status, .. } if status == mailbox::STATUS_OK => ok += 1,
-                    SpToHost::Completed { .. } => failed += 1,
-                    _ => {}
+                    Ok(SpToHost::Completed { status, .. }) if status == mailbox::STATUS_OK => {
+                        ok += 1
+                    }
+                    Ok(SpToHost::Completed { .. }) => failed += 1,
+                    Ok(_) => {}
+                    Err(e) => {
+                        say(format!("LOST {e}"));
+                        break;
+                    }
                 }
             }
+            // Completions so far (the roots' may come later); refusals: all of them.
             say(format!("HELD ok {ok} failed {failed} refused {refused}"));
             say(format!("FIRST-REFUSAL {first}"));
-            std::thread::sleep(Duration::from_millis(n("HOLD_MS")));
+            // Hold the job's collectives until the test is done with its own job (at most 60 s).
+            let t = Instant::now();
+            let until = std::path::PathBuf::from(var("HOLD_UNTIL"));
+            while !until.exists() && t.elapsed() < Duration::from_secs(60) {
+                std::thread::sleep(Duration::from_millis(20));
+            }
         }
         // Issue 24, item 4: alltoallv posts on a communicator of all WORLD ranks of the job (the
         // credential's world size), every one served by this SP, which only rank 0 ever posts:
