@@ -369,6 +369,10 @@ pub struct Limits {
     pub max_instances_per_job: usize,
     /// Bytes a host connection may leave unread (completions, copies, errors are small).
     pub max_host_out_bytes: usize,
+    /// SP memory the posts of one rank connection, one job and one uid may hold.
+    pub held: crate::held::HeldLimits,
+    /// The shares of the staging memory one job and one uid's jobs may hold.
+    pub staging_shares: crate::staging::Shares,
 }
 
 impl Default for Limits {
@@ -381,6 +385,8 @@ impl Default for Limits {
             max_posts_per_rank: 8192,
             max_instances_per_job: 1 << 16,
             max_host_out_bytes: 16 << 20,
+            held: Default::default(),
+            staging_shares: Default::default(),
         }
     }
 }

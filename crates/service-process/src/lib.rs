@@ -19,6 +19,7 @@ pub mod deploy;
 pub mod drivers;
 #[doc(hidden)]
 pub mod fuzz_targets;
+pub mod held;
 pub mod hostlist;
 pub mod launch;
 pub mod launch_mpi;

@@ -82,6 +82,17 @@ enum Cmd {
         /// Open collective instances of one job on this SP; beyond it a post is refused.
         #[arg(long, default_value_t = 1 << 16)]
         max_instances_per_job: usize,
+        /// SP memory the posts of one rank may hold (MiB, estimated from their communicator
+        /// sizes: about 0.5 KiB per member); a post beyond it is refused with an error.
+        #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
+        max_held_mib_per_rank: u64,
+        /// SP memory the posts of one job may hold, all its ranks here together (MiB).
+        #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
+        max_held_mib_per_job: u64,
+        /// SP memory the posts of one user's jobs may hold together (MiB; the user is the uid
+        /// the job credentials name).
+        #[arg(long, default_value_t = 2048, value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
+        max_held_mib_per_uid: u64,
         /// Milliseconds between heartbeats to peer SPs and to hosts waiting for this SP.
         #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(10..=60_000))]
         heartbeat_ms: u64,
@@ -126,6 +137,14 @@ enum Cmd {
         /// collective that would exceed it fails with an error.
         #[arg(long, default_value_t = 256)]
         staging_mib: u64,
+        /// The share of --staging-mib one job may hold, in percent; its staged collectives
+        /// beyond it fail with an error (other jobs' go on).
+        #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u64).range(1..=100))]
+        staging_job_share: u64,
+        /// The share of --staging-mib the jobs of one user (the credentials' uid) may hold
+        /// together, in percent.
+        #[arg(long, default_value_t = 75, value_parser = clap::value_parser!(u64).range(1..=100))]
+        staging_uid_share: u64,
         /// Pin the SP to these CPUs (e.g. `1` or `0,2-3`).
         #[arg(long)]
         cpus: Option<CpuList>,
@@ -298,6 +317,9 @@ fn run(cli: Cli) -> Result<i32> {
             hello_timeout_ms,
             max_posts_per_rank,
             max_instances_per_job,
+            max_held_mib_per_rank,
+            max_held_mib_per_job,
+            max_held_mib_per_uid,
             heartbeat_ms,
             peer_timeout_ms,
             listen_fd,
@@ -309,6 +331,8 @@ fn run(cli: Cli) -> Result<i32> {
             stage_chunk_bytes,
             stage_slots,
             staging_mib,
+            staging_job_share,
+            staging_uid_share,
             cpus,
             realtime,
             poll_us,
@@ -402,6 +426,15 @@ fn run(cli: Cli) -> Result<i32> {
                     hello_timeout: Duration::from_millis(hello_timeout_ms),
                     max_posts_per_rank,
                     max_instances_per_job,
+                    held: service_process::held::HeldLimits {
+                        per_rank: max_held_mib_per_rank << 20,
+                        per_job: max_held_mib_per_job << 20,
+                        per_uid: max_held_mib_per_uid << 20,
+                    },
+                    staging_shares: service_process::staging::Shares {
+                        job_percent: staging_job_share,
+                        uid_percent: staging_uid_share,
+                    },
                     ..Limits::default()
                 },
             };

@@ -6,10 +6,13 @@
 //! they copy between hosts (with `cma`, one `process_vm_readv`/`writev` per copy). Staging is
 //! bounded per SP ([`Budget`]): an instance reserves its buffers when it starts, and an
 //! instance that does not fit is refused with an error, never allocated past the bound. No
-//! size here comes from a user count: buffers are the configured chunk size.
+//! size here comes from a user count: buffers are the configured chunk size. One job, and the
+//! jobs of one user, may hold only a share of the bound ([`Shares`]): a job that holds
+//! collectives open cannot make every other job's staged collectives fail.
 
 use alias_mkey::{AliasKey, BackendData, Grant, Owner, Rights};
 use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
 use std::rc::Rc;
 
 /// One staging buffer.
@@ -85,12 +88,65 @@ pub struct StageSet {
     bytes: u64,
     used: Rc<Cell<u64>>,
     pool: Rc<RefCell<Vec<Stage>>>,
+    /// Whose share the bytes count against: the job, and its uid when known here.
+    owner: (u64, Option<u32>),
+    by_owner: Rc<RefCell<ByOwner>>,
 }
 
 impl Drop for StageSet {
     fn drop(&mut self) {
         self.used.set(self.used.get().saturating_sub(self.bytes));
         self.pool.borrow_mut().append(&mut self.slots);
+        self.by_owner.borrow_mut().sub(self.owner, self.bytes);
+    }
+}
+
+/// The shares of one job and of one uid's jobs together, in percent of the bound.
+#[derive(Clone, Copy, Debug)]
+pub struct Shares {
+    pub job_percent: u64,
+    pub uid_percent: u64,
+}
+
+impl Default for Shares {
+    /// Half for a job (two jobs always fit), three quarters for a user's jobs (another user
+    /// always finds a quarter).
+    fn default() -> Self {
+        Shares {
+            job_percent: 50,
+            uid_percent: 75,
+        }
+    }
+}
+
+/// Staging bytes in use by job and by uid.
+#[derive(Debug, Default)]
+struct ByOwner {
+    job: HashMap<u64, u64>,
+    uid: HashMap<u32, u64>,
+}
+
+impl ByOwner {
+    fn add(&mut self, (job, uid): (u64, Option<u32>), b: u64) {
+        *self.job.entry(job).or_default() += b;
+        if let Some(u) = uid {
+            *self.uid.entry(u).or_default() += b;
+        }
+    }
+
+    fn sub(&mut self, (job, uid): (u64, Option<u32>), b: u64) {
+        fn take<K: std::hash::Hash + Eq>(m: &mut HashMap<K, u64>, k: K, b: u64) {
+            if let Some(v) = m.get_mut(&k) {
+                *v = v.saturating_sub(b);
+                if *v == 0 {
+                    m.remove(&k);
+                }
+            }
+        }
+        take(&mut self.job, job, b);
+        if let Some(u) = uid {
+            take(&mut self.uid, u, b);
+        }
     }
 }
 
@@ -104,22 +160,70 @@ pub struct Budget {
     /// Most bytes reserved at once.
     pub peak: u64,
     next_region: u64,
+    shares: Shares,
+    by_owner: Rc<RefCell<ByOwner>>,
 }
 
 impl Budget {
     pub fn new(limit: u64) -> Budget {
+        Self::with_shares(limit, Shares::default())
+    }
+
+    pub fn with_shares(limit: u64, shares: Shares) -> Budget {
         Budget {
             limit,
             used: Rc::new(Cell::new(0)),
             pool: Rc::new(RefCell::new(Vec::new())),
             peak: 0,
             next_region: 1,
+            shares,
+            by_owner: Rc::default(),
         }
     }
 
-    /// `slots` buffers of `chunk` bytes for an instance of `job`, or why not.
-    pub fn reserve(&mut self, job: u64, slots: u32, chunk: u64) -> Result<StageSet, String> {
+    /// Whether `b` more bytes for `job` (of `uid`, when known here) stay inside their shares;
+    /// if not, why.
+    fn share_refusal(&self, job: u64, uid: Option<u32>, b: u64) -> Option<String> {
+        let by = self.by_owner.borrow();
+        let share = |percent: u64| (self.limit as u128 * percent.min(100) as u128 / 100) as u64;
+        let job_held = by.job.get(&job).copied().unwrap_or(0);
+        let job_share = share(self.shares.job_percent);
+        // A share of 100 % is the bound itself, which `reserve` checks.
+        if self.shares.job_percent < 100 && job_held.saturating_add(b) > job_share {
+            return Some(format!(
+                "this job's share of the staging memory is exhausted: it holds {job_held} of \
+                 its {job_share} bytes ({}% of {}, serve --staging-job-share), {b} more \
+                 needed (have fewer staged collectives outstanding)",
+                self.shares.job_percent, self.limit
+            ));
+        }
+        let uid_held = uid.and_then(|u| by.uid.get(&u).copied()).unwrap_or(0);
+        let uid_share = share(self.shares.uid_percent);
+        if self.shares.uid_percent < 100 && uid.is_some() && uid_held.saturating_add(b) > uid_share
+        {
+            return Some(format!(
+                "the share of the staging memory of this job's user is exhausted: its jobs \
+                 hold {uid_held} of its {uid_share} bytes ({}% of {}, serve \
+                 --staging-uid-share), {b} more needed",
+                self.shares.uid_percent, self.limit
+            ));
+        }
+        None
+    }
+
+    /// `slots` buffers of `chunk` bytes for an instance of `job` (run by `uid`, if a rank of
+    /// the job is connected here), or why not.
+    pub fn reserve(
+        &mut self,
+        job: u64,
+        uid: Option<u32>,
+        slots: u32,
+        chunk: u64,
+    ) -> Result<StageSet, String> {
         let bytes = chunk.checked_mul(slots as u64);
+        if let Some(why) = bytes.and_then(|b| self.share_refusal(job, uid, b)) {
+            return Err(why);
+        }
         match bytes.and_then(|b| self.used.get().checked_add(b).map(|n| (b, n))) {
             Some((b, n)) if n <= self.limit => {
                 self.used.set(n);
@@ -140,11 +244,14 @@ impl Budget {
                         },
                     )
                     .collect();
+                self.by_owner.borrow_mut().add((job, uid), b);
                 Ok(StageSet {
                     slots,
                     bytes: b,
                     used: self.used.clone(),
                     pool: self.pool.clone(),
+                    owner: (job, uid),
+                    by_owner: self.by_owner.clone(),
                 })
             }
             _ => Err(format!(
@@ -167,25 +274,56 @@ mod tests {
 
     #[test]
     fn budget_refuses_past_the_limit_and_gives_back_on_drop() {
-        let mut b = Budget::new(100);
-        let a = b.reserve(1, 3, 20).unwrap();
+        let all = Shares {
+            job_percent: 100,
+            uid_percent: 100,
+        };
+        let mut b = Budget::with_shares(100, all);
+        let a = b.reserve(1, None, 3, 20).unwrap();
         assert_eq!(a.slots.len(), 3);
-        let e = b.reserve(1, 2, 21).err().unwrap();
+        let e = b.reserve(1, None, 2, 21).err().unwrap();
         assert!(e.contains("60 of 100"), "{e}");
-        let c = b.reserve(1, 2, 20).unwrap();
+        let c = b.reserve(1, None, 2, 20).unwrap();
         assert_eq!(b.used(), 100);
         let a_addr = a.slots[0].key().grant.addr;
         drop(a);
         assert_eq!(b.used(), 40);
         assert_eq!(b.peak, 100);
         // The next instance reuses a buffer given back, named for its own job.
-        let d = b.reserve(9, 1, 20).unwrap();
+        let d = b.reserve(9, None, 1, 20).unwrap();
         assert_eq!(d.slots[0].key().grant.addr, a_addr);
         assert_eq!(d.slots[0].key().owner.job, 9);
         drop(d);
-        assert!(b.reserve(1, u32::MAX, u64::MAX).is_err());
+        assert!(b.reserve(1, None, u32::MAX, u64::MAX).is_err());
         drop(c);
         assert_eq!(b.used(), 0);
+    }
+
+    #[test]
+    fn a_job_and_a_user_hold_only_their_share() {
+        let mut b = Budget::new(100);
+        // Job 1 of uid 7: half.
+        let a: Vec<StageSet> = (0..5)
+            .map(|_| b.reserve(1, Some(7), 1, 10).unwrap())
+            .collect();
+        let e = b.reserve(1, Some(7), 1, 10).err().unwrap();
+        assert!(
+            e.contains("--staging-job-share") && e.contains("50 of its 50"),
+            "{e}"
+        );
+        // Job 2 of uid 7: the user's three quarters.
+        let c: Vec<StageSet> = (0..2)
+            .map(|_| b.reserve(2, Some(7), 1, 10).unwrap())
+            .collect();
+        let e = b.reserve(2, Some(7), 1, 10).err().unwrap();
+        assert!(e.contains("--staging-uid-share"), "{e}");
+        // Another user's job still finds room.
+        let d = b.reserve(3, Some(8), 2, 10).unwrap();
+        drop(a);
+        assert!(b.reserve(1, Some(7), 5, 10).is_ok());
+        drop((c, d));
+        assert_eq!(b.used(), 0);
+        assert!(b.by_owner.borrow().job.is_empty() && b.by_owner.borrow().uid.is_empty());
     }
 
     #[test]

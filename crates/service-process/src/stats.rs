@@ -63,6 +63,8 @@ pub struct Stats {
     /// `Limits::max_pending_hellos` were waiting (the oldest of the source holding the most).
     pub hellos_evicted: u64,
     pub posts_refused: u64,
+    /// Most SP memory the hosts' posts held at once (estimated, see `held::post_bytes`).
+    pub held_peak_bytes: u64,
     /// Peer SPs dropped for sending nothing (not even a heartbeat) for `--peer-timeout-ms`.
     pub peers_silent: u64,
     /// Looks of a polling event loop (`serve --poll-us`) that found nothing (0 without it).

@@ -306,7 +306,18 @@ fn a_bcast_beyond_the_staging_bound_fails_instead_of_allocating() {
     );
     let job = new_job();
     let mut hosts = Host::connect_all(&set, job, 4);
-    let got = flat_bcast(&mut hosts, &set, 0, 0, 100_000);
+    let bufs = bcast_bufs(4, 0, &[9u8; 100_000]);
+    let descs = flat_descs(&mut hosts, &set, CommId { leader: 0, id: 1 }, 0, 0, &bufs);
+    let posted = post_each(&mut hosts, descs);
+    // Each rank is told why (the job's share of the staging cannot hold an instance).
+    for h in hosts.iter_mut() {
+        let m = refusal(h.recv(), ErrorCode::BadDescriptor, "staging");
+        assert!(m.contains("--staging-job-share"), "{m}");
+    }
+    let got: Vec<Option<u32>> = posted
+        .iter()
+        .map(|&(h, slot, token)| hosts[h].wait(slot, token, WAIT))
+        .collect();
     assert!(got.iter().all(|g| g.is_some()), "{got:?}");
     assert!(
         got.iter().filter(|&&g| g != Some(STATUS_OK)).count() >= 3,

@@ -19,6 +19,8 @@ pub static SPEC: KindSpec = KindSpec {
     region_len: |d| d.send_counts[0].max(d.recv_counts[0]),
     check_desc,
     recv_rights: (Rights::WRITE, ""),
+    // Measured: 17 bytes per member beyond the descriptor.
+    state_bytes_per_member: 64,
 };
 
 /// One block each way, at offset 0, one of them empty (the root only sends, the others only

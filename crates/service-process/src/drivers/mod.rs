@@ -233,6 +233,10 @@ pub struct KindSpec {
     /// The rights the receive grant must give, and why when that is more than writing (said
     /// in the refusal).
     pub recv_rights: (Rights, &'static str),
+    /// Bytes a post of the kind makes the SP hold per member of its communicator, beyond the
+    /// descriptor's vectors: an upper estimate, measured with a 4096-rank communicator whose
+    /// other ranks never post (`security_budgets.rs`); `crate::held` charges it.
+    pub state_bytes_per_member: u64,
 }
 
 /// Every kind the engine serves.

@@ -19,6 +19,8 @@ pub static SPEC: KindSpec = KindSpec {
     region_len: |d| d.recv_counts.iter().sum(),
     check_desc,
     recv_rights: (Rights::WRITE, ""),
+    // Measured: 145 bytes per member beyond the descriptor.
+    state_bytes_per_member: 256,
 };
 
 /// This rank's one block at offset 0, and equal blocks in rank order on the receive side

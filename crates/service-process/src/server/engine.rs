@@ -14,20 +14,28 @@ impl Server {
                 shape: None,
                 local_ranks: None,
                 stages: None,
+                staging_refused: None,
+                holds: Vec::new(),
             };
             if drivers::spec(kind).staging {
+                // Instances exist only for jobs with a rank connected here (a peer's message
+                // for another job is refused), so the job's uid is known.
+                let uid = self.jobs.get(&ck.job).map(|j| j.uid);
                 match self
                     .budget
-                    .reserve(ck.job, self.staged.slots, self.staged.chunk_bytes)
+                    .reserve(ck.job, uid, self.staged.slots, self.staged.chunk_bytes)
                 {
                     Ok(set) => {
                         self.stats.staging_peak_bytes = self.budget.peak;
                         inst.stages = Some(set);
                     }
                     Err(why) => {
-                        warn!(sp = self.me, ?ck, "{why}; the collective fails");
+                        // Client-caused: one job holding its share must not flood the log.
+                        let line = format!("{why}; the collective {ck:?} fails");
+                        self.client_warn(|| line);
                         self.stats.staging_refused += 1;
                         inst.sm.abort(now_ns(self.start), Status::Aborted);
+                        inst.staging_refused = Some(why);
                     }
                 }
             }

@@ -100,6 +100,7 @@ impl Server {
         );
         let job = self.jobs.entry(cred.job).or_default();
         job.world_size = cred.world_size;
+        job.uid = cred.uid;
         job.hosts.insert(key);
         job.ranks.insert(hello.world_rank);
         if let std::collections::hash_map::Entry::Vacant(e) = job.sp_of_rank.entry(hello.world_rank)
@@ -289,6 +290,11 @@ impl Server {
                     self.abort_unposted(job);
                 }
                 self.forget_job_if_done(job);
+                // The job may live on (its other ranks), the memory of this rank's posts is
+                // free: once a lot of it is, the allocator is asked to return it.
+                if self.held.released_over(GIVE_BACK_BYTES) {
+                    crate::held::give_back_memory();
+                }
             }
         }
     }

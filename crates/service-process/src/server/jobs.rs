@@ -59,6 +59,8 @@ impl Server {
             self.peer_slots.retain(|(k, _, _), _| k.job != job);
             self.arenas.remove(&job);
             self.job_gone_here(job);
+            // What the job's posts held is free now: have the allocator return it.
+            crate::held::give_back_memory();
         }
     }
 

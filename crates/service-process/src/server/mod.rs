@@ -81,6 +81,10 @@ const CONN_BASE: usize = 16;
 /// `PIDFD_BASE + k`.
 const PIDFD_BASE: usize = 1 << 40;
 
+/// Bytes of posts given back (see `held`) after which a closing host connection has the
+/// allocator return free memory to the system.
+const GIVE_BACK_BYTES: u64 = 64 << 20;
+
 /// Collective instances remembered as finished per job, so that a stray late message cannot
 /// re-create one; beyond this the oldest are forgotten.
 const MAX_FINISHED_PER_JOB: usize = 1 << 16;
@@ -233,6 +237,10 @@ struct Instance {
     local_ranks: Option<usize>,
     /// Staging slots of a staged collective (given back to the budget with the instance).
     stages: Option<StageSet>,
+    /// Why the budget refused the instance its staging (it was aborted), for the rank posting.
+    staging_refused: Option<String>,
+    /// The SP memory its local posts hold (given back to the ledger with the instance).
+    holds: Vec<crate::held::Hold>,
 }
 
 /// Most admin requests an SP answers per two minutes (`auth::AdminReplays`): a launcher's
@@ -243,6 +251,8 @@ const ADMIN_REQUESTS_KEPT: usize = 16384;
 struct Job {
     /// World size of the job (from its credential): places any of its ranks on a node.
     world_size: u32,
+    /// The uid its credential names.
+    uid: u32,
     hosts: HashSet<usize>,
     /// The world ranks connected here (one connection each).
     ranks: HashSet<u32>,
@@ -309,6 +319,8 @@ pub struct Server {
     /// child, the `Chunk` message to send it once the bytes are there and their length.
     ucx_moves: HashMap<u64, (CollKey, u64, SpId, CollMsg, u64)>,
     budget: Budget,
+    /// The SP memory the posts of each rank, job and uid hold.
+    held: crate::held::Ledger,
     /// Segment regions per job (hierarchical staged designs), and the region of each instance.
     arenas: HashMap<u64, Arena>,
     regions: HashMap<CollKey, Region>,
@@ -486,7 +498,8 @@ impl Server {
             stage_ucx,
             peer_slots: HashMap::new(),
             ucx_moves: HashMap::new(),
-            budget: Budget::new(cfg.staging_bytes),
+            budget: Budget::with_shares(cfg.staging_bytes, cfg.limits.staging_shares),
+            held: crate::held::Ledger::new(cfg.limits.held),
             poll_interval: cfg.poll_interval,
             arenas: HashMap::new(),
             regions: HashMap::new(),

@@ -77,11 +77,14 @@ impl Server {
             seq: d.seq,
         };
         // Every post from here on gets exactly one completion.
-        let (world_rank, outstanding) = {
+        let (world_rank, outstanding, conn_id) = {
             let h = self.host(key);
-            (h.hello.world_rank, h.outstanding)
+            (h.hello.world_rank, h.outstanding, h.conn_id)
         };
-        let world_size = self.jobs.get(&job).map_or(0, |j| j.world_size);
+        let (world_size, uid) = self
+            .jobs
+            .get(&job)
+            .map_or((0, u32::MAX), |j| (j.world_size, j.uid));
         if let Role::Host(h) = &mut self.conns[key].role {
             h.outstanding += 1;
         }
@@ -105,11 +108,26 @@ impl Server {
         } else {
             None
         };
-        if let Some(why) = over {
-            self.stats.posts_refused += 1;
-            self.send_error(key, Some(&d), ErrorCode::BadDescriptor, why);
-            return self.write_completion(self.posted(key, d.slot, d.token), Status::InvalidPost);
-        }
+        // The SP memory the post will hold (its vectors, the state it creates per member),
+        // counted against its connection, job and uid until its instance goes.
+        let hold = match over {
+            Some(why) => Err(why),
+            None => self
+                .held
+                .take(conn_id, job, uid, crate::held::post_bytes(&d)),
+        };
+        let hold = match hold {
+            Ok(h) => {
+                self.stats.held_peak_bytes = self.stats.held_peak_bytes.max(self.held.total());
+                h
+            }
+            Err(why) => {
+                self.stats.posts_refused += 1;
+                self.send_error(key, Some(&d), ErrorCode::BadDescriptor, why);
+                return self
+                    .write_completion(self.posted(key, d.slot, d.token), Status::InvalidPost);
+            }
+        };
         if let Err((code, message)) = self.check_post(&d, world_rank, world_size, ck) {
             let members_ok = code == ErrorCode::BadDescriptor
                 && d.members.len() > d.comm_rank as usize
@@ -224,6 +242,12 @@ impl Server {
             ..self.posted(key, d.slot, d.token)
         };
         let me = self.me;
+        // A staged instance refused its staging (its job's share is used up) was aborted: the
+        // rank learns why.
+        if let Some(why) = self.instance(ck, d.kind).staging_refused.clone() {
+            self.stats.posts_refused += 1;
+            self.send_error(key, Some(&d), ErrorCode::BadDescriptor, why);
+        }
         let inst = self.instance(ck, d.kind);
         inst.local_ranks = Some(d.members.iter().filter(|&&sp| sp == me).count());
         if inst.shape.is_none() {
@@ -247,6 +271,7 @@ impl Server {
         match inst.sm.handle_post(now, post) {
             Ok(()) => {
                 inst.posted.insert(comm_rank, posted);
+                inst.holds.push(hold);
                 if let Some(status) = failed {
                     inst.sm.abort(now, status);
                 }

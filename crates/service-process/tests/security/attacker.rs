@@ -161,6 +161,61 @@ fn stuck_post(seq: u64, members: Vec<u32>, world: Vec<u32>) -> wire::PostDesc {
     d
 }
 
+/// A post of `kind` by world rank `rank` (its comm rank) on a communicator of all `world` ranks
+/// of the job, every one served by SP 0, with empty blocks in grant `g`.
+fn wide_post(
+    kind: &str,
+    world: u32,
+    rank: u32,
+    seq: u64,
+    id: u32,
+    g: &alias_mkey::Grant,
+) -> wire::PostDesc {
+    let p = world as usize;
+    let mut d = desc(
+        CommId { leader: 0, id },
+        seq,
+        rank,
+        vec![0; p],
+        0,
+        g.clone(),
+        g.clone(),
+        (vec![0; p], vec![0; p], vec![0; p], vec![0; p]),
+    );
+    d.slot = None;
+    d.token = seq + 1;
+    d.world_ranks = (0..world).collect();
+    let staged = || {
+        Some(wire::Staged {
+            root: 0,
+            design: wire::StagedDesign::Flat,
+            segment: None,
+        })
+    };
+    match kind {
+        "allgatherv" => {
+            d.kind = wire::CollKind::Allgatherv;
+            (d.send_counts, d.send_displs) = (vec![0], vec![0]);
+            d.nodes = vec![0; p];
+        }
+        "bcast" => {
+            d.kind = wire::CollKind::Bcast;
+            (d.send_counts, d.send_displs) = (vec![0], vec![0]);
+            (d.recv_counts, d.recv_displs) = (vec![0], vec![0]);
+            d.nodes = vec![0; p];
+            d.staged = staged();
+        }
+        "staged-allgather" => {
+            d.kind = wire::CollKind::StagedAllgather;
+            (d.send_counts, d.send_displs) = (vec![0], vec![0]);
+            d.nodes = vec![0; p];
+            d.staged = staged();
+        }
+        _ => {}
+    }
+    d
+}
+
 /// The attacker subprocess: what `SPOFF_ATTACK` names, or nothing without it.
 pub fn run() {
     let Ok(mode) = std::env::var("SPOFF_ATTACK") else {
@@ -441,6 +496,193 @@ pub fn run() {
                     Err(e) => say(format!("OTHER {e}")),
                 },
                 Err(e) => say(format!("CLOSED {e}")),
+            }
+        }
+        // Issue 24, item 3: staged broadcasts that never complete, as many as asked for, from
+        // rank 0 (the root) of a 2-rank job whose rank 1 (on the same SP) stays connected and
+        // never posts; the answers are counted, then the connections are held until the file
+        // HOLD_UNTIL exists.
+        "hold-bcasts" => {
+            let sock = var("SOCK");
+            let Some(mut ch) = registered(&sock, var("CRED"), 0, 2, 0) else {
+                return;
+            };
+            let Some(_other) = registered(&sock, var("CRED"), 1, 2, 0) else {
+                return;
+            };
+            let data: &'static [u8] = Box::leak(vec![7u8; 64].into_boxed_slice());
+            let mut reg = alias_mkey::host::Registrar::new();
+            for i in 0..n("POSTS") {
+                let mut d = desc(
+                    CommId { leader: 0, id: 78 },
+                    i,
+                    0,
+                    vec![0, 0],
+                    0,
+                    reg.register(data.as_ptr() as u64, 64, Rights::READ),
+                    reg.register(data.as_ptr() as u64, 0, Rights::WRITE),
+                    (vec![64], vec![0], vec![0], vec![0]),
+                );
+                d.kind = wire::CollKind::Bcast;
+                d.slot = None;
+                d.token = i + 1;
+                d.world_ranks = vec![0, 1];
+                d.nodes = vec![0, 0];
+                d.staged = Some(wire::Staged {
+                    root: 0,
+                    design: wire::StagedDesign::Flat,
+                    segment: None,
+                });
+                ch.send(&HostToSp::Post(Box::new(d))).unwrap();
+            }
+            // The sentinel: a post of another communicator refused at once (a second receive
+            // block), answered after every post above.
+            let mut bad = stuck_post(0, vec![0, 0], vec![0, 1]);
+            bad.comm = CommId { leader: 0, id: 79 };
+            bad.recv_counts.push(0);
+            bad.recv_displs.push(0);
+            ch.send(&HostToSp::Post(Box::new(bad))).unwrap();
+            ch.get_ref()
+                .set_read_timeout(Some(Duration::from_secs(60)))
+                .unwrap();
+            let (mut refused, mut ok, mut failed, mut first) = (0, 0, 0, String::new());
+            loop {
+                match ch.recv::<SpToHost>() {
+                    Ok(SpToHost::Error {
+                        comm: Some(CommId { leader: 0, id: 79 }),
+                        ..
+                    }) => break,
+                    Ok(SpToHost::Error { message, .. }) => {
+                        refused += 1;
+                        if first.is_empty() {
+                            first = message;
+                        }
+                    }
+                    Ok(SpToHost::Completed { status, .. }) if status == mailbox::STATUS_OK => {
+                        ok += 1
+                    }
+                    Ok(SpToHost::Completed { .. }) => failed += 1,
+                    Ok(_) => {}
+                    Err(e) => {
+                        say(format!("LOST {e}"));
+                        break;
+                    }
+                }
+            }
+            // Completions so far (the roots' may come later); refusals: all of them.
+            say(format!("HELD ok {ok} failed {failed} refused {refused}"));
+            say(format!("FIRST-REFUSAL {first}"));
+            // Hold the job's collectives until the test is done with its own job (at most 60 s).
+            let t = Instant::now();
+            let until = std::path::PathBuf::from(var("HOLD_UNTIL"));
+            while !until.exists() && t.elapsed() < Duration::from_secs(60) {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        // Issue 24, item 4: alltoallv posts on a communicator of all WORLD ranks of the job (the
+        // credential's world size), every one served by this SP, which only rank 0 ever posts:
+        // each instance waits for ranks that never come. Once the SP has taken them in (a
+        // bad post at the end is answered after them), the SP's resident memory (SP_PID) is
+        // said, and the connection closed.
+        "wide-posts" => {
+            let world = n("WORLD") as u32;
+            let Some(mut ch) = registered(&var("SOCK"), var("CRED"), 0, world, 0) else {
+                return;
+            };
+            let mut reg = alias_mkey::host::Registrar::new();
+            let g = reg.register(0x1000, 16, Rights::READ_WRITE);
+            // KIND: alltoallv (the default), allgatherv, bcast (flat, rank 0 the root) or
+            // staged-allgather (flat).
+            let kind = std::env::var("KIND").unwrap_or_else(|_| "alltoallv".into());
+            let post = |seq: u64, id: u32| wide_post(&kind, world, 0, seq, id, &g);
+            let t = Instant::now();
+            for i in 0..n("POSTS") {
+                ch.send(&HostToSp::Post(Box::new(post(i, 79)))).unwrap();
+            }
+            // The sentinel: refused (counts of another length), answered after every post.
+            let mut bad = post(0, 80);
+            bad.send_counts.pop();
+            ch.send(&HostToSp::Post(Box::new(bad))).unwrap();
+            ch.get_ref()
+                .set_read_timeout(Some(Duration::from_secs(60)))
+                .unwrap();
+            let (mut refused, mut first) = (0, String::new());
+            loop {
+                match ch.recv::<SpToHost>() {
+                    Ok(SpToHost::Error { comm, message, .. }) => {
+                        if comm == Some(CommId { leader: 0, id: 80 }) {
+                            break;
+                        }
+                        refused += 1;
+                        if first.is_empty() {
+                            first = message;
+                        }
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        say(format!("LOST {e}"));
+                        break;
+                    }
+                }
+            }
+            let rss = crate::common::procfs::rss_kib(n("SP_PID") as u32).unwrap_or(0);
+            say(format!(
+                "TAKEN-IN refused {refused} rss_kib {rss} in_ms {}",
+                t.elapsed().as_millis()
+            ));
+            say(format!("FIRST-REFUSAL {first}"));
+        }
+        // Issue 24, item 4: wide alltoallv posts (see `wide_post`) from several connections at
+        // once: world ranks RANKS (comma-separated) of the job of CRED, then RANKS2 of the job of
+        // CRED2 (both of WORLD ranks), POSTS each, one connection after the other while all
+        // stay open; for each, the posts refused and the first refusal.
+        "wide-posts-jobs" => {
+            let world = n("WORLD") as u32;
+            let mut reg = alias_mkey::host::Registrar::new();
+            let g = reg.register(0x1000, 16, Rights::READ_WRITE);
+            let mut conns = vec![];
+            for (cred, ranks) in [("CRED", "RANKS"), ("CRED2", "RANKS2")] {
+                let Ok(list) = std::env::var(ranks) else {
+                    continue;
+                };
+                for r in list.split(',').map(|r| r.parse::<u32>().unwrap()) {
+                    let Some(ch) = registered(&var("SOCK"), var(cred), r, world, 0) else {
+                        return;
+                    };
+                    conns.push((format!("{cred}:{r}"), r, ch));
+                }
+            }
+            for (name, r, ch) in conns.iter_mut() {
+                for i in 0..n("POSTS") {
+                    let d = wide_post("alltoallv", world, *r, i, 81, &g);
+                    ch.send(&HostToSp::Post(Box::new(d))).unwrap();
+                }
+                let mut bad = wide_post("alltoallv", world, *r, 0, 82, &g);
+                bad.send_counts.pop();
+                ch.send(&HostToSp::Post(Box::new(bad))).unwrap();
+                ch.get_ref()
+                    .set_read_timeout(Some(Duration::from_secs(60)))
+                    .unwrap();
+                let (mut refused, mut first) = (0, String::new());
+                loop {
+                    match ch.recv::<SpToHost>() {
+                        Ok(SpToHost::Error { comm, message, .. }) => {
+                            if comm == Some(CommId { leader: 0, id: 82 }) {
+                                break;
+                            }
+                            refused += 1;
+                            if first.is_empty() {
+                                first = message;
+                            }
+                        }
+                        Ok(_) => {}
+                        Err(e) => {
+                            say(format!("LOST {e}"));
+                            break;
+                        }
+                    }
+                }
+                say(format!("{name} refused {refused}: {first}"));
             }
         }
         other => panic!("unknown attack {other}"),
