@@ -32,6 +32,33 @@ use tracing::warn;
 
 /// A would-be peer must finish its handshake within this.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Pause before the connecting side tries a failed handshake again.
+const RETRY_PAUSE: Duration = Duration::from_millis(100);
+
+/// What a handshake read's error says: a read that timed out is reported as such (the socket's
+/// read timeout shows as `EAGAIN`, "Resource temporarily unavailable", which told nothing).
+fn read_error(e: wire::FrameError) -> String {
+    match e {
+        wire::FrameError::Io(e)
+            if matches!(
+                e.kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+            ) =>
+        {
+            format!("nothing within {HANDSHAKE_TIMEOUT:?}")
+        }
+        e => e.to_string(),
+    }
+}
+
+/// Whether the connecting side's handshake failed on the connection (a peer slow to answer,
+/// a connection closed or reset: worth another connection) rather than on what the peer said
+/// (a refusal, a failed proof: final).
+fn worth_retrying(e: &anyhow::Error) -> bool {
+    e.downcast_ref::<wire::FrameError>()
+        .is_some_and(|f| matches!(f, wire::FrameError::Io(_) | wire::FrameError::Closed))
+        || e.downcast_ref::<io::Error>().is_some()
+}
 
 fn ch_into_inner(ch: wire::Channel<TcpStream>) -> TcpStream {
     ch.get_ref().try_clone().expect("dup of a connected socket")
@@ -54,7 +81,21 @@ fn prove_to(
         cluster_fingerprint: fingerprint,
         nonce: na,
     }))?;
-    match ch.recv_hello()? {
+    let answer = ch.recv_hello().map_err(|e| match e {
+        wire::FrameError::Io(io)
+            if matches!(
+                io.kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+            ) =>
+        {
+            wire::FrameError::Io(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("SP {peer} did not answer the hello within {HANDSHAKE_TIMEOUT:?}"),
+            ))
+        }
+        e => e,
+    })?;
+    match answer {
         Hello::SpWelcome {
             sp,
             nonce: nb,
@@ -97,7 +138,7 @@ fn check_peer(
     let h = match ch.recv_hello() {
         Ok(Hello::Sp(h)) => h,
         Ok(other) => return reject(&mut ch, format!("expected an SP hello, got {other:?}")),
-        Err(e) => return Err(format!("bad hello: {e}")),
+        Err(e) => return Err(format!("bad hello: {}", read_error(e))),
     };
     if h.cluster_fingerprint != fingerprint {
         return reject(
@@ -126,12 +167,21 @@ fn check_peer(
             format!("the would-be SP {} did not prove the cluster key", h.sp),
         ),
         Ok(other) => reject(&mut ch, format!("expected the SP's proof, got {other:?}")),
-        Err(e) => Err(format!("no proof from the would-be SP {}: {e}", h.sp)),
+        Err(e) => Err(format!(
+            "no proof from the would-be SP {}: {}",
+            h.sp,
+            read_error(e)
+        )),
     }
 }
 
 /// Connects to every lower-numbered SP and accepts every higher-numbered one, each proven by
 /// the handshake; returns the streams by SP id. Bounded by the backoff's deadline.
+///
+/// A handshake that fails on its connection (the peer did not answer in time: it is slow to
+/// start on a loaded machine, or held; or the connection was closed) is tried again on a new
+/// connection until the deadline: a slow peer delays the mesh, it does not fail it. A peer
+/// that refuses, or does not prove the key, fails it at once.
 pub fn connect_mesh(
     me: SpId,
     cluster: &Cluster,
@@ -141,17 +191,42 @@ pub fn connect_mesh(
 ) -> anyhow::Result<HashMap<SpId, TcpStream>> {
     let fingerprint = cluster.fingerprint();
     let mut peers = HashMap::new();
+    let deadline = Instant::now() + backoff.deadline;
     for peer in 0..me {
         let addr = cluster
             .sp(peer)
             .context("peer missing from cluster")?
             .peer_addr;
-        let s = connect_with_backoff(addr, backoff)
-            .with_context(|| format!("SP {me}: connecting to SP {peer} at {addr}"))?;
-        peers.insert(peer, prove_to(me, peer, s, fingerprint, key)?);
+        let mut tries = 0u32;
+        let s = loop {
+            tries += 1;
+            let left = Backoff {
+                deadline: deadline.saturating_duration_since(Instant::now()),
+                ..backoff
+            };
+            let s = connect_with_backoff(addr, left)
+                .with_context(|| format!("SP {me}: connecting to SP {peer} at {addr}"))?;
+            match prove_to(me, peer, s, fingerprint, key) {
+                Ok(s) => break s,
+                Err(e) if worth_retrying(&e) && Instant::now() + RETRY_PAUSE < deadline => {
+                    if tries <= 10 {
+                        warn!(
+                            "SP {me}: handshake with SP {peer} at {addr} failed ({e:#}); \
+                             trying again"
+                        );
+                    }
+                    std::thread::sleep(RETRY_PAUSE);
+                }
+                Err(e) => {
+                    return Err(e.context(format!(
+                        "SP {me}: handshake with SP {peer} at {addr} ({tries} tries)"
+                    )))
+                }
+            }
+        };
+        peers.insert(peer, s);
     }
     let total = cluster.sps.len() as SpId;
-    let deadline = Instant::now() + backoff.deadline;
     listener.set_nonblocking(true)?;
     let mut refused = 0u32;
     while (peers.len() as SpId) < total - 1 {
