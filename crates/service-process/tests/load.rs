@@ -24,6 +24,9 @@ use std::time::{Duration, Instant};
 
 const SENTINEL: u8 = 0x3C;
 
+/// A bcast's buffers (by rank), its data and its posts, before posting.
+type Prepared = (Vec<Vec<u8>>, Vec<u8>, Vec<PostDesc>);
+
 /// A flat bcast post of `buf` by world rank `r` (= comm rank) of a world communicator.
 #[allow(clippy::too_many_arguments)]
 fn bcast_desc(
@@ -273,7 +276,7 @@ fn a_stalled_transfer_holds_neither_the_event_loop_nor_the_sp_pair() {
     // Every buffer is filled first, then everything is posted at once.
     let len = 64 << 20;
     let data: Vec<u8> = (0..len).map(|i| (i * 31) as u8).collect();
-    let stalled: Vec<(Vec<Vec<u8>>, Vec<u8>, Vec<PostDesc>)> = (2..10)
+    let stalled: Vec<Prepared> = (2..10)
         .map(|comm| {
             let mut bufs = vec![data.clone()];
             bufs.extend((1..hosts.len()).map(|_| vec![SENTINEL; len]));
