@@ -1,11 +1,15 @@
 //! The datapath: worker threads that execute copies between granted regions, standing in for
 //! the DPU's DMA engine / DPA kernels.
 //!
-//! The event loop never blocks on a copy. It hands a [`CopyJob`] to the pool over a bounded
-//! crossbeam channel; a worker performs it with its own [`Mover`] and sends the [`CopyDone`]
-//! back, then wakes the loop through its `mio::Waker`. How many copies are active at once is
-//! decided by the engine (the per-SP `max_inflight_reads` gate), not here: the pool just has
-//! enough workers for that many.
+//! The event loop never blocks on a copy. It hands a [`CopyJob`] to the pool over a crossbeam
+//! channel; a worker performs it with its own [`Mover`] and sends the [`CopyDone`] back, then
+//! wakes the loop through its `mio::Waker`. How many copies are active at once is decided by
+//! the engine (the per-SP `max_inflight_reads` gate), not here, and that gate is also what
+//! bounds the channel: it is unbounded so that handing over a job never waits, even when the
+//! workers are fewer than the copies the gate admits (`--datapath-threads` below
+//! `--max-inflight-reads`) and each of them waits out a stalled UCX transfer (up to the mover's
+//! timeout, 10 s). A bounded channel made the loop wait there, and an event loop that waits
+//! sends no heartbeats: its peers then declared it stuck.
 
 use alias_mkey::mover::{DynMover, Mover, MoverConfig};
 use alias_mkey::{AccessError, AliasKey};
@@ -47,7 +51,7 @@ impl Datapath {
         wake: Arc<mio::Waker>,
     ) -> Result<Self, alias_mkey::AccessError> {
         let threads = threads.max(1);
-        let (job_tx, job_rx) = crossbeam_channel::bounded::<CopyJob>(threads * 4);
+        let (job_tx, job_rx) = crossbeam_channel::unbounded::<CopyJob>();
         let (done_tx, done_rx) = crossbeam_channel::unbounded::<CopyDone>();
         let mut workers = Vec::new();
         for i in 0..threads {
@@ -106,8 +110,7 @@ impl Datapath {
         })
     }
 
-    /// Queues a copy. The engine admits at most as many as the pool can hold, so this does not
-    /// block in practice; it would only wait for a worker to take a job.
+    /// Queues a copy; never waits (the engine's gate bounds how many are queued).
     pub fn submit(&self, job: CopyJob) {
         self.jobs
             .as_ref()

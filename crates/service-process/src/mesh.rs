@@ -38,6 +38,17 @@ use tracing::warn;
 
 /// A would-be peer must finish its handshake within this.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Pause before the connecting side tries a failed handshake again.
+const RETRY_PAUSE: Duration = Duration::from_millis(100);
+
+/// Whether the connecting side's handshake failed on the connection (a peer slow to answer,
+/// a connection closed or reset: worth another connection) rather than on what the peer said
+/// (a refusal, a failed proof: final).
+fn worth_retrying(e: &anyhow::Error) -> bool {
+    e.downcast_ref::<wire::FrameError>()
+        .is_some_and(|f| matches!(f, wire::FrameError::Io(_) | wire::FrameError::Closed))
+        || e.downcast_ref::<io::Error>().is_some()
+}
 
 /// Would-be peers in their handshake at once; a new one beyond this drops the oldest that has
 /// not said hello yet (or, if all have, the oldest).
@@ -67,7 +78,21 @@ fn prove_to(
         cluster_fingerprint: fingerprint,
         nonce: na,
     }))?;
-    match ch.recv_hello()? {
+    let answer = ch.recv_hello().map_err(|e| match e {
+        wire::FrameError::Io(io)
+            if matches!(
+                io.kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+            ) =>
+        {
+            wire::FrameError::Io(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("SP {peer} did not answer the hello within {HANDSHAKE_TIMEOUT:?}"),
+            ))
+        }
+        e => e,
+    })?;
+    match answer {
         Hello::SpWelcome {
             sp,
             nonce: nb,
@@ -226,6 +251,11 @@ impl Pending {
 
 /// Connects to every lower-numbered SP and accepts every higher-numbered one, each proven by
 /// the handshake; returns the streams by SP id. Bounded by the backoff's deadline.
+///
+/// A handshake that fails on its connection (the peer did not answer in time: it is slow to
+/// start on a loaded machine, or held; or the connection was closed) is tried again on a new
+/// connection until the deadline: a slow peer delays the mesh, it does not fail it. A peer
+/// that refuses, or does not prove the key, fails it at once.
 pub fn connect_mesh(
     me: SpId,
     cluster: &Cluster,
@@ -235,17 +265,42 @@ pub fn connect_mesh(
 ) -> anyhow::Result<HashMap<SpId, TcpStream>> {
     let fingerprint = cluster.fingerprint();
     let mut peers = HashMap::new();
+    let deadline = Instant::now() + backoff.deadline;
     for peer in 0..me {
         let addr = cluster
             .sp(peer)
             .context("peer missing from cluster")?
             .peer_addr;
-        let s = connect_with_backoff(addr, backoff)
-            .with_context(|| format!("SP {me}: connecting to SP {peer} at {addr}"))?;
-        peers.insert(peer, prove_to(me, peer, s, fingerprint, key)?);
+        let mut tries = 0u32;
+        let s = loop {
+            tries += 1;
+            let left = Backoff {
+                deadline: deadline.saturating_duration_since(Instant::now()),
+                ..backoff
+            };
+            let s = connect_with_backoff(addr, left)
+                .with_context(|| format!("SP {me}: connecting to SP {peer} at {addr}"))?;
+            match prove_to(me, peer, s, fingerprint, key) {
+                Ok(s) => break s,
+                Err(e) if worth_retrying(&e) && Instant::now() + RETRY_PAUSE < deadline => {
+                    if tries <= 10 {
+                        warn!(
+                            "SP {me}: handshake with SP {peer} at {addr} failed ({e:#}); \
+                             trying again"
+                        );
+                    }
+                    std::thread::sleep(RETRY_PAUSE);
+                }
+                Err(e) => {
+                    return Err(e.context(format!(
+                        "SP {me}: handshake with SP {peer} at {addr} ({tries} tries)"
+                    )))
+                }
+            }
+        };
+        peers.insert(peer, s);
     }
     let total = cluster.sps.len() as SpId;
-    let deadline = Instant::now() + backoff.deadline;
     listener.set_nonblocking(true)?;
     let mut refused = 0u32;
     let mut refuse = |from: SocketAddr, why: &str| {

@@ -67,6 +67,16 @@ pub struct Stats {
     pub held_peak_bytes: u64,
     /// Peer SPs dropped for sending nothing (not even a heartbeat) for `--peer-timeout-ms`.
     pub peers_silent: u64,
+    /// The event loop's longest pass (µs): from the end of one wait for events to the start
+    /// of the next, everything the loop did in between (its sockets, timers, completions and
+    /// the staging UCX worker's progress). Heartbeats go out only between passes.
+    pub loop_pass_max_us: u64,
+    /// The longest single run of progress on the staging UCX worker (µs), where the puts and
+    /// gets of other SPs into this SP's staging are served.
+    pub ucx_progress_max_us: u64,
+    /// The longest time between two checks of the clock (heartbeats, silent peers) (ms): a
+    /// figure well above `--heartbeat-ms` means the loop was held (or the SP descheduled).
+    pub timer_gap_max_ms: u64,
     /// Looks of a polling event loop (`serve --poll-us`) that found nothing (0 without it).
     pub empty_polls: u64,
     /// Hierarchical collectives (allgatherv): announcements that found no ready rank where they

@@ -348,10 +348,15 @@ pub struct Server {
     last_beat: Instant,
     /// When each peer SP was last heard from (any frame).
     last_heard: HashMap<SpId, Instant>,
+    /// When the clock was last checked (`timers::on_timers`).
+    last_timers: Instant,
     /// The instances' deadlines (see `timers`).
     deadlines: timers::Deadlines,
     pub stats: Stats,
 }
+
+/// Longest run of progress on the staging UCX worker in one pass of the event loop.
+const UCX_PROGRESS_SLICE: Duration = Duration::from_millis(2);
 
 fn now_ns(start: Instant) -> Nanos {
     start.elapsed().as_nanos() as Nanos
@@ -518,6 +523,7 @@ impl Server {
             peer_timeout: cfg.peer_timeout,
             last_beat: Instant::now(),
             last_heard: HashMap::new(),
+            last_timers: Instant::now(),
             deadlines: timers::Deadlines::default(),
             stats: Stats::default(),
         };
@@ -563,16 +569,28 @@ impl Server {
             // SAFETY: prctl with an integer argument; no memory is passed.
             unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, POLL_TIMER_SLACK_NS) };
         }
+        let mut pass_start = Instant::now();
         loop {
             // Puts of other SPs into this SP's staging complete only while its UCX worker
             // progresses (UCX 1.13 over tcp/shared memory): progress it until idle, then sleep
             // on its event fd as well as on the sockets. `arm` refuses while events are
             // pending: then look again at once. The bound is a safety net only. A polling SP
             // (`poll_interval`) progresses the worker at every look and never arms it.
+            // Progress runs for at most UCX_PROGRESS_SLICE per pass: the transfers of other
+            // SPs never keep this loop from its sockets and heartbeats (a worker still busy
+            // after the slice is progressed again right after a look at the sockets).
             let polling = self.poll_interval;
+            let progress_start = Instant::now();
             let timeout = self.stage_ucx.as_ref().map(|reg| {
-                while reg.progress() > 0 {}
-                if polling.is_some() {
+                let idle = loop {
+                    if reg.progress() == 0 {
+                        break true;
+                    }
+                    if progress_start.elapsed() >= UCX_PROGRESS_SLICE {
+                        break false;
+                    }
+                };
+                if polling.is_some() || !idle {
                     return Duration::ZERO;
                 }
                 match reg.arm() {
@@ -582,18 +600,23 @@ impl Server {
                     Err(_) => Duration::from_millis(1),
                 }
             });
+            let progressed = progress_start.elapsed().as_micros() as u64;
+            self.stats.ucx_progress_max_us = self.stats.ucx_progress_max_us.max(progressed);
             let timeout = if polling.is_some() {
                 Some(Duration::ZERO)
             } else {
                 let wake = self.wake_in();
                 Some(timeout.map_or(wake, |t| t.min(wake)))
             };
+            let pass = pass_start.elapsed().as_micros() as u64;
+            self.stats.loop_pass_max_us = self.stats.loop_pass_max_us.max(pass);
             if let Err(e) = self.poll.poll(&mut events, timeout) {
                 if e.kind() == io::ErrorKind::Interrupted {
                     continue;
                 }
                 return Err(e.into());
             }
+            pass_start = Instant::now();
             if let (Some(nap), true) = (polling, events.is_empty()) {
                 self.stats.empty_polls += 1;
                 // A nap, not sched_yield: SPs spinning with sched_yield on one CPU were seen to

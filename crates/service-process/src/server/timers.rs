@@ -40,6 +40,20 @@ impl Deadlines {
 impl Server {
     /// What is due by the clock: late hellos, heartbeats, the instances' deadlines.
     pub(super) fn on_timers(&mut self) {
+        let gap = self.last_timers.elapsed();
+        self.last_timers = Instant::now();
+        let gap_ms = gap.as_millis() as u64;
+        self.stats.timer_gap_max_ms = self.stats.timer_gap_max_ms.max(gap_ms);
+        if gap > self.heartbeat * 3 {
+            // Not expected: nothing in the loop waits. A held or descheduled SP says so, since
+            // its peers may have found it silent meanwhile.
+            warn!(
+                sp = self.me,
+                "the event loop did not look at the clock for {:.1} s (heartbeats every {:?})",
+                gap.as_secs_f64(),
+                self.heartbeat
+            );
+        }
         self.sweep_hellos();
         self.heartbeats();
         let now = now_ns(self.start);
@@ -119,15 +133,30 @@ impl Server {
                 self.send_frame(k, &beat);
             }
         }
-        let silent: Vec<(SpId, Duration)> = self
+        let silent: Vec<SpId> = self
             .peer_conn
             .keys()
-            .filter_map(|sp| {
-                let quiet = now.duration_since(*self.last_heard.get(sp)?);
-                (quiet > self.peer_timeout).then_some((*sp, quiet))
+            .filter(|sp| {
+                self.last_heard
+                    .get(sp)
+                    .is_some_and(|t| now.duration_since(*t) > self.peer_timeout)
             })
+            .copied()
             .collect();
-        for (sp, quiet) in silent {
+        for sp in silent {
+            // Judged on what the peer sent, not on what this loop has read: a loop that was
+            // held or descheduled (a loaded machine) finds the peer's heartbeats waiting in
+            // its socket. Read them first.
+            if let Some(k) = self.peer_conn.get(&sp).copied() {
+                self.on_readable(k);
+                self.close_doomed();
+            }
+            let Some(quiet) = self.last_heard.get(&sp).map(|t| t.elapsed()) else {
+                continue;
+            };
+            if quiet <= self.peer_timeout {
+                continue;
+            }
             if let Some(k) = self.peer_conn.get(&sp).copied() {
                 self.stats.peers_silent += 1;
                 self.close_conn(
