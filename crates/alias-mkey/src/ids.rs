@@ -80,6 +80,9 @@ pub fn has_effective(cap: u32) -> io::Result<bool> {
 /// Removes `caps` from the calling thread's effective set (it can raise them again only if
 /// they stay permitted). A thread that cannot drop them (no capset) gets the error.
 pub fn drop_effective(caps: &[u32]) -> io::Result<()> {
+    if caps.contains(&CAP_SYS_PTRACE) {
+        PTRACE_ON.set(None);
+    }
     let mut d = capget()?;
     let mut changed = false;
     for &c in caps {
@@ -134,19 +137,49 @@ fn raise_effective(cap: u32) -> io::Result<()> {
     Ok(())
 }
 
+thread_local! {
+    /// Whether `CAP_SYS_PTRACE` was last made effective (`Some(true)`) or not on this thread
+    /// by [`ptrace_effective`]; `None`: not known.
+    static PTRACE_ON: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+}
+
+/// Makes `CAP_SYS_PTRACE` effective on the calling thread (if permitted) or not, skipping the
+/// system calls when this thread already is in that state. Every access to a host's memory
+/// sets the state it needs first, so no access inherits another's.
+pub fn ptrace_effective(on: bool) -> io::Result<()> {
+    if PTRACE_ON.get() == Some(on) {
+        return Ok(());
+    }
+    if on {
+        raise_effective(CAP_SYS_PTRACE)?;
+    } else {
+        drop_effective(&[CAP_SYS_PTRACE])?;
+    }
+    PTRACE_ON.set(Some(on));
+    Ok(())
+}
+
+/// Whether the calling thread, as it is, has exactly the client's rights over the client's
+/// processes, so that `process_vm_readv`/`writev` (which the kernel judges by the thread's
+/// real ids and its capabilities, at each call) may stand for the client: the client is root
+/// (with `CAP_SYS_PTRACE` raised, as root could trace anything), or the process runs as the
+/// client's own uid and gid (an SP a user started for its own jobs; it holds no
+/// `CAP_SYS_PTRACE`). Otherwise (a root SP serving another user) the memory is reached only
+/// through the descriptor opened as the client.
+pub fn acts_as(uid: u32, gid: u32) -> bool {
+    // SAFETY: getuid/getgid have no preconditions.
+    uid == 0 || unsafe { (libc::getuid(), libc::getgid()) } == (uid, gid)
+}
+
 /// Runs `f` with the calling thread's filesystem ids set to `uid` and `gid` and without
 /// `CAP_SYS_PTRACE` (with it, if permitted, for a root client: `uid` 0), then gives the
 /// thread its ids back and leaves `CAP_SYS_PTRACE` out of its effective set. If the thread
 /// cannot take those ids (an SP not running as root, asked to act for another user or
 /// group), `f` does not run and the error says so (`EPERM`).
 pub fn with_fs_ids<R>(uid: u32, gid: u32, f: impl FnOnce() -> io::Result<R>) -> io::Result<R> {
-    if uid == 0 {
-        raise_effective(CAP_SYS_PTRACE)?;
-    } else {
-        drop_effective(&[CAP_SYS_PTRACE])?;
-    }
+    ptrace_effective(uid == 0)?;
     let result = with_fs_ids_as_is(uid, gid, f);
-    drop_effective(&[CAP_SYS_PTRACE])?;
+    ptrace_effective(false)?;
     result
 }
 
