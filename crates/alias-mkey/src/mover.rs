@@ -631,21 +631,9 @@ mod tests {
     fn another_users_process_is_reached_as_that_user_and_not_after_exec() {
         // SAFETY: geteuid has no preconditions.
         assert_eq!(unsafe { libc::geteuid() }, 0, "this test needs root");
-        use std::io::{BufRead, Write};
-        use std::os::unix::process::CommandExt;
-        let mut child = std::process::Command::new("sh")
-            .args(["-c", "echo up; read x; exec sleep 10"])
-            .uid(65534)
-            .gid(65534)
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
+        use std::io::Write;
+        let mut child = crate::process::exec_on_cue(Some(65534));
         let pid = child.id();
-        let mut up = String::new();
-        std::io::BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut up)
-            .unwrap();
         // An address mapped in the shell: its stack's start, read as root from its stat.
         let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
         let after = stat.rsplit_once(')').unwrap().1;
@@ -675,10 +663,7 @@ mod tests {
         m.write(&key(65534, 65534), 0, &out).unwrap();
         // Another user's key for it: the kernel refuses the open.
         let err = m.read(&key(65533, 65533), 0, &mut out).unwrap_err();
-        assert!(
-            matches!(err, AccessError::NotPermitted { .. }),
-            "{err:?}"
-        );
+        assert!(matches!(err, AccessError::NotPermitted { .. }), "{err:?}");
         writeln!(child.stdin.as_mut().unwrap(), "go").unwrap();
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
         let err = loop {

@@ -238,6 +238,28 @@ pub fn image_alive(pid: u32, start: u64, uid: u32, gid: u32) -> Option<bool> {
     alive(&p.pidfd).then_some(image)
 }
 
+/// Starts a shell (as `uid`, if given) that execs `sleep 10` once a line is written to its
+/// stdin, and returns once the shell runs. For tests of what an `exec` does to a pin.
+#[doc(hidden)]
+pub fn exec_on_cue(uid: Option<u32>) -> std::process::Child {
+    use std::io::BufRead;
+    use std::os::unix::process::CommandExt;
+    let mut cmd = std::process::Command::new("sh");
+    cmd.args(["-c", "echo up; read x; exec sleep 10"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped());
+    if let Some(uid) = uid {
+        cmd.uid(uid).gid(uid);
+    }
+    let mut child = cmd.spawn().expect("sh starts");
+    // Running the shell (spawn returns while exec may still be setting it up).
+    let mut up = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut up)
+        .expect("the shell says it is up");
+    child
+}
+
 /// What [`pin`] found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Pin {
@@ -360,19 +382,8 @@ mod tests {
     fn an_exec_ends_the_pinned_image() {
         // A shell that execs `sleep` once told to: pinned before, its old image is gone after.
         let (uid, gid) = me_ids();
-        let mut child = std::process::Command::new("sh")
-            .args(["-c", "echo up; read x; exec sleep 10"])
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
+        let mut child = exec_on_cue(None);
         let pid = child.id();
-        // Running the shell (spawn returns while exec may still be setting it up).
-        let mut up = String::new();
-        use std::io::BufRead;
-        std::io::BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut up)
-            .unwrap();
         let p = pin(pidfd_open(pid).unwrap(), pid, uid, gid).unwrap();
         assert!(!p.exec_since);
         let pinned = check(&owner(pid, p.start)).unwrap();

@@ -1,0 +1,190 @@
+//! Tests of the wire protocol: frames, hellos, messages and their bounds.
+use super::*;
+use alias_mkey::{BackendData, Rights};
+
+fn grant(len: u64) -> Grant {
+    Grant {
+        region: 1,
+        generation: 0,
+        addr: 4096,
+        len,
+        rights: Rights::READ,
+        backend: BackendData::Cma,
+    }
+}
+
+#[test]
+fn hello_roundtrip_and_version_mismatch() {
+    let h = Hello::Host(HostHello {
+        credential: "spoffjob1:9:0:4:00".into(),
+        world_rank: 1,
+        world_size: 4,
+        node: 0,
+        local_rank: 1,
+        pid: 7,
+    });
+    assert_eq!(decode_hello(&encode_hello(&h)).unwrap(), h);
+    for h in [
+        Hello::Sp(SpHello {
+            sp: 3,
+            cluster_fingerprint: 5,
+            nonce: [1; 16],
+        }),
+        Hello::SpWelcome {
+            sp: 2,
+            nonce: [2; 16],
+            proof: [3; 32],
+        },
+        Hello::SpProof { proof: [4; 32] },
+        Hello::Admin(AdminHello {
+            nonce: [5; 16],
+            unix_secs: 6,
+            proof: [7; 32],
+        }),
+        Hello::Welcome { sp: 1 },
+    ] {
+        assert_eq!(decode_hello(&encode_hello(&h)).unwrap(), h);
+    }
+    let old = encode_hello_with_version(&h, 99);
+    let err = decode_hello(&old).unwrap_err();
+    assert!(err
+        .to_string()
+        .contains(&format!("speaks {PROTOCOL_VERSION}")));
+    assert!(err.to_string().contains("speaks 99"));
+    let reject = encode_hello_with_version(
+        &Hello::Reject {
+            reason: "no".into(),
+        },
+        42,
+    );
+    assert_eq!(
+        decode_hello(&reject).unwrap(),
+        Hello::Reject {
+            reason: "no".into()
+        }
+    );
+    assert!(matches!(
+        decode_hello(b"HTTP/1.1 200"),
+        Err(HelloError::BadMagic(_))
+    ));
+}
+
+#[test]
+fn frames_split_anywhere_reassemble() {
+    let msgs: Vec<HostToSp> = (0..5)
+        .map(|i| {
+            HostToSp::Post(Box::new(PostDesc {
+                kind: CollKind::Alltoallv,
+                comm: CommId { leader: 0, id: i },
+                seq: i as u64,
+                comm_rank: 0,
+                members: vec![0, 1],
+                world_ranks: vec![0, 1],
+                nodes: vec![],
+                slot: Some(i),
+                token: 77,
+                send_packed: false,
+                recv_packed: false,
+                send: grant(10),
+                recv: grant(20),
+                send_counts: vec![1, 2],
+                send_displs: vec![0, 1],
+                recv_counts: vec![3, 4],
+                recv_displs: vec![0, 3],
+                host_copies: i % 2 == 0,
+                staged: (i == 3).then(|| Staged {
+                    root: 1,
+                    design: StagedDesign::Hier,
+                    segment: Some(grant(30)),
+                }),
+            }))
+        })
+        .collect();
+    let bytes: Vec<u8> = msgs.iter().flat_map(encode).collect();
+    for step in [1, 3, 7, 64, bytes.len()] {
+        let mut d = FrameDecoder::default();
+        let mut got = vec![];
+        for chunk in bytes.chunks(step) {
+            d.extend(chunk);
+            while let Some(p) = d.next_frame().unwrap() {
+                got.push(decode::<HostToSp>(&p).unwrap());
+            }
+        }
+        assert_eq!(got, msgs);
+        assert_eq!(d.pending(), 0);
+    }
+}
+
+#[test]
+fn staged_data_round_trips() {
+    let data: Vec<u8> = (0..300_000u32).map(|i| (i * 13) as u8).collect();
+    let msg = SpToSp::Data {
+        key: CollKey {
+            job: 1,
+            comm: CommId { leader: 0, id: 2 },
+            seq: 3,
+        },
+        msg: CollMsg::Bcast(bcast::Msg::Chunk {
+            index: 1,
+            slot: bcast::SlotId(2),
+            len: data.len() as u64,
+        }),
+        data: Bytes(data),
+    };
+    let f = encode(&msg);
+    let mut d = FrameDecoder::default();
+    d.extend(&f);
+    let back: SpToSp = decode(&d.next_frame().unwrap().unwrap()).unwrap();
+    assert_eq!(back, msg);
+    // A truncated byte string is an error, not a short chunk.
+    assert!(decode::<SpToSp>(&f[4..f.len() - 1]).is_err());
+}
+
+#[test]
+fn oversized_frame_refused_before_payload() {
+    let mut d = FrameDecoder::new(100);
+    d.extend(&101u32.to_le_bytes());
+    assert!(matches!(
+        d.next_frame(),
+        Err(FrameError::TooLarge { len: 101, max: 100 })
+    ));
+    let mut ch = Channel::new(std::io::Cursor::new(u32::MAX.to_le_bytes().to_vec()));
+    assert!(matches!(ch.recv_raw(), Err(FrameError::TooLarge { .. })));
+}
+
+#[test]
+fn a_hello_frame_is_small_and_read_no_further_than_needed() {
+    let mut d = FrameDecoder::new(MAX_HELLO_FRAME_BYTES);
+    assert_eq!(d.wanted(), 4);
+    d.extend(&10u32.to_le_bytes()[..2]);
+    assert_eq!(d.wanted(), 2);
+    d.extend(&10u32.to_le_bytes()[2..]);
+    assert_eq!(d.wanted(), 10);
+    d.extend(&[1; 4]);
+    assert_eq!(d.wanted(), 6);
+    d.extend(&[1; 6]);
+    assert_eq!(d.wanted(), 0);
+    assert_eq!(d.next_frame().unwrap().unwrap(), vec![1; 10]);
+    d.extend(&(MAX_HELLO_FRAME_BYTES + 1).to_le_bytes());
+    assert!(matches!(d.next_frame(), Err(FrameError::TooLarge { .. })));
+    // A larger frame after the hello, once allowed.
+    let mut d = FrameDecoder::new(MAX_HELLO_FRAME_BYTES);
+    d.extend(&(MAX_HELLO_FRAME_BYTES + 1).to_le_bytes());
+    d.set_max(MAX_FRAME_BYTES);
+    assert_eq!(d.wanted(), MAX_HELLO_FRAME_BYTES as usize + 1);
+    let big = (MAX_HELLO_FRAME_BYTES + 1).to_le_bytes().to_vec();
+    let mut ch = Channel::new(std::io::Cursor::new(big));
+    assert!(matches!(ch.recv_hello(), Err(FrameError::TooLarge { .. })));
+}
+
+#[test]
+fn garbage_payload_is_a_decode_error() {
+    assert!(matches!(
+        decode::<SpToSp>(&[0xff; 16]),
+        Err(FrameError::Decode(_))
+    ));
+    // A vector length prefix far larger than the frame must not allocate it.
+    let mut evil = vec![1u8]; // HostToSp::Post
+    evil.extend_from_slice(&[0xfd, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x7f]);
+    assert!(decode::<HostToSp>(&evil).is_err());
+}
