@@ -30,20 +30,6 @@ fn attacker_process() {
 
 // ---- helpers of the tests ---------------------------------------------------------------
 
-fn socket_of(set: &SpSet, sp: u32) -> String {
-    set.cluster
-        .sp(sp)
-        .unwrap()
-        .host_socket
-        .display()
-        .to_string()
-}
-
-fn my_uid() -> u32 {
-    // SAFETY: geteuid has no preconditions.
-    unsafe { libc::geteuid() }
-}
-
 /// Runs the attacker `mode` as a rank of a new job of `world` ranks of this uid, at SP 0's
 /// socket (`SOCK`, `CRED`), with `vars` besides.
 fn attack_at_sp0(set: &SpSet, mode: &str, world: u32, vars: &[(&str, String)]) -> Vec<String> {
@@ -51,66 +37,6 @@ fn attack_at_sp0(set: &SpSet, mode: &str, world: u32, vars: &[(&str, String)]) -
     let mut all = vec![("SOCK", socket_of(set, 0)), ("CRED", cred)];
     all.extend_from_slice(vars);
     attack(mode, &all, None)
-}
-
-/// A 4-rank alltoallv of the world communicator of `hosts` (comm rank = world rank): 8 bytes
-/// to every peer, checked; returns each rank's status.
-fn alltoallv(hosts: &mut [Host], comm: CommId, seq: u64) -> Vec<Option<u32>> {
-    let p = hosts.len();
-    let members: Vec<u32> = hosts.iter().map(|h| h.sp).collect();
-    let send: Vec<Vec<u8>> = (0..p)
-        .map(|r| {
-            (0..8 * p)
-                .map(|i| (r * 31 + i + seq as usize) as u8)
-                .collect()
-        })
-        .collect();
-    let recv: Vec<Vec<u8>> = (0..p).map(|_| vec![0xEE; 8 * p]).collect();
-    let mut posted = vec![];
-    for r in 0..p {
-        let s = hosts[r].grant(&send[r], Rights::READ);
-        let d = hosts[r].grant(&recv[r], Rights::WRITE);
-        let counts = vec![8u64; p];
-        let displs: Vec<u64> = (0..p as u64).map(|i| 8 * i).collect();
-        let d = desc(
-            comm,
-            seq,
-            r as u32,
-            members.clone(),
-            (seq % 8) as u32,
-            s,
-            d,
-            (counts.clone(), displs.clone(), counts, displs),
-        );
-        let (slot, token) = hosts[r].post(d);
-        posted.push((r, slot, token));
-    }
-    let got = wait_all_serving(hosts, &posted, WAIT);
-    for r in 0..p {
-        if got[r] == Some(STATUS_OK) {
-            for s in 0..p {
-                for i in 0..8 {
-                    // SAFETY-free: read back what the SP wrote through CMA.
-                    let b = unsafe { std::ptr::read_volatile(&recv[r][8 * s + i]) };
-                    assert_eq!(b, send[s][8 * r + i], "rank {r} from {s} byte {i}");
-                }
-            }
-        }
-    }
-    got
-}
-
-fn rss_kib(pid: u32) -> u64 {
-    common::procfs::rss_kib(pid).expect("the SP under attack is alive and has a VmRSS line")
-}
-
-fn query(set: &SpSet, sp: u32) -> serde_json::Value {
-    service_process::stats::query_within(
-        set.cluster.sp(sp).unwrap(),
-        &set.key,
-        Duration::from_secs(2),
-    )
-    .expect("the SP answers a stats request")
 }
 
 // ---- the findings -----------------------------------------------------------------------
@@ -166,9 +92,9 @@ fn another_jobs_ranks_cannot_be_joined_impersonated_or_killed() {
         "{message}"
     );
     // The victim job runs as if nothing happened.
-    let got = alltoallv(&mut hosts, comm, 0);
+    let got = checked_alltoallv(&mut hosts, comm, 0);
     assert_eq!(got, vec![Some(STATUS_OK); 4]);
-    let got = alltoallv(&mut hosts, comm, 1);
+    let got = checked_alltoallv(&mut hosts, comm, 1);
     assert_eq!(got, vec![Some(STATUS_OK); 4]);
 }
 
@@ -186,7 +112,7 @@ fn a_refused_post_on_a_connection_that_closed_does_not_crash_the_sp() {
     assert!(s["errors_sent"].as_u64().unwrap() >= 1, "{s}");
     // And it still serves a job.
     let mut hosts = vec![Host::connect(&set, new_job(), 0, 1)];
-    let got = alltoallv(&mut hosts, CommId { leader: 0, id: 1 }, 0);
+    let got = checked_alltoallv(&mut hosts, CommId { leader: 0, id: 1 }, 0);
     assert_eq!(got, vec![Some(STATUS_OK)]);
 }
 

@@ -26,33 +26,6 @@ fn attacker_process() {
     attacker::run();
 }
 
-fn socket_of(set: &SpSet, sp: u32) -> String {
-    set.cluster
-        .sp(sp)
-        .unwrap()
-        .host_socket
-        .display()
-        .to_string()
-}
-
-fn my_uid() -> u32 {
-    // SAFETY: geteuid has no preconditions.
-    unsafe { libc::geteuid() }
-}
-
-fn rss_kib(pid: u32) -> u64 {
-    common::procfs::rss_kib(pid).expect("the SP under attack is alive and has a VmRSS line")
-}
-
-fn query(set: &SpSet, sp: u32) -> serde_json::Value {
-    service_process::stats::query_within(
-        set.cluster.sp(sp).unwrap(),
-        &set.key,
-        Duration::from_secs(2),
-    )
-    .expect("the SP answers a stats request")
-}
-
 /// A flat staged bcast of `len` bytes from comm rank 0 among `hosts` (all of one SP): the
 /// statuses, the bytes of those that completed Ok checked.
 fn bcast(hosts: &mut [Host], seq: u64, len: usize) -> Vec<Option<u32>> {

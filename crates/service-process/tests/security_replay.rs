@@ -17,7 +17,6 @@ mod tcp;
 mod attacker;
 
 use algorithms::CommId;
-use alias_mkey::Rights;
 use attacker::attack;
 use bootstrap::auth::JobCredential;
 use bootstrap::mailbox::STATUS_OK;
@@ -40,11 +39,6 @@ fn exe() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_service-process"))
 }
 
-fn my_uid() -> u32 {
-    // SAFETY: geteuid has no preconditions.
-    unsafe { libc::geteuid() }
-}
-
 /// The started SPs of `t` as an [`SpSet`], for the ranks of [`Host`] (on the Unix socket,
 /// with cma grants), while `t` keeps the description with the SPs' TCP addresses.
 fn sp_set(t: &mut TcpSps) -> SpSet {
@@ -57,59 +51,6 @@ fn sp_set(t: &mut TcpSps) -> SpSet {
         run_dir: t.run_dir.clone(),
         lines: std::mem::replace(&mut t.lines, none),
     }
-}
-
-/// An alltoallv of the world communicator of `hosts` (comm rank = world rank): 8 bytes to
-/// every peer, checked; each rank's status.
-fn alltoallv(hosts: &mut [Host], comm: CommId, seq: u64) -> Vec<Option<u32>> {
-    let p = hosts.len();
-    let members: Vec<u32> = hosts.iter().map(|h| h.sp).collect();
-    let send: Vec<Vec<u8>> = (0..p)
-        .map(|r| {
-            (0..8 * p)
-                .map(|i| (r * 31 + i + seq as usize) as u8)
-                .collect()
-        })
-        .collect();
-    let recv: Vec<Vec<u8>> = (0..p).map(|_| vec![0xEE; 8 * p]).collect();
-    let mut posted = vec![];
-    for r in 0..p {
-        let s = hosts[r].grant(&send[r], Rights::READ);
-        let d = hosts[r].grant(&recv[r], Rights::WRITE);
-        let counts = vec![8u64; p];
-        let displs: Vec<u64> = (0..p as u64).map(|i| 8 * i).collect();
-        let d = desc(
-            comm,
-            seq,
-            r as u32,
-            members.clone(),
-            (seq % 8) as u32,
-            s,
-            d,
-            (counts.clone(), displs.clone(), counts, displs),
-        );
-        let (slot, token) = hosts[r].post(d);
-        posted.push((r, slot, token));
-    }
-    // No host copies are asked for: each completion lands in its rank's mailbox (a refused
-    // post's error message stays unread on its connection).
-    let got: Vec<Option<u32>> = posted
-        .iter()
-        .map(|&(h, slot, token)| hosts[h].wait(slot, token, WAIT))
-        .collect();
-    for r in 0..p {
-        if got[r] == Some(STATUS_OK) {
-            let back = read_back(&recv[r]);
-            for s in 0..p {
-                assert_eq!(
-                    back[8 * s..8 * s + 8],
-                    send[s][8 * r..8 * r + 8],
-                    "rank {r} from {s}"
-                );
-            }
-        }
-    }
-    got
 }
 
 /// The attacker replays `cred` over TCP at SP `sp`: a hello as world rank 0 of 4 placed on
@@ -151,10 +92,14 @@ const WORLD: CommId = CommId { leader: 0, id: 1 };
 fn a_replayed_hello_cannot_move_a_placed_rank_to_another_sp() {
     let (tcp, mut set, mut hosts, cred) = two_sps_and_a_job();
     let ok = vec![Some(STATUS_OK); 4];
-    assert_eq!(alltoallv(&mut hosts, WORLD, 0), ok, "before the replay");
+    assert_eq!(
+        checked_alltoallv(&mut hosts, WORLD, 0),
+        ok,
+        "before the replay"
+    );
     let answer = replay_hello_goodbye(&tcp, 1, &cred, 1);
     eprintln!("replayed hello as rank 0 at SP 1, after a collective: {answer}");
-    let after = alltoallv(&mut hosts, WORLD, 1);
+    let after = checked_alltoallv(&mut hosts, WORLD, 1);
     assert_eq!(
         after, ok,
         "the job's next collective after the replay ({answer})"
@@ -180,7 +125,7 @@ fn a_replayed_hello_and_goodbye_leave_nothing_behind() {
     eprintln!("replayed hello as rank 0 at SP 1, before any collective: {answer}");
     for seq in 0..2 {
         assert_eq!(
-            alltoallv(&mut hosts, WORLD, seq),
+            checked_alltoallv(&mut hosts, WORLD, seq),
             vec![Some(STATUS_OK); 4],
             "collective {seq} of the job after a replayed hello + goodbye ({answer})"
         );

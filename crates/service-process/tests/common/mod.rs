@@ -587,3 +587,80 @@ pub fn json_lines_ok(out: std::process::Output) -> Vec<serde_json::Value> {
         .map(|l| serde_json::from_str(l).unwrap())
         .collect()
 }
+
+// ---- shared by the security tests ---------------------------------------------------------
+
+/// The host socket of SP `sp`.
+pub fn socket_of(set: &SpSet, sp: u32) -> String {
+    set.cluster
+        .sp(sp)
+        .unwrap()
+        .host_socket
+        .display()
+        .to_string()
+}
+
+pub fn my_uid() -> u32 {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() }
+}
+
+/// A 4-rank alltoallv of the world communicator of `hosts` (comm rank = world rank): 8 bytes
+/// to every peer, checked; returns each rank's status.
+pub fn checked_alltoallv(hosts: &mut [Host], comm: CommId, seq: u64) -> Vec<Option<u32>> {
+    let p = hosts.len();
+    let members: Vec<u32> = hosts.iter().map(|h| h.sp).collect();
+    let send: Vec<Vec<u8>> = (0..p)
+        .map(|r| {
+            (0..8 * p)
+                .map(|i| (r * 31 + i + seq as usize) as u8)
+                .collect()
+        })
+        .collect();
+    let recv: Vec<Vec<u8>> = (0..p).map(|_| vec![0xEE; 8 * p]).collect();
+    let mut posted = vec![];
+    for r in 0..p {
+        let s = hosts[r].grant(&send[r], Rights::READ);
+        let d = hosts[r].grant(&recv[r], Rights::WRITE);
+        let counts = vec![8u64; p];
+        let displs: Vec<u64> = (0..p as u64).map(|i| 8 * i).collect();
+        let d = desc(
+            comm,
+            seq,
+            r as u32,
+            members.clone(),
+            (seq % 8) as u32,
+            s,
+            d,
+            (counts.clone(), displs.clone(), counts, displs),
+        );
+        let (slot, token) = hosts[r].post(d);
+        posted.push((r, slot, token));
+    }
+    let got = wait_all_serving(hosts, &posted, WAIT);
+    for r in 0..p {
+        if got[r] == Some(mailbox::STATUS_OK) {
+            for s in 0..p {
+                for i in 0..8 {
+                    // SAFETY-free: read back what the SP wrote through CMA.
+                    let b = unsafe { std::ptr::read_volatile(&recv[r][8 * s + i]) };
+                    assert_eq!(b, send[s][8 * r + i], "rank {r} from {s} byte {i}");
+                }
+            }
+        }
+    }
+    got
+}
+
+pub fn rss_kib(pid: u32) -> u64 {
+    procfs::rss_kib(pid).expect("the SP under attack is alive and has a VmRSS line")
+}
+
+pub fn query(set: &SpSet, sp: u32) -> serde_json::Value {
+    service_process::stats::query_within(
+        set.cluster.sp(sp).unwrap(),
+        &set.key,
+        Duration::from_secs(2),
+    )
+    .expect("the SP answers a stats request")
+}
