@@ -96,8 +96,12 @@ enum Direction {
 }
 
 /// Moves `len` bytes between `local` in this process and `addr` in the owner's process,
-/// looping over partial transfers, through the owner's `/proc/PID/mem` as its client opened
-/// it ([`crate::process`]): never with the SP's own rights, never into another image.
+/// looping over partial transfers: through the owner's `/proc/PID/mem` as its client opened
+/// it ([`crate::process`]), never with the SP's own rights, never into another image; or, where
+/// this thread has exactly the client's rights ([`crate::ids::acts_as`]: a root client, or an
+/// SP running as the client's uid and gid), with `process_vm_readv`/`writev`, which the kernel
+/// judges at each call by those rights and which copy once where `/proc/PID/mem` bounces every
+/// page through the kernel (about half the bandwidth at 1 MiB and above).
 ///
 /// # Safety
 /// `local` must be valid for `len` bytes: for writes into it when `dir` is `Read`, for reads
@@ -111,101 +115,71 @@ unsafe fn vm_transfer(
 ) -> Result<(), AccessError> {
     // The process the key was made for, still alive, opened as its client.
     let pinned = crate::process::check(owner)?;
-    if crate::ids::acts_as(owner.uid, owner.gid) {
-        // SAFETY: as this function's contract.
-        return unsafe { vm_direct(dir, owner, addr, local, len) };
-    }
+    let pid = owner.pid as libc::pid_t;
+    let direct = crate::ids::acts_as(owner.uid, owner.gid);
     let fd = pinned.mem().as_raw_fd();
-    let pid = owner.pid;
-    let op = match dir {
-        Direction::Read => "read of /proc/PID/mem",
-        Direction::Write => "write of /proc/PID/mem",
+    let op = match (direct, dir) {
+        (true, Direction::Read) => "process_vm_readv",
+        (true, Direction::Write) => "process_vm_writev",
+        (false, Direction::Read) => "read of /proc/PID/mem",
+        (false, Direction::Write) => "write of /proc/PID/mem",
     };
+    if direct {
+        crate::ids::ptrace_effective(owner.uid == 0).map_err(|e| AccessError::Os {
+            op: "capset",
+            pid: owner.pid,
+            errno: e.raw_os_error().unwrap_or(0),
+        })?;
+    }
     let mut done = 0usize;
     while done < len {
         // SAFETY: `done < len`, inside the caller's buffer.
         let here = unsafe { local.add(done) };
-        let at = (addr + done as u64) as libc::off_t;
+        let (left, at) = (len - done, addr + done as u64);
+        let local_iov = libc::iovec {
+            iov_base: here.cast(),
+            iov_len: left,
+        };
+        let remote_iov = libc::iovec {
+            iov_base: at as *mut libc::c_void,
+            iov_len: left,
+        };
         // SAFETY: the local range lies in the caller's buffer, valid as the contract says; the
-        // offset is only interpreted by the kernel as an address in the other process.
+        // remote address is only interpreted by the kernel in the other process.
         let n = unsafe {
-            match dir {
-                Direction::Read => libc::pread(fd, here.cast(), len - done, at),
-                Direction::Write => libc::pwrite(fd, here.cast(), len - done, at),
+            match (direct, dir) {
+                (true, Direction::Read) => {
+                    libc::process_vm_readv(pid, &local_iov, 1, &remote_iov, 1, 0)
+                }
+                (true, Direction::Write) => {
+                    libc::process_vm_writev(pid, &local_iov, 1, &remote_iov, 1, 0)
+                }
+                (false, Direction::Read) => libc::pread(fd, here.cast(), left, at as libc::off_t),
+                (false, Direction::Write) => libc::pwrite(fd, here.cast(), left, at as libc::off_t),
             }
         };
         if n < 0 {
             let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
-            return Err(AccessError::Os { op, pid, errno });
-        }
-        if n == 0 {
-            // The kernel moves nothing once the image the descriptor was opened on is gone
-            // (an unmapped address is EIO instead).
-            return Err(if crate::process::alive_pid(owner) {
-                AccessError::ImageChanged { pid }
-            } else {
-                AccessError::ProcessGone { pid }
+            return Err(AccessError::Os {
+                op,
+                pid: owner.pid,
+                errno,
             });
         }
-        done += n as usize;
-    }
-    Ok(())
-}
-
-/// [`vm_transfer`] with `process_vm_readv`/`writev`, for a client whose rights this thread
-/// has exactly ([`crate::ids::acts_as`]): one copy where `/proc/PID/mem` bounces every page
-/// through the kernel (about half the bandwidth at 1 MiB and above). The kernel judges each
-/// call by the thread's ids, which are the client's.
-///
-/// # Safety
-/// As [`vm_transfer`].
-unsafe fn vm_direct(
-    dir: Direction,
-    owner: &Owner,
-    addr: u64,
-    local: *mut u8,
-    len: usize,
-) -> Result<(), AccessError> {
-    let pid = owner.pid;
-    let op = match dir {
-        Direction::Read => "process_vm_readv",
-        Direction::Write => "process_vm_writev",
-    };
-    crate::ids::ptrace_effective(owner.uid == 0).map_err(|e| AccessError::Os {
-        op: "capset",
-        pid,
-        errno: e.raw_os_error().unwrap_or(0),
-    })?;
-    let mut done = 0usize;
-    while done < len {
-        let local_iov = libc::iovec {
-            // SAFETY: `done < len`, inside the caller's buffer.
-            iov_base: unsafe { local.add(done) }.cast(),
-            iov_len: len - done,
-        };
-        let remote_iov = libc::iovec {
-            iov_base: (addr + done as u64) as *mut libc::c_void,
-            iov_len: len - done,
-        };
-        // SAFETY: the local iovec lies in the caller's buffer, valid as the contract says; the
-        // remote iovec is only interpreted by the kernel in the other process.
-        let n = unsafe {
-            match dir {
-                Direction::Read => {
-                    libc::process_vm_readv(pid as libc::pid_t, &local_iov, 1, &remote_iov, 1, 0)
+        if n == 0 {
+            // `/proc/PID/mem` moves nothing once the image it was opened on is gone (an
+            // unmapped address is EIO instead); `process_vm_*` never answers 0 for a length.
+            return Err(if direct {
+                AccessError::Os {
+                    op,
+                    pid: owner.pid,
+                    errno: libc::EFAULT,
                 }
-                Direction::Write => {
-                    libc::process_vm_writev(pid as libc::pid_t, &local_iov, 1, &remote_iov, 1, 0)
-                }
-            }
-        };
-        if n <= 0 {
-            let errno = if n < 0 {
-                std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
+            } else if crate::process::alive_pid(owner) {
+                AccessError::ImageChanged { pid: owner.pid }
             } else {
-                libc::EFAULT
-            };
-            return Err(AccessError::Os { op, pid, errno });
+                AccessError::ProcessGone { pid: owner.pid }
+            });
         }
         done += n as usize;
     }
