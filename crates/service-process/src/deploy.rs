@@ -128,6 +128,69 @@ pub fn resolve_sp_id(
     Ok(node as u32 * cluster.sps_per_node + local)
 }
 
+/// Creates the directory of the host socket `socket` if it is missing (an SP started by hand,
+/// or by a unit without `RuntimeDirectory`), before the SP waits for its peers, so that a
+/// directory it cannot make fails at once with its path. A new directory gets mode 0755 when
+/// `socket_mode` lets group or others reach the socket, else 0700; an existing one is left as
+/// it is.
+pub fn prepare_socket_dir(socket: &std::path::Path, socket_mode: u32) -> anyhow::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    let Some(dir) = socket.parent().filter(|d| !d.as_os_str().is_empty()) else {
+        return Ok(());
+    };
+    if dir.is_dir() {
+        return Ok(());
+    }
+    let mode = if socket_mode & 0o077 != 0 {
+        0o755
+    } else {
+        0o700
+    };
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(mode)
+        .create(dir)
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "cannot create {}, the directory of the host socket {}: {e}",
+                dir.display(),
+                socket.display()
+            )
+        })
+}
+
+/// Why binding SP `sp`'s peer address `addr` failed, in an admin's words: an address this
+/// machine does not have most often means the SP id belongs to another node (SP ids are
+/// cluster-wide: node n runs n·K … n·K+K−1).
+pub fn bind_error(
+    cluster: &Cluster,
+    sp: SpId,
+    addr: std::net::SocketAddr,
+    e: &std::io::Error,
+) -> String {
+    let mut msg = format!("binding {addr}, the peer address of SP {sp}: {e}");
+    if e.kind() == std::io::ErrorKind::AddrNotAvailable {
+        if let Some(entry) = cluster.sp(sp) {
+            let k = cluster.sps_per_node;
+            let first = entry.node * k;
+            let name = cluster
+                .dpus
+                .get(entry.node as usize)
+                .or_else(|| cluster.hosts.get(entry.node as usize))
+                .map(|n| format!(" ({n})"))
+                .unwrap_or_default();
+            msg.push_str(&format!(
+                "; this machine has no such address: SP {sp} belongs to node {}{name}, which \
+                 runs SPs {first}..={}. On another node use that node's SP ids, or `--sp-id \
+                 auto`",
+                entry.node,
+                first + k - 1
+            ));
+        }
+    }
+    msg
+}
+
 /// This machine's host name.
 pub fn host_name() -> std::io::Result<String> {
     let mut buf = [0u8; 256];

@@ -381,14 +381,21 @@ fn run(cli: Cli) -> Result<i32> {
                     // nothing else in this process owns (checked to be a socket just above).
                     unsafe { std::net::TcpListener::from_raw_fd(fd) }
                 }
-                None => std::net::TcpListener::bind(entry.peer_addr)
-                    .with_context(|| format!("binding {}", entry.peer_addr))?,
+                None => std::net::TcpListener::bind(entry.peer_addr).map_err(|e| {
+                    anyhow::anyhow!(service_process::deploy::bind_error(
+                        &cluster,
+                        sp_id,
+                        entry.peer_addr,
+                        &e
+                    ))
+                })?,
             };
             let backoff = Backoff {
                 deadline: Duration::from_secs(connect_timeout_secs),
                 ..Backoff::default()
             };
             let key = bootstrap::auth::ClusterKey::load(&key)?;
+            service_process::deploy::prepare_socket_dir(&entry.host_socket, socket_mode)?;
             // Bound before the mesh so that a taken address fails at once; served once ready.
             let host_listener = match entry.host_addr {
                 Some(addr) => Some(std::net::TcpListener::bind(addr).with_context(|| {

@@ -253,3 +253,62 @@ fn the_shipped_systemd_unit_is_type_notify_and_verifies() {
         "systemd-analyze verify:\n{err}"
     );
 }
+
+/// Issue 25: on a fresh DPU `serve` makes its socket directory itself (mode 0755 for a socket
+/// open to others, else 0700) instead of failing with `No such file or directory`.
+#[test]
+fn serve_creates_the_directory_of_its_host_socket() {
+    use std::os::unix::fs::PermissionsExt;
+    for (mode, dir_mode) in [("666", 0o755), ("600", 0o700)] {
+        let mut sps = TcpSps::describe(&exe(), 1, 1, 1);
+        let dir = sps.run_dir.join(format!("fresh-{mode}")).join("0");
+        let sock = dir.join("host.sock");
+        sps.cluster.sps[0].host_socket = sock.clone();
+        sps.cluster.save(&sps.cluster_path).unwrap();
+        sps.release_listeners();
+        let mut child = sps
+            .serve_cmd()
+            .args(["--sp-id", "0", "--socket-mode", mode])
+            .spawn()
+            .unwrap();
+        let t = Instant::now();
+        while !sock.exists() {
+            if let Ok(Some(st)) = child.try_wait() {
+                let out = child.wait_with_output().unwrap();
+                panic!(
+                    "serve exited ({st}): {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(20),
+                "no socket at {sock:?}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let got = std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777;
+        assert_eq!(got, dir_mode, "socket mode {mode}");
+        // SAFETY: kill with a pid of our own child.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        assert!(child.wait().unwrap().success());
+    }
+}
+
+/// Issue 25: a unit for SP 0 enabled on another node's DPU fails once with what is wrong: the
+/// address is SP 0's, on node 0, which runs SPs 0..=K-1.
+#[test]
+fn serve_of_another_nodes_sp_says_which_node_it_belongs_to() {
+    let mut sps = TcpSps::describe(&exe(), 2, 2, 1);
+    // SP 2 (node 1) gets an address this machine does not have (TEST-NET-1, never routed).
+    sps.cluster.sps[2].peer_addr = "192.0.2.1:7100".parse().unwrap();
+    sps.cluster.dpus = vec!["dpu-a".into(), "dpu-b".into()];
+    sps.cluster.save(&sps.cluster_path).unwrap();
+    sps.release_listeners();
+    let out = sps.serve_cmd().args(["--sp-id", "2"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("SP 2 belongs to node 1 (dpu-b), which runs SPs 2..=3"),
+        "{err}"
+    );
+}
