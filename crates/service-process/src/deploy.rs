@@ -233,6 +233,33 @@ pub fn notify_to(path: &std::ffi::OsStr, state: &str) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Why an SP did not answer a readiness query, in an admin's words: a query that connected but
+/// got no answer in time is an SP that is up but not serving yet (it binds its host address
+/// first and serves once every peer SP has joined its mesh), not an I/O error.
+fn not_ready_why(e: &anyhow::Error) -> String {
+    let silent = e.chain().any(|c| {
+        let io = c
+            .downcast_ref::<std::io::Error>()
+            .or_else(|| match c.downcast_ref() {
+                Some(bootstrap::wire::FrameError::Io(io)) => Some(io),
+                _ => None,
+            });
+        io.is_some_and(|io| {
+            matches!(
+                io.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            )
+        })
+    });
+    if silent {
+        "connected, but not serving yet: an SP serves once all its peer SPs have joined its \
+         mesh (is one of them not started, or unreachable?)"
+            .to_string()
+    } else {
+        format!("{e:#}")
+    }
+}
+
 /// What [`wait_ready`] found: the SPs that never answered, each with its last error.
 #[derive(Debug)]
 pub struct NotReady(pub Vec<(SpId, String)>);
@@ -259,7 +286,7 @@ pub fn wait_ready(
             let per_try = left.clamp(Duration::from_millis(100), Duration::from_secs(2));
             match crate::stats::query_within(entry, key, per_try) {
                 Ok(_) => {}
-                Err(e) => still.push((id, format!("{e:#}"))),
+                Err(e) => still.push((id, not_ready_why(&e))),
             }
         }
         if still.is_empty() {

@@ -136,6 +136,17 @@ fn wait_ready_waits_for_sps_started_late_and_names_those_that_never_come() {
         stderr.contains("2 of 2 SPs not ready after 2 s"),
         "{stderr}"
     );
+    // Issue 25: SP 0 is up (its host address accepts) but waits for SP 1: said so, not as an
+    // I/O error ("Resource temporarily unavailable").
+    let sp0 = stderr
+        .lines()
+        .find(|l| l.contains("SP 0 does not answer"))
+        .unwrap();
+    assert!(sp0.contains("connected, but not serving yet"), "{stderr}");
+    assert!(
+        !stderr.contains("Resource temporarily unavailable"),
+        "{stderr}"
+    );
 }
 
 #[test]
