@@ -140,9 +140,11 @@ pub enum ClusterError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("cluster description {path} is not valid JSON: {source}")]
+    #[error("cluster description {path} is not valid: {field}{source}")]
     Parse {
         path: PathBuf,
+        /// The field the error is about (`sps[2].peer_addr: `), or empty.
+        field: String,
         source: serde_json::Error,
     },
     #[error("invalid cluster description: {0}")]
@@ -176,9 +178,18 @@ impl Cluster {
             path: path.into(),
             source,
         })?;
-        let c: Cluster = serde_json::from_str(&text).map_err(|source| ClusterError::Parse {
-            path: path.into(),
-            source,
+        let de = &mut serde_json::Deserializer::from_str(&text);
+        let c: Cluster = serde_path_to_error::deserialize(de).map_err(|e| {
+            let field = e.path().to_string();
+            ClusterError::Parse {
+                path: path.into(),
+                field: if field == "." {
+                    String::new()
+                } else {
+                    format!("{field}: ")
+                },
+                source: e.into_inner(),
+            }
         })?;
         c.validate()?;
         Ok(c)

@@ -382,10 +382,19 @@ pub fn check_text(text: &str) -> Result<Cluster, Vec<String>> {
             }
         }
     }
-    let c: Cluster = match serde_json::from_str(text) {
+    // The path of the field a typed error is about (`sps[2].peer_addr`), which serde's own
+    // message does not name.
+    let typed = serde_path_to_error::deserialize(&mut serde_json::Deserializer::from_str(text));
+    let c: Cluster = match typed {
         Ok(c) => c,
         Err(e) => {
-            problems.push(at(e));
+            let field = e.path().to_string();
+            let msg = at(e.into_inner());
+            problems.push(if field == "." {
+                msg
+            } else {
+                format!("{field}: {msg}")
+            });
             return Err(problems);
         }
     };

@@ -124,10 +124,24 @@ fn check_reports_json_errors_with_line_and_column() {
     let bad = text.replacen("\"sps_per_node\": 1", "\"sps_per_node\": \"one\"", 1);
     let p = problems(&bad);
     let line = bad.lines().position(|l| l.contains("\"one\"")).unwrap() + 1;
-    assert!(p[0].starts_with(&format!("line {line} ")), "{p:?}");
-    // A bad address too.
+    assert!(
+        p[0].starts_with(&format!("sps_per_node: line {line} ")),
+        "{p:?}"
+    );
+    // A bad address too, and a port out of range: each names its field (issue 25).
     let bad = text.replacen("10.1.0.2:7100", "10.1.0.2:port", 1);
     assert!(problems(&bad)[0].contains("line"), "{:?}", problems(&bad));
+    let bad = text.replacen("10.1.0.2:7100", "10.1.0.2:71000", 1);
+    let p = problems(&bad);
+    assert!(p[0].starts_with("sps[1].peer_addr: line "), "{p:?}");
+    // A missing field names the SP it is missing from.
+    let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    v["sps"][1].as_object_mut().unwrap().remove("peer_addr");
+    let p = problems(&serde_json::to_string_pretty(&v).unwrap());
+    assert!(
+        p[0].starts_with("sps[1]: ") && p[0].contains("missing field `peer_addr`"),
+        "{p:?}"
+    );
 }
 
 #[test]
