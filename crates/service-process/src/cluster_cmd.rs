@@ -482,6 +482,15 @@ pub fn field_problems(c: &Cluster) -> Vec<String> {
             ));
         }
     }
+    if c.hosts.is_empty() && !c.dpus.is_empty() {
+        // A description of real machines (it names DPUs) without the hosts' names: ranks
+        // could only be placed by the emulation's layout, whatever host they run on.
+        p.push(format!(
+            "hosts: missing, but dpus names {} DPUs: give every node's host name (what \
+             MPI_Get_processor_name says there), or ranks cannot find the SPs of their own node",
+            c.dpus.len()
+        ));
+    }
     let mut names: HashMap<&str, String> = HashMap::new();
     for (list, field) in [(&c.hosts, "hosts"), (&c.dpus, "dpus")] {
         if !list.is_empty() && list.len() as u64 != c.nodes as u64 {

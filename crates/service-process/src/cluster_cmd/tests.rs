@@ -241,3 +241,26 @@ fn host_files_and_dpu_maps() {
     assert!(parse_dpu_map("a 1 2 3\n").unwrap_err().contains("line 1"));
     assert!(parse_dpu_map("a 1\na 2\n").unwrap_err().contains("twice"));
 }
+
+/// Issue 25: a description that names DPUs but not the hosts passed the check, and a multi-host
+/// job then placed its ranks by layout. The check now says what is missing.
+#[test]
+fn check_wants_the_hosts_when_the_dpus_are_named() {
+    let good = generated(&["a", "b"], 1);
+    assert!(check_text(&good).is_ok());
+    let mut v: serde_json::Value = serde_json::from_str(&good).unwrap();
+    v["dpus"] = serde_json::json!(["a-bf", "b-bf"]);
+    let with_both = serde_json::to_string_pretty(&v).unwrap();
+    assert!(
+        check_text(&with_both).is_ok(),
+        "{:?}",
+        check_text(&with_both).err()
+    );
+    v.as_object_mut().unwrap().remove("hosts");
+    let p = problems(&serde_json::to_string_pretty(&v).unwrap());
+    assert!(
+        p.iter()
+            .any(|l| l.starts_with("hosts: missing, but dpus names 2 DPUs")),
+        "{p:?}"
+    );
+}
