@@ -259,6 +259,12 @@ dt_sps_launch() {
 dt_sps_unlaunch() {
   [ -n "$DT_SP_LAUNCHER" ] || return 0
   local t out=$RUN/sps-$DT_NODES-$DT_K.out want=${#DT_SP_PIDS[@]}
+  if [ "${DT_SP_FAULTED:-0}" = 1 ]; then
+    # An SP was killed: its mpirun aborts the SP job by itself (as for any process that dies).
+    # Let it finish first (bounded): a SIGTERM arriving while it tears the job down made
+    # Open MPI 4.1's mpirun segfault now and then, leaving its orteds and SPs behind.
+    for t in $(seq 1 100); do kill -0 "$DT_SP_LAUNCHER" 2>/dev/null || break; sleep 0.1; done
+  fi
   kill -TERM "$DT_SP_LAUNCHER" 2>/dev/null || true
   for t in $(seq 1 150); do kill -0 "$DT_SP_LAUNCHER" 2>/dev/null || break; sleep 0.1; done
   if kill -0 "$DT_SP_LAUNCHER" 2>/dev/null; then
