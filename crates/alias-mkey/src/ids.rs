@@ -167,8 +167,11 @@ pub fn ptrace_effective(on: bool) -> io::Result<()> {
 /// `CAP_SYS_PTRACE`). Otherwise (a root SP serving another user) the memory is reached only
 /// through the descriptor opened as the client.
 pub fn acts_as(uid: u32, gid: u32) -> bool {
+    // The process's real ids never change (only threads' filesystem ids do): read them once,
+    // not at every copy.
+    static REAL: std::sync::OnceLock<(u32, u32)> = std::sync::OnceLock::new();
     // SAFETY: getuid/getgid have no preconditions.
-    uid == 0 || unsafe { (libc::getuid(), libc::getgid()) } == (uid, gid)
+    uid == 0 || *REAL.get_or_init(|| unsafe { (libc::getuid(), libc::getgid()) }) == (uid, gid)
 }
 
 /// Runs `f` with the calling thread's filesystem ids set to `uid` and `gid` and without

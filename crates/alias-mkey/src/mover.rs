@@ -610,8 +610,7 @@ mod tests {
         let pid = child.id();
         // An address mapped in the shell: its stack's start, read as root from its stat.
         let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
-        let after = stat.rsplit_once(')').unwrap().1;
-        let stack: u64 = after.split_whitespace().nth(25).unwrap().parse().unwrap();
+        let stack = crate::process::stat_field(&stat, 28).unwrap();
         let start = crate::process::start_time(pid).unwrap();
         let key = |uid: u32, gid: u32| AliasKey {
             owner: Owner {

@@ -75,7 +75,7 @@ type Table = HashMap<PinKey, Arc<Pinned>>;
 static PINNED: Mutex<Option<(Table, usize)>> = Mutex::new(None);
 
 /// Field `n` (1-based, n > 2) of `/proc/PID/stat`, counted after the command name.
-fn stat_field(stat: &str, n: usize) -> std::io::Result<u64> {
+pub(crate) fn stat_field(stat: &str, n: usize) -> std::io::Result<u64> {
     // The command name (field 2) is in parentheses and may contain anything: count fields
     // after its closing parenthesis (field 3 is the first after it).
     let after = stat

@@ -194,9 +194,13 @@ impl World {
 impl Drop for World {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.dir);
-        let _ = Command::new("pkill")
-            .args(["-KILL", "-u", &self.user])
-            .status();
+        // By effective and by real uid: a setuid-root holder runs with the user's real uid only.
+        for by in ["-u", "-U"] {
+            let _ = Command::new("pkill")
+                .args(["-KILL", by, &self.user])
+                .status();
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
         let _ = Command::new("userdel").arg(&self.user).status();
         let _ = Command::new("groupdel").arg(&self.group).status();
     }
@@ -390,6 +394,83 @@ fn over_tcp_a_rank_that_execs_a_setuid_root_program_loses_its_grants() {
     exec_attack(&w, &sps, "setuid", "root-secret");
 }
 
+/// Item 1, the connection: a rank that execs a setuid-root program while a child keeps its
+/// connection, and nobody touches its memory afterwards: the SP's check of every pinned image
+/// (once a heartbeat period) ends that connection anyway, within a few heartbeats.
+#[test]
+fn an_untouched_connection_of_an_execd_rank_is_ended_by_the_heartbeat_check() {
+    let w = World::new("i");
+    let sps = Sps::unix();
+    let mut vars = sps.vars(w.uid);
+    vars.push(("HOLDER", w.path("setuid").display().to_string()));
+    vars.push(("SECRET_FILE", w.path("root-secret").display().to_string()));
+    vars.push(("CHILD_STEP", "exec-child-idle".to_string()));
+    let mut p = w.attacker("exec-parent", &vars).spawn().unwrap();
+    let lines = report(&mut p);
+    println!("attacker said: {lines:?}");
+    let conn = said(&lines, "RANK0-CONN");
+    let ms: u64 = conn.rsplit(' ').nth(1).unwrap().parse().unwrap();
+    assert!(conn.starts_with("closed"), "{conn}");
+    // The default heartbeat is 1 s: a few periods, well inside the attacker's 15 s wait.
+    assert!(ms < 5000, "{conn}");
+    let _ = p.kill();
+    let _ = p.wait();
+    let Sps::Unix(mut set) = sps else {
+        unreachable!()
+    };
+    let stats = set.stop_and_stats();
+    assert!(
+        stats[0]["hosts_exec_ended"].as_u64() >= Some(1),
+        "{stats:?}"
+    );
+}
+
+/// A root SP's own rights (SECURITY.md, "A root SP and its capabilities"): `CAP_SYS_PTRACE` is
+/// not effective, what `access::KEPT_CAPABILITIES` does not name is gone from its permitted and
+/// bounding sets, and a `UCX_TLS` naming a transport that reaches local processes is refused.
+#[test]
+fn a_root_sp_keeps_only_the_capabilities_it_names_and_no_local_ucx_transport() {
+    // SAFETY: geteuid has no preconditions.
+    assert_eq!(unsafe { libc::geteuid() }, 0, "this test needs root");
+    let exe = PathBuf::from(env!("CARGO_BIN_EXE_service-process"));
+    let mut sps = tcp::TcpSps::describe(&exe, 1, 1, 1);
+    sps.start_all(&[]);
+    let status =
+        std::fs::read_to_string(format!("/proc/{}/status", sps.sps[0].child.id())).unwrap();
+    let caps = |k: &str| -> u64 {
+        let v = status.lines().find_map(|l| l.strip_prefix(k)).unwrap();
+        u64::from_str_radix(v.trim(), 16).unwrap()
+    };
+    let (eff, prm, bnd) = (caps("CapEff:"), caps("CapPrm:"), caps("CapBnd:"));
+    const SYS_PTRACE: u64 = 1 << 19;
+    const SYS_ADMIN: u64 = 1 << 21;
+    const SETUID: u64 = 1 << 7;
+    assert_eq!(eff & SYS_PTRACE, 0, "CAP_SYS_PTRACE effective: {status}");
+    assert_eq!((prm | bnd) & SYS_ADMIN, 0, "CAP_SYS_ADMIN kept: {status}");
+    let kept: u64 = service_process::access::KEPT_CAPABILITIES
+        .iter()
+        .map(|(c, _)| 1u64 << c)
+        .sum();
+    assert_eq!(prm & !kept, 0, "permitted beyond the kept ones: {prm:x}");
+    assert_ne!(prm & SETUID, 0, "CAP_SETUID is needed for the client's ids");
+    drop(sps);
+
+    let mut sps = tcp::TcpSps::describe(&exe, 1, 1, 1);
+    sps.release_listeners();
+    let out = sps
+        .serve_cmd()
+        .args(["--sp-id", "0"])
+        .env("UCX_TLS", "posix,tcp")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("UCX_TLS=posix,tcp: an SP running as root"),
+        "{err}"
+    );
+}
+
 /// Item 2: over TCP on the SP's kernel a credential may name only a process its user could
 /// trace: not the user's own setgid program, not a process that made itself non-dumpable.
 #[test]
@@ -432,6 +513,7 @@ fn exec_attacker() {
     match step.as_str() {
         "exec-parent" => exec_parent(),
         "exec-child" => exec_child(),
+        "exec-child-idle" => exec_child_idle(),
         "name-over-tcp" => name_over_tcp(),
         other => panic!("no attacker step {other}"),
     }
@@ -652,7 +734,10 @@ fn exec_parent() {
             "--nocapture",
             "--test-threads=1",
         ])
-        .env("SPOFF_EXEC_ATTACK", "exec-child")
+        .env(
+            "SPOFF_EXEC_ATTACK",
+            std::env::var("CHILD_STEP").unwrap_or_else(|_| "exec-child".into()),
+        )
         .env("CONN_FD", fd.to_string())
         .env("PIPE_FD", pipe[0].to_string())
         .env("HOLDER_PID", std::process::id().to_string());
@@ -694,15 +779,42 @@ fn exec_child() {
             Ok(SpToHost::Completed { status, .. }) => break format!("completed {status}"),
             Ok(SpToHost::Error { .. }) => continue,
             Ok(other) => break format!("other {other:?}"),
-            Err(e)
-                if e.to_string().contains("timed out") || e.to_string().contains("WouldBlock") =>
-            {
-                break "open".to_string()
-            }
+            Err(e) if still_open(&e) => break "open".to_string(),
             Err(_) => break "closed".to_string(),
         }
     };
     say(format!("RANK0-CONN {conn}"));
+    say("END");
+}
+
+/// Whether a failed read only timed out (the socket's read timeout shows as `EAGAIN`): the
+/// connection is still open.
+fn still_open(e: &bootstrap::wire::FrameError) -> bool {
+    matches!(e, bootstrap::wire::FrameError::Io(io) if matches!(
+        io.kind(),
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+    ))
+}
+
+/// The child that kept rank 0's connection, touching nothing: how long until the SP ends the
+/// connection of the image its process left by `exec`.
+fn exec_child_idle() {
+    let fd: i32 = var("CONN_FD").parse().unwrap();
+    let pipe: i32 = var("PIPE_FD").parse().unwrap();
+    // SAFETY: the read end of the pipe the parent made for this process alone.
+    let (_, target) = holder_addrs(unsafe { std::fs::File::from_raw_fd(pipe) });
+    say(format!("TARGET {target}"));
+    let t = Instant::now();
+    let mut ch0 = Channel::new(Stream::inherit(fd));
+    let conn = match ch0.recv::<SpToHost>() {
+        Ok(other) => format!("answered {other:?}"),
+        Err(e) if still_open(&e) => "open".to_string(),
+        Err(_) => "closed".to_string(),
+    };
+    say(format!(
+        "RANK0-CONN {conn} after {} ms",
+        t.elapsed().as_millis()
+    ));
     say("END");
 }
 

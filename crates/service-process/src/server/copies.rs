@@ -308,7 +308,7 @@ impl Server {
                     warn!(sp = self.me, ?ck, "copy failed: {e}");
                     self.stats.copies_failed += 1;
                     if let alias_mkey::AccessError::ImageChanged { pid } = e {
-                        self.end_old_images(*pid, usize::MAX);
+                        self.end_old_images(*pid, None);
                     }
                     Status::AccessError
                 }

@@ -111,7 +111,7 @@ impl Server {
                             self.stats.host_conns_unix += 1;
                             self.watch_pidfd(key);
                             if exec_since {
-                                self.end_old_images(pid, key);
+                                self.end_old_images(pid, Some(key));
                             }
                         }
                         Err(e) => warn!("cannot register a host connection: {e}"),
@@ -186,7 +186,7 @@ impl Server {
             *pinned = Some(p);
             self.watch_pidfd(key);
             if exec_since {
-                self.end_old_images(pid, key);
+                self.end_old_images(pid, Some(key));
             }
         }
         Ok(cred)
@@ -210,9 +210,10 @@ impl Server {
             })
             .map(|p| p.pid)
             .collect();
+        gone.sort_unstable();
         gone.dedup();
         for pid in gone {
-            self.end_old_images(pid, usize::MAX);
+            self.end_old_images(pid, None);
         }
     }
 
@@ -221,12 +222,12 @@ impl Server {
     /// connections and their grants belong to a program that no longer runs, whoever holds the
     /// sockets now (a child forked before the `exec`). Ends every host connection pinned to
     /// `pid` but `keep`.
-    pub(super) fn end_old_images(&mut self, pid: u32, keep: usize) {
+    pub(super) fn end_old_images(&mut self, pid: u32, keep: Option<usize>) {
         let doomed: Vec<usize> = self
             .conns
             .iter()
             .filter(|(k, c)| {
-                *k != keep
+                Some(*k) != keep
                     && match &c.role {
                         Role::NewHost { peer, .. } => peer.pid() == pid,
                         Role::Host(h) => h.peer.pid() == pid,
