@@ -14,7 +14,8 @@
 # libhost_shim.so. Other knobs: CASES (conform cases per job), SEED, DEPLOY_SAME_KERNEL=1 (SPs
 # attach to the ranks with cma instead of UCX grants), DEPLOY_HOST_COPIES=0 (turn the blocking
 # allgathers' host copies off in the ranks), DEPLOY_JOB_ENV="-x VAR=VALUE ..." (more for the ranks),
-# KEEP_RUN_DIR=1 (keep the logs). docs/DEPLOY.md says what it proves and what not.
+# KEEP_RUN_DIR=1 (keep the logs), DEPLOY_ONLY=rejoin|fault-sp with ROUNDS=N (that phase alone, N
+# times: to chase a rare failure). docs/DEPLOY.md says what it proves and what not.
 # Prints one summary line at the end:
 #   deploy-test: N jobs, M offloaded, K faults handled, 0 left behind, in S s
 set -euo pipefail
@@ -455,6 +456,66 @@ fault_kill_rank() {
   [ "$jobs" -eq 0 ] || fail "$label: the SPs still hold $jobs jobs 10 s after the rank's job ended"
 }
 
+# rejoin_phase ROUNDS: site daemons on 2 nodes x 2 SPs, started one by one (as systemd's
+# spoff-sp@ would on each DPU, not by a launcher that ends them all when one dies). Each round
+# kills SPs of node 2 (SIGKILL: a DPU that reboots says nothing; round 1 one SP, later rounds
+# both at once) under a job that uses them, which must end with an error within the bound, and
+# starts them again: every running SP must take them back (its peers_joined counter), the next
+# job must use them, and a job on node 1 only, running through every round, must never notice.
+rejoin_phase() {
+  local rounds=$1 round t label victims v id want joined
+  echo "== site daemons: 2 nodes x 2 SPs started one by one; SPs of node 2 killed and started again under running jobs ($rounds rounds)"
+  dt_sps_start 2 2
+  local stop=$RUN/rejoin-b.stop b_pid
+  rm -f "$stop"
+  dt_job_bg rejoin-bystander 600 2 -- "$RUN/progs/conform" --cases 1000000 --seed "$seed" --timeout 60 --until "$stop"
+  b_pid=$job_pid
+  want=0
+  for round in $(seq 1 "$rounds"); do
+    if [ "$round" = 1 ]; then victims=(2); else victims=(2 3); fi
+    label=rejoin-$round
+    local base
+    base=$(dt_counter_of 2 posts)
+    dt_job_bg "$label" 180 2+2 -- "$RUN/progs/conform" --cases 100000 --seed "$seed" --timeout 60
+    dt_wait_posts 2 "$base" || { fail "$label: SP 2 never served a post"; wait "$job_pid" || true; break; }
+    local t0
+    t0=$(date +%s)
+    for v in "${victims[@]}"; do kill -KILL "${DT_SP_PIDS[v]}"; done
+    for v in "${victims[@]}"; do wait "${DT_SP_PIDS[v]}" 2>/dev/null || true; done
+    dt_fault_end "$label" "SPs ${victims[*]} of node2-dpu killed" "$t0" 60
+    for v in "${victims[@]}"; do dt_sp_spawn "$v"; done
+    for v in "${victims[@]}"; do dt_sp_await "$v" 60; done
+    want=$((want + ${#victims[@]}))
+    # Node 1's SPs count every SP that joined again; a restarted SP forms its mesh at start.
+    for id in 0 1; do
+      joined=0
+      for t in $(seq 1 100); do
+        joined=$(dt_counter_of "$id" peers_joined)
+        [ "$joined" -ge "$want" ] && break
+        sleep 0.2
+      done
+      [ "$joined" -ge "$want" ] || fail "$label: SP $id took back $joined SPs, not $want, 20 s after the restart"
+    done
+    base=$(dt_counter_of 2 posts)
+    correctness 2 2 2+2
+    [ "$(dt_counter_of 2 posts)" -gt "$base" ] || fail "$label: the restarted SP 2 served no post of the next job"
+    say "$label: SPs ${victims[*]} rejoined; SP 0 and 1 count $want joins; the next job used them"
+  done
+  touch "$stop"
+  local rc=0 t1
+  t1=$(date +%s)
+  while kill -0 "$b_pid" 2>/dev/null && [ $(( $(date +%s) - t1 )) -le 120 ]; do sleep 0.2; done
+  wait "$b_pid" || rc=$?
+  if [ "$rc" -ne 0 ]; then
+    fail "rejoin-bystander: the job on node 1 ended with status $rc while node 2's SPs restarted"
+    tail -n 5 "$RUN/job-rejoin-bystander.out" "$RUN/job-rejoin-bystander.err" >&2
+  else
+    dt_check rejoin-bystander ': ok, ' 2 &&
+      say "rejoin-bystander: the job on node 1 ran through $rounds rounds of restarts on node 2: $(grep -m1 ': ok, ' "$RUN/job-rejoin-bystander.out")"
+  fi
+  dt_sps_stop
+}
+
 # bench N_RANKS_MAPPING: the Ialltoallv overlap benchmark, offloaded and natively, on the same
 # mapping, and the comparison.
 bench() {
@@ -502,7 +563,17 @@ phase() {
 }
 
 run_all() {
-  local uniform2=2+2 uniform4=1+1+1+1
+  local uniform2=2+2 uniform4=1+1+1+1 r
+  # One phase alone, ROUNDS times (to chase a fault's rare failure): not a test of its own.
+  case "${DEPLOY_ONLY:-}" in
+    "") ;;
+    rejoin) dt_cluster_up 2; rejoin_phase "${ROUNDS:-2}"; return ;;
+    fault-sp)
+      dt_cluster_up 4
+      for r in $(seq 1 "${ROUNDS:-3}"); do sps_up 4 2; fault_kill_sp 4 2 2+2+2+2; sps_down; done
+      return ;;
+    *) dt_die "DEPLOY_ONLY=$DEPLOY_ONLY: expected rejoin or fault-sp" ;;
+  esac
   if [ "$SHORT" = 1 ]; then
     dt_cluster_up 2
     echo "-- namespaces: $(ip netns list | awk '{print $1}' | grep "^$DT_PREFIX" | sed "s/^$DT_PREFIX//" | tr '\n' ' ')"
@@ -514,6 +585,7 @@ run_all() {
     fault_kill_rank "$uniform2"
     fault_kill_sp 2 2 "$uniform2"
     sps_down
+    rejoin_phase 2
     return
   fi
   dt_cluster_up 2
@@ -528,6 +600,7 @@ run_all() {
   fault_kill_rank "$uniform2"
   fault_kill_sp 2 2 "$uniform2"
   sps_down
+  rejoin_phase 4
   count_strays
   dt_cluster_down
   dt_cluster_up 4

@@ -66,34 +66,46 @@ dt_sps_start() {
   DT_NODES=$1 DT_K=$2
   DT_CLUSTER=$RUN/cluster-${DT_NODES}x$DT_K.json
   dt_write_cluster "$DT_CLUSTER" "$DT_NODES" "$DT_K"
-  DT_SP_PIDS=() DT_SP_NAMES=()
-  local id node fifo fds=()
-  for id in $(seq 0 $((DT_NODES * DT_K - 1))); do
-    node=$((id / DT_K + 1))
-    fifo=$RUN/sp$id.fifo
-    rm -f "$fifo" && mkfifo "$fifo"
-    # A simple command in the background: $! is the SP's own pid (ip, unshare and sh exec).
-    ip netns exec "$(dt_ns_dpu "$node")" unshare --uts sh -c 'hostname "$0" && exec "$@"' \
-      "node$node-dpu" "$SP" serve --cluster "$DT_CLUSTER" --sp-id "$id" --key "$DT_KEY" \
-      "${DT_SERVE_ARGS[@]}" > "$fifo" 2> "$RUN/sp$id.err" &
-    DT_SP_PIDS[id]=$!
-    DT_SP_NAMES[id]="node$node-dpu"
-    exec {fd}< "$fifo"
-    fds[id]=$fd
-  done
-  local line
-  for id in "${!DT_SP_PIDS[@]}"; do
-    fd=${fds[id]}
-    if ! read -r -t 30 -u "$fd" line || [ "$line" != "READY sp=$id" ]; then
-      tail -5 "$RUN/sp$id.err" >&2
-      dt_die "SP $id on ${DT_SP_NAMES[id]} did not become ready within 30 s (said: ${line:-nothing})"
-    fi
-    # Keep draining its stdout (its STATS line at exit) into a file.
-    cat <&"$fd" > "$RUN/sp$id.out" &
-    DT_DRAINERS+=($!)
-    exec {fd}<&-
-  done
+  DT_SP_PIDS=() DT_SP_NAMES=() DT_SP_FDS=()
+  local id
+  for id in $(seq 0 $((DT_NODES * DT_K - 1))); do dt_sp_spawn "$id"; done
+  for id in "${!DT_SP_PIDS[@]}"; do dt_sp_await "$id" 30; done
   echo "deploy-test: $((DT_NODES * DT_K)) SPs ready ($DT_NODES DPUs x $DT_K), each in its DPU namespace"
+}
+
+# dt_sp_spawn ID: starts SP ID of DT_CLUSTER alone, as a site daemon of its DPU would run
+# (systemd's spoff-sp@): in the DPU's namespace under its host name, with the SPs' environment
+# (DT_SP_ENV, without mpirun's -x); its stdout through a fifo (dt_sp_await reads it).
+dt_sp_spawn() {
+  local id=$1 node=$(( $1 / DT_K + 1 )) fifo=$RUN/sp$1.fifo x envs=()
+  for x in "${DT_SP_ENV[@]}"; do [ "$x" = -x ] || envs+=("$x"); done
+  rm -f "$fifo" && mkfifo "$fifo"
+  # A simple command in the background: $! is the SP's own pid (ip, unshare, sh and env exec).
+  ip netns exec "$(dt_ns_dpu "$node")" unshare --uts sh -c 'hostname "$0" && exec "$@"' \
+    "node$node-dpu" env "${envs[@]}" "$SP" serve --cluster "$DT_CLUSTER" --sp-id "$id" --key "$DT_KEY" \
+    "${DT_SERVE_ARGS[@]}" > "$fifo" 2>> "$RUN/sp$id.err" &
+  DT_SP_PIDS[id]=$!
+  DT_SP_NAMES[id]="node$node-dpu"
+  exec {fd}< "$fifo"
+  DT_SP_FDS[id]=$fd
+}
+
+# dt_sp_await ID SECS: until SP ID said READY (bounded), then its stdout (its STATS line at
+# exit) drains into $RUN/spID.out.
+dt_sp_await() {
+  local id=$1 fd=${DT_SP_FDS[$1]} line
+  if ! read -r -t "$2" -u "$fd" line || [ "$line" != "READY sp=$id" ]; then
+    tail -5 "$RUN/sp$id.err" >&2
+    dt_die "SP $id on ${DT_SP_NAMES[id]} did not become ready within $2 s (said: ${line:-nothing})"
+  fi
+  cat <&"$fd" > "$RUN/sp$id.out" &
+  DT_DRAINERS+=($!)
+  exec {fd}<&-
+}
+
+# dt_sock ID: the Unix socket of SP ID in the running description.
+dt_sock() {
+  if [ "${DT_HOST_TCP:-0}" = 1 ]; then echo "$DT_SOCK_DIR/$1/host.sock"; else echo "$RUN/sp$1.sock"; fi
 }
 
 # dt_sps_stop: SIGTERM to every live SP, waited on (bounded), then SIGKILL.
@@ -124,8 +136,8 @@ dt_sps_stop() {
       echo "deploy-test: SP $id stopped without STATS or still holding jobs: $(cut -c1-100 "$RUN/sp$id.out")" >&2
       DT_STOP_PROBLEMS=$((DT_STOP_PROBLEMS + 1))
     fi
-    if [ -e "$RUN/sp$id.sock" ]; then
-      echo "deploy-test: SP $id left its socket $RUN/sp$id.sock" >&2
+    if [ -e "$(dt_sock "$id")" ]; then
+      echo "deploy-test: SP $id left its socket $(dt_sock "$id")" >&2
       DT_STOP_PROBLEMS=$((DT_STOP_PROBLEMS + 1))
     fi
   done

@@ -403,7 +403,14 @@ fn run(cli: Cli) -> Result<i32> {
                 })?),
                 None => None,
             };
-            let peers = connect_mesh(sp_id, &cluster, &listener, backoff, &key)?;
+            let mesh = connect_mesh(
+                sp_id,
+                &cluster,
+                &listener,
+                backoff,
+                &key,
+                Duration::from_millis(heartbeat_ms),
+            )?;
             let cfg = ServeConfig {
                 sp: sp_id,
                 cluster,
@@ -445,7 +452,7 @@ fn run(cli: Cli) -> Result<i32> {
                     ..Limits::default()
                 },
             };
-            let server = Server::new(cfg, peers)?;
+            let server = Server::new(cfg, mesh)?;
             println!("READY sp={sp_id}");
             if let Err(e) = service_process::deploy::sd_notify(&format!(
                 "READY=1\nSTATUS=serving as SP {sp_id}"

@@ -34,7 +34,7 @@ use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
-use tracing::warn;
+use tracing::{debug, warn};
 
 /// A would-be peer must finish its handshake within this.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -182,7 +182,7 @@ impl Pending {
         total: SpId,
         fingerprint: u64,
         key: &ClusterKey,
-        have: &HashMap<SpId, TcpStream>,
+        have: &dyn Fn(SpId) -> bool,
     ) -> Step {
         let payload = loop {
             match self.dec.next_frame() {
@@ -213,7 +213,7 @@ impl Pending {
                 if h.cluster_fingerprint != fingerprint {
                     return self.reject(format!("SP {} has a different cluster description", h.sp));
                 }
-                if h.sp <= me || h.sp >= total || have.contains_key(&h.sp) {
+                if h.sp <= me || h.sp >= total || have(h.sp) {
                     return self.reject(format!("unexpected SP id {} at SP {me}", h.sp));
                 }
                 let nb = auth::nonce();
@@ -239,7 +239,7 @@ impl Pending {
                         "the would-be SP {sp} did not prove the cluster key"
                     ));
                 }
-                if have.contains_key(&sp) {
+                if have(sp) {
                     return self.reject(format!("SP {sp} is already connected to SP {me}"));
                 }
                 Step::Done(sp)
@@ -249,69 +249,46 @@ impl Pending {
     }
 }
 
-/// Connects to every lower-numbered SP and accepts every higher-numbered one, each proven by
-/// the handshake; returns the streams by SP id. Bounded by the backoff's deadline.
-///
-/// A handshake that fails on its connection (the peer did not answer in time: it is slow to
-/// start on a loaded machine, or held; or the connection was closed) is tried again on a new
-/// connection until the deadline: a slow peer delays the mesh, it does not fail it. A peer
-/// that refuses, or does not prove the key, fails it at once.
-pub fn connect_mesh(
+/// The accepting side of the handshake: the would-be peers in their handshake, all at once.
+/// Used while the mesh forms ([`connect_mesh`]) and, after that, by the [`Keeper`]'s
+/// accepting thread, which takes back an SP that restarted.
+struct Acceptor {
     me: SpId,
-    cluster: &Cluster,
-    listener: &std::net::TcpListener,
-    backoff: Backoff,
-    key: &ClusterKey,
-) -> anyhow::Result<HashMap<SpId, TcpStream>> {
-    let fingerprint = cluster.fingerprint();
-    let mut peers = HashMap::new();
-    let deadline = Instant::now() + backoff.deadline;
-    for peer in 0..me {
-        let addr = cluster
-            .sp(peer)
-            .context("peer missing from cluster")?
-            .peer_addr;
-        let mut tries = 0u32;
-        let s = loop {
-            tries += 1;
-            let left = Backoff {
-                deadline: deadline.saturating_duration_since(Instant::now()),
-                ..backoff
-            };
-            let s = connect_with_backoff(addr, left)
-                .with_context(|| format!("SP {me}: connecting to SP {peer} at {addr}"))?;
-            match prove_to(me, peer, s, fingerprint, key) {
-                Ok(s) => break s,
-                Err(e) if worth_retrying(&e) && Instant::now() + RETRY_PAUSE < deadline => {
-                    if tries <= 10 {
-                        warn!(
-                            "SP {me}: handshake with SP {peer} at {addr} failed ({e:#}); \
-                             trying again"
-                        );
-                    }
-                    std::thread::sleep(RETRY_PAUSE);
-                }
-                Err(e) => {
-                    return Err(e.context(format!(
-                        "SP {me}: handshake with SP {peer} at {addr} ({tries} tries)"
-                    )))
-                }
-            }
-        };
-        peers.insert(peer, s);
+    total: SpId,
+    fingerprint: u64,
+    key: ClusterKey,
+    pending: Vec<Pending>,
+    refused: u32,
+}
+
+impl Acceptor {
+    fn new(me: SpId, cluster: &Cluster, key: &ClusterKey) -> Acceptor {
+        Acceptor {
+            me,
+            total: cluster.sps.len() as SpId,
+            fingerprint: cluster.fingerprint(),
+            key: key.clone(),
+            pending: Vec::new(),
+            refused: 0,
+        }
     }
-    let total = cluster.sps.len() as SpId;
-    listener.set_nonblocking(true)?;
-    let mut refused = 0u32;
-    let mut refuse = |from: SocketAddr, why: &str| {
-        refused += 1;
+
+    fn refuse(&mut self, from: SocketAddr, why: &str) {
+        self.refused += 1;
         // Bounded: a flood of impostors must not flood the log.
-        if refused <= 10 {
+        if self.refused <= 10 {
             warn!(%from, "refusing a would-be peer SP: {why}");
         }
-    };
-    let mut pending: Vec<Pending> = Vec::new();
-    while (peers.len() as SpId) < total - 1 {
+    }
+
+    /// One round: accepts a few new connections from `listener` (nonblocking) and steps every
+    /// handshake. Returns the peers that proved themselves, and whether anything happened.
+    /// `have` tells which SPs are connected already (refused as duplicates).
+    fn round(
+        &mut self,
+        listener: &std::net::TcpListener,
+        have: &dyn Fn(SpId) -> bool,
+    ) -> (Vec<(SpId, TcpStream)>, bool) {
         let mut progressed = false;
         // A few at a time, each round reading all of them: a connection is read at least once
         // before newer ones can push it out (a real SP's hello is there as soon as it connects).
@@ -319,39 +296,43 @@ pub fn connect_mesh(
             match listener.accept() {
                 Ok((s, from)) => {
                     progressed = true;
-                    if pending.len() >= MAX_PENDING_PEERS {
-                        let oldest = pending
+                    if self.pending.len() >= MAX_PENDING_PEERS {
+                        let oldest = self
+                            .pending
                             .iter()
                             .position(|p| matches!(p.stage, Stage::Hello))
                             .unwrap_or(0);
-                        let p = pending.remove(oldest);
-                        refuse(
+                        let p = self.pending.remove(oldest);
+                        self.refuse(
                             p.from,
                             "dropped for a newer connection: too many would-be peers",
                         );
                     }
                     match Pending::new(s, from) {
-                        Ok(p) => pending.push(p),
-                        Err(e) => refuse(from, &e.to_string()),
+                        Ok(p) => self.pending.push(p),
+                        Err(e) => self.refuse(from, &e.to_string()),
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 // One client's trouble (ECONNABORTED) or descriptors running out: try again
-                // on the next round, until the deadline.
+                // on the next round.
                 Err(e) => {
-                    warn!("SP {me}: accept on the peer listener failed: {e}");
+                    warn!("SP {}: accept on the peer listener failed: {e}", self.me);
                     break;
                 }
             }
         }
         let now = Instant::now();
+        let mut done = Vec::new();
         let mut i = 0;
-        while i < pending.len() {
-            let step = if now.duration_since(pending[i].since) > HANDSHAKE_TIMEOUT {
+        while i < self.pending.len() {
+            let step = if now.duration_since(self.pending[i].since) > HANDSHAKE_TIMEOUT {
                 Step::Refused(format!("no handshake within {HANDSHAKE_TIMEOUT:?}"))
             } else {
-                pending[i].step(me, total, fingerprint, key, &peers)
+                let (me, total, fp) = (self.me, self.total, self.fingerprint);
+                let taken = |sp: SpId| have(sp) || done.iter().any(|(d, _)| *d == sp);
+                self.pending[i].step(me, total, fp, &self.key, &taken)
             };
             match step {
                 Step::Wait => i += 1,
@@ -361,32 +342,356 @@ pub fn connect_mesh(
                 }
                 Step::Done(sp) => {
                     progressed = true;
-                    let p = pending.remove(i);
-                    p.s.set_nonblocking(false)?;
-                    peers.insert(sp, p.s);
+                    let p = self.pending.remove(i);
+                    match p.s.set_nonblocking(false) {
+                        Ok(()) => done.push((sp, p.s)),
+                        Err(e) => self.refuse(p.from, &e.to_string()),
+                    }
                 }
                 Step::Refused(why) => {
                     progressed = true;
-                    let p = pending.remove(i);
-                    refuse(p.from, &why);
+                    let p = self.pending.remove(i);
+                    self.refuse(p.from, &why);
                 }
             }
         }
-        if (peers.len() as SpId) >= total - 1 {
-            break;
+        (done, progressed)
+    }
+
+    /// The sockets of the handshakes in progress (to wait on).
+    fn fds(&self) -> Vec<std::os::fd::RawFd> {
+        use std::os::fd::AsRawFd;
+        self.pending.iter().map(|p| p.s.as_raw_fd()).collect()
+    }
+}
+
+/// Connects to SP `peer` (lower-numbered) and proves this SP to it, trying again on a new
+/// connection while the handshake fails on its connection, until `deadline`. `Ok(None)`: the
+/// peer could not be reached by then; `Err`: it refused, or did not prove the key.
+fn join_lower(
+    me: SpId,
+    peer: SpId,
+    addr: SocketAddr,
+    fingerprint: u64,
+    key: &ClusterKey,
+    backoff: Backoff,
+    deadline: Instant,
+) -> anyhow::Result<Option<TcpStream>> {
+    let mut tries = 0u32;
+    loop {
+        tries += 1;
+        let left = Backoff {
+            deadline: deadline.saturating_duration_since(Instant::now()),
+            ..backoff
+        };
+        let s = match connect_with_backoff(addr, left) {
+            Ok(s) => s,
+            Err(_) if Instant::now() >= deadline => return Ok(None),
+            Err(e) => {
+                return Err(anyhow::Error::from(e)
+                    .context(format!("SP {me}: connecting to SP {peer} at {addr}")))
+            }
+        };
+        match prove_to(me, peer, s, fingerprint, key) {
+            Ok(s) => return Ok(Some(s)),
+            Err(e) if worth_retrying(&e) && Instant::now() + RETRY_PAUSE < deadline => {
+                if tries <= 10 {
+                    warn!(
+                        "SP {me}: handshake with SP {peer} at {addr} failed ({e:#}); \
+                         trying again"
+                    );
+                }
+                std::thread::sleep(RETRY_PAUSE);
+            }
+            Err(e) if worth_retrying(&e) => return Ok(None),
+            Err(e) => {
+                return Err(e.context(format!(
+                    "SP {me}: handshake with SP {peer} at {addr} ({tries} tries)"
+                )))
+            }
         }
-        if Instant::now() > deadline {
-            let missing: Vec<SpId> = (me + 1..total).filter(|p| !peers.contains_key(p)).collect();
-            bail!(
-                "SP {me}: SPs {missing:?} did not connect within {:?}",
-                backoff.deadline
-            );
+    }
+}
+
+/// What forming the mesh came to: the connected peers by SP id, and those that were not there
+/// by the deadline (they join later, through the [`Keeper`]).
+pub struct Mesh {
+    pub peers: HashMap<SpId, TcpStream>,
+    pub missing: Vec<SpId>,
+}
+
+/// Connects to every lower-numbered SP and accepts every higher-numbered one, each proven by
+/// the handshake, until all are connected or the backoff's deadline passes. The lower ones are
+/// connected to at the same time as the higher ones are accepted.
+///
+/// A handshake that fails on its connection (the peer did not answer in time: it is slow to
+/// start on a loaded machine, or held; or the connection was closed) is tried again on a new
+/// connection until the deadline: a slow peer delays the mesh, it does not fail it. A peer
+/// that refuses, or does not prove the key, fails it at once. A peer not there by the deadline
+/// (its DPU is down, or it starts later) is returned in [`Mesh::missing`]: the SP serves
+/// without it, and it joins when it comes (issue 25: one DPU's reboot does not need a
+/// cluster-wide restart).
+pub fn connect_mesh(
+    me: SpId,
+    cluster: &Cluster,
+    listener: &std::net::TcpListener,
+    backoff: Backoff,
+    key: &ClusterKey,
+    heartbeat: Duration,
+) -> anyhow::Result<Mesh> {
+    let fingerprint = cluster.fingerprint();
+    let mut peers = HashMap::new();
+    let deadline = Instant::now() + backoff.deadline;
+    // Peers that are serving already (this SP restarted, or started late) judge it by its
+    // heartbeats as soon as it joined them: keep beating on every connection while the mesh
+    // forms, or they would count it stuck while it waits for a peer that is down.
+    let beats = Beats::start(heartbeat)?;
+    let mut joins = Vec::new();
+    for peer in 0..me {
+        let addr = cluster
+            .sp(peer)
+            .context("peer missing from cluster")?
+            .peer_addr;
+        let key = key.clone();
+        let beats = beats.conns.clone();
+        joins.push((
+            peer,
+            std::thread::Builder::new()
+                .name(format!("mesh-{peer}"))
+                .spawn(move || {
+                    let got = join_lower(me, peer, addr, fingerprint, &key, backoff, deadline);
+                    if let Ok(Some(s)) = &got {
+                        Beats::add(&beats, s);
+                    }
+                    got
+                })?,
+        ));
+    }
+    let total = cluster.sps.len() as SpId;
+    listener.set_nonblocking(true)?;
+    let mut acceptor = Acceptor::new(me, cluster, key);
+    while (peers.len() as SpId) < total - me - 1 {
+        let (done, progressed) = acceptor.round(listener, &|sp| peers.contains_key(&sp));
+        for (_, s) in &done {
+            Beats::add(&beats.conns, s);
+        }
+        peers.extend(done);
+        if (peers.len() as SpId) >= total - me - 1 || Instant::now() > deadline {
+            break;
         }
         if !progressed {
             std::thread::sleep(Duration::from_millis(2));
         }
     }
-    Ok(peers)
+    for (peer, j) in joins {
+        match j.join() {
+            Ok(Ok(Some(s))) => {
+                peers.insert(peer, s);
+            }
+            Ok(Ok(None)) => {}
+            Ok(Err(e)) => return Err(e),
+            Err(_) => bail!("SP {me}: the thread connecting to SP {peer} panicked"),
+        }
+    }
+    // No heartbeat of this thread may go out halfway through the event loop's first frames.
+    beats.stop();
+    let missing: Vec<SpId> = (0..total)
+        .filter(|p| *p != me && !peers.contains_key(p))
+        .collect();
+    if !missing.is_empty() {
+        warn!(
+            "SP {me}: SPs {missing:?} were not there within {:?}; serving without them \
+             (each joins when it starts)",
+            backoff.deadline
+        );
+    }
+    Ok(Mesh { peers, missing })
+}
+
+/// The heartbeats a forming mesh sends on its connections (see [`connect_mesh`]).
+struct Beats {
+    conns: std::sync::Arc<std::sync::Mutex<Vec<TcpStream>>>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Beats {
+    fn start(period: Duration) -> io::Result<Beats> {
+        let conns = std::sync::Arc::new(std::sync::Mutex::new(Vec::<TcpStream>::new()));
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (c, st) = (conns.clone(), stop.clone());
+        let thread = std::thread::Builder::new()
+            .name("mesh-beats".into())
+            .spawn(move || {
+                let beat = wire::encode(&wire::SpToSp::Heartbeat);
+                let mut next = Instant::now() + period;
+                while !st.load(std::sync::atomic::Ordering::Acquire) {
+                    if Instant::now() < next {
+                        std::thread::sleep(Duration::from_millis(10).min(period));
+                        continue;
+                    }
+                    next = Instant::now() + period;
+                    let mut conns = c.lock().unwrap_or_else(|e| e.into_inner());
+                    // A peer that does not read gets no more (its connection fails later).
+                    conns.retain_mut(|s| s.write_all(&beat).is_ok());
+                }
+            })?;
+        Ok(Beats {
+            conns,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    fn add(conns: &std::sync::Mutex<Vec<TcpStream>>, s: &TcpStream) {
+        if let Ok(s) = s.try_clone() {
+            // A tiny frame: only a peer that stopped reading for long fills the buffer.
+            let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
+            conns.lock().unwrap_or_else(|e| e.into_inner()).push(s);
+        }
+    }
+
+    /// Stops the thread and waits for it: no beat is sent after this returns.
+    fn stop(self) {
+        drop(self)
+    }
+}
+
+impl Drop for Beats {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Keeps the mesh whole while the SP serves: a thread accepts higher-numbered SPs that
+/// (re)start and prove the key, another connects again to lower-numbered SPs that were lost
+/// (or missing at the start), so that a restarted SP rejoins the running ones without any of
+/// them restarting. Each proven connection goes to the event loop through a channel, with a
+/// wake of its poll; the loop replaces any connection it still had to that SP.
+pub struct Keeper {
+    /// Lower-numbered SPs to connect to again.
+    want: std::sync::mpsc::Sender<SpId>,
+    /// Proven connections, by SP.
+    pub joined: std::sync::mpsc::Receiver<(SpId, TcpStream)>,
+}
+
+/// Pause between two tries of the keeper to reach a lost lower-numbered SP.
+const REJOIN_RETRY: Duration = Duration::from_millis(250);
+
+impl Keeper {
+    pub fn spawn(
+        me: SpId,
+        cluster: &Cluster,
+        listener: std::net::TcpListener,
+        key: &ClusterKey,
+        wake: std::sync::Arc<mio::Waker>,
+    ) -> anyhow::Result<Keeper> {
+        let (tx, joined) = std::sync::mpsc::channel();
+        let (want, wanted) = std::sync::mpsc::channel::<SpId>();
+        listener.set_nonblocking(true)?;
+        let mut acceptor = Acceptor::new(me, cluster, key);
+        let (tx_a, wake_a) = (tx.clone(), wake.clone());
+        std::thread::Builder::new()
+            .name("mesh-accept".into())
+            .spawn(move || loop {
+                // Any proven SP is handed over: the loop replaces a connection it still had
+                // (the SP restarted before its old connection was seen to end).
+                let (done, progressed) = acceptor.round(&listener, &|_| false);
+                for d in done {
+                    if tx_a.send(d).is_err() {
+                        return;
+                    }
+                    let _ = wake_a.wake();
+                }
+                if !progressed {
+                    wait_readable(&listener, &acceptor.fds(), Duration::from_millis(500));
+                }
+            })?;
+        let addrs: HashMap<SpId, SocketAddr> =
+            cluster.sps.iter().map(|e| (e.id, e.peer_addr)).collect();
+        let fingerprint = cluster.fingerprint();
+        let key = key.clone();
+        std::thread::Builder::new()
+            .name("mesh-rejoin".into())
+            .spawn(move || {
+                let mut wanted_set: std::collections::BTreeSet<SpId> = Default::default();
+                loop {
+                    // Wait for work, or take what came while trying.
+                    let first = if wanted_set.is_empty() {
+                        match wanted.recv() {
+                            Ok(sp) => Some(sp),
+                            Err(_) => return,
+                        }
+                    } else {
+                        None
+                    };
+                    wanted_set.extend(first);
+                    loop {
+                        match wanted.try_recv() {
+                            Ok(sp) => {
+                                wanted_set.insert(sp);
+                            }
+                            Err(std::sync::mpsc::TryRecvError::Empty) => break,
+                            Err(std::sync::mpsc::TryRecvError::Disconnected) => return,
+                        }
+                    }
+                    let round: Vec<SpId> = wanted_set.iter().copied().collect();
+                    for sp in round {
+                        let Some(&addr) = addrs.get(&sp) else {
+                            wanted_set.remove(&sp);
+                            continue;
+                        };
+                        let got = std::net::TcpStream::connect_timeout(&addr, REJOIN_RETRY)
+                            .map_err(anyhow::Error::from)
+                            .and_then(|s| prove_to(me, sp, s, fingerprint, &key));
+                        match got {
+                            Ok(s) => {
+                                wanted_set.remove(&sp);
+                                if tx.send((sp, s)).is_err() {
+                                    return;
+                                }
+                                let _ = wake.wake();
+                            }
+                            // Not up yet, or refusing (it may be starting with another
+                            // description): tried again, quietly; the loop reports it lost.
+                            Err(e) => debug!("SP {me}: SP {sp} not back yet: {e:#}"),
+                        }
+                    }
+                    if !wanted_set.is_empty() {
+                        std::thread::sleep(REJOIN_RETRY);
+                    }
+                }
+            })?;
+        Ok(Keeper { want, joined })
+    }
+
+    /// Lower-numbered SP `sp` was lost: connect to it again whenever it comes back. A higher-
+    /// numbered one connects to this SP by itself.
+    pub fn rejoin(&self, me: SpId, sp: SpId) {
+        if sp < me {
+            let _ = self.want.send(sp);
+        }
+    }
+}
+
+/// Waits (bounded) until the listener or one of the handshake sockets is readable.
+fn wait_readable(listener: &std::net::TcpListener, fds: &[std::os::fd::RawFd], t: Duration) {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    use std::os::fd::{AsFd, BorrowedFd};
+    // SAFETY: the descriptors are of sockets the acceptor holds for the whole call.
+    let borrowed: Vec<BorrowedFd> = fds
+        .iter()
+        .map(|fd| unsafe { BorrowedFd::borrow_raw(*fd) })
+        .collect();
+    let mut set: Vec<PollFd> = std::iter::once(listener.as_fd())
+        .chain(borrowed.iter().copied())
+        .map(|fd| PollFd::new(fd, PollFlags::POLLIN))
+        .collect();
+    let ms = t.as_millis().min(u16::MAX as u128) as u16;
+    let _ = poll(&mut set, PollTimeout::from(ms));
 }
 
 #[cfg(test)]
@@ -425,7 +730,9 @@ mod tests {
         };
         let k0 = key.clone();
         let c0 = cluster.clone();
-        let sp0 = std::thread::spawn(move || connect_mesh(0, &c0, &l0, backoff, &k0));
+        let sp0 = std::thread::spawn(move || {
+            connect_mesh(0, &c0, &l0, backoff, &k0, Duration::from_secs(1))
+        });
         // The impostor knows the (public) fingerprint but not the key.
         let s = connect_with_backoff(addr, backoff).unwrap();
         let err = prove_to(1, 0, s, fp, &ClusterKey::generate()).unwrap_err();
@@ -449,7 +756,7 @@ mod tests {
         // The real SP 1 still joins.
         let s = connect_with_backoff(addr, backoff).unwrap();
         prove_to(1, 0, s, fp, &key).unwrap();
-        let peers = sp0.join().unwrap().unwrap();
+        let peers = sp0.join().unwrap().unwrap().peers;
         assert_eq!(peers.keys().copied().collect::<Vec<_>>(), [1]);
     }
 
@@ -474,11 +781,13 @@ mod tests {
         big.write_all(&(4u32 << 20).to_le_bytes()).unwrap();
         held.push(big);
         let (k0, c0) = (key.clone(), cluster.clone());
-        let sp0 = std::thread::spawn(move || connect_mesh(0, &c0, &l0, backoff, &k0));
+        let sp0 = std::thread::spawn(move || {
+            connect_mesh(0, &c0, &l0, backoff, &k0, Duration::from_secs(1))
+        });
         let t = Instant::now();
         let s = connect_with_backoff(addr, backoff).unwrap();
         prove_to(1, 0, s, fp, &key).unwrap();
-        let peers = sp0.join().unwrap().unwrap();
+        let peers = sp0.join().unwrap().unwrap().peers;
         assert_eq!(peers.keys().copied().collect::<Vec<_>>(), [1]);
         assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
         drop(held);

@@ -67,6 +67,8 @@ pub struct Stats {
     pub held_peak_bytes: u64,
     /// Peer SPs dropped for sending nothing (not even a heartbeat) for `--peer-timeout-ms`.
     pub peers_silent: u64,
+    /// Peer SPs that joined after the mesh formed: restarted, or late to start.
+    pub peers_joined: u64,
     /// The event loop's longest pass (µs): from the end of one wait for events to the start
     /// of the next, everything the loop did in between (its sockets, timers, completions and
     /// the staging UCX worker's progress). Heartbeats go out only between passes.

@@ -68,6 +68,8 @@
  *   --corrupt         checker self-test: after the tested calls of each case, flip one received
  *                     byte on one rank; the run must report failures
  *   --timeout SEC     report a hang when a completion takes longer (default 60)
+ *   --until FILE      stop after the case during which FILE came to exist (rank 0 looks, tells
+ *                     the others with PMPI_Bcast), or after --cases, whichever is first
  *   --verbose         print every rank's drawn parameters on stderr
  * Output (stdout):
  *   rank 0 first: "conform: seed S"
@@ -119,6 +121,7 @@ static long g_ncases = 200, g_only = -1;
 static unsigned g_mask = (1u << NCOLL) - 1;
 static int g_mixed, g_final, g_corrupt, g_basic, g_verbose;
 static double g_timeout = 60.0;
+static const char *g_until = NULL; /* --until FILE */
 static int wrank, wsize;
 static long g_fail, g_calls, g_cases_run;
 static char g_case[32] = "-";
@@ -343,7 +346,7 @@ static void usage(void)
     if (wrank == 0)
         fprintf(stderr, "usage: conform [--seed S] [--cases N] [--case K] [--colls a,b,...] "
                         "[--types all|basic] [--mixed-in-place] [--finalize-early] [--corrupt] "
-                        "[--timeout SEC] [--verbose]\n");
+                        "[--timeout SEC] [--until FILE] [--verbose]\n");
     MPI_Finalize();
     exit(2);
 }
@@ -362,6 +365,7 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--cases") && v) { g_ncases = atol(v); i++; }
         else if (!strcmp(a, "--case") && v) { g_only = atol(v); i++; }
         else if (!strcmp(a, "--timeout") && v) { g_timeout = atof(v); i++; }
+        else if (!strcmp(a, "--until") && v) { g_until = v; i++; }
         else if (!strcmp(a, "--types") && v) {
             if (!strcmp(v, "basic")) g_basic = 1;
             else if (strcmp(v, "all")) usage();
@@ -417,7 +421,14 @@ int main(int argc, char **argv)
 
     if (g_only >= 0) run_case(g_only, 0);
     else
-        for (long k = 0; k < g_ncases; k++) run_case(k, 0);
+        for (long k = 0; k < g_ncases; k++) {
+            run_case(k, 0);
+            if (g_until) {
+                int stop = wrank == 0 && access(g_until, F_OK) == 0;
+                PMPI_Bcast(&stop, 1, MPI_INT, 0, MPI_COMM_WORLD); /* not counted, not tested */
+                if (stop) break;
+            }
+        }
     if (g_final) run_case(FINAL_CASE, 1);
     snprintf(g_case, sizeof g_case, "-");
 

@@ -98,7 +98,11 @@ impl Server {
             who,
             "host connected"
         );
-        let job = self.jobs.entry(cred.job).or_default();
+        let dead = &self.dead_peers;
+        let job = self.jobs.entry(cred.job).or_insert_with(|| Job {
+            lost_sps: dead.clone(),
+            ..Job::default()
+        });
         job.world_size = cred.world_size;
         job.uid = cred.uid;
         job.hosts.insert(key);
@@ -242,6 +246,12 @@ impl Server {
                 }
                 self.peer_conn.remove(&sp);
                 self.dead_peers.insert(sp);
+                for j in self.jobs.values_mut() {
+                    j.lost_sps.insert(sp);
+                }
+                if self.replacing != Some(sp) {
+                    self.keeper.rejoin(self.me, sp);
+                }
                 self.sibling_gone(sp, None);
                 // Its ranks will not copy out of our regions any more.
                 let borrowed: Vec<CollKey> = self

@@ -265,6 +265,10 @@ struct Job {
     /// collectives rely on.
     hello_only: HashSet<u32>,
     failed: Option<Status>,
+    /// Peer SPs lost while this job was known here (or already lost when it came): its
+    /// collectives that need one fail, even after that SP rejoined (the ranks it served, and
+    /// what it held of the job, are gone with it); later jobs use the SP again.
+    lost_sps: HashSet<SpId>,
     finished: HashSet<(CommId, u64)>,
     finished_order: std::collections::VecDeque<(CommId, u64)>,
 }
@@ -286,6 +290,10 @@ pub struct Server {
     doomed: Vec<(usize, u64, String)>,
     peer_conn: HashMap<SpId, usize>,
     dead_peers: HashSet<SpId>,
+    /// Takes back SPs that restart (or start late): see [`crate::mesh::Keeper`].
+    keeper: crate::mesh::Keeper,
+    /// The SP whose old connection is being closed for a new one (no rejoin is asked for).
+    replacing: Option<SpId>,
     /// Peers that announced an orderly shutdown.
     leaving_peers: HashSet<SpId>,
     next_conn_id: u64,
@@ -385,12 +393,17 @@ impl Instance {
 }
 
 impl Server {
-    pub fn new(
-        cfg: ServeConfig,
-        peers: HashMap<SpId, std::net::TcpStream>,
-    ) -> anyhow::Result<Server> {
+    pub fn new(cfg: ServeConfig, mesh: crate::mesh::Mesh) -> anyhow::Result<Server> {
         let poll = Poll::new()?;
         let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
+        let keeper = crate::mesh::Keeper::spawn(
+            cfg.sp,
+            &cfg.cluster,
+            cfg.peer_listener.try_clone()?,
+            &cfg.key,
+            waker.clone(),
+        )?;
+        let crate::mesh::Mesh { peers, missing } = mesh;
         let _ = std::fs::remove_file(&cfg.host_socket);
         let mut hosts_listener = UnixListener::bind(&cfg.host_socket)
             .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", cfg.host_socket.display()))?;
@@ -484,7 +497,9 @@ impl Server {
             next_serial: 0,
             doomed: Vec::new(),
             peer_conn: HashMap::new(),
-            dead_peers: HashSet::new(),
+            dead_peers: missing.iter().copied().collect(),
+            keeper,
+            replacing: None,
             leaving_peers: HashSet::new(),
             next_conn_id: 0,
             jobs: HashMap::new(),
@@ -533,6 +548,9 @@ impl Server {
             let key = server.add_conn(stream, Role::Peer(sp))?;
             server.peer_conn.insert(sp, key);
             server.last_heard.insert(sp, Instant::now());
+        }
+        for sp in missing {
+            server.keeper.rejoin(server.me, sp);
         }
         Ok(server)
     }
@@ -628,7 +646,8 @@ impl Server {
                 match ev.token() {
                     LISTEN_HOSTS => self.accept_hosts(),
                     LISTEN_HOSTS_TCP => self.accept_tcp_hosts(),
-                    WAKER | UCX_EVENTS => {}
+                    WAKER => self.take_joined_peers(),
+                    UCX_EVENTS => {}
                     SIGNALS => {
                         if self.signals.drain() {
                             info!(sp = self.me, "stopping on signal");
@@ -668,6 +687,37 @@ impl Server {
         s.jobs_at_exit = self.jobs.len() as u64;
         s.instances_at_exit = self.instances.len() as u64;
         s
+    }
+
+    /// Serves the SPs the mesh keeper took (back): a restarted SP's new connection replaces
+    /// what was left of its old one, which ends as a lost peer first (the collectives that
+    /// still needed the old one fail).
+    fn take_joined_peers(&mut self) {
+        while let Ok((sp, s)) = self.keeper.joined.try_recv() {
+            if let Some(old) = self.peer_conn.get(&sp).copied() {
+                self.replacing = Some(sp);
+                self.close_conn(old, "replaced by a new connection: the SP restarted");
+                self.replacing = None;
+            }
+            let added = s.set_nonblocking(true).and_then(|()| {
+                let stream = Stream::Tcp(mio::net::TcpStream::from_std(s));
+                self.add_conn(stream, Role::Peer(sp))
+            });
+            match added {
+                Ok(key) => {
+                    self.peer_conn.insert(sp, key);
+                    self.last_heard.insert(sp, Instant::now());
+                    self.dead_peers.remove(&sp);
+                    self.leaving_peers.remove(&sp);
+                    self.stats.peers_joined += 1;
+                    info!(sp = self.me, peer = sp, "peer SP joined");
+                }
+                Err(e) => {
+                    warn!(sp = self.me, peer = sp, "cannot serve the joining SP: {e}");
+                    self.keeper.rejoin(self.me, sp);
+                }
+            }
+        }
     }
 
     /// Tells every peer this SP is stopping, with a bounded effort to get it out.

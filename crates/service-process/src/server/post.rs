@@ -235,7 +235,10 @@ impl Server {
             .members
             .iter()
             .copied()
-            .filter(|sp| self.dead_peers.contains(sp))
+            .filter(|sp| {
+                self.dead_peers.contains(sp)
+                    || self.jobs.get(&job).is_some_and(|j| j.lost_sps.contains(sp))
+            })
             .collect();
         let posted = Posted {
             host_copies: d.host_copies && spec.host_copies,
