@@ -23,6 +23,7 @@ pub mod held;
 pub mod hostlist;
 pub mod launch;
 pub mod launch_mpi;
+pub mod mcast;
 pub mod mesh;
 pub mod record;
 pub mod segment;

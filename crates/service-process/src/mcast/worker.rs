@@ -1,0 +1,338 @@
+//! Receive workers: the stand-ins of the paper's DPA receive kernels
+//! (`multicast-bcast-allgather-dpa.txt`, §III-B "Receive datapath" and Fig. 6, §IV
+//! "Multicast subgroups"). Each worker is a thread of the SP that owns one or more subgroup
+//! sockets and, per collective registered with it, a bitmap of the chunks it landed; for each
+//! datagram it checks the header and the collective's tag, applies the injected faults (drop,
+//! reorder; seeded, on the receive side before the bitmap, as a fabric would), sets the bit,
+//! and hands the payload to the collective's [`Sink`] (staging, then the mover towards the
+//! ranks' buffers, in the SP; a buffer in tests). What it did is counted in [`WorkerStats`]
+//! and reported as [`Event`]s on the channel the SP drains.
+//!
+//! A datagram that is malformed, names no collective registered here, or carries another tag
+//! is dropped and counted before anything is written; a duplicate (the bit is set) is counted
+//! and dropped. The kernel's count of datagrams lost for want of socket buffer (`SO_MEMINFO`:
+//! the receiver was not ready) is read whenever a socket runs dry and added to
+//! `overflow_drops`.
+
+use super::datagram::{self, HEADER_BYTES};
+use super::fabric;
+use crossbeam_channel::{Receiver, Sender};
+use std::collections::HashMap;
+use std::io::{self, Read, Write};
+use std::net::UdpSocket;
+use std::os::fd::AsFd;
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+/// Where a collective's chunks go once landed.
+pub trait Sink: Send + Sync {
+    /// Chunk `psn` arrived with `payload`. An error is reported as [`Event::SinkFailed`].
+    fn land(&self, psn: u32, payload: &[u8]) -> Result<(), String>;
+}
+
+/// A collective a worker receives for: its id and tag on the fabric, its chunk count, where
+/// its chunks go.
+pub struct Registration {
+    pub coll: u64,
+    pub tag: u64,
+    pub chunks: u32,
+    pub sink: Arc<dyn Sink>,
+}
+
+/// What a worker reports.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Event {
+    /// Chunk `psn` of `coll` is in its sink.
+    Landed { coll: u64, psn: u32 },
+    /// The sink refused chunk `psn` of `coll` (its bit stays set: the collective fails).
+    SinkFailed { coll: u64, psn: u32, why: String },
+}
+
+/// Faults injected on the receive side, before the bitmap (`serve --mcast-drop-rate`,
+/// `--mcast-reorder`): each datagram is dropped with probability `drop_ppm` / 10^6, or held
+/// back behind the next one with probability `reorder_ppm` / 10^6.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Injection {
+    pub drop_ppm: u32,
+    pub reorder_ppm: u32,
+    pub seed: u64,
+}
+
+/// A worker's counters (read while it runs).
+#[derive(Debug, Default)]
+pub struct WorkerStats {
+    pub datagrams: AtomicU64,
+    pub bytes: AtomicU64,
+    pub landed: AtomicU64,
+    pub duplicates: AtomicU64,
+    pub malformed: AtomicU64,
+    pub unknown_coll: AtomicU64,
+    pub bad_tag: AtomicU64,
+    pub injected_drops: AtomicU64,
+    pub reordered: AtomicU64,
+    pub overflow_drops: AtomicU64,
+    pub sink_failures: AtomicU64,
+}
+
+impl WorkerStats {
+    fn add(c: &AtomicU64, n: u64) {
+        c.fetch_add(n, Ordering::Relaxed);
+    }
+    pub fn get(c: &AtomicU64) -> u64 {
+        c.load(Ordering::Relaxed)
+    }
+}
+
+enum Cmd {
+    Socket(UdpSocket),
+    Register(Registration, Sender<()>),
+    Unregister(u64, Sender<()>),
+    Stop,
+}
+
+/// A receive worker thread.
+pub struct RecvWorker {
+    cmds: Sender<Cmd>,
+    wake: UnixStream,
+    thread: Option<JoinHandle<()>>,
+    pub stats: Arc<WorkerStats>,
+}
+
+struct Coll {
+    tag: u64,
+    chunks: u32,
+    bitmap: Vec<u64>,
+    sink: Arc<dyn Sink>,
+}
+
+impl Coll {
+    /// Sets bit `psn`; false if it was set.
+    fn set(&mut self, psn: u32) -> bool {
+        let (w, b) = ((psn / 64) as usize, psn % 64);
+        let was = self.bitmap[w] & (1 << b) != 0;
+        self.bitmap[w] |= 1 << b;
+        !was
+    }
+}
+
+/// SplitMix64: the injection's generator (deterministic from the seed).
+fn next(x: &mut u64) -> u64 {
+    *x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = *x;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+struct Loop {
+    socks: Vec<(UdpSocket, u32)>,
+    colls: HashMap<u64, Coll>,
+    events: Sender<Event>,
+    stats: Arc<WorkerStats>,
+    inject: Injection,
+    rng: u64,
+    held: Option<Vec<u8>>,
+}
+
+impl Loop {
+    /// One datagram off the fabric: injection first (a fault of the fabric), then the checks.
+    fn on_datagram(&mut self, d: Vec<u8>) {
+        WorkerStats::add(&self.stats.datagrams, 1);
+        WorkerStats::add(&self.stats.bytes, d.len() as u64);
+        if self.inject.drop_ppm > 0
+            && next(&mut self.rng) % 1_000_000 < u64::from(self.inject.drop_ppm)
+        {
+            WorkerStats::add(&self.stats.injected_drops, 1);
+            return;
+        }
+        if self.inject.reorder_ppm > 0
+            && self.held.is_none()
+            && next(&mut self.rng) % 1_000_000 < u64::from(self.inject.reorder_ppm)
+        {
+            WorkerStats::add(&self.stats.reordered, 1);
+            self.held = Some(d);
+            return;
+        }
+        self.take(&d);
+        if let Some(h) = self.held.take() {
+            self.take(&h);
+        }
+    }
+
+    fn take(&mut self, d: &[u8]) {
+        let (h, payload) = match datagram::decode(d) {
+            Ok(x) => x,
+            Err(_) => return WorkerStats::add(&self.stats.malformed, 1),
+        };
+        let Some(c) = self.colls.get_mut(&h.coll) else {
+            return WorkerStats::add(&self.stats.unknown_coll, 1);
+        };
+        if c.tag != h.tag || c.chunks != h.chunks {
+            return WorkerStats::add(&self.stats.bad_tag, 1);
+        }
+        if !c.set(h.psn) {
+            return WorkerStats::add(&self.stats.duplicates, 1);
+        }
+        let ev = match c.sink.land(h.psn, payload) {
+            Ok(()) => {
+                WorkerStats::add(&self.stats.landed, 1);
+                Event::Landed {
+                    coll: h.coll,
+                    psn: h.psn,
+                }
+            }
+            Err(why) => {
+                WorkerStats::add(&self.stats.sink_failures, 1);
+                Event::SinkFailed {
+                    coll: h.coll,
+                    psn: h.psn,
+                    why,
+                }
+            }
+        };
+        let _ = self.events.send(ev);
+    }
+
+    /// Reads every socket dry; true if anything came.
+    fn drain(&mut self, buf: &mut [u8]) -> bool {
+        let mut any = false;
+        for i in 0..self.socks.len() {
+            loop {
+                match fabric::recv(&self.socks[i].0, buf) {
+                    Ok(n) => {
+                        any = true;
+                        let d = buf[..n].to_vec();
+                        self.on_datagram(d);
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(_) => {
+                        WorkerStats::add(&self.stats.malformed, 1);
+                        break;
+                    }
+                }
+            }
+            // Dry: what the kernel dropped meanwhile (its count is cumulative per socket).
+            if let Ok(total) = fabric::drops(&self.socks[i].0) {
+                let seen = &mut self.socks[i].1;
+                if total > *seen {
+                    WorkerStats::add(&self.stats.overflow_drops, u64::from(total - *seen));
+                    *seen = total;
+                }
+            }
+        }
+        // Nothing more behind a held datagram: let it go (reordered, not lost).
+        if !any {
+            if let Some(h) = self.held.take() {
+                self.take(&h);
+            }
+        }
+        any
+    }
+}
+
+impl RecvWorker {
+    /// Starts a worker whose events go to `events`, with faults `inject`.
+    pub fn start(name: &str, events: Sender<Event>, inject: Injection) -> io::Result<RecvWorker> {
+        let (cmds, rx): (Sender<Cmd>, Receiver<Cmd>) = crossbeam_channel::unbounded();
+        let (wake, mut woken) = UnixStream::pair()?;
+        woken.set_nonblocking(true)?;
+        let stats = Arc::new(WorkerStats::default());
+        let mut lp = Loop {
+            socks: Vec::new(),
+            colls: HashMap::new(),
+            events,
+            stats: stats.clone(),
+            inject,
+            rng: inject.seed,
+            held: None,
+        };
+        let thread = std::thread::Builder::new()
+            .name(name.into())
+            .spawn(move || {
+                let mut buf = vec![0u8; HEADER_BYTES + datagram::MAX_PAYLOAD + 1];
+                loop {
+                    while let Ok(c) = rx.try_recv() {
+                        match c {
+                            Cmd::Socket(s) => lp.socks.push((s, 0)),
+                            Cmd::Register(r, done) => {
+                                let words = (r.chunks as usize).div_ceil(64);
+                                lp.colls.insert(
+                                    r.coll,
+                                    Coll {
+                                        tag: r.tag,
+                                        chunks: r.chunks,
+                                        bitmap: vec![0; words],
+                                        sink: r.sink,
+                                    },
+                                );
+                                let _ = done.send(());
+                            }
+                            Cmd::Unregister(coll, done) => {
+                                lp.colls.remove(&coll);
+                                let _ = done.send(());
+                            }
+                            Cmd::Stop => return,
+                        }
+                    }
+                    if lp.drain(&mut buf) {
+                        continue;
+                    }
+                    // Sleep until a socket or a command needs us (bounded: a held datagram
+                    // goes out at the next pass).
+                    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+                    let mut fds: Vec<PollFd> = lp
+                        .socks
+                        .iter()
+                        .map(|(s, _)| PollFd::new(s.as_fd(), PollFlags::POLLIN))
+                        .collect();
+                    fds.push(PollFd::new(woken.as_fd(), PollFlags::POLLIN));
+                    let _ = poll(&mut fds, PollTimeout::from(100u16));
+                    let mut sink = [0u8; 64];
+                    while matches!(woken.read(&mut sink), Ok(n) if n > 0) {}
+                }
+            })?;
+        Ok(RecvWorker {
+            cmds,
+            wake,
+            thread: Some(thread),
+            stats,
+        })
+    }
+
+    fn send(&self, c: Cmd) {
+        let _ = self.cmds.send(c);
+        let _ = (&self.wake).write(&[1]);
+    }
+
+    /// Gives the worker a subgroup socket to receive on.
+    pub fn add_socket(&self, s: UdpSocket) {
+        self.send(Cmd::Socket(s));
+    }
+
+    /// Registers a collective; returns once the worker will land its chunks (a receiver is
+    /// ready only then: the root multicasts after every receiver said so).
+    pub fn register(&self, r: Registration) {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.send(Cmd::Register(r, tx));
+        let _ = rx.recv();
+    }
+
+    /// Forgets a collective; returns once no chunk of it will land any more.
+    pub fn unregister(&self, coll: u64) {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.send(Cmd::Unregister(coll, tx));
+        let _ = rx.recv();
+    }
+}
+
+impl Drop for RecvWorker {
+    fn drop(&mut self) {
+        self.send(Cmd::Stop);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
