@@ -238,6 +238,9 @@ pub fn notify_to(path: &std::ffi::OsStr, state: &str) -> std::io::Result<()> {
 /// first and serves once every peer SP has joined its mesh), not an I/O error.
 fn not_ready_why(e: &anyhow::Error) -> String {
     let silent = e.chain().any(|c| {
+        if c.is::<crate::stats::NoAnswer>() {
+            return true;
+        }
         let io = c
             .downcast_ref::<std::io::Error>()
             .or_else(|| match c.downcast_ref() {
