@@ -318,3 +318,142 @@ fn stats_pointed_at_something_that_is_not_an_sp_says_so() {
         }
     }
 }
+
+/// The shipped unit (deploy/systemd/spoff-sp@.service), its ExecStart run as systemd would on
+/// each DPU of a 2-node cluster with 2 SPs per node: instances 0 and 1 on both DPUs. The node
+/// comes from the host name (node 1's DPU name is this machine's) or, standing in for another
+/// machine, `--node` in SPOFF_SERVE_ARGS (node 0). Every SP serves, with its cluster-wide id.
+#[test]
+fn the_same_unit_instances_serve_on_every_dpu() {
+    let unit = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/systemd/spoff-sp@.service");
+    let unit = std::fs::read_to_string(unit).unwrap();
+    let exec = unit
+        .lines()
+        .find_map(|l| l.strip_prefix("ExecStart="))
+        .expect("the unit has an ExecStart");
+    let mut sps = TcpSps::describe(&exe(), 2, 2, 1);
+    let host = service_process::deploy::host_name().unwrap();
+    let other = format!("not-{host}-dpu");
+    sps.cluster.hosts = vec!["h0".into(), "h1".into()];
+    sps.cluster.dpus = vec![other.clone(), host.clone()];
+    for e in &mut sps.cluster.sps {
+        e.host_socket = sps.run_dir.join(format!("run/{}/host.sock", e.id));
+    }
+    sps.cluster.save(&sps.cluster_path).unwrap();
+    sps.release_listeners();
+    let key = service_process::launch::key_path(&sps.cluster_path);
+    let mut children = Vec::new();
+    for node in 0..2u32 {
+        for instance in 0..2u32 {
+            let serve_args = if node == 0 {
+                format!("--node {other}")
+            } else {
+                String::new()
+            };
+            let line = exec
+                .replace("%i", &instance.to_string())
+                .replace("$SPOFF_SERVE_ARGS", &serve_args)
+                .replace(
+                    "/usr/local/bin/service-process",
+                    &exe().display().to_string(),
+                )
+                .replace(
+                    "/etc/spoff/cluster.json",
+                    &sps.cluster_path.display().to_string(),
+                )
+                .replace("/etc/spoff/cluster.key", &key.display().to_string());
+            let argv: Vec<&str> = line.split_whitespace().collect();
+            let child = Command::new(argv[0])
+                .args(&argv[1..])
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap();
+            children.push((node, instance, child));
+        }
+    }
+    // Each prints READY sp=N once its mesh is up, N = node * 2 + instance.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut outs = Vec::new();
+    for (node, instance, mut child) in children {
+        let mut stdout = child.stdout.take().unwrap();
+        let want = format!("READY sp={}", node * 2 + instance);
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut got = Vec::new();
+            let mut buf = [0u8; 256];
+            while let Ok(n) = stdout.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                got.extend_from_slice(&buf[..n]);
+                let _ = tx.send(String::from_utf8_lossy(&got).into_owned());
+            }
+        });
+        let mut seen = String::new();
+        while !seen.contains(&want) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(left) {
+                Ok(s) => seen = s,
+                Err(_) => break,
+            }
+        }
+        outs.push((node, instance, want, seen, child));
+    }
+    let mut failed = Vec::new();
+    for (node, instance, want, seen, mut child) in outs {
+        // SAFETY: kill with a pid of our own child.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        let _ = child.wait();
+        if !seen.contains(&want) {
+            let mut err = String::new();
+            child
+                .stderr
+                .take()
+                .unwrap()
+                .read_to_string(&mut err)
+                .unwrap();
+            failed.push(format!(
+                "node {node} spoff-sp@{instance}: no {want:?}; stdout {seen:?}; stderr {err}"
+            ));
+        }
+    }
+    assert!(failed.is_empty(), "{}", failed.join("\n"));
+}
+
+/// The local index of `--sp-id local:I` is checked against the description: one line naming
+/// what is wrong, at once.
+#[test]
+fn serve_local_index_beyond_the_sps_of_a_node_is_refused_at_once() {
+    let mut sps = TcpSps::describe(&exe(), 2, 2, 1);
+    let host = service_process::deploy::host_name().unwrap();
+    sps.cluster.hosts = vec!["h0".into(), "h1".into()];
+    sps.cluster.dpus = vec![format!("not-{host}"), host];
+    sps.cluster.save(&sps.cluster_path).unwrap();
+    sps.release_listeners();
+    let t = Instant::now();
+    let out = sps
+        .serve_cmd()
+        .args(["--sp-id", "local:2"])
+        .output()
+        .unwrap();
+    let (_, err) = text(&out);
+    assert!(!out.status.success());
+    assert!(t.elapsed() < Duration::from_secs(5));
+    assert!(
+        err.contains(
+            "--sp-id local:2: the cluster description has 2 SPs per node (local:0 to local:1)"
+        ),
+        "{err}"
+    );
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    let out = sps
+        .serve_cmd()
+        .args(["--sp-id", "local:x"])
+        .output()
+        .unwrap();
+    let (_, err) = text(&out);
+    assert!(!out.status.success());
+    assert!(err.contains("local:x"), "{err}");
+}
