@@ -384,6 +384,13 @@ fn run(cli: Cli) -> Result<i32> {
                     std::env::set_var("UCX_NET_DEVICES", dev);
                 }
             }
+            // The ports UCX's TCP transport listens on, where the description confines them
+            // (what the firewall opens), unless the user chose them.
+            if std::env::var_os("UCX_TCP_PORT_RANGE").is_none() {
+                if let Some(r) = cluster.ucx_tcp_port_range {
+                    std::env::set_var("UCX_TCP_PORT_RANGE", r.to_string());
+                }
+            }
             let listener = match listen_fd {
                 Some(fd) => {
                     check_listener_fd(fd)?;

@@ -457,3 +457,63 @@ fn serve_local_index_beyond_the_sps_of_a_node_is_refused_at_once() {
     assert!(!out.status.success());
     assert!(err.contains("local:x"), "{err}");
 }
+
+/// `cluster check` of the description's UCX port range: a valid one passes and is summarised;
+/// a reversed one, one with port 0, one that is not a range and one that holds an SP's own
+/// port are refused, each naming the field.
+#[test]
+fn cluster_check_validates_the_ucx_port_range() {
+    let sps = TcpSps::describe(&exe(), 2, 1, 1);
+    let text0 = std::fs::read_to_string(&sps.cluster_path).unwrap();
+    let peer0 = sps.cluster.sps[0].peer_addr.port();
+    let check = |range: serde_json::Value| {
+        let mut v: serde_json::Value = serde_json::from_str(&text0).unwrap();
+        v["ucx_tcp_port_range"] = range;
+        let path = sps.run_dir.join("check.json");
+        std::fs::write(&path, v.to_string()).unwrap();
+        let out = Command::new(exe())
+            .args(["cluster", "check"])
+            .arg(&path)
+            .output()
+            .unwrap();
+        let (o, e) = text(&out);
+        (out.status.code(), o, e)
+    };
+    // A range clear of the SPs' own ports (below the kernel's ephemeral ones, where they are).
+    let ports: Vec<u16> = sps
+        .cluster
+        .sps
+        .iter()
+        .flat_map(|e| [Some(e.peer_addr.port()), e.host_addr.map(|a| a.port())])
+        .flatten()
+        .collect();
+    let first = (20_000u16..)
+        .step_by(1000)
+        .find(|f| !ports.iter().any(|p| (*f..=f + 999).contains(p)))
+        .unwrap();
+    let good = format!("{first}-{}", first + 999);
+    let (code, out, err) = check(good.clone().into());
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert!(out.contains(&format!("UCX TCP ports {good}")), "{out}");
+    for (bad, why) in [
+        (
+            serde_json::Value::from("5000-4000"),
+            "first port above the last",
+        ),
+        ("0-100".into(), "port 0"),
+        ("40000".into(), "not a port range"),
+        ("40000-70000".into(), "not a port range"),
+        (
+            format!("{}-{}", peer0 - 1, peer0 + 1).into(),
+            "sps[0].peer_addr",
+        ),
+    ] {
+        let (code, out, err) = check(bad.clone());
+        assert_eq!(code, Some(1), "{bad}: {out}{err}");
+        let line = err
+            .lines()
+            .find(|l| l.contains("ucx_tcp_port_range"))
+            .unwrap_or_else(|| panic!("{bad}: no line names the field:\n{err}"));
+        assert!(line.contains(why), "{bad}: {line}");
+    }
+}
