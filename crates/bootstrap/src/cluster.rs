@@ -119,6 +119,63 @@ pub struct Cluster {
     /// `serve --sp-id auto` runs). Optional.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub dpus: Vec<String>,
+    /// The ports UCX's TCP transport listens on, in the ranks and in the SPs
+    /// (`UCX_TCP_PORT_RANGE`, set by both before UCX starts unless the environment sets it):
+    /// what a firewall opens for the `ucx` grants over TCP. Absent: ports the kernel picks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ucx_tcp_port_range: Option<PortRange>,
+}
+
+/// An inclusive range of TCP ports, written `FIRST-LAST` (UCX's own syntax).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct PortRange {
+    pub first: u16,
+    pub last: u16,
+}
+
+impl PortRange {
+    pub fn contains(&self, port: u16) -> bool {
+        (self.first..=self.last).contains(&port)
+    }
+}
+
+impl std::fmt::Display for PortRange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}-{}", self.first, self.last)
+    }
+}
+
+impl std::str::FromStr for PortRange {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let bad = || format!("{s:?} is not a port range (FIRST-LAST, e.g. 40000-40999)");
+        let (a, b) = s.split_once('-').ok_or_else(bad)?;
+        let (first, last): (u16, u16) = (
+            a.trim().parse().map_err(|_| bad())?,
+            b.trim().parse().map_err(|_| bad())?,
+        );
+        if first == 0 {
+            return Err(format!("{s:?} starts at port 0"));
+        }
+        if first > last {
+            return Err(format!("{s:?} has its first port above the last"));
+        }
+        Ok(PortRange { first, last })
+    }
+}
+
+impl TryFrom<String> for PortRange {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        s.parse()
+    }
+}
+
+impl From<PortRange> for String {
+    fn from(r: PortRange) -> String {
+        r.to_string()
+    }
 }
 
 fn block() -> Layout {
@@ -168,6 +225,7 @@ impl Cluster {
             sps,
             hosts: Vec::new(),
             dpus: Vec::new(),
+            ucx_tcp_port_range: None,
         };
         c.validate()?;
         Ok(c)

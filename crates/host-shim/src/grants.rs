@@ -71,15 +71,45 @@ impl Backend {
     }
 }
 
+/// Whether `UCX_TLS` (`tls`) lets UCX use its TCP transport: unset, naming `tcp` (or `all`),
+/// or a `^` list of exclusions without it.
+fn tcp_transport_allowed(tls: Option<&str>) -> bool {
+    let Some(tls) = tls else {
+        return true;
+    };
+    let (exclude, list) = match tls.strip_prefix('^') {
+        Some(rest) => (true, rest),
+        None => (false, tls),
+    };
+    let named = list
+        .split(',')
+        .map(|t| t.trim().trim_start_matches('\\'))
+        .any(|t| t == "tcp" || (!exclude && t == "all"));
+    named != exclude
+}
+
 /// A registrar for `backend` (`ucx` or `ucx-export`); for `ucx-export`, only if this machine
-/// can export (one page is tried).
-fn ucx_registrar(backend: Backend) -> Result<UcxRegistrar, alias_mkey::AccessError> {
+/// can export (one page is tried). UCX's TCP transport listens in `tcp_ports` (the cluster
+/// description's `ucx_tcp_port_range`) unless `UCX_TCP_PORT_RANGE` is set or `UCX_TLS` leaves
+/// TCP out: given to this context's configuration, not to the environment, which other threads
+/// may be reading. (UCX applies a key `ucp_config_modify` does not know to its transports'
+/// configurations without their prefix: the TCP transport's `PORT_RANGE`, which
+/// `UCX_TCP_PORT_RANGE` sets; UCX warns about a key no transport took.)
+fn ucx_registrar(
+    backend: Backend,
+    tcp_ports: Option<bootstrap::cluster::PortRange>,
+) -> Result<UcxRegistrar, alias_mkey::AccessError> {
+    let ports = tcp_ports
+        .filter(|_| std::env::var_os("UCX_TCP_PORT_RANGE").is_none())
+        .filter(|_| tcp_transport_allowed(std::env::var("UCX_TLS").ok().as_deref()))
+        .map(|r| r.to_string());
+    let overrides: Vec<(&str, &str)> = ports.iter().map(|r| ("PORT_RANGE", r.as_str())).collect();
     if backend == Backend::UcxExport {
-        let r = UcxRegistrar::exporting(&[])?;
+        let r = UcxRegistrar::exporting(&overrides)?;
         r.probe_export()?;
         Ok(r)
     } else {
-        UcxRegistrar::new()
+        UcxRegistrar::with_config(&overrides)
     }
 }
 
@@ -103,12 +133,18 @@ pub struct Grants {
 }
 
 impl Grants {
-    /// With `backend` ucx, tries to set UCX up; on failure says why (once, on this rank) and
-    /// stays with `cma`. `cma` already holds the mailbox grant.
-    pub fn new(cma: Registrar, backend: Backend, rank: u32) -> Grants {
+    /// With `backend` ucx, tries to set UCX up (its TCP listener in `tcp_ports`, see
+    /// [`ucx_registrar`]); on failure says why (once, on this rank) and stays with `cma`. `cma`
+    /// already holds the mailbox grant.
+    pub fn new(
+        cma: Registrar,
+        backend: Backend,
+        rank: u32,
+        tcp_ports: Option<bootstrap::cluster::PortRange>,
+    ) -> Grants {
         let ucx = match backend {
             Backend::Cma => None,
-            Backend::Ucx | Backend::UcxExport => match ucx_registrar(backend) {
+            Backend::Ucx | Backend::UcxExport => match ucx_registrar(backend, tcp_ports) {
                 Ok(registrar) => {
                     let hook = match crate::unmapped::install() {
                         Ok(h) => Some(h),
@@ -221,5 +257,22 @@ impl Grants {
 impl Drop for Grants {
     fn drop(&mut self) {
         UCX_ACTIVE.store(false, Ordering::Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::tcp_transport_allowed as tcp;
+
+    #[test]
+    fn the_port_range_goes_to_ucx_only_where_its_tcp_transport_may_run() {
+        assert!(tcp(None));
+        assert!(tcp(Some("tcp")));
+        assert!(tcp(Some("rc,tcp")));
+        assert!(tcp(Some("all")));
+        assert!(tcp(Some("^rc")));
+        assert!(!tcp(Some("rc,ud")));
+        assert!(!tcp(Some("^tcp")));
+        assert!(!tcp(Some("^rc,tcp")));
     }
 }

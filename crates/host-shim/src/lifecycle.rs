@@ -272,7 +272,7 @@ unsafe fn start_inner() -> bool {
         say!("rank {rank}: {why}");
         Backend::Cma
     });
-    let grants = Grants::new(reg.registrar, backend, rank);
+    let grants = Grants::new(reg.registrar, backend, rank, cluster.ucx_tcp_port_range);
     if settings.verbose && grants.backend() == Backend::Ucx {
         say!(
             "rank {rank}: ucx grants, memory events {}",

@@ -31,8 +31,8 @@ pub enum ClusterCmd {
     /// Generate a cluster description for a real cluster: one node per host (in the given
     /// order), K SPs on each node's DPU. SP k of a node listens for peer SPs on
     /// DPU:PEER_PORT+k, for the node's host ranks on DPU:HOST_PORT+k (TCP) and on
-    /// SOCKET_DIR/ID/host.sock (Unix, for same-kernel clients; the systemd unit's runtime
-    /// directory). The result is checked as `check` does before it is written.
+    /// SOCKET_DIR/ID/host.sock (Unix, for same-kernel clients; under the systemd unit's runtime
+    /// directory /run/spoff). The result is checked as `check` does before it is written.
     #[command(group(clap::ArgGroup::new("hosts_from").required(true)))]
     #[command(group(clap::ArgGroup::new("dpus").required(true)))]
     Init {
@@ -61,9 +61,14 @@ pub enum ClusterCmd {
         #[arg(long, default_value_t = 7200, value_parser = clap::value_parser!(u16).range(1..))]
         host_port: u16,
         /// Directory of the SPs' Unix sockets on each DPU: SP ID's is SOCKET_DIR/ID/host.sock
-        /// (the runtime directory of `spoff-sp@ID.service`).
+        /// (the SP makes ID/; /run/spoff is the runtime directory of `spoff-sp@.service`).
         #[arg(long, default_value = "/run/spoff")]
         socket_dir: PathBuf,
+        /// The ports UCX's TCP transport may listen on, FIRST-LAST (the description's
+        /// `ucx_tcp_port_range`): the ranks and the SPs apply it, so a firewall opens only
+        /// these for the `ucx` grants over TCP. Default: none (ports the kernel picks).
+        #[arg(long, value_name = "FIRST-LAST")]
+        ucx_tcp_port_range: Option<bootstrap::cluster::PortRange>,
         /// Write here instead of standard output.
         #[arg(long, short)]
         output: Option<PathBuf>,
@@ -99,6 +104,7 @@ pub fn run(cmd: ClusterCmd) -> Result<i32> {
             peer_port,
             host_port,
             socket_dir,
+            ucx_tcp_port_range,
             output,
         } => {
             let hosts = match (&hosts_file, &slurm_nodelist) {
@@ -111,7 +117,7 @@ pub fn run(cmd: ClusterCmd) -> Result<i32> {
                 (None, Some(f)) => Dpus::Map(read_dpu_map(f)?),
                 (None, None) => bail!("give --dpu-suffix or --dpu-map"),
             };
-            let c = init(&Init {
+            let mut c = init(&Init {
                 hosts,
                 sps_per_node,
                 dpus,
@@ -119,6 +125,7 @@ pub fn run(cmd: ClusterCmd) -> Result<i32> {
                 host_port,
                 socket_dir,
             })?;
+            c.ucx_tcp_port_range = ucx_tcp_port_range;
             let text = serde_json::to_string_pretty(&c)? + "\n";
             if let Err(problems) = check_text(&text) {
                 bail!(
@@ -346,7 +353,7 @@ pub fn check_text(text: &str) -> Result<Cluster, Vec<String>> {
     let value: serde_json::Value = serde_json::from_str(text).map_err(|e| vec![at(e)])?;
     // Unknown fields are refused: a misspelt field would otherwise be ignored silently.
     let mut problems = Vec::new();
-    const TOP: [&str; 7] = [
+    const TOP: [&str; 8] = [
         "nodes",
         "sps_per_node",
         "ranks_per_node",
@@ -354,6 +361,7 @@ pub fn check_text(text: &str) -> Result<Cluster, Vec<String>> {
         "sps",
         "hosts",
         "dpus",
+        "ucx_tcp_port_range",
     ];
     const SP: [&str; 6] = [
         "id",
@@ -491,6 +499,23 @@ pub fn field_problems(c: &Cluster) -> Vec<String> {
             c.dpus.len()
         ));
     }
+    if let Some(r) = c.ucx_tcp_port_range {
+        // UCX takes a random free port of the range, so one of the SPs' own ports inside it
+        // could be taken before its SP binds it.
+        for (i, sp) in c.sps.iter().enumerate() {
+            for (what, a) in [
+                ("peer_addr", Some(sp.peer_addr)),
+                ("host_addr", sp.host_addr),
+            ] {
+                if let Some(a) = a.filter(|a| r.contains(a.port())) {
+                    p.push(format!(
+                        "ucx_tcp_port_range: {r} holds the port of sps[{i}].{what} ({a}): UCX \
+                         could take it before the SP binds it; keep the range apart"
+                    ));
+                }
+            }
+        }
+    }
     let mut names: HashMap<&str, String> = HashMap::new();
     for (list, field) in [(&c.hosts, "hosts"), (&c.dpus, "dpus")] {
         if !list.is_empty() && list.len() as u64 != c.nodes as u64 {
@@ -551,6 +576,9 @@ pub fn summary(path: &Path, c: &Cluster) -> String {
     if c.hosts.is_empty() {
         s += "  no host names: an emulated cluster on one machine (ranks are placed by the \
               SPOFF_NODE hint launch gives, or by its layout)\n";
+    }
+    if let Some(r) = c.ucx_tcp_port_range {
+        s += &format!("  UCX TCP ports {r} (ranks and SPs listen there for the ucx grants)\n");
     }
     for n in 0..c.nodes {
         let host = c.hosts.get(n as usize).map_or("-", String::as_str);

@@ -6,8 +6,9 @@
 //!   `srun --ntasks-per-node=K ...`) starts K SPs on every node of the allocation. Each finds
 //!   its node by its host name in the cluster description's `hosts` (or `--node NAME`) and its
 //!   index on the node by the launcher's local rank ([`LOCAL_RANK_VARS`]).
-//! - **Daemon**: systemd starts one `serve` per DPU (`deploy/systemd/spoff-sp@.service`,
-//!   `Type=notify`); the SP sends `READY=1` to `$NOTIFY_SOCKET` itself once its peers are
+//! - **Daemon**: systemd starts one `serve` per SP of the DPU (`deploy/systemd/spoff-sp@.service`,
+//!   `Type=notify`), instance `I` with `--sp-id local:I`: SP `I` of the node its host name
+//!   names, so the same instances are enabled on every DPU; the SP sends `READY=1` to `$NOTIFY_SOCKET` itself once its peers are
 //!   connected and its host listeners open (a Unix datagram, no libsystemd needed).
 //! - **Waiting**: `service-process wait-ready` asks every SP of a description for its counters
 //!   until all answer (an SP answers only once it serves), so job scripts never `sleep`.
@@ -17,11 +18,15 @@ use bootstrap::auth::ClusterKey;
 use bootstrap::Cluster;
 use std::time::{Duration, Instant};
 
-/// The SP a `serve` should be: a number, or `auto` (see [`resolve_sp_id`]).
+/// The SP a `serve` should be: a number, `auto` (see [`resolve_sp_id`]) or `local:I` (see
+/// [`resolve_local`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SpIdArg {
     Id(SpId),
     Auto,
+    /// SP `I` of this machine's node (the node found as for `auto`): the same argument, and so
+    /// the same systemd instance name (`spoff-sp@I`), on every DPU.
+    Local(u32),
 }
 
 impl std::str::FromStr for SpIdArg {
@@ -30,9 +35,16 @@ impl std::str::FromStr for SpIdArg {
         if s == "auto" {
             return Ok(SpIdArg::Auto);
         }
-        s.parse()
-            .map(SpIdArg::Id)
-            .map_err(|_| format!("expected an SP id (a number) or auto, not {s:?}"))
+        if let Some(i) = s.strip_prefix("local:") {
+            return i.parse().map(SpIdArg::Local).map_err(|_| {
+                format!("{s:?}: expected local:I, I the SP's index on its node (0, 1, ...)")
+            });
+        }
+        s.parse().map(SpIdArg::Id).map_err(|_| {
+            format!(
+                "expected an SP id (a number), auto or local:I (the index on this node), not {s:?}"
+            )
+        })
     }
 }
 
@@ -46,21 +58,53 @@ pub const LOCAL_RANK_VARS: [&str; 4] = [
 ];
 
 /// The SP id of a `serve --sp-id auto`: node from `node_name` (`--node`) or else `host_name`
-/// (this machine's) looked up in the description's `hosts`; the index on the node from the
-/// launcher's local rank (`env` looks variables up, [`LOCAL_RANK_VARS`]). A host name matches
-/// exactly, or by its first label when only one node's does (`dpu1` for `dpu1.site`).
+/// (this machine's) looked up in the description's `hosts` (see [`node_of`]); the index on the
+/// node from the launcher's local rank (`env` looks variables up, [`LOCAL_RANK_VARS`]).
 pub fn resolve_sp_id(
     cluster: &Cluster,
     node_name: Option<&str>,
     host_name: &str,
     env: impl Fn(&str) -> Option<String>,
 ) -> Result<SpId, String> {
+    let node = node_of(cluster, node_name, host_name, "--sp-id auto")?;
+    let (var, value) = LOCAL_RANK_VARS
+        .iter()
+        .find_map(|v| env(v).map(|x| (*v, x)))
+        .ok_or_else(|| {
+            format!(
+                "--sp-id auto: no launcher local rank in the environment (none of {}); start \
+                 the SPs with mpirun or srun, or give --sp-id N",
+                LOCAL_RANK_VARS.join(", ")
+            )
+        })?;
+    let local: u32 = value
+        .trim()
+        .parse()
+        .map_err(|_| format!("{var}={value:?} is not a local rank"))?;
+    if local >= cluster.sps_per_node {
+        return Err(format!(
+            "{var}={local}, but the cluster description has {} SPs per node: start exactly {} \
+             per node (e.g. mpirun --map-by ppr:{}:node)",
+            cluster.sps_per_node, cluster.sps_per_node, cluster.sps_per_node
+        ));
+    }
+    Ok(node * cluster.sps_per_node + local)
+}
+
+/// The node of this machine: `node_name` (`--node`) or else `host_name` looked up in the
+/// description's `dpus`, then `hosts`. A name matches exactly, or by its first label when only
+/// one node's does (`dpu1` for `dpu1.site`). `form` (the `--sp-id` given) is named in errors.
+pub fn node_of(
+    cluster: &Cluster,
+    node_name: Option<&str>,
+    host_name: &str,
+    form: &str,
+) -> Result<u32, String> {
     if cluster.hosts.is_empty() && cluster.dpus.is_empty() {
-        return Err(
-            "--sp-id auto needs the DPU or host name of every node in the cluster description \
-             (its \"dpus\" or \"hosts\" list); give --sp-id N instead"
-                .into(),
-        );
+        return Err(format!(
+            "{form} needs the DPU or host name of every node in the cluster description (its \
+             \"dpus\" or \"hosts\" list); give --sp-id N instead"
+        ));
     }
     let name = node_name.unwrap_or(host_name);
     let short = |s: &str| s.split('.').next().unwrap_or(s).to_string();
@@ -104,28 +148,33 @@ pub fn resolve_sp_id(
             }
         }
     };
-    let (var, value) = LOCAL_RANK_VARS
-        .iter()
-        .find_map(|v| env(v).map(|x| (*v, x)))
-        .ok_or_else(|| {
-            format!(
-                "--sp-id auto: no launcher local rank in the environment (none of {}); start \
-                 the SPs with mpirun or srun, or give --sp-id N",
-                LOCAL_RANK_VARS.join(", ")
-            )
-        })?;
-    let local: u32 = value
-        .trim()
-        .parse()
-        .map_err(|_| format!("{var}={value:?} is not a local rank"))?;
-    if local >= cluster.sps_per_node {
+    Ok(node as u32)
+}
+
+/// The SP id of a `serve --sp-id local:I`: SP `index` of this machine's node ([`node_of`]).
+/// The systemd unit passes its instance name, so `spoff-sp@0` is the first SP of whichever
+/// DPU it runs on.
+pub fn resolve_local(
+    cluster: &Cluster,
+    node_name: Option<&str>,
+    host_name: &str,
+    index: u32,
+) -> Result<SpId, String> {
+    let k = cluster.sps_per_node;
+    if index >= k {
         return Err(format!(
-            "{var}={local}, but the cluster description has {} SPs per node: start exactly {} \
-             per node (e.g. mpirun --map-by ppr:{}:node)",
-            cluster.sps_per_node, cluster.sps_per_node, cluster.sps_per_node
+            "--sp-id local:{index}: the cluster description has {k} SPs per node (local:0 to \
+             local:{})",
+            k - 1
         ));
     }
-    Ok(node as u32 * cluster.sps_per_node + local)
+    let node = node_of(
+        cluster,
+        node_name,
+        host_name,
+        &format!("--sp-id local:{index}"),
+    )?;
+    Ok(node * k + index)
 }
 
 /// Creates the directory of the host socket `socket` if it is missing (an SP started by hand,
@@ -182,7 +231,7 @@ pub fn bind_error(
             msg.push_str(&format!(
                 "; this machine has no such address: SP {sp} belongs to node {}{name}, which \
                  runs SPs {first}..={}. On another node use that node's SP ids, or `--sp-id \
-                 auto`",
+                 local:I` (the unit's form: index I on this machine's node) or `--sp-id auto`",
                 entry.node,
                 first + k - 1
             ));
@@ -238,6 +287,9 @@ pub fn notify_to(path: &std::ffi::OsStr, state: &str) -> std::io::Result<()> {
 /// first and serves once every peer SP has joined its mesh), not an I/O error.
 fn not_ready_why(e: &anyhow::Error) -> String {
     let silent = e.chain().any(|c| {
+        if c.is::<crate::stats::NoAnswer>() {
+            return true;
+        }
         let io = c
             .downcast_ref::<std::io::Error>()
             .or_else(|| match c.downcast_ref() {

@@ -37,17 +37,21 @@ enum Cmd {
     ///
     /// Started by a launcher, one per slot: `mpirun --map-by ppr:K:node service-process serve
     /// --sp-id auto ...` or `srun --ntasks-per-node=K ...`; `service-process wait-ready` tells
-    /// when all serve.
+    /// when all serve. As a daemon, by systemd (`spoff-sp@I`, `--sp-id local:I`): the same K
+    /// instances on every DPU.
     Serve {
         /// Cluster description (JSON, as written by `launch` or an admin).
         #[arg(long)]
         cluster: PathBuf,
-        /// This SP's id in the description, or `auto`: node from this machine's host name (or
-        /// --node) in the description's `dpus` or `hosts`, index on the node from the launcher's local
-        /// rank (OMPI_COMM_WORLD_LOCAL_RANK, PMI_LOCAL_RANK, MPI_LOCALRANKID or SLURM_LOCALID).
-        #[arg(long)]
+        /// This SP's id in the description (cluster-wide: node n runs n*K ... n*K+K-1), or
+        /// `local:I`: SP I (0 ... K-1) of this machine's node, the node found from its host
+        /// name (or --node) in the description's `dpus` or `hosts`; the same argument on every
+        /// DPU (the systemd unit's `--sp-id local:%i`). Or `auto`: the node so found, the index
+        /// from the launcher's local rank (OMPI_COMM_WORLD_LOCAL_RANK, PMI_LOCAL_RANK,
+        /// MPI_LOCALRANKID or SLURM_LOCALID).
+        #[arg(long, value_name = "N|local:I|auto")]
         sp_id: service_process::deploy::SpIdArg,
-        /// With --sp-id auto: this node's name in the description's `dpus` or `hosts`
+        /// With --sp-id auto or local:I: this node's name in the description's `dpus` or `hosts`
         /// (default: this machine's host name).
         #[arg(long)]
         node: Option<String>,
@@ -361,6 +365,12 @@ fn run(cli: Cli) -> Result<i32> {
                     })
                     .map_err(anyhow::Error::msg)?
                 }
+                service_process::deploy::SpIdArg::Local(index) => {
+                    let host = service_process::deploy::host_name()
+                        .context("--sp-id local: cannot read the host name")?;
+                    service_process::deploy::resolve_local(&cluster, node.as_deref(), &host, index)
+                        .map_err(anyhow::Error::msg)?
+                }
             };
             let entry = cluster
                 .sp(sp_id)
@@ -372,6 +382,13 @@ fn run(cli: Cli) -> Result<i32> {
             if std::env::var_os("UCX_NET_DEVICES").is_none() {
                 if let Some(dev) = service_process::access::interface_of(entry.peer_addr.ip()) {
                     std::env::set_var("UCX_NET_DEVICES", dev);
+                }
+            }
+            // The ports UCX's TCP transport listens on, where the description confines them
+            // (what the firewall opens), unless the user chose them.
+            if std::env::var_os("UCX_TCP_PORT_RANGE").is_none() {
+                if let Some(r) = cluster.ucx_tcp_port_range {
+                    std::env::set_var("UCX_TCP_PORT_RANGE", r.to_string());
                 }
             }
             let listener = match listen_fd {

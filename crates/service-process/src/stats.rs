@@ -153,6 +153,15 @@ enum HostSide {
     Tcp(std::net::TcpStream),
 }
 
+impl HostSide {
+    fn set_read_timeout(&self, t: std::time::Duration) -> std::io::Result<()> {
+        match self {
+            HostSide::Unix(s) => s.set_read_timeout(Some(t)),
+            HostSide::Tcp(s) => s.set_read_timeout(Some(t)),
+        }
+    }
+}
+
 impl std::io::Read for HostSide {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
         match self {
@@ -174,7 +183,73 @@ impl std::io::Write for HostSide {
     }
 }
 
-/// [`query`], giving up after `timeout` without an answer (connecting included).
+/// The other side of a stats request said nothing within the time bound: an SP that is not
+/// serving yet (it answers once all its peer SPs have joined its mesh), or not an SP at all.
+#[derive(Debug, thiserror::Error)]
+#[error("no answer within {}: not an SP, or an SP not serving yet (an SP answers once all its peer SPs have joined its mesh)", secs(*.within))]
+pub struct NoAnswer {
+    pub within: std::time::Duration,
+}
+
+/// A duration in seconds as an admin reads it: `5 s`, `0.2 s`.
+fn secs(d: std::time::Duration) -> String {
+    if d.subsec_millis() == 0 {
+        format!("{} s", d.as_secs())
+    } else {
+        format!("{:.1} s", d.as_secs_f64())
+    }
+}
+
+/// Up to 64 bytes of what answered, as escaped text, `…` when there was more.
+fn shown(bytes: &[u8]) -> String {
+    let cut = bytes.len().min(64);
+    let text: String = String::from_utf8_lossy(&bytes[..cut])
+        .escape_debug()
+        .collect();
+    format!("\"{text}\"{}", if bytes.len() > cut { "…" } else { "" })
+}
+
+/// Reads into `buf` until it is full, the other side closes, or `deadline` passes; how many
+/// bytes came and, when short, why (`None`: closed).
+fn read_until(
+    s: &mut HostSide,
+    buf: &mut [u8],
+    deadline: std::time::Instant,
+) -> (usize, Option<std::io::Error>) {
+    use std::io::Read;
+    let mut got = 0;
+    while got < buf.len() {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return (got, Some(std::io::ErrorKind::TimedOut.into()));
+        }
+        if let Err(e) = s.set_read_timeout(left) {
+            return (got, Some(e));
+        }
+        match s.read(&mut buf[got..]) {
+            Ok(0) => return (got, None),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return (got, None),
+            Err(e) => return (got, Some(e)),
+        }
+    }
+    (got, None)
+}
+
+/// Whether an I/O error means the other side went away (closed, reset).
+fn gone(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind::*;
+    matches!(
+        e.kind(),
+        BrokenPipe | ConnectionReset | ConnectionAborted | UnexpectedEof
+    )
+}
+
+/// [`query`], giving up after `timeout` without an answer (connecting included). Whatever does
+/// not answer as an SP does is said in an admin's words, naming what was reached: an SP's
+/// refusal (its reason), silence ([`NoAnswer`]), a closed connection, or "this is not an SP"
+/// with the first bytes it sent.
 pub fn query_within(
     sp: &bootstrap::cluster::SpEntry,
     key: &bootstrap::auth::ClusterKey,
@@ -182,89 +257,204 @@ pub fn query_within(
 ) -> anyhow::Result<serde_json::Value> {
     use anyhow::Context;
     use bootstrap::auth;
-    use bootstrap::wire::{AdminHello, Channel, Hello};
-    let s = match sp.host_addr {
+    use bootstrap::wire::{self, AdminHello, Hello};
+    use std::io::Write;
+    let deadline = std::time::Instant::now() + timeout;
+    let (mut s, at) = match sp.host_addr {
         Some(addr) => {
-            let s = std::net::TcpStream::connect_timeout(&addr, timeout)
-                .with_context(|| format!("SP {} at {addr}", sp.id))?;
-            s.set_read_timeout(Some(timeout))?;
+            let at = format!("SP {} at {addr}", sp.id);
+            let s = std::net::TcpStream::connect_timeout(&addr, timeout).context(at.clone())?;
             s.set_write_timeout(Some(timeout))?;
-            HostSide::Tcp(s)
+            (HostSide::Tcp(s), at)
         }
         None => {
-            let s = std::os::unix::net::UnixStream::connect(&sp.host_socket)
-                .with_context(|| format!("SP {} at {}", sp.id, sp.host_socket.display()))?;
-            s.set_read_timeout(Some(timeout))?;
+            let at = format!("SP {} at {}", sp.id, sp.host_socket.display());
+            let s = std::os::unix::net::UnixStream::connect(&sp.host_socket).context(at.clone())?;
             s.set_write_timeout(Some(timeout))?;
-            HostSide::Unix(s)
+            (HostSide::Unix(s), at)
         }
     };
-    let mut ch = Channel::new(s);
+    let closed = || {
+        anyhow::anyhow!(
+            "{at}: closed the connection without answering: not an SP, or an SP that dropped \
+             the request"
+        )
+    };
     let (nonce, unix_secs) = (auth::nonce(), auth::unix_secs());
-    ch.send_hello(&Hello::Admin(AdminHello {
+    let hello = wire::frame(&wire::encode_hello(&Hello::Admin(AdminHello {
         nonce,
         unix_secs,
         proof: auth::admin_proof(key, sp.id, &nonce, unix_secs),
-    }))?;
-    let json: String = ch
-        .recv()
-        .with_context(|| format!("SP {} did not answer the stats request", sp.id))?;
-    Ok(serde_json::from_str(&json)?)
+    })));
+    if let Err(e) = s.write_all(&hello) {
+        return Err(if gone(&e) {
+            closed()
+        } else {
+            anyhow::Error::new(e).context(format!("{at}: sending the stats request"))
+        });
+    }
+    let not_sp =
+        |bytes: &[u8]| anyhow::anyhow!("{at}: this is not an SP: it answered {}", shown(bytes));
+    // The answer: one frame, a u32 LE length then a JSON string (bincode), or the SP's refusal
+    // (a reject hello).
+    let mut head = [0u8; 4];
+    match read_until(&mut s, &mut head, deadline) {
+        (4, _) => {}
+        (0, None) => return Err(closed()),
+        (0, Some(e))
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) =>
+        {
+            return Err(anyhow::Error::new(NoAnswer { within: timeout }).context(at));
+        }
+        (0, Some(e)) if gone(&e) => return Err(closed()),
+        (0, Some(e)) => return Err(anyhow::Error::new(e).context(at)),
+        (n, _) => return Err(not_sp(&head[..n])),
+    }
+    let len = u32::from_le_bytes(head);
+    if len > wire::MAX_FRAME_BYTES {
+        // Text (an HTTP or SSH server, ...): show a little more of it, without waiting long.
+        let mut more = [0u8; 60];
+        let soon = std::time::Instant::now() + std::time::Duration::from_millis(200);
+        let (n, _) = read_until(&mut s, &mut more, soon.min(deadline));
+        let mut bytes = head.to_vec();
+        bytes.extend_from_slice(&more[..n]);
+        return Err(not_sp(&bytes));
+    }
+    let mut payload = vec![0u8; len as usize];
+    let (n, _) = read_until(&mut s, &mut payload, deadline);
+    let mut bytes = head.to_vec();
+    bytes.extend_from_slice(&payload[..n]);
+    if n < payload.len() {
+        return Err(not_sp(&bytes));
+    }
+    if payload.starts_with(&wire::MAGIC) {
+        return Err(match wire::decode_hello(&payload) {
+            Ok(Hello::Reject { reason }) => anyhow::anyhow!("{at} refused the request: {reason}"),
+            Ok(other) => anyhow::anyhow!("{at}: answered {other:?} instead of its counters"),
+            Err(e) => anyhow::anyhow!("{at}: answered a hello instead of its counters: {e}"),
+        });
+    }
+    let json: String = match wire::decode(&payload) {
+        Ok(j) => j,
+        Err(_) => return Err(not_sp(&bytes)),
+    };
+    serde_json::from_str(&json).map_err(|_| not_sp(&bytes))
+}
+
+/// The columns of the `stats` table: what is offloaded, the host connections per transport,
+/// what is copied and between which nodes, the late arrivals, the errors.
+const TABLE: [&str; 14] = [
+    "posts",
+    "completions",
+    "errors_sent",
+    "host_conns_tcp",
+    "host_conns_unix",
+    "copies_started",
+    "copies_failed",
+    "bytes_copied",
+    "bytes_inter_node",
+    "bytes_intra_node",
+    "no_ready_rank",
+    "served_after_pass",
+    "parked",
+    "parked_wait_ns",
+];
+
+/// The `stats` table of `answers` (each SP's counters, by SP id): a header, and one row per SP
+/// with every value right-aligned under its column's name; after an SP's row, its jobs' late
+/// arrivals.
+pub fn table(answers: &[(algorithms::SpId, serde_json::Value)]) -> String {
+    let cell = |v: &serde_json::Value, f: &str| match &v[f] {
+        serde_json::Value::Null => "-".to_string(),
+        other => other.to_string(),
+    };
+    let mut widths: Vec<usize> = std::iter::once("sp").chain(TABLE).map(str::len).collect();
+    for (sp, v) in answers {
+        widths[0] = widths[0].max(sp.to_string().len());
+        for (i, f) in TABLE.iter().enumerate() {
+            widths[i + 1] = widths[i + 1].max(cell(v, f).len());
+        }
+    }
+    let row = |cells: Vec<String>| {
+        let padded: Vec<String> = cells
+            .iter()
+            .zip(&widths)
+            .map(|(c, w)| format!("{c:>w$}"))
+            .collect();
+        padded.join(" ") + "\n"
+    };
+    let mut out = row(std::iter::once("sp")
+        .chain(TABLE)
+        .map(str::to_string)
+        .collect());
+    for (sp, v) in answers {
+        out += &row(std::iter::once(sp.to_string())
+            .chain(TABLE.iter().map(|f| cell(v, f)))
+            .collect());
+        for j in v["late_arrivals_by_job"].as_array().into_iter().flatten() {
+            out += &format!(
+                "  job {:#x}: no_ready_rank {} served_after_pass {} parked {} parked_wait_ns {}\n",
+                j["job"].as_u64().unwrap_or(0),
+                j["no_ready_rank"],
+                j["served_after_pass"],
+                j["parked"],
+                j["parked_wait_ns"]
+            );
+        }
+    }
+    out
 }
 
 /// `service-process stats`: every SP's counters, as a table or JSON lines. An SP that does not
-/// answer is reported and makes the exit status 1.
+/// answer is reported and makes the exit status 1. A reader that goes away (`stats | head`)
+/// ends it quietly, with the status so far.
 pub fn print_cluster_stats(
     cluster: &bootstrap::Cluster,
     key: &bootstrap::auth::ClusterKey,
     json: bool,
 ) -> anyhow::Result<i32> {
-    const FIELDS: [&str; 9] = [
-        "posts",
-        "completions",
-        "copies_started",
-        "bytes_copied",
-        "no_ready_rank",
-        "served_after_pass",
-        "parked",
-        "parked_wait_ns",
-        "errors_sent",
-    ];
+    use std::io::Write;
     let mut status = 0;
-    if !json {
-        let header: Vec<String> = FIELDS.iter().map(|f| format!("{f:>17}")).collect();
-        println!("{:>4} {}", "sp", header.join(" "));
-    }
+    let mut answers = Vec::new();
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
     for sp in &cluster.sps {
         match query(sp, key) {
-            Ok(mut v) => {
-                if json {
-                    v["sp"] = sp.id.into();
-                    println!("{v}");
-                } else {
-                    let cells: Vec<String> =
-                        FIELDS.iter().map(|f| format!("{:>17}", v[*f])).collect();
-                    println!("{:>4} {}", sp.id, cells.join(" "));
-                    for j in v["late_arrivals_by_job"].as_array().into_iter().flatten() {
-                        println!(
-                            "     job {:#x}: no_ready_rank {} served_after_pass {} parked {} \
-                             parked_wait_ns {}",
-                            j["job"].as_u64().unwrap_or(0),
-                            j["no_ready_rank"],
-                            j["served_after_pass"],
-                            j["parked"],
-                            j["parked_wait_ns"]
-                        );
-                    }
+            Ok(mut v) if json => {
+                v["sp"] = sp.id.into();
+                if let Err(e) = writeln!(out, "{v}").and_then(|()| out.flush()) {
+                    return stdout_gone(e, status);
                 }
             }
+            Ok(v) => answers.push((sp.id, v)),
             Err(e) => {
                 eprintln!("service-process stats: {e:#}");
                 status = 1;
             }
         }
     }
+    if !json && !answers.is_empty() {
+        if let Err(e) = out
+            .write_all(table(&answers).as_bytes())
+            .and_then(|()| out.flush())
+        {
+            return stdout_gone(e, status);
+        }
+    }
     Ok(status)
+}
+
+/// The exit status when writing to stdout failed: a reader that went away (a closed pipe) is
+/// the end of the output, not an error; anything else is.
+fn stdout_gone(e: std::io::Error, status: i32) -> anyhow::Result<i32> {
+    if e.kind() == std::io::ErrorKind::BrokenPipe {
+        Ok(status)
+    } else {
+        Err(anyhow::Error::new(e).context("writing to stdout"))
+    }
 }
 
 #[cfg(test)]

@@ -228,7 +228,7 @@ fn the_shipped_systemd_unit_is_type_notify_and_verifies() {
         "Type=notify",
         "NotifyAccess=main",
         "Restart=on-failure",
-        "--sp-id %i",
+        "--sp-id local:%i",
     ] {
         assert!(text.contains(line), "the unit lacks {line:?}");
     }
