@@ -512,14 +512,20 @@ unsafe fn count_failures(
     if failed == 0 {
         return Ok(None);
     }
-    let mut first: u32 = if mine.is_some() { rank } else { u32::MAX };
-    // SAFETY: in-place reduction over one u32.
+    // As a C int (a rank is one): MPICH 4.0's MPI_MIN over MPI_UINT32_T compares as signed, so
+    // a u32::MAX "none" sentinel came out as the minimum.
+    let mut first: c_int = if mine.is_some() {
+        rank as c_int
+    } else {
+        c_int::MAX
+    };
+    // SAFETY: in-place reduction over one int.
     let rc = unsafe {
         ffi::PMPI_Allreduce(
             consts::IN_PLACE(),
-            (&mut first as *mut u32).cast(),
+            (&mut first as *mut c_int).cast(),
             1,
-            consts::UINT32_T(),
+            consts::INT(),
             consts::OP_MIN(),
             world,
         )
@@ -527,6 +533,7 @@ unsafe fn count_failures(
     if rc != consts::SUCCESS() {
         return Err(rc);
     }
+    let first = first as u32;
     // SAFETY: forwarded precondition; every rank has the same `first`.
     let why = unsafe { reason_of(first, mine.filter(|_| first == rank)) }?;
     Ok(Some((failed as u32, first, why)))
