@@ -466,13 +466,17 @@ fn a_job_with_the_shim_in_some_app_contexts_only_says_so_and_ends() {
          is the shim preloaded in every app context?"
     );
     // Open MPI tells each rank its app context: the context's first rank says it. Hydra does
-    // not: each rank with the shim says it.
+    // not: each rank with the shim says it, unless the first one's MPI_Abort ended it before.
     let expect = match mpi() {
-        Mpi::OpenMpi => 1,
-        Mpi::Mpich => sizes[with_shim] as usize,
+        Mpi::OpenMpi => 1..=1,
+        Mpi::Mpich => 1..=sizes[with_shim] as usize,
     };
-    assert_eq!(count(&lines, &said), expect, "{}", all(&run));
-    assert_eq!(lines.len(), expect, "{}", all(&run));
+    assert!(
+        expect.contains(&count(&lines, &said)),
+        "{expect:?} lines\n{}",
+        all(&run)
+    );
+    assert_eq!(lines.len(), count(&lines, &said), "{}", all(&run));
     assert!(lines.iter().all(|l| l.contains("aborting the job")));
     assert_eq!(sps.posts(), 0, "no rank reached an SP");
 }
