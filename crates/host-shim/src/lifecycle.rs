@@ -115,7 +115,10 @@ unsafe fn start_inner() -> bool {
     let (rank, size) = (rank as u32, size as u32);
 
     // 0. Does every rank run the shim? Only then may the start-up make blocking collectives.
-    let bound = init_timeout();
+    let (bound, bad) = init_timeout();
+    if let Some(why) = bad.filter(|_| rank == 0) {
+        say!("{why}");
+    }
     // SAFETY: MPI is initialised.
     match unsafe { every_rank_runs_the_shim(world, bound) } {
         Ok(true) => {}
@@ -370,13 +373,22 @@ impl Placing {
 /// Default of `SPOFF_INIT_TIMEOUT_MS`.
 const INIT_TIMEOUT_MS: u64 = 10_000;
 
-/// `SPOFF_INIT_TIMEOUT_MS` (100 ms ..= 10 min), the bound of [`every_rank_runs_the_shim`].
-fn init_timeout() -> Duration {
-    let ms = std::env::var("SPOFF_INIT_TIMEOUT_MS")
-        .ok()
-        .and_then(|v| v.trim().parse::<u64>().ok())
-        .map_or(INIT_TIMEOUT_MS, |ms| ms.clamp(100, 600_000));
-    Duration::from_millis(ms)
+/// `SPOFF_INIT_TIMEOUT_MS` (clamped to 100 ms ..= 10 min), the bound of
+/// [`every_rank_runs_the_shim`]; with what to say about a value that is not a number.
+fn init_timeout() -> (Duration, Option<String>) {
+    let Some(v) = std::env::var_os("SPOFF_INIT_TIMEOUT_MS").filter(|v| !v.is_empty()) else {
+        return (Duration::from_millis(INIT_TIMEOUT_MS), None);
+    };
+    match v.to_str().and_then(|v| v.trim().parse::<u64>().ok()) {
+        Some(ms) => (Duration::from_millis(ms.clamp(100, 600_000)), None),
+        None => (
+            Duration::from_millis(INIT_TIMEOUT_MS),
+            Some(format!(
+                "SPOFF_INIT_TIMEOUT_MS={} is not a number of milliseconds; using {INIT_TIMEOUT_MS}",
+                v.to_string_lossy()
+            )),
+        ),
+    }
 }
 
 /// Whether every rank of `world` runs the shim, without hanging when some do not: a

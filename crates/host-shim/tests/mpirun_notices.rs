@@ -94,6 +94,19 @@ fn preloaded_shim_without_cluster_or_credential_says_so_once_per_job() {
     let run = mpirun_preloaded_within(&[&prog, "1"], &[("SPOFF_OFFLOAD", "0")], BOUND);
     verdict(&run, "a2a_check");
     assert!(shim_lines(&run.stderr).is_empty(), "{}", all(&run));
+    // Except about a bound that is not a number (once, from rank 0).
+    let run = mpirun_preloaded_within(
+        &[&prog, "1"],
+        &[("SPOFF_OFFLOAD", "0"), ("SPOFF_INIT_TIMEOUT_MS", "10s")],
+        BOUND,
+    );
+    verdict(&run, "a2a_check");
+    assert_eq!(
+        shim_lines(&run.stderr),
+        ["host-shim: SPOFF_INIT_TIMEOUT_MS=10s is not a number of milliseconds; using 10000"],
+        "{}",
+        all(&run)
+    );
 }
 
 #[test]
@@ -479,4 +492,19 @@ fn a_job_with_the_shim_in_some_app_contexts_only_says_so_and_ends() {
     assert_eq!(lines.len(), count(&lines, &said), "{}", all(&run));
     assert!(lines.iter().all(|l| l.contains("aborting the job")));
     assert_eq!(sps.posts(), 0, "no rank reached an SP");
+
+    // The bound is SPOFF_INIT_TIMEOUT_MS.
+    let mut global = global;
+    global.push(("SPOFF_INIT_TIMEOUT_MS", "2500".to_string()));
+    let run = integration_tests::run(mpmd(&global, &contexts, &[&prog, "1"]), BOUND);
+    eprintln!("with a 2.5 s bound: {} after {:?}", run.status, run.elapsed);
+    assert!(!run.ok(), "{}", all(&run));
+    assert!(run.elapsed < Duration::from_secs(10), "{:?}", run.elapsed);
+    assert!(
+        shim_lines(&run.stderr)
+            .iter()
+            .any(|l| l.contains("start-up within 2.5 s: is the shim preloaded")),
+        "{}",
+        all(&run)
+    );
 }
