@@ -362,15 +362,18 @@ fn a_rank_that_cannot_place_itself_sends_every_rank_native() {
         &[&a2a, "1"],
     );
     eligible(&run, "a2a_check");
+    // The job's line, with rank 2's reason (broadcast from it), and rank 2's own (verbose).
     assert!(
-        run.stderr
-            .contains("rank 2: SPOFF_NODE=7 is not a node of the cluster description"),
+        run.stderr.contains(
+            "offload is off for this job: 1 of 3 ranks could not tell their node (rank 2: \
+             SPOFF_NODE=7 is not a node of the cluster description"
+        ),
         "{}",
         run.stderr
     );
     assert!(
         run.stderr
-            .contains("offload is off for this job: world rank 2 could not tell its node"),
+            .contains("host-shim: rank 2: SPOFF_NODE=7 is not a node of the cluster description"),
         "{}",
         run.stderr
     );

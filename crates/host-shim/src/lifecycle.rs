@@ -9,6 +9,14 @@
 //! its machine from `MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)`, and one allgather gives every
 //! rank every rank's node, from which all compute the same local ranks and SPs
 //! (`bootstrap::placement`).
+//!
+//! Before any of that, a nonblocking barrier with a time bound ([`every_rank_runs_the_shim`])
+//! makes sure every rank runs the shim at all: a rank without it (an Open MPI app context
+//! without `-x LD_PRELOAD`) never makes the start-up's collectives, and a blocking one would
+//! hang the whole job. If one does not, the job is aborted with a line saying why.
+//!
+//! What the start-up says is said once per job, by rank 0, with the number of ranks concerned
+//! and the first one's reason; each rank's own reason only with `SPOFF_VERBOSE=1`.
 
 use crate::boundary::{no_panic, say};
 use crate::conn::{self, Conn};
@@ -29,6 +37,7 @@ use mpi_ffi::consts;
 use std::os::raw::c_int;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 /// `SPOFF_VERBOSE`, for the report at `MPI_Finalize`.
 static VERBOSE: AtomicBool = AtomicBool::new(false);
@@ -105,15 +114,51 @@ unsafe fn start_inner() -> bool {
     }
     let (rank, size) = (rank as u32, size as u32);
 
-    // 1. Does every rank want offload? [all want, none wants] as a MIN reduction.
+    // 0. Does every rank run the shim? Only then may the start-up make blocking collectives.
+    let (bound, bad) = init_timeout();
+    if let Some(why) = bad.filter(|_| rank == 0) {
+        say!("{why}");
+    }
+    // SAFETY: MPI is initialised.
+    match unsafe { every_rank_runs_the_shim(world, bound) } {
+        Ok(true) => {}
+        Ok(false) => {
+            if says_for_its_app_context(rank) {
+                say!(
+                    "not all of this job's {size} ranks reached the shim's start-up within {} s: \
+                     is the shim preloaded in every app context? (Open MPI's -x NAME=value sets \
+                     NAME for its own app context only; -x NAME passes mpirun's NAME to all); \
+                     aborting the job, which cannot run natively either (see SPOFF_INIT_TIMEOUT_MS)",
+                    bound.as_secs_f64()
+                );
+            }
+            // SAFETY: MPI is initialised; aborting never returns to a caller that could use
+            // the pending barrier.
+            unsafe { ffi::PMPI_Abort(world, 1) };
+            return false;
+        }
+        Err(rc) => {
+            say!("rank {rank}: the shim's start-up barrier failed (MPI error {rc}); running natively");
+            return false;
+        }
+    }
+
+    // 1. Does every rank want offload? As a MIN reduction: [all want, none wants, none has
+    // SPOFF_CLUSTER, none has SPOFF_JOB_CREDENTIAL, none turned offload off].
     let want = settings.offload && settings.cluster.is_some() && settings.credential.is_some();
-    let mut wants: [c_int; 2] = [want as c_int, !want as c_int];
-    // SAFETY: in-place reduction over two ints in a live array.
+    let mut wants: [c_int; 5] = [
+        want as c_int,
+        !want as c_int,
+        settings.cluster.is_none() as c_int,
+        settings.credential.is_none() as c_int,
+        settings.offload as c_int,
+    ];
+    // SAFETY: in-place reduction over five ints in a live array.
     let rc = unsafe {
         ffi::PMPI_Allreduce(
             consts::IN_PLACE(),
             wants.as_mut_ptr().cast(),
-            2,
+            wants.len() as c_int,
             consts::INT(),
             consts::OP_MIN(),
             world,
@@ -124,8 +169,24 @@ unsafe fn start_inner() -> bool {
     }
     let (all_want, none_wants) = (wants[0] == 1, wants[1] == 1);
     if !all_want {
-        if !none_wants && rank == 0 {
-            say!("offload is off for this job: SPOFF_CLUSTER / SPOFF_JOB_CREDENTIAL / SPOFF_OFFLOAD are not set alike on every rank; running natively");
+        if rank == 0 {
+            if !none_wants {
+                say!("offload is off for this job: SPOFF_CLUSTER / SPOFF_JOB_CREDENTIAL / SPOFF_OFFLOAD are not set alike on every rank; running natively");
+            } else if wants[4] == 1 {
+                // Preloaded, not turned off, but unusable everywhere: the likeliest mistake.
+                let missing = match (wants[2] == 1, wants[3] == 1) {
+                    (true, true) => "SPOFF_CLUSTER and SPOFF_JOB_CREDENTIAL are",
+                    (true, false) => "SPOFF_CLUSTER is",
+                    _ => "SPOFF_JOB_CREDENTIAL is",
+                };
+                say!(
+                    "offload is off for this job: {missing} set on none of its {size} ranks; \
+                     running natively. Offload needs the cluster description (SPOFF_CLUSTER) and \
+                     a job credential (SPOFF_JOB_CREDENTIAL, from `service-process credential`) on \
+                     every rank: `service-process launch` sets both, under plain mpirun export \
+                     them and pass each with -x NAME (SPOFF_OFFLOAD=0: natively, without this line)"
+                );
+            }
         }
         return false;
     }
@@ -167,13 +228,12 @@ unsafe fn start_inner() -> bool {
     // SAFETY: MPI is initialised.
     let (placed, source) = match unsafe { place(cluster.as_ref(), rank, size) } {
         Ok(p) => p,
-        Err(Placing::Local(why)) => {
-            say!("rank {rank}: {why}; running natively");
-            return false;
-        }
-        Err(Placing::Job(why)) => {
+        Err(Placing { job, local }) => {
+            if let Some(why) = local.filter(|_| settings.verbose) {
+                say!("rank {rank}: {why}; running natively");
+            }
             if rank == 0 {
-                say!("offload is off for this job: {why}; running natively");
+                say!("offload is off for this job: {job}; running natively");
             }
             return false;
         }
@@ -202,35 +262,34 @@ unsafe fn start_inner() -> bool {
         )),
     };
 
-    // 5. Agree: count the ranks that failed.
-    let mut failed: c_int = local.is_err() as c_int;
-    // SAFETY: in-place reduction over one int.
-    let rc = unsafe {
-        ffi::PMPI_Allreduce(
-            consts::IN_PLACE(),
-            (&mut failed as *mut c_int).cast(),
-            1,
-            consts::INT(),
-            consts::OP_SUM(),
-            world,
-        )
-    };
-    let agreed = rc == consts::SUCCESS() && failed == 0;
-    let reg = match local {
-        Err(why) => {
-            say!("rank {rank}: {why}; running natively");
-            return false;
-        }
-        Ok(reg) if !agreed => {
-            if rank == 0 {
-                say!(
-                    "offload is off for this job: {failed} rank(s) could not reach their service process; running natively"
-                );
+    // 5. Agree: count the ranks that failed, and rank 0 says it for the job with the first
+    // one's reason (each rank its own only when verbose: 128 ranks, one line).
+    // SAFETY: MPI is initialised; every rank makes the same calls.
+    let failed = unsafe { count_failures(local.as_ref().err().map(String::as_str), rank) };
+    let reg = match (local, failed) {
+        (Ok(reg), Ok(None)) => reg,
+        (local, failed) => {
+            match &local {
+                Err(why) if settings.verbose => say!("rank {rank}: {why}; running natively"),
+                _ => {}
             }
-            reg.conn.close();
+            if rank == 0 {
+                match failed {
+                    Ok(Some((n, first, why))) => say!(
+                        "offload is off for this job: {n} of {size} ranks could not use their \
+                         service process (rank {first}: {why}); running natively"
+                    ),
+                    Err(rc) => say!(
+                        "offload is off for this job: the ranks could not agree (MPI error {rc}); running natively"
+                    ),
+                    Ok(None) => {}
+                }
+            }
+            if let Ok(reg) = local {
+                reg.conn.close();
+            }
             return false;
         }
-        Ok(reg) => reg,
     };
 
     // Who serves whom: the placement every rank computed alike.
@@ -295,11 +354,201 @@ unsafe fn start_inner() -> bool {
 }
 
 /// Why a job has no placement.
-enum Placing {
-    /// This rank could not tell its node (the reason); the others see [`Placing::Job`].
-    Local(String),
-    /// The ranks' reports do not make a placement (the same reason on every rank).
-    Job(String),
+struct Placing {
+    /// The job's reason, the same on every rank (rank 0 says it).
+    job: String,
+    /// This rank's own reason, when it could not tell its node (said only when verbose).
+    local: Option<String>,
+}
+
+impl Placing {
+    fn job(why: String) -> Placing {
+        Placing {
+            job: why,
+            local: None,
+        }
+    }
+}
+
+/// Default of `SPOFF_INIT_TIMEOUT_MS`.
+const INIT_TIMEOUT_MS: u64 = 10_000;
+
+/// `SPOFF_INIT_TIMEOUT_MS` (clamped to 100 ms ..= 10 min), the bound of
+/// [`every_rank_runs_the_shim`]; with what to say about a value that is not a number.
+fn init_timeout() -> (Duration, Option<String>) {
+    let Some(v) = std::env::var_os("SPOFF_INIT_TIMEOUT_MS").filter(|v| !v.is_empty()) else {
+        return (Duration::from_millis(INIT_TIMEOUT_MS), None);
+    };
+    match v.to_str().and_then(|v| v.trim().parse::<u64>().ok()) {
+        Some(ms) => (Duration::from_millis(ms.clamp(100, 600_000)), None),
+        None => (
+            Duration::from_millis(INIT_TIMEOUT_MS),
+            Some(format!(
+                "SPOFF_INIT_TIMEOUT_MS={} is not a number of milliseconds; using {INIT_TIMEOUT_MS}",
+                v.to_string_lossy()
+            )),
+        ),
+    }
+}
+
+/// Whether every rank of `world` runs the shim, without hanging when some do not: a
+/// nonblocking barrier that only ranks with the shim post, polled until `bound`.
+///
+/// A rank without the shim (an app context not preloaded) never calls into it, and a blocking
+/// PMPI collective made only by the shim's ranks would wait forever (their peers are already
+/// in the program's own collectives). `MPI_Ibarrier` completes only once every rank posted it;
+/// `MPI_Init` returns on every rank at nearly the same time (Open MPI and MPICH end it with
+/// a barrier of the launcher's), so in a job where every rank has the shim it completes
+/// within milliseconds, and not completing within the bound means a rank is missing.
+///
+/// The job cannot go on natively then: the barrier stays pending (a collective request cannot
+/// be cancelled) and has taken the first nonblocking-collective tag of `MPI_COMM_WORLD` on the
+/// shim's ranks only, so the program's first nonblocking collective there (or a communicator
+/// creation, which Open MPI agrees on with one) would be matched against it and hang. The
+/// caller aborts the job instead, having said why.
+///
+/// # Safety
+/// MPI is initialised and this is the thread that initialised it.
+unsafe fn every_rank_runs_the_shim(world: ffi::MPI_Comm, bound: Duration) -> Result<bool, c_int> {
+    let mut req = consts::REQUEST_NULL();
+    // SAFETY: a live request out-pointer.
+    let rc = unsafe { ffi::PMPI_Ibarrier(world, &mut req) };
+    if rc != consts::SUCCESS() {
+        return Err(rc);
+    }
+    let start = Instant::now();
+    let mut polls: u32 = 0;
+    loop {
+        let mut done: c_int = 0;
+        // SAFETY: the live request of the barrier above.
+        let rc = unsafe { ffi::PMPI_Test(&mut req, &mut done, consts::STATUS_IGNORE()) };
+        if rc != consts::SUCCESS() {
+            return Err(rc);
+        }
+        if done != 0 {
+            return Ok(true);
+        }
+        if start.elapsed() >= bound {
+            return Ok(false);
+        }
+        polls = polls.saturating_add(1);
+        if polls < 1000 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
+/// Whether this rank speaks for its app context when not every rank runs the shim (nothing
+/// collective can choose one rank then): the first rank of its app context where the launcher
+/// says which that is (Open MPI: `OMPI_MCA_orte_app_num`, `OMPI_APP_CTX_NUM_PROCS`), else
+/// every rank (Hydra tells a rank nothing of the other app contexts).
+fn says_for_its_app_context(rank: u32) -> bool {
+    let app = std::env::var("OMPI_MCA_orte_app_num")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok());
+    let sizes: Option<Vec<u32>> = std::env::var("OMPI_APP_CTX_NUM_PROCS").ok().and_then(|v| {
+        v.split_whitespace()
+            .map(|n| n.parse::<u32>().ok())
+            .collect()
+    });
+    match (app, sizes) {
+        (Some(app), Some(sizes)) if app < sizes.len() => {
+            rank == sizes[..app].iter().fold(0u32, |a, &n| a.saturating_add(n))
+        }
+        _ => true,
+    }
+}
+
+/// Longest reason sent to rank 0 for the job's line, in bytes.
+const REASON_BYTES: usize = 1024;
+
+/// `first`'s reason (`mine` on that rank), broadcast from it: every rank gets it.
+/// Collective: every rank calls it with the same `first`.
+///
+/// # Safety
+/// MPI is initialised.
+unsafe fn reason_of(first: u32, mine: Option<&str>) -> Result<String, c_int> {
+    let mut buf = [0u8; REASON_BYTES];
+    if let Some(why) = mine {
+        // Cut on a character boundary: the bytes must stay UTF-8.
+        let mut end = why.len().min(REASON_BYTES);
+        while !why.is_char_boundary(end) {
+            end -= 1;
+        }
+        buf[..end].copy_from_slice(&why.as_bytes()[..end]);
+    }
+    // SAFETY: broadcast of REASON_BYTES bytes in a live array.
+    let rc = unsafe {
+        ffi::PMPI_Bcast(
+            buf.as_mut_ptr().cast(),
+            REASON_BYTES as c_int,
+            consts::BYTE(),
+            first as c_int,
+            consts::COMM_WORLD(),
+        )
+    };
+    if rc != consts::SUCCESS() {
+        return Err(rc);
+    }
+    let len = buf.iter().position(|&b| b == 0).unwrap_or(REASON_BYTES);
+    Ok(String::from_utf8_lossy(&buf[..len]).into_owned())
+}
+
+/// How many ranks failed (`mine`: this rank's reason, if it did), the first of them and its
+/// reason, the same on every rank; `None` when none did. Collective.
+///
+/// # Safety
+/// MPI is initialised.
+unsafe fn count_failures(
+    mine: Option<&str>,
+    rank: u32,
+) -> Result<Option<(u32, u32, String)>, c_int> {
+    let world = consts::COMM_WORLD();
+    let mut failed: c_int = mine.is_some() as c_int;
+    // SAFETY: in-place reduction over one int.
+    let rc = unsafe {
+        ffi::PMPI_Allreduce(
+            consts::IN_PLACE(),
+            (&mut failed as *mut c_int).cast(),
+            1,
+            consts::INT(),
+            consts::OP_SUM(),
+            world,
+        )
+    };
+    if rc != consts::SUCCESS() {
+        return Err(rc);
+    }
+    if failed == 0 {
+        return Ok(None);
+    }
+    // As a C int (a rank is one): MPICH 4.0's MPI_MIN over MPI_UINT32_T compares as signed, so
+    // a u32::MAX "none" sentinel came out as the minimum.
+    let mut first: c_int = if mine.is_some() {
+        rank as c_int
+    } else {
+        c_int::MAX
+    };
+    // SAFETY: in-place reduction over one int.
+    let rc = unsafe {
+        ffi::PMPI_Allreduce(
+            consts::IN_PLACE(),
+            (&mut first as *mut c_int).cast(),
+            1,
+            consts::INT(),
+            consts::OP_MIN(),
+            world,
+        )
+    };
+    if rc != consts::SUCCESS() {
+        return Err(rc);
+    }
+    let first = first as u32;
+    // SAFETY: forwarded precondition; every rank has the same `first`.
+    let why = unsafe { reason_of(first, mine.filter(|_| first == rank)) }?;
+    Ok(Some((failed as u32, first, why)))
 }
 
 /// This rank's node, as it can tell on its own: the `SPOFF_NODE` hint, else its host name
@@ -391,7 +640,7 @@ unsafe fn place(
         rc
     };
     if rc != consts::SUCCESS() {
-        return Err(Placing::Job(format!(
+        return Err(Placing::job(format!(
             "cannot learn which ranks share a machine (MPI error {rc})"
         )));
     }
@@ -415,21 +664,36 @@ unsafe fn place(
         )
     };
     if rc != consts::SUCCESS() {
-        return Err(Placing::Job(format!(
+        return Err(Placing::job(format!(
             "cannot gather where the ranks run (MPI error {rc})"
         )));
-    }
-    if let Err(why) = node {
-        return Err(Placing::Local(why));
     }
     let reports: Vec<NodeReport> = all
         .chunks_exact(REPORT_WORDS)
         .map(|w| NodeReport::decode([w[0], w[1], w[2]]))
         .collect();
+    // Ranks that could not tell their node: every rank sees the same ones in the reports, and
+    // the first one's reason goes to all (collective, same root everywhere).
+    let lost: Vec<usize> = (0..reports.len())
+        .filter(|&r| reports[r].node.is_none())
+        .collect();
+    if let Some(&first) = lost.first() {
+        let mine = node.as_ref().err().map(String::as_str);
+        // SAFETY: MPI is initialised.
+        let why = unsafe { reason_of(first as u32, mine.filter(|_| first == rank as usize)) }
+            .unwrap_or_else(|rc| format!("its reason was lost (MPI error {rc})"));
+        return Err(Placing {
+            job: format!(
+                "{} of {size} ranks could not tell their node (rank {first}: {why})",
+                lost.len()
+            ),
+            local: node.err(),
+        });
+    }
     let cluster = cluster.expect("a node was found in it");
     placement::place_ranks(cluster, &reports)
         .map(|p| (p, source))
-        .map_err(Placing::Job)
+        .map_err(Placing::job)
 }
 
 /// Most mailbox slots accepted from `SPOFF_MAILBOX_SLOTS`.

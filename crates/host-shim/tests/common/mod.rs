@@ -27,7 +27,7 @@ pub const NP: u64 = 4;
 pub const TIMEOUT: Duration = Duration::from_secs(120);
 
 /// The shim's settings: every job gets the ones its test sets, never the caller's.
-pub const SHIM_VARS: [&str; 11] = [
+pub const SHIM_VARS: [&str; 12] = [
     "SPOFF_IALLGATHER_DESIGN",
     "SPOFF_HOST_COPIES",
     "SPOFF_BCAST_DESIGN",
@@ -39,6 +39,7 @@ pub const SHIM_VARS: [&str; 11] = [
     "SPOFF_VERBOSE",
     "SPOFF_MAILBOX_SLOTS",
     "SPOFF_BACKEND",
+    "SPOFF_INIT_TIMEOUT_MS",
 ];
 
 /// A well-formed job credential of a cluster no SP knows: for runs against fake or missing
