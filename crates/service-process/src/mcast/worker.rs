@@ -126,19 +126,60 @@ fn next(x: &mut u64) -> u64 {
     z ^ (z >> 31)
 }
 
-struct Loop {
-    socks: Vec<(UdpSocket, u32)>,
+/// What a worker does with datagrams, without its sockets (the fuzzer drives it directly):
+/// the registered collectives, the injection, the counters.
+pub struct Intake {
     colls: HashMap<u64, Coll>,
     events: Sender<Event>,
-    stats: Arc<WorkerStats>,
+    pub stats: Arc<WorkerStats>,
     inject: Injection,
     rng: u64,
     held: Option<Vec<u8>>,
 }
 
-impl Loop {
+struct Loop {
+    socks: Vec<(UdpSocket, u32)>,
+    intake: Intake,
+}
+
+impl Intake {
+    pub fn new(events: Sender<Event>, inject: Injection) -> Intake {
+        Intake {
+            colls: HashMap::new(),
+            events,
+            stats: Arc::new(WorkerStats::default()),
+            inject,
+            rng: inject.seed,
+            held: None,
+        }
+    }
+
+    pub fn register(&mut self, r: Registration) {
+        let words = (r.chunks as usize).div_ceil(64);
+        self.colls.insert(
+            r.coll,
+            Coll {
+                tag: r.tag,
+                chunks: r.chunks,
+                bitmap: vec![0; words],
+                sink: r.sink,
+            },
+        );
+    }
+
+    pub fn unregister(&mut self, coll: u64) {
+        self.colls.remove(&coll);
+    }
+
+    /// Lets a datagram held back for reordering go (nothing more came behind it).
+    pub fn flush(&mut self) {
+        if let Some(h) = self.held.take() {
+            self.take(&h);
+        }
+    }
+
     /// One datagram off the fabric: injection first (a fault of the fabric), then the checks.
-    fn on_datagram(&mut self, d: Vec<u8>) {
+    pub fn on_datagram(&mut self, d: Vec<u8>) {
         WorkerStats::add(&self.stats.datagrams, 1);
         WorkerStats::add(&self.stats.bytes, d.len() as u64);
         if self.inject.drop_ppm > 0
@@ -194,7 +235,9 @@ impl Loop {
         };
         let _ = self.events.send(ev);
     }
+}
 
+impl Loop {
     /// Reads every socket dry; true if anything came.
     fn drain(&mut self, buf: &mut [u8]) -> bool {
         let mut any = false;
@@ -204,12 +247,12 @@ impl Loop {
                     Ok(n) => {
                         any = true;
                         let d = buf[..n].to_vec();
-                        self.on_datagram(d);
+                        self.intake.on_datagram(d);
                     }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                     Err(_) => {
-                        WorkerStats::add(&self.stats.malformed, 1);
+                        WorkerStats::add(&self.intake.stats.malformed, 1);
                         break;
                     }
                 }
@@ -218,16 +261,14 @@ impl Loop {
             if let Ok(total) = fabric::drops(&self.socks[i].0) {
                 let seen = &mut self.socks[i].1;
                 if total > *seen {
-                    WorkerStats::add(&self.stats.overflow_drops, u64::from(total - *seen));
+                    WorkerStats::add(&self.intake.stats.overflow_drops, u64::from(total - *seen));
                     *seen = total;
                 }
             }
         }
         // Nothing more behind a held datagram: let it go (reordered, not lost).
         if !any {
-            if let Some(h) = self.held.take() {
-                self.take(&h);
-            }
+            self.intake.flush();
         }
         any
     }
@@ -239,15 +280,11 @@ impl RecvWorker {
         let (cmds, rx): (Sender<Cmd>, Receiver<Cmd>) = crossbeam_channel::unbounded();
         let (wake, mut woken) = UnixStream::pair()?;
         woken.set_nonblocking(true)?;
-        let stats = Arc::new(WorkerStats::default());
+        let intake = Intake::new(events, inject);
+        let stats = intake.stats.clone();
         let mut lp = Loop {
             socks: Vec::new(),
-            colls: HashMap::new(),
-            events,
-            stats: stats.clone(),
-            inject,
-            rng: inject.seed,
-            held: None,
+            intake,
         };
         let thread = std::thread::Builder::new()
             .name(name.into())
@@ -258,20 +295,11 @@ impl RecvWorker {
                         match c {
                             Cmd::Socket(s) => lp.socks.push((s, 0)),
                             Cmd::Register(r, done) => {
-                                let words = (r.chunks as usize).div_ceil(64);
-                                lp.colls.insert(
-                                    r.coll,
-                                    Coll {
-                                        tag: r.tag,
-                                        chunks: r.chunks,
-                                        bitmap: vec![0; words],
-                                        sink: r.sink,
-                                    },
-                                );
+                                lp.intake.register(r);
                                 let _ = done.send(());
                             }
                             Cmd::Unregister(coll, done) => {
-                                lp.colls.remove(&coll);
+                                lp.intake.unregister(coll);
                                 let _ = done.send(());
                             }
                             Cmd::Stop => return,
