@@ -399,6 +399,8 @@ unsafe fn place(
         node: node.as_ref().ok().copied(),
         machine,
         source,
+        // For the check that a layout places ranks of one host only.
+        host: processor_name().map_or(0, |n| placement::host_hash(&n)),
     }
     .encode();
     let mut all: Vec<u32> = vec![0; size as usize * REPORT_WORDS];
@@ -424,7 +426,7 @@ unsafe fn place(
     }
     let reports: Vec<NodeReport> = all
         .chunks_exact(REPORT_WORDS)
-        .map(|w| NodeReport::decode([w[0], w[1], w[2]]))
+        .map(|w| NodeReport::decode(w.try_into().expect("REPORT_WORDS words")))
         .collect();
     let cluster = cluster.expect("a node was found in it");
     placement::place_ranks(cluster, &reports)
