@@ -12,7 +12,7 @@
 
 use crate::boundary::{no_panic, say};
 use crate::conn::{self, Conn};
-use crate::grants::{Backend, Grants};
+use crate::grants::Backend;
 use crate::registry::Registry;
 use crate::slots::SlotPool;
 use crate::state::{self, is_active, topology, Shim, State, Topology};
@@ -22,7 +22,7 @@ use alias_mkey::Rights;
 use bootstrap::auth::JobCredential;
 use bootstrap::mailbox::{DEFAULT_SLOTS, SLOT_BYTES};
 use bootstrap::placement::{self, NodeReport, NodeSource, REPORT_WORDS};
-use bootstrap::wire::{Hello, HostHello, HostToSp, SpToHost};
+use bootstrap::wire::{Hello, HostHello, HostToSp, Serves, SpToHost};
 use bootstrap::{Cluster, Placement};
 use mpi_ffi as ffi;
 use mpi_ffi::consts;
@@ -92,6 +92,8 @@ struct Registered {
     node_of_sp: Vec<u32>,
     /// The name of the job's segment on this node, from the SP.
     segment: String,
+    /// The grant backends the SP serves this rank.
+    serves: Serves,
 }
 
 unsafe fn start_inner() -> bool {
@@ -233,6 +235,29 @@ unsafe fn start_inner() -> bool {
         Ok(reg) => reg,
     };
 
+    // 6. The grant backend, from what each rank's SP serves it (`serves.rs`): agreed by the
+    // whole job, which runs natively if some rank has none its SP serves.
+    let asked = crate::serves::asked(&settings.backend, rank);
+    let at = reg.conn.path.display().to_string();
+    let remote = reg.conn.remote();
+    // SAFETY: MPI is initialised.
+    let grants = unsafe {
+        crate::serves::agree(
+            asked,
+            remote,
+            reg.serves,
+            reg.registrar,
+            reg.sp,
+            &at,
+            rank,
+            size,
+        )
+    };
+    let Some(grants) = grants else {
+        reg.conn.close();
+        return false;
+    };
+
     // Who serves whom: the placement every rank computed alike.
     let sp_of_world: Vec<SpId> = placed.iter().map(|p| p.sp).collect();
     state::set_topology(Topology {
@@ -261,18 +286,6 @@ unsafe fn start_inner() -> bool {
             }
         );
     }
-    // Over TCP to an SP on another kernel only `ucx` grants can be served.
-    let backend = match settings.backend {
-        Ok(Backend::Cma) if reg.conn.remote() && std::env::var_os("SPOFF_BACKEND").is_none() => {
-            Ok(Backend::Ucx)
-        }
-        other => other,
-    };
-    let backend = backend.unwrap_or_else(|why| {
-        say!("rank {rank}: {why}");
-        Backend::Cma
-    });
-    let grants = Grants::new(reg.registrar, backend, rank);
     if settings.verbose && grants.backend() == Backend::Ucx {
         say!(
             "rank {rank}: ucx grants, memory events {}",
@@ -562,8 +575,10 @@ fn register(
     let reply = ch
         .recv::<SpToHost>()
         .map_err(|e| at("waiting for registration", &e))?;
-    let segment = match &reply {
-        SpToHost::Registered { segment, .. } => segment.clone(),
+    let (segment, serves) = match &reply {
+        SpToHost::Registered {
+            segment, serves, ..
+        } => (segment.clone(), *serves),
         SpToHost::Error { code, message, .. } => {
             return Err(format!(
                 "service process at {} refused the registration ({code:?}): {message}",
@@ -586,6 +601,7 @@ fn register(
         local_rank: placement.local_rank,
         node_of_sp: cluster.sps.iter().map(|e| e.node).collect(),
         segment,
+        serves,
     })
 }
 
