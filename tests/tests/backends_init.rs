@@ -307,7 +307,11 @@ fn mpi_ucx_grants_and_an_sp_of_the_job_without_ucx_run_natively_said_once() {
     ] {
         assert!(said[0].contains(part), "{:?} lacks {part:?}", said[0]);
     }
-    assert!(lines(&job, "SPOFF_BACKEND=ucx:").is_empty(), "{}", job.stderr);
+    assert!(
+        lines(&job, "SPOFF_BACKEND=ucx:").is_empty(),
+        "{}",
+        job.stderr
+    );
     assert!(lines(&job, "offload active").is_empty(), "{}", job.stderr);
     let stats = sps.stop_and_stats();
     assert_eq!(posts(&stats), 0, "{stats:?}");
