@@ -16,6 +16,11 @@
 //! (one machine) must name one node, and one node must not be named from two machines (two
 //! hosts with the same name). A hint or the layout is the emulation's word and is not
 //! checked against shared memory (every emulated node is on one machine).
+//!
+//! The layout only stands for one machine: a job placed by it whose ranks' host names differ
+//! (a description without `hosts` used on a real cluster) is refused, since the layout would
+//! serve ranks by another node's SP. Each report carries a hash of its rank's host name for
+//! that.
 
 use crate::cluster::{Cluster, Placement};
 
@@ -38,10 +43,21 @@ pub struct NodeReport {
     /// The lowest world rank of its shared-memory group (its machine).
     pub machine: u32,
     pub source: NodeSource,
+    /// [`host_hash`] of its host name (`MPI_Get_processor_name`); 0 when it has none.
+    pub host: u64,
 }
 
 /// Words per rank in the gathered array of [`NodeReport::encode`].
-pub const REPORT_WORDS: usize = 3;
+pub const REPORT_WORDS: usize = 5;
+
+/// A host name as a report carries it (FNV-1a, 64 bits; never 0).
+pub fn host_hash(name: &str) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in name.bytes() {
+        h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+    }
+    h.max(1)
+}
 
 impl NodeReport {
     pub fn encode(&self) -> [u32; REPORT_WORDS] {
@@ -49,6 +65,8 @@ impl NodeReport {
             self.node.unwrap_or(u32::MAX),
             self.machine,
             self.source as u32,
+            self.host as u32,
+            (self.host >> 32) as u32,
         ]
     }
 
@@ -63,6 +81,7 @@ impl NodeReport {
             node: (w[0] != u32::MAX).then_some(w[0]),
             machine: w[1],
             source,
+            host: w[3] as u64 | (w[4] as u64) << 32,
         }
     }
 }
@@ -189,7 +208,30 @@ pub fn place_ranks(cluster: &Cluster, reports: &[NodeReport]) -> Result<Vec<Plac
             sp: cluster.sp_id(node, local_rank % k),
         });
     }
+    layout_on_one_host(reports)?;
     Ok(out)
+}
+
+/// A layout places ranks of one machine: refused when a rank is placed by it and the ranks'
+/// host names differ (ranks whose host name is unknown are not counted).
+fn layout_on_one_host(reports: &[NodeReport]) -> Result<(), String> {
+    if !reports.iter().any(|r| r.source == NodeSource::Layout) {
+        return Ok(());
+    }
+    let mut named = reports.iter().enumerate().filter(|(_, r)| r.host != 0);
+    let Some((r0, first)) = named.next() else {
+        return Ok(());
+    };
+    match named.find(|(_, r)| r.host != first.host) {
+        None => Ok(()),
+        Some((r1, _)) => Err(format!(
+            "the cluster description names no hosts, so its layout placed the ranks, but world \
+             ranks {r0} and {r1} run on two hosts (their host names differ): a layout only \
+             places the ranks of one machine, and would have ranks served by another node's \
+             SP; list the nodes' host names in the description's hosts (or give each rank \
+             SPOFF_NODE)"
+        )),
+    }
 }
 
 #[cfg(test)]
@@ -209,6 +251,7 @@ mod tests {
                 node: Some(n),
                 machine: nodes.iter().position(|&m| m == n).unwrap() as u32,
                 source: NodeSource::HostName,
+                host: host_hash(&format!("host{n}")),
             })
             .collect()
     }
@@ -249,6 +292,7 @@ mod tests {
                     node: Some(c.placement(r, size).unwrap().node),
                     machine: 0,
                     source: NodeSource::Layout,
+                    host: host_hash("one"),
                 })
                 .collect();
             let p = place_ranks(&c, &reports).unwrap();
@@ -298,6 +342,7 @@ mod tests {
             node: None,
             machine: 3,
             source: NodeSource::Hint,
+            host: u64::MAX - 5,
         };
         assert_eq!(NodeReport::decode(none.encode()), none);
     }

@@ -28,6 +28,7 @@ pub fn hinted_reports(nodes: &[u32]) -> Vec<NodeReport> {
             node: Some(n),
             machine: 0,
             source: NodeSource::Hint,
+            host: 0,
         })
         .collect()
 }

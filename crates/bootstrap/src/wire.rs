@@ -26,7 +26,8 @@ pub const MAGIC: [u8; 4] = *b"SPOF";
 /// authenticated admin requests.
 /// 8: the host hello names the host's pid (hosts over TCP on the SP's kernel).
 /// 9: alias keys name the uid and gid their owner's memory is opened with (its client's).
-pub const PROTOCOL_VERSION: u32 = 9;
+/// 10: `SpToHost::Registered` says which grant backends the SP serves the host ([`Serves`]).
+pub const PROTOCOL_VERSION: u32 = 10;
 /// Largest frame accepted: a descriptor for 65536 ranks (four count vectors) fits.
 pub const MAX_FRAME_BYTES: u32 = 4 << 20;
 /// Largest hello frame accepted (every kind of [`Hello`]; a host hello with its credential is
@@ -311,6 +312,39 @@ pub enum ErrorCode {
     Internal,
 }
 
+/// The grant backends an SP serves one host connection, in its answer to the registration:
+/// the rank chooses its backend from them at `MPI_Init` (a grant of another backend would be
+/// refused at its first collective).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Serves {
+    /// `cma`: the SP can attach to this host's memory (a Unix peer, or a TCP host on its
+    /// kernel, `serve --hosts-same-kernel`).
+    pub cma: bool,
+    /// `ucx`: UCX is on in the SP (`serve --ucx`).
+    pub ucx: bool,
+    /// `ucx-export`: as `ucx` (the import itself may still fail where the SP's UCX cannot).
+    pub ucx_export: bool,
+}
+
+impl std::fmt::Display for Serves {
+    /// `cma, ucx` (the backends served), or `no grant backend`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let names: Vec<&str> = [
+            (self.cma, "cma"),
+            (self.ucx, "ucx"),
+            (self.ucx_export, "ucx-export"),
+        ]
+        .into_iter()
+        .filter_map(|(on, name)| on.then_some(name))
+        .collect();
+        if names.is_empty() {
+            f.write_str("no grant backend")
+        } else {
+            f.write_str(&names.join(", "))
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum SpToHost {
     Registered {
@@ -318,6 +352,8 @@ pub enum SpToHost {
         /// The POSIX shared-memory name of this job's segment on this SP's node (the
         /// hierarchical staged designs).
         segment: String,
+        /// The grant backends this SP serves this host.
+        serves: Serves,
     },
     /// A refused request. `seq` names the post it concerns, if any; its mailbox slot (if it was
     /// valid) also gets an error status.

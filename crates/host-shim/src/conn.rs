@@ -444,6 +444,7 @@ mod tests {
         let msg = SpToHost::Registered {
             sp: 3,
             segment: "/spoff-test".into(),
+            serves: wire::Serves::default(),
         };
         (&peer).write_all(&wire::encode(&msg)).unwrap();
         drop(peer);

@@ -34,10 +34,11 @@
 //! without UCX >= 1.15 export support") it says so once and grants with `cma`, as for any
 //! refused UCX set-up.
 //!
-//! The backend is chosen per rank; if UCX cannot initialise the rank says so once and uses
-//! `cma`. Mixing is fine: the SP serves each grant with the backend it names (`DynMover`), as
-//! long as every SP has UCX on (an SP without it refuses `ucx` grants, and the
-//! collective fails with an error).
+//! The backend is chosen per rank, at `MPI_Init`, from what its SP serves it (`serves.rs`); if
+//! UCX cannot initialise the rank says so once and uses `cma`. Mixing is fine: the SP serves
+//! each grant with the backend it names (`DynMover`), as long as every SP has UCX on (a job
+//! where a rank grants through `ucx` and an SP of the job does not serve it runs natively,
+//! said once at `MPI_Init`).
 
 use crate::boundary::say;
 use alias_mkey::host::{Registrar, UcxRegistrar};

@@ -77,6 +77,7 @@ mod pack;
 mod post;
 mod request;
 mod segment;
+mod serves;
 mod state;
 mod wait;
 

@@ -20,7 +20,7 @@
 
 use crate::boundary::{no_panic, say};
 use crate::conn::{self, Conn};
-use crate::grants::{Backend, Grants};
+use crate::grants::Backend;
 use crate::registry::Registry;
 use crate::slots::SlotPool;
 use crate::state::{self, is_active, topology, Shim, State, Topology};
@@ -30,7 +30,7 @@ use alias_mkey::Rights;
 use bootstrap::auth::JobCredential;
 use bootstrap::mailbox::{DEFAULT_SLOTS, SLOT_BYTES};
 use bootstrap::placement::{self, NodeReport, NodeSource, REPORT_WORDS};
-use bootstrap::wire::{Hello, HostHello, HostToSp, SpToHost};
+use bootstrap::wire::{Hello, HostHello, HostToSp, Serves, SpToHost};
 use bootstrap::{Cluster, Placement};
 use mpi_ffi as ffi;
 use mpi_ffi::consts;
@@ -101,6 +101,8 @@ struct Registered {
     node_of_sp: Vec<u32>,
     /// The name of the job's segment on this node, from the SP.
     segment: String,
+    /// The grant backends the SP serves this rank.
+    serves: Serves,
 }
 
 unsafe fn start_inner() -> bool {
@@ -292,6 +294,30 @@ unsafe fn start_inner() -> bool {
         }
     };
 
+    // 6. The grant backend, from what each rank's SP serves it (`serves.rs`): agreed by the
+    // whole job, which runs natively if some rank has none its SP serves.
+    let asked = crate::serves::asked(&settings.backend, rank);
+    let at = reg.conn.path.display().to_string();
+    let remote = reg.conn.remote();
+    // SAFETY: MPI is initialised.
+    let grants = unsafe {
+        crate::serves::agree(
+            asked,
+            remote,
+            reg.serves,
+            reg.registrar,
+            reg.sp,
+            &at,
+            rank,
+            size,
+            cluster.ucx_tcp_port_range,
+        )
+    };
+    let Some(grants) = grants else {
+        reg.conn.close();
+        return false;
+    };
+
     // Who serves whom: the placement every rank computed alike.
     let sp_of_world: Vec<SpId> = placed.iter().map(|p| p.sp).collect();
     state::set_topology(Topology {
@@ -320,18 +346,6 @@ unsafe fn start_inner() -> bool {
             }
         );
     }
-    // Over TCP to an SP on another kernel only `ucx` grants can be served.
-    let backend = match settings.backend {
-        Ok(Backend::Cma) if reg.conn.remote() && std::env::var_os("SPOFF_BACKEND").is_none() => {
-            Ok(Backend::Ucx)
-        }
-        other => other,
-    };
-    let backend = backend.unwrap_or_else(|why| {
-        say!("rank {rank}: {why}");
-        Backend::Cma
-    });
-    let grants = Grants::new(reg.registrar, backend, rank, cluster.ucx_tcp_port_range);
     if settings.verbose && grants.backend() == Backend::Ucx {
         say!(
             "rank {rank}: ucx grants, memory events {}",
@@ -648,6 +662,8 @@ unsafe fn place(
         node: node.as_ref().ok().copied(),
         machine,
         source,
+        // For the check that a layout places ranks of one host only.
+        host: processor_name().map_or(0, |n| placement::host_hash(&n)),
     }
     .encode();
     let mut all: Vec<u32> = vec![0; size as usize * REPORT_WORDS];
@@ -670,7 +686,7 @@ unsafe fn place(
     }
     let reports: Vec<NodeReport> = all
         .chunks_exact(REPORT_WORDS)
-        .map(|w| NodeReport::decode([w[0], w[1], w[2]]))
+        .map(|w| NodeReport::decode(w.try_into().expect("REPORT_WORDS words")))
         .collect();
     // Ranks that could not tell their node: every rank sees the same ones in the reports, and
     // the first one's reason goes to all (collective, same root everywhere).
@@ -824,8 +840,10 @@ fn register(
     let reply = ch
         .recv::<SpToHost>()
         .map_err(|e| at("waiting for registration", &e))?;
-    let segment = match &reply {
-        SpToHost::Registered { segment, .. } => segment.clone(),
+    let (segment, serves) = match &reply {
+        SpToHost::Registered {
+            segment, serves, ..
+        } => (segment.clone(), *serves),
         SpToHost::Error { code, message, .. } => {
             return Err(format!(
                 "service process at {} refused the registration ({code:?}): {message}",
@@ -848,6 +866,7 @@ fn register(
         local_rank: placement.local_rank,
         node_of_sp: cluster.sps.iter().map(|e| e.node).collect(),
         segment,
+        serves,
     })
 }
 

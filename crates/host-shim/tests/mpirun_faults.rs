@@ -202,6 +202,10 @@ fn refusing_sps(dir: &Path) -> PathBuf {
                 HostToSp::Register { .. } => SpToHost::Registered {
                     sp,
                     segment: format!("/spoff-fake-{}-{sp}", std::process::id()),
+                    serves: bootstrap::wire::Serves {
+                        cma: true,
+                        ..Default::default()
+                    },
                 },
                 HostToSp::Post(d) => SpToHost::Error {
                     comm: Some(d.comm),

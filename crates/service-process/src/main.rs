@@ -125,8 +125,10 @@ enum Cmd {
         /// UCX (auto, on, off; a bare --ucx means on): serve grants of the `ucx` backend (each
         /// datapath thread owns a UCX worker; UCX_TLS applies) and move the staged
         /// collectives' chunks between SPs as UCX puts. auto (the default): on if UCX
-        /// initialises, else off with a warning. off: `ucx` grants are refused and chunks
-        /// travel as frames on the SPs' TCP connections. The `cma` backend is always served.
+        /// initialises, else off with a warning. off: `ucx` grants are refused (ranks learn it
+        /// at MPI_Init: they grant through cma where the SP serves it, else their job runs
+        /// natively) and chunks travel as frames on the SPs' TCP connections. The `cma`
+        /// backend is always served to hosts it can attach to.
         #[arg(long, default_value = "auto", num_args = 0..=1, default_missing_value = "on")]
         ucx: UcxMode,
         /// Staged collectives (Ibcast, staged Iallgather): bytes per chunk and per staging

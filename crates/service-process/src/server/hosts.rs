@@ -203,7 +203,15 @@ impl Server {
                 if let Role::Host(h) = &mut self.conns[key].role {
                     h.mailbox = Some((alias, mailbox_slots));
                 }
-                self.send_frame(key, &encode(&SpToHost::Registered { sp, segment }));
+                let serves = self.serves(key);
+                self.send_frame(
+                    key,
+                    &encode(&SpToHost::Registered {
+                        sp,
+                        segment,
+                        serves,
+                    }),
+                );
             }
             HostToSp::Post(desc) => self.on_post(key, *desc),
             HostToSp::Goodbye => {
@@ -212,6 +220,16 @@ impl Server {
                 }
             }
             HostToSp::CopyDone { ticket, ok } => self.on_host_copy_done(key, ticket, ok),
+        }
+    }
+
+    /// The grant backends this SP serves host connection `key` (what `validate` and
+    /// `remote_gate` accept from it).
+    fn serves(&self, key: usize) -> wire::Serves {
+        wire::Serves {
+            cma: self.host(key).peer.serves_cma(),
+            ucx: self.ucx,
+            ucx_export: self.ucx,
         }
     }
 
