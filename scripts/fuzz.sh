@@ -15,7 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 secs=${FUZZ_SECS:-120}
-targets=(host_frames peer_frames credential machine)
+targets=(host_frames peer_frames credential machine mcast_datagram)
 
 if [ "${1:-}" = corpus ]; then
   rec=$(mktemp -d)

@@ -312,13 +312,106 @@ pub fn machine_input(kind: u8, msgs: &[Vec<u8>]) -> Vec<u8> {
     v
 }
 
+/// The collective `mcast_datagram` registers: its id, tag, chunks and MTU.
+const MCAST_COLL: (u64, u64, u32, usize) = (0x5a5a, 0x1234_5678_9abc_def0, 8, 64);
+
+/// Datagrams off the multicast fabric, through a receive worker's intake with one collective
+/// registered ([`MCAST_COLL`]): the input's first byte sets the injected drop and reorder rates,
+/// then come datagrams, each a `u16` length and its bytes. Besides returning, the intake must
+/// never hand the collective's sink a chunk it does not have, a chunk longer than the MTU, or
+/// the same chunk twice (the sink panics if it does).
+pub fn mcast_datagram(data: &[u8]) {
+    use crate::mcast::worker::{Injection, Intake, Registration, Sink};
+    struct Checked(std::sync::Mutex<Vec<bool>>);
+    impl Sink for Checked {
+        fn land(&self, psn: u32, payload: &[u8]) -> Result<(), String> {
+            let mut seen = self.0.lock().unwrap_or_else(|e| e.into_inner());
+            assert!((psn as usize) < seen.len(), "chunk {psn} of {}", seen.len());
+            assert!(
+                payload.len() <= MCAST_COLL.3,
+                "a chunk of {} bytes",
+                payload.len()
+            );
+            assert!(!seen[psn as usize], "chunk {psn} landed twice");
+            seen[psn as usize] = true;
+            Ok(())
+        }
+    }
+    let Some((&knobs, mut rest)) = data.split_first() else {
+        return;
+    };
+    let (tx, _rx) = crossbeam_channel::unbounded();
+    let mut intake = Intake::new(
+        tx,
+        Injection {
+            drop_ppm: u32::from(knobs & 0x0f) * 50_000,
+            reorder_ppm: u32::from(knobs >> 4) * 50_000,
+            seed: u64::from(knobs),
+        },
+    );
+    let (coll, tag, chunks, _) = MCAST_COLL;
+    intake.register(Registration {
+        coll,
+        tag,
+        chunks,
+        sink: std::sync::Arc::new(Checked(std::sync::Mutex::new(vec![false; chunks as usize]))),
+    });
+    while rest.len() >= 2 {
+        let n = u16::from_le_bytes([rest[0], rest[1]]) as usize;
+        let d = &rest[2..(2 + n).min(rest.len())];
+        intake.on_datagram(d.to_vec());
+        rest = &rest[(2 + n).min(rest.len())..];
+    }
+    intake.flush();
+}
+
+/// Seed inputs of [`mcast_datagram`]: every chunk of the registered collective in order, out
+/// of order with a duplicate, and mixed with a foreign tag and garbage.
+pub fn mcast_datagram_seeds() -> Vec<Vec<u8>> {
+    use crate::mcast::datagram::{encode, Header};
+    let (coll, tag, chunks, mtu) = MCAST_COLL;
+    let dgram = |psn: u32, tag: u64, len: usize| {
+        let mut out = Vec::new();
+        let h = Header {
+            subgroup: 0,
+            coll,
+            tag,
+            psn,
+            chunks,
+        };
+        encode(&h, &vec![psn as u8; len], &mut out);
+        out
+    };
+    let input = |knobs: u8, ds: &[Vec<u8>]| {
+        let mut v = vec![knobs];
+        for d in ds {
+            v.extend_from_slice(&(d.len() as u16).to_le_bytes());
+            v.extend_from_slice(d);
+        }
+        v
+    };
+    let all: Vec<Vec<u8>> = (0..chunks)
+        .map(|p| dgram(p, tag, if p + 1 == chunks { 5 } else { mtu }))
+        .collect();
+    let mut shuffled: Vec<Vec<u8>> = all.iter().rev().cloned().collect();
+    shuffled.push(all[2].clone());
+    let mixed = vec![
+        dgram(1, tag ^ 1, mtu),
+        all[0].clone(),
+        b"GET / HTTP/1.1\r\n\r\n".to_vec(),
+        all[1].clone(),
+    ];
+    vec![input(0, &all), input(0x21, &shuffled), input(0x00, &mixed)]
+}
+
 /// A fuzz target: any bytes in, must return.
 pub type Target = fn(&[u8]);
 
 /// Every target, by name (for the corpus replay).
-pub const TARGETS: [(&str, Target); 4] = [
+pub const TARGETS: [(&str, Target); 5] = [
     ("host_frames", host_frames),
     ("peer_frames", peer_frames),
     ("credential", credential),
     ("machine", machine),
+    ("mcast_datagram", mcast_datagram),
 ];

@@ -195,6 +195,34 @@ fn build_corpus() {
         );
     }
     put("credential", b"spoffjob1:00:0:4:zz");
+    // Multicast datagrams come from no recorded stream (they are not framed): generated.
+    for seed in service_process::fuzz_targets::mcast_datagram_seeds() {
+        put("mcast_datagram", &seed);
+    }
     eprintln!("corpus written: {written:?}");
-    assert!(written.len() == 4, "every target needs inputs: {written:?}");
+    assert!(
+        written.len() == service_process::fuzz_targets::TARGETS.len(),
+        "every target needs inputs: {written:?}"
+    );
+}
+
+/// The generated seeds of `mcast_datagram` are in its corpus, under their hashes (written by
+/// `build_corpus`; `SPOFF_WRITE_MCAST_SEEDS=1` writes just them): a change of the datagram
+/// format that leaves the kept corpus behind fails here.
+#[test]
+fn the_mcast_datagram_corpus_holds_the_generated_seeds() {
+    let dir = fuzz_dir().join("corpus").join("mcast_datagram");
+    for seed in service_process::fuzz_targets::mcast_datagram_seeds() {
+        let p = dir.join(hash(&seed));
+        if std::env::var_os("SPOFF_WRITE_MCAST_SEEDS").is_some() {
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(&p, &seed).unwrap();
+        }
+        assert_eq!(
+            std::fs::read(&p).ok().as_deref(),
+            Some(&seed[..]),
+            "{} missing or stale",
+            p.display()
+        );
+    }
 }
