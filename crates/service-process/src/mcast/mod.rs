@@ -5,6 +5,7 @@
 //! ([`send_chunks`]). The reliability layer (cutoff timer, fetch ring, final handshake) and
 //! the collectives themselves are built on these.
 
+pub mod bench;
 pub mod datagram;
 pub mod fabric;
 pub mod worker;
