@@ -665,6 +665,12 @@ impl Server {
     /// The counters, with the jobs and instances held right now.
     fn stats_now(&self) -> Stats {
         let mut s = self.stats.clone();
+        let eps = self.datapath.ucx_endpoints();
+        s.ucx_endpoints_opened = eps.opened;
+        s.ucx_endpoints_closed = eps.closed;
+        s.ucx_endpoints_open = eps.opened.saturating_sub(eps.closed);
+        s.ucx_endpoint_closes_unfinished = eps.closes_unfinished;
+        s.ucx_endpoint_errors = eps.errors;
         s.jobs_at_exit = self.jobs.len() as u64;
         s.instances_at_exit = self.instances.len() as u64;
         s
