@@ -452,9 +452,24 @@ fn run(cli: Cli) -> Result<i32> {
             )) {
                 eprintln!("service-process: cannot notify the service manager: {e}");
             }
-            let stats = server.run()?;
-            let _ = service_process::deploy::sd_notify("STOPPING=1");
-            println!("STATS {}", serde_json::to_string(&stats)?);
+            let socket = entry.host_socket.clone();
+            server.run(|stats| {
+                // First thing on the signal, before any teardown (see `Server::run`): the
+                // counters on stdout (the journal, the launcher's output) and next to the
+                // socket, where `stats` reads them once this SP is gone.
+                println!(
+                    "STATS {}",
+                    serde_json::to_string(stats).unwrap_or_else(|e| format!("null ({e})"))
+                );
+                let _ = std::io::Write::flush(&mut std::io::stdout());
+                if let Err(e) = service_process::stopped::write(&socket, sp_id, stats) {
+                    eprintln!(
+                        "service-process: cannot keep the counters in {}: {e}",
+                        service_process::stopped::path_for(&socket).display()
+                    );
+                }
+                let _ = service_process::deploy::sd_notify("STOPPING=1");
+            })?;
             Ok(0)
         }
         Cmd::Launch(opts) => {

@@ -270,6 +270,24 @@ pub fn print_cluster_stats(
             Err(e) => {
                 eprintln!("service-process stats: {e:#}");
                 status = 1;
+                // Gone: the counters it kept when it stopped, if they are on this machine.
+                if let Some(mut v) = crate::stopped::read(&sp.host_socket) {
+                    let at = crate::stopped::utc(v["stopped_at_unix"].as_u64().unwrap_or(0));
+                    eprintln!(
+                        "service-process stats: SP {} stopped at {at}; its counters then \
+                         (from {}):",
+                        sp.id,
+                        crate::stopped::path_for(&sp.host_socket).display()
+                    );
+                    if json {
+                        v["sp"] = sp.id.into();
+                        println!("{v}");
+                    } else {
+                        let cells: Vec<String> =
+                            FIELDS.iter().map(|f| format!("{:>17}", v[*f])).collect();
+                        println!("{:>4} {}  (stopped at {at})", sp.id, cells.join(" "));
+                    }
+                }
             }
         }
     }
