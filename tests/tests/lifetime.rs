@@ -215,6 +215,14 @@ fn fifty_jobs_close_their_endpoints_and_leave_no_ucx_error() {
         }
         std::thread::sleep(Duration::from_millis(100));
     };
+    // Each job's end left a snapshot of the counters next to the socket (what an SP killed
+    // outright leaves behind).
+    for (sp, e) in served.sps.cluster.sps.iter().enumerate() {
+        let snap = service_process::stopped::read(&e.host_socket)
+            .unwrap_or_else(|| panic!("SP {sp} kept no counters next to its socket"));
+        assert!(snap["as_of_unix"].as_u64().is_some(), "SP {sp}: {snap}");
+        assert!(snap["posts"].as_u64() > Some(0), "SP {sp}: {snap}");
+    }
     let stats = served.stop();
     for (sp, st) in now.iter().enumerate() {
         eprintln!(
@@ -502,6 +510,19 @@ fn sps_under_mpirun_keep_their_counters_and_remove_their_sockets_on_sigterm() {
     );
     let left = pids_matching(&sps.cluster_path.display().to_string());
     assert!(left.is_empty(), "SP processes left behind: {left:?}");
+    // Each SP printed its counters, whole, before mpirun's SIGKILL could come.
+    let lines: Vec<&str> = out.lines().filter(|l| l.starts_with("STATS ")).collect();
+    assert_eq!(
+        lines.len(),
+        K as usize,
+        "not every SP printed its counters through mpirun\n{out}"
+    );
+    for l in &lines {
+        assert!(
+            serde_json::from_str::<serde_json::Value>(&l["STATS ".len()..]).is_ok(),
+            "a counters line came through broken: {l}"
+        );
+    }
     for e in &sps.cluster.sps {
         assert!(
             !e.host_socket.exists(),

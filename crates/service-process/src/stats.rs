@@ -272,10 +272,9 @@ pub fn print_cluster_stats(
                 status = 1;
                 // Gone: the counters it kept when it stopped, if they are on this machine.
                 if let Some(mut v) = crate::stopped::read(&sp.host_socket) {
-                    let at = crate::stopped::utc(v["stopped_at_unix"].as_u64().unwrap_or(0));
+                    let at = crate::stopped::label(&v);
                     eprintln!(
-                        "service-process stats: SP {} stopped at {at}; its counters then \
-                         (from {}):",
+                        "service-process stats: SP {} {at}; its counters then (from {}):",
                         sp.id,
                         crate::stopped::path_for(&sp.host_socket).display()
                     );
@@ -285,7 +284,7 @@ pub fn print_cluster_stats(
                     } else {
                         let cells: Vec<String> =
                             FIELDS.iter().map(|f| format!("{:>17}", v[*f])).collect();
-                        println!("{:>4} {}  (stopped at {at})", sp.id, cells.join(" "));
+                        println!("{:>4} {}  ({at})", sp.id, cells.join(" "));
                     }
                 }
             }

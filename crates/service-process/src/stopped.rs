@@ -3,10 +3,12 @@
 //!
 //! An SP writes it first thing on SIGTERM/SIGINT, together with its `STATS` line, before any
 //! teardown: a launcher that SIGKILLs its processes shortly after SIGTERM (Open MPI's `mpirun`
-//! about a second later, Slurm's `srun` after `KillWait`) must not take the counters with it.
-//! The file is written to a temporary name and renamed, so a reader sees the whole record or
-//! the previous one. It survives the SP (the socket does not); under systemd the unit's
-//! `RuntimeDirectory` goes at stop, and the journal keeps the `STATS` line.
+//! about a second later, Slurm's `srun` after forwarding the signal) must not take the counters
+//! with it. It also writes it, marked as a snapshot, whenever a job ends there: an SP killed
+//! outright (SIGKILL alone, before it could act on a SIGTERM) leaves the counters as of its last
+//! finished job. The file is written to a temporary name and renamed, so a reader sees the
+//! whole record or the previous one. It survives the SP (the socket does not); under systemd
+//! the unit's `RuntimeDirectory` goes at stop, and the journal keeps the `STATS` line.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -18,14 +20,24 @@ pub fn path_for(socket: &Path) -> PathBuf {
     PathBuf::from(p)
 }
 
-/// Writes the record of SP `sp` stopping now with `stats` (atomically: a temporary file
-/// renamed over the record; mode 0600).
-pub fn write(socket: &Path, sp: u32, stats: &crate::stats::Stats) -> std::io::Result<()> {
+/// Writes the record of SP `sp` with `stats`: `stopped` (it is stopping now) or a snapshot
+/// (it serves on). Atomically: a temporary file renamed over the record; mode 0600.
+pub fn write(
+    socket: &Path,
+    sp: u32,
+    stats: &crate::stats::Stats,
+    stopped: bool,
+) -> std::io::Result<()> {
     use std::os::unix::fs::OpenOptionsExt;
+    let when = if stopped {
+        "stopped_at_unix"
+    } else {
+        "as_of_unix"
+    };
     let record = serde_json::json!({
         "sp": sp,
         "pid": std::process::id(),
-        "stopped_at_unix": bootstrap::auth::unix_secs(),
+        when: bootstrap::auth::unix_secs(),
         "stats": stats,
     });
     let path = path_for(socket);
@@ -50,19 +62,31 @@ pub fn write(socket: &Path, sp: u32, stats: &crate::stats::Stats) -> std::io::Re
 }
 
 /// The record kept for the SP whose host socket is `socket`, if there is one: its counters
-/// with `sp` and `stopped_at_unix` added (the fields of a live SP's answer, and when it
-/// stopped).
+/// with `sp` added, and `stopped_at_unix` (it stopped then) or `as_of_unix` (a snapshot taken
+/// when a job ended, all that is left of an SP killed outright).
 pub fn read(socket: &Path) -> Option<serde_json::Value> {
     let text = std::fs::read_to_string(path_for(socket)).ok()?;
     let rec: serde_json::Value = serde_json::from_str(&text).ok()?;
     let mut stats = rec.get("stats")?.clone();
     let obj = stats.as_object_mut()?;
     obj.insert("sp".into(), rec.get("sp")?.clone());
-    obj.insert(
-        "stopped_at_unix".into(),
-        rec.get("stopped_at_unix")?.clone(),
-    );
-    Some(stats)
+    let mut dated = false;
+    for when in ["stopped_at_unix", "as_of_unix"] {
+        if let Some(t) = rec.get(when) {
+            obj.insert(when.into(), t.clone());
+            dated = true;
+        }
+    }
+    dated.then_some(stats)
+}
+
+/// How `stats` labels a kept record (see [`read`]).
+pub fn label(rec: &serde_json::Value) -> String {
+    match (rec["stopped_at_unix"].as_u64(), rec["as_of_unix"].as_u64()) {
+        (Some(t), _) => format!("stopped at {}", utc(t)),
+        (None, Some(t)) => format!("gone without stopping; counters as of {}", utc(t)),
+        (None, None) => "gone".into(),
+    }
 }
 
 /// `secs` since the epoch as `YYYY-MM-DD HH:MM:SS UTC`.
@@ -108,13 +132,18 @@ mod tests {
             posts: 3,
             ..Default::default()
         };
-        write(&socket, 7, &s).unwrap();
+        write(&socket, 7, &s, false).unwrap();
+        let rec = read(&socket).unwrap();
+        assert_eq!(rec["posts"], 3);
+        assert!(label(&rec).starts_with("gone without stopping; counters as of 20"));
         s.posts = 5;
-        write(&socket, 7, &s).unwrap();
+        write(&socket, 7, &s, true).unwrap();
         let rec = read(&socket).unwrap();
         assert_eq!(rec["posts"], 5);
         assert_eq!(rec["sp"], 7);
         assert!(rec["stopped_at_unix"].as_u64().unwrap() > 0);
+        assert!(rec.get("as_of_unix").is_none());
+        assert!(label(&rec).starts_with("stopped at 20"));
         assert_eq!(
             std::fs::read_dir(&dir).unwrap().count(),
             1,

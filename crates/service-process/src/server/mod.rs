@@ -427,6 +427,7 @@ impl Server {
             None => None,
         };
         let signals = crate::signals::SignalPipe::install()?;
+        crate::signals::unlink_on_signal(&cfg.host_socket);
         poll.registry()
             .register(&mut signals.source(), SIGNALS, Interest::READABLE)?;
         // With UCX, chunks of the staged collectives move between SPs as UCX puts into the
