@@ -61,6 +61,22 @@ pub fn write(
     result
 }
 
+/// [`write`]s a snapshot (the SP serves on); a failure is said once per process (a socket
+/// directory the SP cannot write would otherwise be reported at every job's end).
+pub fn snapshot(socket: &Path, sp: u32, stats: &crate::stats::Stats) {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static SAID: AtomicBool = AtomicBool::new(false);
+    if let Err(e) = write(socket, sp, stats, false) {
+        if !SAID.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                sp,
+                "cannot keep the counters in {} (said once): {e}",
+                path_for(socket).display()
+            );
+        }
+    }
+}
+
 /// The record kept for the SP whose host socket is `socket`, if there is one: its counters
 /// with `sp` added, and `stopped_at_unix` (it stopped then) or `as_of_unix` (a snapshot taken
 /// when a job ended, all that is left of an SP killed outright).

@@ -48,11 +48,7 @@ impl Server {
             }
             // The counters as of this job's end, kept next to the socket: what an SP killed
             // outright leaves (`crate::stopped`).
-            let stats = self.stats_now();
-            if let Err(e) = crate::stopped::write(&self.host_socket, self.me, &stats, false) {
-                let path = crate::stopped::path_for(&self.host_socket);
-                self.client_warn(|| format!("cannot keep the counters in {}: {e}", path.display()));
-            }
+            crate::stopped::snapshot(&self.host_socket, self.me, &self.stats_now());
             // The pins of the job's processes (remote ranks copied from) go with them.
             alias_mkey::process::sweep();
             // The hierarchical designs' segment of this job: nobody is left to read it here;
