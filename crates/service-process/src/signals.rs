@@ -11,7 +11,8 @@ static UNLINK: AtomicPtr<libc::c_char> = AtomicPtr::new(std::ptr::null_mut());
 
 /// Has the handler remove `path` (an SP's host socket) at the signal itself, before the loop
 /// even sees it: unlink(2) is async-signal-safe, and a launcher that SIGKILLs right after its
-/// SIGTERM (Slurm's `srun`) must not leave the socket behind. Call it once the path is bound.
+/// signal (`srun` on a second Ctrl-C sends SIGINT and SIGKILL at once) must not leave the
+/// socket behind. Call it once the path is bound.
 pub fn unlink_on_signal(path: &std::path::Path) {
     use std::os::unix::ffi::OsStrExt;
     if let Ok(c) = std::ffi::CString::new(path.as_os_str().as_bytes()) {
