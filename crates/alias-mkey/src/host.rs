@@ -243,7 +243,8 @@ mod ucx_backend {
             overrides: &[(&str, &str)],
             export: bool,
         ) -> Result<Self, AccessError> {
-            let context = Context::with_config(features, overrides).map_err(ucx_error)?;
+            let context =
+                Context::with_config(features, &crate::ucx_config(overrides)).map_err(ucx_error)?;
             let worker = Worker::new(&context).map_err(ucx_error)?;
             let worker_address = worker.address().map_err(ucx_error)?;
             Ok(UcxRegistrar {

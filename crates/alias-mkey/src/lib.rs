@@ -29,6 +29,29 @@ pub mod ids;
 pub mod mover;
 pub mod process;
 
+/// UCX configuration of every context this crate makes (hosts' registrars, SPs' movers): the
+/// caller's `overrides`, plus `KEEPALIVE_INTERVAL=inf` unless the caller or the environment
+/// (`UCX_KEEPALIVE_INTERVAL`) sets it. UCX's keepalive (on by default for the endpoints with
+/// peer error handling these are) sends check messages between a host's worker and the SP's
+/// on every round; one that reaches the SP after the host exited, or when the SP has just
+/// closed the host's endpoint at the end of its job, is answered by connecting back to the
+/// host, which fails with a UCX `ERROR` line on the SP for every such host ("connect(...)
+/// failed: Connection refused", "Endpoint timeout"). Nothing here needs it: every UCX wait
+/// is bounded by its own timeout, a peer that dies with a request pending fails it, and an
+/// SP closes the endpoints of a job when the job ends.
+#[cfg(feature = "ucx")]
+pub(crate) fn ucx_config<'a>(overrides: &[(&'a str, &'a str)]) -> Vec<(&'a str, &'a str)> {
+    let mut v = overrides.to_vec();
+    if !v
+        .iter()
+        .any(|(k, _)| k.eq_ignore_ascii_case("KEEPALIVE_INTERVAL"))
+        && std::env::var_os("UCX_KEEPALIVE_INTERVAL").is_none()
+    {
+        v.push(("KEEPALIVE_INTERVAL", "inf"));
+    }
+    v
+}
+
 use serde::{Deserialize, Serialize};
 
 /// Access rights on a granted region.

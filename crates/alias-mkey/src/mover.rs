@@ -421,6 +421,17 @@ impl DynMover {
         }
     }
 
+    /// Closes the UCX endpoints whose owner `pred` selects ([`UcxMover::close_endpoints`]);
+    /// how many.
+    pub fn close_endpoints(&mut self, pred: impl Fn(&Owner) -> bool) -> u64 {
+        #[cfg(feature = "ucx")]
+        if let Some(u) = &mut self.ucx {
+            return u.close_endpoints(pred);
+        }
+        let _ = pred;
+        0
+    }
+
     /// The `ucx` mover, if enabled (for stats and [`UcxMover::note_generation`]).
     #[cfg(feature = "ucx")]
     pub fn ucx(&mut self) -> Option<&mut UcxMover> {

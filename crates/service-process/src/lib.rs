@@ -32,4 +32,5 @@ pub mod signals;
 pub mod simulate;
 pub mod staging;
 pub mod stats;
+pub mod stopped;
 pub mod validate;

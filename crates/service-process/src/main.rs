@@ -32,8 +32,10 @@ enum Cmd {
     /// when the entry has a `host_addr`, over TCP there (hosts on other machines: identified by
     /// their job credential only; see --hosts-same-kernel). Prints `READY sp=N` on stdout once
     /// every peer is connected and the host listeners are open, and tells systemd the same
-    /// (`READY=1` to $NOTIFY_SOCKET, for a `Type=notify` unit); prints `STATS {json}` (its
-    /// counters) when it stops. Logs go to stderr (SPOFF_LOG).
+    /// (`READY=1` to $NOTIFY_SOCKET, for a `Type=notify` unit). On SIGTERM/SIGINT it first
+    /// prints `STATS {json}` (its counters) and keeps them in HOST_SOCKET.stopped.json (where
+    /// `stats` finds them once it is gone), then removes its socket and stops within a fraction
+    /// of a second. Logs go to stderr (SPOFF_LOG).
     ///
     /// Started by a launcher, one per slot: `mpirun --map-by ppr:K:node service-process serve
     /// --sp-id auto ...` or `srun --ntasks-per-node=K ...`; `service-process wait-ready` tells
@@ -199,7 +201,9 @@ enum Cmd {
     /// Print the counters of every SP of a running cluster (the launcher prints them too when
     /// the SPs stop). The cluster description is in the launcher's run directory (or wherever
     /// the admin keeps it); an SP with a `host_addr` is asked over TCP there, else on its Unix
-    /// socket. Exit status 1 if an SP does not answer.
+    /// socket. Exit status 1 if an SP does not answer; for such an SP, the counters it kept
+    /// next to its socket when it stopped (or when its last job ended) are printed, labelled
+    /// "stopped at ..." (read on the SP's machine only).
     Stats {
         /// Cluster description (JSON, as written by `launch`).
         #[arg(long)]
@@ -483,9 +487,33 @@ fn run(cli: Cli) -> Result<i32> {
             )) {
                 eprintln!("service-process: cannot notify the service manager: {e}");
             }
-            let stats = server.run()?;
-            let _ = service_process::deploy::sd_notify("STOPPING=1");
-            println!("STATS {}", serde_json::to_string(&stats)?);
+            let socket = entry.host_socket.clone();
+            server.run(|stats| {
+                // First thing on the signal, before any teardown (see `Server::run`): the
+                // counters on stdout (the journal, the launcher's output) and next to the
+                // socket, where `stats` reads them once this SP is gone.
+                // One write of the whole line: the SPs of one launcher stop at the same moment,
+                // and a line written in pieces (as `println!` does with a line longer than the
+                // stdout buffer) interleaves with theirs in the launcher's output.
+                let line = format!(
+                    "STATS {}\n",
+                    serde_json::to_string(stats).unwrap_or_else(|e| format!("null ({e})"))
+                );
+                {
+                    use std::io::Write;
+                    let mut out = std::io::stdout().lock();
+                    let _ = out.flush();
+                    let _ = out.write_all(line.as_bytes());
+                    let _ = out.flush();
+                }
+                if let Err(e) = service_process::stopped::write(&socket, sp_id, stats, true) {
+                    eprintln!(
+                        "service-process: cannot keep the counters in {}: {e}",
+                        service_process::stopped::path_for(&socket).display()
+                    );
+                }
+                let _ = service_process::deploy::sd_notify("STOPPING=1");
+            })?;
             Ok(0)
         }
         Cmd::Launch(opts) => {

@@ -3,11 +3,31 @@
 
 use std::io;
 use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicPtr, Ordering};
 
 static WRITE_FD: AtomicI32 = AtomicI32::new(-1);
+/// A path the handler removes itself ([`unlink_on_signal`]); null: none.
+static UNLINK: AtomicPtr<libc::c_char> = AtomicPtr::new(std::ptr::null_mut());
+
+/// Has the handler remove `path` (an SP's host socket) at the signal itself, before the loop
+/// even sees it: unlink(2) is async-signal-safe, and a launcher that SIGKILLs right after its
+/// signal (`srun` on a second Ctrl-C sends SIGINT and SIGKILL at once) must not leave the
+/// socket behind. Call it once the path is bound.
+pub fn unlink_on_signal(path: &std::path::Path) {
+    use std::os::unix::ffi::OsStrExt;
+    if let Ok(c) = std::ffi::CString::new(path.as_os_str().as_bytes()) {
+        // Leaked on purpose: the handler may read it until the process ends. Set once per
+        // process (an earlier one is leaked too, never freed under the handler).
+        UNLINK.store(c.into_raw(), Ordering::Release);
+    }
+}
 
 extern "C" fn on_signal(_: libc::c_int) {
+    let path = UNLINK.load(Ordering::Acquire);
+    if !path.is_null() {
+        // SAFETY: unlink(2) is async-signal-safe; `path` is a leaked, NUL-terminated CString.
+        unsafe { libc::unlink(path) };
+    }
     let fd = WRITE_FD.load(Ordering::Relaxed);
     if fd >= 0 {
         let b = 1u8;

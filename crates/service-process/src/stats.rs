@@ -91,6 +91,17 @@ pub struct Stats {
     /// The same four counters per job, for the last [`JOBS_KEPT`] jobs that finished a
     /// hierarchical collective here (oldest first).
     pub late_arrivals_by_job: Vec<JobLateArrivals>,
+    /// UCX endpoints of the datapath (to the ranks whose `ucx` grants it copies, and to other
+    /// SPs' staging): made, closed (their job ended, their rank's connection closed, their peer
+    /// failed, the cache was full), open now (`opened - closed`), and, of the closed, those whose
+    /// close had not completed within its bound (left to UCX). `ucx_endpoint_errors`: peer
+    /// failures UCX reported to the endpoints' error handler (a rank gone before its endpoint was
+    /// closed, an unreachable host), handled without a UCX error line.
+    pub ucx_endpoints_opened: u64,
+    pub ucx_endpoints_closed: u64,
+    pub ucx_endpoints_open: u64,
+    pub ucx_endpoint_closes_unfinished: u64,
+    pub ucx_endpoint_errors: u64,
     /// Jobs and collective instances held when the counters were taken (at exit: 0 once every
     /// job ended).
     pub jobs_at_exit: u64,
@@ -433,6 +444,24 @@ pub fn print_cluster_stats(
             Err(e) => {
                 eprintln!("service-process stats: {e:#}");
                 status = 1;
+                // Gone: the counters it kept when it stopped, if they are on this machine.
+                if let Some(mut v) = crate::stopped::read(&sp.host_socket) {
+                    let at = crate::stopped::label(&v);
+                    eprintln!(
+                        "service-process stats: SP {} {at}; its counters then (from {}):",
+                        sp.id,
+                        crate::stopped::path_for(&sp.host_socket).display()
+                    );
+                    if json {
+                        v["sp"] = sp.id.into();
+                        if let Err(e) = writeln!(out, "{v}").and_then(|()| out.flush()) {
+                            return stdout_gone(e, status);
+                        }
+                    } else {
+                        // In the table with the others (stderr said which rows are kept ones).
+                        answers.push((sp.id, v));
+                    }
+                }
             }
         }
     }

@@ -9,6 +9,7 @@
 //! Completion of a put only means the local buffer may be reused. To know the
 //! data has reached the remote memory, call [`Endpoint::flush`].
 
+use std::cell::Cell;
 use std::os::raw::c_void;
 use std::ptr;
 use std::rc::Rc;
@@ -43,6 +44,79 @@ pub struct Endpoint {
     handle: raw::ucp_ep_h,
     err_mode: ErrorHandling,
     worker: Rc<Worker>,
+    /// Closed already by [`close_all`]: `Drop` has nothing left to do.
+    closed: Cell<bool>,
+}
+
+/// What [`close_all`] did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CloseReport {
+    /// Endpoints whose close completed (well or with an error: UCX released them).
+    pub closed: u64,
+    /// Endpoints whose close was still pending at the bound: left to UCX, which finishes (or
+    /// discards) them as the worker progresses or is destroyed.
+    pub unfinished: u64,
+    /// Endpoints still referenced elsewhere (a request or key in flight): closed when the
+    /// last reference goes, as any dropped endpoint.
+    pub deferred: u64,
+}
+
+/// Closes `endpoints` together, progressing their workers for at most `limit` in total (not
+/// per endpoint): a forced close (`UCP_EP_CLOSE_FLAG_FORCE`) for [`ErrorHandling::Peer`]
+/// endpoints (what UCX requires of a failed endpoint, and all an endpoint to a peer that is
+/// gone can get), a flushing close otherwise. For a whole job's endpoints at once, where
+/// dropping them one by one would wait for each in turn.
+pub fn close_all(endpoints: Vec<Rc<Endpoint>>, limit: Duration) -> CloseReport {
+    let mut report = CloseReport::default();
+    let mut pending: Vec<(Rc<Endpoint>, *mut c_void)> = Vec::new();
+    let mut workers: Vec<Rc<Worker>> = Vec::new();
+    for ep in endpoints {
+        if !workers.iter().any(|w| Rc::ptr_eq(w, &ep.worker)) {
+            workers.push(Rc::clone(&ep.worker));
+        }
+        if Rc::strong_count(&ep) > 1 {
+            report.deferred += 1;
+            continue;
+        }
+        match ep.start_close() {
+            Some(req) => pending.push((ep, req)),
+            None => report.closed += 1,
+        }
+    }
+    let start = Instant::now();
+    // UCX finishes a close in the worker's progress (a forced close that completed at once
+    // still discards its transport endpoints there, their sockets open until then): progress
+    // each worker until idle too, within the same bound, so that nothing of the closed
+    // endpoints is left to be found by a later progress (e.g. a message the peer sent just
+    // before it exited, which UCX would answer by connecting back to it).
+    while !pending.is_empty() {
+        pending.retain(|(_, req)| {
+            // SAFETY: req is a live close request until freed here, exactly once.
+            let st = Status(unsafe { raw::ucp_request_check_status(*req) });
+            if st == Status::IN_PROGRESS {
+                return true;
+            }
+            // SAFETY: as above; the request completed.
+            unsafe { raw::ucp_request_free(*req) };
+            report.closed += 1;
+            false
+        });
+        if pending.is_empty() || start.elapsed() >= limit {
+            break;
+        }
+        for w in &workers {
+            w.progress();
+        }
+    }
+    for (_, req) in pending {
+        report.unfinished += 1;
+        // SAFETY: a request still in flight: UCX releases it on completion. Freed once.
+        unsafe { raw::ucp_request_free(req) };
+    }
+    for w in workers {
+        while w.progress() != 0 && start.elapsed() < limit {}
+    }
+    report
 }
 
 impl Endpoint {
@@ -70,7 +144,7 @@ impl Endpoint {
         if remote_address.len() < 8 {
             return Err(Error::new("ucp_ep_create", Status::ERR_INVALID_PARAM));
         }
-        let params = raw::ucp_ep_params_t {
+        let mut params = raw::ucp_ep_params_t {
             field_mask: (raw::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
                 | raw::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE) as u64,
             address: remote_address.as_ptr() as *const raw::ucp_address_t,
@@ -80,17 +154,67 @@ impl Endpoint {
             },
             ..Default::default()
         };
+        if err_mode == ErrorHandling::Peer {
+            // A peer's failure is handled (recorded, see `Endpoint::failed`), not logged by
+            // UCX as an unhandled error.
+            params.field_mask |= raw::UCP_EP_PARAM_FIELD_ERR_HANDLER as u64;
+            params.err_handler = raw::ucp_err_handler_t {
+                cb: Some(crate::worker::on_ep_error),
+                arg: worker.error_sink(),
+            };
+        }
         let mut handle: raw::ucp_ep_h = ptr::null_mut();
         // SAFETY: the worker is alive; params points at remote_address, which
         // outlives the call (UCX copies what it needs); handle is a valid
         // out-pointer.
         let st = unsafe { raw::ucp_ep_create(worker.as_raw(), &params, &mut handle) };
         Status(st).check("ucp_ep_create")?;
+        // A report left for an earlier endpoint at the same address (not expected: UCX calls
+        // no handler after a close) must not mark this one.
+        worker.forget_ep(handle);
         Ok(Rc::new(Endpoint {
             handle,
             err_mode,
             worker: Rc::clone(worker),
+            closed: Cell::new(false),
         }))
+    }
+
+    /// The failure UCX reported for this endpoint through its error handler (its peer died
+    /// or became unreachable), if any. Only [`ErrorHandling::Peer`] endpoints have one. A
+    /// failed endpoint moves nothing more: close it (drop it) and connect anew if needed.
+    pub fn failed(&self) -> Option<Status> {
+        self.worker.ep_failure(self.handle)
+    }
+
+    /// Starts closing the endpoint (forced for `Peer`, flushing otherwise); marks it closed.
+    /// `Some(request)`: the close is in flight (the caller progresses and frees it).
+    fn start_close(&self) -> Option<*mut c_void> {
+        debug_assert!(!self.closed.get());
+        self.closed.set(true);
+        self.worker.forget_ep(self.handle);
+        let param = raw::ucp_request_param_t {
+            op_attr_mask: raw::UCP_OP_ATTR_FIELD_FLAGS,
+            flags: match self.err_mode {
+                ErrorHandling::Peer => raw::UCP_EP_CLOSE_FLAG_FORCE,
+                ErrorHandling::None => 0,
+            },
+            ..Default::default()
+        };
+        // SAFETY: the endpoint is alive and closed exactly once (`closed`); requests and
+        // remote keys hold an Rc to it, so none is outstanding when the last Rc goes, and
+        // `close_all` only closes endpoints it holds the only Rc of.
+        let req = unsafe { raw::ucp_ep_close_nbx(self.handle, &param) };
+        if ptr_is_ptr(req) {
+            Some(req)
+        } else {
+            let st = ptr_status(req);
+            debug_assert!(
+                !st.is_err() || st == Status::ERR_CANCELED,
+                "ucp_ep_close_nbx: {st}"
+            );
+            None
+        }
     }
 
     /// The worker this endpoint belongs to.
@@ -313,25 +437,12 @@ impl Drop for Endpoint {
     /// left to UCX (it is finished or discarded when the worker is
     /// destroyed).
     fn drop(&mut self) {
-        let param = raw::ucp_request_param_t {
-            op_attr_mask: raw::UCP_OP_ATTR_FIELD_FLAGS,
-            flags: match self.err_mode {
-                ErrorHandling::Peer => raw::UCP_EP_CLOSE_FLAG_FORCE,
-                ErrorHandling::None => 0,
-            },
-            ..Default::default()
-        };
-        // SAFETY: the endpoint is alive and closed exactly once; requests and
-        // remote keys hold an Rc to it, so none is outstanding.
-        let req = unsafe { raw::ucp_ep_close_nbx(self.handle, &param) };
-        if !ptr_is_ptr(req) {
-            let st = ptr_status(req);
-            debug_assert!(
-                !st.is_err() || st == Status::ERR_CANCELED,
-                "ucp_ep_close_nbx: {st}"
-            );
+        if self.closed.get() {
             return;
         }
+        let Some(req) = self.start_close() else {
+            return;
+        };
         let start = Instant::now();
         loop {
             // SAFETY: req is a live request until freed below.

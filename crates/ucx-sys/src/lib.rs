@@ -112,7 +112,7 @@ pub mod status;
 pub mod worker;
 
 pub use context::{Context, Features};
-pub use endpoint::{Endpoint, ErrorHandling, RemoteKey, CLOSE_WAIT_LIMIT};
+pub use endpoint::{close_all, CloseReport, Endpoint, ErrorHandling, RemoteKey, CLOSE_WAIT_LIMIT};
 pub use memhooks::VmUnmappedHook;
 pub use memory::MemHandle;
 pub use request::{Request, DROP_WAIT_LIMIT};

@@ -22,7 +22,10 @@
 //! `*_nbx` call itself (a shared-memory get does), so check the returned
 //! [`Request`](crate::Request) right away instead of waiting for readiness.
 
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
 use std::os::fd::RawFd;
+use std::os::raw::c_void;
 use std::ptr;
 use std::rc::Rc;
 use std::time::Duration;
@@ -35,6 +38,47 @@ use crate::status::{Error, Result, Status};
 pub struct Worker {
     handle: raw::ucp_worker_h,
     context: Rc<Context>,
+    /// Where the error handler of this worker's endpoints reports (its address is the
+    /// handler's argument: boxed so that it does not move; freed after the worker is
+    /// destroyed, so after the last call of the handler).
+    errors: Box<EpErrors>,
+}
+
+/// What the error handler of a worker's endpoints ([`on_ep_error`]) saw.
+#[derive(Default)]
+pub(crate) struct EpErrors {
+    /// Every failure reported (an endpoint is reported at most once by UCX).
+    count: Cell<u64>,
+    /// The failed endpoints still alive, by handle (an [`Endpoint`](crate::Endpoint) removes
+    /// its own when it is closed, so this holds at most the live endpoints).
+    failed: RefCell<HashMap<usize, Status>>,
+}
+
+/// The error handler installed on every [`ErrorHandling::Peer`](crate::ErrorHandling)
+/// endpoint (`ucp_ep_params_t::err_handler`): UCX calls it, from the worker's progress, when
+/// the peer of `ep` failed or became unreachable (a rank that exited, a refused reconnection,
+/// a keepalive timeout). It records the failure; the endpoint's owner sees it with
+/// [`Endpoint::failed`](crate::Endpoint::failed) and closes the endpoint (a forced close, as
+/// UCX requires after an error). Without a handler UCX logs an `ERROR` line ("will not be
+/// handled since no error callback is installed") for each such endpoint.
+pub(crate) unsafe extern "C" fn on_ep_error(
+    arg: *mut c_void,
+    ep: raw::ucp_ep_h,
+    status: raw::ucs_status_t,
+) {
+    if arg.is_null() {
+        return;
+    }
+    // SAFETY: `arg` is the address of the boxed `EpErrors` of the worker the endpoint belongs
+    // to (set in `Endpoint::connect_with`), alive until after the worker is destroyed; UCX
+    // calls the handler on the worker's (only) thread.
+    let sink = unsafe { &*(arg as *const EpErrors) };
+    sink.count.set(sink.count.get() + 1);
+    // Never panic across the FFI boundary: a borrow held elsewhere (not expected: no borrow
+    // is held across a progress) only loses the per-endpoint mark, not the count.
+    if let Ok(mut failed) = sink.failed.try_borrow_mut() {
+        failed.insert(ep as usize, Status(status));
+    }
 }
 
 impl Worker {
@@ -53,7 +97,29 @@ impl Worker {
         Ok(Rc::new(Worker {
             handle,
             context: Rc::clone(context),
+            errors: Box::default(),
         }))
+    }
+
+    /// How many endpoint failures the error handler of this worker's endpoints was called for
+    /// (see [`Endpoint::failed`](crate::Endpoint::failed)).
+    pub fn endpoint_errors(&self) -> u64 {
+        self.errors.count.get()
+    }
+
+    /// The error handler's argument for this worker's endpoints.
+    pub(crate) fn error_sink(&self) -> *mut c_void {
+        &*self.errors as *const EpErrors as *mut c_void
+    }
+
+    /// The failure the error handler reported for `ep`, if any.
+    pub(crate) fn ep_failure(&self, ep: raw::ucp_ep_h) -> Option<Status> {
+        self.errors.failed.borrow().get(&(ep as usize)).copied()
+    }
+
+    /// Forgets what was reported for `ep` (it is being closed).
+    pub(crate) fn forget_ep(&self, ep: raw::ucp_ep_h) {
+        self.errors.failed.borrow_mut().remove(&(ep as usize));
     }
 
     /// The context this worker belongs to.

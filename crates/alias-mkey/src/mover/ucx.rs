@@ -24,7 +24,7 @@
 //! # Caches
 //!
 //! Endpoints are cached by the owner's worker address, unpacked remote keys by (owner, region,
-//! generation), both bounded (least recently used half evicted). A key arriving with a newer
+//! generation), both bounded (least recently used half evicted, the evicted endpoints closed). A key arriving with a newer
 //! generation drops the older generations' unpacked keys. The generation table is bounded too
 //! ([`MAX_GENERATIONS`]); an evicted entry forgets what it knew, so only then can a stale key
 //! pass the mover's check (the host has unmapped it: on RDMA hardware the NIC refuses it; with
@@ -67,8 +67,17 @@
 //! | any of them, host not progressing | [`AccessError::Timeout`] | [`AccessError::Timeout`] |
 //!
 //! (`cma` is listed but never used for RMA by UCX 1.13; on an access to a dead host UCX also
-//! logs an `ERROR` line on stderr, e.g. "will not be handled since no error callback is
-//! installed": harmless, the mover reports the failure.)
+//! logs its failed `connect` as an `ERROR` line: the mover reports the failure.)
+//!
+//! # Endpoints end with their processes
+//!
+//! `Peer` endpoints get an error handler (`ucx_sys`): a peer's failure is recorded (counted
+//! in [`UcxMoverStats::endpoint_errors`]), a failed endpoint is closed and replaced at its
+//! next use, and UCX no longer logs "will not be handled since no error callback is
+//! installed". The owner of the mover closes the endpoints of processes that are gone
+//! ([`UcxMover::close_endpoints`]: an SP does it when a job ends or a rank's connection
+//! closes), with forced closes progressed to completion within [`CLOSE_BOUND`]. The contexts
+//! run without UCX's keepalive ([`crate::ucx_config`]).
 //!
 //! `Peer` is the default because it turns a dead host into an immediate error and closes
 //! endpoints without waiting; shared-memory transports cannot detect peer failure, so UCX
@@ -96,6 +105,10 @@ pub const MAX_GENERATIONS: usize = 1 << 16;
 /// Default bound on timed-out requests (each with a staging buffer) kept until UCX completes
 /// them.
 pub const MAX_QUARANTINED: usize = 4;
+/// Longest a [`UcxMover`] progresses its worker for the closes of one batch of endpoints (a
+/// job's, a rank's, an eviction's): forced closes of endpoints to peers that are gone complete
+/// at once; one still pending after this is left to UCX.
+pub const CLOSE_BOUND: Duration = Duration::from_millis(200);
 /// Zero bytes appended to the copies of packed keys and worker addresses handed to UCX. A
 /// per-transport key is at most 255 bytes (its length prefix is one byte).
 const BLOB_PAD: usize = 256;
@@ -140,6 +153,16 @@ pub struct UcxMoverStats {
     pub rkey_hits: u64,
     pub rkey_misses: u64,
     pub timeouts: u64,
+    /// Endpoints made, and let go of (closed: a job or rank ended, the peer failed, the cache
+    /// was full). `endpoints` = `endpoints_opened` - `endpoints_closed`.
+    pub endpoints_opened: u64,
+    pub endpoints_closed: u64,
+    /// Of `endpoints_closed`, those whose close had not completed within [`CLOSE_BOUND`]: left
+    /// to UCX.
+    pub endpoint_closes_unfinished: u64,
+    /// Peer failures UCX reported through the endpoints' error handler (a rank that exited
+    /// before its endpoint was closed, an unreachable host): handled, not logged by UCX.
+    pub endpoint_errors: u64,
 }
 
 /// (owner, region): what a generation belongs to.
@@ -148,6 +171,9 @@ type RegionId = (Owner, u64);
 struct EpEntry {
     ep: Rc<Endpoint>,
     last_use: u64,
+    /// The process the endpoint reaches (the owner of the first key that needed it): its
+    /// job and rank end it ([`UcxMover::close_job`], [`UcxMover::close_rank`]).
+    owner: Owner,
 }
 
 struct RkeyEntry {
@@ -178,6 +204,9 @@ pub struct UcxMover {
     rkey_hits: u64,
     rkey_misses: u64,
     timeouts: u64,
+    endpoints_opened: u64,
+    endpoints_closed: u64,
+    endpoint_closes_unfinished: u64,
 }
 
 fn ucx_error(e: ucx_sys::Error, pid: u32) -> AccessError {
@@ -252,11 +281,9 @@ impl UcxMover {
     /// use the mover.
     pub fn new(cfg: UcxMoverConfig) -> Result<Self, AccessError> {
         let features = Features::RMA | Features::WAKEUP;
-        let context = match &cfg.tls {
-            Some(tls) => Context::with_config(features, &[("TLS", tls.as_str())]),
-            None => Context::new(features),
-        }
-        .map_err(|e| ucx_error(e, std::process::id()))?;
+        let tls: Vec<(&str, &str)> = cfg.tls.iter().map(|t| ("TLS", t.as_str())).collect();
+        let context = Context::with_config(features, &crate::ucx_config(&tls))
+            .map_err(|e| ucx_error(e, std::process::id()))?;
         let worker = Worker::new(&context).map_err(|e| ucx_error(e, std::process::id()))?;
         Ok(UcxMover {
             staging: new_staging(cfg.chunk_bytes),
@@ -270,6 +297,9 @@ impl UcxMover {
             rkey_hits: 0,
             rkey_misses: 0,
             timeouts: 0,
+            endpoints_opened: 0,
+            endpoints_closed: 0,
+            endpoint_closes_unfinished: 0,
         })
     }
 
@@ -285,7 +315,49 @@ impl UcxMover {
             rkey_hits: self.rkey_hits,
             rkey_misses: self.rkey_misses,
             timeouts: self.timeouts,
+            endpoints_opened: self.endpoints_opened,
+            endpoints_closed: self.endpoints_closed,
+            endpoint_closes_unfinished: self.endpoint_closes_unfinished,
+            endpoint_errors: self.worker.endpoint_errors(),
         }
+    }
+
+    /// Closes the endpoints whose owner (that of the first key that needed the endpoint: the
+    /// process it reaches) `pred` selects, with their unpacked keys, e.g. those of a job that
+    /// ended or of a rank whose connection closed: their processes are gone or going, and an
+    /// endpoint left open would only fail later. Returns how many were closed. An access that
+    /// needs one of them again connects anew.
+    pub fn close_endpoints(&mut self, pred: impl Fn(&Owner) -> bool) -> u64 {
+        let gone: Vec<Vec<u8>> = self
+            .endpoints
+            .iter()
+            .filter(|(_, e)| pred(&e.owner))
+            .map(|(a, _)| a.clone())
+            .collect();
+        if gone.is_empty() {
+            return 0;
+        }
+        self.rkeys.retain(|_, r| !gone.contains(&r.worker_address));
+        let eps = gone
+            .iter()
+            .filter_map(|a| self.endpoints.remove(a))
+            .map(|e| e.ep)
+            .collect();
+        self.retire(eps)
+    }
+
+    /// Closes endpoints taken out of the cache (their keys dropped already), together and
+    /// bounded ([`CLOSE_BOUND`]), and counts them.
+    fn retire(&mut self, eps: Vec<Rc<Endpoint>>) -> u64 {
+        let n = eps.len() as u64;
+        if n == 0 {
+            return 0;
+        }
+        let r = ucx_sys::close_all(eps, CLOSE_BOUND);
+        self.endpoints_closed += n;
+        // Those still used by the access under way (`deferred`) close as it lets go of them.
+        self.endpoint_closes_unfinished += r.unfinished;
+        n
     }
 
     /// Every check that needs no UCX call: backend, bounds and rights, generation. Returns the
@@ -349,29 +421,53 @@ impl UcxMover {
         Ok(())
     }
 
-    fn endpoint(&mut self, worker_address: &[u8], pid: u32) -> Result<Rc<Endpoint>, AccessError> {
+    fn endpoint(
+        &mut self,
+        worker_address: &[u8],
+        owner: Owner,
+    ) -> Result<Rc<Endpoint>, AccessError> {
         self.clock += 1;
         if let Some(e) = self.endpoints.get_mut(worker_address) {
-            e.last_use = self.clock;
-            return Ok(Rc::clone(&e.ep));
+            if e.ep.failed().is_none() {
+                e.last_use = self.clock;
+                return Ok(Rc::clone(&e.ep));
+            }
+            // UCX reported its peer failed: it moves nothing more. Close it, connect anew.
+            self.forget_peer(worker_address);
         }
         let ep = Endpoint::connect_with(
             &self.worker,
             &padded(worker_address),
             self.cfg.error_handling,
         )
-        .map_err(|e| ucx_error(e, pid))?;
+        .map_err(|e| ucx_error(e, owner.pid))?;
+        self.endpoints_opened += 1;
         if self.endpoints.len() >= self.cfg.max_endpoints.max(1) {
-            evict_half(&mut self.endpoints, |e| e.last_use);
+            let mut uses: Vec<u64> = self.endpoints.values().map(|e| e.last_use).collect();
+            uses.sort_unstable();
+            let cut = uses[uses.len() / 2];
+            let old: Vec<Vec<u8>> = self
+                .endpoints
+                .iter()
+                .filter(|(_, e)| e.last_use <= cut)
+                .map(|(a, _)| a.clone())
+                .collect();
+            let eps = old
+                .iter()
+                .filter_map(|a| self.endpoints.remove(a))
+                .map(|e| e.ep)
+                .collect();
             let endpoints = &self.endpoints;
             self.rkeys
                 .retain(|_, r| endpoints.contains_key(&r.worker_address));
+            self.retire(eps);
         }
         self.endpoints.insert(
             worker_address.to_vec(),
             EpEntry {
                 ep: Rc::clone(&ep),
                 last_use: self.clock,
+                owner,
             },
         );
         Ok(ep)
@@ -384,7 +480,10 @@ impl UcxMover {
         let id = (region_id(key), key.grant.generation);
         self.clock += 1;
         if let Some(e) = self.rkeys.get_mut(&id) {
-            if e.worker_address == worker_address && e.packed == packed {
+            if e.worker_address == worker_address
+                && e.packed == packed
+                && e.rkey.endpoint().failed().is_none()
+            {
                 e.last_use = self.clock;
                 self.rkey_hits += 1;
                 let rkey = e.rkey.clone();
@@ -403,7 +502,7 @@ impl UcxMover {
                 status: "malformed packed remote key (refused before UCX saw it)".into(),
             });
         }
-        let ep = self.endpoint(worker_address, pid)?;
+        let ep = self.endpoint(worker_address, key.owner)?;
         // SAFETY: the framing was checked above, so UCX's generic parser stays inside the
         // bytes, and the copy is zero-padded by more than any per-transport key can claim.
         // The contents come from the owner's UCX (module docs: the SP trusts them).
@@ -427,7 +526,9 @@ impl UcxMover {
     /// Forgets the cached endpoint (and its keys) of a host that failed or timed out.
     fn forget_peer(&mut self, worker_address: &[u8]) {
         self.rkeys.retain(|_, r| r.worker_address != worker_address);
-        self.endpoints.remove(worker_address);
+        if let Some(e) = self.endpoints.remove(worker_address) {
+            self.retire(vec![e.ep]);
+        }
     }
 
     /// Releases the quarantined requests that completed (well or not): UCX no longer uses

@@ -292,6 +292,15 @@ impl Server {
             }
             Role::Host(h) => {
                 let job = h.job;
+                if self.ucx {
+                    // Its process is gone or going: no copy of its memory is to come (one
+                    // queued still would connect anew); the job's end closes the rest.
+                    self.datapath.close(crate::datapath::Closing::Rank {
+                        job,
+                        world_rank: h.hello.world_rank,
+                        pid: h.peer.pid(),
+                    });
+                }
                 self.release_peer(&h.peer);
                 if let Some(j) = self.jobs.get_mut(&job) {
                     j.hosts.remove(&key);

@@ -41,6 +41,14 @@ impl Server {
         });
         if !self.instances.keys().any(|k| k.job == job) {
             self.jobs.remove(&job);
+            // No copy of the job is left: the datapath closes its UCX endpoints to the job's
+            // processes (this node's and other nodes' ranks it copied from or to).
+            if self.ucx {
+                self.datapath.close(crate::datapath::Closing::Job(job));
+            }
+            // The counters as of this job's end, kept next to the socket: what an SP killed
+            // outright leaves (`crate::stopped`).
+            crate::stopped::snapshot(&self.host_socket, self.me, &self.stats_now());
             // The pins of the job's processes (remote ranks copied from) go with them.
             alias_mkey::process::sweep();
             // The hierarchical designs' segment of this job: nobody is left to read it here;

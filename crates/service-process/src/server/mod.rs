@@ -363,6 +363,9 @@ pub struct Server {
     pub stats: Stats,
 }
 
+/// Longest an SP that stops spends getting its `Shutdown` frame out to its peers (all of them).
+const SHUTDOWN_FLUSH: Duration = Duration::from_millis(100);
+
 /// Longest run of progress on the staging UCX worker in one pass of the event loop.
 const UCX_PROGRESS_SLICE: Duration = Duration::from_millis(2);
 
@@ -437,6 +440,7 @@ impl Server {
             None => None,
         };
         let signals = crate::signals::SignalPipe::install()?;
+        crate::signals::unlink_on_signal(&cfg.host_socket);
         poll.registry()
             .register(&mut signals.source(), SIGNALS, Interest::READABLE)?;
         // With UCX, chunks of the staged collectives move between SPs as UCX puts into the
@@ -576,8 +580,11 @@ impl Server {
         Ok(key)
     }
 
-    /// Runs until SIGINT/SIGTERM. Returns the stats.
-    pub fn run(mut self) -> anyhow::Result<Stats> {
+    /// Runs until SIGINT/SIGTERM. Returns the stats. `on_stop` gets them first thing on the
+    /// signal, before anything else is done (the socket removed, the peers told, the datapath
+    /// and UCX torn down as `self` goes, all bounded): a launcher may SIGKILL the SP about a
+    /// second after SIGTERM (Open MPI's `mpirun`), and the counters must be out by then.
+    pub fn run(mut self, on_stop: impl FnOnce(&Stats)) -> anyhow::Result<Stats> {
         let mut events = Events::with_capacity(256);
         let tcp = self.hosts_tcp.as_ref().and_then(|l| l.local_addr().ok());
         info!(sp = self.me, socket = %self.host_socket.display(), tcp = ?tcp, "serving");
@@ -650,10 +657,12 @@ impl Server {
                     UCX_EVENTS => {}
                     SIGNALS => {
                         if self.signals.drain() {
+                            let stats = self.stats_now();
+                            on_stop(&stats);
+                            let _ = std::fs::remove_file(&self.host_socket);
                             info!(sp = self.me, "stopping on signal");
                             self.say_shutdown();
-                            let _ = std::fs::remove_file(&self.host_socket);
-                            return Ok(self.stats_now());
+                            return Ok(stats);
                         }
                     }
                     Token(t) if t >= PIDFD_BASE => self.on_pidfd(t - PIDFD_BASE),
@@ -684,6 +693,12 @@ impl Server {
     /// The counters, with the jobs and instances held right now.
     fn stats_now(&self) -> Stats {
         let mut s = self.stats.clone();
+        let eps = self.datapath.ucx_endpoints();
+        s.ucx_endpoints_opened = eps.opened;
+        s.ucx_endpoints_closed = eps.closed;
+        s.ucx_endpoints_open = eps.opened.saturating_sub(eps.closed);
+        s.ucx_endpoint_closes_unfinished = eps.closes_unfinished;
+        s.ucx_endpoint_errors = eps.errors;
         s.jobs_at_exit = self.jobs.len() as u64;
         s.instances_at_exit = self.instances.len() as u64;
         s
@@ -720,21 +735,29 @@ impl Server {
         }
     }
 
-    /// Tells every peer this SP is stopping, with a bounded effort to get it out.
+    /// Tells every peer this SP is stopping, with a bounded effort to get it out: at most
+    /// [`SHUTDOWN_FLUSH`] for all peers together (not per peer: an SP with many peers, some of
+    /// them slow to read, must still stop within a fraction of a second).
     fn say_shutdown(&mut self) {
         let frame = encode(&SpToSp::Shutdown);
         let peers: Vec<usize> = self.peer_conn.values().copied().collect();
-        for k in peers {
+        for &k in &peers {
             if let Some(c) = self.conns.get_mut(k) {
                 let _ = c.send(&frame);
-                let deadline = Instant::now() + Duration::from_millis(100);
-                while c.pending_out() > 0 && Instant::now() < deadline {
-                    if c.flush().is_err() {
-                        break;
-                    }
-                    std::thread::sleep(Duration::from_millis(1));
-                }
             }
+        }
+        let deadline = Instant::now() + SHUTDOWN_FLUSH;
+        let mut waiting = peers;
+        loop {
+            waiting.retain(|&k| {
+                self.conns
+                    .get_mut(k)
+                    .is_some_and(|c| c.pending_out() > 0 && c.flush().is_ok())
+            });
+            if waiting.is_empty() || Instant::now() >= deadline {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(1));
         }
     }
 }
