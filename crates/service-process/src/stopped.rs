@@ -3,11 +3,13 @@
 //!
 //! An SP writes it first thing on SIGTERM/SIGINT, together with its `STATS` line, before any
 //! teardown: a launcher that SIGKILLs its processes shortly after SIGTERM (Open MPI's `mpirun`
-//! about a second later, Slurm after `KillWait`) must not take the counters with it. It also writes it, marked as a snapshot, whenever a job ends there: an SP killed
-//! outright (SIGKILL alone, before it could act on a SIGTERM) leaves the counters as of its last
+//! about a second later; Slurm's srun SIGKILLs its tasks at once when it is itself sent
+//! SIGTERM) must not take the counters with it. It also writes it, marked as a snapshot,
+//! whenever a job ends there: an SP killed outright (SIGKILL alone, before it could act on a SIGTERM) leaves the counters as of its last
 //! finished job. The file is written to a temporary name and renamed, so a reader sees the
 //! whole record or the previous one. It survives the SP (the socket does not); under systemd
-//! the unit's `RuntimeDirectory` goes at stop, and the journal keeps the `STATS` line.
+//! it stays in /run/spoff/ID (the unit keeps its `RuntimeDirectory`, `RuntimeDirectoryPreserve=yes`),
+//! and the journal keeps the `STATS` line.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
