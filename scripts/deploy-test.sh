@@ -15,7 +15,7 @@
 # attach to the ranks with cma instead of UCX grants), DEPLOY_HOST_COPIES=0 (turn the blocking
 # allgathers' host copies off in the ranks), DEPLOY_JOB_ENV="-x VAR=VALUE ..." (more for the ranks),
 # KEEP_RUN_DIR=1 (keep the logs), DEPLOY_ONLY=rejoin|fault-sp with ROUNDS=N (that phase alone, N
-# times: to chase a rare failure). docs/DEPLOY.md says what it proves and what not.
+# times: to chase a rare failure), DEPLOY_ONLY=srun-sps (the Slurm phase alone). docs/DEPLOY.md says what it proves and what not.
 # Prints one summary line at the end:
 #   deploy-test: N jobs, M offloaded, K faults handled, 0 left behind, in S s
 set -euo pipefail
@@ -30,6 +30,7 @@ started=$(date +%s)
 . scripts/deploy/netns.sh
 . scripts/deploy/sps.sh
 . scripts/deploy/slurm.sh
+. scripts/deploy/srun_sps.sh
 
 for b in "$SP" "$BENCH" "$SHIM"; do
   [ -e "$b" ] || dt_die "$b is missing; run 'make build' first"
@@ -562,6 +563,7 @@ slurm_phase() {
   slurm_ran=1
   correctness "$n" "$DT_K" "srun:$n:$((2 * n)):2"
   [ "$place_from_mpi" = 1 ] && correctness "$n" "$DT_K" "srun:$n:$((2 * n))"
+  [ "$launcher_mode" = 1 ] && srun_sps_phase "$n"
   dt_slurm_down
 }
 
@@ -580,11 +582,12 @@ run_all() {
   case "${DEPLOY_ONLY:-}" in
     "") ;;
     rejoin) dt_cluster_up 2; rejoin_phase "${ROUNDS:-2}"; return ;;
+    srun-sps) dt_cluster_up 2; sps_up 2 2; slurm_phase 2; sps_down; return ;;
     fault-sp)
       dt_cluster_up 4
       for r in $(seq 1 "${ROUNDS:-3}"); do sps_up 4 2; fault_kill_sp 4 2 2+2+2+2; sps_down; done
       return ;;
-    *) dt_die "DEPLOY_ONLY=$DEPLOY_ONLY: expected rejoin or fault-sp" ;;
+    *) dt_die "DEPLOY_ONLY=$DEPLOY_ONLY: expected rejoin, fault-sp or srun-sps" ;;
   esac
   if [ "$SHORT" = 1 ]; then
     dt_cluster_up 2
