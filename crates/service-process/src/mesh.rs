@@ -572,11 +572,17 @@ impl Drop for Beats {
 /// them restarting. Each proven connection goes to the event loop through a channel, with a
 /// wake of its poll; the loop replaces any connection it still had to that SP.
 pub struct Keeper {
-    /// Lower-numbered SPs to connect to again.
-    want: std::sync::mpsc::Sender<SpId>,
+    /// Lower-numbered SPs to connect to again, each not before its instant.
+    want: std::sync::mpsc::Sender<(SpId, Instant)>,
+    /// The SP is stopping: take no peer any more (see [`Keeper::stop`]).
+    stopping: std::sync::Arc<std::sync::atomic::AtomicBool>,
     /// Proven connections, by SP.
     pub joined: std::sync::mpsc::Receiver<(SpId, TcpStream)>,
 }
+
+/// How long after an SP said it stops (`SpToSp::Shutdown`) its peers first try to reach it
+/// again: an SP exits within a fraction of a second of its goodbye.
+pub const LEAVING_PEER_GRACE: Duration = Duration::from_secs(1);
 
 /// Pause between two tries of the keeper to reach a lost lower-numbered SP.
 const REJOIN_RETRY: Duration = Duration::from_millis(250);
@@ -590,16 +596,26 @@ impl Keeper {
         wake: std::sync::Arc<mio::Waker>,
     ) -> anyhow::Result<Keeper> {
         let (tx, joined) = std::sync::mpsc::channel();
-        let (want, wanted) = std::sync::mpsc::channel::<SpId>();
+        let (want, wanted) = std::sync::mpsc::channel::<(SpId, Instant)>();
         listener.set_nonblocking(true)?;
         let mut acceptor = Acceptor::new(me, cluster, key);
         let (tx_a, wake_a) = (tx.clone(), wake.clone());
+        let stopping = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (stop_a, stop_c) = (stopping.clone(), stopping.clone());
         std::thread::Builder::new()
             .name("mesh-accept".into())
             .spawn(move || loop {
+                // Stopping: the listener closes with this thread, so a peer trying to rejoin
+                // is refused instead of joining an SP about to exit.
+                if stop_a.load(std::sync::atomic::Ordering::Acquire) {
+                    return;
+                }
                 // Any proven SP is handed over: the loop replaces a connection it still had
                 // (the SP restarted before its old connection was seen to end).
                 let (done, progressed) = acceptor.round(&listener, &|_| false);
+                if stop_a.load(std::sync::atomic::Ordering::Acquire) {
+                    return;
+                }
                 for d in done {
                     if tx_a.send(d).is_err() {
                         return;
@@ -617,28 +633,36 @@ impl Keeper {
         std::thread::Builder::new()
             .name("mesh-rejoin".into())
             .spawn(move || {
-                let mut wanted_set: std::collections::BTreeSet<SpId> = Default::default();
+                // Lower-numbered SPs to reach, each not before its instant.
+                let mut wanted_set: std::collections::BTreeMap<SpId, Instant> = Default::default();
                 loop {
+                    if stop_c.load(std::sync::atomic::Ordering::Acquire) {
+                        return;
+                    }
                     // Wait for work, or take what came while trying.
-                    let first = if wanted_set.is_empty() {
+                    if wanted_set.is_empty() {
                         match wanted.recv() {
-                            Ok(sp) => Some(sp),
+                            Ok((sp, at)) => {
+                                wanted_set.insert(sp, at);
+                            }
                             Err(_) => return,
                         }
-                    } else {
-                        None
-                    };
-                    wanted_set.extend(first);
+                    }
                     loop {
                         match wanted.try_recv() {
-                            Ok(sp) => {
-                                wanted_set.insert(sp);
+                            Ok((sp, at)) => {
+                                wanted_set.insert(sp, at);
                             }
                             Err(std::sync::mpsc::TryRecvError::Empty) => break,
                             Err(std::sync::mpsc::TryRecvError::Disconnected) => return,
                         }
                     }
-                    let round: Vec<SpId> = wanted_set.iter().copied().collect();
+                    let now = Instant::now();
+                    let round: Vec<SpId> = wanted_set
+                        .iter()
+                        .filter(|(_, at)| **at <= now)
+                        .map(|(sp, _)| *sp)
+                        .collect();
                     for sp in round {
                         let Some(&addr) = addrs.get(&sp) else {
                             wanted_set.remove(&sp);
@@ -665,14 +689,28 @@ impl Keeper {
                     }
                 }
             })?;
-        Ok(Keeper { want, joined })
+        Ok(Keeper {
+            want,
+            stopping,
+            joined,
+        })
     }
 
-    /// Lower-numbered SP `sp` was lost: connect to it again whenever it comes back. A higher-
-    /// numbered one connects to this SP by itself.
-    pub fn rejoin(&self, me: SpId, sp: SpId) {
+    /// The SP is stopping: its keeper takes no peer any more, and its peer listener closes
+    /// within one of its waits (500 ms at most), so that peers which saw it go do not rejoin
+    /// it in the moments before it exits (each would count a join of an SP that is leaving).
+    pub fn stop(&self) {
+        self.stopping
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Lower-numbered SP `sp` was lost: connect to it again whenever it comes back, the first
+    /// try after `after` (an SP that said it stops is given the moment it takes to exit, so
+    /// that this SP does not rejoin it on its way out). A higher-numbered one connects to this
+    /// SP by itself.
+    pub fn rejoin(&self, me: SpId, sp: SpId, after: Duration) {
         if sp < me {
-            let _ = self.want.send(sp);
+            let _ = self.want.send((sp, Instant::now() + after));
         }
     }
 }

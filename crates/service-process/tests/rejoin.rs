@@ -268,3 +268,34 @@ fn several_sps_restart_one_late_the_rest_go_on_and_all_rejoin() {
         assert_alltoallv_ok(&mut job, comm(1), seq, "a job after both restarted at once");
     }
 }
+
+#[test]
+fn an_sp_stopped_in_order_and_started_again_is_taken_back_once_by_each_peer() {
+    let mut rng = Rng(test_seed());
+    let mut set = start();
+    let victim = rng.below(4) as u32;
+    let others: Vec<u32> = (0..4).filter(|s| *s != victim).collect();
+    eprintln!("victim: SP {victim}");
+    // SIGTERM: the SP says goodbye to its peers and exits; they try to reach it again.
+    let pid = set.sps[victim as usize].child.id() as i32;
+    // SAFETY: kill(2) with a pid of our own child.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+    let _ = set.sps[victim as usize].child.wait();
+    // Let the peers retry a few times while it is down.
+    std::thread::sleep(Duration::from_millis(800));
+    restart(&mut set, victim, &[], Duration::from_secs(20));
+    await_joined(&set, &others, 1);
+    // Long enough for any further (spurious) join to show.
+    std::thread::sleep(Duration::from_millis(1500));
+    for sp in &others {
+        let s = query(&set, *sp);
+        assert_eq!(
+            s["peers_joined"].as_u64(),
+            Some(1),
+            "SP {sp} counts {} joins for one restart of SP {victim}",
+            s["peers_joined"]
+        );
+    }
+    let mut job = Host::connect_all(&set, new_job(), 4);
+    assert_alltoallv_ok(&mut job, comm(1), 0, "a job after the orderly restart");
+}

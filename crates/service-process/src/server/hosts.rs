@@ -268,7 +268,12 @@ impl Server {
                     j.lost_sps.insert(sp);
                 }
                 if self.replacing != Some(sp) {
-                    self.keeper.rejoin(self.me, sp);
+                    let after = if self.leaving_peers.contains(&sp) {
+                        crate::mesh::LEAVING_PEER_GRACE
+                    } else {
+                        Duration::ZERO
+                    };
+                    self.keeper.rejoin(self.me, sp, after);
                 }
                 self.sibling_gone(sp, None);
                 // Its ranks will not copy out of our regions any more.

@@ -554,7 +554,7 @@ impl Server {
             server.last_heard.insert(sp, Instant::now());
         }
         for sp in missing {
-            server.keeper.rejoin(server.me, sp);
+            server.keeper.rejoin(server.me, sp, Duration::ZERO);
         }
         Ok(server)
     }
@@ -661,6 +661,8 @@ impl Server {
                             on_stop(&stats);
                             let _ = std::fs::remove_file(&self.host_socket);
                             info!(sp = self.me, "stopping on signal");
+                            // No peer may rejoin an SP on its way out.
+                            self.keeper.stop();
                             self.say_shutdown();
                             return Ok(stats);
                         }
@@ -729,7 +731,7 @@ impl Server {
                 }
                 Err(e) => {
                     warn!(sp = self.me, peer = sp, "cannot serve the joining SP: {e}");
-                    self.keeper.rejoin(self.me, sp);
+                    self.keeper.rejoin(self.me, sp, Duration::ZERO);
                 }
             }
         }
