@@ -52,9 +52,17 @@ impl TcpSps {
         };
         let (path, listeners) = launch::write_cluster(&spec, &run_dir).unwrap();
         let mut cluster = Cluster::load(&path).unwrap();
-        for e in &mut cluster.sps {
-            e.host_addr = Some(free_port());
+        // Held until every SP has its own: a port bound and released at once may come back
+        // from the next bind (two SPs given one host address: the second cannot listen).
+        let held: Vec<TcpListener> = cluster
+            .sps
+            .iter()
+            .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+            .collect();
+        for (e, l) in cluster.sps.iter_mut().zip(&held) {
+            e.host_addr = Some(l.local_addr().unwrap());
         }
+        drop(held);
         cluster.save(&path).unwrap();
         let key = ClusterKey::load(&launch::key_path(&path)).unwrap();
         let (tx, lines) = mpsc::channel();
