@@ -8,6 +8,7 @@
 
 pub mod auth;
 pub mod cluster;
+pub mod kinds;
 pub mod mailbox;
 pub mod placement;
 pub mod rendezvous;
