@@ -289,7 +289,7 @@ macro_rules! delegate {
             match msg {
                 $variant(m) => self.0.handle_msg(now, from, m).map_err(|e| e.to_string()),
                 m => Err(format!(
-                    "a {:?} message for a {} instance",
+                    "a {:?} message for an instance of {}",
                     m.kind(),
                     SPEC.facts().name
                 )),
