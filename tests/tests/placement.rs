@@ -157,15 +157,17 @@ impl Sps {
             .env("SPOFF_CLUSTER", &self.cluster)
             .env("SPOFF_JOB_CREDENTIAL", cred.encode())
             .env("SPOFF_VERBOSE", "1");
+        let designs = bootstrap::kinds::KINDS.iter().filter_map(|f| f.design_var);
         for v in [
             "SPOFF_NODE",
             "SPOFF_OFFLOAD",
             "SPOFF_BACKEND",
             "SPOFF_MAILBOX_SLOTS",
-            "SPOFF_BCAST_DESIGN",
-            "SPOFF_IALLGATHER_DESIGN",
             "SPOFF_HOST_COPIES",
-        ] {
+        ]
+        .into_iter()
+        .chain(designs)
+        {
             cmd.env_remove(v);
         }
         let run = run(cmd, TIMEOUT);

@@ -271,13 +271,13 @@ pub unsafe fn allgather(
         let Some(send) = gather_send(sendbuf, sendcount, sendtype, &recv, me) else {
             return Offload::Native;
         };
-        // The staged designs when asked for; `root` is unused by them.
-        let (kind, root) = if !blocking && iallgather_staged() {
-            (CollKind::StagedAllgather, Some(0))
+        // The staged designs when asked for.
+        let kind = if !blocking && iallgather_staged() {
+            CollKind::StagedAllgather
         } else {
-            (CollKind::Allgatherv, None)
+            CollKind::Allgatherv
         };
-        post(kind, comm, send, recv, blocking, root, commit)
+        post(kind, comm, send, recv, blocking, None, commit)
     }
 }
 

@@ -6,7 +6,7 @@
 //! lock-free look at one request ([`poll`]) and its release.
 
 use crate::boundary::say;
-use crate::request::{kind_name, OffloadRequest};
+use crate::request::OffloadRequest;
 use crate::state::{mailbox_status, mailbox_token, topology, with_shim, Shim, TRACKED};
 use bootstrap::mailbox;
 use bootstrap::wire::{CopySrc, HostToSp, SpToHost};
@@ -49,7 +49,7 @@ impl Shim {
             say!(
                 "rank {}: offloaded {} #{} on communicator {}:{} failed: {} (status {status})",
                 t.world_rank,
-                kind_name(req.kind),
+                req.kind.facts().name,
                 req.seq,
                 req.comm.leader,
                 req.comm.id,

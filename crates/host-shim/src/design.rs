@@ -7,10 +7,11 @@ use bootstrap::wire::{CollKind, StagedDesign};
 
 /// The design of a staged collective of `kind` moving `len` bytes to each rank, on a
 /// communicator whose members are on the emulated nodes `nodes`. A message larger than the
-/// segment part (`SPOFF_SEGMENT_BYTES`) is always `Flat`; otherwise `SPOFF_BCAST_DESIGN` (a
-/// bcast) or `SPOFF_IALLGATHER_DESIGN` (a staged iallgather) `=flat|hier` forces one, and
-/// `auto` picks `Hier` when some node has at least `SPOFF_HIER_MIN_RANKS` (default
-/// [`hier_min_ranks`]) of the members (the hierarchical designs write once per node). Without
+/// segment part (`SPOFF_SEGMENT_BYTES`) is always `Flat`; otherwise the kind's design variable
+/// (`KindFacts::design_var`: `SPOFF_BCAST_DESIGN` for a bcast, `SPOFF_IALLGATHER_DESIGN` for a
+/// staged iallgather) `=flat|hier` forces one, and `auto` picks `Hier` when some node has at
+/// least `SPOFF_HIER_MIN_RANKS` (default the kind's `KindFacts::hier_min_ranks`) of the
+/// members (the hierarchical designs write once per node). Without
 /// a node segment (`segment_shared` false: ranks reached over TCP from another machine, which
 /// share no memory with their SP) every design is `Flat`. The
 /// nodes and the length are the same on every rank (and so, in a correct job, is the
@@ -26,19 +27,27 @@ pub fn staged_design(
         return StagedDesign::Flat;
     }
     let env = staged_env();
-    let forced = match kind {
-        CollKind::StagedAllgather => env.iallgather.as_deref(),
-        _ => env.bcast.as_deref(),
-    };
-    let min = env.min_ranks.unwrap_or_else(|| hier_min_ranks(kind));
-    choose_design(forced, min, max_per_node, len, env.part)
+    let facts = kind.facts();
+    let min = env.min_ranks.unwrap_or(facts.hier_min_ranks);
+    choose_design(design_var(kind), min, max_per_node, len, env.part)
+}
+
+/// The value of `kind`'s design variable (`KindFacts::design_var`), trimmed, as read at first
+/// use; `None` if unset or if the kind has none.
+fn design_var(kind: CollKind) -> Option<&'static str> {
+    let name = kind.facts().design_var?;
+    staged_env()
+        .designs
+        .iter()
+        .find(|(var, _)| *var == name)
+        .and_then(|(_, v)| v.as_deref())
 }
 
 /// The environment of the staged designs, as read at first use.
 struct StagedEnv {
-    /// `SPOFF_BCAST_DESIGN`, `SPOFF_IALLGATHER_DESIGN`, trimmed.
-    bcast: Option<String>,
-    iallgather: Option<String>,
+    /// Every kind's design variable (`SPOFF_BCAST_DESIGN`, `SPOFF_IALLGATHER_DESIGN`) and its
+    /// value, trimmed.
+    designs: Vec<(&'static str, Option<String>)>,
     /// `SPOFF_HIER_MIN_RANKS`, if set to a number.
     min_ranks: Option<usize>,
     /// The segment part (`SPOFF_SEGMENT_BYTES`).
@@ -50,8 +59,11 @@ fn staged_env() -> &'static StagedEnv {
     ENV.get_or_init(|| {
         let var = |k: &str| std::env::var(k).ok().map(|v| v.trim().to_owned());
         StagedEnv {
-            bcast: var("SPOFF_BCAST_DESIGN"),
-            iallgather: var("SPOFF_IALLGATHER_DESIGN"),
+            designs: bootstrap::kinds::KINDS
+                .iter()
+                .filter_map(|f| f.design_var)
+                .map(|name| (name, var(name)))
+                .collect(),
             min_ranks: var("SPOFF_HIER_MIN_RANKS").and_then(|v| v.parse().ok()),
             part: crate::segment::configured_len(),
         }
@@ -82,25 +94,12 @@ fn choose_design(
     }
 }
 
-/// Ranks per node from which `auto` picks the hierarchical design, per collective (the reasons
-/// are in docs/BENCHMARKS.md, section G and its notes): measured here, flat mostly costs less
-/// at 1, 2 and 4 ranks per node for both collectives (the hierarchical ranks copy the message
-/// out themselves in the wait); in the simulator at 32 nodes with 1 SP per node the
-/// hierarchical Iallgather wins clearly from 8 ranks per node (its flat design writes every
-/// block into every rank), the hierarchical Ibcast only from 32.
-pub fn hier_min_ranks(kind: CollKind) -> usize {
-    match kind {
-        CollKind::StagedAllgather => 8,
-        _ => 32,
-    }
-}
-
 /// `MPI_Iallgather` takes the staged designs when `SPOFF_IALLGATHER_DESIGN` is `flat`, `hier`
 /// or `auto` (the staged pair chosen by ranks per node); unset or `lb`, it takes the
 /// load-balanced hierarchical allgather (issue 3's), as every other allgather does.
 pub fn iallgather_staged() -> bool {
     matches!(
-        staged_env().iallgather.as_deref(),
+        design_var(CollKind::StagedAllgather),
         Some("flat" | "hier" | "auto")
     )
 }
@@ -139,7 +138,7 @@ mod tests {
 
     #[test]
     fn without_a_shared_segment_every_design_is_flat() {
-        for kind in [CollKind::Bcast, CollKind::StagedAllgather] {
+        for kind in CollKind::all().filter(|k| k.facts().is_staged()) {
             assert_eq!(staged_design(kind, 1 << 10, 1, false), StagedDesign::Flat);
         }
     }

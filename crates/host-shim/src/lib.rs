@@ -72,6 +72,8 @@ mod datatype;
 mod design;
 mod fortran;
 mod grants;
+#[cfg(test)]
+mod kinds_agree;
 mod lifecycle;
 mod pack;
 mod post;

@@ -17,12 +17,13 @@
 //! used in opposite orders by different ranks, with more outstanding collectives than slots).
 
 use crate::boundary::{say, Commit};
-use crate::comm;
+use crate::comm::{self, CommInfo};
 use crate::design::{host_copies_enabled, staged_design};
 use crate::layout::{packed_side, region_addr, side_bytes, LayoutError, SideBytes, TypeGeometry};
 use crate::pack::{self, Block, Unpack};
-use crate::request::{kind_name, OffloadRequest, Staging};
+use crate::request::{OffloadRequest, Staging};
 use crate::state::{mailbox_token, topology, with_shim, TRACKED};
+use alias_mkey::Grant;
 use alias_mkey::Rights;
 use bootstrap::wire::{CollKind, HostToSp, PostDesc, Staged, StagedDesign};
 use mpi_ffi as ffi;
@@ -74,16 +75,16 @@ impl Side {
 }
 
 /// How a side is granted.
-struct Laid {
-    bytes: SideBytes,
+pub(crate) struct Laid {
+    pub bytes: SideBytes,
     /// Where its region starts in the program's buffer; `None`: packed into staging.
-    direct: Option<u64>,
+    pub direct: Option<u64>,
 }
 
 /// Lays out a side: directly when its blocks are runs (and, for a staged allgather's receive
 /// side, equal blocks in rank order, as that collective needs), packed otherwise. `Err` only
 /// for arguments MPI calls erroneous (negative counts, lengths past the address space).
-fn lay_out(side: &Side, rank_ordered: bool) -> Result<Laid, LayoutError> {
+pub(crate) fn lay_out(side: &Side, rank_ordered: bool) -> Result<Laid, LayoutError> {
     if !side.copy {
         match side_bytes(&side.counts, &side.displs, &side.geo) {
             Ok(bytes) => {
@@ -113,11 +114,12 @@ fn lay_out(side: &Side, rank_ordered: bool) -> Result<Laid, LayoutError> {
     })
 }
 
-/// Posts one collective of `kind`: `send` has a block per comm rank for an alltoallv, the one
-/// block of this rank for an allgatherv or a bcast's root. `blocking`: the caller waits for
-/// the request inside the call, so in an allgatherv it can copy the segments already on its
-/// node itself (unless `SPOFF_HOST_COPIES=0`), sparing the SP that work. `root`: the root of
-/// a staged collective (a bcast).
+/// Posts one collective of `kind`: each side has the blocks the kind's facts say
+/// (`bootstrap::kinds`: a block per comm rank for an alltoallv, the one block of this rank for
+/// an allgatherv or a bcast's root). `blocking`: the caller waits for the request inside the
+/// call, so in a kind with host copies (the allgatherv) it can copy the segments already on
+/// its node itself (unless `SPOFF_HOST_COPIES=0`), sparing the SP that work. `root`: the root
+/// of a rooted kind (a bcast).
 ///
 /// # Safety
 /// The shim is active; `comm` is a valid intracommunicator; the sides describe the caller's
@@ -131,8 +133,11 @@ pub unsafe fn post(
     root: Option<u32>,
     commit: &mut Commit,
 ) -> Offload {
-    let staged_allgather = kind == CollKind::StagedAllgather;
-    let (Ok(s), Ok(r)) = (lay_out(&send, false), lay_out(&recv, staged_allgather)) else {
+    let facts = kind.facts();
+    let (Ok(s), Ok(r)) = (
+        lay_out(&send, false),
+        lay_out(&recv, facts.recv_rank_ordered),
+    ) else {
         // Negative counts and the like: native MPI reports them.
         return Offload::Native;
     };
@@ -151,7 +156,7 @@ pub unsafe fn post(
         match POST_FAILURES.fetch_add(1, Ordering::AcqRel) {
             n if n < REPORTED_POST_FAILURES => say!(
                 "rank {rank}: cannot post {} #{seq} on communicator {}:{}: {why}",
-                kind_name(kind),
+                facts.name,
                 info.id.leader,
                 info.id.id
             ),
@@ -208,15 +213,10 @@ pub unsafe fn post(
         .or_else(|| staging.recv.as_ref().map(|u| u.staging.as_ptr() as u64))
         .expect("a side is direct or packed");
     let (send_packed, recv_packed) = (s.direct.is_none(), r.direct.is_none());
-    let (s, r) = (s.bytes, r.bytes);
-    // An allgatherv's receive buffer is also read: the SP serves the node's other ranks
-    // segments out of it.
-    let recv_rights = match kind {
-        CollKind::Alltoallv | CollKind::Bcast | CollKind::StagedAllgather => Rights::WRITE,
-        CollKind::Allgatherv => Rights::READ_WRITE,
-    };
-    let len = s.region_len.max(r.region_len);
-    let design = root.map(|_| staged_design(kind, info.max_per_node, len, !topology().remote));
+    let len = s.bytes.region_len.max(r.bytes.region_len);
+    let design = facts
+        .is_staged()
+        .then(|| staged_design(kind, info.max_per_node, len, !topology().remote));
     // Hier: SPs write the segment this rank shares with the other ranks of its node, and the
     // rank copies from it into its buffer (the root receives nothing).
     let segment = match design {
@@ -225,16 +225,23 @@ pub unsafe fn post(
             let node = t.node_of_sp[t.sp_of_world[t.world_rank as usize] as usize];
             let sps = t.node_of_sp.iter().filter(|&&n| n == node).count() as u64;
             match crate::segment::get(&t.segment, sps) {
-                Ok(seg) => Some(seg),
+                Ok(seg) => Some((seg.addr as u64, seg.len)),
                 Err(why) => return fail(&why),
             }
         }
         _ => None,
     };
-    let receives_from_segment =
-        segment.is_some() && (staged_allgather || root != Some(info.comm_rank));
-    let host_copies = (blocking && kind == CollKind::Allgatherv && host_copies_enabled())
-        || receives_from_segment;
+    let draft = Draft {
+        kind,
+        seq,
+        send: (s.bytes, send_addr, send_packed),
+        recv: (r.bytes, recv_addr, recv_packed),
+        blocking,
+        host_copies_enabled: host_copies_enabled(),
+        root,
+        design,
+        segment,
+    };
     let posted = with_shim(|sh| {
         if let Some(why) = &sh.conn.broken {
             return Err(why.clone());
@@ -253,44 +260,20 @@ pub unsafe fn post(
             unsafe { &*(a as *const OffloadRequest) }.result().is_some()
         });
         sh.registrar.refresh(idle);
-        let desc = PostDesc {
-            kind,
-            comm: info.id,
-            seq,
-            comm_rank: info.comm_rank,
-            members: info.members.clone(),
-            world_ranks: info.world_ranks.clone(),
-            nodes: match kind {
-                CollKind::Alltoallv => Vec::new(),
-                CollKind::Allgatherv | CollKind::Bcast | CollKind::StagedAllgather => {
-                    info.nodes.clone()
-                }
-            },
-            slot,
-            token,
-            send: sh.registrar.buffer(send_addr, s.region_len, Rights::READ),
-            recv: sh.registrar.buffer(recv_addr, r.region_len, recv_rights),
-            send_counts: s.counts,
-            send_displs: s.displs,
-            recv_counts: r.counts,
-            recv_displs: r.displs,
-            host_copies,
-            send_packed,
-            recv_packed,
-            staged: root.zip(design).map(|(root, design)| Staged {
-                root,
-                design,
-                segment: segment.map(|seg| {
-                    sh.registrar
-                        .cma_buffer(seg.addr as u64, seg.len, Rights::READ_WRITE)
-                }),
-            }),
-        };
+        let region_len = draft.recv.0.region_len;
+        let desc = draft.describe(info, slot, token, |addr, len, rights, segment| {
+            if segment {
+                sh.registrar.cma_buffer(addr, len, rights)
+            } else {
+                sh.registrar.buffer(addr, len, rights)
+            }
+        });
+        let host_copies = desc.host_copies;
         match sh.conn.send(&HostToSp::Post(Box::new(desc))) {
             Ok(()) => {
                 let mut req = OffloadRequest::new(kind, slot, token, info.id, seq, comm, staging);
                 if host_copies {
-                    req.accept_host_copies((recv_addr as usize, r.region_len));
+                    req.accept_host_copies((recv_addr as usize, region_len));
                 }
                 let mut req = Box::new(req);
                 // The object's address does not change when it leaves the box.
@@ -315,5 +298,84 @@ pub unsafe fn post(
         Some(Ok(addr)) => Offload::Posted(addr),
         Some(Err(why)) => fail(&why),
         None => fail("the shim is shut down"),
+    }
+}
+
+/// A post of one collective once its sides are laid out: everything its descriptor says
+/// besides the slot and the grants. [`Draft::describe`] reads the kind's facts
+/// (`bootstrap::kinds`) and nothing else of the shim, so that the kinds' agreement test
+/// (`kinds_agree.rs`) builds descriptors exactly as [`post`] does and checks them with the
+/// SP's checks.
+pub(crate) struct Draft {
+    pub kind: CollKind,
+    pub seq: u64,
+    /// Each side's bytes, where its region starts (the program's buffer or the staging), and
+    /// whether it is packed.
+    pub send: (SideBytes, u64, bool),
+    pub recv: (SideBytes, u64, bool),
+    pub blocking: bool,
+    /// `SPOFF_HOST_COPIES` is not `0`.
+    pub host_copies_enabled: bool,
+    /// The root of a rooted kind.
+    pub root: Option<u32>,
+    /// A staged kind's design.
+    pub design: Option<StagedDesign>,
+    /// The node segment (address, length) of a hierarchical design.
+    pub segment: Option<(u64, u64)>,
+}
+
+impl Draft {
+    /// The descriptor on communicator `info` with completion `slot` and `token`;
+    /// `grant(addr, len, rights, segment)` grants a side (or, `segment`, the node segment
+    /// through cma), in this order: send, receive, segment.
+    pub(crate) fn describe(
+        self,
+        info: &CommInfo,
+        slot: Option<u32>,
+        token: u64,
+        mut grant: impl FnMut(u64, u64, Rights, bool) -> Grant,
+    ) -> PostDesc {
+        let facts = self.kind.facts();
+        let ((s, send_addr, send_packed), (r, recv_addr, recv_packed)) = (self.send, self.recv);
+        // A hierarchical rank receives out of the node segment, and copies from it itself;
+        // the root of a rooted kind receives nothing.
+        let receives_from_segment =
+            self.segment.is_some() && (!facts.rooted || self.root != Some(info.comm_rank));
+        let host_copies = (self.blocking && facts.host_copies && self.host_copies_enabled)
+            || receives_from_segment;
+        let send = grant(send_addr, s.region_len, Rights::READ, false);
+        let recv = grant(recv_addr, r.region_len, facts.recv_rights, false);
+        let staged = self.design.map(|design| Staged {
+            root: self.root.unwrap_or(0),
+            design,
+            segment: self
+                .segment
+                .map(|(addr, len)| grant(addr, len, Rights::READ_WRITE, true)),
+        });
+        PostDesc {
+            kind: self.kind,
+            comm: info.id,
+            seq: self.seq,
+            comm_rank: info.comm_rank,
+            members: info.members.clone(),
+            world_ranks: info.world_ranks.clone(),
+            nodes: if facts.lists_nodes {
+                info.nodes.clone()
+            } else {
+                Vec::new()
+            },
+            slot,
+            token,
+            send,
+            recv,
+            send_counts: s.counts,
+            send_displs: s.displs,
+            recv_counts: r.counts,
+            recv_displs: r.displs,
+            host_copies,
+            staged,
+            send_packed,
+            recv_packed,
+        }
     }
 }

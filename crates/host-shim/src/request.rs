@@ -132,7 +132,7 @@ impl OffloadRequest {
                     say!(
                         "rank {}: offloaded {} #{}: {why}",
                         my_rank(),
-                        kind_name(self.kind),
+                        self.kind.facts().name,
                         self.seq
                     );
                     code = consts::ERR_OTHER();
@@ -207,14 +207,4 @@ pub unsafe fn handle_of(addr: usize) -> ffi::MPI_Request {
 /// The world rank, for messages.
 pub fn my_rank() -> u32 {
     state::topology().world_rank
-}
-
-/// The name of a collective, for messages.
-pub fn kind_name(kind: CollKind) -> &'static str {
-    match kind {
-        CollKind::Alltoallv => "alltoallv",
-        CollKind::Allgatherv => "allgatherv",
-        CollKind::Bcast => "bcast",
-        CollKind::StagedAllgather => "staged allgather",
-    }
 }

@@ -140,71 +140,65 @@ fn fake_key(rank: u32) -> AliasKey {
 }
 
 /// A post of comm rank `rank` of a 4-rank communicator (SPs 0, 0, 2, 2: nodes 0, 0, 1, 1) to
-/// an instance of `kind`, counts drawn from the cursor (a bcast's root, length and design
-/// too; a staged allgather's block length). Posts as `validate::check_post` would pass them
-/// and as it would not: the drivers must not trust them either.
+/// an instance of `kind`, shaped by the kind's facts (`bootstrap::kinds`): its root drawn from
+/// the cursor if it has one, then its block lengths (one per rank, or one for every block),
+/// then, for a staged kind, whether this SP runs it hierarchically. The root's other side is
+/// not emptied: posts as `validate::check_post` would pass them and as it would not, for the
+/// drivers must not trust them either.
 fn post(kind: CollKind, rank: u32, c: &mut Cursor) -> Option<LocalPost> {
-    let mut d = wire::PostDesc {
+    use bootstrap::kinds::Blocks;
+    let f = kind.facts();
+    let p = 4;
+    let root = if f.rooted { (c.byte()? % 4) as u32 } else { 0 };
+    let per_rank = |b: Blocks| b == Blocks::PerRank;
+    let counts: Vec<u64> =
+        if per_rank(f.send_blocks) || (per_rank(f.recv_blocks) && !f.recv_rank_ordered) {
+            (0..p).map(|_| c.small()).collect::<Option<_>>()?
+        } else {
+            vec![c.small()?; p]
+        };
+    let hier = f.is_staged() && c.byte()? % 2 == 1;
+    let side = |b: Blocks| -> (Vec<u64>, Vec<u64>) {
+        match b {
+            Blocks::One => (vec![counts[rank as usize]], vec![0]),
+            Blocks::PerRank if f.recv_rank_ordered => (
+                counts.clone(),
+                (0..p as u64).map(|i| i * counts[0]).collect(),
+            ),
+            Blocks::PerRank => (counts.clone(), (0..p as u64).map(|i| i * 4096).collect()),
+        }
+    };
+    let ((send_counts, send_displs), (recv_counts, recv_displs)) =
+        (side(f.send_blocks), side(f.recv_blocks));
+    let d = wire::PostDesc {
         kind,
         comm: CommId { leader: 0, id: 1 },
         seq: 0,
         comm_rank: rank,
         members: vec![0, 0, 2, 2],
         world_ranks: vec![0, 1, 2, 3],
-        nodes: vec![0, 0, 1, 1],
+        nodes: if f.lists_nodes {
+            vec![0, 0, 1, 1]
+        } else {
+            vec![]
+        },
         slot: None,
         token: 0,
         send: fake_key(rank).grant,
         recv: fake_key(rank).grant,
-        send_counts: vec![],
-        send_displs: vec![],
-        recv_counts: vec![],
-        recv_displs: vec![],
+        send_counts,
+        send_displs,
+        recv_counts,
+        recv_displs,
         host_copies: false,
-        staged: None,
+        staged: f.is_staged().then_some(wire::Staged {
+            root,
+            design: wire::StagedDesign::Flat,
+            segment: None,
+        }),
         send_packed: false,
         recv_packed: false,
     };
-    let displs: Vec<u64> = (0..4).map(|i| i * 4096).collect();
-    let mut hier = false;
-    match kind {
-        CollKind::Alltoallv => {
-            let counts: Vec<u64> = (0..4).map(|_| c.small()).collect::<Option<_>>()?;
-            d.send_counts = counts.clone();
-            d.send_displs = displs.clone();
-            d.recv_counts = counts;
-            d.recv_displs = displs;
-        }
-        CollKind::Allgatherv => {
-            let counts: Vec<u64> = (0..4).map(|_| c.small()).collect::<Option<_>>()?;
-            d.send_counts = vec![counts[rank as usize]];
-            d.send_displs = vec![0];
-            d.recv_counts = counts;
-            d.recv_displs = displs;
-        }
-        CollKind::Bcast => {
-            let root = (c.byte()? % 4) as u32;
-            let len = c.small()?;
-            hier = c.byte()? % 2 == 1;
-            d.send_counts = vec![len];
-            d.recv_counts = vec![len];
-            d.staged = Some(wire::Staged {
-                root,
-                design: wire::StagedDesign::Flat,
-                segment: None,
-            });
-        }
-        CollKind::StagedAllgather => {
-            let len = c.small()?;
-            d.send_counts = vec![len];
-            d.recv_counts = vec![len; 4];
-            d.staged = Some(wire::Staged {
-                root: 0,
-                design: wire::StagedDesign::Flat,
-                segment: None,
-            });
-        }
-    }
     Some(LocalPost {
         desc: d,
         send: fake_key(rank),
@@ -220,12 +214,8 @@ fn post(kind: CollKind, rank: u32, c: &mut Cursor) -> Option<LocalPost> {
 pub fn machine(data: &[u8]) {
     let mut c = Cursor(data);
     let Some(k) = c.byte() else { return };
-    let kind = [
-        CollKind::Alltoallv,
-        CollKind::Allgatherv,
-        CollKind::Bcast,
-        CollKind::StagedAllgather,
-    ][(k % 4) as usize];
+    let kinds = &bootstrap::kinds::KINDS;
+    let kind = kinds[k as usize % kinds.len()].kind;
     let key = CollKey {
         job: 1,
         comm: CommId { leader: 0, id: 1 },

@@ -53,9 +53,11 @@ pub fn check_post(
             ),
         ));
     }
-    // The kind's own layout of the descriptor: its blocks, its staged fields, its nodes.
-    let spec = crate::drivers::spec(d.kind);
-    (spec.check_desc)(d).or_else(bad)?;
+    // The kind's layout of the descriptor: its blocks, its staged fields, its root, its nodes
+    // (as its facts say), then whatever more its driver checks.
+    let facts = d.kind.facts();
+    facts.check_layout(d).or_else(bad)?;
+    (crate::drivers::spec(d.kind).check_desc)(d).or_else(bad)?;
     if let Some(st) = d
         .staged
         .as_ref()
@@ -121,7 +123,7 @@ pub fn check_post(
             ),
         ));
     }
-    let (recv_needs, recv_why) = spec.recv_rights;
+    let (recv_needs, recv_why) = (facts.recv_rights, facts.recv_rights_why);
     for (grant, need, counts, displs, what) in [
         (
             &d.send,

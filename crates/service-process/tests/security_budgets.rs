@@ -216,7 +216,7 @@ fn what_one_connection_makes_the_sp_hold_is_bounded_and_given_back() {
 /// (Fails on the code before the fix, which has neither the charge nor its flags.)
 #[test]
 fn the_charge_of_a_post_covers_what_it_makes_the_sp_hold() {
-    for kind in ["alltoallv", "allgatherv", "bcast", "staged-allgather"] {
+    for kind in CollKind::all().map(|k| k.facts().name) {
         let set = SpSet::start_with(
             1,
             1,

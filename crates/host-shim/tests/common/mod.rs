@@ -26,11 +26,10 @@ pub const NP: u64 = 4;
 
 pub const TIMEOUT: Duration = Duration::from_secs(120);
 
-/// The shim's settings: every job gets the ones its test sets, never the caller's.
-pub const SHIM_VARS: [&str; 12] = [
-    "SPOFF_IALLGATHER_DESIGN",
+/// The shim's settings: every job gets the ones its test sets, never the caller's (these, and
+/// every kind's design variable, `KindFacts::design_var`).
+pub const SHIM_VARS: [&str; 10] = [
     "SPOFF_HOST_COPIES",
-    "SPOFF_BCAST_DESIGN",
     "SPOFF_HIER_MIN_RANKS",
     "SPOFF_SEGMENT_BYTES",
     "SPOFF_CLUSTER",
@@ -151,7 +150,8 @@ pub fn prog(name: &'static str) -> String {
 
 /// `cmd` with the shim's settings cleared, then `env` set.
 pub fn with_env(mut cmd: Command, env: &[(&str, &str)]) -> Command {
-    for k in SHIM_VARS {
+    let designs = bootstrap::kinds::KINDS.iter().filter_map(|f| f.design_var);
+    for k in SHIM_VARS.into_iter().chain(designs) {
         cmd.env_remove(k);
     }
     for (k, v) in env {

@@ -2,38 +2,21 @@
 
 use super::{Act, CollDriver, Inbound, KindSpec, LateArrivals, LocalPost, StagedConfig};
 use algorithms::{allgatherv, CollKey, Nanos, Rank, SpId, Status};
-use alias_mkey::{AliasKey, Rights};
-use bootstrap::wire::{CollKind, CollMsg, PostDesc};
+use alias_mkey::AliasKey;
+use bootstrap::wire::{CollKind, CollMsg};
 
 pub static SPEC: KindSpec = KindSpec {
     kind: CollKind::Allgatherv,
     new,
-    staging: false,
-    host_copies: true,
     abort_msg: |status| CollMsg::Allgatherv(allgatherv::Msg::Abort { status }),
     refuse,
     inbound,
     region_writer: super::no_region_writer,
     region_len: super::no_region_len,
-    check_desc,
-    // Once a segment landed in one rank of a node, the node's other ranks copy it from that
-    // rank's receive buffer.
-    recv_rights: (
-        Rights::READ_WRITE,
-        " (the node's other ranks copy segments out of it)",
-    ),
+    check_desc: super::no_more_checks,
     // Measured: 6 bytes per member beyond the descriptor.
     state_bytes_per_member: 64,
 };
-
-/// This rank's one block, at offset 0, and every rank's block on the receive side; the node
-/// of every rank.
-fn check_desc(d: &PostDesc) -> Result<(), String> {
-    super::block_entries(d, 1, d.members.len())?;
-    super::send_block_at_zero(d)?;
-    super::nodes_listed(d)?;
-    super::not_staged(d)
-}
 
 super::direct_driver!(allgatherv::Allgatherv, CollMsg::Allgatherv);
 
@@ -71,7 +54,7 @@ fn refuse(msg: &CollMsg, from: SpId, status: Status) -> Vec<(SpId, CollMsg)> {
 }
 
 impl CollDriver for Driver {
-    super::delegate!(CollMsg::Allgatherv, allgatherv::CopyId, "an allgatherv");
+    super::delegate!(CollMsg::Allgatherv, allgatherv::CopyId);
 
     fn handle_post(&mut self, now: Nanos, p: LocalPost) -> Result<(), String> {
         // `check_post` made sure the send block is the one entry at offset 0.

@@ -2,32 +2,22 @@
 
 use super::{Act, CollDriver, Inbound, KindSpec, LocalPost, StagedConfig};
 use algorithms::{alltoallv, CollKey, Nanos, Rank, SpId, Status};
-use alias_mkey::{AliasKey, Rights};
-use bootstrap::wire::{CollKind, CollMsg, PostDesc};
+use alias_mkey::AliasKey;
+use bootstrap::wire::{CollKind, CollMsg};
 
 pub static SPEC: KindSpec = KindSpec {
     kind: CollKind::Alltoallv,
     new,
-    staging: false,
-    host_copies: false,
     abort_msg: |status| CollMsg::Alltoallv(alltoallv::Msg::Abort { status }),
     refuse,
     inbound,
     region_writer: super::no_region_writer,
     region_len: super::no_region_len,
-    check_desc,
-    recv_rights: (Rights::WRITE, ""),
+    check_desc: super::no_more_checks,
     // Measured: 408 bytes per member beyond the descriptor (its rank state, and an announcement
     // per member queued until that member posts).
     state_bytes_per_member: 512,
 };
-
-/// One send and one receive block per rank.
-fn check_desc(d: &PostDesc) -> Result<(), String> {
-    let p = d.members.len();
-    super::block_entries(d, p, p)?;
-    super::not_staged(d)
-}
 
 super::direct_driver!(alltoallv::Alltoallv, CollMsg::Alltoallv);
 
@@ -54,7 +44,7 @@ fn refuse(msg: &CollMsg, from: SpId, status: Status) -> Vec<(SpId, CollMsg)> {
 }
 
 impl CollDriver for Driver {
-    super::delegate!(CollMsg::Alltoallv, alltoallv::CopyId, "an alltoallv");
+    super::delegate!(CollMsg::Alltoallv, alltoallv::CopyId);
 
     fn handle_post(&mut self, now: Nanos, p: LocalPost) -> Result<(), String> {
         let post = p.direct(|d| alltoallv::Own {

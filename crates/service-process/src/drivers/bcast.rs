@@ -3,55 +3,22 @@
 
 use super::{Act, CollDriver, Inbound, KindSpec, LocalPost, StagedConfig};
 use algorithms::{bcast, CollKey, Nanos, Rank, SpId, Status};
-use alias_mkey::{AliasKey, Rights};
+use alias_mkey::AliasKey;
 use bootstrap::wire::{CollKind, CollMsg, PostDesc};
 
 pub static SPEC: KindSpec = KindSpec {
     kind: CollKind::Bcast,
     new,
-    staging: true,
-    host_copies: false,
     abort_msg: |status| CollMsg::Bcast(bcast::Msg::Abort { status }),
     refuse,
     inbound,
     region_writer,
     // The message is the one block: the root's send side, the others' receive side.
     region_len: |d| d.send_counts[0].max(d.recv_counts[0]),
-    check_desc,
-    recv_rights: (Rights::WRITE, ""),
+    check_desc: super::no_more_checks,
     // Measured: 17 bytes per member beyond the descriptor.
     state_bytes_per_member: 64,
 };
-
-/// One block each way, at offset 0, one of them empty (the root only sends, the others only
-/// receive); a root inside the communicator; the node of every rank.
-fn check_desc(d: &PostDesc) -> Result<(), String> {
-    let p = d.members.len();
-    super::block_entries(d, 1, 1)?;
-    super::nodes_listed(d)?;
-    let Some(st) = &d.staged else {
-        return Err("a bcast without its root and design".into());
-    };
-    if st.root as usize >= p {
-        return Err(format!("root {} outside a communicator of {p}", st.root));
-    }
-    if d.send_displs[0] != 0 || d.recv_displs[0] != 0 {
-        return Err("a bcast's buffer must start at offset 0 of its grant".into());
-    }
-    let is_root = st.root == d.comm_rank;
-    let empty = if is_root {
-        d.recv_counts[0]
-    } else {
-        d.send_counts[0]
-    };
-    if empty != 0 {
-        return Err(format!(
-            "a bcast {} sends nothing else: {empty} bytes on its other side",
-            if is_root { "root" } else { "receiver" }
-        ));
-    }
-    Ok(())
-}
 
 struct Driver(bcast::Bcast<AliasKey>);
 
@@ -138,7 +105,7 @@ fn refuse(msg: &CollMsg, from: SpId, status: Status) -> Vec<(SpId, CollMsg)> {
 }
 
 impl CollDriver for Driver {
-    super::delegate!(CollMsg::Bcast, bcast::CopyId, "a bcast");
+    super::delegate!(CollMsg::Bcast, bcast::CopyId);
 
     fn handle_post(&mut self, now: Nanos, mut p: LocalPost) -> Result<(), String> {
         let (design, shared_key, shared_at) = p.staged_parts();

@@ -9,9 +9,13 @@
 //! post, a peer message, a copy or move done, a peer or rank lost, an abort, a timer) with the
 //! time passed in, and executes the [`Act`]s they emit; it never names a kind.
 //!
-//! Adding a collective kind: a `CollKind` and a `CollMsg` variant in `bootstrap::wire`, a file
-//! here with its driver and `SPEC` (which carries its descriptor checks), and a line in
-//! [`KINDS`] and [`kind_of`].
+//! What a kind is to every side (its name, the layout of its posts, the rights of its grants,
+//! staged or direct, host copies) is its `bootstrap::kinds::KindFacts`, read here through
+//! [`KindSpec::facts`]; a `KindSpec` holds only what the engine alone needs.
+//!
+//! Adding a collective kind: a `CollKind` and a `CollMsg` variant in `bootstrap::wire` with
+//! its facts in `bootstrap::kinds`, a file here with its driver and `SPEC`, and a line in
+//! [`KINDS`].
 
 mod allgatherv;
 mod alltoallv;
@@ -21,7 +25,8 @@ mod staged_allgather;
 use std::convert::Infallible;
 
 use algorithms::{direct, staged, CollKey, Nanos, Rank, SpId, Status};
-use alias_mkey::{AliasKey, Rights};
+use alias_mkey::AliasKey;
+use bootstrap::kinds::KindFacts;
 use bootstrap::wire::{CollKind, CollMsg, PostDesc};
 
 /// Staging of the staged collectives (the same on every SP of a cluster).
@@ -209,10 +214,6 @@ pub struct Inbound {
 pub struct KindSpec {
     pub kind: CollKind,
     pub new: fn(CollKey, SpId, StagedConfig) -> Box<dyn CollDriver>,
-    /// Instances hold staging slots from the SP's budget.
-    pub staging: bool,
-    /// The kind honours `PostDesc::host_copies` (a blocked rank copies on-node data itself).
-    pub host_copies: bool,
     /// The message that aborts an instance of the kind on a peer.
     pub abort_msg: fn(Status) -> CollMsg,
     /// The replies that let peers finish when `msg` reaches an SP where its job is gone (no
@@ -226,13 +227,10 @@ pub struct KindSpec {
     pub region_writer: fn(d: &PostDesc, me: SpId) -> bool,
     /// Hierarchical design: the bytes of the node's region (the whole message).
     pub region_len: fn(&PostDesc) -> u64,
-    /// The kind's own checks of a descriptor's layout, run by `validate::check_post` once the
-    /// communicator's size and the poster's name are checked: how many blocks each side has
-    /// and where they start, its staged fields, its node list.
+    /// The kind's checks of a descriptor beyond what its facts say (those are
+    /// `KindFacts::check_layout`: its blocks and where they start, its staged fields, its
+    /// root, its node list), run by `validate::check_post` right after them.
     pub check_desc: fn(&PostDesc) -> Result<(), String>,
-    /// The rights the receive grant must give, and why when that is more than writing (said
-    /// in the refusal).
-    pub recv_rights: (Rights, &'static str),
     /// Bytes a post of the kind makes the SP hold per member of its communicator, beyond the
     /// descriptor's vectors: an upper estimate, measured with a 4096-rank communicator whose
     /// other ranks never post (`security_budgets.rs`); `crate::held` charges it.
@@ -247,6 +245,15 @@ pub static KINDS: [&KindSpec; 4] = [
     &staged_allgather::SPEC,
 ];
 
+impl KindSpec {
+    /// What the kind is to every side (`bootstrap::kinds`): whether instances hold staging
+    /// slots from the SP's budget (a staged kind), whether it honours `PostDesc::host_copies`,
+    /// the rights of its receive grant, its name.
+    pub fn facts(&self) -> &'static KindFacts {
+        self.kind.facts()
+    }
+}
+
 /// The kind `kind`.
 pub fn spec(kind: CollKind) -> &'static KindSpec {
     KINDS
@@ -255,14 +262,9 @@ pub fn spec(kind: CollKind) -> &'static KindSpec {
         .expect("every CollKind is in KINDS")
 }
 
-/// The kind a peer message belongs to.
+/// The kind a peer message belongs to (`CollMsg::kind`).
 pub fn kind_of(msg: &CollMsg) -> CollKind {
-    match msg {
-        CollMsg::Alltoallv(_) => CollKind::Alltoallv,
-        CollMsg::Allgatherv(_) => CollKind::Allgatherv,
-        CollMsg::Bcast(_) => CollKind::Bcast,
-        CollMsg::StagedAllgather(_) => CollKind::StagedAllgather,
-    }
+    msg.kind()
 }
 
 /// A new instance of `kind`.
@@ -277,17 +279,20 @@ pub fn refuse(msg: &CollMsg, from: SpId, status: Status) -> Vec<(SpId, CollMsg)>
 
 /// The methods of [`CollDriver`] that a driver (a tuple struct around its machine) passes to
 /// the machine as they are, and its `kind` (that of its module's `SPEC`): `$variant` is the
-/// kind's `CollMsg` variant, `$copy_id` the machine's copy id type, `$name` the kind in
-/// messages.
+/// kind's `CollMsg` variant, `$copy_id` the machine's copy id type.
 macro_rules! delegate {
-    ($variant:path, $copy_id:path, $name:literal) => {
+    ($variant:path, $copy_id:path) => {
         fn kind(&self) -> CollKind {
             SPEC.kind
         }
         fn handle_msg(&mut self, now: Nanos, from: SpId, msg: CollMsg) -> Result<(), String> {
             match msg {
                 $variant(m) => self.0.handle_msg(now, from, m).map_err(|e| e.to_string()),
-                m => Err(format!("a {:?} message for {}", super::kind_of(&m), $name)),
+                m => Err(format!(
+                    "a {:?} message for an instance of {}",
+                    m.kind(),
+                    SPEC.facts().name
+                )),
             }
         }
         fn handle_copy_done(&mut self, now: Nanos, id: u64, status: Status) {
@@ -432,44 +437,9 @@ macro_rules! copy_act {
 }
 use copy_act;
 
-/// `d` lists `send` blocks on its send side and `recv` on its receive side.
-fn block_entries(d: &PostDesc, send: usize, recv: usize) -> Result<(), String> {
-    for (name, v, want) in [
-        ("send_counts", &d.send_counts, send),
-        ("send_displs", &d.send_displs, send),
-        ("recv_counts", &d.recv_counts, recv),
-        ("recv_displs", &d.recv_displs, recv),
-    ] {
-        if v.len() != want {
-            return Err(format!("{name} has {} entries, expected {want}", v.len()));
-        }
-    }
+/// A kind whose facts say all that its descriptors must satisfy.
+fn no_more_checks(_: &PostDesc) -> Result<(), String> {
     Ok(())
-}
-
-/// The allgathers' one send block starts at offset 0 of its grant.
-fn send_block_at_zero(d: &PostDesc) -> Result<(), String> {
-    if d.send_displs[0] != 0 {
-        return Err("the allgatherv send block must start at offset 0 of its grant".into());
-    }
-    Ok(())
-}
-
-/// The node of every rank is listed (the hierarchical collectives route by node).
-fn nodes_listed(d: &PostDesc) -> Result<(), String> {
-    let p = d.members.len();
-    if d.nodes.len() != p {
-        return Err(format!("nodes has {} entries for {p} ranks", d.nodes.len()));
-    }
-    Ok(())
-}
-
-/// A kind without staging carries no staged fields.
-fn not_staged(d: &PostDesc) -> Result<(), String> {
-    match d.staged {
-        Some(_) => Err(format!("{:?} is not a staged collective", d.kind)),
-        None => Ok(()),
-    }
 }
 
 /// Region defaults of kinds without a hierarchical design.
@@ -486,12 +456,7 @@ mod tests {
 
     #[test]
     fn every_kind_has_one_spec() {
-        for kind in [
-            CollKind::Alltoallv,
-            CollKind::Allgatherv,
-            CollKind::Bcast,
-            CollKind::StagedAllgather,
-        ] {
+        for kind in CollKind::all() {
             assert_eq!(
                 KINDS.iter().filter(|s| s.kind == kind).count(),
                 1,

@@ -2,14 +2,12 @@
 
 use super::{Act, CollDriver, Inbound, KindSpec, LocalPost, StagedConfig};
 use algorithms::{staged_allgather, CollKey, Nanos, Rank, SpId, Status};
-use alias_mkey::{AliasKey, Rights};
-use bootstrap::wire::{CollKind, CollMsg, PostDesc};
+use alias_mkey::AliasKey;
+use bootstrap::wire::{CollKind, CollMsg};
 
 pub static SPEC: KindSpec = KindSpec {
     kind: CollKind::StagedAllgather,
     new,
-    staging: true,
-    host_copies: false,
     abort_msg: |status| CollMsg::StagedAllgather(staged_allgather::Msg::Abort { status }),
     refuse,
     inbound,
@@ -17,33 +15,10 @@ pub static SPEC: KindSpec = KindSpec {
     region_writer: |d, me| staged_allgather::node_owner(&d.members, &d.nodes, me) == Some(me),
     // The whole message: P blocks (checked not to overflow).
     region_len: |d| d.recv_counts.iter().sum(),
-    check_desc,
-    recv_rights: (Rights::WRITE, ""),
+    check_desc: super::no_more_checks,
     // Measured: 145 bytes per member beyond the descriptor.
     state_bytes_per_member: 256,
 };
-
-/// This rank's one block at offset 0, and equal blocks in rank order on the receive side
-/// (block i at i * len); its design; the node of every rank.
-fn check_desc(d: &PostDesc) -> Result<(), String> {
-    let p = d.members.len();
-    super::block_entries(d, 1, p)?;
-    super::send_block_at_zero(d)?;
-    super::nodes_listed(d)?;
-    if d.staged.is_none() {
-        return Err("a staged allgather without its design".into());
-    }
-    let len = d.send_counts[0];
-    let ordered = (0..p as u64).all(|i| {
-        d.recv_counts[i as usize] == len && i.checked_mul(len) == Some(d.recv_displs[i as usize])
-    });
-    if !ordered || len.checked_mul(p as u64).is_none() {
-        return Err(format!(
-            "a staged allgather needs {p} blocks of {len} bytes in rank order"
-        ));
-    }
-    Ok(())
-}
 
 struct Driver(staged_allgather::StagedAllgather<AliasKey>);
 
@@ -91,11 +66,7 @@ fn refuse(msg: &CollMsg, from: SpId, status: Status) -> Vec<(SpId, CollMsg)> {
 }
 
 impl CollDriver for Driver {
-    super::delegate!(
-        CollMsg::StagedAllgather,
-        staged_allgather::CopyId,
-        "a staged allgather"
-    );
+    super::delegate!(CollMsg::StagedAllgather, staged_allgather::CopyId);
 
     fn handle_post(&mut self, now: Nanos, mut p: LocalPost) -> Result<(), String> {
         let (design, shared_key, shared_at) = p.staged_parts();

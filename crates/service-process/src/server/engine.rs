@@ -17,7 +17,7 @@ impl Server {
                 staging_refused: None,
                 holds: Vec::new(),
             };
-            if drivers::spec(kind).staging {
+            if kind.facts().is_staged() {
                 // Instances exist only for jobs with a rank connected here (a peer's message
                 // for another job is refused), so the job's uid is known.
                 let uid = self.jobs.get(&ck.job).map(|j| j.uid);

@@ -241,7 +241,7 @@ impl Server {
             })
             .collect();
         let posted = Posted {
-            host_copies: d.host_copies && spec.host_copies,
+            host_copies: d.host_copies && spec.facts().host_copies,
             ..self.posted(key, d.slot, d.token)
         };
         let me = self.me;

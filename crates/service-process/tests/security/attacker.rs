@@ -162,16 +162,19 @@ fn stuck_post(seq: u64, members: Vec<u32>, world: Vec<u32>) -> wire::PostDesc {
 }
 
 /// A post of `kind` by world rank `rank` (its comm rank) on a communicator of all `world` ranks
-/// of the job, every one served by SP 0, with empty blocks in grant `g`.
+/// of the job, every one served by SP 0, with empty blocks in grant `g`: laid out as the kind's
+/// facts say (`bootstrap::kinds`; a rooted kind's root is rank 0, a staged kind's design flat).
 fn wide_post(
-    kind: &str,
+    kind: wire::CollKind,
     world: u32,
     rank: u32,
     seq: u64,
     id: u32,
     g: &alias_mkey::Grant,
 ) -> wire::PostDesc {
+    let f = kind.facts();
     let p = world as usize;
+    let (s, r) = (f.send_blocks.entries(p), f.recv_blocks.entries(p));
     let mut d = desc(
         CommId { leader: 0, id },
         seq,
@@ -180,38 +183,21 @@ fn wide_post(
         0,
         g.clone(),
         g.clone(),
-        (vec![0; p], vec![0; p], vec![0; p], vec![0; p]),
+        (vec![0; s], vec![0; s], vec![0; r], vec![0; r]),
     );
+    d.kind = kind;
     d.slot = None;
     d.token = seq + 1;
     d.world_ranks = (0..world).collect();
-    let staged = || {
-        Some(wire::Staged {
+    if f.lists_nodes {
+        d.nodes = vec![0; p];
+    }
+    if f.is_staged() {
+        d.staged = Some(wire::Staged {
             root: 0,
             design: wire::StagedDesign::Flat,
             segment: None,
-        })
-    };
-    match kind {
-        "allgatherv" => {
-            d.kind = wire::CollKind::Allgatherv;
-            (d.send_counts, d.send_displs) = (vec![0], vec![0]);
-            d.nodes = vec![0; p];
-        }
-        "bcast" => {
-            d.kind = wire::CollKind::Bcast;
-            (d.send_counts, d.send_displs) = (vec![0], vec![0]);
-            (d.recv_counts, d.recv_displs) = (vec![0], vec![0]);
-            d.nodes = vec![0; p];
-            d.staged = staged();
-        }
-        "staged-allgather" => {
-            d.kind = wire::CollKind::StagedAllgather;
-            (d.send_counts, d.send_displs) = (vec![0], vec![0]);
-            d.nodes = vec![0; p];
-            d.staged = staged();
-        }
-        _ => {}
+        });
     }
     d
 }
@@ -591,10 +577,12 @@ pub fn run() {
             };
             let mut reg = alias_mkey::host::Registrar::new();
             let g = reg.register(0x1000, 16, Rights::READ_WRITE);
-            // KIND: alltoallv (the default), allgatherv, bcast (flat, rank 0 the root) or
-            // staged-allgather (flat).
-            let kind = std::env::var("KIND").unwrap_or_else(|_| "alltoallv".into());
-            let post = |seq: u64, id: u32| wide_post(&kind, world, 0, seq, id, &g);
+            // KIND: the name of a kind (`KindFacts::name`; alltoallv when unset).
+            let name = std::env::var("KIND").unwrap_or_else(|_| "alltoallv".into());
+            let kind = wire::CollKind::all()
+                .find(|k| k.facts().name == name)
+                .unwrap_or_else(|| panic!("KIND={name}: no such kind"));
+            let post = |seq: u64, id: u32| wide_post(kind, world, 0, seq, id, &g);
             let t = Instant::now();
             for i in 0..n("POSTS") {
                 ch.send(&HostToSp::Post(Box::new(post(i, 79)))).unwrap();
@@ -654,10 +642,10 @@ pub fn run() {
             }
             for (name, r, ch) in conns.iter_mut() {
                 for i in 0..n("POSTS") {
-                    let d = wide_post("alltoallv", world, *r, i, 81, &g);
+                    let d = wide_post(wire::CollKind::Alltoallv, world, *r, i, 81, &g);
                     ch.send(&HostToSp::Post(Box::new(d))).unwrap();
                 }
-                let mut bad = wide_post("alltoallv", world, *r, 0, 82, &g);
+                let mut bad = wide_post(wire::CollKind::Alltoallv, world, *r, 0, 82, &g);
                 bad.send_counts.pop();
                 ch.send(&HostToSp::Post(Box::new(bad))).unwrap();
                 ch.get_ref()
