@@ -11,9 +11,14 @@
 //! With Debian's UCX 1.13 over tcp and shared memory, RMA on `ucp_mem_map`ped user memory is
 //! emulated over active messages and completes only while this process progresses its worker.
 //! Every wait loop of the shim therefore calls [`Grants::progress`] on each pass (the
-//! Wait/Test family, slot harvesting, `MPI_Finalize`). So on this machine the `ucx` backend
-//! only moves data while the program is inside MPI: it does not overlap with the program's
-//! computation. On InfiniBand RC/DC (or with exported memory keys, UCX >= 1.15) the NIC serves
+//! Wait/Test family, slot harvesting, `MPI_Finalize`), and a Wait-family call on native
+//! requests only, while offloaded collectives of the rank are outstanding, tests them in such a
+//! loop instead of blocking in `PMPI_Wait*` (`wait::wait_natives`). So on this machine the `ucx`
+//! backend only moves data while the program is inside MPI: it does not overlap with the
+//! program's computation. Other blocking native calls (`MPI_Recv`, `MPI_Barrier`, a collective
+//! the shim does not offload) do not progress it: a program blocked in one while the SP needs
+//! its buffers stalls that collective until the SP's 10 s transfer bound fails it (a progress
+//! thread would lift this; not built). On InfiniBand RC/DC (or with exported memory keys, UCX >= 1.15) the NIC serves
 //! the accesses and no progress is needed.
 //!
 //! # Invalidation

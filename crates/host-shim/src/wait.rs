@@ -74,7 +74,8 @@ pub unsafe fn wait(
 ) -> Flow {
     // SAFETY: null or a valid handle slot (MPI precondition).
     let Some(addr) = (unsafe { claim_slot(request, commit) }) else {
-        return Flow::Native;
+        // SAFETY: arguments as for MPI_Wait.
+        return unsafe { wait_native(request, status, commit) };
     };
     let code = wait_addr(addr);
     // SAFETY: ours, owned by the caller until released below.
@@ -82,6 +83,73 @@ pub unsafe fn wait(
     // SAFETY: as above.
     unsafe { complete_one(&mut *request, addr, status, code) };
     Flow::checked(comm, code)
+}
+
+/// Whether a blocking wait on native requests only must keep this rank progressing instead of
+/// blocking in `PMPI_Wait*` (see [`wait_native`]): `ucx` grants, and offloaded collectives of
+/// this rank outstanding.
+fn host_progress_needed() -> bool {
+    use std::sync::atomic::Ordering;
+    crate::grants::UCX_ACTIVE.load(Ordering::Acquire)
+        && crate::state::TRACKED.load(Ordering::Acquire) > 0
+}
+
+/// Tests native requests only (`test`: one `PMPI_Test*` call; true when the blocking call it
+/// stands for is done, with the code to return) until done, keeping this rank progressing
+/// between tests (see [`wait_native`]).
+///
+/// # Safety
+/// MPI is initialised; `test` calls `PMPI_Test*` on the caller's arguments.
+pub(crate) unsafe fn wait_natives(
+    commit: &mut Commit,
+    mut test: impl FnMut() -> Option<c_int>,
+) -> Flow {
+    if !host_progress_needed() {
+        return Flow::Native;
+    }
+    commit.mark();
+    let mut w = Waiter::new();
+    loop {
+        if let Some(rc) = test() {
+            return Flow::Done(rc);
+        }
+        // SAFETY: MPI is initialised. The test drove native progress.
+        unsafe { w.idle(false) };
+    }
+}
+
+/// `MPI_Wait` on a native request. Blocking in `PMPI_Wait` would stop this rank's UCX progress,
+/// and with the `ucx` backend on UCX 1.13 the SP's accesses to our buffers complete only while
+/// we progress (`grants.rs`): a program that waits for a message which its peer sends only
+/// after its own offloaded collective completed, while that collective needs the SP's gets from
+/// this rank's buffers, would stall until the SP's transfer timeout (10 s) failed the
+/// collective. So while offloaded collectives of this rank are outstanding, the request is
+/// tested in a loop that keeps UCX (and the SP connection) progressing; otherwise, and with
+/// `cma` grants, the call goes to `PMPI_Wait` unchanged.
+///
+/// # Safety
+/// Arguments as for `MPI_Wait`.
+unsafe fn wait_native(
+    request: *mut ffi::MPI_Request,
+    status: *mut ffi::MPI_Status,
+    commit: &mut Commit,
+) -> Flow {
+    if !host_progress_needed() {
+        return Flow::Native;
+    }
+    commit.mark();
+    let mut w = Waiter::new();
+    loop {
+        let mut flag: c_int = 0;
+        // SAFETY: the caller's request and status (MPI preconditions); PMPI_Test completes
+        // and frees the request as PMPI_Wait would, and invokes its error handler itself.
+        let rc = unsafe { ffi::PMPI_Test(request, &mut flag, status) };
+        if flag != 0 || rc != consts::SUCCESS() {
+            return Flow::Done(rc);
+        }
+        // SAFETY: MPI is initialised. The test above already drove native progress.
+        unsafe { w.idle(false) };
+    }
 }
 
 /// # Safety

@@ -128,7 +128,15 @@ pub unsafe fn waitall(
 ) -> Flow {
     // SAFETY: the caller's array (MPI precondition).
     let Some((handles, classes)) = (unsafe { claim_all(count, requests, commit) }) else {
-        return Flow::Native;
+        // Native requests only: see `wait::wait_natives`.
+        // SAFETY: MPI is initialised; the caller's arguments.
+        return unsafe {
+            super::wait_natives(commit, || {
+                let mut flag: c_int = 0;
+                let rc = ffi::PMPI_Testall(count, requests, &mut flag, statuses);
+                (flag != 0 || rc != consts::SUCCESS()).then_some(rc)
+            })
+        };
     };
     let mut natives = native_subset(handles, &classes);
     let mut native_pending = classes.contains(&Class::Native);
@@ -215,7 +223,18 @@ unsafe fn any(
     }
     // SAFETY: the caller's array (MPI precondition).
     let Some((handles, classes)) = (unsafe { claim_all(count, requests, commit) }) else {
-        return Flow::Native;
+        if flag.is_some() {
+            return Flow::Native;
+        }
+        // Waitany on native requests only: see `wait::wait_natives`.
+        // SAFETY: MPI is initialised; the caller's arguments.
+        return unsafe {
+            super::wait_natives(commit, || {
+                let mut done: c_int = 0;
+                let rc = ffi::PMPI_Testany(count, requests, index, &mut done, status);
+                (done != 0 || rc != consts::SUCCESS()).then_some(rc)
+            })
+        };
     };
     let mut natives = native_subset(handles, &classes);
     let mut native_active = classes.contains(&Class::Native);
@@ -421,7 +440,17 @@ pub unsafe fn some(
     }
     // SAFETY: the caller's array (MPI precondition).
     let Some((handles, classes)) = (unsafe { claim_all(incount, requests, commit) }) else {
-        return Flow::Native;
+        if !blocking {
+            return Flow::Native;
+        }
+        // Waitsome on native requests only: see `wait::wait_natives`.
+        // SAFETY: MPI is initialised; the caller's arguments.
+        return unsafe {
+            super::wait_natives(commit, || {
+                let rc = ffi::PMPI_Testsome(incount, requests, outcount, indices, statuses);
+                (*outcount != 0 || rc != consts::SUCCESS()).then_some(rc)
+            })
+        };
     };
     let n = handles.len();
     let mut natives = native_subset(handles, &classes);
