@@ -534,7 +534,15 @@ impl<K: Clone + fmt::Debug + PartialEq> McastBcast<K> {
         let ready = if self.core.abort.is_some() || !st.out.status.is_ok() {
             !self.acked_right || released
         } else if is_root {
-            self.mcast_done && released
+            // The root's buffer is its SP's only source: every other local
+            // rank, even one posting late, copies out of it first.
+            let served = self.core.ranks.len() == self.local.len()
+                && self
+                    .core
+                    .ranks
+                    .iter()
+                    .all(|(&r, st)| r == rank || st.copied);
+            self.mcast_done && released && served
         } else if v.is_root_sp() {
             st.copied
         } else {

@@ -63,8 +63,9 @@
 //! its left neighbour: it will never read the neighbour's buffers again. Its
 //! ranks complete when it has every chunk and `Final` came from its right
 //! neighbour (who may read them until then). The root completes when its
-//! multicasts and local copies are done and `Final` came from its right
-//! neighbour; the root's SP's other ranks when their copy is done.
+//! multicasts are done, `Final` came from its right neighbour and every
+//! other rank of its SP posted and got its copy (the root's buffer is their
+//! only source); the root's SP's other ranks when their copy is done.
 //!
 //! *Completeness.* No cyclic wait: a leaf's `Ready` needs only its own
 //! posts; the multicast needs only every `Ready` and the root's post. A

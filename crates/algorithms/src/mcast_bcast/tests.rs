@@ -348,6 +348,25 @@ fn one_sp_copies_locally_and_sends_nothing() {
 }
 
 #[test]
+fn the_root_waits_for_a_late_rank_of_its_own_sp() {
+    // Found by the simulator: the root's buffer is the only source of its
+    // SP's other ranks, so the root may not complete before they posted.
+    let mut net = Net::new(&[0, 1, 0], 0, 10);
+    net.post(0);
+    net.post(1);
+    net.run();
+    assert_eq!(net.status(1), Some(Status::Ok));
+    assert_eq!(
+        net.status(0),
+        None,
+        "rank 2 has not copied out of the root yet"
+    );
+    net.post(2);
+    net.run();
+    net.all_ok();
+}
+
+#[test]
 fn a_zero_byte_message_is_one_empty_chunk() {
     let mut net = Net::new(&[0, 1, 2, 1], 2, 0);
     net.post_all();
