@@ -9,7 +9,8 @@ use std::fmt;
 
 use crate::SpId;
 
-pub use config::{Common, CostModel, Layout, Outcome};
+pub use config::{Common, CostModel, Layout, NetFaults, Outcome};
+pub use driver::FabricCounts;
 
 pub mod allgatherv;
 pub mod alltoallv;
