@@ -9,7 +9,25 @@ use super::*;
 const EARLY_PER_SP: usize = 6;
 
 impl<K: Clone + fmt::Debug + PartialEq> McastBcast<K> {
+    /// A message from `from`. An aborted SP answers every accepted message
+    /// (but an `Abort`) with its abort, once per SP: an SP that cannot
+    /// broadcast its abort (no view, or it learned it from a peer) still
+    /// reaches everyone who waits for it.
     pub(super) fn process(&mut self, from: SpId, msg: Msg<K>) -> Result<(), MsgError> {
+        let is_abort = matches!(msg, Msg::Abort { .. });
+        if let (Msg::Open { ring, .. }, None) = (&msg, &self.view) {
+            if ring.contains(&self.core.me) && ring.contains(&from) {
+                self.ring_hint.get_or_insert_with(|| ring.clone());
+            }
+        }
+        self.process_msg(from, msg)?;
+        if !is_abort && self.core.abort.is_some() {
+            self.notify_abort(from);
+        }
+        Ok(())
+    }
+
+    fn process_msg(&mut self, from: SpId, msg: Msg<K>) -> Result<(), MsgError> {
         if let Msg::Abort { status } = msg {
             if self.view.as_ref().is_some_and(|v| !v.ring.contains(&from)) {
                 return Err(MsgError::NotMember { sp: from });
@@ -111,6 +129,7 @@ impl<K: Clone + fmt::Debug + PartialEq> McastBcast<K> {
                     self.serve = Some(ranges);
                     if lacking && self.sent_seen && !self.scanned && !is_root_sp {
                         // Recurse towards the root now: the multicast is over.
+                        self.core.stats.scans_on_request += 1;
                         self.scan();
                     }
                 }
@@ -321,15 +340,30 @@ impl<K: Clone + fmt::Debug + PartialEq> McastBcast<K> {
     /// Does what the inputs so far made possible; runs after every input.
     pub(super) fn settle(&mut self) {
         if self.core.abort.is_some() {
-            if self
-                .core
-                .abort
-                .start_broadcast(self.abort_local && self.view.is_some())
-            {
-                let ring = self.view.as_ref().unwrap().ring.clone();
-                for sp in ring {
+            // The SP where the abort began tells the whole ring (it learns
+            // the ring from its first post or the root's `Open`); every
+            // aborted SP tells its neighbours (a ring gossip: it reaches
+            // everyone even when the originator knows no ring).
+            let ring = self
+                .view
+                .as_ref()
+                .map(|v| &v.ring)
+                .or(self.ring_hint.as_ref());
+            let known = ring.is_some();
+            if self.core.abort.start_broadcast(self.abort_local && known) {
+                for sp in ring.unwrap().clone() {
                     self.notify_abort(sp);
                 }
+            }
+            if let Some(v) = &self.view {
+                for sp in [v.left(), v.right()].into_iter().flatten() {
+                    self.notify_abort(sp);
+                }
+            }
+            // Those whose messages wait for a view here wait for this SP.
+            let waiting: Vec<SpId> = self.early.keys().copied().collect();
+            for sp in waiting {
+                self.notify_abort(sp);
             }
         } else if self.view.as_ref().is_some_and(|v| v.is_root_sp()) {
             self.root_progress();

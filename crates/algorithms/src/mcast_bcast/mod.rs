@@ -94,8 +94,17 @@
 //! # Failure handling
 //!
 //! Local abort, loss of a rank that has not completed, loss of a ring SP,
-//! a failed copy, a failed multicast, a disagreement: the instance aborts;
-//! the first SP to abort tells every SP of the ring `Abort` once. An
+//! a failed copy, a failed multicast, a disagreement: the instance aborts.
+//! Every SP learns of it: the SP where it began tells every SP of the ring
+//! `Abort` (once it knows the ring: from its first post, or from the
+//! root's `Open`); every aborted SP with a view tells its two neighbours;
+//! and an aborted SP answers every message it accepts with its `Abort`
+//! (each notice once per SP), also those that wait for it to have a view.
+//! So an abort that began at an SP whose ranks never posted (no view)
+//! still reaches every SP with a posted rank: if the root posted, its
+//! SP's `Open` gives that SP the ring; if not, the root's SP aborted too
+//! (the root is lost) and answers the `Ready` that every SP whose ranks
+//! all posted sends it, while an SP with a lost rank aborts by itself. An
 //! aborted SP stops the timer and the fetches, unregisters the receive,
 //! answers no more `FetchReq`s, and sends `Final` to its left neighbour once
 //! no fetch copy of its own is in flight (if it sent a request; the

@@ -112,6 +112,9 @@ pub struct McastBcast<K> {
     /// Ranks served here, ascending (known with `members`).
     pub(super) local: Vec<Rank>,
     pub(super) view: Option<View>,
+    /// The ring as the root's `Open` named it, before this SP had a view
+    /// (to broadcast an abort that began here).
+    pub(super) ring_hint: Option<Vec<SpId>>,
     /// Messages that came before the view, per sender (bounded).
     pub(super) early: BTreeMap<SpId, Vec<Msg<K>>>,
     /// The abort began here (it is broadcast once the ring is known).
@@ -162,6 +165,7 @@ impl<K: Clone + fmt::Debug + PartialEq> McastBcast<K> {
             members: None,
             local: Vec::new(),
             view: None,
+            ring_hint: None,
             early: BTreeMap::new(),
             abort_local: false,
             registered: false,

@@ -545,6 +545,35 @@ fn a_lost_rank_aborts_with_rank_failed_before_and_after_ready() {
 }
 
 #[test]
+fn an_sp_whose_only_rank_died_unposted_still_reaches_everyone() {
+    // Found by the simulator's random sweep: such an SP has no view, so it
+    // cannot broadcast its abort when it begins.
+    // The root, alone on its SP: the leaves' `Ready`s are answered `Abort`.
+    let mut net = Net::new(&[0, 1, 2, 2], 0, 12);
+    net.m(0).handle_rank_lost(1, 0);
+    for r in 1..4 {
+        net.post(r);
+    }
+    net.run();
+    assert_eq!(net.done.len(), 3);
+    assert_eq!(first_error(&net), vec![Status::RankFailed]);
+    // A leaf alone on its SP: the root's `Open` names the ring, and the
+    // leaf tells it all.
+    let mut net = Net::new(&[0, 1, 2, 0], 0, 12);
+    net.m(2).handle_rank_lost(1, 2);
+    for r in [0, 1, 3] {
+        net.post(r);
+    }
+    net.run();
+    assert_eq!(net.done.len(), 3);
+    assert_eq!(first_error(&net), vec![Status::RankFailed]);
+    assert!(net
+        .sps
+        .values()
+        .all(|m| m.is_finished() || m.members().is_none()));
+}
+
+#[test]
 fn disagreeing_posts_abort() {
     // A leaf with another length: the root's SP sees its Ready.
     let mut net = Net::new(&[0, 1, 2], 0, 12);

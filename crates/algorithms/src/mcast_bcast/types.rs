@@ -198,6 +198,9 @@ pub struct Stats {
     pub ignored_from_lost_sp: u64,
     /// `FetchAck`s that came after this SP no longer needed them.
     pub stale_acks: u64,
+    /// Bitmap scans before the cutoff: a request from the right neighbour
+    /// asked for chunks missing here after the multicast was over.
+    pub scans_on_request: u64,
 }
 
 impl Stats {
@@ -218,6 +221,7 @@ impl Stats {
             unknown_done,
             ignored_from_lost_sp,
             stale_acks,
+            scans_on_request,
         } = *other;
         self.chunks_landed += chunks_landed;
         self.landed_again += landed_again;
@@ -232,5 +236,6 @@ impl Stats {
         self.unknown_done += unknown_done;
         self.ignored_from_lost_sp += ignored_from_lost_sp;
         self.stale_acks += stale_acks;
+        self.scans_on_request += scans_on_request;
     }
 }

@@ -144,6 +144,8 @@ impl<'a> Sim<'a> {
                     let o = &mut self.ops[op];
                     o.reads[c.src.rank as usize] += 1;
                     o.writes[c.dst.rank as usize] += 1;
+                    self.pending
+                        .insert((op, sp, c.id.0), (c.src.rank, c.dst.rank));
                     self.core.sps[sp as usize].limiter.push((op, Work::Copy(c)));
                 }
                 Action::Complete { rank, status } => self.complete((op, sp, rank), status, out)?,
@@ -329,6 +331,7 @@ impl<'a> Sim<'a> {
                     .read_at_start
                     .remove(&(op, sp, c.id.0))
                     .expect("started");
+                self.pending.remove(&(op, sp, c.id.0));
                 let src_sp = self.core.rank_sp[c.src.rank as usize];
                 let ok = !fail && self.core.is_alive(src_sp);
                 let o = &mut self.ops[op];

@@ -196,6 +196,9 @@ pub(super) struct Sim<'a> {
     pub(super) local: BTreeMap<SpId, Vec<Rank>>,
     /// Per (SP, op): the timer scheduled last.
     pub(super) timers: BTreeMap<(SpId, usize), Nanos>,
+    /// Per (op, SP, copy id): the source and destination ranks of a copy
+    /// emitted and not finished (void when its SP crashes).
+    pub(super) pending: BTreeMap<(usize, SpId, u64), (Rank, Rank)>,
     /// Per (op, SP, copy id): what a copy read when it started.
     pub(super) read_at_start: BTreeMap<(usize, SpId, u64), Vec<u8>>,
     pub(super) crashed_fetch_server: bool,
@@ -274,6 +277,7 @@ impl<'a> Sim<'a> {
             member_sps: local.keys().copied().collect(),
             local,
             timers: BTreeMap::new(),
+            pending: BTreeMap::new(),
             read_at_start: BTreeMap::new(),
             crashed_fetch_server: false,
             unregistered_drops: 0,
@@ -312,9 +316,20 @@ impl driver::Collective for Sim<'_> {
         &mut self.core
     }
 
-    fn on_crash(&mut self, _sp: SpId) {
+    fn on_crash(&mut self, sp: SpId) {
         for o in self.ops.iter_mut() {
             o.disturbed = true;
+        }
+        // Its copies die with it: they neither finish nor touch a buffer
+        // any more.
+        let gone: Vec<(usize, SpId, u64)> =
+            self.pending.keys().filter(|k| k.1 == sp).copied().collect();
+        for k in gone {
+            let (src, dst) = self.pending.remove(&k).unwrap();
+            self.read_at_start.remove(&k);
+            let o = &mut self.ops[k.0];
+            o.reads[src as usize] -= 1;
+            o.writes[dst as usize] -= 1;
         }
     }
 

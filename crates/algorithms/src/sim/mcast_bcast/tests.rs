@@ -204,3 +204,92 @@ fn checkers_catch_ranks_completing_before_the_right_neighbours_final() {
         &["the buffer of rank", "reads and"],
     );
 }
+
+/// A random cluster, message and mix of faults for `seed` (see
+/// [`random_clusters_messages_and_faults_pass_every_check`]).
+fn random_cfg(seed: u64) -> SimConfig {
+    use crate::sim::rng::Rng;
+    let mut g = Rng::new(seed.wrapping_mul(7919));
+    let mut c = SimConfig::new(seed);
+    c.nodes = g.range(1, 6) as u32;
+    c.ranks_per_node = g.range(1, 6) as u32;
+    c.sps_per_node = g.range(1, 3) as u32;
+    c.layout = if g.chance(1, 2) {
+        crate::sim::Layout::Block
+    } else {
+        crate::sim::Layout::Cyclic
+    };
+    c.mtu = g.range(1, 100);
+    c.subgroups = g.range(1, 5) as u16;
+    // Cutoffs from far too early (before the multicast starts) to ample.
+    c.alpha_ns = [0, 1_000, 20_000, 150_000][g.below(4) as usize];
+    c.max_len_bytes = 600;
+    c.ops = g.range(1, 3) as u32;
+    c.max_inflight_reads = g.range(1, 4) as usize;
+    let f = &mut c.faults;
+    f.msg_jitter_ns = g.range(0, 5_000);
+    f.net.loss_ppm = [0, 1_000, 100_000, 500_000][g.below(4) as usize];
+    f.net.dup_ppm = [0, 50_000][g.below(2) as usize];
+    f.net.reorder_ns = g.range(0, 5_000);
+    if g.chance(1, 4) {
+        f.net.rx_staging = g.range(1, 8) as u32;
+        f.net.rx_drain_ns = g.range(0, 300);
+    }
+    if g.chance(1, 4) {
+        f.net.partition_cut = g.range(0, c.common.nodes as u64) as u32;
+        f.net.partition_from_ns = g.range(0, 100_000);
+        f.net.partition_heal_ns = g.range(0, 400_000);
+    }
+    if g.chance(1, 3) {
+        f.sp_crashes = 1;
+        f.crash_window_ns = 300_000;
+        f.detect_delay_ns = g.range(0, 20_000);
+    }
+    if g.chance(1, 3) {
+        f.rank_deaths = g.range(1, 2) as u32;
+        f.death_window_ns = 300_000;
+    }
+    if g.chance(1, 4) {
+        f.copy_error_ppm = 50_000;
+    }
+    f.crash_fetch_server = g.chance(1, 5);
+    if f.crash_fetch_server {
+        f.detect_delay_ns = g.range(0, 20_000);
+    }
+    c
+}
+
+#[test]
+fn random_clusters_messages_and_faults_pass_every_check() {
+    let seeds = 1..=3_000u64;
+    eprintln!("seeds {seeds:?} (replay one: run(&random_cfg(seed)))");
+    let mut fails = Vec::new();
+    let mut total = Stats::default();
+    let (mut fabric, mut clean, mut errors) = (FabricCounts::default(), 0, 0);
+    for seed in seeds {
+        let c = random_cfg(seed);
+        match run(&c) {
+            Ok(r) => {
+                total.absorb(&r.stats);
+                fabric.rnr_drops += r.fabric.rnr_drops;
+                fabric.held_by_partition += r.fabric.held_by_partition;
+                fabric.duplicated += r.fabric.duplicated;
+                if r.error_completions == 0 {
+                    clean += 1;
+                } else {
+                    errors += 1;
+                }
+            }
+            Err(e) => fails.push(format!("{e}\n  {c:?}")),
+        }
+    }
+    for f in fails.iter().take(5) {
+        eprintln!("{f}");
+    }
+    assert!(fails.is_empty(), "{} failures", fails.len());
+    eprintln!("{clean} runs all Ok, {errors} with errors; {fabric:?}; {total:?}");
+    // The paths the sweep is for were taken.
+    assert!(clean > 0 && errors > 0);
+    assert!(fabric.rnr_drops > 0 && fabric.held_by_partition > 0 && fabric.duplicated > 0);
+    assert!(total.fetches_served > 0 && total.scans_on_request > 0 && total.stale_acks > 0);
+}
