@@ -148,9 +148,10 @@ crate::common::post_error! {
 pub enum MsgError {
     /// From an SP outside the ring.
     NotMember { sp: SpId },
-    /// A message of the root's SP (`Open`, `Sent`) from another SP of the
-    /// ring while this SP is a leaf... only checked where no disagreement
-    /// explains it: a `Ready` at an SP that is not the root's aborts instead.
+    /// An `Open` whose ring does not start at its sender, or a `Sent` not
+    /// from the root's SP of this SP's view (an `Open` from another SP
+    /// claiming the root, or a `Ready` at an SP that is not the root's, is
+    /// a disagreement and aborts instead).
     NotRoot { sp: SpId },
     /// A second `Open`, `Ready`, `Sent` or `Final` from the same SP.
     Duplicate { sp: SpId },
