@@ -93,6 +93,11 @@ impl<K: Clone + fmt::Debug + PartialEq> McastBcast<K> {
                 }
             }
             Msg::Sent { root, len, mtu } => {
+                if let Some(s) = v.disagreement(root, len, mtu) {
+                    // Another view: the sender serves another root.
+                    self.enter_abort(s);
+                    return Ok(());
+                }
                 if from != root_sp || is_root_sp {
                     return Err(MsgError::NotRoot { sp: from });
                 }
@@ -115,6 +120,11 @@ impl<K: Clone + fmt::Debug + PartialEq> McastBcast<K> {
             } => {
                 let from_right = Some(from) == right
                     || (mutated(Mutation::FetchFromRight) && Some(from) == left);
+                if let Some(s) = v.disagreement(root, len, mtu) {
+                    // Another view: another ring, another chunk count.
+                    self.enter_abort(s);
+                    return Ok(());
+                }
                 let n = v.n;
                 let sorted = ranges.windows(2).all(|w| w[0].1 <= w[1].0);
                 let in_range = ranges.iter().all(|&(a, b)| a < b && b <= n);
@@ -146,6 +156,10 @@ impl<K: Clone + fmt::Debug + PartialEq> McastBcast<K> {
                 }
             }
             Msg::Final { root, len, mtu } => {
+                if let Some(s) = v.disagreement(root, len, mtu) {
+                    self.enter_abort(s);
+                    return Ok(());
+                }
                 if Some(from) != right {
                     return Err(MsgError::UnexpectedFinal { sp: from });
                 }

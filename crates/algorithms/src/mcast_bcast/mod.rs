@@ -87,9 +87,15 @@
 //! rank posts there) sends `Open` to every SP: an SP whose view names
 //! another root either sends its `Ready` to an SP that is not root in its
 //! own view (which aborts), or receives that `Open` and aborts. So no
-//! chunk is sent, and no rank completes `Ok`, unless every SP's view agrees
-//! with the root's post (SPs whose members lists differ build different
-//! rings, which `Open` reveals).
+//! chunk is multicast or fetched unless every SP's view agrees with the
+//! root's SP's, which agrees with the root's own post (SPs whose members
+//! lists differ build different rings, which `Open` reveals). A rank
+//! completes `Ok` only with the bytes of the rank its post names as root,
+//! which named itself root with the same length: through the multicast and
+//! the fetch ring (every view agreed), or at an SP whose view makes it the
+//! root's, through local copies, which need no other SP. (So a rank naming
+//! a rank of its own SP that wrongly names itself root gets that rank's
+//! bytes, `Ok`, as in the staged bcast; the SPs whose views differ abort.)
 //!
 //! # Failure handling
 //!

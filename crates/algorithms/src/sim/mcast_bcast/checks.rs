@@ -10,7 +10,8 @@ impl<'a> Sim<'a> {
             let want = o.len as usize;
             for r in 0..o.buf.len() {
                 let b = &o.buf[r];
-                if let Some(j) = (want..b.len()).find(|&j| b[j] != sentinel(j)) {
+                let plen = o.post_len[r] as usize;
+                if let Some(j) = (plen..b.len()).find(|&j| b[j] != sentinel(j)) {
                     return Err(self.fail(format!(
                         "op {i}: rank {r}: byte {j} past the message was written"
                     )));
@@ -35,10 +36,22 @@ impl<'a> Sim<'a> {
                     }
                     continue;
                 }
-                if b[..want] != o.data[..] {
-                    let j = (0..want).find(|&j| b[j] != o.data[j]).unwrap();
+                // Ok: the rank's post agrees with that of the rank it names
+                // as root, which names itself, and it holds that root's
+                // bytes (normally the real root; with inconsistent posts, a
+                // rank wrongly naming itself root serves the ranks of its SP
+                // that name it too, as the staged bcast's checker allows).
+                let x = o.post_root[r] as usize;
+                if o.post_root[x] as usize != x || o.post_len[x] as usize != plen {
                     return Err(self.fail(format!(
-                        "op {i} rank {r}: completed Ok but byte {j} of {want} is wrong (chunk {})",
+                        "op {i} rank {r}: completed Ok with an inconsistent post (root {x}, {plen} bytes)"
+                    )));
+                }
+                let src = &o.buf[x];
+                if b[..plen] != src[..plen] {
+                    let j = (0..plen).find(|&j| b[j] != src[j]).unwrap();
+                    return Err(self.fail(format!(
+                        "op {i} rank {r}: completed Ok but byte {j} of {plen} is wrong (chunk {})",
                         j as u64 / self.cfg.mtu.max(1)
                     )));
                 }

@@ -15,13 +15,13 @@ impl<'a> Sim<'a> {
                 o.post_ns[rank as usize] = Some(now);
                 let post = Post {
                     rank,
-                    root: o.root,
+                    root: o.post_root[rank as usize],
                     members: self.core.rank_sp.clone(),
                     key: SimKey {
                         op: op as u32,
                         rank,
                     },
-                    len: o.len,
+                    len: o.post_len[rank as usize],
                 };
                 if let Err(e) = self.instance(sp, op).handle_post(now, post) {
                     return Err(self.fail(format!("op {op} rank {rank}: post rejected: {e}")));
@@ -122,12 +122,16 @@ impl<'a> Sim<'a> {
                             (rank, key)
                         })
                         .collect();
-                    if sp == o.ring[0]
-                        || r.keys != keys
-                        || r.chunks != o.n
-                        || r.len != o.len
-                        || r.mtu != self.cfg.mtu
-                        || o.registered.contains_key(&sp)
+                    // With inconsistent posts the SP's view is its first
+                    // post's: one of its ranks' length, maybe another root.
+                    let mtu = self.cfg.mtu.max(1);
+                    let view_ok = if o.inconsistent {
+                        mine.iter().any(|&q| o.post_len[q as usize] == r.len)
+                            && r.chunks == r.len.div_ceil(mtu).max(1)
+                    } else {
+                        sp != o.ring[0] && r.chunks == o.n && r.len == o.len
+                    };
+                    if !view_ok || r.keys != keys || r.mtu != mtu || o.registered.contains_key(&sp)
                     {
                         return Err(self.fail(format!("op {op}: SP {sp}: bad registration {r:?}")));
                     }
@@ -172,36 +176,54 @@ impl<'a> Sim<'a> {
     ) -> Result<(), SimFailure> {
         let o = &self.ops[op];
         let mtu = self.cfg.mtu.max(1);
-        let runs = subgroup_runs(o.n, self.cfg.subgroups.max(1));
+        // The root's buffer; with inconsistent posts, that of any rank
+        // naming itself root (every SP's view agreed on it).
+        let x = m.key.rank;
+        let root_ok = if o.inconsistent {
+            (x as usize) < o.buf.len()
+                && o.post_root[x as usize] == x
+                && self.core.rank_sp[x as usize] == sp
+        } else {
+            sp == o.ring[0] && x == o.root
+        };
+        let len = if root_ok {
+            o.post_len[x as usize]
+        } else {
+            o.len
+        };
+        let n = len.div_ceil(mtu).max(1);
+        let runs = subgroup_runs(n, self.cfg.subgroups.max(1));
         let want = runs.get(m.subgroup as usize).copied();
-        let len = o.len;
         let at = |i: u64| (i * mtu).min(len);
-        let shape = sp == o.ring[0]
-            && m.key
-                == SimKey {
-                    op: op as u32,
-                    rank: o.root,
-                }
+        let shape = root_ok
+            && m.key.op == op as u32
             && want == Some((m.first_psn, m.first_psn + m.psns))
             && m.psns > 0
             && m.mtu == mtu
             && m.offset == at(m.first_psn)
             && m.len == at(m.first_psn + m.psns) - m.offset
-            && !o.runs_sent.contains(&m.subgroup);
+            && !o.runs_sent.contains(&m.subgroup)
+            && o.mcast_src.is_none_or(|(y, _)| y == x);
         if !shape {
             return Err(self.fail(format!("op {op}: SP {sp}: bad multicast {m:?}")));
         }
-        if let Some(d) = o.done[o.root as usize] {
+        if let Some(d) = o.done[x as usize] {
             return Err(self.fail(format!(
                 "op {op}: multicast of the root's buffer, completed at {}ns",
                 d.at
             )));
         }
-        let root = o.root as usize;
-        let to: Vec<SpId> = o.ring[1..].to_vec();
+        // Every other SP of the communicator joined the groups.
+        let to: Vec<SpId> = self
+            .member_sps
+            .iter()
+            .copied()
+            .filter(|&s| s != sp)
+            .collect();
         let o = &mut self.ops[op];
+        o.mcast_src = Some((x, len));
         o.runs_sent.insert(m.subgroup);
-        o.reads[root] += 1;
+        o.reads[x as usize] += 1;
         let ppm = self.cfg.faults.copy_error_ppm as u64;
         let fail = ppm > 0 && self.core.rng.chance(ppm, 1_000_000);
         let mut last = out + self.cfg.cost.copy_fixed_intra_ns;
@@ -238,17 +260,45 @@ impl<'a> Sim<'a> {
         if c.dst.rank != c.rank || self.core.rank_sp[c.rank as usize] != sp || c.rank == o.root {
             return bad("a write into a buffer that is not a local non-root rank's");
         }
-        if c.len == 0 || !c.offset.is_multiple_of(mtu) || c.offset + c.len > o.len {
+        let fits = |r: Rank| c.offset + c.len <= o.post_len[r as usize];
+        if c.len == 0
+            || !c.offset.is_multiple_of(mtu)
+            || (!o.inconsistent && c.offset + c.len > o.len)
+            || !fits(c.src.rank)
+            || !fits(c.dst.rank)
+        {
             return bad("not whole chunks of the message");
         }
         let src_sp = self.core.rank_sp[c.src.rank as usize];
+        let x = c.src.rank;
         if src_sp == sp {
-            if sp != o.ring[0] || c.src.rank != o.root || c.offset != 0 || c.len != o.len {
+            // With inconsistent posts, any rank naming itself root may be
+            // the root of its SP's view.
+            let root_here = if o.inconsistent {
+                o.post_root[x as usize] == x && c.len == o.post_len[x as usize]
+            } else {
+                sp == o.ring[0] && x == o.root && c.len == o.len
+            };
+            if !root_here || c.offset != 0 {
                 return bad("a local copy that is not the root's whole message at its SP");
             }
         } else {
-            let i = o.ring.iter().position(|&s| s == sp).unwrap();
-            if i == 0 || src_sp != o.ring[i - 1] {
+            // With inconsistent posts, the SP's ring may start at any root
+            // its ranks name.
+            let rings: Vec<Vec<SpId>> = if o.inconsistent {
+                self.local[&sp]
+                    .iter()
+                    .map(|&q| expected_ring(&self.core.rank_sp, o.post_root[q as usize]))
+                    .collect()
+            } else {
+                vec![o.ring.clone()]
+            };
+            let left_of = |ring: &Vec<SpId>| {
+                let i = ring.iter().position(|&s| s == sp).unwrap();
+                (i > 0).then(|| ring[i - 1])
+            };
+            if !rings.iter().any(|ring| left_of(ring) == Some(src_sp)) {
+                let i = o.ring.iter().position(|&s| s == sp).unwrap();
                 return Err(self.fail(format!(
                     "op {op}: SP {sp} fetches from SP {src_sp}'s buffer (rank {}), not from its left neighbour {:?}'s",
                     c.src.rank,
@@ -319,9 +369,8 @@ impl<'a> Sim<'a> {
         fail: bool,
     ) -> Result<bool, SimFailure> {
         match w {
-            Work::Mcast(_) => {
-                let root = self.ops[op].root as usize;
-                self.ops[op].reads[root] -= 1;
+            Work::Mcast(m) => {
+                self.ops[op].reads[m.key.rank as usize] -= 1;
                 Ok(!fail)
             }
             Work::Copy(c) => {
@@ -368,13 +417,19 @@ impl<'a> Sim<'a> {
             }
         }
         let mtu = self.cfg.mtu.max(1);
+        let (x, len) = o.mcast_src.expect("a datagram was multicast");
         let (a, b) = (
-            (psn * mtu).min(o.len) as usize,
-            ((psn + 1) * mtu).min(o.len) as usize,
+            (psn * mtu).min(len) as usize,
+            ((psn + 1) * mtu).min(len) as usize,
         );
+        if let Some(&r) = ranks.iter().find(|&&r| b as u64 > o.post_len[r as usize]) {
+            return Err(self.fail(format!(
+                "op {op}: chunk {psn} landed past the posted length of rank {r}"
+            )));
+        }
         let ranks = ranks.clone();
         let o = &mut self.ops[op];
-        let chunk = o.data[a..b].to_vec();
+        let chunk = o.buf[x as usize][a..b].to_vec();
         for r in ranks {
             o.buf[r as usize][a..b].copy_from_slice(&chunk);
         }

@@ -20,9 +20,12 @@
 //! delays; one that does not is an SP loss, which the crash faults cover.
 //!
 //! Checkers (all outside the algorithm):
-//! * every rank that completes `Ok` holds the root's bytes exactly; bytes
-//!   past the message are never touched; the root's buffer is never
-//!   written; a collective no fault touched completes `Ok` everywhere;
+//! * every rank that completes `Ok` holds the root's bytes exactly; with
+//!   injected inconsistent posts, its post agrees with that of the rank it
+//!   names as root, which names itself, and it holds that rank's bytes;
+//!   bytes past a rank's posted length are never touched; the root's
+//!   buffer is never written; a collective no fault touched completes `Ok`
+//!   everywhere;
 //! * each posted rank completes exactly once, by its own SP, never `Ok`
 //!   after its SP learned of a fault touching the collective;
 //! * no buffer is read or written after its rank completed: no copy starts
@@ -70,6 +73,9 @@ super::config::sim_faults!(
     /// The first SP that answers a fetch request crashes right after its
     /// `FetchAck` left (an SP crash during the fetch phase).
     pub crash_fetch_server: bool,
+    /// Non-root (collective, rank) posts made inconsistent on purpose: a
+    /// length off by one or another root (possibly the rank itself).
+    pub inconsistent_posts: u32,
 );
 
 /// Everything a run depends on.
@@ -160,6 +166,11 @@ pub(super) struct Op {
     /// The ring the simulator expects (computed here).
     pub(super) ring: Vec<SpId>,
     pub(super) data: Vec<u8>,
+    /// What each rank posted (differs from `root`/`len` for inconsistent
+    /// posts); its buffer holds `post_len + PAD` bytes.
+    pub(super) post_root: Vec<Rank>,
+    pub(super) post_len: Vec<u64>,
+    pub(super) inconsistent: bool,
     pub(super) buf: Vec<Vec<u8>>,
     pub(super) post_ns: Vec<Option<Nanos>>,
     pub(super) done: Vec<Option<Done>>,
@@ -171,6 +182,8 @@ pub(super) struct Op {
     /// Per rank: copies and multicasts reading / writing its buffer.
     pub(super) reads: Vec<u32>,
     pub(super) writes: Vec<u32>,
+    /// The buffer multicast (its rank and length), once it is.
+    pub(super) mcast_src: Option<(Rank, u64)>,
     /// Subgroup runs multicast (at most once each).
     pub(super) runs_sent: BTreeSet<u16>,
     pub(super) datagrams: u64,
@@ -240,16 +253,6 @@ impl<'a> Sim<'a> {
             let data: Vec<u8> = (0..len)
                 .map(|b| splitmix64(base.wrapping_add(b)) as u8)
                 .collect();
-            let fresh: Vec<u8> = (0..len as usize + PAD).map(sentinel).collect();
-            let buf = (0..p)
-                .map(|r| {
-                    let mut b = fresh.clone();
-                    if r == root as usize {
-                        b[..len as usize].copy_from_slice(&data);
-                    }
-                    b
-                })
-                .collect();
             ops.push(Op {
                 key: world_key(i),
                 root,
@@ -257,7 +260,10 @@ impl<'a> Sim<'a> {
                 n: len.div_ceil(mtu).max(1),
                 ring: expected_ring(&core.rank_sp, root),
                 data,
-                buf,
+                post_root: vec![root; p],
+                post_len: vec![len; p],
+                inconsistent: false,
+                buf: Vec::new(),
                 post_ns: vec![None; p],
                 done: vec![None; p],
                 disturbed: false,
@@ -265,9 +271,44 @@ impl<'a> Sim<'a> {
                 registered: BTreeMap::new(),
                 reads: vec![0; p],
                 writes: vec![0; p],
+                mcast_src: None,
                 runs_sent: BTreeSet::new(),
                 datagrams: 0,
             });
+        }
+        // Inconsistent posts: a non-root rank names another length or root.
+        if w > 1 && !ops.is_empty() {
+            for _ in 0..cfg.faults.inconsistent_posts {
+                let i = setup.below(ops.len() as u64) as usize;
+                let o = &mut ops[i];
+                let mut r = setup.below(w as u64) as Rank;
+                if r == o.root {
+                    r = (r + 1) % w;
+                }
+                if setup.chance(1, 2) {
+                    let l = o.len;
+                    o.post_len[r as usize] = if l > 0 && setup.chance(1, 2) {
+                        l - 1
+                    } else {
+                        l + 1
+                    };
+                } else {
+                    o.post_root[r as usize] = (o.root + 1 + setup.below(w as u64 - 1) as Rank) % w;
+                }
+                o.inconsistent = true;
+                o.disturbed = true;
+            }
+        }
+        for o in ops.iter_mut() {
+            o.buf = (0..p)
+                .map(|r| {
+                    let mut b: Vec<u8> = (0..o.post_len[r] as usize + PAD).map(sentinel).collect();
+                    if r == o.root as usize {
+                        b[..o.len as usize].copy_from_slice(&o.data);
+                    }
+                    b
+                })
+                .collect();
         }
         let mut sim = Sim {
             cfg,

@@ -160,6 +160,17 @@ fn crashes_rank_deaths_and_failed_copies_never_hang() {
 }
 
 #[test]
+fn inconsistent_posts_abort_and_no_rank_completes_ok_with_the_wrong_data() {
+    for seed in 1..=20 {
+        let mut c = cfg(seed, 10_000);
+        c.faults.inconsistent_posts = 2;
+        let r = ok(&c);
+        assert!(r.error_completions > 0, "seed {seed}");
+        assert!(r.end_ns < 2_000_000, "seed {seed}");
+    }
+}
+
+#[test]
 fn one_sp_and_zero_byte_messages() {
     let mut c = cfg(5, 100_000);
     c.nodes = 1;
@@ -251,6 +262,9 @@ fn random_cfg(seed: u64) -> SimConfig {
     }
     if g.chance(1, 4) {
         f.copy_error_ppm = 50_000;
+    }
+    if g.chance(1, 4) {
+        f.inconsistent_posts = g.range(1, 2) as u32;
     }
     f.crash_fetch_server = g.chance(1, 5);
     if f.crash_fetch_server {
