@@ -100,6 +100,24 @@ fn a_thousand_ranks_at_each_loss_rate() {
 }
 
 #[test]
+fn a_thousand_ranks_with_an_sp_crash_during_the_fetch() {
+    let mut c = SimConfig::new(15);
+    c.common = Common::new(15);
+    c.nodes = 32;
+    c.ranks_per_node = 32;
+    c.mtu = 1_024;
+    c.len_bytes = Some(40_000);
+    c.faults.net.loss_ppm = 100_000;
+    c.faults.crash_fetch_server = true;
+    c.faults.detect_delay_ns = 20_000;
+    let r = ok(&c);
+    assert_eq!(r.crashed_sps.len(), 1);
+    // The crashed SP's 8 ranks are exempt; everyone else ends, with errors.
+    assert!(r.error_completions > 0 && r.error_completions <= 1024 - 8);
+    assert!(r.end_ns < 3_000_000, "ended at {}", r.end_ns);
+}
+
+#[test]
 fn receiver_not_ready_drops_from_finite_staging_are_recovered() {
     for seed in 1..=4 {
         let mut c = cfg(seed, 0);
