@@ -88,12 +88,12 @@ pub struct Common {
 
 /// Network faults of their own (all off by default), for simulators whose
 /// collective uses the multicast fabric or wants the SP-to-SP channel
-/// disturbed: the driver's [`Core::set_net`](super::driver::Core::set_net)
-/// takes them. Datagrams (see `Core::multicast`) may be lost, duplicated or
-/// reordered and are dropped when the receiving SP's staging is full (a
-/// receiver-not-ready drop); the SP-to-SP channel (a reliable, TCP-like
-/// stream) may be partitioned for a while: what is sent across the cut
-/// during the partition arrives after it heals.
+/// disturbed: the driver's `Core::set_net` takes them. Datagrams (see
+/// `Core::multicast`) may be lost, duplicated or reordered and are dropped
+/// when the receiving SP's staging is full (a receiver-not-ready drop); the
+/// SP-to-SP channel (a reliable, TCP-like stream) may be partitioned for a
+/// while: what is sent across the cut during the partition arrives after
+/// it heals.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NetFaults {
     /// Each datagram is lost with this probability (parts per million).
