@@ -122,11 +122,10 @@ pub(crate) fn take_finished<T>(
 /// `ranks` have an `out` each; methods `process`, `copy_finished`,
 /// `enter_abort`, `members`; with `own_timers`, also `handle_timeout` and
 /// `poll_timeout`, which the macro otherwise writes as "no timers"). Every
-/// input runs through `input`: it records
-/// the time in `core.now`, then calls the method `settle` (doing what the
-/// input made possible). With `staged`, also what the staged collectives
-/// have alike (`core.copies` of `CopyKind`s, field `slots`; settle with
-/// `pump`).
+/// input runs through `input`: it records the time in `core.now`, then
+/// calls the method `settle` (doing what the input made possible). With
+/// `staged`, also what the staged collectives have alike (`core.copies` of
+/// `CopyKind`s, field `slots`; settle with `pump`).
 macro_rules! common_api {
     ($machine:ident, $msg:ty, settle = $settle:ident) => {
         common_api!($machine, $msg, settle = $settle, own_timers);
