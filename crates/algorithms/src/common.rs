@@ -120,13 +120,29 @@ pub(crate) fn take_finished<T>(
 /// The accessors and inputs every collective's state machine has alike:
 /// `common_api!(Machine, Msg, settle = f)` (field `core`, a `Core` whose
 /// `ranks` have an `out` each; methods `process`, `copy_finished`,
-/// `enter_abort`, `members`). Every input runs through `input`: it records
-/// the time in `core.now`, then calls the method `settle` (doing what the
-/// input made possible). With `staged`, also what the staged collectives
-/// have alike (`core.copies` of `CopyKind`s, field `slots`; settle with
-/// `pump`).
+/// `enter_abort`, `members`; with `own_timers`, also `handle_timeout` and
+/// `poll_timeout`, which the macro otherwise writes as "no timers"). Every
+/// input runs through `input`: it records the time in `core.now`, then
+/// calls the method `settle` (doing what the input made possible). With
+/// `staged`, also what the staged collectives have alike (`core.copies` of
+/// `CopyKind`s, field `slots`; settle with `pump`).
 macro_rules! common_api {
     ($machine:ident, $msg:ty, settle = $settle:ident) => {
+        common_api!($machine, $msg, settle = $settle, own_timers);
+
+        impl<K: Clone + fmt::Debug + PartialEq> $machine<K> {
+            /// This algorithm has no timers.
+            pub fn handle_timeout(&mut self, _now: Nanos) {}
+
+            /// This algorithm has no timers: always `None`.
+            pub fn poll_timeout(&self) -> Option<Nanos> {
+                None
+            }
+        }
+    };
+    // A machine with timers of its own writes `handle_timeout` and
+    // `poll_timeout` itself.
+    ($machine:ident, $msg:ty, settle = $settle:ident, own_timers) => {
         impl<K: Clone + fmt::Debug + PartialEq> $machine<K> {
             pub fn key(&self) -> CollKey {
                 self.core.key
@@ -144,16 +160,8 @@ macro_rules! common_api {
                 self.core.stats
             }
 
-            /// This algorithm has no timers.
-            pub fn handle_timeout(&mut self, _now: Nanos) {}
-
             pub fn poll_action(&mut self) -> Option<Action<K>> {
                 self.core.actions.pop_front()
-            }
-
-            /// This algorithm has no timers: always `None`.
-            pub fn poll_timeout(&self) -> Option<Nanos> {
-                None
             }
 
             /// Records the time of an input.

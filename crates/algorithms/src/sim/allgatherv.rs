@@ -222,6 +222,9 @@ impl<'a> Sim<'a> {
                     touched.push(op);
                 }
             }
+            Input::Landed { op, .. } | Input::Timer { op } => {
+                return Err(self.core.fail(format!("op {op}: no fabric or timers here")));
+            }
             Input::RankLost { world } => {
                 for op in 0..self.ops.len() {
                     self.instance(sp, op).handle_rank_lost(now, world);

@@ -86,6 +86,52 @@ pub struct Common {
     pub max_virtual_ns: Nanos,
 }
 
+/// Network faults of their own (all off by default), for simulators whose
+/// collective uses the multicast fabric or wants the SP-to-SP channel
+/// disturbed: the driver's `Core::set_net` takes them. Datagrams (see
+/// `Core::multicast`) may be lost, duplicated or reordered and are dropped
+/// when the receiving SP's staging is full (a receiver-not-ready drop); the
+/// SP-to-SP channel (a reliable, TCP-like stream) may be partitioned for a
+/// while: what is sent across the cut during the partition arrives after
+/// it heals.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NetFaults {
+    /// Each datagram is lost with this probability (parts per million).
+    pub loss_ppm: u32,
+    /// Each datagram that is not lost arrives twice with this probability
+    /// (parts per million).
+    pub dup_ppm: u32,
+    /// Each datagram (each copy of a duplicate) is delayed by an extra
+    /// uniform `0..=reorder_ns` (this reorders datagrams).
+    pub reorder_ns: Nanos,
+    /// Datagrams an SP's receive staging holds (0: unbounded); one that
+    /// arrives when it is full is dropped (receiver not ready).
+    pub rx_staging: u32,
+    /// Time a receive worker takes per datagram (staging to the buffers);
+    /// the SP's worker takes them one at a time.
+    pub rx_drain_ns: Nanos,
+    /// A partition of the SP-to-SP channel between nodes below
+    /// `partition_cut` and the others, from `partition_from_ns` until
+    /// `partition_heal_ns` (off when the heal is not after the start).
+    pub partition_cut: u32,
+    pub partition_from_ns: Nanos,
+    pub partition_heal_ns: Nanos,
+}
+
+impl NetFaults {
+    /// When something leaving node `a` for node `b` at `t` can go: at `t`,
+    /// or when the partition heals if it separates them at `t`.
+    pub fn departure(&self, (a, b): (u32, u32), t: Nanos) -> Nanos {
+        let cut = self.partition_cut;
+        let active = self.partition_from_ns <= t && t < self.partition_heal_ns;
+        if active && ((a < cut) != (b < cut)) {
+            self.partition_heal_ns
+        } else {
+            t
+        }
+    }
+}
+
 /// What every simulator's report has. Each simulator's `SimReport` embeds
 /// one as `outcome` and reads as it (`r.events`) through `Deref`; its
 /// `Debug` shows these fields as the report's own.

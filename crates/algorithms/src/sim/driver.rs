@@ -1,24 +1,55 @@
 //! What the simulators share: virtual time and the event queue, SP inboxes
 //! and processing time, message delivery over the [`CostModel`] (latency,
 //! per-link serialisation, jitter), SP crashes with delayed detection, host
-//! rank deaths, the per-SP [`CopyLimiter`] and copy cost/byte accounting.
-//! Each collective implements [`Collective`] for what is its own: which
-//! collectives a fault disturbs and how an input is processed.
+//! rank deaths, the per-SP [`CopyLimiter`] and copy cost/byte accounting;
+//! and, for collectives that use them, the network faults of [`NetFaults`]
+//! (a partition of the SP-to-SP channel that heals) and the multicast
+//! fabric: datagrams multicast by an SP's send worker, lost, duplicated or
+//! reordered on the way, dropped by a receiver whose staging is full, and
+//! drained by its receive worker into the collective
+//! ([`Collective::on_datagram`]); plus the collectives' timers
+//! ([`Input::Timer`]). Each collective implements [`Collective`] for what is
+//! its own: which collectives a fault disturbs and how an input is
+//! processed.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use super::rng::Rng;
-use super::{place_rank, Common, Outcome, SimFailure};
+use super::{place_rank, Common, NetFaults, Outcome, SimFailure};
 use crate::sched::CopyLimiter;
 use crate::{Nanos, Rank, SpId, Status};
 
 /// An input of an SP; `M` is the message envelope, `C` a copy.
 pub(crate) enum Input<M, C> {
-    Post { op: usize, rank: Rank },
-    Msg { from: SpId, msg: M },
-    CopyDone { op: usize, copy: C, fail: bool },
-    PeerLost { lost: SpId },
-    RankLost { world: u32 },
+    Post {
+        op: usize,
+        rank: Rank,
+    },
+    Msg {
+        from: SpId,
+        msg: M,
+    },
+    CopyDone {
+        op: usize,
+        copy: C,
+        fail: bool,
+    },
+    PeerLost {
+        lost: SpId,
+    },
+    RankLost {
+        world: u32,
+    },
+    /// The SP's receive workers landed chunk `psn` of collective `op` (a
+    /// collective using the fabric delivers it from `on_datagram`).
+    Landed {
+        op: usize,
+        psn: u64,
+    },
+    /// A timer of collective `op` the collective scheduled is due.
+    Timer {
+        op: usize,
+    },
 }
 
 pub(crate) enum Ev<M, C> {
@@ -37,6 +68,41 @@ pub(crate) enum Ev<M, C> {
     RankDeath {
         world: u32,
     },
+    /// Datagram `psn` of collective `op` reaches SP `sp`'s receive staging.
+    Datagram {
+        sp: SpId,
+        op: usize,
+        psn: u64,
+    },
+    /// SP `sp`'s receive worker takes the datagram out of staging.
+    Drained {
+        sp: SpId,
+        op: usize,
+        psn: u64,
+    },
+}
+
+/// An SP's receive side of the fabric: datagrams in its staging, and when
+/// its receive worker is free.
+#[derive(Clone, Copy, Debug, Default)]
+struct Rx {
+    staged: u32,
+    free_at: Nanos,
+}
+
+/// What the fabric did in a run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct FabricCounts {
+    /// Datagrams put on the wire (one per receiver each).
+    pub datagrams: u64,
+    pub lost: u64,
+    pub duplicated: u64,
+    /// Dropped for want of receive staging (receiver not ready).
+    pub rnr_drops: u64,
+    /// Taken out of staging by a receive worker.
+    pub drained: u64,
+    /// Messages between SPs held back by the partition.
+    pub held_by_partition: u64,
 }
 
 pub(crate) struct SpState<M, C> {
@@ -71,6 +137,11 @@ pub(crate) struct Core<M, C> {
     pub bytes_intra: u64,
     pub bytes_inter: u64,
     pub max_in_flight: usize,
+    pub net: NetFaults,
+    rx: Vec<Rx>,
+    /// Per SP: when its multicast send worker is free.
+    mcast_free: Vec<Nanos>,
+    pub fabric: FabricCounts,
 }
 
 impl<M, C> Core<M, C> {
@@ -124,6 +195,10 @@ impl<M, C> Core<M, C> {
             bytes_intra: 0,
             bytes_inter: 0,
             max_in_flight: 0,
+            net: NetFaults::default(),
+            rx: vec![Rx::default(); (p.nodes * p.sps_per_node) as usize],
+            mcast_free: vec![0; (p.nodes * p.sps_per_node) as usize],
+            fabric: FabricCounts::default(),
         };
         Ok((core, setup))
     }
@@ -294,8 +369,12 @@ impl<M, C> Core<M, C> {
         self.messages += 1;
         let (link, lat, bw) = self.link(sp, to);
         let wire = self.p.cost.msg_header_bytes + wire;
+        let go = self.net.departure(link, out);
+        if go != out {
+            self.fabric.held_by_partition += 1;
+        }
         let free = self.link_free.entry(link).or_insert(0);
-        let departed = (*free).max(out) + wire.div_ceil(bw.max(1));
+        let departed = (*free).max(go) + wire.div_ceil(bw.max(1));
         *free = departed;
         let jitter = self.rng.range(0, self.msg_jitter_ns);
         self.schedule(
@@ -366,6 +445,80 @@ impl<M, C> Core<M, C> {
             self.bytes_inter += len;
         }
         self.copies += 1;
+    }
+
+    /// Whether SP `sp` has not crashed.
+    pub fn is_alive(&self, sp: SpId) -> bool {
+        self.sps[sp as usize].alive
+    }
+
+    /// Network faults for this run (all off unless set).
+    pub fn set_net(&mut self, net: NetFaults) {
+        self.net = net;
+    }
+
+    /// Schedules `input` into SP `sp`'s inbox at `at` (e.g. `Landed` from
+    /// `on_datagram`, a `Timer`).
+    pub fn schedule_input(&mut self, at: Nanos, sp: SpId, input: Input<M, C>) {
+        self.schedule(at, Ev::Input { sp, input });
+    }
+
+    /// SP `sp`'s send worker multicasts datagram `psn` of collective `op`
+    /// (`bytes` of payload) to the SPs `to`, no earlier than `out`, after
+    /// the datagrams it sent before: each receiver gets it after the link's
+    /// latency, unless it is lost, maybe twice, maybe reordered
+    /// ([`NetFaults`]). Returns when it left the sender.
+    pub fn multicast(
+        &mut self,
+        (op, sp, psn): (usize, SpId, u64),
+        bytes: u64,
+        to: &[SpId],
+        out: Nanos,
+    ) -> Nanos {
+        let c = self.p.cost;
+        let wire = c.msg_header_bytes + bytes;
+        let free = &mut self.mcast_free[sp as usize];
+        let departed = (*free).max(out) + wire.div_ceil(c.inter_node_bytes_per_ns.max(1));
+        *free = departed;
+        let n = self.net;
+        for &dst in to {
+            self.fabric.datagrams += 1;
+            if n.loss_ppm > 0 && self.rng.chance(n.loss_ppm.into(), 1_000_000) {
+                self.fabric.lost += 1;
+                continue;
+            }
+            let copies = if n.dup_ppm > 0 && self.rng.chance(n.dup_ppm.into(), 1_000_000) {
+                self.fabric.duplicated += 1;
+                2
+            } else {
+                1
+            };
+            let (_, lat, _) = self.link(sp, dst);
+            for _ in 0..copies {
+                let at = departed + lat + self.rng.range(0, n.reorder_ns);
+                self.schedule(at, Ev::Datagram { sp: dst, op, psn });
+            }
+        }
+        departed
+    }
+
+    /// A datagram reaches SP `sp`: into staging, or dropped if it is full
+    /// (or the SP is dead); its receive worker drains it in turn.
+    fn datagram_arrives(&mut self, sp: SpId, op: usize, psn: u64) {
+        if !self.sps[sp as usize].alive {
+            return;
+        }
+        let (cap, drain) = (self.net.rx_staging, self.net.rx_drain_ns);
+        let now = self.now;
+        let rx = &mut self.rx[sp as usize];
+        if cap > 0 && rx.staged >= cap {
+            self.fabric.rnr_drops += 1;
+            return;
+        }
+        rx.staged += 1;
+        let at = rx.free_at.max(now) + drain;
+        rx.free_at = at;
+        self.schedule(at, Ev::Drained { sp, op, psn });
     }
 
     fn deliver(&mut self, sp: SpId, input: Input<M, C>) {
@@ -456,6 +609,16 @@ pub(crate) trait Collective {
     /// The SP takes `input` from its inbox at `core().now`.
     fn process(&mut self, sp: SpId, input: Input<Self::Msg, Self::Copy>) -> Result<(), SimFailure>;
 
+    /// SP `sp`'s receive worker took datagram `psn` of collective `op` out
+    /// of staging at `core().now`: land it (and schedule `Input::Landed`),
+    /// or drop it. Only collectives that multicast get datagrams.
+    fn on_datagram(&mut self, sp: SpId, op: usize, psn: u64) -> Result<(), SimFailure> {
+        let _ = psn;
+        Err(self.core().fail(format!(
+            "op {op}: a datagram for SP {sp} in a simulator without a fabric"
+        )))
+    }
+
     /// The run passed `max_events` or `max_virtual_ns`.
     fn over_budget(core: &Core<Self::Msg, Self::Copy>) -> SimFailure {
         if core.events > core.p.max_events {
@@ -506,6 +669,15 @@ pub(crate) fn run_events<S: Collective>(sim: &mut S) -> Result<(), SimFailure> {
             Ev::RankDeath { world } => {
                 sim.core().rank_death(world);
                 sim.on_rank_death(world);
+            }
+            Ev::Datagram { sp, op, psn } => sim.core().datagram_arrives(sp, op, psn),
+            Ev::Drained { sp, op, psn } => {
+                let core = sim.core();
+                core.rx[sp as usize].staged -= 1;
+                core.fabric.drained += 1;
+                if core.sps[sp as usize].alive {
+                    sim.on_datagram(sp, op, psn)?;
+                }
             }
         }
     }

@@ -9,13 +9,15 @@ use std::fmt;
 
 use crate::SpId;
 
-pub use config::{Common, CostModel, Layout, Outcome};
+pub use config::{Common, CostModel, Layout, NetFaults, Outcome};
+pub use driver::FabricCounts;
 
 pub mod allgatherv;
 pub mod alltoallv;
 pub mod bcast;
 mod config;
 mod driver;
+pub mod mcast_bcast;
 pub mod rng;
 mod shared;
 pub mod staged_allgather;

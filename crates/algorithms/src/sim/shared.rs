@@ -194,6 +194,12 @@ instance!(
     [abort_status, copies_in_flight, stats]
 );
 instance!(bcast::Bcast, Msg, staged);
+instance!(
+    mcast_bcast::McastBcast,
+    Msg<K>,
+    "abort={:?} in_flight={} has_all={} ring={:?} stats={:?}",
+    [abort_status, copies_in_flight, has_all, ring, stats]
+);
 instance!(staged_allgather::StagedAllgather, Msg<K>, staged);
 
 /// No copy `id` of collective `op` starts or finishes (`when`) on a buffer

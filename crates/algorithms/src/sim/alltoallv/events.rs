@@ -70,6 +70,9 @@ impl<'a> Sim<'a> {
                     }
                 }
             }
+            Input::Landed { op, .. } | Input::Timer { op } => {
+                return Err(self.core.fail(format!("op {op}: no fabric or timers here")));
+            }
             Input::RankLost { world } => {
                 for (op, rank) in self.rank_ops[world as usize].clone() {
                     self.instance(sp, op).handle_rank_lost(now, rank);

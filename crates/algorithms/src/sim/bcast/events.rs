@@ -99,6 +99,9 @@ impl<'a> Sim<'a> {
                     }
                 }
             }
+            Input::Landed { op, .. } | Input::Timer { op } => {
+                return Err(self.core.fail(format!("op {op}: no fabric or timers here")));
+            }
             Input::RankLost { world } => {
                 for op in 0..self.ops.len() {
                     if self.ops[op].done[world as usize].is_none() {

@@ -103,6 +103,9 @@ impl<'a> Sim<'a> {
                     }
                 }
             }
+            driver::Input::Landed { op, .. } | driver::Input::Timer { op } => {
+                return Err(self.core.fail(format!("op {op}: no fabric or timers here")));
+            }
             driver::Input::RankLost { world } => {
                 for op in 0..self.ops.len() {
                     if self.ops[op].done[world as usize].is_none() {
