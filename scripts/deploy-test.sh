@@ -419,7 +419,10 @@ dt_fault_end() {
 # fault_kill_sp N K MAPPING: an SP killed (SIGKILL) while its ranks run collectives.
 fault_kill_sp() {
   # The first SP of the last node: it serves a rank in every mapping used here.
-  local mapping=$3 label=fault-sp victim=$(( ($1 - 1) * $2 ))
+  # Each round's logs apart (job-fault-sp-N.*): a round that outlives its bound keeps its own.
+  DT_FAULT_SP_ROUND=$(( ${DT_FAULT_SP_ROUND:-0} + 1 ))
+  local mapping=$3 label=fault-sp-$DT_FAULT_SP_ROUND victim=$(( ($1 - 1) * $2 ))
+  dt_wait_gone "$RUN/progs/conform" 30 || fail "$label: ranks of an earlier job still run 30 s after it ended"
   local base
   base=$(dt_counter_of "$victim" posts)
   dt_job_bg "$label" 180 "$mapping" -- "$RUN/progs/conform" --cases 100000 --seed "$seed" --timeout 60
@@ -440,13 +443,18 @@ fault_kill_sp() {
 # job, and serve the next one.
 fault_kill_rank() {
   local mapping=$1 label=fault-rank
+  dt_wait_gone "$RUN/progs/conform" 30 || fail "$label: ranks of an earlier job still run 30 s after it ended"
   local base
   base=$(dt_counter_of 0 posts)
   dt_job_bg "$label" 180 "$mapping" -- "$RUN/progs/conform" --cases 100000 --seed "$seed" --timeout 60
   dt_wait_posts 0 "$base" || { fail "$label: SP 0 never served a post"; wait "$job_pid" || true; return; }
-  local victim
+  # A rank of this job: its environment holds this job's credential (a rank of the job before,
+  # still exiting, must not be the victim: this job would then run on untouched until its
+  # timeout, as it did in two full runs: 'the job took 180 s', all its ranks busy).
+  local victim cred=SPOFF_JOB_CREDENTIAL=$DT_CRED
   victim=$(dt_pids_naming "$RUN/progs/conform" | while read -r p; do
-    if [ "$(readlink "/proc/$p/exe" 2>/dev/null)" = "$RUN/progs/conform" ]; then echo "$p"; fi
+    if [ "$(readlink "/proc/$p/exe" 2>/dev/null)" = "$RUN/progs/conform" ] &&
+      { tr '\0' '\n' < "/proc/$p/environ"; } 2>/dev/null | grep -qxF "$cred"; then echo "$p"; fi
   done | tail -1)
   [ -n "$victim" ] || { fail "$label: no rank process found"; wait "$job_pid" || true; return; }
   local host

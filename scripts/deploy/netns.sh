@@ -147,6 +147,22 @@ dt_pids_naming() {
   return 0
 }
 
+# dt_wait_gone EXE SECS: until no process in our namespaces runs EXE (bounded); false if some
+# still do. A job's ranks (children of daemonized orteds) and a launcher's SPs can outlive their
+# mpirun by a moment: a fault injected then could hit a process of the job before.
+dt_wait_gone() {
+  local t p any
+  for t in $(seq 1 $(($2 * 10))); do
+    any=0
+    for p in $(dt_ns_pids); do
+      [ "$(readlink "/proc/$p/exe" 2>/dev/null)" = "$1" ] && { any=1; break; }
+    done
+    [ "$any" = 0 ] && return 0
+    sleep 0.1
+  done
+  return 1
+}
+
 # The processes in our namespaces.
 dt_ns_pids() {
   local ns

@@ -236,15 +236,20 @@ dt_sps_launch() {
         --sp-id auto --node "node$i" "${DT_SERVE_ARGS[@]}")
     done
   fi
+  # The SPs of the set before must be gone (see dt_wait_gone).
+  dt_wait_gone "$SP" 30 || dt_die "SPs of the set before still run 30 s after it was stopped"
   DT_SP_LAUNCH_LINE="mpirun ${app[*]}"
   # A simple command in the background: $! is mpirun's own pid.
-  ip netns exec "$DT_FAB" "${DT_MPIRUN[@]}" "${DT_SP_ENV[@]}" "${app[@]}" > "$RUN/sps-$DT_NODES-$DT_K.out" \
-    2> "$RUN/sps-$DT_NODES-$DT_K.err" < /dev/null &
+  # Each set's output apart (sps-N-K-L.*: L counts the sets started), kept for a later look.
+  DT_SP_LAUNCHES=$(( ${DT_SP_LAUNCHES:-0} + 1 ))
+  DT_SP_LOG=$RUN/sps-$DT_NODES-$DT_K-$DT_SP_LAUNCHES
+  ip netns exec "$DT_FAB" "${DT_MPIRUN[@]}" "${DT_SP_ENV[@]}" "${app[@]}" > "$DT_SP_LOG.out" \
+    2> "$DT_SP_LOG.err" < /dev/null &
   DT_SP_LAUNCHER=$!
   if ! ip netns exec "$DT_FAB" "$SP" wait-ready --cluster "$DT_CLUSTER" --key "$DT_KEY" \
     --timeout-secs 60 > "$RUN/wait-ready.out" 2>&1; then
     cat "$RUN/wait-ready.out" >&2
-    tail -5 "$RUN/sps-$DT_NODES-$DT_K.err" >&2
+    tail -5 "$DT_SP_LOG.err" >&2
     dt_die "the SPs started by mpirun did not all become ready"
   fi
   DT_SP_PIDS=() DT_SP_NAMES=()
@@ -261,6 +266,16 @@ dt_sps_launch() {
   done
   [ ${#DT_SP_PIDS[@]} -eq $((DT_NODES * DT_K)) ] ||
     dt_die "found ${#DT_SP_PIDS[@]} SP processes in the DPU namespaces, expected $((DT_NODES * DT_K))"
+  # Exactly one process per SP id: a second (an SP of the set before, still exiting) would make
+  # a fault hit the wrong process.
+  local found=0
+  for i in $(seq 1 "$DT_NODES"); do
+    for pid in $(ip netns pids "$(dt_ns_dpu "$i")"); do
+      [ "$(readlink "/proc/$pid/exe" 2>/dev/null)" = "$SP" ] && found=$((found + 1))
+    done
+  done
+  [ "$found" -eq $((DT_NODES * DT_K)) ] ||
+    dt_die "found $found SP processes in the DPU namespaces for $((DT_NODES * DT_K)) SPs"
   echo "deploy-test: $((DT_NODES * DT_K)) SPs ready ($DT_NODES DPUs x $DT_K), started by mpirun across the DPU namespaces; $(head -1 "$RUN/wait-ready.out")"
   local line=${DT_SP_LAUNCH_LINE//$RUN/RUN}
   echo "   (${line//$SP/service-process})"
@@ -270,7 +285,7 @@ dt_sps_launch() {
 # Every SP must have printed its counters holding no job (unless one was killed).
 dt_sps_unlaunch() {
   [ -n "$DT_SP_LAUNCHER" ] || return 0
-  local t out=$RUN/sps-$DT_NODES-$DT_K.out want=${#DT_SP_PIDS[@]}
+  local t out=$DT_SP_LOG.out want=${#DT_SP_PIDS[@]}
   if [ "${DT_SP_FAULTED:-0}" = 1 ]; then
     # An SP was killed: its mpirun aborts the SP job by itself (as for any process that dies).
     # Let it finish first (bounded): a SIGTERM arriving while it tears the job down made
