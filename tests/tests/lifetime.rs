@@ -58,14 +58,17 @@ impl Served {
             children.push(child);
             stderr.push(path);
         }
-        wait_ready(&sps.cluster_path, nodes * k);
-        Served {
+        // Made before the wait: if the SPs never get ready the test fails, and its drop still
+        // kills them (they were left running otherwise).
+        let served = Served {
             sps,
             children,
             stdout: vec![String::new(); stderr.len()],
             stderr,
             lines,
-        }
+        };
+        wait_ready(&served.sps.cluster_path, nodes * k);
+        served
     }
 
     /// SIGTERM to every SP; waits (bounded) for each to exit; the counters each printed.
