@@ -428,6 +428,14 @@ fault_kill_sp() {
   dt_job_bg "$label" 180 "$mapping" -- "$RUN/progs/conform" --cases 100000 --seed "$seed" --timeout 60
   dt_wait_posts "$victim" "$base" || { fail "$label: SP $victim never served a post"; wait "$job_pid" || true; return; }
   kill -0 "$job_pid" 2>/dev/null || { fail "$label: the job ended before the fault"; wait "$job_pid" || true; return; }
+  # The fault is for an offloaded job: one that runs natively (its SPs were not there at its
+  # MPI_Init) would run on untouched by the kill. Said as such, not as a timeout.
+  if grep -q 'offload is off for this job' "$RUN/job-$label.err" 2>/dev/null; then
+    fail "$label: the job runs natively: $(grep -m1 'offload is off' "$RUN/job-$label.err" | cut -c1-160)"
+    kill -TERM "$job_pid" 2>/dev/null || true
+    wait "$job_pid" 2>/dev/null || true
+    return
+  fi
   local t0
   t0=$(date +%s)
   kill -KILL "${DT_SP_PIDS[victim]}"
