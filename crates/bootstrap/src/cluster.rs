@@ -124,6 +124,63 @@ pub struct Cluster {
     /// what a firewall opens for the `ucx` grants over TCP. Absent: ports the kernel picks.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ucx_tcp_port_range: Option<PortRange>,
+    /// The multicast fabric of the multicast collectives: the group addresses (`A.B.C.D/N`,
+    /// an address per communicator slot and subgroup) and the first UDP port (a port per
+    /// slot, 256 of them). Absent: 239.255.0.0/16 (administratively scoped) from port 47000.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mcast_groups: Option<McastGroups>,
+}
+
+/// Where the multicast collectives' groups live (`Cluster::mcast_groups`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct McastGroups {
+    /// `A.B.C.D/N`: a multicast range (224.0.0.0/4).
+    pub range: McastRange,
+    pub port_base: u16,
+}
+
+/// A range of IPv4 multicast addresses, written `A.B.C.D/N`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct McastRange {
+    pub base: std::net::Ipv4Addr,
+    pub prefix: u8,
+}
+
+impl std::fmt::Display for McastRange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.base, self.prefix)
+    }
+}
+
+impl std::str::FromStr for McastRange {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let bad = || format!("{s:?} is not a multicast range (A.B.C.D/N, e.g. 239.255.0.0/16)");
+        let (a, n) = s.split_once('/').ok_or_else(bad)?;
+        let base: std::net::Ipv4Addr = a.trim().parse().map_err(|_| bad())?;
+        let prefix: u8 = n.trim().parse().map_err(|_| bad())?;
+        if !(4..=30).contains(&prefix) {
+            return Err(format!("{s:?}: the prefix must be 4 to 30 bits"));
+        }
+        if !base.is_multicast() {
+            return Err(format!("{s:?} is not in the multicast range 224.0.0.0/4"));
+        }
+        Ok(McastRange { base, prefix })
+    }
+}
+
+impl TryFrom<String> for McastRange {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        s.parse()
+    }
+}
+
+impl From<McastRange> for String {
+    fn from(r: McastRange) -> String {
+        r.to_string()
+    }
 }
 
 /// An inclusive range of TCP ports, written `FIRST-LAST` (UCX's own syntax).
@@ -226,6 +283,7 @@ impl Cluster {
             hosts: Vec::new(),
             dpus: Vec::new(),
             ucx_tcp_port_range: None,
+            mcast_groups: None,
         };
         c.validate()?;
         Ok(c)

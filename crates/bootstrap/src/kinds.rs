@@ -22,6 +22,9 @@ pub enum Family {
     /// Through staging slots of the SPs (instances take slots from the SP's budget); the post
     /// names its root and design (`PostDesc::staged`), flat or hierarchical (a node segment).
     Staged,
+    /// Over the SPs' multicast fabric, landed by their receive workers (their own staging,
+    /// not the budget's slots); the post names its root in `PostDesc::staged` (design `Flat`).
+    Multicast,
 }
 
 /// How many blocks one side of a post lists.
@@ -149,8 +152,32 @@ pub static STAGED_ALLGATHER: KindFacts = KindFacts {
     hier_min_ranks: 8,
 };
 
+/// The multicast Bcast: laid out as the staged Bcast; chosen by `SPOFF_BCAST_DESIGN=mcast`.
+pub static MCAST_BCAST: KindFacts = KindFacts {
+    kind: CollKind::McastBcast,
+    name: "mcast bcast",
+    family: Family::Multicast,
+    send_blocks: Blocks::One,
+    recv_blocks: Blocks::One,
+    recv_rank_ordered: false,
+    rooted: true,
+    lists_nodes: false,
+    // The next SP of the ring reads the chunks this rank's SP lacked out of this buffer.
+    recv_rights: Rights::READ_WRITE,
+    recv_rights_why: " (the next SP of the multicast ring fetches missing chunks out of it)",
+    host_copies: false,
+    design_var: None,
+    hier_min_ranks: 0,
+};
+
 /// Every kind, in the order of `CollKind`'s variants (checked by the tests).
-pub static KINDS: [&KindFacts; 4] = [&ALLTOALLV, &ALLGATHERV, &BCAST, &STAGED_ALLGATHER];
+pub static KINDS: [&KindFacts; 5] = [
+    &ALLTOALLV,
+    &ALLGATHERV,
+    &BCAST,
+    &STAGED_ALLGATHER,
+    &MCAST_BCAST,
+];
 
 impl CollKind {
     /// The kind's facts.
@@ -160,6 +187,7 @@ impl CollKind {
             CollKind::Allgatherv => &ALLGATHERV,
             CollKind::Bcast => &BCAST,
             CollKind::StagedAllgather => &STAGED_ALLGATHER,
+            CollKind::McastBcast => &MCAST_BCAST,
         }
     }
 
@@ -177,14 +205,22 @@ impl CollMsg {
             CollMsg::Allgatherv(_) => CollKind::Allgatherv,
             CollMsg::Bcast(_) => CollKind::Bcast,
             CollMsg::StagedAllgather(_) => CollKind::StagedAllgather,
+            CollMsg::McastBcast(_) => CollKind::McastBcast,
         }
     }
 }
 
 impl KindFacts {
-    /// Whether the post of a staged kind names its root (`Staged::root` counts).
+    /// A staged kind: its instances hold staging slots from the SP's budget, and its post
+    /// chooses a design (flat or hierarchical).
     pub fn is_staged(&self) -> bool {
         self.family == Family::Staged
+    }
+
+    /// The post carries `PostDesc::staged` (its root, its design): every kind but the direct
+    /// ones (a multicast kind's design is always `Flat`).
+    pub fn posts_staged_fields(&self) -> bool {
+        self.family != Family::Direct
     }
 
     /// The layout of descriptor `d` (of this kind, on a communicator of `d.members.len() >= 1`
@@ -225,7 +261,7 @@ impl KindFacts {
             (Some(_), Family::Direct) => {
                 return Err(format!("{name} is not a staged collective"));
             }
-            (None, Family::Staged) => {
+            (None, Family::Staged | Family::Multicast) => {
                 return Err(format!(
                     "a {name} post without its {}",
                     if self.rooted {
@@ -312,7 +348,7 @@ mod tests {
             // A root sends one block and receives one: the rest of the post is empty.
             if f.rooted {
                 assert!(
-                    f.is_staged(),
+                    f.family != Family::Direct,
                     "{k:?}: a root is carried in the staged fields"
                 );
                 assert_eq!((f.send_blocks, f.recv_blocks), (Blocks::One, Blocks::One));

@@ -10,7 +10,9 @@
 //! closed. After the hello, payloads are bincode-encoded [`HostToSp`], [`SpToHost`] or
 //! [`SpToSp`] values.
 
-use algorithms::{allgatherv, alltoallv, bcast, staged_allgather, CollKey, CommId, SpId};
+use algorithms::{
+    allgatherv, alltoallv, bcast, mcast_bcast, staged_allgather, CollKey, CommId, SpId,
+};
 use alias_mkey::{AliasKey, Grant};
 use bincode::Options;
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
@@ -27,7 +29,9 @@ pub const MAGIC: [u8; 4] = *b"SPOF";
 /// 8: the host hello names the host's pid (hosts over TCP on the SP's kernel).
 /// 9: alias keys name the uid and gid their owner's memory is opened with (its client's).
 /// 10: `SpToHost::Registered` says which grant backends the SP serves the host ([`Serves`]).
-pub const PROTOCOL_VERSION: u32 = 10;
+/// 11: the multicast Bcast (`CollKind::McastBcast`); `Registered` says whether the SP runs
+/// the multicast designs (`mcast_off`).
+pub const PROTOCOL_VERSION: u32 = 11;
 /// Largest frame accepted: a descriptor for 65536 ranks (four count vectors) fits.
 pub const MAX_FRAME_BYTES: u32 = 4 << 20;
 /// Largest hello frame accepted (every kind of [`Hello`]; a host hello with its credential is
@@ -220,6 +224,11 @@ pub enum CollKind {
     /// Iallgather staged in SP memory (`PostDesc::staged` names the design; its `root` is
     /// unused): like `Allgatherv`, with equal blocks in rank order (block `i` at `i * len`).
     StagedAllgather,
+    /// Bcast over the SPs' multicast fabric with the fetch ring for what is lost
+    /// (`algorithms::mcast_bcast`): laid out as `Bcast` (`PostDesc::staged` names the root;
+    /// its design is `Flat`, unused); the receivers' grants are also read (the next SP of the
+    /// ring fetches missing chunks out of them).
+    McastBcast,
 }
 
 /// The designs of the staged collectives (after BluesMPI): `Flat` writes every rank's buffer
@@ -354,6 +363,9 @@ pub enum SpToHost {
         segment: String,
         /// The grant backends this SP serves this host.
         serves: Serves,
+        /// Why this SP cannot run the multicast designs (`serve --mcast=off`, a fabric it
+        /// could not open); `None` when it can.
+        mcast_off: Option<String>,
     },
     /// A refused request. `seq` names the post it concerns, if any; its mailbox slot (if it was
     /// valid) also gets an error status.
@@ -397,6 +409,7 @@ pub enum CollMsg {
     Allgatherv(allgatherv::Msg<AliasKey>),
     Bcast(bcast::Msg),
     StagedAllgather(staged_allgather::Msg<AliasKey>),
+    McastBcast(mcast_bcast::Msg<AliasKey>),
 }
 
 impl CollMsg {
@@ -407,6 +420,7 @@ impl CollMsg {
             CollMsg::Allgatherv(m) => m.keys(),
             CollMsg::Bcast(_) => Vec::new(),
             CollMsg::StagedAllgather(m) => m.keys(),
+            CollMsg::McastBcast(m) => m.keys(),
         }
     }
 }

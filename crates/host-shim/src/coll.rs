@@ -314,7 +314,7 @@ pub unsafe fn bcast(
             (empty, data)
         };
         post(
-            CollKind::Bcast,
+            crate::design::bcast_kind(),
             comm,
             send,
             recv,

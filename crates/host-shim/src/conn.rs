@@ -445,6 +445,7 @@ mod tests {
             sp: 3,
             segment: "/spoff-test".into(),
             serves: wire::Serves::default(),
+            mcast_off: None,
         };
         (&peer).write_all(&wire::encode(&msg)).unwrap();
         drop(peer);

@@ -104,6 +104,30 @@ pub fn iallgather_staged() -> bool {
     )
 }
 
+/// `SPOFF_BCAST_DESIGN=mcast` on this rank (read at `MPI_Init`).
+pub fn bcast_asks_mcast() -> bool {
+    design_var(CollKind::Bcast) == Some("mcast")
+}
+
+/// The job agreed at `MPI_Init` that its bcasts take the multicast design.
+static MCAST_BCAST: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+pub fn set_mcast_bcast(on: bool) {
+    MCAST_BCAST.store(on, std::sync::atomic::Ordering::Release);
+}
+
+/// The kind an `MPI_Bcast`/`MPI_Ibcast` posts: the multicast Bcast when the job agreed on it
+/// (`SPOFF_BCAST_DESIGN=mcast` on every rank, every SP running it), else the staged Bcast
+/// (flat or hierarchical, see [`staged_design`]). `auto` never picks the multicast design:
+/// docs/BENCHMARKS.md has not shown where it wins here.
+pub fn bcast_kind() -> CollKind {
+    if MCAST_BCAST.load(std::sync::atomic::Ordering::Acquire) {
+        CollKind::McastBcast
+    } else {
+        CollKind::Bcast
+    }
+}
+
 /// Host-side intra-node copies in blocking allgathervs: on unless `SPOFF_HOST_COPIES=0`.
 pub fn host_copies_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();

@@ -103,6 +103,8 @@ struct Registered {
     segment: String,
     /// The grant backends the SP serves this rank.
     serves: Serves,
+    /// Why the SP runs no multicast collective (`None`: it does).
+    mcast_off: Option<String>,
 }
 
 unsafe fn start_inner() -> bool {
@@ -318,6 +320,12 @@ unsafe fn start_inner() -> bool {
         return false;
     };
 
+    // 7. The multicast designs (`SPOFF_BCAST_DESIGN=mcast`): taken only if every rank asks
+    // for them and every rank's SP runs them; otherwise every bcast takes the staged design,
+    // and rank 0 says why, once.
+    // SAFETY: MPI is initialised; every rank makes the same calls.
+    unsafe { agree_mcast(reg.mcast_off.as_deref(), rank, size) };
+
     // Who serves whom: the placement every rank computed alike.
     let sp_of_world: Vec<SpId> = placed.iter().map(|p| p.sp).collect();
     state::set_topology(Topology {
@@ -508,6 +516,54 @@ unsafe fn reason_of(first: u32, mine: Option<&str>) -> Result<String, c_int> {
     }
     let len = buf.iter().position(|&b| b == 0).unwrap_or(REASON_BYTES);
     Ok(String::from_utf8_lossy(&buf[..len]).into_owned())
+}
+
+/// Whether the job's bcasts take the multicast design: asked for by `SPOFF_BCAST_DESIGN=mcast`
+/// on some rank, it is on only if every rank asks for it and every rank's SP runs it
+/// (`mcast_off`: why this rank's does not); else rank 0 says why, once. Collective.
+///
+/// # Safety
+/// MPI is initialised.
+unsafe fn agree_mcast(mcast_off: Option<&str>, rank: u32, size: u32) {
+    let wants = crate::design::bcast_asks_mcast();
+    let mut asking: c_int = wants as c_int;
+    // SAFETY: in-place reduction over one int.
+    let rc = unsafe {
+        ffi::PMPI_Allreduce(
+            consts::IN_PLACE(),
+            (&mut asking as *mut c_int).cast(),
+            1,
+            consts::INT(),
+            consts::OP_SUM(),
+            consts::COMM_WORLD(),
+        )
+    };
+    if rc != consts::SUCCESS() || asking == 0 {
+        return;
+    }
+    let mine = if !wants {
+        Some("SPOFF_BCAST_DESIGN is not mcast there".to_string())
+    } else {
+        mcast_off.map(|why| format!("its SP runs no multicast collective: {why}"))
+    };
+    // SAFETY: forwarded; every rank calls it, as every rank saw `asking > 0`.
+    match unsafe { count_failures(mine.as_deref(), rank) } {
+        Ok(None) => crate::design::set_mcast_bcast(true),
+        Ok(Some((n, first, why))) => {
+            if rank == 0 {
+                say!(
+                    "SPOFF_BCAST_DESIGN=mcast: {n} of {size} ranks cannot take the multicast                      design (rank {first}: {why}); every bcast of this job takes the staged                      design"
+                );
+            }
+        }
+        Err(rc) => {
+            if rank == 0 {
+                say!(
+                    "SPOFF_BCAST_DESIGN=mcast: the ranks could not agree (MPI error {rc}); every                      bcast of this job takes the staged design"
+                );
+            }
+        }
+    }
 }
 
 /// How many ranks failed (`mine`: this rank's reason, if it did), the first of them and its
@@ -840,10 +896,13 @@ fn register(
     let reply = ch
         .recv::<SpToHost>()
         .map_err(|e| at("waiting for registration", &e))?;
-    let (segment, serves) = match &reply {
+    let (segment, serves, mcast_off) = match &reply {
         SpToHost::Registered {
-            segment, serves, ..
-        } => (segment.clone(), *serves),
+            segment,
+            serves,
+            mcast_off,
+            ..
+        } => (segment.clone(), *serves, mcast_off.clone()),
         SpToHost::Error { code, message, .. } => {
             return Err(format!(
                 "service process at {} refused the registration ({code:?}): {message}",
@@ -867,6 +926,7 @@ fn register(
         node_of_sp: cluster.sps.iter().map(|e| e.node).collect(),
         segment,
         serves,
+        mcast_off,
     })
 }
 

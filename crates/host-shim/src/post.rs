@@ -214,9 +214,13 @@ pub unsafe fn post(
         .expect("a side is direct or packed");
     let (send_packed, recv_packed) = (s.direct.is_none(), r.direct.is_none());
     let len = s.bytes.region_len.max(r.bytes.region_len);
-    let design = facts
-        .is_staged()
-        .then(|| staged_design(kind, info.max_per_node, len, !topology().remote));
+    let design = facts.posts_staged_fields().then(|| {
+        if facts.is_staged() {
+            staged_design(kind, info.max_per_node, len, !topology().remote)
+        } else {
+            StagedDesign::Flat
+        }
+    });
     // Hier: SPs write the segment this rank shares with the other ranks of its node, and the
     // rank copies from it into its buffer (the root receives nothing).
     let segment = match design {

@@ -206,6 +206,7 @@ fn refusing_sps(dir: &Path) -> PathBuf {
                         cma: true,
                         ..Default::default()
                     },
+                    mcast_off: Some("the test's fake SP".into()),
                 },
                 HostToSp::Post(d) => SpToHost::Error {
                     comm: Some(d.comm),

@@ -191,7 +191,7 @@ fn post(kind: CollKind, rank: u32, c: &mut Cursor) -> Option<LocalPost> {
         recv_counts,
         recv_displs,
         host_copies: false,
-        staged: f.is_staged().then_some(wire::Staged {
+        staged: f.posts_staged_fields().then_some(wire::Staged {
             root,
             design: wire::StagedDesign::Flat,
             segment: None,
@@ -225,9 +225,16 @@ pub fn machine(data: &[u8]) {
         kind,
         key,
         0,
-        StagedConfig {
-            chunk_bytes: 4096,
-            slots: 2,
+        &drivers::KindConfig {
+            staged: StagedConfig {
+                chunk_bytes: 4096,
+                slots: 2,
+            },
+            mcast: drivers::McastParams {
+                mtu: 64,
+                subgroups: 2,
+                ..drivers::McastParams::default()
+            },
         },
     );
     let statuses = [
@@ -273,6 +280,25 @@ pub fn machine(data: &[u8]) {
                     _ => m.abort(now, statuses[s as usize % statuses.len()]),
                 }
             }
+            7 => {
+                // What a family's resources report (the multicast's: a chunk landed, a
+                // multicast done, a chunk that could not land), and the clock.
+                let Some(s) = c.byte() else { break };
+                use crate::mcast::plane::McastEvent;
+                let ev = match s % 4 {
+                    0 | 1 => McastEvent::Landed(u64::from(s / 4)),
+                    2 => McastEvent::MulticastDone {
+                        id: ids.pop().unwrap_or(s as u64),
+                        status: statuses[s as usize % statuses.len()],
+                    },
+                    _ => McastEvent::SinkFailed,
+                };
+                m.handle_event(now, Box::new(ev));
+                if let Some(d) = m.deadline() {
+                    now = now.max(d);
+                    m.tick(now);
+                }
+            }
             _ => {}
         }
         // Drain what the machine wants done; remember copy and move ids to finish later.
@@ -282,6 +308,13 @@ pub fn machine(data: &[u8]) {
                 Some(crate::drivers::Act::Copy { id, .. })
                 | Some(crate::drivers::Act::StageCopy { id, .. })
                 | Some(crate::drivers::Act::Move { id, .. }) => ids.push(id),
+                Some(crate::drivers::Act::Resource { req, .. }) => {
+                    if let Ok(r) = req.downcast::<crate::mcast::plane::McastReq>() {
+                        if let crate::mcast::plane::McastReq::Multicast(mc) = *r {
+                            ids.push(mc.id.0);
+                        }
+                    }
+                }
                 Some(_) => {}
             }
         }

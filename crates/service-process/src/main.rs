@@ -171,6 +171,52 @@ enum Cmd {
         /// Seconds to wait for the peer SPs at start-up.
         #[arg(long, default_value_t = 30)]
         connect_timeout_secs: u64,
+        /// The multicast collectives (SPOFF_BCAST_DESIGN=mcast): on, or off (this SP's ranks
+        /// learn it at MPI_Init, and their jobs take the staged design instead, saying so
+        /// once). On, an SP whose fabric cannot be opened runs none either, and says why.
+        /// The groups are the description's `mcast_groups` (default 239.255.0.0/16 from port
+        /// 47000), sent out of the interface of this SP's peer address (TTL 0 on loopback,
+        /// else 1: the DPUs' network, never a router).
+        #[arg(long, default_value = "on", value_parser = ["on", "off"])]
+        mcast: String,
+        /// Multicast: bytes of data per datagram (the chunk; an IB UD MTU is 4096). The same on
+        /// every SP of the cluster.
+        #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u64).range(64..=65_000))]
+        mcast_mtu: u64,
+        /// Multicast: subgroups (group addresses) a collective's chunks are spread over, as
+        /// contiguous runs. The same on every SP of the cluster.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+        mcast_subgroups: u16,
+        /// Multicast: receive workers (threads landing chunks; the DPA receive threads'
+        /// stand-ins). Each owns some of the subgroup sockets.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
+        mcast_recv_workers: u64,
+        /// Multicast: send workers (threads multicasting the root's chunks).
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
+        mcast_send_workers: u64,
+        /// Multicast: the cutoff timer's link rate B_link, in bytes per nanosecond (a leaf
+        /// scans its bitmap N / B_link + alpha after it said it is ready).
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1000))]
+        mcast_link_bytes_per_ns: u64,
+        /// Multicast: the cutoff timer's alpha, in microseconds (synchronisation and the
+        /// network's noise).
+        #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(0..=10_000_000))]
+        mcast_alpha_us: u64,
+        /// Multicast: each subgroup socket's receive buffer, in KiB (the kernel caps it at
+        /// net.core.rmem_max; an overflow is a receiver-not-ready drop, counted and recovered).
+        #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u64).range(16..=1 << 20))]
+        mcast_rcvbuf_kib: u64,
+        /// Multicast, for tests and benchmarks: drop this percentage of the datagrams received,
+        /// on the receive side before the bitmap (seeded by --mcast-seed).
+        #[arg(long, default_value_t = 0.0, value_parser = parse_percent)]
+        mcast_drop_rate: f64,
+        /// Multicast, for tests and benchmarks: hold back this percentage of the datagrams
+        /// received behind the next one (reordering).
+        #[arg(long, default_value_t = 0.0, value_parser = parse_percent)]
+        mcast_reorder: f64,
+        /// Multicast: the seed of --mcast-drop-rate and --mcast-reorder (default: the SP id).
+        #[arg(long)]
+        mcast_seed: Option<u64>,
     },
     /// Start an emulated cluster (N nodes x K SPs), run PROGRAM under mpirun with the host shim
     /// preloaded (an MPICH program under mpiexec.mpich with the MPICH-ABI shim; see --mpi), and
@@ -278,6 +324,18 @@ enum Cmd {
 
 /// Refuses an inherited fd that is not an open socket, rather than adopting it blindly.
 /// A file mode in octal (`600`, `0660`).
+/// A percentage, 0 to 100.
+fn parse_percent(s: &str) -> Result<f64, String> {
+    let v: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number"))?;
+    if !(0.0..=100.0).contains(&v) {
+        return Err(format!("{s}: a percentage is 0 to 100"));
+    }
+    Ok(v)
+}
+
 fn parse_mode(s: &str) -> Result<u32, String> {
     match u32::from_str_radix(s.trim_start_matches("0o"), 8) {
         Ok(m) if m <= 0o777 => Ok(m),
@@ -355,6 +413,17 @@ fn run(cli: Cli) -> Result<i32> {
             realtime,
             poll_us,
             connect_timeout_secs,
+            mcast,
+            mcast_mtu,
+            mcast_subgroups,
+            mcast_recv_workers,
+            mcast_send_workers,
+            mcast_link_bytes_per_ns,
+            mcast_alpha_us,
+            mcast_rcvbuf_kib,
+            mcast_drop_rate,
+            mcast_reorder,
+            mcast_seed,
         } => {
             init_tracing();
             // First, while this process has one thread (every later thread inherits it).
@@ -442,7 +511,48 @@ fn run(cli: Cli) -> Result<i32> {
                 &key,
                 Duration::from_millis(heartbeat_ms),
             )?;
+            let mcast_plane = if mcast == "off" {
+                Err("this SP was started with --mcast=off".to_string())
+            } else {
+                match entry.peer_addr.ip() {
+                    std::net::IpAddr::V4(interface) => {
+                        let groups = cluster.mcast_groups;
+                        let ppm = |pct: f64| (pct * 10_000.0).round() as u32;
+                        Ok(service_process::mcast::plane::PlaneConfig {
+                            fabric: service_process::mcast::fabric::FabricConfig {
+                                base: groups.map_or(std::net::Ipv4Addr::new(239, 255, 0, 0), |g| {
+                                    g.range.base
+                                }),
+                                prefix: groups.map_or(16, |g| g.range.prefix),
+                                port_base: groups.map_or(47_000, |g| g.port_base),
+                                interface,
+                                ttl: if interface.is_loopback() { 0 } else { 1 },
+                            },
+                            subgroups: mcast_subgroups,
+                            recv_workers: mcast_recv_workers as usize,
+                            send_workers: mcast_send_workers as usize,
+                            inject: service_process::mcast::worker::Injection {
+                                drop_ppm: ppm(mcast_drop_rate),
+                                reorder_ppm: ppm(mcast_reorder),
+                                seed: mcast_seed.unwrap_or(u64::from(sp_id)),
+                            },
+                            rcvbuf: (mcast_rcvbuf_kib as usize) << 10,
+                            movers: Default::default(),
+                        })
+                    }
+                    std::net::IpAddr::V6(a) => Err(format!(
+                        "the multicast fabric is IPv4; this SP's peer address {a} is IPv6"
+                    )),
+                }
+            };
             let cfg = ServeConfig {
+                mcast: service_process::drivers::McastParams {
+                    mtu: mcast_mtu,
+                    subgroups: mcast_subgroups,
+                    link_bytes_per_ns: mcast_link_bytes_per_ns,
+                    alpha_ns: mcast_alpha_us * 1000,
+                },
+                mcast_plane,
                 sp: sp_id,
                 cluster,
                 peer_listener: listener,

@@ -4,6 +4,10 @@ use serde::Serialize;
 
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct Stats {
+    /// The counters of the collective families' own resources (`drivers::resources`), by
+    /// name (`mcast_*`).
+    #[serde(flatten)]
+    pub families: std::collections::BTreeMap<&'static str, u64>,
     pub posts: u64,
     /// Of `posts`, those whose host packed a side through its own staging (a non-contiguous
     /// datatype, or the send side of `MPI_IN_PLACE`).

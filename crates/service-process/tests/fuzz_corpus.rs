@@ -150,7 +150,7 @@ fn build_corpus() {
             *n += 1;
         }
     };
-    let mut by_kind: Vec<Vec<Vec<u8>>> = vec![vec![]; 4];
+    let mut by_kind: Vec<Vec<Vec<u8>>> = vec![vec![]; bootstrap::kinds::KINDS.len()];
     for (path, stream) in inputs(&dir) {
         let name = path.file_name().unwrap().to_string_lossy().into_owned();
         let fs = frames(&stream);
@@ -169,12 +169,11 @@ fn build_corpus() {
                     | bootstrap::wire::SpToSp::Data { msg, .. },
                 ) = bootstrap::wire::decode::<bootstrap::wire::SpToSp>(&f[4..])
                 {
-                    let kind = match msg {
-                        bootstrap::wire::CollMsg::Alltoallv(_) => 0,
-                        bootstrap::wire::CollMsg::Allgatherv(_) => 1,
-                        bootstrap::wire::CollMsg::Bcast(_) => 2,
-                        bootstrap::wire::CollMsg::StagedAllgather(_) => 3,
-                    };
+                    // The machine target picks its kind as `KINDS[k % len]`.
+                    let kind = bootstrap::kinds::KINDS
+                        .iter()
+                        .position(|f| f.kind == msg.kind())
+                        .expect("every kind is in KINDS");
                     by_kind[kind].push(bootstrap::wire::encode(&msg)[4..].to_vec());
                 }
             }

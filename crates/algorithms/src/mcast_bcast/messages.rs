@@ -473,6 +473,7 @@ impl<K: Clone + fmt::Debug + PartialEq> McastBcast<K> {
                 offset: from,
                 len: to - from,
                 mtu,
+                chunks: n,
             }));
         }
         // The root's SP never reads another SP's buffer.

@@ -68,6 +68,21 @@ pub enum Msg<K> {
     Abort { status: Status },
 }
 
+impl<K> Msg<K> {
+    /// The memory keys the message carries (an SP checks where a peer's keys point).
+    pub fn keys(&self) -> Vec<&K> {
+        match self {
+            Msg::FetchAck { key } => vec![key],
+            Msg::Open { .. }
+            | Msg::Ready { .. }
+            | Msg::Sent { .. }
+            | Msg::FetchReq { .. }
+            | Msg::Final { .. }
+            | Msg::Abort { .. } => Vec::new(),
+        }
+    }
+}
+
 /// Copy `len` bytes at `offset` of buffer `src` into the same place of
 /// local rank `rank`'s buffer `dst`: a host-to-host copy at the root's SP
 /// (`src` the root's buffer), or a fetch (`src` a buffer of the left
@@ -96,6 +111,9 @@ pub struct Multicast<K> {
     pub offset: u64,
     pub len: u64,
     pub mtu: u64,
+    /// The message's chunks in all (every datagram carries it: a receiver registered for
+    /// another count drops it).
+    pub chunks: u64,
 }
 
 /// Have the receive workers accept this instance's `chunks` chunks

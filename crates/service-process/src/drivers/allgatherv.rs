@@ -1,6 +1,6 @@
 //! The hierarchical, load-balanced Allgatherv (`algorithms::allgatherv`).
 
-use super::{Act, CollDriver, Inbound, KindSpec, LateArrivals, LocalPost, StagedConfig};
+use super::{Act, CollDriver, Inbound, KindSpec, LateArrivals, LocalPost};
 use algorithms::{allgatherv, CollKey, Nanos, Rank, SpId, Status};
 use alias_mkey::AliasKey;
 use bootstrap::wire::{CollKind, CollMsg};

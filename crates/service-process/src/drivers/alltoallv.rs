@@ -1,6 +1,6 @@
 //! The ring Alltoallv (`algorithms::alltoallv`).
 
-use super::{Act, CollDriver, Inbound, KindSpec, LocalPost, StagedConfig};
+use super::{Act, CollDriver, Inbound, KindSpec, LocalPost};
 use algorithms::{alltoallv, CollKey, Nanos, Rank, SpId, Status};
 use alias_mkey::AliasKey;
 use bootstrap::wire::{CollKind, CollMsg};

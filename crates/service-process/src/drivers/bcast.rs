@@ -1,7 +1,7 @@
 //! The staged Ibcast, flat and hierarchical (`algorithms::bcast`): chunks through staging
 //! slots granted by credits, over UCX puts into the child's slots when both ends have UCX.
 
-use super::{Act, CollDriver, Inbound, KindSpec, LocalPost, StagedConfig};
+use super::{Act, CollDriver, Inbound, KindSpec, LocalPost};
 use algorithms::{bcast, CollKey, Nanos, Rank, SpId, Status};
 use alias_mkey::AliasKey;
 use bootstrap::wire::{CollKind, CollMsg, PostDesc};
@@ -54,8 +54,8 @@ impl From<bcast::Move> for Act {
     }
 }
 
-fn new(key: CollKey, me: SpId, staged: StagedConfig) -> Box<dyn CollDriver> {
-    Box::new(Driver(bcast::Bcast::new(key, staged.machine(me))))
+fn new(key: CollKey, me: SpId, cfg: &super::KindConfig) -> Box<dyn CollDriver> {
+    Box::new(Driver(bcast::Bcast::new(key, cfg.staged.machine(me))))
 }
 
 /// A node's leader in the bcast's tree writes the node's region.

@@ -20,6 +20,8 @@
 mod allgatherv;
 mod alltoallv;
 mod bcast;
+mod mcast_bcast;
+pub mod resources;
 mod staged_allgather;
 
 use std::convert::Infallible;
@@ -34,6 +36,35 @@ use bootstrap::wire::{CollKind, CollMsg, PostDesc};
 pub struct StagedConfig {
     pub chunk_bytes: u64,
     pub slots: u32,
+}
+
+/// The multicast collectives' parameters (the same on every SP of a cluster: the machines
+/// check that their views agree): `serve --mcast-mtu`, `--mcast-subgroups`,
+/// `--mcast-link-mbps`, `--mcast-alpha-us`.
+#[derive(Clone, Copy, Debug)]
+pub struct McastParams {
+    pub mtu: u64,
+    pub subgroups: u16,
+    pub link_bytes_per_ns: u64,
+    pub alpha_ns: Nanos,
+}
+
+impl Default for McastParams {
+    fn default() -> Self {
+        McastParams {
+            mtu: 4096,
+            subgroups: 1,
+            link_bytes_per_ns: 1,
+            alpha_ns: 2_000_000,
+        }
+    }
+}
+
+/// What a new instance of any kind is configured with.
+#[derive(Clone, Copy, Debug)]
+pub struct KindConfig {
+    pub staged: StagedConfig,
+    pub mcast: McastParams,
 }
 
 impl StagedConfig {
@@ -98,6 +129,12 @@ pub enum Act {
         /// Hierarchical staged design: the data are in the segment; the host copies them
         /// before the rank may complete.
         from_segment: bool,
+    },
+    /// A request to the resources of the kind's family ([`resources::Resources`]); what
+    /// they finish for it comes back through [`CollDriver::handle_event`].
+    Resource {
+        family: bootstrap::kinds::Family,
+        req: resources::Payload,
     },
 }
 
@@ -176,6 +213,8 @@ pub trait CollDriver: Send {
     }
     /// Its deadline passed.
     fn tick(&mut self, _now: Nanos) {}
+    /// Its family's resources finished something for it (see [`Act::Resource`]).
+    fn handle_event(&mut self, _now: Nanos, _event: resources::Payload) {}
     fn poll_action(&mut self) -> Option<Act>;
     fn is_finished(&self) -> bool;
     fn copies_in_flight(&self) -> usize;
@@ -213,7 +252,7 @@ pub struct Inbound {
 /// A collective kind as the engine sees it.
 pub struct KindSpec {
     pub kind: CollKind,
-    pub new: fn(CollKey, SpId, StagedConfig) -> Box<dyn CollDriver>,
+    pub new: fn(CollKey, SpId, &KindConfig) -> Box<dyn CollDriver>,
     /// The message that aborts an instance of the kind on a peer.
     pub abort_msg: fn(Status) -> CollMsg,
     /// The replies that let peers finish when `msg` reaches an SP where its job is gone (no
@@ -238,11 +277,12 @@ pub struct KindSpec {
 }
 
 /// Every kind the engine serves.
-pub static KINDS: [&KindSpec; 4] = [
+pub static KINDS: [&KindSpec; 5] = [
     &alltoallv::SPEC,
     &allgatherv::SPEC,
     &bcast::SPEC,
     &staged_allgather::SPEC,
+    &mcast_bcast::SPEC,
 ];
 
 impl KindSpec {
@@ -268,8 +308,8 @@ pub fn kind_of(msg: &CollMsg) -> CollKind {
 }
 
 /// A new instance of `kind`.
-pub fn new(kind: CollKind, key: CollKey, me: SpId, staged: StagedConfig) -> Box<dyn CollDriver> {
-    (spec(kind).new)(key, me, staged)
+pub fn new(kind: CollKind, key: CollKey, me: SpId, cfg: &KindConfig) -> Box<dyn CollDriver> {
+    (spec(kind).new)(key, me, cfg)
 }
 
 /// The replies of `msg`'s kind (see [`KindSpec::refuse`]).
@@ -339,7 +379,7 @@ macro_rules! direct_driver {
             dst_rank, src_key, src_offset, dst_key, dst_offset, len
         });
 
-        fn new(key: CollKey, me: SpId, _: StagedConfig) -> Box<dyn CollDriver> {
+        fn new(key: CollKey, me: SpId, _: &super::KindConfig) -> Box<dyn CollDriver> {
             Box::new(Driver($m::$machine::new(key, $m::Config { me })))
         }
 

@@ -1,6 +1,6 @@
 //! The staged Iallgather, flat and hierarchical (`algorithms::staged_allgather`).
 
-use super::{Act, CollDriver, Inbound, KindSpec, LocalPost, StagedConfig};
+use super::{Act, CollDriver, Inbound, KindSpec, LocalPost};
 use algorithms::{staged_allgather, CollKey, Nanos, Rank, SpId, Status};
 use alias_mkey::AliasKey;
 use bootstrap::wire::{CollKind, CollMsg};
@@ -34,10 +34,10 @@ impl super::KindMsg for staged_allgather::Msg<AliasKey> {
 
 super::copy_act!(staged_allgather::Copy<AliasKey> => StageCopy { rank, src, dst, len });
 
-fn new(key: CollKey, me: SpId, staged: StagedConfig) -> Box<dyn CollDriver> {
+fn new(key: CollKey, me: SpId, cfg: &super::KindConfig) -> Box<dyn CollDriver> {
     Box::new(Driver(staged_allgather::StagedAllgather::new(
         key,
-        staged.machine(me),
+        cfg.staged.machine(me),
     )))
 }
 

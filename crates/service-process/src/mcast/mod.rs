@@ -8,6 +8,7 @@
 pub mod bench;
 pub mod datagram;
 pub mod fabric;
+pub mod plane;
 pub mod worker;
 
 use std::io;

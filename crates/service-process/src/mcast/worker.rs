@@ -131,6 +131,10 @@ fn next(x: &mut u64) -> u64 {
 pub struct Intake {
     colls: HashMap<u64, Coll>,
     events: Sender<Event>,
+    /// Called once events wait on the channel (the SP's loop waker), at most every
+    /// [`WAKE_EVERY`] events and when the sockets run dry.
+    wake: Option<Waker>,
+    unwoken: u32,
     pub stats: Arc<WorkerStats>,
     inject: Injection,
     rng: u64,
@@ -142,11 +146,19 @@ struct Loop {
     intake: Intake,
 }
 
+/// What a worker calls when it has queued events.
+pub type Waker = Arc<dyn Fn() + Send + Sync>;
+
+/// Events a worker queues before it wakes the SP even though its sockets still have more.
+const WAKE_EVERY: u32 = 32;
+
 impl Intake {
     pub fn new(events: Sender<Event>, inject: Injection) -> Intake {
         Intake {
             colls: HashMap::new(),
             events,
+            wake: None,
+            unwoken: 0,
             stats: Arc::new(WorkerStats::default()),
             inject,
             rng: inject.seed,
@@ -234,6 +246,20 @@ impl Intake {
             }
         };
         let _ = self.events.send(ev);
+        self.unwoken += 1;
+        if self.unwoken >= WAKE_EVERY {
+            self.wake_now();
+        }
+    }
+
+    /// Wakes the SP if events wait for it.
+    fn wake_now(&mut self) {
+        if self.unwoken > 0 {
+            self.unwoken = 0;
+            if let Some(w) = &self.wake {
+                w();
+            }
+        }
     }
 }
 
@@ -270,6 +296,7 @@ impl Loop {
         if !any {
             self.intake.flush();
         }
+        self.intake.wake_now();
         any
     }
 }
@@ -277,10 +304,21 @@ impl Loop {
 impl RecvWorker {
     /// Starts a worker whose events go to `events`, with faults `inject`.
     pub fn start(name: &str, events: Sender<Event>, inject: Injection) -> io::Result<RecvWorker> {
+        Self::start_waking(name, events, inject, None)
+    }
+
+    /// As [`RecvWorker::start`], calling `waker` whenever events wait on `events`.
+    pub fn start_waking(
+        name: &str,
+        events: Sender<Event>,
+        inject: Injection,
+        waker: Option<Waker>,
+    ) -> io::Result<RecvWorker> {
         let (cmds, rx): (Sender<Cmd>, Receiver<Cmd>) = crossbeam_channel::unbounded();
         let (wake, mut woken) = UnixStream::pair()?;
         woken.set_nonblocking(true)?;
-        let intake = Intake::new(events, inject);
+        let mut intake = Intake::new(events, inject);
+        intake.wake = waker;
         let stats = intake.stats.clone();
         let mut lp = Loop {
             socks: Vec::new(),

@@ -9,7 +9,7 @@ impl Server {
     pub(super) fn instance(&mut self, ck: CollKey, kind: CollKind) -> &mut Instance {
         if !self.instances.contains_key(&ck) {
             let mut inst = Instance {
-                sm: drivers::new(kind, ck, self.me, self.staged),
+                sm: drivers::new(kind, ck, self.me, &self.kind_cfg),
                 posted: HashMap::new(),
                 shape: None,
                 local_ranks: None,
@@ -353,6 +353,20 @@ impl Server {
                         inst.sm.handle_move_done(now, id, status);
                     }
                 }
+                Act::Resource { family, req } => {
+                    let done = match self.resources.of(family) {
+                        Some(r) => r.request(ck, req),
+                        None => Err(format!("this SP has no {family:?} resources")),
+                    };
+                    if let Err(why) = done {
+                        let line = format!("collective {ck:?} fails: {why}");
+                        self.client_warn(|| line);
+                        let now = now_ns(self.start);
+                        if let Some(inst) = self.instances.get_mut(&ck) {
+                            inst.sm.abort(now, Status::Aborted);
+                        }
+                    }
+                }
                 Act::Complete {
                     rank,
                     status,
@@ -386,6 +400,7 @@ impl Server {
                 self.stats
                     .add_late_arrivals(ck.job, done.sm.late_arrivals());
             }
+            self.resources.release(ck);
             if let Some(r) = self.regions.get_mut(&ck) {
                 r.finished = true;
             }
@@ -513,6 +528,29 @@ impl Server {
                 rank = h.hello.world_rank,
                 "cannot write completion: {e}"
             );
+        }
+    }
+}
+
+impl Server {
+    /// Feeds what the families' resources finished to their instances.
+    pub(super) fn on_resource_events(&mut self) {
+        let events = self.resources.poll();
+        if events.is_empty() {
+            return;
+        }
+        let now = now_ns(self.start);
+        let mut touched = Vec::new();
+        for (ck, ev) in events {
+            if let Some(inst) = self.instances.get_mut(&ck) {
+                inst.sm.handle_event(now, ev);
+                if !touched.contains(&ck) {
+                    touched.push(ck);
+                }
+            }
+        }
+        for ck in touched {
+            self.drive(ck);
         }
     }
 }

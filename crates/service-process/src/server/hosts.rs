@@ -210,6 +210,9 @@ impl Server {
                         sp,
                         segment,
                         serves,
+                        mcast_off: self
+                            .resources
+                            .unavailable(bootstrap::kinds::Family::Multicast),
                     }),
                 );
             }

@@ -36,9 +36,18 @@ impl Server {
         // would keep its instance open forever: drop what no copy still touches and cannot
         // complete (every instance of a failed job; one a local rank never posted).
         let failed = j.failed.is_some();
+        let mut dropped = Vec::new();
         self.instances.retain(|k, i| {
-            k.job != job || i.sm.copies_in_flight() > 0 || (!failed && i.all_local_posted())
+            let keep =
+                k.job != job || i.sm.copies_in_flight() > 0 || (!failed && i.all_local_posted());
+            if !keep {
+                dropped.push(*k);
+            }
+            keep
         });
+        for ck in dropped {
+            self.resources.release(ck);
+        }
         if !self.instances.keys().any(|k| k.job == job) {
             self.jobs.remove(&job);
             // No copy of the job is left: the datapath closes its UCX endpoints to the job's

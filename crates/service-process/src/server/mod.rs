@@ -135,6 +135,10 @@ pub struct ServeConfig {
     pub connect_backoff: Backoff,
     /// Chunk size and slots per instance of the staged collectives.
     pub staged: StagedConfig,
+    /// The multicast collectives' parameters, and their resources' set-up (`Err`: why this
+    /// SP runs no multicast collective, said to its hosts at registration).
+    pub mcast: drivers::McastParams,
+    pub mcast_plane: Result<crate::mcast::plane::PlaneConfig, String>,
     /// Staging memory of this SP, all instances together.
     pub staging_bytes: u64,
     /// Look at the connections (and the UCX worker) at this interval instead of sleeping
@@ -315,6 +319,10 @@ pub struct Server {
     /// Host copies that ended without being handed over, or answered, likewise.
     host_done: Vec<(CollKey, u64, Status)>,
     staged: StagedConfig,
+    /// What every new instance is configured with (`staged` and the multicast parameters).
+    kind_cfg: drivers::KindConfig,
+    /// The resources collective families own beyond the shared ones (`drivers::resources`).
+    resources: drivers::resources::Registry,
     /// With UCX on: the staging buffers are registered with UCX and granted to the
     /// parent in a staged broadcast's tree, which puts chunks straight into them. Declared before
     /// `budget` so that it unmaps them before the pool frees them.
@@ -489,6 +497,26 @@ impl Server {
             Err(e) => return Err(anyhow::anyhow!("cannot start the datapath: {e}")),
         };
         let ucx = stage_ucx.is_some();
+        let mut resources = drivers::resources::Registry::default();
+        let mcast_plane = cfg.mcast_plane.and_then(|mut pc| {
+            pc.movers = alias_mkey::mover::MoverConfig {
+                chunk_bytes: cfg.chunk_bytes,
+                ucx,
+                ucx_export: ucx,
+            };
+            crate::mcast::plane::Plane::start(pc, cfg.key.clone(), waker.clone())
+                .map_err(|e| format!("the multicast fabric cannot be opened here: {e}"))
+        });
+        match mcast_plane {
+            Ok(p) => resources.add(Box::new(p)),
+            Err(why) => {
+                info!(sp = cfg.sp, "no multicast collectives: {why}");
+                resources.add(Box::new(drivers::resources::Unavailable {
+                    family: bootstrap::kinds::Family::Multicast,
+                    why,
+                }));
+            }
+        }
         let mut server = Server {
             me: cfg.sp,
             cluster: cfg.cluster,
@@ -519,6 +547,11 @@ impl Server {
             inline_done: Vec::new(),
             host_done: Vec::new(),
             staged: cfg.staged,
+            kind_cfg: drivers::KindConfig {
+                staged: cfg.staged,
+                mcast: cfg.mcast,
+            },
+            resources,
             stage_ucx,
             peer_slots: HashMap::new(),
             ucx_moves: HashMap::new(),
@@ -681,6 +714,7 @@ impl Server {
                 self.close_doomed();
             }
             self.on_timers();
+            self.on_resource_events();
             loop {
                 self.on_copies_done();
                 self.close_doomed();
@@ -703,6 +737,7 @@ impl Server {
         s.ucx_endpoint_errors = eps.errors;
         s.jobs_at_exit = self.jobs.len() as u64;
         s.instances_at_exit = self.instances.len() as u64;
+        s.families = self.resources.counters().into_iter().collect();
         s
     }
 

@@ -192,7 +192,7 @@ fn wide_post(
     if f.lists_nodes {
         d.nodes = vec![0; p];
     }
-    if f.is_staged() {
+    if f.posts_staged_fields() {
         d.staged = Some(wire::Staged {
             root: 0,
             design: wire::StagedDesign::Flat,

@@ -1,0 +1,501 @@
+//! The multicast family's resources in the SP ([`crate::drivers::resources::Resources`]):
+//! the fabric's sockets, the receive workers (the DPA receive threads' stand-ins, §III-B) and
+//! the send workers (the root's SP multicasting, §III-A), what the multicast drivers ask of
+//! them and what they report back.
+//!
+//! - *Groups and ports per communicator*: a communicator's groups are the fabric's groups of
+//!   its slot (a keyed hash of the job and the communicator, modulo [`SLOTS`]), one address
+//!   per subgroup; every SP computes the same. Two communicators whose slots collide share
+//!   sockets, never bytes: every datagram names its collective (`coll`) and carries its tag.
+//! - *The tag* (the collective's secret, as an IB Q_Key): a MAC under the cluster key of the
+//!   collective's key, the same on every SP and unknown outside them. A datagram with another
+//!   tag, or for a collective not registered here, is dropped and counted by the worker
+//!   before anything is written.
+//! - *Landing*: a receive worker hands each new chunk to the registration's sink, which
+//!   writes it from the worker's receive buffer (its staging) into every local rank's buffer
+//!   through a mover of the worker's own thread (its grants' bounds and rights are checked
+//!   there), then reports it.
+//! - *Sending*: a send worker reads the root's buffer through its own mover, a run of chunks
+//!   at a time, and sends each chunk to its subgroup's group.
+
+use super::datagram::{self, Header};
+use super::fabric::{self, FabricConfig};
+use super::worker::{Event, Injection, RecvWorker, Registration, Sink, WorkerStats};
+use crate::drivers::resources::{Payload, Resources};
+use algorithms::{mcast_bcast, CollKey, Status};
+use alias_mkey::mover::{DynMover, Mover, MoverConfig};
+use alias_mkey::AliasKey;
+use bootstrap::auth::ClusterKey;
+use bootstrap::kinds::Family;
+use crossbeam_channel::{Receiver, Sender};
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::net::{SocketAddrV4, UdpSocket};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+/// Communicator slots of the fabric (each a port, and an address per subgroup).
+pub const SLOTS: u32 = 256;
+
+/// Chunks a send worker reads from the root's buffer at once.
+const SEND_RUN_CHUNKS: u64 = 64;
+
+/// What a multicast driver asks of the resources.
+pub enum McastReq {
+    /// Land the instance's chunks in these buffers from now on (returns once the workers
+    /// will: the receiver is then ready).
+    Register(mcast_bcast::Register<AliasKey>),
+    /// Land nothing more of the instance (returns once no chunk of it will land).
+    Unregister,
+    /// Multicast these chunks of the root's buffer; reported with
+    /// [`McastEvent::MulticastDone`].
+    Multicast(mcast_bcast::Multicast<AliasKey>),
+}
+
+/// What the resources report to a multicast driver.
+#[derive(Debug)]
+pub enum McastEvent {
+    /// Chunk `psn` is in every registered buffer.
+    Landed(u64),
+    /// A chunk could not be written into a registered buffer.
+    SinkFailed,
+    /// A multicast ended.
+    MulticastDone { id: u64, status: Status },
+}
+
+/// How the multicast resources are set up (`serve --mcast*`).
+#[derive(Clone, Debug)]
+pub struct PlaneConfig {
+    pub fabric: FabricConfig,
+    /// Subgroups per collective (`McastParams::subgroups`: every SP of the ring agreed on it
+    /// before the root's SP multicasts anything).
+    pub subgroups: u16,
+    pub recv_workers: usize,
+    pub send_workers: usize,
+    /// Faults injected on the receive side (tests, benchmarks).
+    pub inject: Injection,
+    /// Receive buffer of each subgroup socket (bytes).
+    pub rcvbuf: usize,
+    /// Movers of the worker threads (the SP's datapath's configuration).
+    pub movers: MoverConfig,
+}
+
+/// A send worker's job.
+struct SendJob {
+    ck: CollKey,
+    m: mcast_bcast::Multicast<AliasKey>,
+    group: SocketAddrV4,
+    coll: u64,
+    tag: u64,
+}
+
+/// Counters of the send side.
+#[derive(Default)]
+struct SendStats {
+    datagrams: AtomicU64,
+    bytes: AtomicU64,
+    failures: AtomicU64,
+}
+
+pub struct Plane {
+    cfg: PlaneConfig,
+    key: ClusterKey,
+    workers: Vec<RecvWorker>,
+    events: Receiver<Event>,
+    /// Subgroup sockets joined: (slot, subgroup) -> the worker that owns it.
+    joined: HashMap<(u32, u16), usize>,
+    /// The registered instances by their id on the fabric, and back.
+    by_coll: HashMap<u64, CollKey>,
+    by_ck: HashMap<CollKey, u64>,
+    send: Option<Sender<SendJob>>,
+    sent: Receiver<(CollKey, u64, Status)>,
+    senders: Vec<JoinHandle<()>>,
+    send_stats: Arc<SendStats>,
+    registrations: u64,
+    join_failures: u64,
+}
+
+/// This thread's mover (a receive or send worker's; made at first use).
+fn with_mover<R>(
+    cfg: &MoverConfig,
+    f: impl FnOnce(&mut DynMover) -> Result<R, String>,
+) -> Result<R, String> {
+    thread_local! {
+        static MOVER: RefCell<Option<DynMover>> = const { RefCell::new(None) };
+    }
+    MOVER.with(|m| {
+        let mut m = m.borrow_mut();
+        if m.is_none() {
+            *m = Some(DynMover::new(cfg).map_err(|e| format!("no mover: {e}"))?);
+        }
+        f(m.as_mut().expect("just made"))
+    })
+}
+
+/// Where a registered instance's chunks go: every local rank's buffer, chunk `psn` at
+/// `psn * mtu`.
+struct RankSink {
+    keys: Vec<AliasKey>,
+    mtu: u64,
+    len: u64,
+    movers: MoverConfig,
+}
+
+impl Sink for RankSink {
+    fn land(&self, psn: u32, payload: &[u8]) -> Result<(), String> {
+        let at = u64::from(psn) * self.mtu;
+        let end = at + payload.len() as u64;
+        let want = (self.len - at.min(self.len)).min(self.mtu);
+        if at > self.len || payload.len() as u64 != want {
+            return Err(format!(
+                "chunk {psn} of {} bytes does not fit a {}-byte message",
+                payload.len(),
+                self.len
+            ));
+        }
+        if payload.is_empty() {
+            return Ok(());
+        }
+        with_mover(&self.movers, |m| {
+            for k in &self.keys {
+                m.write(k, at, payload)
+                    .map_err(|e| format!("writing bytes {at}..{end}: {e}"))?;
+            }
+            Ok(())
+        })
+    }
+}
+
+impl Plane {
+    /// The multicast resources: `recv_workers` receive workers and `send_workers` send
+    /// workers; `wake` wakes the SP's loop when they have something for it.
+    pub fn start(
+        cfg: PlaneConfig,
+        key: ClusterKey,
+        wake: Arc<mio::Waker>,
+    ) -> std::io::Result<Plane> {
+        // The sending socket is made first: a fabric the SP cannot send on fails here.
+        let probe = fabric::sender(&cfg.fabric)?;
+        drop(probe);
+        let (ev_tx, ev_rx) = crossbeam_channel::unbounded();
+        let waker: super::worker::Waker = {
+            let w = wake.clone();
+            Arc::new(move || {
+                let _ = w.wake();
+            })
+        };
+        let mut workers = Vec::new();
+        for i in 0..cfg.recv_workers.max(1) {
+            let inject = Injection {
+                seed: cfg.inject.seed.wrapping_add(i as u64),
+                ..cfg.inject
+            };
+            workers.push(RecvWorker::start_waking(
+                &format!("mcast-recv-{i}"),
+                ev_tx.clone(),
+                inject,
+                Some(waker.clone()),
+            )?);
+        }
+        let (job_tx, job_rx) = crossbeam_channel::unbounded::<SendJob>();
+        let (done_tx, done_rx) = crossbeam_channel::unbounded();
+        let send_stats = Arc::new(SendStats::default());
+        let mut senders = Vec::new();
+        for i in 0..cfg.send_workers.max(1) {
+            let sock = fabric::sender(&cfg.fabric)?;
+            let rx = job_rx.clone();
+            let tx: Sender<(CollKey, u64, Status)> = done_tx.clone();
+            let wake = wake.clone();
+            let movers = cfg.movers.clone();
+            let stats = send_stats.clone();
+            senders.push(
+                std::thread::Builder::new()
+                    .name(format!("mcast-send-{i}"))
+                    .spawn(move || {
+                        for job in rx {
+                            let status = match send_run(&sock, &movers, &job, &stats) {
+                                Ok(()) => Status::Ok,
+                                Err(why) => {
+                                    stats.failures.fetch_add(1, Ordering::Relaxed);
+                                    tracing::warn!(ck = ?job.ck, "multicast failed: {why}");
+                                    Status::AccessError
+                                }
+                            };
+                            if tx.send((job.ck, job.m.id.0, status)).is_err() {
+                                return;
+                            }
+                            let _ = wake.wake();
+                        }
+                    })?,
+            );
+        }
+        Ok(Plane {
+            cfg,
+            key,
+            workers,
+            events: ev_rx,
+            joined: HashMap::new(),
+            by_coll: HashMap::new(),
+            by_ck: HashMap::new(),
+            send: Some(job_tx),
+            sent: done_rx,
+            senders,
+            send_stats,
+            registrations: 0,
+            join_failures: 0,
+        })
+    }
+
+    /// The communicator slot, fabric id and tag of instance `ck` (the same on every SP).
+    fn names(&self, ck: CollKey) -> (u32, u64, u64) {
+        let job = ck.job.to_le_bytes();
+        let leader = ck.comm.leader.to_le_bytes();
+        let comm = format!("{:?}", ck.comm);
+        let seq = ck.seq.to_le_bytes();
+        let slot_mac = self
+            .key
+            .mac("spoff mcast slot", &[&job, &leader, comm.as_bytes()]);
+        let mac = self
+            .key
+            .mac("spoff mcast coll", &[&job, comm.as_bytes(), &seq]);
+        let word = |b: &[u8]| u64::from_le_bytes(b[..8].try_into().expect("8 bytes"));
+        let slot = (word(slot_mac.as_ref()) % u64::from(SLOTS)) as u32;
+        (slot, word(&mac.as_ref()[..8]), word(&mac.as_ref()[8..16]))
+    }
+
+    fn group(&self, slot: u32, sub: u16, subgroups: u16) -> SocketAddrV4 {
+        self.cfg.fabric.group(slot, sub, subgroups)
+    }
+
+    /// Joins the groups of `slot` not joined yet, each socket given to a worker in turn.
+    fn join(&mut self, slot: u32, subgroups: u16) -> Result<(), String> {
+        for sub in 0..subgroups {
+            if self.joined.contains_key(&(slot, sub)) {
+                continue;
+            }
+            let group = self.group(slot, sub, subgroups);
+            let s = fabric::receiver(group, self.cfg.fabric.interface, self.cfg.rcvbuf).map_err(
+                |e| {
+                    self.join_failures += 1;
+                    format!("cannot join the multicast group {group}: {e}")
+                },
+            )?;
+            let w = self.joined.len() % self.workers.len();
+            self.workers[w].add_socket(s);
+            self.joined.insert((slot, sub), w);
+        }
+        Ok(())
+    }
+
+    fn unregister(&mut self, ck: CollKey) {
+        if let Some(coll) = self.by_ck.remove(&ck) {
+            for w in &self.workers {
+                w.unregister(coll);
+            }
+            self.by_coll.remove(&coll);
+        }
+    }
+}
+
+/// Sends the chunks of one multicast: runs of the root's buffer read through this thread's
+/// mover, each chunk one datagram.
+fn send_run(
+    sock: &UdpSocket,
+    movers: &MoverConfig,
+    job: &SendJob,
+    stats: &SendStats,
+) -> Result<(), String> {
+    let m = &job.m;
+    let chunks = u32::try_from(m.chunks).map_err(|_| "too many chunks".to_string())?;
+    let mtu = m.mtu.max(1);
+    let mut buf = Vec::new();
+    let mut out = Vec::with_capacity(datagram::HEADER_BYTES + mtu as usize);
+    let mut psn = m.first_psn;
+    let end_psn = m.first_psn + m.psns;
+    while psn < end_psn {
+        let run = (end_psn - psn).min(SEND_RUN_CHUNKS);
+        let from = m.offset + (psn - m.first_psn) * mtu;
+        let to = (from + run * mtu).min(m.offset + m.len);
+        buf.resize((to - from) as usize, 0);
+        if !buf.is_empty() {
+            with_mover(movers, |mv| {
+                mv.read(&m.key, from, &mut buf)
+                    .map_err(|e| format!("reading the root's bytes {from}..{to}: {e}"))
+            })?;
+        }
+        for i in 0..run {
+            let a = (i * mtu) as usize;
+            let b = ((i + 1) * mtu).min(buf.len() as u64) as usize;
+            let payload = &buf[a.min(b)..b];
+            let h = Header {
+                subgroup: m.subgroup,
+                coll: job.coll,
+                tag: job.tag,
+                psn: (psn + i) as u32,
+                chunks,
+            };
+            datagram::encode(&h, payload, &mut out);
+            loop {
+                match sock.send_to(&out, job.group) {
+                    Ok(_) => break,
+                    // The sender's own buffer is full: wait for it (only receivers drop).
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                        std::thread::yield_now()
+                    }
+                    Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => std::thread::yield_now(),
+                    Err(e) => return Err(format!("sending to {}: {e}", job.group)),
+                }
+            }
+            stats.datagrams.fetch_add(1, Ordering::Relaxed);
+            stats.bytes.fetch_add(out.len() as u64, Ordering::Relaxed);
+        }
+        psn += run;
+    }
+    Ok(())
+}
+
+impl Resources for Plane {
+    fn family(&self) -> Family {
+        Family::Multicast
+    }
+
+    fn unavailable(&self) -> Option<String> {
+        None
+    }
+
+    fn request(&mut self, ck: CollKey, req: Payload) -> Result<(), String> {
+        let req = req
+            .downcast::<McastReq>()
+            .map_err(|_| "not a multicast request".to_string())?;
+        match *req {
+            McastReq::Register(r) => {
+                let chunks = u32::try_from(r.chunks)
+                    .map_err(|_| format!("{} chunks: too many for one collective", r.chunks))?;
+                let (slot, coll, tag) = self.names(ck);
+                if r.subgroups != self.cfg.subgroups {
+                    return Err(format!(
+                        "{} subgroups asked, this SP's fabric has {}",
+                        r.subgroups, self.cfg.subgroups
+                    ));
+                }
+                self.join(slot, self.cfg.subgroups.max(1))?;
+                let sink = Arc::new(RankSink {
+                    keys: r.keys.into_iter().map(|(_, k)| k).collect(),
+                    mtu: r.mtu.max(1),
+                    len: r.len,
+                    movers: self.cfg.movers.clone(),
+                });
+                // Every worker: the instance's subgroups may be spread over all of them.
+                for w in &self.workers {
+                    w.register(Registration {
+                        coll,
+                        tag,
+                        chunks,
+                        sink: sink.clone(),
+                    });
+                }
+                self.by_coll.insert(coll, ck);
+                self.by_ck.insert(ck, coll);
+                self.registrations += 1;
+                Ok(())
+            }
+            McastReq::Unregister => {
+                self.unregister(ck);
+                Ok(())
+            }
+            McastReq::Multicast(m) => {
+                let (slot, coll, tag) = self.names(ck);
+                let group = self.group(slot, m.subgroup, self.cfg.subgroups);
+                let job = SendJob {
+                    ck,
+                    m,
+                    group,
+                    coll,
+                    tag,
+                };
+                self.send
+                    .as_ref()
+                    .expect("send workers run while the plane lives")
+                    .send(job)
+                    .map_err(|_| "the send workers are gone".to_string())
+            }
+        }
+    }
+
+    fn poll(&mut self, out: &mut Vec<(CollKey, Payload)>) {
+        while let Ok(ev) = self.events.try_recv() {
+            let (coll, e) = match ev {
+                Event::Landed { coll, psn } => (coll, McastEvent::Landed(u64::from(psn))),
+                Event::SinkFailed { coll, psn, why } => {
+                    tracing::warn!(coll, psn, "landing a multicast chunk failed: {why}");
+                    (coll, McastEvent::SinkFailed)
+                }
+            };
+            // A chunk landed just before its instance unregistered: nobody waits for it.
+            if let Some(&ck) = self.by_coll.get(&coll) {
+                out.push((ck, Box::new(e)));
+            }
+        }
+        while let Ok((ck, id, status)) = self.sent.try_recv() {
+            out.push((ck, Box::new(McastEvent::MulticastDone { id, status })));
+        }
+    }
+
+    fn release(&mut self, ck: CollKey) {
+        self.unregister(ck);
+    }
+
+    fn counters(&self) -> Vec<(&'static str, u64)> {
+        let mut t = [0u64; 11];
+        for w in &self.workers {
+            let s = &w.stats;
+            for (i, c) in [
+                &s.datagrams,
+                &s.bytes,
+                &s.landed,
+                &s.duplicates,
+                &s.malformed,
+                &s.unknown_coll,
+                &s.bad_tag,
+                &s.injected_drops,
+                &s.reordered,
+                &s.overflow_drops,
+                &s.sink_failures,
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                t[i] += WorkerStats::get(c);
+            }
+        }
+        let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        vec![
+            ("mcast_datagrams_received", t[0]),
+            ("mcast_bytes_received", t[1]),
+            ("mcast_chunks_landed", t[2]),
+            ("mcast_duplicates", t[3]),
+            ("mcast_malformed", t[4]),
+            ("mcast_unknown_coll", t[5]),
+            ("mcast_bad_tag", t[6]),
+            ("mcast_injected_drops", t[7]),
+            ("mcast_reordered", t[8]),
+            ("mcast_overflow_drops", t[9]),
+            ("mcast_sink_failures", t[10]),
+            ("mcast_datagrams_sent", g(&self.send_stats.datagrams)),
+            ("mcast_bytes_sent", g(&self.send_stats.bytes)),
+            ("mcast_send_failures", g(&self.send_stats.failures)),
+            ("mcast_registrations", self.registrations),
+            ("mcast_join_failures", self.join_failures),
+        ]
+    }
+}
+
+impl Drop for Plane {
+    fn drop(&mut self) {
+        self.send.take();
+        for t in self.senders.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
