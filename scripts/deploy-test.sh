@@ -15,7 +15,7 @@
 # attach to the ranks with cma instead of UCX grants), DEPLOY_HOST_COPIES=0 (turn the blocking
 # allgathers' host copies off in the ranks), DEPLOY_JOB_ENV="-x VAR=VALUE ..." (more for the ranks),
 # KEEP_RUN_DIR=1 (keep the logs), DEPLOY_ONLY=rejoin|fault-sp with ROUNDS=N (that phase alone, N
-# times: to chase a rare failure), DEPLOY_ONLY=srun-sps (the Slurm phase alone). docs/DEPLOY.md says what it proves and what not.
+# times: to chase a rare failure), DEPLOY_ONLY=srun-sps|mcast (the Slurm or multicast phase alone). docs/DEPLOY.md says what it proves and what not.
 # Prints one summary line at the end:
 #   deploy-test: N jobs, M offloaded, K faults handled, 0 left behind, in S s
 set -euo pipefail
@@ -307,6 +307,34 @@ correctness() {
   done
 }
 
+# mcast_phase: the multicast Bcast across the namespace cluster (SPOFF_BCAST_DESIGN=mcast). One
+# rank on each of two nodes: the root's SP never lands its own chunks, and the only other SP
+# with a rank is on the other node, so every chunk landed crossed the bridge between the DPU
+# namespaces as a multicast datagram (TTL 1 out of the SP's peer address). The job must be
+# byte-correct (conform against PMPI_Bcast), take the multicast design, and land chunks.
+mcast_phase() {
+  local label=mcast-bcast landed sent
+  landed=$(dt_counter mcast_chunks_landed)
+  sent=$(dt_counter mcast_datagrams_sent)
+  local saved=("${DT_JOB_ENV[@]}")
+  DT_JOB_ENV+=(-x SPOFF_BCAST_DESIGN=mcast)
+  if dt_job "$label" ok 300 1+1 1 -- "$RUN/progs/conform" --cases "$cases" --seed "$seed" \
+    --timeout 30 --colls bcast,ibcast; then
+    dt_check "$label" ': ok, ' 2 || true
+  fi
+  DT_JOB_ENV=("${saved[@]}")
+  if grep -q 'SPOFF_BCAST_DESIGN=mcast:' "$RUN/job-$label.err" "$RUN/job-$label.out" 2>/dev/null; then
+    fail "$label: the multicast design was not taken: $(grep -h -m1 'SPOFF_BCAST_DESIGN=mcast:' "$RUN/job-$label.err" "$RUN/job-$label.out" | cut -c1-200)"
+  fi
+  landed=$(( $(dt_counter mcast_chunks_landed) - landed ))
+  sent=$(( $(dt_counter mcast_datagrams_sent) - sent ))
+  if [ "$landed" -gt 0 ] && [ "$sent" -gt 0 ]; then
+    say "$label: 2 ranks on 2 nodes ok; $sent datagrams multicast, $landed chunks landed across the DPU namespaces"
+  else
+    fail "$label: no multicast crossed the namespaces ($sent datagrams sent, $landed chunks landed)"
+  fi
+}
+
 # dt_conns I dpu|host: established TCP connections in node I's DPU namespace whose far end is
 # a DPU (SP to SP) or a host (a rank to its SP).
 dt_conns() {
@@ -370,7 +398,7 @@ dt_job_bg() {
 dt_wait_posts() {
   local t
   for t in $(seq 1 600); do
-    [ "$(dt_counter_of "$1" posts)" -gt "$2" ] && return 0
+    [ "$(dt_counter_of "$1" posts)" -gt "$2" ] 2>/dev/null && return 0
     kill -0 "$job_pid" 2>/dev/null || return 1
     sleep 0.1
   done
@@ -424,7 +452,7 @@ fault_kill_sp() {
   local mapping=$3 label=fault-sp-$DT_FAULT_SP_ROUND victim=$(( ($1 - 1) * $2 ))
   dt_wait_gone "$RUN/progs/conform" 30 || fail "$label: ranks of an earlier job still run 30 s after it ended"
   local base
-  base=$(dt_counter_of "$victim" posts)
+  base=$(dt_counter_of "$victim" posts) || { fail "$label: SP $victim does not answer stats"; return; }
   dt_job_bg "$label" 180 "$mapping" -- "$RUN/progs/conform" --cases 100000 --seed "$seed" --timeout 60
   dt_wait_posts "$victim" "$base" || { fail "$label: SP $victim never served a post"; wait "$job_pid" || true; return; }
   kill -0 "$job_pid" 2>/dev/null || { fail "$label: the job ended before the fault"; wait "$job_pid" || true; return; }
@@ -453,7 +481,7 @@ fault_kill_rank() {
   local mapping=$1 label=fault-rank
   dt_wait_gone "$RUN/progs/conform" 30 || fail "$label: ranks of an earlier job still run 30 s after it ended"
   local base
-  base=$(dt_counter_of 0 posts)
+  base=$(dt_counter_of 0 posts) || { fail "$label: SP 0 does not answer stats"; return; }
   dt_job_bg "$label" 180 "$mapping" -- "$RUN/progs/conform" --cases 100000 --seed "$seed" --timeout 60
   dt_wait_posts 0 "$base" || { fail "$label: SP 0 never served a post"; wait "$job_pid" || true; return; }
   # A rank of this job: its environment holds this job's credential (a rank of the job before,
@@ -504,7 +532,7 @@ rejoin_phase() {
     if [ "$round" = 1 ]; then victims=(2); else victims=(2 3); fi
     label=rejoin-$round
     local base
-    base=$(dt_counter_of 2 posts)
+    base=$(dt_counter_of 2 posts) || { fail "$label: SP 2 does not answer stats"; break; }
     dt_job_bg "$label" 180 2+2 -- "$RUN/progs/conform" --cases 100000 --seed "$seed" --timeout 60
     dt_wait_posts 2 "$base" || { fail "$label: SP 2 never served a post"; wait "$job_pid" || true; break; }
     local t0
@@ -519,15 +547,15 @@ rejoin_phase() {
     for id in 0 1; do
       joined=0
       for t in $(seq 1 100); do
-        joined=$(dt_counter_of "$id" peers_joined)
+        joined=$(dt_counter_of "$id" peers_joined) || joined=0
         [ "$joined" -ge "$want" ] && break
         sleep 0.2
       done
       [ "$joined" -ge "$want" ] || fail "$label: SP $id took back $joined SPs, not $want, 20 s after the restart"
     done
-    base=$(dt_counter_of 2 posts)
+    base=$(dt_counter_of 2 posts) || { fail "$label: SP 2 does not answer stats"; break; }
     correctness 2 2 2+2
-    [ "$(dt_counter_of 2 posts)" -gt "$base" ] || fail "$label: the restarted SP 2 served no post of the next job"
+    [ "$(dt_counter_of 2 posts)" -gt "$base" ] 2>/dev/null || fail "$label: the restarted SP 2 served no post of the next job"
     say "$label: SPs ${victims[*]} rejoined; SP 0 and 1 count $want joins; the next job used them"
   done
   touch "$stop"
@@ -598,18 +626,20 @@ run_all() {
   case "${DEPLOY_ONLY:-}" in
     "") ;;
     rejoin) dt_cluster_up 2; rejoin_phase "${ROUNDS:-2}"; return ;;
+    mcast) dt_cluster_up 2; sps_up 2 2; mcast_phase; sps_down; return ;;
     srun-sps) dt_cluster_up 2; sps_up 2 2; slurm_phase 2; sps_down; return ;;
     fault-sp)
       dt_cluster_up 4
       for r in $(seq 1 "${ROUNDS:-3}"); do sps_up 4 2; fault_kill_sp 4 2 2+2+2+2; sps_down; done
       return ;;
-    *) dt_die "DEPLOY_ONLY=$DEPLOY_ONLY: expected rejoin, fault-sp or srun-sps" ;;
+    *) dt_die "DEPLOY_ONLY=$DEPLOY_ONLY: expected rejoin, fault-sp, srun-sps or mcast" ;;
   esac
   if [ "$SHORT" = 1 ]; then
     dt_cluster_up 2
     echo "-- namespaces: $(ip netns list | awk '{print $1}' | grep "^$DT_PREFIX" | sed "s/^$DT_PREFIX//" | tr '\n' ' ')"
     phase 2 2 "$uniform2"
     [ "$place_from_mpi" = 1 ] && correctness 2 2 3+1
+    mcast_phase
     slurm_phase 2
     show_connections "$uniform2"
     bench 1+1
@@ -629,6 +659,7 @@ run_all() {
   sps_down
   phase 2 2 "$uniform2"
   [ "$place_from_mpi" = 1 ] && correctness 2 2 3+1
+  mcast_phase
   slurm_phase 2
   show_connections "$uniform2"
   fault_kill_rank "$uniform2"

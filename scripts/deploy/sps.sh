@@ -144,19 +144,32 @@ dt_sps_stop() {
   DT_SP_PIDS=()
 }
 
-# Sum of one counter over every SP of the running cluster (from `service-process stats --json`,
-# asked from the fabric namespace).
-dt_counter() {
-  local json
-  json=$(ip netns exec "$DT_FAB" "$SP" stats --cluster "$DT_CLUSTER" --key "$DT_KEY" --json 2>/dev/null || true)
-  { grep -o "\"$1\":[0-9]*" <<< "$json" || true; } | cut -d: -f2 | awk '{s+=$1} END{print s+0}'
+# The counters of the SPs that answer now, one JSON line each (`service-process stats --json`,
+# asked from the fabric namespace). The record an SP that does not answer left when it stopped
+# or at its last job's end (`stats` prints it too, marked by "as_of_unix"/"stopped_at_unix") is
+# not an answer: counting it made a fault round read an old SP's posts as the new one's, or a
+# silent SP's as 0, and kill its SP before the job had reached it (issue 25).
+dt_live_stats() {
+  { ip netns exec "$DT_FAB" "$SP" stats --cluster "$DT_CLUSTER" --key "$DT_KEY" --json 2>/dev/null || true; } |
+    { grep -v -E '"(as_of|stopped_at)_unix"' || true; }
 }
-# The same counter of one SP.
+# Sum of one counter over every SP that answers.
+dt_counter() {
+  { grep -o "\"$1\":[0-9]*" <<< "$(dt_live_stats)" || true; } | cut -d: -f2 | awk '{s+=$1} END{print s+0}'
+}
+# dt_counter_of SP NAME: that counter of one SP as it answers now, asked up to 10 times over 5 s;
+# nothing (status 1) if it never answers, never a guess.
 dt_counter_of() {
-  local json
-  json=$(ip netns exec "$DT_FAB" "$SP" stats --cluster "$DT_CLUSTER" --key "$DT_KEY" --json 2>/dev/null || true)
-  { grep "\"sp\":$1[,}]" <<< "$json" || true; } | { grep -o "\"$2\":[0-9]*" || true; } |
-    cut -d: -f2 | awk '{s+=$1} END{print s+0}'
+  local t line
+  for t in $(seq 1 10); do
+    line=$({ grep "\"sp\":$1[,}]" <<< "$(dt_live_stats)" || true; } | head -1)
+    if [ -n "$line" ]; then
+      { grep -o "\"$2\":[0-9]*" <<< "$line" || echo ":0"; } | head -1 | cut -d: -f2
+      return 0
+    fi
+    sleep 0.5
+  done
+  return 1
 }
 
 # dt_hostfile FILE SPEC: SPEC is "a+b+c" ranks per node (node1 gets a slots, ...).
