@@ -285,12 +285,14 @@ pub fn machine(data: &[u8]) {
                 // multicast done, a chunk that could not land), and the clock.
                 let Some(s) = c.byte() else { break };
                 use crate::mcast::plane::McastEvent;
-                let ev = match s % 4 {
-                    0 | 1 => McastEvent::Landed(u64::from(s / 4)),
+                let ev = match s % 6 {
+                    0 | 1 => McastEvent::Landed(u64::from(s / 6)),
                     2 => McastEvent::MulticastDone {
                         id: ids.pop().unwrap_or(s as u64),
                         status: statuses[s as usize % statuses.len()],
                     },
+                    3 => McastEvent::Registered,
+                    4 => McastEvent::Unregistered,
                     _ => McastEvent::SinkFailed,
                 };
                 m.handle_event(now, Box::new(ev));

@@ -26,7 +26,11 @@ pub static SPEC: KindSpec = KindSpec {
     state_bytes_per_member: 64,
 };
 
-struct Driver(mcast_bcast::McastBcast<AliasKey>);
+/// The machine, and whether it waits for its resources to take a registration or an
+/// unregistration (the machine's next actions, a `Ready` after a `Register`, the completions
+/// after an `Unregister`, are held back until they did: the machine's driver obligation, kept
+/// without the SP's loop ever waiting for a receive worker).
+struct Driver(mcast_bcast::McastBcast<AliasKey>, bool);
 
 impl super::KindMsg for mcast_bcast::Msg<AliasKey> {
     fn into_coll(self) -> CollMsg {
@@ -36,16 +40,19 @@ impl super::KindMsg for mcast_bcast::Msg<AliasKey> {
 
 fn new(key: CollKey, me: SpId, cfg: &KindConfig) -> Box<dyn CollDriver> {
     let m = cfg.mcast;
-    Box::new(Driver(mcast_bcast::McastBcast::new(
-        key,
-        mcast_bcast::Config {
-            me,
-            mtu: m.mtu,
-            subgroups: m.subgroups,
-            link_bytes_per_ns: m.link_bytes_per_ns,
-            alpha_ns: m.alpha_ns,
-        },
-    )))
+    Box::new(Driver(
+        mcast_bcast::McastBcast::new(
+            key,
+            mcast_bcast::Config {
+                me,
+                mtu: m.mtu,
+                subgroups: m.subgroups,
+                link_bytes_per_ns: m.link_bytes_per_ns,
+                alpha_ns: m.alpha_ns,
+            },
+        ),
+        false,
+    ))
 }
 
 /// The post names its root in the staged fields; it has no design of its own and no segment.
@@ -109,7 +116,53 @@ impl From<mcast_bcast::Action<AliasKey>> for Act {
 }
 
 impl CollDriver for Driver {
-    super::delegate!(CollMsg::McastBcast, mcast_bcast::CopyId);
+    fn kind(&self) -> CollKind {
+        SPEC.kind
+    }
+    fn handle_msg(&mut self, now: Nanos, from: SpId, msg: CollMsg) -> Result<(), String> {
+        match msg {
+            CollMsg::McastBcast(m) => self.0.handle_msg(now, from, m).map_err(|e| e.to_string()),
+            m => Err(format!(
+                "a {:?} message for an instance of {}",
+                m.kind(),
+                SPEC.facts().name
+            )),
+        }
+    }
+    fn handle_copy_done(&mut self, now: Nanos, id: u64, status: Status) {
+        self.0
+            .handle_copy_done(now, mcast_bcast::CopyId(id), status)
+    }
+    fn handle_peer_lost(&mut self, now: Nanos, sp: SpId) {
+        self.0.handle_peer_lost(now, sp)
+    }
+    fn handle_rank_lost(&mut self, now: Nanos, rank: Rank) {
+        self.0.handle_rank_lost(now, rank)
+    }
+    fn abort(&mut self, now: Nanos, status: Status) {
+        self.0.abort(now, status)
+    }
+    fn is_finished(&self) -> bool {
+        !self.1 && self.0.is_finished()
+    }
+    /// A registration the workers have not confirmed counts as in flight: the instance is
+    /// not dropped with its job before they did.
+    fn copies_in_flight(&self) -> usize {
+        self.0.copies_in_flight() + usize::from(self.1)
+    }
+    fn poll_action(&mut self) -> Option<Act> {
+        if self.1 {
+            return None;
+        }
+        let a = self.0.poll_action()?;
+        if matches!(
+            a,
+            mcast_bcast::Action::Register(_) | mcast_bcast::Action::Unregister
+        ) {
+            self.1 = true;
+        }
+        Some(Act::from(a))
+    }
 
     fn handle_post(&mut self, now: Nanos, p: LocalPost) -> Result<(), String> {
         let d = p.desc;
@@ -145,6 +198,7 @@ impl CollDriver for Driver {
             return;
         };
         match *ev {
+            McastEvent::Registered | McastEvent::Unregistered => self.1 = false,
             McastEvent::Landed(psn) => self.0.handle_landed(now, psn),
             McastEvent::MulticastDone { id, status } => {
                 self.0

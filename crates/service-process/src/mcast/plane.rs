@@ -43,10 +43,11 @@ const SEND_RUN_CHUNKS: u64 = 64;
 
 /// What a multicast driver asks of the resources.
 pub enum McastReq {
-    /// Land the instance's chunks in these buffers from now on (returns once the workers
-    /// will: the receiver is then ready).
+    /// Land the instance's chunks in these buffers from now on; [`McastEvent::Registered`]
+    /// once every worker will (the receiver is then ready). Never waits for a worker.
     Register(mcast_bcast::Register<AliasKey>),
-    /// Land nothing more of the instance (returns once no chunk of it will land).
+    /// Land nothing more of the instance; [`McastEvent::Unregistered`] once no chunk of it
+    /// lands any more. Never waits for a worker.
     Unregister,
     /// Multicast these chunks of the root's buffer; reported with
     /// [`McastEvent::MulticastDone`].
@@ -56,6 +57,10 @@ pub enum McastReq {
 /// What the resources report to a multicast driver.
 #[derive(Debug)]
 pub enum McastEvent {
+    /// The receive workers land the instance's chunks from now on (its receiver is ready).
+    Registered,
+    /// No chunk of the instance lands any more.
+    Unregistered,
     /// Chunk `psn` is in every registered buffer.
     Landed(u64),
     /// A chunk could not be written into a registered buffer.
@@ -114,6 +119,15 @@ pub struct Plane {
     send_stats: Arc<SendStats>,
     registrations: u64,
     join_failures: u64,
+    wake: Arc<mio::Waker>,
+    /// Workers' acknowledgements: (fabric id, registered or unregistered).
+    acks: Receiver<(u64, bool)>,
+    ack_tx: Sender<(u64, bool)>,
+    /// Registrations and unregistrations waiting for workers: (fabric id, registering) ->
+    /// (instance, acknowledgements still to come).
+    pending: HashMap<(u64, bool), (CollKey, usize)>,
+    /// Events decided without a worker (an unregistration of nothing registered).
+    ready: Vec<(CollKey, McastEvent)>,
 }
 
 /// This thread's mover (a receive or send worker's; made at first use).
@@ -160,6 +174,33 @@ impl Sink for RankSink {
         with_mover(&self.movers, |m| {
             for k in &self.keys {
                 m.write(k, at, payload)
+                    .map_err(|e| format!("writing bytes {at}..{end}: {e}"))?;
+            }
+            Ok(())
+        })
+    }
+
+    /// A run of consecutive chunks, written with one mover call per buffer.
+    fn land_run(&self, first: u32, unit: usize, data: &[u8]) -> Result<(), String> {
+        let count = data.len().div_ceil(unit.max(1)).max(1) as u64;
+        if count == 1 {
+            return self.land(first, data);
+        }
+        let at = u64::from(first) * self.mtu;
+        let want = (at + count * self.mtu).min(self.len).saturating_sub(at);
+        if unit as u64 != self.mtu || data.len() as u64 != want {
+            return Err(format!(
+                "a run of {count} chunks from {first} ({} bytes, {unit} each) does not fit a \
+                 {}-byte message of {}-byte chunks",
+                data.len(),
+                self.len,
+                self.mtu
+            ));
+        }
+        let end = at + want;
+        with_mover(&self.movers, |m| {
+            for k in &self.keys {
+                m.write(k, at, data)
                     .map_err(|e| format!("writing bytes {at}..{end}: {e}"))?;
             }
             Ok(())
@@ -230,7 +271,13 @@ impl Plane {
                     })?,
             );
         }
+        let (ack_tx, acks) = crossbeam_channel::unbounded();
         Ok(Plane {
+            wake,
+            acks,
+            ack_tx,
+            pending: HashMap::new(),
+            ready: Vec::new(),
             cfg,
             key,
             workers,
@@ -288,12 +335,27 @@ impl Plane {
         Ok(())
     }
 
+    /// An acknowledgement that calls back into the plane (its channel, then the SP's waker).
+    fn ack(&self, coll: u64, registering: bool) -> super::worker::Ack {
+        let (tx, wake) = (self.ack_tx.clone(), self.wake.clone());
+        Box::new(move || {
+            let _ = tx.send((coll, registering));
+            let _ = wake.wake();
+        })
+    }
+
+    /// Has every worker forget `ck`'s registration; [`McastEvent::Unregistered`] follows once
+    /// they all did (at once if nothing was registered).
     fn unregister(&mut self, ck: CollKey) {
-        if let Some(coll) = self.by_ck.remove(&ck) {
-            for w in &self.workers {
-                w.unregister(coll);
+        match self.by_ck.remove(&ck) {
+            Some(coll) => {
+                self.pending.remove(&(coll, true));
+                self.pending.insert((coll, false), (ck, self.workers.len()));
+                for w in &self.workers {
+                    w.unregister_then(coll, self.ack(coll, false));
+                }
             }
-            self.by_coll.remove(&coll);
+            None => self.ready.push((ck, McastEvent::Unregistered)),
         }
     }
 }
@@ -387,13 +449,17 @@ impl Resources for Plane {
                     movers: self.cfg.movers.clone(),
                 });
                 // Every worker: the instance's subgroups may be spread over all of them.
+                self.pending.insert((coll, true), (ck, self.workers.len()));
                 for w in &self.workers {
-                    w.register(Registration {
-                        coll,
-                        tag,
-                        chunks,
-                        sink: sink.clone(),
-                    });
+                    w.register_then(
+                        Registration {
+                            coll,
+                            tag,
+                            chunks,
+                            sink: sink.clone(),
+                        },
+                        self.ack(coll, true),
+                    );
                 }
                 self.by_coll.insert(coll, ck);
                 self.by_ck.insert(ck, coll);
@@ -440,10 +506,40 @@ impl Resources for Plane {
         while let Ok((ck, id, status)) = self.sent.try_recv() {
             out.push((ck, Box::new(McastEvent::MulticastDone { id, status })));
         }
+        while let Ok((coll, registering)) = self.acks.try_recv() {
+            let Some((ck, left)) = self.pending.get_mut(&(coll, registering)) else {
+                continue;
+            };
+            *left -= 1;
+            if *left > 0 {
+                continue;
+            }
+            let ck = *ck;
+            self.pending.remove(&(coll, registering));
+            if registering {
+                out.push((ck, Box::new(McastEvent::Registered)));
+            } else {
+                // Nothing of it lands any more: its late chunks are nobody's.
+                self.by_coll.remove(&coll);
+                out.push((ck, Box::new(McastEvent::Unregistered)));
+            }
+        }
+        for (ck, e) in self.ready.drain(..) {
+            out.push((ck, Box::new(e)));
+        }
     }
 
+    /// The instance went with its job (its ranks are gone): its registration is dropped
+    /// without waiting for the workers (an instance that finished had its driver wait for
+    /// [`McastEvent::Unregistered`] before its ranks completed).
     fn release(&mut self, ck: CollKey) {
-        self.unregister(ck);
+        if let Some(coll) = self.by_ck.remove(&ck) {
+            for w in &self.workers {
+                w.unregister_then(coll, Box::new(|| {}));
+            }
+            self.by_coll.remove(&coll);
+        }
+        self.pending.retain(|_, (k, _)| *k != ck);
     }
 
     fn counters(&self) -> Vec<(&'static str, u64)> {

@@ -30,6 +30,28 @@ use std::thread::JoinHandle;
 pub trait Sink: Send + Sync {
     /// Chunk `psn` arrived with `payload`. An error is reported as [`Event::SinkFailed`].
     fn land(&self, psn: u32, payload: &[u8]) -> Result<(), String>;
+
+    /// Chunks `first ..` arrived with `data`, `unit` bytes each (the last may be shorter): a
+    /// run of consecutive chunks the worker gathered in its staging, written at once (one
+    /// mover call per buffer instead of one per chunk). By default chunk by chunk.
+    fn land_run(&self, first: u32, unit: usize, data: &[u8]) -> Result<(), String> {
+        for (i, c) in data.chunks(unit.max(1)).enumerate() {
+            self.land(first + i as u32, c)?;
+        }
+        Ok(())
+    }
+}
+
+/// Consecutive chunks a worker gathers before it lands them as one run.
+const RUN_CHUNKS: u32 = 64;
+
+/// A run of consecutive chunks of one collective, gathered in the worker's staging.
+struct Run {
+    first: u32,
+    count: u32,
+    /// Bytes of each chunk but the last.
+    unit: usize,
+    data: Vec<u8>,
 }
 
 /// A collective a worker receives for: its id and tag on the fabric, its chunk count, where
@@ -85,12 +107,20 @@ impl WorkerStats {
     }
 }
 
+/// Called once a command took effect (on the worker's thread).
+pub type Ack = Box<dyn FnOnce() + Send>;
+
 enum Cmd {
     Socket(UdpSocket),
-    Register(Registration, Sender<()>),
-    Unregister(u64, Sender<()>),
+    Register(Registration, Ack),
+    Unregister(u64, Ack),
     Stop,
 }
+
+/// Datagrams a worker takes in before it looks at its commands again: a registration waits
+/// for at most this many landings, not for the sockets to run dry (under a steady stream they
+/// may never).
+const DRAIN_BUDGET: usize = 64;
 
 /// A receive worker thread.
 pub struct RecvWorker {
@@ -105,6 +135,7 @@ struct Coll {
     chunks: u32,
     bitmap: Vec<u64>,
     sink: Arc<dyn Sink>,
+    run: Option<Run>,
 }
 
 impl Coll {
@@ -144,6 +175,8 @@ pub struct Intake {
 struct Loop {
     socks: Vec<(UdpSocket, u32)>,
     intake: Intake,
+    /// The socket a drain starts with (turns round, so that a busy one starves none).
+    first: usize,
 }
 
 /// What a worker calls when it has queued events.
@@ -175,18 +208,66 @@ impl Intake {
                 chunks: r.chunks,
                 bitmap: vec![0; words],
                 sink: r.sink,
+                run: None,
             },
         );
     }
 
+    /// Forgets a collective, after landing what it gathered (before the acknowledgement: the
+    /// collective's buffers are still its own).
     pub fn unregister(&mut self, coll: u64) {
+        self.land_run(coll);
         self.colls.remove(&coll);
     }
 
-    /// Lets a datagram held back for reordering go (nothing more came behind it).
+    /// Lets a datagram held back for reordering go (nothing more came behind it), and lands
+    /// every gathered run.
     pub fn flush(&mut self) {
         if let Some(h) = self.held.take() {
             self.take(&h);
+        }
+        self.land_runs();
+    }
+
+    /// Lands every gathered run.
+    fn land_runs(&mut self) {
+        let colls: Vec<u64> = self
+            .colls
+            .iter()
+            .filter(|(_, c)| c.run.is_some())
+            .map(|(k, _)| *k)
+            .collect();
+        for coll in colls {
+            self.land_run(coll);
+        }
+    }
+
+    /// Lands the run `coll` gathered, then reports each of its chunks.
+    fn land_run(&mut self, coll: u64) {
+        let Some(c) = self.colls.get_mut(&coll) else {
+            return;
+        };
+        let Some(run) = c.run.take() else { return };
+        let result = c.sink.land_run(run.first, run.unit, &run.data);
+        match result {
+            Ok(()) => {
+                WorkerStats::add(&self.stats.landed, u64::from(run.count));
+                for psn in run.first..run.first + run.count {
+                    let _ = self.events.send(Event::Landed { coll, psn });
+                }
+            }
+            Err(why) => {
+                WorkerStats::add(&self.stats.sink_failures, 1);
+                let _ = self.events.send(Event::SinkFailed {
+                    coll,
+                    psn: run.first,
+                    why,
+                });
+            }
+        }
+        self.unwoken += run.count;
+        if self.unwoken >= WAKE_EVERY {
+            self.wake_now();
         }
     }
 
@@ -228,27 +309,31 @@ impl Intake {
         if !c.set(h.psn) {
             return WorkerStats::add(&self.stats.duplicates, 1);
         }
-        let ev = match c.sink.land(h.psn, payload) {
-            Ok(()) => {
-                WorkerStats::add(&self.stats.landed, 1);
-                Event::Landed {
-                    coll: h.coll,
-                    psn: h.psn,
-                }
+        // Into the staging run: appended when it follows a run of full chunks, else the run
+        // so far is landed and this chunk starts the next.
+        if let Some(r) = &mut c.run {
+            let follows = h.psn == r.first + r.count
+                && r.count < RUN_CHUNKS
+                && r.data.len() == r.count as usize * r.unit
+                && payload.len() <= r.unit;
+            if follows {
+                r.data.extend_from_slice(payload);
+                r.count += 1;
+                return;
             }
-            Err(why) => {
-                WorkerStats::add(&self.stats.sink_failures, 1);
-                Event::SinkFailed {
-                    coll: h.coll,
-                    psn: h.psn,
-                    why,
-                }
-            }
-        };
-        let _ = self.events.send(ev);
-        self.unwoken += 1;
-        if self.unwoken >= WAKE_EVERY {
-            self.wake_now();
+        }
+        let coll = h.coll;
+        self.land_run(coll);
+        let c = self.colls.get_mut(&coll).expect("still registered");
+        c.run = Some(Run {
+            first: h.psn,
+            count: 1,
+            unit: payload.len(),
+            data: payload.to_vec(),
+        });
+        if payload.is_empty() {
+            // A 0-byte message's one chunk: nothing can follow it.
+            self.land_run(coll);
         }
     }
 
@@ -264,14 +349,21 @@ impl Intake {
 }
 
 impl Loop {
-    /// Reads every socket dry; true if anything came.
+    /// Reads the sockets, at most [`DRAIN_BUDGET`] datagrams in all; true if anything came.
     fn drain(&mut self, buf: &mut [u8]) -> bool {
         let mut any = false;
-        for i in 0..self.socks.len() {
+        let mut taken = 0;
+        let n = self.socks.len();
+        self.first = (self.first + 1) % n.max(1);
+        for i in (0..n).map(|k| (self.first + k) % n) {
             loop {
+                if taken >= DRAIN_BUDGET {
+                    break;
+                }
                 match fabric::recv(&self.socks[i].0, buf) {
                     Ok(n) => {
                         any = true;
+                        taken += 1;
                         let d = buf[..n].to_vec();
                         self.intake.on_datagram(d);
                     }
@@ -292,9 +384,12 @@ impl Loop {
                 }
             }
         }
-        // Nothing more behind a held datagram: let it go (reordered, not lost).
+        // Nothing more behind a held datagram: let it go (reordered, not lost). Gathered runs
+        // are landed at the end of every pass (a pass is at most DRAIN_BUDGET datagrams).
         if !any {
             self.intake.flush();
+        } else {
+            self.intake.land_runs();
         }
         self.intake.wake_now();
         any
@@ -323,6 +418,7 @@ impl RecvWorker {
         let mut lp = Loop {
             socks: Vec::new(),
             intake,
+            first: 0,
         };
         let thread = std::thread::Builder::new()
             .name(name.into())
@@ -334,11 +430,11 @@ impl RecvWorker {
                             Cmd::Socket(s) => lp.socks.push((s, 0)),
                             Cmd::Register(r, done) => {
                                 lp.intake.register(r);
-                                let _ = done.send(());
+                                done();
                             }
                             Cmd::Unregister(coll, done) => {
                                 lp.intake.unregister(coll);
-                                let _ = done.send(());
+                                done();
                             }
                             Cmd::Stop => return,
                         }
@@ -382,15 +478,37 @@ impl RecvWorker {
     /// ready only then: the root multicasts after every receiver said so).
     pub fn register(&self, r: Registration) {
         let (tx, rx) = crossbeam_channel::bounded(1);
-        self.send(Cmd::Register(r, tx));
+        self.register_then(
+            r,
+            Box::new(move || {
+                let _ = tx.send(());
+            }),
+        );
         let _ = rx.recv();
+    }
+
+    /// Registers a collective without waiting: `ack` is called once the worker lands its
+    /// chunks (the SP's loop never waits for a worker busy landing another's).
+    pub fn register_then(&self, r: Registration, ack: Ack) {
+        self.send(Cmd::Register(r, ack));
     }
 
     /// Forgets a collective; returns once no chunk of it will land any more.
     pub fn unregister(&self, coll: u64) {
         let (tx, rx) = crossbeam_channel::bounded(1);
-        self.send(Cmd::Unregister(coll, tx));
+        self.unregister_then(
+            coll,
+            Box::new(move || {
+                let _ = tx.send(());
+            }),
+        );
         let _ = rx.recv();
+    }
+
+    /// Forgets a collective without waiting: `ack` is called once no chunk of it lands any
+    /// more.
+    pub fn unregister_then(&self, coll: u64, ack: Ack) {
+        self.send(Cmd::Unregister(coll, ack));
     }
 }
 
