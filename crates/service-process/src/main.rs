@@ -199,8 +199,10 @@ enum Cmd {
         #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1000))]
         mcast_link_bytes_per_ns: u64,
         /// Multicast: the cutoff timer's alpha, in microseconds (synchronisation and the
-        /// network's noise).
-        #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(0..=10_000_000))]
+        /// network's noise; also how long after the root's SP said every chunk is sent a leaf
+        /// waits before it fetches what is missing: docs/BENCHMARKS.md M measured 300 against
+        /// 2000 and 100).
+        #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u64).range(0..=10_000_000))]
         mcast_alpha_us: u64,
         /// Multicast: each subgroup socket's receive buffer, in KiB (the kernel caps it at
         /// net.core.rmem_max; an overflow is a receiver-not-ready drop, counted and recovered).

@@ -55,7 +55,7 @@ impl Default for McastParams {
             mtu: 4096,
             subgroups: 1,
             link_bytes_per_ns: 1,
-            alpha_ns: 2_000_000,
+            alpha_ns: 300_000,
         }
     }
 }
