@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 
 mod abort;
 pub mod allgatherv;
+pub mod allreduce;
 pub mod alltoallv;
 pub mod bcast;
 mod common;
