@@ -170,13 +170,32 @@ pub static MCAST_BCAST: KindFacts = KindFacts {
     hier_min_ranks: 0,
 };
 
+/// The SP-tree Allreduce: one block each way, reduced in SP memory; chosen by
+/// `SPOFF_ALLREDUCE_DESIGN=sp-tree` (or `auto`).
+pub static ALLREDUCE: KindFacts = KindFacts {
+    kind: CollKind::Allreduce,
+    name: "allreduce",
+    family: Family::Direct,
+    send_blocks: Blocks::One,
+    recv_blocks: Blocks::One,
+    recv_rank_ordered: false,
+    rooted: false,
+    lists_nodes: false,
+    recv_rights: Rights::WRITE,
+    recv_rights_why: "",
+    host_copies: false,
+    design_var: None,
+    hier_min_ranks: 0,
+};
+
 /// Every kind, in the order of `CollKind`'s variants (checked by the tests).
-pub static KINDS: [&KindFacts; 5] = [
+pub static KINDS: [&KindFacts; 6] = [
     &ALLTOALLV,
     &ALLGATHERV,
     &BCAST,
     &STAGED_ALLGATHER,
     &MCAST_BCAST,
+    &ALLREDUCE,
 ];
 
 impl CollKind {
@@ -188,6 +207,7 @@ impl CollKind {
             CollKind::Bcast => &BCAST,
             CollKind::StagedAllgather => &STAGED_ALLGATHER,
             CollKind::McastBcast => &MCAST_BCAST,
+            CollKind::Allreduce => &ALLREDUCE,
         }
     }
 
@@ -206,6 +226,7 @@ impl CollMsg {
             CollMsg::Bcast(_) => CollKind::Bcast,
             CollMsg::StagedAllgather(_) => CollKind::StagedAllgather,
             CollMsg::McastBcast(_) => CollKind::McastBcast,
+            CollMsg::Allreduce(_) => CollKind::Allreduce,
         }
     }
 }

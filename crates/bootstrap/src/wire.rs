@@ -11,7 +11,8 @@
 //! [`SpToSp`] values.
 
 use algorithms::{
-    allgatherv, alltoallv, bcast, mcast_bcast, staged_allgather, CollKey, CommId, SpId,
+    allgatherv, allreduce, alltoallv, bcast, mcast_bcast, staged_allgather, CollKey, CommId,
+    SpId,
 };
 use alias_mkey::{AliasKey, Grant};
 use bincode::Options;
@@ -31,7 +32,9 @@ pub const MAGIC: [u8; 4] = *b"SPOF";
 /// 10: `SpToHost::Registered` says which grant backends the SP serves the host ([`Serves`]).
 /// 11: the multicast Bcast (`CollKind::McastBcast`); `Registered` says whether the SP runs
 /// the multicast designs (`mcast_off`).
-pub const PROTOCOL_VERSION: u32 = 11;
+/// 12: the SP-tree allreduce (`CollKind::Allreduce`, `CollMsg::Allreduce`): a post carries
+/// its datatype and operation (`PostDesc::reduce`), which the SPs need to reduce.
+pub const PROTOCOL_VERSION: u32 = 12;
 /// Largest frame accepted: a descriptor for 65536 ranks (four count vectors) fits.
 pub const MAX_FRAME_BYTES: u32 = 4 << 20;
 /// Largest hello frame accepted (every kind of [`Hello`]; a host hello with its credential is
@@ -229,6 +232,9 @@ pub enum CollKind {
     /// its design is `Flat`, unused); the receivers' grants are also read (the next SP of the
     /// ring fetches missing chunks out of them).
     McastBcast,
+    /// Allreduce aggregated by the SPs along a tree (`algorithms::allreduce`): one block each
+    /// way (`send_counts == recv_counts == [len]`), `PostDesc::reduce` says how to combine.
+    Allreduce,
 }
 
 /// The designs of the staged collectives (after BluesMPI): `Flat` writes every rank's buffer
@@ -288,6 +294,8 @@ pub struct PostDesc {
     /// describe that buffer. For the SP's counters only.
     pub send_packed: bool,
     pub recv_packed: bool,
+    /// An allreduce's operation and element type (`None` for every other kind).
+    pub reduce: Option<allreduce::Reduce>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -410,6 +418,7 @@ pub enum CollMsg {
     Bcast(bcast::Msg),
     StagedAllgather(staged_allgather::Msg<AliasKey>),
     McastBcast(mcast_bcast::Msg<AliasKey>),
+    Allreduce(allreduce::Msg),
 }
 
 impl CollMsg {
@@ -421,6 +430,7 @@ impl CollMsg {
             CollMsg::Bcast(_) => Vec::new(),
             CollMsg::StagedAllgather(m) => m.keys(),
             CollMsg::McastBcast(m) => m.keys(),
+            CollMsg::Allreduce(_) => Vec::new(),
         }
     }
 }

@@ -22,7 +22,7 @@ use crate::boundary::Commit;
 use crate::datatype;
 use crate::design::iallgather_staged;
 use crate::layout::alltoall_as_v;
-use crate::post::{post, Offload, Side};
+use crate::post::{post, post_reduce, Offload, Side};
 use crate::state::is_active;
 use bootstrap::wire::CollKind;
 use mpi_ffi as ffi;
@@ -320,6 +320,61 @@ pub unsafe fn bcast(
             recv,
             blocking,
             Some(root as u32),
+            commit,
+        )
+    }
+}
+
+/// # Safety
+/// Arguments as for `MPI_Allreduce`.
+///
+/// Offloaded (as `CollKind::Allreduce`, one block each way of `count` elements, with its
+/// reduction in the descriptor) when `SPOFF_ALLREDUCE_DESIGN` asks for the SP tree and the
+/// type and operation are ones the SPs reduce (`reduce.rs`); with `MPI_IN_PLACE` the send
+/// side is a copy of the receive buffer taken at the post.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn allreduce(
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    count: c_int,
+    ty: ffi::MPI_Datatype,
+    op: ffi::MPI_Op,
+    comm: ffi::MPI_Comm,
+    blocking: bool,
+    commit: &mut Commit,
+) -> Offload {
+    if !crate::reduce::sp_tree() || count < 0 {
+        return Offload::Native;
+    }
+    // SAFETY: forwarded.
+    let Some(_) = (unsafe { eligible(comm) }) else {
+        return Offload::Native;
+    };
+    // SAFETY: MPI is initialised while the shim is active.
+    let Some(reduce) = (unsafe { crate::reduce::reduction(ty, op, count) }) else {
+        return Offload::Native;
+    };
+    // SAFETY: forwarded.
+    unsafe {
+        let Some(recv) = side(recvbuf, (vec![count as i64], vec![0]), ty) else {
+            return Offload::Native;
+        };
+        let send = if is_in_place(sendbuf) {
+            in_place_send(&recv, |_| true)
+        } else {
+            let Some(send) = side(sendbuf, (vec![count as i64], vec![0]), ty) else {
+                return Offload::Native;
+            };
+            send
+        };
+        post_reduce(
+            CollKind::Allreduce,
+            comm,
+            send,
+            recv,
+            blocking,
+            None,
+            Some(reduce),
             commit,
         )
     }

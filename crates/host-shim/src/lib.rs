@@ -77,6 +77,7 @@ mod kinds_agree;
 mod lifecycle;
 mod pack;
 mod post;
+mod reduce;
 mod request;
 mod segment;
 mod serves;
@@ -255,6 +256,13 @@ collective! {
         recvbuf: *mut c_void, recvcount: c_int, recvtype: ffi::MPI_Datatype, comm: ffi::MPI_Comm,
     ) on comm => |commit, blocking| coll::allgather(
         sendbuf, sendcount, sendtype, recvbuf, recvcount, recvtype, comm, blocking, commit,
+    );
+
+    fn MPI_Allreduce / MPI_Iallreduce = PMPI_Allreduce / PMPI_Iallreduce(
+        sendbuf: *const c_void, recvbuf: *mut c_void, count: c_int,
+        datatype: ffi::MPI_Datatype, op: ffi::MPI_Op, comm: ffi::MPI_Comm,
+    ) on comm => |commit, blocking| coll::allreduce(
+        sendbuf, recvbuf, count, datatype, op, comm, blocking, commit,
     );
 
     fn MPI_Bcast / MPI_Ibcast = PMPI_Bcast / PMPI_Ibcast(

@@ -23,6 +23,7 @@ use crate::layout::{packed_side, region_addr, side_bytes, LayoutError, SideBytes
 use crate::pack::{self, Block, Unpack};
 use crate::request::{OffloadRequest, Staging};
 use crate::state::{mailbox_token, topology, with_shim, TRACKED};
+use algorithms::allreduce::Reduce;
 use alias_mkey::Grant;
 use alias_mkey::Rights;
 use bootstrap::wire::{CollKind, HostToSp, PostDesc, Staged, StagedDesign};
@@ -131,6 +132,25 @@ pub unsafe fn post(
     recv: Side,
     blocking: bool,
     root: Option<u32>,
+    commit: &mut Commit,
+) -> Offload {
+    // SAFETY: forwarded.
+    unsafe { post_reduce(kind, comm, send, recv, blocking, root, None, commit) }
+}
+
+/// [`post`] with an allreduce's operation and element type (`reduce`, in the descriptor).
+///
+/// # Safety
+/// As for [`post`].
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn post_reduce(
+    kind: CollKind,
+    comm: ffi::MPI_Comm,
+    send: Side,
+    recv: Side,
+    blocking: bool,
+    root: Option<u32>,
+    reduce: Option<Reduce>,
     commit: &mut Commit,
 ) -> Offload {
     let facts = kind.facts();
@@ -245,6 +265,7 @@ pub unsafe fn post(
         root,
         design,
         segment,
+        reduce,
     };
     let posted = with_shim(|sh| {
         if let Some(why) = &sh.conn.broken {
@@ -326,6 +347,8 @@ pub(crate) struct Draft {
     pub design: Option<StagedDesign>,
     /// The node segment (address, length) of a hierarchical design.
     pub segment: Option<(u64, u64)>,
+    /// An allreduce's operation and element type.
+    pub reduce: Option<Reduce>,
 }
 
 impl Draft {
@@ -380,6 +403,7 @@ impl Draft {
             staged,
             send_packed,
             recv_packed,
+            reduce: self.reduce,
         }
     }
 }

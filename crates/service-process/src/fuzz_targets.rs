@@ -198,6 +198,7 @@ fn post(kind: CollKind, rank: u32, c: &mut Cursor) -> Option<LocalPost> {
         }),
         send_packed: false,
         recv_packed: false,
+        reduce: None,
     };
     Some(LocalPost {
         desc: d,

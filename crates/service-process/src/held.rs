@@ -252,6 +252,7 @@ mod tests {
             host_copies: false,
             send_packed: false,
             recv_packed: false,
+            reduce: None,
             staged: None,
         };
         assert!(post_bytes(&post(2)) < 8192);

@@ -92,6 +92,7 @@ impl AgOp {
             host_copies: false,
             send_packed: false,
             recv_packed: false,
+            reduce: None,
             staged: None,
         }
     }

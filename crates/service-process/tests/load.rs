@@ -78,6 +78,7 @@ fn bcast_desc(
         host_copies: false,
         send_packed: false,
         recv_packed: false,
+        reduce: None,
         staged: Some(Staged {
             root,
             design: StagedDesign::Flat,

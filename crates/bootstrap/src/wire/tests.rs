@@ -85,6 +85,7 @@ fn frames_split_anywhere_reassemble() {
                 token: 77,
                 send_packed: false,
                 recv_packed: false,
+                reduce: None,
                 send: grant(10),
                 recv: grant(20),
                 send_counts: vec![1, 2],

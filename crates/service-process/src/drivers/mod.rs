@@ -18,6 +18,7 @@
 //! [`KINDS`].
 
 mod allgatherv;
+mod allreduce;
 mod alltoallv;
 mod bcast;
 mod mcast_bcast;
@@ -277,12 +278,13 @@ pub struct KindSpec {
 }
 
 /// Every kind the engine serves.
-pub static KINDS: [&KindSpec; 5] = [
+pub static KINDS: [&KindSpec; 6] = [
     &alltoallv::SPEC,
     &allgatherv::SPEC,
     &bcast::SPEC,
     &staged_allgather::SPEC,
     &mcast_bcast::SPEC,
+    &allreduce::SPEC,
 ];
 
 impl KindSpec {

@@ -459,6 +459,7 @@ pub fn desc(
         host_copies: false,
         send_packed: false,
         recv_packed: false,
+        reduce: None,
         staged: None,
     }
 }

@@ -1,0 +1,138 @@
+//! The offloaded allreduce's choices: whether `MPI_Allreduce`/`MPI_Iallreduce` go to the SPs
+//! (`SPOFF_ALLREDUCE_DESIGN`), and which reduction (`algorithms::allreduce::Reduce`) an MPI
+//! datatype and operation are.
+//!
+//! `SPOFF_ALLREDUCE_DESIGN`: unset or `native` keeps the native call; `sp-tree` posts the
+//! SP-tree allreduce (`CollKind::Allreduce`: the SPs reduce along a tree, the root's SP
+//! broadcasts); `auto` is `sp-tree`, as no aggregating switch exists yet (issue 27's Canary
+//! design, where `auto` will use the switches a cluster names); `canary` (not built yet) and
+//! anything else keep the native call, said once. Read once; the same on every rank of a
+//! correct job, as is everything else that decides: the datatype, the operation, the count
+//! and the communicator.
+//!
+//! Offloaded: the predefined operations `MPI_SUM`, `MPI_PROD`, `MPI_MIN`, `MPI_MAX`,
+//! `MPI_LAND`, `MPI_LOR`, `MPI_LXOR`, `MPI_BAND`, `MPI_BOR`, `MPI_BXOR` on the predefined C
+//! integer types (`MPI_SIGNED_CHAR`, `MPI_UNSIGNED_CHAR`, `MPI_SHORT`, `MPI_UNSIGNED_SHORT`,
+//! `MPI_INT`, `MPI_UNSIGNED`, `MPI_LONG`, `MPI_UNSIGNED_LONG`, `MPI_LONG_LONG`,
+//! `MPI_UNSIGNED_LONG_LONG`, `MPI_INT8_T` ... `MPI_UINT64_T`, by their size) and `MPI_FLOAT`,
+//! `MPI_DOUBLE` (arithmetic and min/max only: logical and bitwise operations on floating point
+//! are not MPI), up to `allreduce::MAX_BYTES` per call. Anything else (user operations,
+//! `MPI_MINLOC`/`MPI_MAXLOC`, other or derived types, `MPI_BYTE`, `MPI_CHAR`, Fortran types,
+//! larger messages) runs natively.
+
+use crate::boundary::say;
+use algorithms::allreduce::{Elem, Op, Reduce, MAX_BYTES};
+use mpi_ffi as ffi;
+use mpi_ffi::consts;
+use std::os::raw::c_int;
+
+/// `SPOFF_ALLREDUCE_DESIGN` asks for the SP tree (`sp-tree` or `auto`).
+pub fn sp_tree() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        let v = std::env::var("SPOFF_ALLREDUCE_DESIGN").ok();
+        match v.as_deref().map(str::trim) {
+            None | Some("") | Some("native") => false,
+            Some("sp-tree") | Some("auto") => true,
+            Some(other) => {
+                say!("SPOFF_ALLREDUCE_DESIGN={other}: not a design here (native, sp-tree, auto); the native MPI_Allreduce runs");
+                false
+            }
+        }
+    })
+}
+
+/// How a predefined datatype's elements are represented.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Class {
+    Signed,
+    Unsigned,
+    Float,
+}
+
+fn class_of(ty: ffi::MPI_Datatype) -> Option<Class> {
+    let signed = [
+        consts::SIGNED_CHAR(),
+        consts::SHORT(),
+        consts::INT(),
+        consts::LONG(),
+        consts::LONG_LONG(),
+        consts::INT8_T(),
+        consts::INT16_T(),
+        consts::INT32_T(),
+        consts::INT64_T(),
+    ];
+    let unsigned = [
+        consts::UNSIGNED_CHAR(),
+        consts::UNSIGNED_SHORT(),
+        consts::UNSIGNED(),
+        consts::UNSIGNED_LONG(),
+        consts::UNSIGNED_LONG_LONG(),
+        consts::UINT8_T(),
+        consts::UINT16_T(),
+        consts::UINT32_T(),
+        consts::UINT64_T(),
+    ];
+    if signed.contains(&ty) {
+        Some(Class::Signed)
+    } else if unsigned.contains(&ty) {
+        Some(Class::Unsigned)
+    } else if [consts::FLOAT(), consts::DOUBLE()].contains(&ty) {
+        Some(Class::Float)
+    } else {
+        None
+    }
+}
+
+fn op_of(op: ffi::MPI_Op) -> Option<Op> {
+    let table = [
+        (consts::OP_SUM(), Op::Sum),
+        (consts::OP_PROD(), Op::Prod),
+        (consts::OP_MIN(), Op::Min),
+        (consts::OP_MAX(), Op::Max),
+        (consts::OP_LAND(), Op::Land),
+        (consts::OP_LOR(), Op::Lor),
+        (consts::OP_LXOR(), Op::Lxor),
+        (consts::OP_BAND(), Op::Band),
+        (consts::OP_BOR(), Op::Bor),
+        (consts::OP_BXOR(), Op::Bxor),
+    ];
+    table.iter().find(|(h, _)| *h == op).map(|&(_, o)| o)
+}
+
+fn elem_of(class: Class, size: usize) -> Option<Elem> {
+    Some(match (class, size) {
+        (Class::Signed, 1) => Elem::I8,
+        (Class::Signed, 2) => Elem::I16,
+        (Class::Signed, 4) => Elem::I32,
+        (Class::Signed, 8) => Elem::I64,
+        (Class::Unsigned, 1) => Elem::U8,
+        (Class::Unsigned, 2) => Elem::U16,
+        (Class::Unsigned, 4) => Elem::U32,
+        (Class::Unsigned, 8) => Elem::U64,
+        (Class::Float, 4) => Elem::F32,
+        (Class::Float, 8) => Elem::F64,
+        _ => return None,
+    })
+}
+
+/// The reduction of `count` elements of `ty` by `op`, if the SPs do it (see the module's
+/// list; at most `MAX_BYTES`).
+///
+/// # Safety
+/// MPI is initialised.
+pub unsafe fn reduction(ty: ffi::MPI_Datatype, op: ffi::MPI_Op, count: c_int) -> Option<Reduce> {
+    let class = class_of(ty)?;
+    let op = op_of(op)?;
+    let mut size: c_int = 0;
+    // SAFETY: a predefined datatype and a valid out-pointer.
+    if unsafe { ffi::PMPI_Type_size(ty, &mut size) } != consts::SUCCESS() {
+        return None;
+    }
+    let r = Reduce {
+        op,
+        elem: elem_of(class, usize::try_from(size).ok()?)?,
+    };
+    let bytes = u64::try_from(count).ok()?.checked_mul(r.elem.size() as u64)?;
+    (r.is_valid() && bytes <= MAX_BYTES).then_some(r)
+}

@@ -1,0 +1,214 @@
+//! The SP-tree Allreduce (`algorithms::allreduce`): each SP reads its local ranks' send
+//! buffers into its own memory, reduces them with its children's partial results, sends its
+//! subtree's result up, and writes the root's result, which comes down the tree, into its
+//! ranks' receive buffers.
+//!
+//! SP memory: the reads land in buffers of this driver's own (`staging::Stage`, the staged
+//! family's buffer type: an `AliasKey` of this SP process, so the datapath copies between it
+//! and a rank's grant exactly as between two ranks, `Act::Copy`); the machine takes the bytes
+//! when the copy is done and reduces them in place. The result is written from one such
+//! buffer, filled once from the machine's result and shared by the SP's ranks' writes. Each
+//! buffer is one block of at most `allreduce::MAX_BYTES` (`check_desc`), held while its copy
+//! is in flight and dropped with the instance (which is not dropped while a copy is in
+//! flight: `copies_in_flight`). Partial results travel between SPs as the bytes of the
+//! kind's own messages (`allreduce::Msg::Up`, `Down`), one frame each.
+
+use super::{Act, CollDriver, Inbound, KindConfig, KindSpec, LocalPost};
+use crate::staging::Stage;
+use algorithms::{allreduce, CollKey, Nanos, Rank, SpId, Status};
+use alias_mkey::AliasKey;
+use bootstrap::wire::{CollKind, CollMsg, PostDesc};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+pub static SPEC: KindSpec = KindSpec {
+    kind: CollKind::Allreduce,
+    new,
+    abort_msg: |status| CollMsg::Allreduce(allreduce::Msg::Abort { status }),
+    refuse,
+    inbound: |_| Inbound::default(),
+    region_writer: super::no_region_writer,
+    region_len: super::no_region_len,
+    check_desc,
+    // The members list and the tree: a few words per member (the data buffers are bounded
+    // per post by `allreduce::MAX_BYTES`, not counted here).
+    state_bytes_per_member: 64,
+};
+
+/// Region ids of the driver's buffers: apart from the staging's (which count up from 1).
+static NEXT_REGION: AtomicU64 = AtomicU64::new(1 << 62);
+
+struct Driver {
+    m: allreduce::Allreduce<AliasKey>,
+    /// The buffers reads land in, by copy id.
+    reads: HashMap<u64, Stage>,
+    /// The result, once a write needs it.
+    out: Option<Stage>,
+}
+
+impl super::KindMsg for allreduce::Msg {
+    fn into_coll(self) -> CollMsg {
+        CollMsg::Allreduce(self)
+    }
+}
+
+fn new(key: CollKey, me: SpId, _: &KindConfig) -> Box<dyn CollDriver> {
+    Box::new(Driver {
+        m: allreduce::Allreduce::new(key, allreduce::Config { me }),
+        reads: HashMap::new(),
+        out: None,
+    })
+}
+
+/// One block each way, of equal length, whole elements of a reduction MPI defines, at most
+/// `allreduce::MAX_BYTES`.
+fn check_desc(d: &PostDesc) -> Result<(), String> {
+    let Some(r) = d.reduce else {
+        return Err("an allreduce post without its operation and type".into());
+    };
+    let (s, rv) = (d.send_counts[0], d.recv_counts[0]);
+    if s != rv {
+        return Err(format!(
+            "an allreduce sends {s} bytes and receives {rv}: they must be equal"
+        ));
+    }
+    if !r.is_valid() || s % r.elem.size() as u64 != 0 {
+        return Err(format!(
+            "{s} bytes are not whole elements of a {:?} by {:?}",
+            r.elem, r.op
+        ));
+    }
+    if s > allreduce::MAX_BYTES {
+        return Err(format!(
+            "an allreduce of {s} bytes is larger than {} (one block)",
+            allreduce::MAX_BYTES
+        ));
+    }
+    if d.staged.is_some() {
+        return Err("an allreduce post names no root or design".into());
+    }
+    Ok(())
+}
+
+fn refuse(msg: &CollMsg, from: SpId, status: Status) -> Vec<(SpId, CollMsg)> {
+    let CollMsg::Allreduce(msg) = msg else {
+        return vec![];
+    };
+    match msg {
+        // A child waits for the result after its `Up`.
+        allreduce::Msg::Up { .. } => {
+            vec![(from, CollMsg::Allreduce(allreduce::Msg::Abort { status }))]
+        }
+        // Messages that expect no answer, listed one by one so that a new one is considered.
+        allreduce::Msg::Down { .. } | allreduce::Msg::Abort { .. } => vec![],
+    }
+}
+
+/// A buffer of this SP of `len` bytes for job `job`.
+fn buffer(job: u64, len: u64) -> Stage {
+    Stage::new(job, NEXT_REGION.fetch_add(1, Ordering::Relaxed), len as usize)
+}
+
+impl CollDriver for Driver {
+    fn kind(&self) -> CollKind {
+        SPEC.kind
+    }
+
+    fn handle_post(&mut self, now: Nanos, p: LocalPost) -> Result<(), String> {
+        let d = p.desc;
+        let reduce = d.reduce.ok_or("an allreduce post without its operation")?;
+        let post = allreduce::Post {
+            rank: d.comm_rank,
+            members: d.members,
+            send: p.send,
+            recv: p.recv,
+            len: d.send_counts[0],
+            reduce,
+        };
+        self.m.handle_post(now, post).map_err(|e| e.to_string())
+    }
+
+    fn handle_msg(&mut self, now: Nanos, from: SpId, msg: CollMsg) -> Result<(), String> {
+        match msg {
+            CollMsg::Allreduce(m) => self.m.handle_msg(now, from, m).map_err(|e| e.to_string()),
+            m => Err(format!(
+                "a {:?} message for an instance of {}",
+                m.kind(),
+                SPEC.facts().name
+            )),
+        }
+    }
+
+    fn handle_copy_done(&mut self, now: Nanos, id: u64, status: Status) {
+        let data = match self.reads.remove(&id) {
+            Some(stage) => stage.bytes(stage.key().grant.len as usize).to_vec(),
+            None => Vec::new(),
+        };
+        self.m
+            .handle_copy_done(now, allreduce::CopyId(id), status, data)
+    }
+
+    fn handle_peer_lost(&mut self, now: Nanos, sp: SpId) {
+        self.m.handle_peer_lost(now, sp)
+    }
+
+    fn handle_rank_lost(&mut self, now: Nanos, rank: Rank) {
+        self.m.handle_rank_lost(now, rank)
+    }
+
+    fn abort(&mut self, now: Nanos, status: Status) {
+        self.m.abort(now, status)
+    }
+
+    fn is_finished(&self) -> bool {
+        self.m.is_finished()
+    }
+
+    fn copies_in_flight(&self) -> usize {
+        self.m.copies_in_flight()
+    }
+
+    fn poll_action(&mut self) -> Option<Act> {
+        let job = self.m.key().job;
+        Some(match self.m.poll_action()? {
+            allreduce::Action::Send { to, msg } => Act::send(to, msg),
+            allreduce::Action::Read { id, rank, key, len } => {
+                let stage = buffer(job, len);
+                let dst_key = stage.key().clone();
+                self.reads.insert(id.0, stage);
+                Act::Copy {
+                    id: id.0,
+                    dst_rank: rank,
+                    src_key: key,
+                    src_offset: 0,
+                    dst_key,
+                    dst_offset: 0,
+                    len,
+                }
+            }
+            allreduce::Action::Write { id, rank, key, len } => {
+                if self.out.is_none() {
+                    let result = self.m.result().expect("a write after the result");
+                    let mut stage = buffer(job, result.len() as u64);
+                    stage.fill(result);
+                    self.out = Some(stage);
+                }
+                let src_key = self.out.as_ref().expect("filled").key().clone();
+                Act::Copy {
+                    id: id.0,
+                    dst_rank: rank,
+                    src_key,
+                    src_offset: 0,
+                    dst_key: key,
+                    dst_offset: 0,
+                    len,
+                }
+            }
+            allreduce::Action::Complete { rank, status } => Act::Complete {
+                rank,
+                status,
+                from_segment: false,
+            },
+        })
+    }
+}
