@@ -28,7 +28,7 @@ pub const TIMEOUT: Duration = Duration::from_secs(120);
 
 /// The shim's settings: every job gets the ones its test sets, never the caller's (these, and
 /// every kind's design variable, `KindFacts::design_var`).
-pub const SHIM_VARS: [&str; 10] = [
+pub const SHIM_VARS: [&str; 11] = [
     "SPOFF_HOST_COPIES",
     "SPOFF_HIER_MIN_RANKS",
     "SPOFF_SEGMENT_BYTES",
@@ -39,6 +39,7 @@ pub const SHIM_VARS: [&str; 10] = [
     "SPOFF_MAILBOX_SLOTS",
     "SPOFF_BACKEND",
     "SPOFF_INIT_TIMEOUT_MS",
+    "SPOFF_ALLREDUCE_DESIGN",
 ];
 
 /// A well-formed job credential of a cluster no SP knows: for runs against fake or missing

@@ -1,0 +1,75 @@
+//! Real `mpirun` jobs of randomized allreduces (`allreduce_check`) through the real launcher
+//! and real SPs on 2 nodes x 2 ranks: the SP-tree allreduce (`SPOFF_ALLREDUCE_DESIGN=sp-tree`
+//! or `auto`) against `PMPI_Allreduce`, and the native call when the variable is unset.
+
+mod common;
+
+use common::*;
+
+/// `allreduce_check` (every predefined op on every predefined integer and floating-point
+/// type, counts 0 to 3000, blocking and nonblocking, `MPI_IN_PLACE`, on `MPI_COMM_WORLD` and a
+/// split half; integers byte for byte equal to `PMPI_Allreduce`, floating-point sums within
+/// 2 (n-1) eps sum|x_i| and products within 2 (n-1) eps |p|, min/max exact, every rank rank
+/// 0's bytes; `MPI_BYTE` and a message above 1 MiB natively) under the launcher with
+/// `SPOFF_ALLREDUCE_DESIGN=design` and `sps_per_node` SPs per node: the verdict, and the SPs
+/// posted exactly the eligible calls of every rank (the program makes no other offloadable
+/// call: those are the allreduce kind's posts), completed them all, with SP-to-SP messages
+/// (the tree's `Up`/`Down`).
+fn allreduce_check_offloads(sps_per_node: u32, design: &str) {
+    let _serial = serial();
+    let prog = prog("allreduce_check");
+    let seed = integration_tests::seed().to_string();
+    let run = launch(
+        sps_per_node,
+        &[prog.as_str(), "16", &seed],
+        &[("SPOFF_ALLREDUCE_DESIGN", design)],
+    );
+    assert_offloaded(&run, "allreduce_check", 2 * sps_per_node as usize);
+    assert!(shim_lines(&run.stderr).is_empty(), "{}", run.stderr);
+    assert!(run.sp_total("messages_sent") > 0, "{}", run.stderr);
+    // Calls where PMPI_Allreduce departs from MPI's definition (Open MPI 4.1's saturating
+    // 8/16-bit sums, signed unsigned min/max) and the offload was checked against the
+    // definition instead.
+    let departs = run.stderr.matches("departs from MPI's definition").count();
+    eprintln!(
+        "allreduce_check seed {seed} {design}, {sps_per_node} SP(s) per node: {} posts, \
+         {departs} calls checked against the definition where PMPI departs from it",
+        run.sp_total("posts")
+    );
+}
+
+#[test]
+fn mpi_allreduce_sp_tree_one_sp_per_node() {
+    allreduce_check_offloads(1, "sp-tree");
+}
+
+#[test]
+fn mpi_allreduce_sp_tree_two_sps_per_node() {
+    allreduce_check_offloads(2, "sp-tree");
+}
+
+#[test]
+fn mpi_allreduce_auto_is_the_sp_tree() {
+    allreduce_check_offloads(1, "auto");
+}
+
+/// Unset, `native` or a design not built here (`canary`): every allreduce runs natively,
+/// right, and no SP sees a post; an unknown value is said once per rank.
+#[test]
+fn mpi_allreduce_native_unless_asked() {
+    for design in [None, Some("native"), Some("canary")] {
+        let _serial = serial();
+        let prog = prog("allreduce_check");
+        let seed = integration_tests::seed().to_string();
+        let env: Vec<(&str, &str)> = design
+            .map(|d| ("SPOFF_ALLREDUCE_DESIGN", d))
+            .into_iter()
+            .collect();
+        let run = launch(1, &[prog.as_str(), "4", &seed], &env);
+        verdict(&run, "allreduce_check");
+        assert_eq!(run.sp_total("posts"), 0, "{design:?}\n{}", run.stderr);
+        let said = run.stderr.matches("SPOFF_ALLREDUCE_DESIGN=canary").count();
+        let want = if design == Some("canary") { NP as usize } else { 0 };
+        assert_eq!(said, want, "{design:?}\n{}", run.stderr);
+    }
+}
