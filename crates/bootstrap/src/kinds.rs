@@ -74,6 +74,9 @@ pub struct KindFacts {
     /// The environment variable that chooses the kind's design (`flat`, `hier`, `auto`), for
     /// a staged kind.
     pub design_var: Option<&'static str>,
+    /// The post carries its reduction (`PostDesc::reduce`: the operation and element type the
+    /// SPs combine the ranks' blocks with).
+    pub reduces: bool,
     /// Ranks on one node from which `auto` picks the hierarchical design (the reasons are in
     /// docs/BENCHMARKS.md, section G and its notes: measured here, flat mostly costs less at
     /// 1, 2 and 4 ranks per node for both staged kinds; in the simulator at 32 nodes with 1 SP
@@ -96,6 +99,7 @@ pub static ALLTOALLV: KindFacts = KindFacts {
     recv_rights_why: "",
     host_copies: false,
     design_var: None,
+    reduces: false,
     hier_min_ranks: 0,
 };
 
@@ -115,6 +119,7 @@ pub static ALLGATHERV: KindFacts = KindFacts {
     recv_rights_why: " (the node's other ranks copy segments out of it)",
     host_copies: true,
     design_var: None,
+    reduces: false,
     hier_min_ranks: 0,
 };
 
@@ -132,6 +137,7 @@ pub static BCAST: KindFacts = KindFacts {
     recv_rights_why: "",
     host_copies: false,
     design_var: Some("SPOFF_BCAST_DESIGN"),
+    reduces: false,
     hier_min_ranks: 32,
 };
 
@@ -149,6 +155,7 @@ pub static STAGED_ALLGATHER: KindFacts = KindFacts {
     recv_rights_why: "",
     host_copies: false,
     design_var: Some("SPOFF_IALLGATHER_DESIGN"),
+    reduces: false,
     hier_min_ranks: 8,
 };
 
@@ -167,6 +174,7 @@ pub static MCAST_BCAST: KindFacts = KindFacts {
     recv_rights_why: " (the next SP of the multicast ring fetches missing chunks out of it)",
     host_copies: false,
     design_var: None,
+    reduces: false,
     hier_min_ranks: 0,
 };
 
@@ -185,6 +193,7 @@ pub static ALLREDUCE: KindFacts = KindFacts {
     recv_rights_why: "",
     host_copies: false,
     design_var: None,
+    reduces: true,
     hier_min_ranks: 0,
 };
 
@@ -274,6 +283,13 @@ impl KindFacts {
                     "the {name} {side} block must start at offset 0 of its grant"
                 ));
             }
+        }
+        if self.reduces != d.reduce.is_some() {
+            return Err(if self.reduces {
+                format!("a {name} post without its operation and type")
+            } else {
+                format!("a {name} post names a reduction")
+            });
         }
         if self.lists_nodes && d.nodes.len() != p {
             return Err(format!("nodes has {} entries for {p} ranks", d.nodes.len()));

@@ -177,7 +177,7 @@ fn shim_post(rng: &mut Rng, f: &KindFacts) -> (PostDesc, Poster) {
         design,
         segment: (design == Some(StagedDesign::Hier)).then_some((0x7000_0000, 1 << 20)),
         // Bytes: any length is whole elements.
-        reduce: (f.kind == bootstrap::wire::CollKind::Allreduce).then_some(
+        reduce: f.reduces.then_some(
             algorithms::allreduce::Reduce {
                 op: algorithms::allreduce::Op::Bor,
                 elem: algorithms::allreduce::Elem::U8,
@@ -234,6 +234,15 @@ fn broken(f: &KindFacts, d: &PostDesc) -> Vec<(&'static str, PostDesc)> {
         }),
     };
     out.push(("staged fields flipped", b));
+    let mut b = d.clone();
+    b.reduce = match d.reduce {
+        Some(_) => None,
+        None => Some(algorithms::allreduce::Reduce {
+            op: algorithms::allreduce::Op::Sum,
+            elem: algorithms::allreduce::Elem::U8,
+        }),
+    };
+    out.push(("reduction flipped", b));
     if f.rooted {
         let mut b = d.clone();
         let root = d.staged.as_ref().map_or(0, |st| st.root);

@@ -158,6 +158,16 @@ fn post(kind: CollKind, rank: u32, c: &mut Cursor) -> Option<LocalPost> {
             vec![c.small()?; p]
         };
     let hier = f.is_staged() && c.byte()? % 2 == 1;
+    // Any operation on any type, defined or not.
+    let reduce = if f.reduces {
+        let b = c.byte()? as usize;
+        Some(algorithms::allreduce::Reduce {
+            op: algorithms::allreduce::Op::ALL[b % 10],
+            elem: algorithms::allreduce::Elem::ALL[b / 10 % 10],
+        })
+    } else {
+        None
+    };
     let side = |b: Blocks| -> (Vec<u64>, Vec<u64>) {
         match b {
             Blocks::One => (vec![counts[rank as usize]], vec![0]),
@@ -198,7 +208,7 @@ fn post(kind: CollKind, rank: u32, c: &mut Cursor) -> Option<LocalPost> {
         }),
         send_packed: false,
         recv_packed: false,
-        reduce: None,
+        reduce,
     };
     Some(LocalPost {
         desc: d,

@@ -199,6 +199,12 @@ fn wide_post(
             segment: None,
         });
     }
+    if f.reduces {
+        d.reduce = Some(algorithms::allreduce::Reduce {
+            op: algorithms::allreduce::Op::Bor,
+            elem: algorithms::allreduce::Elem::U8,
+        });
+    }
     d
 }
 
