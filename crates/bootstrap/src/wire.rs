@@ -11,8 +11,7 @@
 //! [`SpToSp`] values.
 
 use algorithms::{
-    allgatherv, allreduce, alltoallv, bcast, mcast_bcast, staged_allgather, CollKey, CommId,
-    SpId,
+    allgatherv, allreduce, alltoallv, bcast, mcast_bcast, staged_allgather, CollKey, CommId, SpId,
 };
 use alias_mkey::{AliasKey, Grant};
 use bincode::Options;

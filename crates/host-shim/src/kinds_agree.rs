@@ -177,12 +177,10 @@ fn shim_post(rng: &mut Rng, f: &KindFacts) -> (PostDesc, Poster) {
         design,
         segment: (design == Some(StagedDesign::Hier)).then_some((0x7000_0000, 1 << 20)),
         // Bytes: any length is whole elements.
-        reduce: f.reduces.then_some(
-            algorithms::allreduce::Reduce {
-                op: algorithms::allreduce::Op::Bor,
-                elem: algorithms::allreduce::Elem::U8,
-            },
-        ),
+        reduce: f.reduces.then_some(algorithms::allreduce::Reduce {
+            op: algorithms::allreduce::Op::Bor,
+            elem: algorithms::allreduce::Elem::U8,
+        }),
     };
     let mut region = 0;
     let d = draft.describe(&info, Some(0), 1, |addr, len, rights, _segment| {

@@ -133,6 +133,8 @@ pub unsafe fn reduction(ty: ffi::MPI_Datatype, op: ffi::MPI_Op, count: c_int) ->
         op,
         elem: elem_of(class, usize::try_from(size).ok()?)?,
     };
-    let bytes = u64::try_from(count).ok()?.checked_mul(r.elem.size() as u64)?;
+    let bytes = u64::try_from(count)
+        .ok()?
+        .checked_mul(r.elem.size() as u64)?;
     (r.is_valid() && bytes <= MAX_BYTES).then_some(r)
 }

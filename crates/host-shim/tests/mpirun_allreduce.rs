@@ -69,7 +69,11 @@ fn mpi_allreduce_native_unless_asked() {
         verdict(&run, "allreduce_check");
         assert_eq!(run.sp_total("posts"), 0, "{design:?}\n{}", run.stderr);
         let said = run.stderr.matches("SPOFF_ALLREDUCE_DESIGN=canary").count();
-        let want = if design == Some("canary") { NP as usize } else { 0 };
+        let want = if design == Some("canary") {
+            NP as usize
+        } else {
+            0
+        };
         assert_eq!(said, want, "{design:?}\n{}", run.stderr);
     }
 }

@@ -114,8 +114,12 @@ pub enum Msg {
         data: Bytes,
     },
     /// The result, from the parent.
-    Down { data: Bytes },
-    Abort { status: Status },
+    Down {
+        data: Bytes,
+    },
+    Abort {
+        status: Status,
+    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -182,7 +186,11 @@ pub fn tree(i: usize, n: usize) -> (Option<usize>, Vec<usize>) {
 /// comm rank it serves.
 pub fn tree_sps(members: &[SpId]) -> Vec<SpId> {
     let mut seen = BTreeSet::new();
-    members.iter().copied().filter(|s| seen.insert(*s)).collect()
+    members
+        .iter()
+        .copied()
+        .filter(|s| seen.insert(*s))
+        .collect()
 }
 
 /// What an instance knows once its first local post arrived.
@@ -274,9 +282,10 @@ impl<K: Clone + core::fmt::Debug> Allreduce<K> {
     }
 
     pub fn is_finished(&self) -> bool {
-        self.view.as_ref().is_some_and(|v| {
-            self.completed.len() + self.lost_unposted.len() == v.local.len()
-        }) && self.copies.is_empty()
+        self.view
+            .as_ref()
+            .is_some_and(|v| self.completed.len() + self.lost_unposted.len() == v.local.len())
+            && self.copies.is_empty()
             && self.actions.is_empty()
     }
 
@@ -403,7 +412,9 @@ impl<K: Clone + core::fmt::Debug> Allreduce<K> {
             }
             Msg::Up { len, reduce, data } => {
                 if !v.children.contains(&from) || self.partials.contains_key(&from) {
-                    return Err(Error(format!("an Up from SP {from}, not a child waited for")));
+                    return Err(Error(format!(
+                        "an Up from SP {from}, not a child waited for"
+                    )));
                 }
                 if self.aborted.is_some() {
                     return Ok(());

@@ -276,9 +276,9 @@ mod tests {
         let mut v = Vec::new();
         for _ in 0..n {
             match e {
-                Elem::F32 => v.extend_from_slice(
-                    &((rng.below(2001) as f32 - 1000.0) / 64.0).to_ne_bytes(),
-                ),
+                Elem::F32 => {
+                    v.extend_from_slice(&((rng.below(2001) as f32 - 1000.0) / 64.0).to_ne_bytes())
+                }
                 Elem::F64 => v.extend_from_slice(
                     &((rng.below(2_000_001) as f64 - 1e6) / 1024.0).to_ne_bytes(),
                 ),

@@ -176,14 +176,21 @@ fn random_trees_sum_every_contribution() {
             order.swap(i, rng.below(i as u64 + 1) as usize);
         }
         for r in order {
-            net.post(members[r as usize], post(&members, r, 8 * n as u64, SUM_I64));
+            net.post(
+                members[r as usize],
+                post(&members, r, 8 * n as u64, SUM_I64),
+            );
             for _ in 0..rng.below(4) {
                 net.step();
             }
         }
         net.run();
         for r in 0..p as Rank {
-            assert_eq!(net.status(r), Some(Status::Ok), "round {round} seed {seed:#x}");
+            assert_eq!(
+                net.status(r),
+                Some(Status::Ok),
+                "round {round} seed {seed:#x}"
+            );
             if n > 0 {
                 assert_eq!(net.mem[&(r, 'r')], i64s(&want), "rank {r} round {round}");
             }

@@ -106,7 +106,11 @@ fn refuse(msg: &CollMsg, from: SpId, status: Status) -> Vec<(SpId, CollMsg)> {
 
 /// A buffer of this SP of `len` bytes for job `job`.
 fn buffer(job: u64, len: u64) -> Stage {
-    Stage::new(job, NEXT_REGION.fetch_add(1, Ordering::Relaxed), len as usize)
+    Stage::new(
+        job,
+        NEXT_REGION.fetch_add(1, Ordering::Relaxed),
+        len as usize,
+    )
 }
 
 impl CollDriver for Driver {
