@@ -107,6 +107,26 @@ fn mpich_bcast_offloads_flat_and_hier() {
     }
 }
 
+/// The SP-tree allreduce (every predefined op and type, blocking, nonblocking, in place, a
+/// split half; `mpirun_allreduce.rs`): against MPICH's `PMPI_Allreduce`, and against MPI's
+/// definition where MPICH 4.0.2's compares unsigned types as signed in MIN/MAX
+/// (pmodels/mpich#6083).
+#[test]
+fn mpich_allreduce_sp_tree_offloads() {
+    mpich();
+    let _serial = serial();
+    let prog = prog("allreduce_check");
+    let seed = integration_tests::seed().to_string();
+    let run = launch_detected(
+        2,
+        "cyclic",
+        &[&prog, "12", &seed],
+        &[("SPOFF_ALLREDUCE_DESIGN", "sp-tree")],
+    );
+    assert_offloaded(&run, "allreduce_check", 4);
+    assert!(run.sp_total("messages_sent") > 0, "{}", run.stderr);
+}
+
 /// The legal mixes of issue 11 under MPICH: offset data and one message described by
 /// different type maps on different ranks (packed, and counted so by the SPs).
 #[test]
