@@ -312,7 +312,7 @@ impl<K: Clone + core::fmt::Debug> Allreduce<K> {
             )));
         }
         let elem = post.reduce.elem.size() as u64;
-        if !post.reduce.is_valid() || post.len % elem != 0 || post.len > MAX_BYTES {
+        if !post.reduce.is_valid() || !post.len.is_multiple_of(elem) || post.len > MAX_BYTES {
             return Err(Error(format!(
                 "an allreduce of {} bytes of {:?} by {:?} is not offloaded",
                 post.len, post.reduce.elem, post.reduce.op

@@ -178,7 +178,7 @@ macro_rules! float_op {
 
 /// `acc[i] = acc[i] op x[i]` for every element `i` of `r.elem`.
 pub fn reduce_into(r: Reduce, acc: &mut [u8], x: &[u8]) -> Result<(), ReduceError> {
-    if acc.len() != x.len() || acc.len() % r.elem.size() != 0 {
+    if acc.len() != x.len() || !acc.len().is_multiple_of(r.elem.size()) {
         return Err(ReduceError::Length {
             acc: acc.len(),
             x: x.len(),

@@ -72,7 +72,7 @@ fn check_desc(d: &PostDesc) -> Result<(), String> {
             "an allreduce sends {s} bytes and receives {rv}: they must be equal"
         ));
     }
-    if !r.is_valid() || s % r.elem.size() as u64 != 0 {
+    if !r.is_valid() || !s.is_multiple_of(r.elem.size() as u64) {
         return Err(format!(
             "{s} bytes are not whole elements of a {:?} by {:?}",
             r.elem, r.op
