@@ -54,8 +54,8 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 /// The largest allreduce, in bytes, that is offloaded (one block in one SP-to-SP frame).
 pub const MAX_BYTES: u64 = 1 << 20;
-/// Messages from peers kept before this SP's first local post (at most one per SP of a
-/// tree of this many).
+/// Messages from peers kept before this SP's first local post (at most one per peer SP, and
+/// no more than this many).
 const MAX_EARLY: usize = 65536;
 
 /// Bytes carried by a message (serialized as one byte string).
@@ -393,8 +393,12 @@ impl<K: Clone + core::fmt::Debug> Allreduce<K> {
                 self.abort_here(status, false);
                 return Ok(());
             }
-            if self.early.len() >= MAX_EARLY {
-                return Err(Error("too many messages before the first post".into()));
+            // A peer sends one `Up` or one `Down` to this SP per instance: one message per
+            // peer (at most `MAX_BYTES` each) is all this SP keeps before it has a view.
+            if self.early.len() >= MAX_EARLY || self.early.iter().any(|(f, _)| *f == from) {
+                return Err(Error(format!(
+                    "a second message from SP {from} before the first post"
+                )));
             }
             self.early.push((from, msg));
             return Ok(());

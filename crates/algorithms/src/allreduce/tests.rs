@@ -404,3 +404,18 @@ fn an_abort_before_the_posts_completes_them_as_they_come() {
     assert_eq!(net.status(2), Some(Status::Aborted));
     assert!(net.sps.values().all(|m| m.is_finished()));
 }
+
+/// Before its first post an SP keeps one message per peer: a second `Up` from the same SP is
+/// refused (a peer cannot make it hold more than one block per peer).
+#[test]
+fn one_early_message_per_peer() {
+    let mut m: Allreduce<Tag> = Allreduce::new(KEY, Config { me: 0 });
+    let up = || Msg::Up {
+        len: 8,
+        reduce: SUM_I64,
+        data: Bytes(i64s(&[1])),
+    };
+    m.handle_msg(0, 1, up()).unwrap();
+    assert!(m.handle_msg(0, 1, up()).is_err());
+    m.handle_msg(0, 2, up()).unwrap();
+}
