@@ -16,14 +16,20 @@ use common::*;
 /// call: those are the allreduce kind's posts), completed them all, with SP-to-SP messages
 /// (the tree's `Up`/`Down`).
 fn allreduce_check_offloads(sps_per_node: u32, design: &str) {
+    allreduce_check_offloads_with(sps_per_node, &[], &[("SPOFF_ALLREDUCE_DESIGN", design)]);
+}
+
+/// [`allreduce_check_offloads`] with launcher arguments `launcher` and the environment `env`
+/// (which names the design).
+fn allreduce_check_offloads_with(sps_per_node: u32, launcher: &[&str], env: &[(&str, &str)]) {
     let _serial = serial();
     let prog = prog("allreduce_check");
     let seed = integration_tests::seed().to_string();
-    let run = launch(
-        sps_per_node,
-        &[prog.as_str(), "16", &seed],
-        &[("SPOFF_ALLREDUCE_DESIGN", design)],
-    );
+    let run = launch_with(sps_per_node, launcher, &[prog.as_str(), "16", &seed], env);
+    let design = env
+        .iter()
+        .find(|(k, _)| *k == "SPOFF_ALLREDUCE_DESIGN")
+        .map_or("", |(_, v)| *v);
     assert_offloaded(&run, "allreduce_check", 2 * sps_per_node as usize);
     assert!(shim_lines(&run.stderr).is_empty(), "{}", run.stderr);
     assert!(run.sp_total("messages_sent") > 0, "{}", run.stderr);
@@ -46,6 +52,20 @@ fn mpi_allreduce_sp_tree_one_sp_per_node() {
 #[test]
 fn mpi_allreduce_sp_tree_two_sps_per_node() {
     allreduce_check_offloads(2, "sp-tree");
+}
+
+/// The ranks grant their buffers through UCX (`SPOFF_BACKEND=ucx`, SPs with `--ucx`): the
+/// SPs read them into, and write them from, their own buffers over UCX.
+#[test]
+fn mpi_allreduce_sp_tree_with_ucx_grants() {
+    allreduce_check_offloads_with(
+        1,
+        &["--sp-arg=--ucx"],
+        &[
+            ("SPOFF_ALLREDUCE_DESIGN", "sp-tree"),
+            ("SPOFF_BACKEND", "ucx"),
+        ],
+    );
 }
 
 #[test]
