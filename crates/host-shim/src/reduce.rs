@@ -15,9 +15,11 @@
 //! integer types (`MPI_SIGNED_CHAR`, `MPI_UNSIGNED_CHAR`, `MPI_SHORT`, `MPI_UNSIGNED_SHORT`,
 //! `MPI_INT`, `MPI_UNSIGNED`, `MPI_LONG`, `MPI_UNSIGNED_LONG`, `MPI_LONG_LONG`,
 //! `MPI_UNSIGNED_LONG_LONG`, `MPI_INT8_T` ... `MPI_UINT64_T`, by their size) and `MPI_FLOAT`,
-//! `MPI_DOUBLE` (arithmetic and min/max only: logical and bitwise operations on floating point
-//! are not MPI), up to `allreduce::MAX_BYTES` per call. Anything else (user operations,
-//! `MPI_MINLOC`/`MPI_MAXLOC`, other or derived types, `MPI_BYTE`, `MPI_CHAR`, Fortran types,
+//! `MPI_DOUBLE`, and from Fortran `MPI_INTEGER`, `MPI_INTEGER4`, `MPI_INTEGER8`, `MPI_REAL`,
+//! `MPI_REAL4`, `MPI_REAL8`, `MPI_DOUBLE_PRECISION` (arithmetic and min/max only on floating
+//! point: logical and bitwise operations there are not MPI), up to `allreduce::MAX_BYTES` per
+//! call. Anything else (user operations,
+//! `MPI_MINLOC`/`MPI_MAXLOC`, other or derived types, `MPI_BYTE`, `MPI_CHAR`, `MPI_LOGICAL`,
 //! larger messages) runs natively.
 
 use crate::boundary::say;
@@ -51,7 +53,14 @@ enum Class {
 }
 
 fn class_of(ty: ffi::MPI_Datatype) -> Option<Class> {
+    // MPICH names optional Fortran types it lacks MPI_DATATYPE_NULL.
+    if ty == consts::DATATYPE_NULL() {
+        return None;
+    }
     let signed = [
+        consts::INTEGER(),
+        consts::INTEGER4(),
+        consts::INTEGER8(),
         consts::SIGNED_CHAR(),
         consts::SHORT(),
         consts::INT(),
@@ -77,7 +86,16 @@ fn class_of(ty: ffi::MPI_Datatype) -> Option<Class> {
         Some(Class::Signed)
     } else if unsigned.contains(&ty) {
         Some(Class::Unsigned)
-    } else if [consts::FLOAT(), consts::DOUBLE()].contains(&ty) {
+    } else if [
+        consts::FLOAT(),
+        consts::DOUBLE(),
+        consts::REAL(),
+        consts::REAL4(),
+        consts::REAL8(),
+        consts::DOUBLE_PRECISION(),
+    ]
+    .contains(&ty)
+    {
         Some(Class::Float)
     } else {
         None

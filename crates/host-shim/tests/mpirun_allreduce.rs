@@ -3,6 +3,7 @@
 //! or `auto`) against `PMPI_Allreduce`, and the native call when the variable is unset.
 
 mod common;
+mod fortran;
 
 use common::*;
 
@@ -96,4 +97,29 @@ fn mpi_allreduce_native_unless_asked() {
         };
         assert_eq!(said, want, "{design:?}\n{}", run.stderr);
     }
+}
+
+/// From Fortran (`progs/fortran/freduce.F90`, `include 'mpif.h'`: `MPI_ALLREDUCE` and
+/// `MPI_IALLREDUCE` on `MPI_INTEGER`, `MPI_INTEGER8`, `MPI_DOUBLE_PRECISION`, `MPI_REAL`, in
+/// place, a split half; `MPI_LOGICAL` natively), compared inside the program with the
+/// library's own Fortran `PMPI_ALLREDUCE`: the verdict, and every eligible call of every rank
+/// posted. Open MPI only: MPICH's Fortran `PMPI_ALLREDUCE` calls the C `MPI_Allreduce`, which
+/// the shim intercepts, so the program would have no native reference there (said, and not
+/// run, under `SPOFF_TEST_MPI=mpich`).
+#[test]
+fn mpi_allreduce_sp_tree_from_fortran() {
+    if mpi() == Mpi::Mpich {
+        eprintln!("mpi_allreduce_sp_tree_from_fortran: Open MPI only (no native Fortran reference under MPICH)");
+        return;
+    }
+    let _serial = serial();
+    let prog = fortran::freduce("mpifort");
+    let seed = integration_tests::seed().to_string();
+    let run = launch(
+        1,
+        &[prog.as_str(), "6", &seed],
+        &[("SPOFF_ALLREDUCE_DESIGN", "sp-tree")],
+    );
+    assert_offloaded(&run, "freduce", 2);
+    assert!(shim_lines(&run.stderr).is_empty(), "{}", run.stderr);
 }

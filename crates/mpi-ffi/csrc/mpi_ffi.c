@@ -33,6 +33,13 @@ const MPI_Datatype MPIFFI_UNSIGNED_LONG_LONG = MPI_UNSIGNED_LONG_LONG;
 const MPI_Datatype MPIFFI_INT8_T = MPI_INT8_T;
 const MPI_Datatype MPIFFI_INT16_T = MPI_INT16_T;
 const MPI_Datatype MPIFFI_UINT16_T = MPI_UINT16_T;
+const MPI_Datatype MPIFFI_INTEGER = MPI_INTEGER;
+const MPI_Datatype MPIFFI_INTEGER4 = MPI_INTEGER4;
+const MPI_Datatype MPIFFI_INTEGER8 = MPI_INTEGER8;
+const MPI_Datatype MPIFFI_REAL = MPI_REAL;
+const MPI_Datatype MPIFFI_REAL4 = MPI_REAL4;
+const MPI_Datatype MPIFFI_REAL8 = MPI_REAL8;
+const MPI_Datatype MPIFFI_DOUBLE_PRECISION = MPI_DOUBLE_PRECISION;
 const MPI_Op MPIFFI_OP_PROD = MPI_PROD;
 const MPI_Op MPIFFI_OP_LOR = MPI_LOR;
 const MPI_Op MPIFFI_OP_LXOR = MPI_LXOR;
@@ -90,4 +97,5 @@ void mpiffi_status_set_count_bytes(MPI_Status *status, MPI_Count bytes) {
 MPI_Comm mpiffi_comm_f2c(MPI_Fint comm) { return PMPI_Comm_f2c(comm); }
 MPI_Datatype mpiffi_type_f2c(MPI_Fint datatype) { return PMPI_Type_f2c(datatype); }
 MPI_Request mpiffi_request_f2c(MPI_Fint request) { return PMPI_Request_f2c(request); }
+MPI_Op mpiffi_op_f2c(MPI_Fint op) { return PMPI_Op_f2c(op); }
 MPI_Fint mpiffi_request_c2f(MPI_Request request) { return PMPI_Request_c2f(request); }

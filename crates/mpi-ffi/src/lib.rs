@@ -65,6 +65,13 @@ pub mod consts {
         INT8_T: MPI_Datatype = MPIFFI_INT8_T;
         INT16_T: MPI_Datatype = MPIFFI_INT16_T;
         UINT16_T: MPI_Datatype = MPIFFI_UINT16_T;
+        INTEGER: MPI_Datatype = MPIFFI_INTEGER;
+        INTEGER4: MPI_Datatype = MPIFFI_INTEGER4;
+        INTEGER8: MPI_Datatype = MPIFFI_INTEGER8;
+        REAL: MPI_Datatype = MPIFFI_REAL;
+        REAL4: MPI_Datatype = MPIFFI_REAL4;
+        REAL8: MPI_Datatype = MPIFFI_REAL8;
+        DOUBLE_PRECISION: MPI_Datatype = MPIFFI_DOUBLE_PRECISION;
         OP_PROD: MPI_Op = MPIFFI_OP_PROD;
         OP_LOR: MPI_Op = MPIFFI_OP_LOR;
         OP_LXOR: MPI_Op = MPIFFI_OP_LXOR;

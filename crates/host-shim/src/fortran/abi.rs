@@ -162,6 +162,11 @@ pub fn comm_f2c(f: Fint) -> ffi::MPI_Comm {
     unsafe { ffi::mpiffi_comm_f2c(f) }
 }
 
+pub fn op_f2c(f: Fint) -> ffi::MPI_Op {
+    // SAFETY: as above.
+    unsafe { ffi::mpiffi_op_f2c(f) }
+}
+
 pub fn type_f2c(f: Fint) -> ffi::MPI_Datatype {
     // SAFETY: as above.
     unsafe { ffi::mpiffi_type_f2c(f) }

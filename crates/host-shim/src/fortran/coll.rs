@@ -252,6 +252,39 @@ unsafe fn bcast(
     }
 }
 
+/// `MPI_ALLREDUCE`, `MPI_IALLREDUCE`: offloaded as from C (`reduce.rs`: the Fortran
+/// `INTEGER`, `INTEGER4`, `INTEGER8`, `REAL`, `REAL4`, `REAL8` and `DOUBLE PRECISION` types
+/// are mapped; `LOGICAL` and the rest run natively).
+unsafe fn allreduce(
+    name: &str,
+    native: &dyn Fn(),
+    sendbuf: Buf,
+    recvbuf: Buf,
+    count: Ints,
+    datatype: Handle,
+    op: Handle,
+    comm: Handle,
+    request: Option<Out>,
+    ierr: Out,
+) {
+    // SAFETY: as above.
+    unsafe {
+        collective(name, native, request, ierr, |req| {
+            let (t, o, c) = (
+                abi::type_f2c(*datatype),
+                abi::op_f2c(*op),
+                abi::comm_f2c(*comm),
+            );
+            let (sb, rb) = (abi::buffer(sendbuf), abi::buffer(recvbuf));
+            if req.is_null() {
+                crate::MPI_Allreduce(sb, rb, *count, t, o, c)
+            } else {
+                crate::MPI_Iallreduce(sb, rb, *count, t, o, c, req)
+            }
+        })
+    }
+}
+
 /// The blocking and the nonblocking entry of each collective, with the Fortran argument lists.
 macro_rules! blocking_and_nonblocking {
     ($(
@@ -292,5 +325,8 @@ blocking_and_nonblocking! {
     );
     bcast: mpi_bcast / MPI_BCAST, mpi_ibcast / MPI_IBCAST(
         buffer: Buf, count: Ints, datatype: Handle, root: Ints, comm: Handle
+    );
+    allreduce: mpi_allreduce / MPI_ALLREDUCE, mpi_iallreduce / MPI_IALLREDUCE(
+        sendbuf: Buf, recvbuf: Buf, count: Ints, datatype: Handle, op: Handle, comm: Handle
     );
 }

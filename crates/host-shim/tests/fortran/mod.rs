@@ -44,20 +44,32 @@ impl Flavour {
 /// `progs/fortran/fcheck.F90` compiled for `flavour` with the MPI's Fortran compiler
 /// `compiler` (`mpifort`, `mpifort.mpich`), once per test process.
 pub fn fcheck(flavour: Flavour, compiler: &'static str) -> String {
-    static BUILT: Mutex<BTreeMap<(Flavour, &str), String>> = Mutex::new(BTreeMap::new());
+    build("fcheck", flavour.name(), flavour, compiler)
+}
+
+/// `progs/fortran/freduce.F90` (the SP-tree allreduce from Fortran, `include 'mpif.h'`)
+/// compiled with `compiler`, once per test process.
+pub fn freduce(compiler: &'static str) -> String {
+    build("freduce", "freduce", Flavour::Mpifh, compiler)
+}
+
+/// `progs/fortran/<file>.F90` compiled for `flavour` with `compiler` into a program `name`.
+fn build(file: &str, name: &'static str, flavour: Flavour, compiler: &'static str) -> String {
+    static BUILT: Mutex<BTreeMap<(&str, &str), String>> = Mutex::new(BTreeMap::new());
     let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
     built
-        .entry((flavour, compiler))
+        .entry((name, compiler))
         .or_insert_with(|| {
-            let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/progs/fortran/fcheck.F90");
+            let src = Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join(format!("tests/progs/fortran/{file}.F90"));
             let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
                 .join("host-shim-fortran")
                 .join(compiler);
             std::fs::create_dir_all(&dir).unwrap();
             // A private name, then a rename: concurrent test runs never see half a binary.
-            let tmp = dir.join(format!("{}.{}", flavour.name(), std::process::id()));
+            let tmp = dir.join(format!("{}.{}", name, std::process::id()));
             // Each compile in a directory of its own: the module flavours write .mod files.
-            let work = dir.join(format!("{}.{}.d", flavour.name(), std::process::id()));
+            let work = dir.join(format!("{}.{}.d", name, std::process::id()));
             std::fs::create_dir_all(&work).unwrap();
             let st = Command::new(compiler)
                 .current_dir(&work)
@@ -76,7 +88,7 @@ pub fn fcheck(flavour: Flavour, compiler: &'static str) -> String {
                 "{compiler} failed on {} ({flavour:?})",
                 src.display()
             );
-            let out = dir.join(flavour.name());
+            let out = dir.join(name);
             std::fs::rename(&tmp, &out).unwrap();
             out.display().to_string()
         })
