@@ -1,5 +1,7 @@
 //! Offloading the collectives: `MPI_Alltoallv` / `MPI_Alltoall`, `MPI_Allgatherv` /
-//! `MPI_Allgather` and `MPI_Bcast` (blocking and nonblocking).
+//! `MPI_Allgather`, `MPI_Bcast` and `MPI_Allreduce` (blocking and nonblocking; the allreduce
+//! only when `SPOFF_ALLREDUCE_DESIGN` asks for the SP tree and its type and operation are
+//! ones the SPs reduce, `reduce.rs`).
 //!
 //! **One decision on every rank.** A call is offloaded when the shim is active (agreed by all
 //! ranks at `MPI_Init`), the communicator is an intracommunicator, and the arguments are valid

@@ -1,5 +1,5 @@
-//! The Fortran test program, `progs/fortran/fcheck.F90`, in its three forms, built with an
-//! MPI's Fortran compiler for the mpirun tests.
+//! The Fortran test programs, `progs/fortran/fcheck.F90` in its three forms and
+//! `progs/fortran/freduce.F90`, built with an MPI's Fortran compiler for the mpirun tests.
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
