@@ -7,7 +7,9 @@
 //! (an allgather(v) as the SP's hierarchical allgatherv, with the node of every member), and
 //! completes the request when the SP writes a completion token into the rank's mailbox; it
 //! intercepts the whole Wait/Test family so its requests and native ones mix freely. It never
-//! changes what a program computes: any datatype and `MPI_IN_PLACE` are offloaded (sides that
+//! changes what a program computes (but for the order in which an offloaded floating-point
+//! allreduce combines the ranks' values: a result within the rounding that order allows,
+//! the same on every rank; `reduce.rs`): any datatype and `MPI_IN_PLACE` are offloaded (sides that
 //! are not one run of bytes are packed, `post.rs`), so the offload decision never differs
 //! between ranks; what it does not support (an intercommunicator, no SP reachable on some
 //! rank) goes to the native `PMPI_*` function unchanged, it never lets a panic cross into C,
