@@ -9,9 +9,9 @@ use common::*;
 
 /// `allreduce_check` (every predefined op on every predefined integer and floating-point
 /// type, counts 0 to 3000, blocking and nonblocking, `MPI_IN_PLACE`, on `MPI_COMM_WORLD` and a
-/// split half; integers byte for byte equal to `PMPI_Allreduce`, floating-point sums within
-/// 2 (n-1) eps sum|x_i| and products within 2 (n-1) eps |p|, min/max exact, every rank rank
-/// 0's bytes; `MPI_BYTE` and a message above 1 MiB natively) under the launcher with
+/// split half, then 4 MiB and 3 MiB ones; integers byte for byte equal to `PMPI_Allreduce`,
+/// floating-point sums within 2 (n-1) eps sum|x_i| and products within 2 (n-1) eps |p|,
+/// min/max exact, every rank rank 0's bytes; `MPI_BYTE` natively) under the launcher with
 /// `SPOFF_ALLREDUCE_DESIGN=design` and `sps_per_node` SPs per node: the verdict, and the SPs
 /// posted exactly the eligible calls of every rank (the program makes no other offloadable
 /// call: those are the allreduce kind's posts), completed them all, with SP-to-SP messages
@@ -53,6 +53,17 @@ fn mpi_allreduce_sp_tree_one_sp_per_node() {
 #[test]
 fn mpi_allreduce_sp_tree_two_sps_per_node() {
     allreduce_check_offloads(2, "sp-tree");
+}
+
+/// Chunks of 16 KiB (`serve --stage-chunk-bytes`): the large allreduces go through the SPs'
+/// pipeline in hundreds of chunks, the small ones in several.
+#[test]
+fn mpi_allreduce_sp_tree_small_chunks_two_sps_per_node() {
+    allreduce_check_offloads_with(
+        2,
+        &["--sp-arg=--stage-chunk-bytes=16384"],
+        &[("SPOFF_ALLREDUCE_DESIGN", "sp-tree")],
+    );
 }
 
 /// The ranks grant their buffers through UCX (`SPOFF_BACKEND=ucx`, SPs with `--ucx`): the

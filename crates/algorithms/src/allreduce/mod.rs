@@ -52,10 +52,18 @@ use crate::{CollKey, Nanos, Rank, SpId, Status};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
-/// The largest allreduce, in bytes, that is offloaded (one block in one SP-to-SP frame).
-pub const MAX_BYTES: u64 = 1 << 20;
-/// Messages from peers kept before this SP's first local post (at most one per peer SP, and
-/// no more than this many).
+/// The largest allreduce, in bytes, that is offloaded. The message moves in chunks of
+/// [`Config::chunk_bytes`], at most [`WINDOW`] of them in progress per SP at a time: the SP
+/// memory an instance holds does not grow with this bound.
+pub const MAX_BYTES: u64 = 1 << 30;
+/// Chunks an SP has in progress at once (read, reduced, sent, waiting for their result or
+/// being written): the pipeline's depth, and what bounds an instance's SP memory to about
+/// `WINDOW * (local ranks + children + 1) * chunk_bytes`.
+pub const WINDOW: u32 = 4;
+/// Messages from one peer kept before this SP's first local post: a child sends at most
+/// [`WINDOW`] `Up`s before it hears from its parent.
+const MAX_EARLY_PER_PEER: usize = WINDOW as usize;
+/// Messages from peers kept before this SP's first local post, in all.
 const MAX_EARLY: usize = 65536;
 
 /// Bytes carried by a message (serialized as one byte string).
@@ -90,6 +98,19 @@ impl<'de> Deserialize<'de> for Bytes {
 #[derive(Clone, Copy, Debug)]
 pub struct Config {
     pub me: SpId,
+    /// The pipeline's chunk, the same on every SP of a cluster (rounded down to a multiple
+    /// of 8, so that a chunk is whole elements of every type; from 8 to
+    /// [`MAX_CHUNK_BYTES`]).
+    pub chunk_bytes: u64,
+}
+
+/// The largest chunk: an `Up` or a `Down` carries one, within one SP-to-SP frame.
+pub const MAX_CHUNK_BYTES: u64 = 1 << 20;
+
+impl Config {
+    fn chunk(self) -> u64 {
+        (self.chunk_bytes.min(MAX_CHUNK_BYTES) / 8 * 8).max(8)
+    }
 }
 
 /// A local rank's post: its send buffer's key (what it contributes), its receive buffer's
@@ -107,14 +128,17 @@ pub struct Post<K> {
 /// SP-to-SP messages of one instance.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Msg {
-    /// A child's subtree reduced (with the child's view of the length and reduction).
+    /// Chunk `chunk` of a child's subtree, reduced (with the child's view of the length and
+    /// reduction).
     Up {
         len: u64,
         reduce: Reduce,
+        chunk: u32,
         data: Bytes,
     },
-    /// The result, from the parent.
+    /// Chunk `chunk` of the result, from the parent.
     Down {
+        chunk: u32,
         data: Bytes,
     },
     Abort {
@@ -132,20 +156,23 @@ pub enum Action<K> {
         to: SpId,
         msg: Msg,
     },
-    /// Read `len` bytes at offset 0 of `key` (rank `rank`'s send buffer) into SP memory; hand
+    /// Read `len` bytes at `offset` of `key` (rank `rank`'s send buffer) into SP memory; hand
     /// them to `handle_copy_done`.
     Read {
         id: CopyId,
         rank: Rank,
         key: K,
+        offset: u64,
         len: u64,
     },
-    /// Write the `len` bytes of [`Allreduce::result`] at offset 0 of `key` (rank `rank`'s
-    /// receive buffer).
+    /// Write the bytes of [`Allreduce::result`]`(chunk)` (`len` of them) at `offset` of `key`
+    /// (rank `rank`'s receive buffer).
     Write {
         id: CopyId,
         rank: Rank,
         key: K,
+        chunk: u32,
+        offset: u64,
         len: u64,
     },
     Complete {
@@ -204,12 +231,25 @@ struct View {
     children: Vec<SpId>,
     /// The local ranks, in comm rank order.
     local: Vec<Rank>,
+    /// Chunks of the message (one, of 0 bytes, for an empty one).
+    chunks: u32,
 }
 
 #[derive(Debug, Clone, Copy)]
 enum CopyOf {
-    Read(Rank),
-    Write(Rank),
+    Read(Rank, u32),
+    Write(Rank, u32),
+}
+
+/// One chunk in progress.
+#[derive(Debug, Default)]
+struct Chunk {
+    contrib: BTreeMap<Rank, Vec<u8>>,
+    partials: BTreeMap<SpId, Vec<u8>>,
+    sent_up: bool,
+    result: Option<Vec<u8>>,
+    /// Writes of the result not done yet.
+    writes: usize,
 }
 
 /// One allreduce instance on one SP.
@@ -217,14 +257,21 @@ enum CopyOf {
 pub struct Allreduce<K> {
     key: CollKey,
     me: SpId,
+    chunk_bytes: u64,
     view: Option<View>,
-    /// The posted local ranks' receive keys.
-    posted: BTreeMap<Rank, K>,
-    contrib: BTreeMap<Rank, Vec<u8>>,
-    partials: BTreeMap<SpId, Vec<u8>>,
+    /// The posted local ranks' send and receive keys.
+    posted: BTreeMap<Rank, (K, K)>,
+    /// Per posted rank: the next chunk whose read is to be issued.
+    next_read: BTreeMap<Rank, u32>,
+    /// Per posted rank: chunks written into it.
+    written: BTreeMap<Rank, u32>,
+    /// The chunks in progress (from `low` on).
+    chunks: BTreeMap<u32, Chunk>,
+    /// Every chunk below it is written into every local rank (and forgotten).
+    low: u32,
+    /// Chunks above `low` already written everywhere.
+    done_above: BTreeSet<u32>,
     early: Vec<(SpId, Msg)>,
-    sent_up: bool,
-    result: Option<Vec<u8>>,
     copies: BTreeMap<u64, CopyOf>,
     next_copy: u64,
     completed: BTreeSet<Rank>,
@@ -241,13 +288,15 @@ impl<K: Clone + core::fmt::Debug> Allreduce<K> {
         Allreduce {
             key,
             me: cfg.me,
+            chunk_bytes: cfg.chunk(),
             view: None,
             posted: BTreeMap::new(),
-            contrib: BTreeMap::new(),
-            partials: BTreeMap::new(),
+            next_read: BTreeMap::new(),
+            written: BTreeMap::new(),
+            chunks: BTreeMap::new(),
+            low: 0,
+            done_above: BTreeSet::new(),
             early: Vec::new(),
-            sent_up: false,
-            result: None,
             copies: BTreeMap::new(),
             next_copy: 0,
             completed: BTreeSet::new(),
@@ -263,9 +312,10 @@ impl<K: Clone + core::fmt::Debug> Allreduce<K> {
         self.key
     }
 
-    /// The result's bytes, once known (what every [`Action::Write`] writes).
-    pub fn result(&self) -> Option<&[u8]> {
-        self.result.as_deref()
+    /// The result's bytes of chunk `chunk`, once known and until written everywhere (what
+    /// every [`Action::Write`] of the chunk writes).
+    pub fn result(&self, chunk: u32) -> Option<&[u8]> {
+        self.chunks.get(&chunk).and_then(|c| c.result.as_deref())
     }
 
     /// The status the instance was aborted with, if it was.
@@ -279,6 +329,12 @@ impl<K: Clone + core::fmt::Debug> Allreduce<K> {
 
     pub fn copies_in_flight(&self) -> usize {
         self.copies.len()
+    }
+
+    /// Chunks this SP holds in progress (at most [`WINDOW`], plus children's chunks that came
+    /// ahead, at most [`WINDOW`] more).
+    pub fn chunks_in_progress(&self) -> usize {
+        self.chunks.len()
     }
 
     pub fn is_finished(&self) -> bool {
@@ -300,6 +356,13 @@ impl<K: Clone + core::fmt::Debug> Allreduce<K> {
         if self.completed.insert(rank) {
             self.actions.push_back(Action::Complete { rank, status });
         }
+    }
+
+    /// Offset and length of chunk `c`.
+    fn span(&self, c: u32) -> (u64, u64) {
+        let len = self.view.as_ref().map_or(0, |v| v.len);
+        let at = u64::from(c) * self.chunk_bytes;
+        (at, self.chunk_bytes.min(len.saturating_sub(at)))
     }
 
     pub fn handle_post(&mut self, _now: Nanos, post: Post<K>) -> Result<(), Error> {
@@ -334,6 +397,7 @@ impl<K: Clone + core::fmt::Debug> Allreduce<K> {
                 let local = (0..p as Rank)
                     .filter(|&q| post.members[q as usize] == self.me)
                     .collect();
+                let chunks = post.len.div_ceil(self.chunk_bytes).max(1) as u32;
                 self.view = Some(View {
                     members: post.members.clone(),
                     len: post.len,
@@ -342,6 +406,7 @@ impl<K: Clone + core::fmt::Debug> Allreduce<K> {
                     children: children.into_iter().map(|i| sps[i]).collect(),
                     sps,
                     local,
+                    chunks,
                 });
                 for r in std::mem::take(&mut self.lost_early) {
                     if post.members.get(r as usize) == Some(&self.me) && r != post.rank {
@@ -356,21 +421,12 @@ impl<K: Clone + core::fmt::Debug> Allreduce<K> {
         {
             return Err(Error(format!("rank {} posted twice", post.rank)));
         }
-        self.posted.insert(post.rank, post.recv);
+        self.posted.insert(post.rank, (post.send, post.recv));
+        self.next_read.insert(post.rank, 0);
+        self.written.insert(post.rank, 0);
         if let Some(status) = self.aborted {
             self.complete(post.rank, status);
             return Ok(());
-        }
-        if post.len == 0 {
-            self.contrib.insert(post.rank, Vec::new());
-        } else {
-            let id = self.copy_id(CopyOf::Read(post.rank));
-            self.actions.push_back(Action::Read {
-                id,
-                rank: post.rank,
-                key: post.send,
-                len: post.len,
-            });
         }
         // Messages and failures that came before the view.
         for (from, msg) in std::mem::take(&mut self.early) {
@@ -393,11 +449,12 @@ impl<K: Clone + core::fmt::Debug> Allreduce<K> {
                 self.abort_here(status, false);
                 return Ok(());
             }
-            // A peer sends one `Up` or one `Down` to this SP per instance: one message per
-            // peer (at most `MAX_BYTES` each) is all this SP keeps before it has a view.
-            if self.early.len() >= MAX_EARLY || self.early.iter().any(|(f, _)| *f == from) {
+            // A child sends at most `WINDOW` chunks up before it hears from this SP, which
+            // needs a view to answer: that is all this SP keeps from a peer before it has one.
+            let from_peer = self.early.iter().filter(|(f, _)| *f == from).count();
+            if self.early.len() >= MAX_EARLY || from_peer >= MAX_EARLY_PER_PEER {
                 return Err(Error(format!(
-                    "a second message from SP {from} before the first post"
+                    "more than {MAX_EARLY_PER_PEER} messages from SP {from} before the first post"
                 )));
             }
             self.early.push((from, msg));
@@ -410,144 +467,284 @@ impl<K: Clone + core::fmt::Debug> Allreduce<K> {
 
     fn take_msg(&mut self, from: SpId, msg: Msg) -> Result<(), Error> {
         let v = self.view.as_ref().expect("a view");
+        let (chunks, vlen, vreduce) = (v.chunks, v.len, v.reduce);
+        let is_child = v.children.contains(&from);
+        let is_parent = v.parent == Some(from);
         match msg {
             Msg::Abort { status } => {
                 self.abort_here(status, false);
             }
-            Msg::Up { len, reduce, data } => {
-                if !v.children.contains(&from) || self.partials.contains_key(&from) {
+            Msg::Up {
+                len,
+                reduce,
+                chunk,
+                data,
+            } => {
+                // A child is at most `WINDOW` chunks ahead of this SP's written ones.
+                let ahead = chunk >= self.low + 2 * WINDOW;
+                let dup = chunk < self.low
+                    || self.done_above.contains(&chunk)
+                    || self.chunks.get(&chunk).is_some_and(|c| {
+                        c.partials.contains_key(&from) || c.sent_up || c.result.is_some()
+                    });
+                if !is_child || dup || ahead {
                     return Err(Error(format!(
-                        "an Up from SP {from}, not a child waited for"
+                        "an Up of chunk {chunk} from SP {from}, not a child's chunk waited for"
                     )));
                 }
                 if self.aborted.is_some() {
                     return Ok(());
                 }
-                if len != v.len || reduce != v.reduce || data.0.len() as u64 != v.len {
+                let (_, clen) = self.span(chunk);
+                if len != vlen
+                    || reduce != vreduce
+                    || chunk >= chunks
+                    || data.0.len() as u64 != clen
+                {
                     self.abort_here(Status::CountMismatch, true);
                     return Ok(());
                 }
-                self.partials.insert(from, data.0);
+                self.chunks
+                    .entry(chunk)
+                    .or_default()
+                    .partials
+                    .insert(from, data.0);
             }
-            Msg::Down { data } => {
-                if v.parent != Some(from) || self.result.is_some() {
-                    return Err(Error(format!("a Down from SP {from}, not the parent")));
+            Msg::Down { chunk, data } => {
+                let known = chunk < self.low
+                    || self.done_above.contains(&chunk)
+                    || self.chunks.get(&chunk).is_some_and(|c| c.result.is_some());
+                if !is_parent || known || chunk >= chunks {
+                    return Err(Error(format!(
+                        "a Down of chunk {chunk} from SP {from}, not the parent's chunk waited for"
+                    )));
                 }
                 if self.aborted.is_some() {
                     return Ok(());
                 }
-                if data.0.len() as u64 != v.len {
+                let (_, clen) = self.span(chunk);
+                if data.0.len() as u64 != clen {
                     self.abort_here(Status::CountMismatch, true);
                     return Ok(());
                 }
-                self.set_result(data.0);
+                self.set_result(chunk, data.0);
             }
         }
         Ok(())
     }
 
-    /// Reduces and sends up once everything below this SP is in.
+    /// Issues the reads the window allows, and reduces and sends up every chunk whose parts
+    /// are all in.
     fn progress(&mut self) {
-        if self.aborted.is_some() || self.sent_up || self.result.is_some() {
+        if self.aborted.is_some() {
             return;
         }
         let Some(v) = &self.view else { return };
-        if self.contrib.len() != v.local.len() || self.partials.len() != v.children.len() {
-            return;
-        }
-        let reduce = v.reduce;
-        let mut parts = v
-            .local
-            .iter()
-            .map(|r| &self.contrib[r])
-            .chain(v.children.iter().map(|c| &self.partials[c]));
-        let mut acc = parts.next().cloned().unwrap_or_default();
-        for x in parts {
-            reduce_into(reduce, &mut acc, x).expect("lengths checked on arrival");
-        }
-        match v.parent {
-            Some(parent) => {
-                self.sent_up = true;
-                let msg = Msg::Up {
-                    len: v.len,
-                    reduce,
-                    data: Bytes(acc),
-                };
-                self.actions.push_back(Action::Send { to: parent, msg });
-                self.contrib.clear();
-                self.partials.clear();
+        let end = (self.low + WINDOW).min(v.chunks);
+        // Reads of the posted ranks, chunk by chunk within the window.
+        let mut reads = Vec::new();
+        for (&rank, (send, _)) in &self.posted {
+            let next = self.next_read[&rank];
+            for c in next..end {
+                reads.push((rank, send.clone(), c));
             }
-            None => {
-                self.contrib.clear();
-                self.partials.clear();
-                self.set_result(acc);
+        }
+        for (rank, key, c) in reads {
+            self.next_read.insert(rank, c + 1);
+            let (offset, len) = self.span(c);
+            if len == 0 {
+                self.chunks
+                    .entry(c)
+                    .or_default()
+                    .contrib
+                    .insert(rank, Vec::new());
+            } else {
+                self.chunks.entry(c).or_default();
+                let id = self.copy_id(CopyOf::Read(rank, c));
+                self.actions.push_back(Action::Read {
+                    id,
+                    rank,
+                    key,
+                    offset,
+                    len,
+                });
+            }
+        }
+        // Chunks whose every part is in, in order.
+        let v = self.view.as_ref().expect("a view");
+        let (nlocal, children, parent, reduce, vlen) =
+            (v.local.len(), v.children.clone(), v.parent, v.reduce, v.len);
+        let local = v.local.clone();
+        let ready: Vec<u32> = self
+            .chunks
+            .iter()
+            .filter(|(_, c)| {
+                !c.sent_up
+                    && c.result.is_none()
+                    && c.contrib.len() == nlocal
+                    && c.partials.len() == children.len()
+            })
+            .map(|(&i, _)| i)
+            .collect();
+        for i in ready {
+            let c = self.chunks.get_mut(&i).expect("ready");
+            let contrib = std::mem::take(&mut c.contrib);
+            let partials = std::mem::take(&mut c.partials);
+            let mut parts = local
+                .iter()
+                .map(|r| &contrib[r])
+                .chain(children.iter().map(|s| &partials[s]));
+            let mut acc = parts.next().cloned().unwrap_or_default();
+            for x in parts {
+                reduce_into(reduce, &mut acc, x).expect("lengths checked on arrival");
+            }
+            match parent {
+                Some(parent) => {
+                    c.sent_up = true;
+                    self.actions.push_back(Action::Send {
+                        to: parent,
+                        msg: Msg::Up {
+                            len: vlen,
+                            reduce,
+                            chunk: i,
+                            data: Bytes(acc),
+                        },
+                    });
+                }
+                None => self.set_result(i, acc),
             }
         }
     }
 
-    /// The result is known: down the tree, into every local rank.
-    fn set_result(&mut self, data: Vec<u8>) {
+    /// Chunk `i`'s result is known: down the tree, into every local rank.
+    fn set_result(&mut self, i: u32, data: Vec<u8>) {
         let v = self.view.as_ref().expect("a view");
         for &c in &v.children {
             self.actions.push_back(Action::Send {
                 to: c,
                 msg: Msg::Down {
+                    chunk: i,
                     data: Bytes(data.clone()),
                 },
             });
         }
-        let len = v.len;
-        self.result = Some(data);
-        let posted: Vec<(Rank, K)> = self
+        let (offset, len) = self.span(i);
+        let targets: Vec<(Rank, K)> = self
             .posted
             .iter()
             .filter(|(r, _)| !self.completed.contains(r))
-            .map(|(r, k)| (*r, k.clone()))
+            .map(|(r, (_, recv))| (*r, recv.clone()))
             .collect();
-        for (rank, key) in posted {
+        {
+            let c = self.chunks.entry(i).or_default();
+            c.contrib.clear();
+            c.partials.clear();
+            c.result = Some(data);
+        }
+        let mut writes = 0;
+        for (rank, key) in targets {
             if len == 0 {
-                self.complete(rank, Status::Ok);
+                self.wrote(rank);
             } else {
-                let id = self.copy_id(CopyOf::Write(rank));
-                self.actions.push_back(Action::Write { id, rank, key, len });
+                writes += 1;
+                let id = self.copy_id(CopyOf::Write(rank, i));
+                self.actions.push_back(Action::Write {
+                    id,
+                    rank,
+                    key,
+                    chunk: i,
+                    offset,
+                    len,
+                });
             }
+        }
+        self.chunks.get_mut(&i).expect("set").writes = writes;
+        if writes == 0 {
+            self.chunk_done(i);
         }
     }
 
-    /// A read or a write finished; a read hands its bytes (`data`, the `len` bytes read).
+    /// A chunk was written into `rank`: it completes with the last.
+    fn wrote(&mut self, rank: Rank) {
+        let chunks = self.view.as_ref().map_or(1, |v| v.chunks);
+        let w = self.written.entry(rank).or_default();
+        *w += 1;
+        if *w == chunks {
+            self.complete(rank, Status::Ok);
+        }
+    }
+
+    /// Chunk `i` is written everywhere here: the window moves on.
+    fn chunk_done(&mut self, i: u32) {
+        self.chunks.remove(&i);
+        self.done_above.insert(i);
+        while self.done_above.remove(&self.low) {
+            self.low += 1;
+        }
+        self.progress();
+    }
+
+    /// A read or a write finished; a read hands its bytes (`data`, the bytes read).
     pub fn handle_copy_done(&mut self, _now: Nanos, id: CopyId, status: Status, data: Vec<u8>) {
         let Some(of) = self.copies.remove(&id.0) else {
             return;
         };
         match of {
-            CopyOf::Read(rank) => {
+            CopyOf::Read(rank, c) => {
                 if let Some(st) = self.aborted {
-                    self.complete(rank, st);
+                    self.complete_if_idle(rank, st);
                     return;
                 }
-                let len = self.view.as_ref().map_or(0, |v| v.len);
+                let (_, len) = self.span(c);
                 if !status.is_ok() || data.len() as u64 != len {
                     self.abort_here(Status::AccessError, true);
                     return;
                 }
-                self.contrib.insert(rank, data);
+                self.chunks.entry(c).or_default().contrib.insert(rank, data);
                 self.progress();
             }
-            CopyOf::Write(rank) => {
-                let st = if status.is_ok() {
-                    Status::Ok
+            CopyOf::Write(rank, c) => {
+                if !status.is_ok() {
+                    // That rank fails; the others still get the result.
+                    self.complete(rank, Status::AccessError);
+                } else if let Some(st) = self.aborted {
+                    self.complete_if_idle(rank, st);
                 } else {
-                    Status::AccessError
-                };
-                self.complete(rank, st);
+                    self.wrote(rank);
+                }
+                if let Some(ch) = self.chunks.get_mut(&c) {
+                    ch.writes -= 1;
+                    if ch.writes == 0 && self.aborted.is_none() {
+                        self.chunk_done(c);
+                    }
+                }
             }
         }
+    }
+
+    /// After an abort: `rank` completes with `status` once no copy of it is in flight.
+    fn complete_if_idle(&mut self, rank: Rank, status: Status) {
+        let busy = self.copies.values().any(|c| match c {
+            CopyOf::Read(r, _) | CopyOf::Write(r, _) => *r == rank,
+        });
+        if !busy {
+            self.complete(rank, status);
+        }
+    }
+
+    /// Every chunk's result is known here: nothing but local writes remain (a lost peer or
+    /// rank changes nothing any more).
+    fn all_results(&self) -> bool {
+        let Some(v) = &self.view else { return false };
+        (self.low..v.chunks).all(|j| {
+            self.done_above.contains(&j) || self.chunks.get(&j).is_some_and(|c| c.result.is_some())
+        })
     }
 
     pub fn handle_peer_lost(&mut self, _now: Nanos, sp: SpId) {
         if self.view.is_none() {
             self.lost_sps.insert(sp);
-        } else if self.in_tree(sp) && self.result.is_none() {
+        } else if self.in_tree(sp) && !self.all_results() {
             self.abort_here(Status::PeerFailed, true);
         }
     }
@@ -563,7 +760,7 @@ impl<K: Clone + core::fmt::Debug> Allreduce<K> {
             }
             _ => {}
         }
-        if self.result.is_none() {
+        if !self.all_results() {
             self.abort_here(Status::RankFailed, true);
         }
     }
@@ -591,23 +788,20 @@ impl<K: Clone + core::fmt::Debug> Allreduce<K> {
                 }
             }
         }
-        let busy: BTreeSet<Rank> = self
-            .copies
-            .values()
-            .map(|c| match c {
-                CopyOf::Read(r) | CopyOf::Write(r) => *r,
-            })
-            .collect();
-        let idle: Vec<Rank> = self
-            .posted
-            .keys()
-            .filter(|r| !busy.contains(r))
-            .copied()
-            .collect();
-        for r in idle {
-            self.complete(r, status);
+        // Reads and writes not handed to the driver yet never start.
+        let queued = std::mem::take(&mut self.actions);
+        for a in queued {
+            match a {
+                Action::Read { id, .. } | Action::Write { id, .. } => {
+                    self.copies.remove(&id.0);
+                }
+                other => self.actions.push_back(other),
+            }
         }
-        self.contrib.clear();
-        self.partials.clear();
+        let posted: Vec<Rank> = self.posted.keys().copied().collect();
+        for r in posted {
+            self.complete_if_idle(r, status);
+        }
+        self.chunks.clear();
     }
 }

@@ -8,8 +8,9 @@
  * blocking, MPI_Iallreduce (two outstanding, completed by MPI_Waitall in reverse order) or
  * MPI_Iallreduce with MPI_IN_PLACE. The offloaded combinations (the predefined ops on the
  * predefined integer and floating-point types, arithmetic and min/max only on floating point)
- * are eligible; MPI_BYTE with a bitwise op, and a message above the offload bound (1 MiB),
- * are also run and must still be right (natively, not counted as eligible).
+ * are eligible; MPI_BYTE with a bitwise op is also run and must still be right (natively, not
+ * counted as eligible). At the end, two large ones (4 MiB of MPI_INT on the world, 3 MiB of
+ * MPI_DOUBLE in place on the half): many chunks of the SPs' pipeline.
  *
  * Integer results must be byte for byte those of PMPI_Allreduce, and PMPI's those of MPI's
  * definition computed here in C from every rank's contribution (PMPI_Allgather), except
@@ -32,7 +33,7 @@
 #include "check.h"
 
 #define GUARD 0xE7
-#define MAX_BYTES (1 << 20)
+#define MAX_BYTES (1 << 30)
 
 static uint64_t shared, own;
 /* SPOFF_ALLREDUCE_DESIGN asks for the SP tree: the eligible calls are offloaded. */
@@ -355,11 +356,18 @@ int main(int argc, char **argv) {
         MPI_Allreduce(c.send, c.recv, c.count, MPI_BYTE, MPI_BXOR, MPI_COMM_WORLD);
         eligible += offloaded(&c);
         check(&c, MPI_COMM_WORLD, "byte allreduce");
-        struct call d = {.ti = 4, .oi = 0, .count = MAX_BYTES / 4 + 3};
+        /* 4 MiB and 12 bytes: many chunks through the SPs' pipeline. */
+        struct call d = {.ti = 4, .oi = 0, .count = (4 << 20) / 4 + 3};
         prepare(&d, MPI_COMM_WORLD);
         MPI_Allreduce(d.send, d.recv, d.count, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
         eligible += offloaded(&d);
         check(&d, MPI_COMM_WORLD, "large allreduce");
+        struct call e = {.ti = 19, .oi = 0, .count = (3 << 20) / 8 + 1, .in_place = 1};
+        prepare(&e, half);
+        MPI_Iallreduce(MPI_IN_PLACE, e.recv, e.count, MPI_DOUBLE, MPI_SUM, half, &e.req);
+        MPI_Wait(&e.req, MPI_STATUS_IGNORE);
+        eligible += offloaded(&e);
+        check(&e, half, "large in-place iallreduce");
     }
     MPI_Comm_free(&half);
     /* The verdict's own MPI_Allreduce (MPI_INT, MPI_SUM) is offloaded too. */

@@ -3,15 +3,17 @@
 //! subtree's result up, and writes the root's result, which comes down the tree, into its
 //! ranks' receive buffers.
 //!
-//! SP memory: the reads land in buffers of this driver's own (`staging::Stage`, the staged
-//! family's buffer type: an `AliasKey` of this SP process, so the datapath copies between it
-//! and a rank's grant exactly as between two ranks, `Act::Copy`); the machine takes the bytes
-//! when the copy is done and reduces them in place. The result is written from one such
-//! buffer, filled once from the machine's result and shared by the SP's ranks' writes. Each
-//! buffer is one block of at most `allreduce::MAX_BYTES` (`check_desc`), held while its copy
-//! is in flight and dropped with the instance (which is not dropped while a copy is in
-//! flight: `copies_in_flight`). Partial results travel between SPs as the bytes of the
-//! kind's own messages (`allreduce::Msg::Up`, `Down`), one frame each.
+//! SP memory: the reads (a chunk of a rank's send buffer each) land in buffers of this
+//! driver's own (`staging::Stage`, the staged family's buffer type: an `AliasKey` of this SP
+//! process, so the datapath copies between it and a rank's grant exactly as between two
+//! ranks, `Act::Copy`); the machine takes the bytes when the copy is done and reduces them.
+//! Each chunk's result is written from one such buffer, filled once from the machine's result
+//! and shared by the SP's ranks' writes of that chunk, dropped after the last. Buffers are one
+//! chunk each (`serve --stage-chunk-bytes`, at most `allreduce::MAX_CHUNK_BYTES`), at most
+//! `allreduce::WINDOW` chunks in progress per instance, and dropped with the instance at the
+//! latest (which is not dropped while a copy is in flight: `copies_in_flight`). Partial
+//! results travel between SPs as the bytes of the kind's own messages
+//! (`allreduce::Msg::Up`, `Down`), a chunk per frame.
 
 use super::{Act, CollDriver, Inbound, KindConfig, KindSpec, LocalPost};
 use crate::staging::Stage;
@@ -30,8 +32,8 @@ pub static SPEC: KindSpec = KindSpec {
     region_writer: super::no_region_writer,
     region_len: super::no_region_len,
     check_desc,
-    // The members list and the tree: a few words per member (the data buffers are bounded
-    // per post by `allreduce::MAX_BYTES`, not counted here).
+    // The members list and the tree: a few words per member (the data buffers, a window of
+    // chunks per instance, are not counted here).
     state_bytes_per_member: 64,
 };
 
@@ -42,8 +44,10 @@ struct Driver {
     m: allreduce::Allreduce<AliasKey>,
     /// The buffers reads land in, by copy id.
     reads: HashMap<u64, Stage>,
-    /// The result, once a write needs it.
-    out: Option<Stage>,
+    /// Each chunk's result, once a write needs it, and its writes in flight.
+    out: HashMap<u32, (Stage, usize)>,
+    /// The chunk of each write in flight, by copy id.
+    writes: HashMap<u64, u32>,
 }
 
 impl super::KindMsg for allreduce::Msg {
@@ -52,11 +56,20 @@ impl super::KindMsg for allreduce::Msg {
     }
 }
 
-fn new(key: CollKey, me: SpId, _: &KindConfig) -> Box<dyn CollDriver> {
+/// The pipeline's chunk is the staged collectives' (`serve --stage-chunk-bytes`, the same on
+/// every SP of a cluster), at most `allreduce::MAX_CHUNK_BYTES`.
+fn new(key: CollKey, me: SpId, cfg: &KindConfig) -> Box<dyn CollDriver> {
     Box::new(Driver {
-        m: allreduce::Allreduce::new(key, allreduce::Config { me }),
+        m: allreduce::Allreduce::new(
+            key,
+            allreduce::Config {
+                me,
+                chunk_bytes: cfg.staged.chunk_bytes,
+            },
+        ),
         reads: HashMap::new(),
-        out: None,
+        out: HashMap::new(),
+        writes: HashMap::new(),
     })
 }
 
@@ -80,7 +93,7 @@ fn check_desc(d: &PostDesc) -> Result<(), String> {
     }
     if s > allreduce::MAX_BYTES {
         return Err(format!(
-            "an allreduce of {s} bytes is larger than {} (one block)",
+            "an allreduce of {s} bytes is larger than {}",
             allreduce::MAX_BYTES
         ));
     }
@@ -148,6 +161,15 @@ impl CollDriver for Driver {
             Some(stage) => stage.bytes(stage.key().grant.len as usize).to_vec(),
             None => Vec::new(),
         };
+        // A chunk's result buffer goes with its last write.
+        if let Some(chunk) = self.writes.remove(&id) {
+            if let Some((_, n)) = self.out.get_mut(&chunk) {
+                *n -= 1;
+                if *n == 0 {
+                    self.out.remove(&chunk);
+                }
+            }
+        }
         self.m
             .handle_copy_done(now, allreduce::CopyId(id), status, data)
     }
@@ -176,7 +198,13 @@ impl CollDriver for Driver {
         let job = self.m.key().job;
         Some(match self.m.poll_action()? {
             allreduce::Action::Send { to, msg } => Act::send(to, msg),
-            allreduce::Action::Read { id, rank, key, len } => {
+            allreduce::Action::Read {
+                id,
+                rank,
+                key,
+                offset,
+                len,
+            } => {
                 let stage = buffer(job, len);
                 let dst_key = stage.key().clone();
                 self.reads.insert(id.0, stage);
@@ -184,27 +212,36 @@ impl CollDriver for Driver {
                     id: id.0,
                     dst_rank: rank,
                     src_key: key,
-                    src_offset: 0,
+                    src_offset: offset,
                     dst_key,
                     dst_offset: 0,
                     len,
                 }
             }
-            allreduce::Action::Write { id, rank, key, len } => {
-                if self.out.is_none() {
-                    let result = self.m.result().expect("a write after the result");
+            allreduce::Action::Write {
+                id,
+                rank,
+                key,
+                chunk,
+                offset,
+                len,
+            } => {
+                if !self.out.contains_key(&chunk) {
+                    let result = self.m.result(chunk).expect("a write after its result");
                     let mut stage = buffer(job, result.len() as u64);
                     stage.fill(result);
-                    self.out = Some(stage);
+                    self.out.insert(chunk, (stage, 0));
                 }
-                let src_key = self.out.as_ref().expect("filled").key().clone();
+                let (stage, n) = self.out.get_mut(&chunk).expect("filled");
+                *n += 1;
+                self.writes.insert(id.0, chunk);
                 Act::Copy {
                     id: id.0,
                     dst_rank: rank,
-                    src_key,
+                    src_key: stage.key().clone(),
                     src_offset: 0,
                     dst_key: key,
-                    dst_offset: 0,
+                    dst_offset: offset,
                     len,
                 }
             }
