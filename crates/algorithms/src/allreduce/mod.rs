@@ -12,35 +12,40 @@
 //! cleared; the children of `i` are `i + 2^k` for every `2^k` below `i`'s lowest set bit
 //! (every `2^k` for the root), in increasing `k`, that exist.
 //!
-//! *Up.* Each SP reads the send buffer of each of its local ranks into its own memory
-//! ([`Action::Read`]; the driver lands the bytes and hands them back with
-//! [`Allreduce::handle_copy_done`]). Once it has every local rank's contribution and the
-//! partial result of every child, it reduces them in a fixed order (its local ranks by comm
-//! rank, then its children in child order, each folded into the accumulator from the left)
-//! and sends the result to its parent (`Up`). So the floating-point result depends only on
-//! the communicator's placement, never on timing, and it is one value: the root's.
+//! *Chunks.* The message is cut into chunks of [`Config::chunk_bytes`] (the last one shorter;
+//! one empty chunk for an empty message), each reduced and broadcast on its own, in a
+//! pipeline: an SP has at most [`WINDOW`] chunks in progress, from the lowest chunk not yet
+//! written into all its ranks on; it reads a later chunk only once the lowest is written. A
+//! child is then at most [`WINDOW`] chunks ahead of its parent (it needs the parent's result
+//! of a chunk to move its window past it), so a parent holds at most `2 * WINDOW` chunks and an
+//! `Up` beyond that is a protocol error. An SP's memory is bounded by its window, not by the
+//! message (up to [`MAX_BYTES`]); each message carries one chunk, within one SP-to-SP frame.
 //!
-//! *Down.* The root SP's accumulator is the result: it sends it to its children (`Down`),
-//! each SP forwards it to its own children and writes it into each local rank's receive
-//! buffer ([`Action::Write`], from the bytes [`Allreduce::result`] returns); a rank completes
-//! when its write is done.
+//! *Up.* Each SP reads the chunk of the send buffer of each of its local ranks into its own
+//! memory ([`Action::Read`]; the driver lands the bytes and hands them back with
+//! [`Allreduce::handle_copy_done`]). Once it has a chunk of every local rank and of every
+//! child, it reduces them in a fixed order (its local ranks by comm rank, then its children
+//! in child order, each folded into the accumulator from the left) and sends the chunk to its
+//! parent (`Up`). So the floating-point result depends only on the communicator's placement,
+//! never on timing or chunking, and it is one value: the root's.
 //!
-//! *One block.* The message goes as one block of at most [`MAX_BYTES`] (the bound that keeps
-//! an `Up`/`Down` within one frame of the SP-to-SP protocol); larger allreduces stay native
-//! (the shim decides that from the count and the type, alike on every rank). Pipelining in
-//! chunks is not done yet.
+//! *Down.* The root SP's accumulator is the chunk's result: it sends it to its children
+//! (`Down`), each SP forwards it to its own children and writes it into each local rank's
+//! receive buffer ([`Action::Write`], from the bytes [`Allreduce::result`] returns); a rank
+//! completes when every chunk is written into it.
 //!
 //! *Consistency.* Posts of one instance must agree on members, length and reduction (MPI
 //! requires it): a local post that differs is refused; an `Up` whose length or reduction
 //! differs from this SP's aborts the instance (`CountMismatch`).
 //!
-//! *Failures.* A lost SP of the tree, or a lost local rank, before the result is known
-//! aborts the instance (`PeerFailed`, `RankFailed`): this SP completes its ranks with the
+//! *Failures.* A lost SP of the tree, or a lost local rank, before every chunk's result is
+//! known here aborts the instance (`PeerFailed`, `RankFailed`): this SP completes its ranks with the
 //! status and tells every other SP of the tree (`Abort`), which does the same. A rank whose
 //! copy is in flight completes once the copy is done (nothing of the instance touches its
-//! memory afterwards). A failed read aborts (`AccessError`); a failed write fails that rank
-//! only. Once the result is known nothing but the writes remain, and a lost peer changes
-//! nothing. Every path ends in a completion of every local rank: never a hang.
+//! memory afterwards; reads and writes not handed to the driver yet are dropped). A failed
+//! read aborts (`AccessError`); a failed write fails that rank only. Once every result is
+//! known nothing but the writes remain, and a lost peer changes nothing. Every path ends in a
+//! completion of every local rank: never a hang.
 
 mod reduce;
 #[cfg(test)]

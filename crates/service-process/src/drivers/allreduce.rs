@@ -1,7 +1,7 @@
 //! The SP-tree Allreduce (`algorithms::allreduce`): each SP reads its local ranks' send
-//! buffers into its own memory, reduces them with its children's partial results, sends its
-//! subtree's result up, and writes the root's result, which comes down the tree, into its
-//! ranks' receive buffers.
+//! buffers into its own memory chunk by chunk, reduces them with its children's partial
+//! results, sends its subtree's result up, and writes the root's result, which comes down the
+//! tree, into its ranks' receive buffers.
 //!
 //! SP memory: the reads (a chunk of a rank's send buffer each) land in buffers of this
 //! driver's own (`staging::Stage`, the staged family's buffer type: an `AliasKey` of this SP
