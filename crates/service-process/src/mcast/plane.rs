@@ -216,9 +216,10 @@ impl Plane {
         key: ClusterKey,
         wake: Arc<mio::Waker>,
     ) -> std::io::Result<Plane> {
-        // The sending socket is made first: a fabric the SP cannot send on fails here.
-        let probe = fabric::sender(&cfg.fabric)?;
-        drop(probe);
+        // A fabric the SP cannot send on, join or hear itself on fails here, so that its
+        // hosts learn it at registration (and their jobs choose another design), not at a
+        // collective.
+        probe(&cfg)?;
         let (ev_tx, ev_rx) = crossbeam_channel::unbounded();
         let waker: super::worker::Waker = {
             let w = wake.clone();
@@ -358,6 +359,46 @@ impl Plane {
             None => self.ready.push((ck, McastEvent::Unregistered)),
         }
     }
+}
+
+/// Joins the fabric's probe group (the slot past the communicators') and multicasts a datagram
+/// with a fresh nonce to it: it must come back (`IP_MULTICAST_LOOP`) within 500 ms. This shows
+/// the group can be joined and sent to out of the SP's interface; not that other nodes hear it
+/// (a fabric that drops everything between nodes leaves the fetch ring to carry every byte).
+fn probe(cfg: &PlaneConfig) -> std::io::Result<()> {
+    let group = cfg.fabric.group(SLOTS, 0, 1);
+    let r = fabric::receiver(group, cfg.fabric.interface, 64 << 10).map_err(|e| {
+        std::io::Error::new(
+            e.kind(),
+            format!("cannot join the multicast group {group}: {e}"),
+        )
+    })?;
+    let s = fabric::sender(&cfg.fabric)?;
+    let nonce = bootstrap::auth::random::<16>();
+    let mut msg = b"SPMC-probe".to_vec();
+    msg.extend_from_slice(&nonce);
+    s.send_to(&msg, group)
+        .map_err(|e| std::io::Error::new(e.kind(), format!("cannot multicast to {group}: {e}")))?;
+    let until = std::time::Instant::now() + std::time::Duration::from_millis(500);
+    let mut buf = [0u8; 64];
+    while std::time::Instant::now() < until {
+        match fabric::recv(&r, &mut buf) {
+            Ok(n) if buf[..n] == msg[..] => return Ok(()),
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(std::time::Duration::from_millis(1))
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Err(std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        format!(
+            "a probe multicast to {group} out of {} did not come back within 500 ms \
+             (no multicast route?)",
+            cfg.fabric.interface
+        ),
+    ))
 }
 
 /// Sends the chunks of one multicast: runs of the root's buffer read through this thread's
@@ -593,5 +634,47 @@ impl Drop for Plane {
         for t in self.senders.drain(..) {
             let _ = t.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(interface: std::net::Ipv4Addr) -> PlaneConfig {
+        PlaneConfig {
+            fabric: FabricConfig {
+                interface,
+                // A port range of this test's own.
+                port_base: 46_000 + (std::process::id() % 512) as u16,
+                ..FabricConfig::default()
+            },
+            subgroups: 1,
+            recv_workers: 1,
+            send_workers: 1,
+            inject: Injection::default(),
+            rcvbuf: 64 << 10,
+            movers: MoverConfig::default(),
+        }
+    }
+
+    /// The probe passes on loopback here, and fails with its reason where the interface cannot
+    /// multicast: a thread of its own in a fresh network namespace, whose loopback is down.
+    #[test]
+    fn the_probe_hears_itself_on_loopback_and_says_why_where_it_cannot() {
+        probe(&cfg(std::net::Ipv4Addr::LOCALHOST)).expect("loopback multicast works here");
+        let why = std::thread::spawn(|| {
+            nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET)
+                .expect("a network namespace of its own (the tests run as root)");
+            probe(&cfg(std::net::Ipv4Addr::LOCALHOST))
+        })
+        .join()
+        .unwrap()
+        .expect_err("a probe in a namespace whose loopback is down came back");
+        let why = why.to_string();
+        assert!(
+            why.contains("239.255.") && (why.contains("join") || why.contains("multicast")),
+            "{why}"
+        );
     }
 }
