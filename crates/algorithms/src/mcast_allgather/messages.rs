@@ -5,7 +5,7 @@
 use super::*;
 
 /// Messages one SP sends another before the receiver can have a view, at
-/// most (a `Ready`, an `Abort`, with room to spare).
+/// most (`Open`, `Ready`, `Abort`, with room to spare).
 const EARLY_PER_SP: usize = 4;
 
 impl<K: Clone + fmt::Debug + PartialEq> McastAllgather<K> {
@@ -43,6 +43,20 @@ impl<K: Clone + fmt::Debug + PartialEq> McastAllgather<K> {
         let (left, right, prev) = (v.left(), v.right(), v.chain_prev);
         let (is_coord, coord) = (v.is_coordinator(), v.coordinator());
         match msg {
+            Msg::Open { shape: s } => {
+                if from != coord || is_coord {
+                    // Another SP thinks it coordinates: another ring.
+                    self.enter_abort(Status::InvalidPost);
+                    return Ok(());
+                }
+                if self.open_seen {
+                    return Err(MsgError::Duplicate { sp: from });
+                }
+                self.open_seen = true;
+                if let Some(st) = shape.disagreement(&s) {
+                    self.enter_abort(st);
+                }
+            }
             Msg::Ready { shape: s } => {
                 if self.ready_from.contains(&from) {
                     return Err(MsgError::Duplicate { sp: from });
@@ -388,6 +402,13 @@ impl<K: Clone + fmt::Debug + PartialEq> McastAllgather<K> {
         }
         let v = self.view.as_ref().unwrap();
         let (shape, ring_len) = (v.shape, v.ring.len());
+        if v.is_coordinator() && !self.open_sent {
+            self.open_sent = true;
+            for sp in v.ring[1..].to_vec() {
+                self.send(sp, Msg::Open { shape });
+            }
+        }
+        let v = self.view.as_ref().unwrap();
         if v.is_coordinator() && self.ready_sent && !self.started {
             let others: Vec<SpId> = v.ring[1..].to_vec();
             if others.iter().all(|s| self.ready_from.contains(s)) {

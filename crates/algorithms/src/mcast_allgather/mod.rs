@@ -59,7 +59,9 @@
 //! length, MTU, subgroups, chains and a digest of the members list) to the
 //! coordinator. The coordinator, once every SP (itself included) is ready,
 //! sends `Start` to every SP: every receiver has registered before any
-//! datagram is multicast.
+//! datagram is multicast. (The coordinator also sends every SP `Open`, its
+//! view, as soon as it has one: an SP that aborted before any of its ranks
+//! posted knows no ring, and answers that `Open` with its `Abort`.)
 //!
 //! *Multicast.* An SP that has `Start` and is a chain head, or has `Go`
 //! from its chain predecessor, emits one [`Action::Multicast`] per local

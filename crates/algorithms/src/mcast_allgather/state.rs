@@ -127,6 +127,9 @@ pub struct McastAllgather<K> {
     pub(super) registered: bool,
     pub(super) unregistered: bool,
     pub(super) ready_sent: bool,
+    /// Coordinator: `Open` sent; others: `Open` came.
+    pub(super) open_sent: bool,
+    pub(super) open_seen: bool,
     /// Coordinator: SPs that sent a matching `Ready`.
     pub(super) ready_from: BTreeSet<SpId>,
     /// The barrier is complete (`Start` came, or sent by the coordinator).
@@ -179,6 +182,8 @@ impl<K: Clone + fmt::Debug + PartialEq> McastAllgather<K> {
             registered: false,
             unregistered: false,
             ready_sent: false,
+            open_sent: false,
+            open_seen: false,
             ready_from: BTreeSet::new(),
             started: false,
             start_seen: false,

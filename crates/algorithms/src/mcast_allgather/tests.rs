@@ -336,6 +336,7 @@ fn without_loss_every_block_is_multicast_once_and_nothing_is_fetched() {
     net.all_ok();
     assert_eq!(net.count(|m| matches!(m, Msg::FetchReq { .. })), 0);
     assert_eq!(net.count(|m| matches!(m, Msg::Final { .. })), 6);
+    assert_eq!(net.count(|m| matches!(m, Msg::Open { .. })), 5);
     assert_eq!(net.count(|m| matches!(m, Msg::Ready { .. })), 5);
     assert_eq!(net.count(|m| matches!(m, Msg::Start { .. })), 5);
     // Two chains of three: two activation signals each.

@@ -69,6 +69,10 @@ impl Shape {
 /// SP-to-SP messages of this collective (the driver adds the `CollKey`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Msg<K> {
+    /// From the coordinator to every other SP, once it has a view (so that
+    /// an SP that aborted before any of its ranks posted hears from it and
+    /// answers with its `Abort`).
+    Open { shape: Shape },
     /// To the coordinator: every local rank posted and the receive is
     /// registered (the RNR barrier).
     Ready { shape: Shape },
@@ -173,12 +177,13 @@ crate::common::post_error! {
 pub enum MsgError {
     /// From an SP outside the ring.
     NotMember { sp: SpId },
-    /// A `Start` from an SP that is not the coordinator (a `Ready` at an
-    /// SP that is not the coordinator is a disagreement and aborts).
+    /// An `Open` or `Start` from an SP that is not the coordinator (a
+    /// `Ready` at an SP that is not the coordinator is a disagreement and
+    /// aborts).
     NotCoordinator { sp: SpId },
     /// A `Go` not from the chain predecessor.
     UnexpectedGo { sp: SpId },
-    /// A second `Ready`, `Start`, `Go` or `Final` from the same SP.
+    /// A second `Open`, `Ready`, `Start`, `Go` or `Final` from the same SP.
     Duplicate { sp: SpId },
     /// A `FetchReq` not from the right neighbour, a second one, or with bad
     /// ranges.
