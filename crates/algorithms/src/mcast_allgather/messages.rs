@@ -174,56 +174,112 @@ impl<K: Clone + fmt::Debug + PartialEq> McastAllgather<K> {
         }
     }
 
-    /// The neighbour's buffer `key` holds the run `(a, e)`: copy what of it
-    /// is still missing here into every local rank.
+    /// The neighbour's buffer `key` holds the run `(a, e)`: what of it is
+    /// still missing here is read once, into the first local rank's
+    /// receive buffer, then copied from there into the others' (one remote
+    /// read per run, not one per local rank).
     fn fetch_copies(&mut self, key: &K, (a, e): (u64, u64)) {
         let runs = self.runs((a, e), false);
-        let v = self.view.as_ref().expect("a fetch needs a view");
-        let runs: Vec<((u64, u64), (u64, u64))> = runs.into_iter().map(|r| (r, v.bytes(r))).collect();
-        let ranks: Vec<(Rank, K)> = self
-            .local
-            .iter()
-            .filter_map(|r| self.core.ranks.get(r).map(|st| (*r, st.recv.clone())))
-            .collect();
-        for (run, (from, mut to)) in runs {
+        let first = self.local[0];
+        let Some(dst) = self.core.ranks.get(&first).map(|st| st.recv.clone()) else {
+            return;
+        };
+        for run in runs {
+            let v = self.view.as_ref().expect("a fetch needs a view");
+            let (from, mut to) = v.bytes(run);
             if mutated(Mutation::SkipLastChunk) {
-                // The last chunk of the run is not copied.
-                let v = self.view.as_ref().unwrap();
+                // The last chunk of the run is not read.
                 to = to.min(v.at(run.1 - 1)).max(from);
             }
             let f = self.fetch.as_mut().unwrap();
             let group = f.next_group;
             f.next_group += 1;
-            f.groups.insert(group, (run, 0));
-            for (rank, dst) in &ranks {
-                let id = self.core.new_id();
-                let c = Copy {
-                    id: CopyId(id),
-                    rank: *rank,
-                    src: key.clone(),
-                    src_offset: from,
-                    dst: dst.clone(),
-                    dst_offset: from,
-                    len: to - from,
-                };
-                let kind = CopyKind::Fetch { group, rank: *rank };
-                if self.start_copy(kind, c) {
-                    let f = self.fetch.as_mut().unwrap();
-                    f.groups.get_mut(&group).unwrap().1 += 1;
-                    f.copies += 1;
-                    self.core.ranks.get_mut(rank).unwrap().writes += 1;
-                }
+            f.groups.insert(
+                group,
+                Group {
+                    run,
+                    bytes: (from, to),
+                    left: 0,
+                    fanned: false,
+                },
+            );
+            let id = self.core.new_id();
+            let c = Copy {
+                id: CopyId(id),
+                rank: first,
+                src: key.clone(),
+                src_offset: from,
+                dst: dst.clone(),
+                dst_offset: from,
+                len: to - from,
+            };
+            let kind = CopyKind::Fetch {
+                group,
+                rank: first,
+                fan: false,
+            };
+            if self.start_copy(kind, c) {
+                let f = self.fetch.as_mut().unwrap();
+                f.groups.get_mut(&group).unwrap().left += 1;
+                f.copies += 1;
+                self.core.ranks.get_mut(&first).unwrap().writes += 1;
+            } else {
+                self.fan_out(group);
             }
-            if self.fetch.as_ref().unwrap().groups[&group].1 == 0 {
-                self.run_fetched(group);
+        }
+    }
+
+    /// Run `group` is in the first local rank's receive buffer: copy it
+    /// into the other local ranks' (its bits are set once all are done).
+    fn fan_out(&mut self, group: usize) {
+        let first = self.local[0];
+        let src = self.core.ranks[&first].recv.clone();
+        let f = self.fetch.as_mut().unwrap();
+        let g = f.groups.get_mut(&group).unwrap();
+        g.fanned = true;
+        let ((a, e), (from, to)) = (g.run, g.bytes);
+        // Landed meanwhile in every local rank: nothing to fan out.
+        let landed = self.runs((a, e), false).is_empty();
+        let others: Vec<(Rank, K)> = self
+            .local
+            .iter()
+            .filter(|&&r| r != first && !landed)
+            .filter_map(|r| self.core.ranks.get(r).map(|st| (*r, st.recv.clone())))
+            .collect();
+        for (rank, dst) in others {
+            let id = self.core.new_id();
+            let c = Copy {
+                id: CopyId(id),
+                rank,
+                src: src.clone(),
+                src_offset: from,
+                dst,
+                dst_offset: from,
+                len: to - from,
+            };
+            let kind = CopyKind::Fetch {
+                group,
+                rank,
+                fan: true,
+            };
+            if self.start_copy(kind, c) {
+                let f = self.fetch.as_mut().unwrap();
+                f.groups.get_mut(&group).unwrap().left += 1;
+                f.copies += 1;
+                self.core.ranks.get_mut(&rank).unwrap().writes += 1;
+                self.core.ranks.get_mut(&first).unwrap().reads += 1;
             }
+        }
+        if self.fetch.as_ref().unwrap().groups[&group].left == 0 {
+            self.run_fetched(group);
         }
     }
 
     /// Every copy of fetched run `group` finished `Ok`: its bits are set.
     fn run_fetched(&mut self, group: usize) {
         let f = self.fetch.as_mut().unwrap();
-        let ((a, e), _) = f.groups.remove(&group).unwrap();
+        let g = f.groups.remove(&group).unwrap();
+        let (a, e) = g.run;
         for psn in a..e {
             if self.set_bit(psn) {
                 self.core.stats.chunks_fetched += 1;
@@ -282,17 +338,23 @@ impl<K: Clone + fmt::Debug + PartialEq> McastAllgather<K> {
                     self.local_copy_done(block);
                 }
             }
-            CopyKind::Fetch { group, rank } => {
+            CopyKind::Fetch { group, rank, fan } => {
                 self.core.ranks.get_mut(&rank).unwrap().writes -= 1;
+                if fan {
+                    let first = self.local[0];
+                    self.core.ranks.get_mut(&first).unwrap().reads -= 1;
+                }
                 let f = self.fetch.as_mut().unwrap();
                 f.copies -= 1;
                 let g = f.groups.get_mut(&group).unwrap();
-                g.1 -= 1;
-                if g.1 == 0 {
-                    if ok && self.core.abort.is_none() {
+                g.left -= 1;
+                if g.left == 0 {
+                    if !ok || self.core.abort.is_some() {
+                        f.groups.remove(&group);
+                    } else if g.fanned {
                         self.run_fetched(group);
                     } else {
-                        self.fetch.as_mut().unwrap().groups.remove(&group);
+                        self.fan_out(group);
                     }
                 }
             }
@@ -593,7 +655,11 @@ impl<K: Clone + fmt::Debug + PartialEq> McastAllgather<K> {
         let ready = if self.core.abort.is_some() || !st.out.status.is_ok() {
             !self.acked_right || released
         } else {
+            // A fetched run in flight may still fan out into any local
+            // rank, even once every bit is set (landed meanwhile).
+            let fetching = self.fetch.as_ref().is_some_and(|f| !f.groups.is_empty());
             self.has_all()
+                && !fetching
                 && self.mcast_done
                 && (released || mutated(Mutation::CompleteBeforeFinal))
         };

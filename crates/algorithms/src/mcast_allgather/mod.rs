@@ -86,9 +86,11 @@
 //! root's SP holds everything, here every SP holds only its own blocks, and
 //! waiting for a whole request before answering can wait in a circle (two
 //! neighbours each missing a chunk the other was asked for, all around the
-//! ring). The requester copies the acknowledged runs it still lacks from
-//! that key into each local rank's receive buffer (RDMA reads of the
-//! neighbour's host buffer) and sets the bits as the copies finish. A
+//! ring). The requester reads the acknowledged runs it still lacks from
+//! that key into its first local rank's receive buffer (an RDMA read of
+//! the neighbour's host buffer, once per run), copies them from there into
+//! its other local ranks' receive buffers (host-to-host), and sets the bits
+//! as the copies finish. A
 //! neighbour lacking chunks gets them from its own left neighbour (at its
 //! own cutoff), so requests recurse towards each block's owner, which holds
 //! it from its local copies. Nobody but the right neighbour ever reads an

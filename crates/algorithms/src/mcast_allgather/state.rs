@@ -6,7 +6,7 @@ use super::*;
 pub(super) struct LocalRank<K> {
     pub(super) send: K,
     pub(super) recv: K,
-    /// Copies and multicasts reading its send buffer.
+    /// Copies and multicasts reading its buffers.
     pub(super) reads: usize,
     /// Copies writing into its receive buffer.
     pub(super) writes: usize,
@@ -18,8 +18,10 @@ pub(super) struct LocalRank<K> {
 pub(super) enum CopyKind {
     /// Local `block`'s send buffer into local `rank`'s receive buffer.
     Local { block: Rank, rank: Rank },
-    /// Acknowledged run `group` of the fetch into local `rank`.
-    Fetch { group: usize, rank: Rank },
+    /// Acknowledged run `group` of the fetch into local `rank`: read from
+    /// the neighbour (into the first local rank), or, `fan`, from the first
+    /// local rank's receive buffer into another's.
+    Fetch { group: usize, rank: Rank, fan: bool },
     Multicast { block: Rank, psns: u64, bytes: u64 },
 }
 
@@ -96,14 +98,26 @@ impl View {
     }
 }
 
+/// One acknowledged run being fetched.
+#[derive(Clone, Debug)]
+pub(super) struct Group {
+    pub(super) run: (u64, u64),
+    /// Its bytes in a receive buffer (the copies').
+    pub(super) bytes: (u64, u64),
+    /// Copies of it in flight.
+    pub(super) left: usize,
+    /// The remote read is done; the fan-out to the other local ranks runs.
+    pub(super) fanned: bool,
+}
+
 /// This SP's fetch from its left neighbour.
 #[derive(Clone, Debug)]
 pub(super) struct Fetch {
     pub(super) from: SpId,
     /// The ranges asked for.
     pub(super) ranges: Vec<(u64, u64)>,
-    /// Per acknowledged run being copied: the run and its copies left.
-    pub(super) groups: BTreeMap<usize, ((u64, u64), usize)>,
+    /// The acknowledged runs being copied.
+    pub(super) groups: BTreeMap<usize, Group>,
     pub(super) next_group: usize,
     /// Copies in flight.
     pub(super) copies: usize,

@@ -313,12 +313,13 @@ impl<'a> Sim<'a> {
             return bad("a fetch though posts disagree");
         }
         let len = o.len;
-        // A fetch: the left neighbour's receive buffer, whole chunks, same
-        // place.
+        // A fetch: the left neighbour's receive buffer (or, fanning a
+        // fetched run out, another local rank's), whole chunks, same place.
         let ring = &o.ring;
         let i = ring.iter().position(|&s| s == sp).unwrap();
         let left = ring[(i + ring.len() - 1) % ring.len()];
-        if src_sp != left || src_sp == sp {
+        let fan = src_sp == sp && c.src.rank != c.dst.rank;
+        if (src_sp != left || src_sp == sp) && !fan {
             return Err(self.fail(format!(
                 "op {op}: SP {sp} fetches from SP {src_sp}'s buffer (rank {}), not from its left neighbour {left}'s",
                 c.src.rank
@@ -376,14 +377,14 @@ impl<'a> Sim<'a> {
             let src_node = self.core.rank_node[c.src.rank as usize];
             let src_sp = self.core.rank_sp[c.src.rank as usize];
             let node = self.core.sp_node(sp);
+            if src_sp != sp {
+                self.traffic.fetched_from_rank[c.src.rank as usize] += c.len;
+            }
             if src_node != node {
                 let bytes = c.len + self.cfg.cost.msg_header_bytes;
                 let t = &mut self.traffic;
-                t.fetched_from_rank[c.src.rank as usize] += c.len;
                 t.injected_per_node[src_node as usize] += bytes;
                 t.received_per_node[node as usize] += bytes;
-            } else if !c.src.send {
-                self.traffic.fetched_from_rank[c.src.rank as usize] += c.len;
             }
             // A remote read crosses the partition only once it heals.
             let go = self.core.net.departure((src_node, node), at);

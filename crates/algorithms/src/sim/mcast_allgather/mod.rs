@@ -39,7 +39,8 @@
 //!   registered by their own SP; local copies move a local block whole to
 //!   its place; fetches read only the receive buffer of the SP's left
 //!   neighbour (computed here independently), whole chunks, into the same
-//!   place of the SP's own ranks' receive buffers;
+//!   place of the SP's own ranks' receive buffers (or, fanning a fetched
+//!   run out, another local rank's receive buffer);
 //! * the run ends within the event/time bound, every posted rank of a live
 //!   SP completes, every instance of a live SP that saw a post is finished;
 //! * fault-free: every block multicast exactly once, `P * n * (K - 1)`
@@ -130,6 +131,26 @@ impl SimConfig {
             faults: Faults::default(),
             common,
         }
+    }
+}
+
+impl SimConfig {
+    /// The paper's setting for the traffic figures: `nodes` participants,
+    /// one rank and one SP per node (a node is a participant), `block`
+    /// bytes per rank in 4 KiB chunks (the IB UD MTU) over 4 subgroups,
+    /// one collective, no faults; bytes checked if `check_bytes` (off for
+    /// scales whose receive buffers do not fit in memory).
+    pub fn traffic(seed: u64, nodes: u32, block: u64, check_bytes: bool) -> SimConfig {
+        let mut c = SimConfig::new(seed);
+        c.common = Common::new(seed);
+        c.nodes = nodes;
+        c.ranks_per_node = 1;
+        c.sps_per_node = 1;
+        c.mtu = 4_096;
+        c.subgroups = 4;
+        c.len_bytes = Some(block);
+        c.check_bytes = check_bytes;
+        c
     }
 }
 

@@ -311,3 +311,4 @@ pub(crate) fn thousand(seed: u64, ppm: u32) -> SimConfig {
     };
     c
 }
+
