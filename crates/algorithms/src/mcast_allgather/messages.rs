@@ -595,9 +595,13 @@ impl<K: Clone + fmt::Debug + PartialEq> McastAllgather<K> {
         }
         let asked = self.serve.take().unwrap();
         let (mut here, mut rest) = (Vec::new(), Vec::new());
-        for r in asked {
+        for &r in &asked {
             here.extend(self.runs(r, true));
             rest.extend(self.runs(r, false));
+        }
+        if mutated(Mutation::WholeAcks) && !rest.is_empty() {
+            self.serve = Some(asked);
+            return;
         }
         self.serve = (!rest.is_empty()).then_some(rest);
         if here.is_empty() {

@@ -199,6 +199,9 @@ pub(crate) enum Mutation {
     /// Ranks complete once every chunk is in, without waiting for the
     /// right neighbour's `Final`.
     CompleteBeforeFinal,
+    /// A fetch request is answered only once every requested chunk is in
+    /// (the bcast's rule), not in part.
+    WholeAcks,
 }
 
 mutation_switch!(Mutation);

@@ -398,6 +398,22 @@ fn lost_chunks_come_around_the_fetch_ring_with_partial_acks() {
 }
 
 #[test]
+fn answering_only_whole_requests_would_wait_in_a_circle() {
+    // The loss pattern above under the bcast's rule (answer a request once
+    // every requested chunk is in): every SP waits for its left neighbour,
+    // all around the ring, and nobody completes.
+    set_mutation(Some(Mutation::WholeAcks));
+    let mut net = Net::new(&six(), 10, 2);
+    net.drop = Box::new(|_, g| g == 0 || g == 3 * 3 + 1);
+    net.post_all();
+    net.run();
+    set_mutation(None);
+    assert!(net.done.is_empty(), "{:?}", net.done);
+    assert_eq!(net.count(|m| matches!(m, Msg::FetchReq { .. })), 6);
+    assert_eq!(net.count(|m| matches!(m, Msg::FetchAck { .. })), 0);
+}
+
+#[test]
 fn random_losses_are_recovered() {
     for seed in 1..=40u64 {
         eprintln!("seed {seed}");

@@ -188,6 +188,15 @@ fn checkers_catch_ranks_completing_before_the_right_neighbours_final() {
     );
 }
 
+#[test]
+fn checkers_catch_whole_request_acks_as_a_deadlock() {
+    // 1000-byte blocks at 30% loss: every pair of neighbours misses a
+    // chunk in common, so every SP waits for its left one.
+    let mut c = cfg(0, 300_000);
+    c.len_bytes = Some(1_000);
+    caught(Mutation::WholeAcks, c, &["deadlock"]);
+}
+
 /// A random cluster, block length and mix of faults for `seed`.
 pub(crate) fn random_cfg(seed: u64) -> SimConfig {
     use crate::sim::rng::Rng;
