@@ -67,7 +67,8 @@ fn mcast_allgather_1024_ranks_at_0_0_1_1_and_10_percent_loss() {
 
 #[test]
 fn mcast_allgather_1024_ranks_with_finite_staging_a_partition_and_an_sp_crash_in_the_fetch() {
-    let name = "mcast_allgather_1024_ranks_with_finite_staging_a_partition_and_an_sp_crash_in_the_fetch";
+    let name =
+        "mcast_allgather_1024_ranks_with_finite_staging_a_partition_and_an_sp_crash_in_the_fetch";
     for seed in seeds() {
         // Receiver-not-ready drops from a small staging ring.
         let mut c = thousand(seed, 0);
@@ -107,7 +108,10 @@ fn mcast_allgather_each_rank_injects_its_block_once() {
             let r = run_logged(name, seed, &c, run, describe);
             let (p, n) = (r.world_size as u64, 128u64);
             let t = &r.traffic;
-            assert!(t.mcast_payload_per_rank.iter().all(|&b| b == n), "{name}: seed={seed:#018x}");
+            assert!(
+                t.mcast_payload_per_rank.iter().all(|&b| b == n),
+                "{name}: seed={seed:#018x}"
+            );
             let fetched: u64 = t.fetched_from_rank.iter().sum();
             let per_rank = (p * n + fetched) as f64 / p as f64;
             let ring = ((p - 1) * n) as f64;
@@ -119,7 +123,10 @@ fn mcast_allgather_each_rank_injects_its_block_once() {
                 assert_eq!(fetched, 0);
             }
             // Under 1% loss, the fetches stay far below the ring's volume.
-            assert!(per_rank < 0.05 * ring, "{name}: seed={seed:#018x}: {per_rank}");
+            assert!(
+                per_rank < 0.05 * ring,
+                "{name}: seed={seed:#018x}: {per_rank}"
+            );
         }
     }
 }

@@ -127,9 +127,8 @@ impl<K: Clone + fmt::Debug + PartialEq> McastAllgather<K> {
                 let Some(f) = self.fetch.as_ref().filter(|f| f.from == from) else {
                     return Err(MsgError::UnexpectedAck { sp: from });
                 };
-                let asked = |&(a, b): &(u64, u64)| {
-                    a < b && f.ranges.iter().any(|&(x, y)| x <= a && b <= y)
-                };
+                let asked =
+                    |&(a, b): &(u64, u64)| a < b && f.ranges.iter().any(|&(x, y)| x <= a && b <= y);
                 if ranges.is_empty() || !ranges.iter().all(asked) {
                     return Err(MsgError::UnexpectedAck { sp: from });
                 }
@@ -466,7 +465,8 @@ impl<K: Clone + fmt::Debug + PartialEq> McastAllgather<K> {
         let (shape, ring_len) = (v.shape, v.ring.len());
         if v.is_coordinator() && !self.open_sent {
             self.open_sent = true;
-            for sp in v.ring[1..].to_vec() {
+            let others: Vec<SpId> = v.ring[1..].to_vec();
+            for sp in others {
                 self.send(sp, Msg::Open { shape });
             }
         }

@@ -17,12 +17,23 @@ pub(super) struct LocalRank<K> {
 #[derive(Clone, Copy, Debug)]
 pub(super) enum CopyKind {
     /// Local `block`'s send buffer into local `rank`'s receive buffer.
-    Local { block: Rank, rank: Rank },
+    Local {
+        block: Rank,
+        rank: Rank,
+    },
     /// Acknowledged run `group` of the fetch into local `rank`: read from
     /// the neighbour (into the first local rank), or, `fan`, from the first
     /// local rank's receive buffer into another's.
-    Fetch { group: usize, rank: Rank, fan: bool },
-    Multicast { block: Rank, psns: u64, bytes: u64 },
+    Fetch {
+        group: usize,
+        rank: Rank,
+        fan: bool,
+    },
+    Multicast {
+        block: Rank,
+        psns: u64,
+        bytes: u64,
+    },
 }
 
 /// One SP's view: the shape, the ring and its place in it, its chain.
@@ -44,7 +55,10 @@ impl View {
     pub(super) fn new(members: &[SpId], me: SpId, shape_of: impl Fn(usize) -> Shape) -> View {
         let ring = build_ring(members);
         let k = ring.len();
-        let pos = ring.iter().position(|&s| s == me).expect("we serve a member");
+        let pos = ring
+            .iter()
+            .position(|&s| s == me)
+            .expect("we serve a member");
         let shape = shape_of(k);
         let (first, end) = chain_bounds(k, shape.chains as usize)
             .into_iter()
@@ -244,7 +258,9 @@ impl<K: Clone + fmt::Debug + PartialEq> McastAllgather<K> {
 
     /// Every chunk of every block is in every local rank's receive buffer.
     pub fn has_all(&self) -> bool {
-        self.view.as_ref().is_some_and(|v| self.have_count == v.total())
+        self.view
+            .as_ref()
+            .is_some_and(|v| self.have_count == v.total())
     }
 
     /// The next deadline of the cutoff timer: `None` once the bitmap was
@@ -461,7 +477,10 @@ impl<K: Clone + fmt::Debug + PartialEq> McastAllgather<K> {
     }
 
     pub(super) fn send(&mut self, to: SpId, msg: Msg<K>) {
-        debug_assert_ne!(to, self.core.me, "the multicast allgather never messages itself");
+        debug_assert_ne!(
+            to, self.core.me,
+            "the multicast allgather never messages itself"
+        );
         if to != self.core.me && !self.core.lost_sps.contains(&to) {
             self.core.actions.push_back(Action::Send { to, msg });
         }

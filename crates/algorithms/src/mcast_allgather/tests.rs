@@ -368,7 +368,11 @@ fn the_sequencer_runs_each_chain_one_sp_after_the_other() {
     let pos = |sp: SpId| net.mcast_order.iter().position(|&s| s == sp).unwrap();
     for (head, next) in [(0, 1), (2, 3), (4, 5)] {
         assert!(pos(head) < pos(next), "{:?}", net.mcast_order);
-        assert!(pos(next) >= 3, "a second step starts after the first: {:?}", net.mcast_order);
+        assert!(
+            pos(next) >= 3,
+            "a second step starts after the first: {:?}",
+            net.mcast_order
+        );
         let go = net
             .sent
             .iter()
@@ -421,7 +425,13 @@ fn random_losses_are_recovered() {
         let k = g.range(2, 7) as u32;
         let p = g.range(1, 12) as usize;
         let members: Vec<SpId> = (0..p)
-            .map(|r| if r < k as usize { r as u32 } else { g.below(k as u64) as u32 })
+            .map(|r| {
+                if r < k as usize {
+                    r as u32
+                } else {
+                    g.below(k as u64) as u32
+                }
+            })
             .collect();
         let len = g.range(0, 13);
         let ppm = [0u64, 100_000, 500_000, 1_000_000][g.below(4) as usize];
@@ -469,7 +479,10 @@ fn a_late_rank_holds_the_barrier() {
         net.post(r);
     }
     net.run();
-    assert!(net.mcast_order.is_empty(), "no multicast before SP 0 is ready");
+    assert!(
+        net.mcast_order.is_empty(),
+        "no multicast before SP 0 is ready"
+    );
     assert!(net.done.is_empty());
     net.post(0);
     net.run();
@@ -559,10 +572,7 @@ fn peers_breaking_the_protocol_are_rejected() {
         shape,
         ranges: vec![(0, 1)],
     };
-    assert_eq!(
-        m.handle_msg(1, 1, req),
-        Err(MsgError::BadFetch { sp: 1 })
-    );
+    assert_eq!(m.handle_msg(1, 1, req), Err(MsgError::BadFetch { sp: 1 }));
     assert_eq!(
         m.handle_msg(1, 2, Msg::Go { shape }),
         Err(MsgError::UnexpectedGo { sp: 2 })
@@ -576,7 +586,14 @@ fn peers_breaking_the_protocol_are_rejected() {
         Err(MsgError::NotMember { sp: 9 })
     );
     assert_eq!(
-        m.handle_msg(1, 2, Msg::FetchAck { key: (0, false), ranges: vec![(0, 1)] }),
+        m.handle_msg(
+            1,
+            2,
+            Msg::FetchAck {
+                key: (0, false),
+                ranges: vec![(0, 1)]
+            }
+        ),
         Err(MsgError::UnexpectedAck { sp: 2 })
     );
     assert!(m.abort_status().is_none());

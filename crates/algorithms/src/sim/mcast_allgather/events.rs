@@ -474,7 +474,10 @@ impl<'a> Sim<'a> {
             let mtu = self.cfg.mtu.max(1);
             let (len, n) = (o.len, o.n);
             let (b, i) = (psn / n, psn % n);
-            let (a, e) = ((i * mtu).min(len) as usize, ((i + 1) * mtu).min(len) as usize);
+            let (a, e) = (
+                (i * mtu).min(len) as usize,
+                ((i + 1) * mtu).min(len) as usize,
+            );
             let off = (b * len) as usize;
             let ranks = ranks.clone();
             let o = &mut self.ops[op];
@@ -526,7 +529,11 @@ impl<'a> Sim<'a> {
 pub(super) fn msg_bytes(msg: &Msg<SimKey>) -> u64 {
     const SHAPE: u64 = 8 + 8 + 2 + 4 + 8;
     match msg {
-        Msg::Open { .. } | Msg::Ready { .. } | Msg::Start { .. } | Msg::Go { .. } | Msg::Final { .. } => SHAPE,
+        Msg::Open { .. }
+        | Msg::Ready { .. }
+        | Msg::Start { .. }
+        | Msg::Go { .. }
+        | Msg::Final { .. } => SHAPE,
         Msg::FetchReq { ranges, .. } => SHAPE + 16 * ranges.len() as u64,
         Msg::FetchAck { ranges, .. } => 16 + 16 * ranges.len() as u64,
         Msg::Abort { .. } => 1,

@@ -378,7 +378,11 @@ impl<'a> Sim<'a> {
                     })
                     .collect();
                 o.recv = (0..p)
-                    .map(|r| (0..p * o.post_len[r] as usize + PAD).map(sentinel).collect())
+                    .map(|r| {
+                        (0..p * o.post_len[r] as usize + PAD)
+                            .map(sentinel)
+                            .collect()
+                    })
                     .collect();
             }
         }

@@ -91,7 +91,10 @@ fn a_partition_of_the_sp_channel_that_heals_only_delays() {
         let r = ok(&c);
         all_ok(&r, 3_000_000);
         assert!(r.fabric.held_by_partition > 0, "seed {seed}");
-        assert!(r.end_ns > 400_000, "nothing completes across the cut before it heals");
+        assert!(
+            r.end_ns > 400_000,
+            "nothing completes across the cut before it heals"
+        );
     }
 }
 
@@ -320,4 +323,3 @@ pub(crate) fn thousand(seed: u64, ppm: u32) -> SimConfig {
     };
     c
 }
-
