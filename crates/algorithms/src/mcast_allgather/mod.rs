@@ -84,25 +84,26 @@
 //! the requested runs now in its receive buffer `key`, never acknowledged
 //! twice). Partial answers are what the Allgather needs: in the bcast the
 //! root's SP holds everything, here every SP holds only its own blocks, and
-//! waiting for a whole request before answering can wait in a circle (two
-//! neighbours each missing a chunk the other was asked for, all around the
-//! ring). The requester reads the acknowledged runs it still lacks from
-//! that key into its first local rank's receive buffer (an RDMA read of
-//! the neighbour's host buffer, once per run), copies them from there into
-//! its other local ranks' receive buffers (host-to-host), and sets the bits
-//! as the copies finish. A
+//! answering only whole requests can wait in a circle (each SP missing some
+//! chunk its right neighbour asked it for, all around the ring; the
+//! `WholeAcks` mutation tests show it). The requester reads the
+//! acknowledged runs it still lacks from that key into its first local
+//! rank's receive buffer (an RDMA read of the neighbour's host buffer, once
+//! per run), copies them from there into its other local ranks' receive
+//! buffers (host-to-host), and sets the bits as the copies finish. A
 //! neighbour lacking chunks gets them from its own left neighbour (at its
 //! own cutoff), so requests recurse towards each block's owner, which holds
-//! it from its local copies. Nobody but the right neighbour ever reads an
+//! it from its local copies. No SP but the right neighbour ever reads an
 //! SP's receive buffers: no incast on any root.
 //!
 //! *Final handshake* (§III-C "Final handshake"). An SP that has every
 //! chunk, with no fetch copy in flight, unregisters the receive
 //! ([`Action::Unregister`]) and sends `Final` to its left neighbour: it
 //! will never read the neighbour's buffers again. Its ranks complete when
-//! it has every chunk, every multicast of its blocks and every local copy
-//! is done, and `Final` came from its right neighbour (who may read them
-//! until then).
+//! it has every chunk, every multicast of its blocks, every local copy and
+//! every fetched run's copies are done (a run may still be fanning out
+//! after the same chunks landed), and `Final` came from its right
+//! neighbour (who may read them until then).
 //!
 //! *Completeness.* No cyclic wait: `Ready` needs only local posts, `Start`
 //! every `Ready`, a chain's `Go`s only `Start` and the multicasts before
