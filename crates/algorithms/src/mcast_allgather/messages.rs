@@ -490,7 +490,7 @@ impl<K: Clone + fmt::Debug + PartialEq> McastAllgather<K> {
             self.multicasts_done();
             return;
         }
-        let n = v.n;
+        let (n, p) = (v.n, v.p);
         let runs = subgroup_runs(n, shape.subgroups);
         for block in self.local.clone() {
             let key = self.core.ranks[&block].send.clone();
@@ -520,6 +520,7 @@ impl<K: Clone + fmt::Debug + PartialEq> McastAllgather<K> {
                     offset: from,
                     len: to - from,
                     mtu: shape.mtu,
+                    chunks: p * n,
                 }));
             }
         }

@@ -97,6 +97,22 @@ pub enum Msg<K> {
     Abort { status: Status },
 }
 
+impl<K> Msg<K> {
+    /// The memory keys the message carries (an SP checks where a peer's keys point).
+    pub fn keys(&self) -> Vec<&K> {
+        match self {
+            Msg::FetchAck { key, .. } => vec![key],
+            Msg::Open { .. }
+            | Msg::Ready { .. }
+            | Msg::Start { .. }
+            | Msg::Go { .. }
+            | Msg::FetchReq { .. }
+            | Msg::Final { .. }
+            | Msg::Abort { .. } => Vec::new(),
+        }
+    }
+}
+
 /// Copy `len` bytes at `src_offset` of buffer `src` to `dst_offset` of
 /// local rank `rank`'s receive buffer `dst`: a local copy (`src` a local
 /// rank's send buffer) or a fetch (`src` the left neighbour's receive
@@ -128,6 +144,9 @@ pub struct Multicast<K> {
     pub offset: u64,
     pub len: u64,
     pub mtu: u64,
+    /// Global PSNs of the instance in all (`blocks * chunks` of its `Register`): every
+    /// datagram carries it.
+    pub chunks: u64,
 }
 
 /// Have the receive workers accept this instance's datagrams (global PSNs

@@ -20,6 +20,8 @@
 mod allgatherv;
 mod alltoallv;
 mod bcast;
+mod mcast;
+mod mcast_allgather;
 mod mcast_bcast;
 pub mod resources;
 mod staged_allgather;
@@ -277,12 +279,13 @@ pub struct KindSpec {
 }
 
 /// Every kind the engine serves.
-pub static KINDS: [&KindSpec; 5] = [
+pub static KINDS: [&KindSpec; 6] = [
     &alltoallv::SPEC,
     &allgatherv::SPEC,
     &bcast::SPEC,
     &staged_allgather::SPEC,
     &mcast_bcast::SPEC,
+    &mcast_allgather::SPEC,
 ];
 
 impl KindSpec {
