@@ -315,7 +315,7 @@ correctness() {
 # byte-correct (conform against PMPI_Bcast and PMPI_Allgather), take the multicast designs,
 # and land chunks.
 mcast_phase() {
-  local label=mcast-bcast landed sent
+  local label=mcast landed sent
   landed=$(dt_counter mcast_chunks_landed)
   sent=$(dt_counter mcast_datagrams_sent)
   local saved=("${DT_JOB_ENV[@]}")
