@@ -552,14 +552,17 @@ unsafe fn agree_mcast(mcast_off: Option<&str>, rank: u32, size: u32) {
         Ok(Some((n, first, why))) => {
             if rank == 0 {
                 say!(
-                    "SPOFF_BCAST_DESIGN=mcast: {n} of {size} ranks cannot take the multicast                      design (rank {first}: {why}); every bcast of this job takes the staged                      design"
+                    "SPOFF_BCAST_DESIGN=mcast: {n} of {size} ranks cannot take the multicast \
+                     design (rank {first}: {why}); every bcast of this job takes the staged \
+                     design"
                 );
             }
         }
         Err(rc) => {
             if rank == 0 {
                 say!(
-                    "SPOFF_BCAST_DESIGN=mcast: the ranks could not agree (MPI error {rc}); every                      bcast of this job takes the staged design"
+                    "SPOFF_BCAST_DESIGN=mcast: the ranks could not agree (MPI error {rc}); every \
+                     bcast of this job takes the staged design"
                 );
             }
         }
