@@ -599,7 +599,10 @@ fn run_job(
         };
         let n_sps = (opts.nodes * opts.sps_per_node) as usize;
         if let Some((sp, _)) = opts.sp_arg_for.iter().find(|(sp, _)| *sp >= n_sps) {
-            bail!("--sp-arg-for names SP {sp}, but the cluster has SPs 0 to {}", n_sps - 1);
+            bail!(
+                "--sp-arg-for names SP {sp}, but the cluster has SPs 0 to {}",
+                n_sps - 1
+            );
         }
         let (path, children) = spawn_sps_on(exe, &spec, opts.mcast_groups, run_dir, tx.clone())?;
         sps = children;
