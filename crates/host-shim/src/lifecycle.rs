@@ -555,23 +555,28 @@ unsafe fn agree_mcast(
     } else {
         mcast_off.map(|why| format!("its SP runs no multicast collective: {why}"))
     };
-    let name = kind.facts().name;
+    // What takes the other design, and which one it is.
+    let (what, other) = if kind == CollKind::McastBcast {
+        ("bcast", "staged")
+    } else {
+        ("allgather", "load-balanced")
+    };
     // SAFETY: forwarded; every rank calls it, as every rank saw `asking > 0`.
     match unsafe { count_failures(mine.as_deref(), rank) } {
         Ok(None) => crate::design::set_mcast(kind, true),
         Ok(Some((n, first, why))) => {
             if rank == 0 {
                 say!(
-                    "{var}=mcast: {n} of {size} ranks cannot take the {name} (rank {first}: \
-                     {why}); this job keeps the other design"
+                    "{var}=mcast: {n} of {size} ranks cannot take the multicast design (rank \
+                     {first}: {why}); every {what} of this job takes the {other} design"
                 );
             }
         }
         Err(rc) => {
             if rank == 0 {
                 say!(
-                    "{var}=mcast: the ranks could not agree (MPI error {rc}); this job keeps \
-                     the other design"
+                    "{var}=mcast: the ranks could not agree (MPI error {rc}); every {what} of \
+                     this job takes the {other} design"
                 );
             }
         }
