@@ -396,16 +396,14 @@ fn mpi_mcast_concurrent_communicators_never_cross() {
     assert_mcast_ran(&run, &settings, false);
 }
 
-/// Known bug, not fixed here (it is not the multicast design's: `flat` hangs alike): the shim
-/// agrees a communicator's id at its first offloaded collective with a blocking `PMPI_Bcast` on
-/// it (`comm::agree`), also inside `MPI_Ibcast`; ranks whose first Ibcasts on several
-/// communicators come in different orders (legal MPI) then wait for each other in those
+/// The shim agreed a communicator's id at its first offloaded collective with a blocking
+/// `PMPI_Bcast` on it (`comm::agree`), also inside `MPI_Ibcast`: ranks whose first Ibcasts on
+/// several communicators came in different orders (legal MPI) waited for each other in those
 /// broadcasts (seen with gdb: two ranks in `PMPI_Bcast` under `comm::agree` on different
-/// communicators, the other two in `MPI_Waitall`). `mcast_comms ... cold` leaves out its first
-/// in-order broadcast on each communicator. Run it with `--ignored` once the agreement no longer
-/// blocks inside a nonblocking call.
+/// communicators, the other two in `MPI_Waitall`). Now the communicators made by
+/// `MPI_Comm_dup`/`split` (as `mcast_comms` makes them) agree when they are made.
+/// `mcast_comms ... cold` leaves out its first in-order broadcast on each communicator.
 #[test]
-#[ignore = "deadlocks: the communicator id agreement blocks inside MPI_Ibcast"]
 fn mpi_mcast_first_ibcasts_on_communicators_in_per_rank_orders_complete() {
     let _serial = serial();
     let prog = prog("mcast_comms");
