@@ -266,9 +266,9 @@ fn mpi_mcast_conform_under_mpich_matches_native() {
     conform_randomized(Mpi::Mpich, 1);
 }
 
-/// `MPI_BCAST` from Fortran (`use mpi`: strided and in-place broadcasts among every other
-/// offloaded collective, each compared with the native one inside the program) takes the
-/// multicast design, with drops.
+/// `MPI_BCAST` and `MPI_ALLGATHER` from Fortran (`use mpi`: strided and in-place calls among
+/// every other offloaded collective, each compared with the native one inside the program)
+/// take the multicast designs, with drops.
 #[test]
 fn mpi_mcast_fortran_bcast_matches_native() {
     let _serial = serial();
@@ -282,9 +282,22 @@ fn mpi_mcast_fortran_bcast_matches_native() {
     // The program's broadcasts are small: small chunks make datagrams enough to lose some.
     settings.mtu = 64;
     let s = seed.to_string();
-    let run = launch_mcast(common::mpi(), 1, &[], &settings, &[&prog, "2", &s], &[]);
+    // Its allgathers take the multicast Allgather too.
+    let run = launch_mcast(
+        common::mpi(),
+        1,
+        &[],
+        &settings,
+        &[&prog, "2", &s],
+        &[("SPOFF_IALLGATHER_DESIGN", "mcast")],
+    );
     assert_offloaded(&run, fortran::Flavour::UseMpi.name(), 2);
     assert_mcast_ran(&run, &settings, false);
+    assert!(
+        !run.stderr.contains("_DESIGN=mcast:"),
+        "a multicast design was not taken\n{}",
+        run.stderr
+    );
 }
 
 /// The one line the job says about the multicast design, which must be there exactly once.
