@@ -273,14 +273,14 @@ mcast_markdown() {
   echo "64 KiB per rank (\`coll-bench overlap --sizes 64K\`, both phases), from the SPs' counters at"
   echo "exit, divided by the calls (the posts over the ranks), per rank where it says so. \`sent\`:"
   echo "datagram bytes the SPs multicast (headers included); \`received\`: datagram bytes their"
-  echo "sockets took in, all SPs (an SP also takes in its own multicasts, looped back); \`SP to SP\`:"
-  echo "bytes the SPs moved between themselves otherwise (staged chunks, \`bytes_inter_node\` +"
-  echo "\`bytes_intra_node\`, which also count the load-balanced allgather's copies across nodes);"
-  echo "\`copied\`: bytes the datapath copied (into ranks' buffers: the multicast designs' fetches"
-  echo "and local copies, the other designs' deliveries). A ring allgather puts (P-1) x 64 KiB on"
-  echo "the wire per rank."
+  echo "sockets took in, all SPs (an SP also takes in its own multicasts, looped back); \`across"
+  echo "nodes\`: bytes of the SPs' copies and chunk moves whose two ends are on different nodes"
+  echo "(\`bytes_inter_node\`: the other designs' deliveries, the multicast designs' fetches);"
+  echo "\`copied\`: every byte the datapath copied into ranks' buffers (the multicast designs' local"
+  echo "copies and fetches; the landings of multicast chunks are not copies). A ring allgather"
+  echo "puts (P-1) x 64 KiB on the wire per rank."
   echo
-  echo "| collective | nodes x ranks | design | calls | sent/call/rank | received/call | SP to SP/call | copied/call |"
+  echo "| collective | nodes x ranks | design | calls | sent/call/rank | received/call | across nodes/call | copied/call |"
   echo "|---|---|---|---|---|---|---|---|"
   for coll in ibcast iallgather; do
     other=$(mcast_other "$coll")
@@ -294,7 +294,7 @@ ranks = nodes * 2
 calls = sum(s['posts'] for s in sps) / ranks
 t = lambda k: sum(s.get(k, 0) for s in sps) / max(calls, 1)
 print(f"| {coll} | {nodes} x 2 | {design} | {calls:.0f} | {t('mcast_bytes_sent') / ranks:.0f} "
-      f"| {t('mcast_bytes_received'):.0f} | {t('bytes_inter_node') + t('bytes_intra_node'):.0f} "
+      f"| {t('mcast_bytes_received'):.0f} | {t('bytes_inter_node'):.0f} "
       f"| {t('bytes_copied'):.0f} |")
 PY
       done
