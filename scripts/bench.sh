@@ -16,8 +16,8 @@
 #                                     Markdown; writes no file
 #   scripts/bench.sh --packed-only    only section H (a non-contiguous datatype, which the
 #                                     offloaded path packs), printed as Markdown; writes no file
-#   scripts/bench.sh --mcast-only     only section M (the multicast Ibcast beside native and the
-#                                     staged flat design, with drops, and its bytes per call),
+#   scripts/bench.sh --mcast-only     only section M (the multicast Ibcast and Iallgather beside
+#                                     native and another design, with drops, and bytes per call),
 #                                     printed as Markdown; writes no file
 #   scripts/bench.sh --mpich-only     only section I (Ialltoallv overlap, the setup of B, under
 #                                     MPICH beside Open MPI: coll-bench-mpich, Hydra and the
@@ -209,80 +209,101 @@ mpich_markdown() {
   done
 }
 
-# M. The multicast Ibcast (issue 26): native, the staged flat design and the multicast design
-# with 0, 1 and 10 % of the datagrams dropped on the receive side (`serve --mcast-drop-rate`),
-# at 2 nodes x 1 rank (each leaf SP serves one rank: a drop costs the fetch ring's read of the
-# neighbour's buffer), the SPs on a reserved CPU and polling; then the bytes each design moves
-# per call, from the SPs' counters, at 2 nodes x 2 ranks and 4 nodes x 2 ranks.
+# M. The multicast Ibcast and Iallgather (issue 26): native, the other design (the staged flat
+# Ibcast, the load-balanced Iallgather) and the multicast design with 0, 1 and 10 % of the
+# datagrams dropped on the receive side (`serve --mcast-drop-rate`), at 2 nodes x 1 rank (each
+# SP serves one rank: a drop costs the fetch ring's read of the neighbour's buffer), the SPs on
+# a reserved CPU and polling; then the bytes each design moves per call, from the SPs'
+# counters, at 2 nodes x 2 ranks and 4 nodes x 2 ranks.
 mcast_sizes=${MCAST_SIZES:-4K,64K,1M,4M}
+mcast_other() { # collective: the design the multicast one is set beside
+  if [ "$1" = iallgather ]; then echo lb; else echo flat; fi
+}
 mcast_run() {
-  echo "-- ibcast, 2 nodes x 1 rank: native"
-  "$SP" launch --nodes 2 --ranks-per-node 1 --native --rank-cpus "$b_ranks" -- \
-    "$BENCH" overlap --coll ibcast --sizes "$mcast_sizes" "${iters[@]}" \
-    --compute-us "$compute_us" --json "$out/m-native.json" 2> >(grep -v '^sp [0-9]* stats' >&2)
-  echo "-- ibcast, 2 nodes x 1 rank: flat"
-  "$SP" launch --nodes 2 --ranks-per-node 1 --rank-cpus "$b_ranks" "${reserved_sps[@]}" -- \
-    "$BENCH" overlap --coll ibcast --design flat --sizes "$mcast_sizes" "${iters[@]}" \
-    --compute-us "$compute_us" --json "$out/m-flat.json" 2> >(grep -v '^sp [0-9]* stats' >&2)
-  local dr
-  for dr in 0 1 10; do
-    echo "-- ibcast, 2 nodes x 1 rank: mcast, $dr % dropped"
-    "$SP" launch --nodes 2 --ranks-per-node 1 --rank-cpus "$b_ranks" "${reserved_sps[@]}" \
-      --sp-arg=--mcast-drop-rate="$dr" -- \
-      "$BENCH" overlap --coll ibcast --design mcast --sizes "$mcast_sizes" "${iters[@]}" \
-      --compute-us "$compute_us" --json "$out/m-mcast-$dr.json" 2> >(grep -v '^sp [0-9]* stats' >&2)
-  done
-  local nodes design
-  for nodes in 2 4; do
-    for design in flat mcast; do
-      echo "-- bytes per call: ibcast 1 MiB, $nodes nodes x 2 ranks: $design"
-      "$SP" launch --nodes "$nodes" --ranks-per-node 2 -- \
-        "$BENCH" overlap --coll ibcast --design "$design" --sizes 1M --iters 20 --warmup 2 \
-        > /dev/null 2> "$out/m-traffic-$nodes-$design.err" || { cat "$out/m-traffic-$nodes-$design.err" >&2; return 1; }
+  local coll other dr nodes design
+  for coll in ibcast iallgather; do
+    other=$(mcast_other "$coll")
+    echo "-- $coll, 2 nodes x 1 rank: native"
+    "$SP" launch --nodes 2 --ranks-per-node 1 --native --rank-cpus "$b_ranks" -- \
+      "$BENCH" overlap --coll "$coll" --sizes "$mcast_sizes" "${iters[@]}" \
+      --compute-us "$compute_us" --json "$out/m-$coll-native.json" 2> >(grep -v '^sp [0-9]* stats' >&2)
+    echo "-- $coll, 2 nodes x 1 rank: $other"
+    "$SP" launch --nodes 2 --ranks-per-node 1 --rank-cpus "$b_ranks" "${reserved_sps[@]}" -- \
+      "$BENCH" overlap --coll "$coll" --design "$other" --sizes "$mcast_sizes" "${iters[@]}" \
+      --compute-us "$compute_us" --json "$out/m-$coll-$other.json" 2> >(grep -v '^sp [0-9]* stats' >&2)
+    for dr in 0 1 10; do
+      echo "-- $coll, 2 nodes x 1 rank: mcast, $dr % dropped"
+      "$SP" launch --nodes 2 --ranks-per-node 1 --rank-cpus "$b_ranks" "${reserved_sps[@]}" \
+        --sp-arg=--mcast-drop-rate="$dr" -- \
+        "$BENCH" overlap --coll "$coll" --design mcast --sizes "$mcast_sizes" "${iters[@]}" \
+        --compute-us "$compute_us" --json "$out/m-$coll-mcast-$dr.json" \
+        2> >(grep -v '^sp [0-9]* stats' >&2)
+    done
+    for nodes in 2 4; do
+      for design in "$other" mcast; do
+        echo "-- bytes per call: $coll 64 KiB per rank, $nodes nodes x 2 ranks: $design"
+        "$SP" launch --nodes "$nodes" --ranks-per-node 2 -- \
+          "$BENCH" overlap --coll "$coll" --design "$design" --sizes 64K --iters 20 --warmup 2 \
+          > /dev/null 2> "$out/m-traffic-$coll-$nodes-$design.err" ||
+          { cat "$out/m-traffic-$coll-$nodes-$design.err" >&2; return 1; }
+      done
     done
   done
 }
 mcast_markdown() {
+  local coll other nodes design
   echo "Ranks on CPUs $b_ranks, SPs reserved on CPU $last and polling every 100 us, compute"
-  echo "${compute_us} us per iteration. Column groups: \`flat\` (the staged Ibcast), \`mcast\`,"
-  echo "\`mcast-2\` and \`mcast-3\` (the multicast Ibcast with 0, 1 and 10 % of the datagrams"
-  echo "dropped by the receive workers before the bitmap, \`serve --mcast-drop-rate\`; recovered by"
-  echo "the fetch ring). The cost of drops is \`mcast-2\`'s (1 %) and \`mcast-3\`'s (10 %) pure_us"
-  echo "against \`mcast\`'s."
+  echo "${compute_us} us per iteration. Column groups: the other design (\`flat\`, the staged"
+  echo "Ibcast; \`lb\`, the load-balanced Iallgather), then \`mcast\`, \`mcast-2\` and \`mcast-3\`:"
+  echo "the multicast design with 0, 1 and 10 % of the datagrams dropped by the receive workers"
+  echo "before the bitmap (\`serve --mcast-drop-rate\`), recovered by the fetch ring. The cost of"
+  echo "drops is \`mcast-2\`'s (1 %) and \`mcast-3\`'s (10 %) pure_us against \`mcast\`'s."
+  for coll in ibcast iallgather; do
+    other=$(mcast_other "$coll")
+    echo
+    echo "### $coll, 2 nodes x 1 rank"
+    echo
+    "$BENCH" compare --native "$out/m-$coll-native.json" --offload "$out/m-$coll-$other.json" \
+      --offload "$out/m-$coll-mcast-0.json" --offload "$out/m-$coll-mcast-1.json" \
+      --offload "$out/m-$coll-mcast-10.json" --markdown
+  done
   echo
-  "$BENCH" compare --native "$out/m-native.json" --offload "$out/m-flat.json" \
-    --offload "$out/m-mcast-0.json" --offload "$out/m-mcast-1.json" --offload "$out/m-mcast-10.json" --markdown
+  echo "### Bytes per call"
   echo
-  echo "Bytes per 1 MiB Ibcast (\`coll-bench overlap --sizes 1M\`, both phases, from the SPs'"
-  echo "counters at exit, divided by the calls: the posts over the ranks). \`sent\`: datagram bytes"
-  echo "the SPs multicast (headers included), once per call whatever the ranks; \`received\`: datagram"
-  echo "bytes their sockets took in, all SPs (an SP also receives its own multicasts, looped back);"
-  echo "\`moved\`: bytes the SPs moved between themselves as staged chunks (\`chunks_moved\` frames"
-  echo "or puts, \`bytes_inter_node\` + \`bytes_intra_node\`); \`copied\`: bytes the datapath copied"
-  echo "(host to host, into ranks' buffers; the multicast design's fetches and the root's SP's local"
-  echo "ranks)."
+  echo "64 KiB per rank (\`coll-bench overlap --sizes 64K\`, both phases), from the SPs' counters at"
+  echo "exit, divided by the calls (the posts over the ranks), per rank where it says so. \`sent\`:"
+  echo "datagram bytes the SPs multicast (headers included); \`received\`: datagram bytes their"
+  echo "sockets took in, all SPs (an SP also takes in its own multicasts, looped back); \`across"
+  echo "nodes\`: bytes of the SPs' copies and chunk moves whose two ends are on different nodes"
+  echo "(\`bytes_inter_node\`: the other designs' deliveries, the multicast designs' fetches);"
+  echo "\`copied\`: every byte the datapath copied into ranks' buffers (the multicast designs' local"
+  echo "copies and fetches; the landings of multicast chunks are not copies). A ring allgather"
+  echo "puts (P-1) x 64 KiB on the wire per rank."
   echo
-  echo "| nodes x ranks | design | calls | sent/call | received/call | moved/call | copied/call |"
-  echo "|---|---|---|---|---|---|---|"
-  local nodes design
-  for nodes in 2 4; do
-    for design in flat mcast; do
-      python3 - "$out/m-traffic-$nodes-$design.err" "$nodes" "$design" <<'PY'
+  echo "| collective | nodes x ranks | design | calls | sent/call/rank | received/call | across nodes/call | copied/call |"
+  echo "|---|---|---|---|---|---|---|---|"
+  for coll in ibcast iallgather; do
+    other=$(mcast_other "$coll")
+    for nodes in 2 4; do
+      for design in "$other" mcast; do
+        python3 - "$out/m-traffic-$coll-$nodes-$design.err" "$nodes" "$design" "$coll" <<'PY'
 import json, sys
-path, nodes, design = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+path, nodes, design, coll = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 sps = [json.loads(l.split(': ', 1)[1]) for l in open(path) if l.startswith('sp ') and ' stats: ' in l]
 ranks = nodes * 2
 calls = sum(s['posts'] for s in sps) / ranks
 t = lambda k: sum(s.get(k, 0) for s in sps) / max(calls, 1)
-print(f"| {nodes} x 2 | {design} | {calls:.0f} | {t('mcast_bytes_sent'):.0f} | {t('mcast_bytes_received'):.0f} "
-      f"| {t('bytes_inter_node') + t('bytes_intra_node'):.0f} | {t('bytes_copied'):.0f} |")
+print(f"| {coll} | {nodes} x 2 | {design} | {calls:.0f} | {t('mcast_bytes_sent') / ranks:.0f} "
+      f"| {t('mcast_bytes_received'):.0f} | {t('bytes_inter_node'):.0f} "
+      f"| {t('bytes_copied'):.0f} |")
 PY
+      done
     done
   done
 }
 
 if [ $mcast_only -eq 1 ]; then
-  echo "== M. the multicast Ibcast; 2 nodes x 1 rank, SPs reserved on CPU $last"
+  echo "== M. the multicast Ibcast and Iallgather; 2 nodes x 1 rank, SPs reserved on CPU $last"
   mcast_run
   echo
   mcast_markdown

@@ -307,24 +307,26 @@ correctness() {
   done
 }
 
-# mcast_phase: the multicast Bcast across the namespace cluster (SPOFF_BCAST_DESIGN=mcast). One
-# rank on each of two nodes: the root's SP never lands its own chunks, and the only other SP
-# with a rank is on the other node, so every chunk landed crossed the bridge between the DPU
+# mcast_phase: the multicast Bcast and Allgather across the namespace cluster
+# (SPOFF_BCAST_DESIGN=mcast, SPOFF_IALLGATHER_DESIGN=mcast). One
+# rank on each of two nodes: an SP never lands its own chunks, and the only other SP with a
+# rank is on the other node, so every chunk landed crossed the bridge between the DPU
 # namespaces as a multicast datagram (TTL 1 out of the SP's peer address). The job must be
-# byte-correct (conform against PMPI_Bcast), take the multicast design, and land chunks.
+# byte-correct (conform against PMPI_Bcast and PMPI_Allgather), take the multicast designs,
+# and land chunks.
 mcast_phase() {
-  local label=mcast-bcast landed sent
+  local label=mcast landed sent
   landed=$(dt_counter mcast_chunks_landed)
   sent=$(dt_counter mcast_datagrams_sent)
   local saved=("${DT_JOB_ENV[@]}")
-  DT_JOB_ENV+=(-x SPOFF_BCAST_DESIGN=mcast)
+  DT_JOB_ENV+=(-x SPOFF_BCAST_DESIGN=mcast -x SPOFF_IALLGATHER_DESIGN=mcast)
   if dt_job "$label" ok 300 1+1 1 -- "$RUN/progs/conform" --cases "$cases" --seed "$seed" \
-    --timeout 30 --colls bcast,ibcast; then
+    --timeout 30 --colls bcast,ibcast,allgather,iallgather; then
     dt_check "$label" ': ok, ' 2 || true
   fi
   DT_JOB_ENV=("${saved[@]}")
-  if grep -q 'SPOFF_BCAST_DESIGN=mcast:' "$RUN/job-$label.err" "$RUN/job-$label.out" 2>/dev/null; then
-    fail "$label: the multicast design was not taken: $(grep -h -m1 'SPOFF_BCAST_DESIGN=mcast:' "$RUN/job-$label.err" "$RUN/job-$label.out" | cut -c1-200)"
+  if grep -q -E '_DESIGN=mcast:' "$RUN/job-$label.err" "$RUN/job-$label.out" 2>/dev/null; then
+    fail "$label: a multicast design was not taken: $(grep -h -m1 -E '_DESIGN=mcast:' "$RUN/job-$label.err" "$RUN/job-$label.out" | cut -c1-200)"
   fi
   landed=$(( $(dt_counter mcast_chunks_landed) - landed ))
   sent=$(( $(dt_counter mcast_datagrams_sent) - sent ))

@@ -22,12 +22,13 @@ if [ "${1:-}" = corpus ]; then
   trap 'rm -rf "$rec"' EXIT
   prog=$rec/conform
   mpicc -O1 -pthread -o "$prog" crates/host-shim/tests/progs/conform.c
-  for cfg in "1 block flat lb" "2 cyclic hier hier" "2 block flat flat"; do
-    read -r k layout b i <<< "$cfg"
+  # The last configuration: the multicast Bcast with drops, so that its fetch ring talks.
+  for cfg in "1 block flat lb 0" "2 cyclic hier hier 0" "2 block flat flat 0" "1 block mcast lb 5"; do
+    read -r k layout b i drop <<< "$cfg"
     SPOFF_RECORD_FRAMES=$rec/frames SPOFF_BCAST_DESIGN=$b SPOFF_IALLGATHER_DESIGN=$i \
       target/release/service-process launch --nodes 2 --ranks-per-node 2 --sps-per-node "$k" \
-      --layout "$layout" --sp-arg=--ucx=off -- "$prog" --cases 40 --seed 5 --finalize-early \
-      > /dev/null
+      --layout "$layout" --sp-arg=--ucx=off --sp-arg=--mcast-drop-rate="$drop" -- \
+      "$prog" --cases 40 --seed 5 --finalize-early > /dev/null
   done
   rm -rf fuzz/corpus
   SPOFF_RECORDED=$rec/frames cargo test --release -p service-process --test fuzz_corpus \

@@ -197,13 +197,33 @@ pub static ALLREDUCE: KindFacts = KindFacts {
     hier_min_ranks: 0,
 };
 
+/// The multicast Allgather: laid out as the staged Iallgather; chosen by
+/// `SPOFF_IALLGATHER_DESIGN=mcast` (for `MPI_Allgather` and `MPI_Iallgather`).
+pub static MCAST_ALLGATHER: KindFacts = KindFacts {
+    kind: CollKind::McastAllgather,
+    name: "mcast allgather",
+    family: Family::Multicast,
+    send_blocks: Blocks::One,
+    recv_blocks: Blocks::PerRank,
+    recv_rank_ordered: true,
+    rooted: false,
+    lists_nodes: false,
+    recv_rights: Rights::READ_WRITE,
+    recv_rights_why: " (the next SP of the multicast ring fetches missing chunks out of it)",
+    host_copies: false,
+    design_var: None,
+    reduces: false,
+    hier_min_ranks: 0,
+};
+
 /// Every kind, in the order of `CollKind`'s variants (checked by the tests).
-pub static KINDS: [&KindFacts; 6] = [
+pub static KINDS: [&KindFacts; 7] = [
     &ALLTOALLV,
     &ALLGATHERV,
     &BCAST,
     &STAGED_ALLGATHER,
     &MCAST_BCAST,
+    &MCAST_ALLGATHER,
     &ALLREDUCE,
 ];
 
@@ -216,6 +236,7 @@ impl CollKind {
             CollKind::Bcast => &BCAST,
             CollKind::StagedAllgather => &STAGED_ALLGATHER,
             CollKind::McastBcast => &MCAST_BCAST,
+            CollKind::McastAllgather => &MCAST_ALLGATHER,
             CollKind::Allreduce => &ALLREDUCE,
         }
     }
@@ -235,6 +256,7 @@ impl CollMsg {
             CollMsg::Bcast(_) => CollKind::Bcast,
             CollMsg::StagedAllgather(_) => CollKind::StagedAllgather,
             CollMsg::McastBcast(_) => CollKind::McastBcast,
+            CollMsg::McastAllgather(_) => CollKind::McastAllgather,
             CollMsg::Allreduce(_) => CollKind::Allreduce,
         }
     }

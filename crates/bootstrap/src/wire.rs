@@ -11,7 +11,8 @@
 //! [`SpToSp`] values.
 
 use algorithms::{
-    allgatherv, allreduce, alltoallv, bcast, mcast_bcast, staged_allgather, CollKey, CommId, SpId,
+    allgatherv, allreduce, alltoallv, bcast, mcast_allgather, mcast_bcast, staged_allgather,
+    CollKey, CommId, SpId,
 };
 use alias_mkey::{AliasKey, Grant};
 use bincode::Options;
@@ -29,8 +30,8 @@ pub const MAGIC: [u8; 4] = *b"SPOF";
 /// 8: the host hello names the host's pid (hosts over TCP on the SP's kernel).
 /// 9: alias keys name the uid and gid their owner's memory is opened with (its client's).
 /// 10: `SpToHost::Registered` says which grant backends the SP serves the host ([`Serves`]).
-/// 11: the multicast Bcast (`CollKind::McastBcast`); `Registered` says whether the SP runs
-/// the multicast designs (`mcast_off`).
+/// 11: the multicast Bcast and Allgather (`CollKind::McastBcast`, `McastAllgather`);
+/// `Registered` says whether the SP runs the multicast designs (`mcast_off`).
 /// 12: the SP-tree allreduce (`CollKind::Allreduce`, `CollMsg::Allreduce`): a post carries
 /// its datatype and operation (`PostDesc::reduce`), which the SPs need to reduce.
 pub const PROTOCOL_VERSION: u32 = 12;
@@ -231,6 +232,11 @@ pub enum CollKind {
     /// its design is `Flat`, unused); the receivers' grants are also read (the next SP of the
     /// ring fetches missing chunks out of them).
     McastBcast,
+    /// Allgather over the SPs' multicast fabric, each rank's block multicast once by its SP
+    /// in the broadcast sequencer's chains (`algorithms::mcast_allgather`): laid out as
+    /// `StagedAllgather` (equal blocks in rank order; `PostDesc::staged` design `Flat`, its
+    /// root unused); the receive grants are also read (the fetch ring).
+    McastAllgather,
     /// Allreduce aggregated by the SPs along a tree (`algorithms::allreduce`): one block each
     /// way (`send_counts == recv_counts == [len]`), `PostDesc::reduce` says how to combine.
     Allreduce,
@@ -417,6 +423,7 @@ pub enum CollMsg {
     Bcast(bcast::Msg),
     StagedAllgather(staged_allgather::Msg<AliasKey>),
     McastBcast(mcast_bcast::Msg<AliasKey>),
+    McastAllgather(mcast_allgather::Msg<AliasKey>),
     Allreduce(allreduce::Msg),
 }
 
@@ -429,6 +436,7 @@ impl CollMsg {
             CollMsg::Bcast(_) => Vec::new(),
             CollMsg::StagedAllgather(m) => m.keys(),
             CollMsg::McastBcast(m) => m.keys(),
+            CollMsg::McastAllgather(m) => m.keys(),
             CollMsg::Allreduce(_) => Vec::new(),
         }
     }

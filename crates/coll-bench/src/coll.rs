@@ -85,8 +85,9 @@ pub enum Design {
     Lb,
     /// let the shim choose by the number of ranks per service process
     Auto,
-    /// ibcast only: the root's service process multicasts the chunks, the others' receive
-    /// workers land them, a fetch ring recovers what was dropped (`SPOFF_BCAST_DESIGN=mcast`)
+    /// multicast: a root's service process multicasts its chunks, the others' receive workers
+    /// land them, a fetch ring recovers what was dropped (`SPOFF_BCAST_DESIGN=mcast`,
+    /// `SPOFF_IALLGATHER_DESIGN=mcast`)
     Mcast,
 }
 
@@ -106,13 +107,7 @@ impl Design {
 /// others only auto.
 pub fn check_design(coll: Coll, design: Design) -> Result<(), String> {
     match (coll, design) {
-        (_, Design::Auto) => Ok(()),
-        (Coll::Iallgather, Design::Mcast) => Err(
-            "--design mcast is the multicast broadcast, only for --coll ibcast (the multicast \
-             allgather is not wired yet)"
-                .into(),
-        ),
-        (Coll::Iallgather, _) => Ok(()),
+        (_, Design::Auto) | (Coll::Iallgather, _) => Ok(()),
         (Coll::Ibcast, Design::Flat | Design::Hier | Design::Mcast) => Ok(()),
         (Coll::Ibcast, Design::Lb) => Err(
             "--design lb is the load-balanced allgather, only for --coll iallgather; \
@@ -162,7 +157,7 @@ mod tests {
         for d in [Flat, Hier, Auto, Mcast] {
             assert_eq!(check_design(Coll::Ibcast, d), Ok(()));
         }
-        assert!(check_design(Coll::Iallgather, Mcast).is_err());
+        assert_eq!(check_design(Coll::Iallgather, Mcast), Ok(()));
         let e = check_design(Coll::Ibcast, Lb).unwrap_err();
         assert!(e.contains("only for --coll iallgather"), "{e}");
         for d in [Flat, Hier, Lb, Auto] {

@@ -47,7 +47,7 @@ pub struct OverlapArgs {
     json: Option<PathBuf>,
 
     /// Design of the offloaded collective, for ibcast (flat, hier, auto, mcast) and iallgather
-    /// (flat, hier, lb, auto); the other collectives take only auto. Before MPI_Init this process sets
+    /// (flat, hier, lb, auto, mcast); the other collectives take only auto. Before MPI_Init this process sets
     /// SPOFF_BCAST_DESIGN (ibcast) or SPOFF_IALLGATHER_DESIGN (iallgather) to it, overriding
     /// the environment; the shim reads the variable when the collective is posted. It only
     /// matters when the host shim is preloaded (natively nothing reads it; a shim that does not

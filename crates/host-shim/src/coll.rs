@@ -18,7 +18,8 @@
 //! carries the node of each comm rank (its SP's node in the cluster description) for the
 //! hierarchical algorithm. An `MPI_Allgather` is the allgatherv with `recvcount` per rank at
 //! displacement `i * recvcount`; with `SPOFF_IALLGATHER_DESIGN` set, an `MPI_Iallgather` is the
-//! staged allgather (`design.rs`). A bcast is one block each way, the root's to send.
+//! staged allgather (`design.rs`), and with it `mcast` (agreed at `MPI_Init`), both calls are the
+//! multicast Allgather. A bcast is one block each way, the root's to send.
 
 use crate::boundary::Commit;
 use crate::datatype;
@@ -273,8 +274,10 @@ pub unsafe fn allgather(
         let Some(send) = gather_send(sendbuf, sendcount, sendtype, &recv, me) else {
             return Offload::Native;
         };
-        // The staged designs when asked for.
-        let kind = if !blocking && iallgather_staged() {
+        // The multicast Allgather (blocking or not) or the staged designs when asked for.
+        let kind = if crate::design::allgather_mcast() {
+            CollKind::McastAllgather
+        } else if !blocking && iallgather_staged() {
             CollKind::StagedAllgather
         } else {
             CollKind::Allgatherv

@@ -134,6 +134,36 @@ pub unsafe fn info(comm: ffi::MPI_Comm) -> Result<*const CommInfo, NotOffloaded>
     Ok(ptr)
 }
 
+/// A communicator constructor returned `rc` with `*newcomm`: agrees on the new
+/// communicator's info at once, where every member of it is making this same call, rather than
+/// at its first offloaded collective. Members may reach the first collectives of several
+/// communicators in different orders (nonblocking collectives, as MPI allows), and an
+/// agreement there, a blocking broadcast inside an `MPI_Ibcast`, then waited in a circle.
+/// Does nothing unless the shim is active, the call succeeded and gave an intracommunicator;
+/// a failure leaves the agreement to the first collective, as before.
+///
+/// # Safety
+/// MPI is initialised; `newcomm` is the constructor's out-pointer.
+pub unsafe fn agree_new(rc: c_int, newcomm: *const ffi::MPI_Comm) {
+    if rc != consts::SUCCESS() || newcomm.is_null() || !crate::state::is_active() {
+        return;
+    }
+    no_panic("agreeing on a new communicator", || {
+        // SAFETY: the constructor wrote the new handle.
+        let comm = unsafe { *newcomm };
+        if comm == consts::COMM_NULL() {
+            return;
+        }
+        let mut inter: c_int = 0;
+        // SAFETY: a valid communicator and an out-pointer.
+        let rc = unsafe { ffi::PMPI_Comm_test_inter(comm, &mut inter) };
+        if rc == consts::SUCCESS() && inter == 0 {
+            // SAFETY: an intracommunicator every member of which is in this same call.
+            let _ = unsafe { info(comm) };
+        }
+    });
+}
+
 /// World ranks of `comm`'s members, in comm rank order.
 unsafe fn world_ranks(comm: ffi::MPI_Comm, size: c_int) -> Result<Vec<c_int>, NotOffloaded> {
     let mut group = consts::GROUP_NULL();

@@ -104,16 +104,36 @@ pub fn iallgather_staged() -> bool {
     )
 }
 
-/// `SPOFF_BCAST_DESIGN=mcast` on this rank (read at `MPI_Init`).
-pub fn bcast_asks_mcast() -> bool {
-    design_var(CollKind::Bcast) == Some("mcast")
+/// The multicast kinds and the staged kind whose design variable asks for each:
+/// `SPOFF_BCAST_DESIGN=mcast` for the Bcast, `SPOFF_IALLGATHER_DESIGN=mcast` for the Allgather
+/// (`MPI_Allgather` and `MPI_Iallgather`).
+pub const MCAST_KINDS: [(CollKind, CollKind); 2] = [
+    (CollKind::McastBcast, CollKind::Bcast),
+    (CollKind::McastAllgather, CollKind::StagedAllgather),
+];
+
+/// The design variable of `asker` says `mcast` on this rank (read at `MPI_Init`).
+pub fn asks_mcast(asker: CollKind) -> bool {
+    design_var(asker) == Some("mcast")
 }
 
-/// The job agreed at `MPI_Init` that its bcasts take the multicast design.
-static MCAST_BCAST: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// The multicast kinds the job agreed on at `MPI_Init`, by their index in [`MCAST_KINDS`].
+static MCAST_ON: [std::sync::atomic::AtomicBool; 2] = [
+    std::sync::atomic::AtomicBool::new(false),
+    std::sync::atomic::AtomicBool::new(false),
+];
 
-pub fn set_mcast_bcast(on: bool) {
-    MCAST_BCAST.store(on, std::sync::atomic::Ordering::Release);
+pub fn set_mcast(kind: CollKind, on: bool) {
+    if let Some(i) = MCAST_KINDS.iter().position(|(k, _)| *k == kind) {
+        MCAST_ON[i].store(on, std::sync::atomic::Ordering::Release);
+    }
+}
+
+fn mcast_on(kind: CollKind) -> bool {
+    MCAST_KINDS
+        .iter()
+        .position(|(k, _)| *k == kind)
+        .is_some_and(|i| MCAST_ON[i].load(std::sync::atomic::Ordering::Acquire))
 }
 
 /// The kind an `MPI_Bcast`/`MPI_Ibcast` posts: the multicast Bcast when the job agreed on it
@@ -121,11 +141,17 @@ pub fn set_mcast_bcast(on: bool) {
 /// (flat or hierarchical, see [`staged_design`]). `auto` never picks the multicast design:
 /// docs/BENCHMARKS.md has not shown where it wins here.
 pub fn bcast_kind() -> CollKind {
-    if MCAST_BCAST.load(std::sync::atomic::Ordering::Acquire) {
+    if mcast_on(CollKind::McastBcast) {
         CollKind::McastBcast
     } else {
         CollKind::Bcast
     }
+}
+
+/// The multicast Allgather for an `MPI_Allgather`/`MPI_Iallgather`: the job agreed on it
+/// (`SPOFF_IALLGATHER_DESIGN=mcast` on every rank, every SP running it).
+pub fn allgather_mcast() -> bool {
+    mcast_on(CollKind::McastAllgather)
 }
 
 /// Host-side intra-node copies in blocking allgathervs: on unless `SPOFF_HOST_COPIES=0`.

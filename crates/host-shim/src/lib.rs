@@ -148,6 +148,45 @@ pub unsafe extern "C" fn MPI_Finalize() -> c_int {
     )
 }
 
+/// Exports communicator constructors that agree on the new communicator's identity at once
+/// (`comm::agree_new`): `fn MPI_X = PMPI_X(<arguments>) -> <the new communicator's pointer>;`.
+/// The native call runs first and its result is returned as it is. `MPI_Comm_idup` is not among
+/// them (nonblocking: its communicator agrees at its first offloaded collective), nor are the
+/// Fortran bindings of Open MPI, which call the `PMPI_` constructors directly.
+macro_rules! comm_constructor {
+    ($(fn $name:ident = $pmpi:ident($($arg:ident: $ty:ty),* $(,)?) -> $new:ident;)*) => {$(
+        #[no_mangle]
+        pub unsafe extern "C" fn $name($($arg: $ty),*) -> c_int {
+            // SAFETY: the caller's arguments, passed on unchanged.
+            let rc = unsafe { ffi::$pmpi($($arg),*) };
+            // SAFETY: MPI is initialised (the constructor's precondition); `$new` is its
+            // out-pointer.
+            unsafe { comm::agree_new(rc, $new) };
+            rc
+        }
+    )*};
+}
+
+comm_constructor! {
+    fn MPI_Comm_dup = PMPI_Comm_dup(comm: ffi::MPI_Comm, newcomm: *mut ffi::MPI_Comm) -> newcomm;
+    fn MPI_Comm_dup_with_info = PMPI_Comm_dup_with_info(
+        comm: ffi::MPI_Comm, info: ffi::MPI_Info, newcomm: *mut ffi::MPI_Comm,
+    ) -> newcomm;
+    fn MPI_Comm_split = PMPI_Comm_split(
+        comm: ffi::MPI_Comm, color: c_int, key: c_int, newcomm: *mut ffi::MPI_Comm,
+    ) -> newcomm;
+    fn MPI_Comm_split_type = PMPI_Comm_split_type(
+        comm: ffi::MPI_Comm, split_type: c_int, key: c_int, info: ffi::MPI_Info,
+        newcomm: *mut ffi::MPI_Comm,
+    ) -> newcomm;
+    fn MPI_Comm_create = PMPI_Comm_create(
+        comm: ffi::MPI_Comm, group: ffi::MPI_Group, newcomm: *mut ffi::MPI_Comm,
+    ) -> newcomm;
+    fn MPI_Comm_create_group = PMPI_Comm_create_group(
+        comm: ffi::MPI_Comm, group: ffi::MPI_Group, tag: c_int, newcomm: *mut ffi::MPI_Comm,
+    ) -> newcomm;
+}
+
 /// Completes an entry point from the offload outcome: a nonblocking one (`request`, checked
 /// non-null before offloading) hands out the posted request, a blocking one waits for it. A
 /// failure (of the post, or of the blocking collective) goes through the error handler of

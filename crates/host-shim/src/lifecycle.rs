@@ -30,7 +30,7 @@ use alias_mkey::Rights;
 use bootstrap::auth::JobCredential;
 use bootstrap::mailbox::{DEFAULT_SLOTS, SLOT_BYTES};
 use bootstrap::placement::{self, NodeReport, NodeSource, REPORT_WORDS};
-use bootstrap::wire::{Hello, HostHello, HostToSp, Serves, SpToHost};
+use bootstrap::wire::{CollKind, Hello, HostHello, HostToSp, Serves, SpToHost};
 use bootstrap::{Cluster, Placement};
 use mpi_ffi as ffi;
 use mpi_ffi::consts;
@@ -320,11 +320,13 @@ unsafe fn start_inner() -> bool {
         return false;
     };
 
-    // 7. The multicast designs (`SPOFF_BCAST_DESIGN=mcast`): taken only if every rank asks
-    // for them and every rank's SP runs them; otherwise every bcast takes the staged design,
-    // and rank 0 says why, once.
-    // SAFETY: MPI is initialised; every rank makes the same calls.
-    unsafe { agree_mcast(reg.mcast_off.as_deref(), rank, size) };
+    // 7. The multicast designs (`SPOFF_BCAST_DESIGN=mcast`, `SPOFF_IALLGATHER_DESIGN=mcast`):
+    // each taken only if every rank asks for it and every rank's SP runs multicast; otherwise
+    // the collective keeps its other design, and rank 0 says why, once.
+    for (kind, asker) in crate::design::MCAST_KINDS {
+        // SAFETY: MPI is initialised; every rank makes the same calls.
+        unsafe { agree_mcast(kind, asker, reg.mcast_off.as_deref(), rank, size) };
+    }
 
     // Who serves whom: the placement every rank computed alike.
     let sp_of_world: Vec<SpId> = placed.iter().map(|p| p.sp).collect();
@@ -518,14 +520,21 @@ unsafe fn reason_of(first: u32, mine: Option<&str>) -> Result<String, c_int> {
     Ok(String::from_utf8_lossy(&buf[..len]).into_owned())
 }
 
-/// Whether the job's bcasts take the multicast design: asked for by `SPOFF_BCAST_DESIGN=mcast`
-/// on some rank, it is on only if every rank asks for it and every rank's SP runs it
+/// Whether the job takes the multicast `kind`: asked for by `asker`'s design variable saying
+/// `mcast` on some rank, it is on only if every rank asks for it and every rank's SP runs it
 /// (`mcast_off`: why this rank's does not); else rank 0 says why, once. Collective.
 ///
 /// # Safety
 /// MPI is initialised.
-unsafe fn agree_mcast(mcast_off: Option<&str>, rank: u32, size: u32) {
-    let wants = crate::design::bcast_asks_mcast();
+unsafe fn agree_mcast(
+    kind: CollKind,
+    asker: CollKind,
+    mcast_off: Option<&str>,
+    rank: u32,
+    size: u32,
+) {
+    let var = asker.facts().design_var.unwrap_or("the design variable");
+    let wants = crate::design::asks_mcast(asker);
     let mut asking: c_int = wants as c_int;
     // SAFETY: in-place reduction over one int.
     let rc = unsafe {
@@ -542,24 +551,32 @@ unsafe fn agree_mcast(mcast_off: Option<&str>, rank: u32, size: u32) {
         return;
     }
     let mine = if !wants {
-        Some("SPOFF_BCAST_DESIGN is not mcast there".to_string())
+        Some(format!("{var} is not mcast there"))
     } else {
         mcast_off.map(|why| format!("its SP runs no multicast collective: {why}"))
     };
+    // What takes the other design, and which one it is.
+    let (what, other) = if kind == CollKind::McastBcast {
+        ("bcast", "staged")
+    } else {
+        ("allgather", "load-balanced")
+    };
     // SAFETY: forwarded; every rank calls it, as every rank saw `asking > 0`.
     match unsafe { count_failures(mine.as_deref(), rank) } {
-        Ok(None) => crate::design::set_mcast_bcast(true),
+        Ok(None) => crate::design::set_mcast(kind, true),
         Ok(Some((n, first, why))) => {
             if rank == 0 {
                 say!(
-                    "SPOFF_BCAST_DESIGN=mcast: {n} of {size} ranks cannot take the multicast                      design (rank {first}: {why}); every bcast of this job takes the staged                      design"
+                    "{var}=mcast: {n} of {size} ranks cannot take the multicast design (rank \
+                     {first}: {why}); every {what} of this job takes the {other} design"
                 );
             }
         }
         Err(rc) => {
             if rank == 0 {
                 say!(
-                    "SPOFF_BCAST_DESIGN=mcast: the ranks could not agree (MPI error {rc}); every                      bcast of this job takes the staged design"
+                    "{var}=mcast: the ranks could not agree (MPI error {rc}); every {what} of \
+                     this job takes the {other} design"
                 );
             }
         }

@@ -324,7 +324,7 @@ pub fn machine(data: &[u8]) {
                 Some(crate::drivers::Act::Resource { req, .. }) => {
                     if let Ok(r) = req.downcast::<crate::mcast::plane::McastReq>() {
                         if let crate::mcast::plane::McastReq::Multicast(mc) = *r {
-                            ids.push(mc.id.0);
+                            ids.push(mc.id);
                         }
                     }
                 }

@@ -10,7 +10,7 @@ use crate::cpus::{pin_to, CpuList};
 use crate::launch_mpi::{self, Mpi};
 use anyhow::{bail, Context, Result};
 use bootstrap::auth::{ClusterKey, JobCredential};
-use bootstrap::cluster::{Cluster, Layout, SpEntry};
+use bootstrap::cluster::{Cluster, Layout, McastGroups, SpEntry};
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
 use std::os::fd::{AsRawFd, RawFd};
@@ -77,6 +77,18 @@ pub struct LaunchOpts {
     /// --sp-arg=--inline-copy-bytes=0
     #[arg(long = "sp-arg", allow_hyphen_values = true)]
     pub sp_args: Vec<String>,
+    /// An extra argument for one SP's `serve` (repeatable), given as SP=ARG with the SP's id
+    /// (0 to nodes x sps-per-node - 1), after the --sp-arg ones, e.g.
+    /// --sp-arg-for=1=--mcast=off (a cluster whose SP 1 runs no multicast collective)
+    #[arg(long = "sp-arg-for", value_name = "SP=ARG", allow_hyphen_values = true, value_parser = parse_sp_arg)]
+    pub sp_arg_for: Vec<(usize, String)>,
+    /// The multicast groups of the multicast collectives, written into the cluster
+    /// description (`mcast_groups`), as RANGE or RANGE:PORT (e.g. 239.254.3.0/24:41000: an
+    /// address per communicator slot and subgroup from the range, a port per slot from
+    /// PORT, default 47000). Default: the description's default, 239.255.0.0/16 from port
+    /// 47000. Jobs on one host given disjoint groups never see each other's datagrams.
+    #[arg(long, value_name = "RANGE[:PORT]", value_parser = parse_mcast_groups)]
+    pub mcast_groups: Option<McastGroups>,
     /// Seconds to wait for the SPs to be ready.
     #[arg(long, default_value_t = 30)]
     pub ready_timeout_secs: u64,
@@ -94,6 +106,38 @@ pub struct LaunchOpts {
     /// The MPI program and its arguments.
     #[arg(last = true, required = true)]
     pub program: Vec<String>,
+}
+
+/// `--sp-arg-for`'s SP=ARG.
+fn parse_sp_arg(s: &str) -> Result<(usize, String), String> {
+    let (sp, arg) = s
+        .split_once('=')
+        .ok_or_else(|| format!("{s:?}: expected SP=ARG (e.g. 1=--mcast=off)"))?;
+    let sp = sp
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?}: {sp:?} is not an SP id"))?;
+    Ok((sp, arg.to_string()))
+}
+
+/// `--mcast-groups`' RANGE[:PORT].
+fn parse_mcast_groups(s: &str) -> Result<McastGroups, String> {
+    let (range, port) = match s.split_once(':') {
+        Some((r, p)) => (
+            r,
+            p.trim()
+                .parse()
+                .map_err(|_| format!("{s:?}: {p:?} is not a UDP port"))?,
+        ),
+        None => (s, 47_000),
+    };
+    if port > u16::MAX - 255 {
+        return Err(format!("{s:?}: the 256 ports from {port} pass 65535"));
+    }
+    Ok(McastGroups {
+        range: range.parse()?,
+        port_base: port,
+    })
 }
 
 /// The variable in which `launch` gives `rank-exec` the emulated node of every world rank
@@ -295,7 +339,18 @@ pub fn spawn_sps(
     run_dir: &Path,
     lines: mpsc::Sender<(u32, String)>,
 ) -> Result<(PathBuf, Vec<Sp>)> {
-    let (path, listeners) = write_cluster(spec, run_dir)?;
+    spawn_sps_on(exe, spec, None, run_dir, lines)
+}
+
+/// [`spawn_sps`] with the multicast groups `mcast_groups` in the description.
+fn spawn_sps_on(
+    exe: &Path,
+    spec: &SpSetSpec,
+    mcast_groups: Option<McastGroups>,
+    run_dir: &Path,
+    lines: mpsc::Sender<(u32, String)>,
+) -> Result<(PathBuf, Vec<Sp>)> {
+    let (path, listeners) = write_cluster_on(spec, mcast_groups, run_dir)?;
     let mut sps = Vec::new();
     for (i, l) in listeners.into_iter().enumerate() {
         let mut args = spec.extra_args.clone();
@@ -327,6 +382,15 @@ pub fn spawn_sps(
 /// peer listeners bound on loopback) and its key (unless `run_dir` already has one); returns
 /// the description's path and the SPs' listeners, by SP id.
 pub fn write_cluster(spec: &SpSetSpec, run_dir: &Path) -> Result<(PathBuf, Vec<TcpListener>)> {
+    write_cluster_on(spec, None, run_dir)
+}
+
+/// [`write_cluster`] with the multicast groups `mcast_groups` in the description.
+fn write_cluster_on(
+    spec: &SpSetSpec,
+    mcast_groups: Option<McastGroups>,
+    run_dir: &Path,
+) -> Result<(PathBuf, Vec<TcpListener>)> {
     let n_sps = spec.nodes * spec.sps_per_node;
     let listeners: Vec<TcpListener> = (0..n_sps)
         .map(|_| TcpListener::bind("127.0.0.1:0"))
@@ -345,13 +409,14 @@ pub fn write_cluster(spec: &SpSetSpec, run_dir: &Path) -> Result<(PathBuf, Vec<T
             ))
         })
         .collect::<std::io::Result<Vec<_>>>()?;
-    let cluster = Cluster::new(
+    let mut cluster = Cluster::new(
         spec.nodes,
         spec.sps_per_node,
         Some(spec.ranks_per_node),
         spec.layout,
         entries,
     )?;
+    cluster.mcast_groups = mcast_groups;
     let path = run_dir.join("cluster.json");
     cluster.save(&path)?;
     let key_file = key_path(&path);
@@ -530,9 +595,16 @@ fn run_job(
                 }
                 a
             },
-            sp_args: Vec::new(),
+            sp_args: opts.sp_arg_for.clone(),
         };
-        let (path, children) = spawn_sps(exe, &spec, run_dir, tx.clone())?;
+        let n_sps = (opts.nodes * opts.sps_per_node) as usize;
+        if let Some((sp, _)) = opts.sp_arg_for.iter().find(|(sp, _)| *sp >= n_sps) {
+            bail!(
+                "--sp-arg-for names SP {sp}, but the cluster has SPs 0 to {}",
+                n_sps - 1
+            );
+        }
+        let (path, children) = spawn_sps_on(exe, &spec, opts.mcast_groups, run_dir, tx.clone())?;
         sps = children;
         match wait_ready(
             &mut sps,

@@ -171,9 +171,10 @@ enum Cmd {
         /// Seconds to wait for the peer SPs at start-up.
         #[arg(long, default_value_t = 30)]
         connect_timeout_secs: u64,
-        /// The multicast collectives (SPOFF_BCAST_DESIGN=mcast): on, or off (this SP's ranks
-        /// learn it at MPI_Init, and their jobs take the staged design instead, saying so
-        /// once). On, an SP whose fabric cannot be opened runs none either, and says why.
+        /// The multicast collectives (SPOFF_BCAST_DESIGN=mcast, SPOFF_IALLGATHER_DESIGN=mcast):
+        /// on, or off (this SP's ranks learn it at MPI_Init, and their jobs keep the other
+        /// designs, saying so once). On, an SP that cannot join its probe group and hear its
+        /// own datagram at start runs none either, and says why.
         /// The groups are the description's `mcast_groups` (default 239.255.0.0/16 from port
         /// 47000), sent out of the interface of this SP's peer address (TTL 0 on loopback,
         /// else 1: the DPUs' network, never a router).

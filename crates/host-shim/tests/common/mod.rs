@@ -113,7 +113,13 @@ pub fn serial() -> MutexGuard<'static, ()> {
 
 /// `progs/<name>.c` compiled with [`mpi`]'s `mpicc` (once per test process).
 pub fn prog(name: &'static str) -> String {
-    let (mpicc, subdir, flags): (&str, &str, &[&str]) = match mpi() {
+    prog_for(mpi(), name)
+}
+
+/// `progs/<name>.c` compiled with `mpi`'s `mpicc` (once per test process), for a test that runs
+/// a job under an MPI of its own choosing.
+pub fn prog_for(mpi: Mpi, name: &'static str) -> String {
+    let (mpicc, subdir, flags): (&str, &str, &[&str]) = match mpi {
         Mpi::OpenMpi => ("mpicc", "host-shim-progs", &[]),
         // GCC takes MPICH's MPI_STATUSES_IGNORE, (MPI_Status *)1, for an empty array.
         Mpi::Mpich => (
@@ -122,10 +128,10 @@ pub fn prog(name: &'static str) -> String {
             &["-Wno-stringop-overflow"],
         ),
     };
-    static BUILT: Mutex<BTreeMap<&str, String>> = Mutex::new(BTreeMap::new());
+    static BUILT: Mutex<BTreeMap<(&str, &str), String>> = Mutex::new(BTreeMap::new());
     let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
     built
-        .entry(name)
+        .entry((subdir, name))
         .or_insert_with(|| {
             let src = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/progs/{name}.c"));
             let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(subdir);

@@ -1,19 +1,20 @@
 /* Checks broadcast results, natively or with libhost_shim.so preloaded: every MPI_Bcast /
  * MPI_Ibcast is compared byte for byte with PMPI_Bcast (never intercepted) on the same inputs.
  *
- * Usage: bcast_check [ROUNDS [SEED [big] [late] [fit=N]]]. Each round issues a random batch of 1-5
- * broadcasts (blocking MPI_Bcast, or MPI_Ibcast left outstanding) with a random root, on
- * MPI_COMM_WORLD, a dup, the even/odd halves or a reversed-order split, of MPI_CHAR, MPI_INT,
- * MPI_DOUBLE, a contiguous derived type, or a non-contiguous resized vector type that the shim
- * packs. Sizes: 0 bytes, 1 byte, a few bytes, and sizes around and between
+ * Usage: bcast_check [ROUNDS [SEED [big] [late] [late=MS] [fit=N]]]. Each round issues a
+ * random batch of 1-5 broadcasts (blocking MPI_Bcast, or MPI_Ibcast left outstanding) with a
+ * random root, on MPI_COMM_WORLD, a dup, the even/odd halves or a reversed-order split, of
+ * MPI_CHAR, MPI_INT, MPI_DOUBLE, a contiguous derived type, or a non-contiguous resized vector
+ * type that the shim packs. Sizes: 0 bytes, 1 byte, a few bytes, and sizes around and between
  * multiples of 64 KiB (the default chunk is 256 KiB: sizes that are not multiples of it);
  * with "big", up to 6 MiB; with "fit=N", every size is in (N/2, N], so that a message fits a
  * segment of N bytes but no two do at once. The batch's requests complete by MPI_Wait (reverse order),
  * MPI_Waitall or an MPI_Testsome loop. The buffers of non-roots start as a sentinel and have a
  * guard byte after the data, so short or long writes are caught. With "late", the last world
- * rank enters every call 2-4 ms late. Prints "bcast_check: all ok (N checks on rank 0, S
- * ranks, E eligible calls per rank)" on rank 0 when every rank passed (E counts the calls the
- * shim offloads: all of them), "bcast_check: F failures" otherwise (exit 1). */
+ * rank enters every call 2-4 ms late; with "late=MS", MS to MS + 2 ms late. Prints
+ * "bcast_check: all ok (N checks on rank 0, S ranks, E eligible calls per rank)" on rank 0 when
+ * every rank passed (E counts the calls the shim offloads: all of them), "bcast_check: F
+ * failures" otherwise (exit 1). */
 #include <mpi.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -28,6 +29,7 @@
 #define MAX_BATCH 5
 
 static int late, big;
+static long late_ms; /* late=MS */
 static long fit;
 
 static uint64_t shared, own;
@@ -55,6 +57,7 @@ struct op {
 static void skew(void) {
     long us = (long)(next(&own) % 300);
     if (late && rank == size - 1) us = 2000 + (long)(next(&own) % 2000);
+    if (late_ms > 0 && rank == size - 1) us = late_ms * 1000 + (long)(next(&own) % 2000);
     usleep((useconds_t)us);
 }
 
@@ -179,6 +182,7 @@ int main(int argc, char **argv) {
         if (strcmp(argv[a], "late") == 0) late = 1;
         if (strcmp(argv[a], "big") == 0) big = 1;
         if (strncmp(argv[a], "fit=", 4) == 0) fit = atol(argv[a] + 4);
+        if (strncmp(argv[a], "late=", 5) == 0) late_ms = atol(argv[a] + 5);
     }
     shared = seed * 0x9E3779B97F4A7C15ULL + 1;
     own = (seed + 1000003ULL * (uint64_t)(rank + 1)) * 0xD1B54A32D192ED03ULL + 7;

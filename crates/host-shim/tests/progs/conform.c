@@ -67,6 +67,9 @@
  *                     --finalize-early` runs it alone)
  *   --corrupt         checker self-test: after the tested calls of each case, flip one received
  *                     byte on one rank; the run must report failures
+ *   --big PCT         draw PCT % of the collectives "big" (default 5): predefined and contiguous
+ *                     types, 16 KiB to 2.2 MB per rank, a fifth of them "huge", 4 to 24 MiB
+ *                     (beyond the default 8 MiB staging segments); 100: every one
  *   --timeout SEC     report a hang when a completion takes longer (default 60)
  *   --until FILE      stop after the case during which FILE came to exist (rank 0 looks, tells
  *                     the others with PMPI_Bcast), or after --cases, whichever is first
@@ -120,6 +123,7 @@ static unsigned long long g_seed;
 static long g_ncases = 200, g_only = -1;
 static unsigned g_mask = (1u << NCOLL) - 1;
 static int g_mixed, g_final, g_corrupt, g_basic, g_verbose;
+static long g_big_pct = 5; /* --big */
 static double g_timeout = 60.0;
 static const char *g_until = NULL; /* --until FILE */
 static int wrank, wsize;
@@ -365,6 +369,7 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--cases") && v) { g_ncases = atol(v); i++; }
         else if (!strcmp(a, "--case") && v) { g_only = atol(v); i++; }
         else if (!strcmp(a, "--timeout") && v) { g_timeout = atof(v); i++; }
+        else if (!strcmp(a, "--big") && v) { g_big_pct = atol(v); i++; }
         else if (!strcmp(a, "--until") && v) { g_until = v; i++; }
         else if (!strcmp(a, "--types") && v) {
             if (!strcmp(v, "basic")) g_basic = 1;

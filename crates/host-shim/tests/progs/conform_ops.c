@@ -198,7 +198,7 @@ static void op_setup(op_t *o, long k, int j, int final, int me)
     o->bi = (int)rint_(&O, 0, NBASE - 1);
     o->b = &bases[o->bi];
     o->zero = chance(&O, 10);
-    o->big = !final && chance(&O, 5);
+    o->big = !final && chance(&O, (int)g_big_pct);
     o->huge = o->big && chance(&O, 20); /* beyond the default 8 MiB staging segments */
     o->plain = g_basic || o->big;
     o->root = (int)rint_(&O, 0, n - 1);

@@ -5,12 +5,10 @@
 //! resources ([`crate::mcast::plane::Plane`]); its copies (the root's SP's local ranks, the
 //! fetches) go through the datapath like every kind's.
 
-use super::resources::Payload;
 use super::{Act, CollDriver, Inbound, KindConfig, KindSpec, LocalPost};
-use crate::mcast::plane::{McastEvent, McastReq};
+use crate::mcast::plane::{Landing, McastReq, Send};
 use algorithms::{mcast_bcast, CollKey, Nanos, Rank, SpId, Status};
 use alias_mkey::AliasKey;
-use bootstrap::kinds::Family;
 use bootstrap::wire::{CollKind, CollMsg, PostDesc, StagedDesign};
 
 pub static SPEC: KindSpec = KindSpec {
@@ -56,11 +54,11 @@ fn new(key: CollKey, me: SpId, cfg: &KindConfig) -> Box<dyn CollDriver> {
 }
 
 /// The post names its root in the staged fields; it has no design of its own and no segment.
-fn check_desc(d: &PostDesc) -> Result<(), String> {
+pub(super) fn check_desc(d: &PostDesc) -> Result<(), String> {
     match &d.staged {
         Some(st) if st.design == StagedDesign::Flat && st.segment.is_none() => Ok(()),
-        Some(_) => Err("a mcast bcast post names no design (flat) and no segment".into()),
-        None => Err("a mcast bcast post without its root".into()),
+        Some(_) => Err("a multicast post names no design (flat) and no segment".into()),
+        None => Err("a multicast post without its staged fields".into()),
     }
 }
 
@@ -83,13 +81,6 @@ fn refuse(msg: &CollMsg, from: SpId, status: Status) -> Vec<(SpId, CollMsg)> {
     }
 }
 
-fn resource(req: McastReq) -> Act {
-    Act::Resource {
-        family: Family::Multicast,
-        req: Box::new(req),
-    }
-}
-
 impl From<mcast_bcast::Action<AliasKey>> for Act {
     fn from(a: mcast_bcast::Action<AliasKey>) -> Act {
         match a {
@@ -103,9 +94,30 @@ impl From<mcast_bcast::Action<AliasKey>> for Act {
                 dst_offset: c.offset,
                 len: c.len,
             },
-            mcast_bcast::Action::Register(r) => resource(McastReq::Register(r)),
-            mcast_bcast::Action::Unregister => resource(McastReq::Unregister),
-            mcast_bcast::Action::Multicast(m) => resource(McastReq::Multicast(m)),
+            mcast_bcast::Action::Register(r) => {
+                super::mcast::resource(McastReq::Register(Landing {
+                    blocks: 1,
+                    chunks: r.chunks,
+                    mtu: r.mtu,
+                    len: r.len,
+                    subgroups: r.subgroups,
+                    keys: r.keys.into_iter().map(|(_, k)| k).collect(),
+                }))
+            }
+            mcast_bcast::Action::Unregister => super::mcast::resource(McastReq::Unregister),
+            mcast_bcast::Action::Multicast(m) => {
+                super::mcast::resource(McastReq::Multicast(Send {
+                    id: m.id.0,
+                    key: m.key,
+                    subgroup: m.subgroup,
+                    first_psn: m.first_psn,
+                    psns: m.psns,
+                    offset: m.offset,
+                    len: m.len,
+                    mtu: m.mtu,
+                    chunks: m.chunks,
+                }))
+            }
             mcast_bcast::Action::Complete { rank, status } => Act::Complete {
                 rank,
                 status,
@@ -116,53 +128,7 @@ impl From<mcast_bcast::Action<AliasKey>> for Act {
 }
 
 impl CollDriver for Driver {
-    fn kind(&self) -> CollKind {
-        SPEC.kind
-    }
-    fn handle_msg(&mut self, now: Nanos, from: SpId, msg: CollMsg) -> Result<(), String> {
-        match msg {
-            CollMsg::McastBcast(m) => self.0.handle_msg(now, from, m).map_err(|e| e.to_string()),
-            m => Err(format!(
-                "a {:?} message for an instance of {}",
-                m.kind(),
-                SPEC.facts().name
-            )),
-        }
-    }
-    fn handle_copy_done(&mut self, now: Nanos, id: u64, status: Status) {
-        self.0
-            .handle_copy_done(now, mcast_bcast::CopyId(id), status)
-    }
-    fn handle_peer_lost(&mut self, now: Nanos, sp: SpId) {
-        self.0.handle_peer_lost(now, sp)
-    }
-    fn handle_rank_lost(&mut self, now: Nanos, rank: Rank) {
-        self.0.handle_rank_lost(now, rank)
-    }
-    fn abort(&mut self, now: Nanos, status: Status) {
-        self.0.abort(now, status)
-    }
-    fn is_finished(&self) -> bool {
-        !self.1 && self.0.is_finished()
-    }
-    /// A registration the workers have not confirmed counts as in flight: the instance is
-    /// not dropped with its job before they did.
-    fn copies_in_flight(&self) -> usize {
-        self.0.copies_in_flight() + usize::from(self.1)
-    }
-    fn poll_action(&mut self) -> Option<Act> {
-        if self.1 {
-            return None;
-        }
-        let a = self.0.poll_action()?;
-        if matches!(
-            a,
-            mcast_bcast::Action::Register(_) | mcast_bcast::Action::Unregister
-        ) {
-            self.1 = true;
-        }
-        Some(Act::from(a))
-    }
+    super::mcast::mcast_driver_body!(mcast_bcast, CollMsg::McastBcast);
 
     fn handle_post(&mut self, now: Nanos, p: LocalPost) -> Result<(), String> {
         let d = p.desc;
@@ -183,29 +149,5 @@ impl CollDriver for Driver {
             members: d.members,
         };
         self.0.handle_post(now, post).map_err(|e| e.to_string())
-    }
-
-    fn deadline(&self) -> Option<Nanos> {
-        self.0.poll_timeout()
-    }
-
-    fn tick(&mut self, now: Nanos) {
-        self.0.handle_timeout(now)
-    }
-
-    fn handle_event(&mut self, now: Nanos, event: Payload) {
-        let Ok(ev) = event.downcast::<McastEvent>() else {
-            return;
-        };
-        match *ev {
-            McastEvent::Registered | McastEvent::Unregistered => self.1 = false,
-            McastEvent::Landed(psn) => self.0.handle_landed(now, psn),
-            McastEvent::MulticastDone { id, status } => {
-                self.0
-                    .handle_copy_done(now, mcast_bcast::CopyId(id), status)
-            }
-            // A chunk could not be written where the grant said: the collective fails.
-            McastEvent::SinkFailed => self.0.abort(now, Status::AccessError),
-        }
     }
 }

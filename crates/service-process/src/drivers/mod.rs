@@ -21,6 +21,8 @@ mod allgatherv;
 mod allreduce;
 mod alltoallv;
 mod bcast;
+mod mcast;
+mod mcast_allgather;
 mod mcast_bcast;
 pub mod resources;
 mod staged_allgather;
@@ -278,12 +280,13 @@ pub struct KindSpec {
 }
 
 /// Every kind the engine serves.
-pub static KINDS: [&KindSpec; 6] = [
+pub static KINDS: [&KindSpec; 7] = [
     &alltoallv::SPEC,
     &allgatherv::SPEC,
     &bcast::SPEC,
     &staged_allgather::SPEC,
     &mcast_bcast::SPEC,
+    &mcast_allgather::SPEC,
     &allreduce::SPEC,
 ];
 

@@ -22,7 +22,7 @@ use super::datagram::{self, Header};
 use super::fabric::{self, FabricConfig};
 use super::worker::{Event, Injection, RecvWorker, Registration, Sink, WorkerStats};
 use crate::drivers::resources::{Payload, Resources};
-use algorithms::{mcast_bcast, CollKey, Status};
+use algorithms::{CollKey, Status};
 use alias_mkey::mover::{DynMover, Mover, MoverConfig};
 use alias_mkey::AliasKey;
 use bootstrap::auth::ClusterKey;
@@ -45,13 +45,40 @@ const SEND_RUN_CHUNKS: u64 = 64;
 pub enum McastReq {
     /// Land the instance's chunks in these buffers from now on; [`McastEvent::Registered`]
     /// once every worker will (the receiver is then ready). Never waits for a worker.
-    Register(mcast_bcast::Register<AliasKey>),
+    Register(Landing),
     /// Land nothing more of the instance; [`McastEvent::Unregistered`] once no chunk of it
     /// lands any more. Never waits for a worker.
     Unregister,
     /// Multicast these chunks of the root's buffer; reported with
     /// [`McastEvent::MulticastDone`].
-    Multicast(mcast_bcast::Multicast<AliasKey>),
+    Multicast(Send),
+}
+
+/// Where an instance's datagrams land: `blocks` blocks of `len` bytes (a Bcast has one), each
+/// `chunks` chunks of `mtu` bytes (the last maybe shorter); global PSN `g` lands at
+/// `(g / chunks) * len + (g % chunks) * mtu` of every buffer in `keys`.
+pub struct Landing {
+    pub blocks: u64,
+    pub chunks: u64,
+    pub mtu: u64,
+    pub len: u64,
+    pub subgroups: u16,
+    pub keys: Vec<AliasKey>,
+}
+
+/// A multicast: global PSNs `first_psn..first_psn + psns` read from bytes `offset..offset +
+/// len` of `key`, `mtu` bytes each, to subgroup `subgroup`; `chunks` the instance's PSNs in all
+/// (every datagram carries it).
+pub struct Send {
+    pub id: u64,
+    pub key: AliasKey,
+    pub subgroup: u16,
+    pub first_psn: u64,
+    pub psns: u64,
+    pub offset: u64,
+    pub len: u64,
+    pub mtu: u64,
+    pub chunks: u64,
 }
 
 /// What the resources report to a multicast driver.
@@ -89,7 +116,7 @@ pub struct PlaneConfig {
 /// A send worker's job.
 struct SendJob {
     ck: CollKey,
-    m: mcast_bcast::Multicast<AliasKey>,
+    m: Send,
     group: SocketAddrV4,
     coll: u64,
     tag: u64,
@@ -147,57 +174,35 @@ fn with_mover<R>(
     })
 }
 
-/// Where a registered instance's chunks go: every local rank's buffer, chunk `psn` at
-/// `psn * mtu`.
+/// Where a registered instance's chunks go: every local rank's buffer, as its [`Landing`]
+/// says.
 struct RankSink {
     keys: Vec<AliasKey>,
+    blocks: u64,
+    /// Chunks per block.
+    chunks: u64,
     mtu: u64,
+    /// Bytes per block.
     len: u64,
     movers: MoverConfig,
 }
 
-impl Sink for RankSink {
-    fn land(&self, psn: u32, payload: &[u8]) -> Result<(), String> {
-        let at = u64::from(psn) * self.mtu;
-        let end = at + payload.len() as u64;
-        let want = (self.len - at.min(self.len)).min(self.mtu);
-        if at > self.len || payload.len() as u64 != want {
-            return Err(format!(
-                "chunk {psn} of {} bytes does not fit a {}-byte message",
-                payload.len(),
-                self.len
-            ));
+impl RankSink {
+    /// Where global PSN `g` lands and how long it is.
+    fn place(&self, g: u64) -> Option<(u64, u64)> {
+        if g >= self.blocks * self.chunks {
+            return None;
         }
-        if payload.is_empty() {
-            return Ok(());
-        }
-        with_mover(&self.movers, |m| {
-            for k in &self.keys {
-                m.write(k, at, payload)
-                    .map_err(|e| format!("writing bytes {at}..{end}: {e}"))?;
-            }
-            Ok(())
-        })
+        let (b, i) = (g / self.chunks, g % self.chunks);
+        let at = i * self.mtu;
+        Some((b * self.len + at, self.len.saturating_sub(at).min(self.mtu)))
     }
 
-    /// A run of consecutive chunks, written with one mover call per buffer.
-    fn land_run(&self, first: u32, unit: usize, data: &[u8]) -> Result<(), String> {
-        let count = data.len().div_ceil(unit.max(1)).max(1) as u64;
-        if count == 1 {
-            return self.land(first, data);
+    fn write(&self, at: u64, data: &[u8]) -> Result<(), String> {
+        if data.is_empty() {
+            return Ok(());
         }
-        let at = u64::from(first) * self.mtu;
-        let want = (at + count * self.mtu).min(self.len).saturating_sub(at);
-        if unit as u64 != self.mtu || data.len() as u64 != want {
-            return Err(format!(
-                "a run of {count} chunks from {first} ({} bytes, {unit} each) does not fit a \
-                 {}-byte message of {}-byte chunks",
-                data.len(),
-                self.len,
-                self.mtu
-            ));
-        }
-        let end = at + want;
+        let end = at + data.len() as u64;
         with_mover(&self.movers, |m| {
             for k in &self.keys {
                 m.write(k, at, data)
@@ -205,6 +210,54 @@ impl Sink for RankSink {
             }
             Ok(())
         })
+    }
+}
+
+impl Sink for RankSink {
+    fn land(&self, psn: u32, payload: &[u8]) -> Result<(), String> {
+        match self.place(u64::from(psn)) {
+            Some((at, len)) if payload.len() as u64 == len => self.write(at, payload),
+            _ => Err(format!(
+                "chunk {psn} of {} bytes does not fit {} blocks of {} bytes",
+                payload.len(),
+                self.blocks,
+                self.len
+            )),
+        }
+    }
+
+    /// A run of consecutive chunks, written with one mover call per buffer and block.
+    fn land_run(&self, first: u32, unit: usize, data: &[u8]) -> Result<(), String> {
+        let count = data.len().div_ceil(unit.max(1)).max(1) as u64;
+        if count == 1 {
+            return self.land(first, data);
+        }
+        if unit as u64 != self.mtu {
+            // Chunks shorter than the MTU (blocks of one short chunk each): one by one.
+            for (i, c) in data.chunks(unit.max(1)).enumerate() {
+                self.land(first + i as u32, c)?;
+            }
+            return Ok(());
+        }
+        let (mut g, end_g, mut pos) = (u64::from(first), u64::from(first) + count, 0usize);
+        while g < end_g {
+            let i = g % self.chunks.max(1);
+            let k = (self.chunks - i).min(end_g - g);
+            let (at, _) = self
+                .place(g)
+                .ok_or_else(|| format!("chunk {g} beyond {} blocks", self.blocks))?;
+            let bytes = ((i + k) * self.mtu).min(self.len) - i * self.mtu;
+            let piece = data
+                .get(pos..pos + bytes as usize)
+                .ok_or_else(|| format!("a run from chunk {first} shorter than its chunks"))?;
+            self.write(at, piece)?;
+            pos += bytes as usize;
+            g += k;
+        }
+        if pos != data.len() {
+            return Err(format!("a run from chunk {first} longer than its chunks"));
+        }
+        Ok(())
     }
 }
 
@@ -216,9 +269,10 @@ impl Plane {
         key: ClusterKey,
         wake: Arc<mio::Waker>,
     ) -> std::io::Result<Plane> {
-        // The sending socket is made first: a fabric the SP cannot send on fails here.
-        let probe = fabric::sender(&cfg.fabric)?;
-        drop(probe);
+        // A fabric the SP cannot send on, join or hear itself on fails here, so that its
+        // hosts learn it at registration (and their jobs choose another design), not at a
+        // collective.
+        probe(&cfg)?;
         let (ev_tx, ev_rx) = crossbeam_channel::unbounded();
         let waker: super::worker::Waker = {
             let w = wake.clone();
@@ -263,7 +317,7 @@ impl Plane {
                                     Status::AccessError
                                 }
                             };
-                            if tx.send((job.ck, job.m.id.0, status)).is_err() {
+                            if tx.send((job.ck, job.m.id, status)).is_err() {
                                 return;
                             }
                             let _ = wake.wake();
@@ -360,6 +414,46 @@ impl Plane {
     }
 }
 
+/// Joins the fabric's probe group (the slot past the communicators') and multicasts a datagram
+/// with a fresh nonce to it: it must come back (`IP_MULTICAST_LOOP`) within 500 ms. This shows
+/// the group can be joined and sent to out of the SP's interface; not that other nodes hear it
+/// (a fabric that drops everything between nodes leaves the fetch ring to carry every byte).
+fn probe(cfg: &PlaneConfig) -> std::io::Result<()> {
+    let group = cfg.fabric.group(SLOTS, 0, 1);
+    let r = fabric::receiver(group, cfg.fabric.interface, 64 << 10).map_err(|e| {
+        std::io::Error::new(
+            e.kind(),
+            format!("cannot join the multicast group {group}: {e}"),
+        )
+    })?;
+    let s = fabric::sender(&cfg.fabric)?;
+    let nonce = bootstrap::auth::random::<16>();
+    let mut msg = b"SPMC-probe".to_vec();
+    msg.extend_from_slice(&nonce);
+    s.send_to(&msg, group)
+        .map_err(|e| std::io::Error::new(e.kind(), format!("cannot multicast to {group}: {e}")))?;
+    let until = std::time::Instant::now() + std::time::Duration::from_millis(500);
+    let mut buf = [0u8; 64];
+    while std::time::Instant::now() < until {
+        match fabric::recv(&r, &mut buf) {
+            Ok(n) if buf[..n] == msg[..] => return Ok(()),
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(std::time::Duration::from_millis(1))
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Err(std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        format!(
+            "a probe multicast to {group} out of {} did not come back within 500 ms \
+             (no multicast route?)",
+            cfg.fabric.interface
+        ),
+    ))
+}
+
 /// Sends the chunks of one multicast: runs of the root's buffer read through this thread's
 /// mover, each chunk one datagram.
 fn send_run(
@@ -432,8 +526,9 @@ impl Resources for Plane {
             .map_err(|_| "not a multicast request".to_string())?;
         match *req {
             McastReq::Register(r) => {
-                let chunks = u32::try_from(r.chunks)
-                    .map_err(|_| format!("{} chunks: too many for one collective", r.chunks))?;
+                let total = r.blocks.saturating_mul(r.chunks);
+                let chunks = u32::try_from(total)
+                    .map_err(|_| format!("{total} chunks: too many for one collective"))?;
                 let (slot, coll, tag) = self.names(ck);
                 if r.subgroups != self.cfg.subgroups {
                     return Err(format!(
@@ -443,7 +538,9 @@ impl Resources for Plane {
                 }
                 self.join(slot, self.cfg.subgroups.max(1))?;
                 let sink = Arc::new(RankSink {
-                    keys: r.keys.into_iter().map(|(_, k)| k).collect(),
+                    keys: r.keys,
+                    blocks: r.blocks,
+                    chunks: r.chunks.max(1),
                     mtu: r.mtu.max(1),
                     len: r.len,
                     movers: self.cfg.movers.clone(),
@@ -593,5 +690,47 @@ impl Drop for Plane {
         for t in self.senders.drain(..) {
             let _ = t.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(interface: std::net::Ipv4Addr) -> PlaneConfig {
+        PlaneConfig {
+            fabric: FabricConfig {
+                interface,
+                // A port range of this test's own.
+                port_base: 46_000 + (std::process::id() % 512) as u16,
+                ..FabricConfig::default()
+            },
+            subgroups: 1,
+            recv_workers: 1,
+            send_workers: 1,
+            inject: Injection::default(),
+            rcvbuf: 64 << 10,
+            movers: MoverConfig::default(),
+        }
+    }
+
+    /// The probe passes on loopback here, and fails with its reason where the interface cannot
+    /// multicast: a thread of its own in a fresh network namespace, whose loopback is down.
+    #[test]
+    fn the_probe_hears_itself_on_loopback_and_says_why_where_it_cannot() {
+        probe(&cfg(std::net::Ipv4Addr::LOCALHOST)).expect("loopback multicast works here");
+        let why = std::thread::spawn(|| {
+            nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET)
+                .expect("a network namespace of its own (the tests run as root)");
+            probe(&cfg(std::net::Ipv4Addr::LOCALHOST))
+        })
+        .join()
+        .unwrap()
+        .expect_err("a probe in a namespace whose loopback is down came back");
+        let why = why.to_string();
+        assert!(
+            why.contains("239.255.") && (why.contains("join") || why.contains("multicast")),
+            "{why}"
+        );
     }
 }
