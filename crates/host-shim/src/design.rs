@@ -1,9 +1,14 @@
-//! Which staged design (flat or hierarchical) a staged collective takes, and the other
-//! per-job settings of the collectives, read once from the environment. Every input is the
-//! same on every rank of a collective (the message length, the communicator's nodes, and, in a
-//! correct job, the environment), so every rank decides alike.
+//! Which staged design (flat or hierarchical) a staged collective takes, whether the job's
+//! bcasts and allgathers take the multicast designs (agreed by every rank at `MPI_Init`,
+//! [`agree_mcast`]), and the other per-job settings of the collectives, read once from the
+//! environment. Every input is the same on every rank of a collective (the message length, the
+//! communicator's nodes, and, in a correct job, the environment), so every rank decides alike.
 
+use crate::boundary::say;
 use bootstrap::wire::{CollKind, StagedDesign};
+use mpi_ffi as ffi;
+use mpi_ffi::consts;
+use std::os::raw::c_int;
 
 /// The design of a staged collective of `kind` moving `len` bytes to each rank, on a
 /// communicator whose members are on the emulated nodes `nodes`. A message larger than the
@@ -152,6 +157,69 @@ pub fn bcast_kind() -> CollKind {
 /// (`SPOFF_IALLGATHER_DESIGN=mcast` on every rank, every SP running it).
 pub fn allgather_mcast() -> bool {
     mcast_on(CollKind::McastAllgather)
+}
+
+/// Whether the job takes the multicast `kind`: asked for by `asker`'s design variable saying
+/// `mcast` on some rank, it is on only if every rank asks for it and every rank's SP runs it
+/// (`mcast_off`: why this rank's does not); else rank 0 says why, once. Collective.
+///
+/// # Safety
+/// MPI is initialised.
+pub unsafe fn agree_mcast(
+    kind: CollKind,
+    asker: CollKind,
+    mcast_off: Option<&str>,
+    rank: u32,
+    size: u32,
+) {
+    let var = asker.facts().design_var.unwrap_or("the design variable");
+    let wants = asks_mcast(asker);
+    let mut asking: c_int = wants as c_int;
+    // SAFETY: in-place reduction over one int.
+    let rc = unsafe {
+        ffi::PMPI_Allreduce(
+            consts::IN_PLACE(),
+            (&mut asking as *mut c_int).cast(),
+            1,
+            consts::INT(),
+            consts::OP_SUM(),
+            consts::COMM_WORLD(),
+        )
+    };
+    if rc != consts::SUCCESS() || asking == 0 {
+        return;
+    }
+    let mine = if !wants {
+        Some(format!("{var} is not mcast there"))
+    } else {
+        mcast_off.map(|why| format!("its SP runs no multicast collective: {why}"))
+    };
+    // What takes the other design, and which one it is.
+    let (what, other) = if kind == CollKind::McastBcast {
+        ("bcast", "staged")
+    } else {
+        ("allgather", "load-balanced")
+    };
+    // SAFETY: forwarded; every rank calls it, as every rank saw `asking > 0`.
+    match unsafe { crate::lifecycle::count_failures(mine.as_deref(), rank) } {
+        Ok(None) => set_mcast(kind, true),
+        Ok(Some((n, first, why))) => {
+            if rank == 0 {
+                say!(
+                    "{var}=mcast: {n} of {size} ranks cannot take the multicast design (rank \
+                     {first}: {why}); every {what} of this job takes the {other} design"
+                );
+            }
+        }
+        Err(rc) => {
+            if rank == 0 {
+                say!(
+                    "{var}=mcast: the ranks could not agree (MPI error {rc}); every {what} of \
+                     this job takes the {other} design"
+                );
+            }
+        }
+    }
 }
 
 /// Host-side intra-node copies in blocking allgathervs: on unless `SPOFF_HOST_COPIES=0`.

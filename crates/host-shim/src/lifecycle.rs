@@ -30,7 +30,7 @@ use alias_mkey::Rights;
 use bootstrap::auth::JobCredential;
 use bootstrap::mailbox::{DEFAULT_SLOTS, SLOT_BYTES};
 use bootstrap::placement::{self, NodeReport, NodeSource, REPORT_WORDS};
-use bootstrap::wire::{CollKind, Hello, HostHello, HostToSp, Serves, SpToHost};
+use bootstrap::wire::{Hello, HostHello, HostToSp, Serves, SpToHost};
 use bootstrap::{Cluster, Placement};
 use mpi_ffi as ffi;
 use mpi_ffi::consts;
@@ -325,7 +325,7 @@ unsafe fn start_inner() -> bool {
     // the collective keeps its other design, and rank 0 says why, once.
     for (kind, asker) in crate::design::MCAST_KINDS {
         // SAFETY: MPI is initialised; every rank makes the same calls.
-        unsafe { agree_mcast(kind, asker, reg.mcast_off.as_deref(), rank, size) };
+        unsafe { crate::design::agree_mcast(kind, asker, reg.mcast_off.as_deref(), rank, size) };
     }
 
     // Who serves whom: the placement every rank computed alike.
@@ -520,75 +520,12 @@ unsafe fn reason_of(first: u32, mine: Option<&str>) -> Result<String, c_int> {
     Ok(String::from_utf8_lossy(&buf[..len]).into_owned())
 }
 
-/// Whether the job takes the multicast `kind`: asked for by `asker`'s design variable saying
-/// `mcast` on some rank, it is on only if every rank asks for it and every rank's SP runs it
-/// (`mcast_off`: why this rank's does not); else rank 0 says why, once. Collective.
-///
-/// # Safety
-/// MPI is initialised.
-unsafe fn agree_mcast(
-    kind: CollKind,
-    asker: CollKind,
-    mcast_off: Option<&str>,
-    rank: u32,
-    size: u32,
-) {
-    let var = asker.facts().design_var.unwrap_or("the design variable");
-    let wants = crate::design::asks_mcast(asker);
-    let mut asking: c_int = wants as c_int;
-    // SAFETY: in-place reduction over one int.
-    let rc = unsafe {
-        ffi::PMPI_Allreduce(
-            consts::IN_PLACE(),
-            (&mut asking as *mut c_int).cast(),
-            1,
-            consts::INT(),
-            consts::OP_SUM(),
-            consts::COMM_WORLD(),
-        )
-    };
-    if rc != consts::SUCCESS() || asking == 0 {
-        return;
-    }
-    let mine = if !wants {
-        Some(format!("{var} is not mcast there"))
-    } else {
-        mcast_off.map(|why| format!("its SP runs no multicast collective: {why}"))
-    };
-    // What takes the other design, and which one it is.
-    let (what, other) = if kind == CollKind::McastBcast {
-        ("bcast", "staged")
-    } else {
-        ("allgather", "load-balanced")
-    };
-    // SAFETY: forwarded; every rank calls it, as every rank saw `asking > 0`.
-    match unsafe { count_failures(mine.as_deref(), rank) } {
-        Ok(None) => crate::design::set_mcast(kind, true),
-        Ok(Some((n, first, why))) => {
-            if rank == 0 {
-                say!(
-                    "{var}=mcast: {n} of {size} ranks cannot take the multicast design (rank \
-                     {first}: {why}); every {what} of this job takes the {other} design"
-                );
-            }
-        }
-        Err(rc) => {
-            if rank == 0 {
-                say!(
-                    "{var}=mcast: the ranks could not agree (MPI error {rc}); every {what} of \
-                     this job takes the {other} design"
-                );
-            }
-        }
-    }
-}
-
 /// How many ranks failed (`mine`: this rank's reason, if it did), the first of them and its
 /// reason, the same on every rank; `None` when none did. Collective.
 ///
 /// # Safety
 /// MPI is initialised.
-unsafe fn count_failures(
+pub(crate) unsafe fn count_failures(
     mine: Option<&str>,
     rank: u32,
 ) -> Result<Option<(u32, u32, String)>, c_int> {
