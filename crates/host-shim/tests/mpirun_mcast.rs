@@ -832,6 +832,13 @@ fn mpi_mcast_allgather_conform_matches_native() {
             "the job kept the load-balanced allgather\n{}",
             run.stderr
         );
+        // Each SP hears its own ranks' blocks come back (multicast loopback) and lands none
+        // of them: they are in its ranks' buffers by local copies already.
+        assert!(
+            run.sp_total("mcast_own_echoes") > 0,
+            "no SP dropped its own multicasts\n{}",
+            run.stderr
+        );
         eprintln!("allgather {mpi:?} seed {s}, {k} SPs per node: {calls} calls offloaded");
     }
 }

@@ -391,6 +391,7 @@ pub fn mcast_datagram(data: &[u8]) {
         tag,
         chunks,
         sink: std::sync::Arc::new(Checked(std::sync::Mutex::new(vec![false; chunks as usize]))),
+        skip: vec![],
     });
     while rest.len() >= 2 {
         let n = u16::from_le_bytes([rest[0], rest[1]]) as usize;

@@ -91,6 +91,9 @@ impl From<mcast_allgather::Action<AliasKey>> for Act {
                     mtu: r.mtu,
                     len: r.len,
                     subgroups: r.subgroups,
+                    // Block `b` is comm rank `b`'s: this SP's ranks' blocks are its own
+                    // multicasts.
+                    own_blocks: r.keys.iter().map(|&(rank, _)| u64::from(rank)).collect(),
                     keys: r.keys.into_iter().map(|(_, k)| k).collect(),
                 }))
             }

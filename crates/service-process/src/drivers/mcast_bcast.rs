@@ -102,6 +102,8 @@ impl From<mcast_bcast::Action<AliasKey>> for Act {
                     len: r.len,
                     subgroups: r.subgroups,
                     keys: r.keys.into_iter().map(|(_, k)| k).collect(),
+                    // The root's SP multicasts and never registers.
+                    own_blocks: vec![],
                 }))
             }
             mcast_bcast::Action::Unregister => super::mcast::resource(McastReq::Unregister),

@@ -129,6 +129,7 @@ pub fn measure(workers: u16, chunk: usize, opts: &McastBenchOpts, port: u16) -> 
                 tag,
                 chunks,
                 sink: ring.clone(),
+                skip: vec![],
             });
             Ok(w)
         })

@@ -51,17 +51,22 @@ pub fn send_chunks(
             chunks: n,
         };
         datagram::encode(&h, &data[from..to], &mut out);
-        loop {
-            match s.send_to(&out, groups[sub as usize]) {
-                Ok(_) => break,
-                // The sender's own buffer is full: wait for it (only receivers drop).
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::yield_now(),
-                Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => std::thread::yield_now(),
-                Err(e) => return Err(e),
-            }
-        }
+        send_datagram(s, &out, groups[sub as usize])?;
     }
     Ok(u64::from(n))
+}
+
+/// Sends one datagram to `to`, waiting while the sender's own buffer is full (only receivers
+/// drop): what the SP's send workers and `send_chunks` share.
+pub fn send_datagram(s: &UdpSocket, bytes: &[u8], to: SocketAddrV4) -> io::Result<()> {
+    loop {
+        match s.send_to(bytes, to) {
+            Ok(_) => return Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::yield_now(),
+            Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => std::thread::yield_now(),
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -167,6 +172,7 @@ mod tests {
                     tag,
                     chunks,
                     sink: self.buf.clone(),
+                    skip: vec![],
                 });
             }
         }
@@ -362,6 +368,7 @@ mod tests {
             tag: 9,
             chunks: n,
             sink: buf,
+            skip: vec![],
         });
         w.add_socket(sock);
         let mut landed = 0u64;

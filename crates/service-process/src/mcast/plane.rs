@@ -64,6 +64,8 @@ pub struct Landing {
     pub len: u64,
     pub subgroups: u16,
     pub keys: Vec<AliasKey>,
+    /// Blocks this SP multicasts itself (an Allgather's local ranks'): not landed here.
+    pub own_blocks: Vec<u64>,
 }
 
 /// A multicast: global PSNs `first_psn..first_psn + psns` read from bytes `offset..offset +
@@ -350,16 +352,16 @@ impl Plane {
 
     /// The communicator slot, fabric id and tag of instance `ck` (the same on every SP).
     fn names(&self, ck: CollKey) -> (u32, u64, u64) {
+        // Each field's bytes, not a formatting of the key: the same on every SP, whatever
+        // its build.
         let job = ck.job.to_le_bytes();
         let leader = ck.comm.leader.to_le_bytes();
-        let comm = format!("{:?}", ck.comm);
+        let id = ck.comm.id.to_le_bytes();
         let seq = ck.seq.to_le_bytes();
-        let slot_mac = self
-            .key
-            .mac("spoff mcast slot", &[&job, &leader, comm.as_bytes()]);
+        let slot_mac = self.key.mac("spoff mcast slot", &[&job, &leader, &id]);
         let mac = self
             .key
-            .mac("spoff mcast coll", &[&job, comm.as_bytes(), &seq]);
+            .mac("spoff mcast coll", &[&job, &leader, &id, &seq]);
         let word = |b: &[u8]| u64::from_le_bytes(b[..8].try_into().expect("8 bytes"));
         let slot = (word(slot_mac.as_ref()) % u64::from(SLOTS)) as u32;
         (slot, word(&mac.as_ref()[..8]), word(&mac.as_ref()[8..16]))
@@ -492,17 +494,8 @@ fn send_run(
                 chunks,
             };
             datagram::encode(&h, payload, &mut out);
-            loop {
-                match sock.send_to(&out, job.group) {
-                    Ok(_) => break,
-                    // The sender's own buffer is full: wait for it (only receivers drop).
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                        std::thread::yield_now()
-                    }
-                    Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => std::thread::yield_now(),
-                    Err(e) => return Err(format!("sending to {}: {e}", job.group)),
-                }
-            }
+            super::send_datagram(sock, &out, job.group)
+                .map_err(|e| format!("sending to {}: {e}", job.group))?;
             stats.datagrams.fetch_add(1, Ordering::Relaxed);
             stats.bytes.fetch_add(out.len() as u64, Ordering::Relaxed);
         }
@@ -545,6 +538,12 @@ impl Resources for Plane {
                     len: r.len,
                     movers: self.cfg.movers.clone(),
                 });
+                let per = r.chunks.max(1);
+                let skip: Vec<(u32, u32)> = r
+                    .own_blocks
+                    .iter()
+                    .map(|&b| ((b * per) as u32, ((b + 1) * per).min(total) as u32))
+                    .collect();
                 // Every worker: the instance's subgroups may be spread over all of them.
                 self.pending.insert((coll, true), (ck, self.workers.len()));
                 for w in &self.workers {
@@ -554,6 +553,7 @@ impl Resources for Plane {
                             tag,
                             chunks,
                             sink: sink.clone(),
+                            skip: skip.clone(),
                         },
                         self.ack(coll, true),
                     );
@@ -640,7 +640,7 @@ impl Resources for Plane {
     }
 
     fn counters(&self) -> Vec<(&'static str, u64)> {
-        let mut t = [0u64; 11];
+        let mut t = [0u64; 12];
         for w in &self.workers {
             let s = &w.stats;
             for (i, c) in [
@@ -655,6 +655,7 @@ impl Resources for Plane {
                 &s.reordered,
                 &s.overflow_drops,
                 &s.sink_failures,
+                &s.own_echoes,
             ]
             .into_iter()
             .enumerate()
@@ -675,6 +676,7 @@ impl Resources for Plane {
             ("mcast_reordered", t[8]),
             ("mcast_overflow_drops", t[9]),
             ("mcast_sink_failures", t[10]),
+            ("mcast_own_echoes", t[11]),
             ("mcast_datagrams_sent", g(&self.send_stats.datagrams)),
             ("mcast_bytes_sent", g(&self.send_stats.bytes)),
             ("mcast_send_failures", g(&self.send_stats.failures)),

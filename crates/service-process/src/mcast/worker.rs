@@ -61,6 +61,10 @@ pub struct Registration {
     pub tag: u64,
     pub chunks: u32,
     pub sink: Arc<dyn Sink>,
+    /// PSN runs `[first, end)` this SP multicast itself (an Allgather's local blocks): their
+    /// datagrams come back to it (`IP_MULTICAST_LOOP`, for the other SPs of its host) and are
+    /// dropped and counted (`own_echoes`), never landed.
+    pub skip: Vec<(u32, u32)>,
 }
 
 /// What a worker reports.
@@ -96,6 +100,7 @@ pub struct WorkerStats {
     pub reordered: AtomicU64,
     pub overflow_drops: AtomicU64,
     pub sink_failures: AtomicU64,
+    pub own_echoes: AtomicU64,
 }
 
 impl WorkerStats {
@@ -136,6 +141,7 @@ struct Coll {
     bitmap: Vec<u64>,
     sink: Arc<dyn Sink>,
     run: Option<Run>,
+    skip: Vec<(u32, u32)>,
 }
 
 impl Coll {
@@ -209,6 +215,7 @@ impl Intake {
                 bitmap: vec![0; words],
                 sink: r.sink,
                 run: None,
+                skip: r.skip,
             },
         );
     }
@@ -305,6 +312,9 @@ impl Intake {
         };
         if c.tag != h.tag || c.chunks != h.chunks {
             return WorkerStats::add(&self.stats.bad_tag, 1);
+        }
+        if c.skip.iter().any(|&(a, b)| (a..b).contains(&h.psn)) {
+            return WorkerStats::add(&self.stats.own_echoes, 1);
         }
         if !c.set(h.psn) {
             return WorkerStats::add(&self.stats.duplicates, 1);
