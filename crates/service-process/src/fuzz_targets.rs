@@ -297,7 +297,8 @@ pub fn machine(data: &[u8]) {
                 let Some(s) = c.byte() else { break };
                 use crate::mcast::plane::McastEvent;
                 let ev = match s % 6 {
-                    0 | 1 => McastEvent::Landed(u64::from(s / 6)),
+                    0 => McastEvent::Landed(vec![u64::from(s / 6)]),
+                    1 => McastEvent::Landed((0..u64::from(s / 6)).rev().collect()),
                     2 => McastEvent::MulticastDone {
                         id: ids.pop().unwrap_or(s as u64),
                         status: statuses[s as usize % statuses.len()],

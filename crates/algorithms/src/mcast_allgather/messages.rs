@@ -120,7 +120,8 @@ impl<K: Clone + fmt::Debug + PartialEq> McastAllgather<K> {
                 self.req_seen = true;
                 if self.core.abort.is_none() && !self.final_from_right {
                     self.serve = Some(ranges);
-                    self.serve_dirty = true;
+                    self.serve_fresh = true;
+                    self.serve_ready.clear();
                 }
             }
             Msg::FetchAck { key, ranges } => {
@@ -586,27 +587,25 @@ impl<K: Clone + fmt::Debug + PartialEq> McastAllgather<K> {
     /// Acknowledges to the right neighbour the requested runs that are
     /// here now.
     fn serve_fetch(&mut self) {
-        if self.serve.is_none() || !self.serve_dirty {
-            return;
-        }
-        self.serve_dirty = false;
+        let Some(asked) = &self.serve else { return };
         if self.core.abort.is_some() {
             self.serve = None;
+            self.serve_ready.clear();
             return;
         }
-        let asked = self.serve.take().unwrap();
-        let (mut here, mut rest) = (Vec::new(), Vec::new());
-        for &r in &asked {
-            here.extend(self.runs(r, true));
-            rest.extend(self.runs(r, false));
+        if self.serve_fresh {
+            self.serve_fresh = false;
+            self.serve_ready = asked.iter().flat_map(|&r| self.runs(r, true)).collect();
+            self.serve_left = asked.iter().map(|&(a, b)| b - a).sum();
         }
-        if mutated(Mutation::WholeAcks) && !rest.is_empty() {
-            self.serve = Some(asked);
+        let ready: u64 = self.serve_ready.iter().map(|&(a, b)| b - a).sum();
+        if ready == 0 || (mutated(Mutation::WholeAcks) && ready < self.serve_left) {
             return;
         }
-        self.serve = (!rest.is_empty()).then_some(rest);
-        if here.is_empty() {
-            return;
+        self.serve_left -= ready;
+        let here = std::mem::take(&mut self.serve_ready);
+        if self.serve_left == 0 {
+            self.serve = None;
         }
         let v = self.view.as_ref().unwrap();
         let to = if mutated(Mutation::FetchFromRight) {

@@ -75,7 +75,8 @@
 //! timer at `now + P * len / link_bytes_per_ns + alpha_ns` (the paper's
 //! `N / B_link + alpha`, `N` the receive buffer's size: the whole schedule
 //! fits in it); at the deadline the bitmap is scanned once (not at all if
-//! every bit is set).
+//! every bit is set), put off, as in the Bcast, while chunks new here keep
+//! landing (until `alpha_ns` after the last one).
 //!
 //! *Fetch ring* (§III-C "Fetch layer"). An SP missing chunks (of other
 //! SPs' blocks) sends `FetchReq { ranges }` to its left neighbour, once.

@@ -173,12 +173,20 @@ pub struct McastAllgather<K> {
     pub(super) have: Vec<u64>,
     pub(super) have_count: u64,
     pub(super) deadline: Option<Nanos>,
+    /// When a receive worker last landed a chunk new here (the cutoff waits
+    /// while chunks keep landing).
+    pub(super) last_landed: Option<Nanos>,
     pub(super) scanned: bool,
     pub(super) fetch: Option<Fetch>,
     /// The right neighbour's requested runs not acknowledged yet.
     pub(super) serve: Option<Vec<(u64, u64)>>,
-    /// Bits were set since `serve` was last looked at.
-    pub(super) serve_dirty: bool,
+    /// `serve` was just asked: what of it is here is looked up once.
+    pub(super) serve_fresh: bool,
+    /// Chunks of `serve` not acknowledged yet, and the runs of them that
+    /// came in since the last acknowledgement (collected as bits are set, so
+    /// that a landing costs a search of `serve`, not a scan of it).
+    pub(super) serve_left: u64,
+    pub(super) serve_ready: Vec<(u64, u64)>,
     pub(super) req_seen: bool,
     pub(super) acked_right: bool,
     pub(super) final_sent: bool,
@@ -223,10 +231,13 @@ impl<K: Clone + fmt::Debug + PartialEq> McastAllgather<K> {
             have: Vec::new(),
             have_count: 0,
             deadline: None,
+            last_landed: None,
             scanned: false,
             fetch: None,
             serve: None,
-            serve_dirty: false,
+            serve_fresh: false,
+            serve_left: 0,
+            serve_ready: Vec::new(),
             req_seen: false,
             acked_right: false,
             final_sent: false,
@@ -277,7 +288,15 @@ impl<K: Clone + fmt::Debug + PartialEq> McastAllgather<K> {
     pub fn handle_timeout(&mut self, now: Nanos) {
         self.input(now, |s| {
             if s.poll_timeout().is_some_and(|d| d <= now) {
-                s.scan();
+                match s.last_landed.map(|t| t + s.cfg.alpha_ns) {
+                    // Chunks are still landing: the multicast is not over
+                    // here, only slower than the timer assumed.
+                    Some(quiet) if quiet > now => {
+                        s.deadline = Some(quiet);
+                        s.core.stats.cutoffs_extended += 1;
+                    }
+                    _ => s.scan(),
+                }
             }
         })
     }
@@ -323,15 +342,24 @@ impl<K: Clone + fmt::Debug + PartialEq> McastAllgather<K> {
     /// rank's receive buffer (ignored, counted, after `Unregister`, out of
     /// range, or of a local block).
     pub fn handle_landed(&mut self, now: Nanos, psn: u64) {
+        self.handle_landed_many(now, &[psn])
+    }
+
+    /// [`Self::handle_landed`] for many chunks at once (what the receive
+    /// workers landed since the driver last looked), settled once.
+    pub fn handle_landed_many(&mut self, now: Nanos, psns: &[u64]) {
         self.input(now, |s| {
-            let own = s.is_local_psn(psn);
             let total = s.view.as_ref().map_or(0, |v| v.total());
-            if !s.registered || s.unregistered || psn >= total || own {
-                s.core.stats.landed_ignored += 1;
-            } else if s.set_bit(psn) {
-                s.core.stats.chunks_landed += 1;
-            } else {
-                s.core.stats.landed_again += 1;
+            for &psn in psns {
+                let own = s.is_local_psn(psn);
+                if !s.registered || s.unregistered || psn >= total || own {
+                    s.core.stats.landed_ignored += 1;
+                } else if s.set_bit(psn) {
+                    s.core.stats.chunks_landed += 1;
+                    s.last_landed = Some(now);
+                } else {
+                    s.core.stats.landed_again += 1;
+                }
             }
         })
     }
@@ -428,7 +456,17 @@ impl<K: Clone + fmt::Debug + PartialEq> McastAllgather<K> {
         }
         self.have[w] |= 1 << b;
         self.have_count += 1;
-        self.serve_dirty = true;
+        if !self.serve_fresh
+            && self
+                .serve
+                .as_ref()
+                .is_some_and(|r| crate::mcast_bcast::in_runs(r, psn))
+        {
+            match self.serve_ready.last_mut() {
+                Some(run) if run.1 == psn => run.1 += 1,
+                _ => self.serve_ready.push((psn, psn + 1)),
+            }
+        }
         true
     }
 

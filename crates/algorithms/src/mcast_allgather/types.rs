@@ -234,6 +234,9 @@ pub struct Stats {
     pub bytes_multicast: u64,
     /// Cutoff timers that found chunks missing.
     pub cutoffs_missing: u64,
+    /// Cutoff timers put off because a chunk had landed less than `alpha`
+    /// before them (each needs a new landing: at most one per chunk).
+    pub cutoffs_extended: u64,
     /// `FetchReq`s sent; `FetchAck`s sent and received.
     pub fetch_requests: u64,
     pub fetch_acks_sent: u64,
@@ -263,6 +266,7 @@ impl Stats {
             chunks_multicast,
             bytes_multicast,
             cutoffs_missing,
+            cutoffs_extended,
             fetch_requests,
             fetch_acks_sent,
             fetch_acks_received,
@@ -279,6 +283,7 @@ impl Stats {
         self.chunks_multicast += chunks_multicast;
         self.bytes_multicast += bytes_multicast;
         self.cutoffs_missing += cutoffs_missing;
+        self.cutoffs_extended += cutoffs_extended;
         self.fetch_requests += fetch_requests;
         self.fetch_acks_sent += fetch_acks_sent;
         self.fetch_acks_received += fetch_acks_received;

@@ -135,10 +135,18 @@ impl<K: Clone + fmt::Debug + PartialEq> McastBcast<K> {
                 if let Some(s) = v.disagreement(root, len, mtu) {
                     self.enter_abort(s);
                 } else if self.core.abort.is_none() && !self.final_from_right {
-                    let lacking = ranges.iter().any(|&(a, b)| (a..b).any(|i| !self.has(i)));
+                    self.serve_missing = ranges
+                        .iter()
+                        .map(|&(a, b)| (a..b).filter(|&i| !self.has(i)).count() as u64)
+                        .sum();
+                    let lacking = self.serve_missing > 0;
                     self.serve = Some(ranges);
-                    if lacking && self.sent_seen && !self.scanned && !is_root_sp {
-                        // Recurse towards the root now: the multicast is over.
+                    let landing = self
+                        .last_landed
+                        .is_some_and(|t| t + self.cfg.alpha_ns > self.core.now);
+                    if lacking && self.sent_seen && !self.scanned && !is_root_sp && !landing {
+                        // Recurse towards the root now: the multicast is over (and
+                        // nothing landed here lately; else the cutoff decides).
                         self.core.stats.scans_on_request += 1;
                         self.scan();
                     }
@@ -517,7 +525,13 @@ impl<K: Clone + fmt::Debug + PartialEq> McastBcast<K> {
             self.serve = None;
             return;
         }
-        if !ranges.iter().all(|&(a, b)| (a..b).all(|i| self.has(i))) {
+        // The root's SP has every chunk once its root posted (no bits set).
+        let all_here = self.serve_missing == 0 || self.has_all();
+        debug_assert_eq!(
+            all_here,
+            ranges.iter().all(|&(a, b)| (a..b).all(|i| self.has(i)))
+        );
+        if !all_here {
             return;
         }
         let v = self.view.as_ref().unwrap();

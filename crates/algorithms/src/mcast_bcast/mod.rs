@@ -43,7 +43,12 @@
 //! len / link_bytes_per_ns + alpha_ns` ([`Config`]); `Sent` re-arms it at
 //! `now + alpha_ns` (all datagrams are on the wire: only the network's noise
 //! is left to wait for). At the deadline, or at `Sent` + `alpha_ns`, the
-//! bitmap is scanned (earlier if every bit is set: nothing to scan).
+//! bitmap is scanned (earlier if every bit is set: nothing to scan), unless
+//! a chunk new here landed less than `alpha_ns` before: then the scan waits
+//! until `alpha_ns` after the last such landing. This is ours, not the
+//! paper's: a receiver slower than `B_link` assumes (an SP that shares its
+//! core) would otherwise fetch what is still arriving. It stays bounded:
+//! each postponement needs a new chunk, at most one per chunk.
 //!
 //! *Fetch ring* (§III-C "Fetch layer"). A leaf missing chunks sends
 //! `FetchReq { ranges }` (the missing runs) to its left neighbour. The
@@ -149,6 +154,7 @@ mod state;
 mod tests;
 mod types;
 
+pub(crate) use state::in_runs;
 pub use state::McastBcast;
 use state::*;
 pub use types::*;

@@ -135,10 +135,16 @@ pub struct McastBcast<K> {
     pub(super) have: Vec<u64>,
     pub(super) have_count: u64,
     pub(super) deadline: Option<Nanos>,
+    /// When a receive worker last landed a chunk new here (the cutoff waits
+    /// while chunks keep landing).
+    pub(super) last_landed: Option<Nanos>,
     pub(super) scanned: bool,
     pub(super) fetch: Option<Fetch>,
     /// The right neighbour's request, until answered.
     pub(super) serve: Option<Vec<(u64, u64)>>,
+    /// Chunks of `serve` not here yet (counted down as bits are set, so that
+    /// a landing costs a search of `serve`, not a scan of it).
+    pub(super) serve_missing: u64,
     pub(super) req_seen: bool,
     pub(super) acked_right: bool,
     pub(super) final_sent: bool,
@@ -181,9 +187,11 @@ impl<K: Clone + fmt::Debug + PartialEq> McastBcast<K> {
             have: Vec::new(),
             have_count: 0,
             deadline: None,
+            last_landed: None,
             scanned: false,
             fetch: None,
             serve: None,
+            serve_missing: 0,
             req_seen: false,
             acked_right: false,
             final_sent: false,
@@ -227,7 +235,15 @@ impl<K: Clone + fmt::Debug + PartialEq> McastBcast<K> {
     pub fn handle_timeout(&mut self, now: Nanos) {
         self.input(now, |s| {
             if s.poll_timeout().is_some_and(|d| d <= now) {
-                s.scan();
+                match s.last_landed.map(|t| t + s.cfg.alpha_ns) {
+                    // Chunks are still landing: the multicast is not over
+                    // here, only slower than the timer assumed.
+                    Some(quiet) if quiet > now => {
+                        s.deadline = Some(quiet);
+                        s.core.stats.cutoffs_extended += 1;
+                    }
+                    _ => s.scan(),
+                }
             }
         })
     }
@@ -282,14 +298,23 @@ impl<K: Clone + fmt::Debug + PartialEq> McastBcast<K> {
     /// The SP's receive workers landed chunk `psn` in every local rank's
     /// buffer (ignored, counted, after `Unregister` or out of range).
     pub fn handle_landed(&mut self, now: Nanos, psn: u64) {
+        self.handle_landed_many(now, &[psn])
+    }
+
+    /// [`Self::handle_landed`] for many chunks at once (what the receive
+    /// workers landed since the driver last looked), settled once.
+    pub fn handle_landed_many(&mut self, now: Nanos, psns: &[u64]) {
         self.input(now, |s| {
             let n = s.view.as_ref().map_or(0, |v| v.n);
-            if !s.registered || s.unregistered || psn >= n {
-                s.core.stats.landed_ignored += 1;
-            } else if s.set_bit(psn) {
-                s.core.stats.chunks_landed += 1;
-            } else {
-                s.core.stats.landed_again += 1;
+            for &psn in psns {
+                if !s.registered || s.unregistered || psn >= n {
+                    s.core.stats.landed_ignored += 1;
+                } else if s.set_bit(psn) {
+                    s.core.stats.chunks_landed += 1;
+                    s.last_landed = Some(now);
+                } else {
+                    s.core.stats.landed_again += 1;
+                }
             }
         })
     }
@@ -393,6 +418,9 @@ impl<K: Clone + fmt::Debug + PartialEq> McastBcast<K> {
         }
         self.have[w] |= 1 << b;
         self.have_count += 1;
+        if self.serve.as_ref().is_some_and(|r| in_runs(r, psn)) {
+            self.serve_missing -= 1;
+        }
         true
     }
 
@@ -441,4 +469,10 @@ impl<K: Clone + fmt::Debug + PartialEq> McastBcast<K> {
         self.core.actions.push_back(Action::Copy(c));
         Some(id)
     }
+}
+
+/// Whether `psn` is in one of `runs` (sorted, disjoint).
+pub(crate) fn in_runs(runs: &[(u64, u64)], psn: u64) -> bool {
+    let i = runs.partition_point(|&(_, b)| b <= psn);
+    runs.get(i).is_some_and(|&(a, _)| a <= psn)
 }

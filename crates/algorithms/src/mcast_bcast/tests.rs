@@ -435,7 +435,13 @@ fn the_cutoff_timer_is_len_over_bandwidth_plus_alpha_and_sent_rearms_it() {
     for psn in (0..26).filter(|p| p % 5 != 3) {
         m.handle_landed(500, psn);
     }
+    // Chunks landed less than alpha before the deadline: the multicast is
+    // still arriving here, the scan waits until alpha after the last one.
     m.handle_timeout(900);
+    assert_eq!(m.poll_timeout(), Some(1000));
+    assert_eq!(m.stats().cutoffs_extended, 1);
+    assert_eq!(m.poll_action(), None, "no fetch while chunks land");
+    m.handle_timeout(1000);
     assert_eq!(m.poll_timeout(), None);
     let acts: Vec<_> = std::iter::from_fn(|| m.poll_action()).collect();
     assert_eq!(
@@ -451,6 +457,83 @@ fn the_cutoff_timer_is_len_over_bandwidth_plus_alpha_and_sent_rearms_it() {
         }]
     );
     assert_eq!(m.stats().cutoffs_missing, 1);
+    assert_eq!(m.stats().cutoffs_extended, 1);
+}
+
+/// The cutoff is put off only by chunks that are new here, so a trickle of
+/// landings cannot hold a leaf forever: at most one extension per chunk, and
+/// duplicates or late reports of chunks already in extend nothing.
+#[test]
+fn the_cutoff_is_put_off_only_by_chunks_new_here() {
+    let alpha = 100;
+    for seed in 1..=40u64 {
+        eprintln!("seed {seed}");
+        let mut rng = Rng::new(seed);
+        let mut m = McastBcast::<Tag>::new(
+            KEY,
+            Config {
+                link_bytes_per_ns: 1,
+                alpha_ns: alpha,
+                ..cfg(1)
+            },
+        );
+        let len = 40 * MTU - 3;
+        let n = len.div_ceil(MTU);
+        m.handle_post(
+            0,
+            Post {
+                rank: 1,
+                root: 0,
+                members: vec![0, 1],
+                key: 1,
+                len,
+            },
+        )
+        .unwrap();
+        let first = m.poll_timeout().unwrap();
+        let (mut now, mut landed, mut last_new, mut steps) = (0, 0, 0, 0);
+        // Land new chunks and duplicates at random times until the scan; the
+        // last chunk never lands.
+        while let Some(deadline) = m.poll_timeout() {
+            steps += 1;
+            assert!(steps < 100 * n, "seed {seed}: the cutoff never fired");
+            if rng.chance(2, 3) {
+                now = (now + rng.range(0, alpha)).min(deadline);
+                if landed < n - 1 && rng.chance(1, 2) {
+                    landed += 1;
+                    last_new = now;
+                    m.handle_landed(now, landed - 1);
+                } else if landed > 0 {
+                    m.handle_landed(now, rng.below(landed));
+                }
+            } else {
+                now = deadline;
+                m.handle_timeout(now);
+            }
+        }
+        assert!(
+            now <= first.max(last_new + alpha),
+            "seed {seed}: scanned at {now}, the deadline was {first}, the last new chunk at {last_new}"
+        );
+        let st = m.stats();
+        assert!(
+            st.cutoffs_extended <= st.chunks_landed,
+            "seed {seed}: {} extensions for {} new chunks",
+            st.cutoffs_extended,
+            st.chunks_landed
+        );
+        assert_eq!(st.cutoffs_missing, 1, "seed {seed}: one chunk never landed");
+        assert!(
+            std::iter::from_fn(|| m.poll_action()).any(|a| matches!(
+                a,
+                Action::Send {
+                    msg: Msg::FetchReq { .. },
+                    ..
+                }
+            )),
+            "seed {seed}: the scan fetches"
+        );
+    }
 }
 
 #[test]

@@ -202,6 +202,9 @@ pub struct Stats {
     pub chunks_multicast: u64,
     /// Cutoff timers that found chunks missing.
     pub cutoffs_missing: u64,
+    /// Cutoff timers put off because a chunk had landed less than `alpha`
+    /// before them (each needs a new landing: at most one per chunk).
+    pub cutoffs_extended: u64,
     /// `FetchReq`s sent / answered with `FetchAck`.
     pub fetch_requests: u64,
     pub fetches_served: u64,
@@ -232,6 +235,7 @@ impl Stats {
             landed_ignored,
             chunks_multicast,
             cutoffs_missing,
+            cutoffs_extended,
             fetch_requests,
             fetches_served,
             chunks_fetched,
@@ -247,6 +251,7 @@ impl Stats {
         self.landed_ignored += landed_ignored;
         self.chunks_multicast += chunks_multicast;
         self.cutoffs_missing += cutoffs_missing;
+        self.cutoffs_extended += cutoffs_extended;
         self.fetch_requests += fetch_requests;
         self.fetches_served += fetches_served;
         self.chunks_fetched += chunks_fetched;

@@ -77,7 +77,7 @@ macro_rules! mcast_driver_body {
             };
             match *ev {
                 McastEvent::Registered | McastEvent::Unregistered => self.1 = false,
-                McastEvent::Landed(psn) => self.0.handle_landed(now, psn),
+                McastEvent::Landed(psns) => self.0.handle_landed_many(now, &psns),
                 McastEvent::MulticastDone { id, status } => {
                     self.0.handle_copy_done(now, $m::CopyId(id), status)
                 }

@@ -90,8 +90,9 @@ pub enum McastEvent {
     Registered,
     /// No chunk of the instance lands any more.
     Unregistered,
-    /// Chunk `psn` is in every registered buffer.
-    Landed(u64),
+    /// These chunks are in every registered buffer (what landed since the engine last
+    /// polled, one event per instance and poll: a driver settles once for all of them).
+    Landed(Vec<u64>),
     /// A chunk could not be written into a registered buffer.
     SinkFailed,
     /// A multicast ended.
@@ -587,18 +588,29 @@ impl Resources for Plane {
     }
 
     fn poll(&mut self, out: &mut Vec<(CollKey, Payload)>) {
+        // The landings of this poll, per instance (most polls: one or none).
+        let mut landed: Vec<(CollKey, Vec<u64>)> = Vec::new();
         while let Ok(ev) = self.events.try_recv() {
-            let (coll, e) = match ev {
-                Event::Landed { coll, psn } => (coll, McastEvent::Landed(u64::from(psn))),
-                Event::SinkFailed { coll, psn, why } => {
-                    tracing::warn!(coll, psn, "landing a multicast chunk failed: {why}");
-                    (coll, McastEvent::SinkFailed)
-                }
+            let coll = match &ev {
+                Event::Landed { coll, .. } | Event::SinkFailed { coll, .. } => *coll,
             };
             // A chunk landed just before its instance unregistered: nobody waits for it.
-            if let Some(&ck) = self.by_coll.get(&coll) {
-                out.push((ck, Box::new(e)));
+            let Some(&ck) = self.by_coll.get(&coll) else {
+                continue;
+            };
+            match ev {
+                Event::Landed { psn, .. } => match landed.iter_mut().find(|(c, _)| *c == ck) {
+                    Some((_, psns)) => psns.push(u64::from(psn)),
+                    None => landed.push((ck, vec![u64::from(psn)])),
+                },
+                Event::SinkFailed { psn, why, .. } => {
+                    tracing::warn!(coll, psn, "landing a multicast chunk failed: {why}");
+                    out.push((ck, Box::new(McastEvent::SinkFailed)));
+                }
             }
+        }
+        for (ck, psns) in landed {
+            out.push((ck, Box::new(McastEvent::Landed(psns))));
         }
         while let Ok((ck, id, status)) = self.sent.try_recv() {
             out.push((ck, Box::new(McastEvent::MulticastDone { id, status })));

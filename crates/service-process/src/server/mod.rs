@@ -713,8 +713,10 @@ impl Server {
                 }
                 self.close_doomed();
             }
-            self.on_timers();
+            // What the resources finished first: a driver's timer that comes due in the same
+            // wake then sees it (a multicast cutoff sees the chunks that landed meanwhile).
             self.on_resource_events();
+            self.on_timers();
             loop {
                 self.on_copies_done();
                 self.close_doomed();
