@@ -30,6 +30,7 @@ pub mod segment;
 pub mod server;
 pub mod signals;
 pub mod simulate;
+pub mod staged_resources;
 pub mod staging;
 pub mod stats;
 pub mod stopped;

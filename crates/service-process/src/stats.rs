@@ -5,7 +5,7 @@ use serde::Serialize;
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct Stats {
     /// The counters of the collective families' own resources (`drivers::resources`), by
-    /// name (`mcast_*`).
+    /// name (`mcast_*`; the staged family's `staging_*`, `hier_delivered_flat`, `regions_shared`).
     #[serde(flatten)]
     pub families: std::collections::BTreeMap<&'static str, u64>,
     pub posts: u64,
@@ -33,21 +33,15 @@ pub struct Stats {
     pub host_copy_bytes: u64,
     pub host_copies_failed: u64,
     /// Staged collectives (bcast): chunks moved to a child SP, bytes received into staging
-    /// from other SPs, most staging memory reserved at once, instances refused for want of
-    /// staging, and hierarchical instances this SP delivered flat for want of room in the
-    /// segment.
+    /// from other SPs.
     pub chunks_moved: u64,
     /// Of `chunks_moved`, those put straight into the child SP's staging through UCX (both SPs
     /// with UCX on); the others travel in the SP-to-SP stream.
     pub chunks_moved_ucx: u64,
     pub bytes_staged_in: u64,
-    pub staging_peak_bytes: u64,
-    pub staging_refused: u64,
-    pub hier_delivered_flat: u64,
-    /// Hierarchical staged collectives: node regions this SP (a bcast's node leader, an
-    /// allgather's node owner) handed to another SP of its node (`Sealed`, `RegionDone`),
-    /// whose ranks copied out of it.
-    pub regions_shared: u64,
+    // The staged family's own counters (`staging_peak_bytes`, `staging_refused`,
+    // `hier_delivered_flat`, `regions_shared`) are its resources' (`families`, see
+    // `crate::staged_resources`).
     /// Most copies active at once (bounded by `max_inflight_reads`).
     pub max_inflight: u64,
     pub errors_sent: u64,

@@ -641,7 +641,7 @@ impl Resources for Plane {
     /// The instance went with its job (its ranks are gone): its registration is dropped
     /// without waiting for the workers (an instance that finished had its driver wait for
     /// [`McastEvent::Unregistered`] before its ranks completed).
-    fn release(&mut self, ck: CollKey) {
+    fn release(&mut self, ck: CollKey, _cx: &mut crate::drivers::resources::Cx<'_>) {
         if let Some(coll) = self.by_ck.remove(&ck) {
             for w in &self.workers {
                 w.unregister_then(coll, Box::new(|| {}));

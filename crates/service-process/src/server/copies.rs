@@ -198,9 +198,9 @@ impl Server {
                 self.host_done.push((c.ck, id, status));
                 self.feed_host_copies_done();
             }
-            AfterHostCopy::Finish { posted } => {
+            AfterHostCopy::Finish { posted, family } => {
                 self.write_completion(posted, status);
-                self.region_reader_done(c.ck);
+                self.shared_read_done(c.ck, family);
             }
         }
     }
@@ -221,7 +221,7 @@ impl Server {
                 AfterHostCopy::Machine { id } => {
                     self.host_done.push((c.ck, id, Status::RankFailed))
                 }
-                AfterHostCopy::Finish { .. } => self.region_reader_done(c.ck),
+                AfterHostCopy::Finish { family, .. } => self.shared_read_done(c.ck, family),
             }
         }
         self.feed_host_copies_done();

@@ -13,31 +13,19 @@ impl Server {
                 posted: HashMap::new(),
                 shape: None,
                 local_ranks: None,
-                stages: None,
-                staging_refused: None,
+                refused: None,
                 holds: Vec::new(),
             };
-            if kind.facts().is_staged() {
-                // Instances exist only for jobs with a rank connected here (a peer's message
-                // for another job is refused), so the job's uid is known.
-                let uid = self.jobs.get(&ck.job).map(|j| j.uid);
-                match self
-                    .budget
-                    .reserve(ck.job, uid, self.staged.slots, self.staged.chunk_bytes)
-                {
-                    Ok(set) => {
-                        self.stats.staging_peak_bytes = self.budget.peak;
-                        inst.stages = Some(set);
-                    }
-                    Err(why) => {
-                        // Client-caused: one job holding its share must not flood the log.
-                        let line = format!("{why}; the collective {ck:?} fails");
-                        self.client_warn(|| line);
-                        self.stats.staging_refused += 1;
-                        inst.sm.abort(now_ns(self.start), Status::Aborted);
-                        inst.staging_refused = Some(why);
-                    }
-                }
+            // What the instance holds of its family's resources for its life (the staged
+            // family's staging slots). Instances exist only for jobs with a rank connected
+            // here (a peer's message for another job is refused), so the job's uid is known.
+            let uid = self.jobs.get(&ck.job).map(|j| j.uid);
+            if let Err(why) = self.resources.admit(kind.facts().family, ck, uid) {
+                // Client-caused: one job holding its share must not flood the log.
+                let line = format!("{why}; the collective {ck:?} fails");
+                self.client_warn(|| line);
+                inst.sm.abort(now_ns(self.start), Status::Aborted);
+                inst.refused = Some(why);
             }
             self.instances.insert(ck, inst);
         }
@@ -58,34 +46,21 @@ impl Server {
                 self.leaving_peers.insert(from);
                 return;
             }
-            SpToSp::SlotGrants { key, slots } => {
-                // Without UCX here the datapath cannot put: the chunks go as frames, which the
-                // child takes as well.
-                if self.ucx {
-                    for (slot, k) in slots {
-                        self.peer_slots.insert((key, from, slot), k);
-                    }
-                }
-                return;
-            }
             SpToSp::JobAbort { job, reason } => {
                 warn!(sp = self.me, from, job, "job aborted: {reason}");
                 self.fail_job(job, Status::RankFailed, false);
                 return;
             }
-            SpToSp::JobGone { job, answer } => {
-                // Without the job here (and not waiting to unlink its name), none of its ranks
-                // is connected here: say so, so that the sender need not wait for this SP.
-                if !answer && !self.jobs.contains_key(&job) && !self.unlink_after.contains_key(&job)
-                {
-                    self.send_peer(from, &SpToSp::JobGone { job, answer: true });
-                    return;
+            // A message for the families' resources (the staged family's slot grants, lent
+            // regions released, a job gone at another SP of the node).
+            other => {
+                let taken = self.with_resources(|r, cx| r.peer_msg(from, &other, cx));
+                if !taken {
+                    debug!(
+                        sp = self.me,
+                        from, "a peer message for no resources here; dropped"
+                    );
                 }
-                self.sibling_gone(from, Some(job));
-                return;
-            }
-            SpToSp::RegionReleased { key } => {
-                self.region_released(key, from);
                 return;
             }
         };
@@ -113,25 +88,19 @@ impl Server {
             return;
         }
         let inbound = (drivers::spec(drivers::kind_of(&m)).inbound)(&m);
-        // A node's region writer lent its region to this SP's ranks: it keeps the region until
-        // told they are done with it (at once if this SP has no instance to read it).
-        if let Some(at) = inbound.lends_region_at {
+        // What the message means to its family's resources before the instance sees it (the
+        // staged family: a node's region writer lent its region to this SP's ranks).
+        let family = m.kind().facts().family;
+        if inbound.lends_region_at.is_some() {
             let live = self
                 .jobs
                 .get(&ck.job)
                 .is_some_and(|j| !j.finished.contains(&(ck.comm, ck.seq)));
-            if live {
-                self.regions.entry(ck).or_insert_with(|| Region {
-                    off: at,
-                    len: 0,
-                    readers: 0,
-                    finished: false,
-                    owner: Some(from),
-                    borrowers: HashSet::new(),
-                });
-            } else {
-                self.send_peer(from, &SpToSp::RegionReleased { key: ck });
-            }
+            self.with_resources(|r, cx| {
+                if let Some(r) = r.of(family) {
+                    r.inbound(ck, from, &inbound, live, cx);
+                }
+            });
         }
         {
             {
@@ -166,24 +135,22 @@ impl Server {
                 if let (true, Some(status)) = (is_new, failed) {
                     inst.sm.abort(now, status);
                 }
-                // A chunk's bytes go into the staging slot it names, if that slot was granted
-                // to the sender and is waiting for it; anything else is a peer's bug, and the
-                // instance fails rather than wait for bytes that will not come.
+                // A chunk's bytes go into the buffer of the family's resources it names (a
+                // staging slot), if that buffer was granted to the sender and is waiting for it;
+                // anything else is a peer's bug, and the instance fails rather than wait for
+                // bytes that will not come.
                 let landed = match (&data, inbound.fills_slot) {
                     (None, _) => true,
                     (Some(bytes), Some((slot, len))) => {
                         let may = inst.sm.may_fill(from, slot) && bytes.len() as u64 == len;
-                        match inst
-                            .stages
-                            .as_mut()
-                            .and_then(|s| s.slots.get_mut(slot as usize))
-                        {
-                            Some(stage) if may => stage.fill(bytes),
-                            _ => false,
-                        }
+                        may && self
+                            .resources
+                            .of(family)
+                            .is_some_and(|r| r.fill(ck, slot, bytes))
                     }
                     (Some(_), None) => false,
                 };
+                let inst = self.instances.get_mut(&ck).expect("made above");
                 if landed {
                     if let Err(e) = inst.sm.handle_msg(now, from, m) {
                         warn!(sp = self.me, from, ?ck, "protocol error from a peer: {e}");
@@ -222,14 +189,15 @@ impl Server {
                     lends_region,
                     grants_slots,
                 } => {
-                    if lends_region {
-                        self.stats.regions_shared += 1;
-                        if let Some(r) = self.regions.get_mut(&ck) {
-                            r.borrowers.insert(to);
-                        }
-                    }
-                    if !grants_slots.is_empty() {
-                        self.grant_slots_over_ucx(ck, to, &grants_slots);
+                    // What `to` needs of the family's resources first (a region lent, staging
+                    // slots granted over UCX: their keys go before the message).
+                    if lends_region || !grants_slots.is_empty() {
+                        let family = inst.sm.kind().facts().family;
+                        self.with_resources(|r, cx| {
+                            if let Some(r) = r.of(family) {
+                                r.before_send(ck, to, lends_region, &grants_slots, cx);
+                            }
+                        });
                     }
                     let frame = encode(&SpToSp::Coll { key: ck, msg });
                     match self.peer_conn.get(&to).copied() {
@@ -277,12 +245,12 @@ impl Server {
                     dst,
                     len,
                 } => {
-                    let stages = inst.stages.as_ref();
+                    let res = self.resources.get(inst.sm.kind().facts().family);
                     let resolve = |loc: drivers::Loc| match loc {
                         drivers::Loc::Host { key, offset } => Some((key, offset)),
-                        drivers::Loc::Stage { slot, offset } => stages
-                            .and_then(|s| s.slots.get(slot.0 as usize))
-                            .map(|s| (s.key().clone(), offset)),
+                        drivers::Loc::Stage { slot, offset } => res
+                            .and_then(|r| r.buffer(ck, slot.0))
+                            .map(|k| (k.clone(), offset)),
                     };
                     match (resolve(src), resolve(dst)) {
                         (Some((sk, so)), Some((dk, doff))) => {
@@ -303,14 +271,11 @@ impl Server {
                 } => {
                     // A slot the child granted through UCX: the datapath puts the bytes
                     // there, and the chunk's message follows once they landed.
-                    let src = inst
-                        .stages
-                        .as_ref()
-                        .and_then(|s| s.slots.get(src_slot as usize))
-                        .map(|s| s.key().clone());
-                    if let (Some(src), Some(dst)) =
-                        (src, self.peer_slots.remove(&(ck, to, dst_slot)))
-                    {
+                    let family = inst.sm.kind().facts().family;
+                    let res = self.resources.of(family);
+                    let src = res.as_ref().and_then(|r| r.buffer(ck, src_slot)).cloned();
+                    let dst = res.and_then(|r| r.take_peer_buffer(ck, to, dst_slot));
+                    if let (Some(src), Some(dst)) = (src, dst) {
                         let ticket = self.next_ticket;
                         self.next_ticket += 1;
                         self.ucx_moves.insert(ticket, (ck, id, to, msg, len));
@@ -326,11 +291,11 @@ impl Server {
                         self.start_copies();
                         continue;
                     }
-                    let data = inst
-                        .stages
-                        .as_ref()
-                        .and_then(|s| s.slots.get(src_slot as usize))
-                        .map(|s| s.bytes(len as usize).to_vec());
+                    let data = self
+                        .resources
+                        .get(family)
+                        .and_then(|r| r.buffer_bytes(ck, src_slot, len as usize))
+                        .map(|b| b.to_vec());
                     let status = match (data, self.peer_conn.get(&to).copied()) {
                         (_, None) => Status::PeerFailed,
                         (Some(data), Some(k)) if data.len() as u64 == len => {
@@ -400,13 +365,7 @@ impl Server {
                 self.stats
                     .add_late_arrivals(ck.job, done.sm.late_arrivals());
             }
-            self.resources.release(ck);
-            if let Some(r) = self.regions.get_mut(&ck) {
-                r.finished = true;
-            }
-            self.release_region_if_done(ck);
-            self.flat_here.remove(&ck);
-            self.peer_slots.retain(|(k, _, _), _| *k != ck);
+            self.with_resources(|r, cx| r.release(ck, cx));
             self.stats.collectives_finished += 1;
             if let Some(job) = self.jobs.get_mut(&ck.job) {
                 job.finished.insert((ck.comm, ck.seq));
@@ -420,47 +379,6 @@ impl Server {
             self.forget_job_if_done(ck.job);
         } else if self.jobs.get(&ck.job).is_some_and(|j| j.hosts.is_empty()) {
             self.forget_job_if_done(ck.job);
-        }
-    }
-
-    /// With UCX here: registers staging slots `slots` of `ck` for writing and sends their keys
-    /// to `to`, which then puts its chunks straight into them (without UCX the chunks come as
-    /// frames, which the slots take as well).
-    pub(super) fn grant_slots_over_ucx(&mut self, ck: CollKey, to: SpId, slots: &[u32]) {
-        let (Some(reg), Some(stages)) = (
-            self.stage_ucx.as_mut(),
-            self.instances.get(&ck).and_then(|i| i.stages.as_ref()),
-        ) else {
-            return;
-        };
-        let mut granted = Vec::new();
-        for &s in slots {
-            let Some(stage) = stages.slots.get(s as usize) else {
-                continue;
-            };
-            let k = stage.key();
-            // SAFETY: staging buffers are never freed while the server lives (they go back to
-            // the pool, declared after this registrar, so unmapped first), and a granted slot
-            // is not read here until the chunk's message says its bytes landed.
-            match unsafe { reg.register(k.grant.addr, k.grant.len, Rights::WRITE) } {
-                Ok(g) => granted.push((
-                    s,
-                    AliasKey {
-                        owner: k.owner,
-                        grant: g,
-                    },
-                )),
-                Err(e) => warn!(sp = self.me, "cannot grant a staging slot: {e}"),
-            }
-        }
-        if !granted.is_empty() {
-            if let Some(k) = self.peer_conn.get(&to).copied() {
-                let grants = SpToSp::SlotGrants {
-                    key: ck,
-                    slots: granted,
-                };
-                self.send_frame(k, &encode(&grants));
-            }
         }
     }
 

@@ -278,17 +278,9 @@ impl Server {
                     };
                     self.keeper.rejoin(self.me, sp, after);
                 }
-                self.sibling_gone(sp, None);
-                // Its ranks will not copy out of our regions any more.
-                let borrowed: Vec<CollKey> = self
-                    .regions
-                    .iter()
-                    .filter(|(_, r)| r.borrowers.contains(&sp))
-                    .map(|(k, _)| *k)
-                    .collect();
-                for ck in borrowed {
-                    self.region_released(ck, sp);
-                }
+                // What its loss means to the families' resources (the staged family: its
+                // ranks will not copy out of this SP's regions any more).
+                self.with_resources(|r, cx| r.peer_lost(sp, cx));
                 let now = now_ns(self.start);
                 let keys: Vec<CollKey> = self.instances.keys().copied().collect();
                 for ck in keys {

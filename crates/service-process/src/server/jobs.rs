@@ -46,7 +46,7 @@ impl Server {
             keep
         });
         for ck in dropped {
-            self.resources.release(ck);
+            self.with_resources(|r, cx| r.release(ck, cx));
         }
         if !self.instances.keys().any(|k| k.job == job) {
             self.jobs.remove(&job);
@@ -60,88 +60,11 @@ impl Server {
             crate::stopped::snapshot(&self.host_socket, self.me, &self.stats_now());
             // The pins of the job's processes (remote ranks copied from) go with them.
             alias_mkey::process::sweep();
-            // The hierarchical designs' segment of this job: nobody is left to read it here;
-            // leaders whose regions this SP's ranks were to read may reuse them.
-            let borrowed: Vec<(CollKey, SpId)> = self
-                .regions
-                .iter()
-                .filter(|(k, _)| k.job == job)
-                .filter_map(|(k, r)| r.owner.map(|o| (*k, o)))
-                .collect();
-            for (ck, owner) in borrowed {
-                self.send_peer(owner, &SpToSp::RegionReleased { key: ck });
-            }
-            self.regions.retain(|k, _| k.job != job);
-            self.flat_here.retain(|k| k.job != job);
-            self.peer_slots.retain(|(k, _, _), _| k.job != job);
-            self.arenas.remove(&job);
-            self.job_gone_here(job);
+            // The families' resources of the job (the staged family's segment regions and
+            // the segment's name).
+            self.with_resources(|r, cx| r.job_gone(job, cx));
             // What the job's posts held is free now: have the allocator return it.
             crate::held::give_back_memory();
-        }
-    }
-
-    /// The job is gone here: tell the node's other SPs, and remove the node's segment name
-    /// once each of them that serves ranks of the job said the same (or is gone). Removing it
-    /// earlier would let a rank of another SP that maps it later create a second object under
-    /// the same name, and read a region its SP's writer never wrote.
-    pub(super) fn job_gone_here(&mut self, job: u64) {
-        let Some(node) = self.cluster.sp(self.me).map(|e| e.node) else {
-            return;
-        };
-        let siblings: HashSet<SpId> = self
-            .cluster
-            .sps
-            .iter()
-            .filter(|e| e.node == node && e.id != self.me)
-            .map(|e| e.id)
-            .collect();
-        for &sp in &siblings {
-            self.send_peer(sp, &SpToSp::JobGone { job, answer: false });
-        }
-        // Each sibling answers at once if the job was never there (`JobGone { answer }`).
-        let told = self.gone_at_siblings.remove(&job).unwrap_or_default();
-        let waiting: HashSet<SpId> = siblings
-            .into_iter()
-            .filter(|sp| {
-                !told.contains(sp)
-                    && !self.dead_peers.contains(sp)
-                    && !self.leaving_peers.contains(sp)
-            })
-            .collect();
-        if waiting.is_empty() {
-            crate::segment::unlink(&self.key, job, node);
-        } else {
-            self.unlink_after.insert(job, waiting);
-        }
-    }
-
-    /// SP `sp` of this node has job `job` gone (or is gone itself, `job` None: every job).
-    pub(super) fn sibling_gone(&mut self, sp: SpId, job: Option<u64>) {
-        let Some(node) = self.cluster.sp(self.me).map(|e| e.node) else {
-            return;
-        };
-        if self.cluster.sp(sp).map(|e| e.node) != Some(node) {
-            return;
-        }
-        if let Some(job) = job {
-            if !self.unlink_after.contains_key(&job) {
-                self.gone_at_siblings.entry(job).or_default().insert(sp);
-                return;
-            }
-        }
-        let mut done = Vec::new();
-        for (&j, waiting) in self.unlink_after.iter_mut() {
-            if job.is_none_or(|g| g == j) {
-                waiting.remove(&sp);
-                if waiting.is_empty() {
-                    done.push(j);
-                }
-            }
-        }
-        for j in done {
-            self.unlink_after.remove(&j);
-            crate::segment::unlink(&self.key, j, node);
         }
     }
 

@@ -22,7 +22,9 @@
 //!   them), fed peer messages, and driven: every action a driver emits is executed at once;
 //! - `copies`: the copy scheduling (the per-SP [`CopyLimiter`], the datapath threads, inline
 //!   copies, copies handed to blocked host ranks, UCX moves of chunks);
-//! - `regions`: staging shared with ranks (the regions of a job's node segment);
+//! - `resources`: what the collective families own beyond the shared parts
+//!   (`crate::drivers::resources`: the staged family's staging and segment regions, the
+//!   multicast family's fabric), reached through the registry's hooks with a `Cx`;
 //! - `jobs`: goodbyes, failures and forgetting jobs;
 //! - `timers`: everything done by the clock (late hellos, heartbeats, drivers' deadlines).
 //!
@@ -35,16 +37,14 @@ mod engine;
 mod hosts;
 mod jobs;
 mod post;
-mod regions;
+mod resources;
 mod timers;
 mod transport;
 
 use crate::access::{self, HostPeer, Limits, LogLimit};
 use crate::conn::{Conn, ReadEnd, Stream};
 use crate::datapath::{CopyJob, Datapath};
-use crate::drivers::{self, Act, CollDriver, LocalPost, StagedConfig};
-use crate::segment::Arena;
-use crate::staging::{Budget, StageSet};
+use crate::drivers::{self, Act, CollDriver, LocalPost};
 use crate::stats::Stats;
 use algorithms::sched::CopyLimiter;
 use algorithms::{CollKey, CommId, Nanos, SpId, Status};
@@ -55,7 +55,7 @@ use bootstrap::mailbox;
 use bootstrap::rendezvous::Backoff;
 use bootstrap::wire::{
     self, decode, decode_hello, encode, encode_hello, frame, AdminHello, CollKind, CollMsg,
-    CopySrc, ErrorCode, Hello, HostHello, HostToSp, PostDesc, SpToHost, SpToSp, StagedDesign,
+    CopySrc, ErrorCode, Hello, HostHello, HostToSp, PostDesc, SpToHost, SpToSp,
 };
 use bootstrap::Cluster;
 use mio::net::{TcpListener, UnixListener};
@@ -72,7 +72,8 @@ use tracing::{debug, info, info_span, warn};
 pub const LISTEN_HOSTS: Token = Token(0);
 pub const WAKER: Token = Token(1);
 pub const SIGNALS: Token = Token(2);
-/// The staging UCX worker's event fd (with UCX on, see [`UcxMode`]).
+/// The staging UCX worker's event fd (with UCX on, see [`UcxMode`]): it wakes the loop, whose
+/// resources' `progress` serves it.
 const UCX_EVENTS: Token = Token(3);
 /// The TCP listener for hosts on other machines (or other network namespaces).
 pub const LISTEN_HOSTS_TCP: Token = Token(4);
@@ -134,7 +135,7 @@ pub struct ServeConfig {
     pub ucx: UcxMode,
     pub connect_backoff: Backoff,
     /// Chunk size and slots per instance of the staged collectives.
-    pub staged: StagedConfig,
+    pub staged: drivers::StagedConfig,
     /// The multicast collectives' parameters, and their resources' set-up (`Err`: why this
     /// SP runs no multicast collective, said to its hosts at registration).
     pub mcast: drivers::McastParams,
@@ -209,26 +210,13 @@ struct HostCopy {
 enum AfterHostCopy {
     /// A copy of the instance's state machine.
     Machine { id: u64 },
-    /// The last step of a rank of a hierarchical staged instance: the rank completes (with the
-    /// copy's outcome) and one reader of the instance's segment region is done.
-    Finish { posted: Posted },
-}
-
-/// The region of its job's node segment a hierarchical staged instance uses on this SP.
-struct Region {
-    off: u64,
-    /// The message length (the region may be larger).
-    len: u64,
-    /// Ranks still copying out of it.
-    readers: usize,
-    /// The instance finished (no more writes, no more readers to come).
-    finished: bool,
-    /// `Some(leader)`: the region is the node leader's, which sealed it for this SP's ranks
-    /// (a bcast); it is told once they copied. `None`: this SP's own, in its arena.
-    owner: Option<SpId>,
-    /// This SP's own region: the node's other SPs it was sealed for that have not said their
-    /// ranks finished copying.
-    borrowers: HashSet<SpId>,
+    /// The last step of a rank whose data are in its node's shared memory (`Act::Complete {
+    /// from_segment }`): the rank completes (with the copy's outcome) and one reader of the
+    /// memory of `family`'s resources is done.
+    Finish {
+        posted: Posted,
+        family: bootstrap::kinds::Family,
+    },
 }
 
 struct Instance {
@@ -239,10 +227,9 @@ struct Instance {
     shape: Option<(Vec<SpId>, Vec<u32>)>,
     /// How many comm ranks this SP serves in the instance (known from the first local post).
     local_ranks: Option<usize>,
-    /// Staging slots of a staged collective (given back to the budget with the instance).
-    stages: Option<StageSet>,
-    /// Why the budget refused the instance its staging (it was aborted), for the rank posting.
-    staging_refused: Option<String>,
+    /// Why its family's resources refused the instance (it was aborted), for the ranks
+    /// posting it (`Resources::admit`).
+    refused: Option<String>,
     /// The SP memory its local posts hold (given back to the ledger with the instance).
     holds: Vec<crate::held::Hold>,
 }
@@ -318,35 +305,20 @@ pub struct Server {
     inline_done: Vec<crate::datapath::CopyDone>,
     /// Host copies that ended without being handed over, or answered, likewise.
     host_done: Vec<(CollKey, u64, Status)>,
-    staged: StagedConfig,
-    /// What every new instance is configured with (`staged` and the multicast parameters).
+    /// What every new instance is configured with (the staged and multicast parameters).
     kind_cfg: drivers::KindConfig,
     /// The resources collective families own beyond the shared ones (`drivers::resources`).
     resources: drivers::resources::Registry,
-    /// With UCX on: the staging buffers are registered with UCX and granted to the
-    /// parent in a staged broadcast's tree, which puts chunks straight into them. Declared before
-    /// `budget` so that it unmaps them before the pool frees them.
-    stage_ucx: Option<alias_mkey::host::UcxRegistrar>,
+    /// Frames the resources' hooks queued for peers (`resources::Cx::to_peers`), kept for its
+    /// capacity.
+    resource_out: Vec<(SpId, SpToSp)>,
     /// See [`ServeConfig::poll_interval`].
     poll_interval: Option<Duration>,
-    /// Slots children granted through UCX: (instance, child, slot) -> its key.
-    peer_slots: HashMap<(CollKey, SpId, u32), AliasKey>,
     /// Moves running as UCX puts on the datapath, by ticket: the instance, the move, the
     /// child, the `Chunk` message to send it once the bytes are there and their length.
     ucx_moves: HashMap<u64, (CollKey, u64, SpId, CollMsg, u64)>,
-    budget: Budget,
     /// The SP memory the posts of each rank, job and uid hold.
     held: crate::held::Ledger,
-    /// Segment regions per job (hierarchical staged designs), and the region of each instance.
-    arenas: HashMap<u64, Arena>,
-    regions: HashMap<CollKey, Region>,
-    /// Hierarchical instances that found no room in the segment: this SP delivers them flat.
-    flat_here: HashSet<CollKey>,
-    /// The node's other SPs that said a job is gone there (`SpToSp::JobGone`), for jobs still
-    /// here; and, for jobs gone here, those still to say so before the node's segment name is
-    /// removed.
-    gone_at_siblings: HashMap<u64, HashSet<SpId>>,
-    unlink_after: HashMap<u64, HashSet<SpId>>,
     signals: crate::signals::SignalPipe,
     start: Instant,
     key: ClusterKey,
@@ -373,9 +345,6 @@ pub struct Server {
 
 /// Longest an SP that stops spends getting its `Shutdown` frame out to its peers (all of them).
 const SHUTDOWN_FLUSH: Duration = Duration::from_millis(100);
-
-/// Longest run of progress on the staging UCX worker in one pass of the event loop.
-const UCX_PROGRESS_SLICE: Duration = Duration::from_millis(2);
 
 fn now_ns(start: Instant) -> Nanos {
     start.elapsed().as_nanos() as Nanos
@@ -498,6 +467,12 @@ impl Server {
         };
         let ucx = stage_ucx.is_some();
         let mut resources = drivers::resources::Registry::default();
+        resources.add(Box::new(crate::staged_resources::StagedResources::new(
+            cfg.staged,
+            cfg.staging_bytes,
+            cfg.limits.staging_shares,
+            stage_ucx,
+        )));
         let mcast_plane = cfg.mcast_plane.and_then(|mut pc| {
             pc.movers = alias_mkey::mover::MoverConfig {
                 chunk_bytes: cfg.chunk_bytes,
@@ -546,23 +521,15 @@ impl Server {
             inline_copy_bytes: cfg.inline_copy_bytes,
             inline_done: Vec::new(),
             host_done: Vec::new(),
-            staged: cfg.staged,
             kind_cfg: drivers::KindConfig {
                 staged: cfg.staged,
                 mcast: cfg.mcast,
             },
             resources,
-            stage_ucx,
-            peer_slots: HashMap::new(),
+            resource_out: Vec::new(),
             ucx_moves: HashMap::new(),
-            budget: Budget::with_shares(cfg.staging_bytes, cfg.limits.staging_shares),
             held: crate::held::Ledger::new(cfg.limits.held),
             poll_interval: cfg.poll_interval,
-            arenas: HashMap::new(),
-            regions: HashMap::new(),
-            flat_here: HashSet::new(),
-            gone_at_siblings: HashMap::new(),
-            unlink_after: HashMap::new(),
             signals,
             start: Instant::now(),
             key: cfg.key,
@@ -629,35 +596,12 @@ impl Server {
         }
         let mut pass_start = Instant::now();
         loop {
-            // Puts of other SPs into this SP's staging complete only while its UCX worker
-            // progresses (UCX 1.13 over tcp/shared memory): progress it until idle, then sleep
-            // on its event fd as well as on the sockets. `arm` refuses while events are
-            // pending: then look again at once. The bound is a safety net only. A polling SP
-            // (`poll_interval`) progresses the worker at every look and never arms it.
-            // Progress runs for at most UCX_PROGRESS_SLICE per pass: the transfers of other
-            // SPs never keep this loop from its sockets and heartbeats (a worker still busy
-            // after the slice is progressed again right after a look at the sockets).
+            // The families' resources do their work on this thread first (the staged
+            // family's UCX worker of the staging is progressed for at most a slice), and bound
+            // the wait; a polling SP (`poll_interval`) never sleeps.
             let polling = self.poll_interval;
             let progress_start = Instant::now();
-            let timeout = self.stage_ucx.as_ref().map(|reg| {
-                let idle = loop {
-                    if reg.progress() == 0 {
-                        break true;
-                    }
-                    if progress_start.elapsed() >= UCX_PROGRESS_SLICE {
-                        break false;
-                    }
-                };
-                if polling.is_some() || !idle {
-                    return Duration::ZERO;
-                }
-                match reg.arm() {
-                    Ok(true) => Duration::from_millis(50),
-                    Ok(false) => Duration::ZERO,
-                    // Not expected; poll the worker often rather than spin.
-                    Err(_) => Duration::from_millis(1),
-                }
-            });
+            let timeout = self.resources.progress(polling.is_some());
             let progressed = progress_start.elapsed().as_micros() as u64;
             self.stats.ucx_progress_max_us = self.stats.ucx_progress_max_us.max(progressed);
             let timeout = if polling.is_some() {

@@ -1,5 +1,6 @@
-//! A host's post: checked (`validate::check_post`, limits, the instance's shape), placed (a
-//! hierarchical region in the job's segment, or flat for want of room) and fed to its driver.
+//! A host's post: checked (`validate::check_post`, limits, the instance's shape), placed by
+//! its family's resources (`Resources::place`: the staged family's hierarchical region in the
+//! job's segment, or flat for want of room) and fed to its driver.
 
 use super::*;
 
@@ -181,52 +182,24 @@ impl Server {
             );
             return self.write_completion(self.posted(key, d.slot, d.token), Status::InvalidPost);
         }
-        // A hierarchical staged instance needs a region of its job's segment on this SP. When
-        // none is free, this SP delivers the instance flat: it writes each rank's buffer
-        // itself (its ranks granted them for writing), which the ranks cannot tell apart from
-        // a copy out of the segment. Waiting for room instead could deadlock: the instance
-        // holding the room may need a post that waits elsewhere.
-        // Only one SP of a node writes a hierarchical region, which the node's other SPs' ranks
-        // copy out of: a bcast's node leader in its tree, a staged allgather's node owner.
+        // Where the instance writes the post on this SP, as its family's resources place it
+        // (the staged family: a region of the job's node segment for a hierarchical design,
+        // or flat for want of room).
         let spec = drivers::spec(d.kind);
-        let region_writer = d.staged.is_none() || (spec.region_writer)(&d, self.me);
-        let mut shared_at = 0;
-        let shared_key = match &d.staged {
-            Some(st)
-                if st.design == StagedDesign::Hier
-                    && region_writer
-                    && !self.flat_here.contains(&ck) =>
-            {
-                let seg = st.segment.clone().expect("checked by check_post");
-                let len = (spec.region_len)(&d);
-                match self.region_for(ck, &seg, len) {
-                    Ok(Some((off, rlen))) => Some({
-                        shared_at = off;
-                        self.alias(
-                            key,
-                            Grant {
-                                addr: seg.addr + off,
-                                len: rlen,
-                                ..seg
-                            },
-                        )
-                    }),
-                    Ok(None) => {
-                        self.stats.hier_delivered_flat += 1;
-                        self.flat_here.insert(ck);
-                        None
-                    }
-                    Err(why) => {
-                        self.send_error(key, Some(&d), ErrorCode::BadDescriptor, why);
-                        return self.write_completion(
-                            self.posted(key, d.slot, d.token),
-                            Status::InvalidPost,
-                        );
-                    }
-                }
+        let family = spec.facts().family;
+        let placed = self.with_resources(|r, cx| match r.of(family) {
+            Some(r) => r.place(ck, &d, cx),
+            None => Ok(Default::default()),
+        });
+        let placed: drivers::resources::Placement = match placed {
+            Ok(p) => p,
+            Err(why) => {
+                self.send_error(key, Some(&d), ErrorCode::BadDescriptor, why);
+                return self
+                    .write_completion(self.posted(key, d.slot, d.token), Status::InvalidPost);
             }
-            _ => None,
         };
+        let region = placed.region.map(|(g, at)| (self.alias(key, g), at));
         let send = self.alias(key, d.send.clone());
         let recv = self.alias(key, d.recv.clone());
         let now = now_ns(self.start);
@@ -245,9 +218,9 @@ impl Server {
             ..self.posted(key, d.slot, d.token)
         };
         let me = self.me;
-        // A staged instance refused its staging (its job's share is used up) was aborted: the
-        // rank learns why.
-        if let Some(why) = self.instance(ck, d.kind).staging_refused.clone() {
+        // An instance its family's resources refused (the staged family: its job's share of
+        // the staging is used up) was aborted: the rank learns why.
+        if let Some(why) = self.instance(ck, d.kind).refused.clone() {
             self.stats.posts_refused += 1;
             self.send_error(key, Some(&d), ErrorCode::BadDescriptor, why);
         }
@@ -256,20 +229,13 @@ impl Server {
         if inst.shape.is_none() {
             inst.shape = Some((d.members.clone(), d.world_ranks.clone()));
         }
-        // A node's region writer without room delivers flat (its node's other SPs then get
-        // the data); the others are hierarchical as posted.
-        let hier = shared_key.is_some()
-            || (!region_writer
-                && d.staged
-                    .as_ref()
-                    .is_some_and(|st| st.design == StagedDesign::Hier));
         let comm_rank = d.comm_rank;
         let post = LocalPost {
             desc: d,
             send,
             recv,
-            region: shared_key.map(|k| (k, shared_at)),
-            hier,
+            region,
+            hier: placed.hier,
         };
         match inst.sm.handle_post(now, post) {
             Ok(()) => {
