@@ -19,6 +19,9 @@
 #   scripts/bench.sh --mcast-only     only section M (the multicast Ibcast and Iallgather beside
 #                                     native and another design, with drops, and bytes per call),
 #                                     printed as Markdown; writes no file
+#   scripts/bench.sh --allreduce-only only section R (the SPs' Iallreduce beside native: the OSU
+#                                     method and a fixed compute, SPs on a reserved CPU), printed
+#                                     as Markdown; writes no file
 #   scripts/bench.sh --mpich-only     only section I (Ialltoallv overlap, the setup of B, under
 #                                     MPICH beside Open MPI: coll-bench-mpich, Hydra and the
 #                                     MPICH-ABI shim), printed as Markdown; writes no file
@@ -39,6 +42,7 @@ staged_only=0
 packed_only=0
 mpich_only=0
 mcast_only=0
+allreduce_only=0
 case "${1:-}" in
   --demo) demo=1 ;;
   --traffic-only) traffic_only=1 ;;
@@ -46,8 +50,9 @@ case "${1:-}" in
   --packed-only) packed_only=1 ;;
   --mpich-only) mpich_only=1 ;;
   --mcast-only) mcast_only=1 ;;
+  --allreduce-only) allreduce_only=1 ;;
   "") ;;
-  *) echo "bench: unknown option $1 (expected --demo, --traffic-only, --staged-only, --packed-only, --mpich-only or --mcast-only)" >&2; exit 2 ;;
+  *) echo "bench: unknown option $1 (expected --demo, --traffic-only, --staged-only, --packed-only, --mpich-only, --mcast-only or --allreduce-only)" >&2; exit 2 ;;
 esac
 if [ $demo -eq 1 ]; then
   sizes=${SIZES:-4K,64K,1M}
@@ -301,6 +306,47 @@ PY
     done
   done
 }
+
+# R. The SPs' Iallreduce (issue 27, `SPOFF_ALLREDUCE_DESIGN=sp-tree`) beside native, 2 nodes x
+# 1 rank, the ranks on CPUs $b_ranks and the SPs reserved on CPU $last and polling: the OSU method
+# (compute = the slowest rank's t_pure) and a fixed compute (what the host still pays per call:
+# post_us + wait_us). 64-bit integer sums, every result checked.
+allreduce_sizes=${ALLREDUCE_SIZES:-8,4K,64K,1M}
+allreduce_run() {
+  local kind extra
+  for kind in osu fixed; do
+    extra=(); [ $kind = fixed ] && extra=(--compute-us "$compute_us")
+    echo "-- iallreduce, 2 nodes x 1 rank, $kind: native"
+    "$SP" launch --nodes 2 --ranks-per-node 1 --native --rank-cpus "$b_ranks" -- \
+      "$BENCH" overlap --coll iallreduce --sizes "$allreduce_sizes" "${iters[@]}" "${extra[@]}" \
+      --json "$out/r-$kind-native.json" 2> >(grep -v '^sp [0-9]* stats' >&2)
+    echo "-- iallreduce, 2 nodes x 1 rank, $kind: sp-tree"
+    "$SP" launch --nodes 2 --ranks-per-node 1 --rank-cpus "$b_ranks" "${reserved_sps[@]}" -- \
+      "$BENCH" overlap --coll iallreduce --design sp-tree --sizes "$allreduce_sizes" \
+      "${iters[@]}" "${extra[@]}" --json "$out/r-$kind-sp-tree.json" \
+      2> >(grep -v '^sp [0-9]* stats' >&2)
+  done
+}
+allreduce_markdown() {
+  echo "Ranks on CPUs $b_ranks, SPs reserved on CPU $last and polling every 100 us; MPI_INT64_T"
+  echo "sums of SIZE bytes, every result checked against the sum computed on each rank."
+  echo
+  echo "### The OSU method (compute = the slowest rank's pure time)"
+  echo
+  "$BENCH" compare --native "$out/r-osu-native.json" --offload "$out/r-osu-sp-tree.json" --markdown
+  echo
+  echo "### A fixed compute of ${compute_us} us (host_us: the host's time in MPI per call)"
+  echo
+  "$BENCH" compare --native "$out/r-fixed-native.json" --offload "$out/r-fixed-sp-tree.json" --markdown
+}
+
+if [ $allreduce_only -eq 1 ]; then
+  echo "== R. the SPs' Iallreduce; 2 nodes x 1 rank, SPs reserved on CPU $last"
+  allreduce_run
+  echo
+  allreduce_markdown
+  exit 0
+fi
 
 if [ $mcast_only -eq 1 ]; then
   echo "== M. the multicast Ibcast and Iallgather; 2 nodes x 1 rank, SPs reserved on CPU $last"

@@ -15,6 +15,8 @@ pub enum Coll {
     Iallgather,
     /// MPI_Ibcast, SIZE bytes (MPI_BYTE) from a root that rotates: rank (iteration % ranks)
     Ibcast,
+    /// MPI_Iallreduce, SIZE bytes as 64-bit integers (MPI_INT64_T), MPI_SUM
+    Iallreduce,
 }
 
 impl Coll {
@@ -25,6 +27,7 @@ impl Coll {
             Coll::Iallgatherv => "iallgatherv",
             Coll::Iallgather => "iallgather",
             Coll::Ibcast => "ibcast",
+            Coll::Iallreduce => "iallreduce",
         }
     }
 
@@ -39,6 +42,7 @@ impl Coll {
         match self {
             Coll::Ibcast => Some("SPOFF_BCAST_DESIGN"),
             Coll::Iallgather => Some("SPOFF_IALLGATHER_DESIGN"),
+            Coll::Iallreduce => Some("SPOFF_ALLREDUCE_DESIGN"),
             _ => None,
         }
     }
@@ -48,6 +52,7 @@ impl Coll {
     pub fn buffer_lens(self, n: usize, size: usize) -> (usize, usize) {
         match self {
             Coll::Ibcast => (0, size),
+            Coll::Iallreduce => (size, size),
             c if c.is_allgather() => (size, n * size),
             _ => (n * size, n * size),
         }
@@ -89,6 +94,10 @@ pub enum Design {
     /// land them, a fetch ring recovers what was dropped (`SPOFF_BCAST_DESIGN=mcast`,
     /// `SPOFF_IALLGATHER_DESIGN=mcast`)
     Mcast,
+    /// iallreduce only: the service processes reduce along a binomial tree
+    /// (`SPOFF_ALLREDUCE_DESIGN=sp-tree`; auto picks it where no switch aggregates)
+    #[value(name = "sp-tree")]
+    SpTree,
 }
 
 impl Design {
@@ -99,15 +108,26 @@ impl Design {
             Design::Lb => "lb",
             Design::Auto => "auto",
             Design::Mcast => "mcast",
+            Design::SpTree => "sp-tree",
         }
     }
 }
 
-/// Whether `coll` accepts `design`: ibcast flat|hier|auto, iallgather flat|hier|lb|auto, the
-/// others only auto.
+/// Whether `coll` accepts `design`: ibcast flat|hier|mcast|auto, iallgather
+/// flat|hier|lb|mcast|auto, iallreduce sp-tree|auto, the others only auto.
 pub fn check_design(coll: Coll, design: Design) -> Result<(), String> {
     match (coll, design) {
-        (_, Design::Auto) | (Coll::Iallgather, _) => Ok(()),
+        (_, Design::Auto) | (Coll::Iallreduce, Design::SpTree) => Ok(()),
+        (Coll::Iallreduce, d) => Err(format!(
+            "--design {} does not apply to --coll iallreduce: it takes sp-tree or auto",
+            d.name()
+        )),
+        (_, Design::SpTree) => Err(format!(
+            "--design sp-tree is the service processes' allreduce, only for --coll iallreduce; \
+             {} does not take it",
+            coll.name()
+        )),
+        (Coll::Iallgather, _) => Ok(()),
         (Coll::Ibcast, Design::Flat | Design::Hier | Design::Mcast) => Ok(()),
         (Coll::Ibcast, Design::Lb) => Err(
             "--design lb is the load-balanced allgather, only for --coll iallgather; \
@@ -132,6 +152,13 @@ pub fn bcast_root(iter: u64, n: usize) -> usize {
 /// elements of MPI_BYTE), or `None`.
 pub fn size_error(coll: Coll, sizes: &[usize], ranks: usize) -> Option<String> {
     let max = i32::MAX as usize;
+    if coll == Coll::Iallreduce {
+        let bad = sizes.iter().find(|&&s| s % 8 != 0 || s / 8 > max)?;
+        return Some(format!(
+            "iallreduce sums 64-bit integers: size {bad} is not a multiple of 8 bytes or \
+             does not fit an MPI int count"
+        ));
+    }
     if coll == Coll::Ibcast {
         let bad = sizes.iter().find(|&&s| s > max)?;
         return Some(format!(

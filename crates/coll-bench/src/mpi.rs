@@ -435,6 +435,32 @@ impl Comm {
         })
     }
 
+    /// `MPI_Iallreduce` of `count` 64-bit integers (`MPI_INT64_T`) with `op`.
+    pub fn iallreduce_i64<'a>(
+        &self,
+        send: &'a [u8],
+        recv: &'a mut [u8],
+        count: i32,
+        op: MPI_Op,
+    ) -> Result<Request<'a>> {
+        let need = count as u128 * 8;
+        if count < 0 || (send.len() as u128) < need || (recv.len() as u128) < need {
+            return Err(arg_error("MPI_Iallreduce", "buffer smaller than count * 8"));
+        }
+        // SAFETY: sizes checked above; the buffers outlive the request.
+        Request::start("MPI_Iallreduce", |req| unsafe {
+            mpi_ffi::MPI_Iallreduce(
+                send.as_ptr().cast(),
+                recv.as_mut_ptr().cast(),
+                count,
+                consts::INT64_T(),
+                op,
+                self.raw,
+                req,
+            )
+        })
+    }
+
     /// `MPI_Ibcast`: `count` elements of `dt` of `buf` from `root` to every rank (the root's
     /// buffer is read, the others' written).
     pub fn ibcast<'a>(
@@ -653,6 +679,10 @@ impl Datatype {
 
     pub fn double() -> Result<Datatype> {
         Self::predefined(consts::DOUBLE())
+    }
+
+    pub fn int64() -> Result<Datatype> {
+        Self::predefined(consts::INT64_T())
     }
 
     /// `MPI_Type_contiguous(count, old)` + `MPI_Type_commit`.

@@ -258,6 +258,12 @@ pub fn overlap(args: OverlapArgs) -> i32 {
         eprintln!("coll-bench: {e}");
         return 2;
     }
+    if coll == Coll::Iallreduce && args.datatype == DataLayout::Strided {
+        eprintln!(
+            "coll-bench: --coll iallreduce sums contiguous 64-bit integers: --datatype byte only"
+        );
+        return 2;
+    }
     let nodes = match run::nodes() {
         Ok(n) => n,
         Err(e) => {

@@ -4,6 +4,7 @@
 use crate::coll::{bcast_root, Coll};
 use coll_bench::mpi::{wtime, Comm, Datatype, MpiError};
 use coll_bench::{compute, pattern, strided};
+use mpi_ffi::consts;
 use std::time::Instant;
 
 /// The "destination" of an allgather block in the data pattern: every rank gets the same one.
@@ -37,6 +38,13 @@ impl Setup {
         let size = self.size;
         self.root = bcast_root(iter, self.n);
         if size == 0 {
+            return;
+        }
+        if self.coll == Coll::Iallreduce {
+            let me = self.me as u64;
+            for (i, v) in self.send.chunks_exact_mut(8).enumerate() {
+                v.copy_from_slice(&reduce_term(me, i as u64, iter).to_ne_bytes());
+            }
             return;
         }
         if self.coll == Coll::Ibcast {
@@ -129,6 +137,10 @@ impl Setup {
             }
             Coll::Iallgather => self.world.iallgather(send, recv, count, &self.ty)?,
             Coll::Ibcast => self.world.ibcast(recv, count, &self.ty, self.root as i32)?,
+            Coll::Iallreduce => {
+                let n = (self.size / 8) as i32;
+                self.world.iallreduce_i64(send, recv, n, consts::OP_SUM())?
+            }
         };
         let t_posted = wtime();
         let mut compute = 0.0;
@@ -151,6 +163,25 @@ impl Setup {
 
     /// Checks what every peer delivered in iteration `iter`; prints the first bad byte per peer.
     pub fn validate(&self, iter: u64, phase: &str) -> bool {
+        if self.coll == Coll::Iallreduce {
+            let n = self.n as u64;
+            let bad = self.recv[..self.size]
+                .chunks_exact(8)
+                .enumerate()
+                .map(|(i, b)| {
+                    let want: i64 = (0..n).map(|r| reduce_term(r, i as u64, iter)).sum();
+                    (i, want, i64::from_ne_bytes(b.try_into().unwrap()))
+                })
+                .find(|&(_, want, got)| want != got);
+            if let Some((i, want, got)) = bad {
+                eprintln!(
+                    "coll-bench: VALIDATION FAILED: iallreduce bytes={} phase={phase} rank={} \
+                     element={i} expected={want} got={got}",
+                    self.size, self.me
+                );
+            }
+            return bad.is_none();
+        }
         if self.coll == Coll::Ibcast {
             let root = bcast_root(iter, self.n);
             let bad = self.block_mismatch(0, root as u32, ALL_PEERS, iter);
@@ -185,6 +216,19 @@ impl Setup {
         }
         ok
     }
+}
+
+/// Rank `rank`'s element `i` of an iallreduce in iteration `iter`: signed, different per rank,
+/// element and iteration, small enough that sums over any number of ranks do not overflow.
+fn reduce_term(rank: u64, i: u64, iter: u64) -> i64 {
+    let x = pattern_mix(rank.wrapping_mul(0x9E37_79B9) ^ i.wrapping_mul(0x85EB_CA6B) ^ iter);
+    (x % (1 << 40)) as i64 - (1 << 39)
+}
+
+fn pattern_mix(mut x: u64) -> u64 {
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    x ^ (x >> 33)
 }
 
 /// Times of one iteration, or means over a phase (seconds).
