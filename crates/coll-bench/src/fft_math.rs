@@ -87,7 +87,7 @@ impl Fft {
         let mut m = n;
         let mut p = 2;
         while m > 1 {
-            while m % p == 0 {
+            while m.is_multiple_of(p) {
                 factors.push(p);
                 m /= p;
             }
@@ -96,7 +96,8 @@ impl Fft {
         Fft { n, w, factors }
     }
 
-    pub fn len(&self) -> usize {
+    /// The transform's length.
+    pub fn points(&self) -> usize {
         self.n
     }
 
@@ -209,7 +210,7 @@ pub fn input(seed: u64, f: usize, n: usize, (x, y, z): (usize, usize, usize)) ->
 
 /// Point (kx, ky, kz) of the 3D DFT of field `f`, summed directly over the n^3 inputs.
 pub fn dft_point(seed: u64, f: usize, fft: &Fft, (kx, ky, kz): (usize, usize, usize)) -> C64 {
-    let n = fft.len();
+    let n = fft.points();
     let mut acc = C64::default();
     for x in 0..n {
         for y in 0..n {

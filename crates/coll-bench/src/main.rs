@@ -136,7 +136,8 @@ enum Command {
     /// stages alone), pipelined_us (post the transpose of field k, run stage 1 of field k + 1,
     /// wait, stage 2 of field k), with post_us and wait_us the time in those calls; means,
     /// maximum over ranks. overlap_pct = 100 - 100 * (pipelined_us - compute_us) / comm_us,
-    /// clamped to [0, 100].
+    /// clamped to [0, 100]. The *_min_us fields and overlap_min_pct are the same on each
+    /// phase's fastest iteration (less exposed to preemption on a shared machine).
     ///
     /// Checked after the pipelined phase: every received byte and every output byte of every
     /// field equal (bitwise) a reference run of the same computation without overlap whose
@@ -144,7 +145,8 @@ enum Command {
     /// output points per field and rank equal a direct 3D DFT of the input (to 1e-9 N^3). A
     /// failure prints rank, field and offset; the exit code is then 1. JSON fields: bench, n,
     /// ranks, nodes, fields, iters, seed, max_sent_bytes, comm_us, compute_us, pipelined_us,
-    /// post_us, wait_us, overlap_pct, moved_bitwise, spot_checked, validated, mode.
+    /// comm_min_us, compute_min_us, pipelined_min_us, overlap_min_pct, post_us, wait_us,
+    /// overlap_pct, moved_bitwise, spot_checked, validated, mode.
     Fft(fft::FftArgs),
 }
 
