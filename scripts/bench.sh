@@ -22,6 +22,14 @@
 #   scripts/bench.sh --allreduce-only only section R (the SPs' Iallreduce beside native: the OSU
 #                                     method and a fixed compute, SPs on a reserved CPU), printed
 #                                     as Markdown; writes no file
+#   scripts/bench.sh --fft-only       only section P (coll-bench fft, the 3D-FFT transpose loop,
+#                                     offloaded against native, two machine splits), printed as
+#                                     Markdown; writes no file
+#   scripts/bench.sh --tail-only      only section Q (the Allgatherv tail after the last arrival
+#                                     at 16 and 32 nodes, simulated with a cost model calibrated
+#                                     by a small real run here, against a host ring; the small
+#                                     real late-arrival run as a check), printed as Markdown;
+#                                     writes no file
 #   scripts/bench.sh --mpich-only     only section I (Ialltoallv overlap, the setup of B, under
 #                                     MPICH beside Open MPI: coll-bench-mpich, Hydra and the
 #                                     MPICH-ABI shim), printed as Markdown; writes no file
@@ -43,6 +51,8 @@ packed_only=0
 mpich_only=0
 mcast_only=0
 allreduce_only=0
+fft_only=0
+tail_only=0
 case "${1:-}" in
   --demo) demo=1 ;;
   --traffic-only) traffic_only=1 ;;
@@ -51,8 +61,10 @@ case "${1:-}" in
   --mpich-only) mpich_only=1 ;;
   --mcast-only) mcast_only=1 ;;
   --allreduce-only) allreduce_only=1 ;;
+  --fft-only) fft_only=1 ;;
+  --tail-only) tail_only=1 ;;
   "") ;;
-  *) echo "bench: unknown option $1 (expected --demo, --traffic-only, --staged-only, --packed-only, --mpich-only, --mcast-only or --allreduce-only)" >&2; exit 2 ;;
+  *) echo "bench: unknown option $1 (expected --demo, --traffic-only, --staged-only, --packed-only, --mpich-only, --mcast-only, --allreduce-only, --fft-only or --tail-only)" >&2; exit 2 ;;
 esac
 if [ $demo -eq 1 ]; then
   sizes=${SIZES:-4K,64K,1M}
@@ -345,6 +357,210 @@ if [ $allreduce_only -eq 1 ]; then
   allreduce_run
   echo
   allreduce_markdown
+  exit 0
+fi
+
+# P. An application proxy (issue 28): coll-bench fft, the transpose loop of a slab-decomposed
+# 3D FFT of several fields, 2 nodes x 1 rank, native and offloaded under two machine splits:
+# a: one core per rank, the SPs unpinned (they take CPU from the ranks); b: the ranks on the
+# first cores, the SPs reserved on the last CPU and polling (they stand for DPU cores).
+fft_ns=${FFT_NS:-63,64,96}
+fft_opts=(--fields "${FFT_FIELDS:-4}" --iters "${FFT_ITERS:-8}" --warmup 2 --seed "${FFT_SEED:-1}")
+fft_reps=${FFT_REPS:-3}
+fft_run() {
+  local rep split mode extra
+  for rep in $(seq 1 "$fft_reps"); do
+    for split in a b; do
+      for mode in native offload; do
+        extra=()
+        if [ $split = a ]; then extra=(--rank-cpus "$a_ranks"); else extra=(--rank-cpus "$b_ranks"); fi
+        if [ $mode = native ]; then extra+=(--native); elif [ $split = b ]; then extra+=("${reserved_sps[@]}"); fi
+        echo "-- fft, repetition $rep, split $split, $mode (load average before: $(cut -d' ' -f1-3 /proc/loadavg))"
+        "$SP" launch "${base[@]}" "${extra[@]}" -- \
+          "$BENCH" fft --n "$fft_ns" "${fft_opts[@]}" --json "$out/p-$split-$mode-$rep.json" \
+          2> >(grep -v '^sp [0-9]* stats' >&2)
+      done
+    done
+  done
+  echo "-- load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
+}
+fft_markdown() {
+  echo "\`coll-bench fft --n $fft_ns ${fft_opts[*]}\`, 2 nodes x 1 rank, $fft_reps repetitions, native"
+  echo "and offloaded interleaved. Split a: ranks on CPUs $a_ranks (one each), SPs unpinned; split b:"
+  echo "ranks on CPUs $b_ranks, SPs reserved on CPU $last and polling every 100 us. Per repetition:"
+  echo "times per iteration (all fields), maximum over ranks; ratio = offload pipelined_us / native"
+  echo "pipelined_us (below 1: the offloaded loop is faster); overlap = 100 - 100 * (pipelined -"
+  echo "compute) / comm, clamped. Columns: the median over repetitions of the means, and (min)"
+  echo "the same on each phase's fastest iteration, the fastest over repetitions. validated:"
+  echo "bitwise against a native point-to-point transpose and spot points against a direct DFT,"
+  echo "every run."
+  echo
+  python3 - "$out" "$fft_reps" <<'PY'
+import json, sys
+from statistics import median
+out, reps = sys.argv[1], int(sys.argv[2])
+def runs(split, mode):
+    return [{r["n"]: r for r in map(json.loads, open(f"{out}/p-{split}-{mode}-{i}.json"))}
+            for i in range(1, reps + 1)]
+print("| split | N | sent B/rank/field | native comm us | native pipelined us | native overlap % "
+      "| offload comm us | offload pipelined us | offload overlap % | ratio (median) | ratios (each repetition) "
+      "| ratio (min) | overlap % native / offload (min) | validated |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+for split in "ab":
+    nat, off = runs(split, "native"), runs(split, "offload")
+    for n in sorted(nat[0]):
+        a = [r[n] for r in nat]; b = [r[n] for r in off]
+        m = lambda rows, k: median(r[k] for r in rows)
+        lo = lambda rows, k: min(r[k] for r in rows)
+        ratios = [y["pipelined_us"] / x["pipelined_us"] for x, y in zip(a, b)]
+        ok = all(r["validated"] for r in a + b)
+        print(f"| {split} | {n} | {a[0]['max_sent_bytes']} | {m(a, 'comm_us'):.0f} | {m(a, 'pipelined_us'):.0f} "
+              f"| {m(a, 'overlap_pct'):.1f} | {m(b, 'comm_us'):.0f} | {m(b, 'pipelined_us'):.0f} "
+              f"| {m(b, 'overlap_pct'):.1f} | {median(ratios):.2f} | {' '.join(f'{x:.2f}' for x in ratios)} "
+              f"| {lo(b, 'pipelined_min_us') / lo(a, 'pipelined_min_us'):.2f} "
+              f"| {max(r['overlap_min_pct'] for r in a):.1f} / {max(r['overlap_min_pct'] for r in b):.1f} | {ok} |")
+PY
+}
+
+# Q. The Allgatherv tail after the last arrival at 16 and 32 nodes (issue 28), simulated
+# (`service-process simulate --coll tail`) with a cost model calibrated by a small real run
+# here: `coll-bench overlap --coll ialltoallv --sizes 8,1M`, offloaded at 1 node x 1 rank and
+# at 2 nodes x 1 rank and native at 2 nodes x 1 rank, ranks one per core, SPs unpinned, twice.
+#   per post      = offloaded 1 x 1 pure_us at 8 B (the whole fixed cost of a call);
+#   per copy byte = (1 x 1 pure_us at 1 MiB - at 8 B) / (1 MiB - 8 B);
+#   per message   = (2 x 1 pure_us at 8 B - 1 x 1 at 8 B) / 2 (a notification and an ack);
+#   native        = 2 x 1 native pure_us at 8 B per message, (1 MiB - 8 B) per byte.
+# Then the simulation, the offloaded hierarchical Allgatherv against a host ring priced with
+# the same cost model, and against a host ring priced as native MPI measured; and the small
+# real run of section D (2 nodes x 2 ranks, the last rank of each node 10 ms late) as a check.
+tail_nodes=${TAIL_NODES:-16 32}
+tail_rpn=${TAIL_RPN:-8}
+tail_reps=${TAIL_REPS:-2}
+tail_calibrate() {
+  local i
+  for i in $(seq 1 "$tail_reps"); do
+    "$SP" launch --nodes 1 --ranks-per-node 1 --rank-cpus "${a_ranks%%,*}" -- \
+      "$BENCH" overlap --coll ialltoallv --sizes 8,1M --iters 100 --warmup 5 \
+      --json "$out/q-o1-$i.json" > /dev/null 2> >(grep -v '^sp [0-9]* stats' >&2)
+    "$SP" launch --nodes 2 --ranks-per-node 1 --rank-cpus "$a_ranks" -- \
+      "$BENCH" overlap --coll ialltoallv --sizes 8,1M --iters 100 --warmup 5 \
+      --json "$out/q-o2-$i.json" > /dev/null 2> >(grep -v '^sp [0-9]* stats' >&2)
+    "$SP" launch --nodes 2 --ranks-per-node 1 --native --rank-cpus "$a_ranks" -- \
+      "$BENCH" overlap --coll ialltoallv --sizes 8,1M --iters 100 --warmup 5 \
+      --json "$out/q-n2-$i.json" > /dev/null 2> >(grep -v '^sp [0-9]* stats' >&2)
+  done
+  # Prints: per post ns, per copy ns/B, per message ns, native message ns, native ns/B.
+  python3 - "$out" "$tail_reps" <<'PY'
+import json, sys
+out, reps = sys.argv[1], int(sys.argv[2])
+def mean(name, size):
+    v = []
+    for i in range(1, reps + 1):
+        v += [r["pure_us"] for r in map(json.loads, open(f"{out}/q-{name}-{i}.json")) if r["bytes"] == size]
+    return sum(v) / len(v)
+MB = 1 << 20
+o1s, o1l, o2s = mean("o1", 8), mean("o1", MB), mean("o2", 8)
+n2s, n2l = mean("n2", 8), mean("n2", MB)
+print(round(o1s * 1e3), (o1l - o1s) * 1e3 / (MB - 8), round((o2s - o1s) / 2 * 1e3),
+      round(n2s * 1e3), (n2l - n2s) * 1e3 / (MB - 8))
+PY
+}
+# cost-model arguments for a calibration: post ns, ns per byte, message ns, native message ns,
+# native ns per byte. Buffers are 64 B (the simulator keeps real ones); byte_weight prices a
+# byte as 1024 x (ns per byte) bytes at 1 byte/ns: a 64 KiB block.
+tail_cost() {
+  python3 - "$@" <<'PY'
+import sys
+post, nspb, msg, nmsg, nnspb = map(float, sys.argv[1:6])
+w = lambda x: max(1, round(1024 * x))
+print(f"post_ns={post:.0f},inter_node_latency_ns={msg:.0f},intra_node_latency_ns={msg:.0f},"
+      f"copy_fixed_inter_ns=400,copy_fixed_intra_ns=400,inter_node_bytes_per_ns=1,"
+      f"intra_node_bytes_per_ns=1,byte_weight={w(nspb)}")
+print(f"msg_proc_ns=0,inter_node_latency_ns={nmsg:.0f},intra_node_latency_ns={nmsg:.0f},"
+      f"byte_weight={w(nnspb)}")
+PY
+}
+tail_sim() { # label, cost, native ring cost
+  local label=$1 cost=$2 ncost=$3 nodes inflight ring
+  for nodes in $tail_nodes; do
+    for inflight in 1 4; do
+      for ring in same native; do
+        local rc=(); [ $ring = native ] && rc=(--ring-cost "$ncost")
+        "$SP" simulate --coll tail --nodes "$nodes" --ranks-per-node "$tail_rpn" --sps-per-node 4 \
+          --layout block --late-ranks "$nodes" --late-delay-us 30000 --seeds 3 \
+          --inflight "$inflight" --cost "$cost" "${rc[@]}" --json |
+          python3 -c 'import json,sys; [print(json.dumps(dict(json.loads(l), label=sys.argv[1], ring=sys.argv[2]))) for l in sys.stdin]' "$label" "$ring" \
+          >> "$out/q-sim.json"
+      done
+    done
+  done
+}
+tail_run() {
+  local cal live rec
+  : > "$out/q-sim.json"
+  echo "-- calibration runs (load average before: $(cut -d' ' -f1-3 /proc/loadavg))"
+  cal=$(tail_calibrate)
+  echo "-- measured: per post ns, per copy ns/B, per message ns, native message ns, native ns/B: $cal (load average after: $(cut -d' ' -f1-3 /proc/loadavg))"
+  echo "$cal" > "$out/q-cal.txt"
+  # shellcheck disable=SC2086
+  mapfile -t live < <(tail_cost $cal)
+  # Recorded in docs/BENCHMARKS.md on a quieter machine: issue 28's table (1 x 1, --poll-us=0:
+  # 8 B 39 us, 1 MiB 339 us) and section A (2 x 1 offloaded 1 KiB 134.61 us; native 1 KiB
+  # 1.24 us, 1 MiB 131.91 us).
+  mapfile -t rec < <(tail_cost 39000 "$(python3 -c 'print((339-39)*1e3/((1<<20)-8))')" \
+    "$(python3 -c 'print((134.61-39)/2*1e3)')" 1240 "$(python3 -c 'print((131.91-1.24)*1e3/((1<<20)-1024))')")
+  echo "live cost: ${live[0]}; native ring: ${live[1]}" > "$out/q-costs.txt"
+  echo "recorded cost: ${rec[0]}; native ring: ${rec[1]}" >> "$out/q-costs.txt"
+  tail_sim live "${live[0]}" "${live[1]}"
+  tail_sim recorded "${rec[0]}" "${rec[1]}"
+  echo "-- the small real run (section D's setup), delay 10 ms"
+  for mode in native offload; do
+    local extra=(); [ $mode = native ] && extra=(--native)
+    "$SP" launch --nodes 2 --ranks-per-node 2 "${extra[@]}" -- \
+      "$BENCH" late --coll allgatherv --delay-ms 10 --sizes 64K,1M --iters 10 \
+      --json "$out/q-late-$mode.json" 2> >(grep -v '^sp [0-9]* stats' >&2)
+  done
+}
+tail_markdown() {
+  echo "Calibration (per post ns, per copy ns/byte, per message ns, native message ns, native"
+  echo "ns/byte) measured by this run: $(cat "$out/q-cal.txt"). The simulator's cost fields:"
+  echo
+  sed 's/^/    /' "$out/q-costs.txt"
+  echo
+  echo "Simulated: \`service-process simulate --coll tail --nodes N --ranks-per-node $tail_rpn"
+  echo "--sps-per-node 4 --layout block --late-ranks N --late-delay-us 30000 --seeds 3 --inflight K"
+  echo "--cost ... [--ring-cost ...]\`: 64 KiB per rank (64-byte buffers priced by byte_weight), N"
+  echo "ranks picked at random 30 ms late. ring: \`same\` = the host ring under the same cost model;"
+  echo "\`native\` = the ring's message and byte costs those of native MPI measured here. Tails in"
+  echo "microseconds after the last arrival, means over 3 seeds; ratio = offload / ring."
+  echo
+  python3 - "$out/q-sim.json" <<'PY'
+import json, sys
+print("| calibration | nodes x ranks | copies in flight per SP | ring priced | offload tail us | ring tail us | ratio |")
+print("|---|---|---|---|---|---|---|")
+for r in map(json.loads, open(sys.argv[1])):
+    print(f"| {r['label']} | {r['nodes']} x {r['ranks_per_node']} | {r['max_inflight_reads']} | {r['ring']} "
+          f"| {r['mean_offload_tail_us']:.0f} | {r['mean_ring_tail_us']:.0f} | {r['tail_ratio']:.2f} |")
+PY
+  echo
+  echo "The small real run (2 nodes x 2 ranks, the last rank of each node 10 ms late, \`coll-bench late\`):"
+  echo
+  "$BENCH" compare --native "$out/q-late-native.json" --offload "$out/q-late-offload.json" --markdown
+}
+
+if [ $tail_only -eq 1 ]; then
+  echo "== Q. the Allgatherv tail after the last arrival, calibrated; $tail_nodes nodes x $tail_rpn ranks"
+  tail_run
+  echo
+  tail_markdown
+  exit 0
+fi
+
+if [ $fft_only -eq 1 ]; then
+  echo "== P. coll-bench fft (3D-FFT transpose loop); 2 nodes x 1 rank, splits a and b"
+  fft_run
+  echo
+  fft_markdown
   exit 0
 fi
 

@@ -8,6 +8,7 @@
 //! of the commands that need no MPI.
 
 pub mod compute;
+pub mod fft_math;
 pub mod mpi;
 pub mod pattern;
 pub mod strided;

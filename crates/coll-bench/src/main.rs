@@ -2,6 +2,7 @@
 
 mod coll;
 mod compare;
+mod fft;
 mod late;
 mod overlap;
 mod run;
@@ -14,8 +15,8 @@ use clap::{Parser, Subcommand};
 #[command(
     name = "coll-bench",
     version,
-    about = "Benchmarks for MPI collectives (`overlap`, `late`, `traffic` run under mpirun).",
-    long_about = "Benchmarks for MPI collectives. An ordinary MPI program: run `overlap`, \
+    about = "Benchmarks for MPI collectives (`overlap`, `late`, `traffic`, `fft` run under mpirun).",
+    long_about = "Benchmarks for MPI collectives. An ordinary MPI program: run `overlap`, `fft`, \
                   `late` and `traffic` under mpirun (or `service-process launch`), natively or \
                   with the host shim LD_PRELOADed (the same binary serves both); `compare` puts \
                   a native result and one or more offloaded results side by side and `traffic-table` renders \
@@ -122,12 +123,38 @@ enum Command {
     /// Exit code 1 if a row did not validate or is missing on one side. Needs no MPI: run it
     /// directly, not under mpirun.
     Compare(compare::CompareArgs),
+
+    /// An application proxy: the transpose loop of a slab-decomposed 3D FFT (issue 28).
+    ///
+    /// Per N and field, a complex N x N x N grid split in x-slabs of ceil(N / P) planes (uneven
+    /// when P does not divide N, empty on the last ranks when P * ceil(N / P) - N >=
+    /// ceil(N / P)). One 3D FFT of a field: 1D FFTs (mixed radix, any length) along z and y of
+    /// the local planes and the pack (stage 1), MPI_Ialltoallv of the transpose to y-slabs
+    /// (uneven counts, zeros for empty slabs), 1D FFTs along x (stage 2). Three phases of
+    /// --iters timed iterations, each from the same seeded input, a barrier before each:
+    /// comm_us (the transposes alone, post then wait, field after field), compute_us (the
+    /// stages alone), pipelined_us (post the transpose of field k, run stage 1 of field k + 1,
+    /// wait, stage 2 of field k), with post_us and wait_us the time in those calls; means,
+    /// maximum over ranks. overlap_pct = 100 - 100 * (pipelined_us - compute_us) / comm_us,
+    /// clamped to [0, 100]. The *_min_us fields and overlap_min_pct are the same on each
+    /// phase's fastest iteration (less exposed to preemption on a shared machine).
+    ///
+    /// Checked after the pipelined phase: every received byte and every output byte of every
+    /// field equal (bitwise) a reference run of the same computation without overlap whose
+    /// transpose is MPI_Isend/MPI_Irecv (point-to-point, never offloaded), and --spot-checks
+    /// output points per field and rank equal a direct 3D DFT of the input (to 1e-9 N^3). A
+    /// failure prints rank, field and offset; the exit code is then 1. JSON fields: bench, n,
+    /// ranks, nodes, fields, iters, seed, max_sent_bytes, comm_us, compute_us, pipelined_us,
+    /// comm_min_us, compute_min_us, pipelined_min_us, overlap_min_pct, post_us, wait_us,
+    /// overlap_pct, moved_bitwise, spot_checked, validated, mode.
+    Fft(fft::FftArgs),
 }
 
 fn main() {
     let cli = Cli::parse();
     let code = match cli.command {
         Command::Compare(args) => compare::compare(args),
+        Command::Fft(args) => fft::fft(args),
         Command::Late(args) => late::late(args),
         Command::Traffic(args) => traffic_run::traffic(args),
         Command::TrafficTable(args) => traffic_table::traffic_table(args),

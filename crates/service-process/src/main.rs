@@ -281,7 +281,8 @@ enum Cmd {
         #[arg(long, default_value_t = 60)]
         timeout_secs: u64,
     },
-    /// Run the deterministic simulator of the allgather or the bcast at scale (virtual time under
+    /// Run the deterministic simulator of the allgather or the bcast at scale, or the allgather's
+    /// tail after a late arrival against a host ring (virtual time under
     /// the simulator's cost model, not a measurement) and print completion time and inter-node
     /// bytes per SPs per node and layout (and per design for the bcast).
     ///
@@ -299,8 +300,19 @@ enum Cmd {
     /// between nodes, and bcast-bytes x (nodes - 1)), hier/flat (ratio of completion_us, on the
     /// hier row). JSON rows carry "coll": "bcast" and a "design" field.
     ///
+    /// --coll tail: the late-arrival tail (issue 28). Per seed, the hierarchical allgather and
+    /// a host-based ring allgatherv (`algorithms::host_ring`: P - 1 send-receive steps between
+    /// neighbouring world ranks, run by the ranks inside the call, a transfer moving once both
+    /// halves are posted) on the same blocks and arrival times, under --cost (and --ring-cost
+    /// for the ring on top of it); columns: last_arrival_us (mean over the seeds of the last
+    /// rank's call), offload_tail_us and ring_tail_us (the last completion minus the last
+    /// arrival), tail_ratio (offload / ring), no_ready and parked (the allgather's late-arrival
+    /// counters, summed). --block-bytes stays small (real buffers); the cost field byte_weight
+    /// prices each byte as that many.
+    ///
     /// Ranks post within the simulator's default arrival skew (20 us); --late-ranks of them
-    /// come later still. A simulator failure prints its seed and exits with status 1.
+    /// come later still (--late-delay-us). A simulator failure prints its seed and exits with
+    /// status 1.
     Simulate(service_process::simulate::SimulateOpts),
     /// Measure the multicast receive workers of one SP (issue 26): chunks per second landed
     /// and CPU ns per chunk against receive workers and chunk size, over loopback multicast

@@ -7,7 +7,8 @@
 
 use algorithms::bcast::Design;
 use algorithms::sim::allgatherv::{run, SimConfig};
-use algorithms::sim::{bcast, Layout};
+use algorithms::sim::host_ring::run_ring;
+use algorithms::sim::{bcast, CostModel, Layout};
 use anyhow::{anyhow, bail, Result};
 use serde::Serialize;
 
@@ -18,6 +19,9 @@ pub enum Coll {
     Allgather,
     /// The staged bcast, flat and hierarchical (`algorithms::sim::bcast`).
     Bcast,
+    /// The tail after the last arrival: the hierarchical allgather against a host-based ring
+    /// (`algorithms::sim::host_ring`) on the same blocks and arrivals.
+    Tail,
 }
 
 /// Defaults of the bcast options (those of the SP's `serve --stage-chunk-bytes/--stage-slots`
@@ -45,7 +49,7 @@ pub struct SimulateOpts {
     /// Comma-separated layouts to compare.
     #[arg(long = "layout", value_name = "LAYOUT", value_delimiter = ',', default_value = "block,cyclic", value_parser = parse_layout)]
     pub layouts: Vec<Layout>,
-    /// Allgather only: bytes each rank contributes (the simulator keeps real buffers: keep
+    /// Allgather and tail: bytes each rank contributes (the simulator keeps real buffers: keep
     /// it small) [default: 64]
     // `None`: [`DEFAULT_BLOCK_BYTES`]; given with `--coll bcast`, an error.
     #[arg(long)]
@@ -71,6 +75,23 @@ pub struct SimulateOpts {
     /// Bcast only: the root's world rank [default: 0]
     #[arg(long)]
     pub root: Option<u32>,
+    /// How late the late ranks are, in microseconds [default: the simulator's, 100]
+    #[arg(long)]
+    pub late_delay_us: Option<u64>,
+    /// Cost model fields to change, `name=value,...` (the fields of
+    /// `algorithms::sim::CostModel`: inter_node_latency_ns, intra_node_latency_ns, msg_proc_ns,
+    /// copy_fixed_inter_ns, copy_fixed_intra_ns, inter_node_bytes_per_ns,
+    /// intra_node_bytes_per_ns, msg_header_bytes, post_ns, byte_weight); the others keep their
+    /// defaults.
+    #[arg(long, value_name = "FIELD=VALUE,...", value_delimiter = ',')]
+    pub cost: Vec<String>,
+    /// Tail only: fields changed for the host ring on top of --cost [default: none, the same
+    /// cost model as the offloaded allgather]
+    #[arg(long, value_name = "FIELD=VALUE,...", value_delimiter = ',')]
+    pub ring_cost: Vec<String>,
+    /// Allgather and tail: copies in flight per SP [default: the simulator's, 4]
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    pub inflight: Option<u64>,
     /// Runs per point (seeds seed, seed+1, ...), averaged.
     #[arg(long, default_value_t = 3)]
     pub seeds: u32,
@@ -161,11 +182,64 @@ fn layout_name(layout: Layout) -> &'static str {
     }
 }
 
+/// The default cost model with the `name=value` changes of `changes`.
+pub fn cost_model(base: CostModel, changes: &[String]) -> Result<CostModel> {
+    let mut v = serde_json::to_value(base)?;
+    let fields = v.as_object_mut().expect("a struct serializes as a map");
+    for c in changes {
+        let (name, value) = c
+            .split_once('=')
+            .ok_or_else(|| anyhow!("--cost {c:?}: expected FIELD=VALUE"))?;
+        let value: u64 = value
+            .trim()
+            .parse()
+            .map_err(|_| anyhow!("--cost {c:?}: the value is not a non-negative integer"))?;
+        match fields.get_mut(name.trim()) {
+            Some(f) => *f = value.into(),
+            None => bail!(
+                "--cost {c:?}: no such field (the fields: {})",
+                fields.keys().cloned().collect::<Vec<_>>().join(", ")
+            ),
+        }
+    }
+    let m: CostModel = serde_json::from_value(v)?;
+    if m.inter_node_bytes_per_ns == 0 || m.intra_node_bytes_per_ns == 0 || m.byte_weight == 0 {
+        bail!("--cost: bandwidths and byte_weight must be at least 1");
+    }
+    Ok(m)
+}
+
 pub fn simulate(o: &SimulateOpts) -> Result<()> {
     if o.seeds == 0 {
         return Err(anyhow!("--seeds must be at least 1"));
     }
+    let cost = cost_model(CostModel::default(), &o.cost)?;
+    if o.coll != Coll::Tail && !o.ring_cost.is_empty() {
+        bail!("--ring-cost applies to --coll tail only");
+    }
+    if o.coll == Coll::Bcast && (o.inflight.is_some() || o.late_delay_us.is_some()) {
+        bail!("--inflight and --late-delay-us apply to --coll allgather and tail only");
+    }
     match o.coll {
+        Coll::Tail => {
+            for (set, name) in [
+                (o.bcast_bytes.is_some(), "--bcast-bytes"),
+                (o.chunk_bytes.is_some(), "--chunk-bytes"),
+                (o.slots.is_some(), "--slots"),
+                (o.root.is_some(), "--root"),
+            ] {
+                if set {
+                    bail!("{name} applies to --coll bcast only");
+                }
+            }
+            let ring_cost = cost_model(cost, &o.ring_cost)?;
+            simulate_tail(
+                o,
+                o.block_bytes.unwrap_or(DEFAULT_BLOCK_BYTES),
+                cost,
+                ring_cost,
+            )
+        }
         Coll::Allgather => {
             for (set, name) in [
                 (o.bcast_bytes.is_some(), "--bcast-bytes"),
@@ -177,18 +251,178 @@ pub fn simulate(o: &SimulateOpts) -> Result<()> {
                     bail!("{name} applies to --coll bcast only");
                 }
             }
-            simulate_allgather(o, o.block_bytes.unwrap_or(DEFAULT_BLOCK_BYTES))
+            simulate_allgather(o, o.block_bytes.unwrap_or(DEFAULT_BLOCK_BYTES), cost)
         }
         Coll::Bcast => {
             if o.block_bytes.is_some() {
-                bail!("--block-bytes applies to --coll allgather only");
+                bail!("--block-bytes applies to --coll allgather and tail only");
             }
-            simulate_bcast(o)
+            simulate_bcast(o, cost)
         }
     }
 }
 
-fn simulate_allgather(o: &SimulateOpts, block_bytes: u64) -> Result<()> {
+/// The allgather simulator's config for one run of `o` (allgather and tail).
+fn allgather_config(
+    o: &SimulateOpts,
+    seed: u64,
+    (k, layout): (u32, Layout),
+    block_bytes: u64,
+    cost: CostModel,
+) -> SimConfig {
+    let mut cfg = SimConfig::new(seed);
+    cfg.nodes = o.nodes;
+    cfg.ranks_per_node = o.ranks_per_node;
+    cfg.sps_per_node = k;
+    cfg.layout = layout;
+    cfg.max_block_bytes = block_bytes;
+    cfg.equal_counts = true;
+    cfg.zero_block_percent = 0;
+    cfg.late_ranks = o.late_ranks;
+    if let Some(us) = o.late_delay_us {
+        cfg.late_delay_ns = us * 1_000;
+    }
+    if let Some(n) = o.inflight {
+        cfg.max_inflight_reads = n as usize;
+    }
+    cfg.cost = cost;
+    cfg
+}
+
+const TAIL_COLUMNS: Columns<8> = [
+    ("sps", 4),
+    ("layout", 7),
+    ("last_arrival_us", 16),
+    ("offload_tail_us", 16),
+    ("ring_tail_us", 13),
+    ("tail_ratio", 11),
+    ("no_ready", 9),
+    ("parked", 7),
+];
+
+#[derive(Serialize)]
+struct TailRow {
+    #[serde(flatten)]
+    point: Point,
+    late_ranks: u32,
+    late_delay_us: f64,
+    block_bytes: u64,
+    /// Bytes a block stands for in the costs (block_bytes x byte_weight).
+    priced_block_bytes: u64,
+    max_inflight_reads: usize,
+    runs: u32,
+    /// Means over the seeds: the last rank's arrival, and each algorithm's last completion
+    /// minus it.
+    mean_last_arrival_us: f64,
+    mean_offload_tail_us: f64,
+    mean_ring_tail_us: f64,
+    /// mean_offload_tail_us / mean_ring_tail_us (below 1: the offload ends sooner after the
+    /// last arrival).
+    tail_ratio: f64,
+    no_ready_rank: u64,
+    parked: u64,
+    cost: CostModel,
+    ring_cost: CostModel,
+}
+
+fn simulate_tail(
+    o: &SimulateOpts,
+    block_bytes: u64,
+    cost: CostModel,
+    ring_cost: CostModel,
+) -> Result<()> {
+    let delay_ns = o
+        .late_delay_us
+        .map_or(SimConfig::new(0).late_delay_ns, |us| us * 1_000);
+    if !o.json {
+        println!(
+            "# simulated allgather tail after the last arrival: {} nodes x {} ranks, {} B per rank \
+             (priced as {} B), {} late ranks {} us late, {} seeds from {:#x} (virtual time); \
+             offload = hierarchical allgather, ring = host-based ring",
+            o.nodes,
+            o.ranks_per_node,
+            block_bytes,
+            block_bytes * cost.byte_weight,
+            o.late_ranks,
+            delay_ns / 1_000,
+            o.seeds,
+            o.seed
+        );
+        println!("# cost: {cost:?}");
+        if ring_cost != cost {
+            println!("# ring cost: {ring_cost:?}");
+        }
+        print_header(&TAIL_COLUMNS);
+    }
+    for &k in &o.sps_per_node {
+        for &layout in &o.layouts {
+            let mut row = TailRow {
+                point: o.point("tail", k, layout),
+                late_ranks: o.late_ranks,
+                late_delay_us: delay_ns as f64 / 1e3,
+                block_bytes,
+                priced_block_bytes: block_bytes * cost.byte_weight,
+                max_inflight_reads: 0,
+                runs: o.seeds,
+                mean_last_arrival_us: 0.0,
+                mean_offload_tail_us: 0.0,
+                mean_ring_tail_us: 0.0,
+                tail_ratio: 0.0,
+                no_ready_rank: 0,
+                parked: 0,
+                cost,
+                ring_cost,
+            };
+            for i in 0..o.seeds {
+                let seed = o.seed.wrapping_add(i as u64);
+                let cfg = allgather_config(o, seed, (k, layout), block_bytes, cost);
+                row.max_inflight_reads = cfg.max_inflight_reads;
+                let r = run(&cfg).map_err(|e| anyhow!("simulation failed: {e}"))?;
+                let mut ring_cfg = cfg;
+                ring_cfg.cost = ring_cost;
+                let g = run_ring(&ring_cfg).map_err(|e| anyhow!("ring simulation failed: {e}"))?;
+                if g.last_arrival_ns != r.last_arrival_ns {
+                    bail!(
+                        "seed={seed:#018x} : the ring's last arrival {} ns differs from the                          offload's {} ns",
+                        g.last_arrival_ns,
+                        r.last_arrival_ns
+                    );
+                }
+                let n = o.seeds as f64;
+                row.mean_last_arrival_us += r.last_arrival_ns as f64 / 1e3 / n;
+                row.mean_offload_tail_us +=
+                    r.end_ns.saturating_sub(r.last_arrival_ns) as f64 / 1e3 / n;
+                row.mean_ring_tail_us +=
+                    g.end_ns.saturating_sub(g.last_arrival_ns) as f64 / 1e3 / n;
+                row.no_ready_rank += r.stats.no_ready_rank;
+                row.parked += r.stats.parked;
+            }
+            if row.mean_ring_tail_us > 0.0 {
+                row.tail_ratio = row.mean_offload_tail_us / row.mean_ring_tail_us;
+            }
+            if o.json {
+                println!("{}", serde_json::to_string(&row)?);
+            } else {
+                print_row(
+                    &TAIL_COLUMNS,
+                    [
+                        k.to_string(),
+                        row.point.layout.to_string(),
+                        format!("{:.1}", row.mean_last_arrival_us),
+                        format!("{:.1}", row.mean_offload_tail_us),
+                        format!("{:.1}", row.mean_ring_tail_us),
+                        format!("{:.3}", row.tail_ratio),
+                        row.no_ready_rank.to_string(),
+                        row.parked.to_string(),
+                    ],
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+fn simulate_allgather(o: &SimulateOpts, block_bytes: u64, cost: CostModel) -> Result<()> {
     if !o.json {
         println!(
             "# simulated allgather: {} nodes x {} ranks, {} B per rank, {} late ranks, {} seeds \
@@ -212,15 +446,8 @@ fn simulate_allgather(o: &SimulateOpts, block_bytes: u64) -> Result<()> {
                 parked: 0,
             };
             for i in 0..o.seeds {
-                let mut cfg = SimConfig::new(o.seed.wrapping_add(i as u64));
-                cfg.nodes = o.nodes;
-                cfg.ranks_per_node = o.ranks_per_node;
-                cfg.sps_per_node = k;
-                cfg.layout = layout;
-                cfg.max_block_bytes = block_bytes;
-                cfg.equal_counts = true;
-                cfg.zero_block_percent = 0;
-                cfg.late_ranks = o.late_ranks;
+                let seed = o.seed.wrapping_add(i as u64);
+                let cfg = allgather_config(o, seed, (k, layout), block_bytes, cost);
                 let r = run(&cfg).map_err(|e| anyhow!("simulation failed: {e}"))?;
                 row.mean_completion_us += r.end_ns as f64 / 1e3 / o.seeds as f64;
                 row.inter_node_bytes += r.bytes_copied_inter_node;
@@ -305,7 +532,7 @@ fn keep_freed_memory() {
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 fn keep_freed_memory() {}
 
-fn simulate_bcast(o: &SimulateOpts) -> Result<()> {
+fn simulate_bcast(o: &SimulateOpts, cost: CostModel) -> Result<()> {
     let len = o.bcast_bytes.unwrap_or(DEFAULT_BCAST_BYTES);
     let chunk = o.chunk_bytes.unwrap_or(DEFAULT_CHUNK_BYTES);
     let slots = o.slots.unwrap_or(DEFAULT_SLOTS);
@@ -369,6 +596,7 @@ fn simulate_bcast(o: &SimulateOpts) -> Result<()> {
                     cfg.chunk_bytes = chunk;
                     cfg.staging_slots = slots;
                     cfg.late_ranks = o.late_ranks;
+                    cfg.cost = cost;
                     let what = format!(
                         "bcast simulation failed ({} SPs per node, {} layout, {} design)",
                         k, row.point.layout, row.design

@@ -25,6 +25,64 @@ fn simulate_reports_minimal_inter_node_bytes_for_both_layouts() {
 }
 
 #[test]
+fn simulate_tail_compares_the_offload_with_a_ring_on_the_same_arrivals() {
+    let rows = json_lines_ok(simulate(&[
+        "--coll",
+        "tail",
+        "--nodes",
+        "4",
+        "--ranks-per-node",
+        "4",
+        "--sps-per-node",
+        "2",
+        "--late-ranks",
+        "2",
+        "--late-delay-us",
+        "500",
+        "--seeds",
+        "2",
+        "--cost",
+        "post_ns=7000,byte_weight=16",
+        "--ring-cost",
+        "msg_proc_ns=0",
+        "--json",
+    ]));
+    assert_eq!(rows.len(), 2, "2 layouts: {rows:?}");
+    for r in &rows {
+        let f = |k: &str| r[k].as_f64().unwrap();
+        // The late ranks come 500 us late, within the 20 us skew.
+        assert!((500.0..=520.0).contains(&f("mean_last_arrival_us")), "{r}");
+        assert!(
+            f("mean_offload_tail_us") > 7.0,
+            "the post hop is in the tail: {r}"
+        );
+        assert!(f("mean_ring_tail_us") > 0.0, "{r}");
+        let ratio = f("mean_offload_tail_us") / f("mean_ring_tail_us");
+        assert!((f("tail_ratio") - ratio).abs() < 1e-9, "{r}");
+        assert_eq!(r["cost"]["post_ns"], 7000, "{r}");
+        assert_eq!(r["ring_cost"]["byte_weight"], 16, "{r}");
+        assert_eq!(r["ring_cost"]["msg_proc_ns"], 0, "{r}");
+        assert_eq!(r["cost"]["msg_proc_ns"], 100, "{r}");
+    }
+}
+
+#[test]
+fn simulate_refuses_unknown_cost_fields_and_misplaced_options() {
+    for args in [
+        &["--cost", "nope=1"][..],
+        &["--cost", "post_ns"],
+        &["--cost", "byte_weight=0"],
+        &["--ring-cost", "post_ns=1"],
+        &["--coll", "bcast", "--inflight", "2"],
+    ] {
+        let mut all = vec!["--nodes", "2", "--ranks-per-node", "2", "--seeds", "1"];
+        all.extend_from_slice(args);
+        let out = simulate(&all);
+        assert!(!out.status.success(), "{args:?} accepted");
+    }
+}
+
+#[test]
 fn simulate_refuses_zero_seeds() {
     let out = simulate(&["--nodes", "2", "--ranks-per-node", "2", "--seeds", "0"]);
     assert!(!out.status.success());

@@ -15,7 +15,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::{Deserialize, Serialize};
 
 use super::driver::{self, Core, Ev};
-use super::rng::splitmix64;
+use super::rng::{splitmix64, Rng};
 pub use super::shared::SimKey;
 use super::shared::{check_buffers_open, deliver, due_completion, world_key};
 use super::{sentinel, Common, Outcome, SimFailure};
@@ -57,6 +57,10 @@ pub struct SimReport {
     #[serde(flatten)]
     pub outcome: Outcome,
     pub end_ns: Nanos,
+    /// The latest time a rank called the collective (its post reached its
+    /// SP `cost.post_ns` later); `end_ns - last_arrival_ns` is the tail
+    /// after the last arrival.
+    pub last_arrival_ns: Nanos,
     pub copies: u64,
     pub bytes_copied_intra_node: u64,
     pub bytes_copied_inter_node: u64,
@@ -69,21 +73,107 @@ pub struct SimReport {
 super::config::sim_config! {
     config: [max_block_bytes, zero_block_percent, equal_counts], [], [];
     report:
-        [end_ns],
+        [end_ns, last_arrival_ns],
         [copies, bytes_copied_intra_node, bytes_copied_inter_node, min_inter_node_bytes],
         [stats],
         [];
 }
 super::config::world_schedule!();
 
-struct Op {
+/// One collective: every rank's block and receive buffer (also the
+/// baseline's, [`super::host_ring`]).
+pub(super) struct Op {
     key: CollKey,
-    send_buf: Vec<Vec<u8>>,
-    recv_displs: Vec<Vec<u64>>,
-    recv_buf: Vec<Vec<u8>>,
+    pub(super) send_buf: Vec<Vec<u8>>,
+    pub(super) recv_displs: Vec<Vec<u64>>,
+    pub(super) recv_buf: Vec<Vec<u8>>,
     post_ns: Vec<Option<Nanos>>,
-    done: Vec<Option<(Nanos, Status)>>,
+    pub(super) done: Vec<Option<(Nanos, Status)>>,
     disturbed: bool,
+}
+
+/// The collectives of `cfg`: blocks and receive layouts drawn from `setup`
+/// (the first draws of a run).
+pub(super) fn make_ops(cfg: &SimConfig, setup: &mut Rng) -> Vec<Op> {
+    let p = cfg.world_size() as usize;
+    let mut ops = Vec::new();
+    for i in 0..cfg.ops as usize {
+        let equal = setup.range(0, cfg.max_block_bytes);
+        let counts: Vec<u64> = (0..p)
+            .map(|_| {
+                if cfg.equal_counts {
+                    equal
+                } else if setup.chance(cfg.zero_block_percent as u64, 100) {
+                    0
+                } else {
+                    setup.range(0, cfg.max_block_bytes)
+                }
+            })
+            .collect();
+        let send_buf = (0..p)
+            .map(|s| {
+                let base = splitmix64(cfg.seed ^ splitmix64(((i as u64) << 32) | s as u64));
+                (0..counts[s])
+                    .map(|b| splitmix64(base.wrapping_add(b)) as u8)
+                    .collect()
+            })
+            .collect();
+        let mut recv_displs = Vec::new();
+        let mut recv_buf = Vec::new();
+        for _ in 0..p {
+            let mut order: Vec<usize> = (0..p).collect();
+            setup.shuffle(&mut order);
+            let mut displs = vec![0; p];
+            let mut at = 0;
+            for s in order {
+                at += setup.range(0, 3);
+                displs[s] = at;
+                at += counts[s];
+            }
+            at += setup.range(0, 3);
+            recv_displs.push(displs);
+            recv_buf.push((0..at as usize).map(sentinel).collect());
+        }
+        ops.push(Op {
+            key: world_key(i),
+            send_buf,
+            recv_displs,
+            recv_buf,
+            post_ns: vec![None; p],
+            done: vec![None; p],
+            disturbed: false,
+        });
+    }
+    ops
+}
+
+/// Whether rank `d`'s receive buffer of `o` is what native allgatherv
+/// leaves (`exact`), or else every block right or untouched; and no byte
+/// outside the blocks written.
+pub(super) fn check_recv_of(o: &Op, op: usize, d: usize, exact: bool) -> Result<(), String> {
+    let buf = &o.recv_buf[d];
+    let mut covered = vec![false; buf.len()];
+    for (s, want) in o.send_buf.iter().enumerate() {
+        let at = o.recv_displs[d][s] as usize;
+        let got = &buf[at..at + want.len()];
+        let right = got == &want[..];
+        let untouched = got.iter().enumerate().all(|(i, &b)| b == sentinel(at + i));
+        if !right && (exact || !untouched) {
+            return Err(format!(
+                "op {op}: rank {d}: block of rank {s} ({} bytes at {at}) is wrong (completed ok: {exact})",
+                want.len()
+            ));
+        }
+        covered[at..at + want.len()]
+            .iter_mut()
+            .for_each(|c| *c = true);
+    }
+    if let Some(i) = (0..buf.len()).find(|&i| !covered[i] && buf[i] != sentinel(i)) {
+        return Err(format!(
+            "op {op}: rank {d}: byte {i} outside every block was overwritten"
+        ));
+    }
+    Ok(())
 }
 
 type Input = driver::Input<(usize, Msg<SimKey>), Copy<SimKey>>;
@@ -100,56 +190,7 @@ super::shared::world_collective!((usize, Msg<SimKey>), Copy<SimKey>);
 impl<'a> Sim<'a> {
     fn new(cfg: &'a SimConfig) -> Result<Sim<'a>, SimFailure> {
         let (core, mut setup) = cfg.core()?;
-        let w = cfg.world_size();
-        let p = w as usize;
-        let mut ops = Vec::new();
-        for i in 0..cfg.ops as usize {
-            let equal = setup.range(0, cfg.max_block_bytes);
-            let counts: Vec<u64> = (0..p)
-                .map(|_| {
-                    if cfg.equal_counts {
-                        equal
-                    } else if setup.chance(cfg.zero_block_percent as u64, 100) {
-                        0
-                    } else {
-                        setup.range(0, cfg.max_block_bytes)
-                    }
-                })
-                .collect();
-            let send_buf = (0..p)
-                .map(|s| {
-                    let base = splitmix64(cfg.seed ^ splitmix64(((i as u64) << 32) | s as u64));
-                    (0..counts[s])
-                        .map(|b| splitmix64(base.wrapping_add(b)) as u8)
-                        .collect()
-                })
-                .collect();
-            let mut recv_displs = Vec::new();
-            let mut recv_buf = Vec::new();
-            for _ in 0..p {
-                let mut order: Vec<usize> = (0..p).collect();
-                setup.shuffle(&mut order);
-                let mut displs = vec![0; p];
-                let mut at = 0;
-                for s in order {
-                    at += setup.range(0, 3);
-                    displs[s] = at;
-                    at += counts[s];
-                }
-                at += setup.range(0, 3);
-                recv_displs.push(displs);
-                recv_buf.push((0..at as usize).map(sentinel).collect());
-            }
-            ops.push(Op {
-                key: world_key(i),
-                send_buf,
-                recv_displs,
-                recv_buf,
-                post_ns: vec![None; p],
-                done: vec![None; p],
-                disturbed: false,
-            });
-        }
+        let ops = make_ops(cfg, &mut setup);
         let mut sim = Sim {
             cfg,
             core,
@@ -399,30 +440,7 @@ impl<'a> Sim<'a> {
     }
 
     fn check_recv(&self, op: usize, d: usize, exact: bool) -> Result<(), SimFailure> {
-        let o = &self.ops[op];
-        let buf = &o.recv_buf[d];
-        let mut covered = vec![false; buf.len()];
-        for (s, want) in o.send_buf.iter().enumerate() {
-            let at = o.recv_displs[d][s] as usize;
-            let got = &buf[at..at + want.len()];
-            let right = got == &want[..];
-            let untouched = got.iter().enumerate().all(|(i, &b)| b == sentinel(at + i));
-            if !right && (exact || !untouched) {
-                return Err(self.fail(format!(
-                    "op {op}: rank {d}: block of rank {s} ({} bytes at {at}) is wrong (completed ok: {exact})",
-                    want.len()
-                )));
-            }
-            covered[at..at + want.len()]
-                .iter_mut()
-                .for_each(|c| *c = true);
-        }
-        if let Some(i) = (0..buf.len()).find(|&i| !covered[i] && buf[i] != sentinel(i)) {
-            return Err(self.fail(format!(
-                "op {op}: rank {d}: byte {i} outside every block was overwritten"
-            )));
-        }
-        Ok(())
+        check_recv_of(&self.ops[op], op, d, exact).map_err(|e| self.fail(e))
     }
 
     fn report(&self) -> SimReport {
@@ -442,6 +460,7 @@ impl<'a> Sim<'a> {
                 .core
                 .outcome(done.clone().filter(|(_, s)| !s.is_ok()).count() as u64),
             end_ns: done.map(|&(t, _)| t).max().unwrap_or(0),
+            last_arrival_ns: self.core.last_arrival_ns,
             copies: self.core.copies,
             bytes_copied_intra_node: self.core.bytes_intra,
             bytes_copied_inter_node: self.core.bytes_inter,

@@ -41,6 +41,20 @@ pub struct CostModel {
     pub intra_node_bytes_per_ns: u64,
     /// Wire size of a message on top of its fields (CollKey, framing).
     pub msg_header_bytes: u64,
+    /// Time from a rank's call to its SP taking the post (the host-to-SP
+    /// hop; 0 by default: the post reaches the SP's inbox at the call).
+    #[serde(default)]
+    pub post_ns: Nanos,
+    /// Bytes each byte of a simulated buffer stands for in the cost of
+    /// copies and bulk transfers (1 by default). The simulators keep real
+    /// buffers and check every byte; a weight above 1 prices large blocks
+    /// while the buffers stay small.
+    #[serde(default = "one")]
+    pub byte_weight: u64,
+}
+
+fn one() -> u64 {
+    1
 }
 
 impl Default for CostModel {
@@ -54,6 +68,8 @@ impl Default for CostModel {
             inter_node_bytes_per_ns: 12,
             intra_node_bytes_per_ns: 48,
             msg_header_bytes: 32,
+            post_ns: 0,
+            byte_weight: 1,
         }
     }
 }

@@ -137,6 +137,8 @@ pub(crate) struct Core<M, C> {
     pub bytes_intra: u64,
     pub bytes_inter: u64,
     pub max_in_flight: usize,
+    /// The latest time a host rank called a collective ([`Core::schedule_post`]).
+    pub last_arrival_ns: Nanos,
     pub net: NetFaults,
     rx: Vec<Rx>,
     /// Per SP: when its multicast send worker is free.
@@ -195,6 +197,7 @@ impl<M, C> Core<M, C> {
             bytes_intra: 0,
             bytes_inter: 0,
             max_in_flight: 0,
+            last_arrival_ns: 0,
             net: NetFaults::default(),
             rx: vec![Rx::default(); (p.nodes * p.sps_per_node) as usize],
             mcast_free: vec![0; (p.nodes * p.sps_per_node) as usize],
@@ -234,11 +237,13 @@ impl<M, C> Core<M, C> {
         self.queue.insert((at, self.seq), ev);
     }
 
-    /// Host rank `world` posts comm rank `rank` of collective `op` at `at`.
+    /// Host rank `world` posts comm rank `rank` of collective `op` at `at`:
+    /// its SP takes the post `cost.post_ns` later.
     pub fn schedule_post(&mut self, at: Nanos, world: u32, op: usize, rank: Rank) {
         let sp = self.rank_sp[world as usize];
+        self.last_arrival_ns = self.last_arrival_ns.max(at);
         self.schedule(
-            at,
+            at + self.p.cost.post_ns,
             Ev::Input {
                 sp,
                 input: Input::Post { op, rank },
@@ -274,21 +279,9 @@ impl<M, C> Core<M, C> {
     /// comm at `op * op_gap_ns` + uniform `0..=arrival_skew_ns`, plus
     /// `late_delay_ns` for `late_ranks` world ranks picked at random.
     pub fn schedule_world_posts(&mut self, setup: &mut Rng) {
-        let p = self.p;
         let w = self.rank_sp.len() as u32;
-        let late: BTreeSet<u32> = {
-            let mut all: Vec<u32> = (0..w).collect();
-            setup.shuffle(&mut all);
-            all.into_iter().take(p.late_ranks as usize).collect()
-        };
-        for op in 0..p.ops as usize {
-            for r in 0..w {
-                let late_ns = if late.contains(&r) {
-                    p.late_delay_ns
-                } else {
-                    0
-                };
-                let t = op as Nanos * p.op_gap_ns + setup.range(0, p.arrival_skew_ns) + late_ns;
+        for (op, times) in world_arrivals(&self.p, w, setup).into_iter().enumerate() {
+            for (r, t) in (0..w).zip(times) {
                 self.schedule_post(t, r, op, r);
             }
         }
@@ -406,6 +399,7 @@ impl<M, C> Core<M, C> {
     /// arrived (latency included).
     pub fn transfer(&mut self, sp: SpId, to: SpId, bytes: u64, out: Nanos) -> Nanos {
         let (link, lat, bw) = self.link(sp, to);
+        let bytes = bytes * self.p.cost.byte_weight;
         let free = self.link_free.entry(link).or_insert(0);
         let departed = (*free).max(out) + bytes.div_ceil(bw.max(1));
         *free = departed;
@@ -434,7 +428,7 @@ impl<M, C> Core<M, C> {
         } else {
             (c.copy_fixed_inter_ns, c.inter_node_bytes_per_ns)
         };
-        fixed + len.div_ceil(bw.max(1))
+        fixed + (len * c.byte_weight).div_ceil(bw.max(1))
     }
 
     /// Account a copy of `len` bytes from world rank `src` to `dst`.
@@ -476,7 +470,7 @@ impl<M, C> Core<M, C> {
         out: Nanos,
     ) -> Nanos {
         let c = self.p.cost;
-        let wire = c.msg_header_bytes + bytes;
+        let wire = c.msg_header_bytes + bytes * c.byte_weight;
         let free = &mut self.mcast_free[sp as usize];
         let departed = (*free).max(out) + wire.div_ceil(c.inter_node_bytes_per_ns.max(1));
         *free = departed;
@@ -585,6 +579,32 @@ impl<M, C> Core<M, C> {
             },
         );
     }
+}
+
+/// When each of the `w` world ranks calls each of the `p.ops` collectives
+/// of the world comm (`[op][rank]`), drawn from `setup` as
+/// [`Core::schedule_world_posts`] describes (a simulator without a [`Core`]
+/// draws the same times from the same generator state).
+pub(crate) fn world_arrivals(p: &Common, w: u32, setup: &mut Rng) -> Vec<Vec<Nanos>> {
+    let late: BTreeSet<u32> = {
+        let mut all: Vec<u32> = (0..w).collect();
+        setup.shuffle(&mut all);
+        all.into_iter().take(p.late_ranks as usize).collect()
+    };
+    (0..p.ops as usize)
+        .map(|op| {
+            (0..w)
+                .map(|r| {
+                    let late_ns = if late.contains(&r) {
+                        p.late_delay_ns
+                    } else {
+                        0
+                    };
+                    op as Nanos * p.op_gap_ns + setup.range(0, p.arrival_skew_ns) + late_ns
+                })
+                .collect()
+        })
+        .collect()
 }
 
 /// What a collective's simulator adds to the [`Core`].

@@ -17,6 +17,7 @@ pub mod alltoallv;
 pub mod bcast;
 mod config;
 mod driver;
+pub mod host_ring;
 pub mod mcast_allgather;
 pub mod mcast_bcast;
 pub mod rng;
