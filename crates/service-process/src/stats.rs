@@ -110,6 +110,49 @@ pub struct Stats {
     /// job ended).
     pub jobs_at_exit: u64,
     pub instances_at_exit: u64,
+    /// Where the offloaded calls' time went (`bootstrap::stamps`): per stage `{n, p50_us,
+    /// p99_us}` over the calls completed through a mailbox with status ok. `post` (sent to
+    /// seen) and `notice` (written to seen by the rank, told by the rank's next post) only for
+    /// ranks on this SP's kernel; `total` is the rank's to measure (the benchmark's table).
+    #[serde(rename = "stages")]
+    pub breakdown: SpBreakdown,
+}
+
+/// The SP's side of [`bootstrap::stamps::Breakdown`].
+#[derive(Clone, Debug, Default)]
+pub struct SpBreakdown(pub bootstrap::stamps::Breakdown);
+
+impl SpBreakdown {
+    /// A post read at `seen` with the rank's stamps: its `post` stage, and the `notice` stage
+    /// of the rank's previous call.
+    pub fn record_host(&mut self, seen: u64, host: &bootstrap::wire::PostStamps) {
+        use bootstrap::stamps::{NOTICE, POST};
+        if host.sent_ns != 0 && seen >= host.sent_ns {
+            self.0.stages[POST].add(seen - host.sent_ns);
+        }
+        if host.last_notice_ns != 0 {
+            self.0.stages[NOTICE].add(host.last_notice_ns);
+        }
+    }
+
+    /// A completion written with the SP's stamps `sp`: its `accept`, `issue`, `copy` and
+    /// `complete` stages (or one more `disordered`).
+    pub fn record_sp(&mut self, sp: &bootstrap::stamps::SpStamps) {
+        match sp.sp_stages() {
+            Some(s) => {
+                for (h, v) in self.0.stages[1..5].iter_mut().zip(s) {
+                    h.add(v);
+                }
+            }
+            None => self.0.disordered += 1,
+        }
+    }
+}
+
+impl Serialize for SpBreakdown {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.0.to_json().serialize(s)
+    }
 }
 
 /// Jobs whose late-arrival counters an SP keeps apart (an SP may serve jobs for ever).
@@ -409,6 +452,9 @@ pub fn table(answers: &[(algorithms::SpId, serde_json::Value)]) -> String {
         out += &row(std::iter::once(sp.to_string())
             .chain(TABLE.iter().map(|f| cell(v, f)))
             .collect());
+        if let Some(line) = stages_line(&v["stages"]) {
+            out += &line;
+        }
         for j in v["late_arrivals_by_job"].as_array().into_iter().flatten() {
             out += &format!(
                 "  job {:#x}: no_ready_rank {} served_after_pass {} parked {} parked_wait_ns {}\n",
@@ -421,6 +467,27 @@ pub fn table(answers: &[(algorithms::SpId, serde_json::Value)]) -> String {
         }
     }
     out
+}
+
+/// The per-stage line under an SP's row of the `stats` table: `p50/p99` in µs of each stage
+/// with calls (`None`: no call recorded).
+fn stages_line(stages: &serde_json::Value) -> Option<String> {
+    let mut parts = Vec::new();
+    for name in bootstrap::stamps::STAGES {
+        let s = &stages[name];
+        if s["n"].as_u64().unwrap_or(0) == 0 {
+            continue;
+        }
+        parts.push(format!("{name} {}/{}", s["p50_us"], s["p99_us"]));
+    }
+    if parts.is_empty() {
+        return None;
+    }
+    Some(format!(
+        "  stages (p50/p99 us): {}; disordered {}\n",
+        parts.join(", "),
+        stages["disordered"]
+    ))
 }
 
 /// `service-process stats`: every SP's counters, as a table or JSON lines. An SP that does not

@@ -194,6 +194,10 @@ struct Posted {
     token: u64,
     /// The rank copies the segments already on its node itself (`PostDesc::host_copies`).
     host_copies: bool,
+    /// The SP's stamps of the call (`bootstrap::stamps`): `seen` and `ready` set by the post,
+    /// the copies' by the instance when it completes the rank (0: none).
+    stamps: bootstrap::stamps::SpStamps,
+    copies: u32,
 }
 
 /// A copy handed to a host (`SpToHost::Copy`), until it answers or goes.
@@ -245,6 +249,11 @@ struct Instance {
     staging_refused: Option<String>,
     /// The SP memory its local posts hold (given back to the ledger with the instance).
     holds: Vec<crate::held::Hold>,
+    /// When its first copy started and its last one was seen done (`bootstrap::stamps`, 0:
+    /// none yet), and how many were done.
+    first_copy_ns: u64,
+    last_copy_ns: u64,
+    copies_done: u32,
 }
 
 /// Most admin requests an SP answers per two minutes (`auth::AdminReplays`): a launcher's
@@ -329,6 +338,9 @@ pub struct Server {
     stage_ucx: Option<alias_mkey::host::UcxRegistrar>,
     /// See [`ServeConfig::poll_interval`].
     poll_interval: Option<Duration>,
+    /// When the frames being handled were read (CLOCK_MONOTONIC ns, `bootstrap::stamps`): a
+    /// post's `seen` stamp.
+    read_at_ns: u64,
     /// Slots children granted through UCX: (instance, child, slot) -> its key.
     peer_slots: HashMap<(CollKey, SpId, u32), AliasKey>,
     /// Moves running as UCX puts on the datapath, by ticket: the instance, the move, the
@@ -558,6 +570,7 @@ impl Server {
             budget: Budget::with_shares(cfg.staging_bytes, cfg.limits.staging_shares),
             held: crate::held::Ledger::new(cfg.limits.held),
             poll_interval: cfg.poll_interval,
+            read_at_ns: 0,
             arenas: HashMap::new(),
             regions: HashMap::new(),
             flat_here: HashSet::new(),

@@ -349,6 +349,7 @@ impl Server {
             } else {
                 conn.read_frames(|f| frames.push(f))
             };
+            self.read_at_ns = bootstrap::stamps::now_ns();
             let got_hello = before_hello && !frames.is_empty();
             for f in frames {
                 self.on_frame(key, f);
