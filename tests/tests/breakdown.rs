@@ -14,6 +14,25 @@ const STAGES: [&str; 7] = [
 
 #[test]
 fn breakdown_has_every_stage_in_order_for_a_real_job() {
+    breakdown_for(&[]);
+}
+
+/// The same with the SP busy-polling on a CPU of its own (`launch --sp-cpus` with a CPU per SP
+/// implies `serve --busy-poll`; every copy then runs on the polling thread): the results are
+/// still right, every stage is there, and the SP did poll (it looked and found nothing many
+/// times) rather than sleep.
+#[test]
+fn breakdown_has_every_stage_in_order_with_a_busy_polling_sp() {
+    let stats = breakdown_for(&["--sp-cpus", "1"]);
+    assert!(
+        stats["empty_polls"].as_u64().is_some_and(|n| n > 0),
+        "the SP did not poll: {stats}"
+    );
+}
+
+/// Runs the job with `extra` launcher arguments, checks the breakdowns, and returns the SP's
+/// counters.
+fn breakdown_for(extra: &[&str]) -> serde_json::Value {
     let mut rng = Rng(seed());
     // Two sizes: one copied on the SP's loop thread, one on a datapath thread (serve's
     // --inline-copy-bytes is 64 KiB by default), each a random length.
@@ -22,13 +41,17 @@ fn breakdown_has_every_stage_in_order_for_a_real_job() {
     let sizes = format!("{small},{large}");
     let iters = 6 + rng.below(6);
     let warmup = 2u64;
-    let json = std::env::temp_dir().join(format!("spoff-breakdown-{}.json", std::process::id()));
+    let json = std::env::temp_dir().join(format!(
+        "spoff-breakdown-{}-{}.json",
+        std::process::id(),
+        extra.len()
+    ));
     let json_s = json.display().to_string();
     let bench = artifact("coll-bench").display().to_string();
     let ranks = 2u64;
     let run = run(
         launch_cmd(
-            &["--nodes", "1", "--ranks-per-node", "2"],
+            &[&["--nodes", "1", "--ranks-per-node", "2"], extra].concat(),
             &[
                 &bench,
                 "overlap",
@@ -84,4 +107,5 @@ fn breakdown_has_every_stage_in_order_for_a_real_job() {
         assert_eq!(s[name]["n"].as_u64(), Some(posts), "stage {name}: {s}");
     }
     assert_eq!(s["notice"]["n"].as_u64(), Some(posts - ranks), "{s}");
+    st.clone()
 }

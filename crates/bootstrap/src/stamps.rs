@@ -118,12 +118,15 @@ pub fn stages(sent: u64, sp: &SpStamps, noticed: u64, same_clock: bool) -> Optio
     ])
 }
 
-/// Linear buckets of [`Hist`] (100 ns each, up to 100 µs), then powers of two.
+/// Linear buckets of [`Hist`] (100 ns each, up to 100 µs), then eight per power of two from
+/// 2^16 ns (65 µs) to 2^48 ns.
 const LINEAR: usize = 1000;
 const LINEAR_NS: u64 = 100;
-const LOG: usize = 48;
+const FIRST_OCTAVE: usize = 16;
+const LOG: usize = (48 - FIRST_OCTAVE) * 8;
 
-/// A histogram of durations (ns): 100 ns resolution up to 100 µs, a factor of two above.
+/// A histogram of durations (ns): 100 ns resolution up to 100 µs, 1/8 of a power of two above
+/// (within 12 %).
 #[derive(Clone, Debug)]
 pub struct Hist {
     linear: Box<[u32; LINEAR]>,
@@ -148,7 +151,9 @@ impl Hist {
         if b < LINEAR {
             self.linear[b] = self.linear[b].saturating_add(1);
         } else {
-            let l = (64 - ns.leading_zeros() as usize).min(LOG - 1);
+            let octave = 63 - ns.leading_zeros() as usize;
+            let sub = ((ns >> (octave - 3)) & 7) as usize;
+            let l = ((octave - FIRST_OCTAVE) * 8 + sub).min(LOG - 1);
             self.log[l] = self.log[l].saturating_add(1);
         }
     }
@@ -173,7 +178,8 @@ impl Hist {
         for (l, &c) in self.log.iter().enumerate() {
             seen += c as u64;
             if seen >= want {
-                return 1u64 << l;
+                let (octave, sub) = (l / 8 + FIRST_OCTAVE, (l % 8) as u64);
+                return (9 + sub) << (octave - 3);
             }
         }
         u64::MAX
@@ -265,7 +271,11 @@ mod tests {
         assert_eq!(h.percentile(50.0), 50_100);
         assert_eq!(h.percentile(99.0), 99_100);
         h.add(1 << 30);
-        assert_eq!(h.percentile(100.0), 1 << 31);
+        assert_eq!(h.percentile(100.0), 9 << 27, "the upper edge of 2^30's bucket");
+        let mut h = Hist::default();
+        h.add(1_048_576);
+        let p = h.percentile(50.0);
+        assert!((1_048_576..=1_048_576 * 9 / 8).contains(&p), "{p}");
         assert_eq!(Hist::default().percentile(50.0), 0);
         let bytes = SpStamps {
             seen: 1,

@@ -144,7 +144,8 @@ pub struct ServeConfig {
     /// Look at the connections (and the UCX worker) at this interval instead of sleeping
     /// until something arrives: after a look that finds nothing, sleep this long. For an SP on
     /// a reserved core, as DPU service processes poll: nothing ever waits on a connection, so
-    /// a rank's post does not pay for waking the SP.
+    /// a rank's post does not pay for waking the SP. `Some(ZERO)`: busy-poll (look again at
+    /// once, never sleep; `serve --busy-poll`).
     pub poll_interval: Option<Duration>,
     /// The cluster's secret: peers, job credentials and admin requests are checked with it.
     pub key: ClusterKey,
@@ -634,7 +635,7 @@ impl Server {
         let mut events = Events::with_capacity(256);
         let tcp = self.hosts_tcp.as_ref().and_then(|l| l.local_addr().ok());
         info!(sp = self.me, socket = %self.host_socket.display(), tcp = ?tcp, "serving");
-        if self.poll_interval.is_some() {
+        if self.poll_interval.is_some_and(|nap| !nap.is_zero()) {
             // Naps of a few tens of microseconds: Linux's default timer slack (50 us) would
             // stretch each one by up to that much.
             // SAFETY: prctl with an integer argument; no memory is passed.
@@ -692,8 +693,11 @@ impl Server {
                 self.stats.empty_polls += 1;
                 // A nap, not sched_yield: SPs spinning with sched_yield on one CPU were seen to
                 // keep it from each other and from their datapath threads for a whole
-                // scheduler tick (milliseconds) on Linux 6.18.
-                std::thread::sleep(nap);
+                // scheduler tick (milliseconds) on Linux 6.18. Busy-polling (a zero nap): no
+                // nap, no yield; the SP owns its cores.
+                if !nap.is_zero() {
+                    std::thread::sleep(nap);
+                }
             }
             for ev in events.iter() {
                 match ev.token() {
