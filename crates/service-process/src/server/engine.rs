@@ -536,10 +536,13 @@ impl Server {
         head[4..8].copy_from_slice(&p.copies.to_le_bytes());
         head[8..].copy_from_slice(&stamps.to_bytes());
         let token = p.token.to_le_bytes();
-        let res = self
-            .mover
-            .write(mb, base + mailbox::STATUS_OFFSET, &head)
-            .and_then(|_| self.mover.write(mb, base + mailbox::TOKEN_OFFSET, &token));
+        let res = self.mover.write_then(
+            mb,
+            base + mailbox::STATUS_OFFSET,
+            &head,
+            base + mailbox::TOKEN_OFFSET,
+            &token,
+        );
         if status.is_ok() && p.stamps.seen != 0 {
             self.stats.breakdown.record_sp(&stamps);
         }
