@@ -80,7 +80,10 @@ fn breakdown_for(extra: &[&str]) -> serde_json::Value {
     for r in &rows {
         assert_eq!(r["validated"], true, "{r}");
         let b = &r["breakdown"];
-        assert_eq!(b["disordered"], 0, "calls with a stamp lost or out of order: {r}");
+        assert_eq!(
+            b["disordered"], 0,
+            "calls with a stamp lost or out of order: {r}"
+        );
         // Rank 0's timed calls of the pure phase, each with every stage.
         for s in STAGES {
             assert_eq!(b[s]["n"].as_u64(), Some(iters), "stage {s}: {r}");

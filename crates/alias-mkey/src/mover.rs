@@ -116,7 +116,14 @@ impl CmaMover {
             // SAFETY: the local pieces are the two slices, which the kernel only reads; the
             // remote addresses are only interpreted by the kernel in the other process.
             let n = unsafe {
-                libc::process_vm_writev(owner.pid as libc::pid_t, local.as_ptr(), 2, remote.as_ptr(), 2, 0)
+                libc::process_vm_writev(
+                    owner.pid as libc::pid_t,
+                    local.as_ptr(),
+                    2,
+                    remote.as_ptr(),
+                    2,
+                    0,
+                )
             };
             if n >= 0 && n as usize == first.len() + then.len() {
                 return Ok(());

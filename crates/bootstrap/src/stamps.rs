@@ -94,7 +94,12 @@ impl SpStamps {
 /// Every stage of a call (indexed as [`STAGES`]) from the rank's stamps and the SP's;
 /// `same_clock`: the rank and the SP share a kernel (else `post` and `notice` are `None`,
 /// and `total` is the rank's own). `None`: a stamp is missing or out of order.
-pub fn stages(sent: u64, sp: &SpStamps, noticed: u64, same_clock: bool) -> Option<[Option<u64>; 7]> {
+pub fn stages(
+    sent: u64,
+    sp: &SpStamps,
+    noticed: u64,
+    same_clock: bool,
+) -> Option<[Option<u64>; 7]> {
     let inner = sp.sp_stages()?;
     if sent == 0 || noticed < sent {
         return None;
@@ -271,7 +276,11 @@ mod tests {
         assert_eq!(h.percentile(50.0), 50_100);
         assert_eq!(h.percentile(99.0), 99_100);
         h.add(1 << 30);
-        assert_eq!(h.percentile(100.0), 9 << 27, "the upper edge of 2^30's bucket");
+        assert_eq!(
+            h.percentile(100.0),
+            9 << 27,
+            "the upper edge of 2^30's bucket"
+        );
         let mut h = Hist::default();
         h.add(1_048_576);
         let p = h.percentile(50.0);

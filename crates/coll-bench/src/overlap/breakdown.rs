@@ -96,7 +96,8 @@ pub fn readv_us(len: usize, reps: usize) -> f64 {
 
 /// The breakdown table: per size, each stage's p50/p99 in µs, and the readv beside it.
 pub fn table(rows: &[(usize, Stages, f64)]) -> String {
-    let mut out = String::from("# where an offloaded call's time goes (p50/p99 us, rank 0's calls)\n");
+    let mut out =
+        String::from("# where an offloaded call's time goes (p50/p99 us, rank 0's calls)\n");
     out += &format!("{:>10}", "bytes");
     for s in STAGES {
         out += &format!(" {s:>15}");
