@@ -173,6 +173,22 @@ unsafe fn vm_transfer(
 ) -> Result<(), AccessError> {
     // The process the key was made for, still alive, opened as its client.
     let pinned = crate::process::check(owner)?;
+    // SAFETY: forwarded.
+    unsafe { vm_transfer_pinned(dir, owner, &pinned, addr, local, len) }
+}
+
+/// [`vm_transfer`] with `owner`'s process just checked ([`crate::process::check`]) by the caller.
+///
+/// # Safety
+/// As for [`vm_transfer`].
+unsafe fn vm_transfer_pinned(
+    dir: Direction,
+    owner: &Owner,
+    pinned: &crate::process::Pinned,
+    addr: u64,
+    local: *mut u8,
+    len: usize,
+) -> Result<(), AccessError> {
     let pid = owner.pid as libc::pid_t;
     let direct = crate::ids::acts_as(owner.uid, owner.gid);
     let fd = pinned.mem().as_raw_fd();
@@ -310,8 +326,33 @@ impl Mover for CmaMover {
         while moved < len {
             let n = (len - moved).min(self.staging.len() as u64) as usize;
             let chunk = &mut self.staging[..n];
-            vm_read(&src.owner, src_addr + moved, chunk)?;
-            vm_write(&dst.owner, dst_addr + moved, chunk)?;
+            // Each end's process checked before each chunk; one check when both ends are the
+            // same process (a rank copying between its own buffers): a poll fewer per chunk.
+            let ps = crate::process::check(&src.owner)?;
+            let pd = if dst.owner == src.owner {
+                ps.clone()
+            } else {
+                crate::process::check(&dst.owner)?
+            };
+            // SAFETY: `chunk` is valid for reads and writes of its length.
+            unsafe {
+                vm_transfer_pinned(
+                    Direction::Read,
+                    &src.owner,
+                    &ps,
+                    src_addr + moved,
+                    chunk.as_mut_ptr(),
+                    n,
+                )?;
+                vm_transfer_pinned(
+                    Direction::Write,
+                    &dst.owner,
+                    &pd,
+                    dst_addr + moved,
+                    chunk.as_mut_ptr(),
+                    n,
+                )?;
+            }
             moved += n as u64;
         }
         Ok(())
