@@ -563,6 +563,43 @@ mod tests {
     use crate::drivers::LateArrivals;
 
     #[test]
+    fn the_table_shows_the_stages_of_an_sp_that_recorded_calls() {
+        let mut s = Stats::default();
+        let sp = bootstrap::stamps::SpStamps {
+            seen: 1_000,
+            ready: 2_000,
+            first_copy: 2_500,
+            last_copy: 4_500,
+            written: 5_000,
+        };
+        s.breakdown.record_sp(&sp);
+        s.breakdown.record_host(
+            1_000,
+            &bootstrap::wire::PostStamps {
+                sent_ns: 600,
+                last_notice_ns: 0,
+            },
+        );
+        s.breakdown
+            .record_sp(&bootstrap::stamps::SpStamps { ready: 0, ..sp });
+        let v = serde_json::to_value(&s).unwrap();
+        assert_eq!(v["stages"]["copy"]["n"], 1);
+        assert_eq!(v["stages"]["copy"]["p50_us"], 2.1);
+        assert_eq!(v["stages"]["post"]["p50_us"], 0.5);
+        assert_eq!(v["stages"]["notice"]["n"], 0, "no notice told yet");
+        assert_eq!(v["stages"]["disordered"], 1);
+        let t = table(&[(0, v), (1, serde_json::to_value(Stats::default()).unwrap())]);
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(lines.len(), 4, "{t}");
+        assert!(
+            lines[2].starts_with("  stages (p50/p99 us): post 0.5/0.5, accept 1.1/1.1"),
+            "{t}"
+        );
+        assert!(lines[2].ends_with("; disordered 1"), "{t}");
+        assert!(!t.contains("total"), "the SP records no total: {t}");
+    }
+
+    #[test]
     fn late_arrivals_are_kept_per_job_for_the_last_jobs() {
         let mut s = Stats::default();
         let one = LateArrivals {
