@@ -76,6 +76,64 @@ impl Default for CmaMover {
     }
 }
 
+impl CmaMover {
+    /// Writes `first` at `first_offset` of `dst`, then `then` at `then_offset`, in that order:
+    /// `then` lands only once `first` is whole (a completion's status, then its token). Where
+    /// `process_vm_writev` may stand for the client ([`crate::ids::acts_as`]), one process check
+    /// and one call with two remote pieces, which the kernel copies in order; otherwise (or if
+    /// that call moved less than both) two writes.
+    pub fn write_then(
+        &mut self,
+        dst: &AliasKey,
+        first_offset: u64,
+        first: &[u8],
+        then_offset: u64,
+        then: &[u8],
+    ) -> Result<(), AccessError> {
+        require_cma(dst)?;
+        let a = dst.check(first_offset, first.len() as u64, Rights::WRITE)?;
+        let b = dst.check(then_offset, then.len() as u64, Rights::WRITE)?;
+        let owner = &dst.owner;
+        if crate::ids::acts_as(owner.uid, owner.gid) {
+            crate::process::check(owner)?;
+            crate::ids::ptrace_effective(owner.uid == 0).map_err(|e| AccessError::Os {
+                op: "capset",
+                pid: owner.pid,
+                errno: e.raw_os_error().unwrap_or(0),
+            })?;
+            let iov = |p: *const u8, len: usize| libc::iovec {
+                iov_base: p as *mut libc::c_void,
+                iov_len: len,
+            };
+            let local = [
+                iov(first.as_ptr(), first.len()),
+                iov(then.as_ptr(), then.len()),
+            ];
+            let remote = [
+                iov(a as *const u8, first.len()),
+                iov(b as *const u8, then.len()),
+            ];
+            // SAFETY: the local pieces are the two slices, which the kernel only reads; the
+            // remote addresses are only interpreted by the kernel in the other process.
+            let n = unsafe {
+                libc::process_vm_writev(
+                    owner.pid as libc::pid_t,
+                    local.as_ptr(),
+                    2,
+                    remote.as_ptr(),
+                    2,
+                    0,
+                )
+            };
+            if n >= 0 && n as usize == first.len() + then.len() {
+                return Ok(());
+            }
+        }
+        vm_write(owner, a, first)?;
+        vm_write(owner, b, then)
+    }
+}
+
 fn require_cma(key: &AliasKey) -> Result<(), AccessError> {
     match key.grant.backend {
         BackendData::Cma => Ok(()),
@@ -115,6 +173,22 @@ unsafe fn vm_transfer(
 ) -> Result<(), AccessError> {
     // The process the key was made for, still alive, opened as its client.
     let pinned = crate::process::check(owner)?;
+    // SAFETY: forwarded.
+    unsafe { vm_transfer_pinned(dir, owner, &pinned, addr, local, len) }
+}
+
+/// [`vm_transfer`] with `owner`'s process just checked ([`crate::process::check`]) by the caller.
+///
+/// # Safety
+/// As for [`vm_transfer`].
+unsafe fn vm_transfer_pinned(
+    dir: Direction,
+    owner: &Owner,
+    pinned: &crate::process::Pinned,
+    addr: u64,
+    local: *mut u8,
+    len: usize,
+) -> Result<(), AccessError> {
     let pid = owner.pid as libc::pid_t;
     let direct = crate::ids::acts_as(owner.uid, owner.gid);
     let fd = pinned.mem().as_raw_fd();
@@ -252,8 +326,33 @@ impl Mover for CmaMover {
         while moved < len {
             let n = (len - moved).min(self.staging.len() as u64) as usize;
             let chunk = &mut self.staging[..n];
-            vm_read(&src.owner, src_addr + moved, chunk)?;
-            vm_write(&dst.owner, dst_addr + moved, chunk)?;
+            // Each end's process checked before each chunk; one check when both ends are the
+            // same process (a rank copying between its own buffers): a poll fewer per chunk.
+            let ps = crate::process::check(&src.owner)?;
+            let pd = if dst.owner == src.owner {
+                ps.clone()
+            } else {
+                crate::process::check(&dst.owner)?
+            };
+            // SAFETY: `chunk` is valid for reads and writes of its length.
+            unsafe {
+                vm_transfer_pinned(
+                    Direction::Read,
+                    &src.owner,
+                    &ps,
+                    src_addr + moved,
+                    chunk.as_mut_ptr(),
+                    n,
+                )?;
+                vm_transfer_pinned(
+                    Direction::Write,
+                    &dst.owner,
+                    &pd,
+                    dst_addr + moved,
+                    chunk.as_mut_ptr(),
+                    n,
+                )?;
+            }
             moved += n as u64;
         }
         Ok(())
@@ -580,6 +679,33 @@ mod tests {
         assert_eq!(&seen[50..15_050], &src[100..15_100]);
         assert!(seen[..50].iter().all(|&b| b == 0));
         assert!(seen[15_050..].iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn write_then_lands_both_pieces_and_refuses_out_of_range_whole() {
+        let dst = vec![0u8; 64];
+        let kd = key_for(&dst, Rights::WRITE);
+        let mut m = CmaMover::default();
+        let head: Vec<u8> = (1..=48).collect();
+        m.write_then(&kd, 8, &head, 0, &[0xaa; 8]).unwrap();
+        let seen: Vec<u8> = dst
+            .iter()
+            .map(|b| unsafe { std::ptr::read_volatile(b) })
+            .collect();
+        assert_eq!(&seen[..8], &[0xaa; 8]);
+        assert_eq!(&seen[8..56], &head[..]);
+        assert!(seen[56..].iter().all(|&b| b == 0));
+        // The second piece out of range: nothing is written, not even the first.
+        let before = seen.clone();
+        assert!(matches!(
+            m.write_then(&kd, 0, &[7; 8], 60, &[7; 8]),
+            Err(AccessError::OutOfRange { .. })
+        ));
+        let after: Vec<u8> = dst
+            .iter()
+            .map(|b| unsafe { std::ptr::read_volatile(b) })
+            .collect();
+        assert_eq!(after, before);
     }
 
     #[test]

@@ -13,6 +13,7 @@ pub mod kinds;
 pub mod mailbox;
 pub mod placement;
 pub mod rendezvous;
+pub mod stamps;
 #[doc(hidden)]
 pub mod testing;
 pub mod wire;

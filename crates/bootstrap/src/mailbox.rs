@@ -1,17 +1,21 @@
 //! The completion mailbox: a small region each host rank grants its SP for completion flags.
 //!
-//! It is an array of [`SLOT_BYTES`]-byte slots. Slot `i` holds, at offset 0, the `u64` token of
-//! the request that owns the slot and, at offset 8, a `u32` status ([`STATUS_OK`] or an error).
-//! The SP writes the status first and the token second, in two separate writes; the host polls
+//! It is an array of [`SLOT_BYTES`]-byte slots (one cache line). Slot `i` holds, at offset 0, the
+//! `u64` token of the request that owns the slot; at offset 8, a `u32` status ([`STATUS_OK`] or
+//! an error); at offset 12, a `u32`, the copies the SP made for the call; at offset 16, the SP's
+//! five stamps of the call (`crate::stamps::SpStamps`, `u64` each). The SP writes status, copies
+//! and stamps first (one write) and the token second; the host polls
 //! the token with an acquire load and reads the status only once the token equals the one it
 //! posted. Tokens increase per rank, so a token never repeats in a slot and a torn write of the
 //! token can never equal the awaited value before it is whole.
 
 use algorithms::Status;
 
-pub const SLOT_BYTES: u64 = 16;
+pub const SLOT_BYTES: u64 = 64;
 pub const TOKEN_OFFSET: u64 = 0;
 pub const STATUS_OFFSET: u64 = 8;
+pub const COPIES_OFFSET: u64 = 12;
+pub const STAMPS_OFFSET: u64 = 16;
 /// Default number of slots: requests a rank can have outstanding at its SP at once.
 pub const DEFAULT_SLOTS: u32 = 1024;
 

@@ -34,7 +34,9 @@ pub const MAGIC: [u8; 4] = *b"SPOF";
 /// `Registered` says whether the SP runs the multicast designs (`mcast_off`).
 /// 12: the SP-tree allreduce (`CollKind::Allreduce`, `CollMsg::Allreduce`): a post carries
 /// its datatype and operation (`PostDesc::reduce`), which the SPs need to reduce.
-pub const PROTOCOL_VERSION: u32 = 12;
+/// 13: a post carries the rank's stamps (`PostDesc::stamps`); a mailbox slot is 64 bytes and
+/// carries the SP's stamps of the call (`crate::stamps`).
+pub const PROTOCOL_VERSION: u32 = 13;
 /// Largest frame accepted: a descriptor for 65536 ranks (four count vectors) fits.
 pub const MAX_FRAME_BYTES: u32 = 4 << 20;
 /// Largest hello frame accepted (every kind of [`Hello`]; a host hello with its credential is
@@ -301,6 +303,17 @@ pub struct PostDesc {
     pub recv_packed: bool,
     /// An allreduce's operation and element type (`None` for every other kind).
     pub reduce: Option<allreduce::Reduce>,
+    /// Where the call's time goes (`crate::stamps`): when the rank sent this post, and how long
+    /// its previous mailbox completion took from being written to being seen (CLOCK_MONOTONIC
+    /// ns on the rank's kernel; 0: not known, or the rank is not on the SP's clock).
+    pub stamps: PostStamps,
+}
+
+/// The rank's stamps a post carries (see [`PostDesc::stamps`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PostStamps {
+    pub sent_ns: u64,
+    pub last_notice_ns: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -1,6 +1,7 @@
 //! `coll-bench overlap`: communication/computation overlap of a nonblocking collective, OSU
 //! method (see `coll-bench overlap --help`).
 
+mod breakdown;
 mod setup;
 
 use crate::coll::{check_design, size_error, Coll, DataLayout, Design};
@@ -97,6 +98,10 @@ struct Row {
     validated: bool,
     iters: u32,
     warmup: u32,
+    /// Where rank 0's offloaded calls of the pure phase spent their time (`None`: no shim).
+    breakdown: Option<breakdown::Stages>,
+    /// One `process_vm_readv` of the size, on this machine (µs, median).
+    readv_us: f64,
 }
 
 fn overlap_pct(pure: f64, overall: f64, compute: f64) -> f64 {
@@ -122,6 +127,9 @@ fn phase(
     for it in 0..total {
         if it == warmup {
             timed_from = wtime();
+            if steps.is_none() {
+                breakdown::reset();
+            }
         }
         let iter_id = (phase_id << 32) | it as u64;
         if it + 1 == total {
@@ -193,6 +201,8 @@ fn run_size(
         root: 0,
     };
     let (pure, ok_pure) = phase(&mut s, 1, iters, warmup, None, corrupt)?;
+    let stages = breakdown::read();
+    let readv_us = breakdown::readv_us(size, 50);
     let t_pure = world.allreduce_f64(pure.total, consts::OP_MAX())?;
     // Every rank calibrates for the same target: the slowest rank's t_pure (the OSU method),
     // or a fixed time given on the command line.
@@ -217,6 +227,8 @@ fn run_size(
         validated,
         iters,
         warmup,
+        breakdown: stages,
+        readv_us,
     })
 }
 
@@ -248,6 +260,8 @@ fn json_line(
         "mode": mode,
         "design": design,
         "datatype": datatype.name(),
+        "readv_us": row.readv_us,
+        "breakdown": row.breakdown.as_ref().map(breakdown::json),
     })
     .to_string()
 }
@@ -317,6 +331,7 @@ pub fn overlap(args: OverlapArgs) -> i32 {
         );
     }
     let mut all_ok = true;
+    let mut stages = Vec::new();
     for (k, &size) in args.sizes.iter().enumerate() {
         let corrupt = args.self_test_corrupt && Some(k) == args.sizes.iter().position(|&s| s > 0);
         let row = run_size(world, coll, size, &args, corrupt).unwrap_or_else(|e| fail(e));
@@ -335,6 +350,9 @@ pub fn overlap(args: OverlapArgs) -> i32 {
                 row.validated
             );
             let _ = std::io::stdout().flush();
+            if let Some(b) = row.breakdown {
+                stages.push((row.bytes, b, row.readv_us));
+            }
             if let Some(w) = json.as_mut() {
                 let line = json_line(coll, &row, ranks, nodes, mode, design, args.datatype);
                 if let Err(e) = writeln!(w, "{line}").and_then(|_| w.flush()) {
@@ -343,6 +361,9 @@ pub fn overlap(args: OverlapArgs) -> i32 {
                 }
             }
         }
+    }
+    if me == 0 && !stages.is_empty() {
+        print!("{}", breakdown::table(&stages));
     }
     if me == 0 && !all_ok {
         eprintln!("coll-bench: validation failed for at least one size (see messages above)");
@@ -377,6 +398,8 @@ mod tests {
             validated: true,
             iters: 5,
             warmup: 2,
+            breakdown: None,
+            readv_us: 0.5,
         }
     }
 

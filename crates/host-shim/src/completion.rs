@@ -7,7 +7,9 @@
 
 use crate::boundary::say;
 use crate::request::OffloadRequest;
-use crate::state::{mailbox_status, mailbox_token, topology, with_shim, Shim, TRACKED};
+use crate::state::{
+    mailbox_stamps, mailbox_status, mailbox_token, topology, with_shim, Shim, TRACKED,
+};
 use bootstrap::mailbox;
 use bootstrap::wire::{CopySrc, HostToSp, SpToHost};
 use mpi_ffi::consts;
@@ -34,7 +36,13 @@ impl Shim {
         if req.result().is_some() {
             return;
         }
-        self.complete_with(req, mailbox_status(slot).load(Ordering::Acquire));
+        let noticed = bootstrap::stamps::now_ns();
+        let status = mailbox_status(slot).load(Ordering::Acquire);
+        if status == mailbox::STATUS_OK {
+            let sp = bootstrap::stamps::SpStamps::from_words(mailbox_stamps(slot));
+            self.last_notice_ns = crate::breakdown::record(req.sent_ns, &sp, noticed);
+        }
+        self.complete_with(req, status);
         self.slots.give(slot);
     }
 

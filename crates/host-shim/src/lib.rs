@@ -66,6 +66,7 @@
 #![allow(non_snake_case, clippy::missing_safety_doc, clippy::too_many_arguments)]
 
 mod boundary;
+pub mod breakdown;
 mod cma;
 mod coll;
 mod comm;

@@ -369,6 +369,7 @@ unsafe fn start_inner() -> bool {
         registrar: grants,
         registry: Registry::default(),
         next_token: 1,
+        last_notice_ns: 0,
     });
     // SAFETY: registering a plain extern "C" fn with no captured state.
     unsafe {

@@ -26,7 +26,7 @@ use crate::state::{mailbox_token, topology, with_shim, TRACKED};
 use algorithms::allreduce::Reduce;
 use alias_mkey::Grant;
 use alias_mkey::Rights;
-use bootstrap::wire::{CollKind, HostToSp, PostDesc, Staged, StagedDesign};
+use bootstrap::wire::{CollKind, HostToSp, PostDesc, PostStamps, Staged, StagedDesign};
 use mpi_ffi as ffi;
 use mpi_ffi::consts;
 use std::os::raw::{c_int, c_void};
@@ -294,9 +294,16 @@ pub unsafe fn post_reduce(
             }
         });
         let host_copies = desc.host_copies;
-        match sh.conn.send(&HostToSp::Post(Box::new(desc))) {
+        let mut desc = Box::new(desc);
+        let sent_ns = bootstrap::stamps::now_ns();
+        desc.stamps = PostStamps {
+            sent_ns,
+            last_notice_ns: std::mem::take(&mut sh.last_notice_ns),
+        };
+        match sh.conn.send(&HostToSp::Post(desc)) {
             Ok(()) => {
                 let mut req = OffloadRequest::new(kind, slot, token, info.id, seq, comm, staging);
+                req.sent_ns = sent_ns;
                 if host_copies {
                     req.accept_host_copies((recv_addr as usize, region_len));
                 }
@@ -404,6 +411,7 @@ impl Draft {
             send_packed,
             recv_packed,
             reduce: self.reduce,
+            stamps: Default::default(),
         }
     }
 }

@@ -59,6 +59,8 @@ pub struct OffloadRequest {
     /// The handle the program holds (bits of an `MPI_Request`, [`mpi_ffi::abi::handle_bits`]),
     /// set when the request is registered, before it is shared.
     pub handle: usize,
+    /// When its post was sent (CLOCK_MONOTONIC ns, `bootstrap::stamps`; 0 before).
+    pub sent_ns: u64,
     /// The `MPI_Comm` handle of the call (as an integer: `MPI_Comm` is a pointer in Open MPI,
     /// an int in MPICH), whose error handler reports the request's failure.
     errhandler_comm: AtomicUsize,
@@ -88,6 +90,7 @@ impl OffloadRequest {
             seq,
             host_copy_region: None,
             handle: 0,
+            sent_ns: 0,
             errhandler_comm: AtomicUsize::new(abi::handle_bits(handle)),
             staging: Mutex::new(staging),
             done: AtomicBool::new(false),

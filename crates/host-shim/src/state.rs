@@ -28,7 +28,7 @@ use crate::grants::Grants;
 use crate::registry::Registry;
 use crate::slots::SlotPool;
 use algorithms::SpId;
-use bootstrap::mailbox::{SLOT_BYTES, STATUS_OFFSET, TOKEN_OFFSET};
+use bootstrap::mailbox::{SLOT_BYTES, STAMPS_OFFSET, STATUS_OFFSET, TOKEN_OFFSET};
 use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
@@ -131,6 +131,18 @@ pub fn mailbox_status(slot: u32) -> &'static std::sync::atomic::AtomicU32 {
     }
 }
 
+/// The SP's stamps of the call completed in `slot` (`bootstrap::stamps::SpStamps`), read once
+/// its token was seen.
+pub fn mailbox_stamps(slot: u32) -> [u64; 5] {
+    let base = MAILBOX.load(Ordering::Acquire);
+    assert!(!base.is_null() && slot < MAILBOX_SLOTS.load(Ordering::Relaxed));
+    let at = (slot as u64 * SLOT_BYTES + STAMPS_OFFSET) as usize;
+    // SAFETY: as in `mailbox_token`; the five words lie inside the slot, 8-aligned.
+    std::array::from_fn(|i| unsafe {
+        (*(base.add(at + 8 * i) as *const AtomicU64)).load(Ordering::Relaxed)
+    })
+}
+
 /// Publishes the mailbox mapped at `base` with `slots` slots (once, at start-up).
 pub fn set_mailbox(base: *mut u8, slots: u32) {
     MAILBOX_SLOTS.store(slots, Ordering::Release);
@@ -152,6 +164,9 @@ pub struct Shim {
     pub registry: Registry,
     /// Next completion token (tokens start at 1: 0 means "nothing written").
     pub next_token: u64,
+    /// The `notice` stage of the last call completed through the mailbox (`breakdown`), for
+    /// the next post to tell the SP (0: none since).
+    pub last_notice_ns: u64,
 }
 
 static SHIM: Mutex<Option<Shim>> = Mutex::new(None);

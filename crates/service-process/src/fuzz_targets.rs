@@ -209,6 +209,7 @@ fn post(kind: CollKind, rank: u32, c: &mut Cursor) -> Option<LocalPost> {
         send_packed: false,
         recv_packed: false,
         reduce,
+        stamps: Default::default(),
     };
     Some(LocalPost {
         desc: d,

@@ -253,6 +253,7 @@ mod tests {
             send_packed: false,
             recv_packed: false,
             reduce: None,
+            stamps: Default::default(),
             staged: None,
         };
         assert!(post_bytes(&post(2)) < 8192);

@@ -40,7 +40,10 @@ pub struct LaunchOpts {
     /// (rank % N).
     #[arg(long, default_value = "block")]
     pub layout: Layout,
-    /// CPUs for the SPs, assigned round-robin (stand-ins for the DPU's cores).
+    /// CPUs for the SPs, assigned round-robin (stand-ins for the DPU's cores). With a CPU for
+    /// each SP, the SPs busy-poll there as DPU SPs do (`serve --busy-poll`), unless an
+    /// --sp-arg says how to poll (e.g. --sp-arg=--poll-us=100); SPs sharing a CPU sleep until
+    /// woken (spinning, they would take it from each other).
     #[arg(long)]
     pub sp_cpus: Option<CpuList>,
     /// Run the SPs under SCHED_FIFO (see `serve --realtime`): on a machine with too few cores
@@ -593,6 +596,9 @@ fn run_job(
                 if opts.sp_realtime {
                     a.push("--realtime".into());
                 }
+                if busy_poll_implied(opts) {
+                    a.push("--busy-poll".into());
+                }
                 a
             },
             sp_args: opts.sp_arg_for.clone(),
@@ -757,6 +763,20 @@ fn run_job(
         }
     }
     Ok(status)
+}
+
+/// `--sp-cpus` with a CPU for each SP implies `serve --busy-poll`, unless the SP arguments say
+/// how to poll.
+fn busy_poll_implied(opts: &LaunchOpts) -> bool {
+    let sps = (opts.nodes * opts.sps_per_node) as usize;
+    let own_cpu = opts.sp_cpus.as_ref().is_some_and(|c| {
+        let mut distinct = c.0.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        distinct.len() >= sps
+    });
+    let says = |a: &String| a.starts_with("--poll-us") || a.starts_with("--busy-poll");
+    own_cpu && !opts.sp_args.iter().any(says) && !opts.sp_arg_for.iter().any(|(_, a)| says(a))
 }
 
 #[cfg(test)]

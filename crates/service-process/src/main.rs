@@ -161,13 +161,24 @@ enum Cmd {
         /// CAP_SYS_NICE). Its CPU time then comes out of the ranks' time.
         #[arg(long)]
         realtime: bool,
-        /// Look at the host and peer connections every US microseconds instead of sleeping
-        /// until a message arrives (0: sleep until woken). DPU service processes poll on cores
-        /// of their own; with the SP on a reserved CPU this spares a rank's post the cost of
-        /// waking the SP (on a virtual machine, most of the post). A message waits up to US for
-        /// the SP to notice it.
+        /// Look at the host and peer connections every US microseconds, napping in between,
+        /// instead of sleeping until a message arrives (0: sleep until woken). For an SP that
+        /// shares its CPU with others (a nap leaves it to them); a message waits up to US (plus
+        /// the kernel's wake-up) for the SP to notice it. On cores of its own, --busy-poll.
         #[arg(long, value_name = "US", default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=100_000))]
         poll_us: u64,
+        /// Busy-poll, as DPU service processes do on cores of their own: the event loop looks
+        /// at the host and peer connections without ever sleeping (a post is seen within a
+        /// look, the SP is never woken), and the copies never wait behind it. With --cpus of
+        /// one CPU, every cma copy runs on the polling thread (--inline-copy-bytes is then
+        /// unlimited: a mover thread on the same CPU would wait for the loop's time slice);
+        /// with K >= 2 CPUs, the loop has the first to itself and the datapath (and multicast)
+        /// threads share the other K-1. Without --cpus, the threads go where the kernel puts
+        /// them. Only on reserved cores: spinning SPs that share a CPU take it from each other
+        /// for whole scheduler slices (use --poll-us there). `launch --sp-cpus` with a CPU per
+        /// SP passes it.
+        #[arg(long, conflicts_with = "poll_us")]
+        busy_poll: bool,
         /// Seconds to wait for the peer SPs at start-up.
         #[arg(long, default_value_t = 30)]
         connect_timeout_secs: u64,
@@ -427,6 +438,7 @@ fn run(cli: Cli) -> Result<i32> {
             cpus,
             realtime,
             poll_us,
+            busy_poll,
             connect_timeout_secs,
             mcast,
             mcast_mtu,
@@ -449,6 +461,7 @@ fn run(cli: Cli) -> Result<i32> {
             if let Some(cpus) = &cpus {
                 pin_to(&cpus.0).context("pinning the SP")?;
             }
+            let reserved: Vec<u32> = cpus.as_ref().map_or(Vec::new(), |c| c.0.clone());
             if realtime {
                 make_realtime().context("--realtime: cannot switch to SCHED_FIFO")?;
             }
@@ -577,7 +590,11 @@ fn run(cli: Cli) -> Result<i32> {
                 max_inflight_reads: max_inflight_reads.max(1),
                 datapath_threads: datapath_threads.unwrap_or(max_inflight_reads).max(1),
                 chunk_bytes,
-                inline_copy_bytes,
+                inline_copy_bytes: if busy_poll && reserved.len() == 1 {
+                    u64::MAX
+                } else {
+                    inline_copy_bytes
+                },
                 ucx,
                 connect_backoff: backoff,
                 staged: service_process::drivers::StagedConfig {
@@ -585,7 +602,11 @@ fn run(cli: Cli) -> Result<i32> {
                     slots: stage_slots,
                 },
                 staging_bytes: staging_mib.saturating_mul(1 << 20),
-                poll_interval: (poll_us > 0).then(|| Duration::from_micros(poll_us)),
+                poll_interval: if busy_poll {
+                    Some(Duration::ZERO)
+                } else {
+                    (poll_us > 0).then(|| Duration::from_micros(poll_us))
+                },
                 key,
                 socket_mode,
                 heartbeat: Duration::from_millis(heartbeat_ms),
@@ -608,7 +629,16 @@ fn run(cli: Cli) -> Result<i32> {
                     ..Limits::default()
                 },
             };
+            // Busy-polling on K >= 2 CPUs: the threads the server starts (datapath, multicast
+            // workers) go to the last K-1, then the loop's thread takes the first alone.
+            let split = busy_poll && reserved.len() >= 2;
+            if split {
+                pin_to(&reserved[1..]).context("pinning the SP's movers")?;
+            }
             let server = Server::new(cfg, mesh)?;
+            if split {
+                pin_to(&reserved[..1]).context("pinning the SP's polling thread")?;
+            }
             println!("READY sp={sp_id}");
             if let Err(e) = service_process::deploy::sd_notify(&format!(
                 "READY=1\nSTATUS=serving as SP {sp_id}"

@@ -104,6 +104,49 @@ pub struct Stats {
     /// job ended).
     pub jobs_at_exit: u64,
     pub instances_at_exit: u64,
+    /// Where the offloaded calls' time went (`bootstrap::stamps`): per stage `{n, p50_us,
+    /// p99_us}` over the calls completed through a mailbox with status ok. `post` (sent to
+    /// seen) and `notice` (written to seen by the rank, told by the rank's next post) only for
+    /// ranks on this SP's kernel; `total` is the rank's to measure (the benchmark's table).
+    #[serde(rename = "stages")]
+    pub breakdown: SpBreakdown,
+}
+
+/// The SP's side of [`bootstrap::stamps::Breakdown`].
+#[derive(Clone, Debug, Default)]
+pub struct SpBreakdown(pub bootstrap::stamps::Breakdown);
+
+impl SpBreakdown {
+    /// A post read at `seen` with the rank's stamps: its `post` stage, and the `notice` stage
+    /// of the rank's previous call.
+    pub fn record_host(&mut self, seen: u64, host: &bootstrap::wire::PostStamps) {
+        use bootstrap::stamps::{NOTICE, POST};
+        if host.sent_ns != 0 && seen >= host.sent_ns {
+            self.0.stages[POST].add(seen - host.sent_ns);
+        }
+        if host.last_notice_ns != 0 {
+            self.0.stages[NOTICE].add(host.last_notice_ns);
+        }
+    }
+
+    /// A completion written with the SP's stamps `sp`: its `accept`, `issue`, `copy` and
+    /// `complete` stages (or one more `disordered`).
+    pub fn record_sp(&mut self, sp: &bootstrap::stamps::SpStamps) {
+        match sp.sp_stages() {
+            Some(s) => {
+                for (h, v) in self.0.stages[1..5].iter_mut().zip(s) {
+                    h.add(v);
+                }
+            }
+            None => self.0.disordered += 1,
+        }
+    }
+}
+
+impl Serialize for SpBreakdown {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.0.to_json().serialize(s)
+    }
 }
 
 /// Jobs whose late-arrival counters an SP keeps apart (an SP may serve jobs for ever).
@@ -403,6 +446,9 @@ pub fn table(answers: &[(algorithms::SpId, serde_json::Value)]) -> String {
         out += &row(std::iter::once(sp.to_string())
             .chain(TABLE.iter().map(|f| cell(v, f)))
             .collect());
+        if let Some(line) = stages_line(&v["stages"]) {
+            out += &line;
+        }
         for j in v["late_arrivals_by_job"].as_array().into_iter().flatten() {
             out += &format!(
                 "  job {:#x}: no_ready_rank {} served_after_pass {} parked {} parked_wait_ns {}\n",
@@ -415,6 +461,27 @@ pub fn table(answers: &[(algorithms::SpId, serde_json::Value)]) -> String {
         }
     }
     out
+}
+
+/// The per-stage line under an SP's row of the `stats` table: `p50/p99` in µs of each stage
+/// with calls (`None`: no call recorded).
+fn stages_line(stages: &serde_json::Value) -> Option<String> {
+    let mut parts = Vec::new();
+    for name in bootstrap::stamps::STAGES {
+        let s = &stages[name];
+        if s["n"].as_u64().unwrap_or(0) == 0 {
+            continue;
+        }
+        parts.push(format!("{name} {}/{}", s["p50_us"], s["p99_us"]));
+    }
+    if parts.is_empty() {
+        return None;
+    }
+    Some(format!(
+        "  stages (p50/p99 us): {}; disordered {}\n",
+        parts.join(", "),
+        stages["disordered"]
+    ))
 }
 
 /// `service-process stats`: every SP's counters, as a table or JSON lines. An SP that does not
@@ -488,6 +555,43 @@ fn stdout_gone(e: std::io::Error, status: i32) -> anyhow::Result<i32> {
 mod tests {
     use super::*;
     use crate::drivers::LateArrivals;
+
+    #[test]
+    fn the_table_shows_the_stages_of_an_sp_that_recorded_calls() {
+        let mut s = Stats::default();
+        let sp = bootstrap::stamps::SpStamps {
+            seen: 1_000,
+            ready: 2_000,
+            first_copy: 2_500,
+            last_copy: 4_500,
+            written: 5_000,
+        };
+        s.breakdown.record_sp(&sp);
+        s.breakdown.record_host(
+            1_000,
+            &bootstrap::wire::PostStamps {
+                sent_ns: 600,
+                last_notice_ns: 0,
+            },
+        );
+        s.breakdown
+            .record_sp(&bootstrap::stamps::SpStamps { ready: 0, ..sp });
+        let v = serde_json::to_value(&s).unwrap();
+        assert_eq!(v["stages"]["copy"]["n"], 1);
+        assert_eq!(v["stages"]["copy"]["p50_us"], 2.1);
+        assert_eq!(v["stages"]["post"]["p50_us"], 0.5);
+        assert_eq!(v["stages"]["notice"]["n"], 0, "no notice told yet");
+        assert_eq!(v["stages"]["disordered"], 1);
+        let t = table(&[(0, v), (1, serde_json::to_value(Stats::default()).unwrap())]);
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(lines.len(), 4, "{t}");
+        assert!(
+            lines[2].starts_with("  stages (p50/p99 us): post 0.5/0.5, accept 1.1/1.1"),
+            "{t}"
+        );
+        assert!(lines[2].ends_with("; disordered 1"), "{t}");
+        assert!(!t.contains("total"), "the SP records no total: {t}");
+    }
 
     #[test]
     fn late_arrivals_are_kept_per_job_for_the_last_jobs() {

@@ -93,6 +93,7 @@ impl AgOp {
             send_packed: false,
             recv_packed: false,
             reduce: None,
+            stamps: Default::default(),
             staged: None,
         }
     }

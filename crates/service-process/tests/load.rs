@@ -79,6 +79,7 @@ fn bcast_desc(
         send_packed: false,
         recv_packed: false,
         reduce: None,
+        stamps: Default::default(),
         staged: Some(Staged {
             root,
             design: StagedDesign::Flat,

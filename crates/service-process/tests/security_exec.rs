@@ -614,8 +614,12 @@ fn hello(rank: u32, pid: u32) -> (String, Option<Channel<Stream>>) {
         Ok(Hello::Reject { reason }) => return (format!("REJECT {reason}"), None),
         other => return (format!("OTHER {other:?}"), None),
     }
-    let mb = Box::leak(vec![0u8; 64].into_boxed_slice());
-    let grant = Registrar::new().register(mb.as_ptr() as u64, 64, Rights::READ_WRITE);
+    let mb = Box::leak(vec![0u8; 4 * bootstrap::mailbox::SLOT_BYTES as usize].into_boxed_slice());
+    let grant = Registrar::new().register(
+        mb.as_ptr() as u64,
+        4 * bootstrap::mailbox::SLOT_BYTES,
+        Rights::READ_WRITE,
+    );
     match common::register(&mut ch, grant, 4) {
         SpToHost::Registered { .. } => ("WELCOME".into(), Some(ch)),
         other => (format!("REGISTER {other:?}"), None),

@@ -11,6 +11,7 @@ use algorithms::CommId;
 use alias_mkey::host::Registrar;
 use alias_mkey::Rights;
 use bootstrap::auth::{ClusterKey, JobCredential};
+use bootstrap::mailbox::SLOT_BYTES;
 use bootstrap::wire::{self, Channel, ErrorCode, Hello, HostHello, HostToSp, SpToHost};
 use common::{desc, new_job, register};
 use std::io::{Read, Write};
@@ -101,9 +102,9 @@ fn a_tcp_host_is_its_credential_and_gets_no_cross_memory_attach() {
     let mut twin = connect(&sps, 0);
     refused_because(say(&mut twin, &hello(cred, 0, 2, 0)), "already connected");
     // A mailbox the SP would write by cross-memory attach is refused; none is accepted.
-    let mailbox = vec![0u64; 128];
+    let mailbox = vec![0u64; (64 * SLOT_BYTES / 8) as usize];
     let mut reg = Registrar::new();
-    let grant = reg.register(mailbox.as_ptr() as u64, 1024, Rights::READ_WRITE);
+    let grant = reg.register(mailbox.as_ptr() as u64, 64 * SLOT_BYTES, Rights::READ_WRITE);
     match register(&mut ch, grant.clone(), 64) {
         SpToHost::Error { message, .. } => {
             assert!(message.contains("cannot attach"), "{message}");
@@ -289,8 +290,10 @@ fn same_kernel_tcp_hosts_must_name_a_live_process_of_their_uid() {
         say(&mut ch, &hello(cred(uid()), 0, 2, me)),
         Hello::Welcome { sp: 0 }
     );
-    let mailbox: &'static [u64] = Box::leak(vec![0u64; 128].into_boxed_slice());
-    let grant = Registrar::new().register(mailbox.as_ptr() as u64, 1024, Rights::READ_WRITE);
+    let mailbox: &'static [u64] =
+        Box::leak(vec![0u64; (64 * SLOT_BYTES / 8) as usize].into_boxed_slice());
+    let grant =
+        Registrar::new().register(mailbox.as_ptr() as u64, 64 * SLOT_BYTES, Rights::READ_WRITE);
     assert!(matches!(
         register(&mut ch, grant, 64),
         SpToHost::Registered { .. }

@@ -86,6 +86,7 @@ fn frames_split_anywhere_reassemble() {
                 send_packed: false,
                 recv_packed: false,
                 reduce: None,
+                stamps: Default::default(),
                 send: grant(10),
                 recv: grant(20),
                 send_counts: vec![1, 2],

@@ -260,6 +260,15 @@ impl Server {
                 }
             }
             self.stats.max_inflight = self.stats.max_inflight.max(self.limiter.in_flight() as u64);
+            if let Some(inst) = self
+                .copies
+                .get(&job.ticket)
+                .and_then(|(ck, _)| self.instances.get_mut(ck))
+            {
+                if inst.first_copy_ns == 0 {
+                    inst.first_copy_ns = bootstrap::stamps::now_ns();
+                }
+            }
             let both_cma = job.src.grant.backend == BackendData::Cma
                 && job.dst.grant.backend == BackendData::Cma;
             if job.len <= self.inline_copy_bytes && both_cma {
@@ -314,6 +323,8 @@ impl Server {
                 }
             };
             if let Some(inst) = self.instances.get_mut(&ck) {
+                inst.last_copy_ns = bootstrap::stamps::now_ns();
+                inst.copies_done += 1;
                 inst.sm.handle_copy_done(now, id, status);
                 self.drive(ck);
             }

@@ -15,6 +15,9 @@ impl Server {
                 local_ranks: None,
                 refused: None,
                 holds: Vec::new(),
+                first_copy_ns: 0,
+                last_copy_ns: 0,
+                copies_done: 0,
             };
             // What the instance holds of its family's resources for its life (the staged
             // family's staging slots). Instances exist only for jobs with a rank connected
@@ -337,7 +340,16 @@ impl Server {
                     status,
                     from_segment,
                 } => {
-                    let posted = inst.posted.get(&rank).copied();
+                    // The instance's copies as this rank saw them: those started before it
+                    // was ready count from its `ready`.
+                    let posted = inst.posted.get(&rank).copied().map(|mut p| {
+                        if inst.first_copy_ns != 0 {
+                            p.stamps.first_copy = inst.first_copy_ns.max(p.stamps.ready);
+                            p.stamps.last_copy = inst.last_copy_ns.max(p.stamps.first_copy);
+                        }
+                        p.copies = inst.copies_done;
+                        p
+                    });
                     match posted {
                         Some(p) if from_segment && status.is_ok() => {
                             self.finish_from_segment(ck, p)
@@ -434,12 +446,24 @@ impl Server {
             return;
         }
         let base = mailbox::slot_offset(slot);
-        let code = mailbox::status_code(status).to_le_bytes();
+        // Status, copies and the SP's stamps in one write, then the token.
+        let mut stamps = p.stamps;
+        stamps.written = bootstrap::stamps::now_ns();
+        let mut head = [0u8; 8 + bootstrap::stamps::SpStamps::BYTES];
+        head[..4].copy_from_slice(&mailbox::status_code(status).to_le_bytes());
+        head[4..8].copy_from_slice(&p.copies.to_le_bytes());
+        head[8..].copy_from_slice(&stamps.to_bytes());
         let token = p.token.to_le_bytes();
-        let res = self
-            .mover
-            .write(mb, base + mailbox::STATUS_OFFSET, &code)
-            .and_then(|_| self.mover.write(mb, base + mailbox::TOKEN_OFFSET, &token));
+        let res = self.mover.write_then(
+            mb,
+            base + mailbox::STATUS_OFFSET,
+            &head,
+            base + mailbox::TOKEN_OFFSET,
+            &token,
+        );
+        if status.is_ok() && p.stamps.seen != 0 {
+            self.stats.breakdown.record_sp(&stamps);
+        }
         if let Err(e) = res {
             warn!(
                 sp = self.me,

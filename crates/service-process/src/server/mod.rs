@@ -145,7 +145,8 @@ pub struct ServeConfig {
     /// Look at the connections (and the UCX worker) at this interval instead of sleeping
     /// until something arrives: after a look that finds nothing, sleep this long. For an SP on
     /// a reserved core, as DPU service processes poll: nothing ever waits on a connection, so
-    /// a rank's post does not pay for waking the SP.
+    /// a rank's post does not pay for waking the SP. `Some(ZERO)`: busy-poll (look again at
+    /// once, never sleep; `serve --busy-poll`).
     pub poll_interval: Option<Duration>,
     /// The cluster's secret: peers, job credentials and admin requests are checked with it.
     pub key: ClusterKey,
@@ -195,6 +196,10 @@ struct Posted {
     token: u64,
     /// The rank copies the segments already on its node itself (`PostDesc::host_copies`).
     host_copies: bool,
+    /// The SP's stamps of the call (`bootstrap::stamps`): `seen` and `ready` set by the post,
+    /// the copies' by the instance when it completes the rank (0: none).
+    stamps: bootstrap::stamps::SpStamps,
+    copies: u32,
 }
 
 /// A copy handed to a host (`SpToHost::Copy`), until it answers or goes.
@@ -232,6 +237,11 @@ struct Instance {
     refused: Option<String>,
     /// The SP memory its local posts hold (given back to the ledger with the instance).
     holds: Vec<crate::held::Hold>,
+    /// When its first copy started and its last one was seen done (`bootstrap::stamps`, 0:
+    /// none yet), and how many were done.
+    first_copy_ns: u64,
+    last_copy_ns: u64,
+    copies_done: u32,
 }
 
 /// Most admin requests an SP answers per two minutes (`auth::AdminReplays`): a launcher's
@@ -314,6 +324,9 @@ pub struct Server {
     resource_out: Vec<(SpId, SpToSp)>,
     /// See [`ServeConfig::poll_interval`].
     poll_interval: Option<Duration>,
+    /// When the frames being handled were read (CLOCK_MONOTONIC ns, `bootstrap::stamps`): a
+    /// post's `seen` stamp.
+    read_at_ns: u64,
     /// Moves running as UCX puts on the datapath, by ticket: the instance, the move, the
     /// child, the `Chunk` message to send it once the bytes are there and their length.
     ucx_moves: HashMap<u64, (CollKey, u64, SpId, CollMsg, u64)>,
@@ -530,6 +543,7 @@ impl Server {
             ucx_moves: HashMap::new(),
             held: crate::held::Ledger::new(cfg.limits.held),
             poll_interval: cfg.poll_interval,
+            read_at_ns: 0,
             signals,
             start: Instant::now(),
             key: cfg.key,
@@ -588,7 +602,7 @@ impl Server {
         let mut events = Events::with_capacity(256);
         let tcp = self.hosts_tcp.as_ref().and_then(|l| l.local_addr().ok());
         info!(sp = self.me, socket = %self.host_socket.display(), tcp = ?tcp, "serving");
-        if self.poll_interval.is_some() {
+        if self.poll_interval.is_some_and(|nap| !nap.is_zero()) {
             // Naps of a few tens of microseconds: Linux's default timer slack (50 us) would
             // stretch each one by up to that much.
             // SAFETY: prctl with an integer argument; no memory is passed.
@@ -623,8 +637,11 @@ impl Server {
                 self.stats.empty_polls += 1;
                 // A nap, not sched_yield: SPs spinning with sched_yield on one CPU were seen to
                 // keep it from each other and from their datapath threads for a whole
-                // scheduler tick (milliseconds) on Linux 6.18.
-                std::thread::sleep(nap);
+                // scheduler tick (milliseconds) on Linux 6.18. Busy-polling (a zero nap): no
+                // nap, no yield; the SP owns its cores.
+                if !nap.is_zero() {
+                    std::thread::sleep(nap);
+                }
             }
             for ev in events.iter() {
                 match ev.token() {

@@ -213,10 +213,12 @@ impl Server {
                     || self.jobs.get(&job).is_some_and(|j| j.lost_sps.contains(sp))
             })
             .collect();
-        let posted = Posted {
+        let mut posted = Posted {
             host_copies: d.host_copies && spec.facts().host_copies,
             ..self.posted(key, d.slot, d.token)
         };
+        posted.stamps.seen = self.read_at_ns;
+        self.stats.breakdown.record_host(self.read_at_ns, &d.stamps);
         let me = self.me;
         // An instance its family's resources refused (the staged family: its job's share of
         // the staging is used up) was aborted: the rank learns why.
@@ -239,6 +241,7 @@ impl Server {
         };
         match inst.sm.handle_post(now, post) {
             Ok(()) => {
+                posted.stamps.ready = bootstrap::stamps::now_ns();
                 inst.posted.insert(comm_rank, posted);
                 inst.holds.push(hold);
                 if let Some(status) = failed {
@@ -265,6 +268,8 @@ impl Server {
             slot,
             token,
             host_copies: false,
+            stamps: Default::default(),
+            copies: 0,
         }
     }
 }

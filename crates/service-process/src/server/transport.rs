@@ -349,9 +349,15 @@ impl Server {
             } else {
                 conn.read_frames(|f| frames.push(f))
             };
+            self.read_at_ns = bootstrap::stamps::now_ns();
             let got_hello = before_hello && !frames.is_empty();
             for f in frames {
                 self.on_frame(key, f);
+                // Copies a post ran on this thread complete at once, not after the rest of
+                // the pass (another read of this socket, the timers).
+                if !self.inline_done.is_empty() {
+                    self.on_copies_done();
+                }
                 if !self.conns.contains(key) || self.is_doomed(key) {
                     return;
                 }

@@ -460,6 +460,7 @@ pub fn desc(
         send_packed: false,
         recv_packed: false,
         reduce: None,
+        stamps: Default::default(),
         staged: None,
     }
 }

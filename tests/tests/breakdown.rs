@@ -1,0 +1,114 @@
+//! Where an offloaded call's time goes (`bootstrap::stamps`), for a real job: `coll-bench
+//! overlap` under the launcher prints the shim's per-stage breakdown of rank 0's calls, and
+//! the SP reports its side in its counters. Every call must have every stage, in order: a
+//! stamp lost or taken out of order shows as a missing count or as `disordered`.
+
+use integration_tests::splitmix::Rng;
+use integration_tests::*;
+use std::time::Duration;
+
+const JOB_TIMEOUT: Duration = Duration::from_secs(240);
+const STAGES: [&str; 7] = [
+    "post", "accept", "issue", "copy", "complete", "notice", "total",
+];
+
+#[test]
+fn breakdown_has_every_stage_in_order_for_a_real_job() {
+    breakdown_for(&[]);
+}
+
+/// The same with the SP busy-polling on a CPU of its own (`launch --sp-cpus` with a CPU per SP
+/// implies `serve --busy-poll`; every copy then runs on the polling thread): the results are
+/// still right, every stage is there, and the SP did poll (it looked and found nothing many
+/// times) rather than sleep.
+#[test]
+fn breakdown_has_every_stage_in_order_with_a_busy_polling_sp() {
+    let stats = breakdown_for(&["--sp-cpus", "1"]);
+    assert!(
+        stats["empty_polls"].as_u64().is_some_and(|n| n > 0),
+        "the SP did not poll: {stats}"
+    );
+}
+
+/// Runs the job with `extra` launcher arguments, checks the breakdowns, and returns the SP's
+/// counters.
+fn breakdown_for(extra: &[&str]) -> serde_json::Value {
+    let mut rng = Rng(seed());
+    // Two sizes: one copied on the SP's loop thread, one on a datapath thread (serve's
+    // --inline-copy-bytes is 64 KiB by default), each a random length.
+    let small = 1 + rng.below(8192);
+    let large = 65537 + rng.below(256 << 10);
+    let sizes = format!("{small},{large}");
+    let iters = 6 + rng.below(6);
+    let warmup = 2u64;
+    let json = std::env::temp_dir().join(format!(
+        "spoff-breakdown-{}-{}.json",
+        std::process::id(),
+        extra.len()
+    ));
+    let json_s = json.display().to_string();
+    let bench = artifact("coll-bench").display().to_string();
+    let ranks = 2u64;
+    let run = run(
+        launch_cmd(
+            &[&["--nodes", "1", "--ranks-per-node", "2"], extra].concat(),
+            &[
+                &bench,
+                "overlap",
+                "--coll",
+                "ialltoallv",
+                "--sizes",
+                &sizes,
+                "--iters",
+                &iters.to_string(),
+                "--warmup",
+                &warmup.to_string(),
+                "--json",
+                &json_s,
+            ],
+        ),
+        JOB_TIMEOUT,
+    );
+    run.assert_ok("coll-bench overlap");
+    let text = std::fs::read_to_string(&json).unwrap();
+    std::fs::remove_file(&json).ok();
+    let rows: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 2, "{text}");
+    for r in &rows {
+        assert_eq!(r["validated"], true, "{r}");
+        let b = &r["breakdown"];
+        assert_eq!(
+            b["disordered"], 0,
+            "calls with a stamp lost or out of order: {r}"
+        );
+        // Rank 0's timed calls of the pure phase, each with every stage.
+        for s in STAGES {
+            assert_eq!(b[s]["n"].as_u64(), Some(iters), "stage {s}: {r}");
+        }
+        let p50 = |s: &str| b[s]["p50_us"].as_f64().unwrap();
+        assert!(p50("total") > 0.0 && p50("copy") > 0.0, "{r}");
+        assert!(r["readv_us"].as_f64().is_some_and(|t| t > 0.0), "{r}");
+    }
+    assert!(
+        run.stdout.contains("where an offloaded call's time goes"),
+        "no breakdown table:\n{}",
+        run.stdout
+    );
+    // The SP's side: every completed post has the SP's four stages and its post stage; the
+    // notice stage comes with a rank's next post (each rank's last call has none).
+    let stats = run.sp_stats();
+    assert_eq!(stats.len(), 1);
+    let st = &stats[0];
+    let posts = st["posts"].as_u64().unwrap();
+    assert_eq!(posts, ranks * 2 * 2 * (iters + warmup), "{st}");
+    let s = &st["stages"];
+    assert_eq!(s["disordered"], 0, "{s}");
+    for name in ["post", "accept", "issue", "copy", "complete"] {
+        assert_eq!(s[name]["n"].as_u64(), Some(posts), "stage {name}: {s}");
+    }
+    assert_eq!(s["notice"]["n"].as_u64(), Some(posts - ranks), "{s}");
+    st.clone()
+}
