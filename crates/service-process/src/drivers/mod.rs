@@ -248,7 +248,8 @@ pub struct Inbound {
     /// The message comes with the bytes of a chunk for staging slot `.0`, `.1` bytes long.
     pub fills_slot: Option<(u32, u64)>,
     /// The sender waits for an answer even from an SP where the instance finished (its ranks
-    /// may have posted different communicators under one key): refused with `Aborted`.
+    /// may have posted different communicators under one key; or the instance aborted there
+    /// and its ranks completed before the message came): refused with `Aborted`.
     pub answer_when_finished: bool,
 }
 
@@ -369,9 +370,10 @@ use delegate;
 /// no segment) write alike, each with its own types: the driver (a tuple struct around machine
 /// `$m::$machine`), its constructor, its [`Inbound`] (announcements counted), and how its
 /// messages (which lend and grant nothing) and copies become [`Act`]s. `$variant` is the
-/// kind's `CollMsg` variant.
+/// kind's `CollMsg` variant; `answer_when_finished` names the messages whose sender waits for
+/// an answer even from an SP where the instance finished ([`Inbound::answer_when_finished`]).
 macro_rules! direct_driver {
-    ($m:ident::$machine:ident, $variant:path) => {
+    ($m:ident::$machine:ident, $variant:path $(, answer_when_finished: $answer:pat)?) => {
         struct Driver($m::$machine<AliasKey>);
 
         impl super::KindMsg for $m::Msg<AliasKey> {
@@ -391,6 +393,7 @@ macro_rules! direct_driver {
         fn inbound(msg: &CollMsg) -> Inbound {
             Inbound {
                 announce: matches!(msg, $variant($m::Msg::Announce { .. })),
+                answer_when_finished: false $(|| matches!(msg, $variant($answer)))?,
                 ..Inbound::default()
             }
         }
