@@ -422,6 +422,10 @@ impl RecvWorker {
         let (cmds, rx): (Sender<Cmd>, Receiver<Cmd>) = crossbeam_channel::unbounded();
         let (wake, mut woken) = UnixStream::pair()?;
         woken.set_nonblocking(true)?;
+        // The SP's loop writes a byte per command and must never wait for the worker: a worker
+        // busy landing a flood reads `woken` only once the flood pauses, and a full pipe
+        // already holds a wake-up (commands are taken from `cmds` at every pass anyway).
+        wake.set_nonblocking(true)?;
         let mut intake = Intake::new(events, inject);
         intake.wake = waker;
         let stats = intake.stats.clone();
@@ -476,6 +480,7 @@ impl RecvWorker {
 
     fn send(&self, c: Cmd) {
         let _ = self.cmds.send(c);
+        // WouldBlock: the pipe is full of wake-ups already.
         let _ = (&self.wake).write(&[1]);
     }
 
