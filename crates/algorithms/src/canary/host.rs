@@ -198,7 +198,8 @@ impl Host {
         );
         assert!(cfg.block_bytes > 0 && cfg.block_bytes.is_multiple_of(cfg.reduce.elem.size()));
         assert!(
-            cfg.block_bytes <= super::packet::MAX_DATA && cfg.len.is_multiple_of(cfg.reduce.elem.size())
+            cfg.block_bytes <= super::packet::MAX_DATA
+                && cfg.len.is_multiple_of(cfg.reduce.elem.size())
         );
         assert!(cfg.reduce.is_valid() && cfg.window > 0);
         let nb = cfg.blocks();
@@ -246,8 +247,15 @@ impl Host {
         self.cfg.members[self.cfg.me]
     }
 
+    /// Hosts that send each block: all but the leader under Canary; all, the leader too,
+    /// on static trees (the tree's root switch sees every contribution, as in SHARP).
     fn senders(&self) -> u16 {
-        (self.cfg.members.len() - 1) as u16
+        let n = self.cfg.members.len();
+        (if self.leader_sends() { n } else { n - 1 }) as u16
+    }
+
+    fn leader_sends(&self) -> bool {
+        self.cfg.static_trees.is_some()
     }
 
     fn head(&self, block: u32, attempt: u16, dst: Addr) -> Head {
@@ -265,7 +273,7 @@ impl Host {
     /// Begin: send the first window of blocks.
     pub fn start(&mut self, now: Nanos, src: &dyn BlockSource) -> Vec<Packet> {
         let mut out = Vec::new();
-        if self.cfg.members.len() == 1 {
+        if self.cfg.members.len() == 1 && !self.leader_sends() {
             let blocks: Vec<u32> = self.led.keys().copied().collect();
             for b in blocks {
                 self.send[b as usize] = Send::Local;
@@ -319,6 +327,11 @@ impl Host {
             self.timers.push(Reverse((deadline, b)));
             let leader = self.cfg.members[self.cfg.leader_of(b)];
             self.stats.retx_requests += 1;
+            if leader == self.addr() {
+                // Our own block on a static tree: ask ourselves.
+                self.retx(now, b, self.attempt[b as usize], leader, src, &mut out);
+                continue;
+            }
             out.push(Packet::Retx {
                 head: self.head(b, self.attempt[b as usize], leader),
                 host: self.addr(),
@@ -380,7 +393,9 @@ impl Host {
                     &mut out,
                 )
             }
-            Packet::Retx { host, .. } => self.retx(now, b, h.id.attempt, host, src, &mut out),
+            Packet::Retx { host, .. } if host != self.addr() => {
+                self.retx(now, b, h.id.attempt, host, src, &mut out)
+            }
             Packet::Bcast { data, .. } | Packet::Result { data, .. } if data.len() == blen => {
                 self.result(b, data);
             }
@@ -433,7 +448,7 @@ impl Host {
             if self.send[b as usize] != Send::Pending {
                 continue;
             }
-            if self.cfg.leader_of(b) == self.cfg.me {
+            if self.cfg.leader_of(b) == self.cfg.me && !self.leader_sends() {
                 self.send[b as usize] = Send::Local;
                 continue;
             }
@@ -509,7 +524,7 @@ impl Host {
         }
         if led.counter as u32 + counter as u32 > senders as u32 {
             // More contributions than senders: a duplicate reached us. Start over.
-            self.restart(now, b, out);
+            self.restart(now, b, out, src);
             return;
         }
         led.counter += counter;
@@ -532,11 +547,12 @@ impl Host {
         src.fill(r.start, &mut own);
         let reduce = self.cfg.reduce;
         let me = self.addr();
+        let own_is_in = self.leader_sends();
         let led = self.led.get_mut(&b).unwrap();
         let mut acc = led.acc.take().unwrap_or_else(|| vec![0; r.len()]);
         if led.counter == 0 {
             acc.copy_from_slice(&own);
-        } else {
+        } else if !own_is_in {
             reduce_into(reduce, &mut acc, &own).expect("block shape");
         }
         let head = Head {
@@ -572,7 +588,7 @@ impl Host {
         self.result(b, acc);
     }
 
-    fn restart(&mut self, now: Nanos, b: u32, out: &mut Vec<Packet>) {
+    fn restart(&mut self, now: Nanos, b: u32, out: &mut Vec<Packet>, src: &dyn BlockSource) {
         self.stats.restarts += 1;
         let max = self.cfg.max_attempts;
         let led = self.led.get_mut(&b).unwrap();
@@ -596,8 +612,21 @@ impl Host {
                 });
             }
         }
+        if self.leader_sends() {
+            self.attempt[b as usize] = attempt;
+        }
         if abort {
             self.fail(HostError::Aborted { block: b });
+        } else if let (true, Send::Waiting { .. }) = (self.leader_sends(), self.send[b as usize]) {
+            // Our own contribution (static trees) goes again too.
+            let deadline = now + self.cfg.retx_timeout;
+            self.send[b as usize] = Send::Waiting {
+                requests: 0,
+                deadline,
+            };
+            self.timers.push(Reverse((deadline, b)));
+            let p = self.reduce_packet(b, src);
+            out.push(p);
         }
     }
 
@@ -610,8 +639,7 @@ impl Host {
         src: &dyn BlockSource,
         out: &mut Vec<Packet>,
     ) {
-        let _ = src;
-        if !self.cfg.members.contains(&host) || host == self.addr() {
+        if !self.cfg.members.contains(&host) {
             self.stats.ignored += 1;
             return;
         }
@@ -629,6 +657,9 @@ impl Host {
             ..head
         };
         if let Some(r) = &led.result {
+            if host == self.addr() {
+                return;
+            }
             self.stats.results_resent += 1;
             out.push(Packet::Result {
                 head,
@@ -639,7 +670,7 @@ impl Host {
         } else if attempt < led.attempt {
             out.push(Packet::Restart { head });
         } else if attempt == led.attempt && now >= led.started + holdoff {
-            self.restart(now, b, out);
+            self.restart(now, b, out, src);
         } else {
             self.stats.ignored += 1;
         }

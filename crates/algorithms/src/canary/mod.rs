@@ -9,7 +9,7 @@
 //! - [`host`]: a member, sender of its vector and leader of its share of the blocks (§3.1.3,
 //!   §3.1.4, §3.3): contributions counted per block, restart of a block that cannot be
 //!   completed, retransmission on request, an abort after too many attempts.
-//! - `sim` (next): a packet-level discrete-event simulator of the paper's two-level fat tree
+//! - [`sim`]: a packet-level discrete-event simulator of the paper's two-level fat tree
 //!   (§5.2) driving these machines, with the baselines (host ring, static trees) and faults.
 //!
 //! Nothing here reads a clock or touches a socket: every call takes `now`, every machine
@@ -18,6 +18,7 @@
 
 pub mod host;
 pub mod packet;
+pub mod sim;
 pub mod switch;
 
 pub use host::{BlockSource, Host, HostConfig, HostError, HostEvent, HostStats};

@@ -71,8 +71,9 @@ pub struct SwitchConfig {
     pub hold: Nanos,
     /// The up-ports (towards the spines); empty at the top level.
     pub up_ports: Vec<Port>,
-    /// Addresses reachable downwards and their port (hosts below a leaf; hosts and leaves
-    /// below a spine). Any other address is reached through an up-port.
+    /// Addresses reached through one fixed port: hosts below a leaf, hosts and leaves below
+    /// a spine, neighbouring switches (targets of restorations). Any other address is
+    /// reached through an up-port.
     pub down: HashMap<Addr, Port>,
     /// Static trees, by (allreduce, tree).
     pub trees: HashMap<(u32, u8), TreeRule>,
@@ -132,8 +133,15 @@ pub struct Switch {
     stats: SwitchStats,
 }
 
-/// The slot of a block id in a table of `slots` entries.
-pub fn slot_of(id: BlockId, slots: usize) -> usize {
+/// The slot of a block id in a table of `slots` entries: a hash of the id (Canary, §3.2);
+/// for a block on a static tree a direct mapping, consecutive blocks in consecutive slots, as
+/// the baselines reserve their buffers (they never collide while fewer blocks than slots are
+/// alive).
+pub fn slot_of(id: BlockId, slots: usize, tree: Option<u8>) -> usize {
+    if tree.is_some() {
+        let base = splitmix64(id.coll as u64 ^ 0x7ee5) % slots as u64;
+        return ((base + id.block as u64 + id.attempt as u64 * 7919) % slots as u64) as usize;
+    }
     let k = splitmix64((id.coll as u64) << 32 ^ id.block as u64)
         ^ splitmix64(id.attempt as u64 + 0x5151);
     (splitmix64(k) % slots as u64) as usize
@@ -190,9 +198,16 @@ impl Switch {
                 now, in_port, head, counter, hosts, reduce, tree, data, loads, &mut out,
             ),
             Packet::Bcast { head, data } => {
-                let s = slot_of(head.id, self.cfg.slots);
-                match &self.table[s] {
-                    Some(d) if d.head.id == head.id && d.head.tag == head.tag => {
+                let mine = |s: usize| {
+                    self.table[s]
+                        .as_ref()
+                        .is_some_and(|d| d.head.id == head.id && d.head.tag == head.tag)
+                };
+                let hashed = slot_of(head.id, self.cfg.slots, None);
+                let direct = slot_of(head.id, self.cfg.slots, Some(0));
+                let found = [hashed, direct].into_iter().find(|&s| mine(s));
+                match found {
+                    Some(s) => {
                         let d = self.table[s].take().unwrap();
                         self.stats.bcasts += 1;
                         for &p in d.children.iter().filter(|&&p| p != in_port) {
@@ -271,7 +286,7 @@ impl Switch {
         loads: &[PortLoad],
         out: &mut Vec<(Port, Packet)>,
     ) {
-        let s = slot_of(head.id, self.cfg.slots);
+        let s = slot_of(head.id, self.cfg.slots, tree);
         match &mut self.table[s] {
             None => {
                 self.gen += 1;
