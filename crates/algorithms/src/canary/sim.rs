@@ -29,6 +29,8 @@
 //! - A switch aggregates at line rate in zero time; one hop costs serialisation plus
 //!   `latency`. The static trees reuse the Canary switch with installed rules and no time
 //!   window; their leader sends its data too (the root switch sees all `n`).
+//! - A host's NIC has two send queues: what it sends as a leader (broadcasts, restorations,
+//!   answers) goes before its queued data packets.
 //! - Time is in whole nanoseconds (a 1081-byte packet takes 87 ns at 100 Gb/s).
 
 use std::cmp::Ordering;
@@ -119,10 +121,10 @@ impl Default for NetConfig {
             buffer: 64 * 1024,
             header: 57,
             payload: 1024,
-            timeout: 1_000,
+            timeout: 10_000,
             hold: 1_000_000,
             slots: 1 << 16,
-            window: 1024,
+            window: 512,
             retx_timeout: 2_000_000,
             max_requests: 8,
             restart_holdoff: 1_000_000,
@@ -253,6 +255,8 @@ struct PortQ {
     /// The peer is a host (it absorbs at once: no credit limit).
     to_host: bool,
     sent_bytes: u64,
+    /// Packets at the head of `q` that went in as priority (a host's leader packets).
+    prio: usize,
 }
 
 enum Role {
@@ -419,6 +423,7 @@ impl Sim {
             peer,
             to_host,
             sent_bytes: 0,
+            prio: 0,
         };
         let load = PortLoad {
             queued: 0,
@@ -648,9 +653,18 @@ impl Sim {
     /// Queue a packet on an output port; `credit` is the link it holds a credit of.
     fn enqueue(&mut self, node: u32, port: u16, pkt: Pkt, credit: Option<(u32, u16)>) {
         let wire = self.wire(&pkt);
+        // A host's NIC sends what it does as a leader (broadcasts, answers) before its queued
+        // data: two send queues, so a leader's broadcast does not wait behind its window.
+        let prio = node < self.h()
+            && matches!(&pkt, Pkt::Canary(p) if !matches!(p, Packet::Reduce { .. } | Packet::Retx { .. }));
         let n = &mut self.nodes[node as usize];
         let q = &mut n.ports[port as usize];
-        q.q.push_back(QItem { pkt, wire, credit });
+        if prio {
+            q.q.insert(q.prio, QItem { pkt, wire, credit });
+            q.prio += 1;
+        } else {
+            q.q.push_back(QItem { pkt, wire, credit });
+        }
         q.bytes += wire;
         if let Some(l) = n.loads.get_mut(port as usize) {
             l.queued = q.bytes;
@@ -681,6 +695,7 @@ impl Sim {
             return;
         }
         let it = q.q.pop_front().unwrap();
+        q.prio = q.prio.saturating_sub(1);
         q.bytes -= it.wire;
         q.busy = true;
         q.sent_bytes += it.wire;
@@ -872,6 +887,7 @@ impl Sim {
         for p in 0..self.nodes[node as usize].ports.len() {
             let items: Vec<QItem> = self.nodes[node as usize].ports[p].q.drain(..).collect();
             self.nodes[node as usize].ports[p].bytes = 0;
+            self.nodes[node as usize].ports[p].prio = 0;
             for it in items {
                 self.dropped += 1;
                 self.release(it.credit, it.wire);
