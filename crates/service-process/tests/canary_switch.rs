@@ -1,0 +1,554 @@
+//! `service-process switch` as real processes: a 2-leaf / 2-spine Canary tree of switch
+//! daemons on loopback UDP, four hosts (the `algorithms::canary::Host` machine, one thread and
+//! one UDP socket each, in this test process) reducing random vectors through it.
+//!
+//! - Results: integer reductions byte-identical to a reference computed here; floating-point
+//!   sums the same bits on every host (one result is broadcast) and within the bound of a
+//!   different summation order; the leaves' counters show the data was aggregated in them.
+//! - Faults: a spine killed mid-allreduce (every host ends in bounded time, correct or with an
+//!   error, never a wrong value); both spines killed (every host fails in bounded time);
+//!   forged and malformed datagrams into a leaf's port (counted, dropped, no value changed).
+//!
+//! Each test prints its seed; `CANARY_SEED=N` replays one.
+
+use std::net::{SocketAddr, UdpSocket};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use algorithms::allreduce::{reduce_into, Elem, Op, Reduce};
+use algorithms::canary::{BlockId, Head, Host, HostConfig, HostError, HostEvent, Packet};
+use algorithms::sim::rng::Rng;
+
+const HOSTS: usize = 4;
+const LEAVES: [u32; 2] = [11, 12];
+const SPINES: [u32; 2] = [21, 22];
+const TAG: u64 = 0x5eed_cafe_f00d_0001;
+
+fn seed() -> u64 {
+    let s = std::env::var("CANARY_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+        });
+    eprintln!("seed {s} (CANARY_SEED={s} to replay)");
+    s
+}
+
+fn free_addr() -> SocketAddr {
+    UdpSocket::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
+struct Switch {
+    child: Child,
+    stats: PathBuf,
+}
+
+impl Switch {
+    fn stats(&self) -> serde_json::Value {
+        // Rewritten at most every 100 ms: wait for a fresh one.
+        std::thread::sleep(Duration::from_millis(250));
+        serde_json::from_slice(&std::fs::read(&self.stats).unwrap()).unwrap()
+    }
+}
+
+impl Drop for Switch {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+struct Tree {
+    _dir: TempDir,
+    /// Leaves, then spines.
+    switches: Vec<Switch>,
+    /// Each host's socket, connected to its leaf port.
+    hosts: Vec<UdpSocket>,
+    /// Each host's leaf port address (where a forged datagram goes).
+    host_ports: Vec<SocketAddr>,
+}
+
+struct TempDir(PathBuf);
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn start_switch(dir: &Path, addr: u32, args: Vec<String>) -> Switch {
+    let stats = dir.join(format!("switch-{addr}.json"));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_service-process"))
+        .arg("switch")
+        .arg("--addr")
+        .arg(addr.to_string())
+        .args(&args)
+        .arg("--stats-file")
+        .arg(&stats)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    use std::io::BufRead;
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.as_mut().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert!(line.starts_with("READY switch"), "switch {addr}: {line:?}");
+    Switch { child, stats }
+}
+
+/// Hosts 1, 2 under leaf 11, hosts 3, 4 under leaf 12; leaf ports 0, 1 to the hosts, 2 and 3
+/// to spines 21 and 22; spine port 0 to leaf 11, 1 to leaf 12.
+fn tree(timeout_us: u64) -> Tree {
+    let dir = std::env::temp_dir().join(format!(
+        "canary-switch-{}-{}",
+        std::process::id(),
+        rand_u64()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let hosts: Vec<UdpSocket> = (0..HOSTS)
+        .map(|_| UdpSocket::bind("127.0.0.1:0").unwrap())
+        .collect();
+    // leaf_port[l][p], spine_port[s][p]: the switch sockets' addresses.
+    let leaf_port: Vec<Vec<SocketAddr>> = (0..2)
+        .map(|_| (0..4).map(|_| free_addr()).collect())
+        .collect();
+    let spine_port: Vec<Vec<SocketAddr>> = (0..2)
+        .map(|_| (0..2).map(|_| free_addr()).collect())
+        .collect();
+    let mut switches = Vec::new();
+    for l in 0..2 {
+        let mut a = vec![];
+        for p in 0..2 {
+            let h = &hosts[2 * l + p];
+            a.push("--port".into());
+            a.push(format!(
+                "{p}={},{}",
+                leaf_port[l][p],
+                h.local_addr().unwrap()
+            ));
+            a.push("--route".into());
+            a.push(format!("{}={p}", 2 * l + p + 1));
+        }
+        for s in 0..2 {
+            a.push("--port".into());
+            a.push(format!(
+                "{}={},{}",
+                2 + s,
+                leaf_port[l][2 + s],
+                spine_port[s][l]
+            ));
+            a.push("--route".into());
+            a.push(format!("{}={}", SPINES[s], 2 + s));
+        }
+        a.extend([
+            "--up".into(),
+            "2,3".into(),
+            "--timeout-us".into(),
+            timeout_us.to_string(),
+        ]);
+        switches.push(start_switch(&dir, LEAVES[l], a));
+    }
+    for s in 0..2 {
+        let mut a = vec![];
+        for l in 0..2 {
+            a.push("--port".into());
+            a.push(format!("{l}={},{}", spine_port[s][l], leaf_port[l][2 + s]));
+            for h in [2 * l + 1, 2 * l + 2] {
+                a.push("--route".into());
+                a.push(format!("{h}={l}"));
+            }
+            a.push("--route".into());
+            a.push(format!("{}={l}", LEAVES[l]));
+        }
+        a.extend(["--timeout-us".into(), timeout_us.to_string()]);
+        switches.push(start_switch(&dir, SPINES[s], a));
+    }
+    let mut host_ports = vec![];
+    for (h, sock) in hosts.iter().enumerate() {
+        let port = leaf_port[h / 2][h % 2];
+        sock.connect(port).unwrap();
+        host_ports.push(port);
+    }
+    Tree {
+        _dir: TempDir(dir),
+        switches,
+        hosts,
+        host_ports,
+    }
+}
+
+fn rand_u64() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos() as u64
+}
+
+fn host_cfg(coll: u32, reduce: Reduce, me: usize, len: usize) -> HostConfig {
+    HostConfig {
+        coll,
+        tag: TAG,
+        reduce,
+        members: (1..=HOSTS as u32).collect(),
+        me,
+        len,
+        block_bytes: 1024,
+        window: 32,
+        static_trees: None,
+        retx_timeout: 30_000_000,
+        max_requests: 8,
+        restart_holdoff: 20_000_000,
+        max_attempts: 6,
+    }
+}
+
+/// One host's allreduce on its socket; returns the result or its error, and the time taken.
+fn run_host(
+    sock: UdpSocket,
+    cfg: HostConfig,
+    input: Vec<u8>,
+) -> (Result<Vec<u8>, HostError>, Duration) {
+    let t0 = Instant::now();
+    let now = || t0.elapsed().as_nanos() as u64;
+    let mut out = vec![0u8; cfg.len];
+    let mut h = Host::new(cfg);
+    let send = |pkts: Vec<Packet>| {
+        for p in pkts {
+            let _ = sock.send(&p.encode());
+        }
+    };
+    send(h.start(now(), &input));
+    let mut buf = vec![0u8; 65536];
+    loop {
+        while let Some(ev) = h.poll_event() {
+            match ev {
+                HostEvent::Block { offset, data, .. } => {
+                    out[offset..offset + data.len()].copy_from_slice(&data)
+                }
+                HostEvent::Done => return (Ok(out), t0.elapsed()),
+                HostEvent::Failed(e) => return (Err(e), t0.elapsed()),
+            }
+        }
+        let wait = h
+            .next_deadline()
+            .map(|d| d.saturating_sub(now()))
+            .unwrap_or(50_000_000)
+            .clamp(100_000, 50_000_000);
+        sock.set_read_timeout(Some(Duration::from_nanos(wait)))
+            .unwrap();
+        if let Ok(n) = sock.recv(&mut buf) {
+            if let Ok(p) = Packet::decode(&buf[..n]) {
+                send(h.on_packet(now(), p, &input));
+            }
+        }
+        if h.next_deadline().is_some_and(|d| d <= now()) {
+            send(h.on_timer(now(), &input));
+        }
+    }
+}
+
+/// Runs one allreduce on all hosts at once (one thread each).
+fn allreduce(
+    t: &Tree,
+    coll: u32,
+    reduce: Reduce,
+    inputs: &[Vec<u8>],
+) -> Vec<(Result<Vec<u8>, HostError>, Duration)> {
+    let hs: Vec<_> = (0..HOSTS)
+        .map(|me| {
+            let sock = t.hosts[me].try_clone().unwrap();
+            let cfg = host_cfg(coll, reduce, me, inputs[me].len());
+            let input = inputs[me].clone();
+            std::thread::spawn(move || run_host(sock, cfg, input))
+        })
+        .collect();
+    hs.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+fn random_input(rng: &mut Rng, elem: Elem, count: usize) -> Vec<u8> {
+    match elem {
+        Elem::F32 => (0..count)
+            .flat_map(|_| ((rng.below(2001) as f32 - 1000.0) / 7.0).to_le_bytes())
+            .collect(),
+        Elem::F64 => (0..count)
+            .flat_map(|_| ((rng.below(2_000_001) as f64 - 1e6) / 3.0).to_le_bytes())
+            .collect(),
+        _ => (0..count * elem.size())
+            .map(|_| rng.next_u64() as u8)
+            .collect(),
+    }
+}
+
+fn reference(reduce: Reduce, inputs: &[Vec<u8>]) -> Vec<u8> {
+    let mut acc = inputs[0].clone();
+    for x in &inputs[1..] {
+        reduce_into(reduce, &mut acc, x).unwrap();
+    }
+    acc
+}
+
+/// A float sum in another order: |got - ref| <= (n - 1) * eps * sum |x_i| per element.
+fn within_bound(reduce: Reduce, inputs: &[Vec<u8>], got: &[u8]) -> bool {
+    let want = reference(reduce, inputs);
+    if reduce.op != Op::Sum {
+        return want == got;
+    }
+    let n = inputs.len() as f64;
+    let (sz, eps) = match reduce.elem {
+        Elem::F32 => (4, f32::EPSILON as f64),
+        _ => (8, f64::EPSILON),
+    };
+    let val = |b: &[u8]| -> f64 {
+        if sz == 4 {
+            f32::from_le_bytes(b.try_into().unwrap()) as f64
+        } else {
+            f64::from_le_bytes(b.try_into().unwrap())
+        }
+    };
+    (0..got.len() / sz).all(|i| {
+        let r = i * sz..(i + 1) * sz;
+        let abs: f64 = inputs.iter().map(|x| val(&x[r.clone()]).abs()).sum();
+        (val(&got[r.clone()]) - val(&want[r])).abs() <= (n - 1.0) * eps * abs * 2.0
+    })
+}
+
+const ELEMS: [Elem; 10] = [
+    Elem::I8,
+    Elem::I16,
+    Elem::I32,
+    Elem::I64,
+    Elem::U8,
+    Elem::U16,
+    Elem::U32,
+    Elem::U64,
+    Elem::F32,
+    Elem::F64,
+];
+const OPS: [Op; 10] = [
+    Op::Sum,
+    Op::Prod,
+    Op::Min,
+    Op::Max,
+    Op::Land,
+    Op::Lor,
+    Op::Lxor,
+    Op::Band,
+    Op::Bor,
+    Op::Bxor,
+];
+
+fn random_reduce(rng: &mut Rng) -> Reduce {
+    loop {
+        let elem = ELEMS[rng.below(10) as usize];
+        // Float products grow past any useful bound: sums, minima and maxima only.
+        let op = if elem.is_float() {
+            [Op::Sum, Op::Min, Op::Max][rng.below(3) as usize]
+        } else {
+            OPS[rng.below(10) as usize]
+        };
+        let r = Reduce { op, elem };
+        if r.is_valid() {
+            return r;
+        }
+    }
+}
+
+fn check(reduce: Reduce, inputs: &[Vec<u8>], res: &[(Result<Vec<u8>, HostError>, Duration)]) {
+    let got: Vec<&Vec<u8>> = res
+        .iter()
+        .enumerate()
+        .map(|(h, (r, _))| r.as_ref().unwrap_or_else(|e| panic!("host {h}: {e}")))
+        .collect();
+    for g in &got[1..] {
+        assert_eq!(
+            *g, got[0],
+            "{reduce:?}: hosts differ (one result is broadcast)"
+        );
+    }
+    if reduce.elem.is_float() {
+        assert!(
+            within_bound(reduce, inputs, got[0]),
+            "{reduce:?}: outside the bound"
+        );
+    } else {
+        assert_eq!(
+            *got[0],
+            reference(reduce, inputs),
+            "{reduce:?}: wrong bytes"
+        );
+    }
+}
+
+#[test]
+fn random_allreduces_through_switch_daemons_are_exact_and_aggregated_in_the_leaves() {
+    let mut rng = Rng::new(seed());
+    let t = tree(200);
+    let mut counts = vec![0usize, 1, 3, 255, 1000];
+    counts.extend((0..5).map(|_| rng.below(20_000) as usize));
+    for (i, &count) in counts.iter().enumerate() {
+        let reduce = random_reduce(&mut rng);
+        let inputs: Vec<Vec<u8>> = (0..HOSTS)
+            .map(|_| random_input(&mut rng, reduce.elem, count))
+            .collect();
+        eprintln!("allreduce {i}: {count} x {:?} {:?}", reduce.elem, reduce.op);
+        let res = allreduce(&t, 100 + i as u32, reduce, &inputs);
+        check(reduce, &inputs, &res);
+    }
+    let leaves: Vec<_> = t.switches[..2].iter().map(|s| s.stats()).collect();
+    for l in &leaves {
+        eprintln!("leaf {l}");
+        // Two hosts under each leaf, so every block from the other leaf's hosts meets a
+        // partner here: data were reduced in the switch, not only forwarded.
+        assert!(l["aggregated"].as_u64().unwrap() > l["flushed"].as_u64().unwrap());
+        assert_eq!(l["malformed"].as_u64().unwrap(), 0);
+    }
+    for s in &t.switches[2..] {
+        eprintln!("spine {}", s.stats());
+    }
+}
+
+#[test]
+fn forged_and_malformed_datagrams_into_a_leaf_are_counted_and_change_nothing() {
+    let mut rng = Rng::new(seed());
+    let t = tree(200);
+    let reduce = Reduce {
+        op: Op::Sum,
+        elem: Elem::I64,
+    };
+    let count = 3000;
+    let inputs: Vec<Vec<u8>> = (0..HOSTS)
+        .map(|_| random_input(&mut rng, reduce.elem, count))
+        .collect();
+    let coll = 7;
+    // From host 1's own socket (the only source its leaf port receives from): two datagrams
+    // that are not Canary packets, and well-formed packets of the job's blocks without its
+    // tag: reduce packets with junk data for every block (each takes the block's descriptor
+    // slot first, flushed after the window and held for --hold-ms (100), so the job's own
+    // packets collide there), and a truncated broadcast.
+    let h = &t.hosts[0];
+    h.send(b"not a canary packet").unwrap();
+    h.send(
+        &Packet::Bcast {
+            head: Head {
+                id: BlockId {
+                    coll,
+                    block: 0,
+                    attempt: 0,
+                },
+                tag: TAG,
+                dst: 0,
+            },
+            data: vec![0; 8],
+        }
+        .encode()[..20],
+    )
+    .unwrap();
+    let blocks = (count * 8).div_ceil(1024) as u32;
+    for block in 0..blocks {
+        let head = Head {
+            id: BlockId {
+                coll,
+                block,
+                attempt: 0,
+            },
+            tag: TAG ^ 1,
+            dst: (block % HOSTS as u32) + 1,
+        };
+        h.send(
+            &Packet::Reduce {
+                head,
+                counter: 1,
+                hosts: 3,
+                reduce,
+                tree: None,
+                data: vec![0xff; 1024.min(count * 8 - block as usize * 1024)],
+            }
+            .encode(),
+        )
+        .unwrap();
+    }
+    // And from a socket that is not the port's peer: never received.
+    let stranger = UdpSocket::bind("127.0.0.1:0").unwrap();
+    stranger
+        .send_to(b"from a stranger", t.host_ports[0])
+        .unwrap();
+    // The forged packets sit in the leaf's table (and went on to the leaders, who ignore
+    // another tag) before the job's arrive.
+    std::thread::sleep(Duration::from_millis(10));
+    let res = allreduce(&t, coll, reduce, &inputs);
+    check(reduce, &inputs, &res);
+    let leaf = t.switches[0].stats();
+    eprintln!("leaf 11 {leaf}");
+    assert_eq!(leaf["ports"][0]["malformed"].as_u64().unwrap(), 2, "{leaf}");
+    assert_eq!(leaf["malformed"].as_u64().unwrap(), 2, "{leaf}");
+    assert!(
+        leaf["collisions"].as_u64().unwrap() > 0,
+        "the forged descriptors were met: {leaf}"
+    );
+}
+
+/// Kills `kill` switches `after` into a 4 MiB allreduce; returns each host's outcome.
+fn allreduce_with_kills(kill: &[usize], after: Duration) {
+    let mut rng = Rng::new(seed());
+    let mut t = tree(200);
+    let reduce = Reduce {
+        op: Op::Sum,
+        elem: Elem::U32,
+    };
+    let count = 1 << 20;
+    let inputs: Vec<Vec<u8>> = (0..HOSTS)
+        .map(|_| random_input(&mut rng, reduce.elem, count))
+        .collect();
+    let want = reference(reduce, &inputs);
+    let hs: Vec<_> = (0..HOSTS)
+        .map(|me| {
+            let sock = t.hosts[me].try_clone().unwrap();
+            let cfg = host_cfg(9, reduce, me, inputs[me].len());
+            let input = inputs[me].clone();
+            std::thread::spawn(move || run_host(sock, cfg, input))
+        })
+        .collect();
+    std::thread::sleep(after);
+    for &k in kill {
+        t.switches[k].child.kill().unwrap();
+        eprintln!("killed switch {k} at {after:?}");
+    }
+    let res: Vec<_> = hs.into_iter().map(|h| h.join().unwrap()).collect();
+    let mut ok = 0;
+    for (h, (r, took)) in res.iter().enumerate() {
+        match r {
+            Ok(v) => {
+                assert!(*v == want, "host {h}: a wrong value after a switch died");
+                ok += 1;
+                eprintln!("host {h}: correct result in {took:?}");
+            }
+            Err(e) => eprintln!("host {h}: error in {took:?}: {e}"),
+        }
+        // Bounded: the hosts' own give-up bound (8 requests x 30 ms per block, 6 attempts of
+        // the leader) is far below this; a hang would never end.
+        assert!(*took < Duration::from_secs(60), "host {h} took {took:?}");
+    }
+    if kill.len() == 2 {
+        // No path between the leaves any more: nobody can have every block.
+        assert_eq!(ok, 0, "a result without any spine");
+    }
+}
+
+#[test]
+fn a_spine_killed_mid_allreduce_ends_every_host_in_bounded_time_without_a_wrong_value() {
+    allreduce_with_kills(&[2], Duration::from_millis(30));
+}
+
+#[test]
+fn both_spines_killed_fail_every_host_in_bounded_time() {
+    allreduce_with_kills(&[2, 3], Duration::from_millis(30));
+}
