@@ -231,7 +231,9 @@ impl Worker {
                     why: format!("canary allreduce: {e}"),
                 }),
             };
-            if let Some(end) = end {
+            // One end per allreduce: a machine that finished may still report (a late
+            // result or abort while it lingers), which changes nothing here any more.
+            if let (Some(end), None) = (end, r.until) {
                 r.until = Some(Instant::now() + self.linger);
                 let _ = self.events.send(end);
             }

@@ -134,6 +134,13 @@ pub struct SwitchOpts {
     /// Keep the counters (JSON) in this file while running and at exit.
     #[arg(long)]
     pub stats_file: Option<PathBuf>,
+    /// Drop this fraction (0 to 1) of the Canary packets to send, at random (counted as
+    /// `injected_drops`): loss for tests on loopback, where the kernel drops nothing.
+    #[arg(long, default_value_t = 0.0)]
+    pub drop_rate: f64,
+    /// Seed of --drop-rate (default: the switch's address).
+    #[arg(long)]
+    pub seed: Option<u64>,
 }
 
 /// What the daemon counts besides the machine's own counters.
@@ -145,6 +152,7 @@ pub struct PortCounters {
     pub queue_drops: u64,
     pub send_errors: u64,
     pub down_events: u64,
+    pub injected_drops: u64,
 }
 
 struct Link {
@@ -164,6 +172,9 @@ pub struct Daemon {
     queue_cap: u64,
     down_for: Duration,
     start: Instant,
+    /// --drop-rate as a threshold of a u64 draw, and its generator.
+    drop_below: u64,
+    rng: algorithms::sim::rng::Rng,
 }
 
 fn outq(fd: i32) -> u64 {
@@ -261,6 +272,8 @@ impl Daemon {
             queue_cap: o.queue_kib * 1024,
             down_for: Duration::from_millis(o.down_ms),
             start: Instant::now(),
+            drop_below: (o.drop_rate.clamp(0.0, 1.0) * u64::MAX as f64) as u64,
+            rng: algorithms::sim::rng::Rng::new(o.seed.unwrap_or(o.addr as u64)),
         })
     }
 
@@ -301,6 +314,10 @@ impl Daemon {
     }
 
     fn send_bytes(&mut self, p: usize, bytes: Vec<u8>) {
+        if self.drop_below > 0 && self.rng.next_u64() < self.drop_below {
+            self.links[p].c.injected_drops += 1;
+            return;
+        }
         if !self.links[p].queue.is_empty() {
             self.enqueue(p, bytes);
             return;
@@ -414,6 +431,7 @@ impl Daemon {
                     "port": i, "peer": l.peer.to_string(), "rx": l.c.rx, "tx": l.c.tx,
                     "malformed": l.c.malformed, "queue_drops": l.c.queue_drops,
                     "send_errors": l.c.send_errors, "down_events": l.c.down_events,
+                    "injected_drops": l.c.injected_drops,
                 })
             })
             .collect();
@@ -422,6 +440,7 @@ impl Daemon {
             "addr": self.m.config().addr,
             "rx": sum(|c| c.rx), "tx": sum(|c| c.tx), "malformed": sum(|c| c.malformed),
             "queue_drops": sum(|c| c.queue_drops), "send_errors": sum(|c| c.send_errors),
+            "injected_drops": sum(|c| c.injected_drops),
             "aggregated": s.aggregated, "flushed": s.flushed, "stragglers": s.stragglers,
             "collisions": s.collisions, "bcasts": s.bcasts,
             "bcast_without_descriptor": s.bcast_without_descriptor, "restores": s.restores,
