@@ -13,6 +13,7 @@
 pub mod access;
 pub mod canary_plane;
 pub mod canary_switch;
+pub mod canary_tree;
 pub mod cluster_cmd;
 pub mod conn;
 pub mod cpus;

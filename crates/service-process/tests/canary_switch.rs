@@ -21,10 +21,9 @@ use algorithms::allreduce::{reduce_into, Elem, Op, Reduce};
 use algorithms::canary::{BlockId, Head, HostConfig, Packet};
 use algorithms::sim::rng::Rng;
 use service_process::canary_plane::{Plane, PlaneConfig, PlaneEvent};
+use service_process::canary_tree::TreePlan;
 
 const HOSTS: usize = 4;
-const LEAVES: [u32; 2] = [11, 12];
-const SPINES: [u32; 2] = [21, 22];
 const TAG: u64 = 0x5eed_cafe_f00d_0001;
 
 fn seed() -> u64 {
@@ -92,8 +91,6 @@ fn start_switch(dir: &Path, addr: u32, args: Vec<String>) -> Switch {
     let stats = dir.join(format!("switch-{addr}.json"));
     let mut child = Command::new(env!("CARGO_BIN_EXE_service-process"))
         .arg("switch")
-        .arg("--addr")
-        .arg(addr.to_string())
         .args(&args)
         .arg("--stats-file")
         .arg(&stats)
@@ -110,9 +107,9 @@ fn start_switch(dir: &Path, addr: u32, args: Vec<String>) -> Switch {
     Switch { child, stats }
 }
 
-/// Hosts 1, 2 under leaf 11, hosts 3, 4 under leaf 12; leaf ports 0, 1 to the hosts, 2 and 3
-/// to spines 21 and 22; spine port 0 to leaf 11, 1 to leaf 12.
-/// `ip`: a loopback address of the test's own, so that parallel tests never meet.
+/// Two leaves, two spines (`canary_tree::TreePlan::two_level`: hosts 1, 2 under leaf 1001,
+/// hosts 3, 4 under leaf 1002, spines 2001, 2002). `ip`: a loopback address of the test's own,
+/// so that parallel tests never meet.
 fn tree(ip: &str, timeout_us: u64) -> Tree {
     tree_with(ip, timeout_us, &[])
 }
@@ -127,64 +124,21 @@ fn tree_with(ip: &str, timeout_us: u64, extra: &[String]) -> Tree {
     std::fs::create_dir_all(&dir).unwrap();
     let host_socks = reserve(ip, HOSTS);
     let hosts: Vec<SocketAddr> = host_socks.iter().map(addr).collect();
-    // leaf_port[l][p], spine_port[s][p]: the switch sockets' addresses, reserved together,
-    // released just before the switches bind them.
+    // The switch sockets' addresses, reserved together, released just before the switches
+    // bind them.
     let held = reserve(ip, 12);
-    let at = |i: usize| addr(&held[i]);
-    let leaf_port: Vec<Vec<SocketAddr>> = (0..2)
-        .map(|l| (0..4).map(|p| at(4 * l + p)).collect())
-        .collect();
-    let spine_port: Vec<Vec<SocketAddr>> = (0..2)
-        .map(|s| (0..2).map(|p| at(8 + 2 * s + p)).collect())
-        .collect();
+    let mut next = held.iter().map(addr);
+    let plan = TreePlan::two_level(2, 2, &hosts, || next.next().unwrap());
     drop(held);
-    let mut switches = Vec::new();
-    for l in 0..2 {
-        let mut a = vec![];
-        for p in 0..2 {
-            let h = &hosts[2 * l + p];
-            a.push("--port".into());
-            a.push(format!("{p}={},{}", leaf_port[l][p], h));
-            a.push("--route".into());
-            a.push(format!("{}={p}", 2 * l + p + 1));
-        }
-        for s in 0..2 {
-            a.push("--port".into());
-            a.push(format!(
-                "{}={},{}",
-                2 + s,
-                leaf_port[l][2 + s],
-                spine_port[s][l]
-            ));
-            a.push("--route".into());
-            a.push(format!("{}={}", SPINES[s], 2 + s));
-        }
-        a.extend(extra.iter().cloned());
-        a.extend([
-            "--up".into(),
-            "2,3".into(),
-            "--timeout-us".into(),
-            timeout_us.to_string(),
-        ]);
-        switches.push(start_switch(&dir, LEAVES[l], a));
-    }
-    for s in 0..2 {
-        let mut a = vec![];
-        for l in 0..2 {
-            a.push("--port".into());
-            a.push(format!("{l}={},{}", spine_port[s][l], leaf_port[l][2 + s]));
-            for h in [2 * l + 1, 2 * l + 2] {
-                a.push("--route".into());
-                a.push(format!("{h}={l}"));
-            }
-            a.push("--route".into());
-            a.push(format!("{}={l}", LEAVES[l]));
-        }
-        a.extend(extra.iter().cloned());
-        a.extend(["--timeout-us".into(), timeout_us.to_string()]);
-        switches.push(start_switch(&dir, SPINES[s], a));
-    }
-    let host_ports = (0..HOSTS).map(|h| leaf_port[h / 2][h % 2]).collect();
+    let switches = (0..plan.switches.len())
+        .map(|i| {
+            let mut a = plan.switch_args(i);
+            a.extend(extra.iter().cloned());
+            a.extend(["--timeout-us".into(), timeout_us.to_string()]);
+            start_switch(&dir, plan.switches[i].addr, a)
+        })
+        .collect();
+    let host_ports = plan.members.iter().map(|m| m.leaf).collect();
     Tree {
         _dir: TempDir(dir),
         switches,
@@ -501,7 +455,7 @@ fn forged_and_malformed_datagrams_into_a_leaf_are_counted_and_change_nothing() {
     let res = allreduce(&planes, coll, reduce, &inputs);
     check(reduce, &inputs, &res);
     let leaf = t.switches[0].stats();
-    eprintln!("leaf 11 {leaf}");
+    eprintln!("leaf 1001 {leaf}");
     assert_eq!(leaf["ports"][0]["malformed"].as_u64().unwrap(), 2, "{leaf}");
     assert_eq!(leaf["malformed"].as_u64().unwrap(), 2, "{leaf}");
     assert!(
