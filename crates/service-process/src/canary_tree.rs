@@ -177,6 +177,145 @@ impl TreePlan {
     }
 }
 
+/// A tree shape `L+S`: L leaves, S spines.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shape {
+    pub leaves: usize,
+    pub spines: usize,
+}
+
+impl std::str::FromStr for Shape {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Shape, String> {
+        let (l, sp) = s
+            .split_once('+')
+            .ok_or_else(|| format!("{s:?}: expected LEAVES+SPINES, e.g. 2+2"))?;
+        let shape = Shape {
+            leaves: l
+                .trim()
+                .parse()
+                .map_err(|e| format!("{s:?}: leaves: {e}"))?,
+            spines: sp
+                .trim()
+                .parse()
+                .map_err(|e| format!("{s:?}: spines: {e}"))?,
+        };
+        if shape.leaves == 0 || shape.spines == 0 {
+            return Err(format!("{s:?}: at least one leaf and one spine"));
+        }
+        Ok(shape)
+    }
+}
+
+/// Options of `service-process canary-tree`.
+#[derive(clap::Args, Clone, Debug)]
+pub struct CanaryTreeOpts {
+    /// The tree: LEAVES+SPINES.
+    #[arg(long, default_value = "2+2")]
+    pub switches: Shape,
+    /// Members (SPs, or any Canary hosts), spread over the leaves in blocks.
+    #[arg(long)]
+    pub members: usize,
+    /// The loopback address every socket of the tree is on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub ip: std::net::IpAddr,
+    /// Where to write the plan (JSON: every switch's ports, each member's address, its
+    /// socket and its leaf's port).
+    #[arg(long)]
+    pub plan: std::path::PathBuf,
+    /// Further arguments of every switch (e.g. `--timeout-us 100 --drop-rate 0.01`), after
+    /// `--`.
+    #[arg(last = true)]
+    pub switch_args: Vec<String>,
+}
+
+/// `service-process canary-tree`: starts the switch daemons of a loopback tree, writes the
+/// plan, prints `READY canary-tree switches=N`, and on SIGINT/SIGTERM stops them and prints
+/// each one's `STATS` line prefixed by its address. The members' sockets are reserved while
+/// the plan is made and released before it is written: their owners bind them then.
+pub fn run(o: &CanaryTreeOpts) -> anyhow::Result<()> {
+    use anyhow::Context;
+    use std::io::BufRead;
+    use std::net::UdpSocket;
+    use std::process::{Command, Stdio};
+    if o.members < o.switches.leaves {
+        anyhow::bail!(
+            "{} members for {} leaves: every leaf needs one",
+            o.members,
+            o.switches.leaves
+        );
+    }
+    let bind = || UdpSocket::bind((o.ip, 0)).with_context(|| format!("binding on {}", o.ip));
+    let member_socks = (0..o.members)
+        .map(|_| bind())
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let n_ports = o.members + 2 * o.switches.leaves * o.switches.spines;
+    let held = (0..n_ports)
+        .map(|_| bind())
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let addrs = |v: &[UdpSocket]| -> std::io::Result<Vec<SocketAddr>> {
+        v.iter().map(|s| s.local_addr()).collect()
+    };
+    let members = addrs(&member_socks)?;
+    let mut next = addrs(&held)?.into_iter();
+    let plan = TreePlan::two_level(o.switches.leaves, o.switches.spines, &members, || {
+        next.next().expect("enough ports reserved")
+    });
+    drop(held);
+    let exe = std::env::current_exe().context("this program's path")?;
+    let mut children = Vec::new();
+    for (i, sw) in plan.switches.iter().enumerate() {
+        let mut child = Command::new(&exe)
+            .arg("switch")
+            .args(plan.switch_args(i))
+            .args(&o.switch_args)
+            .stdout(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("starting switch {}", sw.addr))?;
+        let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        out.read_line(&mut line)?;
+        if !line.starts_with("READY switch") {
+            let _ = child.kill();
+            anyhow::bail!("switch {} did not start: {line:?}", sw.addr);
+        }
+        children.push((sw.addr, child, out));
+    }
+    drop(member_socks);
+    let tmp = o.plan.with_extension("tmp");
+    std::fs::write(&tmp, serde_json::to_vec_pretty(&plan)?)?;
+    std::fs::rename(&tmp, &o.plan).with_context(|| format!("writing {}", o.plan.display()))?;
+    let mut sig = crate::signals::SignalPipe::install()?;
+    println!("READY canary-tree switches={}", children.len());
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    let sig_fd = *sig.source().0;
+    loop {
+        let mut fd = libc::pollfd {
+            fd: sig_fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd.
+        unsafe { libc::poll(&mut fd, 1, 200) };
+        if fd.revents != 0 && sig.drain() {
+            break;
+        }
+    }
+    for (addr, child, out) in &mut children {
+        // SAFETY: kill(2) of our own child, still unreaped.
+        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+        let mut rest = String::new();
+        let _ = std::io::Read::read_to_string(out, &mut rest);
+        let _ = child.wait();
+        match rest.lines().find(|l| l.starts_with("STATS ")) {
+            Some(l) => println!("switch {addr} {l}"),
+            None => println!("switch {addr} ended without its counters (killed?)"),
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

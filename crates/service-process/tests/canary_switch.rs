@@ -544,3 +544,61 @@ fn a_spine_killed_mid_allreduce_ends_every_host_in_bounded_time_without_a_wrong_
 fn both_spines_killed_fail_every_host_in_bounded_time() {
     allreduce_with_kills("127.0.27.4", &[2, 3], Duration::from_millis(30));
 }
+
+/// `service-process canary-tree` (quick use): starts a 2+2 tree, writes its plan; members
+/// built from the plan reduce through it; at SIGTERM every switch's counters are printed.
+#[test]
+fn canary_tree_command_starts_a_tree_that_reduces_and_prints_every_switchs_counters() {
+    let mut rng = Rng::new(seed());
+    let dir = std::env::temp_dir().join(format!("canary-tree-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let _clean = TempDir(dir.clone());
+    let plan_path = dir.join("plan.json");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_service-process"))
+        .args(["canary-tree", "--switches", "2+2", "--members", "4"])
+        .args(["--ip", "127.0.27.6", "--plan"])
+        .arg(&plan_path)
+        .args(["--", "--timeout-us", "300"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::{BufRead, Read};
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "READY canary-tree switches=4");
+    let plan: TreePlan = serde_json::from_slice(&std::fs::read(&plan_path).unwrap()).unwrap();
+    let planes: Vec<Plane> = plan
+        .members
+        .iter()
+        .map(|m| {
+            Plane::new(PlaneConfig {
+                local: m.local,
+                leaf: m.leaf,
+                linger: Duration::from_secs(2),
+            })
+            .unwrap()
+        })
+        .collect();
+    let reduce = random_reduce(&mut rng);
+    let count = rng.below(30_000) as usize;
+    let inputs: Vec<Vec<u8>> = (0..HOSTS)
+        .map(|_| random_input(&mut rng, reduce.elem, count))
+        .collect();
+    eprintln!("{count} x {:?} {:?}", reduce.elem, reduce.op);
+    let res = allreduce(&planes, 1, reduce, &inputs);
+    check(reduce, &inputs, &res);
+    // SAFETY: kill(2) of our own child.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    let mut rest = String::new();
+    out.read_to_string(&mut rest).unwrap();
+    assert!(child.wait().unwrap().success());
+    let stats: Vec<serde_json::Value> = rest
+        .lines()
+        .filter_map(|l| l.split_once(" STATS "))
+        .map(|(_, j)| serde_json::from_str(j).unwrap())
+        .collect();
+    assert_eq!(stats.len(), 4, "{rest}");
+    let rx: u64 = stats.iter().map(|s| s["rx"].as_u64().unwrap()).sum();
+    assert!(count == 0 || rx > 0, "{rest}");
+}
