@@ -15,6 +15,7 @@ pub mod allgatherv;
 pub mod allreduce;
 pub mod alltoallv;
 pub mod bcast;
+pub mod canary;
 mod common;
 pub mod direct;
 pub mod host_ring;

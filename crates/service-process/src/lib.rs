@@ -11,6 +11,9 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod access;
+pub mod canary_plane;
+pub mod canary_switch;
+pub mod canary_tree;
 pub mod cluster_cmd;
 pub mod conn;
 pub mod cpus;

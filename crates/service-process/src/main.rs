@@ -330,6 +330,28 @@ enum Cmd {
     /// (239.255.0.0/16, TTL 0: nothing leaves this host). Drops for want of socket buffer are
     /// counted. On fewer cores than workers + 1 the sender and workers share them.
     McastBench(service_process::mcast::bench::McastBenchOpts),
+    /// Run one software Canary switch (issue 27): the `algorithms::canary` switch machine on
+    /// UDP sockets, one per port (`--port N=LOCAL,PEER`: bound to LOCAL, connected to PEER, so
+    /// only PEER's datagrams reach it). Datagrams that are not Canary packets are dropped and
+    /// counted. A port's queue occupancy, which picks the up-port, is its socket's kernel send
+    /// queue (SIOCOUTQ) plus a software queue of what the socket refused (--queue-kib, tail
+    /// drop beyond). A port whose peer answers ICMP unreachable is down for --down-ms. Prints
+    /// `READY switch addr=A ports=P` once bound; `STATS {json}` at SIGINT/SIGTERM, and keeps
+    /// the same JSON in --stats-file while running. Logs: SPOFF_LOG.
+    ///
+    /// Example, a leaf with two hosts (addresses 1, 2) and two spines (101, 102):
+    /// `service-process switch --addr 11 --port 0=127.0.0.1:7000,127.0.0.1:6001 --port
+    /// 1=127.0.0.1:7001,127.0.0.1:6002 --port 2=127.0.0.1:7002,127.0.0.1:7100 --port
+    /// 3=127.0.0.1:7003,127.0.0.1:7200 --up 2,3 --route 1=0 --route 2=1 --route 101=2
+    /// --route 102=3`
+    Switch(service_process::canary_switch::SwitchOpts),
+    /// Start a loopback tree of Canary switches for quick use: `--switches L+S` (default 2+2)
+    /// switch daemons, the members' sockets spread over the leaves, the plan (every port and
+    /// member link, JSON) written to --plan; `READY canary-tree switches=N` once they run; on
+    /// SIGINT/SIGTERM they stop and each one's counters are printed (`switch A STATS {json}`).
+    /// No SP uses the tree yet (the `canary` allreduce driver is not built): its members are
+    /// `canary_plane::Plane`s, as in the switch tests.
+    CanaryTree(service_process::canary_tree::CanaryTreeOpts),
     /// Write (`init`) or validate (`check`) the cluster description of a real cluster: each
     /// node's host name, its DPU's addresses for hosts and for peer SPs, K SPs per DPU, ports.
     Cluster {
@@ -407,6 +429,16 @@ fn main() {
 
 fn run(cli: Cli) -> Result<i32> {
     match cli.cmd {
+        Cmd::Switch(o) => {
+            init_tracing();
+            service_process::canary_switch::run(&o)?;
+            Ok(0)
+        }
+        Cmd::CanaryTree(o) => {
+            init_tracing();
+            service_process::canary_tree::run(&o)?;
+            Ok(0)
+        }
         Cmd::Serve {
             cluster,
             sp_id,

@@ -1,0 +1,238 @@
+//! Hosts and one switch in memory (a star): results against a reference computed here,
+//! with collisions, loss and duplicates.
+
+use std::collections::{HashMap, VecDeque};
+
+use super::*;
+use crate::allreduce::{reduce_into, Elem, Op, Reduce};
+use crate::sim::rng::Rng;
+
+const SUM: Reduce = Reduce {
+    op: Op::Sum,
+    elem: Elem::I32,
+};
+
+struct Star {
+    sw: Switch,
+    hosts: Vec<Host>,
+    inputs: Vec<Vec<u8>>,
+    results: Vec<Vec<u8>>,
+    done: Vec<Option<Result<(), HostError>>>,
+}
+
+fn star(n: usize, slots: usize, len: usize, seed: u64, tweak: impl Fn(&mut HostConfig)) -> Star {
+    let mut rng = Rng::new(seed);
+    let members: Vec<Addr> = (0..n as Addr).collect();
+    let sw = Switch::new(SwitchConfig {
+        addr: 1000,
+        slots,
+        timeout: 500,
+        hold: 50_000,
+        up_ports: vec![],
+        down: members.iter().map(|&m| (m, m as Port)).collect(),
+        trees: HashMap::new(),
+    });
+    let inputs: Vec<Vec<u8>> = (0..n)
+        .map(|_| (0..len).map(|_| rng.next_u64() as u8).collect())
+        .collect();
+    let hosts = (0..n)
+        .map(|me| {
+            let mut cfg = HostConfig {
+                coll: 5,
+                tag: 0xfeed,
+                reduce: SUM,
+                members: members.clone(),
+                me,
+                len,
+                block_bytes: 64,
+                window: 8,
+                static_trees: None,
+                retx_timeout: 20_000,
+                max_requests: 16,
+                restart_holdoff: 10_000,
+                max_attempts: 8,
+            };
+            tweak(&mut cfg);
+            Host::new(cfg)
+        })
+        .collect();
+    Star {
+        sw,
+        hosts,
+        inputs,
+        results: vec![vec![0; len]; n],
+        done: vec![None; n],
+    }
+}
+
+fn reference(inputs: &[Vec<u8>]) -> Vec<u8> {
+    let mut acc = inputs[0].clone();
+    for x in &inputs[1..] {
+        reduce_into(SUM, &mut acc, x).unwrap();
+    }
+    acc
+}
+
+/// Runs the star: every hop takes 100 ns; `drop` decides per (hop number, packet) whether
+/// the packet is lost. Returns the virtual end time.
+fn run(s: &mut Star, mut drop: impl FnMut(u64, &Packet) -> bool) -> u64 {
+    let n = s.hosts.len();
+    let loads = vec![
+        PortLoad {
+            queued: 0,
+            capacity: 1 << 20,
+            up: true
+        };
+        n
+    ];
+    // (time, to switch?, port/host, packet)
+    let mut q: VecDeque<(u64, bool, usize, Packet)> = VecDeque::new();
+    let mut now = 0;
+    for h in 0..n {
+        for p in s.hosts[h].start(0, &s.inputs[h]) {
+            q.push_back((100, true, h, p));
+        }
+    }
+    let mut hop = 0u64;
+    loop {
+        for h in 0..n {
+            while let Some(e) = s.hosts[h].poll_event() {
+                match e {
+                    HostEvent::Block { offset, data, .. } => {
+                        s.results[h][offset..offset + data.len()].copy_from_slice(&data)
+                    }
+                    HostEvent::Done => s.done[h] = Some(Ok(())),
+                    HostEvent::Failed(e) => s.done[h] = Some(Err(e)),
+                }
+            }
+        }
+        if s.done.iter().all(|d| d.is_some()) && q.is_empty() {
+            break;
+        }
+        // next event: a queued packet or a timer
+        let tq = q.iter().map(|e| e.0).min();
+        let tt = s
+            .hosts
+            .iter()
+            .filter_map(|h| h.next_deadline())
+            .chain(s.sw.next_deadline())
+            .min();
+        let t = match (tq, tt) {
+            (None, None) => break,
+            (a, b) => a.unwrap_or(u64::MAX).min(b.unwrap_or(u64::MAX)),
+        };
+        assert!(t < 100_000_000, "no progress");
+        now = t;
+        if let Some(i) = q.iter().position(|e| e.0 == t) {
+            let (_, to_switch, at, p) = q.remove(i).unwrap();
+            hop += 1;
+            if drop(hop, &p) {
+                if std::env::var("CANARY_TRACE").is_ok() {
+                    eprintln!("{now} DROP {to_switch} {at} {p:?}");
+                }
+                continue;
+            }
+            if std::env::var("CANARY_TRACE").is_ok() {
+                eprintln!("{now} {to_switch} {at} {p:?}");
+            }
+            if to_switch {
+                for (port, p) in s.sw.on_packet(now, at as Port, p, &loads) {
+                    q.push_back((now + 100, false, port as usize, p));
+                }
+            } else {
+                let out = s.hosts[at].on_packet(now, p, &s.inputs[at]);
+                for p in out {
+                    q.push_back((now + 100, true, at, p));
+                }
+            }
+        } else {
+            for (port, p) in s.sw.on_timer(now, &loads) {
+                q.push_back((now + 100, false, port as usize, p));
+            }
+            for h in 0..n {
+                if s.hosts[h].next_deadline().is_some_and(|d| d <= now) {
+                    for p in s.hosts[h].on_timer(now, &s.inputs[h]) {
+                        q.push_back((now + 100, true, h, p));
+                    }
+                }
+            }
+        }
+    }
+    now
+}
+
+fn check_ok(s: &Star) {
+    let r = reference(&s.inputs);
+    for h in 0..s.hosts.len() {
+        assert_eq!(s.done[h], Some(Ok(())), "host {h}");
+        assert_eq!(s.results[h], r, "host {h}");
+    }
+}
+
+#[test]
+fn star_reduces_byte_exact() {
+    let seed = 11;
+    println!("seed {seed}");
+    for n in [1, 2, 5, 9] {
+        let mut s = star(n, 64, 1000, seed + n as u64, |_| {});
+        run(&mut s, |_, _| false);
+        check_ok(&s);
+        assert_eq!(s.hosts.iter().map(|h| h.stats().restarts).sum::<u64>(), 0);
+    }
+}
+
+#[test]
+fn star_with_a_one_slot_table_restores_collided_children() {
+    let seed = 12;
+    println!("seed {seed}");
+    let mut s = star(6, 1, 2000, seed, |_| {});
+    run(&mut s, |_, _| false);
+    check_ok(&s);
+    assert!(s.sw.stats().collisions > 0);
+    assert!(s.sw.stats().restores > 0);
+}
+
+#[test]
+fn star_recovers_from_random_loss() {
+    for seed in 20..26 {
+        println!("seed {seed}");
+        let mut rng = Rng::new(seed);
+        let mut s = star(5, 16, 1500, seed, |_| {});
+        run(&mut s, |_, _| rng.chance(1, 20));
+        check_ok(&s);
+    }
+}
+
+#[test]
+fn star_losing_everything_ends_in_an_error_on_every_host() {
+    let mut s = star(4, 16, 256, 30, |c| c.max_attempts = 3);
+    let end = run(&mut s, |hop, p| {
+        hop > 10
+            && !matches!(
+                p,
+                Packet::Abort { .. } | Packet::Retx { .. } | Packet::Restart { .. }
+            )
+    });
+    for h in 0..4 {
+        assert!(
+            matches!(s.done[h], Some(Err(_))),
+            "host {h}: {:?}",
+            s.done[h]
+        );
+    }
+    assert!(end < 10_000_000);
+    // and when nothing at all gets through: the leaders are unreachable
+    let mut s = star(4, 16, 256, 31, |_| {});
+    run(&mut s, |_, _| true);
+    for h in 0..4 {
+        assert!(
+            matches!(s.done[h], Some(Err(_)) | Some(Ok(()))),
+            "host {h}: {:?}",
+            s.done[h]
+        );
+    }
+    assert!(s
+        .done
+        .iter()
+        .any(|d| matches!(d, Some(Err(HostError::LeaderUnreachable { .. })))));
+}

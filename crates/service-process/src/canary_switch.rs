@@ -1,0 +1,565 @@
+//! `service-process switch`: a software Canary switch (issue 27 part 4). One
+//! [`algorithms::canary::Switch`] machine on UDP sockets, one socket per switch port, fed by
+//! one thread polling them (`ppoll`, nanosecond timeouts, so the machine's aggregation window
+//! is not rounded up to a millisecond).
+//!
+//! # Ports
+//! `--port N=LOCAL,PEER`: port `N` of the machine is a UDP socket bound to `LOCAL` and
+//! connected to `PEER` (the host's or the neighbouring switch's socket at the other end of the
+//! link). A connected socket receives datagrams from `PEER` only: the kernel drops any other
+//! source before the daemon sees it. Every datagram received is decoded with
+//! [`Packet::decode`]; one that is not a Canary packet is dropped and counted (`malformed`).
+//!
+//! # Queue occupancy
+//! The machine picks an up-port by the occupancy of its output queues (paper §5.2). A port's
+//! queue here is the socket's send queue as the kernel reports it (`SIOCOUTQ`: bytes not yet
+//! handed to the device) plus a software queue of datagrams the socket refused (`EAGAIN`),
+//! bounded by `--queue-kib`; a datagram beyond it is dropped and counted (`queue_drops`), as a
+//! switch's full buffer drops. The capacity given to the machine is `SO_SNDBUF` plus that
+//! bound. On loopback the kernel queue is empty almost always: congestion shows in a network
+//! namespace tree whose links have `tc` queues, where the send queue is the qdisc's backlog as
+//! far as the socket sees it.
+//!
+//! # Links going down
+//! A connected UDP socket learns from the ICMP "port unreachable" of its peer
+//! (`ECONNREFUSED`): the port is then reported down to the machine (which then never picks it
+//! as an up-port) for `--down-ms`, or until a datagram arrives from the peer again. That is
+//! how a leaf routes around a dead spine; a switch that vanishes silently (no ICMP) is only
+//! loss, which the hosts recover or report (`algorithms::canary::host`).
+//!
+//! # Counters
+//! `STATS {json}` on stdout at SIGINT/SIGTERM; with `--stats-file`, the same JSON rewritten
+//! there (atomically, by rename) at most every 100 ms while counters change, and at exit.
+//! `READY switch addr=A ports=P` on stdout once every socket is bound.
+
+use std::collections::{HashMap, VecDeque};
+use std::io;
+use std::net::{SocketAddr, UdpSocket};
+use std::os::fd::AsRawFd;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use algorithms::canary::packet::MAX_DATA;
+use algorithms::canary::{Addr, Packet, Port, PortLoad, Switch, SwitchConfig};
+use anyhow::{bail, Context, Result};
+
+/// One `--port N=LOCAL,PEER`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PortSpec {
+    pub port: Port,
+    pub local: SocketAddr,
+    pub peer: SocketAddr,
+}
+
+impl std::str::FromStr for PortSpec {
+    type Err = String;
+    fn from_str(s: &str) -> Result<PortSpec, String> {
+        let (n, rest) = s
+            .split_once('=')
+            .ok_or_else(|| format!("{s:?}: expected N=LOCAL_ADDR:PORT,PEER_ADDR:PORT"))?;
+        let (local, peer) = rest
+            .split_once(',')
+            .ok_or_else(|| format!("{s:?}: expected N=LOCAL_ADDR:PORT,PEER_ADDR:PORT"))?;
+        Ok(PortSpec {
+            port: n.trim().parse().map_err(|e| format!("{s:?}: port: {e}"))?,
+            local: local
+                .trim()
+                .parse()
+                .map_err(|e| format!("{s:?}: local: {e}"))?,
+            peer: peer
+                .trim()
+                .parse()
+                .map_err(|e| format!("{s:?}: peer: {e}"))?,
+        })
+    }
+}
+
+/// One `--route ADDR=PORT`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RouteSpec {
+    pub addr: Addr,
+    pub port: Port,
+}
+
+impl std::str::FromStr for RouteSpec {
+    type Err = String;
+    fn from_str(s: &str) -> Result<RouteSpec, String> {
+        let (a, p) = s
+            .split_once('=')
+            .ok_or_else(|| format!("{s:?}: expected ADDR=PORT"))?;
+        Ok(RouteSpec {
+            addr: a
+                .trim()
+                .parse()
+                .map_err(|e| format!("{s:?}: address: {e}"))?,
+            port: p.trim().parse().map_err(|e| format!("{s:?}: port: {e}"))?,
+        })
+    }
+}
+
+/// Options of `service-process switch`.
+#[derive(clap::Args, Clone, Debug)]
+pub struct SwitchOpts {
+    /// This switch's Canary address (a number unique among the hosts and switches of the
+    /// tree; carried in collided packets and the target of restorations).
+    #[arg(long)]
+    pub addr: Addr,
+    /// A port: `N=LOCAL_ADDR:PORT,PEER_ADDR:PORT`, port N of the switch a UDP socket bound to
+    /// LOCAL and connected to PEER (only PEER's datagrams are received on it). Repeat per
+    /// port; numbers 0, 1, ... without gaps.
+    #[arg(long = "port", value_name = "N=LOCAL,PEER", required = true)]
+    pub ports: Vec<PortSpec>,
+    /// The up-ports (towards the spines), comma-separated; none at the top level.
+    #[arg(long, value_delimiter = ',')]
+    pub up: Vec<Port>,
+    /// `ADDR=PORT`: the Canary address ADDR (a host, or a switch below or beside this one) is
+    /// reached through PORT. Every other address goes up. Repeat per address.
+    #[arg(long = "route", value_name = "ADDR=PORT")]
+    pub routes: Vec<RouteSpec>,
+    /// Descriptor table slots.
+    #[arg(long, default_value_t = 4096)]
+    pub slots: usize,
+    /// Aggregation window of a descriptor, microseconds (the paper's timeout).
+    #[arg(long, default_value_t = 200)]
+    pub timeout_us: u64,
+    /// Lifetime of a flushed descriptor whose broadcast never came, milliseconds.
+    #[arg(long, default_value_t = 100)]
+    pub hold_ms: u64,
+    /// Software queue bound per port (KiB), beyond the socket's send buffer.
+    #[arg(long, default_value_t = 1024)]
+    pub queue_kib: u64,
+    /// How long a port stays down after its peer answered ICMP unreachable, milliseconds.
+    #[arg(long, default_value_t = 200)]
+    pub down_ms: u64,
+    /// Keep the counters (JSON) in this file while running and at exit.
+    #[arg(long)]
+    pub stats_file: Option<PathBuf>,
+    /// Drop this fraction (0 to 1) of the Canary packets to send, at random (counted as
+    /// `injected_drops`): loss for tests on loopback, where the kernel drops nothing.
+    #[arg(long, default_value_t = 0.0)]
+    pub drop_rate: f64,
+    /// Seed of --drop-rate (default: the switch's address).
+    #[arg(long)]
+    pub seed: Option<u64>,
+}
+
+/// What the daemon counts besides the machine's own counters.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PortCounters {
+    pub rx: u64,
+    pub tx: u64,
+    pub malformed: u64,
+    pub queue_drops: u64,
+    pub send_errors: u64,
+    pub down_events: u64,
+    pub injected_drops: u64,
+}
+
+struct Link {
+    sock: UdpSocket,
+    peer: SocketAddr,
+    queue: VecDeque<Vec<u8>>,
+    queued: u64,
+    sndbuf: u64,
+    down_until: Option<Instant>,
+    c: PortCounters,
+}
+
+/// The running switch (exposed for tests of the loop's parts).
+pub struct Daemon {
+    m: Switch,
+    links: Vec<Link>,
+    queue_cap: u64,
+    down_for: Duration,
+    start: Instant,
+    /// --drop-rate as a threshold of a u64 draw, and its generator.
+    drop_below: u64,
+    rng: algorithms::sim::rng::Rng,
+}
+
+fn outq(fd: i32) -> u64 {
+    let mut n: libc::c_int = 0;
+    // SIOCOUTQ is TIOCOUTQ's number on Linux. SAFETY: it writes one int through the pointer,
+    // which is valid.
+    let r = unsafe { libc::ioctl(fd, libc::TIOCOUTQ, &mut n as *mut libc::c_int) };
+    if r == 0 && n > 0 {
+        n as u64
+    } else {
+        0
+    }
+}
+
+fn sndbuf(fd: i32) -> u64 {
+    let mut v: libc::c_int = 0;
+    let mut l = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `l` bytes into `v`, both valid.
+    let r = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_SNDBUF,
+            (&mut v as *mut libc::c_int).cast(),
+            &mut l,
+        )
+    };
+    if r == 0 && v > 0 {
+        v as u64
+    } else {
+        0
+    }
+}
+
+impl Daemon {
+    pub fn new(o: &SwitchOpts) -> Result<Daemon> {
+        let mut specs = o.ports.clone();
+        specs.sort_by_key(|p| p.port);
+        for (i, p) in specs.iter().enumerate() {
+            if p.port as usize != i {
+                bail!(
+                    "--port numbers must be 0, 1, ... without gaps or repeats (got {:?})",
+                    specs.iter().map(|p| p.port).collect::<Vec<_>>()
+                );
+            }
+        }
+        let n = specs.len();
+        for &u in &o.up {
+            if u as usize >= n {
+                bail!("--up {u}: no such port");
+            }
+        }
+        let mut down = HashMap::new();
+        for r in &o.routes {
+            if r.port as usize >= n {
+                bail!("--route {}={}: no such port", r.addr, r.port);
+            }
+            if down.insert(r.addr, r.port).is_some() {
+                bail!("--route {}: given twice", r.addr);
+            }
+        }
+        if o.slots == 0 {
+            bail!("--slots must be at least 1");
+        }
+        let mut links = Vec::with_capacity(n);
+        for p in &specs {
+            let sock = UdpSocket::bind(p.local)
+                .with_context(|| format!("port {}: binding {}", p.port, p.local))?;
+            sock.connect(p.peer)
+                .with_context(|| format!("port {}: connecting to {}", p.port, p.peer))?;
+            sock.set_nonblocking(true)?;
+            let sndbuf = sndbuf(sock.as_raw_fd());
+            links.push(Link {
+                sock,
+                peer: p.peer,
+                queue: VecDeque::new(),
+                queued: 0,
+                sndbuf,
+                down_until: None,
+                c: PortCounters::default(),
+            });
+        }
+        let m = Switch::new(SwitchConfig {
+            addr: o.addr,
+            slots: o.slots,
+            timeout: o.timeout_us * 1_000,
+            hold: o.hold_ms * 1_000_000,
+            up_ports: o.up.clone(),
+            down,
+            trees: HashMap::new(),
+        });
+        Ok(Daemon {
+            m,
+            links,
+            queue_cap: o.queue_kib * 1024,
+            down_for: Duration::from_millis(o.down_ms),
+            start: Instant::now(),
+            drop_below: (o.drop_rate.clamp(0.0, 1.0) * u64::MAX as f64) as u64,
+            rng: algorithms::sim::rng::Rng::new(o.seed.unwrap_or(o.addr as u64)),
+        })
+    }
+
+    fn now(&self) -> u64 {
+        self.start.elapsed().as_nanos() as u64
+    }
+
+    fn loads(&mut self) -> Vec<PortLoad> {
+        let t = Instant::now();
+        let cap = self.queue_cap;
+        self.links
+            .iter_mut()
+            .map(|l| {
+                if l.down_until.is_some_and(|d| d <= t) {
+                    l.down_until = None;
+                }
+                PortLoad {
+                    queued: outq(l.sock.as_raw_fd()) + l.queued,
+                    capacity: l.sndbuf + cap,
+                    up: l.down_until.is_none(),
+                }
+            })
+            .collect()
+    }
+
+    fn mark_down(&mut self, p: usize) {
+        let l = &mut self.links[p];
+        if l.down_until.is_none() {
+            l.c.down_events += 1;
+            tracing::info!(port = p, peer = %l.peer, "peer unreachable: port down");
+        }
+        l.down_until = Some(Instant::now() + self.down_for);
+    }
+
+    fn send(&mut self, p: usize, pkt: &Packet) {
+        let bytes = pkt.encode();
+        self.send_bytes(p, bytes);
+    }
+
+    fn send_bytes(&mut self, p: usize, bytes: Vec<u8>) {
+        if self.drop_below > 0 && self.rng.next_u64() < self.drop_below {
+            self.links[p].c.injected_drops += 1;
+            return;
+        }
+        if !self.links[p].queue.is_empty() {
+            self.enqueue(p, bytes);
+            return;
+        }
+        // A pending ICMP error is reported by the first call, which sends nothing: retry once.
+        for _ in 0..2 {
+            match self.links[p].sock.send(&bytes) {
+                Ok(_) => {
+                    self.links[p].c.tx += 1;
+                    return;
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    self.enqueue(p, bytes);
+                    return;
+                }
+                Err(e) if e.raw_os_error() == Some(libc::ECONNREFUSED) => self.mark_down(p),
+                Err(e) => {
+                    tracing::debug!(port = p, "send: {e}");
+                    self.links[p].c.send_errors += 1;
+                    return;
+                }
+            }
+        }
+        self.links[p].c.send_errors += 1;
+    }
+
+    fn enqueue(&mut self, p: usize, bytes: Vec<u8>) {
+        let l = &mut self.links[p];
+        if l.queued + bytes.len() as u64 > self.queue_cap {
+            l.c.queue_drops += 1;
+            return;
+        }
+        l.queued += bytes.len() as u64;
+        l.queue.push_back(bytes);
+    }
+
+    fn flush_queue(&mut self, p: usize) {
+        while let Some(b) = self.links[p].queue.front() {
+            match self.links[p].sock.send(b) {
+                Ok(_) => self.links[p].c.tx += 1,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) => {
+                    if e.raw_os_error() == Some(libc::ECONNREFUSED) {
+                        self.mark_down(p);
+                    }
+                    self.links[p].c.send_errors += 1;
+                }
+            }
+            let b = self.links[p].queue.pop_front().unwrap();
+            self.links[p].queued -= b.len() as u64;
+        }
+    }
+
+    fn emit(&mut self, out: Vec<(Port, Packet)>) {
+        for (p, pkt) in out {
+            if (p as usize) < self.links.len() {
+                self.send(p as usize, &pkt);
+            }
+        }
+    }
+
+    /// Receives everything waiting on port `p` and feeds it to the machine.
+    fn drain(&mut self, p: usize) {
+        let mut buf = vec![0u8; MAX_DATA + 4096];
+        loop {
+            match self.links[p].sock.recv(&mut buf) {
+                Ok(n) => {
+                    self.links[p].c.rx += 1;
+                    self.links[p].down_until = None;
+                    match Packet::decode(&buf[..n]) {
+                        Ok(pkt) => {
+                            let loads = self.loads();
+                            let now = self.now();
+                            let out = self.m.on_packet(now, p as Port, pkt, &loads);
+                            self.emit(out);
+                        }
+                        Err(e) => {
+                            tracing::debug!(port = p, "malformed datagram: {e}");
+                            self.links[p].c.malformed += 1;
+                        }
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) if e.raw_os_error() == Some(libc::ECONNREFUSED) => self.mark_down(p),
+                Err(e) => {
+                    tracing::debug!(port = p, "recv: {e}");
+                    return;
+                }
+            }
+        }
+    }
+
+    fn fire_timers(&mut self) {
+        let now = self.now();
+        if self.m.next_deadline().is_some_and(|d| d <= now) {
+            let loads = self.loads();
+            let out = self.m.on_timer(now, &loads);
+            self.emit(out);
+        }
+    }
+
+    /// The counters as JSON: the machine's, then per port.
+    pub fn stats_json(&self) -> serde_json::Value {
+        let s = self.m.stats();
+        let ports: Vec<_> = self
+            .links
+            .iter()
+            .enumerate()
+            .map(|(i, l)| {
+                serde_json::json!({
+                    "port": i, "peer": l.peer.to_string(), "rx": l.c.rx, "tx": l.c.tx,
+                    "malformed": l.c.malformed, "queue_drops": l.c.queue_drops,
+                    "send_errors": l.c.send_errors, "down_events": l.c.down_events,
+                    "injected_drops": l.c.injected_drops,
+                })
+            })
+            .collect();
+        let sum = |f: fn(&PortCounters) -> u64| self.links.iter().map(|l| f(&l.c)).sum::<u64>();
+        serde_json::json!({
+            "addr": self.m.config().addr,
+            "rx": sum(|c| c.rx), "tx": sum(|c| c.tx), "malformed": sum(|c| c.malformed),
+            "queue_drops": sum(|c| c.queue_drops), "send_errors": sum(|c| c.send_errors),
+            "injected_drops": sum(|c| c.injected_drops),
+            "aggregated": s.aggregated, "flushed": s.flushed, "stragglers": s.stragglers,
+            "collisions": s.collisions, "bcasts": s.bcasts,
+            "bcast_without_descriptor": s.bcast_without_descriptor, "restores": s.restores,
+            "expired": s.expired, "unroutable": s.unroutable,
+            "adaptive_choices": s.adaptive_choices, "occupied": self.m.occupied(),
+            "ports": ports,
+        })
+    }
+}
+
+fn write_stats(path: &std::path::Path, v: &serde_json::Value) {
+    let tmp = path.with_extension("tmp");
+    if std::fs::write(&tmp, v.to_string()).is_ok() {
+        let _ = std::fs::rename(&tmp, path);
+    }
+}
+
+/// Runs the switch until SIGINT/SIGTERM.
+pub fn run(o: &SwitchOpts) -> Result<()> {
+    let mut d = Daemon::new(o)?;
+    let sig = crate::signals::SignalPipe::install().context("signal handlers")?;
+    let sig_fd = sig.source();
+    let sig_raw = *sig_fd.0;
+    println!("READY switch addr={} ports={}", o.addr, d.links.len());
+    use std::io::Write;
+    let _ = io::stdout().flush();
+    let mut sig = sig;
+    let mut last_written: Option<serde_json::Value> = None;
+    let mut last_write = Instant::now() - Duration::from_secs(1);
+    loop {
+        let mut fds: Vec<libc::pollfd> = d
+            .links
+            .iter()
+            .map(|l| libc::pollfd {
+                fd: l.sock.as_raw_fd(),
+                events: libc::POLLIN | if l.queue.is_empty() { 0 } else { libc::POLLOUT },
+                revents: 0,
+            })
+            .collect();
+        fds.push(libc::pollfd {
+            fd: sig_raw,
+            events: libc::POLLIN,
+            revents: 0,
+        });
+        // Wake for the machine's next deadline, and at least every 100 ms (stats file, ports
+        // coming back up).
+        let now = d.now();
+        let wait =
+            d.m.next_deadline()
+                .map(|t| t.saturating_sub(now))
+                .unwrap_or(u64::MAX)
+                .min(100_000_000);
+        let ts = libc::timespec {
+            tv_sec: (wait / 1_000_000_000) as libc::time_t,
+            tv_nsec: (wait % 1_000_000_000) as libc::c_long,
+        };
+        // SAFETY: `fds` is a valid array of its length; `ts` a valid timespec; no sigmask.
+        let r = unsafe {
+            libc::ppoll(
+                fds.as_mut_ptr(),
+                fds.len() as libc::nfds_t,
+                &ts,
+                std::ptr::null(),
+            )
+        };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(e).context("ppoll");
+            }
+        }
+        if fds.last().unwrap().revents != 0 && sig.drain() {
+            break;
+        }
+        for (p, fd) in fds[..d.links.len()].iter().enumerate() {
+            let rev = fd.revents;
+            if rev & libc::POLLOUT != 0 {
+                d.flush_queue(p);
+            }
+            if rev & (libc::POLLIN | libc::POLLERR) != 0 {
+                d.drain(p);
+            }
+        }
+        d.fire_timers();
+        if let Some(path) = &o.stats_file {
+            if last_write.elapsed() >= Duration::from_millis(100) {
+                let v = d.stats_json();
+                if last_written.as_ref() != Some(&v) {
+                    write_stats(path, &v);
+                    last_written = Some(v);
+                }
+                last_write = Instant::now();
+            }
+        }
+    }
+    let v = d.stats_json();
+    if let Some(path) = &o.stats_file {
+        write_stats(path, &v);
+    }
+    println!("STATS {v}");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn port_and_route_specs_parse_and_refuse() {
+        let p: PortSpec = "2=127.0.0.1:7000,127.0.0.2:7001".parse().unwrap();
+        assert_eq!(p.port, 2);
+        assert_eq!(p.local, "127.0.0.1:7000".parse().unwrap());
+        assert_eq!(p.peer, "127.0.0.2:7001".parse().unwrap());
+        assert!("2=127.0.0.1:7000".parse::<PortSpec>().is_err());
+        assert!("x=127.0.0.1:7000,127.0.0.1:7001"
+            .parse::<PortSpec>()
+            .is_err());
+        let r: RouteSpec = "1001=3".parse().unwrap();
+        assert_eq!((r.addr, r.port), (1001, 3));
+        assert!("1001".parse::<RouteSpec>().is_err());
+    }
+}
