@@ -121,6 +121,7 @@ mod tests {
                 recv_packed: false,
                 reduce: None,
                 staged: None,
+                stamps: Default::default(),
             },
             send: key(rank),
             recv: key(rank),
