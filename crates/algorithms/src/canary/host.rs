@@ -19,6 +19,10 @@
 //! block: [`Packet::Abort`] to everyone, and every host reports [`HostError::Aborted`]. A
 //! failed switch is only loss to it (§3.3).
 //!
+//! **Static trees** (`static_trees: Some(k)`, the baselines): block `b` names tree `b % k`
+//! and the leader sends its own data as well (the tree's root switch aggregates all `n`, as
+//! SHARP's root does), so the count to reach is `n`; the rest is the same.
+//!
 //! # Driving it
 //! [`Host::start`] once, then [`Host::on_packet`] for every packet addressed to this host and
 //! [`Host::on_timer`] at [`Host::next_deadline`]; each returns the packets to send (all on
