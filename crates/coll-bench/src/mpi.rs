@@ -435,13 +435,12 @@ impl Comm {
         })
     }
 
-    /// `MPI_Iallreduce` of `count` 64-bit integers (`MPI_INT64_T`) with `op`.
-    pub fn iallreduce_i64<'a>(
+    /// `MPI_Iallreduce` of `count` 64-bit integers (`MPI_INT64_T`) with `MPI_SUM`.
+    pub fn iallreduce_sum_i64<'a>(
         &self,
         send: &'a [u8],
         recv: &'a mut [u8],
         count: i32,
-        op: MPI_Op,
     ) -> Result<Request<'a>> {
         let need = count as u128 * 8;
         if count < 0 || (send.len() as u128) < need || (recv.len() as u128) < need {
@@ -454,7 +453,7 @@ impl Comm {
                 recv.as_mut_ptr().cast(),
                 count,
                 consts::INT64_T(),
-                op,
+                consts::OP_SUM(),
                 self.raw,
                 req,
             )

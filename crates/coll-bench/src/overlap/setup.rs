@@ -4,7 +4,6 @@
 use crate::coll::{bcast_root, Coll};
 use coll_bench::mpi::{wtime, Comm, Datatype, MpiError};
 use coll_bench::{compute, pattern, strided};
-use mpi_ffi::consts;
 use std::time::Instant;
 
 /// The "destination" of an allgather block in the data pattern: every rank gets the same one.
@@ -139,7 +138,7 @@ impl Setup {
             Coll::Ibcast => self.world.ibcast(recv, count, &self.ty, self.root as i32)?,
             Coll::Iallreduce => {
                 let n = (self.size / 8) as i32;
-                self.world.iallreduce_i64(send, recv, n, consts::OP_SUM())?
+                self.world.iallreduce_sum_i64(send, recv, n)?
             }
         };
         let t_posted = wtime();
