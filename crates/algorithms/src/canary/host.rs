@@ -190,6 +190,8 @@ pub struct Host {
     led: BTreeMap<u32, Led>,
     events: VecDeque<HostEvent>,
     failed: bool,
+    /// `Done` was queued (once: a packet after it must not queue it again).
+    done: bool,
     stats: HostStats,
 }
 
@@ -234,6 +236,7 @@ impl Host {
             led,
             events: VecDeque::new(),
             failed: false,
+            done: false,
             stats: HostStats::default(),
             cfg,
         }
@@ -489,7 +492,8 @@ impl Host {
     }
 
     fn check_done(&mut self) {
-        if self.remaining == 0 && !self.failed && !self.events.contains(&HostEvent::Done) {
+        if self.remaining == 0 && !self.failed && !self.done {
+            self.done = true;
             self.events.push_back(HostEvent::Done);
         }
     }

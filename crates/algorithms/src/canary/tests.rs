@@ -181,6 +181,33 @@ fn star_reduces_byte_exact() {
     }
 }
 
+/// A host says `Done` once: packets of its allreduce that come after (a late copy, another
+/// member's retransmission) are ignored or answered, never reported as a second completion.
+#[test]
+fn a_host_reports_done_once_whatever_comes_after() {
+    let seed = 17;
+    println!("seed {seed}");
+    let mut s = star(3, 64, 1000, seed, |_| {});
+    run(&mut s, |_, _| false);
+    check_ok(&s);
+    // The same members' packets once more (a fresh star of the same configuration).
+    let mut again = star(3, 64, 1000, seed, |_| {});
+    for m in 1..3 {
+        let input = again.inputs[m].clone();
+        for p in again.hosts[m].start(0, &input) {
+            let input0 = s.inputs[0].clone();
+            let _ = s.hosts[0].on_packet(1_000_000, p, &input0);
+        }
+    }
+    let input0 = s.inputs[0].clone();
+    let _ = s.hosts[0].on_timer(2_000_000, &input0);
+    let events: Vec<_> = std::iter::from_fn(|| s.hosts[0].poll_event()).collect();
+    assert!(
+        !events.iter().any(|e| matches!(e, HostEvent::Done)),
+        "a second Done: {events:?}"
+    );
+}
+
 #[test]
 fn star_with_a_one_slot_table_restores_collided_children() {
     let seed = 12;
