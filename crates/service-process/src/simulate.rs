@@ -220,18 +220,20 @@ pub fn simulate(o: &SimulateOpts) -> Result<()> {
     if o.coll == Coll::Bcast && (o.inflight.is_some() || o.late_delay_us.is_some()) {
         bail!("--inflight and --late-delay-us apply to --coll allgather and tail only");
     }
+    if o.coll != Coll::Bcast {
+        for (set, name) in [
+            (o.bcast_bytes.is_some(), "--bcast-bytes"),
+            (o.chunk_bytes.is_some(), "--chunk-bytes"),
+            (o.slots.is_some(), "--slots"),
+            (o.root.is_some(), "--root"),
+        ] {
+            if set {
+                bail!("{name} applies to --coll bcast only");
+            }
+        }
+    }
     match o.coll {
         Coll::Tail => {
-            for (set, name) in [
-                (o.bcast_bytes.is_some(), "--bcast-bytes"),
-                (o.chunk_bytes.is_some(), "--chunk-bytes"),
-                (o.slots.is_some(), "--slots"),
-                (o.root.is_some(), "--root"),
-            ] {
-                if set {
-                    bail!("{name} applies to --coll bcast only");
-                }
-            }
             let ring_cost = cost_model(cost, &o.ring_cost)?;
             simulate_tail(
                 o,
@@ -241,16 +243,6 @@ pub fn simulate(o: &SimulateOpts) -> Result<()> {
             )
         }
         Coll::Allgather => {
-            for (set, name) in [
-                (o.bcast_bytes.is_some(), "--bcast-bytes"),
-                (o.chunk_bytes.is_some(), "--chunk-bytes"),
-                (o.slots.is_some(), "--slots"),
-                (o.root.is_some(), "--root"),
-            ] {
-                if set {
-                    bail!("{name} applies to --coll bcast only");
-                }
-            }
             simulate_allgather(o, o.block_bytes.unwrap_or(DEFAULT_BLOCK_BYTES), cost)
         }
         Coll::Bcast => {

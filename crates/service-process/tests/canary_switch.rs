@@ -10,12 +10,14 @@
 //!   error, never a wrong value); both spines killed (every host fails in bounded time);
 //!   forged and malformed datagrams into a leaf's port (counted, dropped, no value changed).
 //!
-//! Each test prints its seed; `CANARY_SEED=N` replays one.
+//! Each test prints its seed; `TEST_SEED=N` replays one (as in the other tests).
 
 use std::net::{SocketAddr, UdpSocket};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+mod common;
 
 use algorithms::allreduce::{reduce_into, Elem, Op, Reduce};
 use algorithms::canary::{BlockId, Head, HostConfig, Packet};
@@ -26,18 +28,9 @@ use service_process::canary_tree::TreePlan;
 const HOSTS: usize = 4;
 const TAG: u64 = 0x5eed_cafe_f00d_0001;
 
+/// The test's seed: `TEST_SEED` if set (to replay one), else the clock; printed.
 fn seed() -> u64 {
-    let s = std::env::var("CANARY_SEED")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-        });
-    eprintln!("seed {s} (CANARY_SEED={s} to replay)");
-    s
+    common::test_seed()
 }
 
 /// `n` sockets on distinct free ports of `ip`, held together (so no two are the same).
@@ -285,39 +278,14 @@ fn within_bound(reduce: Reduce, inputs: &[Vec<u8>], got: &[u8]) -> bool {
     })
 }
 
-const ELEMS: [Elem; 10] = [
-    Elem::I8,
-    Elem::I16,
-    Elem::I32,
-    Elem::I64,
-    Elem::U8,
-    Elem::U16,
-    Elem::U32,
-    Elem::U64,
-    Elem::F32,
-    Elem::F64,
-];
-const OPS: [Op; 10] = [
-    Op::Sum,
-    Op::Prod,
-    Op::Min,
-    Op::Max,
-    Op::Land,
-    Op::Lor,
-    Op::Lxor,
-    Op::Band,
-    Op::Bor,
-    Op::Bxor,
-];
-
 fn random_reduce(rng: &mut Rng) -> Reduce {
     loop {
-        let elem = ELEMS[rng.below(10) as usize];
+        let elem = Elem::ALL[rng.below(10) as usize];
         // Float products grow past any useful bound: sums, minima and maxima only.
         let op = if elem.is_float() {
             [Op::Sum, Op::Min, Op::Max][rng.below(3) as usize]
         } else {
-            OPS[rng.below(10) as usize]
+            Op::ALL[rng.below(10) as usize]
         };
         let r = Reduce { op, elem };
         if r.is_valid() {

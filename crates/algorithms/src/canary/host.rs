@@ -154,6 +154,28 @@ pub struct HostStats {
     pub collided_in: u64,
 }
 
+impl HostStats {
+    /// Adds `o`'s counters into these (totals over many hosts).
+    pub fn absorb(&mut self, o: &HostStats) {
+        let HostStats {
+            sent,
+            retx_requests,
+            resends,
+            restarts,
+            results_resent,
+            ignored,
+            collided_in,
+        } = *o;
+        self.sent += sent;
+        self.retx_requests += retx_requests;
+        self.resends += resends;
+        self.restarts += restarts;
+        self.results_resent += results_resent;
+        self.ignored += ignored;
+        self.collided_in += collided_in;
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Send {
     Pending,

@@ -1223,29 +1223,10 @@ impl Sim {
         };
         for n in &self.nodes {
             if let Some(s) = &n.switch {
-                let st = s.stats();
-                let t = &mut rep.switches;
-                t.aggregated += st.aggregated;
-                t.flushed += st.flushed;
-                t.stragglers += st.stragglers;
-                t.collisions += st.collisions;
-                t.bcasts += st.bcasts;
-                t.bcast_without_descriptor += st.bcast_without_descriptor;
-                t.restores += st.restores;
-                t.expired += st.expired;
-                t.unroutable += st.unroutable;
-                t.adaptive_choices += st.adaptive_choices;
+                rep.switches.absorb(&s.stats());
             }
             if let Role::Member { host, .. } = &n.role {
-                let st = host.stats();
-                let t = &mut rep.hosts;
-                t.sent += st.sent;
-                t.retx_requests += st.retx_requests;
-                t.resends += st.resends;
-                t.restarts += st.restarts;
-                t.results_resent += st.results_resent;
-                t.ignored += st.ignored;
-                t.collided_in += st.collided_in;
+                rep.hosts.absorb(&host.stats());
             }
             for p in &n.ports {
                 rep.link_bytes += p.sent_bytes;

@@ -102,6 +102,34 @@ pub struct SwitchStats {
     pub adaptive_choices: u64,
 }
 
+impl SwitchStats {
+    /// Adds `o`'s counters into these (totals over many switches).
+    pub fn absorb(&mut self, o: &SwitchStats) {
+        let SwitchStats {
+            aggregated,
+            flushed,
+            stragglers,
+            collisions,
+            bcasts,
+            bcast_without_descriptor,
+            restores,
+            expired,
+            unroutable,
+            adaptive_choices,
+        } = *o;
+        self.aggregated += aggregated;
+        self.flushed += flushed;
+        self.stragglers += stragglers;
+        self.collisions += collisions;
+        self.bcasts += bcasts;
+        self.bcast_without_descriptor += bcast_without_descriptor;
+        self.restores += restores;
+        self.expired += expired;
+        self.unroutable += unroutable;
+        self.adaptive_choices += adaptive_choices;
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Phase {
     Aggregating,
