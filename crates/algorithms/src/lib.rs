@@ -71,6 +71,9 @@ pub enum Status {
     Aborted,
     /// The host posted something invalid.
     InvalidPost,
+    /// The aggregation outside the SPs failed (Canary: a block's leader unreachable, or the
+    /// block given up after too many attempts).
+    NetworkFailed,
 }
 
 impl Status {

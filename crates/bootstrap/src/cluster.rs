@@ -129,6 +129,74 @@ pub struct Cluster {
     /// slot, 256 of them). Absent: 239.255.0.0/16 (administratively scoped) from port 47000.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mcast_groups: Option<McastGroups>,
+    /// The Canary fabric of the in-network allreduce (`SPOFF_ALLREDUCE_DESIGN=canary`): each
+    /// SP's link to its leaf switch. Absent: the cluster has no aggregating switches (the
+    /// allreduce's `auto` design is then the SP tree).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub canary: Option<CanaryFabric>,
+}
+
+/// The SPs' links to the Canary switches (`Cluster::canary`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CanaryFabric {
+    /// One per SP that has a link, any order; an SP without one runs no Canary allreduce
+    /// (its jobs then take the SP tree).
+    pub links: Vec<CanaryLink>,
+    /// How the SPs run the Canary machines (defaults when absent).
+    #[serde(default)]
+    pub params: CanaryParams,
+}
+
+/// The SPs' Canary settings, the same for every SP of a cluster (`algorithms::canary::host`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct CanaryParams {
+    /// Bytes per packet (whole elements; at most 8192). The paper's 1 KiB fits a 1500-byte
+    /// link MTU.
+    pub block_bytes: u32,
+    /// Blocks each SP has in flight per chunk.
+    pub window: u32,
+    /// A block not answered in this time is asked for again from its leader.
+    pub retx_timeout_us: u64,
+    /// Unanswered requests before the allreduce fails (`NetworkFailed`): with
+    /// `retx_timeout_us`, the bound on a dead fabric.
+    pub max_requests: u32,
+    /// A block's leader gives it up after this many attempts.
+    pub max_attempts: u16,
+    /// How long an SP keeps an ended chunk to answer late members' requests.
+    pub linger_ms: u64,
+}
+
+impl Default for CanaryParams {
+    fn default() -> Self {
+        CanaryParams {
+            block_bytes: 1024,
+            window: 64,
+            retx_timeout_us: 30_000,
+            max_requests: 8,
+            max_attempts: 6,
+            linger_ms: 2000,
+        }
+    }
+}
+
+/// One SP's link to its leaf switch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CanaryLink {
+    pub sp: SpId,
+    /// The SP's Canary address (what the switches route by; unique in the fabric).
+    pub addr: u32,
+    /// The SP's UDP socket on the link.
+    pub local: SocketAddr,
+    /// The leaf switch's port at the other end.
+    pub leaf: SocketAddr,
+}
+
+impl CanaryFabric {
+    /// SP `sp`'s link, if it has one.
+    pub fn link(&self, sp: SpId) -> Option<&CanaryLink> {
+        self.links.iter().find(|l| l.sp == sp)
+    }
 }
 
 /// Where the multicast collectives' groups live (`Cluster::mcast_groups`).
@@ -284,6 +352,7 @@ impl Cluster {
             dpus: Vec::new(),
             ucx_tcp_port_range: None,
             mcast_groups: None,
+            canary: None,
         };
         c.validate()?;
         Ok(c)
@@ -364,6 +433,33 @@ impl Cluster {
         }
         if let Some(d) = self.dpus.iter().find(|d| self.hosts.contains(d)) {
             return bad(format!("{d:?} is both a host name and a DPU name"));
+        }
+        if let Some(f) = &self.canary {
+            let p = f.params;
+            if !(8..=8192).contains(&p.block_bytes)
+                || p.window == 0
+                || p.retx_timeout_us == 0
+                || p.max_requests == 0
+                || p.max_attempts == 0
+            {
+                return bad(format!(
+                    "canary params {p:?}: block_bytes from 8 to 8192, the rest at least 1"
+                ));
+            }
+            for (i, l) in f.links.iter().enumerate() {
+                if l.sp as u64 >= want {
+                    return bad(format!("canary link {i} names SP {}, of {want}", l.sp));
+                }
+                if let Some(o) = f.links[..i]
+                    .iter()
+                    .find(|o| o.sp == l.sp || o.addr == l.addr || o.local == l.local)
+                {
+                    return bad(format!(
+                        "canary links of SPs {} and {} share an SP, an address or a socket",
+                        o.sp, l.sp
+                    ));
+                }
+            }
         }
         Ok(())
     }

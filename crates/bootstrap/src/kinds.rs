@@ -25,6 +25,9 @@ pub enum Family {
     /// Over the SPs' multicast fabric, landed by their receive workers (their own staging,
     /// not the budget's slots); the post names its root in `PostDesc::staged` (design `Flat`).
     Multicast,
+    /// Aggregated in the network by Canary switches (the SP's socket on its leaf link, its
+    /// worker thread); no root or design in the post (`PostDesc::staged` is `None`).
+    InNetwork,
 }
 
 /// How many blocks one side of a post lists.
@@ -216,8 +219,17 @@ pub static MCAST_ALLGATHER: KindFacts = KindFacts {
     hier_min_ranks: 0,
 };
 
+/// The Canary allreduce: laid out as the SP-tree one; chosen by
+/// `SPOFF_ALLREDUCE_DESIGN=canary` (or `auto`, on a cluster whose SPs have Canary links).
+pub static CANARY_ALLREDUCE: KindFacts = KindFacts {
+    kind: CollKind::CanaryAllreduce,
+    name: "canary allreduce",
+    family: Family::InNetwork,
+    ..ALLREDUCE
+};
+
 /// Every kind, in the order of `CollKind`'s variants (checked by the tests).
-pub static KINDS: [&KindFacts; 7] = [
+pub static KINDS: [&KindFacts; 8] = [
     &ALLTOALLV,
     &ALLGATHERV,
     &BCAST,
@@ -225,6 +237,7 @@ pub static KINDS: [&KindFacts; 7] = [
     &MCAST_BCAST,
     &MCAST_ALLGATHER,
     &ALLREDUCE,
+    &CANARY_ALLREDUCE,
 ];
 
 impl CollKind {
@@ -238,6 +251,7 @@ impl CollKind {
             CollKind::McastBcast => &MCAST_BCAST,
             CollKind::McastAllgather => &MCAST_ALLGATHER,
             CollKind::Allreduce => &ALLREDUCE,
+            CollKind::CanaryAllreduce => &CANARY_ALLREDUCE,
         }
     }
 
@@ -258,6 +272,7 @@ impl CollMsg {
             CollMsg::McastBcast(_) => CollKind::McastBcast,
             CollMsg::McastAllgather(_) => CollKind::McastAllgather,
             CollMsg::Allreduce(_) => CollKind::Allreduce,
+            CollMsg::CanaryAllreduce(_) => CollKind::CanaryAllreduce,
         }
     }
 }
@@ -269,10 +284,10 @@ impl KindFacts {
         self.family == Family::Staged
     }
 
-    /// The post carries `PostDesc::staged` (its root, its design): every kind but the direct
+    /// The post carries `PostDesc::staged` (its root, its design): the staged and multicast
     /// ones (a multicast kind's design is always `Flat`).
     pub fn posts_staged_fields(&self) -> bool {
-        self.family != Family::Direct
+        matches!(self.family, Family::Staged | Family::Multicast)
     }
 
     /// The layout of descriptor `d` (of this kind, on a communicator of `d.members.len() >= 1`
@@ -317,7 +332,7 @@ impl KindFacts {
             return Err(format!("nodes has {} entries for {p} ranks", d.nodes.len()));
         }
         match (&d.staged, self.family) {
-            (Some(_), Family::Direct) => {
+            (Some(_), Family::Direct | Family::InNetwork) => {
                 return Err(format!("{name} is not a staged collective"));
             }
             (None, Family::Staged | Family::Multicast) => {
@@ -407,7 +422,7 @@ mod tests {
             // A root sends one block and receives one: the rest of the post is empty.
             if f.rooted {
                 assert!(
-                    f.family != Family::Direct,
+                    f.posts_staged_fields(),
                     "{k:?}: a root is carried in the staged fields"
                 );
                 assert_eq!((f.send_blocks, f.recv_blocks), (Blocks::One, Blocks::One));

@@ -36,6 +36,7 @@ pub fn status_code(s: Status) -> u32 {
         Status::RankFailed => 4,
         Status::Aborted => 5,
         Status::InvalidPost => 6,
+        Status::NetworkFailed => 7,
     }
 }
 
@@ -49,6 +50,7 @@ pub fn status_name(code: u32) -> &'static str {
         4 => "a rank of the communicator failed",
         5 => "aborted",
         6 => "invalid descriptor",
+        7 => "the in-network aggregation failed (switches unreachable or a block given up)",
         STATUS_INTERNAL => "internal service-process error",
         _ => "unknown status",
     }
@@ -68,6 +70,7 @@ mod tests {
             Status::RankFailed,
             Status::Aborted,
             Status::InvalidPost,
+            Status::NetworkFailed,
         ];
         let mut codes: Vec<u32> = all.iter().map(|s| status_code(*s)).collect();
         codes.sort();

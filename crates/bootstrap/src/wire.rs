@@ -36,7 +36,9 @@ pub const MAGIC: [u8; 4] = *b"SPOF";
 /// its datatype and operation (`PostDesc::reduce`), which the SPs need to reduce.
 /// 13: a post carries the rank's stamps (`PostDesc::stamps`); a mailbox slot is 64 bytes and
 /// carries the SP's stamps of the call (`crate::stamps`).
-pub const PROTOCOL_VERSION: u32 = 13;
+/// 14: the Canary allreduce (`CollKind::CanaryAllreduce`, `CollMsg::CanaryAllreduce`);
+/// `Registered` says whether the SP runs it (`canary_off`).
+pub const PROTOCOL_VERSION: u32 = 14;
 /// Largest frame accepted: a descriptor for 65536 ranks (four count vectors) fits.
 pub const MAX_FRAME_BYTES: u32 = 4 << 20;
 /// Largest hello frame accepted (every kind of [`Hello`]; a host hello with its credential is
@@ -242,6 +244,10 @@ pub enum CollKind {
     /// Allreduce aggregated by the SPs along a tree (`algorithms::allreduce`): one block each
     /// way (`send_counts == recv_counts == [len]`), `PostDesc::reduce` says how to combine.
     Allreduce,
+    /// Allreduce aggregated by Canary switches (`algorithms::canary`): laid out as
+    /// `Allreduce`; each SP reduces its local ranks' blocks and sends the partial result
+    /// through the switches of the cluster's Canary fabric (`Cluster::canary`).
+    CanaryAllreduce,
 }
 
 /// The designs of the staged collectives (after BluesMPI): `Flat` writes every rank's buffer
@@ -392,6 +398,9 @@ pub enum SpToHost {
         /// Why this SP cannot run the multicast designs (`serve --mcast=off`, a fabric it
         /// could not open); `None` when it can.
         mcast_off: Option<String>,
+        /// Why this SP cannot run the Canary allreduce (the cluster names no Canary link for
+        /// it, its socket could not be opened); `None` when it can.
+        canary_off: Option<String>,
     },
     /// A refused request. `seq` names the post it concerns, if any; its mailbox slot (if it was
     /// valid) also gets an error status.
@@ -438,6 +447,8 @@ pub enum CollMsg {
     McastBcast(mcast_bcast::Msg<AliasKey>),
     McastAllgather(mcast_allgather::Msg<AliasKey>),
     Allreduce(allreduce::Msg),
+    /// Only `Abort` travels between SPs: the data go through the switches.
+    CanaryAllreduce(allreduce::Msg),
 }
 
 impl CollMsg {
@@ -450,7 +461,7 @@ impl CollMsg {
             CollMsg::StagedAllgather(m) => m.keys(),
             CollMsg::McastBcast(m) => m.keys(),
             CollMsg::McastAllgather(m) => m.keys(),
-            CollMsg::Allreduce(_) => Vec::new(),
+            CollMsg::Allreduce(_) | CollMsg::CanaryAllreduce(_) => Vec::new(),
         }
     }
 }

@@ -333,10 +333,11 @@ pub unsafe fn bcast(
 /// # Safety
 /// Arguments as for `MPI_Allreduce`.
 ///
-/// Offloaded (as `CollKind::Allreduce`, one block each way of `count` elements, with its
-/// reduction in the descriptor) when `SPOFF_ALLREDUCE_DESIGN` asks for the SP tree and the
-/// type and operation are ones the SPs reduce (`reduce.rs`); with `MPI_IN_PLACE` the send
-/// side is a copy of the receive buffer taken at the post.
+/// Offloaded (as `CollKind::Allreduce` or `CollKind::CanaryAllreduce`, one block each way of
+/// `count` elements, with its reduction in the descriptor) when `SPOFF_ALLREDUCE_DESIGN` asks
+/// for an offloaded design (`reduce::allreduce_kind`) and the type and operation are ones the
+/// SPs reduce (`reduce.rs`); with `MPI_IN_PLACE` the send side is a copy of the receive
+/// buffer taken at the post.
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn allreduce(
     sendbuf: *const c_void,
@@ -348,7 +349,10 @@ pub unsafe fn allreduce(
     blocking: bool,
     commit: &mut Commit,
 ) -> Offload {
-    if !crate::reduce::sp_tree() || count < 0 {
+    let Some(kind) = crate::reduce::allreduce_kind() else {
+        return Offload::Native;
+    };
+    if count < 0 {
         return Offload::Native;
     }
     // SAFETY: forwarded.
@@ -372,15 +376,6 @@ pub unsafe fn allreduce(
             };
             send
         };
-        post_reduce(
-            CollKind::Allreduce,
-            comm,
-            send,
-            recv,
-            blocking,
-            None,
-            Some(reduce),
-            commit,
-        )
+        post_reduce(kind, comm, send, recv, blocking, None, Some(reduce), commit)
     }
 }

@@ -446,6 +446,7 @@ mod tests {
             segment: "/spoff-test".into(),
             serves: wire::Serves::default(),
             mcast_off: None,
+            canary_off: None,
         };
         (&peer).write_all(&wire::encode(&msg)).unwrap();
         drop(peer);

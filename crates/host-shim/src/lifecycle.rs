@@ -105,6 +105,8 @@ struct Registered {
     serves: Serves,
     /// Why the SP runs no multicast collective (`None`: it does).
     mcast_off: Option<String>,
+    /// Why the SP runs no Canary allreduce (`None`: it does).
+    canary_off: Option<String>,
 }
 
 unsafe fn start_inner() -> bool {
@@ -327,6 +329,10 @@ unsafe fn start_inner() -> bool {
         // SAFETY: MPI is initialised; every rank makes the same calls.
         unsafe { crate::design::agree_mcast(kind, asker, reg.mcast_off.as_deref(), rank, size) };
     }
+    // 8. The Canary allreduce (`SPOFF_ALLREDUCE_DESIGN=canary` or `auto`), likewise: else the
+    // SP tree.
+    // SAFETY: MPI is initialised; every rank makes the same calls.
+    unsafe { crate::reduce::agree_canary(reg.canary_off.as_deref(), rank, size) };
 
     // Who serves whom: the placement every rank computed alike.
     let sp_of_world: Vec<SpId> = placed.iter().map(|p| p.sp).collect();
@@ -851,13 +857,19 @@ fn register(
     let reply = ch
         .recv::<SpToHost>()
         .map_err(|e| at("waiting for registration", &e))?;
-    let (segment, serves, mcast_off) = match &reply {
+    let (segment, serves, mcast_off, canary_off) = match &reply {
         SpToHost::Registered {
             segment,
             serves,
             mcast_off,
+            canary_off,
             ..
-        } => (segment.clone(), *serves, mcast_off.clone()),
+        } => (
+            segment.clone(),
+            *serves,
+            mcast_off.clone(),
+            canary_off.clone(),
+        ),
         SpToHost::Error { code, message, .. } => {
             return Err(format!(
                 "service process at {} refused the registration ({code:?}): {message}",
@@ -882,6 +894,7 @@ fn register(
         segment,
         serves,
         mcast_off,
+        canary_off,
     })
 }
 

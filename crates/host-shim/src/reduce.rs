@@ -4,11 +4,14 @@
 //!
 //! `SPOFF_ALLREDUCE_DESIGN`: unset or `native` keeps the native call; `sp-tree` posts the
 //! SP-tree allreduce (`CollKind::Allreduce`: the SPs reduce along a tree, the root's SP
-//! broadcasts); `auto` is `sp-tree`, as no aggregating switch exists yet (issue 27's Canary
-//! design, where `auto` will use the switches a cluster names); `canary` (not built yet) and
-//! anything else keep the native call, said once. Read once; the same on every rank of a
-//! correct job, as is everything else that decides: the datatype, the operation, the count
-//! and the communicator.
+//! broadcasts); `canary` posts the Canary allreduce (`CollKind::CanaryAllreduce`: each SP
+//! reduces its ranks' blocks and the Canary switches of the cluster description combine the
+//! SPs'); `auto` is `canary` where the cluster has Canary switches, else `sp-tree`. Canary is
+//! taken only if every rank asks for it (`canary` or `auto`) and every rank's SP runs it
+//! (agreed at `MPI_Init`, [`agree_canary`]); otherwise the SP tree runs, and rank 0 says why
+//! once when `canary` was asked for by name. Anything else keeps the native call, said once.
+//! Read once; the same on every rank of a correct job, as is everything else that decides:
+//! the datatype, the operation, the count and the communicator.
 //!
 //! Offloaded: the predefined operations `MPI_SUM`, `MPI_PROD`, `MPI_MIN`, `MPI_MAX`,
 //! `MPI_LAND`, `MPI_LOR`, `MPI_LXOR`, `MPI_BAND`, `MPI_BOR`, `MPI_BXOR` on the predefined C
@@ -24,24 +27,103 @@
 
 use crate::boundary::say;
 use algorithms::allreduce::{Elem, Op, Reduce, MAX_BYTES};
+use bootstrap::wire::CollKind;
 use mpi_ffi as ffi;
 use mpi_ffi::consts;
 use std::os::raw::c_int;
 
-/// `SPOFF_ALLREDUCE_DESIGN` asks for the SP tree (`sp-tree` or `auto`).
-pub fn sp_tree() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
+/// What `SPOFF_ALLREDUCE_DESIGN` asks for on this rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Asked {
+    Native,
+    SpTree,
+    Canary,
+    Auto,
+}
+
+/// `SPOFF_ALLREDUCE_DESIGN` on this rank (read once).
+pub fn asked() -> Asked {
+    static ASKED: std::sync::OnceLock<Asked> = std::sync::OnceLock::new();
+    *ASKED.get_or_init(|| {
         let v = std::env::var("SPOFF_ALLREDUCE_DESIGN").ok();
         match v.as_deref().map(str::trim) {
-            None | Some("") | Some("native") => false,
-            Some("sp-tree") | Some("auto") => true,
+            None | Some("") | Some("native") => Asked::Native,
+            Some("sp-tree") => Asked::SpTree,
+            Some("canary") => Asked::Canary,
+            Some("auto") => Asked::Auto,
             Some(other) => {
-                say!("SPOFF_ALLREDUCE_DESIGN={other}: not a design here (native, sp-tree, auto); the native MPI_Allreduce runs");
-                false
+                say!("SPOFF_ALLREDUCE_DESIGN={other}: not a design here (native, sp-tree, canary, auto); the native MPI_Allreduce runs");
+                Asked::Native
             }
         }
     })
+}
+
+/// The job agreed on the Canary design at `MPI_Init` ([`agree_canary`]).
+static CANARY_ON: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// The kind an eligible `MPI_Allreduce`/`MPI_Iallreduce` posts, `None` for the native call.
+pub fn allreduce_kind() -> Option<CollKind> {
+    match asked() {
+        Asked::Native => None,
+        _ if CANARY_ON.load(std::sync::atomic::Ordering::Acquire) => {
+            Some(CollKind::CanaryAllreduce)
+        }
+        _ => Some(CollKind::Allreduce),
+    }
+}
+
+/// Whether the job takes the Canary design: asked for (`canary` or `auto`) on some rank, it
+/// is on only if every rank asks for it and every rank's SP runs it (`canary_off`: why this
+/// rank's does not); else, when some rank named `canary`, rank 0 says why, once. Collective.
+///
+/// # Safety
+/// MPI is initialised.
+pub unsafe fn agree_canary(canary_off: Option<&str>, rank: u32, size: u32) {
+    let me = asked();
+    let wants = matches!(me, Asked::Canary | Asked::Auto);
+    // [ranks asking, ranks naming `canary`]
+    let mut asking: [c_int; 2] = [wants as c_int, (me == Asked::Canary) as c_int];
+    // SAFETY: in-place reduction over two ints.
+    let rc = unsafe {
+        ffi::PMPI_Allreduce(
+            consts::IN_PLACE(),
+            asking.as_mut_ptr().cast(),
+            2,
+            consts::INT(),
+            consts::OP_SUM(),
+            consts::COMM_WORLD(),
+        )
+    };
+    if rc != consts::SUCCESS() || asking[0] == 0 {
+        return;
+    }
+    let named = asking[1] > 0;
+    let mine = if !wants {
+        Some(format!("SPOFF_ALLREDUCE_DESIGN is {me:?} there"))
+    } else {
+        canary_off.map(|why| format!("its SP runs no Canary allreduce: {why}"))
+    };
+    // SAFETY: forwarded; every rank calls it, as every rank saw `asking[0] > 0`.
+    match unsafe { crate::lifecycle::count_failures(mine.as_deref(), rank) } {
+        Ok(None) => CANARY_ON.store(true, std::sync::atomic::Ordering::Release),
+        Ok(Some((n, first, why))) => {
+            if rank == 0 && named {
+                say!(
+                    "SPOFF_ALLREDUCE_DESIGN=canary: {n} of {size} ranks cannot take the Canary \
+                     design (rank {first}: {why}); every allreduce of this job takes the SP tree"
+                );
+            }
+        }
+        Err(rc) => {
+            if rank == 0 && named {
+                say!(
+                    "SPOFF_ALLREDUCE_DESIGN=canary: the ranks could not agree (MPI error {rc}); \
+                     every allreduce of this job takes the SP tree"
+                );
+            }
+        }
+    }
 }
 
 /// How a predefined datatype's elements are represented.

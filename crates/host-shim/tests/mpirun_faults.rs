@@ -247,6 +247,7 @@ fn refusing_sps(dir: &Path) -> PathBuf {
                         ..Default::default()
                     },
                     mcast_off: Some("the test's fake SP".into()),
+                    canary_off: Some("the test's fake SP".into()),
                 },
                 HostToSp::Post(d) => SpToHost::Error {
                     comm: Some(d.comm),

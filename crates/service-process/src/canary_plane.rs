@@ -13,8 +13,9 @@
 //! - Datagrams that are not Canary packets, or of another job's tag, are counted and dropped
 //!   (the machine checks the tag).
 //!
-//! Not wired yet: this is the piece a `canary` collective driver's `Resources` would own (a
-//! `Family` of its own and a kind for the design are not built); see docs/ARCHITECTURE.md.
+//! The SP's Canary allreduce (`drivers::canary_allreduce`) reaches it through its family's
+//! resources (`crate::canary_resources`), which start one machine per chunk and wake the SP's
+//! loop when one ends ([`Plane::with_waker`]).
 
 use std::collections::HashMap;
 use std::io;
@@ -90,6 +91,16 @@ impl Plane {
 
     /// The same on a socket already bound to `cfg.local` (e.g. passed by a launcher).
     pub fn with_socket(sock: UdpSocket, cfg: PlaneConfig) -> Result<Plane> {
+        Plane::with_waker(sock, cfg, None)
+    }
+
+    /// The same, calling `wake` after each ended allreduce is queued for [`Plane::poll`] (the
+    /// SP's loop waker).
+    pub fn with_waker(
+        sock: UdpSocket,
+        cfg: PlaneConfig,
+        wake: Option<Arc<mio::Waker>>,
+    ) -> Result<Plane> {
         sock.connect(cfg.leaf)
             .with_context(|| format!("canary: connecting to the leaf at {}", cfg.leaf))?;
         sock.set_nonblocking(true)?;
@@ -112,6 +123,7 @@ impl Plane {
                     cmds: cmd_rx,
                     events: ev_tx,
                     stats: st,
+                    wake_loop: wake,
                     linger: cfg.linger,
                     start: Instant::now(),
                     running: HashMap::new(),
@@ -190,6 +202,7 @@ struct Worker {
     cmds: Receiver<Cmd>,
     events: Sender<PlaneEvent>,
     stats: Arc<PlaneStats>,
+    wake_loop: Option<Arc<mio::Waker>>,
     linger: Duration,
     start: Instant,
     running: HashMap<u32, Running>,
@@ -236,6 +249,9 @@ impl Worker {
             if let (Some(end), None) = (end, r.until) {
                 r.until = Some(Instant::now() + self.linger);
                 let _ = self.events.send(end);
+                if let Some(w) = &self.wake_loop {
+                    let _ = w.wake();
+                }
             }
         }
     }

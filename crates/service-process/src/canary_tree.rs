@@ -265,11 +265,20 @@ pub fn run(o: &CanaryTreeOpts) -> anyhow::Result<()> {
     let exe = std::env::current_exe().context("this program's path")?;
     let mut children = Vec::new();
     for (i, sw) in plan.switches.iter().enumerate() {
-        let mut child = Command::new(&exe)
-            .arg("switch")
+        let mut cmd = Command::new(&exe);
+        cmd.arg("switch")
             .args(plan.switch_args(i))
             .args(&o.switch_args)
-            .stdout(Stdio::piped())
+            .stdout(Stdio::piped());
+        // A switch goes with this process, however it ends.
+        // SAFETY: only async-signal-safe calls between fork and exec.
+        unsafe {
+            std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM as libc::c_ulong);
+                Ok(())
+            });
+        }
+        let mut child = cmd
             .spawn()
             .with_context(|| format!("starting switch {}", sw.addr))?;
         let mut out = std::io::BufReader::new(child.stdout.take().unwrap());

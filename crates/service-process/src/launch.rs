@@ -10,7 +10,7 @@ use crate::cpus::{pin_to, CpuList};
 use crate::launch_mpi::{self, Mpi};
 use anyhow::{bail, Context, Result};
 use bootstrap::auth::{ClusterKey, JobCredential};
-use bootstrap::cluster::{Cluster, Layout, McastGroups, SpEntry};
+use bootstrap::cluster::{CanaryFabric, CanaryLink, Cluster, Layout, McastGroups, SpEntry};
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
 use std::os::fd::{AsRawFd, RawFd};
@@ -92,6 +92,16 @@ pub struct LaunchOpts {
     /// 47000. Jobs on one host given disjoint groups never see each other's datagrams.
     #[arg(long, value_name = "RANGE[:PORT]", value_parser = parse_mcast_groups)]
     pub mcast_groups: Option<McastGroups>,
+    /// Start a loopback tree of Canary switches, LEAVES+SPINES (e.g. 2+2; `service-process
+    /// canary-tree`), and name each SP's link to it in the cluster description (`canary`):
+    /// the SPs then run the Canary allreduce (`SPOFF_ALLREDUCE_DESIGN=canary`, or `auto`).
+    /// Each leaf needs an SP. The switches' counters are printed at the end.
+    #[arg(long, value_name = "LEAVES+SPINES")]
+    pub canary_tree: Option<crate::canary_tree::Shape>,
+    /// An extra argument for every switch of --canary-tree (repeatable), e.g.
+    /// --canary-switch-arg=--drop-rate=0.01
+    #[arg(long = "canary-switch-arg", allow_hyphen_values = true)]
+    pub canary_switch_args: Vec<String>,
     /// Seconds to wait for the SPs to be ready.
     #[arg(long, default_value_t = 30)]
     pub ready_timeout_secs: u64,
@@ -342,7 +352,7 @@ pub fn spawn_sps(
     run_dir: &Path,
     lines: mpsc::Sender<(u32, String)>,
 ) -> Result<(PathBuf, Vec<Sp>)> {
-    spawn_sps_on(exe, spec, None, run_dir, lines)
+    spawn_sps_on(exe, spec, None, None, run_dir, lines)
 }
 
 /// [`spawn_sps`] with the multicast groups `mcast_groups` in the description.
@@ -350,10 +360,11 @@ fn spawn_sps_on(
     exe: &Path,
     spec: &SpSetSpec,
     mcast_groups: Option<McastGroups>,
+    canary: Option<CanaryFabric>,
     run_dir: &Path,
     lines: mpsc::Sender<(u32, String)>,
 ) -> Result<(PathBuf, Vec<Sp>)> {
-    let (path, listeners) = write_cluster_on(spec, mcast_groups, run_dir)?;
+    let (path, listeners) = write_cluster_on(spec, mcast_groups, canary, run_dir)?;
     let mut sps = Vec::new();
     for (i, l) in listeners.into_iter().enumerate() {
         let mut args = spec.extra_args.clone();
@@ -385,13 +396,14 @@ fn spawn_sps_on(
 /// peer listeners bound on loopback) and its key (unless `run_dir` already has one); returns
 /// the description's path and the SPs' listeners, by SP id.
 pub fn write_cluster(spec: &SpSetSpec, run_dir: &Path) -> Result<(PathBuf, Vec<TcpListener>)> {
-    write_cluster_on(spec, None, run_dir)
+    write_cluster_on(spec, None, None, run_dir)
 }
 
 /// [`write_cluster`] with the multicast groups `mcast_groups` in the description.
 fn write_cluster_on(
     spec: &SpSetSpec,
     mcast_groups: Option<McastGroups>,
+    canary: Option<CanaryFabric>,
     run_dir: &Path,
 ) -> Result<(PathBuf, Vec<TcpListener>)> {
     let n_sps = spec.nodes * spec.sps_per_node;
@@ -420,6 +432,8 @@ fn write_cluster_on(
         entries,
     )?;
     cluster.mcast_groups = mcast_groups;
+    cluster.canary = canary;
+    cluster.validate()?;
     let path = run_dir.join("cluster.json");
     cluster.save(&path)?;
     let key_file = key_path(&path);
@@ -579,6 +593,23 @@ fn run_job(
     run_dir: &Path,
     signals: &mut crate::signals::SignalPipe,
 ) -> Result<i32> {
+    let mut canary_tree = None;
+    let result = run_job_inner(opts, mpi, exe, shim, run_dir, signals, &mut canary_tree);
+    if let Some(tree) = canary_tree {
+        stop_canary_tree(tree);
+    }
+    result
+}
+
+fn run_job_inner(
+    opts: &LaunchOpts,
+    mpi: Mpi,
+    exe: &Path,
+    shim: Option<&Path>,
+    run_dir: &Path,
+    signals: &mut crate::signals::SignalPipe,
+    canary_tree: &mut Option<CanaryTree>,
+) -> Result<i32> {
     let world = opts.nodes * opts.ranks_per_node;
     let mut sps: Vec<Sp> = Vec::new();
     let mut cluster_path = None;
@@ -610,7 +641,23 @@ fn run_job(
                 n_sps - 1
             );
         }
-        let (path, children) = spawn_sps_on(exe, &spec, opts.mcast_groups, run_dir, tx.clone())?;
+        let canary = match opts.canary_tree {
+            Some(shape) => {
+                let (tree, fabric) = start_canary_tree(
+                    exe,
+                    shape,
+                    n_sps,
+                    &opts.canary_switch_args,
+                    run_dir,
+                    Duration::from_secs(opts.ready_timeout_secs),
+                )?;
+                *canary_tree = Some(tree);
+                Some(fabric)
+            }
+            None => None,
+        };
+        let (path, children) =
+            spawn_sps_on(exe, &spec, opts.mcast_groups, canary, run_dir, tx.clone())?;
         sps = children;
         match wait_ready(
             &mut sps,
@@ -763,6 +810,109 @@ fn run_job(
         }
     }
     Ok(status)
+}
+
+/// A running `service-process canary-tree` and the lines it printed.
+struct CanaryTree {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+}
+
+/// Starts `canary-tree` with `members` members (the SPs, by id) on loopback, waits for it to
+/// be ready, and returns it with the fabric its plan describes.
+fn start_canary_tree(
+    exe: &Path,
+    shape: crate::canary_tree::Shape,
+    members: usize,
+    switch_args: &[String],
+    run_dir: &Path,
+    timeout: Duration,
+) -> Result<(CanaryTree, CanaryFabric)> {
+    let plan_path = run_dir.join("canary-plan.json");
+    let mut cmd = Command::new(exe);
+    cmd.arg("canary-tree")
+        .arg("--switches")
+        .arg(format!("{}+{}", shape.leaves, shape.spines))
+        .arg("--members")
+        .arg(members.to_string())
+        .arg("--plan")
+        .arg(&plan_path)
+        .arg("--")
+        .args(switch_args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped());
+    supervised(&mut cmd, libc::SIGTERM);
+    let mut child = cmd.spawn().context("starting the Canary switches")?;
+    let out = child.stdout.take().expect("piped");
+    let (tx, lines) = mpsc::channel();
+    std::thread::spawn(move || {
+        for l in BufReader::new(out)
+            .lines()
+            .map_while(std::result::Result::ok)
+        {
+            if tx.send(l).is_err() {
+                break;
+            }
+        }
+    });
+    let mut tree = CanaryTree { child, lines };
+    let until = Instant::now() + timeout;
+    loop {
+        match tree.lines.recv_timeout(Duration::from_millis(100)) {
+            Ok(l) if l.starts_with("READY canary-tree") => break,
+            Ok(l) => eprintln!("canary-tree: {l}"),
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                let st = tree.child.wait()?;
+                bail!("the Canary switches did not start ({st})");
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) if Instant::now() > until => {
+                stop_canary_tree(tree);
+                bail!("the Canary switches were not ready within {timeout:?}");
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+        }
+    }
+    let plan: crate::canary_tree::TreePlan = serde_json::from_slice(
+        &std::fs::read(&plan_path).with_context(|| format!("reading {}", plan_path.display()))?,
+    )
+    .context("the Canary tree's plan")?;
+    let links = plan
+        .members
+        .iter()
+        .enumerate()
+        .map(|(sp, m)| CanaryLink {
+            sp: sp as u32,
+            addr: m.addr,
+            local: m.local,
+            leaf: m.leaf,
+        })
+        .collect();
+    Ok((
+        tree,
+        CanaryFabric {
+            links,
+            params: Default::default(),
+        },
+    ))
+}
+
+/// Stops the switches and prints their counters (`canary-tree: switch ADDR STATS {...}`).
+fn stop_canary_tree(mut tree: CanaryTree) {
+    // SAFETY: kill(2) of our own child, not reaped yet.
+    unsafe { libc::kill(tree.child.id() as libc::pid_t, libc::SIGTERM) };
+    let until = Instant::now() + Duration::from_secs(5);
+    loop {
+        match tree.lines.recv_timeout(Duration::from_millis(100)) {
+            Ok(l) => eprintln!("canary-tree: {l}"),
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            Err(mpsc::RecvTimeoutError::Timeout) if Instant::now() > until => {
+                signal_group(&tree.child, libc::SIGKILL);
+                break;
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+        }
+    }
+    let _ = tree.child.wait();
 }
 
 /// `--sp-cpus` with a CPU for each SP implies `serve --busy-poll`, unless the SP arguments say

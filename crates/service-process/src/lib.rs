@@ -12,6 +12,7 @@
 
 pub mod access;
 pub mod canary_plane;
+pub mod canary_resources;
 pub mod canary_switch;
 pub mod canary_tree;
 pub mod cluster_cmd;

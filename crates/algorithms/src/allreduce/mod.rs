@@ -100,9 +100,22 @@ impl<'de> Deserialize<'de> for Bytes {
     }
 }
 
+/// Where the SPs' partial results are combined.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Between {
+    /// Along the SPs' binomial tree (`Up`, `Down`): the SP-tree design.
+    #[default]
+    Tree,
+    /// Outside the SPs (the Canary switches): each SP hands its local ranks' reduced chunk
+    /// out ([`Action::Contribute`]) and gets the chunk's result back
+    /// ([`Allreduce::handle_outside`]); no `Up` or `Down` travels, only `Abort`.
+    Network,
+}
+
 #[derive(Clone, Copy, Debug)]
 pub struct Config {
     pub me: SpId,
+    pub between: Between,
     /// The pipeline's chunk, the same on every SP of a cluster (rounded down to a multiple
     /// of 8, so that a chunk is whole elements of every type; from 8 to
     /// [`MAX_CHUNK_BYTES`]).
@@ -184,6 +197,13 @@ pub enum Action<K> {
         rank: Rank,
         status: Status,
     },
+    /// [`Between::Network`]: chunk `chunk` of this SP's local ranks, reduced, to combine with
+    /// every other SP's outside (the SPs of [`Allreduce::sps`], this one at
+    /// [`Allreduce::position`]); its result comes back to [`Allreduce::handle_outside`].
+    Contribute {
+        chunk: u32,
+        data: Vec<u8>,
+    },
 }
 
 /// A post or a message this instance cannot take.
@@ -262,6 +282,7 @@ struct Chunk {
 pub struct Allreduce<K> {
     key: CollKey,
     me: SpId,
+    between: Between,
     chunk_bytes: u64,
     view: Option<View>,
     /// The posted local ranks' send and receive keys.
@@ -293,6 +314,7 @@ impl<K: Clone + core::fmt::Debug> Allreduce<K> {
         Allreduce {
             key,
             me: cfg.me,
+            between: cfg.between,
             chunk_bytes: cfg.chunk(),
             view: None,
             posted: BTreeMap::new(),
@@ -321,6 +343,28 @@ impl<K: Clone + core::fmt::Debug> Allreduce<K> {
     /// every [`Action::Write`] of the chunk writes).
     pub fn result(&self, chunk: u32) -> Option<&[u8]> {
         self.chunks.get(&chunk).and_then(|c| c.result.as_deref())
+    }
+
+    /// The SPs of the instance in position order, once a local post came.
+    pub fn sps(&self) -> Option<&[SpId]> {
+        self.view.as_ref().map(|v| v.sps.as_slice())
+    }
+
+    /// This SP's position in [`Allreduce::sps`], once a local post came.
+    pub fn position(&self) -> Option<usize> {
+        self.view
+            .as_ref()
+            .and_then(|v| v.sps.iter().position(|&s| s == self.me))
+    }
+
+    /// The instance's reduction, once a local post came.
+    pub fn reduce(&self) -> Option<Reduce> {
+        self.view.as_ref().map(|v| v.reduce)
+    }
+
+    /// Chunks of the message (one for an empty one), once a local post came.
+    pub fn chunks(&self) -> Option<u32> {
+        self.view.as_ref().map(|v| v.chunks)
     }
 
     /// The status the instance was aborted with, if it was.
@@ -398,7 +442,10 @@ impl<K: Clone + core::fmt::Debug> Allreduce<K> {
             None => {
                 let sps = tree_sps(&post.members);
                 let at = sps.iter().position(|&s| s == self.me).expect("served");
-                let (parent, children) = tree(at, sps.len());
+                let (parent, children) = match self.between {
+                    Between::Tree => tree(at, sps.len()),
+                    Between::Network => (None, Vec::new()),
+                };
                 let local = (0..p as Rank)
                     .filter(|&q| post.members[q as usize] == self.me)
                     .collect();
@@ -604,6 +651,13 @@ impl<K: Clone + core::fmt::Debug> Allreduce<K> {
                 reduce_into(reduce, &mut acc, x).expect("lengths checked on arrival");
             }
             match parent {
+                _ if self.between == Between::Network => {
+                    c.sent_up = true;
+                    self.actions.push_back(Action::Contribute {
+                        chunk: i,
+                        data: acc,
+                    });
+                }
                 Some(parent) => {
                     c.sent_up = true;
                     self.actions.push_back(Action::Send {
@@ -619,6 +673,38 @@ impl<K: Clone + core::fmt::Debug> Allreduce<K> {
                 None => self.set_result(i, acc),
             }
         }
+    }
+
+    /// [`Between::Network`]: the result of chunk `chunk` this SP contributed, or why it
+    /// failed (the instance is then aborted everywhere with `Err`'s status).
+    pub fn handle_outside(
+        &mut self,
+        _now: Nanos,
+        chunk: u32,
+        result: Result<Vec<u8>, Status>,
+    ) -> Result<(), Error> {
+        if self.aborted.is_some() {
+            return Ok(());
+        }
+        let waited = self.between == Between::Network
+            && self
+                .chunks
+                .get(&chunk)
+                .is_some_and(|c| c.sent_up && c.result.is_none());
+        if !waited {
+            return Err(Error(format!(
+                "a result of chunk {chunk} from outside, not one waited for"
+            )));
+        }
+        match result {
+            Ok(data) if data.len() as u64 == self.span(chunk).1 => {
+                self.set_result(chunk, data);
+                self.progress();
+            }
+            Ok(_) => self.abort_here(Status::CountMismatch, true),
+            Err(status) => self.abort_here(status, true),
+        }
+        Ok(())
     }
 
     /// Chunk `i`'s result is known: down the tree, into every local rank.

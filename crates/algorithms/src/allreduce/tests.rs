@@ -28,6 +28,12 @@ struct Net {
     now: Nanos,
     /// Most chunks any SP held in progress at once.
     peak_chunks: usize,
+    /// `Between::Network`: the outside aggregation's reduction, and the contributions of
+    /// each chunk so far (by SP).
+    outside: Option<Reduce>,
+    contribs: BTreeMap<u32, BTreeMap<SpId, Vec<u8>>>,
+    /// The outside aggregation of this chunk fails at this SP.
+    fail_outside: Option<(u32, SpId)>,
 }
 
 impl Net {
@@ -36,6 +42,18 @@ impl Net {
     }
 
     fn chunked(members: &[SpId], chunk_bytes: u64) -> Net {
+        Net::with(members, chunk_bytes, Between::Tree)
+    }
+
+    /// SPs combining their chunks outside (`Between::Network`) by `reduce`, in the SPs'
+    /// position order.
+    fn outside(members: &[SpId], chunk_bytes: u64, reduce: Reduce) -> Net {
+        let mut net = Net::with(members, chunk_bytes, Between::Network);
+        net.outside = Some(reduce);
+        net
+    }
+
+    fn with(members: &[SpId], chunk_bytes: u64, between: Between) -> Net {
         Net {
             sps: tree_sps(members)
                 .into_iter()
@@ -47,6 +65,7 @@ impl Net {
                             Config {
                                 me: sp,
                                 chunk_bytes,
+                                between,
                             },
                         ),
                     )
@@ -60,6 +79,9 @@ impl Net {
             bad_read: BTreeSet::new(),
             now: 0,
             peak_chunks: 0,
+            outside: None,
+            contribs: BTreeMap::new(),
+            fail_outside: None,
         }
     }
 
@@ -71,6 +93,11 @@ impl Net {
                 Action::Send { to, msg } => {
                     assert_ne!(to, sp, "send to self");
                     self.msgs.push_back((sp, to, msg));
+                }
+                Action::Contribute { chunk, data } => {
+                    assert!(self.outside.is_some(), "a contribution in a tree");
+                    let prev = self.contribs.entry(chunk).or_default().insert(sp, data);
+                    assert!(prev.is_none(), "SP {sp} contributed chunk {chunk} twice");
                 }
                 Action::Complete { rank, status } => {
                     assert!(
@@ -157,6 +184,38 @@ impl Net {
                 _ => unreachable!(),
             }
             self.collect(sp);
+            return true;
+        }
+        // A chunk every live SP contributed: its result to each of them.
+        let live: Vec<SpId> = self
+            .sps
+            .keys()
+            .copied()
+            .filter(|s| !self.dead.contains(s))
+            .collect();
+        let full = self
+            .contribs
+            .iter()
+            .find(|(_, c)| c.len() == self.sps.len())
+            .map(|(&i, _)| i);
+        if let (Some(i), Some(reduce)) = (full, self.outside) {
+            let parts = self.contribs.remove(&i).unwrap();
+            let mut it = parts.values();
+            let mut acc = it.next().cloned().unwrap_or_default();
+            for x in it {
+                reduce_into(reduce, &mut acc, x).unwrap();
+            }
+            for sp in live {
+                let r = match self.fail_outside {
+                    Some((c, at)) if c == i && at == sp => Err(Status::NetworkFailed),
+                    _ => Ok(acc.clone()),
+                };
+                let m = self.sps.get_mut(&sp).unwrap();
+                if m.abort_status().is_none() {
+                    m.handle_outside(now, i, r).unwrap();
+                }
+                self.collect(sp);
+            }
             return true;
         }
         false
@@ -431,6 +490,7 @@ fn disagreeing_posts_fail_and_never_mix() {
         Config {
             me: 0,
             chunk_bytes: 64,
+            between: Between::Tree,
         },
     );
     m.handle_post(0, post(&two, 0, 8, SUM_I64)).unwrap();
@@ -447,6 +507,7 @@ fn disagreeing_posts_fail_and_never_mix() {
         Config {
             me: 0,
             chunk_bytes: 64,
+            between: Between::Tree,
         },
     );
     assert!(m.handle_post(0, post(&two, 0, 8, bad)).is_err());
@@ -487,6 +548,7 @@ fn a_window_of_early_messages_per_peer() {
         Config {
             me: 0,
             chunk_bytes: 64,
+            between: Between::Tree,
         },
     );
     let up = |chunk| Msg::Up {
@@ -536,4 +598,127 @@ fn an_abort_mid_pipeline_ends_every_rank() {
         // been written completely before).
         assert!(net.sps.values().all(|m| m.is_finished()), "round {round}");
     }
+}
+
+/// `Between::Network` (the Canary design's SP side): random placements and chunkings, each SP
+/// reducing its local ranks and handing the chunk out, the outside combining every SP's:
+/// every rank gets the sum of every contribution, every SP's instance finishes, no `Up` or
+/// `Down` travels (no message at all), and an SP holds at most `WINDOW` chunks.
+#[test]
+fn outside_aggregation_sums_every_contribution() {
+    let seed = 0x0075_1de ^ std::process::id() as u64;
+    println!("seed {seed:#x}");
+    let mut rng = Rng::new(seed);
+    for round in 0..200 {
+        let p = rng.range(1, 20) as usize;
+        let nsp = rng.range(1, 9) as u32;
+        let members: Vec<SpId> = (0..p).map(|_| rng.below(nsp as u64) as SpId).collect();
+        let n = rng.below(40) as usize;
+        let chunk = if rng.chance(1, 2) {
+            1 << 20
+        } else {
+            8 * rng.range(1, 5)
+        };
+        let mut net = Net::outside(&members, chunk, SUM_I64);
+        let mut want = vec![0i64; n];
+        for r in 0..p as Rank {
+            let v: Vec<i64> = (0..n).map(|_| rng.next_u64() as i64 >> 4).collect();
+            for (w, x) in want.iter_mut().zip(&v) {
+                *w = w.wrapping_add(*x);
+            }
+            net.mem.insert((r, 's'), i64s(&v));
+        }
+        let mut order: Vec<Rank> = (0..p as Rank).collect();
+        for i in (1..order.len()).rev() {
+            order.swap(i, rng.below(i as u64 + 1) as usize);
+        }
+        for r in order {
+            net.post(
+                members[r as usize],
+                post(&members, r, 8 * n as u64, SUM_I64),
+            );
+            assert!(net.msgs.is_empty(), "a message between SPs (round {round})");
+            for _ in 0..rng.below(4) {
+                net.step();
+            }
+        }
+        net.run();
+        for r in 0..p as Rank {
+            assert_eq!(
+                net.status(r),
+                Some(Status::Ok),
+                "round {round} seed {seed:#x}"
+            );
+            if n > 0 {
+                assert_eq!(net.mem[&(r, 'r')], i64s(&want), "rank {r} round {round}");
+            }
+        }
+        assert!(net.sps.values().all(|m| m.is_finished()), "round {round}");
+        assert!(net.contribs.is_empty(), "round {round}");
+        assert!(
+            net.peak_chunks <= WINDOW as usize,
+            "an SP held {} chunks at once (round {round})",
+            net.peak_chunks
+        );
+    }
+}
+
+/// The outside aggregation of one chunk fails at one SP (Canary: its leader unreachable from
+/// there): every rank on every SP completes with `NetworkFailed` (the failing SP tells the
+/// others), none with `Ok`, and every instance finishes.
+#[test]
+fn a_failed_outside_chunk_fails_every_rank() {
+    let seed = 0x0fa11 ^ std::process::id() as u64;
+    println!("seed {seed:#x}");
+    let mut rng = Rng::new(seed);
+    for round in 0..50 {
+        let members: Vec<SpId> = (0..rng.range(2, 12)).map(|i| (i % 4) as SpId).collect();
+        let nsp = tree_sps(&members).len() as u64;
+        let mut net = Net::outside(&members, 16, SUM_I64);
+        let n = 2 * rng.range(1, 20) as usize;
+        for r in 0..members.len() as Rank {
+            net.mem.insert((r, 's'), i64s(&vec![r as i64; n]));
+        }
+        let chunks = (8 * n as u64).div_ceil(16) as u32;
+        let at = rng.below(nsp) as SpId;
+        net.fail_outside = Some((rng.below(chunks as u64) as u32, at));
+        for r in 0..members.len() as Rank {
+            net.post(
+                members[r as usize],
+                post(&members, r, 8 * n as u64, SUM_I64),
+            );
+        }
+        net.run();
+        for r in 0..members.len() as Rank {
+            assert_eq!(
+                net.status(r),
+                Some(Status::NetworkFailed),
+                "rank {r} round {round} seed {seed:#x}"
+            );
+        }
+        assert!(net.sps.values().all(|m| m.is_finished()), "round {round}");
+    }
+}
+
+/// A result nobody waits for (a chunk not contributed, or given twice) is refused, and a
+/// tree instance takes none.
+#[test]
+fn an_outside_result_not_waited_for_is_refused() {
+    let members = [0, 1];
+    let mut net = Net::outside(&members, 16, SUM_I64);
+    net.mem.insert((0, 's'), i64s(&[1, 2, 3, 4]));
+    net.post(0, post(&members, 0, 32, SUM_I64));
+    let m = net.sps.get_mut(&0).unwrap();
+    assert!(m.handle_outside(0, 5, Ok(vec![0; 16])).is_err());
+    net.run();
+    // Chunk 0 is contributed by SP 0 only: its result may come, once.
+    let m = net.sps.get_mut(&0).unwrap();
+    assert!(m.handle_outside(0, 0, Ok(vec![0; 16])).is_ok());
+    assert!(m.handle_outside(0, 0, Ok(vec![0; 16])).is_err());
+    let mut tree = Net::new(&members);
+    tree.mem.insert((0, 's'), i64s(&[1, 2]));
+    tree.post(0, post(&members, 0, 16, SUM_I64));
+    tree.run();
+    let m = tree.sps.get_mut(&0).unwrap();
+    assert!(m.handle_outside(0, 0, Ok(vec![0; 16])).is_err());
 }

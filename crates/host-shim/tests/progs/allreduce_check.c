@@ -334,7 +334,7 @@ int main(int argc, char **argv) {
     MPI_Comm_size(MPI_COMM_WORLD, &size);
     setup();
     const char *design = getenv("SPOFF_ALLREDUCE_DESIGN");
-    sp_design = design && (!strcmp(design, "sp-tree") || !strcmp(design, "auto"));
+    sp_design = design && (!strcmp(design, "sp-tree") || !strcmp(design, "auto") || !strcmp(design, "canary"));
     int rounds = argc > 1 ? atoi(argv[1]) : 20;
     uint64_t seed = argc > 2 ? strtoull(argv[2], NULL, 10) : 1;
     own = (seed + 1) * 0x9E3779B97F4A7C15ULL + (uint64_t)rank * 0x632BE59BD9B4E019ULL + 1;

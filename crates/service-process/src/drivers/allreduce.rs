@@ -14,8 +14,14 @@
 //! latest (which is not dropped while a copy is in flight: `copies_in_flight`). Partial
 //! results travel between SPs as the bytes of the kind's own messages
 //! (`allreduce::Msg::Up`, `Down`), a chunk per frame.
+//!
+//! The same driver runs the Canary allreduce (`super::canary_allreduce`, the machine with
+//! `allreduce::Between::Network`): there each chunk the SP reduced goes to the in-network
+//! family's resources (`crate::canary_resources`) as a request, and its result comes back as
+//! their event; only `Abort` travels between SPs, as `CollMsg::CanaryAllreduce`.
 
 use super::{Act, CollDriver, Inbound, KindConfig, KindSpec, LocalPost};
+use crate::canary_resources::{Contribute, Ended};
 use crate::staging::Stage;
 use algorithms::{allreduce, CollKey, Nanos, Rank, SpId, Status};
 use alias_mkey::AliasKey;
@@ -42,6 +48,7 @@ static NEXT_REGION: AtomicU64 = AtomicU64::new(1 << 62);
 
 struct Driver {
     m: allreduce::Allreduce<AliasKey>,
+    between: allreduce::Between,
     /// The buffers reads land in, by copy id.
     reads: HashMap<u64, Stage>,
     /// Each chunk's result, once a write needs it, and its writes in flight.
@@ -50,23 +57,29 @@ struct Driver {
     writes: HashMap<u64, u32>,
 }
 
-impl super::KindMsg for allreduce::Msg {
-    fn into_coll(self) -> CollMsg {
-        CollMsg::Allreduce(self)
-    }
-}
-
 /// The pipeline's chunk is the staged collectives' (`serve --stage-chunk-bytes`, the same on
 /// every SP of a cluster), at most `allreduce::MAX_CHUNK_BYTES`.
 fn new(key: CollKey, me: SpId, cfg: &KindConfig) -> Box<dyn CollDriver> {
+    driver(key, me, cfg, allreduce::Between::Tree)
+}
+
+/// The driver of either design (`between`).
+pub(super) fn driver(
+    key: CollKey,
+    me: SpId,
+    cfg: &KindConfig,
+    between: allreduce::Between,
+) -> Box<dyn CollDriver> {
     Box::new(Driver {
         m: allreduce::Allreduce::new(
             key,
             allreduce::Config {
                 me,
                 chunk_bytes: cfg.staged.chunk_bytes,
+                between,
             },
         ),
+        between,
         reads: HashMap::new(),
         out: HashMap::new(),
         writes: HashMap::new(),
@@ -75,7 +88,7 @@ fn new(key: CollKey, me: SpId, cfg: &KindConfig) -> Box<dyn CollDriver> {
 
 /// One block each way, of equal length, whole elements of a reduction MPI defines, at most
 /// `allreduce::MAX_BYTES`.
-fn check_desc(d: &PostDesc) -> Result<(), String> {
+pub(super) fn check_desc(d: &PostDesc) -> Result<(), String> {
     let Some(r) = d.reduce else {
         return Err("an allreduce post without its operation and type".into());
     };
@@ -126,9 +139,22 @@ fn buffer(job: u64, len: u64) -> Stage {
     )
 }
 
+impl Driver {
+    /// A message of this instance on the wire, as its design's kind.
+    fn wire(&self, msg: allreduce::Msg) -> CollMsg {
+        match self.between {
+            allreduce::Between::Tree => CollMsg::Allreduce(msg),
+            allreduce::Between::Network => CollMsg::CanaryAllreduce(msg),
+        }
+    }
+}
+
 impl CollDriver for Driver {
     fn kind(&self) -> CollKind {
-        SPEC.kind
+        match self.between {
+            allreduce::Between::Tree => SPEC.kind,
+            allreduce::Between::Network => super::canary_allreduce::SPEC.kind,
+        }
     }
 
     fn handle_post(&mut self, now: Nanos, p: LocalPost) -> Result<(), String> {
@@ -147,11 +173,16 @@ impl CollDriver for Driver {
 
     fn handle_msg(&mut self, now: Nanos, from: SpId, msg: CollMsg) -> Result<(), String> {
         match msg {
-            CollMsg::Allreduce(m) => self.m.handle_msg(now, from, m).map_err(|e| e.to_string()),
+            CollMsg::Allreduce(m) if self.between == allreduce::Between::Tree => {
+                self.m.handle_msg(now, from, m).map_err(|e| e.to_string())
+            }
+            CollMsg::CanaryAllreduce(m) if self.between == allreduce::Between::Network => {
+                self.m.handle_msg(now, from, m).map_err(|e| e.to_string())
+            }
             m => Err(format!(
                 "a {:?} message for an instance of {}",
                 m.kind(),
-                SPEC.facts().name
+                self.kind().facts().name
             )),
         }
     }
@@ -172,6 +203,19 @@ impl CollDriver for Driver {
         }
         self.m
             .handle_copy_done(now, allreduce::CopyId(id), status, data)
+    }
+
+    fn handle_event(&mut self, now: Nanos, event: super::resources::Payload) {
+        let Ok(e) = event.downcast::<Ended>() else {
+            return;
+        };
+        let result = e.result.map_err(|why| {
+            tracing::warn!(key = ?self.m.key(), chunk = e.chunk, "{why}");
+            Status::NetworkFailed
+        });
+        if let Err(err) = self.m.handle_outside(now, e.chunk, result) {
+            tracing::warn!(key = ?self.m.key(), "{err}");
+        }
     }
 
     fn handle_peer_lost(&mut self, now: Nanos, sp: SpId) {
@@ -197,7 +241,28 @@ impl CollDriver for Driver {
     fn poll_action(&mut self) -> Option<Act> {
         let job = self.m.key().job;
         Some(match self.m.poll_action()? {
-            allreduce::Action::Send { to, msg } => Act::send(to, msg),
+            allreduce::Action::Send { to, msg } => Act::Send {
+                to,
+                lends_region: false,
+                grants_slots: vec![],
+                msg: self.wire(msg),
+            },
+            allreduce::Action::Contribute { chunk, data } => {
+                let sps = self.m.sps().expect("a contribution after the first post");
+                Act::Resource {
+                    family: bootstrap::kinds::Family::InNetwork,
+                    req: Box::new(Contribute {
+                        chunk,
+                        sps: sps.to_vec(),
+                        me: self.m.position().expect("served here"),
+                        reduce: self
+                            .m
+                            .reduce()
+                            .expect("a contribution after the first post"),
+                        data,
+                    }),
+                }
+            }
             allreduce::Action::Read {
                 id,
                 rank,

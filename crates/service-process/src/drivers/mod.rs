@@ -21,6 +21,7 @@ mod allgatherv;
 mod allreduce;
 mod alltoallv;
 mod bcast;
+mod canary_allreduce;
 mod mcast;
 mod mcast_allgather;
 mod mcast_bcast;
@@ -281,7 +282,7 @@ pub struct KindSpec {
 }
 
 /// Every kind the engine serves.
-pub static KINDS: [&KindSpec; 7] = [
+pub static KINDS: [&KindSpec; 8] = [
     &alltoallv::SPEC,
     &allgatherv::SPEC,
     &bcast::SPEC,
@@ -289,6 +290,7 @@ pub static KINDS: [&KindSpec; 7] = [
     &mcast_bcast::SPEC,
     &mcast_allgather::SPEC,
     &allreduce::SPEC,
+    &canary_allreduce::SPEC,
 ];
 
 impl KindSpec {

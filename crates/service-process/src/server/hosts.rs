@@ -213,6 +213,9 @@ impl Server {
                         mcast_off: self
                             .resources
                             .unavailable(bootstrap::kinds::Family::Multicast),
+                        canary_off: self
+                            .resources
+                            .unavailable(bootstrap::kinds::Family::InNetwork),
                     }),
                 );
             }

@@ -505,6 +505,23 @@ impl Server {
                 }));
             }
         }
+        match crate::canary_resources::CanaryResources::open(
+            cfg.sp,
+            &cfg.cluster,
+            &cfg.key,
+            waker.clone(),
+        ) {
+            Ok(r) => resources.add(Box::new(r)),
+            Err(why) => {
+                if cfg.cluster.canary.is_some() {
+                    warn!(sp = cfg.sp, "no Canary allreduce: {why}");
+                }
+                resources.add(Box::new(drivers::resources::Unavailable {
+                    family: bootstrap::kinds::Family::InNetwork,
+                    why,
+                }));
+            }
+        }
         let mut server = Server {
             me: cfg.sp,
             cluster: cfg.cluster,
