@@ -181,6 +181,23 @@ pub fn seed() -> u64 {
     s
 }
 
+/// The command line of process `pid`, its arguments joined by spaces (empty if it is gone).
+pub fn cmdline(pid: u32) -> String {
+    let raw = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    String::from_utf8_lossy(&raw).replace('\0', " ")
+}
+
+/// The parent of process `pid`, if it is still there.
+pub fn parent(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit(')')
+        .next()?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
 /// Pids of live processes whose command line or environment contains `needle`.
 pub fn pids_matching(needle: &str) -> Vec<u32> {
     let mut out = vec![];

@@ -161,7 +161,9 @@ pub struct CanaryParams {
     /// Unanswered requests before the allreduce fails (`NetworkFailed`): with
     /// `retx_timeout_us`, the bound on a dead fabric.
     pub max_requests: u32,
-    /// A block's leader gives it up after this many attempts.
+    /// A block's leader gives it up after this many attempts. Its restarts back off (doubling
+    /// up to 64 x 20 ms) while a member is late, so the default, 1000, waits for a member
+    /// about 21 minutes late before the allreduce fails (`NetworkFailed`).
     pub max_attempts: u16,
     /// How long an SP keeps an ended chunk to answer late members' requests.
     pub linger_ms: u64,
@@ -174,8 +176,8 @@ impl Default for CanaryParams {
             window: 64,
             retx_timeout_us: 30_000,
             max_requests: 8,
-            max_attempts: 6,
-            linger_ms: 2000,
+            max_attempts: 1000,
+            linger_ms: 10_000,
         }
     }
 }

@@ -7,24 +7,9 @@ mod common;
 
 use bootstrap::cluster::{Cluster, Layout, SpEntry};
 use common::*;
-use integration_tests::{launch_cmd, pids_matching, run, Finished};
+use integration_tests::{cmdline, launch_cmd, parent, pids_matching, run, Finished};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
-
-fn cmdline(pid: u32) -> String {
-    let raw = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-    String::from_utf8_lossy(&raw).replace('\0', " ")
-}
-
-fn parent(pid: u32) -> Option<u32> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat.rsplit(')')
-        .next()?
-        .split_whitespace()
-        .nth(1)?
-        .parse()
-        .ok()
-}
 
 /// Polls `f` every 50 ms until it gives a value, for at most 60 s.
 fn poll<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> Result<T, String> {

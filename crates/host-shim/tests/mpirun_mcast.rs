@@ -17,7 +17,7 @@ mod common;
 mod fortran;
 
 use common::*;
-use integration_tests::{pids_matching, Finished, Rng};
+use integration_tests::{cmdline, parent, pids_matching, Finished, Rng};
 use service_process::mcast::datagram::{self, Header};
 use service_process::mcast::fabric::FabricConfig;
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
@@ -635,21 +635,6 @@ fn mpi_mcast_forged_and_foreign_datagrams_are_dropped_and_counted() {
         sent * sps
     );
     assert!(run.sp_total("mcast_bad_tag") > 0, "{all}");
-}
-
-fn cmdline(pid: u32) -> String {
-    let raw = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-    String::from_utf8_lossy(&raw).replace('\0', " ")
-}
-
-fn parent(pid: u32) -> Option<u32> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat.rsplit(')')
-        .next()?
-        .split_whitespace()
-        .nth(1)?
-        .parse()
-        .ok()
 }
 
 /// Polls `f` every 50 ms until it gives a value, for at most 60 s.

@@ -27,8 +27,19 @@ fn launch_detected(
     program: &[&str],
     env: &[(&str, &str)],
 ) -> Finished {
+    launch_detected_with(sps_per_node, layout, &[], program, env)
+}
+
+/// [`launch_detected`] with more launcher arguments `extra`.
+fn launch_detected_with(
+    sps_per_node: u32,
+    layout: &str,
+    extra: &[&str],
+    program: &[&str],
+    env: &[(&str, &str)],
+) -> Finished {
     let k = sps_per_node.to_string();
-    let args = [
+    let mut args = vec![
         "--nodes",
         "2",
         "--ranks-per-node",
@@ -38,6 +49,7 @@ fn launch_detected(
         "--layout",
         layout,
     ];
+    args.extend_from_slice(extra);
     let cmd = integration_tests::launch_cmd(&args, program);
     let run = run(with_env(cmd, env), TIMEOUT);
     eprintln!(
@@ -125,6 +137,28 @@ fn mpich_allreduce_sp_tree_offloads() {
     );
     assert_offloaded(&run, "allreduce_check", 4);
     assert!(run.sp_total("messages_sent") > 0, "{}", run.stderr);
+}
+
+/// The Canary allreduce (`mpirun_canary.rs`) under MPICH, on a cyclic layout, over a loopback
+/// tree of 2 leaves and 2 spines: against MPICH's `PMPI_Allreduce`; the data go through the
+/// switches only (no message between SPs).
+#[test]
+fn mpich_allreduce_canary_offloads() {
+    mpich();
+    let _serial = serial();
+    let prog = prog("allreduce_check");
+    let seed = integration_tests::seed().to_string();
+    let run = launch_detected_with(
+        1,
+        "cyclic",
+        &["--canary-tree", "2+2"],
+        &[&prog, "12", &seed],
+        &[("SPOFF_ALLREDUCE_DESIGN", "canary")],
+    );
+    assert_offloaded(&run, "allreduce_check", 2);
+    assert!(run.sp_total("canary_done") > 0, "{}", run.stderr);
+    assert_eq!(run.sp_total("canary_failed"), 0, "{}", run.stderr);
+    assert_eq!(run.sp_total("messages_sent"), 0, "{}", run.stderr);
 }
 
 /// The legal mixes of issue 11 under MPICH: offset data and one message described by

@@ -10,6 +10,11 @@
 //!   beyond that they are dropped and counted (the senders' retransmissions recover them).
 //! - A machine that finished is kept [`PlaneConfig::linger`] more: as the leader of its share
 //!   of the blocks it answers the other members' retransmission requests meanwhile.
+//! - A retransmission request for an allreduce not started here (this SP's ranks are late)
+//!   is answered with [`Packet::Wait`]: the requester keeps waiting rather than take this SP
+//!   for unreachable. Not for one that ended here and was dropped (the last [`FORGOTTEN_MAX`]
+//!   ids are remembered): a requester still asking then gets no answer and fails, rather than
+//!   wait for ever.
 //! - Datagrams that are not Canary packets, or of another job's tag, are counted and dropped
 //!   (the machine checks the tag).
 //!
@@ -32,6 +37,9 @@ use crossbeam_channel::{Receiver, Sender};
 
 /// Datagrams kept for allreduces not started here yet, all together.
 pub const EARLY_MAX: usize = 4096;
+/// Ids of ended (or dropped) allreduces remembered, not to answer requests for them with
+/// `Wait`.
+pub const FORGOTTEN_MAX: usize = 65536;
 
 /// Where the plane sits.
 #[derive(Clone, Debug)]
@@ -59,6 +67,7 @@ pub struct PlaneStats {
     pub malformed: AtomicU64,
     pub early_kept: AtomicU64,
     pub early_dropped: AtomicU64,
+    pub waits_sent: AtomicU64,
     pub send_errors: AtomicU64,
 }
 
@@ -129,6 +138,8 @@ impl Plane {
                     running: HashMap::new(),
                     early: HashMap::new(),
                     early_n: 0,
+                    forgotten: Default::default(),
+                    forgotten_order: Default::default(),
                 }
                 .run();
                 // SAFETY: the read end is this thread's alone.
@@ -208,6 +219,8 @@ struct Worker {
     running: HashMap<u32, Running>,
     early: HashMap<u32, Vec<Packet>>,
     early_n: usize,
+    forgotten: std::collections::HashSet<u32>,
+    forgotten_order: std::collections::VecDeque<u32>,
 }
 
 impl Worker {
@@ -256,9 +269,33 @@ impl Worker {
         }
     }
 
+    /// Allreduce `coll` is dropped here: requests for it get no `Wait` any more.
+    fn forget_id(&mut self, coll: u32) {
+        if self.forgotten.insert(coll) {
+            self.forgotten_order.push_back(coll);
+            if self.forgotten_order.len() > FORGOTTEN_MAX {
+                if let Some(old) = self.forgotten_order.pop_front() {
+                    self.forgotten.remove(&old);
+                }
+            }
+        }
+    }
+
     fn on_packet(&mut self, pkt: Packet) {
         let coll = pkt.head().id.coll;
         let now = self.now();
+        if let (Packet::Retx { head, host }, false) = (&pkt, self.running.contains_key(&coll)) {
+            if !self.forgotten.contains(&coll) {
+                self.stats.waits_sent.fetch_add(1, Ordering::Relaxed);
+                let wait = Packet::Wait {
+                    head: algorithms::canary::Head {
+                        dst: *host,
+                        ..*head
+                    },
+                };
+                self.send(vec![wait]);
+            }
+        }
         match self.running.get_mut(&coll) {
             Some(r) => {
                 let out = r.host.on_packet(now, pkt, &r.input);
@@ -304,6 +341,7 @@ impl Worker {
             }
             Cmd::Forget { coll } => {
                 self.running.remove(&coll);
+                self.forget_id(coll);
                 if let Some(e) = self.early.remove(&coll) {
                     self.early_n -= e.len();
                 }
@@ -353,7 +391,16 @@ impl Worker {
                 self.events_of(coll);
             }
             let t = Instant::now();
-            self.running.retain(|_, r| r.until.is_none_or(|u| u > t));
+            let gone: Vec<u32> = self
+                .running
+                .iter()
+                .filter(|(_, r)| r.until.is_some_and(|u| u <= t))
+                .map(|(&c, _)| c)
+                .collect();
+            for c in gone {
+                self.running.remove(&c);
+                self.forget_id(c);
+            }
             let next = self
                 .running
                 .values()

@@ -147,7 +147,7 @@ impl CanaryResources {
             })
             .collect::<Result<Vec<_>, _>>()?;
         let p: &CanaryParams = &self.fabric.params;
-        let elem = c.reduce.elem.size() as usize;
+        let elem = c.reduce.elem.size();
         Ok(HostConfig {
             coll: coll_id(ck, c.chunk),
             tag: job_tag(&self.key, ck.job),
@@ -162,6 +162,7 @@ impl CanaryResources {
             max_requests: p.max_requests,
             restart_holdoff: p.retx_timeout_us * 1000 * 2 / 3,
             max_attempts: p.max_attempts,
+            wait_for_late: true,
         })
     }
 }
@@ -259,6 +260,7 @@ impl Resources for CanaryResources {
             ("canary_early_kept", get(&s.early_kept)),
             ("canary_early_dropped", get(&s.early_dropped)),
             ("canary_send_errors", get(&s.send_errors)),
+            ("canary_waits_sent", get(&s.waits_sent)),
         ]
     }
 }

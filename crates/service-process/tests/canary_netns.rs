@@ -291,6 +291,7 @@ fn a_namespace_tree_with_a_shaped_congested_link_reduces_exactly() {
                     max_requests: 8,
                     restart_holdoff: 20_000_000,
                     max_attempts: 6,
+                    wait_for_late: false,
                 },
                 inputs[me].clone(),
             );

@@ -163,6 +163,7 @@ fn host_cfg(coll: u32, reduce: Reduce, me: usize, len: usize) -> HostConfig {
         max_requests: 8,
         restart_holdoff: 20_000_000,
         max_attempts: 6,
+        wait_for_late: false,
     }
 }
 

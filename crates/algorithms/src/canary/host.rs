@@ -69,6 +69,13 @@ pub struct HostConfig {
     pub max_requests: u32,
     pub restart_holdoff: Nanos,
     pub max_attempts: u16,
+    /// Members may start late (MPI ranks arrive when they arrive; not the paper's setting):
+    /// a leader answers a request it will not restart the block for yet with
+    /// [`Packet::Wait`] rather than ignoring it, a block's `k`-th restart waits
+    /// `restart_holdoff << min(k, 6)` after the one before, and a [`Packet::Wait`] makes a
+    /// member wait `4 * retx_timeout` before it asks again, its count of unanswered requests
+    /// started again. `false`: the paper's behaviour (the simulator's).
+    pub wait_for_late: bool,
 }
 
 impl HostConfig {
@@ -447,6 +454,16 @@ impl Host {
                 }
             }
             Packet::Abort { .. } => self.fail(HostError::Aborted { block: b }),
+            Packet::Wait { .. } if self.cfg.wait_for_late => {
+                if let Send::Waiting { .. } = self.send[b as usize] {
+                    let deadline = now + 4 * self.cfg.retx_timeout;
+                    self.send[b as usize] = Send::Waiting {
+                        requests: 0,
+                        deadline,
+                    };
+                    self.timers.push(Reverse((deadline, b)));
+                }
+            }
             _ => self.stats.ignored += 1,
         }
         self.pump(now, src, &mut out);
@@ -673,7 +690,6 @@ impl Host {
             self.stats.ignored += 1;
             return;
         }
-        let holdoff = self.cfg.restart_holdoff;
         let head = self.head(b, 0, host);
         let Some(led) = self.led.get(&b) else {
             self.stats.ignored += 1;
@@ -685,6 +701,11 @@ impl Host {
                 ..head.id
             },
             ..head
+        };
+        let holdoff = if self.cfg.wait_for_late {
+            self.cfg.restart_holdoff << led.attempt.min(6)
+        } else {
+            self.cfg.restart_holdoff
         };
         if let Some(r) = &led.result {
             if host == self.addr() {
@@ -701,6 +722,8 @@ impl Host {
             out.push(Packet::Restart { head });
         } else if attempt == led.attempt && now >= led.started + holdoff {
             self.restart(now, b, out, src);
+        } else if self.cfg.wait_for_late && host != self.addr() {
+            out.push(Packet::Wait { head });
         } else {
             self.stats.ignored += 1;
         }

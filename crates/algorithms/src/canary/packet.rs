@@ -79,6 +79,12 @@ pub enum Packet {
     Restart { head: Head },
     /// The leader gave the block up: every host fails the allreduce.
     Abort { head: Head },
+    /// Not the paper's: the answer to a [`Packet::Retx`] of a leader that will not restart
+    /// the block yet, or of a member that has not started the allreduce (an MPI rank may
+    /// arrive late): "alive, wait" (the requester's count of unanswered requests starts
+    /// again). Sent only by hosts configured with `HostConfig::wait_for_late`, and by the SP's
+    /// data path for an allreduce it has not started.
+    Wait { head: Head },
 }
 
 /// Why bytes are not a packet.
@@ -112,7 +118,8 @@ impl Packet {
             | Packet::Retx { head, .. }
             | Packet::Result { head, .. }
             | Packet::Restart { head }
-            | Packet::Abort { head } => head,
+            | Packet::Abort { head }
+            | Packet::Wait { head } => head,
         }
     }
 
@@ -126,6 +133,7 @@ impl Packet {
             Packet::Result { .. } => 6,
             Packet::Restart { .. } => 7,
             Packet::Abort { .. } => 8,
+            Packet::Wait { .. } => 9,
         }
     }
 
@@ -150,7 +158,7 @@ impl Packet {
                 Packet::Bcast { data, .. } | Packet::Result { data, .. } => 2 + data.len(),
                 Packet::Restore { ports, data, .. } => 2 + 2 * ports.len() + 2 + data.len(),
                 Packet::Retx { .. } => 4,
-                Packet::Restart { .. } | Packet::Abort { .. } => 0,
+                Packet::Restart { .. } | Packet::Abort { .. } | Packet::Wait { .. } => 0,
             }
     }
 
@@ -214,7 +222,7 @@ impl Packet {
                 data(&mut b, d);
             }
             Packet::Retx { host, .. } => b.extend_from_slice(&host.to_le_bytes()),
-            Packet::Restart { .. } | Packet::Abort { .. } => {}
+            Packet::Restart { .. } | Packet::Abort { .. } | Packet::Wait { .. } => {}
         }
         debug_assert_eq!(b.len(), self.wire_len());
         b
@@ -231,7 +239,7 @@ impl Packet {
             return Err(DecodeError::Version(version));
         }
         let kind = r.u8()?;
-        if !(1..=8).contains(&kind) {
+        if !(1..=9).contains(&kind) {
             return Err(DecodeError::Kind(kind));
         }
         let id = BlockId {
@@ -312,7 +320,8 @@ impl Packet {
                 data: r.data(None)?,
             },
             7 => Packet::Restart { head },
-            _ => Packet::Abort { head },
+            8 => Packet::Abort { head },
+            _ => Packet::Wait { head },
         };
         if r.at != bytes.len() {
             return Err(DecodeError::Trailing(bytes.len() - r.at));
@@ -466,6 +475,7 @@ mod tests {
             },
             Packet::Restart { head: h },
             Packet::Abort { head: h },
+            Packet::Wait { head: h },
         ]
     }
 

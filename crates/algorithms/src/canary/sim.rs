@@ -585,6 +585,7 @@ impl Sim {
                             max_requests: net.max_requests,
                             restart_holdoff: net.restart_holdoff,
                             max_attempts: net.max_attempts,
+                            wait_for_late: false,
                         })),
                         src,
                         done: false,

@@ -51,6 +51,7 @@ fn star(n: usize, slots: usize, len: usize, seed: u64, tweak: impl Fn(&mut HostC
                 max_requests: 16,
                 restart_holdoff: 10_000,
                 max_attempts: 8,
+                wait_for_late: false,
             };
             tweak(&mut cfg);
             Host::new(cfg)
@@ -75,8 +76,21 @@ fn reference(inputs: &[Vec<u8>]) -> Vec<u8> {
 
 /// Runs the star: every hop takes 100 ns; `drop` decides per (hop number, packet) whether
 /// the packet is lost. Returns the virtual end time.
-fn run(s: &mut Star, mut drop: impl FnMut(u64, &Packet) -> bool) -> u64 {
+fn run(s: &mut Star, drop: impl FnMut(u64, &Packet) -> bool) -> u64 {
+    run_late(s, None, drop)
+}
+
+/// [`run`] with host `late.0` starting only at time `late.1`; until then packets to it are
+/// kept and fed to it when it starts, and a retransmission request is answered with `Wait`
+/// as an SP's data path answers one for an allreduce it has not started.
+fn run_late(
+    s: &mut Star,
+    late: Option<(usize, u64)>,
+    mut drop: impl FnMut(u64, &Packet) -> bool,
+) -> u64 {
     let n = s.hosts.len();
+    let mut kept: Vec<Packet> = Vec::new();
+    let mut late = late;
     let loads = vec![
         PortLoad {
             queued: 0,
@@ -89,6 +103,9 @@ fn run(s: &mut Star, mut drop: impl FnMut(u64, &Packet) -> bool) -> u64 {
     let mut q: VecDeque<(u64, bool, usize, Packet)> = VecDeque::new();
     let mut now = 0;
     for h in 0..n {
+        if late.is_some_and(|(l, _)| l == h) {
+            continue;
+        }
         for p in s.hosts[h].start(0, &s.inputs[h]) {
             q.push_back((100, true, h, p));
         }
@@ -106,6 +123,19 @@ fn run(s: &mut Star, mut drop: impl FnMut(u64, &Packet) -> bool) -> u64 {
                 }
             }
         }
+        if let Some((l, at)) = late {
+            if now >= at {
+                late = None;
+                let input = s.inputs[l].clone();
+                let mut out = s.hosts[l].start(now, &input);
+                for p in std::mem::take(&mut kept) {
+                    out.extend(s.hosts[l].on_packet(now, p, &input));
+                }
+                for p in out {
+                    q.push_back((now + 100, true, l, p));
+                }
+            }
+        }
         if s.done.iter().all(|d| d.is_some()) && q.is_empty() {
             break;
         }
@@ -117,6 +147,11 @@ fn run(s: &mut Star, mut drop: impl FnMut(u64, &Packet) -> bool) -> u64 {
             .filter_map(|h| h.next_deadline())
             .chain(s.sw.next_deadline())
             .min();
+        let tt = match (tt, late) {
+            (Some(t), Some((_, at))) => Some(t.min(at)),
+            (None, Some((_, at))) => Some(at),
+            (t, None) => t,
+        };
         let t = match (tq, tt) {
             (None, None) => break,
             (a, b) => a.unwrap_or(u64::MAX).min(b.unwrap_or(u64::MAX)),
@@ -139,6 +174,17 @@ fn run(s: &mut Star, mut drop: impl FnMut(u64, &Packet) -> bool) -> u64 {
                 for (port, p) in s.sw.on_packet(now, at as Port, p, &loads) {
                     q.push_back((now + 100, false, port as usize, p));
                 }
+            } else if late.is_some_and(|(l, _)| l == at) {
+                if let Packet::Retx { head, host } = &p {
+                    let wait = Packet::Wait {
+                        head: Head {
+                            dst: *host,
+                            ..*head
+                        },
+                    };
+                    q.push_back((now + 100, true, at, wait));
+                }
+                kept.push(p);
             } else {
                 let out = s.hosts[at].on_packet(now, p, &s.inputs[at]);
                 for p in out {
@@ -150,6 +196,9 @@ fn run(s: &mut Star, mut drop: impl FnMut(u64, &Packet) -> bool) -> u64 {
                 q.push_back((now + 100, false, port as usize, p));
             }
             for h in 0..n {
+                if late.is_some_and(|(l, _)| l == h) {
+                    continue;
+                }
                 if s.hosts[h].next_deadline().is_some_and(|d| d <= now) {
                     for p in s.hosts[h].on_timer(now, &s.inputs[h]) {
                         q.push_back((now + 100, true, h, p));
@@ -262,4 +311,33 @@ fn star_losing_everything_ends_in_an_error_on_every_host() {
         .done
         .iter()
         .any(|d| matches!(d, Some(Err(HostError::LeaderUnreachable { .. })))));
+}
+
+/// A member that starts long after the others (50 times the bound on unanswered requests,
+/// `max_requests * retx_timeout`), with `wait_for_late`: the late member's stand-in answers
+/// requests with `Wait`, the leaders answer with `Wait` between backed-off restarts, and every
+/// host ends with the right result. The same without `wait_for_late` (the paper's hosts, the
+/// requests unanswered by the late member's stand-in being ignored by them): some host fails.
+#[test]
+fn a_late_member_is_waited_for_only_with_wait_for_late() {
+    for seed in 40..44 {
+        println!("seed {seed}");
+        let late_by = 50 * 16 * 20_000;
+        let mut s = star(5, 64, 1500, seed, |c| {
+            c.wait_for_late = true;
+            c.max_attempts = 1000;
+        });
+        run_late(&mut s, Some((4, late_by)), |_, _| false);
+        check_ok(&s);
+        let waited: u64 = s.hosts.iter().map(|h| h.stats().retx_requests).sum();
+        assert!(waited > 0, "nobody asked while the member was late");
+
+        let mut s = star(5, 64, 1500, seed, |_| {});
+        run_late(&mut s, Some((4, late_by)), |_, _| false);
+        assert!(
+            s.done.iter().any(|d| matches!(d, Some(Err(_)))),
+            "the paper's hosts waited: {:?}",
+            s.done
+        );
+    }
 }

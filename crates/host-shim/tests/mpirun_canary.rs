@@ -1,0 +1,314 @@
+//! Real `mpirun` jobs of the Canary allreduce (`SPOFF_ALLREDUCE_DESIGN=canary`, issue 27):
+//! 2 nodes x 2 ranks, real SPs, and a real loopback tree of `service-process switch` daemons
+//! (`launch --canary-tree 2+2`: 2 leaves, 2 spines), against `PMPI_Allreduce`; then the
+//! tree's faults: packets dropped at every switch, a descriptor table of two slots, a spine
+//! and a leaf killed mid-job.
+
+mod common;
+mod fortran;
+
+use common::*;
+use integration_tests::{cmdline, launch_cmd, parent, pids_matching, run, Finished};
+use std::time::{Duration, Instant};
+
+/// The sum of counter `field` over the switches' `STATS` lines the launcher printed at the end
+/// (`canary-tree: switch ADDR STATS {...}`), and how many switches reported.
+fn switch_total(run: &Finished, field: &str) -> (u64, usize) {
+    let mut total = 0;
+    let mut n = 0;
+    for l in run.stderr.lines() {
+        let Some(json) = l
+            .strip_prefix("canary-tree: switch ")
+            .and_then(|r| r.split_once(" STATS "))
+            .map(|(_, j)| j)
+        else {
+            continue;
+        };
+        let v: serde_json::Value = serde_json::from_str(json).expect("a switch's STATS");
+        total += v[field]
+            .as_u64()
+            .unwrap_or_else(|| panic!("no {field} in {json}"));
+        n += 1;
+    }
+    (total, n)
+}
+
+/// `allreduce_check` (every predefined op and type, counts 0 to 3000, blocking and
+/// nonblocking, in place, the world and a split half, then 4 MiB and 3 MiB; integers byte for
+/// byte equal to `PMPI_Allreduce`, floating point within the bound of another summation
+/// order, every rank rank 0's bytes) with the design `design`, a Canary tree of 2 leaves and
+/// 2 spines, `sps_per_node` SPs per node and launcher arguments `extra`: the verdict, every
+/// eligible call posted and completed, each SP's chunks through the switches (`canary_done`,
+/// none failed), the switches aggregating, and no message between SPs at all (the data never
+/// take the SP tree).
+fn canary_check(sps_per_node: u32, design: &str, extra: &[&str]) -> Finished {
+    let _serial = serial();
+    let prog = prog("allreduce_check");
+    let seed = integration_tests::seed().to_string();
+    let mut args = vec!["--canary-tree", "2+2"];
+    args.extend_from_slice(extra);
+    let run = launch_with(
+        sps_per_node,
+        &args,
+        &[prog.as_str(), "12", &seed],
+        &[("SPOFF_ALLREDUCE_DESIGN", design)],
+    );
+    assert_offloaded(&run, "allreduce_check", 2 * sps_per_node as usize);
+    assert!(shim_lines(&run.stderr).is_empty(), "{}", run.stderr);
+    assert!(run.sp_total("canary_done") > 0, "{}", run.stderr);
+    assert_eq!(run.sp_total("canary_failed"), 0, "{}", run.stderr);
+    assert_eq!(run.sp_total("canary_id_clashes"), 0, "{}", run.stderr);
+    assert_eq!(run.sp_total("messages_sent"), 0, "{}", run.stderr);
+    let (aggregated, switches) = switch_total(&run, "aggregated");
+    assert_eq!(switches, 4, "every switch reports\n{}", run.stderr);
+    assert!(aggregated > 0, "{}", run.stderr);
+    eprintln!(
+        "allreduce_check seed {seed} {design} over Canary, {sps_per_node} SP(s) per node: {} \
+         posts, {} chunks through the switches, {aggregated} packets aggregated in them",
+        run.sp_total("posts"),
+        run.sp_total("canary_done")
+    );
+    run
+}
+
+#[test]
+fn mpi_allreduce_canary_one_sp_per_node() {
+    canary_check(1, "canary", &[]);
+}
+
+/// Two SPs per node (two under each leaf), chunks of 16 KiB: the large allreduces are
+/// hundreds of Canary allreduces each, four in flight per SP.
+#[test]
+fn mpi_allreduce_canary_two_sps_per_node_small_chunks() {
+    canary_check(2, "canary", &["--sp-arg=--stage-chunk-bytes=16384"]);
+}
+
+/// `auto` on a cluster whose description names Canary switches takes them.
+#[test]
+fn mpi_allreduce_auto_takes_canary_where_the_cluster_has_switches() {
+    canary_check(1, "auto", &[]);
+}
+
+/// Every switch drops 2 % of what it would send (`--drop-rate`): the members' retransmission
+/// requests and the leaders' restarts recover every block; the results are still right.
+#[test]
+fn mpi_allreduce_canary_recovers_dropped_packets() {
+    let run = canary_check(1, "canary", &["--canary-switch-arg=--drop-rate=0.02"]);
+    let (dropped, _) = switch_total(&run, "injected_drops");
+    assert!(dropped > 0, "{}", run.stderr);
+}
+
+/// Descriptor tables of two slots (`--slots 2`, far too small for a job's blocks in flight):
+/// colliding packets go on to their leaders, which reduce them; the results are still right.
+#[test]
+fn mpi_allreduce_canary_with_a_tiny_descriptor_table() {
+    let run = canary_check(1, "canary", &["--canary-switch-arg=--slots=2"]);
+    let (collisions, _) = switch_total(&run, "collisions");
+    assert!(collisions > 0, "{}", run.stderr);
+}
+
+/// `canary` asked for on a cluster without switches: every allreduce takes the SP tree (its
+/// messages between SPs), right, and rank 0 says why once.
+#[test]
+fn canary_without_switches_takes_the_sp_tree_and_says_why() {
+    let _serial = serial();
+    let prog = prog("allreduce_check");
+    let seed = integration_tests::seed().to_string();
+    let run = launch(
+        1,
+        &[prog.as_str(), "4", &seed],
+        &[("SPOFF_ALLREDUCE_DESIGN", "canary")],
+    );
+    assert_offloaded(&run, "allreduce_check", 2);
+    assert!(run.sp_total("messages_sent") > 0, "{}", run.stderr);
+    assert_eq!(run.sp_total("canary_started"), 0, "{}", run.stderr);
+    let said: Vec<&str> = shim_lines(&run.stderr)
+        .into_iter()
+        .filter(|l| l.contains("SPOFF_ALLREDUCE_DESIGN=canary"))
+        .collect();
+    assert_eq!(said.len(), 1, "{}", run.stderr);
+    assert!(
+        said[0].contains("names no Canary switches") && said[0].contains("takes the SP tree"),
+        "{}",
+        said[0]
+    );
+}
+
+/// From Fortran (`freduce.F90`, see `mpirun_allreduce.rs`) over the Canary tree. Open MPI only,
+/// for the reason given there.
+#[test]
+fn mpi_allreduce_canary_from_fortran() {
+    if mpi() == Mpi::Mpich {
+        eprintln!("mpi_allreduce_canary_from_fortran: Open MPI only (no native Fortran reference under MPICH)");
+        return;
+    }
+    let _serial = serial();
+    let prog = fortran::freduce("mpifort");
+    let seed = integration_tests::seed().to_string();
+    let run = launch_with(
+        1,
+        &["--canary-tree", "2+2"],
+        &[prog.as_str(), "6", &seed],
+        &[("SPOFF_ALLREDUCE_DESIGN", "canary")],
+    );
+    assert_offloaded(&run, "freduce", 2);
+    assert!(run.sp_total("canary_done") > 0, "{}", run.stderr);
+    assert_eq!(run.sp_total("messages_sent"), 0, "{}", run.stderr);
+}
+
+/// What each rank of an `allreduce_loop` run said: `Some(true)` ok, `Some(false)` a failed
+/// call; panics on a wrong value.
+fn loop_verdicts(run: &Finished) -> Vec<Option<bool>> {
+    let all = format!("--- stdout\n{}\n--- stderr\n{}", run.stdout, run.stderr);
+    assert!(!run.stdout.contains("WRONG"), "a wrong value\n{all}");
+    (0..NP)
+        .map(|r| {
+            let me = format!("allreduce_loop: rank {r}: ");
+            run.stdout
+                .lines()
+                .filter_map(|l| l.strip_prefix(&me))
+                .find_map(|l| {
+                    if l.starts_with("ok ") {
+                        Some(true)
+                    } else if l.contains(" failed: ") {
+                        Some(false)
+                    } else {
+                        None
+                    }
+                })
+        })
+        .collect()
+}
+
+/// `allreduce_loop CALLS 4096` (32 KiB int64 sums, checked against their closed form) over a
+/// 2+2 Canary tree, switch `victim` (a Canary address) killed 1.5 s into the job; returns the
+/// run and how long after the kill it ended.
+fn kill_switch_mid_job(victim: u32, calls: &str) -> (Finished, Duration) {
+    let prog = prog("allreduce_loop");
+    let seed = integration_tests::seed().to_string();
+    let cmd = launch_cmd(
+        &[
+            "--nodes",
+            "2",
+            "--ranks-per-node",
+            "2",
+            "--canary-tree",
+            "2+2",
+        ],
+        &[prog.as_str(), calls, "4096", &seed],
+    );
+    let me = std::process::id();
+    let killer = std::thread::spawn(move || -> Result<Instant, String> {
+        let t = Instant::now();
+        let find = |what: &str, f: &dyn Fn(u32) -> bool| loop {
+            if let Some(p) = pids_matching("").into_iter().find(|&p| f(p)) {
+                return Ok(p);
+            }
+            if t.elapsed() > Duration::from_secs(60) {
+                return Err(format!("{what} did not start"));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let launcher = find("the launcher", &|p| {
+            parent(p) == Some(me) && cmdline(p).contains("service-process launch ")
+        })?;
+        let marker = format!("spoff-{launcher}-");
+        let tree = find("the Canary tree", &|p| {
+            let c = cmdline(p);
+            c.contains(" canary-tree ") && c.contains(&marker)
+        })?;
+        // The ranks run (the program's name is on their command lines).
+        find("the ranks", &|p| {
+            let c = cmdline(p);
+            c.contains("allreduce_loop") && !c.contains("service-process") && !c.contains("mpirun")
+        })?;
+        std::thread::sleep(Duration::from_millis(1500));
+        let sw = find("the switch", &|p| {
+            parent(p) == Some(tree) && cmdline(p).contains(&format!(" switch --addr {victim} "))
+        })?;
+        // SAFETY: kill(2) on a switch of the job this test started.
+        unsafe { libc::kill(sw as i32, libc::SIGKILL) };
+        Ok(Instant::now())
+    });
+    let run = run(
+        with_env(cmd, &[("SPOFF_ALLREDUCE_DESIGN", "canary")]),
+        TIMEOUT,
+    );
+    let killed = killer.join().unwrap().unwrap_or_else(|e| {
+        panic!(
+            "{e}\n--- stdout\n{}\n--- stderr\n{}",
+            run.stdout, run.stderr
+        )
+    });
+    let took = killed.elapsed();
+    eprintln!("switch {victim} killed: the job ended {took:?} after");
+    (run, took)
+}
+
+/// A spine killed mid-job (3000 calls, about 5 s here): the leaves learn it is gone (their
+/// datagrams to it are refused) and send up the other spine; what was lost with it is
+/// retransmitted. Every rank either completes every call right or reports a failed call:
+/// never a wrong value, never a hang.
+#[test]
+fn a_killed_spine_never_gives_a_wrong_value_or_a_hang() {
+    let _serial = serial();
+    let (run, took) = kill_switch_mid_job(2001, "3000");
+    let v = loop_verdicts(&run);
+    assert!(
+        v.iter().all(Option::is_some),
+        "a rank said nothing\n{}\n{}",
+        run.stdout,
+        run.stderr
+    );
+    assert!(took < Duration::from_secs(60), "took {took:?}");
+    eprintln!("verdicts after the spine's death (true: every call right): {v:?}");
+}
+
+/// A leaf killed mid-job (calls enough to outlast the test): the SP below it reaches no one,
+/// its chunks fail (`LeaderUnreachable` after the retransmission requests' bound), it aborts
+/// the instance on the other SP, and every rank's allreduce returns an error that says the
+/// in-network aggregation failed; the job ends within seconds, nothing wrong was written,
+/// and nothing of it is left running.
+#[test]
+fn a_killed_leaf_fails_every_rank_with_a_clear_error() {
+    let _serial = serial();
+    let (run, took) = kill_switch_mid_job(1002, "1000000");
+    let all = format!("--- stdout\n{}\n--- stderr\n{}", run.stdout, run.stderr);
+    let v = loop_verdicts(&run);
+    assert!(v.iter().all(|x| *x == Some(false)), "{v:?}\n{all}");
+    assert!(!run.ok(), "{all}");
+    assert!(took < Duration::from_secs(20), "took {took:?}\n{all}");
+    for r in 0..NP {
+        assert!(
+            shim_lines(&run.stderr)
+                .iter()
+                .any(|l| l.contains(&format!("rank {r}: "))
+                    && l.contains("the in-network aggregation failed")),
+            "rank {r} did not say why\n{all}"
+        );
+    }
+    assert!(run.sp_total("canary_failed") > 0, "{all}");
+}
+
+/// The last rank arrives 1.5 s late at every 50th call (`allreduce_loop 160 4096 SEED 1500`),
+/// far beyond the bound on unanswered retransmission requests (8 x 30 ms): its SP answers the
+/// others' requests for an allreduce it has not started with `Wait`, the leaders answer
+/// theirs with `Wait` between backed-off restarts, and every call of every rank completes
+/// right. (Without `Wait`, every rank fails at call 1.)
+#[test]
+fn a_rank_seconds_late_still_gets_the_right_result() {
+    let _serial = serial();
+    let prog = prog("allreduce_loop");
+    let seed = integration_tests::seed().to_string();
+    let run = launch_with(
+        1,
+        &["--canary-tree", "2+2"],
+        &[prog.as_str(), "160", "4096", &seed, "1500"],
+        &[("SPOFF_ALLREDUCE_DESIGN", "canary")],
+    );
+    let all = format!("--- stdout\n{}\n--- stderr\n{}", run.stdout, run.stderr);
+    assert_eq!(loop_verdicts(&run), vec![Some(true); NP as usize], "{all}");
+    run.assert_ok("allreduce_loop");
+    assert_eq!(run.sp_total("canary_failed"), 0, "{all}");
+    assert!(run.sp_total("canary_waits_sent") > 0, "{all}");
+}
