@@ -183,7 +183,7 @@ impl Default for CanaryParams {
 }
 
 /// One SP's link to its leaf switch.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CanaryLink {
     pub sp: SpId,
     /// The SP's Canary address (what the switches route by; unique in the fabric).
@@ -192,6 +192,10 @@ pub struct CanaryLink {
     pub local: SocketAddr,
     /// The leaf switch's port at the other end.
     pub leaf: SocketAddr,
+    /// Emulation on one machine: the network namespace (`/run/netns/NAME`) the link is in,
+    /// where the SP opens its socket while it runs outside (`launch --canary-netns`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub netns: Option<String>,
 }
 
 impl CanaryFabric {

@@ -312,3 +312,58 @@ fn a_rank_seconds_late_still_gets_the_right_result() {
     assert_eq!(run.sp_total("canary_failed"), 0, "{all}");
     assert!(run.sp_total("canary_waits_sent") > 0, "{all}");
 }
+
+/// Issue 27's namespace tree under real MPI jobs: `launch --canary-tree 2+2 --canary-netns`
+/// (a namespace per switch and per SP link, veths with no route out, each SP's Canary socket
+/// in its link's namespace), 2 SPs per node (4 links, 2 per leaf), leaf 0's link to spine 0
+/// shaped to 200 Mbit/s by `tc` and loaded with 150 Mbit/s of background UDP for the whole
+/// job: `allreduce_check` right against `PMPI_Allreduce`, through the switches only, and the
+/// shaped link's kernel queue was over its limit. Needs root, `ip` and `tc` (said and skipped
+/// without).
+#[test]
+fn mpi_allreduce_canary_across_a_namespace_tree_with_a_congested_link() {
+    let can = std::process::Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+        .is_ok_and(|o| o.status.success())
+        // SAFETY: geteuid has no preconditions.
+        && unsafe { libc::geteuid() } == 0
+        && std::process::Command::new("tc").arg("-V").output().is_ok();
+    if !can {
+        eprintln!("skipped: needs root, ip netns and tc");
+        return;
+    }
+    let run = canary_check(
+        2,
+        "canary",
+        &[
+            "--canary-netns",
+            "--canary-shape=200mbit",
+            "--canary-background-mbit=150",
+        ],
+    );
+    let sent: u64 = run
+        .stderr
+        .lines()
+        .find_map(|l| l.strip_prefix("canary-tree: background datagrams sent: "))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0);
+    assert!(sent > 0, "no background traffic\n{}", run.stderr);
+    let over: u64 = run
+        .stderr
+        .lines()
+        .filter_map(|l| l.split("overlimits ").nth(1))
+        .filter_map(|r| r.split_whitespace().next()?.parse::<u64>().ok())
+        .sum();
+    assert!(over > 0, "the shaped link never queued\n{}", run.stderr);
+    // Nothing of the tree is left.
+    let left = std::process::Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+        .unwrap();
+    assert!(
+        !String::from_utf8_lossy(&left.stdout).contains("spoffcy"),
+        "namespaces left: {}",
+        String::from_utf8_lossy(&left.stdout)
+    );
+}

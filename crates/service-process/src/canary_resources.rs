@@ -98,22 +98,34 @@ pub struct CanaryResources {
 
 impl CanaryResources {
     /// Opens SP `me`'s Canary link of `cluster` (`Err`: why this SP runs no Canary
-    /// allreduce), waking the SP's loop with `wake`.
+    /// allreduce), waking the SP's loop with `wake`. `opened`: the link's socket, opened
+    /// earlier ([`open_early`]: a link in a network namespace), or why it could not be.
     pub fn open(
         me: SpId,
         cluster: &Cluster,
         key: &ClusterKey,
         wake: Arc<mio::Waker>,
+        opened: Option<Result<UdpSocket, String>>,
     ) -> Result<CanaryResources, String> {
         let fabric = cluster
             .canary
             .clone()
             .ok_or("the cluster description names no Canary switches")?;
-        let link = *fabric
+        let link = fabric
             .link(me)
-            .ok_or_else(|| format!("the cluster's Canary fabric has no link for SP {me}"))?;
-        let sock = UdpSocket::bind(link.local)
-            .map_err(|e| format!("cannot bind the Canary socket {}: {e}", link.local))?;
+            .ok_or_else(|| format!("the cluster's Canary fabric has no link for SP {me}"))?
+            .clone();
+        let sock = match (opened, &link.netns) {
+            (Some(s), _) => s?,
+            (None, Some(ns)) => {
+                return Err(format!(
+                    "the Canary link of SP {me} is in network namespace {ns}, which this SP \
+                     did not enter at start (serve --sp-id N, as root)"
+                ))
+            }
+            (None, None) => UdpSocket::bind(link.local)
+                .map_err(|e| format!("cannot bind the Canary socket {}: {e}", link.local))?,
+        };
         let cfg = PlaneConfig {
             local: link.local,
             leaf: link.leaf,
@@ -165,6 +177,22 @@ impl CanaryResources {
             wait_for_late: true,
         })
     }
+}
+
+/// SP `me`'s Canary socket if its link is in a network namespace (`None` otherwise, or
+/// without a link): opened at start, before the SP drops the capability that entering a
+/// namespace needs, on the calling thread (the SP has no other yet).
+pub fn open_early(me: SpId, cluster: &Cluster) -> Option<Result<UdpSocket, String>> {
+    let link = cluster.canary.as_ref()?.link(me)?;
+    let ns = link.netns.as_ref()?;
+    Some(
+        crate::canary_netns::bind_in_here(ns, link.local).map_err(|e| {
+            format!(
+                "cannot open the Canary socket {} in {ns}: {e:#}",
+                link.local
+            )
+        }),
+    )
 }
 
 impl Resources for CanaryResources {

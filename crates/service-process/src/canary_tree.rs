@@ -54,6 +54,13 @@ pub struct TreePlan {
     pub switches: Vec<SwitchPlan>,
     pub leaves: usize,
     pub members: Vec<MemberLink>,
+    /// A tree in network namespaces (`crate::canary_netns`): each member's namespace, where
+    /// its socket is opened, by member. Empty on loopback.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub member_netns: Vec<String>,
+    /// Each switch's namespace, in the order of `switches`. Empty on loopback.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub switch_netns: Vec<String>,
 }
 
 impl TreePlan {
@@ -148,6 +155,8 @@ impl TreePlan {
             switches,
             leaves,
             members,
+            member_netns: Vec::new(),
+            switch_netns: Vec::new(),
         }
     }
 
@@ -223,6 +232,20 @@ pub struct CanaryTreeOpts {
     /// socket and its leaf's port).
     #[arg(long)]
     pub plan: std::path::PathBuf,
+    /// Build the tree in network namespaces (`canary_netns`: a namespace per switch and per
+    /// member, veth links on 10.27.0.0/16 with no route out) instead of on loopback; removed
+    /// at the end. Needs root, `ip` and `tc`. The plan names each member's namespace, where
+    /// its owner opens its socket.
+    #[arg(long)]
+    pub netns: bool,
+    /// With --netns: shape leaf 0's link to spine 0 to this `tc` rate (e.g. 200mbit), 5 ms of
+    /// queue.
+    #[arg(long, requires = "netns")]
+    pub shape: Option<String>,
+    /// With --netns: background traffic over leaf 0's link to spine 0 at this many Mbit/s
+    /// for as long as the tree runs.
+    #[arg(long, requires = "netns")]
+    pub background_mbit: Option<u32>,
     /// Further arguments of every switch (e.g. `--timeout-us 100 --drop-rate 0.01`), after
     /// `--`.
     #[arg(last = true)]
@@ -245,27 +268,54 @@ pub fn run(o: &CanaryTreeOpts) -> anyhow::Result<()> {
             o.switches.leaves
         );
     }
-    let bind = || UdpSocket::bind((o.ip, 0)).with_context(|| format!("binding on {}", o.ip));
-    let member_socks = (0..o.members)
-        .map(|_| bind())
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    let n_ports = o.members + 2 * o.switches.leaves * o.switches.spines;
-    let held = (0..n_ports)
-        .map(|_| bind())
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    let addrs = |v: &[UdpSocket]| -> std::io::Result<Vec<SocketAddr>> {
-        v.iter().map(|s| s.local_addr()).collect()
+    let mut netns = None;
+    let mut member_socks = Vec::new();
+    let plan = if o.netns {
+        let prefix = format!("spoffcy{}", std::process::id());
+        let mut t = crate::canary_netns::NetnsTree::build(
+            &prefix,
+            o.switches.leaves,
+            o.switches.spines,
+            o.members,
+        )?;
+        if let Some(rate) = &o.shape {
+            t.shape(rate)?;
+        }
+        if let Some(mbit) = o.background_mbit {
+            t.background(mbit)?;
+        }
+        let plan = t.plan.clone();
+        netns = Some(t);
+        plan
+    } else {
+        let bind = || UdpSocket::bind((o.ip, 0)).with_context(|| format!("binding on {}", o.ip));
+        member_socks = (0..o.members)
+            .map(|_| bind())
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let n_ports = o.members + 2 * o.switches.leaves * o.switches.spines;
+        let held = (0..n_ports)
+            .map(|_| bind())
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let addrs = |v: &[UdpSocket]| -> std::io::Result<Vec<SocketAddr>> {
+            v.iter().map(|s| s.local_addr()).collect()
+        };
+        let members = addrs(&member_socks)?;
+        let mut next = addrs(&held)?.into_iter();
+        TreePlan::two_level(o.switches.leaves, o.switches.spines, &members, || {
+            next.next().expect("enough ports reserved")
+        })
     };
-    let members = addrs(&member_socks)?;
-    let mut next = addrs(&held)?.into_iter();
-    let plan = TreePlan::two_level(o.switches.leaves, o.switches.spines, &members, || {
-        next.next().expect("enough ports reserved")
-    });
-    drop(held);
     let exe = std::env::current_exe().context("this program's path")?;
     let mut children = Vec::new();
     for (i, sw) in plan.switches.iter().enumerate() {
-        let mut cmd = Command::new(&exe);
+        let mut cmd = match plan.switch_netns.get(i) {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns]).arg(&exe);
+                c
+            }
+            None => Command::new(&exe),
+        };
         cmd.arg("switch")
             .args(plan.switch_args(i))
             .args(&o.switch_args)
@@ -320,6 +370,17 @@ pub fn run(o: &CanaryTreeOpts) -> anyhow::Result<()> {
         match rest.lines().find(|l| l.starts_with("STATS ")) {
             Some(l) => println!("switch {addr} {l}"),
             None => println!("switch {addr} ended without its counters (killed?)"),
+        }
+    }
+    if let Some(mut t) = netns {
+        let sent = t.stop_background();
+        if o.background_mbit.is_some() {
+            println!("background datagrams sent: {sent}");
+        }
+        if o.shape.is_some() {
+            for l in t.shaped_stats().lines() {
+                println!("shaped link: {}", l.trim());
+            }
         }
     }
     Ok(())

@@ -102,6 +102,17 @@ pub struct LaunchOpts {
     /// --canary-switch-arg=--drop-rate=0.01
     #[arg(long = "canary-switch-arg", allow_hyphen_values = true)]
     pub canary_switch_args: Vec<String>,
+    /// Build the --canary-tree in network namespaces (`canary-tree --netns`: a namespace per
+    /// switch and per SP link, veths with no route out; each SP opens its Canary socket in its
+    /// link's namespace) instead of on loopback. Needs root, `ip` and `tc`.
+    #[arg(long, requires = "canary_tree")]
+    pub canary_netns: bool,
+    /// With --canary-netns: shape leaf 0's link to spine 0 to this `tc` rate (e.g. 200mbit).
+    #[arg(long, requires = "canary_netns", value_name = "RATE")]
+    pub canary_shape: Option<String>,
+    /// With --canary-netns: background traffic over leaf 0's link to spine 0, in Mbit/s.
+    #[arg(long, requires = "canary_netns", value_name = "MBIT")]
+    pub canary_background_mbit: Option<u32>,
     /// Seconds to wait for the SPs to be ready.
     #[arg(long, default_value_t = 30)]
     pub ready_timeout_secs: u64,
@@ -643,10 +654,21 @@ fn run_job_inner(
         }
         let canary = match opts.canary_tree {
             Some(shape) => {
+                let mut tree_args = Vec::new();
+                if opts.canary_netns {
+                    tree_args.push("--netns".to_string());
+                }
+                if let Some(rate) = &opts.canary_shape {
+                    tree_args.extend(["--shape".to_string(), rate.clone()]);
+                }
+                if let Some(mbit) = opts.canary_background_mbit {
+                    tree_args.extend(["--background-mbit".to_string(), mbit.to_string()]);
+                }
                 let (tree, fabric) = start_canary_tree(
                     exe,
                     shape,
                     n_sps,
+                    &tree_args,
                     &opts.canary_switch_args,
                     run_dir,
                     Duration::from_secs(opts.ready_timeout_secs),
@@ -824,6 +846,7 @@ fn start_canary_tree(
     exe: &Path,
     shape: crate::canary_tree::Shape,
     members: usize,
+    tree_args: &[String],
     switch_args: &[String],
     run_dir: &Path,
     timeout: Duration,
@@ -837,6 +860,7 @@ fn start_canary_tree(
         .arg(members.to_string())
         .arg("--plan")
         .arg(&plan_path)
+        .args(tree_args)
         .arg("--")
         .args(switch_args)
         .stdin(Stdio::null())
@@ -885,6 +909,7 @@ fn start_canary_tree(
             addr: m.addr,
             local: m.local,
             leaf: m.leaf,
+            netns: plan.member_netns.get(sp).cloned(),
         })
         .collect();
     Ok((

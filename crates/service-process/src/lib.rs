@@ -11,6 +11,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod access;
+pub mod canary_netns;
 pub mod canary_plane;
 pub mod canary_resources;
 pub mod canary_switch;

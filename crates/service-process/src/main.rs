@@ -485,6 +485,14 @@ fn run(cli: Cli) -> Result<i32> {
             mcast_seed,
         } => {
             init_tracing();
+            // A Canary link in a network namespace (an emulation on one machine): its socket
+            // is opened there now, while this process may still enter a namespace.
+            let canary_socket = match (&sp_id, Cluster::load(&cluster)) {
+                (service_process::deploy::SpIdArg::Id(id), Ok(c)) => {
+                    service_process::canary_resources::open_early(*id, &c)
+                }
+                _ => None,
+            };
             // First, while this process has one thread (every later thread inherits it).
             service_process::access::drop_capabilities().context("dropping capabilities")?;
             if ucx != UcxMode::Off {
@@ -613,6 +621,7 @@ fn run(cli: Cli) -> Result<i32> {
                     alpha_ns: mcast_alpha_us * 1000,
                 },
                 mcast_plane,
+                canary_socket,
                 sp: sp_id,
                 cluster,
                 peer_listener: listener,

@@ -5,75 +5,35 @@
 //! from the leaf's namespace over that link during the allreduces. The switches are
 //! `service-process switch` daemons run with `ip netns exec`; the members are
 //! `canary_plane::Plane`s whose sockets this test opens inside each member's namespace (a
-//! thread that entered it), so the data crosses the veths and the kernel's queues.
+//! thread that entered it), so the data crosses the veths and the kernel's queues. The tree is
+//! `service_process::canary_netns`'s, as `canary-tree --netns` builds it.
 //! Everything is removed at the end, also when the test fails.
 //!
 //! Needs root and `ip`/`tc`; without them it says so and passes without running.
 
-use std::net::{SocketAddr, UdpSocket};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use algorithms::allreduce::{reduce_into, Elem, Op, Reduce};
 use algorithms::canary::HostConfig;
 use algorithms::sim::rng::Rng;
+use service_process::canary_netns::{bind_in, NetnsTree};
 use service_process::canary_plane::{Plane, PlaneConfig, PlaneEvent};
-use service_process::canary_tree::TreePlan;
 
 const H: usize = 4;
 const L: usize = 2;
 const S: usize = 2;
-const PORT: u16 = 7000;
 
-fn ip(args: &[&str]) -> bool {
-    Command::new("ip")
-        .args(args)
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
-}
+/// The tree's switches (killed on drop, before the namespaces go with the tree).
+struct Switches(Vec<(u32, Child)>);
 
-fn must(cmd: &str, args: &[&str]) {
-    let st = Command::new(cmd).args(args).status().unwrap();
-    assert!(st.success(), "{cmd} {args:?}");
-}
-
-/// The namespaces of one run (names carry the pid); removed on drop.
-struct Netns {
-    names: Vec<String>,
-    children: Vec<(u32, Child)>,
-}
-
-impl Drop for Netns {
+impl Drop for Switches {
     fn drop(&mut self) {
-        for (_, c) in &mut self.children {
+        for (_, c) in &mut self.0 {
             let _ = c.kill();
             let _ = c.wait();
         }
-        for n in &self.names {
-            // Deleting a namespace deletes its veth ends, and so their peers.
-            let _ = ip(&["netns", "del", n]);
-        }
     }
-}
-
-/// Runs `f` on a thread inside namespace `ns` (sockets it opens stay in `ns`).
-fn in_ns<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let path = format!("/run/netns/{ns}");
-    std::thread::spawn(move || {
-        let file = std::fs::File::open(&path).unwrap();
-        use std::os::fd::AsRawFd;
-        // SAFETY: setns on a valid namespace fd; it changes this thread only.
-        let r = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
-        assert_eq!(r, 0, "setns {path}: {}", std::io::Error::last_os_error());
-        f()
-    })
-    .join()
-    .unwrap()
-}
-
-fn addr(link: usize, end: u8) -> SocketAddr {
-    SocketAddr::from(([10, 27, link as u8, end], PORT))
 }
 
 #[test]
@@ -93,112 +53,24 @@ fn a_namespace_tree_with_a_shaped_congested_link_reduces_exactly() {
     eprintln!("seed {seed}");
     let mut rng = Rng::new(seed);
     let tag = std::process::id();
-    let hn = |m: usize| format!("cyh{m}-{tag}");
-    let ln = |l: usize| format!("cyl{l}-{tag}");
-    let sn = |s: usize| format!("cys{s}-{tag}");
-    let mut ns = Netns {
-        names: (0..H)
-            .map(hn)
-            .chain((0..L).map(ln))
-            .chain((0..S).map(sn))
-            .collect(),
-        children: Vec::new(),
-    };
-    for n in &ns.names {
-        must("ip", &["netns", "add", n]);
-        must("ip", &["-n", n, "link", "set", "lo", "up"]);
-    }
-    // Links: member m <-> its leaf on 10.27.m.0/30 (member .1, leaf .2); leaf l <-> spine s
-    // on 10.27.(100 + l*S + s).0/30 (leaf .1, spine .2).
-    let leaf_of = |m: usize| m * L / H;
-    let link =
-        |a_ns: &str, a_if: &str, a_ip: SocketAddr, b_ns: &str, b_if: &str, b_ip: SocketAddr| {
-            must(
-                "ip",
-                &[
-                    "link", "add", a_if, "netns", a_ns, "type", "veth", "peer", "name", b_if,
-                    "netns", b_ns,
-                ],
-            );
-            for (n, i, a) in [(a_ns, a_if, a_ip), (b_ns, b_if, b_ip)] {
-                must(
-                    "ip",
-                    &["-n", n, "addr", "add", &format!("{}/30", a.ip()), "dev", i],
-                );
-                must("ip", &["-n", n, "link", "set", i, "up"]);
-            }
-        };
-    for m in 0..H {
-        link(
-            &hn(m),
-            "up0",
-            addr(m, 1),
-            &ln(leaf_of(m)),
-            &format!("h{m}"),
-            addr(m, 2),
-        );
-    }
-    for l in 0..L {
-        for s in 0..S {
-            let k = 100 + l * S + s;
-            link(
-                &ln(l),
-                &format!("s{s}"),
-                addr(k, 1),
-                &sn(s),
-                &format!("l{l}"),
-                addr(k, 2),
-            );
-        }
-    }
+    let mut tree = NetnsTree::build(&format!("cyt{tag}"), L, S, H).unwrap();
     // The shaped link: leaf 0 towards spine 0, 200 Mbit/s, 5 ms of queue.
-    must(
-        "tc",
-        &[
-            "-n",
-            &ln(0),
-            "qdisc",
-            "add",
-            "dev",
-            "s0",
-            "root",
-            "tbf",
-            "rate",
-            "200mbit",
-            "burst",
-            "32kbit",
-            "latency",
-            "5ms",
-        ],
-    );
+    tree.shape("200mbit").unwrap();
     // No namespace has a default route; check one.
     let routes = Command::new("ip")
-        .args(["-n", &hn(0), "route"])
+        .args(["-n", &tree.names[0], "route"])
         .output()
         .unwrap();
     assert!(!String::from_utf8_lossy(&routes.stdout).contains("default"));
-
-    // The plan, with the addresses in the order two_level asks for them.
-    let members: Vec<SocketAddr> = (0..H).map(|m| addr(m, 1)).collect();
-    let mut order = Vec::new();
-    for l in 0..L {
-        order.extend((0..H).filter(|&m| leaf_of(m) == l).map(|m| addr(m, 2)));
-    }
-    for l in 0..L {
-        order.extend((0..S).map(|s| addr(100 + l * S + s, 1)));
-    }
-    for s in 0..S {
-        order.extend((0..L).map(|l| addr(100 + l * S + s, 2)));
-    }
-    let mut it = order.into_iter();
-    let plan = TreePlan::two_level(L, S, &members, || it.next().unwrap());
+    let plan = tree.plan.clone();
+    let mut switches = Switches(Vec::new());
     for (i, sw) in plan.switches.iter().enumerate() {
-        let name = if i < L { ln(i) } else { sn(i - L) };
+        let name = &plan.switch_netns[i];
         let mut child = Command::new("ip")
             .args([
                 "netns",
                 "exec",
-                &name,
+                name,
                 env!("CARGO_BIN_EXE_service-process"),
                 "switch",
             ])
@@ -213,15 +85,14 @@ fn a_namespace_tree_with_a_shaped_congested_link_reduces_exactly() {
             .read_line(&mut line)
             .unwrap();
         assert!(line.starts_with("READY switch"), "{name}: {line:?}");
-        ns.children.push((sw.addr, child));
+        switches.0.push((sw.addr, child));
     }
     let planes: Vec<Plane> = plan
         .members
         .iter()
         .enumerate()
         .map(|(m, link)| {
-            let local = link.local;
-            let sock = in_ns(&hn(m), move || UdpSocket::bind(local).unwrap());
+            let sock = bind_in(&plan.member_netns[m], link.local).unwrap();
             Plane::with_socket(
                 sock,
                 PlaneConfig {
@@ -235,30 +106,11 @@ fn a_namespace_tree_with_a_shaped_congested_link_reduces_exactly() {
         .collect();
 
     // Background traffic over the shaped link, from leaf 0's namespace to spine 0's side
-    // (a port nobody listens on: the spine's kernel drops it), paced at about 150 Mbit/s of
-    // the link's 200 (13 datagrams of 1400 bytes a millisecond), during the second half.
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let mut bg = None;
+    // (a port nobody listens on: the spine's kernel drops it), at about 150 Mbit/s of the
+    // link's 200, during the second half.
     for i in 0..6u32 {
         if i == 3 {
-            let st = stop.clone();
-            let bg_ns = ln(0);
-            bg = Some(std::thread::spawn(move || {
-                in_ns(&bg_ns, move || {
-                    let s = UdpSocket::bind("10.27.100.1:0").unwrap();
-                    let buf = [0u8; 1400];
-                    let mut n = 0u64;
-                    while !st.load(std::sync::atomic::Ordering::Relaxed) {
-                        for _ in 0..13 {
-                            if s.send_to(&buf, "10.27.100.2:9").is_ok() {
-                                n += 1;
-                            }
-                        }
-                        std::thread::sleep(Duration::from_millis(1));
-                    }
-                    n
-                })
-            }));
+            tree.background(150).unwrap();
             std::thread::sleep(Duration::from_millis(100));
         }
         let elem = [Elem::I32, Elem::U64, Elem::F64][i as usize % 3];
@@ -325,18 +177,10 @@ fn a_namespace_tree_with_a_shaped_congested_link_reduces_exactly() {
         }
         assert!(res[0] == want, "wrong bytes");
     }
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let sent = bg.map(|b| b.join().unwrap()).unwrap_or(0);
-    let qd = Command::new("tc")
-        .args(["-n", &ln(0), "-s", "qdisc", "show", "dev", "s0"])
-        .output()
-        .unwrap();
-    eprintln!(
-        "background datagrams sent: {sent}\n{}",
-        String::from_utf8_lossy(&qd.stdout)
-    );
+    let sent = tree.stop_background();
+    eprintln!("background datagrams sent: {sent}\n{}", tree.shaped_stats());
     drop(planes);
-    for (a, c) in &mut ns.children {
+    for (a, c) in &mut switches.0 {
         // SAFETY: kill(2) of our own child (ip netns exec execs the switch in place).
         unsafe { libc::kill(c.id() as libc::pid_t, libc::SIGTERM) };
         let mut out = String::new();
@@ -349,7 +193,8 @@ fn a_namespace_tree_with_a_shaped_congested_link_reduces_exactly() {
             .unwrap_or("(none)");
         eprintln!("switch {a} {stats}");
     }
-    drop(ns);
+    drop(switches);
+    drop(tree);
     let left = Command::new("ip").args(["netns", "list"]).output().unwrap();
     assert!(
         !String::from_utf8_lossy(&left.stdout).contains(&format!("-{tag}")),

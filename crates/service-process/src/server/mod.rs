@@ -140,6 +140,9 @@ pub struct ServeConfig {
     /// SP runs no multicast collective, said to its hosts at registration).
     pub mcast: drivers::McastParams,
     pub mcast_plane: Result<crate::mcast::plane::PlaneConfig, String>,
+    /// The Canary link's socket, opened at start when the link is in a network namespace
+    /// (`canary_resources::open_early`).
+    pub canary_socket: Option<Result<std::net::UdpSocket, String>>,
     /// Staging memory of this SP, all instances together.
     pub staging_bytes: u64,
     /// Look at the connections (and the UCX worker) at this interval instead of sleeping
@@ -510,6 +513,7 @@ impl Server {
             &cfg.cluster,
             &cfg.key,
             waker.clone(),
+            cfg.canary_socket,
         ) {
             Ok(r) => resources.add(Box::new(r)),
             Err(why) => {
