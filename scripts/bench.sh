@@ -22,6 +22,10 @@
 #   scripts/bench.sh --allreduce-only only section R (the SPs' Iallreduce beside native: the OSU
 #                                     method and a fixed compute, SPs on a reserved CPU), printed
 #                                     as Markdown; writes no file
+#   scripts/bench.sh --canary-only    only section S (the Canary allreduce across a network-
+#                                     namespace tree, with and without background traffic on a
+#                                     shaped link, beside the SP tree and native; needs root, ip
+#                                     and tc), printed as Markdown; writes no file
 #   scripts/bench.sh --fft-only       only section P (coll-bench fft, the 3D-FFT transpose loop,
 #                                     offloaded against native, two machine splits), printed as
 #                                     Markdown; writes no file
@@ -51,6 +55,7 @@ packed_only=0
 mpich_only=0
 mcast_only=0
 allreduce_only=0
+canary_only=0
 fft_only=0
 tail_only=0
 case "${1:-}" in
@@ -61,10 +66,11 @@ case "${1:-}" in
   --mpich-only) mpich_only=1 ;;
   --mcast-only) mcast_only=1 ;;
   --allreduce-only) allreduce_only=1 ;;
+  --canary-only) canary_only=1 ;;
   --fft-only) fft_only=1 ;;
   --tail-only) tail_only=1 ;;
   "") ;;
-  *) echo "bench: unknown option $1 (expected --demo, --traffic-only, --staged-only, --packed-only, --mpich-only, --mcast-only, --allreduce-only, --fft-only or --tail-only)" >&2; exit 2 ;;
+  *) echo "bench: unknown option $1 (expected --demo, --traffic-only, --staged-only, --packed-only, --mpich-only, --mcast-only, --allreduce-only, --canary-only, --fft-only or --tail-only)" >&2; exit 2 ;;
 esac
 if [ $demo -eq 1 ]; then
   sizes=${SIZES:-4K,64K,1M}
@@ -337,19 +343,29 @@ allreduce_run() {
       "$BENCH" overlap --coll iallreduce --design sp-tree --sizes "$allreduce_sizes" \
       "${iters[@]}" "${extra[@]}" --json "$out/r-$kind-sp-tree.json" \
       2> >(grep -v '^sp [0-9]* stats' >&2)
+    echo "-- iallreduce, 2 nodes x 1 rank, $kind: canary (a loopback tree of 2 leaves, 2 spines)"
+    "$SP" launch --nodes 2 --ranks-per-node 1 --rank-cpus "$b_ranks" "${reserved_sps[@]}" \
+      --canary-tree 2+2 -- \
+      "$BENCH" overlap --coll iallreduce --design canary --sizes "$allreduce_sizes" \
+      "${iters[@]}" "${extra[@]}" --json "$out/r-$kind-canary.json" \
+      2> >(grep -v '^sp [0-9]* stats\|^canary-tree: switch' >&2)
   done
 }
 allreduce_markdown() {
   echo "Ranks on CPUs $b_ranks, SPs reserved on CPU $last and polling every 100 us; MPI_INT64_T"
   echo "sums of SIZE bytes, every result checked against the sum computed on each rank."
   echo
-  echo "### The OSU method (compute = the slowest rank's pure time)"
-  echo
-  "$BENCH" compare --native "$out/r-osu-native.json" --offload "$out/r-osu-sp-tree.json" --markdown
-  echo
-  echo "### A fixed compute of ${compute_us} us (host_us: the host's time in MPI per call)"
-  echo
-  "$BENCH" compare --native "$out/r-fixed-native.json" --offload "$out/r-fixed-sp-tree.json" --markdown
+  local d
+  for d in sp-tree canary; do
+    echo "### $d, the OSU method (compute = the slowest rank's pure time)"
+    echo
+    "$BENCH" compare --native "$out/r-osu-native.json" --offload "$out/r-osu-$d.json" --markdown
+    echo
+    echo "### $d, a fixed compute of ${compute_us} us (host_us: the host's time in MPI per call)"
+    echo
+    "$BENCH" compare --native "$out/r-fixed-native.json" --offload "$out/r-fixed-$d.json" --markdown
+    echo
+  done
 }
 
 if [ $allreduce_only -eq 1 ]; then
@@ -357,6 +373,49 @@ if [ $allreduce_only -eq 1 ]; then
   allreduce_run
   echo
   allreduce_markdown
+  exit 0
+fi
+
+# S. The Canary allreduce across a namespace tree (issue 27): 2 nodes x 1 rank, 2 SPs on 2
+# leaves (a namespace per switch and per SP link, veths, no route out), leaf 0's link to spine 0
+# shaped by tc to 200 Mbit/s; Canary without and with 150 Mbit/s of background UDP on that link,
+# beside the SP tree and native (which do not cross the namespaces: their traffic is on the
+# machine's loopback). The OSU method; t_pure is the allreduce alone.
+canary_sizes=${CANARY_SIZES:-4K,64K,1M,4M}
+canary_run() {
+  local bg
+  echo "-- iallreduce, 2 nodes x 1 rank: native"
+  "$SP" launch --nodes 2 --ranks-per-node 1 --native --rank-cpus "$b_ranks" -- \
+    "$BENCH" overlap --coll iallreduce --sizes "$canary_sizes" "${iters[@]}" \
+    --json "$out/s-native.json" 2> >(grep -v '^sp [0-9]* stats' >&2)
+  echo "-- iallreduce, 2 nodes x 1 rank: sp-tree"
+  "$SP" launch --nodes 2 --ranks-per-node 1 --rank-cpus "$b_ranks" "${reserved_sps[@]}" -- \
+    "$BENCH" overlap --coll iallreduce --design sp-tree --sizes "$canary_sizes" "${iters[@]}" \
+    --json "$out/s-sp-tree.json" 2> >(grep -v '^sp [0-9]* stats' >&2)
+  for bg in 0 150; do
+    echo "-- iallreduce, 2 nodes x 1 rank: canary, namespace tree, background ${bg} Mbit/s"
+    local extra=()
+    [ "$bg" -gt 0 ] && extra=(--canary-background-mbit "$bg")
+    "$SP" launch --nodes 2 --ranks-per-node 1 --rank-cpus "$b_ranks" "${reserved_sps[@]}" \
+      --canary-tree 2+2 --canary-netns --canary-shape 200mbit "${extra[@]}" -- \
+      "$BENCH" overlap --coll iallreduce --design canary --sizes "$canary_sizes" "${iters[@]}" \
+      --json "$out/s-canary-bg$bg.json" \
+      2> >(grep -v '^sp [0-9]* stats\|^canary-tree: switch' >&2)
+  done
+}
+canary_markdown() {
+  echo "Ranks on CPUs $b_ranks, SPs and switches on CPU $last; MPI_INT64_T sums, every result"
+  echo "checked. Canary's rows: without background traffic, then with 150 Mbit/s on the shaped link."
+  echo
+  "$BENCH" compare --native "$out/s-native.json" --offload "$out/s-sp-tree.json" \
+    --offload "$out/s-canary-bg0.json" --offload "$out/s-canary-bg150.json" --markdown
+}
+
+if [ $canary_only -eq 1 ]; then
+  echo "== S. the Canary allreduce across a namespace tree"
+  canary_run
+  echo
+  canary_markdown
   exit 0
 fi
 

@@ -149,12 +149,15 @@ pub struct CanaryFabric {
 
 /// The SPs' Canary settings, the same for every SP of a cluster (`algorithms::canary::host`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(default)]
+#[serde(default, deny_unknown_fields)]
 pub struct CanaryParams {
     /// Bytes per packet (whole elements; at most 8192). The paper's 1 KiB fits a 1500-byte
     /// link MTU.
     pub block_bytes: u32,
-    /// Blocks each SP has in flight per chunk.
+    /// Blocks each SP has in flight per chunk (up to 4 chunks run at once). Measured on a
+    /// loopback tree (docs/BENCHMARKS.md, section S): 8 is the fastest; from 32 on the
+    /// switches' and SPs' socket buffers overflow and retransmissions (after
+    /// `retx_timeout_us`) dominate.
     pub window: u32,
     /// A block not answered in this time is asked for again from its leader.
     pub retx_timeout_us: u64,
@@ -173,7 +176,7 @@ impl Default for CanaryParams {
     fn default() -> Self {
         CanaryParams {
             block_bytes: 1024,
-            window: 64,
+            window: 8,
             retx_timeout_us: 30_000,
             max_requests: 8,
             max_attempts: 1000,

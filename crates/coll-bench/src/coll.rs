@@ -98,6 +98,10 @@ pub enum Design {
     /// (`SPOFF_ALLREDUCE_DESIGN=sp-tree`; auto picks it where no switch aggregates)
     #[value(name = "sp-tree")]
     SpTree,
+    /// iallreduce only: each service process reduces its ranks' data and the Canary switches
+    /// of the cluster combine them (`SPOFF_ALLREDUCE_DESIGN=canary`; run under `launch
+    /// --canary-tree`)
+    Canary,
 }
 
 impl Design {
@@ -109,22 +113,23 @@ impl Design {
             Design::Auto => "auto",
             Design::Mcast => "mcast",
             Design::SpTree => "sp-tree",
+            Design::Canary => "canary",
         }
     }
 }
 
 /// Whether `coll` accepts `design`: ibcast flat|hier|mcast|auto, iallgather
-/// flat|hier|lb|mcast|auto, iallreduce sp-tree|auto, the others only auto.
+/// flat|hier|lb|mcast|auto, iallreduce sp-tree|canary|auto, the others only auto.
 pub fn check_design(coll: Coll, design: Design) -> Result<(), String> {
     match (coll, design) {
-        (_, Design::Auto) | (Coll::Iallreduce, Design::SpTree) => Ok(()),
+        (_, Design::Auto) | (Coll::Iallreduce, Design::SpTree | Design::Canary) => Ok(()),
         (Coll::Iallreduce, d) => Err(format!(
-            "--design {} does not apply to --coll iallreduce: it takes sp-tree or auto",
+            "--design {} does not apply to --coll iallreduce: it takes sp-tree, canary or auto",
             d.name()
         )),
-        (_, Design::SpTree) => Err(format!(
-            "--design sp-tree is the service processes' allreduce, only for --coll iallreduce; \
-             {} does not take it",
+        (_, Design::SpTree | Design::Canary) => Err(format!(
+            "--design {} is an allreduce design, only for --coll iallreduce; {} does not take it",
+            design.name(),
             coll.name()
         )),
         (Coll::Iallgather, _) => Ok(()),

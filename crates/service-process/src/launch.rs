@@ -95,7 +95,8 @@ pub struct LaunchOpts {
     /// Start a loopback tree of Canary switches, LEAVES+SPINES (e.g. 2+2; `service-process
     /// canary-tree`), and name each SP's link to it in the cluster description (`canary`):
     /// the SPs then run the Canary allreduce (`SPOFF_ALLREDUCE_DESIGN=canary`, or `auto`).
-    /// Each leaf needs an SP. The switches' counters are printed at the end.
+    /// Each leaf needs an SP. The switches stand for network hardware: with --sp-cpus they run
+    /// on the SPs' CPUs, not the ranks'. Their counters are printed at the end.
     #[arg(long, value_name = "LEAVES+SPINES")]
     pub canary_tree: Option<crate::canary_tree::Shape>,
     /// An extra argument for every switch of --canary-tree (repeatable), e.g.
@@ -110,6 +111,11 @@ pub struct LaunchOpts {
     /// With --canary-netns: shape leaf 0's link to spine 0 to this `tc` rate (e.g. 200mbit).
     #[arg(long, requires = "canary_netns", value_name = "RATE")]
     pub canary_shape: Option<String>,
+    /// The SPs' Canary settings written into the description (`canary.params`), as JSON; the
+    /// fields not given keep their defaults, e.g. '{"block_bytes":4096,"window":128}'
+    /// (block_bytes, window, retx_timeout_us, max_requests, max_attempts, linger_ms).
+    #[arg(long, requires = "canary_tree", value_name = "JSON", value_parser = parse_canary_params)]
+    pub canary_params: Option<bootstrap::cluster::CanaryParams>,
     /// With --canary-netns: background traffic over leaf 0's link to spine 0, in Mbit/s.
     #[arg(long, requires = "canary_netns", value_name = "MBIT")]
     pub canary_background_mbit: Option<u32>,
@@ -142,6 +148,11 @@ fn parse_sp_arg(s: &str) -> Result<(usize, String), String> {
         .parse()
         .map_err(|_| format!("{s:?}: {sp:?} is not an SP id"))?;
     Ok((sp, arg.to_string()))
+}
+
+/// `--canary-params`' JSON.
+fn parse_canary_params(s: &str) -> Result<bootstrap::cluster::CanaryParams, String> {
+    serde_json::from_str(s).map_err(|e| format!("{s:?}: not Canary settings: {e}"))
 }
 
 /// `--mcast-groups`' RANGE[:PORT].
@@ -668,13 +679,17 @@ fn run_job_inner(
                     exe,
                     shape,
                     n_sps,
+                    opts.sp_cpus.as_ref().map(|c| c.0.clone()),
                     &tree_args,
                     &opts.canary_switch_args,
                     run_dir,
                     Duration::from_secs(opts.ready_timeout_secs),
                 )?;
                 *canary_tree = Some(tree);
-                Some(fabric)
+                Some(bootstrap::cluster::CanaryFabric {
+                    params: opts.canary_params.unwrap_or_default(),
+                    ..fabric
+                })
             }
             None => None,
         };
@@ -846,6 +861,7 @@ fn start_canary_tree(
     exe: &Path,
     shape: crate::canary_tree::Shape,
     members: usize,
+    cpus: Option<Vec<u32>>,
     tree_args: &[String],
     switch_args: &[String],
     run_dir: &Path,
@@ -866,6 +882,12 @@ fn start_canary_tree(
         .stdin(Stdio::null())
         .stdout(Stdio::piped());
     supervised(&mut cmd, libc::SIGTERM);
+    if let Some(cpus) = cpus {
+        // SAFETY: sched_setaffinity(2) only, between fork and exec.
+        unsafe {
+            cmd.pre_exec(move || pin_to(&cpus));
+        }
+    }
     let mut child = cmd.spawn().context("starting the Canary switches")?;
     let out = child.stdout.take().expect("piped");
     let (tx, lines) = mpsc::channel();
