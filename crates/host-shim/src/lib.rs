@@ -2,7 +2,7 @@
 //! interposition, hands their alltoall(v) and allgather(v) collectives, blocking and
 //! nonblocking (`MPI_Alltoallv`, `MPI_Ialltoallv`, `MPI_Alltoall`, `MPI_Ialltoall`,
 //! `MPI_Allgatherv`, `MPI_Iallgatherv`, `MPI_Allgather`, `MPI_Iallgather`; `MPI_Bcast`,
-//! `MPI_Ibcast`; `MPI_Allreduce`, `MPI_Iallreduce` with `SPOFF_ALLREDUCE_DESIGN=sp-tree`), to the rank's
+//! `MPI_Ibcast`; `MPI_Allreduce`, `MPI_Iallreduce` with `SPOFF_ALLREDUCE_DESIGN=sp-tree`, `canary` or `auto`), to the rank's
 //! service process (SP): it posts a descriptor over a Unix socket with grants on the buffers
 //! (an allgather(v) as the SP's hierarchical allgatherv, with the node of every member), and
 //! completes the request when the SP writes a completion token into the rank's mailbox; it

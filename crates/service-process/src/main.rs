@@ -345,12 +345,13 @@ enum Cmd {
     /// 3=127.0.0.1:7003,127.0.0.1:7200 --up 2,3 --route 1=0 --route 2=1 --route 101=2
     /// --route 102=3`
     Switch(service_process::canary_switch::SwitchOpts),
-    /// Start a loopback tree of Canary switches for quick use: `--switches L+S` (default 2+2)
-    /// switch daemons, the members' sockets spread over the leaves, the plan (every port and
-    /// member link, JSON) written to --plan; `READY canary-tree switches=N` once they run; on
-    /// SIGINT/SIGTERM they stop and each one's counters are printed (`switch A STATS {json}`).
-    /// No SP uses the tree yet (the `canary` allreduce driver is not built): its members are
-    /// `canary_plane::Plane`s, as in the switch tests.
+    /// Start a tree of Canary switches for quick use: `--switches L+S` (default 2+2) switch
+    /// daemons on loopback, or with --netns in network namespaces (veth links, no route out,
+    /// optionally a shaped link with background traffic), the members' sockets spread over
+    /// the leaves, the plan (every port and member link, JSON) written to --plan; `READY
+    /// canary-tree switches=N` once they run; on SIGINT/SIGTERM they stop and each one's
+    /// counters are printed (`switch A STATS {json}`). `launch --canary-tree` runs it and
+    /// gives each SP its member link (`SPOFF_ALLREDUCE_DESIGN=canary`).
     CanaryTree(service_process::canary_tree::CanaryTreeOpts),
     /// Write (`init`) or validate (`check`) the cluster description of a real cluster: each
     /// node's host name, its DPU's addresses for hosts and for peer SPs, K SPs per DPU, ports.

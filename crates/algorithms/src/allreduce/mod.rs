@@ -34,6 +34,13 @@
 //! receive buffer ([`Action::Write`], from the bytes [`Allreduce::result`] returns); a rank
 //! completes when every chunk is written into it.
 //!
+//! *Outside the SPs* ([`Between::Network`], the Canary design): no tree; each SP reduces its
+//! local ranks' chunk in the same fixed order and hands it out ([`Action::Contribute`]); the
+//! chunk's result comes back ([`Allreduce::handle_outside`]) and is written as above. The
+//! floating-point result then also depends on the order the switches combined the SPs' parts
+//! in, but it is still one value, broadcast by the block's leader. A failed chunk aborts the
+//! instance on every SP (`Abort`, the only message between SPs).
+//!
 //! *Consistency.* Posts of one instance must agree on members, length and reduction (MPI
 //! requires it): a local post that differs is refused; an `Up` whose length or reduction
 //! differs from this SP's aborts the instance (`CountMismatch`).
