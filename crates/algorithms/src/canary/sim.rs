@@ -121,6 +121,10 @@ pub struct NetConfig {
     pub max_attempts: u16,
     /// Background message size.
     pub bg_msg: usize,
+    /// Background and ring packets choose their up-port adaptively (the paper's rule, the
+    /// default); `false` keeps them on the default port while its link is up (a what-if:
+    /// deterministic `dest mod k` routing for everything but Canary).
+    pub unicast_adaptive: bool,
     /// Simulated time after which the run is declared hung.
     pub max_time: Nanos,
 }
@@ -145,6 +149,7 @@ impl Default for NetConfig {
             restart_holdoff: 1_000_000,
             max_attempts: 6,
             bg_msg: 64 * 1024,
+            unicast_adaptive: true,
             max_time: 1_000_000_000,
         }
     }
@@ -1161,7 +1166,7 @@ impl Sim {
             let n = &self.nodes[node as usize];
             let def = hpl + (dst as u64 % ns as u64) as usize;
             let ld = n.loads[def];
-            if ld.up && ld.queued * 2 <= ld.capacity {
+            if ld.up && (ld.queued * 2 <= ld.capacity || !self.net.unicast_adaptive) {
                 return Some(def as u16);
             }
             (hpl..hpl + ns)
