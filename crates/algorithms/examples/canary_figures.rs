@@ -2,7 +2,8 @@
 //! min/median/max over random placements, and the simulator's own speed.
 //!
 //! `cargo run --release -p algorithms --example canary_figures -- [--fig 7a|8|9|10a]
-//!  [--placements 5] [--seed S] [--points a,b,c] [--leaves 32]`
+//!  [--placements 5] [--seed S] [--points a,b,c] [--leaves 32] [--algos ring,st1,st4,canary]
+//!  [--window blocks] [--timeout ns] [--buffer bytes] [--unicast adaptive|static]`
 
 use std::time::Instant;
 
@@ -19,6 +20,7 @@ struct Args {
     window: Option<usize>,
     timeout: Option<u64>,
     buffer: Option<u64>,
+    bg_static: bool,
 }
 
 fn args() -> Args {
@@ -32,6 +34,7 @@ fn args() -> Args {
         window: None,
         timeout: None,
         buffer: None,
+        bg_static: false,
     };
     let v: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -47,6 +50,13 @@ fn args() -> Args {
             "--timeout" => a.timeout = Some(val.parse().expect("--timeout ns")),
             "--buffer" => a.buffer = Some(val.parse().expect("--buffer bytes")),
             "--algos" => a.algos = Some(val.split(',').map(String::from).collect()),
+            "--unicast" => {
+                a.bg_static = match val.as_str() {
+                    "adaptive" => false,
+                    "static" => true,
+                    _ => panic!("--unicast adaptive|static"),
+                }
+            }
             o => panic!("unknown argument {o}"),
         }
         i += 2;
@@ -154,8 +164,9 @@ fn main() {
     net.window = a.window.unwrap_or(net.window);
     net.timeout = a.timeout.unwrap_or(net.timeout);
     net.buffer = a.buffer.unwrap_or(net.buffer);
+    net.unicast_adaptive = !a.bg_static;
     println!(
-        "# fig {} | {} leaves x {} hosts, {} spines, {} Gb/s, {} ns/hop, {} KiB credits/link, canary window {} ns | placements {} seed {}",
+        "# fig {} | {} leaves x {} hosts, {} spines, {} Gb/s, {} ns/hop, {} KiB credits/link, canary window {} ns, background/ring up-ports {} | placements {} seed {}",
         a.fig,
         net.leaves,
         net.hosts_per_leaf,
@@ -164,6 +175,7 @@ fn main() {
         net.latency,
         net.buffer / 1024,
         net.timeout,
+        if net.unicast_adaptive { "adaptive" } else { "static (dest mod k)" },
         a.placements,
         a.seed
     );

@@ -1,7 +1,8 @@
 //! A packet-level discrete-event simulator of the paper's network (§5.2) driving the Canary
 //! machines of this module: a two-level fat tree (by default 32 leaf switches with 32 hosts
 //! and 32 up-ports each, 32 spines, 1024 hosts), 100 Gb/s links, up/down routing with the
-//! paper's adaptive up-port choice for all traffic, per-port FIFO output queues.
+//! paper's adaptive up-port choice for all traffic, per-port FIFO output queues, finite
+//! buffers with lossless back-pressure for every packet.
 //!
 //! Four allreduces run on the same placements: the host ring (bandwidth-optimal, [17]), the
 //! in-network allreduce on 1 or `k` static trees (blocks round-robin over the trees, each
@@ -15,15 +16,29 @@
 //! permutation of them (the paper's "each host sends a message to a randomly selected host
 //! and receives a message from another randomly selected host", peers changing throughout).
 //!
+//! Routing (§5.2, and SST merlin's `topo_fattree`, the simulator the paper modified): every
+//! packet going up, background and ring included, takes the default up-port, the destination
+//! modulo the number of spines (merlin's `dest % up_ports` at the bottom level), unless that
+//! port's queue is more than half of `buffer`, then the up-port with the fewest queued bytes
+//! (ties to the default); a spine has one port down to each leaf. Canary's switch applies
+//! the same rule to its packets; a static tree's packets follow the tree.
+//!
 //! # Simplified against the paper (SST)
 //! - Links are lossless with credit flow control (as SST's merlin): a port transmits only
 //!   while the next switch holds less than `buffer` bytes received on that link; a packet
-//!   gives its credit back when it leaves that switch (or is absorbed by aggregation).
-//!   Congestion therefore shows as full queues and back-pressure, never as drops; packets
-//!   are dropped only by the faults ([`Faults`]): a rate applied to Canary packets, a killed
-//!   spine (everything sent to it is lost, its neighbours see the link down).
-//! - The switch's occupancy reference (the "50 % of capacity") is `buffer`; packets created
-//!   by a switch (aggregates, broadcast copies) hold no credit.
+//!   gives its credit back when it leaves that switch. An allreduce packet absorbed into a
+//!   descriptor gives it back at once; one the switch forwards, or whose arrival makes it
+//!   send (a straggler, a unicast, the aggregate it completed, a broadcast's copies, which
+//!   share it), holds it until that has left, like any other packet. Only the aggregates a
+//!   switch's timer flushes hold none (they come out of descriptor memory). Congestion
+//!   therefore shows as full queues and back-pressure, never as drops; packets are dropped
+//!   only by the faults ([`Faults`]): a rate applied to Canary packets, a killed spine
+//!   (everything sent to it is lost, its neighbours see the link down).
+//! - Buffers are per input link (the credits); the output queues are not bounded by
+//!   themselves (merlin has output buffers too, and input FIFOs with head-of-line blocking;
+//!   here a packet waits in its output queue, holding its input link's credit). The
+//!   occupancy the up-port choice reads (the "50 % of capacity") is the output queue's
+//!   bytes against `buffer`.
 //! - Hosts compute in zero time and the ring has no per-step set-up cost, so the ring's
 //!   small-message runtime is latency only (the paper's ring pays a setup per phase).
 //! - A switch aggregates at line rate in zero time; one hop costs serialisation plus
@@ -106,6 +121,10 @@ pub struct NetConfig {
     pub max_attempts: u16,
     /// Background message size.
     pub bg_msg: usize,
+    /// Background and ring packets choose their up-port adaptively (the paper's rule, the
+    /// default); `false` keeps them on the default port while its link is up (a what-if:
+    /// deterministic `dest mod k` routing for everything but Canary).
+    pub unicast_adaptive: bool,
     /// Simulated time after which the run is declared hung.
     pub max_time: Nanos,
 }
@@ -130,6 +149,7 @@ impl Default for NetConfig {
             restart_holdoff: 1_000_000,
             max_attempts: 6,
             bg_msg: 64 * 1024,
+            unicast_adaptive: true,
             max_time: 1_000_000_000,
         }
     }
@@ -241,8 +261,9 @@ impl Pkt {
 struct QItem {
     pkt: Pkt,
     wire: u64,
-    /// The link whose credit this packet holds: (node, port) of the sender.
-    credit: Option<(u32, u16)>,
+    /// The link whose credit this packet holds, (node, port) of the sender, and how many
+    /// bytes of it (a copy of a broadcast holds its share of the packet it came from).
+    credit: Option<(u32, u16, u64)>,
 }
 
 struct PortQ {
@@ -388,6 +409,8 @@ struct Sim {
     coll_of_job: Vec<u32>,
     tags: Vec<u64>,
     perms: Vec<Vec<u32>>,
+    /// Check the buffer accounting after every event ([`Sim::audit_buffers`]; tests).
+    audit: bool,
 }
 
 /// Run one scenario to the end (every member finished) or to `max_time`.
@@ -625,6 +648,7 @@ impl Sim {
             coll_of_job: colls,
             tags,
             perms: Vec::new(),
+            audit: false,
         }
     }
 
@@ -652,7 +676,7 @@ impl Sim {
     }
 
     /// Queue a packet on an output port; `credit` is the link it holds a credit of.
-    fn enqueue(&mut self, node: u32, port: u16, pkt: Pkt, credit: Option<(u32, u16)>) {
+    fn enqueue(&mut self, node: u32, port: u16, pkt: Pkt, credit: Option<(u32, u16, u64)>) {
         let wire = self.wire(&pkt);
         // A host's NIC sends what it does as a leader (broadcasts, answers) before its queued
         // data: two send queues, so a leader's broadcast does not wait behind its window.
@@ -673,10 +697,11 @@ impl Sim {
         self.try_send(node, port);
     }
 
-    fn release(&mut self, credit: Option<(u32, u16)>, wire: u64) {
-        if let Some((n, p)) = credit {
+    fn release(&mut self, credit: Option<(u32, u16, u64)>) {
+        if let Some((n, p, bytes)) = credit {
             let q = &mut self.nodes[n as usize].ports[p as usize];
-            q.credit_used -= wire;
+            assert!(q.credit_used >= bytes, "credit returned twice");
+            q.credit_used -= bytes;
             self.try_send(n, p);
         }
     }
@@ -709,7 +734,7 @@ impl Sim {
         }
         let ser = self.ser(it.wire);
         let now = self.now;
-        self.release(it.credit, it.wire);
+        self.release(it.credit);
         self.push(now + ser, Ev::TxDone { node, port }, None);
         let lat = self.net.latency;
         self.push(
@@ -785,6 +810,56 @@ impl Sim {
                 }
                 Ev::Kill => self.kill(),
                 Ev::Forge => self.forge(),
+            }
+            if self.audit {
+                self.audit_buffers();
+            }
+        }
+    }
+
+    /// The finite-buffer rules hold: every link's used credit is exactly the bytes its
+    /// packets still hold (in flight, or queued in the next switch, a broadcast's copies
+    /// holding shares), never more than `buffer` (one larger packet alone excepted); and
+    /// whatever a switch queues holds the credit of the link it came over, except the
+    /// aggregates its timers flush (they come from descriptor memory, not from a buffer).
+    fn audit_buffers(&self) {
+        let mut held: HashMap<(u32, u16), u64> = HashMap::new();
+        for (i, n) in self.nodes.iter().enumerate() {
+            for q in &n.ports {
+                for it in &q.q {
+                    match it.credit {
+                        Some((cn, cp, b)) => *held.entry((cn, cp)).or_default() += b,
+                        None if n.switch.is_some() => assert!(
+                            matches!(it.pkt, Pkt::Canary(Packet::Reduce { .. })),
+                            "node {i}: a forwarded packet holds no input buffer"
+                        ),
+                        None => {}
+                    }
+                }
+            }
+        }
+        for it in self.heap.iter() {
+            if let (Ev::Arrive { .. }, Some((_, wire, from, port))) = (&it.ev, &it.pkt) {
+                if !self.nodes[*from as usize].ports[*port as usize].to_host {
+                    *held.entry((*from, *port)).or_default() += wire;
+                }
+            }
+        }
+        let largest = (self.net.payload + self.net.header) as u64 * 2;
+        for (i, n) in self.nodes.iter().enumerate() {
+            for (p, q) in n.ports.iter().enumerate() {
+                if q.to_host {
+                    continue;
+                }
+                let h = held.get(&(i as u32, p as u16)).copied().unwrap_or(0);
+                assert_eq!(
+                    q.credit_used, h,
+                    "link ({i}, {p}): credit against bytes held"
+                );
+                assert!(
+                    q.credit_used <= self.net.buffer.max(largest),
+                    "link ({i}, {p})"
+                );
             }
         }
     }
@@ -891,7 +966,7 @@ impl Sim {
             self.nodes[node as usize].ports[p].prio = 0;
             for it in items {
                 self.dropped += 1;
-                self.release(it.credit, it.wire);
+                self.release(it.credit);
             }
         }
         let hpl = self.net.hosts_per_leaf;
@@ -951,28 +1026,39 @@ impl Sim {
     }
 
     fn arrive(&mut self, node: u32, port: u16, pkt: Pkt, wire: u64, from: (u32, u16)) {
-        let credit = Some(from);
+        // A link into a host holds no credit (the host absorbs at once).
+        let credit = (!self.nodes[from.0 as usize].ports[from.1 as usize].to_host)
+            .then_some((from.0, from.1, wire));
         if !self.nodes[node as usize].alive {
             self.dropped += 1;
-            self.release(credit, wire);
+            self.release(credit);
             return;
         }
         if let (Pkt::Canary(_), ppm) = (&pkt, self.faults.drop_ppm) {
             if ppm > 0 && self.rng.chance(ppm as u64, 1_000_000) {
                 self.dropped += 1;
-                self.release(credit, wire);
+                self.release(credit);
                 return;
             }
         }
         if self.nodes[node as usize].switch.is_some() {
             match pkt {
                 Pkt::Canary(p) => {
-                    self.release(credit, wire);
                     let now = self.now;
                     let n = &mut self.nodes[node as usize];
                     let out = n.switch.as_mut().unwrap().on_packet(now, port, p, &n.loads);
-                    for (op, p) in out {
-                        self.enqueue(node, op, Pkt::Canary(p), None);
+                    // A packet absorbed into a descriptor frees its input buffer at once; one
+                    // that makes the switch send (a straggler, a unicast, the aggregate it
+                    // completed, the copies of a broadcast) holds it until what it caused has
+                    // left, shared among the copies, like any other packet (finite buffers).
+                    if out.is_empty() {
+                        self.release(credit);
+                    }
+                    let k = out.len() as u64;
+                    for (i, (op, p)) in out.into_iter().enumerate() {
+                        let i = i as u64;
+                        let share = wire / k.max(1) + if i + 1 == k { wire % k.max(1) } else { 0 };
+                        self.enqueue(node, op, Pkt::Canary(p), Some((from.0, from.1, share)));
                     }
                     self.schedule_timer(node);
                 }
@@ -982,7 +1068,7 @@ impl Sim {
                         Some(op) => self.enqueue(node, op, other, credit),
                         None => {
                             self.dropped += 1;
-                            self.release(credit, wire);
+                            self.release(credit);
                         }
                     }
                 }
@@ -1079,9 +1165,9 @@ impl Sim {
                 return Some((dst as usize % hpl) as u16);
             }
             let n = &self.nodes[node as usize];
-            let def = hpl + (splitmix64(dst as u64) % ns as u64) as usize;
+            let def = hpl + (dst as u64 % ns as u64) as usize;
             let ld = n.loads[def];
-            if ld.up && ld.queued * 2 <= ld.capacity {
+            if ld.up && (ld.queued * 2 <= ld.capacity || !self.net.unicast_adaptive) {
                 return Some(def as u16);
             }
             (hpl..hpl + ns)
@@ -1235,5 +1321,100 @@ impl Sim {
             }
         }
         rep
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn net(leaves: usize, spines: usize) -> NetConfig {
+        NetConfig {
+            leaves,
+            hosts_per_leaf: leaves,
+            spines,
+            window: 16,
+            hold: 200_000,
+            retx_timeout: 50_000,
+            restart_holdoff: 25_000,
+            ..NetConfig::default()
+        }
+    }
+
+    /// Background and ring packets leave a leaf by the destination modulo the spines (SST's
+    /// fat tree) while that port is at most half full, else by the least loaded up-port.
+    #[test]
+    fn unicast_up_port_is_destination_mod_spines_unless_over_half_full() {
+        for seed in 1..6u64 {
+            println!("seed {seed}");
+            let mut rng = Rng::new(seed);
+            let (nl, ns) = (2 + rng.below(6) as usize, 2 + rng.below(7) as usize);
+            let sc = Scenario {
+                net: net(nl, ns),
+                algo: Algo::Ring,
+                jobs: vec![],
+                background: vec![],
+                faults: Faults::default(),
+                seed,
+            };
+            let mut sim = Sim::build(&sc);
+            let hpl = sim.net.hosts_per_leaf;
+            for _ in 0..50 {
+                let l = rng.below(nl as u64) as usize;
+                let dst = loop {
+                    let d = rng.below(sim.h() as u64) as u32;
+                    if sim.leaf_of(d) != l {
+                        break d;
+                    }
+                };
+                let node = sim.leaf_node(l);
+                for p in hpl..hpl + ns {
+                    sim.nodes[node as usize].loads[p].queued = rng.below(sim.net.buffer / 2 + 1);
+                }
+                let def = hpl + dst as usize % ns;
+                assert_eq!(sim.route(node, dst), Some(def as u16), "dst {dst}");
+                // the default over half full: the least loaded up-port
+                sim.nodes[node as usize].loads[def].queued = sim.net.buffer / 2 + 1;
+                let other = hpl + (def - hpl + 1 + rng.below(ns as u64 - 1) as usize) % ns;
+                sim.nodes[node as usize].loads[other].queued = 0;
+                let got = sim.route(node, dst).unwrap() as usize;
+                assert_ne!(got, def, "dst {dst}");
+                assert_eq!(sim.nodes[node as usize].loads[got].queued, 0, "dst {dst}");
+            }
+        }
+    }
+
+    /// Under background traffic, the Canary and static-tree packets a switch forwards or
+    /// copies hold the input buffer they came through until they leave, as background
+    /// packets do (finite buffers, lossless back-pressure); the accounting balances after
+    /// every event and the results stay right.
+    #[test]
+    fn forwarded_allreduce_packets_hold_their_input_buffer() {
+        for seed in 1..4u64 {
+            for algo in [Algo::StaticTrees(1), Algo::StaticTrees(4), Algo::Canary] {
+                println!("seed {seed} {algo}");
+                let mut rng = Rng::new(seed);
+                let mut n = net(4, 4);
+                n.buffer = 4096 + rng.below(8192);
+                let mut hosts: Vec<u32> = (0..n.hosts() as u32).collect();
+                rng.shuffle(&mut hosts);
+                let sc = Scenario {
+                    net: n,
+                    algo,
+                    jobs: vec![Job {
+                        members: hosts[..8].to_vec(),
+                        len: 64 * 1024,
+                    }],
+                    background: hosts[8..].to_vec(),
+                    faults: Faults::default(),
+                    seed,
+                };
+                let mut sim = Sim::build(&sc);
+                sim.audit = true;
+                sim.run();
+                let r = sim.report();
+                assert!(r.all_ok(), "{:?}", r.jobs[0]);
+            }
+        }
     }
 }

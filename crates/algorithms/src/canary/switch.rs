@@ -24,8 +24,12 @@
 //!   ports still recorded as children.
 //! - A broadcast packet with a descriptor is copied to every child port and frees the
 //!   descriptor (§3.1.2); without one it is dropped.
-//! - Up-port choice (§5.2): the default up-port (a hash of the destination) unless its queue
-//!   is more than half full or its link is down, then the up-port with the fewest queued bytes.
+//! - Up-port choice (§5.2): the default up-port unless its queue is more than half full or
+//!   its link is down, then the up-port with the fewest queued bytes (ties to the default).
+//!   The default is the destination modulo the number of up-ports: §5.2 says only "selected
+//!   depending on the packet destination"; its simulator (SST merlin's fat tree,
+//!   `topo_fattree::route`) takes `dest % up_ports` at the bottom level, which sends the
+//!   hosts of one leaf down through distinct spines (a hash lets them collide).
 //! - Static trees (the baselines): a reduce packet naming `tree` follows the installed
 //!   [`TreeRule`]: it goes up the rule's port (no choice) and the descriptor is flushed when
 //!   the rule's expected count is reached, with no time window.
@@ -464,10 +468,15 @@ impl Switch {
         }
         if rule.is_some() && !self.cfg.up_ports.is_empty() {
             // A static tree's complete block above its leader's leaf: the default port.
-            let ups = &self.cfg.up_ports;
-            return Some(ups[(splitmix64(dst as u64) % ups.len() as u64) as usize]);
+            return Some(self.default_up(dst));
         }
         self.choose_up(dst, loads)
+    }
+
+    /// The default up-port towards `dst` (module docs); `up_ports` is not empty.
+    fn default_up(&self, dst: Addr) -> Port {
+        let ups = &self.cfg.up_ports;
+        ups[dst as usize % ups.len()]
     }
 
     fn choose_up(&mut self, dst: Addr, loads: &[PortLoad]) -> Option<Port> {
@@ -482,7 +491,7 @@ impl Switch {
                 up: true,
             })
         };
-        let def = ups[(splitmix64(dst as u64) % ups.len() as u64) as usize];
+        let def = self.default_up(dst);
         let l = load(def);
         if l.up && l.queued * 2 <= l.capacity {
             return Some(def);
@@ -680,6 +689,11 @@ mod tests {
         let mut l = loads();
         let out = s.on_packet(0, 0, red(1, 50, 1, 1, &[1]), &l);
         let def = out[0].0;
+        for dst in 10..26 {
+            // idle ports: the default, the destination modulo the up-ports (SST's fat tree)
+            let out = s.on_packet(0, 0, red(100 + dst, dst, 1, 1, &[1]), &l);
+            assert_eq!(out[0].0, 4 + (dst % 2) as Port, "destination {dst}");
+        }
         let other = if def == 4 { 5 } else { 4 };
         l[def as usize].queued = 500; // exactly half: still the default
         assert_eq!(s.on_packet(0, 0, red(2, 50, 1, 1, &[1]), &l)[0].0, def);
