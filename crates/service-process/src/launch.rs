@@ -97,7 +97,7 @@ pub struct LaunchOpts {
     /// the SPs then run the Canary allreduce (`SPOFF_ALLREDUCE_DESIGN=canary`, or `auto`).
     /// Each leaf needs an SP. The switches stand for network hardware: with --sp-cpus they run
     /// on the SPs' CPUs, not the ranks'. Their counters are printed at the end.
-    #[arg(long, value_name = "LEAVES+SPINES")]
+    #[arg(long, value_name = "LEAVES+SPINES", conflicts_with = "native")]
     pub canary_tree: Option<crate::canary_tree::Shape>,
     /// An extra argument for every switch of --canary-tree (repeatable), e.g.
     /// --canary-switch-arg=--drop-rate=0.01
@@ -665,26 +665,7 @@ fn run_job_inner(
         }
         let canary = match opts.canary_tree {
             Some(shape) => {
-                let mut tree_args = Vec::new();
-                if opts.canary_netns {
-                    tree_args.push("--netns".to_string());
-                }
-                if let Some(rate) = &opts.canary_shape {
-                    tree_args.extend(["--shape".to_string(), rate.clone()]);
-                }
-                if let Some(mbit) = opts.canary_background_mbit {
-                    tree_args.extend(["--background-mbit".to_string(), mbit.to_string()]);
-                }
-                let (tree, fabric) = start_canary_tree(
-                    exe,
-                    shape,
-                    n_sps,
-                    opts.sp_cpus.as_ref().map(|c| c.0.clone()),
-                    &tree_args,
-                    &opts.canary_switch_args,
-                    run_dir,
-                    Duration::from_secs(opts.ready_timeout_secs),
-                )?;
+                let (tree, fabric) = start_canary_tree(exe, opts, shape, n_sps, run_dir)?;
                 *canary_tree = Some(tree);
                 Some(bootstrap::cluster::CanaryFabric {
                     params: opts.canary_params.unwrap_or_default(),
@@ -855,18 +836,28 @@ struct CanaryTree {
     lines: mpsc::Receiver<String>,
 }
 
-/// Starts `canary-tree` with `members` members (the SPs, by id) on loopback, waits for it to
-/// be ready, and returns it with the fabric its plan describes.
+/// Starts `canary-tree` of `shape` with `members` members (the SPs, by id), as `opts` ask
+/// (`--canary-netns`, `--canary-shape`, `--canary-background-mbit`, `--canary-switch-arg`, on
+/// `--sp-cpus`), waits for it to be ready, and returns it with the fabric its plan describes.
 fn start_canary_tree(
     exe: &Path,
+    opts: &LaunchOpts,
     shape: crate::canary_tree::Shape,
     members: usize,
-    cpus: Option<Vec<u32>>,
-    tree_args: &[String],
-    switch_args: &[String],
     run_dir: &Path,
-    timeout: Duration,
 ) -> Result<(CanaryTree, CanaryFabric)> {
+    let cpus = opts.sp_cpus.as_ref().map(|c| c.0.clone());
+    let timeout = Duration::from_secs(opts.ready_timeout_secs);
+    let mut tree_args = Vec::new();
+    if opts.canary_netns {
+        tree_args.push("--netns".to_string());
+    }
+    if let Some(rate) = &opts.canary_shape {
+        tree_args.extend(["--shape".to_string(), rate.clone()]);
+    }
+    if let Some(mbit) = opts.canary_background_mbit {
+        tree_args.extend(["--background-mbit".to_string(), mbit.to_string()]);
+    }
     let plan_path = run_dir.join("canary-plan.json");
     let mut cmd = Command::new(exe);
     cmd.arg("canary-tree")
@@ -876,9 +867,9 @@ fn start_canary_tree(
         .arg(members.to_string())
         .arg("--plan")
         .arg(&plan_path)
-        .args(tree_args)
+        .args(&tree_args)
         .arg("--")
-        .args(switch_args)
+        .args(&opts.canary_switch_args)
         .stdin(Stdio::null())
         .stdout(Stdio::piped());
     supervised(&mut cmd, libc::SIGTERM);
