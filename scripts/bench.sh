@@ -378,8 +378,8 @@ fi
 
 # S. The Canary allreduce across a namespace tree (issue 27): 2 nodes x 1 rank, 2 SPs on 2
 # leaves (a namespace per switch and per SP link, veths, no route out), leaf 0's link to spine 0
-# shaped by tc to 200 Mbit/s; Canary without and with 150 Mbit/s of background UDP on that link,
-# beside the SP tree and native (which do not cross the namespaces: their traffic is on the
+# shaped by tc to 200 Mbit/s; Canary and one static tree (rooted at spine 0), each without and
+# with 150 Mbit/s of background UDP on that link, beside the SP tree and native (which do not cross the namespaces: their traffic is on the
 # machine's loopback). The OSU method; t_pure is the allreduce alone.
 canary_sizes=${CANARY_SIZES:-4K,64K,1M,4M}
 canary_run() {
@@ -392,23 +392,30 @@ canary_run() {
   "$SP" launch --nodes 2 --ranks-per-node 1 --rank-cpus "$b_ranks" "${reserved_sps[@]}" -- \
     "$BENCH" overlap --coll iallreduce --design sp-tree --sizes "$canary_sizes" "${iters[@]}" \
     --json "$out/s-sp-tree.json" 2> >(grep -v '^sp [0-9]* stats' >&2)
-  for bg in 0 150; do
-    echo "-- iallreduce, 2 nodes x 1 rank: canary, namespace tree, background ${bg} Mbit/s"
-    local extra=()
-    [ "$bg" -gt 0 ] && extra=(--canary-background-mbit "$bg")
-    "$SP" launch --nodes 2 --ranks-per-node 1 --rank-cpus "$b_ranks" "${reserved_sps[@]}" \
-      --canary-tree 2+2 --canary-netns --canary-shape 200mbit "${extra[@]}" -- \
-      "$BENCH" overlap --coll iallreduce --design canary --sizes "$canary_sizes" "${iters[@]}" \
-      --json "$out/s-canary-bg$bg.json" \
-      2> >(grep -v '^sp [0-9]* stats\|^canary-tree: switch' >&2)
+  local how
+  for how in canary static1; do
+    for bg in 0 150; do
+      echo "-- iallreduce, 2 nodes x 1 rank: $how, namespace tree, background ${bg} Mbit/s"
+      local extra=()
+      [ "$bg" -gt 0 ] && extra=(--canary-background-mbit "$bg")
+      [ "$how" = static1 ] && extra+=(--canary-params '{"static_trees":1}')
+      "$SP" launch --nodes 2 --ranks-per-node 1 --rank-cpus "$b_ranks" "${reserved_sps[@]}" \
+        --canary-tree 2+2 --canary-netns --canary-shape 200mbit "${extra[@]}" -- \
+        "$BENCH" overlap --coll iallreduce --design canary --sizes "$canary_sizes" \
+        "${iters[@]}" --json "$out/s-$how-bg$bg.json" \
+        2> >(grep -v '^sp [0-9]* stats\|^canary-tree: switch' >&2)
+    done
   done
 }
 canary_markdown() {
   echo "Ranks on CPUs $b_ranks, SPs and switches on CPU $last; MPI_INT64_T sums, every result"
-  echo "checked. Canary's rows: without background traffic, then with 150 Mbit/s on the shaped link."
+  echo "checked. The column groups after sp-tree, in order: Canary without background traffic,"
+  echo "Canary with 150 Mbit/s on the shaped link, one static tree (rooted at spine 0, whose link"
+  echo "from leaf 0 is the shaped one) without, and with, the background traffic."
   echo
   "$BENCH" compare --native "$out/s-native.json" --offload "$out/s-sp-tree.json" \
-    --offload "$out/s-canary-bg0.json" --offload "$out/s-canary-bg150.json" --markdown
+    --offload "$out/s-canary-bg0.json" --offload "$out/s-canary-bg150.json" \
+    --offload "$out/s-static1-bg0.json" --offload "$out/s-static1-bg150.json" --markdown
 }
 
 if [ $canary_only -eq 1 ]; then

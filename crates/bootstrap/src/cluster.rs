@@ -170,6 +170,11 @@ pub struct CanaryParams {
     pub max_attempts: u16,
     /// How long an SP keeps an ended chunk to answer late members' requests.
     pub linger_ms: u64,
+    /// The paper's baseline instead of Canary: K static trees installed in the switches
+    /// (`canary-tree --static-trees K`), block b on tree b mod K. Only for allreduces that
+    /// span every SP of the fabric (the switches' rules count every member).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub static_trees: Option<u8>,
 }
 
 impl Default for CanaryParams {
@@ -181,6 +186,7 @@ impl Default for CanaryParams {
             max_requests: 8,
             max_attempts: 1000,
             linger_ms: 10_000,
+            static_trees: None,
         }
     }
 }
@@ -450,6 +456,7 @@ impl Cluster {
                 || p.retx_timeout_us == 0
                 || p.max_requests == 0
                 || p.max_attempts == 0
+                || p.static_trees == Some(0)
             {
                 return bad(format!(
                     "canary params {p:?}: block_bytes from 8 to 8192, the rest at least 1"

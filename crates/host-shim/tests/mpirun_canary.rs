@@ -107,6 +107,28 @@ fn mpi_allreduce_canary_with_a_tiny_descriptor_table() {
     assert!(collisions > 0, "{}", run.stderr);
 }
 
+/// The paper's baseline through the SPs: one static tree installed in the switches
+/// (`--canary-params '{"static_trees":1}'`, rooted at spine 0; 1 SP per node, so every
+/// allreduce of the job spans every SP, as the switches' fabric-wide rules need): right
+/// results, and only spine 2001 aggregates (spine 2002 is on no tree).
+#[test]
+fn mpi_allreduce_over_one_static_tree() {
+    let run = canary_check(1, "canary", &[r#"--canary-params={"static_trees":1}"#]);
+    let spine = |addr: &str| {
+        run.stderr
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("canary-tree: switch {addr} STATS ")))
+            .map(|j| {
+                serde_json::from_str::<serde_json::Value>(j).unwrap()["aggregated"]
+                    .as_u64()
+                    .unwrap()
+            })
+            .unwrap_or_else(|| panic!("no counters of {addr}\n{}", run.stderr))
+    };
+    assert!(spine("2001") > 0, "{}", run.stderr);
+    assert_eq!(spine("2002"), 0, "{}", run.stderr);
+}
+
 /// `canary` asked for on a cluster without switches: every allreduce takes the SP tree (its
 /// messages between SPs), right, and rank 0 says why once.
 #[test]

@@ -169,7 +169,7 @@ impl CanaryResources {
             len: c.data.len(),
             block_bytes: (p.block_bytes as usize / elem * elem).max(elem),
             window: p.window as usize,
-            static_trees: None,
+            static_trees: p.static_trees,
             retx_timeout: p.retx_timeout_us * 1000,
             max_requests: p.max_requests,
             restart_holdoff: p.retx_timeout_us * 1000 * 2 / 3,

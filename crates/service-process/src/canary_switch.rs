@@ -141,6 +141,37 @@ pub struct SwitchOpts {
     /// Seed of --drop-rate (default: the switch's address).
     #[arg(long)]
     pub seed: Option<u64>,
+    /// A static tree (the paper's baselines, `canary.params.static_trees`): `T=UP:EXPECTED`,
+    /// tree T's packets go up port UP (`root`: this switch is the tree's root and sends the
+    /// block towards its leader) once EXPECTED host contributions are aggregated here. One
+    /// rule per tree serves every allreduce: the fabric's allreduces must span every host.
+    #[arg(long = "tree", value_name = "T=UP:EXPECTED")]
+    pub trees: Vec<TreeSpec>,
+}
+
+/// One `--tree T=UP:EXPECTED`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TreeSpec {
+    pub tree: u8,
+    pub up: Option<Port>,
+    pub expected: u16,
+}
+
+impl std::str::FromStr for TreeSpec {
+    type Err = String;
+    fn from_str(s: &str) -> Result<TreeSpec, String> {
+        let bad = || format!("{s:?}: expected T=UP:EXPECTED (UP a port or root)");
+        let (t, rest) = s.split_once('=').ok_or_else(bad)?;
+        let (up, n) = rest.split_once(':').ok_or_else(bad)?;
+        Ok(TreeSpec {
+            tree: t.trim().parse().map_err(|e| format!("{s:?}: tree: {e}"))?,
+            up: match up.trim() {
+                "root" => None,
+                p => Some(p.parse().map_err(|e| format!("{s:?}: port: {e}"))?),
+            },
+            expected: n.trim().parse().map_err(|e| format!("{s:?}: count: {e}"))?,
+        })
+    }
 }
 
 /// What the daemon counts besides the machine's own counters.
@@ -239,6 +270,22 @@ impl Daemon {
         if o.slots == 0 {
             bail!("--slots must be at least 1");
         }
+        let mut trees = HashMap::new();
+        for t in &o.trees {
+            if t.up.is_some_and(|u| u as usize >= n) || t.expected == 0 {
+                bail!("--tree {}: no such port, or a count of 0", t.tree);
+            }
+            let rule = algorithms::canary::TreeRule {
+                up: t.up,
+                expected: t.expected,
+            };
+            if trees
+                .insert((algorithms::canary::ANY_COLL, t.tree), rule)
+                .is_some()
+            {
+                bail!("--tree {}: given twice", t.tree);
+            }
+        }
         let mut links = Vec::with_capacity(n);
         for p in &specs {
             let sock = UdpSocket::bind(p.local)
@@ -264,7 +311,7 @@ impl Daemon {
             hold: o.hold_ms * 1_000_000,
             up_ports: o.up.clone(),
             down,
-            trees: HashMap::new(),
+            trees,
         });
         Ok(Daemon {
             m,

@@ -160,6 +160,27 @@ impl TreePlan {
         }
     }
 
+    /// The `--tree` arguments of switch `i` for `k` static trees (the baselines): tree `t`
+    /// rooted at spine `t % S`; a leaf sends its members' `m` contributions up its port to that
+    /// spine, the root waits for every member's and sends the block to its leader.
+    pub fn static_tree_args(&self, i: usize, k: u8) -> Vec<String> {
+        let spines = self.switches.len() - self.leaves;
+        let members = self.members.len();
+        let mut a = Vec::new();
+        for t in 0..k {
+            let root = t as usize % spines;
+            if i < self.leaves {
+                let m = self.switches[i].ports.len() - spines;
+                a.push("--tree".to_string());
+                a.push(format!("{t}={}:{m}", m + root));
+            } else if i - self.leaves == root {
+                a.push("--tree".to_string());
+                a.push(format!("{t}=root:{members}"));
+            }
+        }
+        a
+    }
+
     /// The `service-process switch` arguments of switch `i` (without `--stats-file` and the
     /// tuning options).
     pub fn switch_args(&self, i: usize) -> Vec<String> {
@@ -246,6 +267,10 @@ pub struct CanaryTreeOpts {
     /// for as long as the tree runs.
     #[arg(long, requires = "netns")]
     pub background_mbit: Option<u32>,
+    /// Install K static trees in the switches (the paper's baselines: tree t rooted at spine
+    /// t mod S, every member in every allreduce); the members must run with static_trees K.
+    #[arg(long, value_name = "K")]
+    pub static_trees: Option<u8>,
     /// Further arguments of every switch (e.g. `--timeout-us 100 --drop-rate 0.01`), after
     /// `--`.
     #[arg(last = true)]
@@ -318,6 +343,7 @@ pub fn run(o: &CanaryTreeOpts) -> anyhow::Result<()> {
         };
         cmd.arg("switch")
             .args(plan.switch_args(i))
+            .args(plan.static_tree_args(i, o.static_trees.unwrap_or(0)))
             .args(&o.switch_args)
             .stdout(Stdio::piped());
         // A switch goes with this process, however it ends.

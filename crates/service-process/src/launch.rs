@@ -112,8 +112,9 @@ pub struct LaunchOpts {
     #[arg(long, requires = "canary_netns", value_name = "RATE")]
     pub canary_shape: Option<String>,
     /// The SPs' Canary settings written into the description (`canary.params`), as JSON; the
-    /// fields not given keep their defaults, e.g. '{"block_bytes":4096,"window":128}'
-    /// (block_bytes, window, retx_timeout_us, max_requests, max_attempts, linger_ms).
+    /// fields not given keep their defaults, e.g. '{"block_bytes":4096,"window":16}'
+    /// (block_bytes, window, retx_timeout_us, max_requests, max_attempts, linger_ms,
+    /// static_trees: K installs K static trees in the switches, the paper's baseline).
     #[arg(long, requires = "canary_tree", value_name = "JSON", value_parser = parse_canary_params)]
     pub canary_params: Option<bootstrap::cluster::CanaryParams>,
     /// With --canary-netns: background traffic over leaf 0's link to spine 0, in Mbit/s.
@@ -857,6 +858,9 @@ fn start_canary_tree(
     }
     if let Some(mbit) = opts.canary_background_mbit {
         tree_args.extend(["--background-mbit".to_string(), mbit.to_string()]);
+    }
+    if let Some(k) = opts.canary_params.and_then(|p| p.static_trees) {
+        tree_args.extend(["--static-trees".to_string(), k.to_string()]);
     }
     let plan_path = run_dir.join("canary-plan.json");
     let mut cmd = Command::new(exe);

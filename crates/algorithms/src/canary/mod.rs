@@ -23,7 +23,7 @@ pub mod switch;
 
 pub use host::{BlockSource, Host, HostConfig, HostError, HostEvent, HostStats};
 pub use packet::{DecodeError, Head, Packet};
-pub use switch::{PortLoad, Switch, SwitchConfig, SwitchStats, TreeRule};
+pub use switch::{PortLoad, Switch, SwitchConfig, SwitchStats, TreeRule, ANY_COLL};
 
 /// A network address (host or switch), as the packets carry it.
 pub type Addr = u32;

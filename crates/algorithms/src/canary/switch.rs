@@ -79,9 +79,15 @@ pub struct SwitchConfig {
     /// a spine, neighbouring switches (targets of restorations). Any other address is
     /// reached through an up-port.
     pub down: HashMap<Addr, Port>,
-    /// Static trees, by (allreduce, tree).
+    /// Static trees, by (allreduce, tree); a rule under ([`ANY_COLL`], tree) applies to every
+    /// allreduce without one of its own (a fabric whose every allreduce spans every host, as
+    /// the SPs' benchmark of the baseline does).
     pub trees: HashMap<(u32, u8), TreeRule>,
 }
+
+/// The allreduce id of a static rule that applies to every allreduce (see
+/// [`SwitchConfig::trees`]).
+pub const ANY_COLL: u32 = u32::MAX;
 
 /// The caller's view of one output queue.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -180,6 +186,14 @@ pub fn slot_of(id: BlockId, slots: usize, tree: Option<u8>) -> usize {
 }
 
 impl Switch {
+    /// The static rule of tree `t` for allreduce `coll`: its own, else the fabric's.
+    fn rule(&self, coll: u32, t: u8) -> Option<&TreeRule> {
+        self.cfg
+            .trees
+            .get(&(coll, t))
+            .or_else(|| self.cfg.trees.get(&(ANY_COLL, t)))
+    }
+
     pub fn new(cfg: SwitchConfig) -> Switch {
         assert!(cfg.slots > 0, "a switch needs at least one descriptor slot");
         Switch {
@@ -323,7 +337,7 @@ impl Switch {
             None => {
                 self.gen += 1;
                 let expected = tree
-                    .and_then(|t| self.cfg.trees.get(&(head.id.coll, t)))
+                    .and_then(|t| self.rule(head.id.coll, t))
                     .map(|r| r.expected);
                 // A static descriptor waits for its expected count, bounded by `hold`.
                 let deadline = now
@@ -444,7 +458,7 @@ impl Switch {
     ) {
         let dst = pkt.head().dst;
         let coll = pkt.head().id.coll;
-        let rule = tree.and_then(|t| self.cfg.trees.get(&(coll, t)).copied());
+        let rule = tree.and_then(|t| self.rule(coll, t).copied());
         match self.route(dst, rule, complete, loads) {
             Some(p) => out.push((p, pkt)),
             None => self.stats.unroutable += 1,
@@ -746,5 +760,42 @@ mod tests {
         s.on_timer(60_000 + 100_000, &l);
         assert_eq!(s.occupied(), 0, "soft state expired");
         assert_eq!(s.stats().expired, 1);
+    }
+
+    /// A rule under `ANY_COLL` serves every allreduce without one of its own (waits for its
+    /// count, goes up its port); an allreduce's own rule still wins.
+    #[test]
+    fn a_fabric_wide_static_rule_serves_every_allreduce_without_its_own() {
+        let mut s = leaf(4);
+        s.cfg.trees.insert(
+            (ANY_COLL, 0),
+            TreeRule {
+                up: Some(5),
+                expected: 2,
+            },
+        );
+        s.cfg.trees.insert(
+            (7, 0),
+            TreeRule {
+                up: Some(4),
+                expected: 1,
+            },
+        );
+        let l = loads();
+        let mut p = red(1, 50, 1, 10, &[1]);
+        if let Packet::Reduce { tree, .. } = &mut p {
+            *tree = Some(0);
+        }
+        assert!(s.on_packet(0, 0, p.clone(), &l).is_empty(), "waits for 2");
+        let out = s.on_packet(10, 1, p.clone(), &l);
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].0, 5, "the fabric's rule's port");
+        // Allreduce 7 has its own rule: one contribution, port 4.
+        if let Packet::Reduce { head, .. } = &mut p {
+            head.id.coll = 7;
+        }
+        let out = s.on_packet(20, 0, p, &l);
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].0, 4, "the allreduce's own rule");
     }
 }
