@@ -33,6 +33,26 @@ fn switch_total(run: &Finished, field: &str) -> (u64, usize) {
     (total, n)
 }
 
+/// Counter `field` of switch `addr`'s `STATS` line.
+fn switch_stat(run: &Finished, addr: u64, field: &str) -> u64 {
+    for l in run.stderr.lines() {
+        let Some(json) = l
+            .strip_prefix("canary-tree: switch ")
+            .and_then(|r| r.split_once(" STATS "))
+            .map(|(_, j)| j)
+        else {
+            continue;
+        };
+        let v: serde_json::Value = serde_json::from_str(json).expect("a switch's STATS");
+        if v["addr"].as_u64() == Some(addr) {
+            return v[field]
+                .as_u64()
+                .unwrap_or_else(|| panic!("no {field} in {json}"));
+        }
+    }
+    panic!("no STATS of switch {addr}\n{}", run.stderr)
+}
+
 /// `allreduce_check` (every predefined op and type, counts 0 to 3000, blocking and
 /// nonblocking, in place, the world and a split half, then 4 MiB and 3 MiB; integers byte for
 /// byte equal to `PMPI_Allreduce`, floating point within the bound of another summation
@@ -378,6 +398,15 @@ fn mpi_allreduce_canary_across_a_namespace_tree_with_a_congested_link() {
         .filter_map(|r| r.split_whitespace().next()?.parse::<u64>().ok())
         .sum();
     assert!(over > 0, "the shaped link never queued\n{}", run.stderr);
+    // The leaf above the shaped link read its qdisc's backlog (`--qdisc-load`) and sent some
+    // packets up the other spine: the paper's up-port choice on a kernel queue.
+    let adaptive = switch_stat(&run, 1001, "adaptive_choices");
+    assert!(
+        adaptive > 0,
+        "leaf 0 never chose another up-port\n{}",
+        run.stderr
+    );
+    eprintln!("leaf 0 chose the less loaded up-port {adaptive} times");
     // Nothing of the tree is left.
     let left = std::process::Command::new("ip")
         .args(["netns", "list"])

@@ -17,8 +17,11 @@
 //! bounded by `--queue-kib`; a datagram beyond it is dropped and counted (`queue_drops`), as a
 //! switch's full buffer drops. The capacity given to the machine is `SO_SNDBUF` plus that
 //! bound. On loopback the kernel queue is empty almost always: congestion shows in a network
-//! namespace tree whose links have `tc` queues, where the send queue is the qdisc's backlog as
-//! far as the socket sees it.
+//! namespace tree whose links have `tc` queues. There `SIOCOUTQ` still counts only this
+//! socket's own bytes, not another sender's packets in the device's qdisc; `--qdisc-load`
+//! (which `canary-tree --netns` passes) adds the backlog of each port's device's root qdisc,
+//! read over rtnetlink ([`crate::qdisc`]) at most every 200 µs, and for a `tbf` takes its limit
+//! as the capacity, so a link that background traffic loads looks loaded to the choice.
 //!
 //! # Links going down
 //! A connected UDP socket learns from the ICMP "port unreachable" of its peer
@@ -147,6 +150,12 @@ pub struct SwitchOpts {
     /// rule per tree serves every allreduce: the fabric's allreduces must span every host.
     #[arg(long = "tree", value_name = "T=UP:EXPECTED")]
     pub trees: Vec<TreeSpec>,
+    /// Count the backlog of each port's device's root qdisc (every sender's packets, read by
+    /// rtnetlink at most every 200 us) in the port's load, and for a `tbf` take its limit as
+    /// the port's capacity: a link that `tc` shapes and other traffic loads then looks loaded
+    /// to the up-port choice. For links with kernel queues (a namespace tree).
+    #[arg(long)]
+    pub qdisc_load: bool,
 }
 
 /// One `--tree T=UP:EXPECTED`.
@@ -201,11 +210,20 @@ pub struct Daemon {
     m: Switch,
     links: Vec<Link>,
     queue_cap: u64,
+    /// --qdisc-load: the reader, each port's device, the last reading and when it was made.
+    qdisc: Option<QdiscLoad>,
     down_for: Duration,
     start: Instant,
     /// --drop-rate as a threshold of a u64 draw, and its generator.
     drop_below: u64,
     rng: algorithms::sim::rng::Rng,
+}
+
+struct QdiscLoad {
+    reader: crate::qdisc::QdiscReader,
+    ifindex: Vec<Option<i32>>,
+    last: HashMap<i32, crate::qdisc::Qdisc>,
+    at: Option<Instant>,
 }
 
 fn outq(fd: i32) -> u64 {
@@ -313,9 +331,23 @@ impl Daemon {
             down,
             trees,
         });
+        let qdisc = if o.qdisc_load {
+            Some(QdiscLoad {
+                reader: crate::qdisc::QdiscReader::new().context("--qdisc-load: rtnetlink")?,
+                ifindex: specs
+                    .iter()
+                    .map(|p| crate::qdisc::ifindex_of(p.local.ip()))
+                    .collect(),
+                last: HashMap::new(),
+                at: None,
+            })
+        } else {
+            None
+        };
         Ok(Daemon {
             m,
             links,
+            qdisc,
             queue_cap: o.queue_kib * 1024,
             down_for: Duration::from_millis(o.down_ms),
             start: Instant::now(),
@@ -331,15 +363,40 @@ impl Daemon {
     fn loads(&mut self) -> Vec<PortLoad> {
         let t = Instant::now();
         let cap = self.queue_cap;
+        if let Some(q) = &mut self.qdisc {
+            if q.at
+                .is_none_or(|a| t.duration_since(a) >= Duration::from_micros(200))
+            {
+                if let Ok(m) = q.reader.read() {
+                    q.last = m;
+                }
+                q.at = Some(t);
+            }
+        }
+        let qdisc = self.qdisc.as_ref();
         self.links
             .iter_mut()
-            .map(|l| {
+            .enumerate()
+            .map(|(i, l)| {
                 if l.down_until.is_some_and(|d| d <= t) {
                     l.down_until = None;
                 }
+                let dev = qdisc.and_then(|q| q.ifindex[i].and_then(|x| q.last.get(&x)));
+                let (queued, capacity) = match dev {
+                    // A shaped link: its queue is the tbf's; this switch's own packets in it
+                    // are in its backlog too.
+                    Some(d) if d.limit.is_some() => {
+                        (d.backlog + l.queued, d.limit.unwrap_or(0).max(1))
+                    }
+                    Some(d) => (
+                        d.backlog + outq(l.sock.as_raw_fd()) + l.queued,
+                        l.sndbuf + cap,
+                    ),
+                    None => (outq(l.sock.as_raw_fd()) + l.queued, l.sndbuf + cap),
+                };
                 PortLoad {
-                    queued: outq(l.sock.as_raw_fd()) + l.queued,
-                    capacity: l.sndbuf + cap,
+                    queued,
+                    capacity,
                     up: l.down_until.is_none(),
                 }
             })

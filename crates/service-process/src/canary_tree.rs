@@ -344,6 +344,8 @@ pub fn run(o: &CanaryTreeOpts) -> anyhow::Result<()> {
         cmd.arg("switch")
             .args(plan.switch_args(i))
             .args(plan.static_tree_args(i, o.static_trees.unwrap_or(0)))
+            // In namespaces the links have kernel queues: the switches read them.
+            .args(o.netns.then_some("--qdisc-load"))
             .args(&o.switch_args)
             .stdout(Stdio::piped());
         // A switch goes with this process, however it ends.

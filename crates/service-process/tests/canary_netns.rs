@@ -201,3 +201,53 @@ fn a_namespace_tree_with_a_shaped_congested_link_reduces_exactly() {
         "namespaces left"
     );
 }
+
+/// `--qdisc-load`'s reader (`service_process::qdisc`) inside the tree's leaf 0: the shaped
+/// device `s0` has a root `tbf` with its limit, and background traffic above the link's rate
+/// leaves a backlog in it that the reader sees (what a switch adds to the port's load; its
+/// own socket's send queue does not hold these packets).
+#[test]
+fn the_qdisc_reader_sees_the_shaped_links_limit_and_backlog() {
+    let can = Command::new("ip").args(["netns", "list"]).output().is_ok_and(|o| o.status.success())
+        // SAFETY: geteuid has no preconditions.
+        && unsafe { libc::geteuid() } == 0
+        && Command::new("tc").arg("-V").output().is_ok();
+    if !can {
+        eprintln!("skipped: needs root, ip netns and tc");
+        return;
+    }
+    let tag = std::process::id();
+    let mut tree = NetnsTree::build(&format!("cyq{tag}"), L, S, H).unwrap();
+    tree.shape("20mbit").unwrap();
+    let leaf = tree.leaf(0).to_string();
+    let s0 = service_process::canary_netns::link_addr(100, 1).ip();
+    let read = |leaf: &str| {
+        service_process::canary_netns::in_netns(leaf, move || {
+            let i = service_process::qdisc::ifindex_of(s0).expect("s0's index");
+            let mut r = service_process::qdisc::QdiscReader::new().unwrap();
+            r.read().unwrap().remove(&i).expect("s0 has a root qdisc")
+        })
+        .unwrap()
+    };
+    let idle = read(&leaf);
+    assert_eq!(idle.kind, "tbf", "{idle:?}");
+    let limit = idle.limit.expect("a tbf's limit");
+    // 5 ms at 20 Mbit/s is 12.5 kB, plus the burst: tc's limit is in that range.
+    assert!((10_000..100_000).contains(&limit), "{idle:?}");
+    assert_eq!(idle.backlog, 0, "{idle:?}");
+    // 60 Mbit/s into a 20 Mbit/s link: the tbf queues up to its limit.
+    tree.background(60).unwrap();
+    let mut most = 0;
+    for _ in 0..50 {
+        std::thread::sleep(Duration::from_millis(10));
+        let q = read(&leaf);
+        assert!(q.backlog <= limit + 1500, "{q:?}");
+        most = most.max(q.backlog);
+    }
+    let sent = tree.stop_background();
+    eprintln!("limit {limit}, largest backlog read {most}, {sent} datagrams sent");
+    assert!(
+        most > limit / 2,
+        "the reader never saw the queue: {most} of {limit}"
+    );
+}
