@@ -6,7 +6,12 @@
 # process_vm_readv of the size measured beside it), and the load of the machine before and after.
 #   SIZES (default 8,4K,64K,1M), ITERS (default 200), BIN (default target/release),
 #   COMPUTE_US (default: the OSU method, compute = t_pure; a fixed compute longer than the
-#   communication shows the rank's own time in MPI per call, post_us + wait_us)
+#   communication shows the rank's own time in MPI per call, post_us + wait_us),
+#   COLL (default ialltoallv; iallgatherv, or ibcast with the flat design), NODES (default 1:
+#   with 2, 2 nodes x 1 rank, both ranks on CPU 0 and both SPs on CPU 1, so they share it and
+#   busy-poll only if asked), MODES (default "busy nap100 sleep native"),
+#   WAIT (the ranks' SPOFF_WAIT; default: what launch implies, spin when each rank has a CPU
+#   of its own outside the SPs')
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -14,16 +19,22 @@ BIN=${BIN:-target/release}
 SIZES=${SIZES:-8,4K,64K,1M}
 ITERS=${ITERS:-200}
 [ "$(nproc)" -ge 2 ] || { echo "breakdown: needs 2 CPUs" >&2; exit 1; }
-one=(--nodes 1 --ranks-per-node 1 --sps-per-node 1 --rank-cpus 0)
-bench=("$BIN/coll-bench" overlap --coll ialltoallv --sizes "$SIZES" --iters "$ITERS")
+COLL=${COLL:-ialltoallv}
+NODES=${NODES:-1}
+case $NODES in 1|2) ;; *) echo "breakdown: NODES is 1 or 2" >&2; exit 2 ;; esac
+[ -n "${WAIT:-}" ] && export SPOFF_WAIT=$WAIT
+one=(--nodes "$NODES" --ranks-per-node 1 --sps-per-node 1 --rank-cpus 0)
+bench=("$BIN/coll-bench" overlap --coll "$COLL" --sizes "$SIZES" --iters "$ITERS")
+[ "$COLL" = ibcast ] && bench+=(--design flat)
 [ -n "${COMPUTE_US:-}" ] && bench+=(--compute-us "$COMPUTE_US")
-echo "# load before: $(uptime)"
-for mode in busy nap100 sleep native; do
+echo "# $COLL, $NODES node(s) x 1 rank; load before: $(uptime)"
+for mode in ${MODES:-busy nap100 sleep native}; do
   case $mode in
-    busy) extra=(--sp-cpus 1) ;;
+    busy) extra=(--sp-cpus 1 --sp-arg=--busy-poll) ;;
     nap100) extra=(--sp-cpus 1 --sp-arg=--poll-us=100) ;;
     sleep) extra=(--sp-cpus 1 --sp-arg=--poll-us=0) ;;
     native) extra=(--native) ;;
+    *) echo "breakdown: unknown mode $mode (busy, nap100, sleep, native)" >&2; exit 2 ;;
   esac
   echo "## $mode"
   "$BIN/service-process" launch "${one[@]}" "${extra[@]}" -- "${bench[@]}" 2>&1 | grep -v " stats: "

@@ -6,6 +6,11 @@
 //! that double from [`SLEEP_MIN`] up to [`SLEEP_MAX`]. Separately from the pauses, the waiter
 //! keeps native MPI progressing ([`PROGRESS_INTERVAL`]) and checks its SP connection
 //! ([`CONN_CHECK_INTERVAL`]); see `wait.rs`.
+//!
+//! `SPOFF_WAIT=spin` keeps the wait spinning (with the same progress and connection checks):
+//! for a rank on a core no SP shares (an SP on a DPU, or `launch --rank-cpus` beside
+//! `--sp-cpus`, which sets it), where a sleep only delays noticing a completion, by up to
+//! [`SLEEP_MAX`]. `backoff` (the default) is the escalation above.
 
 use std::time::Duration;
 
@@ -32,8 +37,41 @@ pub enum Pause {
 /// ~50 µs and add it to the latency of every completion a rank notices while sleeping.
 pub const WAIT_TIMER_SLACK_NS: libc::c_ulong = 1_000;
 
+/// How a wait pauses (`SPOFF_WAIT`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WaitPolicy {
+    Backoff,
+    Spin,
+}
+
+impl WaitPolicy {
+    /// `SPOFF_WAIT`'s value: unset or empty is `backoff`; anything else than `spin` or
+    /// `backoff` is an error naming the variable.
+    pub fn parse(v: Option<&str>) -> Result<WaitPolicy, String> {
+        match v.map(str::trim) {
+            None | Some("") | Some("backoff") => Ok(WaitPolicy::Backoff),
+            Some("spin") => Ok(WaitPolicy::Spin),
+            Some(o) => Err(format!("SPOFF_WAIT={o:?}: expected spin or backoff")),
+        }
+    }
+
+    /// The process's policy, read once; a bad value is said once on stderr and taken as
+    /// `backoff`.
+    pub fn current() -> WaitPolicy {
+        static P: std::sync::OnceLock<WaitPolicy> = std::sync::OnceLock::new();
+        *P.get_or_init(|| {
+            WaitPolicy::parse(std::env::var("SPOFF_WAIT").ok().as_deref()).unwrap_or_else(|e| {
+                eprintln!("spoff: {e}; waiting with backoff");
+                WaitPolicy::Backoff
+            })
+        })
+    }
+}
+
 #[derive(Debug, Default)]
 pub struct Backoff {
+    /// Spin at every pause (`SPOFF_WAIT=spin`).
+    spin: bool,
     round: u32,
     sleep: Option<Duration>,
     /// The thread's timer slack before this wait lowered it, restored on drop.
@@ -50,14 +88,22 @@ impl Drop for Backoff {
 }
 
 impl Backoff {
+    /// A wait by the process's policy ([`WaitPolicy::current`]).
     pub fn new() -> Self {
-        Self::default()
+        Self::with_policy(WaitPolicy::current())
+    }
+
+    pub fn with_policy(p: WaitPolicy) -> Self {
+        Backoff {
+            spin: p == WaitPolicy::Spin,
+            ..Self::default()
+        }
     }
 
     /// The next pause to take.
     pub fn next_pause(&mut self) -> Pause {
         self.round = self.round.saturating_add(1);
-        if self.round <= SPIN_ROUNDS {
+        if self.spin || self.round <= SPIN_ROUNDS {
             return Pause::Spin;
         }
         if self.round <= SPIN_ROUNDS + YIELD_ROUNDS {
@@ -105,7 +151,7 @@ mod tests {
         // SAFETY: prctl with integer arguments.
         let before = unsafe { libc::prctl(libc::PR_GET_TIMERSLACK) };
         {
-            let mut b = Backoff::new();
+            let mut b = Backoff::with_policy(WaitPolicy::Backoff);
             while !matches!(b.next_pause(), Pause::Sleep(_)) {}
             b.pause();
             let during = unsafe { libc::prctl(libc::PR_GET_TIMERSLACK) };
@@ -116,8 +162,26 @@ mod tests {
     }
 
     #[test]
+    fn the_spin_policy_never_yields_nor_sleeps() {
+        let mut b = Backoff::with_policy(WaitPolicy::Spin);
+        for _ in 0..10 * (SPIN_ROUNDS + YIELD_ROUNDS) {
+            assert_eq!(b.next_pause(), Pause::Spin);
+        }
+    }
+
+    #[test]
+    fn the_wait_policy_is_parsed_or_refused_by_name() {
+        assert_eq!(WaitPolicy::parse(None), Ok(WaitPolicy::Backoff));
+        assert_eq!(WaitPolicy::parse(Some("")), Ok(WaitPolicy::Backoff));
+        assert_eq!(WaitPolicy::parse(Some("backoff")), Ok(WaitPolicy::Backoff));
+        assert_eq!(WaitPolicy::parse(Some(" spin ")), Ok(WaitPolicy::Spin));
+        let e = WaitPolicy::parse(Some("fast")).unwrap_err();
+        assert!(e.contains("SPOFF_WAIT") && e.contains("fast"), "{e}");
+    }
+
+    #[test]
     fn spins_then_yields_then_sleeps_with_a_cap() {
-        let mut b = Backoff::new();
+        let mut b = Backoff::with_policy(WaitPolicy::Backoff);
         let seq: Vec<Pause> = (0..SPIN_ROUNDS + YIELD_ROUNDS + 20)
             .map(|_| b.next_pause())
             .collect();

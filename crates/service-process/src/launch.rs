@@ -720,6 +720,11 @@ fn run_job_inner(
     // SPOFF_NODES, SPOFF_RANKS_PER_NODE and SPOFF_LAYOUT are for the benchmark's traffic
     // accounting (coll-bench); the shim places itself from MPI and the SPOFF_NODE hint.
     let mut exported = vec!["SPOFF_NODES", "SPOFF_RANKS_PER_NODE", "SPOFF_LAYOUT"];
+    if spin_wait_implied(opts, world) && std::env::var_os("SPOFF_WAIT").is_none() {
+        // Each rank has a core no SP shares: a sleeping wait would only notice late.
+        cmd.env("SPOFF_WAIT", "spin");
+        exported.push("SPOFF_WAIT");
+    }
     match (&cluster_path, &key) {
         (Some(p), Some(key)) => {
             // The job's identity at the SPs, for this user only (a process's environment is
@@ -971,9 +976,64 @@ fn busy_poll_implied(opts: &LaunchOpts) -> bool {
     own_cpu && !opts.sp_args.iter().any(says) && !opts.sp_arg_for.iter().any(|(_, a)| says(a))
 }
 
+/// `--rank-cpus` with a CPU for each rank, none of them in `--sp-cpus`, implies
+/// `SPOFF_WAIT=spin` for the ranks (unless the environment sets it).
+fn spin_wait_implied(opts: &LaunchOpts, world: u32) -> bool {
+    let (Some(ranks), Some(sps)) = (&opts.rank_cpus, &opts.sp_cpus) else {
+        return false;
+    };
+    let mut distinct = ranks.0.clone();
+    distinct.sort_unstable();
+    distinct.dedup();
+    distinct.len() >= world as usize && !distinct.iter().any(|c| sps.0.contains(c))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn opts(args: &[&str]) -> LaunchOpts {
+        #[derive(clap::Parser)]
+        struct T {
+            #[command(flatten)]
+            o: LaunchOpts,
+        }
+        let mut argv = vec!["launch"];
+        argv.extend_from_slice(args);
+        argv.extend(["--", "true"]);
+        <T as clap::Parser>::try_parse_from(argv).unwrap().o
+    }
+
+    #[test]
+    fn ranks_spin_in_waits_only_on_cores_of_their_own() {
+        let o = |a: &[&str]| opts(a);
+        let one = ["--nodes", "1", "--ranks-per-node", "1"];
+        let with = |extra: &[&'static str]| {
+            let mut v = one.to_vec();
+            v.extend_from_slice(extra);
+            v
+        };
+        assert!(spin_wait_implied(
+            &o(&with(&["--rank-cpus", "0", "--sp-cpus", "1"])),
+            1
+        ));
+        // No SP CPUs: the SPs may run anywhere, the ranks' cores too.
+        assert!(!spin_wait_implied(&o(&with(&["--rank-cpus", "0"])), 1));
+        // A rank's CPU is an SP's.
+        assert!(!spin_wait_implied(
+            &o(&with(&["--rank-cpus", "0", "--sp-cpus", "0,1"])),
+            1
+        ));
+        // Two ranks on one CPU.
+        assert!(!spin_wait_implied(
+            &o(&with(&["--rank-cpus", "0", "--sp-cpus", "1"])),
+            2
+        ));
+        assert!(spin_wait_implied(
+            &o(&with(&["--rank-cpus", "0,2", "--sp-cpus", "1"])),
+            2
+        ));
+    }
 
     #[test]
     fn rank_nodes_follow_the_layout_and_each_rank_finds_its_own() {
