@@ -91,6 +91,9 @@ pub struct Plane {
     pub stats: Arc<PlaneStats>,
 }
 
+/// The receive buffer of an SP's Canary socket.
+pub const PLANE_RCVBUF: usize = 4 << 20;
+
 impl Plane {
     pub fn new(cfg: PlaneConfig) -> Result<Plane> {
         let sock =
@@ -113,6 +116,9 @@ impl Plane {
         sock.connect(cfg.leaf)
             .with_context(|| format!("canary: connecting to the leaf at {}", cfg.leaf))?;
         sock.set_nonblocking(true)?;
+        // The results of a window of blocks arrive in a burst: room for them (see the switch's
+        // --rcvbuf-kib).
+        crate::canary_switch::grow_rcvbuf(&sock, PLANE_RCVBUF);
         let mut fds = [0; 2];
         // SAFETY: `fds` is valid for two ints.
         if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_NONBLOCK | libc::O_CLOEXEC) } != 0 {

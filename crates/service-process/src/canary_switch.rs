@@ -31,7 +31,10 @@
 //! loss, which the hosts recover or report (`algorithms::canary::host`).
 //!
 //! # Counters
-//! `STATS {json}` on stdout at SIGINT/SIGTERM; with `--stats-file`, the same JSON rewritten
+//! Per port: datagrams received and sent, malformed ones, software-queue drops, send errors,
+//! times marked down, injected drops, and the kernel's drops of a full receive buffer
+//! (`rcvbuf_drops`, from `SO_RXQ_OVFL`; `--rcvbuf-kib` sets the buffer); sums of each, and the
+//! machine's counters. `STATS {json}` on stdout at SIGINT/SIGTERM; with `--stats-file`, the same JSON rewritten
 //! there (atomically, by rename) at most every 100 ms while counters change, and at exit.
 //! `READY switch addr=A ports=P` on stdout once every socket is bound.
 
@@ -131,6 +134,12 @@ pub struct SwitchOpts {
     /// Software queue bound per port (KiB), beyond the socket's send buffer.
     #[arg(long, default_value_t = 1024)]
     pub queue_kib: u64,
+    /// Each port's receive buffer (`SO_RCVBUF`; as root `SO_RCVBUFFORCE`, past
+    /// `net.core.rmem_max`), the switch's input buffer: a burst beyond it is dropped by the
+    /// kernel (`RcvbufErrors` in /proc/net/snmp). The kernel's default (about 208 KiB, counted
+    /// with each datagram's overhead) drops a host window of 8 KiB blocks.
+    #[arg(long, default_value_t = 4096)]
+    pub rcvbuf_kib: usize,
     /// How long a port stays down after its peer answered ICMP unreachable, milliseconds.
     #[arg(long, default_value_t = 200)]
     pub down_ms: u64,
@@ -193,6 +202,9 @@ pub struct PortCounters {
     pub send_errors: u64,
     pub down_events: u64,
     pub injected_drops: u64,
+    /// Datagrams the kernel dropped because the port's receive buffer was full (`SO_RXQ_OVFL`:
+    /// the socket's count, as of the last datagram received).
+    pub rcvbuf_drops: u64,
 }
 
 struct Link {
@@ -209,6 +221,8 @@ struct Link {
 pub struct Daemon {
     m: Switch,
     links: Vec<Link>,
+    /// The receive buffer, kept between drains.
+    rxbuf: Vec<u8>,
     queue_cap: u64,
     /// --qdisc-load: the reader, each port's device, the last reading and when it was made.
     qdisc: Option<QdiscLoad>,
@@ -256,6 +270,17 @@ fn sndbuf(fd: i32) -> u64 {
     } else {
         0
     }
+}
+
+/// Sets `sock`'s receive buffer to `bytes` (forced past `net.core.rmem_max` where the process
+/// may, else as far as the limit allows); the size the kernel took (it doubles the request for
+/// its bookkeeping).
+pub fn grow_rcvbuf(sock: &UdpSocket, bytes: usize) -> usize {
+    use nix::sys::socket::{getsockopt, setsockopt, sockopt};
+    if setsockopt(sock, sockopt::RcvBufForce, &bytes).is_err() {
+        let _ = setsockopt(sock, sockopt::RcvBuf, &bytes);
+    }
+    getsockopt(sock, sockopt::RcvBuf).unwrap_or(0)
 }
 
 impl Daemon {
@@ -311,6 +336,9 @@ impl Daemon {
             sock.connect(p.peer)
                 .with_context(|| format!("port {}: connecting to {}", p.port, p.peer))?;
             sock.set_nonblocking(true)?;
+            grow_rcvbuf(&sock, o.rcvbuf_kib * 1024);
+            // The kernel's count of receive-buffer drops rides with each datagram.
+            let _ = nix::sys::socket::setsockopt(&sock, nix::sys::socket::sockopt::RxqOvfl, &1);
             let sndbuf = sndbuf(sock.as_raw_fd());
             links.push(Link {
                 sock,
@@ -347,6 +375,7 @@ impl Daemon {
         Ok(Daemon {
             m,
             links,
+            rxbuf: Vec::new(),
             qdisc,
             queue_cap: o.queue_kib * 1024,
             down_for: Duration::from_millis(o.down_ms),
@@ -485,10 +514,41 @@ impl Daemon {
 
     /// Receives everything waiting on port `p` and feeds it to the machine.
     fn drain(&mut self, p: usize) {
-        let mut buf = vec![0u8; MAX_DATA + 4096];
+        let mut buf = std::mem::take(&mut self.rxbuf);
+        buf.resize(MAX_DATA + 4096, 0);
+        self.drain_into(p, &mut buf);
+        self.rxbuf = buf;
+    }
+
+    /// One datagram of port `p` into `buf`: its length, and the kernel's count of the socket's
+    /// receive-buffer drops when it came with one.
+    fn recv_counted(&self, p: usize, buf: &mut [u8]) -> io::Result<(usize, Option<u32>)> {
+        use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
+        let mut cmsg = nix::cmsg_space!(u32);
+        let mut iov = [io::IoSliceMut::new(buf)];
+        let m = recvmsg::<()>(
+            self.links[p].sock.as_raw_fd(),
+            &mut iov,
+            Some(&mut cmsg),
+            MsgFlags::MSG_DONTWAIT,
+        )
+        .map_err(io::Error::from)?;
+        let drops = m.cmsgs().ok().and_then(|mut c| {
+            c.find_map(|c| match c {
+                ControlMessageOwned::RxqOvfl(n) => Some(n),
+                _ => None,
+            })
+        });
+        Ok((m.bytes, drops))
+    }
+
+    fn drain_into(&mut self, p: usize, buf: &mut [u8]) {
         loop {
-            match self.links[p].sock.recv(&mut buf) {
-                Ok(n) => {
+            match self.recv_counted(p, buf) {
+                Ok((n, drops)) => {
+                    if let Some(d) = drops {
+                        self.links[p].c.rcvbuf_drops = u64::from(d);
+                    }
                     self.links[p].c.rx += 1;
                     self.links[p].down_until = None;
                     match Packet::decode(&buf[..n]) {
@@ -535,7 +595,7 @@ impl Daemon {
                     "port": i, "peer": l.peer.to_string(), "rx": l.c.rx, "tx": l.c.tx,
                     "malformed": l.c.malformed, "queue_drops": l.c.queue_drops,
                     "send_errors": l.c.send_errors, "down_events": l.c.down_events,
-                    "injected_drops": l.c.injected_drops,
+                    "injected_drops": l.c.injected_drops, "rcvbuf_drops": l.c.rcvbuf_drops,
                 })
             })
             .collect();
@@ -544,7 +604,7 @@ impl Daemon {
             "addr": self.m.config().addr,
             "rx": sum(|c| c.rx), "tx": sum(|c| c.tx), "malformed": sum(|c| c.malformed),
             "queue_drops": sum(|c| c.queue_drops), "send_errors": sum(|c| c.send_errors),
-            "injected_drops": sum(|c| c.injected_drops),
+            "injected_drops": sum(|c| c.injected_drops), "rcvbuf_drops": sum(|c| c.rcvbuf_drops),
             "aggregated": s.aggregated, "flushed": s.flushed, "stragglers": s.stragglers,
             "collisions": s.collisions, "bcasts": s.bcasts,
             "bcast_without_descriptor": s.bcast_without_descriptor, "restores": s.restores,

@@ -8,7 +8,8 @@
 //!   different summation order; the leaves' counters show the data was aggregated in them.
 //! - Faults: a spine killed mid-allreduce (every host ends in bounded time, correct or with an
 //!   error, never a wrong value); both spines killed (every host fails in bounded time);
-//!   forged and malformed datagrams into a leaf's port (counted, dropped, no value changed).
+//!   forged and malformed datagrams into a leaf's port (counted, dropped, no value changed);
+//!   a port's full receive buffer (the kernel's drops counted per port).
 //!
 //! Each test prints its seed; `TEST_SEED=N` replays one (as in the other tests).
 
@@ -570,4 +571,62 @@ fn canary_tree_command_starts_a_tree_that_reduces_and_prints_every_switchs_count
     assert_eq!(stats.len(), 4, "{rest}");
     let rx: u64 = stats.iter().map(|s| s["rx"].as_u64().unwrap()).sum();
     assert!(count == 0 || rx > 0, "{rest}");
+}
+
+/// A port's receive buffer that overflows is counted (`rcvbuf_drops`, the kernel's
+/// `SO_RXQ_OVFL`): with the switch stopped (SIGSTOP) and its buffer at the minimum, a burst
+/// from the port's peer overflows it; after SIGCONT every datagram sent is either received
+/// (here all malformed, so counted as such) or counted as dropped.
+#[test]
+fn a_full_receive_buffer_is_counted_per_port() {
+    let ip = "127.0.27.9";
+    let dir = std::env::temp_dir().join(format!(
+        "canary-switch-{}-{}",
+        std::process::id(),
+        rand_u64()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let _dir = TempDir(dir.clone());
+    let peer = UdpSocket::bind((ip, 0)).unwrap();
+    let port = addr(&reserve(ip, 1).remove(0));
+    let sw = start_switch(
+        &dir,
+        1001,
+        vec![
+            "--addr=1001".into(),
+            format!("--port=0={port},{}", addr(&peer)),
+            "--rcvbuf-kib=1".into(),
+        ],
+    );
+    peer.connect(port).unwrap();
+    let pid = sw.child.id() as libc::pid_t;
+    // SAFETY: kill(2) of our own child.
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    let burst = 500u64;
+    let junk = [0u8; 1000];
+    for _ in 0..burst {
+        peer.send(&junk).unwrap();
+    }
+    // SAFETY: as above.
+    unsafe { libc::kill(pid, libc::SIGCONT) };
+    std::thread::sleep(Duration::from_millis(100));
+    // One more, after the buffer drained: it carries the count of every drop before it.
+    peer.send(&junk).unwrap();
+    let mut s = sw.stats();
+    for _ in 0..20 {
+        if s["rx"].as_u64().unwrap() + s["rcvbuf_drops"].as_u64().unwrap() == burst + 1 {
+            break;
+        }
+        s = sw.stats();
+    }
+    let p = &s["ports"][0];
+    let (rx, drops) = (
+        p["rx"].as_u64().unwrap(),
+        p["rcvbuf_drops"].as_u64().unwrap(),
+    );
+    eprintln!("{burst} + 1 sent: {rx} received, {drops} dropped by the kernel");
+    assert!(drops > 0, "a 1 KiB buffer held {burst} datagrams? {s}");
+    assert_eq!(rx + drops, burst + 1, "{s}");
+    assert_eq!(p["malformed"].as_u64().unwrap(), rx, "{s}");
+    assert_eq!(s["rcvbuf_drops"].as_u64().unwrap(), drops, "{s}");
 }
