@@ -151,17 +151,18 @@ pub struct CanaryFabric {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct CanaryParams {
-    /// Bytes per packet (whole elements; at most 8192). 8192 by default: a software switch
-    /// pays per datagram (a receive and a send per hop) and waits an aggregation window per
-    /// block, so larger blocks carry more per wait (docs/BENCHMARKS.md, section S: a 1 MiB
-    /// allreduce 3.5x faster than with 1 KiB on a loopback tree). The kernel fragments them on
-    /// 1500-byte links (a lost fragment loses the block, which is then asked for again); the
-    /// paper's 1 KiB fits one such frame, for fabrics that cannot fragment.
+    /// Bytes per packet (whole elements; at most 8192). The paper's 1 KiB fits a 1500-byte
+    /// link MTU. Larger blocks are much faster through software switches (they pay per
+    /// datagram and wait an aggregation window per block: a 1 MiB allreduce 3.5x faster with
+    /// 8 KiB on a loopback tree, which `launch` therefore uses), but on 1500-byte links the
+    /// kernel fragments them, and under a congested link the loss of fragments made a static
+    /// tree's allreduces fail (docs/BENCHMARKS.md, section S): raise it only where the links'
+    /// MTU carries a block whole.
     pub block_bytes: u32,
     /// Blocks each SP has in flight per chunk (up to 4 chunks run at once). With the sockets'
-    /// receive buffers at 4 MiB (`switch --rcvbuf-kib`, the SPs' planes), 16 to 32 are the
-    /// fastest measured; with the kernel's default buffers a window past 8 overflowed them and
-    /// retransmissions (after `retx_timeout_us`) dominated.
+    /// receive buffers at 4 MiB (`switch --rcvbuf-kib`, the SPs' planes) 16 to 32 of 8 KiB
+    /// blocks run without loss on loopback; with the kernel's default buffers a window past 8
+    /// overflowed them and retransmissions (after `retx_timeout_us`) dominated.
     pub window: u32,
     /// A block not answered in this time is asked for again from its leader.
     pub retx_timeout_us: u64,
@@ -184,8 +185,8 @@ pub struct CanaryParams {
 impl Default for CanaryParams {
     fn default() -> Self {
         CanaryParams {
-            block_bytes: 8192,
-            window: 16,
+            block_bytes: 1024,
+            window: 8,
             retx_timeout_us: 30_000,
             max_requests: 8,
             max_attempts: 1000,

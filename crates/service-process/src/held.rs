@@ -16,7 +16,9 @@ pub const POST_BASE_BYTES: u64 = 4096;
 /// The bytes `d` makes the SP hold, estimated from above: its vectors (kept by the instance)
 /// and the state per member it creates (its kind's `KindSpec::state_bytes_per_member`: an
 /// alltoallv's is 512, about 450 bytes per member in all were measured).
-pub fn post_bytes(d: &PostDesc) -> u64 {
+/// `chunk_bytes` is the SP's chunk (`serve --stage-chunk-bytes`), for the kinds that hold data
+/// buffers of their own (`KindSpec::data_bytes`: the allreduces' windows of chunks).
+pub fn post_bytes(d: &PostDesc, chunk_bytes: u64) -> u64 {
     let p = d.members.len() as u64;
     let words = [
         &d.send_counts,
@@ -28,8 +30,12 @@ pub fn post_bytes(d: &PostDesc) -> u64 {
     .map(|v| v.len() as u64)
     .sum::<u64>();
     let small = (d.members.len() + d.world_ranks.len() + d.nodes.len()) as u64;
-    let state = crate::drivers::spec(d.kind).state_bytes_per_member;
-    POST_BASE_BYTES + 8 * words + 4 * small + state * p
+    let spec = crate::drivers::spec(d.kind);
+    POST_BASE_BYTES
+        + 8 * words
+        + 4 * small
+        + spec.state_bytes_per_member * p
+        + (spec.data_bytes)(d, chunk_bytes)
 }
 
 /// The limits, in bytes.
@@ -256,7 +262,41 @@ mod tests {
             stamps: Default::default(),
             staged: None,
         };
-        assert!(post_bytes(&post(2)) < 8192);
-        assert_eq!(post_bytes(&post(4096)), 4096 + 4096 * (512 + 40));
+        assert!(post_bytes(&post(2), 1 << 20) < 8192);
+        assert_eq!(post_bytes(&post(4096), 1 << 20), 4096 + 4096 * (512 + 40));
+
+        // The allreduces hold a window of chunks of data: charged by their length, their
+        // chunk and (the SP tree) the children an SP can have among the members' SPs.
+        let reduce = |kind, len: u64, sps: u32| {
+            let mut d = post(1);
+            d.kind = kind;
+            d.send_counts = vec![len];
+            d.recv_counts = vec![len];
+            d.members = (0..8).map(|r| r % sps).collect();
+            d
+        };
+        let tree = bootstrap::wire::CollKind::Allreduce;
+        let canary = bootstrap::wire::CollKind::CanaryAllreduce;
+        let small = post_bytes(&reduce(tree, 64, 4), 1 << 20);
+        assert!(small < 8192, "{small}");
+        let mib = 1u64 << 20;
+        // 4 MiB in 1 MiB chunks: the whole window of 4, each a read, a result and 2 children
+        // (4 SPs).
+        let big = post_bytes(&reduce(tree, 4 * mib, 4), mib);
+        assert!(big >= 4 * mib * 4 && big < 4 * mib * 4 + 65536, "{big}");
+        // 1 GiB: still the window only; 256 KiB chunks hold a quarter.
+        let huge = post_bytes(&reduce(tree, 1 << 30, 4), mib);
+        assert!(huge < big + 65536, "{huge}");
+        let quarter = post_bytes(&reduce(tree, 1 << 30, 4), mib / 4);
+        assert!(quarter >= 4 * mib && quarter < 4 * mib + 65536, "{quarter}");
+        // One SP: no children.
+        let alone = post_bytes(&reduce(tree, 4 * mib, 1), mib);
+        assert!(alone >= 8 * mib && alone < 8 * mib + 65536, "{alone}");
+        let c = post_bytes(&reduce(canary, 4 * mib, 4), mib);
+        assert!(c >= 20 * mib && c < 20 * mib + 65536, "{c}");
+        // An unchecked descriptor without a length counts as the largest.
+        let mut none = reduce(tree, 0, 4);
+        none.send_counts.clear();
+        assert!(post_bytes(&none, mib) >= 16 * mib);
     }
 }

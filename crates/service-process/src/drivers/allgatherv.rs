@@ -16,6 +16,7 @@ pub static SPEC: KindSpec = KindSpec {
     check_desc: super::no_more_checks,
     // Measured: 6 bytes per member beyond the descriptor.
     state_bytes_per_member: 64,
+    data_bytes: super::no_data_bytes,
 };
 
 super::direct_driver!(allgatherv::Allgatherv, CollMsg::Allgatherv);

@@ -41,6 +41,7 @@ pub static SPEC: KindSpec = KindSpec {
     // The members list and the tree: a few words per member (the data buffers, a window of
     // chunks per instance, are not counted here).
     state_bytes_per_member: 64,
+    data_bytes: window_bytes,
 };
 
 /// Region ids of the driver's buffers: apart from the staging's (which count up from 1).
@@ -88,6 +89,43 @@ pub(super) fn driver(
 
 /// One block each way, of equal length, whole elements of a reduction MPI defines, at most
 /// `allreduce::MAX_BYTES`.
+/// The chunks of `d` in progress at once on an SP (at most `allreduce::WINDOW`) and the bytes
+/// of each, for chunks of `chunk_bytes` (the driver's, at most `allreduce::MAX_CHUNK_BYTES`).
+/// Before the descriptor is checked: a missing or oversized length counts as the largest.
+fn window_chunks(d: &PostDesc, chunk_bytes: u64) -> (u64, u64) {
+    let len = d
+        .send_counts
+        .first()
+        .copied()
+        .unwrap_or(allreduce::MAX_BYTES)
+        .min(allreduce::MAX_BYTES);
+    let chunk = chunk_bytes.clamp(1, allreduce::MAX_CHUNK_BYTES);
+    (
+        len.div_ceil(chunk).min(u64::from(allreduce::WINDOW)),
+        len.min(chunk),
+    )
+}
+
+/// The SP tree's data buffers of one post, from above: per chunk in progress, the read of
+/// this rank's contribution, the partial result of each child in the SPs' binomial tree (at
+/// most ceil(log2 S) for S SPs among the members) and the chunk's result buffer.
+pub(super) fn window_bytes(d: &PostDesc, chunk_bytes: u64) -> u64 {
+    let (chunks, bytes) = window_chunks(d, chunk_bytes);
+    let mut sps = d.members.clone();
+    sps.sort_unstable();
+    sps.dedup();
+    let children = u64::from(sps.len().max(1).next_power_of_two().trailing_zeros());
+    chunks * bytes * (2 + children)
+}
+
+/// The Canary allreduce's, from above: per chunk in progress, the read of this rank's
+/// contribution, the reduced chunk handed to the plane, the host machine's copy of it and
+/// its result, and the result buffer the ranks' writes share.
+pub(super) fn canary_window_bytes(d: &PostDesc, chunk_bytes: u64) -> u64 {
+    let (chunks, bytes) = window_chunks(d, chunk_bytes);
+    chunks * bytes * 5
+}
+
 pub(super) fn check_desc(d: &PostDesc) -> Result<(), String> {
     let Some(r) = d.reduce else {
         return Err("an allreduce post without its operation and type".into());

@@ -17,6 +17,7 @@ pub static SPEC: KindSpec = KindSpec {
     // Measured: 408 bytes per member beyond the descriptor (its rank state, and an announcement
     // per member queued until that member posts).
     state_bytes_per_member: 512,
+    data_bytes: super::no_data_bytes,
 };
 
 // An announcing rank completes only once its block is acked (its buffer may be read until

@@ -20,6 +20,7 @@ pub static SPEC: KindSpec = KindSpec {
     check_desc: super::allreduce::check_desc,
     // As the SP tree's: the members list (the chunks in flight are the window's).
     state_bytes_per_member: 64,
+    data_bytes: super::allreduce::canary_window_bytes,
 };
 
 /// No message of the kind expects an answer (the data go through the switches; a peer's

@@ -21,6 +21,7 @@ pub static SPEC: KindSpec = KindSpec {
     check_desc: super::mcast_bcast::check_desc,
     // The ring, the chains and the members list: a few words per member.
     state_bytes_per_member: 64,
+    data_bytes: super::no_data_bytes,
 };
 
 /// The machine, and whether it waits for the resources (see [`super::mcast`]).

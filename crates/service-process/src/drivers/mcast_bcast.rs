@@ -22,6 +22,7 @@ pub static SPEC: KindSpec = KindSpec {
     check_desc,
     // The ring and the members list: a few words per member.
     state_bytes_per_member: 64,
+    data_bytes: super::no_data_bytes,
 };
 
 /// The machine, and whether it waits for its resources to take a registration or an

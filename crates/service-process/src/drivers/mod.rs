@@ -279,6 +279,11 @@ pub struct KindSpec {
     /// descriptor's vectors: an upper estimate, measured with a 4096-rank communicator whose
     /// other ranks never post (`security_budgets.rs`); `crate::held` charges it.
     pub state_bytes_per_member: u64,
+    /// Bytes of data buffers a post of the kind makes the SP hold while its instance runs,
+    /// given the SP's chunk size (`serve --stage-chunk-bytes`), estimated from above; 0 for
+    /// the kinds whose buffers are the staging's (counted in its own budget) or the ranks'.
+    /// `crate::held` charges it with the rest.
+    pub data_bytes: fn(d: &PostDesc, chunk_bytes: u64) -> u64,
 }
 
 /// Every kind the engine serves.
@@ -497,6 +502,10 @@ fn no_region_writer(_: &PostDesc, _: SpId) -> bool {
     true
 }
 fn no_region_len(_: &PostDesc) -> u64 {
+    0
+}
+
+fn no_data_bytes(_: &PostDesc, _: u64) -> u64 {
     0
 }
 

@@ -113,9 +113,12 @@ impl Server {
         // counted against its connection, job and uid until its instance goes.
         let hold = match over {
             Some(why) => Err(why),
-            None => self
-                .held
-                .take(conn_id, job, uid, crate::held::post_bytes(&d)),
+            None => self.held.take(
+                conn_id,
+                job,
+                uid,
+                crate::held::post_bytes(&d, self.kind_cfg.staged.chunk_bytes),
+            ),
         };
         let hold = match hold {
             Ok(h) => {
