@@ -155,9 +155,9 @@ pub struct CanaryParams {
     /// link MTU. Larger blocks are much faster through software switches (they pay per
     /// datagram and wait an aggregation window per block: a 1 MiB allreduce 3.5x faster with
     /// 8 KiB on a loopback tree, which `launch` therefore uses), but on 1500-byte links the
-    /// kernel fragments them, and under a congested link the loss of fragments made a static
-    /// tree's allreduces fail (docs/BENCHMARKS.md, section S): raise it only where the links'
-    /// MTU carries a block whole.
+    /// kernel fragments them, and through a shaped (200 Mbit/s) link the loss of fragments
+    /// made a static tree's allreduces fail (docs/BENCHMARKS.md, section S): raise it only
+    /// where the links' MTU carries a block whole.
     pub block_bytes: u32,
     /// Blocks each SP has in flight per chunk (up to 4 chunks run at once). With the sockets'
     /// receive buffers at 4 MiB (`switch --rcvbuf-kib`, the SPs' planes) 16 to 32 of 8 KiB

@@ -178,7 +178,7 @@ const LOOPBACK_WINDOW: u32 = 16;
 
 /// The SPs' Canary settings for the launcher's tree: `--canary-params`, and on loopback (no
 /// namespaces, no 1500-byte links: nothing fragments) larger blocks and window where not
-/// given. Through a namespace tree 8 KiB blocks are fragmented, and under a congested link
+/// given. Through a namespace tree 8 KiB blocks are fragmented, and through its shaped link
 /// their loss made a static tree's allreduces fail (docs/BENCHMARKS.md, section S); there
 /// the defaults stay.
 fn canary_params_for(opts: &LaunchOpts) -> bootstrap::cluster::CanaryParams {
