@@ -167,8 +167,15 @@ pub struct CanaryParams {
     /// A block not answered in this time is asked for again from its leader.
     pub retx_timeout_us: u64,
     /// Unanswered requests before the allreduce fails (`NetworkFailed`): with
-    /// `retx_timeout_us`, the bound on a dead fabric.
+    /// `retx_timeout_us` and `retx_backoff`, the bound on a dead fabric.
     pub max_requests: u32,
+    /// After the k-th unanswered request an SP waits `retx_timeout_us << min(k, retx_backoff)`
+    /// before the next (at most 6), for links whose queues hold answers longer than
+    /// `retx_timeout_us`; a dead fabric then fails a chunk later (with 3 and the other
+    /// defaults: 30 + 60 + 120 + 6 x 240 ms = 1.65 s). 0, the default: a constant timeout
+    /// (8 x 30 ms = 240 ms), the paper's; in the namespace tree's runs a shaped link loaded
+    /// 10 x over its rate failed no allreduce with either (docs/BENCHMARKS.md, section S).
+    pub retx_backoff: u32,
     /// A block's leader gives it up after this many attempts. Its restarts back off (doubling
     /// up to 64 x 20 ms) while a member is late, so the default, 1000, waits for a member
     /// about 21 minutes late before the allreduce fails (`NetworkFailed`).
@@ -189,6 +196,7 @@ impl Default for CanaryParams {
             window: 8,
             retx_timeout_us: 30_000,
             max_requests: 8,
+            retx_backoff: 0,
             max_attempts: 1000,
             linger_ms: 10_000,
             static_trees: None,
@@ -462,9 +470,11 @@ impl Cluster {
                 || p.max_requests == 0
                 || p.max_attempts == 0
                 || p.static_trees == Some(0)
+                || p.retx_backoff > 6
             {
                 return bad(format!(
-                    "canary params {p:?}: block_bytes from 8 to 8192, the rest at least 1"
+                    "canary params {p:?}: block_bytes from 8 to 8192, retx_backoff at most 6, \
+                     the rest at least 1"
                 ));
             }
             for (i, l) in f.links.iter().enumerate() {
@@ -549,6 +559,32 @@ mod tests {
 
     fn cluster(nodes: u32, k: u32, layout: Layout) -> Cluster {
         crate::testing::cluster(nodes, k, layout, &[])
+    }
+
+    #[test]
+    fn canary_params_out_of_range_are_refused() {
+        let mut c = cluster(2, 1, Layout::Block);
+        c.canary = Some(CanaryFabric {
+            links: vec![],
+            params: CanaryParams::default(),
+        });
+        assert!(c.validate().is_ok());
+        let with = |f: &dyn Fn(&mut CanaryParams)| {
+            let mut c = c.clone();
+            f(&mut c.canary.as_mut().unwrap().params);
+            c.validate()
+        };
+        assert!(with(&|p| p.retx_backoff = 6).is_ok());
+        assert!(with(&|p| p.retx_backoff = 0).is_ok());
+        for bad in [
+            &(|p: &mut CanaryParams| p.retx_backoff = 7) as &dyn Fn(&mut CanaryParams),
+            &|p| p.block_bytes = 8200,
+            &|p| p.window = 0,
+            &|p| p.max_requests = 0,
+        ] {
+            let e = with(bad).unwrap_err().to_string();
+            assert!(e.contains("canary params"), "{e}");
+        }
     }
 
     #[test]

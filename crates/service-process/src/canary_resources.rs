@@ -172,6 +172,7 @@ impl CanaryResources {
             static_trees: p.static_trees,
             retx_timeout: p.retx_timeout_us * 1000,
             max_requests: p.max_requests,
+            retx_backoff: p.retx_backoff,
             restart_holdoff: p.retx_timeout_us * 1000 * 2 / 3,
             max_attempts: p.max_attempts,
             wait_for_late: true,

@@ -113,7 +113,7 @@ pub struct LaunchOpts {
     pub canary_shape: Option<String>,
     /// The SPs' Canary settings written into the description (`canary.params`), as JSON; the
     /// fields not given keep their defaults, e.g. '{"block_bytes":4096,"window":16}'
-    /// (block_bytes, window, retx_timeout_us, max_requests, max_attempts, linger_ms,
+    /// (block_bytes, window, retx_timeout_us, max_requests, retx_backoff, max_attempts, linger_ms,
     /// static_trees: K installs K static trees in the switches, the paper's baseline). On a
     /// loopback tree (no --canary-netns) blocks of 8192 bytes, 16 in flight, unless given:
     /// loopback does not fragment them, and they are 3.5x faster than the 1 KiB default.

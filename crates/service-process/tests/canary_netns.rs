@@ -141,6 +141,7 @@ fn a_namespace_tree_with_a_shaped_congested_link_reduces_exactly() {
                     static_trees: None,
                     retx_timeout: 30_000_000,
                     max_requests: 8,
+                    retx_backoff: 0,
                     restart_holdoff: 20_000_000,
                     max_attempts: 6,
                     wait_for_late: false,

@@ -162,6 +162,7 @@ fn host_cfg(coll: u32, reduce: Reduce, me: usize, len: usize) -> HostConfig {
         static_trees: None,
         retx_timeout: 30_000_000,
         max_requests: 8,
+        retx_backoff: 0,
         restart_holdoff: 20_000_000,
         max_attempts: 6,
         wait_for_late: false,

@@ -5,7 +5,8 @@
 //! block `b` is led by `members[b % n]` (each block its own root, §3.1.3), so the leader's
 //! address is the packet's destination. At most `window` blocks are in flight; each has a
 //! timer (`retx_timeout`); when it fires the host sends a retransmission request ([`Packet::Retx`])
-//! to the block's leader; after `max_requests` unanswered requests it fails the allreduce
+//! to the block's leader, waiting longer after each unanswered one (`retx_backoff`); after
+//! `max_requests` unanswered requests it fails the allreduce
 //! ([`HostError::LeaderUnreachable`]) rather than wait for ever. A [`Packet::Restart`] makes it
 //! send the block again under the new attempt (once per attempt).
 //!
@@ -67,6 +68,11 @@ pub struct HostConfig {
     pub static_trees: Option<u8>,
     pub retx_timeout: Nanos,
     pub max_requests: u32,
+    /// The wait after the `k`-th unanswered request is `retx_timeout << min(k, retx_backoff)`:
+    /// on a congested link the requests and the answers queue and drop too, and a constant
+    /// timeout gave up on live leaders (TCP backs its timeout off for the same reason). 0: a
+    /// constant timeout (the paper's behaviour, the simulator's).
+    pub retx_backoff: u32,
     pub restart_holdoff: Nanos,
     pub max_attempts: u16,
     /// Members may start late (MPI ranks arrive when they arrive; not the paper's setting):
@@ -355,7 +361,8 @@ impl Host {
                 self.fail(HostError::LeaderUnreachable { block: b });
                 break;
             }
-            let deadline = now + self.cfg.retx_timeout;
+            let deadline =
+                now + (self.cfg.retx_timeout << (requests + 1).min(self.cfg.retx_backoff));
             self.send[b as usize] = Send::Waiting {
                 requests: requests + 1,
                 deadline,

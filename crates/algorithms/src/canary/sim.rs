@@ -606,6 +606,7 @@ impl Sim {
                             },
                             retx_timeout: net.retx_timeout,
                             max_requests: net.max_requests,
+                            retx_backoff: 0,
                             restart_holdoff: net.restart_holdoff,
                             max_attempts: net.max_attempts,
                             wait_for_late: false,

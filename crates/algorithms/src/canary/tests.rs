@@ -49,6 +49,7 @@ fn star(n: usize, slots: usize, len: usize, seed: u64, tweak: impl Fn(&mut HostC
                 static_trees: None,
                 retx_timeout: 20_000,
                 max_requests: 16,
+                retx_backoff: 0,
                 restart_holdoff: 10_000,
                 max_attempts: 8,
                 wait_for_late: false,
@@ -338,6 +339,63 @@ fn a_late_member_is_waited_for_only_with_wait_for_late() {
             s.done.iter().any(|d| matches!(d, Some(Err(_)))),
             "the paper's hosts waited: {:?}",
             s.done
+        );
+    }
+}
+
+/// A silent leader: with `retx_backoff: 0` a member asks again every `retx_timeout` and gives
+/// up after `max_requests` (the paper's behaviour); with `retx_backoff: 3` the waits double
+/// up to 8 x and the member gives up later, after as many requests.
+#[test]
+fn unanswered_requests_back_off_only_when_asked() {
+    for (backoff, want) in [(0u32, vec![1u64; 6]), (3, vec![1, 2, 4, 8, 8, 8])] {
+        let t = 20_000;
+        let cfg = HostConfig {
+            coll: 9,
+            tag: 1,
+            reduce: SUM,
+            members: vec![1, 2],
+            me: 0,
+            len: 64,
+            block_bytes: 64,
+            window: 8,
+            static_trees: None,
+            retx_timeout: t,
+            max_requests: 5,
+            retx_backoff: backoff,
+            restart_holdoff: 10_000,
+            max_attempts: 8,
+            wait_for_late: false,
+        };
+        // Two blocks: block 0 is ours to lead, block 1 member 2's, who never answers.
+        let cfg = HostConfig { len: 128, ..cfg };
+        assert_eq!(cfg.leader_of(1), 1);
+        let input = vec![7u8; 128];
+        let mut h = Host::new(cfg);
+        let sent = h.start(0, &input);
+        assert!(sent.iter().any(|p| matches!(p, Packet::Reduce { .. })));
+        let (mut now, mut gaps, mut requests) = (0, vec![], 0);
+        while let Some(d) = h.next_deadline() {
+            gaps.push((d - now) / t);
+            now = d;
+            requests += h
+                .on_timer(now, &input)
+                .iter()
+                .filter(|p| matches!(p, Packet::Retx { .. }))
+                .count();
+            if h.finished() {
+                break;
+            }
+        }
+        assert_eq!(gaps, want, "backoff {backoff}");
+        assert_eq!(requests, 5, "backoff {backoff}");
+        let ev: Vec<_> = std::iter::from_fn(|| h.poll_event()).collect();
+        assert!(
+            ev.iter().any(|e| matches!(
+                e,
+                HostEvent::Failed(HostError::LeaderUnreachable { block: 1 })
+            )),
+            "backoff {backoff}: {ev:?}"
         );
     }
 }
