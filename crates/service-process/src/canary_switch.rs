@@ -136,8 +136,8 @@ pub struct SwitchOpts {
     pub queue_kib: u64,
     /// Each port's receive buffer (`SO_RCVBUF`; as root `SO_RCVBUFFORCE`, past
     /// `net.core.rmem_max`), the switch's input buffer: a burst beyond it is dropped by the
-    /// kernel (`RcvbufErrors` in /proc/net/snmp). The kernel's default (about 208 KiB, counted
-    /// with each datagram's overhead) drops a host window of 8 KiB blocks.
+    /// kernel, counted per port as `rcvbuf_drops`. The kernel's default (about 208 KiB,
+    /// counted with each datagram's overhead) dropped a window of 8 KiB blocks.
     #[arg(long, default_value_t = 4096)]
     pub rcvbuf_kib: usize,
     /// How long a port stays down after its peer answered ICMP unreachable, milliseconds.
