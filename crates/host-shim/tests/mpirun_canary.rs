@@ -11,46 +11,40 @@ use common::*;
 use integration_tests::{cmdline, launch_cmd, parent, pids_matching, run, Finished};
 use std::time::{Duration, Instant};
 
-/// The sum of counter `field` over the switches' `STATS` lines the launcher printed at the end
-/// (`canary-tree: switch ADDR STATS {...}`), and how many switches reported.
-fn switch_total(run: &Finished, field: &str) -> (u64, usize) {
-    let mut total = 0;
-    let mut n = 0;
-    for l in run.stderr.lines() {
-        let Some(json) = l
-            .strip_prefix("canary-tree: switch ")
-            .and_then(|r| r.split_once(" STATS "))
-            .map(|(_, j)| j)
-        else {
-            continue;
-        };
-        let v: serde_json::Value = serde_json::from_str(json).expect("a switch's STATS");
-        total += v[field]
-            .as_u64()
-            .unwrap_or_else(|| panic!("no {field} in {json}"));
-        n += 1;
-    }
-    (total, n)
+/// Every switch's `STATS` line the launcher printed at the end (`canary-tree: switch ADDR
+/// STATS {...}`), parsed.
+fn switch_stats(run: &Finished) -> Vec<serde_json::Value> {
+    run.stderr
+        .lines()
+        .filter_map(|l| {
+            l.strip_prefix("canary-tree: switch ")
+                .and_then(|r| r.split_once(" STATS "))
+        })
+        .map(|(_, json)| serde_json::from_str(json).expect("a switch's STATS"))
+        .collect()
 }
 
-/// Counter `field` of switch `addr`'s `STATS` line.
+/// Counter `field` of one switch's STATS.
+fn counter(v: &serde_json::Value, field: &str) -> u64 {
+    v[field]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no {field} in {v}"))
+}
+
+/// The sum of counter `field` over the switches' `STATS`, and how many switches reported.
+fn switch_total(run: &Finished, field: &str) -> (u64, usize) {
+    let all = switch_stats(run);
+    (all.iter().map(|v| counter(v, field)).sum(), all.len())
+}
+
+/// Counter `field` of switch `addr`'s `STATS`.
 fn switch_stat(run: &Finished, addr: u64, field: &str) -> u64 {
-    for l in run.stderr.lines() {
-        let Some(json) = l
-            .strip_prefix("canary-tree: switch ")
-            .and_then(|r| r.split_once(" STATS "))
-            .map(|(_, j)| j)
-        else {
-            continue;
-        };
-        let v: serde_json::Value = serde_json::from_str(json).expect("a switch's STATS");
-        if v["addr"].as_u64() == Some(addr) {
-            return v[field]
-                .as_u64()
-                .unwrap_or_else(|| panic!("no {field} in {json}"));
-        }
-    }
-    panic!("no STATS of switch {addr}\n{}", run.stderr)
+    let all = switch_stats(run);
+    let v = all
+        .iter()
+        .find(|v| v["addr"].as_u64() == Some(addr))
+        .unwrap_or_else(|| panic!("no STATS of switch {addr}\n{}", run.stderr));
+    counter(v, field)
 }
 
 /// `allreduce_check` (every predefined op and type, counts 0 to 3000, blocking and
