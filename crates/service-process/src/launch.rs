@@ -377,7 +377,12 @@ fn spawn_watchdog(
                     killed[i] = true;
                 }
             }
-            std::thread::sleep(period);
+            // In short steps: the launcher joins this thread when the job ends, and a whole
+            // period's sleep kept every job up to a second longer.
+            let until = Instant::now() + period;
+            while !stop.load(Ordering::Relaxed) && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(10));
+            }
         }
     })
 }
