@@ -173,7 +173,7 @@ pub struct CanaryParams {
     /// before the next (at most 6), for links whose queues hold answers longer than
     /// `retx_timeout_us`; a dead fabric then fails a chunk later (with 3 and the other
     /// defaults: 30 + 60 + 120 + 6 x 240 ms = 1.65 s). 0, the default: a constant timeout
-    /// (8 x 30 ms = 240 ms), the paper's; in the namespace tree's runs a shaped link loaded
+    /// (the first wait and 8 requests: 9 x 30 ms = 270 ms), the paper's; in the namespace tree's runs a shaped link loaded
     /// 10 x over its rate failed no allreduce with either (docs/BENCHMARKS.md, section S).
     pub retx_backoff: u32,
     /// A block's leader gives it up after this many attempts. Its restarts back off (doubling

@@ -61,7 +61,7 @@ impl WaitPolicy {
         static P: std::sync::OnceLock<WaitPolicy> = std::sync::OnceLock::new();
         *P.get_or_init(|| {
             WaitPolicy::parse(std::env::var("SPOFF_WAIT").ok().as_deref()).unwrap_or_else(|e| {
-                eprintln!("spoff: {e}; waiting with backoff");
+                crate::boundary::say!("{e}; waiting with backoff");
                 WaitPolicy::Backoff
             })
         })

@@ -221,8 +221,8 @@ struct Link {
 pub struct Daemon {
     m: Switch,
     links: Vec<Link>,
-    /// The receive buffer, kept between drains.
-    rxbuf: Vec<u8>,
+    /// The receive buffers (a datagram's and its control message's), kept between drains.
+    rx: RxBufs,
     queue_cap: u64,
     /// --qdisc-load: the reader, each port's device, the last reading and when it was made.
     qdisc: Option<QdiscLoad>,
@@ -231,6 +231,12 @@ pub struct Daemon {
     /// --drop-rate as a threshold of a u64 draw, and its generator.
     drop_below: u64,
     rng: algorithms::sim::rng::Rng,
+}
+
+#[derive(Default)]
+struct RxBufs {
+    data: Vec<u8>,
+    cmsg: Vec<u8>,
 }
 
 struct QdiscLoad {
@@ -375,7 +381,10 @@ impl Daemon {
         Ok(Daemon {
             m,
             links,
-            rxbuf: Vec::new(),
+            rx: RxBufs {
+                data: vec![0; MAX_DATA + 4096],
+                cmsg: nix::cmsg_space!(u32),
+            },
             qdisc,
             queue_cap: o.queue_kib * 1024,
             down_for: Duration::from_millis(o.down_ms),
@@ -414,9 +423,11 @@ impl Daemon {
                 let (queued, capacity) = match dev {
                     // A shaped link: its queue is the tbf's; this switch's own packets in it
                     // are in its backlog too.
-                    Some(d) if d.limit.is_some() => {
-                        (d.backlog + l.queued, d.limit.unwrap_or(0).max(1))
-                    }
+                    Some(&crate::qdisc::Qdisc {
+                        backlog,
+                        limit: Some(limit),
+                        ..
+                    }) => (backlog + l.queued, limit.max(1)),
                     Some(d) => (
                         d.backlog + outq(l.sock.as_raw_fd()) + l.queued,
                         l.sndbuf + cap,
@@ -514,22 +525,21 @@ impl Daemon {
 
     /// Receives everything waiting on port `p` and feeds it to the machine.
     fn drain(&mut self, p: usize) {
-        let mut buf = std::mem::take(&mut self.rxbuf);
-        buf.resize(MAX_DATA + 4096, 0);
-        self.drain_into(p, &mut buf);
-        self.rxbuf = buf;
+        // Out of `self` while the machine, which borrows `self`, takes each datagram.
+        let mut rx = std::mem::take(&mut self.rx);
+        self.drain_into(p, &mut rx);
+        self.rx = rx;
     }
 
-    /// One datagram of port `p` into `buf`: its length, and the kernel's count of the socket's
+    /// One datagram of port `p` into `rx`: its length, and the kernel's count of the socket's
     /// receive-buffer drops when it came with one.
-    fn recv_counted(&self, p: usize, buf: &mut [u8]) -> io::Result<(usize, Option<u32>)> {
+    fn recv_counted(&self, p: usize, rx: &mut RxBufs) -> io::Result<(usize, Option<u32>)> {
         use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
-        let mut cmsg = nix::cmsg_space!(u32);
-        let mut iov = [io::IoSliceMut::new(buf)];
+        let mut iov = [io::IoSliceMut::new(&mut rx.data)];
         let m = recvmsg::<()>(
             self.links[p].sock.as_raw_fd(),
             &mut iov,
-            Some(&mut cmsg),
+            Some(&mut rx.cmsg),
             MsgFlags::MSG_DONTWAIT,
         )
         .map_err(io::Error::from)?;
@@ -542,16 +552,16 @@ impl Daemon {
         Ok((m.bytes, drops))
     }
 
-    fn drain_into(&mut self, p: usize, buf: &mut [u8]) {
+    fn drain_into(&mut self, p: usize, rx: &mut RxBufs) {
         loop {
-            match self.recv_counted(p, buf) {
+            match self.recv_counted(p, rx) {
                 Ok((n, drops)) => {
                     if let Some(d) = drops {
                         self.links[p].c.rcvbuf_drops = u64::from(d);
                     }
                     self.links[p].c.rx += 1;
                     self.links[p].down_until = None;
-                    match Packet::decode(&buf[..n]) {
+                    match Packet::decode(&rx.data[..n]) {
                         Ok(pkt) => {
                             let loads = self.loads();
                             let now = self.now();

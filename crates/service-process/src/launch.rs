@@ -163,10 +163,10 @@ pub struct CanaryParamsArg {
 
 /// `--canary-params`' JSON.
 fn parse_canary_params(s: &str) -> Result<CanaryParamsArg, String> {
-    let params = serde_json::from_str(s).map_err(|e| format!("{s:?}: not Canary settings: {e}"))?;
-    let v: serde_json::Value = serde_json::from_str(s).map_err(|e| format!("{s:?}: {e}"))?;
+    let bad = |e: serde_json::Error| format!("{s:?}: not Canary settings: {e}");
+    let v: serde_json::Value = serde_json::from_str(s).map_err(bad)?;
     Ok(CanaryParamsArg {
-        params,
+        params: serde_json::from_value(v.clone()).map_err(bad)?,
         block_given: v.get("block_bytes").is_some(),
         window_given: v.get("window").is_some(),
     })

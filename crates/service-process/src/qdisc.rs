@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 
 const RTM_GETQDISC: u16 = 38;
 const RTM_NEWQDISC: u16 = 36;
@@ -115,20 +115,23 @@ pub fn parse_qdisc(body: &[u8]) -> Option<(i32, Qdisc)> {
 
 impl QdiscReader {
     pub fn new() -> io::Result<QdiscReader> {
-        // SAFETY: socket(2) with constant arguments; the fd is owned below.
-        let fd = unsafe {
-            libc::socket(
-                libc::AF_NETLINK,
-                libc::SOCK_RAW | libc::SOCK_CLOEXEC,
-                libc::NETLINK_ROUTE,
-            )
+        use nix::sys::socket::{
+            setsockopt, socket, sockopt, AddressFamily, SockFlag, SockProtocol, SockType,
         };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
+        let fd = socket(
+            AddressFamily::Netlink,
+            SockType::Raw,
+            SockFlag::SOCK_CLOEXEC,
+            SockProtocol::NetlinkRoute,
+        )?;
+        // A dump that never ends must not hold the switch's loop: a read gives up after this.
+        setsockopt(
+            &fd,
+            sockopt::ReceiveTimeout,
+            &nix::sys::time::TimeVal::new(0, 50_000),
+        )?;
         Ok(QdiscReader {
-            // SAFETY: a fresh fd of ours.
-            fd: unsafe { OwnedFd::from_raw_fd(fd) },
+            fd,
             seq: 0,
             buf: vec![0; 1 << 16],
         })
@@ -143,37 +146,21 @@ impl QdiscReader {
         req[6..8].copy_from_slice(&(NLM_F_REQUEST | NLM_F_DUMP).to_ne_bytes());
         req[8..12].copy_from_slice(&self.seq.to_ne_bytes());
         req[NLMSG_HDR] = libc::AF_UNSPEC as u8;
-        // SAFETY: a kernel address (all zero) and a buffer of its length.
-        let sent = unsafe {
-            let mut sa: libc::sockaddr_nl = std::mem::zeroed();
-            sa.nl_family = libc::AF_NETLINK as u16;
-            libc::sendto(
-                self.fd.as_raw_fd(),
-                req.as_ptr().cast(),
-                req.len(),
-                0,
-                (&sa as *const libc::sockaddr_nl).cast(),
-                std::mem::size_of::<libc::sockaddr_nl>() as u32,
-            )
-        };
-        if sent < 0 {
-            return Err(io::Error::last_os_error());
-        }
+        // To the kernel (port 0).
+        nix::sys::socket::sendto(
+            self.fd.as_raw_fd(),
+            &req,
+            &nix::sys::socket::NetlinkAddr::new(0, 0),
+            nix::sys::socket::MsgFlags::empty(),
+        )?;
         let mut out = HashMap::new();
         loop {
-            // SAFETY: recv(2) into our buffer, within its length.
-            let n = unsafe {
-                libc::recv(
-                    self.fd.as_raw_fd(),
-                    self.buf.as_mut_ptr().cast(),
-                    self.buf.len(),
-                    0,
-                )
-            };
-            if n < 0 {
-                return Err(io::Error::last_os_error());
-            }
-            let b = &self.buf[..n as usize];
+            let n = nix::sys::socket::recv(
+                self.fd.as_raw_fd(),
+                &mut self.buf,
+                nix::sys::socket::MsgFlags::empty(),
+            )?;
+            let b = &self.buf[..n];
             let mut at = 0;
             while at + NLMSG_HDR <= b.len() {
                 let len = u32_at(b, at).unwrap_or(0) as usize;
@@ -214,10 +201,8 @@ pub fn ifindex_of(ip: std::net::IpAddr) -> Option<i32> {
                     .is_some_and(|v6| std::net::IpAddr::V6(v6.ip()) == ip)
         });
         if matches {
-            let name = std::ffi::CString::new(a.interface_name).ok()?;
-            // SAFETY: a valid C string.
-            let i = unsafe { libc::if_nametoindex(name.as_ptr()) };
-            return (i > 0).then_some(i as i32);
+            let i = nix::net::if_::if_nametoindex(a.interface_name.as_str()).ok()?;
+            return i32::try_from(i).ok().filter(|&i| i > 0);
         }
     }
     None

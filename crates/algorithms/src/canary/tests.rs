@@ -356,7 +356,8 @@ fn unanswered_requests_back_off_only_when_asked() {
             reduce: SUM,
             members: vec![1, 2],
             me: 0,
-            len: 64,
+            // Two blocks: block 0 is ours to lead, block 1 member 2's, who never answers.
+            len: 128,
             block_bytes: 64,
             window: 8,
             static_trees: None,
@@ -367,8 +368,6 @@ fn unanswered_requests_back_off_only_when_asked() {
             max_attempts: 8,
             wait_for_late: false,
         };
-        // Two blocks: block 0 is ours to lead, block 1 member 2's, who never answers.
-        let cfg = HostConfig { len: 128, ..cfg };
         assert_eq!(cfg.leader_of(1), 1);
         let input = vec![7u8; 128];
         let mut h = Host::new(cfg);
