@@ -12,15 +12,19 @@ const STAGES: [&str; 7] = [
     "post", "accept", "issue", "copy", "complete", "notice", "total",
 ];
 
+/// An SP that sleeps until a message arrives reads no post ring: every post came on the
+/// socket.
 #[test]
 fn breakdown_has_every_stage_in_order_for_a_real_job() {
-    breakdown_for(&[]);
+    let stats = breakdown_for(&[]);
+    assert_eq!(stats["ring_posts"], 0, "{stats}");
 }
 
 /// The same with the SP busy-polling on a CPU of its own (`launch --sp-cpus` with a CPU per SP
 /// implies `serve --busy-poll`; every copy then runs on the polling thread): the results are
-/// still right, every stage is there, and the SP did poll (it looked and found nothing many
-/// times) rather than sleep.
+/// still right, every stage is there (the `post` stage of a post read from the shared-memory
+/// ring included), the SP did poll (it looked and found nothing many times) rather than sleep,
+/// and every post of the two ranks came through their post rings.
 #[test]
 fn breakdown_has_every_stage_in_order_with_a_busy_polling_sp() {
     let stats = breakdown_for(&["--sp-cpus", "1"]);
@@ -28,6 +32,7 @@ fn breakdown_has_every_stage_in_order_with_a_busy_polling_sp() {
         stats["empty_polls"].as_u64().is_some_and(|n| n > 0),
         "the SP did not poll: {stats}"
     );
+    assert_eq!(stats["ring_posts"], stats["posts"], "{stats}");
 }
 
 /// Runs the job with `extra` launcher arguments, checks the breakdowns, and returns the SP's

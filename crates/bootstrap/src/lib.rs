@@ -12,6 +12,7 @@ pub mod cluster;
 pub mod kinds;
 pub mod mailbox;
 pub mod placement;
+pub mod post_ring;
 pub mod rendezvous;
 pub mod stamps;
 #[doc(hidden)]

@@ -329,6 +329,9 @@ pub enum HostToSp {
         cores: Vec<u32>,
         mailbox: Grant,
         mailbox_slots: u32,
+        /// A post ring of this shape (`crate::post_ring`) travels with this frame as a file
+        /// descriptor (`SCM_RIGHTS`, a sealed memfd); `None`: posts come on the socket only.
+        post_ring: Option<crate::post_ring::RingShape>,
     },
     Post(Box<PostDesc>),
     /// The rank is finalizing: its state at the SP may go.
@@ -401,6 +404,9 @@ pub enum SpToHost {
         /// Why this SP cannot run the Canary allreduce (the cluster names no Canary link for
         /// it, its socket could not be opened); `None` when it can.
         canary_off: Option<String>,
+        /// Why this SP reads no post ring of this host (none offered, an SP that sleeps
+        /// until a message arrives, a descriptor it could not take); `None`: it reads it.
+        post_ring_off: Option<String>,
     },
     /// A refused request. `seq` names the post it concerns, if any; its mailbox slot (if it was
     /// valid) also gets an error status.

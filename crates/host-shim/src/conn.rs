@@ -266,6 +266,10 @@ pub struct Conn {
     /// When the SP last showed life: bytes read from it, or a post sent to it (which it
     /// answers with heartbeats while the post is outstanding).
     pub last_heard: std::time::Instant,
+    /// The post ring the SP reads, if it does (`post_ring.rs`).
+    ring: Option<crate::post_ring::ShimRing>,
+    /// Frames sent on the socket since the registration (each ring entry records it).
+    sock_frames: u64,
 }
 
 impl Conn {
@@ -278,7 +282,22 @@ impl Conn {
             remote,
             broken: None,
             last_heard: std::time::Instant::now(),
+            ring: None,
+            sock_frames: 0,
         }
+    }
+
+    /// The socket's descriptor if it is a Unix socket (which can pass descriptors).
+    pub fn unix_fd(&self) -> Option<RawFd> {
+        match &self.stream {
+            Socket::Unix(s) => Some(s.as_raw_fd()),
+            Socket::Tcp(_) => None,
+        }
+    }
+
+    /// Posts go through `ring` from now on, where they fit (the SP reads it).
+    pub fn set_ring(&mut self, ring: Option<crate::post_ring::ShimRing>) {
+        self.ring = ring;
     }
 
     /// Whether the SP cannot attach to this process's memory (see the module documentation):
@@ -310,6 +329,15 @@ impl Conn {
             return Err(why.clone());
         }
         let frame = wire::encode(msg);
+        if let (HostToSp::Post(_), Some(ring)) = (msg, self.ring.as_mut()) {
+            // The payload without its length prefix; one that does not fit, or a full ring,
+            // goes on the socket (the SP keeps the order: see `bootstrap::post_ring`).
+            if ring.push(self.sock_frames, &frame[4..]) {
+                self.last_heard = std::time::Instant::now();
+                return Ok(());
+            }
+        }
+        self.sock_frames += 1;
         if let Err(e) = NoSigPipe(&self.stream).write_all(&frame) {
             let why = format!(
                 "sending to the service process at {} failed: {e}",
@@ -447,6 +475,7 @@ mod tests {
             serves: wire::Serves::default(),
             mcast_off: None,
             canary_off: None,
+            post_ring_off: None,
         };
         (&peer).write_all(&wire::encode(&msg)).unwrap();
         drop(peer);

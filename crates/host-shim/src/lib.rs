@@ -81,6 +81,7 @@ mod kinds_agree;
 mod lifecycle;
 mod pack;
 mod post;
+mod post_ring;
 mod reduce;
 mod request;
 mod segment;

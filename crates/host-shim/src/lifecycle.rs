@@ -30,10 +30,12 @@ use alias_mkey::Rights;
 use bootstrap::auth::JobCredential;
 use bootstrap::mailbox::{DEFAULT_SLOTS, SLOT_BYTES};
 use bootstrap::placement::{self, NodeReport, NodeSource, REPORT_WORDS};
+use bootstrap::post_ring::RingShape;
 use bootstrap::wire::{Hello, HostHello, HostToSp, Serves, SpToHost};
 use bootstrap::{Cluster, Placement};
 use mpi_ffi as ffi;
 use mpi_ffi::consts;
+use std::os::fd::AsRawFd;
 use std::os::raw::c_int;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -848,12 +850,34 @@ fn register(
     let mut registrar = Registrar::new();
     let bytes = slots.max(1) as u64 * SLOT_BYTES;
     let mailbox = registrar.register(base as u64, bytes, Rights::READ_WRITE);
-    ch.send(&HostToSp::Register {
+    // A post ring where the SP shares this kernel and the socket can pass it (Unix).
+    let mut ring = None;
+    if crate::post_ring::wanted() && !conn.remote() && conn.unix_fd().is_some() {
+        match crate::post_ring::ShimRing::create(RingShape::default()) {
+            Ok(r) => ring = Some(r),
+            Err(why) if VERBOSE.load(Ordering::Acquire) => {
+                say!("rank {rank}: no post ring ({why}); posts go on the socket")
+            }
+            Err(_) => {}
+        }
+    }
+    let register = HostToSp::Register {
         cores: affinity_cores(),
         mailbox,
         mailbox_slots: slots,
-    })
-    .map_err(|e| at("sending registration", &e))?;
+        post_ring: ring.as_ref().map(|r| r.shape),
+    };
+    match (&ring, conn.unix_fd()) {
+        (Some(r), Some(sock)) => crate::post_ring::send_with_fd(
+            sock,
+            &bootstrap::wire::encode(&register),
+            r.fd.as_raw_fd(),
+        )
+        .map_err(|e| at("sending registration", &e.into()))?,
+        _ => ch
+            .send(&register)
+            .map_err(|e| at("sending registration", &e))?,
+    }
     let reply = ch
         .recv::<SpToHost>()
         .map_err(|e| at("waiting for registration", &e))?;
@@ -863,13 +887,23 @@ fn register(
             serves,
             mcast_off,
             canary_off,
+            post_ring_off,
             ..
-        } => (
-            segment.clone(),
-            *serves,
-            mcast_off.clone(),
-            canary_off.clone(),
-        ),
+        } => {
+            match (ring.take(), post_ring_off) {
+                (Some(r), None) => ring = Some(r),
+                (Some(_), Some(why)) if VERBOSE.load(Ordering::Acquire) => {
+                    say!("rank {rank}: the SP reads no post ring ({why}); posts go on the socket")
+                }
+                _ => {}
+            }
+            (
+                segment.clone(),
+                *serves,
+                mcast_off.clone(),
+                canary_off.clone(),
+            )
+        }
         SpToHost::Error { code, message, .. } => {
             return Err(format!(
                 "service process at {} refused the registration ({code:?}): {message}",
@@ -884,6 +918,9 @@ fn register(
         }
     };
     state::set_mailbox(base, slots);
+    drop(ch);
+    let mut conn = conn;
+    conn.set_ring(ring);
     Ok(Registered {
         conn,
         registrar,

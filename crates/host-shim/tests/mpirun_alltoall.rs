@@ -127,25 +127,32 @@ fn more_outstanding_collectives_than_mailbox_slots_do_not_deadlock() {
 /// type maps per rank with equal signatures, counts with zeros, `MPI_IN_PLACE` (on some ranks
 /// only too), sub-communicators, outstanding batches completed by every Wait/Test variant,
 /// ranks that finalize as soon as they are done; every byte compared with `PMPI_*`. Each
-/// configuration forces designs of the staged collectives. `make conformance` runs it at
-/// scale.
+/// configuration forces designs of the staged collectives; the last one has polling SPs
+/// (`serve --poll-us`), which read the ranks' posts from their shared-memory post rings, in
+/// order with what the ranks send on their sockets. `make conformance` runs it at scale.
 #[test]
 fn conformance_generator_matches_native_byte_for_byte() {
     let _serial = serial();
     let prog = prog("conform");
     let seed = integration_tests::seed();
-    for (i, (k, layout, bcast, iallgather)) in [
-        (1, "block", "flat", "lb"),
-        (2, "cyclic", "hier", "hier"),
-        (1, "cyclic", "hier", "flat"),
+    for (i, (k, layout, bcast, iallgather, polling)) in [
+        (1, "block", "flat", "lb", false),
+        (2, "cyclic", "hier", "hier", false),
+        (1, "cyclic", "hier", "flat", false),
+        (2, "block", "flat", "hier", true),
     ]
     .into_iter()
     .enumerate()
     {
         let s = (seed + i as u64).to_string();
+        let poll: &[&str] = if polling {
+            &["--sp-arg=--poll-us=50"]
+        } else {
+            &[]
+        };
         let run = launch_with(
             k,
-            &["--layout", layout],
+            &[&["--layout", layout], poll].concat(),
             &[
                 &prog,
                 "--cases",
@@ -163,10 +170,16 @@ fn conformance_generator_matches_native_byte_for_byte() {
             ],
         );
         let calls = assert_conform_offloaded(&run, &s.to_string(), NP, 121);
+        let ring = run.sp_total("ring_posts");
         eprintln!(
-            "conform seed {s}: {calls} calls offloaded, {} packed",
+            "conform seed {s}: {calls} calls offloaded, {} packed, {ring} through post rings",
             run.sp_total("posts_packed")
         );
+        if polling {
+            assert!(ring > 0, "no post came through a ring\n{}", run.stderr);
+        } else {
+            assert_eq!(ring, 0, "{}", run.stderr);
+        }
     }
 }
 
@@ -177,4 +190,8 @@ fn threads_offload_concurrently_on_their_own_communicators() {
     let run = launch(1, &[&prog], &[]);
     assert_offloaded(&run, "mt_check", 2);
     assert!(shim_lines(&run.stderr).is_empty(), "{}", run.stderr);
+    // Polling SPs: the threads' posts share their rank's post ring.
+    let run = launch_with(1, &["--sp-arg=--poll-us=50"], &[&prog], &[]);
+    assert_offloaded(&run, "mt_check", 2);
+    assert!(run.sp_total("ring_posts") > 0, "{}", run.stderr);
 }

@@ -7,6 +7,11 @@
 
 use bootstrap::wire::{FrameDecoder, FrameError};
 use std::io::{self, Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+
+/// Descriptors a connection keeps from what its peer passed (`SCM_RIGHTS` on a Unix socket):
+/// a host passes one, its post ring, with its `Register`; more are closed on arrival.
+pub const MAX_FDS_IN: usize = 2;
 
 pub enum Stream {
     Unix(mio::net::UnixStream),
@@ -65,6 +70,9 @@ pub struct Conn<R> {
     out_pos: usize,
     /// Most bytes this connection may have waiting to be written.
     out_limit: usize,
+    /// Descriptors passed with the bytes read so far and not taken yet (at most
+    /// [`MAX_FDS_IN`]).
+    pub fds_in: Vec<OwnedFd>,
 }
 
 impl<R> Conn<R> {
@@ -77,7 +85,43 @@ impl<R> Conn<R> {
             out: Vec::new(),
             out_pos: 0,
             out_limit: MAX_PENDING_OUT_BYTES,
+            fds_in: Vec::new(),
         }
+    }
+
+    /// Reads bytes; on a Unix socket also takes the descriptors passed with them (a
+    /// descriptor is never left to a plain `read`, which would drop it unseen).
+    fn recv(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let Stream::Unix(s) = &self.stream else {
+            return self.stream.read(buf);
+        };
+        use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags, UnixAddr};
+        let fd = s.as_raw_fd();
+        let mut iov = [io::IoSliceMut::new(buf)];
+        let mut space = nix::cmsg_space!([RawFd; MAX_FDS_IN]);
+        let msg = recvmsg::<UnixAddr>(
+            fd,
+            &mut iov,
+            Some(&mut space),
+            MsgFlags::MSG_CMSG_CLOEXEC | MsgFlags::MSG_DONTWAIT,
+        )
+        .map_err(io::Error::from)?;
+        let n = msg.bytes;
+        let mut got: Vec<RawFd> = Vec::new();
+        for c in msg.cmsgs().map_err(io::Error::from)? {
+            if let ControlMessageOwned::ScmRights(fds) = c {
+                got.extend(fds);
+            }
+        }
+        for raw in got {
+            // SAFETY: the kernel installed this descriptor in this process for us; nothing
+            // else owns it.
+            let owned = unsafe { OwnedFd::from_raw_fd(raw) };
+            if self.fds_in.len() < MAX_FDS_IN {
+                self.fds_in.push(owned);
+            }
+        }
+        Ok(n)
     }
 
     /// Lowers the most bytes this connection may leave unwritten (a host's messages are
@@ -109,7 +153,7 @@ impl<R> Conn<R> {
                 return Ok(ReadEnd::Open);
             }
             let want = self.decoder.wanted().min(buf.len());
-            match self.stream.read(&mut buf[..want]) {
+            match self.recv(&mut buf[..want]) {
                 Ok(0) => return Ok(ReadEnd::Closed),
                 Ok(n) => self.decoder.extend(&buf[..n]),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(ReadEnd::Open),
@@ -128,7 +172,7 @@ impl<R> Conn<R> {
     ) -> Result<ReadEnd, FrameError> {
         let mut buf = [0u8; 64 * 1024];
         loop {
-            match self.stream.read(&mut buf) {
+            match self.recv(&mut buf) {
                 Ok(0) => {
                     while let Some(f) = self.decoder.next_frame()? {
                         on_frame(f);

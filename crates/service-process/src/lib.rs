@@ -30,6 +30,7 @@ pub mod launch;
 pub mod launch_mpi;
 pub mod mcast;
 pub mod mesh;
+pub mod post_ring;
 pub mod qdisc;
 pub mod record;
 pub mod segment;

@@ -9,6 +9,8 @@ pub struct Stats {
     #[serde(flatten)]
     pub families: std::collections::BTreeMap<&'static str, u64>,
     pub posts: u64,
+    /// Of `posts`, those read from a host's post ring (shared memory) rather than its socket.
+    pub ring_posts: u64,
     /// Of `posts`, those whose host packed a side through its own staging (a non-contiguous
     /// datatype, or the send side of `MPI_IN_PLACE`).
     pub posts_packed: u64,

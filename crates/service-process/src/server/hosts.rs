@@ -2,6 +2,7 @@
 //! as alias keys, and what happens when one goes.
 
 use super::*;
+use bootstrap::post_ring::Next;
 
 impl Server {
     /// The first frame of a host connection: a rank's hello, or an admin request.
@@ -127,6 +128,8 @@ impl Server {
             mailbox: None,
             said_goodbye: false,
             outstanding: 0,
+            ring: None,
+            frames_in: 0,
         });
         self.send_frame(key, &frame(&encode_hello(&Hello::Welcome { sp: self.me })));
     }
@@ -163,6 +166,7 @@ impl Server {
                 cores: _,
                 mailbox,
                 mailbox_slots,
+                post_ring,
             } => {
                 let h = self.host(key);
                 if h.mailbox.is_some() {
@@ -200,8 +204,20 @@ impl Server {
                 let sp = self.me;
                 let node = self.cluster.sp(sp).map_or(0, |e| e.node);
                 let segment = access::segment_name(&self.key, alias.owner.job, node);
+                let ring = self.take_ring(key, post_ring);
+                let post_ring_off = ring.as_ref().err().cloned();
+                if let Err(why) = &ring {
+                    if post_ring.is_some() {
+                        let rank = self.host(key).hello.world_rank;
+                        self.client_warn(|| format!("rank {rank}'s post ring not read: {why}"));
+                    }
+                }
+                if ring.is_ok() {
+                    self.ring_hosts.push(key);
+                }
                 if let Role::Host(h) = &mut self.conns[key].role {
                     h.mailbox = Some((alias, mailbox_slots));
+                    h.ring = ring.ok();
                 }
                 let serves = self.serves(key);
                 self.send_frame(
@@ -216,6 +232,7 @@ impl Server {
                         canary_off: self
                             .resources
                             .unavailable(bootstrap::kinds::Family::InNetwork),
+                        post_ring_off,
                     }),
                 );
             }
@@ -226,6 +243,91 @@ impl Server {
                 }
             }
             HostToSp::CopyDone { ticket, ok } => self.on_host_copy_done(key, ticket, ok),
+        }
+    }
+
+    /// The post ring host `key` offered with its `Register`, mapped if this SP reads it; the
+    /// descriptors passed with the frame are taken (closed unless mapped).
+    fn take_ring(
+        &mut self,
+        key: usize,
+        shape: Option<bootstrap::post_ring::RingShape>,
+    ) -> Result<crate::post_ring::PostRing, String> {
+        let fd = std::mem::take(&mut self.conns[key].fds_in)
+            .into_iter()
+            .next();
+        let shape = shape.ok_or("no post ring offered")?;
+        let fd = fd.ok_or("a post ring offered without its descriptor")?;
+        if self.poll_interval.is_none() {
+            return Err(
+                "this SP sleeps until a message arrives (no --poll-us or --busy-poll): \
+                        posts go on the socket"
+                    .into(),
+            );
+        }
+        if !self.host(key).peer.serves_cma() {
+            return Err("this host does not share the SP's kernel".into());
+        }
+        crate::post_ring::PostRing::map(&fd, shape)
+    }
+
+    /// Takes the posts host `key` wrote in its ring that go before its next socket frame, in
+    /// order, as if they had come on the socket. A ring the host corrupted closes the
+    /// connection (its job aborts as for any rank that breaks its connection).
+    pub(super) fn drain_ring(&mut self, key: usize) {
+        loop {
+            let Some(Role::Host(h)) = self.conns.get_mut(key).map(|c| &mut c.role) else {
+                return;
+            };
+            let frames = h.frames_in;
+            let Some(ring) = h.ring.as_mut() else { return };
+            let payload = match ring.next(frames) {
+                Next::Empty | Next::AfterFrames(_) => return,
+                Next::Entry(p) => p,
+                Next::Corrupt(why) => {
+                    let rank = h.hello.world_rank;
+                    self.client_warn(|| format!("rank {rank}: {why}"));
+                    self.send_error(key, None, ErrorCode::BadDescriptor, why.clone());
+                    return self.close_conn(key, &why);
+                }
+            };
+            // The post is seen now (its `seen` stamp), as a socket frame is when read.
+            self.read_at_ns = bootstrap::stamps::now_ns();
+            self.stats.ring_posts += 1;
+            if let Some(rec) = &mut self.recorder {
+                rec.record("host", self.conns[key].serial, &payload);
+            }
+            match decode::<HostToSp>(&payload) {
+                Ok(HostToSp::Post(d)) => self.on_post(key, *d),
+                Ok(_) => {
+                    let why = "only posts may go in the post ring".to_string();
+                    self.send_error(key, None, ErrorCode::BadDescriptor, why.clone());
+                    return self.close_conn(key, &why);
+                }
+                Err(e) => {
+                    let rank = self.host(key).hello.world_rank;
+                    self.client_warn(|| {
+                        format!("undecodable post ring entry from rank {rank}: {e}")
+                    });
+                    self.send_error(key, None, ErrorCode::BadDescriptor, e.to_string());
+                }
+            }
+            if !self.inline_done.is_empty() {
+                self.on_copies_done();
+            }
+            if !self.conns.contains(key) || self.is_doomed(key) {
+                return;
+            }
+        }
+    }
+
+    /// Every post ring, once (a polling SP's pass).
+    pub(super) fn drain_rings(&mut self) {
+        let mut i = 0;
+        while i < self.ring_hosts.len() {
+            let key = self.ring_hosts[i];
+            self.drain_ring(key);
+            i += 1;
         }
     }
 
@@ -260,6 +362,7 @@ impl Server {
         }
         let mut conn = self.conns.remove(key);
         let _ = self.poll.registry().deregister(conn.stream.source());
+        self.ring_hosts.retain(|&k| k != key);
         match conn.role {
             Role::NewHost { peer, .. } => self.release_peer(&peer),
             Role::Peer(sp) => {

@@ -185,6 +185,11 @@ struct HostState {
     said_goodbye: bool,
     /// Posts of this connection not completed yet (bounded by `Limits::max_posts_per_rank`).
     outstanding: usize,
+    /// Its post ring, when it offered one this SP reads (see `bootstrap::post_ring`).
+    ring: Option<crate::post_ring::PostRing>,
+    /// Socket frames handled since its `Register` (the ring's entries name how many went
+    /// before each of them).
+    frames_in: u64,
 }
 
 /// A local rank's post of one instance: where its completion goes.
@@ -327,6 +332,8 @@ pub struct Server {
     resource_out: Vec<(SpId, SpToSp)>,
     /// See [`ServeConfig::poll_interval`].
     poll_interval: Option<Duration>,
+    /// Host connections whose post ring this SP reads, looked at on every pass.
+    ring_hosts: Vec<usize>,
     /// When the frames being handled were read (CLOCK_MONOTONIC ns, `bootstrap::stamps`): a
     /// post's `seen` stamp.
     read_at_ns: u64,
@@ -564,6 +571,7 @@ impl Server {
             ucx_moves: HashMap::new(),
             held: crate::held::Ledger::new(cfg.limits.held),
             poll_interval: cfg.poll_interval,
+            ring_hosts: Vec::new(),
             read_at_ns: 0,
             signals,
             start: Instant::now(),
@@ -695,6 +703,9 @@ impl Server {
                 }
                 self.close_doomed();
             }
+            // The posts the hosts wrote in their rings since the last pass (none without
+            // polling: only a polling SP reads rings).
+            self.drain_rings();
             // What the resources finished first: a driver's timer that comes due in the same
             // wake then sees it (a multicast cutoff sees the chunks that landed meanwhile).
             self.on_resource_events();

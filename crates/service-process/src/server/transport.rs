@@ -459,6 +459,21 @@ impl Server {
                 Some(false)
             }
         };
+        // A host's ring entries written before this frame go first; the frame counts once
+        // the host is registered (the ring's entries say how many went before them).
+        let registered = match &self.conns[key].role {
+            Role::Host(h) => h.mailbox.is_some(),
+            _ => false,
+        };
+        if registered {
+            self.drain_ring(key);
+            if !self.conns.contains(key) || self.is_doomed(key) {
+                return;
+            }
+            if let Role::Host(h) = &mut self.conns[key].role {
+                h.frames_in += 1;
+            }
+        }
         match role {
             None => self.on_host_hello(key, &payload),
             Some(true) => match decode::<HostToSp>(&payload) {

@@ -18,6 +18,7 @@ use alias_mkey::host::Registrar;
 use alias_mkey::{Grant, Rights};
 use bootstrap::auth::{ClusterKey, JobCredential};
 use bootstrap::mailbox;
+use bootstrap::post_ring::RingShape;
 use bootstrap::wire::{
     Channel, CollKind, ErrorCode, Hello, HostHello, HostToSp, PostDesc, SpToHost,
 };
@@ -183,9 +184,63 @@ pub fn register<S: std::io::Read + std::io::Write>(
         cores: vec![],
         mailbox: grant,
         mailbox_slots: slots,
+        post_ring: None,
     })
     .unwrap();
     ch.recv::<SpToHost>().unwrap()
+}
+
+/// Sends `frame` on `sock` with `fds` attached to its first byte (`SCM_RIGHTS`).
+pub fn send_with_fds(sock: &UnixStream, frame: &[u8], fds: Vec<&std::os::fd::OwnedFd>) {
+    use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+    use std::os::fd::AsRawFd;
+    let raw: Vec<i32> = fds.iter().map(|f| f.as_raw_fd()).collect();
+    let iov = [std::io::IoSlice::new(frame)];
+    let cmsg = [ControlMessage::ScmRights(&raw)];
+    let cmsgs: &[ControlMessage] = if raw.is_empty() { &[] } else { &cmsg };
+    let n = sendmsg::<()>(sock.as_raw_fd(), &iov, cmsgs, MsgFlags::empty(), None).unwrap();
+    assert_eq!(n, frame.len(), "one sendmsg sends the whole frame");
+}
+
+/// A post ring as the shim makes one: a memfd of `len` bytes (sealed with `seals`), mapped
+/// here for good; returns the descriptor, the producer writing into it (push only when `len`
+/// is `shape.bytes()`) and the mapping's address (for writing what no producer would).
+pub fn make_ring(
+    shape: RingShape,
+    len: usize,
+    seals: nix::fcntl::SealFlag,
+) -> (
+    std::os::fd::OwnedFd,
+    bootstrap::post_ring::Producer,
+    *mut u8,
+) {
+    use nix::sys::memfd::{memfd_create, MemFdCreateFlag};
+    use nix::sys::mman::{mmap, MapFlags, ProtFlags};
+    use std::os::fd::AsRawFd;
+    let fd = memfd_create(
+        c"test-post-ring",
+        MemFdCreateFlag::MFD_CLOEXEC | MemFdCreateFlag::MFD_ALLOW_SEALING,
+    )
+    .unwrap();
+    nix::unistd::ftruncate(&fd, len as i64).unwrap();
+    if !seals.is_empty() {
+        nix::fcntl::fcntl(fd.as_raw_fd(), nix::fcntl::FcntlArg::F_ADD_SEALS(seals)).unwrap();
+    }
+    // SAFETY: a new shared mapping of the whole file, never unmapped (leaked with the test).
+    let base = unsafe {
+        mmap(
+            None,
+            std::num::NonZeroUsize::new(len.max(1)).unwrap(),
+            ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+            MapFlags::MAP_SHARED,
+            &fd,
+            0,
+        )
+    }
+    .unwrap();
+    // SAFETY: page-aligned, zeroed, mapped for good; the only producer.
+    let producer = unsafe { bootstrap::post_ring::Producer::new(base.as_ptr().cast(), shape) };
+    (fd, producer, base.as_ptr().cast())
 }
 
 /// The message of `answer`, which must be an error reply with `code`; `what` names the case
@@ -218,6 +273,26 @@ impl Host {
         world_size: u32,
         p: bootstrap::Placement,
     ) -> Host {
+        match Host::connect_offering(set, job, world_rank, world_size, p, None) {
+            (h, SpToHost::Registered { sp, .. }) => {
+                assert_eq!(sp, p.sp);
+                h
+            }
+            (_, other) => panic!("register answered with {other:?}"),
+        }
+    }
+
+    /// As [`Host::connect_placed`], offering a post ring of `shape` with `fd` (if any) passed
+    /// beside the `Register` frame, as the shim does; returns the host and the SP's answer to
+    /// the registration.
+    pub fn connect_offering(
+        set: &SpSet,
+        job: u64,
+        world_rank: u32,
+        world_size: u32,
+        p: bootstrap::Placement,
+        ring: Option<(RingShape, Option<&std::os::fd::OwnedFd>)>,
+    ) -> (Host, SpToHost) {
         let path = &set.cluster.sp(p.sp).unwrap().host_socket;
         let s = UnixStream::connect(path).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
@@ -244,11 +319,20 @@ impl Host {
             SLOTS as u64 * mailbox::SLOT_BYTES,
             Rights::READ_WRITE,
         );
-        match register(&mut ch, grant, SLOTS) {
-            SpToHost::Registered { sp, .. } => assert_eq!(sp, p.sp),
-            other => panic!("register answered with {other:?}"),
-        }
-        Host {
+        let answer = match ring {
+            None => register(&mut ch, grant, SLOTS),
+            Some((shape, fd)) => {
+                let frame = bootstrap::wire::encode(&HostToSp::Register {
+                    cores: vec![],
+                    mailbox: grant,
+                    mailbox_slots: SLOTS,
+                    post_ring: Some(shape),
+                });
+                send_with_fds(ch.get_ref(), &frame, fd.into_iter().collect());
+                ch.recv::<SpToHost>().unwrap()
+            }
+        };
+        let host = Host {
             ch,
             world_rank,
             sp: p.sp,
@@ -259,7 +343,27 @@ impl Host {
             copy_targets: Default::default(),
             copies_served: 0,
             completed: Default::default(),
-        }
+        };
+        (host, answer)
+    }
+
+    /// Fills in slot and token and writes the post into `ring` (as after `sock_frames` frames
+    /// on the socket since the registration); returns (slot, token).
+    pub fn post_in_ring(
+        &mut self,
+        ring: &mut bootstrap::post_ring::Producer,
+        sock_frames: u64,
+        mut d: PostDesc,
+    ) -> (u32, u64) {
+        let token = self.next_token;
+        self.next_token += 1;
+        d.token = token;
+        let frame = bootstrap::wire::encode(&HostToSp::Post(Box::new(d.clone())));
+        assert!(
+            ring.push(sock_frames, &frame[4..]),
+            "the post fits the ring"
+        );
+        (d.slot.expect("the tests post with a mailbox slot"), token)
     }
 
     /// Connects every rank of a `world_size` job, in world-rank order.

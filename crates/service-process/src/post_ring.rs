@@ -1,0 +1,86 @@
+//! The SP's end of a host's post ring (`bootstrap::post_ring`): the descriptor the rank
+//! passed with its `Register`, checked and mapped.
+//!
+//! The descriptor is the rank's own: passed over its socket (`SCM_RIGHTS`), it carries the
+//! access the rank opened it with, so the SP never reaches memory on the rank's behalf that
+//! the rank could not reach itself (a read-only or non-shared file fails the mapping). What
+//! the SP requires before mapping it:
+//! - a file that takes seals (a memfd, or shmem) sealed against shrinking: truncated under the
+//!   SP's mapping it would fault (`SIGBUS`) in the SP's loop;
+//! - exactly the size of the shape the rank offered, itself within `RingShape::check`.
+//!
+//! Everything in the mapping is the rank's to change at any time; `Consumer` copies and
+//! checks what it reads.
+
+use bootstrap::post_ring::{Consumer, Next, RingShape};
+use nix::fcntl::{fcntl, FcntlArg, SealFlag};
+use nix::sys::mman::{mmap, munmap, MapFlags, ProtFlags};
+use std::num::NonZeroUsize;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::ptr::NonNull;
+
+/// A host's post ring, mapped for the connection's life.
+pub struct PostRing {
+    base: NonNull<std::ffi::c_void>,
+    len: usize,
+    consumer: Consumer,
+}
+
+// SAFETY: the mapping is owned by this value alone and unmapped once, in `drop`.
+unsafe impl Send for PostRing {}
+
+impl PostRing {
+    /// Checks `fd` as the ring of `shape` and maps it. Errors say why, for the host.
+    pub fn map(fd: &OwnedFd, shape: RingShape) -> Result<PostRing, String> {
+        shape.check()?;
+        let seals = fcntl(fd.as_raw_fd(), FcntlArg::F_GET_SEALS)
+            .map_err(|e| format!("the post ring's descriptor takes no seals (not a memfd): {e}"))?;
+        let seals = SealFlag::from_bits_truncate(seals);
+        if !seals.contains(SealFlag::F_SEAL_SHRINK) {
+            return Err("the post ring's memfd is not sealed against shrinking".into());
+        }
+        let st = nix::sys::stat::fstat(fd.as_raw_fd())
+            .map_err(|e| format!("fstat of the post ring: {e}"))?;
+        let len = shape.bytes();
+        if st.st_size as u64 != len as u64 {
+            return Err(format!(
+                "the post ring's memfd holds {} bytes, not the {len} of {} slots of {} bytes",
+                st.st_size, shape.slots, shape.entry_bytes
+            ));
+        }
+        let nz = NonZeroUsize::new(len).expect("a ring has a header");
+        // SAFETY: a new shared mapping of a file sealed against shrinking, of exactly its
+        // size: no existing memory is affected and no access can fault.
+        let base = unsafe {
+            mmap(
+                None,
+                nz,
+                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                MapFlags::MAP_SHARED,
+                fd,
+                0,
+            )
+        }
+        .map_err(|e| format!("cannot map the post ring: {e}"))?;
+        // SAFETY: page-aligned (mmap), `len` = shape.bytes() bytes, mapped until `drop`.
+        let consumer = unsafe { Consumer::new(base.as_ptr().cast(), shape) };
+        Ok(PostRing {
+            base,
+            len,
+            consumer,
+        })
+    }
+
+    /// The next post the SP may take after `frames_handled` socket frames of the host.
+    pub fn next(&mut self, frames_handled: u64) -> Next {
+        self.consumer.next(frames_handled)
+    }
+}
+
+impl Drop for PostRing {
+    fn drop(&mut self) {
+        // SAFETY: mapped in `map` with this length, unmapped only here; the consumer that
+        // points into it goes with `self`.
+        let _ = unsafe { munmap(self.base, self.len) };
+    }
+}

@@ -1,0 +1,304 @@
+//! The post ring (`bootstrap::post_ring`) against a real SP: posts written in shared memory
+//! complete as socket posts do and keep their order with the host's socket frames; a ring the
+//! SP cannot trust is refused at registration with its reason (the host's posts then go on the
+//! socket); a ring corrupted later closes the connection with a clear error.
+
+mod common;
+
+use bootstrap::mailbox::STATUS_OK;
+use bootstrap::post_ring::{RingShape, HEADER_BYTES};
+use bootstrap::wire::{ErrorCode, HostToSp, PostDesc, SpToHost};
+use bootstrap::Layout;
+use common::alltoallv::make_op;
+use common::*;
+use nix::fcntl::SealFlag;
+use std::os::fd::OwnedFd;
+
+/// Polling SPs read rings; napping between looks keeps the test's CPU use low.
+const POLLING: &[&str] = &["--poll-us", "20"];
+
+fn sealed() -> SealFlag {
+    SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SEAL
+}
+
+fn placement(set: &SpSet, rank: u32, world: u32) -> bootstrap::Placement {
+    set.cluster.placement(rank, world).unwrap()
+}
+
+fn ring_off(answer: &SpToHost) -> Option<String> {
+    match answer {
+        SpToHost::Registered { post_ring_off, .. } => post_ring_off.clone(),
+        other => panic!("register answered with {other:?}"),
+    }
+}
+
+/// Randomized alltoallvs between two ranks, each post going through the ring or the socket
+/// at random: every one completes with the bytes a direct alltoallv gives, and the SP counts
+/// the ring's.
+#[test]
+fn posts_in_the_ring_complete_like_posts_on_the_socket() {
+    let seed = test_seed();
+    let mut rng = Rng(seed);
+    let mut set = SpSet::start_with(1, 1, 2, Layout::Block, POLLING);
+    let job = new_job();
+    let shape = RingShape {
+        slots: 2 + rng.below(6) as u32,
+        entry_bytes: 1024,
+    };
+    let mut hosts = vec![];
+    let mut rings = vec![];
+    for r in 0..2 {
+        let (fd, producer, _) = make_ring(shape, shape.bytes(), sealed());
+        let (h, answer) = Host::connect_offering(
+            &set,
+            job,
+            r,
+            2,
+            placement(&set, r, 2),
+            Some((shape, Some(&fd))),
+        );
+        assert_eq!(ring_off(&answer), None, "rank {r}: the SP reads the ring");
+        hosts.push(h);
+        rings.push((producer, 0u64, fd));
+    }
+    let comm = algorithms::CommId { leader: 0, id: 1 };
+    let mut by_ring = 0;
+    for seq in 0..24u64 {
+        let op = make_op(&mut rng, comm, seq, vec![0, 1], 2000);
+        let members: Vec<u32> = vec![hosts[0].sp, hosts[1].sp];
+        let mut posted = vec![];
+        for r in 0..2 {
+            let slot = (seq % SLOTS as u64) as u32;
+            let d = op.desc_for(&mut hosts[r], &members, r, slot);
+            let (slot, token) = if rng.below(3) > 0 {
+                by_ring += 1;
+                let (p, frames, _) = &mut rings[r];
+                hosts[r].post_in_ring(p, *frames, d)
+            } else {
+                rings[r].1 += 1;
+                hosts[r].post(d)
+            };
+            posted.push((r, slot, token));
+        }
+        assert_completed(&hosts, &posted, STATUS_OK, &format!("seq {seq}"));
+        op.check();
+    }
+    let stats = set.stats_after_goodbyes(hosts);
+    assert_eq!(sum(&stats, "ring_posts"), by_ring, "{stats:?}");
+    assert_eq!(sum(&stats, "posts"), 48);
+}
+
+/// A post the SP refuses (its mailbox slot outside the registered ones), with `seq`.
+fn bad_post(h: &mut Host, seq: u64) -> PostDesc {
+    let buf: &'static [u8] = Box::leak(vec![0u8; 8].into_boxed_slice());
+    let g = h.grant(buf, alias_mkey::Rights::READ_WRITE);
+    desc(
+        algorithms::CommId { leader: 0, id: 9 },
+        seq,
+        0,
+        vec![0],
+        SLOTS + 7,
+        g.clone(),
+        g,
+        (vec![0], vec![0], vec![0], vec![0]),
+    )
+}
+
+/// Ring entries and socket frames interleaved: the SP's refusals (one per post, on the
+/// socket) come back in the order the host wrote the posts, whichever path each took.
+#[test]
+fn ring_entries_keep_their_place_among_socket_frames() {
+    let seed = test_seed();
+    let mut rng = Rng(seed);
+    let set = SpSet::start_with(1, 1, 1, Layout::Block, POLLING);
+    let shape = RingShape::default();
+    let (fd, mut producer, _) = make_ring(shape, shape.bytes(), sealed());
+    let (mut h, answer) = Host::connect_offering(
+        &set,
+        new_job(),
+        0,
+        1,
+        placement(&set, 0, 1),
+        Some((shape, Some(&fd))),
+    );
+    assert_eq!(ring_off(&answer), None);
+    let mut frames = 0u64;
+    let mut seq = 0u64;
+    let mut ring_used = 0;
+    for round in 0..30 {
+        // A burst written faster than the SP looks: entries and frames in a random order.
+        let n = 2 + rng.below(6);
+        let mut want = vec![];
+        for _ in 0..n {
+            seq += 1;
+            if rng.below(2) == 0 {
+                let frame =
+                    bootstrap::wire::encode(&HostToSp::Post(Box::new(bad_post(&mut h, seq))));
+                assert!(producer.push(frames, &frame[4..]));
+                ring_used += 1;
+            } else {
+                let d = bad_post(&mut h, seq);
+                h.ch.send(&HostToSp::Post(Box::new(d))).unwrap();
+                frames += 1;
+            }
+            want.push(seq);
+        }
+        let mut got = vec![];
+        while got.len() < want.len() {
+            match h.ch.recv::<SpToHost>().unwrap() {
+                SpToHost::Error {
+                    seq: Some(s),
+                    code: ErrorCode::BadDescriptor,
+                    ..
+                } => got.push(s),
+                SpToHost::Heartbeat => {}
+                other => panic!("round {round}: {other:?}"),
+            }
+        }
+        assert_eq!(
+            got, want,
+            "round {round}: refusals out of the order of the posts"
+        );
+    }
+    assert!(ring_used > 10, "the ring carried {ring_used} posts");
+}
+
+/// Offers the SP cannot take: the registration succeeds and says why the ring is not read.
+#[test]
+fn a_ring_the_sp_cannot_trust_is_refused_with_its_reason() {
+    let set = SpSet::start_with(1, 1, 1, Layout::Block, POLLING);
+    let shape = RingShape::default();
+    let (pipe_r, _pipe_w) = nix::unistd::pipe().unwrap();
+    let unsealed = make_ring(shape, shape.bytes(), SealFlag::empty()).0;
+    let short = make_ring(shape, shape.bytes() - 4096, sealed()).0;
+    let good = make_ring(shape, shape.bytes(), sealed()).0;
+    // The rank's own descriptor, opened read-only: the SP must not gain the write access
+    // the rank does not pass.
+    let read_only: OwnedFd = std::fs::File::open(format!(
+        "/proc/self/fd/{}",
+        std::os::fd::AsRawFd::as_raw_fd(&good)
+    ))
+    .unwrap()
+    .into();
+    let bad_shape = RingShape {
+        slots: 0,
+        entry_bytes: 1024,
+    };
+    let cases: Vec<(&str, RingShape, Option<&OwnedFd>, &str)> = vec![
+        ("no descriptor", shape, None, "without its descriptor"),
+        ("a pipe", shape, Some(&pipe_r), "takes no seals"),
+        (
+            "an unsealed memfd",
+            shape,
+            Some(&unsealed),
+            "not sealed against shrinking",
+        ),
+        ("a memfd of the wrong size", shape, Some(&short), "holds"),
+        (
+            "a read-only descriptor",
+            shape,
+            Some(&read_only),
+            "cannot map",
+        ),
+        ("a shape out of bounds", bad_shape, Some(&good), "slots"),
+    ];
+    for (i, (what, shape, fd, says)) in cases.into_iter().enumerate() {
+        let (_h, answer) = Host::connect_offering(
+            &set,
+            new_job(),
+            0,
+            1,
+            placement(&set, 0, 1),
+            Some((shape, fd)),
+        );
+        let why = ring_off(&answer).unwrap_or_else(|| panic!("case {i} ({what}): ring taken"));
+        assert!(why.contains(says), "case {i} ({what}): {why}");
+    }
+    // An SP that sleeps until a message arrives reads no ring.
+    drop(set);
+    let set = SpSet::start(1, 1, 1, Layout::Block);
+    let (_h, answer) = Host::connect_offering(
+        &set,
+        new_job(),
+        0,
+        1,
+        placement(&set, 0, 1),
+        Some((shape, Some(&good))),
+    );
+    let why = ring_off(&answer).expect("a sleeping SP reads no ring");
+    assert!(why.contains("sleeps"), "{why}");
+}
+
+/// A tail no producer could have written, or an entry that is not a post: the SP says why and
+/// closes the connection; it goes on serving other hosts.
+#[test]
+fn a_corrupted_ring_closes_the_connection() {
+    let set = SpSet::start_with(1, 1, 2, Layout::Block, POLLING);
+    let shape = RingShape {
+        slots: 8,
+        entry_bytes: 512,
+    };
+    type Corrupt = fn(&mut bootstrap::post_ring::Producer, *mut u8);
+    let cases: [(&str, Corrupt, &str); 3] = [
+        (
+            "tail far ahead",
+            |_, base| unsafe { (base as *mut u64).write_volatile(1000) },
+            "tail",
+        ),
+        (
+            "entry longer than a slot",
+            |_, base| unsafe {
+                (base.add(HEADER_BYTES + 8) as *mut u32).write_volatile(4096);
+                (base as *mut u64).write_volatile(1);
+            },
+            "bytes",
+        ),
+        (
+            "not a post",
+            |p, _| {
+                let f = bootstrap::wire::encode(&HostToSp::Goodbye);
+                assert!(p.push(0, &f[4..]));
+            },
+            "only posts",
+        ),
+    ];
+    for (what, corrupt, says) in cases {
+        let job = new_job();
+        let (fd, mut producer, base) = make_ring(shape, shape.bytes(), sealed());
+        let (mut h, answer) = Host::connect_offering(
+            &set,
+            job,
+            0,
+            1,
+            placement(&set, 0, 1),
+            Some((shape, Some(&fd))),
+        );
+        assert_eq!(ring_off(&answer), None);
+        corrupt(&mut producer, base);
+        match h.ch.recv::<SpToHost>() {
+            Ok(SpToHost::Error {
+                code: ErrorCode::BadDescriptor,
+                message,
+                ..
+            }) => assert!(message.contains(says), "{what}: {message}"),
+            other => panic!("{what}: expected a refusal, got {other:?}"),
+        }
+        assert!(
+            h.ch.recv::<SpToHost>().is_err(),
+            "{what}: the connection stays open"
+        );
+    }
+    // The SP still serves a job on the socket.
+    let job = new_job();
+    let mut hosts = Host::connect_all(&set, job, 2);
+    let op = make_op(
+        &mut Rng(5),
+        algorithms::CommId { leader: 0, id: 3 },
+        0,
+        vec![0, 1],
+        100,
+    );
+    let posted = op.post(&mut hosts, &|w| w as usize, 1);
+    assert_completed(&hosts, &posted, STATUS_OK, "after the corrupted rings");
+    op.check();
+}
