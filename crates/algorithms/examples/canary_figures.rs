@@ -3,7 +3,7 @@
 //!
 //! `cargo run --release -p algorithms --example canary_figures -- [--fig 7a|8|9|10a]
 //!  [--placements 5] [--seed S] [--points a,b,c] [--leaves 32] [--algos ring,st1,st4,canary]
-//!  [--window blocks] [--timeout ns] [--buffer bytes] [--unicast adaptive|static]`
+//!  [--window blocks] [--timeout ns] [--buffer bytes] [--unicast adaptive|static] [--out-buf bytes]`
 
 use std::time::Instant;
 
@@ -21,6 +21,7 @@ struct Args {
     timeout: Option<u64>,
     buffer: Option<u64>,
     bg_static: bool,
+    out_buf: Option<u64>,
 }
 
 fn args() -> Args {
@@ -35,6 +36,7 @@ fn args() -> Args {
         timeout: None,
         buffer: None,
         bg_static: false,
+        out_buf: None,
     };
     let v: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -49,6 +51,7 @@ fn args() -> Args {
             "--window" => a.window = Some(val.parse().expect("--window blocks")),
             "--timeout" => a.timeout = Some(val.parse().expect("--timeout ns")),
             "--buffer" => a.buffer = Some(val.parse().expect("--buffer bytes")),
+            "--out-buf" => a.out_buf = Some(val.parse().expect("--out-buf bytes")),
             "--algos" => a.algos = Some(val.split(',').map(String::from).collect()),
             "--unicast" => {
                 a.bg_static = match val.as_str() {
@@ -165,8 +168,9 @@ fn main() {
     net.timeout = a.timeout.unwrap_or(net.timeout);
     net.buffer = a.buffer.unwrap_or(net.buffer);
     net.unicast_adaptive = !a.bg_static;
+    net.out_buf = a.out_buf;
     println!(
-        "# fig {} | {} leaves x {} hosts, {} spines, {} Gb/s, {} ns/hop, {} KiB credits/link, canary window {} ns, background/ring up-ports {} | placements {} seed {}",
+        "# fig {} | {} leaves x {} hosts, {} spines, {} Gb/s, {} ns/hop, {} KiB credits/link, canary window {} ns, background/ring up-ports {}, up-port rule reads {} | placements {} seed {}",
         a.fig,
         net.leaves,
         net.hosts_per_leaf,
@@ -176,6 +180,10 @@ fn main() {
         net.buffer / 1024,
         net.timeout,
         if net.unicast_adaptive { "adaptive" } else { "static (dest mod k)" },
+        match net.out_buf {
+            Some(b) => format!("queues capped at a {b}-byte output buffer"),
+            None => "whole queues".into(),
+        },
         a.placements,
         a.seed
     );

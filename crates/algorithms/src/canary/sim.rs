@@ -125,6 +125,13 @@ pub struct NetConfig {
     /// default); `false` keeps them on the default port while its link is up (a what-if:
     /// deterministic `dest mod k` routing for everything but Canary).
     pub unicast_adaptive: bool,
+    /// The output buffer the up-port rule reads, bytes (SST merlin's `output_buf_size`):
+    /// `Some(b)`: a port's occupancy is its queued bytes capped at `b` and the rule's
+    /// threshold is half of `b`, so ports whose queues are all past `b` look equal and the
+    /// default port wins the tie (merlin keeps the backlog beyond its output buffer in its
+    /// input buffers, which the rule does not see). `None` (the default): the whole queue,
+    /// against `buffer`.
+    pub out_buf: Option<u64>,
     /// Simulated time after which the run is declared hung.
     pub max_time: Nanos,
 }
@@ -150,6 +157,7 @@ impl Default for NetConfig {
             max_attempts: 6,
             bg_msg: 64 * 1024,
             unicast_adaptive: true,
+            out_buf: None,
             max_time: 1_000_000_000,
         }
     }
@@ -264,6 +272,11 @@ struct QItem {
     /// The link whose credit this packet holds, (node, port) of the sender, and how many
     /// bytes of it (a copy of a broadcast holds its share of the packet it came from).
     credit: Option<(u32, u16, u64)>,
+}
+
+/// What the up-port rule sees of a queue of `bytes` ([`NetConfig::out_buf`]).
+fn sensed(bytes: u64, out_buf: Option<u64>) -> u64 {
+    out_buf.map_or(bytes, |b| bytes.min(b))
 }
 
 struct PortQ {
@@ -450,7 +463,7 @@ impl Sim {
         };
         let load = PortLoad {
             queued: 0,
-            capacity: net.buffer,
+            capacity: net.out_buf.unwrap_or(net.buffer),
             up: true,
         };
         let mut nodes = Vec::with_capacity(nh + nl + ns);
@@ -693,7 +706,7 @@ impl Sim {
         }
         q.bytes += wire;
         if let Some(l) = n.loads.get_mut(port as usize) {
-            l.queued = q.bytes;
+            l.queued = sensed(q.bytes, self.net.out_buf);
         }
         self.try_send(node, port);
     }
@@ -731,7 +744,7 @@ impl Sim {
         }
         let peer = q.peer;
         if let Some(l) = n.loads.get_mut(port as usize) {
-            l.queued = q.bytes;
+            l.queued = sensed(q.bytes, self.net.out_buf);
         }
         let ser = self.ser(it.wire);
         let now = self.now;
@@ -1382,6 +1395,64 @@ mod tests {
                 assert_ne!(got, def, "dst {dst}");
                 assert_eq!(sim.nodes[node as usize].loads[got].queued, 0, "dst {dst}");
             }
+        }
+    }
+
+    /// With `out_buf` set, the up-port rule sees each queue capped at that output buffer: two
+    /// ports past it look equal and the default wins, where the whole queues send the packet
+    /// to the shorter one.
+    #[test]
+    fn a_bounded_output_buffer_hides_the_backlog_from_the_up_port_rule() {
+        for seed in 1..4u64 {
+            println!("seed {seed}");
+            let mut rng = Rng::new(seed);
+            let (nl, ns) = (2 + rng.below(4) as usize, 2 + rng.below(5) as usize);
+            let cap = 2048 + rng.below(4) * 1024;
+            let hpl = nl;
+            let dst = (hpl + rng.below((nl * hpl - hpl) as u64) as usize) as u32;
+            let def = hpl + dst as usize % ns;
+            let other = hpl + (def - hpl + 1) % ns;
+            let (n_def, n_other) = (64 + rng.below(8), 34 + rng.below(4));
+            let mut picks = Vec::new();
+            for out_buf in [Some(cap), None] {
+                let sc = Scenario {
+                    net: NetConfig {
+                        out_buf,
+                        ..net(nl, ns)
+                    },
+                    algo: Algo::Ring,
+                    jobs: vec![],
+                    background: vec![],
+                    faults: Faults::default(),
+                    seed,
+                };
+                let mut sim = Sim::build(&sc);
+                let node = sim.leaf_node(0);
+                // The default port gets a backlog past half of `buffer`, the other a shorter
+                // one, both past the cap; every other up-port is down.
+                for (p, n) in [(def, n_def), (other, n_other)] {
+                    for _ in 0..n {
+                        sim.enqueue(node, p as u16, Pkt::Bg { dst }, None);
+                    }
+                    let q = &sim.nodes[node as usize].ports[p];
+                    let l = sim.nodes[node as usize].loads[p];
+                    assert!(q.bytes > cap, "the backlog passes the cap");
+                    assert_eq!(l.queued, sensed(q.bytes, out_buf));
+                    assert_eq!(l.capacity, out_buf.unwrap_or(sim.net.buffer));
+                }
+                assert!(sim.nodes[node as usize].ports[def].bytes * 2 > sim.net.buffer);
+                for p in hpl..hpl + ns {
+                    if p != def && p != other {
+                        sim.nodes[node as usize].loads[p].up = false;
+                    }
+                }
+                picks.push(sim.route(node, dst).unwrap() as usize);
+            }
+            assert_eq!(
+                picks,
+                vec![def, other],
+                "dst {dst}: capped, then whole queues"
+            );
         }
     }
 
