@@ -18,13 +18,15 @@ const STAGES: [&str; 7] = [
 fn breakdown_has_every_stage_in_order_for_a_real_job() {
     let stats = breakdown_for(&[]);
     assert_eq!(stats["ring_posts"], 0, "{stats}");
+    assert_eq!(stats["ring_completions"], 0, "{stats}");
 }
 
 /// The same with the SP busy-polling on a CPU of its own (`launch --sp-cpus` with a CPU per SP
 /// implies `serve --busy-poll`; every copy then runs on the polling thread): the results are
 /// still right, every stage is there (the `post` stage of a post read from the shared-memory
 /// ring included), the SP did poll (it looked and found nothing many times) rather than sleep,
-/// and every post of the two ranks came through their post rings.
+/// and every post of the two ranks came through their post rings and every completion went
+/// into the mailboxes inside them.
 #[test]
 fn breakdown_has_every_stage_in_order_with_a_busy_polling_sp() {
     let stats = breakdown_for(&["--sp-cpus", "1"]);
@@ -33,6 +35,8 @@ fn breakdown_has_every_stage_in_order_with_a_busy_polling_sp() {
         "the SP did not poll: {stats}"
     );
     assert_eq!(stats["ring_posts"], stats["posts"], "{stats}");
+    // Their mailboxes are in the rings too: every completion was a store into shared memory.
+    assert_eq!(stats["ring_completions"], stats["completions"], "{stats}");
 }
 
 /// Runs the job with `extra` launcher arguments, checks the breakdowns, and returns the SP's

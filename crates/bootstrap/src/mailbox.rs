@@ -18,6 +18,8 @@ pub const COPIES_OFFSET: u64 = 12;
 pub const STAMPS_OFFSET: u64 = 16;
 /// Default number of slots: requests a rank can have outstanding at its SP at once.
 pub const DEFAULT_SLOTS: u32 = 1024;
+/// Most slots a rank may ask for (`SPOFF_MAILBOX_SLOTS`).
+pub const MAX_SLOTS: u32 = 1 << 16;
 
 pub const STATUS_OK: u32 = 0;
 pub const STATUS_INTERNAL: u32 = 100;

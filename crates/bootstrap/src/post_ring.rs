@@ -10,6 +10,10 @@
 //!   socket frames the rank had sent after its `Register` when it wrote the entry
 //!   (`sock_seq`); at `8` a `u32`, the payload's length; at [`ENTRY_HEADER_BYTES`], the
 //!   payload: one encoded [`crate::wire::HostToSp`], which must be a `Post`.
+//! - [`RingShape::mailbox_offset`]: the rank's completion mailbox (`crate::mailbox`),
+//!   `mailbox_slots` slots, when the rank put it in the same memory: an SP that maps the ring
+//!   then writes completions with plain stores (status and stamps, then the token with a
+//!   release store) instead of a `process_vm_writev`.
 //!
 //! Order: the SP handles a host's messages in the order the rank sent them, over both paths.
 //! An entry with `sock_seq = s` was written after the rank's `s`-th socket frame and before
@@ -43,6 +47,8 @@ pub const MAX_ENTRY_BYTES: u32 = 16 << 10;
 pub struct RingShape {
     pub slots: u32,
     pub entry_bytes: u32,
+    /// Mailbox slots after the entries (0: the mailbox is elsewhere).
+    pub mailbox_slots: u32,
 }
 
 impl Default for RingShape {
@@ -50,13 +56,19 @@ impl Default for RingShape {
         RingShape {
             slots: DEFAULT_SLOTS,
             entry_bytes: DEFAULT_ENTRY_BYTES,
+            mailbox_slots: 0,
         }
     }
 }
 
 impl RingShape {
-    /// Bytes of the whole ring.
+    /// Bytes of the whole ring, its mailbox included.
     pub fn bytes(&self) -> usize {
+        self.mailbox_offset() + self.mailbox_slots as usize * crate::mailbox::SLOT_BYTES as usize
+    }
+
+    /// Where the mailbox starts (a multiple of 64: the header and the entries are).
+    pub fn mailbox_offset(&self) -> usize {
         HEADER_BYTES + self.slots as usize * self.entry_bytes as usize
     }
 
@@ -74,12 +86,19 @@ impl RingShape {
             ));
         }
         if !(MIN_ENTRY_BYTES..=MAX_ENTRY_BYTES).contains(&self.entry_bytes)
-            || self.entry_bytes % 64 != 0
+            || !self.entry_bytes.is_multiple_of(64)
         {
             return Err(format!(
                 "post ring entries of {} bytes ({MIN_ENTRY_BYTES}..={MAX_ENTRY_BYTES}, a \
                  multiple of 64, accepted)",
                 self.entry_bytes
+            ));
+        }
+        if self.mailbox_slots > crate::mailbox::MAX_SLOTS {
+            return Err(format!(
+                "a mailbox of {} slots in the post ring (at most {})",
+                self.mailbox_slots,
+                crate::mailbox::MAX_SLOTS
             ));
         }
         Ok(())
@@ -280,6 +299,7 @@ mod tests {
             let shape = RingShape {
                 slots: 1 + (lcg(&mut r) % 8) as u32,
                 entry_bytes: 256 + 64 * (lcg(&mut r) % 4) as u32,
+                mailbox_slots: (lcg(&mut r) % 3) as u32,
             };
             shape.check().unwrap();
             let mut buf = Buf::new(shape);
@@ -347,6 +367,7 @@ mod tests {
         let shape = RingShape {
             slots: 4,
             entry_bytes: 256,
+            mailbox_slots: 0,
         };
         for (tail, len) in [(5u64, 1u32), (u64::MAX, 1), (1, 241), (1, u32::MAX)] {
             let mut buf = Buf::new(shape);
@@ -379,17 +400,27 @@ mod tests {
     #[test]
     fn shapes_out_of_bounds_are_refused() {
         assert!(RingShape::default().check().is_ok());
-        for (slots, entry_bytes) in [
-            (0, 1024),
-            (MAX_SLOTS + 1, 1024),
-            (8, 128),
-            (8, 1000),
-            (8, MAX_ENTRY_BYTES + 64),
+        for (slots, entry_bytes, mailbox_slots) in [
+            (0, 1024, 0),
+            (MAX_SLOTS + 1, 1024, 0),
+            (8, 128, 0),
+            (8, 1000, 0),
+            (8, MAX_ENTRY_BYTES + 64, 0),
+            (8, 1024, crate::mailbox::MAX_SLOTS + 1),
         ] {
-            assert!(
-                RingShape { slots, entry_bytes }.check().is_err(),
-                "{slots} x {entry_bytes}"
-            );
+            let shape = RingShape {
+                slots,
+                entry_bytes,
+                mailbox_slots,
+            };
+            assert!(shape.check().is_err(), "{shape:?}");
         }
+        let shape = RingShape {
+            mailbox_slots: 3,
+            ..RingShape::default()
+        };
+        assert!(shape.check().is_ok());
+        assert_eq!(shape.bytes(), shape.mailbox_offset() + 3 * 64);
+        assert_eq!(shape.mailbox_offset() % 64, 0);
     }
 }

@@ -89,6 +89,8 @@ struct Row {
     /// computing, besides the compute itself).
     post_us: f64,
     wait_us: f64,
+    /// The median per call of post + wait with compute (the slowest rank's).
+    host_p50_us: f64,
     /// Wall-clock time per timed iteration of the compute phase, each iteration's setup and
     /// barrier included: the loop's own time to solution (where ranks share a core, the OSU
     /// per-rank times swing with how the scheduler interleaves the ranks; this moves in whole
@@ -102,6 +104,15 @@ struct Row {
     breakdown: Option<breakdown::Stages>,
     /// One `process_vm_readv` of the size, on this machine (µs, median).
     readv_us: f64,
+}
+
+/// The median of `v` (the upper one of an even count; 0 for none).
+fn median(v: &mut [f64]) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
 }
 
 fn overlap_pct(pure: f64, overall: f64, compute: f64) -> f64 {
@@ -123,6 +134,7 @@ fn phase(
 ) -> Result<(Times, bool), MpiError> {
     let total = warmup + iters;
     let mut sum = Times::default();
+    let mut host: Vec<f64> = Vec::with_capacity(iters as usize);
     let mut timed_from = wtime();
     for it in 0..total {
         if it == warmup {
@@ -143,6 +155,7 @@ fn phase(
             sum.compute += t.compute;
             sum.post += t.post;
             sum.wait += t.wait;
+            host.push(t.post + t.wait);
         }
     }
     let timed_to = wtime();
@@ -161,6 +174,7 @@ fn phase(
         post: sum.post / n,
         wait: sum.wait / n,
         iteration: (timed_to - timed_from) / n,
+        host_p50: median(&mut host),
     };
     Ok((mean, ok))
 }
@@ -214,6 +228,7 @@ fn run_size(
     let t_post = world.allreduce_f64(with.post, consts::OP_MAX())?;
     let t_wait = world.allreduce_f64(with.wait, consts::OP_MAX())?;
     let t_loop = world.allreduce_f64(with.iteration, consts::OP_MAX())?;
+    let t_host_p50 = world.allreduce_f64(with.host_p50, consts::OP_MAX())?;
     let validated = world.all_true(ok_pure && ok_compute)?;
     Ok(Row {
         bytes: size,
@@ -222,6 +237,7 @@ fn run_size(
         compute_us: t_compute * 1e6,
         post_us: t_post * 1e6,
         wait_us: t_wait * 1e6,
+        host_p50_us: t_host_p50 * 1e6,
         loop_us: t_loop * 1e6,
         overlap_pct: overlap_pct(t_pure, t_overall, t_compute),
         validated,
@@ -252,6 +268,7 @@ fn json_line(
         "compute_us": row.compute_us,
         "post_us": row.post_us,
         "wait_us": row.wait_us,
+        "host_p50_us": row.host_p50_us,
         "loop_us": row.loop_us,
         "overlap_pct": row.overlap_pct,
         "validated": row.validated,
@@ -318,7 +335,7 @@ pub fn overlap(args: OverlapArgs) -> i32 {
             design.map_or(String::new(), |d| format!(" design={d}"))
         );
         println!(
-            "{:>10} {:>12} {:>12} {:>12} {:>9} {:>9} {:>12} {:>11} {:>9}",
+            "{:>10} {:>12} {:>12} {:>12} {:>9} {:>9} {:>12} {:>11} {:>9} {:>11}",
             "bytes",
             "pure_us",
             "overall_us",
@@ -327,7 +344,8 @@ pub fn overlap(args: OverlapArgs) -> i32 {
             "wait_us",
             "loop_us",
             "overlap_pct",
-            "validated"
+            "validated",
+            "host_p50_us"
         );
     }
     let mut all_ok = true;
@@ -338,7 +356,7 @@ pub fn overlap(args: OverlapArgs) -> i32 {
         all_ok &= row.validated;
         if me == 0 {
             println!(
-                "{:>10} {:>12.2} {:>12.2} {:>12.2} {:>9.2} {:>9.2} {:>12.1} {:>11.1} {:>9}",
+                "{:>10} {:>12.2} {:>12.2} {:>12.2} {:>9.2} {:>9.2} {:>12.1} {:>11.1} {:>9} {:>11.2}",
                 row.bytes,
                 row.pure_us,
                 row.overall_us,
@@ -347,7 +365,8 @@ pub fn overlap(args: OverlapArgs) -> i32 {
                 row.wait_us,
                 row.loop_us,
                 row.overlap_pct,
-                row.validated
+                row.validated,
+                row.host_p50_us
             );
             let _ = std::io::stdout().flush();
             if let Some(b) = row.breakdown {
@@ -393,6 +412,7 @@ mod tests {
             compute_us: 1.0,
             post_us: 0.5,
             wait_us: 0.5,
+            host_p50_us: 1.0,
             loop_us: 3.0,
             overlap_pct: 0.0,
             validated: true,

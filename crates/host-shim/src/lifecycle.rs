@@ -732,7 +732,7 @@ unsafe fn place(
 }
 
 /// Most mailbox slots accepted from `SPOFF_MAILBOX_SLOTS`.
-const MAX_MAILBOX_SLOTS: u32 = 1 << 16;
+const MAX_MAILBOX_SLOTS: u32 = bootstrap::mailbox::MAX_SLOTS;
 
 /// Mailbox slots: `SPOFF_MAILBOX_SLOTS` (1..=65536) or the protocol default. A small value
 /// makes posting harvest completions early (useful in tests); it bounds how many collectives a
@@ -846,14 +846,16 @@ fn register(
 
     // An SP that cannot attach to this process gets no mailbox: completions come as messages.
     let slots = if conn.remote() { 0 } else { mailbox_slots() };
-    let base = map_mailbox(slots.max(1))?;
-    let mut registrar = Registrar::new();
-    let bytes = slots.max(1) as u64 * SLOT_BYTES;
-    let mailbox = registrar.register(base as u64, bytes, Rights::READ_WRITE);
-    // A post ring where the SP shares this kernel and the socket can pass it (Unix).
+    // A post ring where the SP shares this kernel and the socket can pass it (Unix), with the
+    // mailbox in the same memory: an SP that maps the ring writes completions there with
+    // plain stores; one that does not still reaches the mailbox through its grant (`cma`).
     let mut ring = None;
     if crate::post_ring::wanted() && !conn.remote() && conn.unix_fd().is_some() {
-        match crate::post_ring::ShimRing::create(RingShape::default()) {
+        let shape = RingShape {
+            mailbox_slots: slots,
+            ..RingShape::default()
+        };
+        match crate::post_ring::ShimRing::create(shape) {
             Ok(r) => ring = Some(r),
             Err(why) if VERBOSE.load(Ordering::Acquire) => {
                 say!("rank {rank}: no post ring ({why}); posts go on the socket")
@@ -861,6 +863,13 @@ fn register(
             Err(_) => {}
         }
     }
+    let base = match ring.as_ref() {
+        Some(r) if slots > 0 => r.mailbox(),
+        _ => map_mailbox(slots.max(1))?,
+    };
+    let mut registrar = Registrar::new();
+    let bytes = slots.max(1) as u64 * SLOT_BYTES;
+    let mailbox = registrar.register(base as u64, bytes, Rights::READ_WRITE);
     let register = HostToSp::Register {
         cores: affinity_cores(),
         mailbox,
@@ -918,7 +927,6 @@ fn register(
         }
     };
     state::set_mailbox(base, slots);
-    drop(ch);
     let mut conn = conn;
     conn.set_ring(ring);
     Ok(Registered {

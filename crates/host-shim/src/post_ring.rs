@@ -19,7 +19,11 @@ pub struct ShimRing {
     pub fd: OwnedFd,
     pub shape: RingShape,
     producer: Producer,
+    base: *mut u8,
 }
+
+// SAFETY: the mapping is never unmapped; the producer is used under the shim's lock.
+unsafe impl Send for ShimRing {}
 
 /// Whether to offer a ring (`SPOFF_POST_RING`, on by default).
 pub fn wanted() -> bool {
@@ -67,7 +71,14 @@ impl ShimRing {
             fd,
             shape,
             producer,
+            base: base.as_ptr().cast(),
         })
+    }
+
+    /// The mailbox inside the ring (`shape.mailbox_slots` slots, zeroed, mapped for good).
+    pub fn mailbox(&self) -> *mut u8 {
+        // SAFETY: the mailbox lies inside the mapping (`RingShape::bytes`).
+        unsafe { self.base.add(self.shape.mailbox_offset()) }
     }
 
     /// Writes one encoded message; `false`: it goes on the socket (too large, ring full).

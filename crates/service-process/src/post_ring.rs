@@ -10,19 +10,24 @@
 //! - exactly the size of the shape the rank offered, itself within `RingShape::check`.
 //!
 //! Everything in the mapping is the rank's to change at any time; `Consumer` copies and
-//! checks what it reads.
+//! checks what it reads. When the rank's completion mailbox is in the ring (its shape says
+//! so and the slot counts agree), the SP writes completions there with plain stores; it never
+//! reads them back.
 
+use bootstrap::mailbox;
 use bootstrap::post_ring::{Consumer, Next, RingShape};
 use nix::fcntl::{fcntl, FcntlArg, SealFlag};
 use nix::sys::mman::{mmap, munmap, MapFlags, ProtFlags};
 use std::num::NonZeroUsize;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A host's post ring, mapped for the connection's life.
 pub struct PostRing {
     base: NonNull<std::ffi::c_void>,
     len: usize,
+    shape: RingShape,
     consumer: Consumer,
 }
 
@@ -67,6 +72,7 @@ impl PostRing {
         Ok(PostRing {
             base,
             len,
+            shape,
             consumer,
         })
     }
@@ -74,6 +80,37 @@ impl PostRing {
     /// The next post the SP may take after `frames_handled` socket frames of the host.
     pub fn next(&mut self, frames_handled: u64) -> Next {
         self.consumer.next(frames_handled)
+    }
+
+    /// Whether the host's mailbox of `slots` slots is in the ring.
+    pub fn has_mailbox(&self, slots: u32) -> bool {
+        slots > 0 && self.shape.mailbox_slots == slots
+    }
+
+    /// Writes a completion into mailbox slot `slot` in the ring (`bootstrap::mailbox`): `head`
+    /// (status, copies, stamps) from [`mailbox::STATUS_OFFSET`], then the token with a
+    /// release store, so a rank that sees the token sees the rest. `false`: no such slot.
+    pub fn write_completion(&self, slot: u32, head: &[u8], token: u64) -> bool {
+        if slot >= self.shape.mailbox_slots
+            || mailbox::STATUS_OFFSET as usize + head.len() > mailbox::SLOT_BYTES as usize
+        {
+            return false;
+        }
+        let at = self.shape.mailbox_offset() + mailbox::slot_offset(slot) as usize;
+        // SAFETY: the slot lies inside the mapping (checked against the shape, whose size the
+        // file was checked to have), and `at` is 64-byte aligned, so the token word is 8-byte
+        // aligned for the atomic; the rank may write the same bytes, which only it reads.
+        unsafe {
+            let p = (self.base.as_ptr() as *mut u8).add(at);
+            std::ptr::copy_nonoverlapping(
+                head.as_ptr(),
+                p.add(mailbox::STATUS_OFFSET as usize),
+                head.len(),
+            );
+            (*(p.add(mailbox::TOKEN_OFFSET as usize) as *const AtomicU64))
+                .store(token, Ordering::Release);
+        }
+        true
     }
 }
 

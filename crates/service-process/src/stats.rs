@@ -11,6 +11,9 @@ pub struct Stats {
     pub posts: u64,
     /// Of `posts`, those read from a host's post ring (shared memory) rather than its socket.
     pub ring_posts: u64,
+    /// Completions written into a mailbox in a host's post ring (plain stores, no
+    /// `process_vm_writev`).
+    pub ring_completions: u64,
     /// Of `posts`, those whose host packed a side through its own staging (a non-contiguous
     /// datatype, or the send side of `MPI_IN_PLACE`).
     pub posts_packed: u64,

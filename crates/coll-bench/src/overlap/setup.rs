@@ -157,6 +157,7 @@ impl Setup {
             post: t_posted - t0,
             wait: t_end - t_wait,
             iteration: 0.0,
+            host_p50: 0.0,
         })
     }
 
@@ -240,4 +241,7 @@ pub struct Times {
     /// A phase's mean: wall-clock time per timed iteration, from the start of the first timed
     /// iteration (its setup, then its barrier) to the end of the last one.
     pub iteration: f64,
+    /// A phase's median over its calls of `post + wait` (the host's time in MPI per call),
+    /// which a preemption of the rank in a few calls does not move as it moves the mean.
+    pub host_p50: f64,
 }

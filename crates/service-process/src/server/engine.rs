@@ -453,14 +453,24 @@ impl Server {
         head[..4].copy_from_slice(&mailbox::status_code(status).to_le_bytes());
         head[4..8].copy_from_slice(&p.copies.to_le_bytes());
         head[8..].copy_from_slice(&stamps.to_bytes());
-        let token = p.token.to_le_bytes();
-        let res = self.mover.write_then(
-            mb,
-            base + mailbox::STATUS_OFFSET,
-            &head,
-            base + mailbox::TOKEN_OFFSET,
-            &token,
-        );
+        // The mailbox in the host's post ring: plain stores into the shared mapping.
+        let res = match h.ring.as_ref().filter(|r| r.has_mailbox(*slots)) {
+            Some(ring) => {
+                ring.write_completion(slot, &head, p.token);
+                self.stats.ring_completions += 1;
+                Ok(())
+            }
+            None => {
+                let token = p.token.to_le_bytes();
+                self.mover.write_then(
+                    mb,
+                    base + mailbox::STATUS_OFFSET,
+                    &head,
+                    base + mailbox::TOKEN_OFFSET,
+                    &token,
+                )
+            }
+        };
         if status.is_ok() && p.stamps.seen != 0 {
             self.stats.breakdown.record_sp(&stamps);
         }

@@ -217,7 +217,7 @@ impl Server {
                 }
                 if let Role::Host(h) = &mut self.conns[key].role {
                     h.mailbox = Some((alias, mailbox_slots));
-                    h.ring = ring.ok();
+                    h.ring = ring.ok().map(Box::new);
                 }
                 let serves = self.serves(key);
                 self.send_frame(

@@ -186,7 +186,7 @@ struct HostState {
     /// Posts of this connection not completed yet (bounded by `Limits::max_posts_per_rank`).
     outstanding: usize,
     /// Its post ring, when it offered one this SP reads (see `bootstrap::post_ring`).
-    ring: Option<crate::post_ring::PostRing>,
+    ring: Option<Box<crate::post_ring::PostRing>>,
     /// Socket frames handled since its `Register` (the ring's entries name how many went
     /// before each of them).
     frames_in: u64,

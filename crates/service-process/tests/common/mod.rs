@@ -202,6 +202,24 @@ pub fn send_with_fds(sock: &UnixStream, frame: &[u8], fds: Vec<&std::os::fd::Own
     assert_eq!(n, frame.len(), "one sendmsg sends the whole frame");
 }
 
+/// Maps `len` bytes of `fd` shared, read-write, for good.
+pub fn map_shared(fd: &std::os::fd::OwnedFd, len: usize) -> *mut u8 {
+    use nix::sys::mman::{mmap, MapFlags, ProtFlags};
+    // SAFETY: a new shared mapping of a file; no existing memory is affected.
+    let base = unsafe {
+        mmap(
+            None,
+            std::num::NonZeroUsize::new(len.max(1)).unwrap(),
+            ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+            MapFlags::MAP_SHARED,
+            fd,
+            0,
+        )
+    }
+    .unwrap();
+    base.as_ptr().cast()
+}
+
 /// A post ring as the shim makes one: a memfd of `len` bytes (sealed with `seals`), mapped
 /// here for good; returns the descriptor, the producer writing into it (push only when `len`
 /// is `shape.bytes()`) and the mapping's address (for writing what no producer would).
@@ -310,9 +328,22 @@ impl Host {
         }))
         .unwrap();
         assert_eq!(ch.recv_hello().unwrap(), Hello::Welcome { sp: p.sp });
-        let mailbox: &'static [u64] = Box::leak(
-            vec![0u64; (SLOTS as u64 * mailbox::SLOT_BYTES / 8) as usize].into_boxed_slice(),
-        );
+        let words = (SLOTS as u64 * mailbox::SLOT_BYTES / 8) as usize;
+        let mailbox: &'static [u64] = match ring {
+            // The mailbox inside the ring, as the shim puts it: a mapping of its own here.
+            Some((shape, Some(fd))) if shape.mailbox_slots > 0 => {
+                assert_eq!(shape.mailbox_slots, SLOTS);
+                let base = map_shared(fd, shape.bytes());
+                // SAFETY: the mapping holds the mailbox at its offset and stays for good.
+                unsafe {
+                    std::slice::from_raw_parts(
+                        base.add(shape.mailbox_offset()) as *const u64,
+                        words,
+                    )
+                }
+            }
+            _ => Box::leak(vec![0u64; words].into_boxed_slice()),
+        };
         let mut reg = Registrar::new();
         let grant = reg.register(
             mailbox.as_ptr() as u64,
