@@ -37,10 +37,11 @@ pub const ENTRY_HEADER_BYTES: usize = 16;
 pub const DEFAULT_SLOTS: u32 = 128;
 pub const DEFAULT_ENTRY_BYTES: u32 = 1024;
 
-/// Bounds the SP accepts.
-pub const MAX_SLOTS: u32 = 4096;
+/// Bounds the SP accepts: a ring's entries take at most 4 MiB (pages the SP faults in by
+/// reading count against its own memory), its mailbox at most `mailbox::MAX_SLOTS` slots.
+pub const MAX_SLOTS: u32 = 1024;
 pub const MIN_ENTRY_BYTES: u32 = 256;
-pub const MAX_ENTRY_BYTES: u32 = 16 << 10;
+pub const MAX_ENTRY_BYTES: u32 = 4096;
 
 /// A ring's geometry, as the rank offers it in its `Register`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]

@@ -335,7 +335,7 @@ pub fn overlap(args: OverlapArgs) -> i32 {
             design.map_or(String::new(), |d| format!(" design={d}"))
         );
         println!(
-            "{:>10} {:>12} {:>12} {:>12} {:>9} {:>9} {:>12} {:>11} {:>9} {:>11}",
+            "{:>10} {:>12} {:>12} {:>12} {:>9} {:>9} {:>12} {:>11} {:>11} {:>9}",
             "bytes",
             "pure_us",
             "overall_us",
@@ -344,8 +344,8 @@ pub fn overlap(args: OverlapArgs) -> i32 {
             "wait_us",
             "loop_us",
             "overlap_pct",
-            "validated",
-            "host_p50_us"
+            "host_p50_us",
+            "validated"
         );
     }
     let mut all_ok = true;
@@ -356,7 +356,7 @@ pub fn overlap(args: OverlapArgs) -> i32 {
         all_ok &= row.validated;
         if me == 0 {
             println!(
-                "{:>10} {:>12.2} {:>12.2} {:>12.2} {:>9.2} {:>9.2} {:>12.1} {:>11.1} {:>9} {:>11.2}",
+                "{:>10} {:>12.2} {:>12.2} {:>12.2} {:>9.2} {:>9.2} {:>12.1} {:>11.1} {:>11.2} {:>9}",
                 row.bytes,
                 row.pure_us,
                 row.overall_us,
@@ -365,8 +365,8 @@ pub fn overlap(args: OverlapArgs) -> i32 {
                 row.wait_us,
                 row.loop_us,
                 row.overlap_pct,
-                row.validated,
-                row.host_p50_us
+                row.host_p50_us,
+                row.validated
             );
             let _ = std::io::stdout().flush();
             if let Some(b) = row.breakdown {

@@ -193,5 +193,12 @@ fn threads_offload_concurrently_on_their_own_communicators() {
     // Polling SPs: the threads' posts share their rank's post ring.
     let run = launch_with(1, &["--sp-arg=--poll-us=50"], &[&prog], &[]);
     assert_offloaded(&run, "mt_check", 2);
+    assert!(shim_lines(&run.stderr).is_empty(), "{}", run.stderr);
     assert!(run.sp_total("ring_posts") > 0, "{}", run.stderr);
+    assert_eq!(
+        run.sp_total("ring_completions"),
+        run.sp_total("completions"),
+        "{}",
+        run.stderr
+    );
 }

@@ -352,9 +352,12 @@ fn a_rank_seconds_late_still_gets_the_right_result() {
 /// Issue 27's namespace tree under real MPI jobs: `launch --canary-tree 2+2 --canary-netns`
 /// (a namespace per switch and per SP link, veths with no route out, each SP's Canary socket
 /// in its link's namespace), 2 SPs per node (4 links, 2 per leaf), leaf 0's link to spine 0
-/// shaped to 200 Mbit/s by `tc` and loaded with 150 Mbit/s of background UDP for the whole
-/// job: `allreduce_check` right against `PMPI_Allreduce`, through the switches only, and the
-/// shaped link's kernel queue was over its limit. Needs root, `ip` and `tc` (said and skipped
+/// shaped to 200 Mbit/s by `tc` and loaded with 300 Mbit/s of background UDP for the whole
+/// job (above its rate, so that its kernel queue stays past half its limit: with 150 Mbit/s
+/// it passed half only in bursts, and whether the leaf's choices met one depended on timing,
+/// which failed on a slower machine): `allreduce_check` right against `PMPI_Allreduce`,
+/// through the switches only, the shaped link's kernel queue over its limit, and the leaf
+/// above it sending packets up its other port. Needs root, `ip` and `tc` (said and skipped
 /// without).
 #[test]
 fn mpi_allreduce_canary_across_a_namespace_tree_with_a_congested_link() {
@@ -375,7 +378,7 @@ fn mpi_allreduce_canary_across_a_namespace_tree_with_a_congested_link() {
         &[
             "--canary-netns",
             "--canary-shape=200mbit",
-            "--canary-background-mbit=150",
+            "--canary-background-mbit=300",
         ],
     );
     let sent: u64 = run

@@ -10,8 +10,38 @@ use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 /// Descriptors a connection keeps from what its peer passed (`SCM_RIGHTS` on a Unix socket):
-/// a host passes one, its post ring, with its `Register`; more are closed on arrival.
-pub const MAX_FDS_IN: usize = 2;
+/// a host passes one, its post ring, with its `Register`, and only then ([`Conn::fds_allowed`]);
+/// any other is closed at once, off the loop ([`close_later`]).
+pub const MAX_FDS_IN: usize = 1;
+
+/// Room for the most descriptors one message can carry (Linux's `SCM_MAX_FD`), so that the
+/// kernel never truncates the control data: a truncated message's descriptors could not be
+/// taken, and so not closed.
+const SCM_MAX_FD: usize = 253;
+
+/// Closes `fd` on a thread of its own: a descriptor a client passed may be a file of a
+/// filesystem that client serves (FUSE), whose `close` waits for that client; the event loop
+/// never does. One thread for the process, started on first use; if it is ever stuck, the
+/// descriptors queue behind it and the loop goes on.
+pub fn close_later(fd: OwnedFd) {
+    use std::sync::mpsc::{channel, Sender};
+    use std::sync::{Mutex, OnceLock};
+    static CLOSER: OnceLock<Mutex<Sender<OwnedFd>>> = OnceLock::new();
+    let tx = CLOSER.get_or_init(|| {
+        let (tx, rx) = channel::<OwnedFd>();
+        let spawned = std::thread::Builder::new()
+            .name("fd-closer".into())
+            .spawn(move || rx.into_iter().for_each(drop));
+        if spawned.is_err() {
+            tracing::warn!("cannot start the descriptor closer; passed descriptors stay open");
+        }
+        Mutex::new(tx)
+    });
+    if let Err(e) = tx.lock().unwrap_or_else(|e| e.into_inner()).send(fd) {
+        // No closer thread: keep the descriptor open rather than close it here.
+        std::mem::forget(e.0);
+    }
+}
 
 pub enum Stream {
     Unix(mio::net::UnixStream),
@@ -72,7 +102,25 @@ pub struct Conn<R> {
     out_limit: usize,
     /// Descriptors passed with the bytes read so far and not taken yet (at most
     /// [`MAX_FDS_IN`]).
-    pub fds_in: Vec<OwnedFd>,
+    pub fds_in: Passed,
+    /// Whether descriptors passed now are kept (a host between its hello and its `Register`);
+    /// otherwise they are closed on arrival.
+    pub fds_allowed: bool,
+    /// More descriptors arrived than were kept (the keeper's business: a ring offered with
+    /// them is refused).
+    pub fds_dropped: bool,
+}
+
+/// Descriptors a peer passed and the connection kept: closed off the loop when dropped.
+#[derive(Default)]
+pub struct Passed(pub Vec<OwnedFd>);
+
+impl Drop for Passed {
+    fn drop(&mut self) {
+        for fd in self.0.drain(..) {
+            close_later(fd);
+        }
+    }
 }
 
 impl<R> Conn<R> {
@@ -85,7 +133,9 @@ impl<R> Conn<R> {
             out: Vec::new(),
             out_pos: 0,
             out_limit: MAX_PENDING_OUT_BYTES,
-            fds_in: Vec::new(),
+            fds_in: Passed::default(),
+            fds_allowed: false,
+            fds_dropped: false,
         }
     }
 
@@ -98,7 +148,7 @@ impl<R> Conn<R> {
         use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags, UnixAddr};
         let fd = s.as_raw_fd();
         let mut iov = [io::IoSliceMut::new(buf)];
-        let mut space = nix::cmsg_space!([RawFd; MAX_FDS_IN]);
+        let mut space = nix::cmsg_space!([RawFd; SCM_MAX_FD]);
         let msg = recvmsg::<UnixAddr>(
             fd,
             &mut iov,
@@ -108,6 +158,9 @@ impl<R> Conn<R> {
         .map_err(io::Error::from)?;
         let n = msg.bytes;
         let mut got: Vec<RawFd> = Vec::new();
+        // With room for SCM_MAX_FD descriptors the kernel does not truncate rights; if it
+        // ever did, nix refuses to list them, and the message is then an error (the
+        // connection closes) rather than descriptors left unseen.
         for c in msg.cmsgs().map_err(io::Error::from)? {
             if let ControlMessageOwned::ScmRights(fds) = c {
                 got.extend(fds);
@@ -117,8 +170,11 @@ impl<R> Conn<R> {
             // SAFETY: the kernel installed this descriptor in this process for us; nothing
             // else owns it.
             let owned = unsafe { OwnedFd::from_raw_fd(raw) };
-            if self.fds_in.len() < MAX_FDS_IN {
-                self.fds_in.push(owned);
+            if self.fds_allowed && self.fds_in.0.len() < MAX_FDS_IN {
+                self.fds_in.0.push(owned);
+            } else {
+                self.fds_dropped |= self.fds_allowed;
+                close_later(owned);
             }
         }
         Ok(n)

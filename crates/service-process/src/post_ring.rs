@@ -5,8 +5,9 @@
 //! access the rank opened it with, so the SP never reaches memory on the rank's behalf that
 //! the rank could not reach itself (a read-only or non-shared file fails the mapping). What
 //! the SP requires before mapping it:
-//! - a file that takes seals (a memfd, or shmem) sealed against shrinking: truncated under the
-//!   SP's mapping it would fault (`SIGBUS`) in the SP's loop;
+//! - a file that takes seals, on tmpfs (a plain memfd; not hugetlbfs, whose pages can be
+//!   taken back from under a mapping), sealed against shrinking: truncated under the SP's
+//!   mapping it would fault (`SIGBUS`) in the SP's loop;
 //! - exactly the size of the shape the rank offered, itself within `RingShape::check`.
 //!
 //! Everything in the mapping is the rank's to change at any time; `Consumer` copies and
@@ -44,6 +45,16 @@ impl PostRing {
         if !seals.contains(SealFlag::F_SEAL_SHRINK) {
             return Err("the post ring's memfd is not sealed against shrinking".into());
         }
+        // Only tmpfs (a plain memfd): a hugetlbfs file takes seals too, but a page of it can
+        // be punched out and its pool emptied, and a read of the mapping then faults.
+        let fs =
+            nix::sys::statfs::fstatfs(fd).map_err(|e| format!("fstatfs of the post ring: {e}"))?;
+        if fs.filesystem_type() != nix::sys::statfs::TMPFS_MAGIC {
+            return Err(format!(
+                "the post ring is not a plain memfd (filesystem type {:#x}, not tmpfs)",
+                fs.filesystem_type().0
+            ));
+        }
         let st = nix::sys::stat::fstat(fd.as_raw_fd())
             .map_err(|e| format!("fstat of the post ring: {e}"))?;
         let len = shape.bytes();
@@ -80,6 +91,11 @@ impl PostRing {
     /// The next post the SP may take after `frames_handled` socket frames of the host.
     pub fn next(&mut self, frames_handled: u64) -> Next {
         self.consumer.next(frames_handled)
+    }
+
+    /// Entries of the ring.
+    pub fn slots(&self) -> u32 {
+        self.shape.slots
     }
 
     /// Whether the host's mailbox of `slots` slots is in the ring.

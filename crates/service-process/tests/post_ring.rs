@@ -32,9 +32,10 @@ fn ring_off(answer: &SpToHost) -> Option<String> {
     }
 }
 
-/// Randomized alltoallvs between two ranks, each post going through the ring or the socket
-/// at random: every one completes with the bytes a direct alltoallv gives, and the SP counts
-/// the ring's.
+/// Randomized alltoallvs between two ranks, several outstanding at once on a small ring, each
+/// post going through the ring or the socket at random and to the socket when the ring is
+/// full (as the shim does): every one completes with the bytes a direct alltoallv gives, and
+/// the SP counts the ring's.
 #[test]
 fn posts_in_the_ring_complete_like_posts_on_the_socket() {
     let seed = test_seed();
@@ -42,7 +43,7 @@ fn posts_in_the_ring_complete_like_posts_on_the_socket() {
     let mut set = SpSet::start_with(1, 1, 2, Layout::Block, POLLING);
     let job = new_job();
     let shape = RingShape {
-        slots: 2 + rng.below(6) as u32,
+        slots: 2 + rng.below(4) as u32,
         entry_bytes: 1024,
         mailbox_slots: 0,
     };
@@ -63,30 +64,49 @@ fn posts_in_the_ring_complete_like_posts_on_the_socket() {
         rings.push((producer, 0u64, fd));
     }
     let comm = algorithms::CommId { leader: 0, id: 1 };
-    let mut by_ring = 0;
-    for seq in 0..24u64 {
-        let op = make_op(&mut rng, comm, seq, vec![0, 1], 2000);
+    let (mut by_ring, mut full, mut posts) = (0, 0, 0);
+    let mut seq = 0u64;
+    for round in 0..8 {
+        // Up to twice the ring's entries outstanding per rank.
+        let n = 1 + rng.below(2 * shape.slots as u64);
+        let ops: Vec<_> = (0..n)
+            .map(|_| {
+                seq += 1;
+                make_op(&mut rng, comm, seq - 1, vec![0, 1], 2000)
+            })
+            .collect();
         let members: Vec<u32> = vec![hosts[0].sp, hosts[1].sp];
         let mut posted = vec![];
-        for r in 0..2 {
-            let slot = (seq % SLOTS as u64) as u32;
-            let d = op.desc_for(&mut hosts[r], &members, r, slot);
-            let (slot, token) = if rng.below(3) > 0 {
-                by_ring += 1;
+        for (k, op) in ops.iter().enumerate() {
+            for r in 0..2 {
+                let d = op.desc_for(&mut hosts[r], &members, r, k as u32);
+                posts += 1;
                 let (p, frames, _) = &mut rings[r];
-                hosts[r].post_in_ring(p, *frames, d)
-            } else {
-                rings[r].1 += 1;
-                hosts[r].post(d)
-            };
-            posted.push((r, slot, token));
+                let tried =
+                    (rng.below(4) > 0).then(|| hosts[r].try_post_in_ring(p, *frames, d.clone()));
+                let (slot, token) = match tried {
+                    Some(Some(st)) => {
+                        by_ring += 1;
+                        st
+                    }
+                    other => {
+                        full += other.is_some() as u64;
+                        *frames += 1;
+                        hosts[r].post(d)
+                    }
+                };
+                posted.push((r, slot, token));
+            }
         }
-        assert_completed(&hosts, &posted, STATUS_OK, &format!("seq {seq}"));
-        op.check();
+        assert_completed(&hosts, &posted, STATUS_OK, &format!("round {round}"));
+        for op in &ops {
+            op.check();
+        }
     }
+    eprintln!("{posts} posts: {by_ring} through the rings, {full} found a ring full");
     let stats = set.stats_after_goodbyes(hosts);
     assert_eq!(sum(&stats, "ring_posts"), by_ring, "{stats:?}");
-    assert_eq!(sum(&stats, "posts"), 48);
+    assert_eq!(sum(&stats, "posts"), posts);
 }
 
 /// The mailbox inside the ring, as the shim puts it: with a polling SP that maps the ring,
@@ -273,6 +293,42 @@ fn a_ring_the_sp_cannot_trust_is_refused_with_its_reason() {
         let why = ring_off(&answer).unwrap_or_else(|| panic!("case {i} ({what}): ring taken"));
         assert!(why.contains(says), "case {i} ({what}): {why}");
     }
+    // A good ring passed with two more descriptors: refused, all three closed by the SP.
+    let (_h, answer) = Host::connect_offering_fds(
+        &set,
+        new_job(),
+        0,
+        1,
+        placement(&set, 0, 1),
+        shape,
+        vec![&good, &unsealed, &short],
+    );
+    let why = ring_off(&answer).expect("three descriptors: ring taken");
+    assert!(why.contains("more than one descriptor"), "{why}");
+    // A hugetlbfs memfd takes seals too, but is not tmpfs (only where huge pages can be
+    // created here).
+    match nix::sys::memfd::memfd_create(
+        c"test-huge-ring",
+        nix::sys::memfd::MemFdCreateFlag::MFD_HUGETLB
+            | nix::sys::memfd::MemFdCreateFlag::MFD_ALLOW_SEALING,
+    ) {
+        Ok(huge) => {
+            let (_h, answer) = Host::connect_offering(
+                &set,
+                new_job(),
+                0,
+                1,
+                placement(&set, 0, 1),
+                Some((shape, Some(&huge))),
+            );
+            let why = ring_off(&answer).expect("a hugetlbfs ring taken");
+            assert!(
+                why.contains("not a plain memfd") || why.contains("sealed"),
+                "{why}"
+            );
+        }
+        Err(e) => eprintln!("no hugetlbfs memfd here ({e}): that case not run"),
+    }
     // An SP that sleeps until a message arrives reads no ring.
     drop(set);
     let set = SpSet::start(1, 1, 1, Layout::Block);
@@ -299,7 +355,7 @@ fn a_corrupted_ring_closes_the_connection() {
         mailbox_slots: 0,
     };
     type Corrupt = fn(&mut bootstrap::post_ring::Producer, *mut u8);
-    let cases: [(&str, Corrupt, &str); 3] = [
+    let cases: [(&str, Corrupt, &str); 4] = [
         (
             "tail far ahead",
             |_, base| unsafe { (base as *mut u64).write_volatile(1000) },
@@ -320,6 +376,11 @@ fn a_corrupted_ring_closes_the_connection() {
                 assert!(p.push(0, &f[4..]));
             },
             "only posts",
+        ),
+        (
+            "bytes that do not decode",
+            |p, _| assert!(p.push(0, &[0xff; 7])),
+            "undecodable",
         ),
     ];
     for (what, corrupt, says) in cases {
@@ -343,10 +404,10 @@ fn a_corrupted_ring_closes_the_connection() {
             }) => assert!(message.contains(says), "{what}: {message}"),
             other => panic!("{what}: expected a refusal, got {other:?}"),
         }
-        assert!(
-            h.ch.recv::<SpToHost>().is_err(),
-            "{what}: the connection stays open"
-        );
+        match h.ch.recv::<SpToHost>() {
+            Err(bootstrap::wire::FrameError::Closed) => {}
+            other => panic!("{what}: the SP did not close the connection: {other:?}"),
+        }
     }
     // The SP still serves a job on the socket.
     let job = new_job();
@@ -361,4 +422,66 @@ fn a_corrupted_ring_closes_the_connection() {
     let posted = op.post(&mut hosts, &|w| w as usize, 1);
     assert_completed(&hosts, &posted, STATUS_OK, "after the corrupted rings");
     op.check();
+}
+
+/// Descriptors passed where none is taken (before the hello, beside a post, more than one
+/// beside the registration) are closed: the SP's open descriptors come back to where they were.
+#[test]
+fn descriptors_passed_where_none_is_taken_are_closed() {
+    let set = SpSet::start_with(1, 1, 1, Layout::Block, POLLING);
+    let pid = set.sps[0].child.id();
+    let open = || {
+        std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .unwrap()
+            .count()
+    };
+    let shape = RingShape::default();
+    let rings: Vec<OwnedFd> = (0..3)
+        .map(|_| make_ring(shape, shape.bytes(), sealed()).0)
+        .collect();
+    let fds: Vec<&OwnedFd> = rings.iter().collect();
+    let path = set.cluster.sp(0).unwrap().host_socket.clone();
+    let burst = |n: usize| {
+        for _ in 0..n {
+            // Before any hello: a byte with three descriptors.
+            let s = std::os::unix::net::UnixStream::connect(&path).unwrap();
+            send_with_fds(&s, &[0u8], fds.clone());
+            drop(s);
+            // A registered host passing three beside its registration, then three beside a
+            // post frame.
+            let (mut h, answer) = Host::connect_offering_fds(
+                &set,
+                new_job(),
+                0,
+                1,
+                placement(&set, 0, 1),
+                shape,
+                fds.clone(),
+            );
+            assert!(ring_off(&answer).is_some_and(|w| w.contains("more than one")));
+            let frame = bootstrap::wire::encode(&HostToSp::Post(Box::new(bad_post(&mut h, 1))));
+            send_with_fds(h.ch.get_ref(), &frame, fds.clone());
+            assert!(matches!(
+                h.ch.recv::<SpToHost>().unwrap(),
+                SpToHost::Error { .. }
+            ));
+            h.goodbye();
+        }
+    };
+    // Warm up (the closer thread, the log), then count.
+    burst(3);
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let before = open();
+    burst(40);
+    // Connections close as the SP sees them go; give it and its closer a moment.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let mut now = open();
+    while now > before + 2 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        now = open();
+    }
+    assert!(
+        now <= before + 2,
+        "the SP holds {now} descriptors after 40 rounds of 9 passed, {before} before"
+    );
 }

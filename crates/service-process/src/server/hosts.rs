@@ -120,6 +120,8 @@ impl Server {
         else {
             unreachable!("checked above");
         };
+        // Its `Register` may pass its post ring's descriptor; nothing else may.
+        conn.fds_allowed = true;
         conn.role = Role::Host(HostState {
             conn_id,
             hello,
@@ -246,49 +248,66 @@ impl Server {
         }
     }
 
-    /// The post ring host `key` offered with its `Register`, mapped if this SP reads it; the
-    /// descriptors passed with the frame are taken (closed unless mapped).
+    /// The post ring host `key` offered with its `Register`, mapped if this SP reads it. The
+    /// descriptor passed with the frame is taken and closed off the loop (`close_later`: it is
+    /// the client's, and its close may wait for the client); from now on the connection
+    /// keeps no descriptor.
     fn take_ring(
         &mut self,
         key: usize,
         shape: Option<bootstrap::post_ring::RingShape>,
     ) -> Result<crate::post_ring::PostRing, String> {
-        let fd = std::mem::take(&mut self.conns[key].fds_in)
-            .into_iter()
-            .next();
-        let shape = shape.ok_or("no post ring offered")?;
-        let fd = fd.ok_or("a post ring offered without its descriptor")?;
-        if self.poll_interval.is_none() {
-            return Err(
-                "this SP sleeps until a message arrives (no --poll-us or --busy-poll): \
-                        posts go on the socket"
+        let conn = &mut self.conns[key];
+        conn.fds_allowed = false;
+        let extra = std::mem::take(&mut conn.fds_dropped);
+        let fd = conn.fds_in.0.pop();
+        let ring = match (shape, &fd) {
+            (None, _) => Err("no post ring offered".to_string()),
+            (Some(_), None) => Err("a post ring offered without its descriptor".into()),
+            (Some(_), Some(_)) if extra => {
+                Err("more than one descriptor passed with the registration".into())
+            }
+            (Some(_), Some(_)) if self.poll_interval.is_none() => Err(
+                "this SP sleeps until a message arrives (no --poll-us or --busy-poll): posts \
+                 go on the socket"
                     .into(),
-            );
+            ),
+            (Some(_), Some(_)) if !self.host(key).peer.serves_cma() => {
+                Err("this host does not share the SP's kernel".into())
+            }
+            (Some(shape), Some(fd)) => crate::post_ring::PostRing::map(fd, shape),
+        };
+        if let Some(fd) = fd {
+            crate::conn::close_later(fd);
         }
-        if !self.host(key).peer.serves_cma() {
-            return Err("this host does not share the SP's kernel".into());
-        }
-        crate::post_ring::PostRing::map(&fd, shape)
+        ring
     }
 
     /// Takes the posts host `key` wrote in its ring that go before its next socket frame, in
-    /// order, as if they had come on the socket. A ring the host corrupted closes the
-    /// connection (its job aborts as for any rank that breaks its connection).
+    /// order, as if they had come on the socket, at most one ring's worth per call (a rank
+    /// that keeps refilling its ring cannot hold the loop). A ring the host corrupted closes
+    /// the connection (its job aborts as for any rank that breaks its connection).
     pub(super) fn drain_ring(&mut self, key: usize) {
-        loop {
-            let Some(Role::Host(h)) = self.conns.get_mut(key).map(|c| &mut c.role) else {
-                return;
-            };
+        // A socket frame read in the same batch keeps the time it was read at.
+        let read_at = self.read_at_ns;
+        let mut budget: Option<u32> = None;
+        while let Some(Role::Host(h)) = self.conns.get_mut(key).map(|c| &mut c.role) {
             let frames = h.frames_in;
-            let Some(ring) = h.ring.as_mut() else { return };
+            let Some(ring) = h.ring.as_mut() else { break };
+            let left = budget.get_or_insert(ring.slots());
+            if *left == 0 {
+                break;
+            }
+            *left -= 1;
             let payload = match ring.next(frames) {
-                Next::Empty | Next::AfterFrames(_) => return,
+                Next::Empty | Next::AfterFrames(_) => break,
                 Next::Entry(p) => p,
                 Next::Corrupt(why) => {
                     let rank = h.hello.world_rank;
                     self.client_warn(|| format!("rank {rank}: {why}"));
                     self.send_error(key, None, ErrorCode::BadDescriptor, why.clone());
-                    return self.close_conn(key, &why);
+                    self.close_conn(key, &why);
+                    break;
                 }
             };
             // The post is seen now (its `seen` stamp), as a socket frame is when read.
@@ -297,28 +316,30 @@ impl Server {
             if let Some(rec) = &mut self.recorder {
                 rec.record("host", self.conns[key].serial, &payload);
             }
-            match decode::<HostToSp>(&payload) {
-                Ok(HostToSp::Post(d)) => self.on_post(key, *d),
-                Ok(_) => {
-                    let why = "only posts may go in the post ring".to_string();
-                    self.send_error(key, None, ErrorCode::BadDescriptor, why.clone());
-                    return self.close_conn(key, &why);
+            // The shim writes only posts it encoded: anything else is a corrupt ring.
+            let bad = match decode::<HostToSp>(&payload) {
+                Ok(HostToSp::Post(d)) => {
+                    self.on_post(key, *d);
+                    None
                 }
-                Err(e) => {
-                    let rank = self.host(key).hello.world_rank;
-                    self.client_warn(|| {
-                        format!("undecodable post ring entry from rank {rank}: {e}")
-                    });
-                    self.send_error(key, None, ErrorCode::BadDescriptor, e.to_string());
-                }
+                Ok(_) => Some("only posts may go in the post ring".to_string()),
+                Err(e) => Some(format!("an undecodable post ring entry: {e}")),
+            };
+            if let Some(why) = bad {
+                let rank = self.host(key).hello.world_rank;
+                self.client_warn(|| format!("rank {rank}: {why}"));
+                self.send_error(key, None, ErrorCode::BadDescriptor, why.clone());
+                self.close_conn(key, &why);
+                break;
             }
             if !self.inline_done.is_empty() {
                 self.on_copies_done();
             }
             if !self.conns.contains(key) || self.is_doomed(key) {
-                return;
+                break;
             }
         }
+        self.read_at_ns = read_at;
     }
 
     /// Every post ring, once (a polling SP's pass).
@@ -327,7 +348,10 @@ impl Server {
         while i < self.ring_hosts.len() {
             let key = self.ring_hosts[i];
             self.drain_ring(key);
-            i += 1;
+            // A host closed meanwhile left the list: the next one is at `i` now.
+            if self.ring_hosts.get(i) == Some(&key) {
+                i += 1;
+            }
         }
     }
 

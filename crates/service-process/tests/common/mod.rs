@@ -190,13 +190,24 @@ pub fn register<S: std::io::Read + std::io::Write>(
     ch.recv::<SpToHost>().unwrap()
 }
 
+thread_local! {
+    /// Descriptors [`Host::connect_offering_fds`] adds beside the ring's.
+    static EXTRA_FDS: std::cell::RefCell<Vec<i32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// Sends `frame` on `sock` with `fds` attached to its first byte (`SCM_RIGHTS`).
 pub fn send_with_fds(sock: &UnixStream, frame: &[u8], fds: Vec<&std::os::fd::OwnedFd>) {
-    use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
     use std::os::fd::AsRawFd;
     let raw: Vec<i32> = fds.iter().map(|f| f.as_raw_fd()).collect();
+    send_with_raw_fds(sock, frame, &raw);
+}
+
+/// [`send_with_fds`] of raw descriptors (borrowed: they stay open here).
+pub fn send_with_raw_fds(sock: &UnixStream, frame: &[u8], raw: &[i32]) {
+    use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+    use std::os::fd::AsRawFd;
     let iov = [std::io::IoSlice::new(frame)];
-    let cmsg = [ControlMessage::ScmRights(&raw)];
+    let cmsg = [ControlMessage::ScmRights(raw)];
     let cmsgs: &[ControlMessage] = if raw.is_empty() { &[] } else { &cmsg };
     let n = sendmsg::<()>(sock.as_raw_fd(), &iov, cmsgs, MsgFlags::empty(), None).unwrap();
     assert_eq!(n, frame.len(), "one sendmsg sends the whole frame");
@@ -359,7 +370,15 @@ impl Host {
                     mailbox_slots: SLOTS,
                     post_ring: Some(shape),
                 });
-                send_with_fds(ch.get_ref(), &frame, fd.into_iter().collect());
+                let mut all: Vec<i32> = fd
+                    .into_iter()
+                    .map(|f| {
+                        use std::os::fd::AsRawFd;
+                        f.as_raw_fd()
+                    })
+                    .collect();
+                all.extend(EXTRA_FDS.with(|e| e.borrow().clone()));
+                send_with_raw_fds(ch.get_ref(), &frame, &all);
                 ch.recv::<SpToHost>().unwrap()
             }
         };
@@ -376,6 +395,43 @@ impl Host {
             completed: Default::default(),
         };
         (host, answer)
+    }
+
+    /// As [`Host::connect_offering`] with every descriptor of `fds` passed beside the
+    /// `Register` frame.
+    pub fn connect_offering_fds(
+        set: &SpSet,
+        job: u64,
+        world_rank: u32,
+        world_size: u32,
+        p: bootstrap::Placement,
+        shape: RingShape,
+        fds: Vec<&std::os::fd::OwnedFd>,
+    ) -> (Host, SpToHost) {
+        use std::os::fd::AsRawFd;
+        let extra: Vec<i32> = fds.iter().skip(1).map(|f| f.as_raw_fd()).collect();
+        EXTRA_FDS.with(|e| *e.borrow_mut() = extra);
+        let ring = Some((shape, fds.first().copied()));
+        let r = Host::connect_offering(set, job, world_rank, world_size, p, ring);
+        EXTRA_FDS.with(|e| e.borrow_mut().clear());
+        r
+    }
+
+    /// As [`Host::post_in_ring`], or `None` when the ring is full (the caller then posts on
+    /// the socket, as the shim does).
+    pub fn try_post_in_ring(
+        &mut self,
+        ring: &mut bootstrap::post_ring::Producer,
+        sock_frames: u64,
+        mut d: PostDesc,
+    ) -> Option<(u32, u64)> {
+        d.token = self.next_token;
+        let frame = bootstrap::wire::encode(&HostToSp::Post(Box::new(d.clone())));
+        if !ring.push(sock_frames, &frame[4..]) {
+            return None;
+        }
+        self.next_token += 1;
+        Some((d.slot.expect("the tests post with a mailbox slot"), d.token))
     }
 
     /// Fills in slot and token and writes the post into `ring` (as after `sock_frames` frames
