@@ -4,7 +4,9 @@
 use super::*;
 
 impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
-    pub(super) fn validate_post(&self, post: &Post<K>) -> Result<(), PostError> {
+    /// Checks `post`; the topology it implies, built here when none is known yet (the caller
+    /// learns it: one build per instance).
+    pub(super) fn validate_post(&self, post: &Post<K>) -> Result<Option<Topo>, PostError> {
         let p = post.members.len();
         let rank = post.rank;
         PostError::check_served(&post.members, rank, self.core.me)?;
@@ -21,13 +23,15 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
                 });
             }
         }
-        if let Some(t) = &self.topo {
-            if t.members != post.members || t.nodes != post.own.nodes {
-                return Err(PostError::MembersDisagree);
+        let built = match &self.topo {
+            Some(t) => {
+                if t.members != post.members || t.nodes != post.own.nodes {
+                    return Err(PostError::MembersDisagree);
+                }
+                None
             }
-        } else {
-            Topo::build(self.core.me, &post.members, &post.own.nodes)?;
-        }
+            None => Some(Topo::build(self.core.me, &post.members, &post.own.nodes)?),
+        };
         if self.core.ranks.contains_key(&rank) {
             return Err(PostError::DuplicatePost { rank });
         }
@@ -41,7 +45,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
         }) {
             return Err(PostError::Overflow { rank, index });
         }
-        Ok(())
+        Ok(built)
     }
 
     pub(super) fn learn_topology(&mut self, topo: Topo) {

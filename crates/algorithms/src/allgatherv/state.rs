@@ -149,9 +149,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
     /// A local rank posted its part of the collective.
     pub fn handle_post(&mut self, now: Nanos, post: Post<K>) -> Result<(), PostError> {
         self.core.now = now;
-        self.validate_post(&post)?;
-        if self.topo.is_none() {
-            let topo = Topo::build(self.core.me, &post.members, &post.own.nodes)?;
+        if let Some(topo) = self.validate_post(&post)? {
             self.learn_topology(topo);
         }
         let p = post.members.len();
