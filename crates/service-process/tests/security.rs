@@ -398,3 +398,41 @@ fn listening_addrs(pid: u32) -> Vec<std::net::IpAddr> {
     }
     out
 }
+
+/// The post ring for another user's rank at a shared root SP (`--socket-mode=666`, polling):
+/// the rank (uid nobody) passes its memfd, its post goes through the ring, the SP copies its
+/// bytes as that user and writes the completion into the mailbox inside the ring; a rank of
+/// another user is served as one of the SP's own.
+#[test]
+fn another_users_rank_posts_through_its_ring_at_a_root_sp() {
+    assert_eq!(
+        my_uid(),
+        0,
+        "this test switches to uid {NOBODY}: run it as root"
+    );
+    let mut set = SpSet::start_with(
+        1,
+        1,
+        1,
+        Layout::Block,
+        &["--socket-mode=666", "--poll-us", "20"],
+    );
+    let sock = socket_of(&set, 0);
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::path::Path::new(&sock).parent().unwrap();
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let seed = test_seed();
+    let cred = JobCredential::issue(&set.key, new_job(), NOBODY, 1).encode();
+    let out = attack(
+        "ring-post",
+        &[("SOCK", sock), ("CRED", cred), ("SEED", seed.to_string())],
+        Some(NOBODY),
+    );
+    assert_eq!(out, ["RING-DONE status 0 same true"], "{out:?}");
+    let stats = set.stop_and_stats();
+    assert_eq!(stats[0]["ring_posts"], 1, "{}", stats[0]);
+    assert_eq!(stats[0]["ring_completions"], 1, "{}", stats[0]);
+    assert_eq!(stats[0]["copies_failed"], 0, "{}", stats[0]);
+}

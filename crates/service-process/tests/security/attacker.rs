@@ -269,6 +269,84 @@ pub fn run() {
         }
         // Register, fork a child that keeps the socket, exit: the SP must drop the connection
         // (the process it served is gone, and its pid may be another process's tomorrow).
+        // A rank with its post ring (mailbox inside, as the shim makes it): a 1-rank
+        // alltoallv of random bytes posted through the ring, its completion awaited in the
+        // ring's mailbox, the bytes checked.
+        "ring-post" => {
+            use bootstrap::post_ring::RingShape;
+            let (ch, out) = hello_as(&var("SOCK"), var("CRED"), 0, 1);
+            let Some(mut ch) = ch else {
+                say(out);
+                return;
+            };
+            let shape = RingShape {
+                mailbox_slots: 4,
+                ..RingShape::default()
+            };
+            let seals = nix::fcntl::SealFlag::F_SEAL_SHRINK
+                | nix::fcntl::SealFlag::F_SEAL_GROW
+                | nix::fcntl::SealFlag::F_SEAL_SEAL;
+            let (fd, mut producer, base) = crate::common::make_ring(shape, shape.bytes(), seals);
+            // SAFETY: the mailbox lies inside the ring's mapping, which stays for good.
+            let mb = unsafe { base.add(shape.mailbox_offset()) };
+            let mut reg = alias_mkey::host::Registrar::new();
+            let grant = reg.register(mb as u64, 4 * mailbox::SLOT_BYTES, Rights::READ_WRITE);
+            let frame = wire::encode(&HostToSp::Register {
+                cores: vec![],
+                mailbox: grant,
+                mailbox_slots: 4,
+                post_ring: Some(shape),
+            });
+            use std::os::fd::AsRawFd;
+            crate::common::send_with_raw_fds(ch.get_ref(), &frame, &[fd.as_raw_fd()]);
+            match ch.recv::<SpToHost>() {
+                Ok(SpToHost::Registered {
+                    post_ring_off: None,
+                    ..
+                }) => {}
+                other => return say(format!("NOT-TAKEN {other:?}")),
+            }
+            let seed = n("SEED");
+            let send: Vec<u8> = (0..4096u64)
+                .map(|i| (i.wrapping_mul(seed) >> 3) as u8)
+                .collect();
+            let recv = vec![0u8; 4096];
+            let sg = reg.register(send.as_ptr() as u64, 4096, Rights::READ);
+            let rg = reg.register(recv.as_ptr() as u64, 4096, Rights::WRITE);
+            let mut d = desc(
+                CommId { leader: 0, id: 5 },
+                0,
+                0,
+                vec![0],
+                2,
+                sg,
+                rg,
+                (vec![4096], vec![0], vec![4096], vec![0]),
+            );
+            d.world_ranks = vec![0];
+            d.token = 7;
+            let f = wire::encode(&HostToSp::Post(Box::new(d)));
+            assert!(producer.push(0, &f[4..]));
+            let token = mb.wrapping_add(mailbox::slot_offset(2) as usize) as *const u64;
+            let t = Instant::now();
+            // SAFETY: the slot's token word, written by the SP through its own mapping.
+            while unsafe { std::ptr::read_volatile(token) } != 7 {
+                if t.elapsed() > Duration::from_secs(10) {
+                    return say("NO-COMPLETION");
+                }
+                std::thread::sleep(Duration::from_micros(100));
+            }
+            std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+            // SAFETY: the status word of the same slot.
+            let status =
+                unsafe { std::ptr::read_volatile(token.cast::<u8>().add(8).cast::<u32>()) };
+            // SAFETY: reads within `recv`, which the SP wrote behind the compiler's back.
+            let got: Vec<u8> = (0..recv.len())
+                .map(|i| unsafe { std::ptr::read_volatile(recv.as_ptr().add(i)) })
+                .collect();
+            let same = got == send;
+            say(format!("RING-DONE status {status} same {same}"));
+        }
         "fork-and-exit" => {
             let Some(ch) = registered(&var("SOCK"), var("CRED"), 0, 1, 0) else {
                 return;
