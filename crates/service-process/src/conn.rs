@@ -109,6 +109,8 @@ pub struct Conn<R> {
     /// More descriptors arrived than were kept (the keeper's business: a ring offered with
     /// them is refused).
     pub fds_dropped: bool,
+    /// The control-message buffer of a Unix connection's reads, made once.
+    cmsg: Vec<u8>,
 }
 
 /// Descriptors a peer passed and the connection kept: closed off the loop when dropped.
@@ -136,6 +138,7 @@ impl<R> Conn<R> {
             fds_in: Passed::default(),
             fds_allowed: false,
             fds_dropped: false,
+            cmsg: Vec::new(),
         }
     }
 
@@ -148,11 +151,13 @@ impl<R> Conn<R> {
         use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags, UnixAddr};
         let fd = s.as_raw_fd();
         let mut iov = [io::IoSliceMut::new(buf)];
-        let mut space = nix::cmsg_space!([RawFd; SCM_MAX_FD]);
+        if self.cmsg.is_empty() {
+            self.cmsg = nix::cmsg_space!([RawFd; SCM_MAX_FD]);
+        }
         let msg = recvmsg::<UnixAddr>(
             fd,
             &mut iov,
-            Some(&mut space),
+            Some(&mut self.cmsg),
             MsgFlags::MSG_CMSG_CLOEXEC | MsgFlags::MSG_DONTWAIT,
         )
         .map_err(io::Error::from)?;
