@@ -19,6 +19,8 @@ fn breakdown_has_every_stage_in_order_for_a_real_job() {
     let stats = breakdown_for(&[]);
     assert_eq!(stats["ring_posts"], 0, "{stats}");
     assert_eq!(stats["ring_completions"], 0, "{stats}");
+    // No ring, no arena.
+    assert_eq!(stats["arena_sides"], 0, "{stats}");
 }
 
 /// The same with the SP busy-polling on a CPU of its own (`launch --sp-cpus` with a CPU per SP
@@ -37,6 +39,16 @@ fn breakdown_has_every_stage_in_order_with_a_busy_polling_sp() {
     assert_eq!(stats["ring_posts"], stats["posts"], "{stats}");
     // Their mailboxes are in the rings too: every completion was a store into shared memory.
     assert_eq!(stats["ring_completions"], stats["completions"], "{stats}");
+    // The small size's sides went through the ranks' arenas (both ranks at this one SP), and
+    // their blocks moved by plain copies.
+    assert!(
+        stats["arena_sides"].as_u64().is_some_and(|n| n > 0),
+        "no side in an arena: {stats}"
+    );
+    assert!(
+        stats["copies_own"].as_u64().is_some_and(|n| n > 0),
+        "no plain copy: {stats}"
+    );
 }
 
 /// Runs the job with `extra` launcher arguments, checks the breakdowns, and returns the SP's
@@ -44,8 +56,9 @@ fn breakdown_has_every_stage_in_order_with_a_busy_polling_sp() {
 fn breakdown_for(extra: &[&str]) -> serde_json::Value {
     let mut rng = Rng(seed());
     // Two sizes: one copied on the SP's loop thread, one on a datapath thread (serve's
-    // --inline-copy-bytes is 64 KiB by default), each a random length.
-    let small = 1 + rng.below(8192);
+    // --inline-copy-bytes is 64 KiB by default), each a random length; the small one's sides
+    // (two blocks) fit the ranks' arenas.
+    let small = 1 + rng.below(2048);
     let large = 65537 + rng.below(256 << 10);
     let sizes = format!("{small},{large}");
     let iters = 6 + rng.below(6);

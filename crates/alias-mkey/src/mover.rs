@@ -60,12 +60,15 @@ pub trait Mover {
 /// Cross-memory-attach mover with one staging buffer of `chunk_bytes`.
 pub struct CmaMover {
     staging: Vec<u8>,
+    /// This process's pid, read once (`getpid` is a system call, and a copy asks it).
+    me: u32,
 }
 
 impl CmaMover {
     pub fn new(chunk_bytes: usize) -> Self {
         CmaMover {
             staging: vec![0; chunk_bytes.max(4096)],
+            me: std::process::id(),
         }
     }
 }
@@ -296,7 +299,7 @@ impl Mover for CmaMover {
         // One end in this process (an SP's own staging memory): one transfer, no bounce. The
         // owner pid of a key comes from the kernel (the host connection's peer credentials) or
         // from this process itself, so a key naming this pid describes this process's memory.
-        let me = std::process::id();
+        let me = self.me;
         if dst.owner.pid == me {
             // SAFETY: [dst_addr, +len) is this process's memory that the key grants for writing.
             return unsafe {

@@ -14,6 +14,15 @@
 //!   `mailbox_slots` slots, when the rank put it in the same memory: an SP that maps the ring
 //!   then writes completions with plain stores (status and stamps, then the token with a
 //!   release store) instead of a `process_vm_writev`.
+//! - [`RingShape::arena_offset`] (the next page): the rank's **arena**, `arena_chunks`
+//!   chunks of [`ARENA_CHUNK_BYTES`], each a send half and a receive half of
+//!   [`ARENA_SIDE_BYTES`]. A rank whose collective is small and served by this SP alone
+//!   copies its send side into a chunk's first half, grants both halves (they are its own
+//!   memory, at `rank_base` + offset in its address space) and copies its receive side out of
+//!   the second half at completion; the SP, which maps the same pages, reaches those grants
+//!   with plain loads and stores instead of a `process_vm_readv`/`writev` each. A grant the
+//!   SP finds wholly inside the arena stands for the same bytes either way: a rank that lies
+//!   about `rank_base` only redirects its own grants into its own memory.
 //!
 //! Order: the SP handles a host's messages in the order the rank sent them, over both paths.
 //! An entry with `sock_seq = s` was written after the rank's `s`-th socket frame and before
@@ -43,6 +52,14 @@ pub const MAX_SLOTS: u32 = 1024;
 pub const MIN_ENTRY_BYTES: u32 = 256;
 pub const MAX_ENTRY_BYTES: u32 = 4096;
 
+/// The arena's geometry: a chunk per small collective outstanding, each side at most
+/// [`ARENA_SIDE_BYTES`]; at most [`MAX_ARENA_CHUNKS`] chunks (512 KiB).
+pub const ARENA_SIDE_BYTES: u64 = 4096;
+pub const ARENA_CHUNK_BYTES: u64 = 2 * ARENA_SIDE_BYTES;
+pub const MAX_ARENA_CHUNKS: u32 = 64;
+/// The rank's default arena (the shim's free chunks fit one 64-bit word).
+pub const DEFAULT_ARENA_CHUNKS: u32 = 32;
+
 /// A ring's geometry, as the rank offers it in its `Register`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct RingShape {
@@ -50,6 +67,11 @@ pub struct RingShape {
     pub entry_bytes: u32,
     /// Mailbox slots after the entries (0: the mailbox is elsewhere).
     pub mailbox_slots: u32,
+    /// Arena chunks after the mailbox (0: no arena).
+    pub arena_chunks: u32,
+    /// Where the rank mapped the ring in its own address space (its arena grants are at
+    /// `rank_base + arena_offset()` on); page-aligned when `arena_chunks > 0`.
+    pub rank_base: u64,
 }
 
 impl Default for RingShape {
@@ -58,14 +80,42 @@ impl Default for RingShape {
             slots: DEFAULT_SLOTS,
             entry_bytes: DEFAULT_ENTRY_BYTES,
             mailbox_slots: 0,
+            arena_chunks: 0,
+            rank_base: 0,
         }
     }
 }
 
 impl RingShape {
-    /// Bytes of the whole ring, its mailbox included.
+    /// Bytes of the whole ring, its mailbox and arena included.
     pub fn bytes(&self) -> usize {
+        if self.arena_chunks == 0 {
+            return self.mailbox_end();
+        }
+        self.arena_offset() + self.arena_bytes() as usize
+    }
+
+    fn mailbox_end(&self) -> usize {
         self.mailbox_offset() + self.mailbox_slots as usize * crate::mailbox::SLOT_BYTES as usize
+    }
+
+    /// Where the arena starts: the page after the mailbox.
+    pub fn arena_offset(&self) -> usize {
+        self.mailbox_end().div_ceil(4096) * 4096
+    }
+
+    /// Bytes of the arena.
+    pub fn arena_bytes(&self) -> u64 {
+        self.arena_chunks as u64 * ARENA_CHUNK_BYTES
+    }
+
+    /// The offset into the ring of `[addr, addr + len)` in the rank's address space, if that
+    /// range lies wholly inside the arena (an empty range never does).
+    pub fn arena_at(&self, addr: u64, len: u64) -> Option<usize> {
+        let start = self.rank_base.checked_add(self.arena_offset() as u64)?;
+        let end = start.checked_add(self.arena_bytes())?;
+        let last = addr.checked_add(len)?;
+        (len > 0 && addr >= start && last <= end).then(|| (addr - self.rank_base) as usize)
     }
 
     /// Where the mailbox starts (a multiple of 64: the header and the entries are).
@@ -100,6 +150,18 @@ impl RingShape {
                 "a mailbox of {} slots in the post ring (at most {})",
                 self.mailbox_slots,
                 crate::mailbox::MAX_SLOTS
+            ));
+        }
+        if self.arena_chunks > MAX_ARENA_CHUNKS {
+            return Err(format!(
+                "an arena of {} chunks in the post ring (at most {MAX_ARENA_CHUNKS})",
+                self.arena_chunks
+            ));
+        }
+        if self.arena_chunks > 0 && !self.rank_base.is_multiple_of(4096) {
+            return Err(format!(
+                "a post ring said to be mapped at {:#x}, not a page boundary",
+                self.rank_base
             ));
         }
         Ok(())
@@ -301,6 +363,7 @@ mod tests {
                 slots: 1 + (lcg(&mut r) % 8) as u32,
                 entry_bytes: 256 + 64 * (lcg(&mut r) % 4) as u32,
                 mailbox_slots: (lcg(&mut r) % 3) as u32,
+                ..RingShape::default()
             };
             shape.check().unwrap();
             let mut buf = Buf::new(shape);
@@ -368,7 +431,7 @@ mod tests {
         let shape = RingShape {
             slots: 4,
             entry_bytes: 256,
-            mailbox_slots: 0,
+            ..RingShape::default()
         };
         for (tail, len) in [(5u64, 1u32), (u64::MAX, 1), (1, 241), (1, u32::MAX)] {
             let mut buf = Buf::new(shape);
@@ -413,6 +476,7 @@ mod tests {
                 slots,
                 entry_bytes,
                 mailbox_slots,
+                ..RingShape::default()
             };
             assert!(shape.check().is_err(), "{shape:?}");
         }
@@ -423,5 +487,57 @@ mod tests {
         assert!(shape.check().is_ok());
         assert_eq!(shape.bytes(), shape.mailbox_offset() + 3 * 64);
         assert_eq!(shape.mailbox_offset() % 64, 0);
+    }
+
+    #[test]
+    fn the_arena_follows_the_mailbox_on_a_page_and_only_whole_ranges_inside_it_are_its() {
+        let shape = RingShape {
+            mailbox_slots: 3,
+            arena_chunks: 2,
+            rank_base: 0x7000_0000,
+            ..RingShape::default()
+        };
+        shape.check().unwrap();
+        let mailbox_end = shape.mailbox_offset() + 3 * crate::mailbox::SLOT_BYTES as usize;
+        let at = shape.arena_offset();
+        assert!(at >= mailbox_end && at.is_multiple_of(4096) && at - mailbox_end < 4096);
+        assert_eq!(shape.bytes(), at + 2 * ARENA_CHUNK_BYTES as usize);
+        let start = 0x7000_0000 + at as u64;
+        let end = start + 2 * ARENA_CHUNK_BYTES;
+        assert_eq!(shape.arena_at(start, 1), Some(at));
+        assert_eq!(
+            shape.arena_at(end - 8, 8),
+            Some(at + 2 * ARENA_CHUNK_BYTES as usize - 8)
+        );
+        for (addr, len) in [
+            (start - 1, 2),
+            (end - 8, 9),
+            (start, 0),
+            (end, 1),
+            (0, 8),
+            (u64::MAX - 3, 8),
+        ] {
+            assert_eq!(shape.arena_at(addr, len), None, "{addr:#x}+{len}");
+        }
+        // No arena: nothing is in it, and the ring ends with its mailbox.
+        let none = RingShape {
+            arena_chunks: 0,
+            ..shape
+        };
+        assert_eq!(none.bytes(), mailbox_end);
+        assert_eq!(none.arena_at(start, 1), None);
+        // Bounds.
+        assert!(RingShape {
+            arena_chunks: MAX_ARENA_CHUNKS + 1,
+            ..shape
+        }
+        .check()
+        .is_err());
+        assert!(RingShape {
+            rank_base: 0x7000_0010,
+            ..shape
+        }
+        .check()
+        .is_err());
     }
 }

@@ -65,6 +65,7 @@
 // The exported functions keep MPI's names and signatures.
 #![allow(non_snake_case, clippy::missing_safety_doc, clippy::too_many_arguments)]
 
+mod arena;
 mod boundary;
 pub mod breakdown;
 mod cma;

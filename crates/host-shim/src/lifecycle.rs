@@ -853,6 +853,11 @@ fn register(
     if crate::post_ring::wanted() && !conn.remote() && conn.unix_fd().is_some() {
         let shape = RingShape {
             mailbox_slots: slots,
+            arena_chunks: if crate::arena::wanted() {
+                bootstrap::post_ring::DEFAULT_ARENA_CHUNKS
+            } else {
+                0
+            },
             ..RingShape::default()
         };
         match crate::post_ring::ShimRing::create(shape) {
@@ -927,6 +932,9 @@ fn register(
         }
     };
     state::set_mailbox(base, slots);
+    if let Some(arena) = ring.as_ref().and_then(|r| r.arena()) {
+        crate::arena::open(arena, ring.as_ref().map_or(0, |r| r.shape.arena_chunks));
+    }
     let mut conn = conn;
     conn.set_ring(ring);
     Ok(Registered {

@@ -255,6 +255,45 @@ pub unsafe fn post_reduce(
         }
         _ => None,
     };
+    // A small call that its SP serves alone goes through the arena it shares with its SP:
+    // the send side copied in now, the received blocks copied out at completion.
+    let (mut send_addr, mut recv_addr) = (send_addr, recv_addr);
+    let host_copies = blocking && facts.host_copies && host_copies_enabled();
+    let my_sp = topology().sp_of_world[rank as usize];
+    if arena_kind(kind)
+        && segment.is_none()
+        && reduce.is_none()
+        && !host_copies
+        && crate::arena::fits(s.bytes.region_len, r.bytes.region_len)
+        && info.members.iter().all(|&sp| sp == my_sp)
+    {
+        if let Some(chunk) = crate::arena::Chunk::take() {
+            // SAFETY: the send region is readable for its length (MPI precondition, or the
+            // shim's staging), the chunk's send half holds `ARENA_SIDE_BYTES` (`fits`).
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    send_addr as *const u8,
+                    chunk.send(),
+                    s.bytes.region_len as usize,
+                )
+            };
+            let recv_blocks = r
+                .bytes
+                .counts
+                .iter()
+                .zip(&r.bytes.displs)
+                .filter(|(&n, _)| n > 0)
+                .map(|(&n, &at)| (at, n))
+                .collect();
+            send_addr = chunk.send() as u64;
+            let to = std::mem::replace(&mut recv_addr, chunk.recv() as u64);
+            staging.arena = Some(crate::arena::InArena {
+                chunk,
+                recv_to: to as usize,
+                recv_blocks,
+            });
+        }
+    }
     let draft = Draft {
         kind,
         seq,
@@ -331,6 +370,16 @@ pub unsafe fn post_reduce(
         Some(Err(why)) => fail(&why),
         None => fail("the shim is shut down"),
     }
+}
+
+/// The kinds whose small calls may go through the arena: those whose SP-side copies, when
+/// one SP serves every rank, are plain copies between the ranks' sides (not the reductions,
+/// not the multicast fabric, not a node segment).
+fn arena_kind(kind: CollKind) -> bool {
+    matches!(
+        kind,
+        CollKind::Alltoallv | CollKind::Allgatherv | CollKind::Bcast | CollKind::StagedAllgather
+    )
 }
 
 /// A post of one collective once its sides are laid out: everything its descriptor says

@@ -64,6 +64,11 @@ impl ShimRing {
             )
         }
         .map_err(|e| format!("mapping the post ring: {e}"))?;
+        // The arena's grants are addresses of this mapping.
+        let shape = RingShape {
+            rank_base: base.as_ptr() as u64,
+            ..shape
+        };
         // SAFETY: page-aligned, `len` bytes, zero-filled (a new memfd), never unmapped; this
         // is the only producer.
         let producer = unsafe { Producer::new(base.as_ptr().cast(), shape) };
@@ -79,6 +84,12 @@ impl ShimRing {
     pub fn mailbox(&self) -> *mut u8 {
         // SAFETY: the mailbox lies inside the mapping (`RingShape::bytes`).
         unsafe { self.base.add(self.shape.mailbox_offset()) }
+    }
+
+    /// The arena inside the ring (`shape.arena_chunks` chunks, mapped for good), if it has one.
+    pub fn arena(&self) -> Option<*mut u8> {
+        // SAFETY: the arena lies inside the mapping (`RingShape::bytes`).
+        (self.shape.arena_chunks > 0).then(|| unsafe { self.base.add(self.shape.arena_offset()) })
     }
 
     /// Writes one encoded message; `false`: it goes on the socket (too large, ring full).

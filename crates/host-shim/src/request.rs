@@ -43,6 +43,9 @@ pub struct Staging {
     pub send: Option<Vec<u8>>,
     /// A packed receive side, unpacked at completion.
     pub recv: Option<Unpack>,
+    /// The arena chunk the call's sides went through (`arena.rs`): its received blocks are
+    /// copied out at completion, before any unpacking.
+    pub arena: Option<crate::arena::InArena>,
 }
 
 #[derive(Debug)]
@@ -128,6 +131,12 @@ impl OffloadRequest {
         let staging = std::mem::take(&mut *self.staging.lock().unwrap_or_else(|e| e.into_inner()));
         let mut code = code;
         if code == consts::SUCCESS() {
+            if let Some(arena) = &staging.arena {
+                // SAFETY: the collective completed: the SP is done with the chunk, and the
+                // receive region (the program's, or the staging unpacked below) is ours to
+                // write until `done` is published below.
+                unsafe { arena.deliver() };
+            }
             if let Some(unpack) = staging.recv {
                 // SAFETY: the collective completed: the receive buffer is ours to write until
                 // `done` is published below.
@@ -142,6 +151,7 @@ impl OffloadRequest {
                 }
             }
             drop(staging.send);
+            drop(staging.arena);
         } else {
             std::mem::forget(staging);
         }

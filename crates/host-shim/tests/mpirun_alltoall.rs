@@ -127,9 +127,10 @@ fn more_outstanding_collectives_than_mailbox_slots_do_not_deadlock() {
 /// type maps per rank with equal signatures, counts with zeros, `MPI_IN_PLACE` (on some ranks
 /// only too), sub-communicators, outstanding batches completed by every Wait/Test variant,
 /// ranks that finalize as soon as they are done; every byte compared with `PMPI_*`. Each
-/// configuration forces designs of the staged collectives; the last one has polling SPs
+/// configuration forces designs of the staged collectives; the last two have polling SPs
 /// (`serve --poll-us`), which read the ranks' posts from their shared-memory post rings, in
-/// order with what the ranks send on their sockets. `make conformance` runs it at scale.
+/// order with what the ranks send on their sockets, and (one node, one SP) take the small
+/// calls' sides from the ranks' arenas. `make conformance` runs it at scale.
 #[test]
 fn conformance_generator_matches_native_byte_for_byte() {
     let _serial = serial();
@@ -140,6 +141,7 @@ fn conformance_generator_matches_native_byte_for_byte() {
         (2, "cyclic", "hier", "hier", false),
         (1, "cyclic", "hier", "flat", false),
         (2, "block", "flat", "hier", true),
+        (1, "block", "flat", "flat", true),
     ]
     .into_iter()
     .enumerate()
@@ -175,10 +177,18 @@ fn conformance_generator_matches_native_byte_for_byte() {
             "conform seed {s}: {calls} calls offloaded, {} packed, {ring} through post rings",
             run.sp_total("posts_packed")
         );
+        let arena = run.sp_total("arena_sides");
+        eprintln!("conform seed {s}: {arena} sides through the ranks' arenas");
         if polling {
             assert!(ring > 0, "no post came through a ring\n{}", run.stderr);
         } else {
             assert_eq!(ring, 0, "{}", run.stderr);
+            assert_eq!(arena, 0, "{}", run.stderr);
+        }
+        // One node, one SP: the small calls of the communicators it serves alone went
+        // through the arenas (datatypes, zero counts, MPI_IN_PLACE and all).
+        if polling && k == 1 {
+            assert!(arena > 0, "no side in an arena\n{}", run.stderr);
         }
     }
 }

@@ -14,6 +14,11 @@
 //! checks what it reads. When the rank's completion mailbox is in the ring (its shape says
 //! so and the slot counts agree), the SP writes completions there with plain stores; it never
 //! reads them back.
+//!
+//! The rank's arena (`bootstrap::post_ring`, after the mailbox): a grant wholly inside it is
+//! reached through this mapping ([`PostRing::arena_addr`]); the mapping is shared
+//! ([`ArenaMap`]) with the instances whose keys point into it, so it outlives the connection
+//! until the last of them goes.
 
 use bootstrap::mailbox;
 use bootstrap::post_ring::{Consumer, Next, RingShape};
@@ -23,16 +28,37 @@ use std::num::NonZeroUsize;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
-/// A host's post ring, mapped for the connection's life.
-pub struct PostRing {
+/// The SP's mapping of a ring, unmapped when the last holder lets go (the connection's
+/// [`PostRing`], and every instance with a key into its arena).
+#[derive(Debug)]
+pub struct ArenaMap {
     base: NonNull<std::ffi::c_void>,
     len: usize,
+}
+
+// SAFETY: the mapping is owned by this value alone and unmapped once, in `drop`; the bytes in
+// it are the rank's, read and written only through raw pointers.
+unsafe impl Send for ArenaMap {}
+unsafe impl Sync for ArenaMap {}
+
+impl Drop for ArenaMap {
+    fn drop(&mut self) {
+        // SAFETY: mapped in `PostRing::map` with this length, unmapped only here.
+        let _ = unsafe { munmap(self.base, self.len) };
+    }
+}
+
+/// A host's post ring, mapped for the connection's life (and beyond, while its arena is used).
+pub struct PostRing {
+    map: Arc<ArenaMap>,
+    base: NonNull<std::ffi::c_void>,
     shape: RingShape,
     consumer: Consumer,
 }
 
-// SAFETY: the mapping is owned by this value alone and unmapped once, in `drop`.
+// SAFETY: the mapping is kept by `map`; the consumer points into it.
 unsafe impl Send for PostRing {}
 
 impl PostRing {
@@ -78,14 +104,25 @@ impl PostRing {
             )
         }
         .map_err(|e| format!("cannot map the post ring: {e}"))?;
-        // SAFETY: page-aligned (mmap), `len` = shape.bytes() bytes, mapped until `drop`.
+        // SAFETY: page-aligned (mmap), `len` = shape.bytes() bytes, mapped while the `ArenaMap`
+        // made of it below lives, which the consumer's `PostRing` holds.
         let consumer = unsafe { Consumer::new(base.as_ptr().cast(), shape) };
         Ok(PostRing {
+            map: Arc::new(ArenaMap { base, len }),
             base,
-            len,
             shape,
             consumer,
         })
+    }
+
+    /// Where `[addr, addr + len)` of the rank's address space is in this SP's mapping, if it
+    /// lies wholly inside the rank's arena; with the mapping, to keep while a key uses it.
+    pub fn arena_addr(&self, addr: u64, len: u64) -> Option<(u64, Arc<ArenaMap>)> {
+        let at = self.shape.arena_at(addr, len)?;
+        // `arena_at` keeps the range inside the arena, itself inside `shape.bytes()`, the
+        // size of the mapping.
+        debug_assert!(at as u64 + len <= self.map.len as u64);
+        Some((self.base.as_ptr() as u64 + at as u64, self.map.clone()))
     }
 
     /// The next post the SP may take after `frames_handled` socket frames of the host.
@@ -127,13 +164,5 @@ impl PostRing {
                 .store(token, Ordering::Release);
         }
         true
-    }
-}
-
-impl Drop for PostRing {
-    fn drop(&mut self) {
-        // SAFETY: mapped in `map` with this length, unmapped only here; the consumer that
-        // points into it goes with `self`.
-        let _ = unsafe { munmap(self.base, self.len) };
     }
 }

@@ -22,39 +22,63 @@ pub struct Stage {
     key: AliasKey,
 }
 
-/// This process's start time, for the owner of its own keys.
-fn my_start_time() -> u64 {
-    static START: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    *START.get_or_init(|| {
-        alias_mkey::process::start_time(std::process::id()).expect("/proc/self/stat is readable")
+/// This process's pid, start time, effective uid and gid, for the owner of its own keys: read
+/// once (none of them changes in an SP; each read is a system call, and keys are made per
+/// post).
+fn me() -> (u32, u64, u32, u32) {
+    static ME: std::sync::OnceLock<(u32, u64, u32, u32)> = std::sync::OnceLock::new();
+    *ME.get_or_init(|| {
+        let pid = std::process::id();
+        let start = alias_mkey::process::start_time(pid).expect("/proc/self/stat is readable");
+        // SAFETY: geteuid/getegid have no preconditions.
+        let (uid, gid) = unsafe { (libc::geteuid(), libc::getegid()) };
+        (pid, start, uid, gid)
     })
 }
 
 /// World rank used in the owner of staging keys (no host rank has it).
 pub const STAGE_OWNER_RANK: u32 = u32::MAX;
 
+/// A key of this SP process's own memory `[addr, addr + len)` (owner rank
+/// [`STAGE_OWNER_RANK`], this pid): a staging buffer, or its mapping of a rank's arena. The
+/// caller keeps the memory mapped while the key is used.
+pub fn own_key(job: u64, region: u64, addr: u64, len: u64, rights: Rights) -> AliasKey {
+    let (pid, start, uid, gid) = me();
+    AliasKey {
+        owner: Owner {
+            job,
+            world_rank: STAGE_OWNER_RANK,
+            pid,
+            start,
+            uid,
+            gid,
+        },
+        grant: Grant {
+            region,
+            generation: 0,
+            addr,
+            len,
+            rights,
+            backend: BackendData::Cma,
+        },
+    }
+}
+
+/// Whether `k` is a key of this process's own memory ([`own_key`]).
+pub fn is_own(k: &AliasKey) -> bool {
+    k.owner.world_rank == STAGE_OWNER_RANK && k.owner.pid == me().0
+}
+
 impl Stage {
     pub fn new(job: u64, region: u64, len: usize) -> Stage {
         let buf = vec![0u8; len].into_boxed_slice();
-        let key = AliasKey {
-            owner: Owner {
-                job,
-                world_rank: STAGE_OWNER_RANK,
-                pid: std::process::id(),
-                start: my_start_time(),
-                // SAFETY: geteuid/getegid have no preconditions.
-                uid: unsafe { libc::geteuid() },
-                gid: unsafe { libc::getegid() },
-            },
-            grant: Grant {
-                region,
-                generation: 0,
-                addr: buf.as_ptr() as u64,
-                len: len as u64,
-                rights: Rights::READ_WRITE,
-                backend: BackendData::Cma,
-            },
-        };
+        let key = own_key(
+            job,
+            region,
+            buf.as_ptr() as u64,
+            len as u64,
+            Rights::READ_WRITE,
+        );
         Stage { buf, key }
     }
 

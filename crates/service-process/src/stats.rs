@@ -27,6 +27,11 @@ pub struct Stats {
     pub copies_purged: u64,
     /// Of `copies_started`, those small enough to run on the event-loop thread.
     pub copies_inline: u64,
+    /// Of `copies_inline`, those with both ends in this SP's own memory (its staging, its
+    /// mapping of a rank's arena): a plain copy, no system call.
+    pub copies_own: u64,
+    /// Keys of a post's sides that this SP reached through its mapping of the rank's arena.
+    pub arena_sides: u64,
     pub bytes_copied: u64,
     /// Of `bytes_copied`, what came from a rank of another node (what a DPU moves over the
     /// network) and what stayed within this node.

@@ -6,7 +6,7 @@
 mod common;
 
 use bootstrap::mailbox::STATUS_OK;
-use bootstrap::post_ring::{RingShape, HEADER_BYTES};
+use bootstrap::post_ring::{RingShape, ARENA_CHUNK_BYTES, ARENA_SIDE_BYTES, HEADER_BYTES};
 use bootstrap::wire::{ErrorCode, HostToSp, PostDesc, SpToHost};
 use bootstrap::Layout;
 use common::alltoallv::make_op;
@@ -45,7 +45,7 @@ fn posts_in_the_ring_complete_like_posts_on_the_socket() {
     let shape = RingShape {
         slots: 2 + rng.below(4) as u32,
         entry_bytes: 1024,
-        mailbox_slots: 0,
+        ..RingShape::default()
     };
     let mut hosts = vec![];
     let mut rings = vec![];
@@ -167,6 +167,124 @@ fn completions_reach_a_mailbox_inside_the_ring_either_way() {
         let want = if polling { 32 } else { 0 };
         assert_eq!(sum(&stats, "ring_completions"), want, "{stats:?}");
         assert_eq!(sum(&stats, "completions"), 32, "{stats:?}");
+    }
+}
+
+/// Small alltoallvs whose sides the ranks put in their arenas (`bootstrap::post_ring`): with one
+/// SP serving both ranks, the SP reaches every side through its own mapping of the arenas and
+/// moves every block with a plain copy (`arena_sides`, `copies_own`); with each rank at an SP
+/// of its own, the same grants are reached as any memory of the rank (cma), and no key into an
+/// arena leaves its SP. Either way the bytes are those of a direct alltoallv, and the bytes of
+/// the arena around the blocks stay as they were.
+#[test]
+fn small_sides_in_the_arena_move_by_plain_copies_at_an_sp_that_serves_every_rank() {
+    let seed = test_seed();
+    for sps in [1u32, 2] {
+        let mut rng = Rng(seed ^ sps as u64);
+        let mut set = SpSet::start_with(1, sps, 2, Layout::Block, POLLING);
+        let job = new_job();
+        let mut hosts = vec![];
+        let mut rings = vec![];
+        for r in 0..2 {
+            let shape = RingShape {
+                arena_chunks: 2,
+                ..RingShape::default()
+            };
+            let (fd, producer, base) = make_ring(shape, shape.bytes(), sealed());
+            let shape = RingShape {
+                rank_base: base as u64,
+                ..shape
+            };
+            let (h, answer) = Host::connect_offering(
+                &set,
+                job,
+                r,
+                2,
+                placement(&set, r, 2),
+                Some((shape, Some(&fd))),
+            );
+            assert_eq!(ring_off(&answer), None, "rank {r}: the SP reads the ring");
+            // SAFETY: the arena lies inside the mapping, which the test never unmaps.
+            let arena = unsafe { base.add(shape.arena_offset()) };
+            hosts.push(h);
+            rings.push((producer, fd, arena));
+        }
+        assert_eq!(hosts[0].sp == hosts[1].sp, sps == 1);
+        let comm = algorithms::CommId { leader: 0, id: 1 };
+        let (mut sides, mut posts) = (0u64, 0u64);
+        for seq in 0..12u64 {
+            let mut op = make_op(&mut rng, comm, seq, vec![0, 1], 900);
+            let members: Vec<u32> = vec![hosts[0].sp, hosts[1].sp];
+            // Each rank's sides in a chunk of its arena (the second, now and then), the rest
+            // of the chunk filled with a pattern that must survive.
+            let mut at = vec![];
+            let mut posted = vec![];
+            for r in 0..2 {
+                let chunk = rng.below(2) * ARENA_CHUNK_BYTES;
+                // SAFETY: the chunk lies inside the arena (2 chunks).
+                let (send, recv) = unsafe {
+                    let c = rings[r].2.add(chunk as usize);
+                    (c, c.add(ARENA_SIDE_BYTES as usize))
+                };
+                let (sl, rl) = (op.send[r].len(), op.recv[r].len());
+                assert!(sl as u64 <= ARENA_SIDE_BYTES && rl as u64 <= ARENA_SIDE_BYTES);
+                // SAFETY: both halves hold ARENA_SIDE_BYTES; nothing else writes them now.
+                let (send_s, recv_s) = unsafe {
+                    for i in 0..ARENA_CHUNK_BYTES as usize {
+                        send.add(i).write((i as u8) ^ 0x3c);
+                    }
+                    std::ptr::copy_nonoverlapping(op.send[r].as_ptr(), send, sl);
+                    std::ptr::copy_nonoverlapping(op.recv[r].as_ptr(), recv, rl);
+                    (
+                        std::slice::from_raw_parts(send as *const u8, sl),
+                        std::slice::from_raw_parts(recv as *const u8, rl),
+                    )
+                };
+                let mut d = op.desc_for(&mut hosts[r], &members, r, r as u32);
+                d.send = hosts[r].grant(send_s, alias_mkey::Rights::READ);
+                d.recv = hosts[r].grant(recv_s, alias_mkey::Rights::WRITE);
+                sides += (sl > 0) as u64 + (rl > 0) as u64;
+                posts += 1;
+                let (p, _, _) = &mut rings[r];
+                posted.push((r, hosts[r].post_in_ring(p, 0, d)));
+                at.push((recv, rl, send));
+            }
+            let posted: Vec<_> = posted.into_iter().map(|(r, (s, t))| (r, s, t)).collect();
+            assert_completed(&hosts, &posted, STATUS_OK, &format!("{sps} SPs, seq {seq}"));
+            for (r, &(recv, rl, send)) in at.iter().enumerate() {
+                // SAFETY: as above; the SP is done with the chunk (the post completed).
+                let chunk = unsafe { std::slice::from_raw_parts(send, ARENA_CHUNK_BYTES as usize) };
+                let half = ARENA_SIDE_BYTES as usize;
+                let sl = op.send[r].len();
+                assert_eq!(
+                    &chunk[..sl],
+                    &op.send[r][..],
+                    "rank {r}: its send side as written"
+                );
+                for (i, &b) in chunk.iter().enumerate() {
+                    if (sl..half).contains(&i) || i >= half + rl {
+                        assert_eq!(b, (i as u8) ^ 0x3c, "{sps} SPs, rank {r}: chunk byte {i}");
+                    }
+                }
+                // SAFETY: as above.
+                unsafe { std::ptr::copy_nonoverlapping(recv, op.recv[r].as_mut_ptr(), rl) };
+            }
+            op.check();
+        }
+        let stats = set.stats_after_goodbyes(hosts);
+        assert_eq!(sum(&stats, "posts"), posts, "{stats:?}");
+        if sps == 1 {
+            assert_eq!(sum(&stats, "arena_sides"), sides, "{stats:?}");
+            assert_eq!(
+                sum(&stats, "copies_own"),
+                sum(&stats, "copies_started"),
+                "{stats:?}"
+            );
+        } else {
+            assert_eq!(sum(&stats, "arena_sides"), 0, "{stats:?}");
+            assert_eq!(sum(&stats, "copies_own"), 0, "{stats:?}");
+        }
+        eprintln!("{sps} SP(s): {sides} sides in arenas, {posts} posts");
     }
 }
 
@@ -352,7 +470,7 @@ fn a_corrupted_ring_closes_the_connection() {
     let shape = RingShape {
         slots: 8,
         entry_bytes: 512,
-        mailbox_slots: 0,
+        ..RingShape::default()
     };
     type Corrupt = fn(&mut bootstrap::post_ring::Producer, *mut u8);
     let cases: [(&str, Corrupt, &str); 4] = [

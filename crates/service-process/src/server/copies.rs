@@ -273,9 +273,23 @@ impl Server {
                 && job.dst.grant.backend == BackendData::Cma;
             if job.len <= self.inline_copy_bytes && both_cma {
                 self.stats.copies_inline += 1;
+                // Both ends in this process's memory (its staging, its mapping of a rank's
+                // arena), held by a live instance: a plain copy. Otherwise the mover, whose
+                // access to this process's own memory cannot fault (a late copy of a dropped
+                // instance fails there instead).
+                let held = self
+                    .copies
+                    .get(&job.ticket)
+                    .is_some_and(|(ck, _)| self.instances.contains_key(ck));
                 let result =
-                    self.mover
-                        .copy(&job.src, job.src_offset, &job.dst, job.dst_offset, job.len);
+                    if held && crate::staging::is_own(&job.src) && crate::staging::is_own(&job.dst)
+                    {
+                        self.stats.copies_own += 1;
+                        own_copy(&job)
+                    } else {
+                        self.mover
+                            .copy(&job.src, job.src_offset, &job.dst, job.dst_offset, job.len)
+                    };
                 // Fed back by `on_copies_done`, outside the instance's `drive`.
                 self.inline_done.push(crate::datapath::CopyDone {
                     ticket: job.ticket,
@@ -331,4 +345,19 @@ impl Server {
         }
         self.start_copies();
     }
+}
+
+/// A copy between two keys of this process's own memory ([`crate::staging::own_key`]), after
+/// the same checks of range and rights as any copy.
+fn own_copy(job: &CopyJob) -> Result<(), alias_mkey::AccessError> {
+    let src = job.src.check(job.src_offset, job.len, Rights::READ)?;
+    let dst = job.dst.check(job.dst_offset, job.len, Rights::WRITE)?;
+    // SAFETY: both ranges were checked against their keys, which this process made for
+    // memory it keeps mapped while their instance lives (the caller checked that it does): a
+    // staging buffer, or its mapping of a rank's arena (a memfd sealed against shrinking, so
+    // no access faults). The rank may write its arena at any time; the bytes are its own.
+    unsafe {
+        std::ptr::copy(src as *const u8, dst as *mut u8, job.len as usize);
+    }
+    Ok(())
 }

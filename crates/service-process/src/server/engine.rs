@@ -15,6 +15,7 @@ impl Server {
                 local_ranks: None,
                 refused: None,
                 holds: Vec::new(),
+                arenas: Vec::new(),
                 first_copy_ns: 0,
                 last_copy_ns: 0,
                 copies_done: 0,

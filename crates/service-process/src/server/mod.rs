@@ -245,6 +245,9 @@ struct Instance {
     refused: Option<String>,
     /// The SP memory its local posts hold (given back to the ledger with the instance).
     holds: Vec<crate::held::Hold>,
+    /// The post-ring mappings its keys point into (a local rank's arena): kept until the
+    /// instance goes, even if the rank's connection went first.
+    arenas: Vec<std::sync::Arc<crate::post_ring::ArenaMap>>,
     /// When its first copy started and its last one was seen done (`bootstrap::stamps`, 0:
     /// none yet), and how many were done.
     first_copy_ns: u64,

@@ -203,8 +203,20 @@ impl Server {
             }
         };
         let region = placed.region.map(|(g, at)| (self.alias(key, g), at));
-        let send = self.alias(key, d.send.clone());
-        let recv = self.alias(key, d.recv.clone());
+        let mut send = self.alias(key, d.send.clone());
+        let mut recv = self.alias(key, d.recv.clone());
+        // Sides the rank put in its arena, in an instance of this SP's ranks alone: reached
+        // through this SP's mapping of the arena (no key leaves this SP).
+        let mut arenas = Vec::new();
+        if d.members.iter().all(|&sp| sp == self.me) {
+            for k in [&mut send, &mut recv] {
+                if let Some((key, map)) = self.arena_key(key, k) {
+                    *k = key;
+                    arenas.push(map);
+                    self.stats.arena_sides += 1;
+                }
+            }
+        }
         let now = now_ns(self.start);
         let failed = self.jobs.get(&job).and_then(|j| j.failed);
         let dead: Vec<SpId> = d
@@ -247,6 +259,7 @@ impl Server {
                 posted.stamps.ready = bootstrap::stamps::now_ns();
                 inst.posted.insert(comm_rank, posted);
                 inst.holds.push(hold);
+                inst.arenas.extend(arenas);
                 if let Some(status) = failed {
                     inst.sm.abort(now, status);
                 }
@@ -260,6 +273,33 @@ impl Server {
                 self.write_completion(posted, Status::InvalidPost);
             }
         }
+    }
+
+    /// The key through this SP's mapping of host `conn`'s arena for `k`, a key of that host,
+    /// if the grant lies wholly inside the arena (`bootstrap::post_ring`), and the mapping to
+    /// keep while the key is used. Only where every copy of such a key runs on this thread
+    /// (`--inline-copy-bytes` at least an arena side): the mapping is kept by the instance,
+    /// and a copy of a dropped instance never starts on a datapath thread.
+    fn arena_key(
+        &self,
+        conn: usize,
+        k: &AliasKey,
+    ) -> Option<(AliasKey, std::sync::Arc<crate::post_ring::ArenaMap>)> {
+        if self.inline_copy_bytes < bootstrap::post_ring::ARENA_SIDE_BYTES
+            || k.grant.backend != BackendData::Cma
+        {
+            return None;
+        }
+        let ring = self.host(conn).ring.as_ref()?;
+        let (addr, map) = ring.arena_addr(k.grant.addr, k.grant.len)?;
+        let key = crate::staging::own_key(
+            k.owner.job,
+            k.grant.region,
+            addr,
+            k.grant.len,
+            k.grant.rights,
+        );
+        Some((key, map))
     }
 
     /// Writes a completion into the rank's mailbox: status first, then the token.

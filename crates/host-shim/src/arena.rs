@@ -1,0 +1,128 @@
+//! The arena of the post ring (`bootstrap::post_ring`): chunks of memory this rank shares with
+//! its SP, for the small collectives that its SP serves alone. Such a call copies its send
+//! side into a chunk and grants the chunk's halves instead of the program's buffers; the SP,
+//! which maps the same pages, moves the bytes with plain copies (no `process_vm_readv` or
+//! `writev` per block), and the rank copies the received blocks out of the chunk when the call
+//! completes, before the request is reported complete (`request.rs`).
+//!
+//! Only where the SP reads the ring (it said so at registration), for sides of at most
+//! `ARENA_SIDE_BYTES`, and in kinds whose SP-side copies are plain copies between its ranks
+//! (see `post.rs`). `SPOFF_ARENA=0` (or `off`) turns it off. A chunk is taken per call and
+//! given back when the request completes; a request that fails keeps its chunk for good (the
+//! SP may still be using it), and a call that finds none free goes the usual way.
+
+use bootstrap::post_ring::{ARENA_CHUNK_BYTES, ARENA_SIDE_BYTES};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+/// The arena's first byte in this process (0: no arena).
+static BASE: AtomicUsize = AtomicUsize::new(0);
+/// Free chunks, a bit each.
+static FREE: AtomicU64 = AtomicU64::new(0);
+
+/// Whether the arena may be used (`SPOFF_ARENA`, on by default).
+pub fn wanted() -> bool {
+    !matches!(
+        std::env::var("SPOFF_ARENA").ok().as_deref().map(str::trim),
+        Some("0") | Some("off") | Some("no")
+    )
+}
+
+/// Opens the arena of `chunks` chunks at `base` (mapped for the life of the process, shared
+/// with an SP that reads the ring).
+pub fn open(base: *mut u8, chunks: u32) {
+    let chunks = chunks.min(64);
+    BASE.store(base as usize, Ordering::Release);
+    let all = if chunks == 64 {
+        u64::MAX
+    } else {
+        (1u64 << chunks) - 1
+    };
+    FREE.store(all, Ordering::Release);
+}
+
+/// Whether sides of `send` and `recv` bytes fit a chunk.
+pub fn fits(send: u64, recv: u64) -> bool {
+    send <= ARENA_SIDE_BYTES && recv <= ARENA_SIDE_BYTES
+}
+
+/// One chunk, the caller's until dropped.
+#[derive(Debug)]
+pub struct Chunk {
+    index: u32,
+    base: usize,
+}
+
+impl Chunk {
+    /// A free chunk, if the arena is open and has one.
+    pub fn take() -> Option<Chunk> {
+        let base = BASE.load(Ordering::Acquire);
+        if base == 0 {
+            return None;
+        }
+        let mut free = FREE.load(Ordering::Acquire);
+        loop {
+            if free == 0 {
+                return None;
+            }
+            let index = free.trailing_zeros();
+            match FREE.compare_exchange_weak(
+                free,
+                free & !(1 << index),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return Some(Chunk { index, base }),
+                Err(now) => free = now,
+            }
+        }
+    }
+
+    /// The send half.
+    pub fn send(&self) -> *mut u8 {
+        (self.base + self.index as usize * ARENA_CHUNK_BYTES as usize) as *mut u8
+    }
+
+    /// The receive half.
+    pub fn recv(&self) -> *mut u8 {
+        // SAFETY: both halves lie in the chunk.
+        unsafe { self.send().add(ARENA_SIDE_BYTES as usize) }
+    }
+}
+
+impl Drop for Chunk {
+    fn drop(&mut self) {
+        FREE.fetch_or(1 << self.index, Ordering::AcqRel);
+    }
+}
+
+/// A call's use of a chunk: the chunk, and where its received blocks go at completion.
+#[derive(Debug)]
+pub struct InArena {
+    pub chunk: Chunk,
+    /// The receive side's region in the program's buffer (or the shim's unpack staging), and
+    /// each peer's bytes in it (offset, length), as the SP writes them in the chunk.
+    pub recv_to: usize,
+    pub recv_blocks: Vec<(u64, u64)>,
+}
+
+impl InArena {
+    /// Copies the received blocks from the chunk to where they belong.
+    ///
+    /// # Safety
+    /// The call completed (the SP wrote the chunk and stopped using it), and the receive
+    /// region is the shim's to write until the request is reported complete.
+    pub unsafe fn deliver(&self) {
+        for &(at, len) in &self.recv_blocks {
+            // SAFETY: every block lies within the receive side (laid out by `layout.rs`,
+            // at most `ARENA_SIDE_BYTES` in all, checked by `fits`), in the chunk's receive
+            // half and in the program's region alike.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    self.chunk.recv().add(at as usize),
+                    (self.recv_to as *mut u8).add(at as usize),
+                    len as usize,
+                )
+            };
+        }
+    }
+}
