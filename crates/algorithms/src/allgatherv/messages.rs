@@ -6,7 +6,10 @@ use super::*;
 impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
     /// Checks `post`; the topology it implies, built here when none is known yet (the caller
     /// learns it: one build per instance).
-    pub(super) fn validate_post(&self, post: &Post<K>) -> Result<Option<Topo>, PostError> {
+    pub(super) fn validate_post(
+        &self,
+        post: &Post<K>,
+    ) -> Result<Option<std::sync::Arc<Topo>>, PostError> {
         let p = post.members.len();
         let rank = post.rank;
         PostError::check_served(&post.members, rank, self.core.me)?;
@@ -30,7 +33,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
                 }
                 None
             }
-            None => Some(Topo::build(self.core.me, &post.members, &post.own.nodes)?),
+            None => Some(Topo::shared(self.core.me, &post.members, &post.own.nodes)?),
         };
         if self.core.ranks.contains_key(&rank) {
             return Err(PostError::DuplicatePost { rank });
@@ -48,7 +51,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
         Ok(built)
     }
 
-    pub(super) fn learn_topology(&mut self, topo: Topo) {
+    pub(super) fn learn_topology(&mut self, topo: std::sync::Arc<Topo>) {
         let me = self.core.me;
         self.core
             .lost_unposted

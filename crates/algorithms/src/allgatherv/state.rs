@@ -43,7 +43,37 @@ pub(super) struct Topo {
     pub(super) local: Vec<Rank>,
 }
 
+thread_local! {
+    /// The topology built last on this thread: a communicator's calls follow each other with
+    /// the same members and nodes, and the build (maps and vectors per instance) is most of
+    /// what a post of a small allgatherv costs. A pure function's last result, kept: the
+    /// machine behaves the same with or without it.
+    static LAST_TOPO: std::cell::RefCell<Option<(SpId, std::sync::Arc<Topo>)>> =
+        const { std::cell::RefCell::new(None) };
+}
+
 impl Topo {
+    /// [`Topo::build`], or the same topology built last on this thread for the same SP,
+    /// members and nodes.
+    pub(super) fn shared(
+        me: SpId,
+        members: &[SpId],
+        nodes: &[u32],
+    ) -> Result<std::sync::Arc<Topo>, PostError> {
+        let hit = LAST_TOPO.with(|c| {
+            c.borrow()
+                .as_ref()
+                .filter(|(m, t)| *m == me && t.members == members && t.nodes == nodes)
+                .map(|(_, t)| t.clone())
+        });
+        if let Some(t) = hit {
+            return Ok(t);
+        }
+        let t = std::sync::Arc::new(Topo::build(me, members, nodes)?);
+        LAST_TOPO.with(|c| *c.borrow_mut() = Some((me, t.clone())));
+        Ok(t)
+    }
+
     pub(super) fn build(me: SpId, members: &[SpId], nodes: &[u32]) -> Result<Topo, PostError> {
         let sp_node = sp_nodes(members, nodes).map_err(|sp| PostError::SpOnTwoNodes { sp })?;
         let mut node_sps: BTreeMap<u32, BTreeSet<SpId>> = BTreeMap::new();
@@ -86,7 +116,7 @@ pub(super) enum CopyKind<K> {
 /// The per-SP state machine of one hierarchical `Allgatherv` instance.
 pub struct Allgatherv<K> {
     pub(super) core: Core<LocalRank<K>, CopyKind<K>, Action<K>, Stats>,
-    pub(super) topo: Option<Topo>,
+    pub(super) topo: Option<std::sync::Arc<Topo>>,
     /// Announcements parked here, and since when.
     pub(super) parked: Vec<(Announcement<K>, Nanos)>,
     /// Sibling SPs known to have a posted rank.

@@ -221,3 +221,32 @@ fn invalid_posts_are_rejected() {
     );
     assert!(a.members().is_none());
 }
+
+#[test]
+fn the_topology_kept_from_the_last_build_is_used_only_for_the_same_sp_members_and_nodes() {
+    use super::state::Topo;
+    use std::sync::Arc;
+    let (members, nodes) = ([0, 1, 1, 2], [0, 0, 0, 1]);
+    let a = Topo::shared(1, &members, &nodes).unwrap();
+    let b = Topo::shared(1, &members, &nodes).unwrap();
+    assert!(
+        Arc::ptr_eq(&a, &b),
+        "the same communicator reuses the build"
+    );
+    for (me, m, n) in [
+        (0, &members[..], &nodes[..]),
+        (1, &[0, 1, 1, 3][..], &nodes[..]),
+        (1, &members[..], &[0, 1, 1, 2][..]),
+        (1, &members[..3], &nodes[..3]),
+    ] {
+        let c = Topo::shared(me, m, n).unwrap();
+        assert!(!Arc::ptr_eq(&a, &c), "{me} {m:?} {n:?}");
+        assert_eq!(
+            format!("{:?}", *c),
+            format!("{:?}", Topo::build(me, m, n).unwrap()),
+            "what is kept is what a build gives"
+        );
+    }
+    // An SP on two nodes is refused whether or not a topology is kept.
+    assert!(Topo::shared(1, &members, &[0, 0, 1, 1]).is_err());
+}
