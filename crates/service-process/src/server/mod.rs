@@ -646,9 +646,13 @@ impl Server {
             // family's UCX worker of the staging is progressed for at most a slice), and bound
             // the wait; a polling SP (`poll_interval`) never sleeps.
             let polling = self.poll_interval;
+            // Three readings of the clock per pass (this one, the next, and the pass's start
+            // after the wait, which the timers use): a busy pass is a microsecond or two, and
+            // a reading is a noticeable part of it.
             let progress_start = Instant::now();
             let timeout = self.resources.progress(polling.is_some());
-            let progressed = progress_start.elapsed().as_micros() as u64;
+            let progress_end = Instant::now();
+            let progressed = (progress_end - progress_start).as_micros() as u64;
             self.stats.ucx_progress_max_us = self.stats.ucx_progress_max_us.max(progressed);
             let timeout = if polling.is_some() {
                 Some(Duration::ZERO)
@@ -656,7 +660,9 @@ impl Server {
                 let wake = self.wake_in();
                 Some(timeout.map_or(wake, |t| t.min(wake)))
             };
-            let pass = pass_start.elapsed().as_micros() as u64;
+            let pass = progress_end
+                .saturating_duration_since(pass_start)
+                .as_micros() as u64;
             self.stats.loop_pass_max_us = self.stats.loop_pass_max_us.max(pass);
             if let Err(e) = self.poll.poll(&mut events, timeout) {
                 if e.kind() == io::ErrorKind::Interrupted {
@@ -712,7 +718,7 @@ impl Server {
             // What the resources finished first: a driver's timer that comes due in the same
             // wake then sees it (a multicast cutoff sees the chunks that landed meanwhile).
             self.on_resource_events();
-            self.on_timers();
+            self.on_timers(pass_start);
             loop {
                 self.on_copies_done();
                 self.close_doomed();

@@ -38,10 +38,11 @@ impl Deadlines {
 }
 
 impl Server {
-    /// What is due by the clock: late hellos, heartbeats, the instances' deadlines.
-    pub(super) fn on_timers(&mut self) {
-        let gap = self.last_timers.elapsed();
-        self.last_timers = Instant::now();
+    /// What is due by the clock at `now` (the loop's one reading of it per pass): late
+    /// hellos, heartbeats, the instances' deadlines.
+    pub(super) fn on_timers(&mut self, now: Instant) {
+        let gap = now.saturating_duration_since(self.last_timers);
+        self.last_timers = now;
         let gap_ms = gap.as_millis() as u64;
         self.stats.timer_gap_max_ms = self.stats.timer_gap_max_ms.max(gap_ms);
         if gap > self.heartbeat * 3 {
@@ -54,9 +55,9 @@ impl Server {
                 self.heartbeat
             );
         }
-        self.sweep_hellos();
-        self.heartbeats();
-        let now = now_ns(self.start);
+        self.sweep_hellos(now);
+        self.heartbeats(now);
+        let now = now.saturating_duration_since(self.start).as_nanos() as Nanos;
         for ck in self.deadlines.take_due(now) {
             if let Some(inst) = self.instances.get_mut(&ck) {
                 inst.sm.tick(now);
@@ -86,8 +87,7 @@ impl Server {
     }
 
     /// Closes connections that have not said hello within the limit.
-    pub(super) fn sweep_hellos(&mut self) {
-        let now = Instant::now();
+    pub(super) fn sweep_hellos(&mut self, now: Instant) {
         if now.duration_since(self.last_hello_sweep) < Duration::from_millis(100) {
             return;
         }
@@ -109,8 +109,7 @@ impl Server {
 
     /// Sends the heartbeats that are due, and drops peers that have been silent too long: a
     /// stopped or deadlocked SP keeps its connections open, and only its silence tells.
-    pub(super) fn heartbeats(&mut self) {
-        let now = Instant::now();
+    pub(super) fn heartbeats(&mut self, now: Instant) {
         if now.duration_since(self.last_beat) >= self.heartbeat {
             self.last_beat = now;
             // Pins of processes that exited since (a job's ranks may still have been exiting
