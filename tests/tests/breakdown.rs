@@ -55,12 +55,13 @@ fn breakdown_has_every_stage_in_order_with_a_busy_polling_sp() {
 /// counters.
 fn breakdown_for(extra: &[&str]) -> serde_json::Value {
     let mut rng = Rng(seed());
-    // Two sizes: one copied on the SP's loop thread, one on a datapath thread (serve's
+    // Three sizes: two copied on the SP's loop thread, one on a datapath thread (serve's
     // --inline-copy-bytes is 64 KiB by default), each a random length; the small one's sides
-    // (two blocks) fit the ranks' arenas.
+    // (two blocks) fit the ranks' arenas, the middle one's do not.
     let small = 1 + rng.below(2048);
+    let middle = 4097 + rng.below(4096);
     let large = 65537 + rng.below(256 << 10);
-    let sizes = format!("{small},{large}");
+    let sizes = format!("{small},{middle},{large}");
     let iters = 6 + rng.below(6);
     let warmup = 2u64;
     let json = std::env::temp_dir().join(format!(
@@ -98,7 +99,7 @@ fn breakdown_for(extra: &[&str]) -> serde_json::Value {
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
-    assert_eq!(rows.len(), 2, "{text}");
+    assert_eq!(rows.len(), 3, "{text}");
     for r in &rows {
         assert_eq!(r["validated"], true, "{r}");
         let b = &r["breakdown"];
@@ -125,7 +126,7 @@ fn breakdown_for(extra: &[&str]) -> serde_json::Value {
     assert_eq!(stats.len(), 1);
     let st = &stats[0];
     let posts = st["posts"].as_u64().unwrap();
-    assert_eq!(posts, ranks * 2 * 2 * (iters + warmup), "{st}");
+    assert_eq!(posts, ranks * 3 * 2 * (iters + warmup), "{st}");
     let s = &st["stages"];
     assert_eq!(s["disordered"], 0, "{s}");
     for name in ["post", "accept", "issue", "copy", "complete"] {

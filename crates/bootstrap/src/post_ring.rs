@@ -20,9 +20,9 @@
 //!   copies its send side into a chunk's first half, grants both halves (they are its own
 //!   memory, at `rank_base` + offset in its address space) and copies its receive side out of
 //!   the second half at completion; the SP, which maps the same pages, reaches those grants
-//!   with plain loads and stores instead of a `process_vm_readv`/`writev` each. A grant the
-//!   SP finds wholly inside the arena stands for the same bytes either way: a rank that lies
-//!   about `rank_base` only redirects its own grants into its own memory.
+//!   with plain loads and stores instead of a `process_vm_readv`/`writev` each. For a rank
+//!   that tells the truth a grant wholly inside the arena names the same bytes either way; a
+//!   rank that lies about `rank_base` only redirects its own grants into its own memfd.
 //!
 //! Order: the SP handles a host's messages in the order the rank sent them, over both paths.
 //! An entry with `sock_seq = s` was written after the rank's `s`-th socket frame and before

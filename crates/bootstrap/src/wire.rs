@@ -38,7 +38,10 @@ pub const MAGIC: [u8; 4] = *b"SPOF";
 /// carries the SP's stamps of the call (`crate::stamps`).
 /// 14: the Canary allreduce (`CollKind::CanaryAllreduce`, `CollMsg::CanaryAllreduce`);
 /// `Registered` says whether the SP runs it (`canary_off`).
-pub const PROTOCOL_VERSION: u32 = 14;
+/// 15: the post ring (`Register::post_ring`, a memfd beside the frame) and its arena
+/// (`RingShape::arena_chunks`, `rank_base`); `Registered` says whether the SP reads the ring
+/// (`post_ring_off`) and takes sides from the arena (`arena_off`).
+pub const PROTOCOL_VERSION: u32 = 15;
 /// Largest frame accepted: a descriptor for 65536 ranks (four count vectors) fits.
 pub const MAX_FRAME_BYTES: u32 = 4 << 20;
 /// Largest hello frame accepted (every kind of [`Hello`]; a host hello with its credential is
@@ -407,6 +410,10 @@ pub enum SpToHost {
         /// Why this SP reads no post ring of this host (none offered, an SP that sleeps
         /// until a message arrives, a descriptor it could not take); `None`: it reads it.
         post_ring_off: Option<String>,
+        /// Why this SP takes no side from the ring's arena (no ring read, no arena offered,
+        /// `serve --inline-copy-bytes` below an arena side); `None`: it does, for the calls
+        /// of the communicators it serves alone.
+        arena_off: Option<String>,
     },
     /// A refused request. `seq` names the post it concerns, if any; its mailbox slot (if it was
     /// valid) also gets an error status.

@@ -5,11 +5,13 @@
 //! `writev` per block), and the rank copies the received blocks out of the chunk when the call
 //! completes, before the request is reported complete (`request.rs`).
 //!
-//! Only where the SP reads the ring (it said so at registration), for sides of at most
-//! `ARENA_SIDE_BYTES`, and in kinds whose SP-side copies are plain copies between its ranks
-//! (see `post.rs`). `SPOFF_ARENA=0` (or `off`) turns it off. A chunk is taken per call and
-//! given back when the request completes; a request that fails keeps its chunk for good (the
-//! SP may still be using it), and a call that finds none free goes the usual way.
+//! Only where the SP takes sides from the arena (it says so at registration, `arena_off`) and
+//! this rank grants through `cma`, for sides of at most `ARENA_SIDE_BYTES`, and in kinds
+//! whose SP-side copies are plain copies between its ranks (see `post.rs`). `SPOFF_ARENA=0`
+//! (or `off`) turns it off. A chunk is taken per call and given back when the request
+//! completes, also when the SP completed it with an error; a request the shim fails itself
+//! (a broken or silent connection, a refusal) keeps its chunk for good (the SP may still be
+//! using it), and a call that finds none free goes the usual way.
 
 use bootstrap::post_ring::{ARENA_CHUNK_BYTES, ARENA_SIDE_BYTES};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -124,5 +126,60 @@ impl InArena {
                 )
             };
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::request::{OffloadRequest, Staging};
+    use bootstrap::wire::CollKind;
+    use mpi_ffi::consts;
+
+    fn request_with(chunk: Chunk) -> OffloadRequest {
+        let staging = Staging {
+            arena: Some(InArena {
+                chunk,
+                recv_to: 0,
+                recv_blocks: vec![],
+            }),
+            ..Staging::default()
+        };
+        OffloadRequest::new(
+            CollKind::Alltoallv,
+            Some(0),
+            1,
+            algorithms::CommId { leader: 0, id: 1 },
+            0,
+            consts::COMM_WORLD(),
+            staging,
+        )
+    }
+
+    /// Chunks are taken until none is left and come back when dropped; a request failed by
+    /// the shim itself keeps its chunk (the SP may still use it), one the SP completed with an
+    /// error gives it back.
+    #[test]
+    fn chunks_come_back_except_from_a_request_the_shim_failed() {
+        let mem: &'static mut [u64] = Box::leak(vec![0u64; 2 * 1024].into_boxed_slice());
+        open(mem.as_mut_ptr().cast(), 2);
+        let (a, b) = (Chunk::take().unwrap(), Chunk::take().unwrap());
+        assert_ne!(a.send(), b.send());
+        assert_eq!(
+            a.recv() as usize - a.send() as usize,
+            ARENA_SIDE_BYTES as usize
+        );
+        assert!(Chunk::take().is_none(), "two chunks only");
+        drop(a);
+        let a = Chunk::take().expect("a dropped chunk is free again");
+        // Failed by the shim (a broken connection): kept for good.
+        request_with(a).finish(consts::ERR_OTHER());
+        assert!(Chunk::take().is_none(), "the failed request kept its chunk");
+        // Failed by the SP's own completion: given back.
+        request_with(b).finish_by_sp(consts::ERR_OTHER());
+        assert!(
+            Chunk::take().is_some(),
+            "the SP's failure gives the chunk back"
+        );
     }
 }

@@ -64,7 +64,7 @@ impl Shim {
                 mailbox::status_name(status)
             );
         }
-        req.finish(code);
+        req.finish_by_sp(code);
     }
 
     /// Looks at the mailbox for every tracked request that has not completed yet (after a

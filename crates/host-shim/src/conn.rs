@@ -476,6 +476,7 @@ mod tests {
             mcast_off: None,
             canary_off: None,
             post_ring_off: None,
+            arena_off: None,
         };
         (&peer).write_all(&wire::encode(&msg)).unwrap();
         drop(peer);

@@ -109,6 +109,8 @@ struct Registered {
     mcast_off: Option<String>,
     /// Why the SP runs no Canary allreduce (`None`: it does).
     canary_off: Option<String>,
+    /// The ring's arena (its first byte and chunks), when the SP takes sides from it.
+    arena: Option<(*mut u8, u32)>,
 }
 
 unsafe fn start_inner() -> bool {
@@ -335,6 +337,12 @@ unsafe fn start_inner() -> bool {
     // SP tree.
     // SAFETY: MPI is initialised; every rank makes the same calls.
     unsafe { crate::reduce::agree_canary(reg.canary_off.as_deref(), rank, size) };
+    // 9. The arena, where the SP takes sides from it and this rank grants through `cma`
+    // (the only backend whose grants the SP reaches through its mapping): a choice of this
+    // rank alone, which changes no other rank's calls.
+    if let (Some((base, chunks)), Backend::Cma) = (reg.arena, grants.backend()) {
+        crate::arena::open(base, chunks);
+    }
 
     // Who serves whom: the placement every rank computed alike.
     let sp_of_world: Vec<SpId> = placed.iter().map(|p| p.sp).collect();
@@ -895,13 +903,14 @@ fn register(
     let reply = ch
         .recv::<SpToHost>()
         .map_err(|e| at("waiting for registration", &e))?;
-    let (segment, serves, mcast_off, canary_off) = match &reply {
+    let (segment, serves, mcast_off, canary_off, arena_off) = match &reply {
         SpToHost::Registered {
             segment,
             serves,
             mcast_off,
             canary_off,
             post_ring_off,
+            arena_off,
             ..
         } => {
             match (ring.take(), post_ring_off) {
@@ -916,6 +925,7 @@ fn register(
                 *serves,
                 mcast_off.clone(),
                 canary_off.clone(),
+                arena_off.clone(),
             )
         }
         SpToHost::Error { code, message, .. } => {
@@ -932,9 +942,14 @@ fn register(
         }
     };
     state::set_mailbox(base, slots);
-    if let Some(arena) = ring.as_ref().and_then(|r| r.arena()) {
-        crate::arena::open(arena, ring.as_ref().map_or(0, |r| r.shape.arena_chunks));
-    }
+    let arena = match (ring.as_ref(), &arena_off) {
+        (Some(r), None) => r.arena().map(|a| (a, r.shape.arena_chunks)),
+        (Some(r), Some(why)) if r.arena().is_some() && VERBOSE.load(Ordering::Acquire) => {
+            say!("rank {rank}: the SP takes no side from the arena ({why})");
+            None
+        }
+        _ => None,
+    };
     let mut conn = conn;
     conn.set_ring(ring);
     Ok(Registered {
@@ -948,6 +963,7 @@ fn register(
         serves,
         mcast_off,
         canary_off,
+        arena,
     })
 }
 

@@ -123,8 +123,20 @@ impl OffloadRequest {
     /// unpacked into the program's buffer first; its failure fails the request. The staging
     /// is freed, except after a failure: the SP may not have stopped using it yet (a broken
     /// connection fails requests whose copies are still running), so it is leaked rather
-    /// than handed back to the allocator.
+    /// than handed back to the allocator (but see [`OffloadRequest::finish_by_sp`]).
     pub fn finish(&self, code: c_int) {
+        self.finish_as(code, false)
+    }
+
+    /// As [`OffloadRequest::finish`] with the result the SP itself wrote (its completion, in
+    /// the mailbox or a message): the SP completes a post, even a failed one, only once
+    /// nothing of its instance touches the rank's sides any more, so a failed request gives
+    /// its arena chunk back (the rest of its staging is still kept, as for any failure).
+    pub fn finish_by_sp(&self, code: c_int) {
+        self.finish_as(code, true)
+    }
+
+    fn finish_as(&self, code: c_int, by_sp: bool) {
         if self.done.load(Ordering::Acquire) {
             return;
         }
@@ -153,6 +165,10 @@ impl OffloadRequest {
             drop(staging.send);
             drop(staging.arena);
         } else {
+            let mut staging = staging;
+            if by_sp {
+                drop(staging.arena.take());
+            }
             std::mem::forget(staging);
         }
         self.code.store(code, Ordering::Relaxed);

@@ -234,6 +234,7 @@ fn refusing_sps(dir: &Path) -> PathBuf {
                     mcast_off: Some("the test's fake SP".into()),
                     canary_off: Some("the test's fake SP".into()),
                     post_ring_off: Some("the test's fake SP".into()),
+                    arena_off: Some("the test's fake SP".into()),
                 },
                 HostToSp::Post(d) => SpToHost::Error {
                     comm: Some(d.comm),

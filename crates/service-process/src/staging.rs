@@ -66,7 +66,8 @@ pub fn own_key(job: u64, region: u64, addr: u64, len: u64, rights: Rights) -> Al
 
 /// Whether `k` is a key of this process's own memory ([`own_key`]).
 pub fn is_own(k: &AliasKey) -> bool {
-    k.owner.world_rank == STAGE_OWNER_RANK && k.owner.pid == me().0
+    let (pid, start, _, _) = me();
+    k.owner.world_rank == STAGE_OWNER_RANK && k.owner.pid == pid && k.owner.start == start
 }
 
 impl Stage {

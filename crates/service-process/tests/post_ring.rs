@@ -174,14 +174,25 @@ fn completions_reach_a_mailbox_inside_the_ring_either_way() {
 /// SP serving both ranks, the SP reaches every side through its own mapping of the arenas and
 /// moves every block with a plain copy (`arena_sides`, `copies_own`); with each rank at an SP
 /// of its own, the same grants are reached as any memory of the rank (cma), and no key into an
-/// arena leaves its SP. Either way the bytes are those of a direct alltoallv, and the bytes of
+/// arena leaves its SP; an SP whose `--inline-copy-bytes` is below an arena side says at
+/// registration that it takes no side from the arenas, and makes no arena key. Either way the bytes are those of a direct alltoallv, and the bytes of
 /// the arena around the blocks stay as they were.
 #[test]
 fn small_sides_in_the_arena_move_by_plain_copies_at_an_sp_that_serves_every_rank() {
     let seed = test_seed();
-    for sps in [1u32, 2] {
-        let mut rng = Rng(seed ^ sps as u64);
-        let mut set = SpSet::start_with(1, sps, 2, Layout::Block, POLLING);
+    // (SPs, serve arguments beyond polling, whether the SP takes sides from the arenas).
+    let small_inline: &[&str] = &["--inline-copy-bytes", "1024"];
+    for (case, (sps, extra, takes)) in [
+        (1u32, &[][..], true),
+        (2, &[][..], false),
+        (1, small_inline, false),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut rng = Rng(seed ^ case as u64);
+        let args: Vec<&str> = POLLING.iter().chain(extra).copied().collect();
+        let mut set = SpSet::start_with(1, sps, 2, Layout::Block, &args);
         let job = new_job();
         let mut hosts = vec![];
         let mut rings = vec![];
@@ -204,6 +215,20 @@ fn small_sides_in_the_arena_move_by_plain_copies_at_an_sp_that_serves_every_rank
                 Some((shape, Some(&fd))),
             );
             assert_eq!(ring_off(&answer), None, "rank {r}: the SP reads the ring");
+            // The SP says whether it takes sides from the arena (the shim opens it only then);
+            // at two SPs it does, for the communicators it serves alone (none here).
+            let SpToHost::Registered { arena_off, .. } = &answer else {
+                unreachable!()
+            };
+            if extra.is_empty() {
+                assert_eq!(arena_off, &None, "case {case}, rank {r}");
+            } else {
+                let why = arena_off.as_deref().unwrap_or_default();
+                assert!(
+                    why.contains("--inline-copy-bytes 1024"),
+                    "case {case}: {why}"
+                );
+            }
             // SAFETY: the arena lies inside the mapping, which the test never unmaps.
             let arena = unsafe { base.add(shape.arena_offset()) };
             hosts.push(h);
@@ -273,7 +298,7 @@ fn small_sides_in_the_arena_move_by_plain_copies_at_an_sp_that_serves_every_rank
         }
         let stats = set.stats_after_goodbyes(hosts);
         assert_eq!(sum(&stats, "posts"), posts, "{stats:?}");
-        if sps == 1 {
+        if takes {
             assert_eq!(sum(&stats, "arena_sides"), sides, "{stats:?}");
             assert_eq!(
                 sum(&stats, "copies_own"),
@@ -284,7 +309,7 @@ fn small_sides_in_the_arena_move_by_plain_copies_at_an_sp_that_serves_every_rank
             assert_eq!(sum(&stats, "arena_sides"), 0, "{stats:?}");
             assert_eq!(sum(&stats, "copies_own"), 0, "{stats:?}");
         }
-        eprintln!("{sps} SP(s): {sides} sides in arenas, {posts} posts");
+        eprintln!("case {case}, {sps} SP(s): {sides} sides in arenas, {posts} posts");
     }
 }
 

@@ -274,22 +274,30 @@ impl Server {
             if job.len <= self.inline_copy_bytes && both_cma {
                 self.stats.copies_inline += 1;
                 // Both ends in this process's memory (its staging, its mapping of a rank's
-                // arena), held by a live instance: a plain copy. Otherwise the mover, whose
-                // access to this process's own memory cannot fault (a late copy of a dropped
-                // instance fails there instead).
+                // arena), held by a live instance: a plain copy. An end in this process's
+                // memory whose instance is gone is refused, not handed to the mover: the
+                // memory may serve another instance now (a pooled staging buffer, an address
+                // a later mapping took). (The engine keeps an instance while its copies are
+                // queued or running, so this does not happen today.)
                 let held = self
                     .copies
                     .get(&job.ticket)
                     .is_some_and(|(ck, _)| self.instances.contains_key(ck));
-                let result =
-                    if held && crate::staging::is_own(&job.src) && crate::staging::is_own(&job.dst)
-                    {
-                        self.stats.copies_own += 1;
-                        own_copy(&job)
-                    } else {
-                        self.mover
-                            .copy(&job.src, job.src_offset, &job.dst, job.dst_offset, job.len)
-                    };
+                let (src_own, dst_own) = (
+                    crate::staging::is_own(&job.src),
+                    crate::staging::is_own(&job.dst),
+                );
+                let result = if held && src_own && dst_own {
+                    self.stats.copies_own += 1;
+                    own_copy(&job)
+                } else if !held && (src_own || dst_own) {
+                    Err(alias_mkey::AccessError::Unsupported(
+                        "a copy of this SP's own memory for an instance that is gone",
+                    ))
+                } else {
+                    self.mover
+                        .copy(&job.src, job.src_offset, &job.dst, job.dst_offset, job.len)
+                };
                 // Fed back by `on_copies_done`, outside the instance's `drive`.
                 self.inline_done.push(crate::datapath::CopyDone {
                     ticket: job.ticket,
@@ -355,7 +363,9 @@ fn own_copy(job: &CopyJob) -> Result<(), alias_mkey::AccessError> {
     // SAFETY: both ranges were checked against their keys, which this process made for
     // memory it keeps mapped while their instance lives (the caller checked that it does): a
     // staging buffer, or its mapping of a rank's arena (a memfd sealed against shrinking, so
-    // no access faults). The rank may write its arena at any time; the bytes are its own.
+    // it cannot be truncated under the mapping; a page the rank punched out is allocated
+    // again by the access, which fails only where the kernel finds no page for this process
+    // at all). The rank may write its arena at any time; the bytes are its own.
     unsafe {
         std::ptr::copy(src as *const u8, dst as *mut u8, job.len as usize);
     }

@@ -214,6 +214,20 @@ impl Server {
                         self.client_warn(|| format!("rank {rank}'s post ring not read: {why}"));
                     }
                 }
+                let arena_off = match &ring {
+                    Err(_) => Some("no post ring read".to_string()),
+                    Ok(_) if post_ring.is_none_or(|s| s.arena_chunks == 0) => {
+                        Some("no arena offered".to_string())
+                    }
+                    Ok(_) if self.inline_copy_bytes < bootstrap::post_ring::ARENA_SIDE_BYTES => {
+                        Some(format!(
+                            "serve --inline-copy-bytes {} is below an arena side ({} bytes)",
+                            self.inline_copy_bytes,
+                            bootstrap::post_ring::ARENA_SIDE_BYTES
+                        ))
+                    }
+                    Ok(_) => None,
+                };
                 if ring.is_ok() {
                     self.ring_hosts.push(key);
                 }
@@ -235,6 +249,7 @@ impl Server {
                             .resources
                             .unavailable(bootstrap::kinds::Family::InNetwork),
                         post_ring_off,
+                        arena_off,
                     }),
                 );
             }

@@ -208,12 +208,11 @@ impl Server {
         // Sides the rank put in its arena, in an instance of this SP's ranks alone: reached
         // through this SP's mapping of the arena (no key leaves this SP).
         let mut arenas = Vec::new();
-        if d.members.iter().all(|&sp| sp == self.me) {
+        if arena_kind(d.kind) && d.members.iter().all(|&sp| sp == self.me) {
             for k in [&mut send, &mut recv] {
                 if let Some((key, map)) = self.arena_key(key, k) {
                     *k = key;
                     arenas.push(map);
-                    self.stats.arena_sides += 1;
                 }
             }
         }
@@ -259,6 +258,7 @@ impl Server {
                 posted.stamps.ready = bootstrap::stamps::now_ns();
                 inst.posted.insert(comm_rank, posted);
                 inst.holds.push(hold);
+                let sides = arenas.len() as u64;
                 inst.arenas.extend(arenas);
                 if let Some(status) = failed {
                     inst.sm.abort(now, status);
@@ -266,6 +266,7 @@ impl Server {
                 for sp in dead {
                     inst.sm.handle_peer_lost(now, sp);
                 }
+                self.stats.arena_sides += sides;
                 self.drive(ck);
             }
             Err(e) => {
@@ -275,11 +276,13 @@ impl Server {
         }
     }
 
-    /// The key through this SP's mapping of host `conn`'s arena for `k`, a key of that host,
-    /// if the grant lies wholly inside the arena (`bootstrap::post_ring`), and the mapping to
-    /// keep while the key is used. Only where every copy of such a key runs on this thread
-    /// (`--inline-copy-bytes` at least an arena side): the mapping is kept by the instance,
-    /// and a copy of a dropped instance never starts on a datapath thread.
+    /// The key through this SP's mapping of host `conn`'s arena for `k`, a `cma` key of that
+    /// host, if the grant lies wholly inside the arena (`bootstrap::post_ring`) and is no
+    /// longer than an arena side, and the mapping, which the instance keeps while it lives.
+    /// Copies of such a key (at most a side long, both ends `cma`) run on this thread, as
+    /// plain copies (`own_copy`) while their instance lives, when `--inline-copy-bytes` is at
+    /// least a side (else no such key is made); the engine keeps an instance while its copies
+    /// are queued or running, and a copy of own memory whose instance is gone is refused.
     fn arena_key(
         &self,
         conn: usize,
@@ -287,6 +290,7 @@ impl Server {
     ) -> Option<(AliasKey, std::sync::Arc<crate::post_ring::ArenaMap>)> {
         if self.inline_copy_bytes < bootstrap::post_ring::ARENA_SIDE_BYTES
             || k.grant.backend != BackendData::Cma
+            || k.grant.len > bootstrap::post_ring::ARENA_SIDE_BYTES
         {
             return None;
         }
@@ -315,4 +319,14 @@ impl Server {
             copies: 0,
         }
     }
+}
+
+/// The kinds whose sides this SP takes from a rank's arena (those the shim puts there): their
+/// work at an SP that serves every rank is copies between the ranks' sides on this thread
+/// (not the reductions, not the multicast fabric's workers).
+fn arena_kind(kind: CollKind) -> bool {
+    matches!(
+        kind,
+        CollKind::Alltoallv | CollKind::Allgatherv | CollKind::Bcast | CollKind::StagedAllgather
+    )
 }
