@@ -436,3 +436,48 @@ fn another_users_rank_posts_through_its_ring_at_a_root_sp() {
     assert_eq!(stats[0]["ring_completions"], 1, "{}", stats[0]);
     assert_eq!(stats[0]["copies_failed"], 0, "{}", stats[0]);
 }
+
+/// Another user's rank at a shared root SP says its post ring is mapped where it has nothing
+/// (`rank_base`): its grant inside that claimed arena is served from its own memfd (the bytes
+/// it wrote there, through the SP's mapping of it) and written into its buffer as that user,
+/// and a grant straddling the claimed arena's start stays an ordinary grant of memory the rank
+/// does not have: the copy fails and the rank is told. Nothing else is reached either way.
+#[test]
+fn a_rank_that_lies_about_where_its_arena_is_reaches_only_its_own_memfd() {
+    assert_eq!(
+        my_uid(),
+        0,
+        "this test switches to uid {NOBODY}: run it as root"
+    );
+    let mut set = SpSet::start_with(
+        1,
+        1,
+        1,
+        Layout::Block,
+        &["--socket-mode=666", "--poll-us", "20"],
+    );
+    let sock = socket_of(&set, 0);
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::path::Path::new(&sock).parent().unwrap();
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let seed = test_seed() | 1;
+    let cred = JobCredential::issue(&set.key, new_job(), NOBODY, 1).encode();
+    let out = attack(
+        "arena-lie",
+        &[("SOCK", sock), ("CRED", cred), ("SEED", seed.to_string())],
+        Some(NOBODY),
+    );
+    assert_eq!(out.len(), 1, "{out:?}");
+    let (first, second) = out[0].split_once("; ").expect("two posts");
+    assert_eq!(first, "post 0 status 0 got its-memfd", "{out:?}");
+    assert!(
+        second.starts_with("post 1 status ") && second.ends_with(" got nothing"),
+        "{out:?}"
+    );
+    assert_ne!(second, "post 1 status 0 got nothing", "{out:?}");
+    let stats = set.stop_and_stats();
+    assert_eq!(stats[0]["arena_sides"], 1, "{}", stats[0]);
+    assert_eq!(stats[0]["copies_failed"], 1, "{}", stats[0]);
+}

@@ -347,6 +347,114 @@ pub fn run() {
             let same = got == send;
             say(format!("RING-DONE status {status} same {same}"));
         }
+        // A rank with an arena that lies about where it mapped its ring (`rank_base`, an
+        // address where it has nothing): its grant inside the claimed arena is served from its
+        // own memfd (the bytes it wrote there), and a grant straddling the claimed arena's
+        // start is an ordinary grant of memory it does not have (the copy fails, the rank
+        // learns it). Two 1-rank alltoallvs through the ring; the SP's answers printed.
+        "arena-lie" => {
+            use bootstrap::post_ring::{RingShape, ARENA_SIDE_BYTES};
+            let (ch, out) = hello_as(&var("SOCK"), var("CRED"), 0, 1);
+            let Some(mut ch) = ch else {
+                say(out);
+                return;
+            };
+            let shape = RingShape {
+                mailbox_slots: 4,
+                arena_chunks: 1,
+                ..RingShape::default()
+            };
+            let seals = nix::fcntl::SealFlag::F_SEAL_SHRINK
+                | nix::fcntl::SealFlag::F_SEAL_GROW
+                | nix::fcntl::SealFlag::F_SEAL_SEAL;
+            let (fd, mut producer, base) = crate::common::make_ring(shape, shape.bytes(), seals);
+            // The lie: a page-aligned address far from anything mapped here.
+            let lie = 0x3f00_0000_0000u64;
+            let shape = RingShape {
+                rank_base: lie,
+                ..shape
+            };
+            // SAFETY: the mailbox and the arena lie inside the ring's mapping, which stays.
+            let (mb, arena) = unsafe {
+                (
+                    base.add(shape.mailbox_offset()),
+                    base.add(shape.arena_offset()),
+                )
+            };
+            let mut reg = alias_mkey::host::Registrar::new();
+            let grant = reg.register(mb as u64, 4 * mailbox::SLOT_BYTES, Rights::READ_WRITE);
+            let frame = wire::encode(&HostToSp::Register {
+                cores: vec![],
+                mailbox: grant,
+                mailbox_slots: 4,
+                post_ring: Some(shape),
+            });
+            use std::os::fd::AsRawFd;
+            crate::common::send_with_raw_fds(ch.get_ref(), &frame, &[fd.as_raw_fd()]);
+            match ch.recv::<SpToHost>() {
+                Ok(SpToHost::Registered {
+                    post_ring_off: None,
+                    arena_off: None,
+                    ..
+                }) => {}
+                other => return say(format!("NOT-TAKEN {other:?}")),
+            }
+            let seed = n("SEED");
+            let len = ARENA_SIDE_BYTES;
+            let pattern: Vec<u8> = (0..len)
+                .map(|i| (i.wrapping_mul(seed) >> 5) as u8)
+                .collect();
+            // SAFETY: the arena's first side holds `len` bytes of the mapping.
+            unsafe { std::ptr::copy_nonoverlapping(pattern.as_ptr(), arena, len as usize) };
+            let claimed = lie + shape.arena_offset() as u64;
+            let mut lines = vec![];
+            for (i, (addr, glen)) in [(claimed, len), (claimed - 8, 16)].into_iter().enumerate() {
+                let recv = vec![0u8; glen as usize];
+                let sg = reg.register(addr, glen, Rights::READ);
+                let rg = reg.register(recv.as_ptr() as u64, glen, Rights::WRITE);
+                let slot = i as u32;
+                let mut d = desc(
+                    CommId { leader: 0, id: 6 },
+                    i as u64,
+                    0,
+                    vec![0],
+                    slot,
+                    sg,
+                    rg,
+                    (vec![glen], vec![0], vec![glen], vec![0]),
+                );
+                d.world_ranks = vec![0];
+                d.token = 11 + i as u64;
+                let f = wire::encode(&HostToSp::Post(Box::new(d)));
+                assert!(producer.push(0, &f[4..]));
+                let token = mb.wrapping_add(mailbox::slot_offset(slot) as usize) as *const u64;
+                let t = Instant::now();
+                // SAFETY: the slot's token word, written by the SP through its own mapping.
+                while unsafe { std::ptr::read_volatile(token) } != 11 + i as u64 {
+                    if t.elapsed() > Duration::from_secs(10) {
+                        return say("NO-COMPLETION");
+                    }
+                    std::thread::sleep(Duration::from_micros(100));
+                }
+                std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+                // SAFETY: the status word of the same slot.
+                let status =
+                    unsafe { std::ptr::read_volatile(token.cast::<u8>().add(8).cast::<u32>()) };
+                // SAFETY: reads within `recv`, which the SP may have written.
+                let got: Vec<u8> = (0..recv.len())
+                    .map(|i| unsafe { std::ptr::read_volatile(recv.as_ptr().add(i)) })
+                    .collect();
+                let what = if got == pattern {
+                    "its-memfd"
+                } else if got.iter().all(|&b| b == 0) {
+                    "nothing"
+                } else {
+                    "other"
+                };
+                lines.push(format!("post {i} status {status} got {what}"));
+            }
+            say(lines.join("; "));
+        }
         "fork-and-exit" => {
             let Some(ch) = registered(&var("SOCK"), var("CRED"), 0, 1, 0) else {
                 return;
