@@ -255,6 +255,20 @@ impl CollKind {
         }
     }
 
+    /// Whether a small call of this kind may go through the rank's arena (`crate::post_ring`),
+    /// which the shim and the SP must agree on: the kinds whose work at an SP that serves
+    /// every rank is plain copies between the ranks' sides on the SP's loop thread (not the
+    /// reductions, not the multicast fabric's workers; a node segment is ruled out per call).
+    pub fn takes_arena(self) -> bool {
+        matches!(
+            self,
+            CollKind::Alltoallv
+                | CollKind::Allgatherv
+                | CollKind::Bcast
+                | CollKind::StagedAllgather
+        )
+    }
+
     /// Every kind, in the order of the variants.
     pub fn all() -> impl Iterator<Item = CollKind> {
         KINDS.iter().map(|f| f.kind)

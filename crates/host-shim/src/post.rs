@@ -260,7 +260,7 @@ pub unsafe fn post_reduce(
     let (mut send_addr, mut recv_addr) = (send_addr, recv_addr);
     let host_copies = blocking && facts.host_copies && host_copies_enabled();
     let my_sp = topology().sp_of_world[rank as usize];
-    if arena_kind(kind)
+    if kind.takes_arena()
         && segment.is_none()
         && reduce.is_none()
         && !host_copies
@@ -370,16 +370,6 @@ pub unsafe fn post_reduce(
         Some(Err(why)) => fail(&why),
         None => fail("the shim is shut down"),
     }
-}
-
-/// The kinds whose small calls may go through the arena: those whose SP-side copies, when
-/// one SP serves every rank, are plain copies between the ranks' sides (not the reductions,
-/// not the multicast fabric, not a node segment).
-fn arena_kind(kind: CollKind) -> bool {
-    matches!(
-        kind,
-        CollKind::Alltoallv | CollKind::Allgatherv | CollKind::Bcast | CollKind::StagedAllgather
-    )
 }
 
 /// A post of one collective once its sides are laid out: everything its descriptor says

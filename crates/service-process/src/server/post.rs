@@ -208,7 +208,7 @@ impl Server {
         // Sides the rank put in its arena, in an instance of this SP's ranks alone: reached
         // through this SP's mapping of the arena (no key leaves this SP).
         let mut arenas = Vec::new();
-        if arena_kind(d.kind) && d.members.iter().all(|&sp| sp == self.me) {
+        if d.kind.takes_arena() && d.members.iter().all(|&sp| sp == self.me) {
             for k in [&mut send, &mut recv] {
                 if let Some((key, map)) = self.arena_key(key, k) {
                     *k = key;
@@ -319,14 +319,4 @@ impl Server {
             copies: 0,
         }
     }
-}
-
-/// The kinds whose sides this SP takes from a rank's arena (those the shim puts there): their
-/// work at an SP that serves every rank is copies between the ranks' sides on this thread
-/// (not the reductions, not the multicast fabric's workers).
-fn arena_kind(kind: CollKind) -> bool {
-    matches!(
-        kind,
-        CollKind::Alltoallv | CollKind::Allgatherv | CollKind::Bcast | CollKind::StagedAllgather
-    )
 }
