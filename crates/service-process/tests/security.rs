@@ -399,6 +399,23 @@ fn listening_addrs(pid: u32) -> Vec<std::net::IpAddr> {
     out
 }
 
+/// One polling root SP whose host socket (and its directory) any user may reach
+/// (`--socket-mode=666`): the set, and the socket's path.
+fn shared_polling_root_sp() -> (SpSet, String) {
+    let set = SpSet::start_with(
+        1,
+        1,
+        1,
+        Layout::Block,
+        &["--socket-mode=666", "--poll-us", "20"],
+    );
+    let sock = socket_of(&set, 0);
+    use std::os::unix::fs::PermissionsExt;
+    let dir = std::path::Path::new(&sock).parent().unwrap();
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    (set, sock)
+}
+
 /// The post ring for another user's rank at a shared root SP (`--socket-mode=666`, polling):
 /// the rank (uid nobody) passes its memfd, its post goes through the ring, the SP copies its
 /// bytes as that user and writes the completion into the mailbox inside the ring; a rank of
@@ -410,19 +427,7 @@ fn another_users_rank_posts_through_its_ring_at_a_root_sp() {
         0,
         "this test switches to uid {NOBODY}: run it as root"
     );
-    let mut set = SpSet::start_with(
-        1,
-        1,
-        1,
-        Layout::Block,
-        &["--socket-mode=666", "--poll-us", "20"],
-    );
-    let sock = socket_of(&set, 0);
-    {
-        use std::os::unix::fs::PermissionsExt;
-        let dir = std::path::Path::new(&sock).parent().unwrap();
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).unwrap();
-    }
+    let (mut set, sock) = shared_polling_root_sp();
     let seed = test_seed();
     let cred = JobCredential::issue(&set.key, new_job(), NOBODY, 1).encode();
     let out = attack(
@@ -449,19 +454,7 @@ fn a_rank_that_lies_about_where_its_arena_is_reaches_only_its_own_memfd() {
         0,
         "this test switches to uid {NOBODY}: run it as root"
     );
-    let mut set = SpSet::start_with(
-        1,
-        1,
-        1,
-        Layout::Block,
-        &["--socket-mode=666", "--poll-us", "20"],
-    );
-    let sock = socket_of(&set, 0);
-    {
-        use std::os::unix::fs::PermissionsExt;
-        let dir = std::path::Path::new(&sock).parent().unwrap();
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).unwrap();
-    }
+    let (mut set, sock) = shared_polling_root_sp();
     let seed = test_seed() | 1;
     let cred = JobCredential::issue(&set.key, new_job(), NOBODY, 1).encode();
     let out = attack(

@@ -208,6 +208,117 @@ fn wide_post(
     d
 }
 
+/// A rank (world rank 0 of 1, at the SP of `SOCK` with `CRED`) with its post ring as the shim
+/// makes it: 4 mailbox slots inside, `arena_chunks` chunks of arena, and the ring said to be
+/// mapped at `rank_base` (0: not said; the attacks may lie).
+struct RingRank {
+    _ch: Channel<UnixStream>,
+    _fd: std::os::fd::OwnedFd,
+    producer: bootstrap::post_ring::Producer,
+    /// The ring's real mapping here, and the shape as offered.
+    base: *mut u8,
+    shape: bootstrap::post_ring::RingShape,
+    reg: alias_mkey::host::Registrar,
+}
+
+impl RingRank {
+    /// Says hello, registers with the ring's memfd beside the frame, and checks that the SP
+    /// reads the ring (and takes sides from the arena, if one is offered); `None` after
+    /// saying why not.
+    fn register(arena_chunks: u32, rank_base: u64) -> Option<RingRank> {
+        use bootstrap::post_ring::RingShape;
+        use std::os::fd::AsRawFd;
+        let (ch, out) = hello_as(&var("SOCK"), var("CRED"), 0, 1);
+        let Some(mut ch) = ch else {
+            say(out);
+            return None;
+        };
+        let shape = RingShape {
+            mailbox_slots: 4,
+            arena_chunks,
+            ..RingShape::default()
+        };
+        let seals = nix::fcntl::SealFlag::F_SEAL_SHRINK
+            | nix::fcntl::SealFlag::F_SEAL_GROW
+            | nix::fcntl::SealFlag::F_SEAL_SEAL;
+        let (fd, producer, base) = crate::common::make_ring(shape, shape.bytes(), seals);
+        let shape = RingShape { rank_base, ..shape };
+        let mut reg = alias_mkey::host::Registrar::new();
+        let mailbox = reg.register(
+            Self::mailbox_at(base, &shape) as u64,
+            4 * mailbox::SLOT_BYTES,
+            Rights::READ_WRITE,
+        );
+        let frame = wire::encode(&HostToSp::Register {
+            cores: vec![],
+            mailbox,
+            mailbox_slots: 4,
+            post_ring: Some(shape),
+        });
+        crate::common::send_with_raw_fds(ch.get_ref(), &frame, &[fd.as_raw_fd()]);
+        match ch.recv::<SpToHost>() {
+            Ok(SpToHost::Registered {
+                post_ring_off: None,
+                arena_off,
+                ..
+            }) if arena_off.is_none() || arena_chunks == 0 => {}
+            other => {
+                say(format!("NOT-TAKEN {other:?}"));
+                return None;
+            }
+        }
+        Some(RingRank {
+            _ch: ch,
+            _fd: fd,
+            producer,
+            base,
+            shape,
+            reg,
+        })
+    }
+
+    fn mailbox_at(base: *mut u8, shape: &bootstrap::post_ring::RingShape) -> *mut u8 {
+        // SAFETY: the mailbox lies inside the ring's mapping, which stays for good.
+        unsafe { base.add(shape.mailbox_offset()) }
+    }
+
+    /// A 1-rank alltoallv of `recv.len()` bytes from `send` (an address of this process,
+    /// granted as given) into `recv`, posted through the ring with mailbox slot `slot`: the
+    /// status its completion carries, `None` if none came within 10 s.
+    fn alltoallv(&mut self, slot: u32, send: u64, recv: &[u8]) -> Option<u32> {
+        let len = recv.len() as u64;
+        let sg = self.reg.register(send, len, Rights::READ);
+        let rg = self.reg.register(recv.as_ptr() as u64, len, Rights::WRITE);
+        let mut d = desc(
+            CommId { leader: 0, id: 5 },
+            slot as u64,
+            0,
+            vec![0],
+            slot,
+            sg,
+            rg,
+            (vec![len], vec![0], vec![len], vec![0]),
+        );
+        d.world_ranks = vec![0];
+        d.token = 7 + slot as u64;
+        let f = wire::encode(&HostToSp::Post(Box::new(d)));
+        assert!(self.producer.push(0, &f[4..]));
+        let mb = Self::mailbox_at(self.base, &self.shape);
+        let token = mb.wrapping_add(mailbox::slot_offset(slot) as usize) as *const u64;
+        let t = Instant::now();
+        // SAFETY: the slot's token word, written by the SP through its own mapping.
+        while unsafe { std::ptr::read_volatile(token) } != 7 + slot as u64 {
+            if t.elapsed() > Duration::from_secs(10) {
+                return None;
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+        // SAFETY: the status word of the same slot.
+        Some(unsafe { std::ptr::read_volatile(token.cast::<u8>().add(8).cast::<u32>()) })
+    }
+}
+
 /// The attacker subprocess: what `SPOFF_ATTACK` names, or nothing without it.
 pub fn run() {
     let Ok(mode) = std::env::var("SPOFF_ATTACK") else {
@@ -267,84 +378,22 @@ pub fn run() {
             }
             say(format!("REFUSED {refused}"));
         }
-        // Register, fork a child that keeps the socket, exit: the SP must drop the connection
-        // (the process it served is gone, and its pid may be another process's tomorrow).
         // A rank with its post ring (mailbox inside, as the shim makes it): a 1-rank
         // alltoallv of random bytes posted through the ring, its completion awaited in the
         // ring's mailbox, the bytes checked.
         "ring-post" => {
-            use bootstrap::post_ring::RingShape;
-            let (ch, out) = hello_as(&var("SOCK"), var("CRED"), 0, 1);
-            let Some(mut ch) = ch else {
-                say(out);
+            let Some(mut rank) = RingRank::register(0, 0) else {
                 return;
             };
-            let shape = RingShape {
-                mailbox_slots: 4,
-                ..RingShape::default()
-            };
-            let seals = nix::fcntl::SealFlag::F_SEAL_SHRINK
-                | nix::fcntl::SealFlag::F_SEAL_GROW
-                | nix::fcntl::SealFlag::F_SEAL_SEAL;
-            let (fd, mut producer, base) = crate::common::make_ring(shape, shape.bytes(), seals);
-            // SAFETY: the mailbox lies inside the ring's mapping, which stays for good.
-            let mb = unsafe { base.add(shape.mailbox_offset()) };
-            let mut reg = alias_mkey::host::Registrar::new();
-            let grant = reg.register(mb as u64, 4 * mailbox::SLOT_BYTES, Rights::READ_WRITE);
-            let frame = wire::encode(&HostToSp::Register {
-                cores: vec![],
-                mailbox: grant,
-                mailbox_slots: 4,
-                post_ring: Some(shape),
-            });
-            use std::os::fd::AsRawFd;
-            crate::common::send_with_raw_fds(ch.get_ref(), &frame, &[fd.as_raw_fd()]);
-            match ch.recv::<SpToHost>() {
-                Ok(SpToHost::Registered {
-                    post_ring_off: None,
-                    ..
-                }) => {}
-                other => return say(format!("NOT-TAKEN {other:?}")),
-            }
             let seed = n("SEED");
             let send: Vec<u8> = (0..4096u64)
                 .map(|i| (i.wrapping_mul(seed) >> 3) as u8)
                 .collect();
             let recv = vec![0u8; 4096];
-            let sg = reg.register(send.as_ptr() as u64, 4096, Rights::READ);
-            let rg = reg.register(recv.as_ptr() as u64, 4096, Rights::WRITE);
-            let mut d = desc(
-                CommId { leader: 0, id: 5 },
-                0,
-                0,
-                vec![0],
-                2,
-                sg,
-                rg,
-                (vec![4096], vec![0], vec![4096], vec![0]),
-            );
-            d.world_ranks = vec![0];
-            d.token = 7;
-            let f = wire::encode(&HostToSp::Post(Box::new(d)));
-            assert!(producer.push(0, &f[4..]));
-            let token = mb.wrapping_add(mailbox::slot_offset(2) as usize) as *const u64;
-            let t = Instant::now();
-            // SAFETY: the slot's token word, written by the SP through its own mapping.
-            while unsafe { std::ptr::read_volatile(token) } != 7 {
-                if t.elapsed() > Duration::from_secs(10) {
-                    return say("NO-COMPLETION");
-                }
-                std::thread::sleep(Duration::from_micros(100));
-            }
-            std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
-            // SAFETY: the status word of the same slot.
-            let status =
-                unsafe { std::ptr::read_volatile(token.cast::<u8>().add(8).cast::<u32>()) };
-            // SAFETY: reads within `recv`, which the SP wrote behind the compiler's back.
-            let got: Vec<u8> = (0..recv.len())
-                .map(|i| unsafe { std::ptr::read_volatile(recv.as_ptr().add(i)) })
-                .collect();
-            let same = got == send;
+            let Some(status) = rank.alltoallv(0, send.as_ptr() as u64, &recv) else {
+                return say("NO-COMPLETION");
+            };
+            let same = crate::common::read_back(&recv) == send;
             say(format!("RING-DONE status {status} same {same}"));
         }
         // A rank with an arena that lies about where it mapped its ring (`rank_base`, an
@@ -353,97 +402,31 @@ pub fn run() {
         // start is an ordinary grant of memory it does not have (the copy fails, the rank
         // learns it). Two 1-rank alltoallvs through the ring; the SP's answers printed.
         "arena-lie" => {
-            use bootstrap::post_ring::{RingShape, ARENA_SIDE_BYTES};
-            let (ch, out) = hello_as(&var("SOCK"), var("CRED"), 0, 1);
-            let Some(mut ch) = ch else {
-                say(out);
-                return;
-            };
-            let shape = RingShape {
-                mailbox_slots: 4,
-                arena_chunks: 1,
-                ..RingShape::default()
-            };
-            let seals = nix::fcntl::SealFlag::F_SEAL_SHRINK
-                | nix::fcntl::SealFlag::F_SEAL_GROW
-                | nix::fcntl::SealFlag::F_SEAL_SEAL;
-            let (fd, mut producer, base) = crate::common::make_ring(shape, shape.bytes(), seals);
+            use bootstrap::post_ring::ARENA_SIDE_BYTES;
             // The lie: a page-aligned address far from anything mapped here.
             let lie = 0x3f00_0000_0000u64;
-            let shape = RingShape {
-                rank_base: lie,
-                ..shape
+            let Some(mut rank) = RingRank::register(1, lie) else {
+                return;
             };
-            // SAFETY: the mailbox and the arena lie inside the ring's mapping, which stays.
-            let (mb, arena) = unsafe {
-                (
-                    base.add(shape.mailbox_offset()),
-                    base.add(shape.arena_offset()),
-                )
-            };
-            let mut reg = alias_mkey::host::Registrar::new();
-            let grant = reg.register(mb as u64, 4 * mailbox::SLOT_BYTES, Rights::READ_WRITE);
-            let frame = wire::encode(&HostToSp::Register {
-                cores: vec![],
-                mailbox: grant,
-                mailbox_slots: 4,
-                post_ring: Some(shape),
-            });
-            use std::os::fd::AsRawFd;
-            crate::common::send_with_raw_fds(ch.get_ref(), &frame, &[fd.as_raw_fd()]);
-            match ch.recv::<SpToHost>() {
-                Ok(SpToHost::Registered {
-                    post_ring_off: None,
-                    arena_off: None,
-                    ..
-                }) => {}
-                other => return say(format!("NOT-TAKEN {other:?}")),
-            }
             let seed = n("SEED");
             let len = ARENA_SIDE_BYTES;
             let pattern: Vec<u8> = (0..len)
                 .map(|i| (i.wrapping_mul(seed) >> 5) as u8)
                 .collect();
-            // SAFETY: the arena's first side holds `len` bytes of the mapping.
-            unsafe { std::ptr::copy_nonoverlapping(pattern.as_ptr(), arena, len as usize) };
-            let claimed = lie + shape.arena_offset() as u64;
+            // SAFETY: the arena's first side holds `len` bytes of the ring's mapping, which
+            // stays for good.
+            unsafe {
+                let arena = rank.base.add(rank.shape.arena_offset());
+                std::ptr::copy_nonoverlapping(pattern.as_ptr(), arena, len as usize)
+            };
+            let claimed = lie + rank.shape.arena_offset() as u64;
             let mut lines = vec![];
             for (i, (addr, glen)) in [(claimed, len), (claimed - 8, 16)].into_iter().enumerate() {
                 let recv = vec![0u8; glen as usize];
-                let sg = reg.register(addr, glen, Rights::READ);
-                let rg = reg.register(recv.as_ptr() as u64, glen, Rights::WRITE);
-                let slot = i as u32;
-                let mut d = desc(
-                    CommId { leader: 0, id: 6 },
-                    i as u64,
-                    0,
-                    vec![0],
-                    slot,
-                    sg,
-                    rg,
-                    (vec![glen], vec![0], vec![glen], vec![0]),
-                );
-                d.world_ranks = vec![0];
-                d.token = 11 + i as u64;
-                let f = wire::encode(&HostToSp::Post(Box::new(d)));
-                assert!(producer.push(0, &f[4..]));
-                let token = mb.wrapping_add(mailbox::slot_offset(slot) as usize) as *const u64;
-                let t = Instant::now();
-                // SAFETY: the slot's token word, written by the SP through its own mapping.
-                while unsafe { std::ptr::read_volatile(token) } != 11 + i as u64 {
-                    if t.elapsed() > Duration::from_secs(10) {
-                        return say("NO-COMPLETION");
-                    }
-                    std::thread::sleep(Duration::from_micros(100));
-                }
-                std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
-                // SAFETY: the status word of the same slot.
-                let status =
-                    unsafe { std::ptr::read_volatile(token.cast::<u8>().add(8).cast::<u32>()) };
-                // SAFETY: reads within `recv`, which the SP may have written.
-                let got: Vec<u8> = (0..recv.len())
-                    .map(|i| unsafe { std::ptr::read_volatile(recv.as_ptr().add(i)) })
-                    .collect();
+                let Some(status) = rank.alltoallv(i as u32, addr, &recv) else {
+                    return say("NO-COMPLETION");
+                };
+                let got = crate::common::read_back(&recv);
                 let what = if got == pattern {
                     "its-memfd"
                 } else if got.iter().all(|&b| b == 0) {
@@ -455,6 +438,8 @@ pub fn run() {
             }
             say(lines.join("; "));
         }
+        // Register, fork a child that keeps the socket, exit: the SP must drop the connection
+        // (the process it served is gone, and its pid may be another process's tomorrow).
         "fork-and-exit" => {
             let Some(ch) = registered(&var("SOCK"), var("CRED"), 0, 1, 0) else {
                 return;
