@@ -11,7 +11,8 @@
 #   with 2, 2 nodes x 1 rank, both ranks on CPU 0 and both SPs on CPU 1, so they share it and
 #   busy-poll only if asked), MODES (default "busy nap100 sleep native"),
 #   WAIT (the ranks' SPOFF_WAIT; default: what launch implies, spin when each rank has a CPU
-#   of its own outside the SPs')
+#   of its own outside the SPs'), RECV_OFFSET (coll-bench --recv-offset: the receive buffer
+#   this many bytes past a page, the send buffer on one; default 0)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -27,6 +28,7 @@ one=(--nodes "$NODES" --ranks-per-node 1 --sps-per-node 1 --rank-cpus 0)
 bench=("$BIN/coll-bench" overlap --coll "$COLL" --sizes "$SIZES" --iters "$ITERS")
 [ "$COLL" = ibcast ] && bench+=(--design flat)
 [ -n "${COMPUTE_US:-}" ] && bench+=(--compute-us "$COMPUTE_US")
+[ -n "${RECV_OFFSET:-}" ] && bench+=(--recv-offset "$RECV_OFFSET")
 echo "# $COLL, $NODES node(s) x 1 rank; load before: $(uptime)"
 for mode in ${MODES:-busy nap100 sleep native}; do
   case $mode in

@@ -63,6 +63,11 @@ fn breakdown_for(extra: &[&str]) -> serde_json::Value {
     let large = 65537 + rng.below(256 << 10);
     let sizes = format!("{small},{middle},{large}");
     let iters = 6 + rng.below(6);
+    // The receive buffers at a random offset in their cache line against the send buffers':
+    // most offsets make a direct copy a slow one on some CPUs, and the SP then bounces at an
+    // offset of its choosing (alias_mkey::copy); the bytes must arrive all the same.
+    let recv_offset = rng.below(64).to_string();
+    eprintln!("recv offset {recv_offset}");
     let warmup = 2u64;
     let json = std::env::temp_dir().join(format!(
         "spoff-breakdown-{}-{}.json",
@@ -88,6 +93,8 @@ fn breakdown_for(extra: &[&str]) -> serde_json::Value {
                 &warmup.to_string(),
                 "--json",
                 &json_s,
+                "--recv-offset",
+                &recv_offset,
             ],
         ),
         JOB_TIMEOUT,

@@ -24,6 +24,7 @@
 //! dead host is reported as an error within the mover's timeout.
 #![deny(unsafe_op_in_unsafe_fn)]
 
+pub mod copy;
 pub mod host;
 pub mod ids;
 pub mod mover;

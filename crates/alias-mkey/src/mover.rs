@@ -38,6 +38,11 @@ pub mod export;
 #[cfg(feature = "ucx")]
 pub use export::{ExportMover, ExportMoverConfig, ExportMoverStats};
 
+/// Length from which a kernel copy ([`crate::copy::slow_offset`]) between an SP's own memory
+/// and a process's goes through the bounce buffer instead: below it the bounce's second copy
+/// costs more than the slow case loses.
+const SLOW_KERNEL_COPY_FROM: u64 = 1024;
+
 /// Default staging chunk per copy in flight.
 pub const DEFAULT_CHUNK_BYTES: usize = 1 << 20;
 
@@ -59,7 +64,9 @@ pub trait Mover {
 
 /// Cross-memory-attach mover with one staging buffer of `chunk_bytes`.
 pub struct CmaMover {
-    staging: Vec<u8>,
+    /// Page-aligned, with room to place each chunk where neither of its two copies is a slow
+    /// one ([`crate::copy::bounce_at`]).
+    staging: crate::copy::BounceBuf,
     /// This process's pid, read once (`getpid` is a system call, and a copy asks it).
     me: u32,
 }
@@ -67,7 +74,7 @@ pub struct CmaMover {
 impl CmaMover {
     pub fn new(chunk_bytes: usize) -> Self {
         CmaMover {
-            staging: vec![0; chunk_bytes.max(4096)],
+            staging: crate::copy::BounceBuf::new(chunk_bytes.max(4096)),
             me: std::process::id(),
         }
     }
@@ -296,11 +303,16 @@ impl Mover for CmaMover {
         require_cma(dst)?;
         let src_addr = src.check(src_offset, len, Rights::READ)?;
         let dst_addr = dst.check(dst_offset, len, Rights::WRITE)?;
-        // One end in this process (an SP's own staging memory): one transfer, no bounce. The
-        // owner pid of a key comes from the kernel (the host connection's peer credentials) or
-        // from this process itself, so a key naming this pid describes this process's memory.
+        // One end in this process (an SP's own staging memory): one transfer, no bounce,
+        // unless the two addresses make the kernel's copy a slow one ([`crate::copy`]): then
+        // through the bounce buffer at an offset where it is not, and a copy in this process
+        // that does not care. The owner pid of a key comes from the kernel (the host
+        // connection's peer credentials) or from this process itself, so a key naming this
+        // pid describes this process's memory.
         let me = self.me;
-        if dst.owner.pid == me {
+        let slow = len > SLOW_KERNEL_COPY_FROM
+            && crate::copy::slow_offset(src_addr as usize, dst_addr as usize);
+        if dst.owner.pid == me && !slow {
             // SAFETY: [dst_addr, +len) is this process's memory that the key grants for writing.
             return unsafe {
                 vm_transfer(
@@ -312,7 +324,7 @@ impl Mover for CmaMover {
                 )
             };
         }
-        if src.owner.pid == me {
+        if src.owner.pid == me && !slow {
             // SAFETY: [src_addr, +len) is this process's memory that the key grants for
             // reading; the kernel only reads it.
             return unsafe {
@@ -328,33 +340,50 @@ impl Mover for CmaMover {
         let mut moved = 0u64;
         while moved < len {
             let n = (len - moved).min(self.staging.len() as u64) as usize;
-            let chunk = &mut self.staging[..n];
+            let (s, d) = ((src_addr + moved) as usize, (dst_addr + moved) as usize);
+            let chunk = self.staging.at(crate::copy::bounce_at(s, d), n);
+            // In this process: a plain copy into or out of the bounce buffer.
+            let (src_here, dst_here) = (src.owner.pid == me, dst.owner.pid == me);
             // Each end's process checked before each chunk; one check when both ends are the
             // same process (a rank copying between its own buffers): a poll fewer per chunk.
-            let ps = crate::process::check(&src.owner)?;
-            let pd = if dst.owner == src.owner {
-                ps.clone()
+            let mut ps = None;
+            if src_here {
+                // SAFETY: [s, +n) is this process's memory that the key grants for reading,
+                // and the bounce buffer is this mover's own.
+                unsafe { crate::copy::copy_bytes(s as *const u8, chunk.as_mut_ptr(), n) };
             } else {
-                crate::process::check(&dst.owner)?
-            };
-            // SAFETY: `chunk` is valid for reads and writes of its length.
-            unsafe {
-                vm_transfer_pinned(
-                    Direction::Read,
-                    &src.owner,
-                    &ps,
-                    src_addr + moved,
-                    chunk.as_mut_ptr(),
-                    n,
-                )?;
-                vm_transfer_pinned(
-                    Direction::Write,
-                    &dst.owner,
-                    &pd,
-                    dst_addr + moved,
-                    chunk.as_mut_ptr(),
-                    n,
-                )?;
+                let pinned = ps.insert(crate::process::check(&src.owner)?);
+                // SAFETY: `chunk` is valid for writes of its length.
+                unsafe {
+                    vm_transfer_pinned(
+                        Direction::Read,
+                        &src.owner,
+                        pinned,
+                        s as u64,
+                        chunk.as_mut_ptr(),
+                        n,
+                    )?
+                };
+            }
+            if dst_here {
+                // SAFETY: [d, +n) is this process's memory that the key grants for writing.
+                unsafe { crate::copy::copy_bytes(chunk.as_ptr(), d as *mut u8, n) };
+            } else {
+                let pd = match ps {
+                    Some(ps) if dst.owner == src.owner => ps,
+                    _ => crate::process::check(&dst.owner)?,
+                };
+                // SAFETY: `chunk` is valid for reads of its length.
+                unsafe {
+                    vm_transfer_pinned(
+                        Direction::Write,
+                        &dst.owner,
+                        &pd,
+                        d as u64,
+                        chunk.as_mut_ptr(),
+                        n,
+                    )?
+                };
             }
             moved += n as u64;
         }
@@ -682,6 +711,105 @@ mod tests {
         assert_eq!(&seen[50..15_050], &src[100..15_100]);
         assert!(seen[..50].iter().all(|&b| b == 0));
         assert!(seen[15_050..].iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn copies_at_every_offset_land_exactly_through_the_kernel_and_the_bounce() {
+        // A forked child holds a patterned buffer (at the same address as here); copies go
+        // from it into this process, from here into it, and within it (both ends another
+        // process: the bounce), at random offsets, so that many fall in the slow case of
+        // `crate::copy` and take the bounce at a shifted offset. Seed printed.
+        let mut x = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos() as u64
+            | 1;
+        eprintln!("seed {x}");
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        const N: usize = 40_000;
+        let theirs: Vec<u8> = (0..N).map(|i| (i * 31 % 253) as u8).collect();
+        let mut fds = [0; 2];
+        // SAFETY: `fds` holds two ints for pipe(2).
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        // SAFETY: the child only blocks in read(2) on the pipe and then _exits, both
+        // async-signal-safe, so forking this multi-threaded test process is sound.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            let mut b = [0u8; 1];
+            unsafe {
+                libc::read(fds[0], b.as_mut_ptr().cast(), 1);
+                libc::_exit(0);
+            }
+        }
+        assert!(pid > 0);
+        // Killed and reaped however the test ends (a panic included: the child holds the
+        // harness's output pipe open).
+        struct Reap(libc::pid_t, [libc::c_int; 2]);
+        impl Drop for Reap {
+            fn drop(&mut self) {
+                // SAFETY: kill and waitpid of our own child, then close of our pipe's ends.
+                unsafe {
+                    libc::kill(self.0, libc::SIGKILL);
+                    libc::waitpid(self.0, std::ptr::null_mut(), 0);
+                    libc::close(self.1[0]);
+                    libc::close(self.1[1]);
+                }
+            }
+        }
+        let _reap = Reap(pid, fds);
+        let mut child_key = key_for(&theirs, Rights::READ_WRITE);
+        child_key.owner.pid = pid as u32;
+        child_key.owner.start = crate::process::start_time(pid as u32).unwrap();
+        let mut m = CmaMover::new(8192);
+        let mut model = theirs.clone();
+        for round in 0..120 {
+            let len = [0, 1, 100, 1025, 4096, 5000, 8192, 8193, 20_000][next() as usize % 9];
+            let (so, d_o) = (next() as usize % (N - len), next() as usize % (N - len));
+            let mine: Vec<u8> = (0..N).map(|_| next() as u8).collect();
+            let mut seen = vec![0u8; N];
+            match round % 3 {
+                0 => {
+                    // Theirs into mine.
+                    let kd = key_for(&seen, Rights::WRITE);
+                    m.copy(&child_key, so as u64, &kd, d_o as u64, len as u64)
+                        .unwrap();
+                    let got: Vec<u8> = seen
+                        .iter()
+                        .map(|b| unsafe { std::ptr::read_volatile(b) })
+                        .collect();
+                    assert_eq!(
+                        &got[d_o..d_o + len],
+                        &model[so..so + len],
+                        "in {len} {so}->{d_o}"
+                    );
+                    assert!(got[..d_o].iter().chain(&got[d_o + len..]).all(|&b| b == 0));
+                    continue;
+                }
+                1 => {
+                    // Mine into theirs.
+                    let ks = key_for(&mine, Rights::READ);
+                    m.copy(&ks, so as u64, &child_key, d_o as u64, len as u64)
+                        .unwrap();
+                    model[d_o..d_o + len].copy_from_slice(&mine[so..so + len]);
+                }
+                _ => {
+                    // Within theirs (ranges apart: the copy is between two regions).
+                    if so.abs_diff(d_o) < len {
+                        continue;
+                    }
+                    m.copy(&child_key, so as u64, &child_key, d_o as u64, len as u64)
+                        .unwrap();
+                    model.copy_within(so..so + len, d_o);
+                }
+            }
+            m.read(&child_key, 0, &mut seen).unwrap();
+            assert_eq!(seen, model, "round {round}: {len} bytes {so}->{d_o}");
+        }
     }
 
     #[test]

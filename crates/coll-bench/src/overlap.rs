@@ -10,7 +10,7 @@ use clap::Args;
 use coll_bench::mpi::{wtime, Comm, Datatype, Mpi, MpiError};
 use coll_bench::{compute, parse_size, strided};
 use mpi_ffi::consts;
-use setup::{Setup, Times};
+use setup::{Placed, Setup, Times};
 use std::io::{BufWriter, Write};
 use std::path::PathBuf;
 
@@ -65,6 +65,13 @@ pub struct OverlapArgs {
     /// the JSON lines.
     #[arg(long, value_enum, default_value_t = DataLayout::Byte)]
     datatype: DataLayout,
+
+    /// Where the buffers start: the send buffer on a page boundary, the receive buffer this
+    /// many bytes past one (0-4095). Copies between two buffers whose addresses differ by 1-31
+    /// bytes within a cache line are several times slower on some CPUs (docs/BENCHMARKS.md, O,
+    /// "Alignment"); natively and offloaded alike, this shows what such buffers cost.
+    #[arg(long, value_name = "BYTES", default_value_t = 0, value_parser = clap::value_parser!(u16).range(0..4096))]
+    recv_offset: u16,
 
     /// Test hook (hidden): rank 0 flips one received byte in the pure phase of the first non-zero size, so
     /// the run must report a validation failure and exit 1.
@@ -206,8 +213,8 @@ fn run_size(
         size,
         // Never empty: two empty Vecs share one dangling address, and MPI rejects
         // sendbuf == recvbuf (that is what MPI_IN_PLACE is for) even for zero counts.
-        send: vec![0; (send_len * widen).max(1)],
-        recv: vec![0; (recv_len * widen).max(1)],
+        send: Placed::new((send_len * widen).max(1), 0),
+        recv: Placed::new((recv_len * widen).max(1), args.recv_offset as usize),
         counts: vec![count as i32; n],
         displs: (0..n).map(|j| (j * count) as i32).collect(),
         ty,
@@ -330,9 +337,13 @@ pub fn overlap(args: OverlapArgs) -> i32 {
     if me == 0 {
         json = run::create_json(&args.json).map(BufWriter::new);
         println!(
-            "# coll-bench overlap: coll={} ranks={ranks} nodes={nodes} mode={mode}{}",
+            "# coll-bench overlap: coll={} ranks={ranks} nodes={nodes} mode={mode}{}{}",
             coll.name(),
-            design.map_or(String::new(), |d| format!(" design={d}"))
+            design.map_or(String::new(), |d| format!(" design={d}")),
+            match args.recv_offset {
+                0 => String::new(),
+                o => format!(" recv_offset={o}"),
+            }
         );
         println!(
             "{:>10} {:>12} {:>12} {:>12} {:>9} {:>9} {:>12} {:>11} {:>11} {:>9}",

@@ -119,7 +119,7 @@ impl InArena {
             // at most `ARENA_SIDE_BYTES` in all, checked by `fits`), in the chunk's receive
             // half and in the program's region alike.
             unsafe {
-                std::ptr::copy_nonoverlapping(
+                alias_mkey::copy::copy_bytes(
                     self.chunk.recv().add(at as usize),
                     (self.recv_to as *mut u8).add(at as usize),
                     len as usize,

@@ -271,7 +271,7 @@ pub unsafe fn post_reduce(
             // SAFETY: the send region is readable for its length (MPI precondition, or the
             // shim's staging), the chunk's send half holds `ARENA_SIDE_BYTES` (`fits`).
             unsafe {
-                std::ptr::copy_nonoverlapping(
+                alias_mkey::copy::copy_bytes(
                     send_addr as *const u8,
                     chunk.send(),
                     s.bytes.region_len as usize,

@@ -10,6 +10,7 @@
 //! jobs of one user, may hold only a share of the bound ([`Shares`]): a job that holds
 //! collectives open cannot make every other job's staged collectives fail.
 
+use alias_mkey::copy::BounceBuf;
 use alias_mkey::{AliasKey, BackendData, Grant, Owner, Rights};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
@@ -18,9 +19,17 @@ use std::rc::Rc;
 /// One staging buffer.
 #[derive(Debug)]
 pub struct Stage {
-    buf: Box<[u8]>,
+    /// The slot is `len` bytes from [`SLOT_OFFSET`] of a page-aligned buffer.
+    buf: BounceBuf,
+    len: usize,
     key: AliasKey,
 }
+
+/// Where a slot starts past its page: where glibc's `malloc` puts a large buffer (past its
+/// 16-byte header, in pages of its own), so that the kernel copies between a slot and such a
+/// buffer are not the slow ones ([`alias_mkey::copy`]: `(dst - src) mod 64` in `1..=31`); a
+/// copy between a slot and memory of this process (a rank's arena) is one that does not care.
+const SLOT_OFFSET: usize = 16;
 
 /// This process's pid, start time, effective uid and gid, for the owner of its own keys: read
 /// once (none of them changes in an SP; each read is a system call, and keys are made per
@@ -72,15 +81,10 @@ pub fn is_own(k: &AliasKey) -> bool {
 
 impl Stage {
     pub fn new(job: u64, region: u64, len: usize) -> Stage {
-        let buf = vec![0u8; len].into_boxed_slice();
-        let key = own_key(
-            job,
-            region,
-            buf.as_ptr() as u64,
-            len as u64,
-            Rights::READ_WRITE,
-        );
-        Stage { buf, key }
+        let mut buf = BounceBuf::new(len);
+        let addr = buf.at(SLOT_OFFSET, len).as_ptr() as u64;
+        let key = own_key(job, region, addr, len as u64, Rights::READ_WRITE);
+        Stage { buf, len, key }
     }
 
     pub fn key(&self) -> &AliasKey {
@@ -89,19 +93,17 @@ impl Stage {
 
     /// The first `len` bytes (to send to another SP once a read into them finished).
     pub fn bytes(&self, len: usize) -> &[u8] {
-        &self.buf[..len.min(self.buf.len())]
+        self.buf.get(SLOT_OFFSET, len.min(self.len))
     }
 
     /// Fills the buffer from `data` (a chunk received from another SP); false if it does not
     /// fit.
     pub fn fill(&mut self, data: &[u8]) -> bool {
-        match self.buf.get_mut(..data.len()) {
-            Some(dst) => {
-                dst.copy_from_slice(data);
-                true
-            }
-            None => false,
+        if data.len() > self.len {
+            return false;
         }
+        alias_mkey::copy::copy_slice(data, self.buf.at(SLOT_OFFSET, data.len()));
+        true
     }
 }
 
@@ -255,19 +257,17 @@ impl Budget {
                 self.peak = self.peak.max(n);
                 let mut pool = self.pool.borrow_mut();
                 let slots = (0..slots)
-                    .map(
-                        |_| match pool.iter().position(|s| s.buf.len() as u64 == chunk) {
-                            Some(i) => {
-                                let mut s = pool.swap_remove(i);
-                                s.key.owner.job = job;
-                                s
-                            }
-                            None => {
-                                self.next_region += 1;
-                                Stage::new(job, self.next_region, chunk as usize)
-                            }
-                        },
-                    )
+                    .map(|_| match pool.iter().position(|s| s.len as u64 == chunk) {
+                        Some(i) => {
+                            let mut s = pool.swap_remove(i);
+                            s.key.owner.job = job;
+                            s
+                        }
+                        None => {
+                            self.next_region += 1;
+                            Stage::new(job, self.next_region, chunk as usize)
+                        }
+                    })
                     .collect();
                 self.by_owner.borrow_mut().add((job, uid), b);
                 Ok(StageSet {
@@ -356,8 +356,14 @@ mod tests {
         let mut s = Stage::new(7, 1, 64);
         assert_eq!(s.key().owner.pid, std::process::id());
         assert_eq!(s.key().grant.len, 64);
+        // Where glibc puts a large buffer: 16 bytes past a page.
+        assert_eq!(s.key().grant.addr % 4096, SLOT_OFFSET as u64);
         assert!(s.fill(&[1, 2, 3]));
         assert_eq!(s.bytes(3), &[1, 2, 3]);
+        // The key's address is where `fill` writes.
+        // SAFETY: the key names the slot's 64 bytes, alive with `s`.
+        let at = unsafe { std::slice::from_raw_parts(s.key().grant.addr as *const u8, 3) };
+        assert_eq!(at, &[1, 2, 3]);
         assert!(!s.fill(&[0; 65]));
     }
 }

@@ -18,8 +18,8 @@ pub struct Setup {
     pub me: usize,
     pub n: usize,
     pub size: usize,
-    pub send: Vec<u8>,
-    pub recv: Vec<u8>,
+    pub send: Placed,
+    pub recv: Placed,
     pub counts: Vec<i32>,
     pub displs: Vec<i32>,
     /// MPI_BYTE, or the strided layout's element (`--datatype strided`).
@@ -28,6 +28,34 @@ pub struct Setup {
     pub strided: bool,
     /// Ibcast: the root of the iteration being run (set by [`Setup::prepare`]).
     pub root: usize,
+}
+
+/// A buffer of `len` bytes that starts `offset` bytes past a page boundary (`--recv-offset`).
+pub struct Placed {
+    mem: Vec<u8>,
+    at: usize,
+    len: usize,
+}
+
+impl Placed {
+    pub fn new(len: usize, offset: usize) -> Placed {
+        let mem = vec![0u8; len + offset + 4096];
+        let at = mem.as_ptr().align_offset(4096) + offset;
+        Placed { mem, at, len }
+    }
+}
+
+impl std::ops::Deref for Placed {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.mem[self.at..self.at + self.len]
+    }
+}
+
+impl std::ops::DerefMut for Placed {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        &mut self.mem[self.at..self.at + self.len]
+    }
 }
 
 impl Setup {

@@ -366,8 +366,15 @@ fn own_copy(job: &CopyJob) -> Result<(), alias_mkey::AccessError> {
     // it cannot be truncated under the mapping; a page the rank punched out is allocated
     // again by the access, which fails only where the kernel finds no page for this process
     // at all). The rank may write its arena at any time; the bytes are its own.
+    // The ranges overlap only if a rank granted overlapping sides of its arena (the shim
+    // never does): then a copy that allows it.
+    let overlap = src < dst.saturating_add(job.len) && dst < src.saturating_add(job.len);
     unsafe {
-        std::ptr::copy(src as *const u8, dst as *mut u8, job.len as usize);
+        if overlap {
+            std::ptr::copy(src as *const u8, dst as *mut u8, job.len as usize);
+        } else {
+            alias_mkey::copy::copy_bytes(src as *const u8, dst as *mut u8, job.len as usize);
+        }
     }
     Ok(())
 }
