@@ -347,8 +347,9 @@ impl Resources for StagedResources {
             return Ok(Placement::default());
         };
         let spec = drivers::spec(d.kind);
-        let region_writer = (spec.region_writer)(d, cx.me);
         let hier = st.design == StagedDesign::Hier;
+        // Only a hierarchical instance asks (a bcast builds its tree to answer).
+        let region_writer = hier && (spec.region_writer)(d, cx.me);
         let mut region = None;
         if hier && region_writer && !self.flat_here.contains(&ck) {
             let seg = st.segment.clone().expect("checked by check_post");
