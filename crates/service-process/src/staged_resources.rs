@@ -66,6 +66,9 @@ pub struct StagedResources {
     /// removed.
     gone_at_siblings: HashMap<u64, HashSet<SpId>>,
     unlink_after: HashMap<u64, HashSet<SpId>>,
+    /// The instance whose local post was just placed and is about to be admitted, and the
+    /// address of that rank's buffer, near which its slots go ([`StageSet::place_near`]).
+    placing: Option<(CollKey, u64)>,
     refused: u64,
     regions_shared: u64,
     hier_delivered_flat: u64,
@@ -91,6 +94,7 @@ impl StagedResources {
             flat_here: HashSet::new(),
             gone_at_siblings: HashMap::new(),
             unlink_after: HashMap::new(),
+            placing: None,
             refused: 0,
             regions_shared: 0,
             hier_delivered_flat: 0,
@@ -324,7 +328,11 @@ impl Resources for StagedResources {
             .budget
             .reserve(ck.job, uid, self.cfg.slots, self.cfg.chunk_bytes)
         {
-            Ok(set) => {
+            Ok(mut set) => {
+                // Made for a local post (not a peer's message): near that rank's buffer.
+                if let Some((_, addr)) = self.placing.take().filter(|(k, _)| *k == ck) {
+                    set.place_near(addr);
+                }
                 self.sets.insert(ck, set);
                 Ok(())
             }
@@ -346,6 +354,12 @@ impl Resources for StagedResources {
         let Some(st) = &d.staged else {
             return Ok(Placement::default());
         };
+        // The buffer this rank's copies read (a bcast's root, an allgather's block) or else
+        // write, for `admit` to place the instance's slots near, if this post makes it.
+        if !self.sets.contains_key(&ck) {
+            let side = if d.send.len > 0 { &d.send } else { &d.recv };
+            self.placing = Some((ck, side.addr));
+        }
         let spec = drivers::spec(d.kind);
         let hier = st.design == StagedDesign::Hier;
         // Only a hierarchical instance asks (a bcast builds its tree to answer).

@@ -19,16 +19,19 @@ use std::rc::Rc;
 /// One staging buffer.
 #[derive(Debug)]
 pub struct Stage {
-    /// The slot is `len` bytes from [`SLOT_OFFSET`] of a page-aligned buffer.
+    /// The slot is `len` bytes from `off` (below 64) of a page-aligned buffer.
     buf: BounceBuf,
     len: usize,
+    off: usize,
     key: AliasKey,
 }
 
-/// Where a slot starts past its page: where glibc's `malloc` puts a large buffer (past its
-/// 16-byte header, in pages of its own), so that the kernel copies between a slot and such a
-/// buffer are not the slow ones ([`alias_mkey::copy`]: `(dst - src) mod 64` in `1..=31`); a
-/// copy between a slot and memory of this process (a rank's arena) is one that does not care.
+/// Where a slot starts past its page unless its instance says otherwise
+/// ([`StageSet::place_near`]): where glibc's `malloc` puts a large buffer (past its 16-byte
+/// header, in pages of its own). A kernel copy between a slot and a rank's buffer is a slow
+/// one when their offsets in a cache line differ by 1-31 bytes the wrong way
+/// ([`alias_mkey::copy`]; the mover then bounces it); a copy between a slot and memory of this
+/// process (a rank's arena) does not care.
 const SLOT_OFFSET: usize = 16;
 
 /// This process's pid, start time, effective uid and gid, for the owner of its own keys: read
@@ -81,10 +84,24 @@ pub fn is_own(k: &AliasKey) -> bool {
 
 impl Stage {
     pub fn new(job: u64, region: u64, len: usize) -> Stage {
-        let mut buf = BounceBuf::new(len);
-        let addr = buf.at(SLOT_OFFSET, len).as_ptr() as u64;
-        let key = own_key(job, region, addr, len as u64, Rights::READ_WRITE);
-        Stage { buf, len, key }
+        let buf = BounceBuf::new(len);
+        let key = own_key(job, region, 0, len as u64, Rights::READ_WRITE);
+        let mut s = Stage {
+            buf,
+            len,
+            off: usize::MAX,
+            key,
+        };
+        s.place(SLOT_OFFSET);
+        s
+    }
+
+    /// Starts the slot `off` (below 64) bytes past its page, its key with it.
+    fn place(&mut self, off: usize) {
+        if off != self.off {
+            self.key.grant.addr = self.buf.at(off, self.len).as_ptr() as u64;
+            self.off = off;
+        }
     }
 
     pub fn key(&self) -> &AliasKey {
@@ -93,7 +110,7 @@ impl Stage {
 
     /// The first `len` bytes (to send to another SP once a read into them finished).
     pub fn bytes(&self, len: usize) -> &[u8] {
-        self.buf.get(SLOT_OFFSET, len.min(self.len))
+        self.buf.get(self.off, len.min(self.len))
     }
 
     /// Fills the buffer from `data` (a chunk received from another SP); false if it does not
@@ -102,7 +119,7 @@ impl Stage {
         if data.len() > self.len {
             return false;
         }
-        alias_mkey::copy::copy_slice(data, self.buf.at(SLOT_OFFSET, data.len()));
+        alias_mkey::copy::copy_slice(data, self.buf.at(self.off, data.len()));
         true
     }
 }
@@ -118,6 +135,17 @@ pub struct StageSet {
     /// Whose share the bytes count against: the job, and its uid when known here.
     owner: (u64, Option<u32>),
     by_owner: Rc<RefCell<ByOwner>>,
+}
+
+impl StageSet {
+    /// Starts every slot at the same offset in its cache line as `addr` (a buffer of a rank
+    /// the instance copies to or from), so that those kernel copies are not slow ones
+    /// ([`alias_mkey::copy`]). Only before any slot is used: a slot's key moves with it.
+    pub fn place_near(&mut self, addr: u64) {
+        for s in &mut self.slots {
+            s.place((addr % 64) as usize);
+        }
+    }
 }
 
 impl Drop for StageSet {
@@ -358,6 +386,10 @@ mod tests {
         assert_eq!(s.key().grant.len, 64);
         // Where glibc puts a large buffer: 16 bytes past a page.
         assert_eq!(s.key().grant.addr % 4096, SLOT_OFFSET as u64);
+        // Placed near another buffer: at its offset in a cache line, same page, same bytes.
+        let page = s.key().grant.addr & !4095;
+        s.place(45);
+        assert_eq!(s.key().grant.addr, page + 45);
         assert!(s.fill(&[1, 2, 3]));
         assert_eq!(s.bytes(3), &[1, 2, 3]);
         // The key's address is where `fill` writes.
