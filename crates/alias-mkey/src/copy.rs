@@ -3,10 +3,11 @@
 //! The CPU's string copy (`rep movsb`, which glibc's `memcpy` uses from 2 KiB up and the
 //! kernel's `process_vm_readv`/`writev` use at every size) runs many times slower on this
 //! machine's AMD EPYC (under KVM) when the destination lies 1 to 31 bytes past the source
-//! within a cache line, `(dst - src) mod 64` in `1..=31`. Measured here with a C loop, one
-//! core, warm caches (docs/BENCHMARKS.md, O, "Alignment"): `memcpy` of 4 KiB 0.06 us with
-//! the offset 0 or 32 and 1.6-2.6 us with 1-31; of 256 KiB 7-10 us against 145 us;
-//! `process_vm_readv` of 4 KiB 1.4 us against 4.4 us, of 1 MiB 0.10 ms against 0.47 ms.
+//! within a cache line, `(dst - src) mod 64` in `1..=31`. Measured here by the example
+//! `copy_offsets`, one core, warm caches (docs/BENCHMARKS.md, O, "Alignment"): `memcpy` of
+//! 4 KiB 0.07 us with the offset 0 or 32 and 1.4-1.5 us with 8-24; of 256 KiB 7-14 us
+//! against 90 us; `process_vm_readv` of 4 KiB 1.2 us against 2.6 us, of 1 MiB 0.11 ms
+//! against 0.45 ms.
 //! Such offsets are common: a rank's page-aligned arena chunk against a large buffer from
 //! glibc's `malloc` (16 bytes past a page) is one.
 //!
@@ -90,7 +91,7 @@ unsafe fn copy_by_vectors(src: *const u8, dst: *mut u8, len: usize) {
 pub fn bounce_at(src: usize, dst: usize) -> usize {
     let d = dst.wrapping_sub(src) % 64;
     let a = if (1..32).contains(&d) { d + 32 } else { 0 };
-    (src + a) % 64
+    src.wrapping_add(a) % 64
 }
 
 /// One page of plain bytes, aligned to its size.
