@@ -289,6 +289,9 @@ impl Budget {
                         Some(i) => {
                             let mut s = pool.swap_remove(i);
                             s.key.owner.job = job;
+                            // Where a slot starts unless its instance places it
+                            // (`StageSet::place_near`), not where the last one put it.
+                            s.place(SLOT_OFFSET);
                             s
                         }
                         None => {
@@ -346,7 +349,20 @@ mod tests {
         let d = b.reserve(9, None, 1, 20).unwrap();
         assert_eq!(d.slots[0].key().grant.addr, a_addr);
         assert_eq!(d.slots[0].key().owner.job, 9);
+        // Placed near a rank's buffer, then given back: the next instance gets it where a slot
+        // starts by default, not where this one put it.
+        let mut d = d;
+        d.place_near(4096 * 5 + 40);
+        assert_eq!(d.slots[0].key().grant.addr, (a_addr & !4095) + 40);
         drop(d);
+        // Every buffer in the pool (a's three, the placed one among them).
+        let f = b.reserve(9, None, 3, 20).unwrap();
+        assert!(f.slots.iter().any(|s| s.key().grant.addr == a_addr));
+        assert!(f
+            .slots
+            .iter()
+            .all(|s| s.key().grant.addr % 4096 == SLOT_OFFSET as u64));
+        drop(f);
         assert!(b.reserve(1, None, u32::MAX, u64::MAX).is_err());
         drop(c);
         assert_eq!(b.used(), 0);
