@@ -165,28 +165,31 @@ impl std::fmt::Debug for BounceBuf {
     }
 }
 
+/// Pseudo-random numbers for the tests of this crate (xorshift), from a seed taken from the
+/// clock and printed.
+#[cfg(test)]
+pub(crate) fn random_numbers() -> impl FnMut() -> u64 {
+    let mut x = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
+        | 1;
+    eprintln!("seed {x}");
+    move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn seed() -> u64 {
-        let s = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos() as u64;
-        eprintln!("seed {s}");
-        s
-    }
-
     #[test]
     fn copy_bytes_copies_exactly_the_range_at_every_offset() {
-        let mut x = seed();
-        let mut next = || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
+        let mut next = random_numbers();
         let src: Vec<u8> = (0..20_000).map(|_| next() as u8).collect();
         for _ in 0..300 {
             let len = [0, 1, 63, 64, 2048, 2049, 4096, 5000, 16_384][next() as usize % 9];

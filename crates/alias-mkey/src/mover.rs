@@ -720,18 +720,7 @@ mod tests {
         // from it into this process, from here into it, and within it (both ends another
         // process: the bounce), at random offsets, so that many fall in the slow case of
         // `crate::copy` and take the bounce at a shifted offset. Seed printed.
-        let mut x = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos() as u64
-            | 1;
-        eprintln!("seed {x}");
-        let mut next = move || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
+        let mut next = crate::copy::random_numbers();
         const N: usize = 40_000;
         let theirs: Vec<u8> = (0..N).map(|i| (i * 31 % 253) as u8).collect();
         let mut fds = [0; 2];
