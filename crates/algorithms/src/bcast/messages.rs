@@ -35,7 +35,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
                     }
                     None => {
                         let mismatch = chunk_bytes != self.chunk_bytes;
-                        let view = View::new(me, root, len, self.chunk_bytes, tree)
+                        let view = View::new(me, root, len, self.chunk_bytes, tree.into())
                             .expect("checked above");
                         self.form_view(view);
                         self.learn_targets();

@@ -91,7 +91,8 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
         if !self.core.abort.start_broadcast(self.view.is_some()) {
             return;
         }
-        for sp in self.view.as_ref().unwrap().all() {
+        let tree = self.view.as_ref().unwrap().tree.clone();
+        for sp in tree.iter().flatten().copied() {
             self.notify_abort(sp);
         }
     }
@@ -121,9 +122,16 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
         }
         self.seal();
         self.grant();
-        let ranks: Vec<Rank> = self.core.ranks.keys().copied().collect();
-        for r in ranks {
+        // In rank order, without collecting the ranks (this runs after every input).
+        let mut next = self.core.ranks.keys().next().copied();
+        while let Some(r) = next {
             self.check_complete(r);
+            next = self
+                .core
+                .ranks
+                .range((std::ops::Bound::Excluded(r), std::ops::Bound::Unbounded))
+                .next()
+                .map(|(&r, _)| r);
         }
         let in_use = self.slots_in_use() as u32;
         self.core.stats.max_slots_in_use = self.core.stats.max_slots_in_use.max(in_use);

@@ -260,7 +260,10 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
 
 impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
     /// Checks a post; returns the tree it implies.
-    pub(super) fn validate_post(&self, post: &Post<K>) -> Result<Vec<Vec<SpId>>, PostError> {
+    pub(super) fn validate_post(
+        &self,
+        post: &Post<K>,
+    ) -> Result<std::sync::Arc<Vec<Vec<SpId>>>, PostError> {
         let p = post.members.len();
         let rank = post.rank;
         if rank as usize >= p {
@@ -288,7 +291,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
                 return Err(PostError::MembersDisagree);
             }
         }
-        let tree = build_tree(&post.members, &post.nodes, post.root)?;
+        let tree = shared_tree(&post.members, &post.nodes, post.root)?;
         if self.core.ranks.contains_key(&rank) {
             return Err(PostError::DuplicatePost { rank });
         }
@@ -306,13 +309,13 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
     pub(super) fn form_view(&mut self, view: View) {
         debug_assert!(self.view.is_none());
         let children = view.children();
-        let open = Msg::Open {
+        let open = (!children.is_empty()).then(|| Msg::Open {
             root: view.root,
             len: view.len,
             chunk_bytes: view.chunk_bytes,
-            tree: view.tree.clone(),
-        };
-        let lost = view.all().iter().any(|s| self.core.lost_sps.contains(s));
+            tree: view.tree.to_vec(),
+        });
+        let lost = view.all().any(|s| self.core.lost_sps.contains(&s));
         for &c in &children {
             self.next_fwd.insert(c, 0);
             self.grants.insert(c, VecDeque::new());
@@ -323,7 +326,7 @@ impl<K: Clone + fmt::Debug + PartialEq> Bcast<K> {
         }
         if self.core.abort.is_some() {
             self.maybe_broadcast_abort();
-        } else {
+        } else if let Some(open) = open {
             for c in children {
                 self.send(c, open.clone());
             }

@@ -133,10 +133,10 @@ fn tree_starts_at_the_root_sp_then_nodes_in_ring_order() {
     // Node 0: SPs 0, 1; node 1: SPs 2, 3; node 2: SP 4.
     let members = [0, 1, 2, 3, 4, 3, 2];
     let nodes = [0, 0, 1, 1, 2, 1, 1];
-    let tree = |root| build_tree(&members, &nodes, root).unwrap();
-    assert_eq!(tree(3), [vec![3, 2], vec![4], vec![0, 1]]);
-    assert_eq!(tree(4), [vec![4], vec![0, 1], vec![2, 3]]);
-    assert_eq!(tree(1), [vec![1, 0], vec![2, 3], vec![4]]);
+    let tree = |root| std::sync::Arc::new(build_tree(&members, &nodes, root).unwrap());
+    assert_eq!(*tree(3), [vec![3, 2], vec![4], vec![0, 1]]);
+    assert_eq!(*tree(4), [vec![4], vec![0, 1], vec![2, 3]]);
+    assert_eq!(*tree(1), [vec![1, 0], vec![2, 3], vec![4]]);
     assert_eq!(
         build_tree(&[0, 0], &[0, 1], 0),
         Err(PostError::SpOnTwoNodes { sp: 0 })
@@ -151,6 +151,37 @@ fn tree_starts_at_the_root_sp_then_nodes_in_ring_order() {
     assert_eq!((v.parent(), v.children()), (Some(4), vec![1]));
     let v = View::new(1, 3, 8, 4, tree(3)).unwrap();
     assert_eq!((v.parent(), v.children()), (Some(0), vec![]));
+}
+
+#[test]
+fn the_tree_kept_from_the_last_build_is_used_only_for_the_same_members_nodes_and_root() {
+    use std::sync::Arc;
+    let (members, nodes) = ([0, 1, 2, 3, 4, 3, 2], [0, 0, 1, 1, 2, 1, 1]);
+    let a = shared_tree(&members, &nodes, 3).unwrap();
+    let b = shared_tree(&members, &nodes, 3).unwrap();
+    assert!(
+        Arc::ptr_eq(&a, &b),
+        "the same communicator and root reuse the build"
+    );
+    for (m, n, root) in [
+        (&members[..], &nodes[..], 4),
+        (&members[..], &nodes[..], 2),
+        (&[0, 1, 2, 3, 4, 3, 3][..], &nodes[..], 3),
+        (&members[..], &[0, 0, 1, 1, 3, 1, 1][..], 3),
+        (&members[..6], &nodes[..6], 3),
+    ] {
+        let c = shared_tree(m, n, root).unwrap();
+        assert!(!Arc::ptr_eq(&a, &c), "{m:?} {n:?} root {root}");
+        assert_eq!(
+            *c,
+            build_tree(m, n, root).unwrap(),
+            "what is kept is what a build gives"
+        );
+    }
+    // An SP on two nodes is refused whether or not a tree is kept.
+    assert!(shared_tree(&members, &[0, 0, 1, 1, 2, 2, 1], 3).is_err());
+    assert!(shared_tree(&members, &nodes, 3).is_ok());
+    assert!(shared_tree(&members, &[0, 0, 1, 1, 2, 2, 1], 3).is_err());
 }
 
 #[test]

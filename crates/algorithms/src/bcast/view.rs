@@ -1,6 +1,7 @@
 //! An SP's view of the broadcast: the tree of SPs and the chunking.
 
 use super::*;
+use std::sync::Arc;
 
 /// `(root, len, chunk_bytes, tree)` as one SP sees it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -8,7 +9,8 @@ pub(super) struct View {
     pub(super) root: Rank,
     pub(super) len: u64,
     pub(super) chunk_bytes: u64,
-    pub(super) tree: Vec<Vec<SpId>>,
+    /// Shared with the tree cache (`shared_tree`) and the other views built from it.
+    pub(super) tree: Arc<Vec<Vec<SpId>>>,
     /// This SP's group in `tree`, and its place in that group.
     pub(super) group: usize,
     pub(super) at: usize,
@@ -22,7 +24,7 @@ impl View {
         root: Rank,
         len: u64,
         chunk_bytes: u64,
-        tree: Vec<Vec<SpId>>,
+        tree: Arc<Vec<Vec<SpId>>>,
     ) -> Option<View> {
         let (group, at) = tree
             .iter()
@@ -78,8 +80,8 @@ impl View {
         }
     }
 
-    pub(super) fn all(&self) -> Vec<SpId> {
-        self.tree.iter().flatten().copied().collect()
+    pub(super) fn all(&self) -> impl Iterator<Item = SpId> + '_ {
+        self.tree.iter().flatten().copied()
     }
 
     pub(super) fn offset(&self, i: u64) -> u64 {
@@ -100,7 +102,8 @@ impl View {
     ) -> Option<Status> {
         if root != self.root || len != self.len {
             Some(Status::CountMismatch)
-        } else if chunk_bytes != self.chunk_bytes || tree.is_some_and(|t| t != self.tree) {
+        } else if chunk_bytes != self.chunk_bytes || tree.is_some_and(|t| t != self.tree.as_slice())
+        {
             Some(Status::InvalidPost)
         } else {
             None
@@ -115,6 +118,37 @@ pub(super) fn tree_parent(tree: &[Vec<SpId>], group: usize, at: usize) -> Option
     } else {
         group.checked_sub(1).map(|g| tree[g][0])
     }
+}
+
+thread_local! {
+    /// The tree built last on this thread, and what it was built from: a communicator's
+    /// broadcasts follow each other with the same members, nodes and root, and building the
+    /// tree (maps and vectors per instance) is a large part of what a small broadcast's post
+    /// costs. A pure function's last result, kept: the machine behaves the same without it.
+    #[allow(clippy::type_complexity)]
+    static LAST_TREE: std::cell::RefCell<Option<(Vec<SpId>, Vec<u32>, Rank, Arc<Vec<Vec<SpId>>>)>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// [`build_tree`], or the same tree built last on this thread from the same members, nodes
+/// and root.
+pub(super) fn shared_tree(
+    members: &[SpId],
+    nodes: &[u32],
+    root: Rank,
+) -> Result<Arc<Vec<Vec<SpId>>>, PostError> {
+    let hit = LAST_TREE.with(|c| {
+        c.borrow()
+            .as_ref()
+            .filter(|(m, n, r, _)| *r == root && m == members && n == nodes)
+            .map(|(_, _, _, t)| t.clone())
+    });
+    if let Some(t) = hit {
+        return Ok(t);
+    }
+    let t = Arc::new(build_tree(members, nodes, root)?);
+    LAST_TREE.with(|c| *c.borrow_mut() = Some((members.to_vec(), nodes.to_vec(), root, t.clone())));
+    Ok(t)
 }
 
 /// The SPs of a broadcast from `root`, grouped by node in tree order (see

@@ -1,0 +1,102 @@
+//! What one staged broadcast instance costs the machine alone, without an SP around it: a
+//! flat one-rank `Ibcast` of 4 KiB (the breakdown benchmark's case) made, posted, its one
+//! read reported done and dropped, in a loop. Prints the time and the heap allocations per
+//! instance (docs/BENCHMARKS.md, section O).
+//!
+//! `cargo run --release -p algorithms --example bcast_instance_cost [-- INSTANCES]`
+
+use algorithms::{bcast, CollKey, CommId, Status};
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::Instant;
+
+/// The system allocator, counting allocations and their bytes.
+struct Counting;
+static ALLOCS: AtomicU64 = AtomicU64::new(0);
+static BYTES: AtomicU64 = AtomicU64::new(0);
+
+// SAFETY: forwards every call to `System` unchanged.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        ALLOCS.fetch_add(1, Relaxed);
+        BYTES.fetch_add(l.size() as u64, Relaxed);
+        System.alloc(l)
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        System.dealloc(p, l)
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
+        ALLOCS.fetch_add(1, Relaxed);
+        BYTES.fetch_add(n as u64, Relaxed);
+        System.realloc(p, l, n)
+    }
+}
+
+#[global_allocator]
+static COUNTING: Counting = Counting;
+
+/// A key the size of the SP's `AliasKey` (96 bytes), so that moving it costs what it costs
+/// there.
+type Key = [u64; 12];
+
+fn one(seq: u64) {
+    let key = CollKey {
+        job: 1,
+        comm: CommId { leader: 0, id: 1 },
+        seq,
+    };
+    let cfg = bcast::Config {
+        me: 0,
+        chunk_bytes: 256 * 1024,
+        staging_slots: 4,
+    };
+    let mut b: bcast::Bcast<Key> = bcast::Bcast::new(key, cfg);
+    let post = bcast::Post {
+        rank: 0,
+        root: 0,
+        members: vec![0],
+        nodes: vec![0],
+        key: [seq; 12],
+        len: 4096,
+        design: bcast::Design::Flat,
+        shared_key: None,
+        shared_at: 0,
+    };
+    b.handle_post(seq, post).expect("a valid post");
+    let mut completed = 0;
+    while let Some(a) = b.poll_action() {
+        match a {
+            bcast::Action::Copy(c) => b.handle_copy_done(seq, c.id, Status::Ok),
+            bcast::Action::Complete { status, .. } => {
+                assert_eq!(status, Status::Ok);
+                completed += 1;
+            }
+            other => panic!("a one-rank broadcast asked for {other:?}"),
+        }
+    }
+    assert!(
+        completed == 1 && b.is_finished(),
+        "the instance did not finish"
+    );
+}
+
+fn main() {
+    let n: u64 = std::env::args()
+        .nth(1)
+        .map_or(200_000, |s| s.parse().expect("INSTANCES is a number"));
+    for seq in 0..1000 {
+        one(seq);
+    }
+    let (a0, b0) = (ALLOCS.load(Relaxed), BYTES.load(Relaxed));
+    let t = Instant::now();
+    for seq in 0..n {
+        one(seq);
+    }
+    let ns = t.elapsed().as_nanos() as f64 / n as f64;
+    let allocs = (ALLOCS.load(Relaxed) - a0) as f64 / n as f64;
+    let bytes = (BYTES.load(Relaxed) - b0) as f64 / n as f64;
+    println!(
+        "flat one-rank Ibcast of 4 KiB, {n} instances: {ns:.0} ns, {allocs:.1} allocations, \
+         {bytes:.0} bytes allocated per instance (post's vectors included)"
+    );
+}
