@@ -138,7 +138,7 @@ enum Cmd {
         #[arg(long, default_value_t = 256 * 1024, value_parser = clap::value_parser!(u64).range(1..=2 * 1024 * 1024))]
         stage_chunk_bytes: u64,
         /// Staged collectives: staging buffers per collective instance on this SP (the
-        /// pipeline depth).
+        /// pipeline depth; an Ibcast takes no more than its message has chunks).
         #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=1024))]
         stage_slots: u32,
         /// Staging memory of this SP, all staged collectives together (MiB); a staged

@@ -323,10 +323,12 @@ impl Resources for StagedResources {
         ]
     }
 
-    fn admit(&mut self, ck: CollKey, uid: Option<u32>) -> Result<(), String> {
+    fn admit(&mut self, ck: CollKey, uid: Option<u32>, slots: u32) -> Result<(), String> {
+        // Never more than configured, whatever the caller says.
+        let slots = slots.clamp(1, self.cfg.slots);
         match self
             .budget
-            .reserve(ck.job, uid, self.cfg.slots, self.cfg.chunk_bytes)
+            .reserve(ck.job, uid, slots, self.cfg.chunk_bytes)
         {
             Ok(mut set) => {
                 // Made for a local post (not a peer's message): near that rank's buffer.
@@ -640,9 +642,9 @@ mod tests {
         };
         let mut r = StagedResources::new(cfg, 100, shares, None);
         // 20 bytes an instance: job 1 holds its 50 with two.
-        r.admit(ck(1, 0), Some(7)).unwrap();
-        r.admit(ck(1, 1), Some(7)).unwrap();
-        let why = r.admit(ck(1, 2), Some(7)).unwrap_err();
+        r.admit(ck(1, 0), Some(7), 2).unwrap();
+        r.admit(ck(1, 1), Some(7), 2).unwrap();
+        let why = r.admit(ck(1, 2), Some(7), 2).unwrap_err();
         assert!(
             why.contains("--staging-job-share") && why.contains("40 of its 50"),
             "{why}"
@@ -660,12 +662,38 @@ mod tests {
         // The instance's end gives its share back: the next instance of the job fits.
         with_cx(&cluster, &key, |cx| r.release(ck(1, 0), cx));
         assert!(r.buffer(ck(1, 0), 0).is_none());
-        r.admit(ck(1, 3), Some(7)).unwrap();
+        r.admit(ck(1, 3), Some(7), 2).unwrap();
         assert!(r.buffer(ck(1, 3), 1).is_some());
         assert_eq!(counter(&r, "staging_refused"), 1);
         with_cx(&cluster, &key, |cx| {
             r.release(ck(1, 1), cx);
             r.release(ck(1, 3), cx);
+        });
+        assert_eq!(r.budget.used(), 0);
+    }
+
+    #[test]
+    fn an_instance_takes_the_slots_its_machine_was_made_with_never_more_than_configured() {
+        let (cluster, key) = (cluster(), ClusterKey::generate());
+        let cfg = StagedConfig {
+            chunk_bytes: 10,
+            slots: 4,
+        };
+        let mut r = StagedResources::new(cfg, 1000, Default::default(), None);
+        for (seq, asked, held) in [(0, 1, 1), (1, 3, 3), (2, 9, 4), (3, 0, 1)] {
+            let before = r.budget.used();
+            r.admit(ck(1, seq), Some(7), asked).unwrap();
+            assert_eq!(r.budget.used() - before, held * 10, "asked for {asked}");
+            assert!(r.buffer(ck(1, seq), held as u32 - 1).is_some());
+            assert!(
+                r.buffer(ck(1, seq), held as u32).is_none(),
+                "asked for {asked}"
+            );
+        }
+        with_cx(&cluster, &key, |cx| {
+            for seq in 0..4 {
+                r.release(ck(1, seq), cx);
+            }
         });
         assert_eq!(r.budget.used(), 0);
     }

@@ -296,9 +296,50 @@ fn sps_with_and_without_ucx_broadcast_together() {
     assert_eq!(moved, 12, "{stats:?}");
 }
 
+/// An instance takes the staging slots its message can fill and no more (4 configured, of
+/// 256 KiB): one for a message of one chunk, three for three chunks, both on the root's SP,
+/// whose instance a post makes, and on the other node's SP, whose instance its parent's
+/// `Open` makes before its own ranks post.
+#[test]
+fn a_bcast_holds_the_staging_its_message_needs() {
+    let (set, mut hosts) = SpSet::start_job(2, 1, 2, Layout::Block);
+    let comm = CommId { leader: 0, id: 1 };
+    for (seq, len, slots) in [(0u64, 100usize, 1u64), (1, 700_001, 3)] {
+        let data: Vec<u8> = (0..len).map(|i| (i * 7 + seq as usize) as u8).collect();
+        let bufs = bcast_bufs(4, 0, &data);
+        let mut descs = flat_descs(&mut hosts, &set, comm, seq, 0, &bufs);
+        let late = descs.split_off(2);
+        // Node 0's ranks (SP 0, the root's) first: SP 1 learns the instance from SP 0's `Open`.
+        let mut posted = post_each(&mut hosts[..2], descs);
+        std::thread::sleep(Duration::from_millis(300));
+        posted.extend(
+            post_each(&mut hosts[2..], late)
+                .into_iter()
+                .map(|(i, slot, token)| (i + 2, slot, token)),
+        );
+        let got = wait_all_serving(&mut hosts, &posted, WAIT);
+        assert_eq!(got, [Some(STATUS_OK); 4], "seq {seq}");
+        for (r, b) in bufs.iter().enumerate() {
+            assert!(read_back(b) == data, "seq {seq} rank {r}: wrong bytes");
+        }
+        for sp in 0..2 {
+            let peak = query(&set, sp)["staging_peak_bytes"].as_u64().unwrap();
+            assert_eq!(
+                peak,
+                slots * 262_144,
+                "SP {sp} after a bcast of {len} bytes"
+            );
+        }
+    }
+    for h in hosts {
+        h.goodbye();
+    }
+}
+
 #[test]
 fn a_bcast_beyond_the_staging_bound_fails_instead_of_allocating() {
-    // 1 MiB of staging per SP, 4 slots of 512 KiB per instance: no instance fits.
+    // 1 MiB of staging per SP, half of it a job's share; a message of 3 chunks of 512 KiB
+    // takes 3 slots of 512 KiB per instance: no instance fits.
     let mut set = SpSet::start_with(
         2,
         1,
@@ -308,7 +349,7 @@ fn a_bcast_beyond_the_staging_bound_fails_instead_of_allocating() {
     );
     let job = new_job();
     let mut hosts = Host::connect_all(&set, job, 4);
-    let bufs = bcast_bufs(4, 0, &[9u8; 100_000]);
+    let bufs = bcast_bufs(4, 0, &vec![9u8; 1_100_000]);
     let descs = flat_descs(&mut hosts, &set, CommId { leader: 0, id: 1 }, 0, 0, &bufs);
     let posted = post_each(&mut hosts, descs);
     // Each rank is told why (the job's share of the staging cannot hold an instance).

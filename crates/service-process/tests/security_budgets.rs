@@ -90,7 +90,8 @@ fn bcast(hosts: &mut [Host], seq: u64, len: usize) -> Vec<Option<u32>> {
 /// (On the code before the fix, job A took all 16 MiB and job B's broadcast aborted.)
 #[test]
 fn one_job_cannot_take_the_staging_memory_of_all_jobs() {
-    // 16 MiB of staging; an instance takes 4 slots of 256 KiB: 16 instances fill it.
+    // 16 MiB of staging; an instance of job A's 64-byte broadcasts takes one slot of 256 KiB
+    // (a message of one chunk never needs more): 64 instances fill it.
     let set = SpSet::start_with(1, 1, 2, Layout::Block, &["--staging-mib=16"]);
     let cred = JobCredential::issue(&set.key, new_job(), my_uid(), 2).encode();
     let hold_until = set.run_dir.join("job-b-done");
@@ -103,7 +104,7 @@ fn one_job_cannot_take_the_staging_memory_of_all_jobs() {
     let a = std::thread::spawn(move || attack("hold-bcasts", &vars, None));
     // Job A has posted and holds its staging.
     let t = Instant::now();
-    while query(&set, 0)["staging_refused"].as_u64().unwrap() < 20 {
+    while query(&set, 0)["staging_refused"].as_u64().unwrap() < 8 {
         assert!(
             t.elapsed() < Duration::from_secs(10),
             "job A never filled its share"
@@ -124,10 +125,10 @@ fn one_job_cannot_take_the_staging_memory_of_all_jobs() {
     std::fs::write(&hold_until, b"").unwrap();
     let out = a.join().unwrap();
     eprintln!("job A: {out:?}");
-    // A: 8 instances (8 MiB, half of 16) held, the 32 others refused by the SP with an error.
+    // A: 32 instances (8 MiB, half of 16) held, the 8 others refused by the SP with an error.
     let held = &out[0];
     let refused: u64 = held.rsplit(' ').next().unwrap().parse().unwrap();
-    assert_eq!(refused, 32, "{out:?}");
+    assert_eq!(refused, 8, "{out:?}");
     assert!(
         out[1].contains("share") && out[1].contains("--staging-job-share"),
         "the refusal says why: {out:?}"
@@ -138,7 +139,7 @@ fn one_job_cannot_take_the_staging_memory_of_all_jobs() {
     let s = query(&set, 0);
     assert!(
         s["staging_peak_bytes"].as_u64().unwrap() <= 9 << 20,
-        "A's 8 MiB and B's 1 MiB at most: {s}"
+        "A's 8 MiB and B's 768 KiB (3 chunks) at most: {s}"
     );
 }
 

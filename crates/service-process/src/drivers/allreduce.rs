@@ -37,6 +37,7 @@ pub static SPEC: KindSpec = KindSpec {
     inbound: |_| Inbound::default(),
     region_writer: super::no_region_writer,
     region_len: super::no_region_len,
+    staged_len: super::all_staging_slots,
     check_desc,
     // The members list and the tree: a few words per member (the data buffers, a window of
     // chunks per instance, are not counted here).

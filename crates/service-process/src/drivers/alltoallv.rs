@@ -13,6 +13,7 @@ pub static SPEC: KindSpec = KindSpec {
     inbound,
     region_writer: super::no_region_writer,
     region_len: super::no_region_len,
+    staged_len: super::all_staging_slots,
     check_desc: super::no_more_checks,
     // Measured: 408 bytes per member beyond the descriptor (its rank state, and an announcement
     // per member queued until that member posts).

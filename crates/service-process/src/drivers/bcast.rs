@@ -15,6 +15,8 @@ pub static SPEC: KindSpec = KindSpec {
     region_writer,
     // The message is the one block: the root's send side, the others' receive side.
     region_len: |d| d.send_counts[0].max(d.recv_counts[0]),
+    // The same, on a post that may have failed its checks.
+    staged_len: |d| d.send_counts.first().max(d.recv_counts.first()).copied(),
     check_desc: super::no_more_checks,
     // Measured: 17 bytes per member beyond the descriptor.
     state_bytes_per_member: 64,
@@ -73,6 +75,10 @@ fn inbound(msg: &CollMsg) -> Inbound {
         },
         CollMsg::Bcast(bcast::Msg::Chunk { slot, len, .. }) => Inbound {
             fills_slot: Some((slot.0, *len)),
+            ..Inbound::default()
+        },
+        CollMsg::Bcast(bcast::Msg::Open { len, .. } | bcast::Msg::Credit { len, .. }) => Inbound {
+            message_len: Some(*len),
             ..Inbound::default()
         },
         _ => Inbound::default(),

@@ -17,6 +17,7 @@ pub static SPEC: KindSpec = KindSpec {
     inbound: |_| Inbound::default(),
     region_writer: super::no_region_writer,
     region_len: super::no_region_len,
+    staged_len: super::all_staging_slots,
     check_desc: super::allreduce::check_desc,
     // As the SP tree's: the members list (the chunks in flight are the window's).
     state_bytes_per_member: 64,

@@ -18,6 +18,7 @@ pub static SPEC: KindSpec = KindSpec {
     inbound: |_| Inbound::default(),
     region_writer: super::no_region_writer,
     region_len: super::no_region_len,
+    staged_len: super::all_staging_slots,
     check_desc: super::mcast_bcast::check_desc,
     // The ring, the chains and the members list: a few words per member.
     state_bytes_per_member: 64,

@@ -71,6 +71,23 @@ pub struct KindConfig {
     pub mcast: McastParams,
 }
 
+impl KindConfig {
+    /// The configuration of an instance whose kind said how long its message is
+    /// ([`KindSpec::staged_len`], [`Inbound::message_len`]): a staged one takes no more slots
+    /// than its message has chunks (at least one), since no more are ever filled at once.
+    pub fn for_message(self, len: Option<u64>) -> KindConfig {
+        let Some(len) = len else { return self };
+        let chunks = len.div_ceil(self.staged.chunk_bytes.max(1)).max(1);
+        KindConfig {
+            staged: StagedConfig {
+                slots: (self.staged.slots as u64).min(chunks) as u32,
+                ..self.staged
+            },
+            ..self
+        }
+    }
+}
+
 impl StagedConfig {
     /// The configuration of a staged machine (bcast, staged allgather) on SP `me`.
     fn machine(self, me: SpId) -> algorithms::bcast::Config {
@@ -252,6 +269,10 @@ pub struct Inbound {
     /// may have posted different communicators under one key; or the instance aborted there
     /// and its ranks completed before the message came): refused with `Aborted`.
     pub answer_when_finished: bool,
+    /// The length of the collective's message the message states (a staged broadcast's
+    /// `Open` and `Credit`): an instance it makes takes no more staging than that needs
+    /// ([`KindConfig::for_message`]).
+    pub message_len: Option<u64>,
 }
 
 /// A collective kind as the engine sees it.
@@ -271,6 +292,11 @@ pub struct KindSpec {
     pub region_writer: fn(d: &PostDesc, me: SpId) -> bool,
     /// Hierarchical design: the bytes of the node's region (the whole message).
     pub region_len: fn(&PostDesc) -> u64,
+    /// A staged kind whose instance never holds more chunks than its message has (the
+    /// broadcast): the message's length in a post, so that an instance the post makes takes
+    /// only the staging slots it can use ([`KindConfig::for_message`]); `None`: all the
+    /// configured slots. Called on posts that may have failed their checks.
+    pub staged_len: fn(&PostDesc) -> Option<u64>,
     /// The kind's checks of a descriptor beyond what its facts say (those are
     /// `KindFacts::check_layout`: its blocks and where they start, its staged fields, its
     /// root, its node list), run by `validate::check_post` right after them.
@@ -505,6 +531,10 @@ fn no_region_len(_: &PostDesc) -> u64 {
     0
 }
 
+fn all_staging_slots(_: &PostDesc) -> Option<u64> {
+    None
+}
+
 fn no_data_bytes(_: &PostDesc, _: u64) -> u64 {
     0
 }
@@ -523,6 +553,31 @@ mod tests {
             );
             assert_eq!(spec(kind).kind, kind);
             assert_eq!(kind_of(&(spec(kind).abort_msg)(Status::Aborted)), kind);
+        }
+    }
+
+    #[test]
+    fn a_message_of_n_chunks_makes_a_staged_machine_of_at_most_n_slots() {
+        let cfg = KindConfig {
+            staged: StagedConfig {
+                chunk_bytes: 1000,
+                slots: 4,
+            },
+            mcast: McastParams::default(),
+        };
+        for (len, slots) in [
+            (None, 4),
+            (Some(0), 1),
+            (Some(1), 1),
+            (Some(1000), 1),
+            (Some(1001), 2),
+            (Some(3000), 3),
+            (Some(4001), 4),
+            (Some(u64::MAX), 4),
+        ] {
+            let c = cfg.for_message(len);
+            assert_eq!(c.staged.slots, slots, "{len:?}");
+            assert_eq!(c.staged.chunk_bytes, 1000);
         }
     }
 }

@@ -78,9 +78,10 @@ pub trait Resources {
     fn counters(&self) -> Vec<(&'static str, u64)>;
 
     /// A new instance `ck` of the family (of a job run by `uid`, when known here): what it
-    /// holds for its whole life is taken now. `Err(why)`: refused; the engine aborts the
+    /// holds for its whole life is taken now; `staged_slots`: the staging slots its machine
+    /// was made with (`KindConfig::for_message`). `Err(why)`: refused; the engine aborts the
     /// instance and tells every local rank that posts it why.
-    fn admit(&mut self, _ck: CollKey, _uid: Option<u32>) -> Result<(), String> {
+    fn admit(&mut self, _ck: CollKey, _uid: Option<u32>, _staged_slots: u32) -> Result<(), String> {
         Ok(())
     }
     /// A checked local post of instance `ck`: where the instance writes it on this SP.
@@ -190,8 +191,15 @@ impl Registry {
     }
 
     /// A new instance of `family` (see [`Resources::admit`]).
-    pub fn admit(&mut self, family: Family, ck: CollKey, uid: Option<u32>) -> Result<(), String> {
-        self.of(family).map_or(Ok(()), |p| p.admit(ck, uid))
+    pub fn admit(
+        &mut self,
+        family: Family,
+        ck: CollKey,
+        uid: Option<u32>,
+        staged_slots: u32,
+    ) -> Result<(), String> {
+        self.of(family)
+            .map_or(Ok(()), |p| p.admit(ck, uid, staged_slots))
     }
 
     /// A peer's message outside any collective, to the part it is for; false if none took it.

@@ -15,6 +15,7 @@ pub static SPEC: KindSpec = KindSpec {
     region_writer: |d, me| staged_allgather::node_owner(&d.members, &d.nodes, me) == Some(me),
     // The whole message: P blocks (checked not to overflow).
     region_len: |d| d.recv_counts.iter().sum(),
+    staged_len: super::all_staging_slots,
     check_desc: super::no_more_checks,
     // Measured: 145 bytes per member beyond the descriptor.
     state_bytes_per_member: 256,

@@ -6,10 +6,18 @@ use super::*;
 
 impl Server {
     /// The instance of `ck`, created (as a `kind`) by the first event that names it.
-    pub(super) fn instance(&mut self, ck: CollKey, kind: CollKind) -> &mut Instance {
+    /// Instance `ck`, made now if it is new: of `kind`, whose message is `len` bytes long if
+    /// what makes it says so (a staged instance then takes only the staging it can use).
+    pub(super) fn instance(
+        &mut self,
+        ck: CollKey,
+        kind: CollKind,
+        len: Option<u64>,
+    ) -> &mut Instance {
         if !self.instances.contains_key(&ck) {
+            let cfg = self.kind_cfg.for_message(len);
             let mut inst = Instance {
-                sm: drivers::new(kind, ck, self.me, &self.kind_cfg),
+                sm: drivers::new(kind, ck, self.me, &cfg),
                 posted: HashMap::new(),
                 shape: None,
                 local_ranks: None,
@@ -24,7 +32,10 @@ impl Server {
             // family's staging slots). Instances exist only for jobs with a rank connected
             // here (a peer's message for another job is refused), so the job's uid is known.
             let uid = self.jobs.get(&ck.job).map(|j| j.uid);
-            if let Err(why) = self.resources.admit(kind.facts().family, ck, uid) {
+            if let Err(why) = self
+                .resources
+                .admit(kind.facts().family, ck, uid, cfg.staged.slots)
+            {
                 // Client-caused: one job holding its share must not flood the log.
                 let line = format!("{why}; the collective {ck:?} fails");
                 self.client_warn(|| line);
@@ -135,7 +146,7 @@ impl Server {
                 let me = self.me;
                 let failed = job.failed;
                 let is_new = !self.instances.contains_key(&ck);
-                let inst = self.instance(ck, drivers::kind_of(&m));
+                let inst = self.instance(ck, drivers::kind_of(&m), inbound.message_len);
                 if let (true, Some(status)) = (is_new, failed) {
                     inst.sm.abort(now, status);
                 }

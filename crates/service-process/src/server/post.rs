@@ -157,7 +157,7 @@ impl Server {
                     }
                 }
                 let now = now_ns(self.start);
-                let inst = self.instance(ck, d.kind);
+                let inst = self.instance(ck, d.kind, None);
                 inst.sm.abort(now, Status::InvalidPost);
                 // This rank will not post this instance again: without this the instance
                 // would wait for it forever.
@@ -236,11 +236,12 @@ impl Server {
         let me = self.me;
         // An instance its family's resources refused (the staged family: its job's share of
         // the staging is used up) was aborted: the rank learns why.
-        if let Some(why) = self.instance(ck, d.kind).refused.clone() {
+        let len = (spec.staged_len)(&d);
+        if let Some(why) = self.instance(ck, d.kind, len).refused.clone() {
             self.stats.posts_refused += 1;
             self.send_error(key, Some(&d), ErrorCode::BadDescriptor, why);
         }
-        let inst = self.instance(ck, d.kind);
+        let inst = self.instance(ck, d.kind, len);
         inst.local_ranks = Some(d.members.iter().filter(|&&sp| sp == me).count());
         if inst.shape.is_none() {
             inst.shape = Some((d.members.clone(), d.world_ranks.clone()));
