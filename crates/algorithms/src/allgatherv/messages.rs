@@ -229,9 +229,16 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
                         self.notify_abort(holder_sp);
                     }
                 } else {
-                    let locals: Vec<Rank> = self.core.ranks.keys().copied().collect();
-                    for r in locals {
+                    // The local ranks in order, walked (not collected: this runs per segment).
+                    let mut next = self.core.ranks.keys().next().copied();
+                    while let Some(r) = next {
                         self.dist_one(src, r);
+                        next = self
+                            .core
+                            .ranks
+                            .range((Excluded(r), Unbounded))
+                            .next()
+                            .map(|(&r, _)| r);
                     }
                 }
                 self.check_seg(src);

@@ -91,6 +91,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt;
+use std::ops::Bound::{Excluded, Unbounded};
 
 use serde::{Deserialize, Serialize};
 

@@ -27,11 +27,13 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
     /// Publish `seg` (its holder is local) to every SP of this node, each
     /// of which answers with `SegmentDone`.
     pub(super) fn publish(&mut self, seg: Segment<K>) {
-        let my_sps = self.topo.as_ref().unwrap().my_sps().to_vec();
+        // A handle on the shared topology, not a copy of its SPs.
+        let topo = self.topo.clone().unwrap();
+        let my_sps = topo.my_sps();
         self.core.ranks.get_mut(&seg.holder).unwrap().readers += my_sps.len();
         self.held
             .insert(seg.src, (seg.holder, my_sps.iter().copied().collect()));
-        for sp in my_sps {
+        for &sp in my_sps {
             self.send(sp, Msg::Segment(seg.clone()));
         }
     }

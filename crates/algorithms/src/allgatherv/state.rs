@@ -224,7 +224,8 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
                 }),
             ));
         }
-        let my_sps = topo.my_sps().to_vec();
+        // The topology is shared (`Topo::shared`): a handle, not a copy of the SPs.
+        let topo = topo.clone();
         st.readers = sends.len();
         self.core.ranks.insert(rank, st);
         for (to, n, msg) in sends {
@@ -242,17 +243,23 @@ impl<K: Clone + fmt::Debug + PartialEq> Allgatherv<K> {
         });
         if !self.ready_sent {
             self.ready_sent = true;
-            for &sp in &my_sps {
+            for &sp in topo.my_sps() {
                 if sp != self.core.me {
                     self.send(sp, Msg::RankReady);
                 }
             }
         }
         self.run_internal();
-        // Segments already known on this node.
-        let known: Vec<Rank> = self.segs.keys().copied().collect();
-        for s in known {
+        // Segments already known on this node, in source order (walked, not collected: this
+        // runs once per post).
+        let mut next = self.segs.keys().next().copied();
+        while let Some(s) = next {
             self.dist_one(s, rank);
+            next = self
+                .segs
+                .range((Excluded(s), Unbounded))
+                .next()
+                .map(|(&s, _)| s);
         }
         // Parked announcements can be served now.
         for (ann, since) in std::mem::take(&mut self.parked) {
