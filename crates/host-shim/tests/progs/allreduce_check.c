@@ -254,6 +254,15 @@ static void check(struct call *c, MPI_Comm comm, const char *mode) {
             CHECK(memcmp(c->recv, cref, c->bytes) == 0,
                   "%s %s %s count %d: differs from the definition", mode, tp->name, op->name,
                   c->count);
+        } else if (!pmpi_right && known) {
+            /* A call run natively is the MPI library's own; where its ops depart from the
+             * definition, its blocking and nonblocking reductions depart differently (they
+             * saturate different elements: Open MPI 4.1, an in-place 16-bit MPI_Iallreduce SUM
+             * of 2361 elements on 4 ranks, seed 554980990, with and without the shim), so
+             * neither PMPI_Allreduce's bytes nor the definition bind it. Noted, not counted. */
+            if (rank == 0)
+                fprintf(stderr, "note: %s %s %s count %d run natively where PMPI departs from "
+                        "MPI's definition: not compared\n", mode, tp->name, op->name, c->count);
         } else {
             CHECK(pmpi_right || known, "%s %s %s count %d: PMPI differs from the C reference",
                   mode, tp->name, op->name, c->count);
