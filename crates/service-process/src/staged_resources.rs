@@ -324,8 +324,9 @@ impl Resources for StagedResources {
     }
 
     fn admit(&mut self, ck: CollKey, uid: Option<u32>, slots: u32) -> Result<(), String> {
-        // Never more than configured, whatever the caller says.
-        let slots = slots.clamp(1, self.cfg.slots);
+        // Never more than configured, whatever the caller says, and at least one (as the
+        // machine clamps its count).
+        let slots = slots.min(self.cfg.slots).max(1);
         match self
             .budget
             .reserve(ck.job, uid, slots, self.cfg.chunk_bytes)

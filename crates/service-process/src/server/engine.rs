@@ -5,9 +5,9 @@
 use super::*;
 
 impl Server {
-    /// The instance of `ck`, created (as a `kind`) by the first event that names it.
-    /// Instance `ck`, made now if it is new: of `kind`, whose message is `len` bytes long if
-    /// what makes it says so (a staged instance then takes only the staging it can use).
+    /// The instance of `ck`, created (as a `kind`) by the first event that names it: its
+    /// message is `len` bytes long if that event says so (a staged instance then takes only
+    /// the staging it can use, `KindConfig::for_message`).
     pub(super) fn instance(
         &mut self,
         ck: CollKey,
