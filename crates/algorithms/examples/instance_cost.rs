@@ -106,41 +106,40 @@ macro_rules! drain_direct {
     }};
 }
 
-fn alltoallv_one(seq: u64) {
-    let mut m: alltoallv::Alltoallv<Key> =
-        alltoallv::Alltoallv::new(key(seq), direct::Config { me: 0 });
-    let post = alltoallv::Post {
+/// A one-rank direct post of 4 KiB with the kind's own part `own`.
+fn direct_post<O>(seq: u64, own: O) -> direct::Post<Key, O> {
+    direct::Post {
         rank: 0,
         members: vec![0],
         send_key: [seq; 12],
         recv_key: [seq + 1; 12],
         recv_counts: vec![4096],
         recv_displs: vec![0],
-        own: alltoallv::Own {
-            send_counts: vec![4096],
-            send_displs: vec![0],
-        },
+        own,
+    }
+}
+
+fn alltoallv_one(seq: u64) {
+    let mut m: alltoallv::Alltoallv<Key> =
+        alltoallv::Alltoallv::new(key(seq), direct::Config { me: 0 });
+    let own = alltoallv::Own {
+        send_counts: vec![4096],
+        send_displs: vec![0],
     };
-    m.handle_post(seq, post).expect("a valid post");
+    m.handle_post(seq, direct_post(seq, own))
+        .expect("a valid post");
     drain_direct!(m, seq);
 }
 
 fn allgatherv_one(seq: u64) {
     let mut m: allgatherv::Allgatherv<Key> =
         allgatherv::Allgatherv::new(key(seq), direct::Config { me: 0 });
-    let post = allgatherv::Post {
-        rank: 0,
-        members: vec![0],
-        send_key: [seq; 12],
-        recv_key: [seq + 1; 12],
-        recv_counts: vec![4096],
-        recv_displs: vec![0],
-        own: allgatherv::Own {
-            nodes: vec![0],
-            send_len: 4096,
-        },
+    let own = allgatherv::Own {
+        nodes: vec![0],
+        send_len: 4096,
     };
-    m.handle_post(seq, post).expect("a valid post");
+    m.handle_post(seq, direct_post(seq, own))
+        .expect("a valid post");
     drain_direct!(m, seq);
 }
 
