@@ -35,8 +35,8 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static COUNTING: Counting = Counting;
 
-/// A key the size of the SP's `AliasKey` (96 bytes), so that moving it costs what it costs
-/// there.
+/// A key of 96 bytes, near the size of the SP's `AliasKey` (112), so that moving it costs
+/// about what it costs there.
 type Key = [u64; 12];
 
 fn key(seq: u64) -> CollKey {

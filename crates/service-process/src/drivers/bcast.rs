@@ -13,10 +13,8 @@ pub static SPEC: KindSpec = KindSpec {
     refuse,
     inbound,
     region_writer,
-    // The message is the one block: the root's send side, the others' receive side.
-    region_len: |d| d.send_counts[0].max(d.recv_counts[0]),
-    // The same, on a post that may have failed its checks.
-    staged_len: |d| d.send_counts.first().max(d.recv_counts.first()).copied(),
+    region_len: |d| message_len(d).unwrap_or(0),
+    staged_len: message_len,
     check_desc: super::no_more_checks,
     // Measured: 17 bytes per member beyond the descriptor.
     state_bytes_per_member: 64,
@@ -55,6 +53,12 @@ impl From<bcast::Move> for Act {
             msg: CollMsg::Bcast(mv.chunk_msg()),
         }
     }
+}
+
+/// The message is the one block: the root's send side, the others' receive side (`None` for
+/// a post without blocks, which its checks refuse).
+fn message_len(d: &PostDesc) -> Option<u64> {
+    d.send_counts.first().max(d.recv_counts.first()).copied()
 }
 
 fn new(key: CollKey, me: SpId, cfg: &super::KindConfig) -> Box<dyn CollDriver> {
