@@ -240,6 +240,14 @@ pub fn bind_error(
     msg
 }
 
+/// Lets a TCP listener hold as many finished handshakes as the kernel allows
+/// (`net.core.somaxconn`) rather than the 128 the standard library asks for: the ranks of a
+/// node connect to its SPs at once, and a connection beyond the backlog waits for its SYN to
+/// be sent again (a second or more).
+pub fn deep_backlog(l: &std::net::TcpListener) -> std::io::Result<()> {
+    nix::sys::socket::listen(l, nix::sys::socket::Backlog::MAXCONN).map_err(std::io::Error::from)
+}
+
 /// This machine's host name.
 pub fn host_name() -> std::io::Result<String> {
     let mut buf = [0u8; 256];

@@ -559,6 +559,8 @@ fn run(cli: Cli) -> Result<i32> {
                     ))
                 })?,
             };
+            service_process::deploy::deep_backlog(&listener)
+                .context("setting the peer listener's backlog")?;
             let backoff = Backoff {
                 deadline: Duration::from_secs(connect_timeout_secs),
                 ..Backoff::default()
@@ -567,9 +569,14 @@ fn run(cli: Cli) -> Result<i32> {
             service_process::deploy::prepare_socket_dir(&entry.host_socket, socket_mode)?;
             // Bound before the mesh so that a taken address fails at once; served once ready.
             let host_listener = match entry.host_addr {
-                Some(addr) => Some(std::net::TcpListener::bind(addr).with_context(|| {
-                    format!("binding the host TCP address {addr} (host_addr of SP {sp_id})")
-                })?),
+                Some(addr) => {
+                    let l = std::net::TcpListener::bind(addr).with_context(|| {
+                        format!("binding the host TCP address {addr} (host_addr of SP {sp_id})")
+                    })?;
+                    service_process::deploy::deep_backlog(&l)
+                        .context("setting the host TCP listener's backlog")?;
+                    Some(l)
+                }
                 None => None,
             };
             let mesh = connect_mesh(

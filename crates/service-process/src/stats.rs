@@ -68,7 +68,8 @@ pub struct Stats {
     pub hellos_refused: u64,
     pub hellos_timed_out: u64,
     /// Connections without a hello closed to make room for a newer one, when as many as
-    /// `Limits::max_pending_hellos` were waiting (the oldest of the source holding the most).
+    /// `Limits::max_pending_hellos` were waiting (the oldest of the source holding the most,
+    /// among those accepted before the event loop's current pass).
     pub hellos_evicted: u64,
     pub posts_refused: u64,
     /// Most SP memory the hosts' posts held at once (estimated, see `held::post_bytes`).

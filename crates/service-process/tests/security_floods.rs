@@ -88,6 +88,21 @@ fn legit_hello(
     keep: &mut Vec<Box<dyn std::any::Any>>,
 ) -> (Result<Hello, String>, Duration) {
     let t = Instant::now();
+    let answer = send_legit_hello(sps, target, job, rank, size, keep)
+        .and_then(|mut ch| ch.recv_hello().map_err(|e| e.to_string()));
+    (answer, t.elapsed())
+}
+
+/// The first half of [`legit_hello`]: connected, and the hello sent; the answer is left to
+/// be read from the channel.
+fn send_legit_hello(
+    sps: &TcpSps,
+    target: &str,
+    job: u64,
+    rank: u32,
+    size: u32,
+    keep: &mut Vec<Box<dyn std::any::Any>>,
+) -> Result<Channel<Box<dyn Stream>>, String> {
     let s: Box<dyn Stream> = if let Some(p) = target.strip_prefix("unix:") {
         let s = std::os::unix::net::UnixStream::connect(p).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
@@ -101,19 +116,16 @@ fn legit_hello(
     };
     let mut ch = Channel::new(s);
     let credential = JobCredential::issue(&sps.key, job, uid(), size).encode();
-    let sent = ch.send_hello(&Hello::Host(HostHello {
+    ch.send_hello(&Hello::Host(HostHello {
         credential,
         world_rank: rank,
         world_size: size,
         node: 0,
         local_rank: rank,
         pid: std::process::id(),
-    }));
-    let answer = match sent {
-        Ok(()) => ch.recv_hello().map_err(|e| e.to_string()),
-        Err(e) => Err(format!("send: {e}")),
-    };
-    (answer, t.elapsed())
+    }))
+    .map_err(|e| format!("send: {e}"))?;
+    Ok(ch)
 }
 
 /// Starts the `flood` attacker as `nobody` with `vars`; returns it once it said `READY`, and
@@ -193,6 +205,57 @@ fn idle_connections_without_a_hello_do_not_starve_legitimate_hellos() {
     assert!(
         stats[0]["hellos_evicted"].as_u64().unwrap_or(0) > 0,
         "evictions are counted: {}",
+        stats[0]
+    );
+}
+
+/// Item 5, the order behind it: a hello that is already waiting when a burst of connections
+/// without one arrives is read before the burst can evict its connection. The SP is stopped
+/// (SIGSTOP) with its 256 places for connections without a hello full (idle TCP connections
+/// from the same address as the rank's); a rank connects and sends its hello; 300 more idle
+/// connections queue behind it; the SP resumes and must welcome the rank. (The SP used to
+/// accept the whole queue in one go, closing the oldest waiting connection for each: after
+/// 256 of them, the rank's.)
+#[test]
+fn a_hello_already_sent_is_not_evicted_by_the_connections_queued_behind_it() {
+    use nix::sys::signal::{kill, Signal};
+    use nix::unistd::Pid;
+    need_root();
+    let mut sps = shared_sp(&[]);
+    let addr = sps.host_addr(0);
+    // Each connection completes in the kernel's backlog while the SP is stopped (the SP asks
+    // for a deep one: the standard library's 128 would hold back the queue).
+    let idle = |n| -> Vec<std::net::TcpStream> {
+        (0..n)
+            .map(|i| {
+                std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2))
+                    .unwrap_or_else(|e| panic!("idle connection {i}: {e}"))
+            })
+            .collect()
+    };
+    let first = idle(256);
+    // Let the SP take them in: its places are full before it stops.
+    std::thread::sleep(Duration::from_millis(300));
+    let sp = Pid::from_raw(sps.sps[0].child.id() as i32);
+    kill(sp, Signal::SIGSTOP).unwrap();
+    let (job, mut keep) = (new_job(), vec![]);
+    let sent = send_legit_hello(&sps, &tcp_target(&sps), job, 0, 1, &mut keep);
+    let queued = idle(300);
+    kill(sp, Signal::SIGCONT).unwrap();
+    let answer = sent.and_then(|mut ch| ch.recv_hello().map_err(|e| e.to_string()));
+    // Let the SP take the rest of the queue, evicting as it goes, before its counters are read.
+    std::thread::sleep(Duration::from_millis(300));
+    drop((first, queued, keep));
+    let stats = sps.stop_and_stats();
+    eprintln!(
+        "answer {answer:?}; hellos_evicted {} hosts_refused {}",
+        stats[0]["hellos_evicted"], stats[0]["hosts_refused"]
+    );
+    assert_eq!(answer, Ok(Hello::Welcome { sp: 0 }));
+    assert!(
+        stats[0]["hellos_evicted"].as_u64().unwrap_or(0) >= 256,
+        "the burst evicts the 256 connections that waited before it (and would have \
+         evicted the rank's, were its hello not read first): {}",
         stats[0]
     );
 }

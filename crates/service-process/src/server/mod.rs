@@ -77,6 +77,12 @@ pub const SIGNALS: Token = Token(2);
 const UCX_EVENTS: Token = Token(3);
 /// The TCP listener for hosts on other machines (or other network namespaces).
 pub const LISTEN_HOSTS_TCP: Token = Token(4);
+
+/// Connections one listener hands over in a pass of the event loop; more wait for the next
+/// pass, which comes at once. A burst of new connections neither delays the work of those
+/// already served for long nor cycles through the connections without a hello in one go.
+const ACCEPTS_PER_PASS: usize = 64;
+
 const CONN_BASE: usize = 16;
 /// The pidfd of host connection `k` (readable once its process exits) has token
 /// `PIDFD_BASE + k`.
@@ -169,6 +175,9 @@ enum Role {
     NewHost {
         peer: HostPeer,
         since: Instant,
+        /// The pass of the event loop ([`Server::pass`]) that accepted it: it cannot be
+        /// evicted in that pass, before its first readiness has been looked at.
+        accepted_in: u64,
     },
     Host(HostState),
     Peer(SpId),
@@ -296,6 +305,12 @@ pub struct Server {
     conns: Slab<Conn<Role>>,
     /// Serial of the next connection ([`Conn::serial`]).
     next_serial: u64,
+    /// Passes of the event loop so far.
+    pass: u64,
+    /// Listeners that said they had connections waiting, and were not emptied yet: the Unix
+    /// socket's and the TCP one's. They are accepted from after the pass's reads, at most
+    /// [`ACCEPTS_PER_PASS`] each.
+    accept_due: [bool; 2],
     /// Connections to close once the handler that found them broken is done, by key and
     /// serial: a failed write inside a handler must not pull the connection out from under
     /// the handler (its caller may still look at it).
@@ -546,6 +561,8 @@ impl Server {
             hosts_same_kernel: cfg.hosts_same_kernel,
             conns: Slab::new(),
             next_serial: 0,
+            pass: 0,
+            accept_due: [false; 2],
             doomed: Vec::new(),
             peer_conn: HashMap::new(),
             dead_peers: missing.iter().copied().collect(),
@@ -654,7 +671,7 @@ impl Server {
             let progress_end = Instant::now();
             let progressed = (progress_end - progress_start).as_micros() as u64;
             self.stats.ucx_progress_max_us = self.stats.ucx_progress_max_us.max(progressed);
-            let timeout = if polling.is_some() {
+            let timeout = if polling.is_some() || self.accept_due.contains(&true) {
                 Some(Duration::ZERO)
             } else {
                 let wake = self.wake_in();
@@ -671,6 +688,7 @@ impl Server {
                 return Err(e.into());
             }
             pass_start = Instant::now();
+            self.pass += 1;
             if let (Some(nap), true) = (polling, events.is_empty()) {
                 self.stats.empty_polls += 1;
                 // A nap, not sched_yield: SPs spinning with sched_yield on one CPU were seen to
@@ -683,8 +701,8 @@ impl Server {
             }
             for ev in events.iter() {
                 match ev.token() {
-                    LISTEN_HOSTS => self.accept_hosts(),
-                    LISTEN_HOSTS_TCP => self.accept_tcp_hosts(),
+                    LISTEN_HOSTS => self.accept_due[0] = true,
+                    LISTEN_HOSTS_TCP => self.accept_due[1] = true,
                     WAKER => self.take_joined_peers(),
                     UCX_EVENTS => {}
                     SIGNALS => {
@@ -712,6 +730,15 @@ impl Server {
                 }
                 self.close_doomed();
             }
+            // New connections after every read of the pass: a hello that had arrived when the
+            // pass began is read before a burst of connections could evict its connection.
+            if self.accept_due[0] {
+                self.accept_due[0] = !self.accept_hosts();
+            }
+            if self.accept_due[1] {
+                self.accept_due[1] = !self.accept_tcp_hosts();
+            }
+            self.close_doomed();
             // The posts the hosts wrote in their rings since the last pass (none without
             // polling: only a polling SP reads rings).
             self.drain_rings();

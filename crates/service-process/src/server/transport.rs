@@ -26,8 +26,10 @@ impl Server {
     /// connection without a hello costs little (a hello's bytes, `--hello-timeout-ms`) and a
     /// rank says hello as soon as it connects: when those waiting fill their share, the oldest
     /// of them is closed to make room (from the source holding the most), so that idle
-    /// connections can delay no hello. Only authenticated hosts filling `max_hosts` refuse a
-    /// new one.
+    /// connections can delay no hello. A connection accepted in this pass of the event loop is
+    /// never the one closed: its hello, if it came with the connection, is read first (the
+    /// pass's reads come before its accepts). Refused: authenticated hosts fill `max_hosts`,
+    /// or every connection waiting came in this pass.
     fn host_room(&mut self, via: &str) -> bool {
         let (mut hosts, mut pending) = (0, 0);
         for (_, c) in self.conns.iter() {
@@ -38,28 +40,36 @@ impl Server {
             }
         }
         let (max_hosts, max_pending) = (self.limits.max_hosts, self.limits.max_pending_hellos);
-        if hosts >= max_hosts || max_pending == 0 {
+        let full = hosts + pending >= max_hosts || pending >= max_pending;
+        if hosts >= max_hosts || max_pending == 0 || (full && !self.evict_oldest_pending(via)) {
             self.stats.hosts_refused += 1;
             self.client_warn(|| {
                 format!(
                     "refusing a host connection ({via}): {hosts} hosts and {pending} without a \
-                     hello already (limits {max_hosts} and {max_pending})"
+                     hello already (limits {max_hosts} and {max_pending}), none of them \
+                     waiting since an earlier pass"
                 )
             });
             return false;
-        }
-        if hosts + pending >= max_hosts || pending >= max_pending {
-            self.evict_oldest_pending(via);
         }
         true
     }
 
     /// Closes the connection without a hello that has waited longest, of the source (uid or
-    /// address) with the most of them waiting.
-    fn evict_oldest_pending(&mut self, via: &str) {
+    /// address) with the most of them waiting, among those accepted before this pass; false
+    /// if there is none.
+    fn evict_oldest_pending(&mut self, via: &str) -> bool {
         let mut by_source: HashMap<Source, (usize, Instant, usize)> = HashMap::new();
         for (k, c) in self.conns.iter() {
-            if let Role::NewHost { peer, since } = &c.role {
+            if let Role::NewHost {
+                peer,
+                since,
+                accepted_in,
+            } = &c.role
+            {
+                if *accepted_in >= self.pass {
+                    continue;
+                }
                 let e = by_source.entry(source(peer)).or_insert((0, *since, k));
                 e.0 += 1;
                 if *since < e.1 {
@@ -71,7 +81,7 @@ impl Server {
             // The most connections waiting; among equals, the oldest one.
             (*n, std::cmp::Reverse(*since))
         }) else {
-            return;
+            return false;
         };
         self.stats.hellos_evicted += 1;
         let waited = since.elapsed().as_millis();
@@ -85,11 +95,13 @@ impl Server {
             victim,
             "evicted: no hello, and newer connections need the room",
         );
+        true
     }
 
-    /// Hosts on the Unix socket: the kernel names their process (`SO_PEERCRED`, pidfd).
-    pub(super) fn accept_hosts(&mut self) {
-        loop {
+    /// Hosts on the Unix socket: the kernel names their process (`SO_PEERCRED`, pidfd). At
+    /// most [`ACCEPTS_PER_PASS`]; true once none is left waiting.
+    pub(super) fn accept_hosts(&mut self) -> bool {
+        for _ in 0..ACCEPTS_PER_PASS {
             match self.hosts_listener.accept() {
                 Ok((s, _)) => {
                     if !self.host_room("unix socket") {
@@ -106,7 +118,13 @@ impl Server {
                     };
                     let (pid, exec_since) = (peer.pid, peer.exec_since);
                     let (peer, since) = (HostPeer::Local(peer), Instant::now());
-                    match self.add_conn(Stream::Unix(s), Role::NewHost { peer, since }) {
+                    let accepted_in = self.pass;
+                    let role = Role::NewHost {
+                        peer,
+                        since,
+                        accepted_in,
+                    };
+                    match self.add_conn(Stream::Unix(s), role) {
                         Ok(key) => {
                             self.stats.host_conns_unix += 1;
                             self.watch_pidfd(key);
@@ -117,20 +135,24 @@ impl Server {
                         Err(e) => warn!("cannot register a host connection: {e}"),
                     }
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return true,
                 Err(e) => {
                     warn!("accept on the host socket failed: {e}");
-                    return;
+                    return true;
                 }
             }
         }
+        false
     }
 
     /// Hosts over TCP: nothing is known of them but their address until their hello's job
-    /// credential is checked (`identify_host`). Bounded and timed exactly as Unix hosts.
-    pub(super) fn accept_tcp_hosts(&mut self) {
-        loop {
-            let Some(l) = &self.hosts_tcp else { return };
+    /// credential is checked (`identify_host`). Bounded and timed exactly as Unix hosts. At
+    /// most [`ACCEPTS_PER_PASS`]; true once none is left waiting.
+    pub(super) fn accept_tcp_hosts(&mut self) -> bool {
+        for _ in 0..ACCEPTS_PER_PASS {
+            let Some(l) = &self.hosts_tcp else {
+                return true;
+            };
             match l.accept() {
                 Ok((s, addr)) => {
                     if !self.host_room(&format!("tcp from {addr}")) {
@@ -144,22 +166,28 @@ impl Server {
                         same_kernel: self.hosts_same_kernel,
                         pinned: None,
                     };
-                    let since = Instant::now();
-                    match self.add_conn(Stream::Tcp(s), Role::NewHost { peer, since }) {
+                    let (since, accepted_in) = (Instant::now(), self.pass);
+                    let role = Role::NewHost {
+                        peer,
+                        since,
+                        accepted_in,
+                    };
+                    match self.add_conn(Stream::Tcp(s), role) {
                         Ok(_) => self.stats.host_conns_tcp += 1,
                         Err(e) => warn!("cannot register a host connection: {e}"),
                     }
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return true,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => {
                     // ECONNABORTED and the like concern one client; EMFILE clears as
                     // connections close. Either way the next readiness event tries again.
                     warn!(sp = self.me, "accept on the host TCP listener failed: {e}");
-                    return;
+                    return true;
                 }
             }
         }
+        false
     }
 
     /// Checks the hello of new host connection `key` (its credential, and for a TCP host on
