@@ -14,7 +14,7 @@
 //! invalidation releases the registration.
 
 use crate::{BackendData, Grant, Rights};
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 
 /// Most registrations kept; past this the oldest half is dropped (they are re-created on use).
 pub const MAX_CACHED: usize = 4096;
@@ -33,7 +33,9 @@ struct Entry<T> {
 /// generation, bounded by [`MAX_CACHED`].
 #[derive(Debug)]
 struct Cache<T> {
-    map: HashMap<(u64, u64, u8), Entry<T>>,
+    /// Hashed with Fx, not SipHash: the keys are this process's own buffers (no one else can
+    /// choose them to collide), and a registration is looked up twice per collective.
+    map: FxHashMap<(u64, u64, u8), Entry<T>>,
     next_region: u64,
     clock: u64,
     hits: u64,
@@ -43,7 +45,7 @@ struct Cache<T> {
 impl<T> Default for Cache<T> {
     fn default() -> Self {
         Cache {
-            map: HashMap::new(),
+            map: FxHashMap::default(),
             next_region: 0,
             clock: 0,
             hits: 0,
@@ -67,17 +69,14 @@ impl<T: Default> Cache<T> {
                 self.evict_oldest_half();
             }
             self.next_region += 1;
-            self.map.insert(
-                key,
-                Entry {
-                    region: self.next_region,
-                    generation: 0,
-                    last_use: clock,
-                    data: T::default(),
-                },
-            );
         }
-        let e = self.map.get_mut(&key).expect("just looked up or inserted");
+        let region = self.next_region;
+        let e = self.map.entry(key).or_insert_with(|| Entry {
+            region,
+            generation: 0,
+            last_use: clock,
+            data: T::default(),
+        });
         e.last_use = clock;
         e
     }

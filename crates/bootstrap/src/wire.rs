@@ -566,6 +566,8 @@ pub enum FrameError {
     TooLarge { len: u32, max: u32 },
     #[error("undecodable frame: {0}")]
     Decode(String),
+    #[error("unencodable message: {0}")]
+    Encode(String),
     #[error("connection closed")]
     Closed,
     #[error(transparent)]
@@ -574,10 +576,39 @@ pub enum FrameError {
 
 /// Encodes `msg` as a whole frame (length prefix included).
 pub fn encode<T: Serialize>(msg: &T) -> Vec<u8> {
-    let payload = options()
-        .serialize(msg)
-        .expect("protocol messages always serialise");
-    frame(&payload)
+    let mut out = Vec::new();
+    encode_into(msg, &mut out).expect("protocol messages always serialise");
+    out
+}
+
+/// [`encode`] into `out` (cleared first, its memory reused): a sender that keeps one buffer
+/// frames a message per call without allocating. The payload is serialised once, straight
+/// after the length prefix (bincode's length limit would first run a sizing pass over the
+/// whole message; the frame's length is checked after instead). `Err` (and `out` empty): the
+/// payload is longer than [`MAX_FRAME_BYTES`].
+pub fn encode_into<T: Serialize>(msg: &T, out: &mut Vec<u8>) -> Result<(), FrameError> {
+    out.clear();
+    out.extend_from_slice(&[0; 4]);
+    // The same encoding as `options()`, whose limit and trailing-byte check only concern
+    // decoding (and the limit, this sizing).
+    bincode::DefaultOptions::new()
+        .with_little_endian()
+        .with_varint_encoding()
+        .serialize_into(&mut *out, msg)
+        .map_err(|e| {
+            out.clear();
+            FrameError::Encode(e.to_string())
+        })?;
+    let len = out.len() - 4;
+    if len > MAX_FRAME_BYTES as usize {
+        out.clear();
+        return Err(FrameError::TooLarge {
+            len: len.min(u32::MAX as usize) as u32,
+            max: MAX_FRAME_BYTES,
+        });
+    }
+    out[..4].copy_from_slice(&(len as u32).to_le_bytes());
+    Ok(())
 }
 
 /// Prefixes a payload with its length.

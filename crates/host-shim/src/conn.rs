@@ -270,6 +270,8 @@ pub struct Conn {
     ring: Option<crate::post_ring::ShimRing>,
     /// Frames sent on the socket since the registration (each ring entry records it).
     sock_frames: u64,
+    /// The frame being sent, kept between sends so that a post allocates nothing for it.
+    frame: Vec<u8>,
 }
 
 impl Conn {
@@ -284,6 +286,7 @@ impl Conn {
             last_heard: std::time::Instant::now(),
             ring: None,
             sock_frames: 0,
+            frame: Vec::new(),
         }
     }
 
@@ -328,7 +331,18 @@ impl Conn {
         if let Some(why) = &self.broken {
             return Err(why.clone());
         }
-        let frame = wire::encode(msg);
+        let mut frame = std::mem::take(&mut self.frame);
+        let sent = self.send_frame(msg, &mut frame);
+        // Kept unless a large post grew it (a communicator of many thousands of ranks).
+        if frame.capacity() <= 64 << 10 {
+            self.frame = frame;
+        }
+        sent
+    }
+
+    /// [`Conn::send`] with `frame` as the buffer to encode into.
+    fn send_frame(&mut self, msg: &HostToSp, frame: &mut Vec<u8>) -> Result<(), String> {
+        wire::encode_into(msg, frame).map_err(|e| e.to_string())?;
         if let (HostToSp::Post(_), Some(ring)) = (msg, self.ring.as_mut()) {
             // The payload without its length prefix; one that does not fit, or a full ring,
             // goes on the socket (the SP keeps the order: see `bootstrap::post_ring`).
@@ -338,7 +352,7 @@ impl Conn {
             }
         }
         self.sock_frames += 1;
-        if let Err(e) = NoSigPipe(&self.stream).write_all(&frame) {
+        if let Err(e) = NoSigPipe(&self.stream).write_all(frame) {
             let why = format!(
                 "sending to the service process at {} failed: {e}",
                 self.path.display()

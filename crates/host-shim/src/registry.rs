@@ -11,7 +11,7 @@
 //! never gives out. `MPI_REQUEST_NULL` is its own class.
 
 use mpi_ffi::abi::{ShimRequests, SHIM_REQUESTS};
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Class {
@@ -24,7 +24,8 @@ pub enum Class {
 #[derive(Debug)]
 pub struct Registry {
     naming: ShimRequests,
-    /// Handle -> object address.
+    /// Handle -> object address. (Fx hashing: the keys are this process's own, looked up at
+    /// every post, test and wait.)
     live: HashMap<usize, usize>,
     /// Object address -> handle, for the live ones.
     handles: HashMap<usize, usize>,
@@ -44,8 +45,8 @@ impl Registry {
     pub fn naming(naming: ShimRequests) -> Self {
         Registry {
             naming,
-            live: HashMap::new(),
-            handles: HashMap::new(),
+            live: HashMap::default(),
+            handles: HashMap::default(),
             detached: Vec::new(),
             next: 0,
         }

@@ -69,39 +69,40 @@ fn hello_roundtrip_and_version_mismatch() {
     ));
 }
 
+/// A post of an alltoallv, varied by `i` (a hierarchical staged one for 3).
+fn post(i: u32) -> HostToSp {
+    HostToSp::Post(Box::new(PostDesc {
+        kind: CollKind::Alltoallv,
+        comm: CommId { leader: 0, id: i },
+        seq: i as u64,
+        comm_rank: 0,
+        members: vec![0, 1],
+        world_ranks: vec![0, 1],
+        nodes: vec![],
+        slot: Some(i),
+        token: 77,
+        send_packed: false,
+        recv_packed: false,
+        reduce: None,
+        stamps: Default::default(),
+        send: grant(10),
+        recv: grant(20),
+        send_counts: vec![1, 2],
+        send_displs: vec![0, 1],
+        recv_counts: vec![3, 4],
+        recv_displs: vec![0, 3],
+        host_copies: i.is_multiple_of(2),
+        staged: (i == 3).then(|| Staged {
+            root: 1,
+            design: StagedDesign::Hier,
+            segment: Some(grant(30)),
+        }),
+    }))
+}
+
 #[test]
 fn frames_split_anywhere_reassemble() {
-    let msgs: Vec<HostToSp> = (0..5)
-        .map(|i| {
-            HostToSp::Post(Box::new(PostDesc {
-                kind: CollKind::Alltoallv,
-                comm: CommId { leader: 0, id: i },
-                seq: i as u64,
-                comm_rank: 0,
-                members: vec![0, 1],
-                world_ranks: vec![0, 1],
-                nodes: vec![],
-                slot: Some(i),
-                token: 77,
-                send_packed: false,
-                recv_packed: false,
-                reduce: None,
-                stamps: Default::default(),
-                send: grant(10),
-                recv: grant(20),
-                send_counts: vec![1, 2],
-                send_displs: vec![0, 1],
-                recv_counts: vec![3, 4],
-                recv_displs: vec![0, 3],
-                host_copies: i % 2 == 0,
-                staged: (i == 3).then(|| Staged {
-                    root: 1,
-                    design: StagedDesign::Hier,
-                    segment: Some(grant(30)),
-                }),
-            }))
-        })
-        .collect();
+    let msgs: Vec<HostToSp> = (0..5).map(post).collect();
     let bytes: Vec<u8> = msgs.iter().flat_map(encode).collect();
     for step in [1, 3, 7, 64, bytes.len()] {
         let mut d = FrameDecoder::default();
@@ -189,4 +190,47 @@ fn garbage_payload_is_a_decode_error() {
     let mut evil = vec![1u8]; // HostToSp::Post
     evil.extend_from_slice(&[0xfd, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x7f]);
     assert!(decode::<HostToSp>(&evil).is_err());
+}
+
+/// `encode_into` writes the frame `encode` always wrote (length prefix, then the payload that
+/// `decode` reads back) into a reused buffer, and refuses a payload longer than a frame.
+#[test]
+fn encode_into_writes_the_same_frame_into_a_reused_buffer() {
+    let mut out = Vec::with_capacity(8);
+    let messages = [
+        post(3),
+        HostToSp::Goodbye,
+        HostToSp::Register {
+            cores: vec![0, 1],
+            mailbox: grant(4096),
+            mailbox_slots: 64,
+            post_ring: None,
+        },
+        post(1),
+    ];
+    for msg in &messages {
+        encode_into(msg, &mut out).unwrap();
+        let payload = options().serialize(msg).unwrap();
+        assert_eq!(out[..4], (payload.len() as u32).to_le_bytes());
+        assert_eq!(out[4..], payload[..]);
+        assert_eq!(decode::<HostToSp>(&out[4..]).unwrap(), *msg);
+    }
+    // Reused: a second, shorter message leaves nothing of the first behind.
+    encode_into(&HostToSp::Goodbye, &mut out).unwrap();
+    assert_eq!(
+        out,
+        options()
+            .serialize(&HostToSp::Goodbye)
+            .map(|p| frame(&p))
+            .unwrap()
+    );
+    let big = vec![7u8; MAX_FRAME_BYTES as usize + 1];
+    match encode_into(&big, &mut out) {
+        Err(FrameError::TooLarge { len, max }) => {
+            assert_eq!(max, MAX_FRAME_BYTES);
+            assert!(len > max, "{len}");
+        }
+        other => panic!("a payload past the frame bound: {other:?}"),
+    }
+    assert!(out.is_empty(), "a refused message leaves no partial frame");
 }
