@@ -285,6 +285,11 @@ struct Job {
     /// hello claimed goes with its connection, so a hello + goodbye changes nothing the job's
     /// collectives rely on.
     hello_only: HashSet<u32>,
+    /// The last descriptor's members and world ranks whose every pair is in `sp_of_rank`
+    /// (checked or learned): a post with the same two lists has nothing to check or learn
+    /// there, which spares it two lookups per member (a pair a descriptor named is never
+    /// removed or changed while the job is known).
+    learned: (Vec<SpId>, Vec<u32>),
     failed: Option<Status>,
     /// Peer SPs lost while this job was known here (or already lost when it came): its
     /// collectives that need one fail, even after that SP rejoined (the ranks it served, and

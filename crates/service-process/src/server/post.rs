@@ -29,7 +29,11 @@ impl Server {
         )?;
         // Each world rank has one SP for the whole job: the one its hello or an earlier
         // descriptor named (the ranks place themselves; no layout says it here).
-        let known = self.jobs.get(&ck.job).map(|j| &j.sp_of_rank);
+        let job = self.jobs.get(&ck.job);
+        if job.is_some_and(|j| learned_already(j, d)) {
+            return Ok(());
+        }
+        let known = job.map(|j| &j.sp_of_rank);
         for (r, (w, &sp)) in d.world_ranks.iter().zip(&d.members).enumerate() {
             match known.and_then(|m| m.get(w)) {
                 Some(&was) if was != sp => {
@@ -167,9 +171,13 @@ impl Server {
             return;
         }
         if let Some(j) = self.jobs.get_mut(&job) {
-            for (&w, &sp) in d.world_ranks.iter().zip(&d.members) {
-                j.sp_of_rank.entry(w).or_insert(sp);
-                j.hello_only.remove(&w);
+            if !learned_already(j, &d) {
+                for (&w, &sp) in d.world_ranks.iter().zip(&d.members) {
+                    j.sp_of_rank.entry(w).or_insert(sp);
+                    j.hello_only.remove(&w);
+                }
+                j.learned.0.clone_from(&d.members);
+                j.learned.1.clone_from(&d.world_ranks);
             }
         }
         if self
@@ -218,15 +226,17 @@ impl Server {
         }
         let now = now_ns(self.start);
         let failed = self.jobs.get(&job).and_then(|j| j.failed);
-        let dead: Vec<SpId> = d
-            .members
-            .iter()
-            .copied()
-            .filter(|sp| {
-                self.dead_peers.contains(sp)
-                    || self.jobs.get(&job).is_some_and(|j| j.lost_sps.contains(sp))
-            })
-            .collect();
+        let lost = self.jobs.get(&job).map(|j| &j.lost_sps);
+        let dead: Vec<SpId> = if self.dead_peers.is_empty() && lost.is_none_or(|l| l.is_empty()) {
+            // No SP is down: no lookup per member.
+            Vec::new()
+        } else {
+            d.members
+                .iter()
+                .copied()
+                .filter(|sp| self.dead_peers.contains(sp) || lost.is_some_and(|l| l.contains(sp)))
+                .collect()
+        };
         let mut posted = Posted {
             host_copies: d.host_copies && spec.facts().host_copies,
             ..self.posted(key, d.slot, d.token)
@@ -320,4 +330,10 @@ impl Server {
             copies: 0,
         }
     }
+}
+
+/// Whether `d` names the same members and world ranks as the last descriptor whose pairs job
+/// `j`'s `sp_of_rank` took in (so it has nothing to check or learn there).
+fn learned_already(j: &super::Job, d: &PostDesc) -> bool {
+    !d.members.is_empty() && j.learned.0 == d.members && j.learned.1 == d.world_ranks
 }
