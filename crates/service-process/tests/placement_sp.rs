@@ -165,7 +165,11 @@ fn a_descriptor_cannot_move_a_rank_to_another_sp() {
     let op = make_op(&mut rng, comm, 0, vec![0, 1, 2], 64);
     let d = op.desc_for(&mut hosts[0], &[0, 1, 1], 0, 0);
     hosts[0].post(d);
-    let message = refusal(hosts[0].recv(), ErrorCode::BadDescriptor, "a wrong SP, later");
+    let message = refusal(
+        hosts[0].recv(),
+        ErrorCode::BadDescriptor,
+        "a wrong SP, later",
+    );
     assert!(
         message.contains("world rank 1) is said to be served by SP 1, but it is SP 0's"),
         "{message}"

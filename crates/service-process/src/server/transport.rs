@@ -41,18 +41,21 @@ impl Server {
         }
         let (max_hosts, max_pending) = (self.limits.max_hosts, self.limits.max_pending_hellos);
         let full = hosts + pending >= max_hosts || pending >= max_pending;
-        if hosts >= max_hosts || max_pending == 0 || (full && !self.evict_oldest_pending(via)) {
-            self.stats.hosts_refused += 1;
-            self.client_warn(|| {
-                format!(
-                    "refusing a host connection ({via}): {hosts} hosts and {pending} without a \
-                     hello already (limits {max_hosts} and {max_pending}), none of them \
-                     waiting since an earlier pass"
-                )
-            });
-            return false;
-        }
-        true
+        let why = if hosts >= max_hosts || max_pending == 0 {
+            ""
+        } else if full && !self.evict_oldest_pending(via) {
+            ", every one of them accepted in this pass of the event loop"
+        } else {
+            return true;
+        };
+        self.stats.hosts_refused += 1;
+        self.client_warn(|| {
+            format!(
+                "refusing a host connection ({via}): {hosts} hosts and {pending} without a \
+                 hello already (limits {max_hosts} and {max_pending}){why}"
+            )
+        });
+        false
     }
 
     /// Closes the connection without a hello that has waited longest, of the source (uid or
