@@ -574,31 +574,35 @@ pub enum FrameError {
     Io(#[from] std::io::Error),
 }
 
-/// Encodes `msg` as a whole frame (length prefix included).
+/// The encoding of `options()` without its length limit and trailing-byte check, which only
+/// concern decoding (with a limit, bincode runs a sizing pass over the message before every
+/// serialisation).
+fn encoding() -> impl Options {
+    bincode::DefaultOptions::new()
+        .with_little_endian()
+        .with_varint_encoding()
+}
+
+/// Encodes `msg` as a whole frame (length prefix included), into a buffer sized for it first:
+/// a message carrying a chunk of data is written once, not copied as its vector grows.
 pub fn encode<T: Serialize>(msg: &T) -> Vec<u8> {
-    let mut out = Vec::new();
+    let len = encoding().serialized_size(msg).unwrap_or(0);
+    let mut out = Vec::with_capacity(4 + len.min(MAX_FRAME_BYTES as u64) as usize);
     encode_into(msg, &mut out).expect("protocol messages always serialise");
     out
 }
 
 /// [`encode`] into `out` (cleared first, its memory reused): a sender that keeps one buffer
-/// frames a message per call without allocating. The payload is serialised once, straight
-/// after the length prefix (bincode's length limit would first run a sizing pass over the
-/// whole message; the frame's length is checked after instead). `Err` (and `out` empty): the
+/// frames a message per call without allocating, and without a sizing pass; the frame's
+/// length is checked after. `Err` (and `out` empty): the message cannot be serialised, or its
 /// payload is longer than [`MAX_FRAME_BYTES`].
 pub fn encode_into<T: Serialize>(msg: &T, out: &mut Vec<u8>) -> Result<(), FrameError> {
     out.clear();
     out.extend_from_slice(&[0; 4]);
-    // The same encoding as `options()`, whose limit and trailing-byte check only concern
-    // decoding (and the limit, this sizing).
-    bincode::DefaultOptions::new()
-        .with_little_endian()
-        .with_varint_encoding()
-        .serialize_into(&mut *out, msg)
-        .map_err(|e| {
-            out.clear();
-            FrameError::Encode(e.to_string())
-        })?;
+    encoding().serialize_into(&mut *out, msg).map_err(|e| {
+        out.clear();
+        FrameError::Encode(e.to_string())
+    })?;
     let len = out.len() - 4;
     if len > MAX_FRAME_BYTES as usize {
         out.clear();

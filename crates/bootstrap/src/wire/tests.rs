@@ -215,6 +215,14 @@ fn encode_into_writes_the_same_frame_into_a_reused_buffer() {
         assert_eq!(out[4..], payload[..]);
         assert_eq!(decode::<HostToSp>(&out[4..]).unwrap(), *msg);
     }
+    // `encode` sizes its buffer first: a frame with a chunk of data is allocated once, at
+    // its length.
+    for data in [encode(&post(2)), vec![5u8; 300_000]] {
+        let framed = encode(&data);
+        assert_eq!(framed.capacity(), framed.len());
+        encode_into(&data, &mut out).unwrap();
+        assert_eq!(framed, out);
+    }
     // Reused: a second, shorter message leaves nothing of the first behind.
     encode_into(&HostToSp::Goodbye, &mut out).unwrap();
     assert_eq!(
