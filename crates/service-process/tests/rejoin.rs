@@ -29,7 +29,7 @@ fn start() -> SpSet {
 fn respawn(set: &mut SpSet, sp: u32, extra: &[&str]) -> mpsc::Receiver<(u32, String)> {
     assert!(!set.alive(sp), "SP {sp} is still running");
     let addr = set.cluster.sp(sp).unwrap().peer_addr;
-    let listener = std::net::TcpListener::bind(addr).unwrap();
+    let listener = bind_again(addr);
     let mut args: Vec<String> = SERVE_ARGS.iter().map(|a| a.to_string()).collect();
     args.extend(extra.iter().map(|a| a.to_string()));
     args.extend(["--max-inflight-reads".into(), "2".into()]);
@@ -38,6 +38,41 @@ fn respawn(set: &mut SpSet, sp: u32, extra: &[&str]) -> mpsc::Receiver<(u32, Str
     let new = launch::spawn_sp(&exe, &set.cluster_path, sp, listener, &args, None, tx).unwrap();
     drop(std::mem::replace(&mut set.sps[sp as usize], new));
     remap(rx, sp)
+}
+
+/// Binds a stopped SP's address again. The description's ports come from the range the kernel
+/// gives any bind to port 0, so while the SP was down another process may have been given
+/// its port (the UCX listeners of the SPs of the tests running alongside are such binds, as
+/// is the launcher of a test that starts its SPs then): `make test` once failed here with
+/// `AddrInUse`. Such a holder is named (`ss`) and waited for, up to 10 s (the tests beside
+/// this one end within that); past it the test fails, saying so.
+fn bind_again(addr: std::net::SocketAddr) -> std::net::TcpListener {
+    let t = Instant::now();
+    let mut said = false;
+    loop {
+        match std::net::TcpListener::bind(addr) {
+            Ok(l) => return l,
+            Err(e)
+                if e.kind() == std::io::ErrorKind::AddrInUse
+                    && t.elapsed() < Duration::from_secs(10) =>
+            {
+                if !said {
+                    said = true;
+                    let holder = std::process::Command::new("ss")
+                        .args(["-tanp", &format!("sport = :{}", addr.port())])
+                        .output()
+                        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+                        .unwrap_or_else(|e| format!("(ss: {e})"));
+                    eprintln!("{addr} was taken while its SP was down ({e}); waiting:\n{holder}");
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Err(e) => panic!(
+                "binding {addr} again for its SP: {e} (after {:?})",
+                t.elapsed()
+            ),
+        }
+    }
 }
 
 /// Waits until the restarted SP `sp` is ready: it connected to every other SP that runs, or
