@@ -244,8 +244,60 @@ pub fn bind_error(
 /// (`net.core.somaxconn`) rather than the 128 the standard library asks for: the ranks of a
 /// node connect to its SPs at once, and a connection beyond the backlog waits for its SYN to
 /// be sent again (a second or more).
-pub fn deep_backlog(l: &std::net::TcpListener) -> std::io::Result<()> {
+fn deep_backlog(l: &std::net::TcpListener) -> std::io::Result<()> {
     nix::sys::socket::listen(l, nix::sys::socket::Backlog::MAXCONN).map_err(std::io::Error::from)
+}
+
+/// SP `sp`'s peer listener: the bound listener a launcher passed as `listen_fd` (checked to
+/// be a socket), or its peer address of `cluster` bound here; with a deep backlog either way.
+pub fn peer_listener(
+    listen_fd: Option<i32>,
+    cluster: &Cluster,
+    sp: SpId,
+) -> anyhow::Result<std::net::TcpListener> {
+    use anyhow::Context;
+    let listener = match listen_fd {
+        Some(fd) => {
+            check_listener_fd(fd)?;
+            // SAFETY: the launcher passes a bound TCP listener under this number, which
+            // nothing else in this process owns (checked to be a socket just above).
+            unsafe { <std::net::TcpListener as std::os::fd::FromRawFd>::from_raw_fd(fd) }
+        }
+        None => {
+            let addr = cluster
+                .sp(sp)
+                .with_context(|| format!("SP id {sp} is not in the cluster description"))?
+                .peer_addr;
+            std::net::TcpListener::bind(addr)
+                .map_err(|e| anyhow::anyhow!(bind_error(cluster, sp, addr, &e)))?
+        }
+    };
+    deep_backlog(&listener).context("setting the peer listener's backlog")?;
+    Ok(listener)
+}
+
+fn check_listener_fd(fd: i32) -> anyhow::Result<()> {
+    // SAFETY: fstat only writes into `st`; an invalid fd is reported as an error.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    if unsafe { libc::fstat(fd, &mut st) } != 0 {
+        anyhow::bail!("--listen-fd {fd} is not an open file descriptor");
+    }
+    if st.st_mode & libc::S_IFMT != libc::S_IFSOCK {
+        anyhow::bail!("--listen-fd {fd} is not a socket");
+    }
+    Ok(())
+}
+
+/// SP `sp`'s listener for hosts over TCP at `addr` (its `host_addr`), with a deep backlog.
+pub fn host_listener(
+    addr: std::net::SocketAddr,
+    sp: SpId,
+) -> anyhow::Result<std::net::TcpListener> {
+    use anyhow::Context;
+    let l = std::net::TcpListener::bind(addr)
+        .with_context(|| format!("binding the host TCP address {addr} (host_addr of SP {sp})"))?;
+    deep_backlog(&l).context("setting the host TCP listener's backlog")?;
+    Ok(l)
 }
 
 /// This machine's host name.

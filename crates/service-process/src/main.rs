@@ -10,7 +10,6 @@ use service_process::cpus::{make_realtime, pin_to, CpuList};
 use service_process::launch::{self, LaunchOpts};
 use service_process::mesh::connect_mesh;
 use service_process::server::{ServeConfig, Server, UcxMode};
-use std::os::fd::FromRawFd;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -392,18 +391,6 @@ fn parse_mode(s: &str) -> Result<u32, String> {
     }
 }
 
-fn check_listener_fd(fd: i32) -> Result<()> {
-    // SAFETY: fstat only writes into `st`; an invalid fd is reported as an error.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    if unsafe { libc::fstat(fd, &mut st) } != 0 {
-        anyhow::bail!("--listen-fd {fd} is not an open file descriptor");
-    }
-    if st.st_mode & libc::S_IFMT != libc::S_IFSOCK {
-        anyhow::bail!("--listen-fd {fd} is not a socket");
-    }
-    Ok(())
-}
-
 fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("SPOFF_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
@@ -543,24 +530,7 @@ fn run(cli: Cli) -> Result<i32> {
                     std::env::set_var("UCX_TCP_PORT_RANGE", r.to_string());
                 }
             }
-            let listener = match listen_fd {
-                Some(fd) => {
-                    check_listener_fd(fd)?;
-                    // SAFETY: the launcher passes a bound TCP listener under this number, which
-                    // nothing else in this process owns (checked to be a socket just above).
-                    unsafe { std::net::TcpListener::from_raw_fd(fd) }
-                }
-                None => std::net::TcpListener::bind(entry.peer_addr).map_err(|e| {
-                    anyhow::anyhow!(service_process::deploy::bind_error(
-                        &cluster,
-                        sp_id,
-                        entry.peer_addr,
-                        &e
-                    ))
-                })?,
-            };
-            service_process::deploy::deep_backlog(&listener)
-                .context("setting the peer listener's backlog")?;
+            let listener = service_process::deploy::peer_listener(listen_fd, &cluster, sp_id)?;
             let backoff = Backoff {
                 deadline: Duration::from_secs(connect_timeout_secs),
                 ..Backoff::default()
@@ -569,14 +539,7 @@ fn run(cli: Cli) -> Result<i32> {
             service_process::deploy::prepare_socket_dir(&entry.host_socket, socket_mode)?;
             // Bound before the mesh so that a taken address fails at once; served once ready.
             let host_listener = match entry.host_addr {
-                Some(addr) => {
-                    let l = std::net::TcpListener::bind(addr).with_context(|| {
-                        format!("binding the host TCP address {addr} (host_addr of SP {sp_id})")
-                    })?;
-                    service_process::deploy::deep_backlog(&l)
-                        .context("setting the host TCP listener's backlog")?;
-                    Some(l)
-                }
+                Some(addr) => Some(service_process::deploy::host_listener(addr, sp_id)?),
                 None => None,
             };
             let mesh = connect_mesh(
