@@ -459,6 +459,37 @@ fn spawn_sps_on(
     Ok((path, sps))
 }
 
+/// A listener on a loopback port below the kernel's ephemeral range
+/// (`net.ipv4.ip_local_port_range`), tried at random in the 16 Ki ports under it (at least
+/// 1024), else on a port the kernel picks. An SP's address must stay its own while the SP is
+/// down (a restarted SP binds it again, as its peers know it): a port of the ephemeral range
+/// can be handed meanwhile to any process's `bind` to port 0 or outgoing connection (the UCX
+/// listeners and connections of every job on the machine are such), and then the SP cannot
+/// come back. Below the range, only another explicit bind of that port can take it.
+pub fn loopback_listener() -> std::io::Result<TcpListener> {
+    use std::hash::{BuildHasher, Hasher};
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32768)
+        .min(65536);
+    let first = low.saturating_sub(16384).max(1024);
+    if first < low {
+        let span = low - first;
+        // Random per call (std's hasher keys are), so two launchers rarely try the same ports.
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u32(std::process::id());
+        let start = h.finish();
+        for i in 0..64u64 {
+            let port = first + ((start.wrapping_add(i.wrapping_mul(7919))) % span as u64) as u32;
+            if let Ok(l) = TcpListener::bind(("127.0.0.1", port as u16)) {
+                return Ok(l);
+            }
+        }
+    }
+    TcpListener::bind("127.0.0.1:0")
+}
+
 /// Writes the description of the cluster `spec` asks for into `run_dir` (SP sockets in it,
 /// peer listeners bound on loopback) and its key (unless `run_dir` already has one); returns
 /// the description's path and the SPs' listeners, by SP id.
@@ -475,7 +506,7 @@ fn write_cluster_on(
 ) -> Result<(PathBuf, Vec<TcpListener>)> {
     let n_sps = spec.nodes * spec.sps_per_node;
     let listeners: Vec<TcpListener> = (0..n_sps)
-        .map(|_| TcpListener::bind("127.0.0.1:0"))
+        .map(|_| loopback_listener())
         .collect::<Result<_, _>>()
         .context("binding SP peer listeners on loopback")?;
     let entries = listeners
@@ -1035,6 +1066,27 @@ fn spin_wait_implied(opts: &LaunchOpts, world: u32) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sp_listeners_are_bound_below_the_ephemeral_range() {
+        let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap();
+        let low: u16 = range.split_whitespace().next().unwrap().parse().unwrap();
+        let held: Vec<TcpListener> = (0..16).map(|_| loopback_listener().unwrap()).collect();
+        let ports: std::collections::BTreeSet<u16> = held
+            .iter()
+            .map(|l| l.local_addr().unwrap().port())
+            .collect();
+        eprintln!("ephemeral from {low}; bound {ports:?}");
+        assert_eq!(ports.len(), held.len(), "two listeners on one port");
+        if low > 1024 + 64 {
+            for p in &ports {
+                assert!(
+                    (low.saturating_sub(16384).max(1024)..low).contains(p),
+                    "port {p} is not in the 16 Ki ports below the ephemeral range (from {low})"
+                );
+            }
+        }
+    }
 
     fn opts(args: &[&str]) -> LaunchOpts {
         #[derive(clap::Parser)]

@@ -40,12 +40,13 @@ fn respawn(set: &mut SpSet, sp: u32, extra: &[&str]) -> mpsc::Receiver<(u32, Str
     remap(rx, sp)
 }
 
-/// Binds a stopped SP's address again. The description's ports come from the range the kernel
-/// gives any bind to port 0, so while the SP was down another process may have been given
-/// its port (the UCX listeners of the SPs of the tests running alongside are such binds, as
-/// is the launcher of a test that starts its SPs then): `make test` once failed here with
-/// `AddrInUse`. Such a holder is named (`ss`) and waited for, up to 10 s (the tests beside
-/// this one end within that); past it the test fails, saying so.
+/// Binds a stopped SP's address again. `make test` once failed here with `AddrInUse`: the
+/// launcher then took the description's ports from the kernel's ephemeral range, where any
+/// bind to port 0 or outgoing connection of the tests running alongside (their SPs' UCX
+/// listeners and connections) could be given the port while the SP was down. The launcher
+/// now binds below that range (`launch::loopback_listener`), where only another explicit bind
+/// of the same port can take it. Should that happen, the holder is named (`ss`) and waited
+/// for, up to 10 s; past it the test fails, saying so.
 fn bind_again(addr: std::net::SocketAddr) -> std::net::TcpListener {
     let t = Instant::now();
     let mut said = false;

@@ -27,14 +27,6 @@ pub struct TcpSps {
     listeners: Vec<Option<TcpListener>>,
 }
 
-/// A loopback port free right now (bound and released: the SP binds it moments later).
-pub fn free_port() -> SocketAddr {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-}
-
 impl TcpSps {
     /// Writes the description of `nodes` x `k` SPs (block layout, `ranks_per_node`), each with
     /// a host TCP address on loopback, and its key; starts nothing.
@@ -57,7 +49,7 @@ impl TcpSps {
         let held: Vec<TcpListener> = cluster
             .sps
             .iter()
-            .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+            .map(|_| launch::loopback_listener().unwrap())
             .collect();
         for (e, l) in cluster.sps.iter_mut().zip(&held) {
             e.host_addr = Some(l.local_addr().unwrap());
