@@ -3,7 +3,7 @@
 //!
 //! `cargo run --release -p algorithms --example canary_figures -- [--fig 7a|8|9|10a]
 //!  [--placements 5] [--seed S] [--points a,b,c] [--leaves 32] [--algos ring,st1,st4,canary]
-//!  [--window blocks] [--timeout ns] [--buffer bytes] [--unicast adaptive|static] [--out-buf bytes]`
+//!  [--window blocks] [--timeout ns] [--buffer bytes] [--unicast adaptive|static] [--out-buf bytes] [--hol on|off]`
 
 use std::time::Instant;
 
@@ -22,6 +22,7 @@ struct Args {
     buffer: Option<u64>,
     bg_static: bool,
     out_buf: Option<u64>,
+    hol: bool,
 }
 
 fn args() -> Args {
@@ -37,6 +38,7 @@ fn args() -> Args {
         buffer: None,
         bg_static: false,
         out_buf: None,
+        hol: false,
     };
     let v: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -52,6 +54,13 @@ fn args() -> Args {
             "--timeout" => a.timeout = Some(val.parse().expect("--timeout ns")),
             "--buffer" => a.buffer = Some(val.parse().expect("--buffer bytes")),
             "--out-buf" => a.out_buf = Some(val.parse().expect("--out-buf bytes")),
+            "--hol" => {
+                a.hol = match val.as_str() {
+                    "on" => true,
+                    "off" => false,
+                    _ => panic!("--hol on|off"),
+                }
+            }
             "--algos" => a.algos = Some(val.split(',').map(String::from).collect()),
             "--unicast" => {
                 a.bg_static = match val.as_str() {
@@ -169,8 +178,9 @@ fn main() {
     net.buffer = a.buffer.unwrap_or(net.buffer);
     net.unicast_adaptive = !a.bg_static;
     net.out_buf = a.out_buf;
+    net.hol = a.hol;
     println!(
-        "# fig {} | {} leaves x {} hosts, {} spines, {} Gb/s, {} ns/hop, {} KiB credits/link, canary window {} ns, background/ring up-ports {}, up-port rule reads {} | placements {} seed {}",
+        "# fig {} | {} leaves x {} hosts, {} spines, {} Gb/s, {} ns/hop, {} KiB credits/link, canary window {} ns, background/ring up-ports {}, up-port rule reads {}, {} | placements {} seed {}",
         a.fig,
         net.leaves,
         net.hosts_per_leaf,
@@ -183,6 +193,11 @@ fn main() {
         match net.out_buf {
             Some(b) => format!("queues capped at a {b}-byte output buffer"),
             None => "whole queues".into(),
+        },
+        if net.hol {
+            "input FIFOs with head-of-line blocking"
+        } else {
+            "routed on arrival"
         },
         a.placements,
         a.seed
@@ -247,7 +262,7 @@ fn main() {
         let mut medians = Vec::new();
         for &algo in &algos {
             let mut vals = Vec::new();
-            let (mut restarts, mut coll, mut failed_jobs) = (0, 0, 0);
+            let (mut restarts, mut coll, mut failed_jobs, mut hol) = (0, 0, 0, (0, 0));
             for p in 0..a.placements {
                 let sc = scenario(
                     &net,
@@ -261,6 +276,7 @@ fn main() {
                 let r = one(&sc, &mut speed);
                 restarts += r.hosts.restarts;
                 coll += r.switches.collisions;
+                hol = (hol.0 + r.hol_waits, hol.1 + r.hol_held);
                 // A job whose members failed (each with an error, never a wrong block: `one`
                 // checked) counts in the failed column, not in the goodput.
                 failed_jobs += r.jobs.iter().filter(|j| !j.failed.is_empty()).count();
@@ -274,7 +290,15 @@ fn main() {
             }
             let (lo, med, hi) = stats(vals);
             medians.push((algo, med));
-            println!("{label} | {algo} | {lo:.1} / {med:.1} / {hi:.1} | {restarts}, {coll}, {failed_jobs}");
+            let hol = if net.hol {
+                format!(
+                    " | head-of-line waits {}, of which held back a packet that could move {}",
+                    hol.0, hol.1
+                )
+            } else {
+                String::new()
+            };
+            println!("{label} | {algo} | {lo:.1} / {med:.1} / {hi:.1} | {restarts}, {coll}, {failed_jobs}{hol}");
             if std::env::var("CANARY_STATS").is_ok() {
                 let sc = scenario(
                     &net,

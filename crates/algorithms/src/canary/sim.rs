@@ -38,7 +38,11 @@
 //!   themselves (merlin has output buffers too, and input FIFOs with head-of-line blocking;
 //!   here a packet waits in its output queue, holding its input link's credit). The
 //!   occupancy the up-port choice reads (the "50 % of capacity") is the output queue's
-//!   bytes against `buffer`.
+//!   bytes against `buffer`. Two options bring the model closer to merlin's routers:
+//!   `out_buf` (the rule reads queues capped at an output buffer) and `hol` (input FIFOs:
+//!   a unicast packet waits at the head of its input until its output queue has room, and
+//!   holds back what is behind it). Both are off by default; docs/BENCHMARKS.md N says what
+//!   each changed.
 //! - Hosts compute in zero time and the ring has no per-step set-up cost, so the ring's
 //!   small-message runtime is latency only (the paper's ring pays a setup per phase).
 //! - A switch aggregates at line rate in zero time; one hop costs serialisation plus
@@ -132,6 +136,14 @@ pub struct NetConfig {
     /// input buffers, which the rule does not see). `None` (the default): the whole queue,
     /// against `buffer`.
     pub out_buf: Option<u64>,
+    /// Input FIFOs with head-of-line blocking (SST merlin's routers): a switch takes the
+    /// packets of each input link in order, and a unicast (background, ring) packet at the
+    /// head of its input moves to its output queue only while that queue holds fewer bytes
+    /// than the output buffer (`out_buf`, else `buffer`); until then it holds back everything
+    /// behind it on that link, whatever their outputs. The switch machine's packets are taken
+    /// when they reach the head, their outputs queued at once. `false` (the default): every
+    /// packet is routed on arrival to its output queue (no head-of-line blocking).
+    pub hol: bool,
     /// Simulated time after which the run is declared hung.
     pub max_time: Nanos,
 }
@@ -158,6 +170,7 @@ impl Default for NetConfig {
             bg_msg: 64 * 1024,
             unicast_adaptive: true,
             out_buf: None,
+            hol: false,
             max_time: 1_000_000_000,
         }
     }
@@ -217,6 +230,11 @@ pub struct Report {
     /// Bytes sent per link direction, summed (for a mean utilisation).
     pub link_bytes: u64,
     pub links: usize,
+    /// [`NetConfig::hol`]: times a head of an input FIFO had to wait for room in its output,
+    /// and of those, times the packet right behind it was held back though it could have
+    /// moved (its output had room, or it was the switch machine's).
+    pub hol_waits: u64,
+    pub hol_held: u64,
 }
 
 impl Report {
@@ -321,6 +339,12 @@ struct RingHost {
 
 struct Node {
     ports: Vec<PortQ>,
+    /// Input FIFOs by port ([`NetConfig::hol`]; switches only): packets not yet taken.
+    inq: Vec<VecDeque<QItem>>,
+    /// Per input port: its head waits for room in an output queue.
+    blocked: Vec<bool>,
+    /// Per output port: the input ports whose heads wait for room in it.
+    waiters: Vec<Vec<u16>>,
     loads: Vec<PortLoad>,
     switch: Option<Box<Switch>>,
     role: Role,
@@ -424,6 +448,10 @@ struct Sim {
     perms: Vec<Vec<u32>>,
     /// Check the buffer accounting after every event ([`Sim::audit_buffers`]; tests).
     audit: bool,
+    /// Input ports whose heads may move now (room came in the output they wait for).
+    wake: Vec<(u32, u16)>,
+    hol_waits: u64,
+    hol_held: u64,
 }
 
 /// Run one scenario to the end (every member finished) or to `max_time`.
@@ -470,6 +498,9 @@ impl Sim {
         for h in 0..nh {
             let leaf = (nh + h / hpl) as u32;
             nodes.push(Node {
+                inq: vec![],
+                blocked: vec![],
+                waiters: vec![],
                 ports: vec![port((leaf, (h % hpl) as u16), false)],
                 loads: vec![],
                 switch: None,
@@ -529,6 +560,9 @@ impl Sim {
                 trees: tr,
             });
             nodes.push(Node {
+                inq: vec![],
+                blocked: vec![],
+                waiters: vec![],
                 loads: vec![load; ports.len()],
                 ports,
                 switch: Some(Box::new(sw)),
@@ -568,6 +602,9 @@ impl Sim {
                 trees: tr,
             });
             nodes.push(Node {
+                inq: vec![],
+                blocked: vec![],
+                waiters: vec![],
                 loads: vec![load; ports.len()],
                 ports,
                 switch: Some(Box::new(sw)),
@@ -644,7 +681,16 @@ impl Sim {
                 left: 0,
             };
         }
+        for n in nodes.iter_mut().filter(|n| n.switch.is_some()) {
+            let k = n.ports.len();
+            n.inq = (0..k).map(|_| VecDeque::new()).collect();
+            n.blocked = vec![false; k];
+            n.waiters = vec![vec![]; k];
+        }
         Sim {
+            wake: vec![],
+            hol_waits: 0,
+            hol_held: 0,
             reports: vec![JobReport::default(); sc.jobs.len()],
             finished: vec![0; sc.jobs.len()],
             net,
@@ -743,8 +789,17 @@ impl Sim {
             q.credit_used += it.wire;
         }
         let peer = q.peer;
+        let room = q.bytes < self.net.out_buf.unwrap_or(buffer);
         if let Some(l) = n.loads.get_mut(port as usize) {
             l.queued = sensed(q.bytes, self.net.out_buf);
+        }
+        if room {
+            if let Some(w) = n.waiters.get_mut(port as usize) {
+                for ip in w.drain(..) {
+                    n.blocked[ip as usize] = false;
+                    self.wake.push((node, ip));
+                }
+            }
         }
         let ser = self.ser(it.wire);
         let now = self.now;
@@ -825,6 +880,9 @@ impl Sim {
                 Ev::Kill => self.kill(),
                 Ev::Forge => self.forge(),
             }
+            while let Some((node, port)) = self.wake.pop() {
+                self.advance(node, port);
+            }
             if self.audit {
                 self.audit_buffers();
             }
@@ -838,6 +896,39 @@ impl Sim {
     /// aggregates its timers flush (they come from descriptor memory, not from a buffer).
     fn audit_buffers(&self) {
         let mut held: HashMap<(u32, u16), u64> = HashMap::new();
+        let cap = self.net.out_buf.unwrap_or(self.net.buffer);
+        for (i, n) in self.nodes.iter().enumerate() {
+            // Every input FIFO that holds packets waits, at its head, for an output that is
+            // full and knows it waits (so a wake-up cannot be lost).
+            for (p, q) in n.inq.iter().enumerate() {
+                let Some(head) = q.front() else { continue };
+                let p = p as u16;
+                assert!(
+                    n.alive || q.is_empty(),
+                    "node {i}: a dead switch holds packets"
+                );
+                assert!(
+                    head.pkt.dst().is_some() && n.blocked[p as usize],
+                    "node {i} input {p}: its head could move and did not"
+                );
+                let w = n.waiters.iter().position(|w| w.contains(&p));
+                let w = w.unwrap_or_else(|| {
+                    panic!("node {i} input {p}: blocked, waiting for no output")
+                });
+                assert!(
+                    n.ports[w].bytes >= cap,
+                    "node {i} input {p}: waits for output {w}, which has room"
+                );
+            }
+        }
+        for n in &self.nodes {
+            for it in n.inq.iter().flatten() {
+                let (cn, cp, b) = it
+                    .credit
+                    .expect("a packet in an input FIFO holds its buffer");
+                *held.entry((cn, cp)).or_default() += b;
+            }
+        }
         for (i, n) in self.nodes.iter().enumerate() {
             for q in &n.ports {
                 for it in &q.q {
@@ -975,7 +1066,11 @@ impl Sim {
         let node = self.spine_node(s);
         self.nodes[node as usize].alive = false;
         for p in 0..self.nodes[node as usize].ports.len() {
-            let items: Vec<QItem> = self.nodes[node as usize].ports[p].q.drain(..).collect();
+            let n = &mut self.nodes[node as usize];
+            let mut items: Vec<QItem> = n.ports[p].q.drain(..).collect();
+            if let Some(q) = n.inq.get_mut(p) {
+                items.extend(q.drain(..));
+            }
             self.nodes[node as usize].ports[p].bytes = 0;
             self.nodes[node as usize].ports[p].prio = 0;
             for it in items {
@@ -1056,40 +1151,104 @@ impl Sim {
             }
         }
         if self.nodes[node as usize].switch.is_some() {
-            match pkt {
-                Pkt::Canary(p) => {
-                    let now = self.now;
-                    let n = &mut self.nodes[node as usize];
-                    let out = n.switch.as_mut().unwrap().on_packet(now, port, p, &n.loads);
-                    // A packet absorbed into a descriptor frees its input buffer at once; one
-                    // that makes the switch send (a straggler, a unicast, the aggregate it
-                    // completed, the copies of a broadcast) holds it until what it caused has
-                    // left, shared among the copies, like any other packet (finite buffers).
-                    if out.is_empty() {
-                        self.release(credit);
-                    }
-                    let k = out.len() as u64;
-                    for (i, (op, p)) in out.into_iter().enumerate() {
-                        let i = i as u64;
-                        let share = wire / k.max(1) + if i + 1 == k { wire % k.max(1) } else { 0 };
-                        self.enqueue(node, op, Pkt::Canary(p), Some((from.0, from.1, share)));
-                    }
-                    self.schedule_timer(node);
-                }
-                other => {
-                    let dst = other.dst().unwrap();
-                    match self.route(node, dst) {
-                        Some(op) => self.enqueue(node, op, other, credit),
-                        None => {
-                            self.dropped += 1;
-                            self.release(credit);
-                        }
-                    }
-                }
+            if self.net.hol {
+                self.nodes[node as usize].inq[port as usize].push_back(QItem { pkt, wire, credit });
+                self.advance(node, port);
+                return;
             }
+            self.take(node, port, pkt, wire, from, credit);
             return;
         }
         // a host
+        self.host_in(node, pkt);
+    }
+
+    /// Moves the packets at the head of input `port` of switch `node` on ([`NetConfig::hol`])
+    /// until one must wait for room in its output queue.
+    fn advance(&mut self, node: u32, port: u16) {
+        let cap = self.net.out_buf.unwrap_or(self.net.buffer);
+        loop {
+            let n = &self.nodes[node as usize];
+            if !n.alive || n.blocked[port as usize] {
+                return;
+            }
+            let Some(head) = n.inq[port as usize].front() else {
+                return;
+            };
+            if let Some(dst) = head.pkt.dst() {
+                if let Some(op) = self.route(node, dst) {
+                    let n = &mut self.nodes[node as usize];
+                    if n.ports[op as usize].bytes >= cap {
+                        n.blocked[port as usize] = true;
+                        n.waiters[op as usize].push(port);
+                        self.hol_waits += 1;
+                        let next = self.nodes[node as usize].inq[port as usize].get(1);
+                        let next_dst = next.map(|it| it.pkt.dst());
+                        let held = match next_dst {
+                            None => false,
+                            Some(None) => true,
+                            Some(Some(d)) => self.route(node, d).is_some_and(|o| {
+                                self.nodes[node as usize].ports[o as usize].bytes < cap
+                            }),
+                        };
+                        self.hol_held += held as u64;
+                        return;
+                    }
+                }
+            }
+            let it = self.nodes[node as usize].inq[port as usize]
+                .pop_front()
+                .unwrap();
+            let from = self.nodes[node as usize].ports[port as usize].peer;
+            self.take(node, port, it.pkt, it.wire, from, it.credit);
+        }
+    }
+
+    /// Switch `node` takes `pkt`, which came in on `port` from `from`, holding `credit`: the
+    /// switch machine's packets go through it, the others are routed.
+    fn take(
+        &mut self,
+        node: u32,
+        port: u16,
+        pkt: Pkt,
+        wire: u64,
+        from: (u32, u16),
+        credit: Option<(u32, u16, u64)>,
+    ) {
+        match pkt {
+            Pkt::Canary(p) => {
+                let now = self.now;
+                let n = &mut self.nodes[node as usize];
+                let out = n.switch.as_mut().unwrap().on_packet(now, port, p, &n.loads);
+                // A packet absorbed into a descriptor frees its input buffer at once; one
+                // that makes the switch send (a straggler, a unicast, the aggregate it
+                // completed, the copies of a broadcast) holds it until what it caused has
+                // left, shared among the copies, like any other packet (finite buffers).
+                if out.is_empty() {
+                    self.release(credit);
+                }
+                let k = out.len() as u64;
+                for (i, (op, p)) in out.into_iter().enumerate() {
+                    let i = i as u64;
+                    let share = wire / k.max(1) + if i + 1 == k { wire % k.max(1) } else { 0 };
+                    self.enqueue(node, op, Pkt::Canary(p), Some((from.0, from.1, share)));
+                }
+                self.schedule_timer(node);
+            }
+            other => {
+                let dst = other.dst().unwrap();
+                match self.route(node, dst) {
+                    Some(op) => self.enqueue(node, op, other, credit),
+                    None => {
+                        self.dropped += 1;
+                        self.release(credit);
+                    }
+                }
+            }
+        }
+    }
+
+    fn host_in(&mut self, node: u32, pkt: Pkt) {
         match pkt {
             Pkt::Canary(p) => {
                 let now = self.now;
@@ -1320,6 +1479,8 @@ impl Sim {
             end: self.now,
             hung,
             dropped: self.dropped,
+            hol_waits: self.hol_waits,
+            hol_held: self.hol_held,
             ..Report::default()
         };
         for n in &self.nodes {
@@ -1486,6 +1647,53 @@ mod tests {
                 sim.run();
                 let r = sim.report();
                 assert!(r.all_ok(), "{:?}", r.jobs[0]);
+            }
+        }
+    }
+
+    /// With input FIFOs (`hol`), a switch takes each input link's packets in order: under
+    /// background traffic, heads wait for full outputs and hold back packets behind them
+    /// whose own outputs have room (counted), every waiting head waits for an output that
+    /// is full and knows it (the audit after every event), the buffers stay exact, and every
+    /// design still ends right. Without `hol` nothing waits at an input.
+    #[test]
+    fn input_fifos_hold_back_what_is_behind_a_waiting_head() {
+        for seed in 1..4u64 {
+            for algo in [Algo::Ring, Algo::StaticTrees(1), Algo::Canary] {
+                let mut rng = Rng::new(seed);
+                let mut n = net(4, 4);
+                n.buffer = 8192 + rng.below(8192);
+                n.out_buf = Some(2048 + rng.below(4096));
+                let mut hosts: Vec<u32> = (0..n.hosts() as u32).collect();
+                rng.shuffle(&mut hosts);
+                let run = |hol: bool| {
+                    let mut n = n.clone();
+                    n.hol = hol;
+                    let sc = Scenario {
+                        net: n,
+                        algo,
+                        jobs: vec![Job {
+                            members: hosts[..6].to_vec(),
+                            len: 64 * 1024,
+                        }],
+                        background: hosts[6..].to_vec(),
+                        faults: Faults::default(),
+                        seed,
+                    };
+                    let mut sim = Sim::build(&sc);
+                    sim.audit = true;
+                    sim.run();
+                    let r = sim.report();
+                    assert!(r.all_ok(), "seed {seed} {algo} hol {hol}: {:?}", r.jobs[0]);
+                    r
+                };
+                let (with, without) = (run(true), run(false));
+                println!(
+                    "seed {seed} {algo}: {} waits, {} held back; runtime {} ns with, {} without",
+                    with.hol_waits, with.hol_held, with.jobs[0].runtime, without.jobs[0].runtime
+                );
+                assert!(with.hol_held > 0 && with.hol_waits >= with.hol_held);
+                assert_eq!((without.hol_waits, without.hol_held), (0, 0));
             }
         }
     }
