@@ -27,6 +27,104 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+/// Parts of a split copy start at multiples of this many bytes from the copy's start, so that
+/// each part's two ends keep the alignment of the whole copy's (a page).
+pub const SPLIT_ALIGN: u64 = 64 * 1024;
+
+/// Large copies split into parts, one per datapath thread at most, so that the threads copy
+/// one collective's large block side by side (the "large copies split across movers";
+/// on a DPU, the SP's cores). The parts are ordinary jobs with tickets of their own; their
+/// completions are joined back into one for the whole copy, which fails if any part failed
+/// (with the first error seen). The engine sees one copy, counted once by its in-flight gate.
+pub struct Splits {
+    /// Smallest part (0: never split), and most parts (the datapath threads).
+    part_bytes: u64,
+    threads: usize,
+    /// Part ticket -> the whole copy's ticket.
+    part_of: std::collections::HashMap<u64, u64>,
+    /// Whole copy's ticket -> parts not done yet, and the first error of a part.
+    left: std::collections::HashMap<u64, (usize, Option<AccessError>)>,
+}
+
+impl Splits {
+    /// Copies of at least twice `part_bytes` (at least [`SPLIT_ALIGN`]) split over `threads`
+    /// threads (0: never split).
+    pub fn new(part_bytes: u64, threads: usize) -> Splits {
+        Splits {
+            part_bytes: if part_bytes == 0 {
+                0
+            } else {
+                part_bytes.max(SPLIT_ALIGN)
+            },
+            threads,
+            part_of: Default::default(),
+            left: Default::default(),
+        }
+    }
+
+    /// The jobs that perform `job`: itself, or, when it is at least twice the part size long
+    /// and there are at least 2 threads, up to one part per thread, none shorter than the part
+    /// size (each but the last a multiple of [`SPLIT_ALIGN`]), each with a ticket from
+    /// `ticket`.
+    pub fn split(&mut self, job: CopyJob, mut ticket: impl FnMut() -> u64) -> Vec<CopyJob> {
+        let parts = job
+            .len
+            .checked_div(self.part_bytes)
+            .map_or(1, |n| n.min(self.threads as u64));
+        if parts < 2 {
+            return vec![job];
+        }
+        let each = job.len.div_ceil(parts).next_multiple_of(SPLIT_ALIGN);
+        let mut out = Vec::with_capacity(parts as usize);
+        let mut at = 0;
+        while at < job.len {
+            let len = each.min(job.len - at);
+            let t = ticket();
+            self.part_of.insert(t, job.ticket);
+            out.push(CopyJob {
+                ticket: t,
+                src: job.src.clone(),
+                src_offset: job.src_offset + at,
+                dst: job.dst.clone(),
+                dst_offset: job.dst_offset + at,
+                len,
+            });
+            at += len;
+        }
+        self.left.insert(job.ticket, (out.len(), None));
+        out
+    }
+
+    /// A datapath completion: a whole copy's (unsplit, or its last part), or `None` for a part
+    /// while others of its copy are still running.
+    pub fn join(&mut self, done: CopyDone) -> Option<CopyDone> {
+        let Some(whole) = self.part_of.remove(&done.ticket) else {
+            return Some(done);
+        };
+        let entry = self
+            .left
+            .get_mut(&whole)
+            .expect("a split copy's parts are counted");
+        entry.0 -= 1;
+        if let Err(e) = done.result {
+            entry.1.get_or_insert(e);
+        }
+        if entry.0 > 0 {
+            return None;
+        }
+        let (_, err) = self.left.remove(&whole).expect("just seen");
+        Some(CopyDone {
+            ticket: whole,
+            result: err.map_or(Ok(()), Err),
+        })
+    }
+
+    /// Split copies with parts still running.
+    pub fn in_flight(&self) -> usize {
+        self.left.len()
+    }
+}
+
 /// Processes whose UCX endpoints every worker closes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Closing {
@@ -267,6 +365,143 @@ impl Drop for Datapath {
             if w.is_finished() {
                 let _ = w.join();
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use alias_mkey::{BackendData, Grant, Rights};
+
+    fn key() -> AliasKey {
+        AliasKey {
+            owner: Owner {
+                job: 1,
+                world_rank: 0,
+                pid: 1,
+                start: 1,
+                uid: 0,
+                gid: 0,
+            },
+            grant: Grant {
+                region: 1,
+                generation: 0,
+                addr: 0x10000,
+                len: 1 << 30,
+                rights: Rights::READ,
+                backend: BackendData::Cma,
+            },
+        }
+    }
+
+    fn job(ticket: u64, src_offset: u64, dst_offset: u64, len: u64) -> CopyJob {
+        CopyJob {
+            ticket,
+            src: key(),
+            src_offset,
+            dst: key(),
+            dst_offset,
+            len,
+        }
+    }
+
+    /// Random lengths, part sizes and thread counts (seed printed): the parts cover the copy
+    /// exactly once, in order, each end shifted alike; there are at most `threads` of them,
+    /// each but the last a multiple of the alignment and none shorter than asked unless
+    /// the copy is not split; completions in any order give exactly one whole completion,
+    /// after the last part, failed if any part failed.
+    #[test]
+    fn a_split_copy_is_covered_once_and_completes_once() {
+        let seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos() as u64;
+        println!("seed {seed}");
+        let mut x = seed | 1;
+        let mut rnd = |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n.max(1)
+        };
+        let mut next = 1000u64;
+        for round in 0..500 {
+            let len = match rnd(3) {
+                0 => rnd(1 << 16),
+                1 => rnd(1 << 21),
+                _ => rnd(1 << 24),
+            };
+            let asked = [0, 4096, 65536, 256 << 10, 1 << 20][rnd(5) as usize];
+            let part = if asked == 0 {
+                0
+            } else {
+                asked.max(SPLIT_ALIGN)
+            };
+            let threads = 1 + rnd(8) as usize;
+            let (so, doff) = (rnd(1 << 20), rnd(1 << 20));
+            let mut splits = Splits::new(asked, threads);
+            let parts = splits.split(job(round, so, doff, len), || {
+                next += 1;
+                next
+            });
+            let whole = parts.len() == 1 && parts[0].ticket == round;
+            assert!(parts.len() <= threads.max(1), "{len} {part} {threads}");
+            let mut at = 0;
+            for (i, p) in parts.iter().enumerate() {
+                assert_eq!(p.src_offset, so + at);
+                assert_eq!(p.dst_offset, doff + at);
+                if !whole {
+                    assert!(
+                        p.len >= part || i + 1 == parts.len(),
+                        "part {i} of {len}: {}",
+                        p.len
+                    );
+                    if i + 1 < parts.len() {
+                        assert_eq!(p.len % SPLIT_ALIGN, 0);
+                    }
+                }
+                at += p.len;
+            }
+            assert_eq!(at, len, "the parts cover the copy");
+            if part > 0 && threads >= 2 && len >= 2 * part {
+                assert!(
+                    !whole,
+                    "{len} bytes, parts of {part}, {threads} threads: not split"
+                );
+            }
+            // Completions in a random order, one of them maybe failed.
+            let fail = rnd(3) == 0;
+            let mut done: Vec<CopyDone> = parts
+                .iter()
+                .enumerate()
+                .map(|(i, p)| CopyDone {
+                    ticket: p.ticket,
+                    result: if fail && i == 0 {
+                        Err(AccessError::Unsupported("test"))
+                    } else {
+                        Ok(())
+                    },
+                })
+                .collect();
+            for i in (1..done.len()).rev() {
+                done.swap(i, rnd(i as u64 + 1) as usize);
+            }
+            let n = done.len();
+            let mut got = Vec::new();
+            for (i, d) in done.into_iter().enumerate() {
+                let out = splits.join(d);
+                assert_eq!(
+                    out.is_some(),
+                    i + 1 == n,
+                    "a whole completion only after the last part"
+                );
+                got.extend(out);
+            }
+            assert_eq!(got.len(), 1);
+            assert_eq!(got[0].ticket, round);
+            assert_eq!(got[0].result.is_err(), fail);
+            assert_eq!(splits.in_flight(), 0);
         }
     }
 }

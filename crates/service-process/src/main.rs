@@ -116,6 +116,11 @@ enum Cmd {
         /// Datapath worker threads (default: --max-inflight-reads).
         #[arg(long)]
         datapath_threads: Option<usize>,
+        /// A copy that goes to the datapath threads and is at least twice this many bytes is
+        /// split into parts copied side by side, one per datapath thread at most, none shorter
+        /// than this (at least 65536; 0: never split).
+        #[arg(long, default_value_t = 256 * 1024)]
+        split_copy_bytes: u64,
         /// Staging buffer per datapath thread, in bytes.
         #[arg(long, default_value_t = 1 << 20)]
         chunk_bytes: usize,
@@ -447,6 +452,7 @@ fn run(cli: Cli) -> Result<i32> {
             listen_fd,
             max_inflight_reads,
             datapath_threads,
+            split_copy_bytes,
             chunk_bytes,
             inline_copy_bytes,
             ucx,
@@ -601,6 +607,7 @@ fn run(cli: Cli) -> Result<i32> {
                 hosts_same_kernel,
                 max_inflight_reads: max_inflight_reads.max(1),
                 datapath_threads: datapath_threads.unwrap_or(max_inflight_reads).max(1),
+                split_copy_bytes,
                 chunk_bytes,
                 inline_copy_bytes: if busy_poll && reserved.len() == 1 {
                     u64::MAX

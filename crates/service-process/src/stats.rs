@@ -30,6 +30,10 @@ pub struct Stats {
     /// Of `copies_inline`, those with both ends in this SP's own memory (its staging, its
     /// mapping of a rank's arena): a plain copy, no system call.
     pub copies_own: u64,
+    /// Datapath copies split into parts run side by side on the datapath threads
+    /// (`serve --split-copy-bytes`), and the parts they made.
+    pub copies_split: u64,
+    pub copy_parts: u64,
     /// Keys of a post's sides that this SP reached through its mapping of the rank's arena.
     pub arena_sides: u64,
     pub bytes_copied: u64,

@@ -27,6 +27,18 @@ fn run_random_ops_with(
     seed: u64,
     serve_args: &[&str],
 ) -> Vec<serde_json::Value> {
+    run_random_rounds(sps_per_node, layout_kind, seed, serve_args, 12, 300)
+}
+
+/// `rounds` randomized rounds of blocks up to `max` bytes; returns the SPs' counters.
+fn run_random_rounds(
+    sps_per_node: u32,
+    layout_kind: Layout,
+    seed: u64,
+    serve_args: &[&str],
+    rounds: u32,
+    max: u64,
+) -> Vec<serde_json::Value> {
     let (nodes, rpn) = (2u32, 2u32);
     let world = nodes * rpn;
     let mut set = SpSet::start_with(nodes, sps_per_node, rpn, layout_kind, serve_args);
@@ -34,7 +46,7 @@ fn run_random_ops_with(
     let mut hosts = Host::connect_all(&set, job, world);
     let mut rng = Rng(seed);
     let mut seqs = std::collections::HashMap::new();
-    for round in 0..12 {
+    for round in 0..rounds {
         // Two to three collectives outstanding at once, on world or a random sub-communicator.
         let outstanding = 2 + rng.below(2) as usize;
         let mut ops = vec![];
@@ -55,7 +67,7 @@ fn run_random_ops_with(
                 id: 1 + (members.len() as u32) * 100 + leader,
             };
             let seq = seqs.entry(comm).or_insert(0u64);
-            let op = make_op(&mut rng, comm, *seq, members, 300);
+            let op = make_op(&mut rng, comm, *seq, members, max);
             *seq += 1;
             ops.push((op, k as u32));
         }
@@ -99,6 +111,28 @@ fn alltoallv_every_copy_on_datapath_threads() {
     let started = sum(&stats, "copies_started");
     let inline = sum(&stats, "copies_inline");
     assert!(started > 0 && inline == 0, "{stats:?}");
+}
+
+/// Blocks up to 640 KiB through three datapath threads with parts of at least 64 KiB: large
+/// copies are split and run side by side (`copies_split`), and every byte still lands where
+/// the reference says, at random offsets and lengths that are not multiples of the part.
+#[test]
+fn large_copies_are_split_over_the_datapath_threads() {
+    let args = [
+        "--inline-copy-bytes",
+        "0",
+        "--datapath-threads",
+        "3",
+        "--split-copy-bytes",
+        "65536",
+    ];
+    let stats = run_random_rounds(1, Layout::Block, test_seed(), &args, 4, 640 << 10);
+    let (split, parts) = (sum(&stats, "copies_split"), sum(&stats, "copy_parts"));
+    assert!(split > 0, "no copy was split: {stats:?}");
+    assert!(
+        parts >= 2 * split && parts <= 3 * split,
+        "{parts} parts of {split} copies"
+    );
 }
 
 #[test]

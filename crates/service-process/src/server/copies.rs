@@ -303,8 +303,25 @@ impl Server {
                     ticket: job.ticket,
                     result,
                 });
-            } else {
+            } else if self.ucx_moves.contains_key(&job.ticket) {
+                // A put into a child SP's staging: one message follows it, left whole.
                 self.datapath.submit(job);
+            } else {
+                let whole = job.ticket;
+                let mut next = self.next_ticket;
+                let parts = self.splits.split(job, || {
+                    let t = next;
+                    next += 1;
+                    t
+                });
+                self.next_ticket = next;
+                if parts.len() > 1 || parts[0].ticket != whole {
+                    self.stats.copies_split += 1;
+                    self.stats.copy_parts += parts.len() as u64;
+                }
+                for p in parts {
+                    self.datapath.submit(p);
+                }
             }
         }
     }
@@ -314,7 +331,8 @@ impl Server {
     pub(super) fn on_copies_done(&mut self) {
         loop {
             let mut done = std::mem::take(&mut self.inline_done);
-            done.extend(self.datapath.drain());
+            let splits = &mut self.splits;
+            done.extend(self.datapath.drain().filter_map(|d| splits.join(d)));
             if done.is_empty() {
                 return;
             }

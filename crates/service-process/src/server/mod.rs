@@ -133,6 +133,9 @@ pub struct ServeConfig {
     pub hosts_same_kernel: bool,
     pub max_inflight_reads: usize,
     pub datapath_threads: usize,
+    /// Datapath copies of at least twice this many bytes are split into parts, one per
+    /// datapath thread at most, none shorter than this (0: never split).
+    pub split_copy_bytes: u64,
     pub chunk_bytes: usize,
     /// Copies up to this size run on the event-loop thread instead of a datapath thread: a
     /// handoff to a thread and back costs more than copying a few KiB.
@@ -337,6 +340,8 @@ pub struct Server {
     host_copies: HashMap<u64, HostCopy>,
     next_ticket: u64,
     datapath: Datapath,
+    /// Large datapath copies split into parts over the datapath threads.
+    splits: crate::datapath::Splits,
     /// Mover of the loop thread: mailbox writes and inline copies.
     mover: CmaMover,
     inline_copy_bytes: u64,
@@ -582,6 +587,7 @@ impl Server {
             host_copies: HashMap::new(),
             next_ticket: 0,
             datapath,
+            splits: crate::datapath::Splits::new(cfg.split_copy_bytes, cfg.datapath_threads),
             ucx,
             mover: CmaMover::new((cfg.inline_copy_bytes as usize).clamp(4096, 1 << 20)),
             inline_copy_bytes: cfg.inline_copy_bytes,
