@@ -118,9 +118,12 @@ enum Cmd {
         datapath_threads: Option<usize>,
         /// A copy that goes to the datapath threads and is at least twice this many bytes is
         /// split into parts copied side by side, one per datapath thread at most, none shorter
-        /// than this (at least 65536; 0: never split).
-        #[arg(long, default_value_t = 256 * 1024)]
-        split_copy_bytes: u64,
+        /// than this (at least 65536; 0: never split). Default: 262144 when the datapath
+        /// threads have at least two CPUs of the SP's own (--cpus of 2 or more; with
+        /// --busy-poll 3 or more, the first being the loop's), else 0: an SP that shares its
+        /// CPUs with the ranks would take more of them at once.
+        #[arg(long)]
+        split_copy_bytes: Option<u64>,
         /// Staging buffer per datapath thread, in bytes.
         #[arg(long, default_value_t = 1 << 20)]
         chunk_bytes: usize,
@@ -607,7 +610,14 @@ fn run(cli: Cli) -> Result<i32> {
                 hosts_same_kernel,
                 max_inflight_reads: max_inflight_reads.max(1),
                 datapath_threads: datapath_threads.unwrap_or(max_inflight_reads).max(1),
-                split_copy_bytes,
+                split_copy_bytes: split_copy_bytes.unwrap_or_else(|| {
+                    let movers_cpus = reserved.len().saturating_sub(busy_poll as usize);
+                    if movers_cpus >= 2 {
+                        256 * 1024
+                    } else {
+                        0
+                    }
+                }),
                 chunk_bytes,
                 inline_copy_bytes: if busy_poll && reserved.len() == 1 {
                     u64::MAX

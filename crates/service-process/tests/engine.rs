@@ -115,7 +115,8 @@ fn alltoallv_every_copy_on_datapath_threads() {
 
 /// Blocks up to 640 KiB through three datapath threads with parts of at least 64 KiB: large
 /// copies are split and run side by side (`copies_split`), and every byte still lands where
-/// the reference says, at random offsets and lengths that are not multiples of the part.
+/// the reference says, at random offsets and lengths that are not multiples of the part. By
+/// default an SP without CPUs of its own splits nothing.
 #[test]
 fn large_copies_are_split_over_the_datapath_threads() {
     let args = [
@@ -126,13 +127,19 @@ fn large_copies_are_split_over_the_datapath_threads() {
         "--split-copy-bytes",
         "65536",
     ];
-    let stats = run_random_rounds(1, Layout::Block, test_seed(), &args, 4, 640 << 10);
+    let seed = test_seed();
+    let stats = run_random_rounds(1, Layout::Block, seed, &args, 4, 640 << 10);
     let (split, parts) = (sum(&stats, "copies_split"), sum(&stats, "copy_parts"));
     assert!(split > 0, "no copy was split: {stats:?}");
     assert!(
         parts >= 2 * split && parts <= 3 * split,
         "{parts} parts of {split} copies"
     );
+    // Without --split-copy-bytes and without CPUs of its own (no --cpus), an SP does not split:
+    // it shares the CPUs with the ranks.
+    let stats = run_random_rounds(1, Layout::Block, seed, &args[..4], 2, 640 << 10);
+    assert!(sum(&stats, "copies_started") > 0);
+    assert_eq!(sum(&stats, "copies_split"), 0, "{stats:?}");
 }
 
 #[test]
