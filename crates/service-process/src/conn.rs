@@ -2,8 +2,9 @@
 //! and a write buffer on the way out.
 //!
 //! mio's readiness rules apply (see `server`): a readable event means "try", so `read_frames`
-//! reads until `WouldBlock`; `flush` writes until the buffer is empty or `WouldBlock`, and is
-//! called again on the next writable event.
+//! reads until `WouldBlock` (a read that did not fill the buffer is taken as the end, unless
+//! told to drain: see there); `flush` writes until the buffer is empty or `WouldBlock`,
+//! and is called again on the next writable event.
 
 use bootstrap::wire::{FrameDecoder, FrameError};
 use std::io::{self, Read, Write};
@@ -111,6 +112,10 @@ pub struct Conn<R> {
     pub fds_dropped: bool,
     /// The control-message buffer of a Unix connection's reads, made once.
     cmsg: Vec<u8>,
+    /// Reads made (the system calls), for the tests.
+    pub reads: u64,
+    /// The last read took descriptors (a Unix socket's receive ends at such a message).
+    fds_in_last: bool,
 }
 
 /// Descriptors a peer passed and the connection kept: closed off the loop when dropped.
@@ -139,12 +144,15 @@ impl<R> Conn<R> {
             fds_allowed: false,
             fds_dropped: false,
             cmsg: Vec::new(),
+            reads: 0,
+            fds_in_last: false,
         }
     }
 
     /// Reads bytes; on a Unix socket also takes the descriptors passed with them (a
     /// descriptor is never left to a plain `read`, which would drop it unseen).
     fn recv(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.reads += 1;
         let Stream::Unix(s) = &self.stream else {
             return self.stream.read(buf);
         };
@@ -163,6 +171,7 @@ impl<R> Conn<R> {
         .map_err(io::Error::from)?;
         let n = msg.bytes;
         let mut got: Vec<RawFd> = Vec::new();
+        self.fds_in_last = false;
         // With room for SCM_MAX_FD descriptors the kernel does not truncate rights; if it
         // ever did, nix refuses to list them, and the message is then an error (the
         // connection closes) rather than descriptors left unseen.
@@ -171,6 +180,7 @@ impl<R> Conn<R> {
                 got.extend(fds);
             }
         }
+        self.fds_in_last = !got.is_empty();
         for raw in got {
             // SAFETY: the kernel installed this descriptor in this process for us; nothing
             // else owns it.
@@ -227,8 +237,19 @@ impl<R> Conn<R> {
 
     /// Reads until `WouldBlock` or end of stream, handing every whole frame to `on_frame`.
     /// Stops early (with the error) on an oversized frame.
+    ///
+    /// Unless `drain`, a read that returns less than the buffer ends it: the socket had no
+    /// more (a stream receive takes all that is queued, up to the buffer), and whatever comes
+    /// after it raises a new edge-triggered event, so the read that would only say
+    /// `WouldBlock` (one system call per message received) is spared. Not after a read that
+    /// took descriptors: a Unix socket's receive stops at such a message, whatever follows it.
+    /// (Nor does it see past a Unix out-of-band mark, which only a host's own stray
+    /// `MSG_OOB` sets, delaying only that host's messages.) `drain` (the event said the peer
+    /// closed or the socket failed, or the caller reads without an event) reads on to
+    /// `WouldBlock` or the end of the stream.
     pub fn read_frames(
         &mut self,
+        drain: bool,
         mut on_frame: impl FnMut(Vec<u8>),
     ) -> Result<ReadEnd, FrameError> {
         let mut buf = [0u8; 64 * 1024];
@@ -244,6 +265,9 @@ impl<R> Conn<R> {
                     self.decoder.extend(&buf[..n]);
                     while let Some(f) = self.decoder.next_frame()? {
                         on_frame(f);
+                    }
+                    if !drain && n < buf.len() && !self.fds_in_last {
+                        return Ok(ReadEnd::Open);
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(ReadEnd::Open),
@@ -294,5 +318,113 @@ impl<R> Conn<R> {
 
     pub fn pending_out(&self) -> usize {
         self.out.len() - self.out_pos
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    fn frame(n: usize) -> Vec<u8> {
+        let mut f = (n as u32).to_le_bytes().to_vec();
+        f.extend((0..n).map(|i| i as u8));
+        f
+    }
+
+    /// Reads until `want` frames came (a loopback send can land in pieces), or 5 s.
+    fn read_all(c: &mut Conn<()>, drain: bool, want: usize) -> (Vec<Vec<u8>>, ReadEnd) {
+        let t = Instant::now();
+        let mut got = Vec::new();
+        loop {
+            let end = c.read_frames(drain, |f| got.push(f)).unwrap();
+            if got.len() >= want || end == ReadEnd::Closed || t.elapsed() > Duration::from_secs(5) {
+                return (got, end);
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    fn tcp_pair() -> (std::net::TcpStream, Conn<()>) {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let client = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (server, _) = l.accept().unwrap();
+        server.set_nonblocking(true).unwrap();
+        let conn = Conn::new(Stream::Tcp(mio::net::TcpStream::from_std(server)), (), 1);
+        (client, conn)
+    }
+
+    /// A read that does not fill the buffer ends `read_frames` (one read for what was queued,
+    /// no read that only says `WouldBlock`), on TCP and on a Unix socket, except after a read
+    /// that took a descriptor (the receive stopped at that message: what follows is read on);
+    /// and a peer that sent a frame and closed is seen closed when `drain` is asked, as the
+    /// event loop does when the event says the other side closed.
+    #[test]
+    fn a_short_read_ends_the_read_unless_told_to_drain_or_it_took_descriptors() {
+        let (mut client, mut conn) = tcp_pair();
+        let mut both = frame(100);
+        both.extend(frame(3000));
+        client.write_all(&both).unwrap();
+        let (got, end) = read_all(&mut conn, false, 2);
+        assert_eq!((got.len(), end), (2, ReadEnd::Open));
+        assert_eq!(got[1].len(), 3000);
+        // Every read returned data: none was made only to see `WouldBlock`.
+        let reads = conn.reads;
+        assert!(reads <= 2, "{reads} reads for two frames queued together");
+
+        // Drained: one more read, which says `WouldBlock`.
+        client.write_all(&frame(10)).unwrap();
+        let (got, _) = read_all(&mut conn, true, 1);
+        assert_eq!(got.len(), 1);
+        assert!(conn.reads >= reads + 2, "a drain reads to WouldBlock");
+
+        // A frame and the end of the stream: without drain the frame comes and the stream
+        // looks open (the end is for the next read); with drain the end is seen.
+        client.write_all(&frame(20)).unwrap();
+        drop(client);
+        std::thread::sleep(Duration::from_millis(50));
+        let mut got = Vec::new();
+        let end = conn.read_frames(false, |f| got.push(f)).unwrap();
+        assert_eq!((got.len(), end), (1, ReadEnd::Open));
+        let end = conn.read_frames(true, |f| got.push(f)).unwrap();
+        assert_eq!(end, ReadEnd::Closed);
+
+        // Unix: the same, except after a message that carried a descriptor, where the
+        // receive stopped whatever followed.
+        let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        b.set_nonblocking(true).unwrap();
+        let mut conn = Conn::new(Stream::Unix(mio::net::UnixStream::from_std(b)), (), 2);
+        conn.fds_allowed = true;
+        let (one, two) = (frame(100), frame(200));
+        let devnull = std::fs::File::open("/dev/null").unwrap();
+        nix::sys::socket::sendmsg::<()>(
+            a.as_raw_fd(),
+            &[io::IoSlice::new(&one)],
+            &[nix::sys::socket::ControlMessage::ScmRights(&[
+                devnull.as_raw_fd()
+            ])],
+            nix::sys::socket::MsgFlags::empty(),
+            None,
+        )
+        .unwrap();
+        (&a).write_all(&two).unwrap();
+        let mut got = Vec::new();
+        let end = conn.read_frames(false, |f| got.push(f)).unwrap();
+        assert_eq!(end, ReadEnd::Open);
+        assert_eq!(
+            got.len(),
+            2,
+            "the frame behind the descriptor's message is read too"
+        );
+        assert_eq!(conn.fds_in.0.len(), 1);
+        let reads = conn.reads;
+        (&a).write_all(&frame(10)).unwrap();
+        let (got, _) = read_all(&mut conn, false, 1);
+        assert_eq!(got.len(), 1);
+        assert_eq!(
+            conn.reads,
+            reads + 1,
+            "one read for a frame without descriptors"
+        );
     }
 }

@@ -732,7 +732,7 @@ impl Server {
                     Token(t) => {
                         let key = t - CONN_BASE;
                         if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
-                            self.on_readable(key);
+                            self.on_readable(key, ev.is_read_closed() || ev.is_error());
                         }
                         if ev.is_writable() {
                             self.flush_conn(key);

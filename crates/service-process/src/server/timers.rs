@@ -147,7 +147,7 @@ impl Server {
             // held or descheduled (a loaded machine) finds the peer's heartbeats waiting in
             // its socket. Read them first.
             if let Some(k) = self.peer_conn.get(&sp).copied() {
-                self.on_readable(k);
+                self.on_readable(k, true);
                 self.close_doomed();
             }
             let Some(quiet) = self.last_heard.get(&sp).map(|t| t.elapsed()) else {

@@ -367,8 +367,10 @@ impl Server {
 
     /// Reads what connection `key` has sent. Before its hello, only the hello is read (at most
     /// [`wire::MAX_HELLO_FRAME_BYTES`], not a byte past it); once the hello made it a host,
-    /// what follows is read under a host's frame bound.
-    pub(super) fn on_readable(&mut self, key: usize) {
+    /// what follows is read under a host's frame bound. `drain`: read to `WouldBlock` even on
+    /// TCP (see `Conn::read_frames`): the event said the other side closed or the socket
+    /// failed, or no event says what there is to read.
+    pub(super) fn on_readable(&mut self, key: usize, drain: bool) {
         loop {
             let Some(conn) = self.conns.get_mut(key) else {
                 return;
@@ -378,7 +380,7 @@ impl Server {
             let end = if before_hello {
                 conn.read_one_frame(|f| frames.push(f))
             } else {
-                conn.read_frames(|f| frames.push(f))
+                conn.read_frames(drain, |f| frames.push(f))
             };
             self.read_at_ns = bootstrap::stamps::now_ns();
             let got_hello = before_hello && !frames.is_empty();
