@@ -116,7 +116,11 @@ fn mpirun_ucx_listeners_of_ranks_and_sps_stay_in_the_described_range() {
         .flatten()
         .collect();
     let first = loop {
-        let f = 20_000 + rng.below(10_000) as u16;
+        // Below the ports the launchers of the tests alongside bind SPs on
+        // (`launch::loopback_listener`: the 16 Ki ports under the ephemeral range, from 16384
+        // with Linux's default range), so that this job's UCX listeners cannot take the
+        // port of an SP another test stopped and is about to start again.
+        let f = 10_000 + rng.below(6_000) as u16;
         if !own.iter().any(|p| (f..=f + 99).contains(p)) {
             break f;
         }

@@ -243,8 +243,8 @@ impl<R> Conn<R> {
     /// after it raises a new edge-triggered event, so the read that would only say
     /// `WouldBlock` (one system call per message received) is spared. Not after a read that
     /// took descriptors: a Unix socket's receive stops at such a message, whatever follows it.
-    /// (Nor does it see past a Unix out-of-band mark, which only a host's own stray
-    /// `MSG_OOB` sets, delaying only that host's messages.) `drain` (the event said the peer
+    /// (Nor does it see past out-of-band data, a Unix socket's mark or TCP's urgent byte:
+    /// only a host's own stray `MSG_OOB` sends them, and it delays only that host's messages.) `drain` (the event said the peer
     /// closed or the socket failed, or the caller reads without an event) reads on to
     /// `WouldBlock` or the end of the stream.
     pub fn read_frames(
@@ -382,12 +382,13 @@ mod tests {
         // looks open (the end is for the next read); with drain the end is seen.
         client.write_all(&frame(20)).unwrap();
         drop(client);
-        std::thread::sleep(Duration::from_millis(50));
-        let mut got = Vec::new();
-        let end = conn.read_frames(false, |f| got.push(f)).unwrap();
+        let (got, end) = read_all(&mut conn, false, 1);
         assert_eq!((got.len(), end), (1, ReadEnd::Open));
-        let end = conn.read_frames(true, |f| got.push(f)).unwrap();
-        assert_eq!(end, ReadEnd::Closed);
+        let t = Instant::now();
+        while conn.read_frames(true, |_| {}).unwrap() != ReadEnd::Closed {
+            assert!(t.elapsed() < Duration::from_secs(5), "the end never came");
+            std::thread::sleep(Duration::from_millis(1));
+        }
 
         // Unix: the same, except after a message that carried a descriptor, where the
         // receive stopped whatever followed.

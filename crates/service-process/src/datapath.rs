@@ -47,15 +47,11 @@ pub struct Splits {
 }
 
 impl Splits {
-    /// Copies of at least twice `part_bytes` (at least [`SPLIT_ALIGN`]) split over `threads`
-    /// threads (0: never split).
+    /// Copies of at least twice `part_bytes` (rounded up to a multiple of [`SPLIT_ALIGN`])
+    /// split in up to `threads` parts (0: never split).
     pub fn new(part_bytes: u64, threads: usize) -> Splits {
         Splits {
-            part_bytes: if part_bytes == 0 {
-                0
-            } else {
-                part_bytes.max(SPLIT_ALIGN)
-            },
+            part_bytes: part_bytes.next_multiple_of(SPLIT_ALIGN),
             threads,
             part_of: Default::default(),
             left: Default::default(),
@@ -63,9 +59,9 @@ impl Splits {
     }
 
     /// The jobs that perform `job`: itself, or, when it is at least twice the part size long
-    /// and there are at least 2 threads, up to one part per thread, none shorter than the part
-    /// size (each but the last a multiple of [`SPLIT_ALIGN`]), each with a ticket from
-    /// `ticket`.
+    /// and there are at least 2 threads, as many parts as fit, one per thread at most, none
+    /// shorter than the part size: each but the last the same multiple of [`SPLIT_ALIGN`],
+    /// the last the rest (the longest); each with a ticket from `ticket`.
     pub fn split(&mut self, job: CopyJob, mut ticket: impl FnMut() -> u64) -> Vec<CopyJob> {
         let parts = job
             .len
@@ -74,11 +70,13 @@ impl Splits {
         if parts < 2 {
             return vec![job];
         }
-        let each = job.len.div_ceil(parts).next_multiple_of(SPLIT_ALIGN);
+        // Rounded down: `len / parts` is at least the part size, itself a multiple of the
+        // alignment, so `each` is too, and the last part gets the rest.
+        let each = job.len / parts / SPLIT_ALIGN * SPLIT_ALIGN;
         let mut out = Vec::with_capacity(parts as usize);
         let mut at = 0;
-        while at < job.len {
-            let len = each.min(job.len - at);
+        for i in 0..parts {
+            let len = if i + 1 == parts { job.len - at } else { each };
             let t = ticket();
             self.part_of.insert(t, job.ticket);
             out.push(CopyJob {
@@ -107,7 +105,16 @@ impl Splits {
             .expect("a split copy's parts are counted");
         entry.0 -= 1;
         if let Err(e) = done.result {
-            entry.1.get_or_insert(e);
+            // The first error, unless a later one says the process's image changed: that one
+            // also ends the old image's connections (`feed_copies_done`), so it must not be
+            // hidden behind another part's error.
+            let image = matches!(e, AccessError::ImageChanged { .. });
+            match &entry.1 {
+                None => entry.1 = Some(e),
+                Some(AccessError::ImageChanged { .. }) => {}
+                Some(_) if image => entry.1 = Some(e),
+                Some(_) => {}
+            }
         }
         if entry.0 > 0 {
             return None;
@@ -432,12 +439,8 @@ mod tests {
                 1 => rnd(1 << 21),
                 _ => rnd(1 << 24),
             };
-            let asked = [0, 4096, 65536, 256 << 10, 1 << 20][rnd(5) as usize];
-            let part = if asked == 0 {
-                0
-            } else {
-                asked.max(SPLIT_ALIGN)
-            };
+            let asked: u64 = [0, 4096, 65536, 100_000, 256 << 10, 1 << 20][rnd(6) as usize];
+            let part = asked.next_multiple_of(SPLIT_ALIGN);
             let threads = 1 + rnd(8) as usize;
             let (so, doff) = (rnd(1 << 20), rnd(1 << 20));
             let mut splits = Splits::new(asked, threads);
@@ -452,26 +455,27 @@ mod tests {
                 assert_eq!(p.src_offset, so + at);
                 assert_eq!(p.dst_offset, doff + at);
                 if !whole {
-                    assert!(
-                        p.len >= part || i + 1 == parts.len(),
-                        "part {i} of {len}: {}",
-                        p.len
-                    );
+                    assert!(p.len >= part, "part {i} of {len}: {}", p.len);
                     if i + 1 < parts.len() {
                         assert_eq!(p.len % SPLIT_ALIGN, 0);
+                        assert_eq!(p.len, parts[0].len, "the parts but the last are equal");
                     }
                 }
                 at += p.len;
             }
             assert_eq!(at, len, "the parts cover the copy");
             if part > 0 && threads >= 2 && len >= 2 * part {
-                assert!(
-                    !whole,
-                    "{len} bytes, parts of {part}, {threads} threads: not split"
+                let want = (len / part).min(threads as u64) as usize;
+                assert_eq!(
+                    parts.len(),
+                    want,
+                    "{len} bytes, parts of {part}, {threads} threads"
                 );
             }
-            // Completions in a random order, one of them maybe failed.
+            // Completions in a random order; maybe one part failed, maybe another with the
+            // process's image changed (that error wins whatever the order).
             let fail = rnd(3) == 0;
+            let image = fail && parts.len() > 1 && rnd(2) == 0;
             let mut done: Vec<CopyDone> = parts
                 .iter()
                 .enumerate()
@@ -479,6 +483,8 @@ mod tests {
                     ticket: p.ticket,
                     result: if fail && i == 0 {
                         Err(AccessError::Unsupported("test"))
+                    } else if image && i == 1 {
+                        Err(AccessError::ImageChanged { pid: 7 })
                     } else {
                         Ok(())
                     },
@@ -501,6 +507,13 @@ mod tests {
             assert_eq!(got.len(), 1);
             assert_eq!(got[0].ticket, round);
             assert_eq!(got[0].result.is_err(), fail);
+            if image {
+                assert!(
+                    matches!(got[0].result, Err(AccessError::ImageChanged { pid: 7 })),
+                    "{:?}",
+                    got[0].result
+                );
+            }
             assert_eq!(splits.in_flight(), 0);
         }
     }

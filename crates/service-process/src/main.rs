@@ -117,8 +117,9 @@ enum Cmd {
         #[arg(long)]
         datapath_threads: Option<usize>,
         /// A copy that goes to the datapath threads and is at least twice this many bytes is
-        /// split into parts copied side by side, one per datapath thread at most, none shorter
-        /// than this (at least 65536; 0: never split). Default: 262144 when the datapath
+        /// split into parts copied side by side, none shorter than this (rounded up to a
+        /// multiple of 65536; 0: never split), one per datapath thread at most and, with
+        /// --cpus, one per CPU the datapath threads have. Default: 262144 when the datapath
         /// threads have at least two CPUs of the SP's own (--cpus of 2 or more; with
         /// --busy-poll 3 or more, the first being the loop's), else 0: an SP that shares its
         /// CPUs with the ranks would take more of them at once.
@@ -499,6 +500,13 @@ fn run(cli: Cli) -> Result<i32> {
                 pin_to(&cpus.0).context("pinning the SP")?;
             }
             let reserved: Vec<u32> = cpus.as_ref().map_or(Vec::new(), |c| c.0.clone());
+            // The CPUs the datapath threads have: with --busy-poll on K >= 2 CPUs the loop
+            // takes the first alone (below); 0 without --cpus (wherever the kernel puts them).
+            let movers_cpus = if busy_poll && reserved.len() >= 2 {
+                reserved.len() - 1
+            } else {
+                reserved.len()
+            };
             if realtime {
                 make_realtime().context("--realtime: cannot switch to SCHED_FIFO")?;
             }
@@ -610,14 +618,15 @@ fn run(cli: Cli) -> Result<i32> {
                 hosts_same_kernel,
                 max_inflight_reads: max_inflight_reads.max(1),
                 datapath_threads: datapath_threads.unwrap_or(max_inflight_reads).max(1),
-                split_copy_bytes: split_copy_bytes.unwrap_or_else(|| {
-                    let movers_cpus = reserved.len().saturating_sub(busy_poll as usize);
-                    if movers_cpus >= 2 {
-                        256 * 1024
-                    } else {
-                        0
-                    }
+                split_copy_bytes: split_copy_bytes.unwrap_or(if movers_cpus >= 2 {
+                    256 * 1024
+                } else {
+                    0
                 }),
+                split_parts: match movers_cpus {
+                    0 => usize::MAX,
+                    n => n,
+                },
                 chunk_bytes,
                 inline_copy_bytes: if busy_poll && reserved.len() == 1 {
                     u64::MAX

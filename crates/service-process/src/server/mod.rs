@@ -136,6 +136,9 @@ pub struct ServeConfig {
     /// Datapath copies of at least twice this many bytes are split into parts, one per
     /// datapath thread at most, none shorter than this (0: never split).
     pub split_copy_bytes: u64,
+    /// Most parts of a split copy besides the datapath threads' number: the CPUs those
+    /// threads have (`usize::MAX`: not pinned).
+    pub split_parts: usize,
     pub chunk_bytes: usize,
     /// Copies up to this size run on the event-loop thread instead of a datapath thread: a
     /// handoff to a thread and back costs more than copying a few KiB.
@@ -587,7 +590,10 @@ impl Server {
             host_copies: HashMap::new(),
             next_ticket: 0,
             datapath,
-            splits: crate::datapath::Splits::new(cfg.split_copy_bytes, cfg.datapath_threads),
+            splits: crate::datapath::Splits::new(
+                cfg.split_copy_bytes,
+                cfg.datapath_threads.min(cfg.split_parts),
+            ),
             ucx,
             mover: CmaMover::new((cfg.inline_copy_bytes as usize).clamp(4096, 1 << 20)),
             inline_copy_bytes: cfg.inline_copy_bytes,
