@@ -48,10 +48,13 @@ enum Command {
     /// checks its buffer. A failed check prints rank, peer (root) and offset, and the exit code
     /// is 1 (after the table). Rank 0 prints the table; --json writes one JSON object per size
     /// per line with: coll, bytes, ranks, nodes (env SPOFF_NODES, default 1), pure_us,
-    /// overall_us, compute_us, post_us, wait_us, loop_us, overlap_pct, validated, iters, warmup,
-    /// mode ("offload" if LD_PRELOAD contains host_shim, else "native") and design (the --design
-    /// given for ibcast and iallgather, e.g. "auto"; null for the other collectives, which have
-    /// no design choice).
+    /// overall_us, compute_us, post_us, wait_us, host_p50_us (the median per call of post +
+    /// wait with compute), host_p50_quiet_us and preempted_pct (that median over the calls no
+    /// involuntary context switch of the rank reached, and the share of calls one reached;
+    /// printed under the table when --compute-us is given), loop_us, overlap_pct, validated,
+    /// iters, warmup, mode ("offload" if LD_PRELOAD contains host_shim, else "native"), design
+    /// (the --design given for ibcast and iallgather, e.g. "auto"; null for the other
+    /// collectives, which have no design choice), datatype, readv_us and breakdown.
     Overlap(overlap::OverlapArgs),
 
     /// A blocking collective where one rank per node enters late (see `late --help`).

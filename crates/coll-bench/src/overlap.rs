@@ -98,6 +98,10 @@ struct Row {
     wait_us: f64,
     /// The median per call of post + wait with compute (the slowest rank's).
     host_p50_us: f64,
+    /// The same over the calls no involuntary context switch reached (the slowest rank's),
+    /// and the share of calls one did reach (the largest over ranks).
+    host_p50_quiet_us: f64,
+    preempted_pct: f64,
     /// Wall-clock time per timed iteration of the compute phase, each iteration's setup and
     /// barrier included: the loop's own time to solution (where ranks share a core, the OSU
     /// per-rank times swing with how the scheduler interleaves the ranks; this moves in whole
@@ -142,6 +146,7 @@ fn phase(
     let total = warmup + iters;
     let mut sum = Times::default();
     let mut host: Vec<f64> = Vec::with_capacity(iters as usize);
+    let mut quiet: Vec<f64> = Vec::with_capacity(iters as usize);
     let mut timed_from = wtime();
     for it in 0..total {
         if it == warmup {
@@ -156,7 +161,11 @@ fn phase(
         }
         s.prepare(iter_id);
         s.world.barrier()?;
+        let switches = involuntary_switches();
         let t = s.run_once(steps)?;
+        if it >= warmup && involuntary_switches() == switches {
+            quiet.push(t.post + t.wait);
+        }
         if it >= warmup {
             sum.total += t.total;
             sum.compute += t.compute;
@@ -182,8 +191,21 @@ fn phase(
         wait: sum.wait / n,
         iteration: (timed_to - timed_from) / n,
         host_p50: median(&mut host),
+        preempted_pct: 100.0 * (host.len() - quiet.len()) as f64 / n,
+        host_p50_quiet: median(&mut quiet),
     };
     Ok((mean, ok))
+}
+
+/// The calling thread's involuntary context switches so far (the kernel took its CPU).
+fn involuntary_switches() -> i64 {
+    // SAFETY: an all-zero rusage is valid; getrusage writes into it.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid `who` and out-pointer.
+    if unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut u) } != 0 {
+        return -1;
+    }
+    u.ru_nivcsw
 }
 
 fn run_size(
@@ -236,6 +258,8 @@ fn run_size(
     let t_wait = world.allreduce_f64(with.wait, consts::OP_MAX())?;
     let t_loop = world.allreduce_f64(with.iteration, consts::OP_MAX())?;
     let t_host_p50 = world.allreduce_f64(with.host_p50, consts::OP_MAX())?;
+    let t_host_quiet = world.allreduce_f64(with.host_p50_quiet, consts::OP_MAX())?;
+    let preempted = world.allreduce_f64(with.preempted_pct, consts::OP_MAX())?;
     let validated = world.all_true(ok_pure && ok_compute)?;
     Ok(Row {
         bytes: size,
@@ -245,6 +269,8 @@ fn run_size(
         post_us: t_post * 1e6,
         wait_us: t_wait * 1e6,
         host_p50_us: t_host_p50 * 1e6,
+        host_p50_quiet_us: t_host_quiet * 1e6,
+        preempted_pct: preempted,
         loop_us: t_loop * 1e6,
         overlap_pct: overlap_pct(t_pure, t_overall, t_compute),
         validated,
@@ -276,6 +302,8 @@ fn json_line(
         "post_us": row.post_us,
         "wait_us": row.wait_us,
         "host_p50_us": row.host_p50_us,
+        "host_p50_quiet_us": row.host_p50_quiet_us,
+        "preempted_pct": row.preempted_pct,
         "loop_us": row.loop_us,
         "overlap_pct": row.overlap_pct,
         "validated": row.validated,
@@ -361,6 +389,7 @@ pub fn overlap(args: OverlapArgs) -> i32 {
     }
     let mut all_ok = true;
     let mut stages = Vec::new();
+    let mut quiet = Vec::new();
     for (k, &size) in args.sizes.iter().enumerate() {
         let corrupt = args.self_test_corrupt && Some(k) == args.sizes.iter().position(|&s| s > 0);
         let row = run_size(world, coll, size, &args, corrupt).unwrap_or_else(|e| fail(e));
@@ -380,6 +409,7 @@ pub fn overlap(args: OverlapArgs) -> i32 {
                 row.validated
             );
             let _ = std::io::stdout().flush();
+            quiet.push((row.bytes, row.host_p50_quiet_us, row.preempted_pct));
             if let Some(b) = row.breakdown {
                 stages.push((row.bytes, b, row.readv_us));
             }
@@ -390,6 +420,16 @@ pub fn overlap(args: OverlapArgs) -> i32 {
                     Mpi::abort(2);
                 }
             }
+        }
+    }
+    if me == 0 && args.compute_us.is_some() {
+        // With a fixed compute: how much of the host's time in MPI preemption explains.
+        println!(
+            "# host_p50_us over the calls no involuntary context switch reached (the rank's CPU \
+             kept from the post to the end of the wait), and the share of calls one reached:"
+        );
+        for (bytes, us, pct) in quiet {
+            println!("#   {bytes:>10} B: host_p50_quiet_us {us:.2}, preempted {pct:.1} % of calls");
         }
     }
     if me == 0 && !stages.is_empty() {
@@ -405,6 +445,43 @@ pub fn overlap(args: OverlapArgs) -> i32 {
 mod tests {
     use super::*;
     use serde_json::Value as Json;
+
+    /// The count `host_p50_quiet_us` relies on sees preemption: two threads that spin on one
+    /// CPU take it from each other, and the spinning thread's count grows.
+    #[test]
+    fn involuntary_switches_count_a_cpu_taken_away() {
+        fn pin_here() {
+            // SAFETY: a zeroed cpu_set_t is an empty set; CPU 0 exists on every machine.
+            unsafe {
+                let mut set: libc::cpu_set_t = std::mem::zeroed();
+                libc::CPU_SET(0, &mut set);
+                assert_eq!(
+                    libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set),
+                    0
+                );
+            }
+        }
+        let spin = |ms: u64| {
+            let t = std::time::Instant::now();
+            while t.elapsed() < std::time::Duration::from_millis(ms) {
+                std::hint::spin_loop();
+            }
+        };
+        std::thread::scope(|sc| {
+            pin_here();
+            sc.spawn(|| {
+                pin_here();
+                spin(300);
+            });
+            let at = involuntary_switches();
+            spin(300);
+            let after = involuntary_switches();
+            assert!(
+                after > at,
+                "300 ms sharing a CPU with a spinner: {at} -> {after}"
+            );
+        });
+    }
 
     #[test]
     fn overlap_formula() {
@@ -424,6 +501,8 @@ mod tests {
             post_us: 0.5,
             wait_us: 0.5,
             host_p50_us: 1.0,
+            host_p50_quiet_us: 1.0,
+            preempted_pct: 0.0,
             loop_us: 3.0,
             overlap_pct: 0.0,
             validated: true,

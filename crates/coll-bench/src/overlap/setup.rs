@@ -186,6 +186,8 @@ impl Setup {
             wait: t_end - t_wait,
             iteration: 0.0,
             host_p50: 0.0,
+            host_p50_quiet: 0.0,
+            preempted_pct: 0.0,
         })
     }
 
@@ -272,4 +274,9 @@ pub struct Times {
     /// A phase's median over its calls of `post + wait` (the host's time in MPI per call),
     /// which a preemption of the rank in a few calls does not move as it moves the mean.
     pub host_p50: f64,
+    /// The same median over the calls during which the kernel took the rank's CPU away not
+    /// once (no involuntary context switch from the post to the end of the wait), and the
+    /// share of the calls where it did (%).
+    pub host_p50_quiet: f64,
+    pub preempted_pct: f64,
 }
