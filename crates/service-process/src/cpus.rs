@@ -37,6 +37,21 @@ pub fn parse_cpu_list(s: &str) -> Result<Vec<u32>, String> {
     Ok(out)
 }
 
+/// The CPUs the calling thread may run on (empty if the kernel does not say).
+pub fn allowed_cpus() -> Vec<u32> {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; sched_getaffinity writes inside it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return Vec::new();
+        }
+        (0..libc::CPU_SETSIZE as usize)
+            .filter(|&c| libc::CPU_ISSET(c, &set))
+            .map(|c| c as u32)
+            .collect()
+    }
+}
+
 /// Pins the calling thread (and what it execs) to `cpus`.
 pub fn pin_to(cpus: &[u32]) -> std::io::Result<()> {
     // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET writes inside it.

@@ -51,7 +51,8 @@ pub struct LaunchOpts {
     /// not need to.
     #[arg(long)]
     pub sp_realtime: bool,
-    /// CPUs for the ranks, assigned round-robin by world rank.
+    /// CPUs for the ranks, assigned round-robin by world rank. mpirun (and what it starts
+    /// besides the ranks) then runs on the other CPUs, if there are any.
     #[arg(long)]
     pub rank_cpus: Option<CpuList>,
     /// Run without SPs and without the shim, on the same layout and pinning (the baseline).
@@ -833,6 +834,20 @@ fn run_job_inner(
     }
     cmd.arg("--").args(&opts.program).stdin(Stdio::null());
     supervised(&mut cmd, libc::SIGTERM);
+    // mpirun and its helpers stay off the ranks' CPUs (each rank pins itself in `rank-exec`):
+    // with an SP spinning on the other CPU, the scheduler put mpirun's wake-ups on the rank's
+    // (125 times in a 1.2 s run here, `perf sched`; none since). Kernel threads and other
+    // processes still take it now and then (docs/BENCHMARKS.md, O).
+    if let Some(cpus) = opts
+        .rank_cpus
+        .as_ref()
+        .and_then(|r| cpus_besides(&crate::cpus::allowed_cpus(), &r.0))
+    {
+        // SAFETY: sched_setaffinity(2) only, between fork and exec.
+        unsafe {
+            cmd.pre_exec(move || pin_to(&cpus));
+        }
+    }
     let mut mpirun = cmd
         .spawn()
         .with_context(|| format!("starting {launcher}"))?;
@@ -1037,6 +1052,16 @@ fn stop_canary_tree(mut tree: CanaryTree) {
     let _ = tree.child.wait();
 }
 
+/// The CPUs of `allowed` that are not the ranks', if any are left.
+fn cpus_besides(allowed: &[u32], ranks: &[u32]) -> Option<Vec<u32>> {
+    let rest: Vec<u32> = allowed
+        .iter()
+        .copied()
+        .filter(|c| !ranks.contains(c))
+        .collect();
+    (!rest.is_empty()).then_some(rest)
+}
+
 /// `--sp-cpus` with a CPU for each SP implies `serve --busy-poll`, unless the SP arguments say
 /// how to poll.
 fn busy_poll_implied(opts: &LaunchOpts) -> bool {
@@ -1066,6 +1091,15 @@ fn spin_wait_implied(opts: &LaunchOpts, world: u32) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn mpirun_runs_beside_the_ranks_cpus_when_any_are_left() {
+        assert_eq!(cpus_besides(&[0, 1], &[0]), Some(vec![1]));
+        assert_eq!(cpus_besides(&[0, 1, 2, 3], &[1, 3]), Some(vec![0, 2]));
+        assert_eq!(cpus_besides(&[0, 1], &[0, 1]), None);
+        assert_eq!(cpus_besides(&[2], &[0]), Some(vec![2]));
+        assert!(!crate::cpus::allowed_cpus().is_empty());
+    }
 
     #[test]
     fn sp_listeners_are_bound_below_the_ephemeral_range() {
