@@ -100,7 +100,7 @@ struct Row {
     host_p50_us: f64,
     /// The same over the calls no involuntary context switch reached (the slowest rank's),
     /// and the share of calls one did reach (the largest over ranks).
-    host_p50_quiet_us: f64,
+    host_p50_quiet_us: Option<f64>,
     preempted_pct: f64,
     /// Wall-clock time per timed iteration of the compute phase, each iteration's setup and
     /// barrier included: the loop's own time to solution (where ranks share a core, the OSU
@@ -192,7 +192,11 @@ fn phase(
         iteration: (timed_to - timed_from) / n,
         host_p50: median(&mut host),
         preempted_pct: 100.0 * (host.len() - quiet.len()) as f64 / n,
-        host_p50_quiet: median(&mut quiet),
+        host_p50_quiet: if quiet.is_empty() {
+            -1.0
+        } else {
+            median(&mut quiet)
+        },
     };
     Ok((mean, ok))
 }
@@ -258,7 +262,9 @@ fn run_size(
     let t_wait = world.allreduce_f64(with.wait, consts::OP_MAX())?;
     let t_loop = world.allreduce_f64(with.iteration, consts::OP_MAX())?;
     let t_host_p50 = world.allreduce_f64(with.host_p50, consts::OP_MAX())?;
+    // None when some rank had no call that preemption did not reach.
     let t_host_quiet = world.allreduce_f64(with.host_p50_quiet, consts::OP_MAX())?;
+    let every_rank_quiet = world.allreduce_f64(with.host_p50_quiet, consts::OP_MIN())? >= 0.0;
     let preempted = world.allreduce_f64(with.preempted_pct, consts::OP_MAX())?;
     let validated = world.all_true(ok_pure && ok_compute)?;
     Ok(Row {
@@ -269,7 +275,7 @@ fn run_size(
         post_us: t_post * 1e6,
         wait_us: t_wait * 1e6,
         host_p50_us: t_host_p50 * 1e6,
-        host_p50_quiet_us: t_host_quiet * 1e6,
+        host_p50_quiet_us: every_rank_quiet.then_some(t_host_quiet * 1e6),
         preempted_pct: preempted,
         loop_us: t_loop * 1e6,
         overlap_pct: overlap_pct(t_pure, t_overall, t_compute),
@@ -429,7 +435,10 @@ pub fn overlap(args: OverlapArgs) -> i32 {
              kept from the post to the end of the wait), and the share of calls one reached:"
         );
         for (bytes, us, pct) in quiet {
-            println!("#   {bytes:>10} B: host_p50_quiet_us {us:.2}, preempted {pct:.1} % of calls");
+            let us = us.map_or("none (every call was reached)".into(), |us| {
+                format!("{us:.2}")
+            });
+            println!("#   {bytes:>10} B: host_p50_quiet_us {us}, preempted {pct:.1} % of calls");
         }
     }
     if me == 0 && !stages.is_empty() {
@@ -501,7 +510,7 @@ mod tests {
             post_us: 0.5,
             wait_us: 0.5,
             host_p50_us: 1.0,
-            host_p50_quiet_us: 1.0,
+            host_p50_quiet_us: Some(1.0),
             preempted_pct: 0.0,
             loop_us: 3.0,
             overlap_pct: 0.0,
