@@ -115,12 +115,17 @@ fn mpirun_ucx_listeners_of_ranks_and_sps_stay_in_the_described_range() {
         .flat_map(|e| [Some(e.peer_addr.port()), e.host_addr.map(|a| a.port())])
         .flatten()
         .collect();
+    let low: u16 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32768);
+    let top = low.saturating_sub(16384).max(1024 + 6_100);
     let first = loop {
         // Below the ports the launchers of the tests alongside bind SPs on
-        // (`launch::loopback_listener`: the 16 Ki ports under the ephemeral range, from 16384
-        // with Linux's default range), so that this job's UCX listeners cannot take the
-        // port of an SP another test stopped and is about to start again.
-        let f = 10_000 + rng.below(6_000) as u16;
+        // (`launch::loopback_listener`: the 16 Ki ports under the ephemeral range), so that
+        // this job's UCX listeners cannot take the port of an SP another test stopped and is
+        // about to start again.
+        let f = top - 6_100 + rng.below(6_000) as u16;
         if !own.iter().any(|p| (f..=f + 99).contains(p)) {
             break f;
         }

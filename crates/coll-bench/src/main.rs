@@ -50,7 +50,8 @@ enum Command {
     /// per line with: coll, bytes, ranks, nodes (env SPOFF_NODES, default 1), pure_us,
     /// overall_us, compute_us, post_us, wait_us, host_p50_us (the median per call of post +
     /// wait with compute), host_p50_quiet_us and preempted_pct (that median over the calls no
-    /// involuntary context switch of the rank reached, and the share of calls one reached;
+    /// involuntary context switch of the rank reached from the post to the end of the wait,
+    /// the compute included, and the share of calls one reached;
     /// printed under the table when --compute-us is given), loop_us, overlap_pct, validated,
     /// iters, warmup, mode ("offload" if LD_PRELOAD contains host_shim, else "native"), design
     /// (the --design given for ibcast and iallgather, e.g. "auto"; null for the other

@@ -432,7 +432,8 @@ pub fn overlap(args: OverlapArgs) -> i32 {
         // With a fixed compute: how much of the host's time in MPI preemption explains.
         println!(
             "# host_p50_us over the calls no involuntary context switch reached (the rank's CPU \
-             kept from the post to the end of the wait), and the share of calls one reached:"
+             kept from the post to the end of the wait, the compute included), and the share \
+             of calls one reached:"
         );
         for (bytes, us, pct) in quiet {
             let us = us.map_or("none (every call was reached)".into(), |us| {
@@ -459,17 +460,29 @@ mod tests {
     /// CPU take it from each other, and the spinning thread's count grows.
     #[test]
     fn involuntary_switches_count_a_cpu_taken_away() {
-        fn pin_here() {
-            // SAFETY: a zeroed cpu_set_t is an empty set; CPU 0 exists on every machine.
+        // The first CPU this process may use (CPU 0 may be outside a container's set).
+        // SAFETY: a zeroed cpu_set_t is an empty set; sched_getaffinity writes inside it.
+        let cpu = unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            assert_eq!(
+                libc::sched_getaffinity(0, std::mem::size_of_val(&set), &mut set),
+                0
+            );
+            (0..libc::CPU_SETSIZE as usize)
+                .find(|&c| libc::CPU_ISSET(c, &set))
+                .expect("some CPU")
+        };
+        let pin_here = move || {
+            // SAFETY: a zeroed cpu_set_t is an empty set; CPU_SET writes inside it.
             unsafe {
                 let mut set: libc::cpu_set_t = std::mem::zeroed();
-                libc::CPU_SET(0, &mut set);
+                libc::CPU_SET(cpu, &mut set);
                 assert_eq!(
                     libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set),
                     0
                 );
             }
-        }
+        };
         let spin = |ms: u64| {
             let t = std::time::Instant::now();
             while t.elapsed() < std::time::Duration::from_millis(ms) {
@@ -478,7 +491,7 @@ mod tests {
         };
         std::thread::scope(|sc| {
             pin_here();
-            sc.spawn(|| {
+            sc.spawn(move || {
                 pin_here();
                 spin(300);
             });

@@ -51,7 +51,10 @@ impl Splits {
     /// split in up to `threads` parts (0: never split).
     pub fn new(part_bytes: u64, threads: usize) -> Splits {
         Splits {
-            part_bytes: part_bytes.next_multiple_of(SPLIT_ALIGN),
+            // A part size past the largest multiple of the unit: no copy is that long.
+            part_bytes: part_bytes
+                .checked_next_multiple_of(SPLIT_ALIGN)
+                .unwrap_or(u64::MAX),
             threads,
             part_of: Default::default(),
             left: Default::default(),
@@ -60,8 +63,9 @@ impl Splits {
 
     /// The jobs that perform `job`: itself, or, when it is at least twice the part size long
     /// and there are at least 2 threads, as many parts as fit, one per thread at most, none
-    /// shorter than the part size: each but the last the same multiple of [`SPLIT_ALIGN`],
-    /// the last the rest (the longest); each with a ticket from `ticket`.
+    /// shorter than the part size: the copy's whole [`SPLIT_ALIGN`] units shared out as
+    /// evenly as they go (parts differ by one unit at most), the last part also taking the
+    /// bytes past the last whole unit; each with a ticket from `ticket`.
     pub fn split(&mut self, job: CopyJob, mut ticket: impl FnMut() -> u64) -> Vec<CopyJob> {
         let parts = job
             .len
@@ -70,13 +74,18 @@ impl Splits {
         if parts < 2 {
             return vec![job];
         }
-        // Rounded down: `len / parts` is at least the part size, itself a multiple of the
-        // alignment, so `each` is too, and the last part gets the rest.
-        let each = job.len / parts / SPLIT_ALIGN * SPLIT_ALIGN;
+        // `parts` is at most `len / part_bytes` and the part size a whole number of units, so
+        // every part gets at least the part size's units.
+        let units = job.len / SPLIT_ALIGN;
+        let (base, extra) = (units / parts, units % parts);
         let mut out = Vec::with_capacity(parts as usize);
         let mut at = 0;
         for i in 0..parts {
-            let len = if i + 1 == parts { job.len - at } else { each };
+            let len = if i + 1 == parts {
+                job.len - at
+            } else {
+                (base + (i < extra) as u64) * SPLIT_ALIGN
+            };
             let t = ticket();
             self.part_of.insert(t, job.ticket);
             out.push(CopyJob {
@@ -456,9 +465,15 @@ mod tests {
                 assert_eq!(p.dst_offset, doff + at);
                 if !whole {
                     assert!(p.len >= part, "part {i} of {len}: {}", p.len);
+                    let units = p.len / SPLIT_ALIGN;
+                    let first = parts[0].len / SPLIT_ALIGN;
+                    assert!(
+                        units == first || units + 1 == first,
+                        "part {i} of {len}: {} units against {first}",
+                        units
+                    );
                     if i + 1 < parts.len() {
                         assert_eq!(p.len % SPLIT_ALIGN, 0);
-                        assert_eq!(p.len, parts[0].len, "the parts but the last are equal");
                     }
                 }
                 at += p.len;

@@ -52,7 +52,8 @@ pub struct LaunchOpts {
     #[arg(long)]
     pub sp_realtime: bool,
     /// CPUs for the ranks, assigned round-robin by world rank. mpirun (and what it starts
-    /// besides the ranks) then runs on the other CPUs, if there are any.
+    /// besides the ranks) then runs on the other CPUs, those of neither the ranks nor the SPs
+    /// if there are any, else those of the SPs (not with --sp-realtime).
     #[arg(long)]
     pub rank_cpus: Option<CpuList>,
     /// Run without SPs and without the shim, on the same layout and pinning (the baseline).
@@ -834,15 +835,22 @@ fn run_job_inner(
     }
     cmd.arg("--").args(&opts.program).stdin(Stdio::null());
     supervised(&mut cmd, libc::SIGTERM);
-    // mpirun and its helpers stay off the ranks' CPUs (each rank pins itself in `rank-exec`):
-    // with an SP spinning on the other CPU, the scheduler put mpirun's wake-ups on the rank's
-    // (125 times in a 1.2 s run here, `perf sched`; none since). Kernel threads and other
-    // processes still take it now and then (docs/BENCHMARKS.md, O).
-    if let Some(cpus) = opts
+    // mpirun and its helpers stay off the ranks' CPUs (each rank pins itself in `rank-exec`),
+    // and off the SPs' too where others are left: with an SP spinning on the other CPU, the
+    // scheduler put mpirun's wake-ups on the rank's (125 times in a 1.2 s run here, `perf
+    // sched`; none since). Not with --sp-realtime: mpirun would get only what the real-time
+    // SPs leave of their CPUs.
+    let mpirun_cpus = opts
         .rank_cpus
         .as_ref()
-        .and_then(|r| cpus_besides(&crate::cpus::allowed_cpus(), &r.0))
-    {
+        .filter(|_| !opts.sp_realtime)
+        .and_then(|r| {
+            let allowed = crate::cpus::allowed_cpus();
+            let mut busy = r.0.clone();
+            busy.extend(opts.sp_cpus.iter().flat_map(|s| s.0.iter().copied()));
+            cpus_besides(&allowed, &busy).or_else(|| cpus_besides(&allowed, &r.0))
+        });
+    if let Some(cpus) = mpirun_cpus {
         // SAFETY: sched_setaffinity(2) only, between fork and exec.
         unsafe {
             cmd.pre_exec(move || pin_to(&cpus));

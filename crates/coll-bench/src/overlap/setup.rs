@@ -275,8 +275,9 @@ pub struct Times {
     /// which a preemption of the rank in a few calls does not move as it moves the mean.
     pub host_p50: f64,
     /// The same median over the calls during which the kernel took the rank's CPU away not
-    /// once (no involuntary context switch from the post to the end of the wait), and the
-    /// share of the calls where it did (%); negative when every call was reached.
+    /// once (no involuntary context switch from the post to the end of the wait, the compute
+    /// between them included), and the share of the calls where it did (%); the median is
+    /// negative when every call was reached.
     pub host_p50_quiet: f64,
     pub preempted_pct: f64,
 }
