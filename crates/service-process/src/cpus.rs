@@ -37,6 +37,19 @@ pub fn parse_cpu_list(s: &str) -> Result<Vec<u32>, String> {
     Ok(out)
 }
 
+/// How many CPUs an SP's datapath threads have, of `reserved` (its `--cpus`): with
+/// `busy_poll` on K >= 2 distinct CPUs the loop takes the first alone and they have the other
+/// K-1; 0 without `--cpus` (they go wherever the kernel puts them).
+pub fn movers_cpus(reserved: &[u32], busy_poll: bool) -> usize {
+    let mut d = reserved.to_vec();
+    d.sort_unstable();
+    d.dedup();
+    match d.len() {
+        k if busy_poll && k >= 2 => k - 1,
+        k => k,
+    }
+}
+
 /// The CPUs the calling thread may run on (empty if the kernel does not say).
 pub fn allowed_cpus() -> Vec<u32> {
     // SAFETY: a zeroed cpu_set_t is a valid empty set; sched_getaffinity writes inside it.
@@ -91,5 +104,21 @@ mod tests {
         assert!(parse_cpu_list("").is_err());
         assert!(parse_cpu_list("3-1").is_err());
         assert!(parse_cpu_list("a").is_err());
+    }
+
+    #[test]
+    fn movers_have_the_sps_distinct_cpus_but_the_polling_loops() {
+        assert_eq!(movers_cpus(&[], false), 0);
+        assert_eq!(movers_cpus(&[], true), 0);
+        assert_eq!(movers_cpus(&[1], true), 1);
+        assert_eq!(movers_cpus(&[1, 2], false), 2);
+        assert_eq!(movers_cpus(&[1, 2], true), 1);
+        assert_eq!(movers_cpus(&[1, 2, 3], true), 2);
+        assert_eq!(
+            movers_cpus(&[2, 2], false),
+            1,
+            "a CPU named twice is one CPU"
+        );
+        assert_eq!(movers_cpus(&[2, 2, 3], true), 1);
     }
 }

@@ -500,19 +500,7 @@ fn run(cli: Cli) -> Result<i32> {
                 pin_to(&cpus.0).context("pinning the SP")?;
             }
             let reserved: Vec<u32> = cpus.as_ref().map_or(Vec::new(), |c| c.0.clone());
-            // The CPUs the datapath threads have: with --busy-poll on K >= 2 CPUs the loop
-            // takes the first alone (below); 0 without --cpus (wherever the kernel puts them).
-            let distinct = {
-                let mut d = reserved.clone();
-                d.sort_unstable();
-                d.dedup();
-                d.len()
-            };
-            let movers_cpus = if busy_poll && distinct >= 2 {
-                distinct - 1
-            } else {
-                distinct
-            };
+            let movers_cpus = service_process::cpus::movers_cpus(&reserved, busy_poll);
             if realtime {
                 make_realtime().context("--realtime: cannot switch to SCHED_FIFO")?;
             }

@@ -1621,6 +1621,26 @@ mod tests {
     /// copies hold the input buffer they came through until they leave, as background
     /// packets do (finite buffers, lossless back-pressure); the accounting balances after
     /// every event and the results stay right.
+    /// One 64 KiB allreduce of `hosts[..members]` with the rest as background, the buffer
+    /// accounting audited after every event.
+    fn audited(net: NetConfig, algo: Algo, hosts: &[u32], members: usize, seed: u64) -> Report {
+        let sc = Scenario {
+            net,
+            algo,
+            jobs: vec![Job {
+                members: hosts[..members].to_vec(),
+                len: 64 * 1024,
+            }],
+            background: hosts[members..].to_vec(),
+            faults: Faults::default(),
+            seed,
+        };
+        let mut sim = Sim::build(&sc);
+        sim.audit = true;
+        sim.run();
+        sim.report()
+    }
+
     #[test]
     fn forwarded_allreduce_packets_hold_their_input_buffer() {
         for seed in 1..4u64 {
@@ -1631,21 +1651,7 @@ mod tests {
                 n.buffer = 4096 + rng.below(8192);
                 let mut hosts: Vec<u32> = (0..n.hosts() as u32).collect();
                 rng.shuffle(&mut hosts);
-                let sc = Scenario {
-                    net: n,
-                    algo,
-                    jobs: vec![Job {
-                        members: hosts[..8].to_vec(),
-                        len: 64 * 1024,
-                    }],
-                    background: hosts[8..].to_vec(),
-                    faults: Faults::default(),
-                    seed,
-                };
-                let mut sim = Sim::build(&sc);
-                sim.audit = true;
-                sim.run();
-                let r = sim.report();
+                let r = audited(n, algo, &hosts, 8, seed);
                 assert!(r.all_ok(), "{:?}", r.jobs[0]);
             }
         }
@@ -1669,21 +1675,7 @@ mod tests {
                 let run = |hol: bool| {
                     let mut n = n.clone();
                     n.hol = hol;
-                    let sc = Scenario {
-                        net: n,
-                        algo,
-                        jobs: vec![Job {
-                            members: hosts[..6].to_vec(),
-                            len: 64 * 1024,
-                        }],
-                        background: hosts[6..].to_vec(),
-                        faults: Faults::default(),
-                        seed,
-                    };
-                    let mut sim = Sim::build(&sc);
-                    sim.audit = true;
-                    sim.run();
-                    let r = sim.report();
+                    let r = audited(n, algo, &hosts, 6, seed);
                     assert!(r.all_ok(), "seed {seed} {algo} hol {hol}: {:?}", r.jobs[0]);
                     r
                 };
