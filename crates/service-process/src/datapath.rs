@@ -388,27 +388,11 @@ impl Drop for Datapath {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use alias_mkey::{BackendData, Grant, Rights};
+    use alias_mkey::Rights;
 
+    /// A key the splitting only carries along (never used to copy).
     fn key() -> AliasKey {
-        AliasKey {
-            owner: Owner {
-                job: 1,
-                world_rank: 0,
-                pid: 1,
-                start: 1,
-                uid: 0,
-                gid: 0,
-            },
-            grant: Grant {
-                region: 1,
-                generation: 0,
-                addr: 0x10000,
-                len: 1 << 30,
-                rights: Rights::READ,
-                backend: BackendData::Cma,
-            },
-        }
+        crate::staging::own_key(1, 1, 0x10000, 1 << 30, Rights::READ)
     }
 
     fn job(ticket: u64, src_offset: u64, dst_offset: u64, len: u64) -> CopyJob {
