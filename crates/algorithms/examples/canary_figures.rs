@@ -3,11 +3,12 @@
 //!
 //! `cargo run --release -p algorithms --example canary_figures -- [--fig 7a|8|9|10a]
 //!  [--placements 5] [--seed S] [--points a,b,c] [--leaves 32] [--algos ring,st1,st4,canary]
-//!  [--window blocks] [--timeout ns] [--buffer bytes] [--unicast adaptive|static] [--out-buf bytes] [--hol on|off]`
+//!  [--window blocks|st=B,canary=B] [--timeout ns] [--buffer bytes] [--unicast adaptive|static] [--out-buf bytes] [--hol on|off]
+//!  [--bg perm|uniform]`
 
 use std::time::Instant;
 
-use algorithms::canary::sim::{run, Algo, Faults, Job, NetConfig, Report, Scenario};
+use algorithms::canary::sim::{run, Algo, BgPattern, Faults, Job, NetConfig, Report, Scenario};
 use algorithms::sim::rng::Rng;
 
 struct Args {
@@ -17,12 +18,14 @@ struct Args {
     points: Option<Vec<String>>,
     leaves: usize,
     algos: Option<Vec<String>>,
-    window: Option<usize>,
+    /// Blocks in flight per member: (static trees, Canary).
+    window: (usize, usize),
     timeout: Option<u64>,
     buffer: Option<u64>,
     bg_static: bool,
     out_buf: Option<u64>,
     hol: bool,
+    bg: BgPattern,
 }
 
 fn args() -> Args {
@@ -33,12 +36,13 @@ fn args() -> Args {
         points: None,
         leaves: 32,
         algos: None,
-        window: None,
+        window: BDP_WINDOWS,
         timeout: None,
         buffer: None,
         bg_static: false,
         out_buf: None,
         hol: false,
+        bg: BgPattern::Permutation,
     };
     let v: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -50,7 +54,7 @@ fn args() -> Args {
             "--seed" => a.seed = val.parse().expect("--seed S"),
             "--points" => a.points = Some(val.split(',').map(String::from).collect()),
             "--leaves" => a.leaves = val.parse().expect("--leaves N"),
-            "--window" => a.window = Some(val.parse().expect("--window blocks")),
+            "--window" => a.window = windows(&val),
             "--timeout" => a.timeout = Some(val.parse().expect("--timeout ns")),
             "--buffer" => a.buffer = Some(val.parse().expect("--buffer bytes")),
             "--out-buf" => a.out_buf = Some(val.parse().expect("--out-buf bytes")),
@@ -59,6 +63,13 @@ fn args() -> Args {
                     "on" => true,
                     "off" => false,
                     _ => panic!("--hol on|off"),
+                }
+            }
+            "--bg" => {
+                a.bg = match val.as_str() {
+                    "perm" => BgPattern::Permutation,
+                    "uniform" => BgPattern::Uniform,
+                    _ => panic!("--bg perm|uniform"),
                 }
             }
             "--algos" => a.algos = Some(val.split(',').map(String::from).collect()),
@@ -74,6 +85,36 @@ fn args() -> Args {
         i += 2;
     }
     a
+}
+
+/// Blocks in flight per member by default: about the bandwidth-delay product of each design's
+/// round trip (the paper, §3.2: "the bandwidth-delay product bounds the number of in-flight
+/// blocks"), the smallest of 16, 32, 64, 128, 256, 384 that reached 95 % of the goodput of
+/// 512 blocks without congestion (docs/BENCHMARKS.md N, "Blocks in flight"). Canary's round
+/// trip holds its aggregation windows, so it needs more.
+const BDP_WINDOWS: (usize, usize) = (64, 256);
+
+/// `--window B` (every design) or `--window st=B,canary=B` (either may be left out).
+fn windows(val: &str) -> (usize, usize) {
+    let blocks = |v: &str| -> usize {
+        match v.parse() {
+            Ok(b) if b > 0 => b,
+            _ => panic!("--window: {v:?} is not a number of blocks above 0"),
+        }
+    };
+    if !val.contains('=') {
+        let b = blocks(val);
+        return (b, b);
+    }
+    let mut w = BDP_WINDOWS;
+    for part in val.split(',') {
+        match part.split_once('=') {
+            Some(("st", v)) => w.0 = blocks(v),
+            Some(("canary", v)) => w.1 = blocks(v),
+            _ => panic!("--window blocks, or st=blocks,canary=blocks; not {part:?}"),
+        }
+    }
+    w
 }
 
 fn algos(a: &Args) -> Vec<Algo> {
@@ -173,14 +214,15 @@ fn main() {
         spines: a.leaves,
         ..NetConfig::default()
     };
-    net.window = a.window.unwrap_or(net.window);
+    (net.tree_window, net.window) = (Some(a.window.0), a.window.1);
     net.timeout = a.timeout.unwrap_or(net.timeout);
     net.buffer = a.buffer.unwrap_or(net.buffer);
     net.unicast_adaptive = !a.bg_static;
     net.out_buf = a.out_buf;
     net.hol = a.hol;
+    net.bg_pattern = a.bg;
     println!(
-        "# fig {} | {} leaves x {} hosts, {} spines, {} Gb/s, {} ns/hop, {} KiB credits/link, canary window {} ns, background/ring up-ports {}, up-port rule reads {}, {} | placements {} seed {}",
+        "# fig {} | {} leaves x {} hosts, {} spines, {} Gb/s, {} ns/hop, {} KiB credits/link, canary window {} ns, blocks in flight per member {} (static trees) {} (canary), background/ring up-ports {}, up-port rule reads {}, {}, background destinations {} | placements {} seed {}",
         a.fig,
         net.leaves,
         net.hosts_per_leaf,
@@ -189,6 +231,8 @@ fn main() {
         net.latency,
         net.buffer / 1024,
         net.timeout,
+        a.window.0,
+        a.window.1,
         if net.unicast_adaptive { "adaptive" } else { "static (dest mod k)" },
         match net.out_buf {
             Some(b) => format!("queues capped at a {b}-byte output buffer"),
@@ -198,6 +242,10 @@ fn main() {
             "input FIFOs with head-of-line blocking"
         } else {
             "routed on arrival"
+        },
+        match net.bg_pattern {
+            BgPattern::Permutation => "a permutation per round",
+            BgPattern::Uniform => "uniform per message",
         },
         a.placements,
         a.seed

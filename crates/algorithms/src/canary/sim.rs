@@ -14,7 +14,9 @@
 //! Background traffic: every host outside the allreduces sends messages of `bg_msg` bytes
 //! back to back at line rate; message `k` of every such host goes by the `k`-th random
 //! permutation of them (the paper's "each host sends a message to a randomly selected host
-//! and receives a message from another randomly selected host", peers changing throughout).
+//! and receives a message from another randomly selected host", peers changing throughout);
+//! [`BgPattern::Uniform`] draws every message's destination on its own instead, so hosts
+//! may receive from several senders at once.
 //!
 //! Routing (§5.2, and SST merlin's `topo_fattree`, the simulator the paper modified): every
 //! packet going up, background and ring included, takes the default up-port, the destination
@@ -118,7 +120,11 @@ pub struct NetConfig {
     pub timeout: Nanos,
     pub hold: Nanos,
     pub slots: usize,
+    /// Blocks a member keeps in flight (Canary's, and the static trees' unless `tree_window`).
     pub window: usize,
+    /// The static trees' members' window, when it differs from `window`: their round trip
+    /// has no aggregation windows in it, so fewer blocks cover its bandwidth-delay product.
+    pub tree_window: Option<usize>,
     pub retx_timeout: Nanos,
     pub max_requests: u32,
     pub restart_holdoff: Nanos,
@@ -144,6 +150,8 @@ pub struct NetConfig {
     /// when they reach the head, their outputs queued at once. `false` (the default): every
     /// packet is routed on arrival to its output queue (no head-of-line blocking).
     pub hol: bool,
+    /// How background hosts pick each message's destination.
+    pub bg_pattern: BgPattern,
     /// Simulated time after which the run is declared hung.
     pub max_time: Nanos,
 }
@@ -163,6 +171,7 @@ impl Default for NetConfig {
             hold: 1_000_000,
             slots: 1 << 16,
             window: 512,
+            tree_window: None,
             retx_timeout: 2_000_000,
             max_requests: 8,
             restart_holdoff: 1_000_000,
@@ -171,9 +180,22 @@ impl Default for NetConfig {
             unicast_adaptive: true,
             out_buf: None,
             hol: false,
+            bg_pattern: BgPattern::Permutation,
             max_time: 1_000_000_000,
         }
     }
+}
+
+/// The destinations of the background hosts' messages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BgPattern {
+    /// Message `k` of every background host goes by the `k`-th random permutation of them:
+    /// each host sends to one and receives from one (the default).
+    Permutation,
+    /// Every message goes to a background host drawn uniformly at random (never the sender),
+    /// independently of the others' choices, so some hosts receive from two or more at once
+    /// (SST's "uniform" pattern; endpoint congestion).
+    Uniform,
 }
 
 impl NetConfig {
@@ -649,7 +671,10 @@ impl Sim {
                             me: i,
                             len: job.len,
                             block_bytes: net.payload,
-                            window: net.window,
+                            window: match sc.algo {
+                                Algo::StaticTrees(_) => net.tree_window.unwrap_or(net.window),
+                                _ => net.window,
+                            },
                             static_trees: match sc.algo {
                                 Algo::StaticTrees(k) => Some(k),
                                 _ => None,
@@ -1035,20 +1060,7 @@ impl Sim {
         }
         let (mut d, mut l, mut k) = (dst, left, k);
         if l == 0 {
-            // Message `k` of every background host goes to the `k`-th random permutation of
-            // them: each sends to one host and receives from one, peers change per message.
-            while self.perms.len() <= k {
-                let mut p: Vec<u32> = (0..nbg as u32).collect();
-                self.rng.shuffle(&mut p);
-                for i in 0..p.len() {
-                    if p[i] as usize == i {
-                        let j = (i + 1) % p.len();
-                        p.swap(i, j);
-                    }
-                }
-                self.perms.push(p);
-            }
-            d = self.bg[self.perms[k][idx] as usize];
+            d = self.bg_dest(idx, k);
             k += 1;
             l = msg.div_ceil(payload);
         }
@@ -1059,6 +1071,30 @@ impl Sim {
             *msg = k;
         }
         self.enqueue(h, 0, Pkt::Bg { dst: d }, None);
+    }
+
+    /// The destination of message `k` of background host `idx` (an index into `self.bg`).
+    fn bg_dest(&mut self, idx: usize, k: usize) -> u32 {
+        let nbg = self.bg.len();
+        if self.net.bg_pattern == BgPattern::Uniform {
+            // Any other background host, drawn for this message alone.
+            let o = self.rng.below(nbg as u64 - 1) as usize;
+            return self.bg[if o >= idx { o + 1 } else { o }];
+        }
+        // Message `k` of every background host goes to the `k`-th random permutation of
+        // them: each sends to one host and receives from one, peers change per message.
+        while self.perms.len() <= k {
+            let mut p: Vec<u32> = (0..nbg as u32).collect();
+            self.rng.shuffle(&mut p);
+            for i in 0..p.len() {
+                if p[i] as usize == i {
+                    let j = (i + 1) % p.len();
+                    p.swap(i, j);
+                }
+            }
+            self.perms.push(p);
+        }
+        self.bg[self.perms[k][idx] as usize]
     }
 
     fn kill(&mut self) {
@@ -1687,6 +1723,100 @@ mod tests {
                 assert!(with.hol_held > 0 && with.hol_waits >= with.hol_held);
                 assert_eq!((without.hol_waits, without.hol_held), (0, 0));
             }
+        }
+    }
+
+    /// Under the permutation pattern every round of messages is a permutation of the
+    /// background hosts without fixed points; under the uniform one no host picks itself,
+    /// every other host is picked, and some hosts are picked by two or more senders in one
+    /// round (endpoint congestion). Either way every design still ends right under it.
+    #[test]
+    fn uniform_background_draws_each_message_on_its_own() {
+        for seed in 1..4u64 {
+            let mut rng = Rng::new(seed);
+            let n = net(4, 4);
+            let mut hosts: Vec<u32> = (0..n.hosts() as u32).collect();
+            rng.shuffle(&mut hosts);
+            let members = 4;
+            for pattern in [BgPattern::Permutation, BgPattern::Uniform] {
+                let mut n = n.clone();
+                n.bg_pattern = pattern;
+                let sc = Scenario {
+                    net: n.clone(),
+                    algo: Algo::Canary,
+                    jobs: vec![Job {
+                        members: hosts[..members].to_vec(),
+                        len: 4096,
+                    }],
+                    background: hosts[members..].to_vec(),
+                    faults: Faults::default(),
+                    seed,
+                };
+                let mut sim = Sim::build(&sc);
+                let bg = sc.background.clone();
+                let mut shared_rounds = 0;
+                let mut picked = vec![0u32; n.hosts()];
+                for k in 0..50 {
+                    let mut senders = vec![0u32; n.hosts()];
+                    for (idx, &h) in bg.iter().enumerate() {
+                        let d = sim.bg_dest(idx, k);
+                        assert_ne!(d, h, "seed {seed} {pattern:?}: host {h} sends to itself");
+                        assert!(bg.contains(&d), "{d} is not a background host");
+                        senders[d as usize] += 1;
+                        picked[d as usize] += 1;
+                    }
+                    if pattern == BgPattern::Permutation {
+                        assert!(bg.iter().all(|&h| senders[h as usize] == 1), "round {k}");
+                    }
+                    shared_rounds += senders.iter().any(|&c| c > 1) as u32;
+                }
+                assert!(bg.iter().all(|&h| picked[h as usize] > 0));
+                println!(
+                    "seed {seed} {pattern:?}: {shared_rounds} of 50 rounds with a shared receiver"
+                );
+                if pattern == BgPattern::Uniform {
+                    assert!(shared_rounds > 25, "{shared_rounds}");
+                }
+                let r = audited(n, Algo::StaticTrees(1), &hosts, members, seed);
+                assert!(r.all_ok(), "seed {seed} {pattern:?}: {:?}", r.jobs[0]);
+            }
+        }
+    }
+
+    /// `tree_window` sets the static trees' members' window and only theirs; without it
+    /// every design takes `window`.
+    #[test]
+    fn static_trees_take_their_own_window() {
+        let n = net(2, 2);
+        let hosts: Vec<u32> = (0..n.hosts() as u32).collect();
+        for (tree_window, algo, want) in [
+            (Some(3), Algo::StaticTrees(1), 3),
+            (Some(3), Algo::StaticTrees(4), 3),
+            (Some(3), Algo::Canary, 7),
+            (None, Algo::StaticTrees(1), 7),
+        ] {
+            let mut n = n.clone();
+            (n.window, n.tree_window) = (7, tree_window);
+            let sc = Scenario {
+                net: n,
+                algo,
+                jobs: vec![Job {
+                    members: hosts.clone(),
+                    len: 4096,
+                }],
+                background: vec![],
+                faults: Faults::default(),
+                seed: 1,
+            };
+            let sim = Sim::build(&sc);
+            for node in &sim.nodes[..hosts.len()] {
+                let Role::Member { host, .. } = &node.role else {
+                    panic!("host not a member")
+                };
+                assert_eq!(host.config().window, want, "{algo} {tree_window:?}");
+            }
+            let r = run(&sc);
+            assert!(r.all_ok(), "{algo}: {:?}", r.jobs[0]);
         }
     }
 }
