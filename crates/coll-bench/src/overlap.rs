@@ -101,6 +101,9 @@ struct Row {
     /// The same over the calls no involuntary context switch reached (the slowest rank's),
     /// and the share of calls one did reach (the largest over ranks).
     host_p50_quiet_us: Option<f64>,
+    /// The medians of the post alone and of the wait alone over those calls (the slowest
+    /// rank's each; `None` as above).
+    quiet_post_wait_us: Option<(f64, f64)>,
     preempted_pct: f64,
     /// Wall-clock time per timed iteration of the compute phase, each iteration's setup and
     /// barrier included: the loop's own time to solution (where ranks share a core, the OSU
@@ -147,6 +150,7 @@ fn phase(
     let mut sum = Times::default();
     let mut host: Vec<f64> = Vec::with_capacity(iters as usize);
     let mut quiet: Vec<f64> = Vec::with_capacity(iters as usize);
+    let (mut quiet_post, mut quiet_wait) = (quiet.clone(), quiet.clone());
     let mut timed_from = wtime();
     for it in 0..total {
         if it == warmup {
@@ -165,6 +169,8 @@ fn phase(
         let t = s.run_once(steps)?;
         if it >= warmup && involuntary_switches() == switches {
             quiet.push(t.post + t.wait);
+            quiet_post.push(t.post);
+            quiet_wait.push(t.wait);
         }
         if it >= warmup {
             sum.total += t.total;
@@ -196,6 +202,16 @@ fn phase(
             -1.0
         } else {
             median(&mut quiet)
+        },
+        post_p50_quiet: if quiet.is_empty() {
+            -1.0
+        } else {
+            median(&mut quiet_post)
+        },
+        wait_p50_quiet: if quiet.is_empty() {
+            -1.0
+        } else {
+            median(&mut quiet_wait)
         },
     };
     Ok((mean, ok))
@@ -265,6 +281,8 @@ fn run_size(
     // None when some rank had no call that preemption did not reach.
     let t_host_quiet = world.allreduce_f64(with.host_p50_quiet, consts::OP_MAX())?;
     let every_rank_quiet = world.allreduce_f64(with.host_p50_quiet, consts::OP_MIN())? >= 0.0;
+    let quiet_post = world.allreduce_f64(with.post_p50_quiet, consts::OP_MAX())?;
+    let quiet_wait = world.allreduce_f64(with.wait_p50_quiet, consts::OP_MAX())?;
     let preempted = world.allreduce_f64(with.preempted_pct, consts::OP_MAX())?;
     let validated = world.all_true(ok_pure && ok_compute)?;
     Ok(Row {
@@ -276,6 +294,7 @@ fn run_size(
         wait_us: t_wait * 1e6,
         host_p50_us: t_host_p50 * 1e6,
         host_p50_quiet_us: every_rank_quiet.then_some(t_host_quiet * 1e6),
+        quiet_post_wait_us: every_rank_quiet.then_some((quiet_post * 1e6, quiet_wait * 1e6)),
         preempted_pct: preempted,
         loop_us: t_loop * 1e6,
         overlap_pct: overlap_pct(t_pure, t_overall, t_compute),
@@ -309,6 +328,8 @@ fn json_line(
         "wait_us": row.wait_us,
         "host_p50_us": row.host_p50_us,
         "host_p50_quiet_us": row.host_p50_quiet_us,
+        "post_p50_quiet_us": row.quiet_post_wait_us.map(|p| p.0),
+        "wait_p50_quiet_us": row.quiet_post_wait_us.map(|p| p.1),
         "preempted_pct": row.preempted_pct,
         "loop_us": row.loop_us,
         "overlap_pct": row.overlap_pct,
@@ -415,7 +436,12 @@ pub fn overlap(args: OverlapArgs) -> i32 {
                 row.validated
             );
             let _ = std::io::stdout().flush();
-            quiet.push((row.bytes, row.host_p50_quiet_us, row.preempted_pct));
+            quiet.push((
+                row.bytes,
+                row.host_p50_quiet_us,
+                row.quiet_post_wait_us,
+                row.preempted_pct,
+            ));
             if let Some(b) = row.breakdown {
                 stages.push((row.bytes, b, row.readv_us));
             }
@@ -435,10 +461,13 @@ pub fn overlap(args: OverlapArgs) -> i32 {
              kept from the post to the end of the wait, the compute included), and the share \
              of calls one reached:"
         );
-        for (bytes, us, pct) in quiet {
-            let us = us.map_or("none (every call was reached)".into(), |us| {
-                format!("{us:.2}")
-            });
+        for (bytes, us, split, pct) in quiet {
+            let us = match (us, split) {
+                (Some(us), Some((post, wait))) => {
+                    format!("{us:.2} (post alone {post:.2}, wait alone {wait:.2})")
+                }
+                _ => "none (every call was reached)".into(),
+            };
             println!("#   {bytes:>10} B: host_p50_quiet_us {us}, preempted {pct:.1} % of calls");
         }
     }
@@ -524,6 +553,7 @@ mod tests {
             wait_us: 0.5,
             host_p50_us: 1.0,
             host_p50_quiet_us: Some(1.0),
+            quiet_post_wait_us: Some((0.4, 0.5)),
             preempted_pct: 0.0,
             loop_us: 3.0,
             overlap_pct: 0.0,
@@ -561,5 +591,32 @@ mod tests {
             DataLayout::Byte,
         ));
         assert!(v["design"].is_null());
+    }
+
+    #[test]
+    fn json_quiet_post_and_wait_are_null_when_no_call_was_quiet() {
+        let parse = |s: String| serde_json::from_str::<Json>(&s).unwrap();
+        let line = |row: &Row| {
+            parse(json_line(
+                Coll::Ialltoallv,
+                row,
+                2,
+                1,
+                "offload",
+                None,
+                DataLayout::Byte,
+            ))
+        };
+        let v = line(&test_row());
+        assert_eq!(v["post_p50_quiet_us"], 0.4);
+        assert_eq!(v["wait_p50_quiet_us"], 0.5);
+        let none = Row {
+            host_p50_quiet_us: None,
+            quiet_post_wait_us: None,
+            ..test_row()
+        };
+        let v = line(&none);
+        assert!(v["host_p50_quiet_us"].is_null());
+        assert!(v["post_p50_quiet_us"].is_null() && v["wait_p50_quiet_us"].is_null());
     }
 }

@@ -187,6 +187,8 @@ impl Setup {
             iteration: 0.0,
             host_p50: 0.0,
             host_p50_quiet: 0.0,
+            post_p50_quiet: 0.0,
+            wait_p50_quiet: 0.0,
             preempted_pct: 0.0,
         })
     }
@@ -279,5 +281,9 @@ pub struct Times {
     /// between them included), and the share of the calls where it did (%); the median is
     /// negative when every call was reached.
     pub host_p50_quiet: f64,
+    /// The medians of the post alone and of the wait alone over those same calls (each its
+    /// own median, so they need not add up to `host_p50_quiet`); negative as it is.
+    pub post_p50_quiet: f64,
+    pub wait_p50_quiet: f64,
     pub preempted_pct: f64,
 }
