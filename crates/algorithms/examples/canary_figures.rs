@@ -3,8 +3,12 @@
 //!
 //! `cargo run --release -p algorithms --example canary_figures -- [--fig 7a|8|9|10a]
 //!  [--placements 5] [--seed S] [--points a,b,c] [--leaves 32] [--algos ring,st1,st4,canary]
-//!  [--window blocks|st=B,canary=B] [--timeout ns] [--buffer bytes] [--unicast adaptive|static] [--out-buf bytes] [--hol on|off]
-//!  [--bg perm|uniform]`
+//!  [--window blocks|st=B,canary=B] [--timeout ns] [--buffer bytes] [--unicast adaptive|static]
+//!  [--out-buf bytes] [--hol on|off] [--bg perm|uniform]`
+//!
+//! `--window` is the blocks each member keeps in flight, for every design or per design (`st`:
+//! the static trees; the ring has none); by default 64 for the trees and 512 for Canary (see
+//! `BDP_WINDOWS`).
 
 use std::time::Instant;
 

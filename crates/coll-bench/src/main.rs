@@ -53,10 +53,11 @@ enum Command {
     /// involuntary context switch of the rank reached from the post to the end of the wait,
     /// the compute included, and the share of calls one reached;
     /// printed under the table when --compute-us is given), post_p50_quiet_us and
-    /// wait_p50_quiet_us (the post's and the wait's own medians over those calls), loop_us, overlap_pct, validated,
-    /// iters, warmup, mode ("offload" if LD_PRELOAD contains host_shim, else "native"), design
-    /// (the --design given for ibcast and iallgather, e.g. "auto"; null for the other
-    /// collectives, which have no design choice), datatype, readv_us and breakdown.
+    /// wait_p50_quiet_us (the post's and the wait's own medians over those calls), loop_us,
+    /// overlap_pct, validated, iters, warmup, mode ("offload" if LD_PRELOAD contains
+    /// host_shim, else "native"), design (the --design given for ibcast and iallgather, e.g.
+    /// "auto"; null for the other collectives, which have no design choice), datatype,
+    /// readv_us and breakdown.
     Overlap(overlap::OverlapArgs),
 
     /// A blocking collective where one rank per node enters late (see `late --help`).
