@@ -150,7 +150,8 @@ fn phase(
     let mut sum = Times::default();
     let mut host: Vec<f64> = Vec::with_capacity(iters as usize);
     let mut quiet: Vec<f64> = Vec::with_capacity(iters as usize);
-    let (mut quiet_post, mut quiet_wait) = (quiet.clone(), quiet.clone());
+    let mut quiet_post: Vec<f64> = Vec::with_capacity(iters as usize);
+    let mut quiet_wait: Vec<f64> = Vec::with_capacity(iters as usize);
     let mut timed_from = wtime();
     for it in 0..total {
         if it == warmup {
