@@ -755,17 +755,14 @@ fn mailbox_slots() -> u32 {
 
 /// The rank's cores (its affinity mask), reported to the SP.
 fn affinity_cores() -> Vec<u32> {
-    // SAFETY: cpu_set_t is plain data; sched_getaffinity writes at most its size.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
-            return Vec::new();
-        }
-        (0..libc::CPU_SETSIZE as usize)
-            .filter(|&c| libc::CPU_ISSET(c, &set))
-            .map(|c| c as u32)
-            .collect()
-    }
+    use nix::sched::{sched_getaffinity, CpuSet};
+    let Ok(set) = sched_getaffinity(nix::unistd::Pid::from_raw(0)) else {
+        return Vec::new();
+    };
+    (0..CpuSet::count())
+        .filter(|&c| set.is_set(c).unwrap_or(false))
+        .map(|c| c as u32)
+        .collect()
 }
 
 /// Maps the mailbox: page-aligned, zeroed, never unmapped (the SP may write to it until it

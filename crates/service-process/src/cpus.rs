@@ -52,17 +52,14 @@ pub fn movers_cpus(reserved: &[u32], busy_poll: bool) -> usize {
 
 /// The CPUs the calling thread may run on (empty if the kernel does not say).
 pub fn allowed_cpus() -> Vec<u32> {
-    // SAFETY: a zeroed cpu_set_t is a valid empty set; sched_getaffinity writes inside it.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
-            return Vec::new();
-        }
-        (0..libc::CPU_SETSIZE as usize)
-            .filter(|&c| libc::CPU_ISSET(c, &set))
-            .map(|c| c as u32)
-            .collect()
-    }
+    use nix::sched::{sched_getaffinity, CpuSet};
+    let Ok(set) = sched_getaffinity(nix::unistd::Pid::from_raw(0)) else {
+        return Vec::new();
+    };
+    (0..CpuSet::count())
+        .filter(|&c| set.is_set(c).unwrap_or(false))
+        .map(|c| c as u32)
+        .collect()
 }
 
 /// Pins the calling thread (and what it execs) to `cpus`.
@@ -120,5 +117,25 @@ mod tests {
             "a CPU named twice is one CPU"
         );
         assert_eq!(movers_cpus(&[2, 2, 3], true), 1);
+    }
+
+    /// `allowed_cpus` reads back what `pin_to` set, on a thread of its own.
+    #[test]
+    fn allowed_cpus_reads_back_a_pinning() {
+        let all = allowed_cpus();
+        assert!(!all.is_empty());
+        let last = *all.last().unwrap();
+        let seen = std::thread::spawn(move || {
+            pin_to(&[last]).unwrap();
+            allowed_cpus()
+        })
+        .join()
+        .unwrap();
+        assert_eq!(seen, vec![last]);
+        assert_eq!(
+            allowed_cpus(),
+            all,
+            "the test thread's own mask is untouched"
+        );
     }
 }
