@@ -196,6 +196,10 @@ impl Ring {
 pub struct Producer {
     ring: Ring,
     tail: u64,
+    /// The consumer's `head` when last read: the ring has at least `slots - (tail - head)`
+    /// free entries, so `head` (a line the SP's core writes) is read again only when that
+    /// says full, not on every push.
+    head: u64,
 }
 
 // SAFETY: the producer owns its end; the mapping outlives it (constructor contract).
@@ -209,6 +213,7 @@ impl Producer {
         Producer {
             ring: Ring { base, shape },
             tail: 0,
+            head: 0,
         }
     }
 
@@ -218,9 +223,14 @@ impl Producer {
         if payload.len() > self.ring.shape.payload_max() {
             return false;
         }
-        let head = self.ring.counter(HEAD_OFFSET).load(Ordering::Acquire);
-        if self.tail.wrapping_sub(head) >= self.ring.shape.slots as u64 {
-            return false;
+        let slots = self.ring.shape.slots as u64;
+        if self.tail.wrapping_sub(self.head) >= slots {
+            self.head = self.ring.counter(HEAD_OFFSET).load(Ordering::Acquire);
+            // A head the rank's own memory says is past the tail (only a corrupt ring) is
+            // taken as no room.
+            if self.tail.wrapping_sub(self.head) >= slots {
+                return false;
+            }
         }
         let e = self.ring.entry(self.tail);
         // SAFETY: the entry is within the mapping and the consumer does not read it until the

@@ -771,5 +771,8 @@ impl<S: Read + Write> Channel<S> {
     }
 }
 
+mod post_view;
+pub use post_view::{encode_post_into, PostView};
+
 #[cfg(test)]
 mod tests;

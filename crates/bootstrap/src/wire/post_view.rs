@@ -1,0 +1,339 @@
+//! A post as the rank builds and encodes it: [`PostDesc`] with its lists and grants borrowed,
+//! encoded by hand into the bytes bincode writes for `HostToSp::Post` of the same fields
+//! (which is how the SP decodes it). Building and encoding one allocates nothing: the member
+//! lists stay in the communicator's record, the counts in the call's layout, and the frame is
+//! the sender's, reused. The rank's time in MPI per call is a few microseconds, and a
+//! serde serialisation through `io::Write` (a capacity check per byte) was a quarter of the
+//! post.
+//!
+//! The encoding is bincode's with the protocol's options (`wire::encoding`: little-endian,
+//! variable-length integers): an integer of 2 to 8 bytes is one byte below 251, else a marker
+//! (251, 252, 253) and the value in 2, 4 or 8 bytes; a `u8` and a `bool` one byte; an
+//! `Option` a byte 0 or 1 and the value; an enum its variant's index as such an integer; a
+//! sequence its length, then its elements; a struct its fields in order. The test
+//! `a_post_view_encodes_as_the_post_message` (`wire/tests.rs`) compares the two encodings on
+//! random descriptors; a field added to [`PostDesc`] breaks the build here (every struct is
+//! taken apart without `..`).
+
+use super::{CollKind, FrameError, PostDesc, PostStamps, Staged, StagedDesign, MAX_FRAME_BYTES};
+use algorithms::{allreduce, CommId, SpId};
+use alias_mkey::{BackendData, Grant};
+
+/// A post as the rank builds it; the fields are [`PostDesc`]'s, in its order.
+#[derive(Debug)]
+pub struct PostView<'a> {
+    pub kind: CollKind,
+    pub comm: CommId,
+    pub seq: u64,
+    pub comm_rank: u32,
+    pub members: &'a [SpId],
+    pub world_ranks: &'a [u32],
+    pub nodes: &'a [u32],
+    pub slot: Option<u32>,
+    pub token: u64,
+    pub send: &'a Grant,
+    pub recv: &'a Grant,
+    pub send_counts: &'a [u64],
+    pub send_displs: &'a [u64],
+    pub recv_counts: &'a [u64],
+    pub recv_displs: &'a [u64],
+    pub host_copies: bool,
+    pub staged: Option<&'a Staged>,
+    pub send_packed: bool,
+    pub recv_packed: bool,
+    pub reduce: Option<allreduce::Reduce>,
+    pub stamps: PostStamps,
+}
+
+impl PostDesc {
+    /// This descriptor as a view (what the rank encodes).
+    pub fn view(&self) -> PostView<'_> {
+        PostView {
+            kind: self.kind,
+            comm: self.comm,
+            seq: self.seq,
+            comm_rank: self.comm_rank,
+            members: &self.members,
+            world_ranks: &self.world_ranks,
+            nodes: &self.nodes,
+            slot: self.slot,
+            token: self.token,
+            send: &self.send,
+            recv: &self.recv,
+            send_counts: &self.send_counts,
+            send_displs: &self.send_displs,
+            recv_counts: &self.recv_counts,
+            recv_displs: &self.recv_displs,
+            host_copies: self.host_copies,
+            staged: self.staged.as_ref(),
+            send_packed: self.send_packed,
+            recv_packed: self.recv_packed,
+            reduce: self.reduce,
+            stamps: self.stamps,
+        }
+    }
+}
+
+impl PostView<'_> {
+    /// The descriptor the SP decodes from this view's encoding.
+    pub fn to_desc(&self) -> PostDesc {
+        PostDesc {
+            kind: self.kind,
+            comm: self.comm,
+            seq: self.seq,
+            comm_rank: self.comm_rank,
+            members: self.members.to_vec(),
+            world_ranks: self.world_ranks.to_vec(),
+            nodes: self.nodes.to_vec(),
+            slot: self.slot,
+            token: self.token,
+            send: self.send.clone(),
+            recv: self.recv.clone(),
+            send_counts: self.send_counts.to_vec(),
+            send_displs: self.send_displs.to_vec(),
+            recv_counts: self.recv_counts.to_vec(),
+            recv_displs: self.recv_displs.to_vec(),
+            host_copies: self.host_copies,
+            staged: self.staged.cloned(),
+            send_packed: self.send_packed,
+            recv_packed: self.recv_packed,
+            reduce: self.reduce,
+            stamps: self.stamps,
+        }
+    }
+}
+
+/// `HostToSp::Post`'s variant index.
+const POST_VARIANT: u64 = 1;
+
+/// Bytes of one variable-length integer at most.
+const MAX_VARINT: usize = 9;
+
+/// The frame being written: a buffer long enough for any encoding of the post, and where the
+/// next byte goes (kept in a register: pushing onto a `Vec<u8>` reloads its length after
+/// every byte written, as the byte might alias it).
+struct Out<'a> {
+    buf: &'a mut [u8],
+    at: usize,
+}
+
+impl Out<'_> {
+    fn byte(&mut self, b: u8) {
+        self.buf[self.at] = b;
+        self.at += 1;
+    }
+
+    fn put(&mut self, b: &[u8]) {
+        self.buf[self.at..self.at + b.len()].copy_from_slice(b);
+        self.at += b.len();
+    }
+
+    fn bool(&mut self, b: bool) {
+        self.byte(b as u8);
+    }
+
+    /// bincode's variable-length integer.
+    fn int(&mut self, v: u64) {
+        if v < 251 {
+            self.byte(v as u8);
+        } else if v <= u16::MAX as u64 {
+            self.byte(251);
+            self.put(&(v as u16).to_le_bytes());
+        } else if v <= u32::MAX as u64 {
+            self.byte(252);
+            self.put(&(v as u32).to_le_bytes());
+        } else {
+            self.byte(253);
+            self.put(&v.to_le_bytes());
+        }
+    }
+
+    fn u32s(&mut self, list: &[u32]) {
+        self.int(list.len() as u64);
+        for &v in list {
+            self.int(v as u64);
+        }
+    }
+
+    fn u64s(&mut self, list: &[u64]) {
+        self.int(list.len() as u64);
+        for &v in list {
+            self.int(v);
+        }
+    }
+
+    /// A `Vec<u8>` as serde writes it: its length, then each byte.
+    fn bytes(&mut self, b: &[u8]) {
+        self.int(b.len() as u64);
+        self.put(b);
+    }
+
+    fn grant(&mut self, g: &Grant) {
+        let Grant {
+            region,
+            generation,
+            addr,
+            len,
+            rights,
+            backend,
+        } = g;
+        self.int(*region);
+        self.int(*generation as u64);
+        self.int(*addr);
+        self.int(*len);
+        self.byte(rights.bits());
+        match backend {
+            BackendData::Cma => self.int(0),
+            BackendData::Ucx {
+                worker_address,
+                rkey,
+            } => {
+                self.int(1);
+                self.bytes(worker_address);
+                self.bytes(rkey);
+            }
+            BackendData::UcxExport { memh } => {
+                self.int(2);
+                self.bytes(memh);
+            }
+        }
+    }
+
+    fn staged(&mut self, s: &Staged) {
+        let Staged {
+            root,
+            design,
+            segment,
+        } = s;
+        self.int(*root as u64);
+        self.int(match design {
+            StagedDesign::Flat => 0,
+            StagedDesign::Hier => 1,
+        });
+        match segment {
+            None => self.byte(0),
+            Some(g) => {
+                self.byte(1);
+                self.grant(g);
+            }
+        }
+    }
+}
+
+/// Bytes a grant's backend may add to the fixed part.
+fn backend_len(g: &Grant) -> usize {
+    match &g.backend {
+        BackendData::Cma => 0,
+        BackendData::Ucx {
+            worker_address,
+            rkey,
+        } => worker_address.len() + rkey.len() + 2 * MAX_VARINT,
+        BackendData::UcxExport { memh } => memh.len() + MAX_VARINT,
+    }
+}
+
+/// Encodes `view` as the whole frame of the message `HostToSp::Post` (length prefix
+/// included) into `out`, cleared first, its memory reused: the bytes `encode_into` writes for
+/// the same post as a [`PostDesc`]. `Err` (and `out` empty): the payload is longer than
+/// [`MAX_FRAME_BYTES`].
+pub fn encode_post_into(view: &PostView<'_>, out: &mut Vec<u8>) -> Result<(), FrameError> {
+    let PostView {
+        kind,
+        comm,
+        seq,
+        comm_rank,
+        members,
+        world_ranks,
+        nodes,
+        slot,
+        token,
+        send,
+        recv,
+        send_counts,
+        send_displs,
+        recv_counts,
+        recv_displs,
+        host_copies,
+        staged,
+        send_packed,
+        recv_packed,
+        reduce,
+        stamps,
+    } = view;
+    out.clear();
+    // Room for the longest encoding (the frame is cut to what was written below).
+    let lists = members.len()
+        + world_ranks.len()
+        + nodes.len()
+        + send_counts.len()
+        + send_displs.len()
+        + recv_counts.len()
+        + recv_displs.len();
+    let grants = backend_len(send)
+        + backend_len(recv)
+        + staged
+            .and_then(|s| s.segment.as_ref())
+            .map_or(0, backend_len);
+    out.resize(4 + 64 * MAX_VARINT + lists * MAX_VARINT + grants, 0);
+    let mut o = Out { buf: out, at: 4 };
+    o.int(POST_VARIANT);
+    o.int(*kind as u64);
+    let CommId { leader, id } = comm;
+    o.int(*leader as u64);
+    o.int(*id as u64);
+    o.int(*seq);
+    o.int(*comm_rank as u64);
+    o.u32s(members);
+    o.u32s(world_ranks);
+    o.u32s(nodes);
+    match slot {
+        None => o.byte(0),
+        Some(s) => {
+            o.byte(1);
+            o.int(*s as u64);
+        }
+    }
+    o.int(*token);
+    o.grant(send);
+    o.grant(recv);
+    o.u64s(send_counts);
+    o.u64s(send_displs);
+    o.u64s(recv_counts);
+    o.u64s(recv_displs);
+    o.bool(*host_copies);
+    match staged {
+        None => o.byte(0),
+        Some(s) => {
+            o.byte(1);
+            o.staged(s);
+        }
+    }
+    o.bool(*send_packed);
+    o.bool(*recv_packed);
+    match reduce {
+        None => o.byte(0),
+        Some(allreduce::Reduce { op, elem }) => {
+            o.byte(1);
+            o.int(*op as u64);
+            o.int(*elem as u64);
+        }
+    }
+    let PostStamps {
+        sent_ns,
+        last_notice_ns,
+    } = stamps;
+    o.int(*sent_ns);
+    o.int(*last_notice_ns);
+    let end = o.at;
+    out.truncate(end);
+    let len = end - 4;
+    if len > MAX_FRAME_BYTES as usize {
+        out.clear();
+        return Err(FrameError::TooLarge {
+            len: len.min(u32::MAX as usize) as u32,
+            max: MAX_FRAME_BYTES,
+        });
+    }
+    out[..4].copy_from_slice(&(len as u32).to_le_bytes());
+    Ok(())
+}
