@@ -102,9 +102,10 @@ impl Drop for Chunk {
 pub struct InArena {
     pub chunk: Chunk,
     /// The receive side's region in the program's buffer (or the shim's unpack staging), and
-    /// each peer's bytes in it (offset, length), as the SP writes them in the chunk.
+    /// each peer's bytes in it as the SP writes them in the chunk: offset and length of each
+    /// block that has bytes, one after the other (a pooled vector: `recycle.rs`).
     pub recv_to: usize,
-    pub recv_blocks: Vec<(u64, u64)>,
+    pub recv_blocks: crate::recycle::Recycled<u64>,
 }
 
 impl InArena {
@@ -114,7 +115,8 @@ impl InArena {
     /// The call completed (the SP wrote the chunk and stopped using it), and the receive
     /// region is the shim's to write until the request is reported complete.
     pub unsafe fn deliver(&self) {
-        for &(at, len) in &self.recv_blocks {
+        for block in self.recv_blocks.chunks_exact(2) {
+            let (at, len) = (block[0], block[1]);
             // SAFETY: every block lies within the receive side (laid out by `layout.rs`,
             // at most `ARENA_SIDE_BYTES` in all, checked by `fits`), in the chunk's receive
             // half and in the program's region alike.
@@ -141,7 +143,7 @@ mod tests {
             arena: Some(InArena {
                 chunk,
                 recv_to: 0,
-                recv_blocks: vec![],
+                recv_blocks: Default::default(),
             }),
             ..Staging::default()
         };

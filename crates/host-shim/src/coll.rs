@@ -26,6 +26,7 @@ use crate::datatype;
 use crate::design::iallgather_staged;
 use crate::layout::alltoall_as_v;
 use crate::post::{post, post_reduce, Offload, Side};
+use crate::recycle::Recycled;
 use crate::state::is_active;
 use bootstrap::wire::CollKind;
 use mpi_ffi as ffi;
@@ -58,23 +59,27 @@ fn is_in_place(buf: *const c_void) -> bool {
 }
 
 /// Copies `n` ints from a caller's array; `None` for a null array.
-unsafe fn read_ints(p: *const c_int, n: usize) -> Option<Vec<i64>> {
+unsafe fn read_ints(p: *const c_int, n: usize) -> Option<Recycled<i64>> {
     if p.is_null() {
         return None;
     }
     // SAFETY: the caller's array of one entry per peer (MPI precondition).
-    Some(
+    Some(Recycled::collect(
         unsafe { std::slice::from_raw_parts(p, n) }
             .iter()
-            .map(|&v| v as i64)
-            .collect(),
-    )
+            .map(|&v| v as i64),
+    ))
+}
+
+/// The counts and displacements of one block of `count` elements at displacement 0.
+fn one_block(count: c_int) -> (Recycled<i64>, Recycled<i64>) {
+    (Recycled::of(&[count as i64]), Recycled::of(&[0]))
 }
 
 /// A side of `ty` over `(counts, displs)` from `buf`; `None` for an invalid type.
 unsafe fn side(
     buf: *const c_void,
-    (counts, displs): (Vec<i64>, Vec<i64>),
+    (counts, displs): (Recycled<i64>, Recycled<i64>),
     ty: ffi::MPI_Datatype,
 ) -> Option<Side> {
     Some(Side {
@@ -91,14 +96,9 @@ unsafe fn side(
 /// The send side of an `MPI_IN_PLACE` call: the blocks `pick` of the receive side, copied
 /// through the shim's staging at the post.
 fn in_place_send(recv: &Side, pick: impl Fn(usize) -> bool) -> Side {
-    let (counts, displs) = recv
-        .counts
-        .iter()
-        .zip(&recv.displs)
-        .enumerate()
-        .filter(|(p, _)| pick(*p))
-        .map(|(_, (&c, &d))| (c, d))
-        .unzip();
+    let picked = || (0..recv.counts.len()).filter(|&p| pick(p));
+    let counts = Recycled::collect(picked().map(|p| recv.counts[p]));
+    let displs = Recycled::collect(picked().map(|p| recv.displs[p]));
     Side {
         buf: recv.buf,
         counts,
@@ -201,7 +201,7 @@ unsafe fn gather_send(
         return Some(in_place_send(recv, |p| p == me));
     }
     // SAFETY: forwarded.
-    unsafe { side(sendbuf, (vec![sendcount as i64], vec![0]), sendtype) }
+    unsafe { side(sendbuf, one_block(sendcount), sendtype) }
 }
 
 /// # Safety
@@ -308,8 +308,8 @@ pub unsafe fn bcast(
     // SAFETY: forwarded.
     unsafe {
         let (Some(data), Some(empty)) = (
-            side(buffer, (vec![count as i64], vec![0]), ty),
-            side(buffer, (vec![0], vec![0]), ty),
+            side(buffer, one_block(count), ty),
+            side(buffer, one_block(0), ty),
         ) else {
             return Offload::Native;
         };
@@ -365,13 +365,13 @@ pub unsafe fn allreduce(
     };
     // SAFETY: forwarded.
     unsafe {
-        let Some(recv) = side(recvbuf, (vec![count as i64], vec![0]), ty) else {
+        let Some(recv) = side(recvbuf, one_block(count), ty) else {
             return Offload::Native;
         };
         let send = if is_in_place(sendbuf) {
             in_place_send(&recv, |_| true)
         } else {
-            let Some(send) = side(sendbuf, (vec![count as i64], vec![0]), ty) else {
+            let Some(send) = side(sendbuf, one_block(count), ty) else {
                 return Offload::Native;
             };
             send

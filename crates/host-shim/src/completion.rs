@@ -186,7 +186,7 @@ impl Shim {
             // SAFETY: as in `harvest`.
             unsafe { &*(a as *const OffloadRequest) }.result().is_none()
         });
-        let silent = self.conn.last_heard.elapsed();
+        let silent = self.conn.silent_for();
         if waiting && self.conn.broken.is_none() && silent > sp_timeout() {
             self.conn.mark_broken(format!(
                 "the service process at {} has sent nothing for {:.1} s (no heartbeat): it is \

@@ -263,9 +263,10 @@ pub struct Conn {
     remote: bool,
     /// Why the connection is unusable, once it is (set only by [`Conn::mark_broken`]).
     pub broken: Option<String>,
-    /// When the SP last showed life: bytes read from it, or a post sent to it (which it
-    /// answers with heartbeats while the post is outstanding).
-    pub last_heard: std::time::Instant,
+    /// When the SP last showed life (CLOCK_MONOTONIC ns, `bootstrap::stamps::now_ns`): bytes
+    /// read from it, or a post sent to it (which it answers with heartbeats while the post is
+    /// outstanding).
+    last_heard_ns: u64,
     /// The post ring the SP reads, if it does (`post_ring.rs`).
     ring: Option<crate::post_ring::ShimRing>,
     /// Frames sent on the socket since the registration (each ring entry records it).
@@ -283,7 +284,7 @@ impl Conn {
             path: PathBuf::from(target.to_string()),
             remote,
             broken: None,
-            last_heard: std::time::Instant::now(),
+            last_heard_ns: bootstrap::stamps::now_ns(),
             ring: None,
             sock_frames: 0,
             frame: Vec::new(),
@@ -328,11 +329,40 @@ impl Conn {
     /// Sends one message (blocking, bounded by [`IO_TIMEOUT`]). A failure breaks the connection:
     /// a partly written frame leaves the stream unusable.
     pub fn send(&mut self, msg: &HostToSp) -> Result<(), String> {
+        let post = matches!(msg, HostToSp::Post(_)).then(bootstrap::stamps::now_ns);
+        self.send_encoded(|frame| wire::encode_into(msg, frame), post)
+    }
+
+    /// [`Conn::send`] of a post built as a view (`HostToSp::Post` on the wire), which
+    /// allocates nothing; its `stamps.sent_ns` is taken as the time it is sent.
+    pub fn send_post(&mut self, view: &wire::PostView<'_>) -> Result<(), String> {
+        self.send_encoded(
+            |frame| wire::encode_post_into(view, frame),
+            Some(view.stamps.sent_ns),
+        )
+    }
+
+    /// How long the SP has shown no life (see `last_heard_ns`).
+    pub fn silent_for(&self) -> std::time::Duration {
+        std::time::Duration::from_nanos(
+            bootstrap::stamps::now_ns().saturating_sub(self.last_heard_ns),
+        )
+    }
+
+    /// Sends the frame `encode` writes; `post`: it is a post, sent at this time (ns), which
+    /// may go through the ring.
+    fn send_encoded(
+        &mut self,
+        encode: impl FnOnce(&mut Vec<u8>) -> Result<(), wire::FrameError>,
+        post: Option<u64>,
+    ) -> Result<(), String> {
         if let Some(why) = &self.broken {
             return Err(why.clone());
         }
         let mut frame = std::mem::take(&mut self.frame);
-        let sent = self.send_frame(msg, &mut frame);
+        let sent = encode(&mut frame)
+            .map_err(|e| e.to_string())
+            .and_then(|()| self.send_frame(&frame, post));
         // Kept unless a large post grew it (a communicator of many thousands of ranks).
         if frame.capacity() <= 64 << 10 {
             self.frame = frame;
@@ -340,14 +370,13 @@ impl Conn {
         sent
     }
 
-    /// [`Conn::send`] with `frame` as the buffer to encode into.
-    fn send_frame(&mut self, msg: &HostToSp, frame: &mut Vec<u8>) -> Result<(), String> {
-        wire::encode_into(msg, frame).map_err(|e| e.to_string())?;
-        if let (HostToSp::Post(_), Some(ring)) = (msg, self.ring.as_mut()) {
+    /// Sends one encoded `frame` (a post sent at `post` ns through the ring when it fits).
+    fn send_frame(&mut self, frame: &[u8], post: Option<u64>) -> Result<(), String> {
+        if let (Some(now), Some(ring)) = (post, self.ring.as_mut()) {
             // The payload without its length prefix; one that does not fit, or a full ring,
             // goes on the socket (the SP keeps the order: see `bootstrap::post_ring`).
             if ring.push(self.sock_frames, &frame[4..]) {
-                self.last_heard = std::time::Instant::now();
+                self.last_heard_ns = now;
                 return Ok(());
             }
         }
@@ -360,8 +389,8 @@ impl Conn {
             self.mark_broken(why.clone());
             return Err(why);
         }
-        if matches!(msg, HostToSp::Post(_)) {
-            self.last_heard = std::time::Instant::now();
+        if let Some(now) = post {
+            self.last_heard_ns = now;
         }
         Ok(())
     }
@@ -408,7 +437,7 @@ impl Conn {
                 }
             }
             self.decoder.extend(&buf[..n as usize]);
-            self.last_heard = std::time::Instant::now();
+            self.last_heard_ns = bootstrap::stamps::now_ns();
         }
         loop {
             match self.decoder.next_frame() {

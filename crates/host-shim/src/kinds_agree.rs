@@ -1,7 +1,8 @@
 //! The shim and the SP agree on every collective kind: for each `CollKind` (every one in
 //! `bootstrap::kinds::KINDS`, so a new kind is in it the day it is added), posts built as the
-//! shim builds them (`post::lay_out`, `post::Draft::describe`, which read the kind's facts) on
-//! random communicators, buffers, roots, designs and packings pass the SP's checks
+//! shim builds them (`post::lay_out`, `post::Draft::grant` and `post::Draft::view`, which
+//! read the kind's facts) on random communicators, buffers, roots, designs and packings pass
+//! the SP's checks
 //! (`service_process::validate::check_post`), and the same post broken in one fact of its kind
 //! (its node list, its receive rights, its staged fields, its root's empty side, its rank
 //! order) is refused by them. A fact written twice, once where the shim reads it and once
@@ -13,6 +14,7 @@
 use crate::comm::CommInfo;
 use crate::layout::TypeGeometry;
 use crate::post::{lay_out, Draft, Side};
+use crate::recycle::Recycled;
 use algorithms::CommId;
 use alias_mkey::{BackendData, Grant, Rights};
 use bootstrap::kinds::{Blocks, KindFacts};
@@ -69,8 +71,8 @@ const BYTES: TypeGeometry = TypeGeometry {
 fn side(buf: u64, counts: Vec<u64>, displs: Vec<u64>, copy: bool) -> Side {
     Side {
         buf: buf as *const std::os::raw::c_void,
-        counts: counts.into_iter().map(|c| c as i64).collect(),
-        displs: displs.into_iter().map(|d| d as i64).collect(),
+        counts: Recycled::collect(counts.into_iter().map(|c| c as i64)),
+        displs: Recycled::collect(displs.into_iter().map(|d| d as i64)),
         // SAFETY: a handle the layout never reads (only the packing does, not run here).
         ty: unsafe { std::mem::zeroed() },
         geo: BYTES,
@@ -183,7 +185,7 @@ fn shim_post(rng: &mut Rng, f: &KindFacts) -> (PostDesc, Poster) {
         }),
     };
     let mut region = 0;
-    let d = draft.describe(&info, Some(0), 1, |addr, len, rights, _segment| {
+    let grants = draft.grant(&info, |addr, len, rights, _segment| {
         region += 1;
         Grant {
             region,
@@ -194,6 +196,9 @@ fn shim_post(rng: &mut Rng, f: &KindFacts) -> (PostDesc, Poster) {
             backend: BackendData::Cma,
         }
     });
+    let d = draft
+        .view(&info, &grants, Some(0), 1, Default::default())
+        .to_desc();
     let poster = Poster {
         sp: members[me],
         world_rank: world_ranks[me],

@@ -25,6 +25,8 @@
 //! Every product and sum is computed in `i128` and checked, so a hostile or erroneous argument
 //! becomes a [`LayoutError`] and never a wrapped number.
 
+use crate::recycle::Recycled;
+
 /// Geometry of an MPI datatype as `PMPI_Type_size`, `PMPI_Type_get_extent` and
 /// `PMPI_Type_get_true_extent` report it (bytes), and whether its data are one run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -110,9 +112,9 @@ pub struct SideBytes {
     pub region_offset: i64,
     pub region_len: u64,
     /// Bytes for each peer.
-    pub counts: Vec<u64>,
+    pub counts: Recycled<u64>,
     /// Offset of each peer's bytes inside the region (0 for peers with no bytes).
-    pub displs: Vec<u64>,
+    pub displs: Recycled<u64>,
 }
 
 fn fits_i64(v: i128) -> bool {
@@ -133,19 +135,18 @@ pub fn side_bytes(
             displs: displs.len(),
         });
     }
-    // Absolute (relative to the buffer pointer) byte ranges per peer.
-    let mut ranges: Vec<Option<(i128, i128)>> = Vec::with_capacity(counts.len());
+    // Two passes over the peers, so that nothing is kept between them: the region covering
+    // every peer's bytes (relative to the buffer pointer), then each peer's place in it.
+    let run = |peer: usize, count: i64, displ: i64| {
+        ty.run_of(count, displ as i128 * ty.extent as i128)
+            .map_err(|NotARun| LayoutError::NotARun { peer })
+    };
     let (mut lo, mut hi) = (i128::MAX, i128::MIN);
     for (peer, (&count, &displ)) in counts.iter().zip(displs).enumerate() {
         if count < 0 {
             return Err(LayoutError::NegativeCount { peer });
         }
-        let at = displ as i128 * ty.extent as i128;
-        let Some((start, bytes)) = ty
-            .run_of(count, at)
-            .map_err(|NotARun| LayoutError::NotARun { peer })?
-        else {
-            ranges.push(None);
+        let Some((start, bytes)) = run(peer, count, displ)? else {
             continue;
         };
         let end = start + bytes;
@@ -154,15 +155,14 @@ pub fn side_bytes(
         }
         lo = lo.min(start);
         hi = hi.max(end);
-        ranges.push(Some((start, bytes)));
     }
     if lo == i128::MAX {
         // Nothing to move on this side: an empty region at the buffer pointer.
         return Ok(SideBytes {
             region_offset: 0,
             region_len: 0,
-            counts: vec![0; counts.len()],
-            displs: vec![0; counts.len()],
+            counts: Recycled::collect(counts.iter().map(|_| 0)),
+            displs: Recycled::collect(counts.iter().map(|_| 0)),
         });
     }
     let region_len = hi - lo;
@@ -174,11 +174,12 @@ pub fn side_bytes(
     let mut out = SideBytes {
         region_offset: lo as i64,
         region_len: region_len as u64,
-        counts: Vec::with_capacity(counts.len()),
-        displs: Vec::with_capacity(counts.len()),
+        counts: Recycled::new(),
+        displs: Recycled::new(),
     };
-    for r in ranges {
-        let (start, bytes) = r.unwrap_or((lo, 0));
+    for (peer, (&count, &displ)) in counts.iter().zip(displs).enumerate() {
+        // The first pass checked every peer.
+        let (start, bytes) = run(peer, count, displ)?.unwrap_or((lo, 0));
         // Both fit: 0 <= start - lo < region_len <= i64::MAX and bytes <= region_len.
         out.counts.push(bytes as u64);
         out.displs.push((start - lo) as u64);
@@ -192,8 +193,8 @@ pub fn packed_side(counts: &[i64], size: i64) -> Result<SideBytes, LayoutError> 
     let mut out = SideBytes {
         region_offset: 0,
         region_len: 0,
-        counts: Vec::with_capacity(counts.len()),
-        displs: Vec::with_capacity(counts.len()),
+        counts: Recycled::new(),
+        displs: Recycled::new(),
     };
     let mut at: i128 = 0;
     for (peer, &count) in counts.iter().enumerate() {
@@ -224,9 +225,9 @@ pub fn region_addr(buf: u64, region_offset: i64, len: u64) -> Option<u64> {
 
 /// Counts and displacements (in elements) of an `MPI_Alltoall` of `count` elements per peer
 /// over `n` peers, as the equivalent alltoallv: `count` each, displacement `i * count`.
-pub fn alltoall_as_v(n: usize, count: i64) -> (Vec<i64>, Vec<i64>) {
-    let counts = vec![count; n];
-    let displs = (0..n as i64).map(|i| i.saturating_mul(count)).collect();
+pub fn alltoall_as_v(n: usize, count: i64) -> (Recycled<i64>, Recycled<i64>) {
+    let counts = Recycled::collect((0..n).map(|_| count));
+    let displs = Recycled::collect((0..n as i64).map(|i| i.saturating_mul(count)));
     (counts, displs)
 }
 

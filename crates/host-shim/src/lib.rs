@@ -92,6 +92,7 @@ mod wait;
 
 pub mod backoff;
 pub mod layout;
+pub mod recycle;
 pub mod registry;
 pub mod slots;
 pub mod unmapped;

@@ -21,12 +21,13 @@ use crate::comm::{self, CommInfo};
 use crate::design::{host_copies_enabled, staged_design};
 use crate::layout::{packed_side, region_addr, side_bytes, LayoutError, SideBytes, TypeGeometry};
 use crate::pack::{self, Block, Unpack};
+use crate::recycle::Recycled;
 use crate::request::{OffloadRequest, Staging};
 use crate::state::{mailbox_token, topology, with_shim, TRACKED};
 use algorithms::allreduce::Reduce;
 use alias_mkey::Grant;
 use alias_mkey::Rights;
-use bootstrap::wire::{CollKind, HostToSp, PostDesc, PostStamps, Staged, StagedDesign};
+use bootstrap::wire::{CollKind, PostStamps, PostView, Staged, StagedDesign};
 use mpi_ffi as ffi;
 use mpi_ffi::consts;
 use std::os::raw::{c_int, c_void};
@@ -50,8 +51,8 @@ pub enum Offload {
 /// at element displacement `displs[p]` from `buf`, per peer.
 pub struct Side {
     pub buf: *const c_void,
-    pub counts: Vec<i64>,
-    pub displs: Vec<i64>,
+    pub counts: Recycled<i64>,
+    pub displs: Recycled<i64>,
     pub ty: ffi::MPI_Datatype,
     pub geo: TypeGeometry,
     /// Always through the shim's staging: the send side of an `MPI_IN_PLACE` call, whose data
@@ -212,7 +213,7 @@ pub unsafe fn post_reduce(
         match unsafe {
             Unpack::new(
                 recv.blocks(),
-                r.bytes.displs.clone(),
+                r.bytes.displs.to_vec(),
                 recv.ty,
                 recv.geo.size,
                 recv.geo.extent,
@@ -277,14 +278,12 @@ pub unsafe fn post_reduce(
                     s.bytes.region_len as usize,
                 )
             };
-            let recv_blocks = r
-                .bytes
-                .counts
-                .iter()
-                .zip(&r.bytes.displs)
-                .filter(|(&n, _)| n > 0)
-                .map(|(&n, &at)| (at, n))
-                .collect();
+            let mut recv_blocks = Recycled::new();
+            for (&n, &at) in r.bytes.counts.iter().zip(&r.bytes.displs) {
+                if n > 0 {
+                    recv_blocks.extend_from_slice(&[at, n]);
+                }
+            }
             send_addr = chunk.send() as u64;
             let to = std::mem::replace(&mut recv_addr, chunk.recv() as u64);
             staging.arena = Some(crate::arena::InArena {
@@ -325,21 +324,23 @@ pub unsafe fn post_reduce(
         });
         sh.registrar.refresh(idle);
         let region_len = draft.recv.0.region_len;
-        let desc = draft.describe(info, slot, token, |addr, len, rights, segment| {
+        let grants = draft.grant(info, |addr, len, rights, segment| {
             if segment {
                 sh.registrar.cma_buffer(addr, len, rights)
             } else {
                 sh.registrar.buffer(addr, len, rights)
             }
         });
-        let host_copies = desc.host_copies;
-        let mut desc = Box::new(desc);
+        let host_copies = grants.host_copies;
         let sent_ns = bootstrap::stamps::now_ns();
-        desc.stamps = PostStamps {
+        let stamps = PostStamps {
             sent_ns,
             last_notice_ns: std::mem::take(&mut sh.last_notice_ns),
         };
-        match sh.conn.send(&HostToSp::Post(desc)) {
+        match sh
+            .conn
+            .send_post(&draft.view(info, &grants, slot, token, stamps))
+        {
             Ok(()) => {
                 let mut req = OffloadRequest::new(kind, slot, token, info.id, seq, comm, staging);
                 req.sent_ns = sent_ns;
@@ -373,7 +374,7 @@ pub unsafe fn post_reduce(
 }
 
 /// A post of one collective once its sides are laid out: everything its descriptor says
-/// besides the slot and the grants. [`Draft::describe`] reads the kind's facts
+/// besides the slot and the grants. [`Draft::grant`] and [`Draft::view`] read the kind's facts
 /// (`bootstrap::kinds`) and nothing else of the shim, so that the kinds' agreement test
 /// (`kinds_agree.rs`) builds descriptors exactly as [`post`] does and checks them with the
 /// SP's checks.
@@ -397,27 +398,35 @@ pub(crate) struct Draft {
     pub reduce: Option<Reduce>,
 }
 
+/// What a post grants: its sides, and a staged kind's segment.
+pub(crate) struct Grants {
+    pub send: Grant,
+    pub recv: Grant,
+    /// A staged kind's root, design and segment.
+    pub staged: Option<Staged>,
+    /// The rank copies segments itself (`PostDesc::host_copies`).
+    pub host_copies: bool,
+}
+
 impl Draft {
-    /// The descriptor on communicator `info` with completion `slot` and `token`;
-    /// `grant(addr, len, rights, segment)` grants a side (or, `segment`, the node segment
-    /// through cma), in this order: send, receive, segment.
-    pub(crate) fn describe(
-        self,
+    /// The grants of a post on communicator `info`: `grant(addr, len, rights, segment)`
+    /// grants a side (or, `segment`, the node segment through cma), in this order: send,
+    /// receive, segment.
+    pub(crate) fn grant(
+        &self,
         info: &CommInfo,
-        slot: Option<u32>,
-        token: u64,
         mut grant: impl FnMut(u64, u64, Rights, bool) -> Grant,
-    ) -> PostDesc {
+    ) -> Grants {
         let facts = self.kind.facts();
-        let ((s, send_addr, send_packed), (r, recv_addr, recv_packed)) = (self.send, self.recv);
+        let ((s, send_addr, _), (r, recv_addr, _)) = (&self.send, &self.recv);
         // A hierarchical rank receives out of the node segment, and copies from it itself;
         // the root of a rooted kind receives nothing.
         let receives_from_segment =
             self.segment.is_some() && (!facts.rooted || self.root != Some(info.comm_rank));
         let host_copies = (self.blocking && facts.host_copies && self.host_copies_enabled)
             || receives_from_segment;
-        let send = grant(send_addr, s.region_len, Rights::READ, false);
-        let recv = grant(recv_addr, r.region_len, facts.recv_rights, false);
+        let send = grant(*send_addr, s.region_len, Rights::READ, false);
+        let recv = grant(*recv_addr, r.region_len, facts.recv_rights, false);
         let staged = self.design.map(|design| Staged {
             root: self.root.unwrap_or(0),
             design,
@@ -425,32 +434,49 @@ impl Draft {
                 .segment
                 .map(|(addr, len)| grant(addr, len, Rights::READ_WRITE, true)),
         });
-        PostDesc {
+        Grants {
+            send,
+            recv,
+            staged,
+            host_copies,
+        }
+    }
+
+    /// The descriptor on communicator `info` with `grants` (from [`Draft::grant`]),
+    /// completion `slot` and `token`, borrowing its lists from the draft and the
+    /// communicator's record.
+    pub(crate) fn view<'a>(
+        &'a self,
+        info: &'a CommInfo,
+        grants: &'a Grants,
+        slot: Option<u32>,
+        token: u64,
+        stamps: PostStamps,
+    ) -> PostView<'a> {
+        let facts = self.kind.facts();
+        let ((s, _, send_packed), (r, _, recv_packed)) = (&self.send, &self.recv);
+        PostView {
             kind: self.kind,
             comm: info.id,
             seq: self.seq,
             comm_rank: info.comm_rank,
-            members: info.members.clone(),
-            world_ranks: info.world_ranks.clone(),
-            nodes: if facts.lists_nodes {
-                info.nodes.clone()
-            } else {
-                Vec::new()
-            },
+            members: &info.members,
+            world_ranks: &info.world_ranks,
+            nodes: if facts.lists_nodes { &info.nodes } else { &[] },
             slot,
             token,
-            send,
-            recv,
-            send_counts: s.counts,
-            send_displs: s.displs,
-            recv_counts: r.counts,
-            recv_displs: r.displs,
-            host_copies,
-            staged,
-            send_packed,
-            recv_packed,
+            send: &grants.send,
+            recv: &grants.recv,
+            send_counts: &s.counts,
+            send_displs: &s.displs,
+            recv_counts: &r.counts,
+            recv_displs: &r.displs,
+            host_copies: grants.host_copies,
+            staged: grants.staged.as_ref(),
+            send_packed: *send_packed,
+            recv_packed: *recv_packed,
             reduce: self.reduce,
-            stamps: Default::default(),
+            stamps,
         }
     }
 }
