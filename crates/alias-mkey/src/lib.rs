@@ -72,6 +72,12 @@ impl Rights {
     pub fn bits(self) -> u8 {
         self.0
     }
+
+    /// The rights of these bits, any of them, as a decoded message carries them (what the
+    /// other bits mean is for the checks to refuse: `contains` reads only the ones asked for).
+    pub fn from_bits(bits: u8) -> Rights {
+        Rights(bits)
+    }
 }
 
 impl std::fmt::Display for Rights {

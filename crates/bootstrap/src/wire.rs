@@ -772,7 +772,7 @@ impl<S: Read + Write> Channel<S> {
 }
 
 mod post_view;
-pub use post_view::{encode_post_into, PostView};
+pub use post_view::{decode_host, decode_post, encode_post_into, PostView};
 
 #[cfg(test)]
 mod tests;

@@ -2,7 +2,8 @@
 //! replays the kept corpus and crash inputs through (`tests/fuzz_corpus.rs`): every decoder of
 //! untrusted input, the checks of a host's descriptor, and the engine's handling of peer
 //! messages and posts, driven without sockets. Each must return, whatever the bytes: no
-//! panic, no unbounded allocation or loop.
+//! panic, no unbounded allocation or loop (and the hand-written post decoder must decode
+//! what bincode decodes, and refuse what it refuses).
 
 use crate::access;
 use crate::drivers::{self, LocalPost, StagedConfig};
@@ -47,7 +48,15 @@ pub fn host_frames(data: &[u8]) {
             }
             continue;
         }
-        if let Ok(HostToSp::Post(p)) = wire::decode::<HostToSp>(&f) {
+        // The SP decodes a host's messages with `decode_host` (a post by hand): it must
+        // agree with bincode on every input.
+        let msg = wire::decode_host(&f);
+        assert_eq!(
+            msg.as_ref().ok(),
+            wire::decode::<HostToSp>(&f).as_ref().ok(),
+            "decode_host and bincode disagree"
+        );
+        if let Ok(HostToSp::Post(p)) = msg {
             let poster = Poster {
                 sp: 0,
                 world_rank: 0,

@@ -337,3 +337,207 @@ pub fn encode_post_into(view: &PostView<'_>, out: &mut Vec<u8>) -> Result<(), Fr
     out[..4].copy_from_slice(&(len as u32).to_le_bytes());
     Ok(())
 }
+
+/// Decodes a frame's payload from a host (`HostToSp`), a post by hand ([`decode_post`]), any
+/// other message with bincode: the result is [`decode`](super::decode)'s in every case, `Ok`
+/// or `Err` alike (the test `a_post_decodes_by_hand_as_bincode_decodes_it` compares them on
+/// random posts and on their truncations and corruptions).
+pub fn decode_host(payload: &[u8]) -> Result<super::HostToSp, FrameError> {
+    // A post's variant index, written canonically (bincode takes the other spellings too,
+    // and so does this, through bincode).
+    if payload.first() == Some(&(POST_VARIANT as u8)) {
+        return decode_post(&payload[1..]).map(|d| super::HostToSp::Post(Box::new(d)));
+    }
+    super::decode(payload)
+}
+
+/// The payload being read.
+struct In<'a> {
+    buf: &'a [u8],
+    at: usize,
+}
+
+fn bad(what: &str) -> FrameError {
+    FrameError::Decode(format!("a post: {what}"))
+}
+
+impl In<'_> {
+    fn byte(&mut self) -> Result<u8, FrameError> {
+        let b = *self.buf.get(self.at).ok_or_else(|| bad("ends early"))?;
+        self.at += 1;
+        Ok(b)
+    }
+
+    fn take<const N: usize>(&mut self) -> Result<[u8; N], FrameError> {
+        let b = self
+            .buf
+            .get(self.at..self.at + N)
+            .ok_or_else(|| bad("ends early"))?;
+        self.at += N;
+        Ok(b.try_into().expect("N bytes"))
+    }
+
+    /// bincode's variable-length integer (any of its spellings of a value, as bincode reads
+    /// them: a marker need not be the shortest).
+    fn u64(&mut self) -> Result<u64, FrameError> {
+        Ok(match self.byte()? {
+            b @ 0..=250 => b as u64,
+            251 => u16::from_le_bytes(self.take()?) as u64,
+            252 => u32::from_le_bytes(self.take()?) as u64,
+            253 => u64::from_le_bytes(self.take()?),
+            _ => return Err(bad("an integer of more than 64 bits")),
+        })
+    }
+
+    fn u32(&mut self) -> Result<u32, FrameError> {
+        u32::try_from(self.u64()?).map_err(|_| bad("a 32-bit integer out of range"))
+    }
+
+    fn bool(&mut self) -> Result<bool, FrameError> {
+        match self.byte()? {
+            0 => Ok(false),
+            1 => Ok(true),
+            _ => Err(bad("a boolean other than 0 or 1")),
+        }
+    }
+
+    /// An `Option`'s tag: whether a value follows.
+    fn some(&mut self) -> Result<bool, FrameError> {
+        match self.byte()? {
+            0 => Ok(false),
+            1 => Ok(true),
+            _ => Err(bad("an option tag other than 0 or 1")),
+        }
+    }
+
+    /// A sequence's length, no more than its elements of at least `min` bytes each could
+    /// fill of what is left (so that a hostile length allocates nothing it cannot fill).
+    fn len(&mut self, min: usize) -> Result<usize, FrameError> {
+        let n = self.u64()?;
+        let left = (self.buf.len() - self.at) / min;
+        if n > left as u64 {
+            return Err(bad("a list longer than the message"));
+        }
+        Ok(n as usize)
+    }
+
+    fn u32s(&mut self) -> Result<Vec<u32>, FrameError> {
+        let n = self.len(1)?;
+        (0..n).map(|_| self.u32()).collect()
+    }
+
+    fn u64s(&mut self) -> Result<Vec<u64>, FrameError> {
+        let n = self.len(1)?;
+        (0..n).map(|_| self.u64()).collect()
+    }
+
+    fn bytes(&mut self) -> Result<Vec<u8>, FrameError> {
+        let n = self.len(1)?;
+        let b = self.buf[self.at..self.at + n].to_vec();
+        self.at += n;
+        Ok(b)
+    }
+
+    /// A fieldless enum's variant index below `n`.
+    fn variant(&mut self, n: u32) -> Result<u32, FrameError> {
+        let v = self.u32()?;
+        if v >= n {
+            return Err(bad("an unknown variant"));
+        }
+        Ok(v)
+    }
+
+    fn grant(&mut self) -> Result<Grant, FrameError> {
+        let region = self.u64()?;
+        let generation = self.u32()?;
+        let addr = self.u64()?;
+        let len = self.u64()?;
+        let rights = alias_mkey::Rights::from_bits(self.byte()?);
+        let backend = match self.variant(3)? {
+            0 => BackendData::Cma,
+            1 => BackendData::Ucx {
+                worker_address: self.bytes()?,
+                rkey: self.bytes()?,
+            },
+            _ => BackendData::UcxExport {
+                memh: self.bytes()?,
+            },
+        };
+        Ok(Grant {
+            region,
+            generation,
+            addr,
+            len,
+            rights,
+            backend,
+        })
+    }
+}
+
+/// The variant of index `i` among `all` (a fieldless enum's every variant), by its index.
+fn by_index<T: Copy>(all: &[T], index: impl Fn(T) -> u32, i: u32) -> Result<T, FrameError> {
+    all.iter()
+        .copied()
+        .find(|&v| index(v) == i)
+        .ok_or_else(|| bad("an unknown variant"))
+}
+
+/// Decodes a `PostDesc` written by [`encode_post_into`] (or by bincode), the payload after
+/// the message's variant index, with nothing after it.
+pub fn decode_post(payload: &[u8]) -> Result<PostDesc, FrameError> {
+    let mut i = In {
+        buf: payload,
+        at: 0,
+    };
+    let d = PostDesc {
+        kind: by_index(&crate::kinds::KINDS.map(|f| f.kind), |k| k as u32, i.u32()?)?,
+        comm: CommId {
+            leader: i.u32()?,
+            id: i.u32()?,
+        },
+        seq: i.u64()?,
+        comm_rank: i.u32()?,
+        members: i.u32s()?,
+        world_ranks: i.u32s()?,
+        nodes: i.u32s()?,
+        slot: if i.some()? { Some(i.u32()?) } else { None },
+        token: i.u64()?,
+        send: i.grant()?,
+        recv: i.grant()?,
+        send_counts: i.u64s()?,
+        send_displs: i.u64s()?,
+        recv_counts: i.u64s()?,
+        recv_displs: i.u64s()?,
+        host_copies: i.bool()?,
+        staged: if i.some()? {
+            Some(Staged {
+                root: i.u32()?,
+                design: match i.variant(2)? {
+                    0 => StagedDesign::Flat,
+                    _ => StagedDesign::Hier,
+                },
+                segment: if i.some()? { Some(i.grant()?) } else { None },
+            })
+        } else {
+            None
+        },
+        send_packed: i.bool()?,
+        recv_packed: i.bool()?,
+        reduce: if i.some()? {
+            Some(allreduce::Reduce {
+                op: by_index(&allreduce::Op::ALL, |o| o as u32, i.u32()?)?,
+                elem: by_index(&allreduce::Elem::ALL, |e| e as u32, i.u32()?)?,
+            })
+        } else {
+            None
+        },
+        stamps: PostStamps {
+            sent_ns: i.u64()?,
+            last_notice_ns: i.u64()?,
+        },
+    };
+    if i.at != payload.len() {
+        return Err(bad("bytes after its end"));
+    }
+    Ok(d)
+}

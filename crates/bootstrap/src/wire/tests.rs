@@ -243,103 +243,114 @@ fn encode_into_writes_the_same_frame_into_a_reused_buffer() {
     assert!(out.is_empty(), "a refused message leaves no partial frame");
 }
 
-/// A rank encodes its posts from a [`PostView`] by hand (`encode_post_into`); the SP decodes
-/// `HostToSp::Post` as bincode wrote it. Random descriptors (every optional field on and off,
-/// every kind, lists of 0-40 entries, integers of every width, all three grant backends)
-/// encode to the same bytes either way and decode back to themselves.
-#[test]
-fn a_post_view_encodes_as_the_post_message() {
+/// The random-number stream of a test, from `SPOFF_TEST_SEED` or `default` (printed).
+fn test_rng(default: u64) -> impl FnMut() -> u64 {
     let seed = std::env::var("SPOFF_TEST_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(0x9e37_79b9_7f4a_7c15_u64);
+        .unwrap_or(default);
     println!("seed {seed} (SPOFF_TEST_SEED)");
     let mut x = seed | 1;
-    let mut next = move || {
+    move || {
         x ^= x << 13;
         x ^= x >> 7;
         x ^= x << 17;
         x
-    };
-    for i in 0..300 {
-        let n = (next() % 41) as usize;
-        // Integers of every width: the varint's one, three, five and nine bytes.
-        let mut wide = || next() >> (next() % 64);
-        let mut list = || (0..n).map(|_| wide()).collect::<Vec<u64>>();
-        let (sc, sd, rc, rd) = (list(), list(), list(), list());
-        let mut g = || {
-            let mut g = grant(next());
-            g.addr = next();
-            g.region = next() % 1000;
-            g.generation = (next() >> (next() % 64)) as u32;
-            g.len >>= next() % 64;
-            g.rights = [
-                Rights::NONE,
-                Rights::READ,
-                Rights::WRITE,
-                Rights::READ_WRITE,
-            ][(next() % 4) as usize];
-            match next() % 3 {
-                0 => {}
-                1 => {
-                    g.backend = BackendData::Ucx {
-                        worker_address: (0..next() % 300).map(|b| b as u8).collect(),
-                        rkey: vec![7; (next() % 9) as usize],
-                    }
-                }
-                _ => {
-                    g.backend = BackendData::UcxExport {
-                        memh: (0..next() % 260).map(|b| (b * 7) as u8).collect(),
-                    }
+    }
+}
+
+/// A random post (the `i`-th of a test: its kind), every optional field on or off, lists of
+/// 0-40 entries, integers of every width, all three grant backends.
+fn random_post(next: &mut impl FnMut() -> u64, i: usize) -> PostDesc {
+    let n = (next() % 41) as usize;
+    // Integers of every width: the varint's one, three, five and nine bytes.
+    let mut wide = || next() >> (next() % 64);
+    let mut list = || (0..n).map(|_| wide()).collect::<Vec<u64>>();
+    let (sc, sd, rc, rd) = (list(), list(), list(), list());
+    let mut g = || {
+        let mut g = grant(next());
+        g.addr = next();
+        g.region = next() % 1000;
+        g.generation = (next() >> (next() % 64)) as u32;
+        g.len >>= next() % 64;
+        g.rights = [
+            Rights::NONE,
+            Rights::READ,
+            Rights::WRITE,
+            Rights::READ_WRITE,
+        ][(next() % 4) as usize];
+        match next() % 3 {
+            0 => {}
+            1 => {
+                g.backend = BackendData::Ucx {
+                    worker_address: (0..next() % 300).map(|b| b as u8).collect(),
+                    rkey: vec![7; (next() % 9) as usize],
                 }
             }
-            g
-        };
-        let (send, recv, seg) = (g(), g(), g());
-        let d = PostDesc {
-            kind: crate::kinds::KINDS[i % crate::kinds::KINDS.len()].kind,
-            comm: CommId {
-                leader: next() as u32,
-                id: next() as u32,
-            },
-            seq: next(),
-            comm_rank: (next() % 64) as u32,
-            members: (0..n).map(|_| next() as u32).collect(),
-            world_ranks: (0..n).map(|_| next() as u32 % 4096).collect(),
-            nodes: if next() % 2 == 0 {
-                Vec::new()
+            _ => {
+                g.backend = BackendData::UcxExport {
+                    memh: (0..next() % 260).map(|b| (b * 7) as u8).collect(),
+                }
+            }
+        }
+        g
+    };
+    let (send, recv, seg) = (g(), g(), g());
+    let d = PostDesc {
+        kind: crate::kinds::KINDS[i % crate::kinds::KINDS.len()].kind,
+        comm: CommId {
+            leader: next() as u32,
+            id: next() as u32,
+        },
+        seq: next(),
+        comm_rank: (next() % 64) as u32,
+        members: (0..n).map(|_| next() as u32).collect(),
+        world_ranks: (0..n).map(|_| next() as u32 % 4096).collect(),
+        nodes: if next() % 2 == 0 {
+            Vec::new()
+        } else {
+            (0..n).map(|_| next() as u32 % 16).collect()
+        },
+        slot: (next() % 2 == 0).then(|| next() as u32),
+        token: next(),
+        send,
+        recv,
+        send_counts: sc,
+        send_displs: sd,
+        recv_counts: rc,
+        recv_displs: rd,
+        host_copies: next() % 2 == 0,
+        staged: (next() % 2 == 0).then(|| Staged {
+            root: next() as u32,
+            design: if next() % 2 == 0 {
+                StagedDesign::Flat
             } else {
-                (0..n).map(|_| next() as u32 % 16).collect()
+                StagedDesign::Hier
             },
-            slot: (next() % 2 == 0).then(|| next() as u32),
-            token: next(),
-            send,
-            recv,
-            send_counts: sc,
-            send_displs: sd,
-            recv_counts: rc,
-            recv_displs: rd,
-            host_copies: next() % 2 == 0,
-            staged: (next() % 2 == 0).then(|| Staged {
-                root: next() as u32,
-                design: if next() % 2 == 0 {
-                    StagedDesign::Flat
-                } else {
-                    StagedDesign::Hier
-                },
-                segment: (next() % 2 == 0).then_some(seg),
-            }),
-            send_packed: next() % 2 == 0,
-            recv_packed: next() % 2 == 0,
-            reduce: (next() % 2 == 0).then(|| allreduce::Reduce {
-                op: allreduce::Op::ALL[(next() % 10) as usize],
-                elem: allreduce::Elem::ALL[(next() % 10) as usize],
-            }),
-            stamps: PostStamps {
-                sent_ns: next(),
-                last_notice_ns: next(),
-            },
-        };
+            segment: (next() % 2 == 0).then_some(seg),
+        }),
+        send_packed: next() % 2 == 0,
+        recv_packed: next() % 2 == 0,
+        reduce: (next() % 2 == 0).then(|| allreduce::Reduce {
+            op: allreduce::Op::ALL[(next() % 10) as usize],
+            elem: allreduce::Elem::ALL[(next() % 10) as usize],
+        }),
+        stamps: PostStamps {
+            sent_ns: next(),
+            last_notice_ns: next(),
+        },
+    };
+    d
+}
+
+/// A rank encodes its posts from a [`PostView`] by hand (`encode_post_into`); the SP decodes
+/// `HostToSp::Post` as bincode wrote it. Random descriptors (`random_post`) encode to the
+/// same bytes either way and decode back to themselves.
+#[test]
+fn a_post_view_encodes_as_the_post_message() {
+    let mut next = test_rng(0x9e37_79b9_7f4a_7c15);
+    for i in 0..300 {
+        let d = random_post(&mut next, i);
         let owned = encode(&HostToSp::Post(Box::new(d.clone())));
         let mut viewed = Vec::new();
         encode_post_into(&d.view(), &mut viewed).unwrap();
@@ -360,4 +371,72 @@ fn a_post_view_encodes_as_the_post_message() {
         Err(FrameError::TooLarge { .. })
     ));
     assert!(out.is_empty());
+}
+
+/// The SP decodes a host's payload with `decode_host` (a post by hand, `decode_post`): on
+/// random posts and on every kind of damage to them (cut short, a byte changed or flipped,
+/// a byte added or removed), and on an integer spelled longer than it need be, it gives what
+/// bincode gives, the same message or an error alike.
+#[test]
+fn a_post_decodes_by_hand_as_bincode_decodes_it() {
+    let mut next = test_rng(0x0bad_5eed);
+    let (mut same, mut refused) = (0, 0);
+    for i in 0..3000 {
+        let d = random_post(&mut next, i);
+        let mut p = encode(&HostToSp::Post(Box::new(d.clone())))[4..].to_vec();
+        let at = |next: &mut dyn FnMut() -> u64, len: usize| next() as usize % len.max(1);
+        match i % 6 {
+            0 => {}
+            1 => p.truncate(at(&mut next, p.len())),
+            2 => {
+                let k = at(&mut next, p.len());
+                p[k] = next() as u8;
+            }
+            3 => {
+                let k = at(&mut next, p.len() + 1);
+                p.insert(k, next() as u8);
+            }
+            4 => {
+                let k = at(&mut next, p.len());
+                p.remove(k);
+            }
+            _ => {
+                for _ in 0..1 + next() % 3 {
+                    let k = at(&mut next, p.len());
+                    p[k] ^= 1 << (next() % 8);
+                }
+            }
+        }
+        let (by_hand, by_bincode) = (decode_host(&p), decode::<HostToSp>(&p));
+        match (&by_hand, &by_bincode) {
+            (Ok(a), Ok(b)) => {
+                assert_eq!(a, b, "payload {i}: {p:?}");
+                if i % 6 == 0 {
+                    assert_eq!(*a, HostToSp::Post(Box::new(d)), "payload {i}");
+                }
+                same += 1;
+            }
+            (Err(_), Err(_)) => refused += 1,
+            _ => panic!("payload {i} {p:?}: by hand {by_hand:?}, bincode {by_bincode:?}"),
+        }
+    }
+    println!("{same} decoded alike, {refused} refused by both");
+    assert!(
+        same >= 500 && refused >= 500,
+        "{same} decoded, {refused} refused"
+    );
+
+    // The kind (the byte after the variant) spelled as a marker and two bytes: both take it.
+    let d = match post(1) {
+        HostToSp::Post(d) => *d,
+        _ => unreachable!(),
+    };
+    let p = encode(&HostToSp::Post(Box::new(d.clone())))[4..].to_vec();
+    let mut long = vec![p[0], 251, p[1], 0];
+    long.extend_from_slice(&p[2..]);
+    assert_eq!(decode_host(&long).unwrap(), HostToSp::Post(Box::new(d)));
+    assert_eq!(
+        decode::<HostToSp>(&long).unwrap(),
+        decode_host(&long).unwrap()
+    );
 }

@@ -332,7 +332,7 @@ impl Server {
                 rec.record("host", self.conns[key].serial, &payload);
             }
             // The shim writes only posts it encoded: anything else is a corrupt ring.
-            let bad = match decode::<HostToSp>(&payload) {
+            let bad = match wire::decode_host(&payload) {
                 Ok(HostToSp::Post(d)) => {
                     self.on_post(key, *d);
                     None

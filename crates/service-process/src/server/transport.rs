@@ -509,7 +509,7 @@ impl Server {
         }
         match role {
             None => self.on_host_hello(key, &payload),
-            Some(true) => match decode::<HostToSp>(&payload) {
+            Some(true) => match wire::decode_host(&payload) {
                 Ok(msg) => match self.remote_gate(key, &msg) {
                     Ok(()) => self.on_host_msg(key, msg),
                     Err(why) => {
