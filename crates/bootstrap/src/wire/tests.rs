@@ -296,7 +296,7 @@ fn random_post(next: &mut impl FnMut() -> u64, i: usize) -> PostDesc {
         g
     };
     let (send, recv, seg) = (g(), g(), g());
-    let d = PostDesc {
+    PostDesc {
         kind: crate::kinds::KINDS[i % crate::kinds::KINDS.len()].kind,
         comm: CommId {
             leader: next() as u32,
@@ -306,12 +306,12 @@ fn random_post(next: &mut impl FnMut() -> u64, i: usize) -> PostDesc {
         comm_rank: (next() % 64) as u32,
         members: (0..n).map(|_| next() as u32).collect(),
         world_ranks: (0..n).map(|_| next() as u32 % 4096).collect(),
-        nodes: if next() % 2 == 0 {
+        nodes: if next().is_multiple_of(2) {
             Vec::new()
         } else {
             (0..n).map(|_| next() as u32 % 16).collect()
         },
-        slot: (next() % 2 == 0).then(|| next() as u32),
+        slot: (next().is_multiple_of(2)).then(|| next() as u32),
         token: next(),
         send,
         recv,
@@ -319,19 +319,19 @@ fn random_post(next: &mut impl FnMut() -> u64, i: usize) -> PostDesc {
         send_displs: sd,
         recv_counts: rc,
         recv_displs: rd,
-        host_copies: next() % 2 == 0,
-        staged: (next() % 2 == 0).then(|| Staged {
+        host_copies: next().is_multiple_of(2),
+        staged: (next().is_multiple_of(2)).then(|| Staged {
             root: next() as u32,
-            design: if next() % 2 == 0 {
+            design: if next().is_multiple_of(2) {
                 StagedDesign::Flat
             } else {
                 StagedDesign::Hier
             },
-            segment: (next() % 2 == 0).then_some(seg),
+            segment: (next().is_multiple_of(2)).then_some(seg),
         }),
-        send_packed: next() % 2 == 0,
-        recv_packed: next() % 2 == 0,
-        reduce: (next() % 2 == 0).then(|| allreduce::Reduce {
+        send_packed: next().is_multiple_of(2),
+        recv_packed: next().is_multiple_of(2),
+        reduce: (next().is_multiple_of(2)).then(|| allreduce::Reduce {
             op: allreduce::Op::ALL[(next() % 10) as usize],
             elem: allreduce::Elem::ALL[(next() % 10) as usize],
         }),
@@ -339,8 +339,7 @@ fn random_post(next: &mut impl FnMut() -> u64, i: usize) -> PostDesc {
             sent_ns: next(),
             last_notice_ns: next(),
         },
-    };
-    d
+    }
 }
 
 /// A rank encodes its posts from a [`PostView`] by hand (`encode_post_into`); the SP decodes
