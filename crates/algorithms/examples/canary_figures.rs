@@ -32,6 +32,11 @@ struct Args {
     bg: BgPattern,
 }
 
+const USAGE: &str = "usage: canary_figures [--fig 7a|8|9|10a] [--placements 5] [--seed 1] \
+[--points a,b,c] [--leaves 32 (as many hosts per leaf and spines: 1024 hosts)] [--algos ring,st1,st4,canary] \
+[--window blocks|st=B,canary=B (default st=64,canary=512)] [--timeout ns] [--buffer bytes] \
+[--unicast adaptive|static] [--out-buf bytes] [--hol on|off] [--bg perm|uniform]";
+
 fn args() -> Args {
     let mut a = Args {
         fig: "7a".into(),
@@ -53,6 +58,10 @@ fn args() -> Args {
     while i < v.len() {
         let val = v.get(i + 1).cloned().unwrap_or_default();
         match v[i].as_str() {
+            "-h" | "--help" => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
             "--fig" => a.fig = val,
             "--placements" => a.placements = val.parse().expect("--placements N"),
             "--seed" => a.seed = val.parse().expect("--seed S"),
@@ -84,7 +93,10 @@ fn args() -> Args {
                     _ => panic!("--unicast adaptive|static"),
                 }
             }
-            o => panic!("unknown argument {o}"),
+            o => {
+                eprintln!("canary_figures: unknown argument {o}\n{USAGE}");
+                std::process::exit(2);
+            }
         }
         i += 2;
     }
