@@ -334,12 +334,14 @@ impl Conn {
     }
 
     /// [`Conn::send`] of a post built as a view (`HostToSp::Post` on the wire), which
-    /// allocates nothing; its `stamps.sent_ns` is taken as the time it is sent.
+    /// allocates nothing; its `stamps.sent_ns` (unless 0) is taken as the time it is sent (a
+    /// moment early when the socket is slow to take it: the SP's silence is judged in seconds).
     pub fn send_post(&mut self, view: &wire::PostView<'_>) -> Result<(), String> {
-        self.send_encoded(
-            |frame| wire::encode_post_into(view, frame),
-            Some(view.stamps.sent_ns),
-        )
+        let sent = match view.stamps.sent_ns {
+            0 => bootstrap::stamps::now_ns(),
+            t => t,
+        };
+        self.send_encoded(|frame| wire::encode_post_into(view, frame), Some(sent))
     }
 
     /// How long the SP has shown no life (see `last_heard_ns`).

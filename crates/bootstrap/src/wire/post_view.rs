@@ -109,21 +109,45 @@ const POST_VARIANT: u64 = 1;
 /// Bytes of one variable-length integer at most.
 const MAX_VARINT: usize = 9;
 
-/// The frame being written: a buffer long enough for any encoding of the post, and where the
-/// next byte goes (kept in a register: pushing onto a `Vec<u8>` reloads its length after
-/// every byte written, as the byte might alias it).
+/// Bytes written at a time into the frame.
+const CHUNK: usize = 256;
+
+/// The frame being written: bytes go into a small buffer on the stack, which is appended to
+/// the frame when it fills and at the end (pushing each byte onto the `Vec<u8>` would reload
+/// its length after every byte, as the byte might alias it; sizing the frame for the longest
+/// encoding first would write the whole bound each time).
 struct Out<'a> {
-    buf: &'a mut [u8],
+    out: &'a mut Vec<u8>,
+    buf: [u8; CHUNK],
     at: usize,
 }
 
 impl Out<'_> {
+    /// Makes room for `n <= CHUNK` bytes in the buffer.
+    fn room(&mut self, n: usize) {
+        if self.at + n > CHUNK {
+            self.flush();
+        }
+    }
+
+    fn flush(&mut self) {
+        self.out.extend_from_slice(&self.buf[..self.at]);
+        self.at = 0;
+    }
+
     fn byte(&mut self, b: u8) {
+        self.room(1);
         self.buf[self.at] = b;
         self.at += 1;
     }
 
     fn put(&mut self, b: &[u8]) {
+        if b.len() > CHUNK {
+            self.flush();
+            self.out.extend_from_slice(b);
+            return;
+        }
+        self.room(b.len());
         self.buf[self.at..self.at + b.len()].copy_from_slice(b);
         self.at += b.len();
     }
@@ -134,18 +158,24 @@ impl Out<'_> {
 
     /// bincode's variable-length integer.
     fn int(&mut self, v: u64) {
-        if v < 251 {
-            self.byte(v as u8);
+        self.room(MAX_VARINT);
+        let b = &mut self.buf[self.at..self.at + MAX_VARINT];
+        self.at += if v < 251 {
+            b[0] = v as u8;
+            1
         } else if v <= u16::MAX as u64 {
-            self.byte(251);
-            self.put(&(v as u16).to_le_bytes());
+            b[0] = 251;
+            b[1..3].copy_from_slice(&(v as u16).to_le_bytes());
+            3
         } else if v <= u32::MAX as u64 {
-            self.byte(252);
-            self.put(&(v as u32).to_le_bytes());
+            b[0] = 252;
+            b[1..5].copy_from_slice(&(v as u32).to_le_bytes());
+            5
         } else {
-            self.byte(253);
-            self.put(&v.to_le_bytes());
-        }
+            b[0] = 253;
+            b[1..9].copy_from_slice(&v.to_le_bytes());
+            9
+        };
     }
 
     fn u32s(&mut self, list: &[u32]) {
@@ -220,18 +250,6 @@ impl Out<'_> {
     }
 }
 
-/// Bytes a grant's backend may add to the fixed part.
-fn backend_len(g: &Grant) -> usize {
-    match &g.backend {
-        BackendData::Cma => 0,
-        BackendData::Ucx {
-            worker_address,
-            rkey,
-        } => worker_address.len() + rkey.len() + 2 * MAX_VARINT,
-        BackendData::UcxExport { memh } => memh.len() + MAX_VARINT,
-    }
-}
-
 /// Encodes `view` as the whole frame of the message `HostToSp::Post` (length prefix
 /// included) into `out`, cleared first, its memory reused: the bytes `encode_into` writes for
 /// the same post as a [`PostDesc`]. `Err` (and `out` empty): the payload is longer than
@@ -261,21 +279,12 @@ pub fn encode_post_into(view: &PostView<'_>, out: &mut Vec<u8>) -> Result<(), Fr
         stamps,
     } = view;
     out.clear();
-    // Room for the longest encoding (the frame is cut to what was written below).
-    let lists = members.len()
-        + world_ranks.len()
-        + nodes.len()
-        + send_counts.len()
-        + send_displs.len()
-        + recv_counts.len()
-        + recv_displs.len();
-    let grants = backend_len(send)
-        + backend_len(recv)
-        + staged
-            .and_then(|s| s.segment.as_ref())
-            .map_or(0, backend_len);
-    out.resize(4 + 64 * MAX_VARINT + lists * MAX_VARINT + grants, 0);
-    let mut o = Out { buf: out, at: 4 };
+    out.extend_from_slice(&[0; 4]);
+    let mut o = Out {
+        out,
+        buf: [0; CHUNK],
+        at: 0,
+    };
     o.int(POST_VARIANT);
     o.int(*kind as u64);
     let CommId { leader, id } = comm;
@@ -324,9 +333,8 @@ pub fn encode_post_into(view: &PostView<'_>, out: &mut Vec<u8>) -> Result<(), Fr
     } = stamps;
     o.int(*sent_ns);
     o.int(*last_notice_ns);
-    let end = o.at;
-    out.truncate(end);
-    let len = end - 4;
+    o.flush();
+    let len = out.len() - 4;
     if len > MAX_FRAME_BYTES as usize {
         out.clear();
         return Err(FrameError::TooLarge {
@@ -483,7 +491,10 @@ fn by_index<T: Copy>(all: &[T], index: impl Fn(T) -> u32, i: u32) -> Result<T, F
 }
 
 /// Decodes a `PostDesc` written by [`encode_post_into`] (or by bincode), the payload after
-/// the message's variant index, with nothing after it.
+/// the message's variant index, with nothing after it. Like bincode decoding from a slice
+/// (whose `with_limit` does not apply there), it reads a payload of any length: the caller
+/// bounds it (the frame reader at `MAX_FRAME_BYTES`, the ring at its entry), and a list is
+/// never longer than the bytes left, so what it allocates is bounded by the payload.
 pub fn decode_post(payload: &[u8]) -> Result<PostDesc, FrameError> {
     let mut i = In {
         buf: payload,

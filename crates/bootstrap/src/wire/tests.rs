@@ -438,4 +438,62 @@ fn a_post_decodes_by_hand_as_bincode_decodes_it() {
         decode::<HostToSp>(&long).unwrap(),
         decode_host(&long).unwrap()
     );
+
+    // Every byte of a post with every optional part present, replaced by every value: each
+    // enum's tag meets every index (so a variant bincode knows and the hand decoder does not
+    // fails here), every integer marker, every option and boolean byte.
+    let mut d = random_post(&mut next, 0);
+    d.slot = Some(7);
+    d.staged = Some(Staged {
+        root: 1,
+        design: StagedDesign::Hier,
+        segment: Some(grant(30)),
+    });
+    d.reduce = Some(allreduce::Reduce {
+        op: allreduce::Op::Bxor,
+        elem: allreduce::Elem::F64,
+    });
+    d.members.truncate(2);
+    d.world_ranks.truncate(2);
+    let p = encode(&HostToSp::Post(Box::new(d)))[4..].to_vec();
+    for k in 1..p.len() {
+        for v in 0..=255u8 {
+            let mut q = p.clone();
+            q[k] = v;
+            assert_eq!(
+                decode_host(&q).ok(),
+                decode::<HostToSp>(&q).ok(),
+                "byte {k} set to {v}"
+            );
+        }
+    }
+
+    // Length: bincode applies no limit when it decodes from a slice (its `with_limit` is
+    // replaced there), nor does `decode_host`: a payload is bounded before it is decoded, by
+    // the frame reader (`MAX_FRAME_BYTES`) or the ring's entry. Both take a post of 4 MiB and
+    // one of a byte more alike.
+    let sized = |n: usize| {
+        let mut d = match post(1) {
+            HostToSp::Post(d) => *d,
+            _ => unreachable!(),
+        };
+        d.send_counts = vec![0; n];
+        // The payload without a frame (`encode` refuses one over the limit).
+        encoding().serialize(&HostToSp::Post(Box::new(d))).unwrap()
+    };
+    let max = MAX_FRAME_BYTES as usize;
+    let mut n = max - 200;
+    while sized(n).len() < max {
+        n += 1;
+    }
+    for p in [sized(n), sized(n + 1)] {
+        assert!(p.len() == max || p.len() == max + 1);
+        let by_hand = decode_host(&p).expect("decoded by hand");
+        assert_eq!(
+            Some(by_hand),
+            decode::<HostToSp>(&p).ok(),
+            "{} bytes",
+            p.len()
+        );
+    }
 }
