@@ -272,6 +272,8 @@ pub enum Next {
 pub struct Consumer {
     ring: Ring,
     head: u64,
+    /// The buffer the next entry is copied into (given back with [`Consumer::give_back`]).
+    spare: Vec<u8>,
 }
 
 // SAFETY: as for the producer.
@@ -285,6 +287,7 @@ impl Consumer {
         Consumer {
             ring: Ring { base, shape },
             head: 0,
+            spare: Vec::new(),
         }
     }
 
@@ -318,7 +321,9 @@ impl Consumer {
                 self.ring.shape.payload_max()
             ));
         }
-        let mut payload = vec![0u8; len];
+        let mut payload = std::mem::take(&mut self.spare);
+        payload.clear();
+        payload.resize(len, 0);
         // SAFETY: `len` is within the entry, checked above.
         unsafe {
             std::ptr::copy_nonoverlapping(e.add(ENTRY_HEADER_BYTES), payload.as_mut_ptr(), len)
@@ -328,6 +333,14 @@ impl Consumer {
             .counter(HEAD_OFFSET)
             .store(self.head, Ordering::Release);
         Next::Entry(payload)
+    }
+
+    /// Gives an entry's buffer back for the next entry to be copied into (no allocation per
+    /// post once the buffer has grown to the entries' length).
+    pub fn give_back(&mut self, buf: Vec<u8>) {
+        if buf.capacity() <= self.ring.shape.entry_bytes as usize {
+            self.spare = buf;
+        }
     }
 
     /// Entries consumed.
@@ -415,6 +428,34 @@ mod tests {
             assert_eq!(got, want);
             assert_eq!(c.consumed(), sent.len() as u64);
         }
+    }
+
+    /// An entry's buffer given back is the one the next entry is copied into, holding exactly
+    /// that entry (a longer entry before it leaves nothing behind).
+    #[test]
+    fn a_buffer_given_back_carries_the_next_entry() {
+        let shape = RingShape::default();
+        let mut buf = Buf::new(shape);
+        // SAFETY: as above.
+        let (mut p, mut c) = unsafe {
+            (
+                Producer::new(buf.base(), shape),
+                Consumer::new(buf.base(), shape),
+            )
+        };
+        assert!(p.push(0, b"a longer entry"));
+        assert!(p.push(0, b"b"));
+        let Next::Entry(first) = c.next(0) else {
+            panic!("no entry")
+        };
+        assert_eq!(first, b"a longer entry");
+        let at = first.as_ptr();
+        c.give_back(first);
+        let Next::Entry(second) = c.next(0) else {
+            panic!("no entry")
+        };
+        assert_eq!(second, b"b");
+        assert_eq!(second.as_ptr(), at);
     }
 
     #[test]

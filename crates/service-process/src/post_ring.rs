@@ -130,6 +130,11 @@ impl PostRing {
         self.consumer.next(frames_handled)
     }
 
+    /// Gives a taken entry's buffer back (see `Consumer::give_back`).
+    pub fn give_back(&mut self, buf: Vec<u8>) {
+        self.consumer.give_back(buf)
+    }
+
     /// Entries of the ring.
     pub fn slots(&self) -> u32 {
         self.shape.slots

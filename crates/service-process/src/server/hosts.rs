@@ -340,6 +340,11 @@ impl Server {
                 Ok(_) => Some("only posts may go in the post ring".to_string()),
                 Err(e) => Some(format!("an undecodable post ring entry: {e}")),
             };
+            if let Some(Role::Host(h)) = self.conns.get_mut(key).map(|c| &mut c.role) {
+                if let Some(ring) = h.ring.as_mut() {
+                    ring.give_back(payload);
+                }
+            }
             if let Some(why) = bad {
                 let rank = self.host(key).hello.world_rank;
                 self.client_warn(|| format!("rank {rank}: {why}"));
