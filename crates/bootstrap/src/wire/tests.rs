@@ -494,8 +494,8 @@ fn a_post_decodes_by_hand_as_bincode_decodes_it() {
     let max = MAX_FRAME_BYTES as usize;
     // Each entry of 0 is one byte (the list's length takes five bytes either way).
     let n = max - 200 + (max - sized(max - 200).len());
-    for p in [sized(n), sized(n + 1)] {
-        assert!(p.len() == max || p.len() == max + 1);
+    for (p, len) in [(sized(n), max), (sized(n + 1), max + 1)] {
+        assert_eq!(p.len(), len);
         let by_hand = decode_host(&p).expect("decoded by hand");
         assert_eq!(
             Some(by_hand),
