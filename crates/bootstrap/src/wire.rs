@@ -603,6 +603,12 @@ pub fn encode_into<T: Serialize>(msg: &T, out: &mut Vec<u8>) -> Result<(), Frame
         out.clear();
         FrameError::Encode(e.to_string())
     })?;
+    seal_frame(out)
+}
+
+/// Writes the length prefix of a frame whose payload follows its 4 placeholder bytes in `out`;
+/// `Err` (and `out` emptied) for a payload longer than [`MAX_FRAME_BYTES`].
+fn seal_frame(out: &mut Vec<u8>) -> Result<(), FrameError> {
     let len = out.len() - 4;
     if len > MAX_FRAME_BYTES as usize {
         out.clear();

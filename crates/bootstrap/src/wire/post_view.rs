@@ -15,7 +15,7 @@
 //! random descriptors; a field added to [`PostDesc`] breaks the build here (every struct is
 //! taken apart without `..`).
 
-use super::{CollKind, FrameError, PostDesc, PostStamps, Staged, StagedDesign, MAX_FRAME_BYTES};
+use super::{CollKind, FrameError, PostDesc, PostStamps, Staged, StagedDesign};
 use algorithms::{allreduce, CommId, SpId};
 use alias_mkey::{BackendData, Grant};
 
@@ -253,7 +253,7 @@ impl Out<'_> {
 /// Encodes `view` as the whole frame of the message `HostToSp::Post` (length prefix
 /// included) into `out`, cleared first, its memory reused: the bytes `encode_into` writes for
 /// the same post as a [`PostDesc`]. `Err` (and `out` empty): the payload is longer than
-/// [`MAX_FRAME_BYTES`].
+/// [`MAX_FRAME_BYTES`](super::MAX_FRAME_BYTES).
 pub fn encode_post_into(view: &PostView<'_>, out: &mut Vec<u8>) -> Result<(), FrameError> {
     let PostView {
         kind,
@@ -334,16 +334,7 @@ pub fn encode_post_into(view: &PostView<'_>, out: &mut Vec<u8>) -> Result<(), Fr
     o.int(*sent_ns);
     o.int(*last_notice_ns);
     o.flush();
-    let len = out.len() - 4;
-    if len > MAX_FRAME_BYTES as usize {
-        out.clear();
-        return Err(FrameError::TooLarge {
-            len: len.min(u32::MAX as usize) as u32,
-            max: MAX_FRAME_BYTES,
-        });
-    }
-    out[..4].copy_from_slice(&(len as u32).to_le_bytes());
-    Ok(())
+    super::seal_frame(out)
 }
 
 /// Decodes a frame's payload from a host (`HostToSp`), a post by hand ([`decode_post`]), any
