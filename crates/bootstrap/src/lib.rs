@@ -9,6 +9,7 @@
 
 pub mod auth;
 pub mod cluster;
+pub mod cpus;
 pub mod kinds;
 pub mod mailbox;
 pub mod placement;

@@ -753,18 +753,6 @@ fn mailbox_slots() -> u32 {
         .unwrap_or(DEFAULT_SLOTS)
 }
 
-/// The rank's cores (its affinity mask), reported to the SP.
-fn affinity_cores() -> Vec<u32> {
-    use nix::sched::{sched_getaffinity, CpuSet};
-    let Ok(set) = sched_getaffinity(nix::unistd::Pid::from_raw(0)) else {
-        return Vec::new();
-    };
-    (0..CpuSet::count())
-        .filter(|&c| set.is_set(c).unwrap_or(false))
-        .map(|c| c as u32)
-        .collect()
-}
-
 /// Maps the mailbox: page-aligned, zeroed, never unmapped (the SP may write to it until it
 /// has seen our goodbye, and a mapping reused at the same address would get those writes).
 fn map_mailbox(slots: u32) -> Result<*mut u8, String> {
@@ -881,7 +869,8 @@ fn register(
     let bytes = slots.max(1) as u64 * SLOT_BYTES;
     let mailbox = registrar.register(base as u64, bytes, Rights::READ_WRITE);
     let register = HostToSp::Register {
-        cores: affinity_cores(),
+        // The rank's cores (its affinity mask).
+        cores: bootstrap::cpus::allowed(),
         mailbox,
         mailbox_slots: slots,
         post_ring: ring.as_ref().map(|r| r.shape),

@@ -51,16 +51,7 @@ pub fn movers_cpus(reserved: &[u32], busy_poll: bool) -> usize {
 }
 
 /// The CPUs the calling thread may run on (empty if the kernel does not say).
-pub fn allowed_cpus() -> Vec<u32> {
-    use nix::sched::{sched_getaffinity, CpuSet};
-    let Ok(set) = sched_getaffinity(nix::unistd::Pid::from_raw(0)) else {
-        return Vec::new();
-    };
-    (0..CpuSet::count())
-        .filter(|&c| set.is_set(c).unwrap_or(false))
-        .map(|c| c as u32)
-        .collect()
-}
+pub use bootstrap::cpus::allowed as allowed_cpus;
 
 /// Pins the calling thread (and what it execs) to `cpus`.
 pub fn pin_to(cpus: &[u32]) -> std::io::Result<()> {
