@@ -167,6 +167,25 @@ struct Node {
     timer: Option<Nanos>,
 }
 
+impl Node {
+    /// A live, idle node with `ports`; a switch's every port starts with `load`, a host's
+    /// (`None`) keeps no loads.
+    fn new(ports: Vec<PortQ>, load: Option<PortLoad>, switch: Option<Switch>) -> Node {
+        let loads = load.map_or_else(Vec::new, |l| vec![l; ports.len()]);
+        Node {
+            inq: vec![],
+            blocked: vec![],
+            waiters: vec![],
+            loads,
+            ports,
+            switch: switch.map(Box::new),
+            role: Role::Idle,
+            alive: true,
+            timer: None,
+        }
+    }
+}
+
 /// A host's input: `a * g(j) + b` for element `j`.
 #[derive(Clone, Copy)]
 struct Source {
@@ -312,17 +331,11 @@ impl Sim {
         let mut nodes = Vec::with_capacity(nh + nl + ns);
         for h in 0..nh {
             let leaf = (nh + h / hpl) as u32;
-            nodes.push(Node {
-                inq: vec![],
-                blocked: vec![],
-                waiters: vec![],
-                ports: vec![port((leaf, (h % hpl) as u16), false)],
-                loads: vec![],
-                switch: None,
-                role: Role::Idle,
-                alive: true,
-                timer: None,
-            });
+            nodes.push(Node::new(
+                vec![port((leaf, (h % hpl) as u16), false)],
+                None,
+                None,
+            ));
         }
         // Static tree roots, per job and tree.
         let trees = match sc.algo {
@@ -374,17 +387,7 @@ impl Sim {
                     .collect(),
                 trees: tr,
             });
-            nodes.push(Node {
-                inq: vec![],
-                blocked: vec![],
-                waiters: vec![],
-                loads: vec![load; ports.len()],
-                ports,
-                switch: Some(Box::new(sw)),
-                role: Role::Idle,
-                alive: true,
-                timer: None,
-            });
+            nodes.push(Node::new(ports, Some(load), Some(sw)));
         }
         for s in 0..ns {
             let ports: Vec<PortQ> = (0..nl)
@@ -416,17 +419,7 @@ impl Sim {
                 down,
                 trees: tr,
             });
-            nodes.push(Node {
-                inq: vec![],
-                blocked: vec![],
-                waiters: vec![],
-                loads: vec![load; ports.len()],
-                ports,
-                switch: Some(Box::new(sw)),
-                role: Role::Idle,
-                alive: true,
-                timer: None,
-            });
+            nodes.push(Node::new(ports, Some(load), Some(sw)));
         }
         let mut refs = Vec::new();
         let mut tags = Vec::new();
