@@ -367,6 +367,18 @@ mod tests {
             // SAFETY: `off` < 4096 bytes, within the 512 spare words.
             unsafe { (self.0.as_mut_ptr() as *mut u8).add(self.1) }
         }
+        /// A producer and a consumer of a ring of `shape` in this buffer (which the caller
+        /// keeps while they are used).
+        fn ends(&mut self, shape: RingShape) -> (Producer, Consumer) {
+            // SAFETY: the buffer is aligned, zeroed and large enough for `shape`, and its
+            // memory outlives both ends in every test.
+            unsafe {
+                (
+                    Producer::new(self.base(), shape),
+                    Consumer::new(self.base(), shape),
+                )
+            }
+        }
     }
 
     fn lcg(x: &mut u64) -> u64 {
@@ -390,13 +402,7 @@ mod tests {
             };
             shape.check().unwrap();
             let mut buf = Buf::new(shape);
-            // SAFETY: the buffer is aligned, zeroed and outlives both ends.
-            let (mut p, mut c) = unsafe {
-                (
-                    Producer::new(buf.base(), shape),
-                    Consumer::new(buf.base(), shape),
-                )
-            };
+            let (mut p, mut c) = buf.ends(shape);
             let (mut sent, mut got, mut frames) = (Vec::new(), Vec::new(), 0u64);
             for step in 0..400u64 {
                 match lcg(&mut r) % 3 {
@@ -436,13 +442,7 @@ mod tests {
     fn a_buffer_given_back_carries_the_next_entry() {
         let shape = RingShape::default();
         let mut buf = Buf::new(shape);
-        // SAFETY: as above.
-        let (mut p, mut c) = unsafe {
-            (
-                Producer::new(buf.base(), shape),
-                Consumer::new(buf.base(), shape),
-            )
-        };
+        let (mut p, mut c) = buf.ends(shape);
         assert!(p.push(0, b"a longer entry"));
         assert!(p.push(0, b"b"));
         let Next::Entry(first) = c.next(0) else {
@@ -462,13 +462,7 @@ mod tests {
     fn an_entry_waits_for_the_socket_frames_sent_before_it() {
         let shape = RingShape::default();
         let mut buf = Buf::new(shape);
-        // SAFETY: as above.
-        let (mut p, mut c) = unsafe {
-            (
-                Producer::new(buf.base(), shape),
-                Consumer::new(buf.base(), shape),
-            )
-        };
+        let (mut p, mut c) = buf.ends(shape);
         assert!(p.push(0, b"a"));
         assert!(p.push(2, b"b"));
         assert_eq!(c.next(0), Next::Entry(b"a".to_vec()));
