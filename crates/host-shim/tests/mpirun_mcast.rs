@@ -730,10 +730,16 @@ fn mpi_mcast_sp_killed_mid_fetch_ends_the_job_in_bounded_time() {
         "the launcher had to end it\n{all}"
     );
     assert!(!run.stdout.contains(": hang:"), "{all}");
-    // SP 0 multicast and dropped before the failure, and reported at exit.
+    // SP 0 took part in multicast before the failure and reported at exit. Drops are injected
+    // where datagrams arrive: when every broadcast before the kill was rooted on SP 0's ranks,
+    // SP 0 only sent, and only the killed SP (whose counters are lost) could drop. Where SP 0
+    // received 100 or more, a 10 % drop rate leaves none dropped with odds of 0.9^100 < 3e-5.
     assert_eq!(run.sp_stats().len(), 1, "{all}");
-    assert!(run.sp_total("mcast_datagrams_sent") > 0, "{all}");
-    assert!(run.sp_total("mcast_injected_drops") > 0, "{all}");
+    let received = run.sp_total("mcast_datagrams_received");
+    assert!(run.sp_total("mcast_datagrams_sent") + received > 0, "{all}");
+    if received >= 100 {
+        assert!(run.sp_total("mcast_injected_drops") > 0, "{all}");
+    }
     let t = Instant::now();
     loop {
         let left = pids_matching(&marker);
