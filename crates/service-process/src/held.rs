@@ -58,9 +58,11 @@ impl Default for HeldLimits {
 
 #[derive(Default, Debug)]
 struct Counts {
-    by_conn: HashMap<u64, u64>,
+    /// Connection serials and uids are the SP's and the kernel's: foldhash (the job ids a
+    /// launcher picks keep SipHash; see `server::SpMap`).
+    by_conn: foldhash::HashMap<u64, u64>,
     by_job: HashMap<u64, u64>,
-    by_uid: HashMap<u32, u64>,
+    by_uid: foldhash::HashMap<u32, u64>,
     total: u64,
     /// Bytes given back since the allocator was last asked to return free memory.
     released: u64,
@@ -75,7 +77,11 @@ impl Counts {
     }
 
     fn remove(&mut self, conn: u64, job: u64, uid: u32, bytes: u64) {
-        fn take<K: std::hash::Hash + Eq>(m: &mut HashMap<K, u64>, k: K, bytes: u64) {
+        fn take<K: std::hash::Hash + Eq, S: std::hash::BuildHasher>(
+            m: &mut HashMap<K, u64, S>,
+            k: K,
+            bytes: u64,
+        ) {
             if let Some(v) = m.get_mut(&k) {
                 *v = v.saturating_sub(bytes);
                 if *v == 0 {

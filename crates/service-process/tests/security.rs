@@ -163,6 +163,43 @@ fn posts_that_never_complete_are_bounded() {
     assert_eq!(stats[0]["jobs_at_exit"], 0);
 }
 
+/// Collectives a job opens and never completes are bounded per job as well
+/// (`--max-instances-per-job`, checked at every new post from a per-job count): past the limit
+/// its posts are refused with an error that names the limit, and its instances go with it.
+#[test]
+fn collectives_a_job_leaves_open_are_bounded() {
+    let set = SpSet::start_with(
+        2,
+        1,
+        1,
+        Layout::Block,
+        &["--max-instances-per-job=300", "--max-posts-per-rank=100000"],
+    );
+    let out = attack_at_sp0(
+        &set,
+        "flood-posts",
+        2,
+        &[
+            ("POSTS", "2000".into()),
+            ("SOCK1", socket_of(&set, 1)),
+            ("OTHER_SP", "1".into()),
+        ],
+    );
+    let refused: u64 = out[0].strip_prefix("REFUSED ").unwrap().parse().unwrap();
+    assert_eq!(refused, 1700, "{out:?}");
+    assert!(
+        out[1].contains("the job has 300 collectives open on SP 0 (limit 300"),
+        "{out:?}"
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let s = query(&set, 0);
+    assert_eq!(s["instances_at_exit"], 0, "{s}");
+    assert_eq!(s["posts_refused"], 1700, "{s}");
+    let mut set = set;
+    let stats = set.stop_and_stats();
+    assert_eq!(stats[0]["jobs_at_exit"], 0);
+}
+
 /// Finding 6: another user can neither reach the SP's socket (private run directory and
 /// socket mode) nor, where the socket is open to all, use a credential issued to another uid;
 /// and a registered process that exits while a child keeps its connection is dropped (its pid

@@ -110,7 +110,7 @@ impl Server {
             let live = self
                 .jobs
                 .get(&ck.job)
-                .is_some_and(|j| !j.finished.contains(&(ck.comm, ck.seq)));
+                .is_some_and(|j| !j.finished.contains(&ck));
             self.with_resources(|r, cx| {
                 if let Some(r) = r.of(family) {
                     r.inbound(ck, from, &inbound, live, cx);
@@ -128,7 +128,7 @@ impl Server {
                     }
                     return;
                 };
-                if job.finished.contains(&(ck.comm, ck.seq)) {
+                if job.finished.contains(&ck) {
                     debug!(
                         sp = self.me,
                         ?ck,
@@ -190,8 +190,12 @@ impl Server {
     /// Executes every action the instance has.
     pub(super) fn drive(&mut self, ck: CollKey) {
         let _span = info_span!("drive", ?ck).entered();
+        // Looked up once: every step below reaches the instance by its slot.
+        let Some(slot) = self.instances.slot(&ck) else {
+            return;
+        };
         loop {
-            let Some(inst) = self.instances.get_mut(&ck) else {
+            let Some(inst) = self.instances.at_mut(slot, &ck) else {
                 return;
             };
             let Some(action) = inst.sm.poll_action() else {
@@ -222,7 +226,7 @@ impl Server {
                         }
                         None => {
                             let now = now_ns(self.start);
-                            if let Some(inst) = self.instances.get_mut(&ck) {
+                            if let Some(inst) = self.instances.at_mut(slot, &ck) {
                                 inst.sm.handle_peer_lost(now, to);
                             }
                         }
@@ -329,7 +333,7 @@ impl Server {
                         _ => Status::AccessError,
                     };
                     let now = now_ns(self.start);
-                    if let Some(inst) = self.instances.get_mut(&ck) {
+                    if let Some(inst) = self.instances.at_mut(slot, &ck) {
                         inst.sm.handle_move_done(now, id, status);
                     }
                 }
@@ -342,7 +346,7 @@ impl Server {
                         let line = format!("collective {ck:?} fails: {why}");
                         self.client_warn(|| line);
                         let now = now_ns(self.start);
-                        if let Some(inst) = self.instances.get_mut(&ck) {
+                        if let Some(inst) = self.instances.at_mut(slot, &ck) {
                             inst.sm.abort(now, Status::Aborted);
                         }
                     }
@@ -378,13 +382,11 @@ impl Server {
             }
         }
         // The driver's next deadline (none once it finished).
-        let deadline = self
-            .instances
-            .get(&ck)
-            .filter(|i| !i.sm.is_finished())
-            .and_then(|i| i.sm.deadline());
+        let inst = self.instances.at(slot, &ck);
+        let finished = inst.is_some_and(|i| i.sm.is_finished());
+        let deadline = inst.filter(|_| !finished).and_then(|i| i.sm.deadline());
         self.deadlines.set(ck, deadline);
-        if self.instances.get(&ck).is_some_and(|i| i.sm.is_finished()) {
+        if finished {
             if let Some(done) = self.instances.remove(&ck) {
                 self.stats
                     .add_late_arrivals(ck.job, done.sm.late_arrivals());
@@ -392,8 +394,8 @@ impl Server {
             self.with_resources(|r, cx| r.release(ck, cx));
             self.stats.collectives_finished += 1;
             if let Some(job) = self.jobs.get_mut(&ck.job) {
-                job.finished.insert((ck.comm, ck.seq));
-                job.finished_order.push_back((ck.comm, ck.seq));
+                job.finished.insert(ck);
+                job.finished_order.push_back(ck);
                 if job.finished_order.len() > MAX_FINISHED_PER_JOB {
                     if let Some(old) = job.finished_order.pop_front() {
                         job.finished.remove(&old);

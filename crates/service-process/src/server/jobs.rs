@@ -36,19 +36,13 @@ impl Server {
         // would keep its instance open forever: drop what no copy still touches and cannot
         // complete (every instance of a failed job; one a local rank never posted).
         let failed = j.failed.is_some();
-        let mut dropped = Vec::new();
-        self.instances.retain(|k, i| {
-            let keep =
-                k.job != job || i.sm.copies_in_flight() > 0 || (!failed && i.all_local_posted());
-            if !keep {
-                dropped.push(*k);
-            }
-            keep
+        let dropped = self.instances.retain(|k, i| {
+            k.job != job || i.sm.copies_in_flight() > 0 || (!failed && i.all_local_posted())
         });
         for ck in dropped {
             self.with_resources(|r, cx| r.release(ck, cx));
         }
-        if !self.instances.keys().any(|k| k.job == job) {
+        if self.instances.of_job(job) == 0 {
             self.jobs.remove(&job);
             // No copy of the job is left: the datapath closes its UCX endpoints to the job's
             // processes (this node's and other nodes' ranks it copied from or to).

@@ -93,7 +93,6 @@ impl Server {
         if let Role::Host(h) = &mut self.conns[key].role {
             h.outstanding += 1;
         }
-        let open_instances = || self.instances.keys().filter(|k| k.job == job).count();
         let over = if outstanding >= self.limits.max_posts_per_rank {
             Some(format!(
                 "{outstanding} posts of this rank are not complete yet (limit {}, serve \
@@ -101,12 +100,12 @@ impl Server {
                 self.limits.max_posts_per_rank
             ))
         } else if !self.instances.contains_key(&ck)
-            && open_instances() >= self.limits.max_instances_per_job
+            && self.instances.of_job(job) >= self.limits.max_instances_per_job
         {
             Some(format!(
                 "the job has {} collectives open on SP {} (limit {}, serve \
                  --max-instances-per-job)",
-                open_instances(),
+                self.instances.of_job(job),
                 self.me,
                 self.limits.max_instances_per_job
             ))
@@ -183,7 +182,7 @@ impl Server {
         if self
             .jobs
             .get(&job)
-            .is_some_and(|j| j.finished.contains(&(d.comm, d.seq)))
+            .is_some_and(|j| j.finished.contains(&ck))
         {
             self.send_error(
                 key,
@@ -251,7 +250,7 @@ impl Server {
             self.stats.posts_refused += 1;
             self.send_error(key, Some(&d), ErrorCode::BadDescriptor, why);
         }
-        let inst = self.instance(ck, d.kind, len);
+        let inst = self.instances.get_mut(&ck).expect("made above");
         inst.local_ranks = Some(d.members.iter().filter(|&&sp| sp == me).count());
         if inst.shape.is_none() {
             inst.shape = Some((d.members.clone(), d.world_ranks.clone()));

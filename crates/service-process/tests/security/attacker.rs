@@ -371,12 +371,15 @@ pub fn run() {
                 .set_read_timeout(Some(Duration::from_millis(500)))
                 .unwrap();
             let mut refused = 0;
+            let mut first = None;
             while let Ok(m) = ch.recv::<SpToHost>() {
-                if matches!(m, SpToHost::Error { .. }) {
+                if let SpToHost::Error { message, .. } = m {
                     refused += 1;
+                    first.get_or_insert(message);
                 }
             }
             say(format!("REFUSED {refused}"));
+            say(format!("FIRST {}", first.unwrap_or_default()));
         }
         // A rank with its post ring (mailbox inside, as the shim makes it): a 1-rank
         // alltoallv of random bytes posted through the ring, its completion awaited in the
