@@ -2,7 +2,7 @@
 //! min/median/max over random placements, and the simulator's own speed.
 //!
 //! `cargo run --release -p algorithms --example canary_figures -- [--fig 7a|8|9|10a]
-//!  [--placements 5] [--seed S] [--points a,b,c] [--leaves 32] [--algos ring,st1,st4,canary]
+//!  [--placements 5] [--first-placement 0] [--seed S] [--points a,b,c] [--leaves 32] [--algos ring,st1,st4,canary]
 //!  [--window blocks|st=B,canary=B] [--timeout ns] [--buffer bytes] [--unicast adaptive|static]
 //!  [--out-buf bytes] [--hol on|off] [--bg perm|uniform]`
 //!
@@ -18,6 +18,9 @@ use algorithms::sim::rng::Rng;
 struct Args {
     fig: String,
     placements: usize,
+    /// The first placement's number: placement `p` is seeded `seed * 1000 + p`, so a run with
+    /// `--first-placement 2 --placements 3` adds placements 2-4 to one of 0-1.
+    first_placement: usize,
     seed: u64,
     points: Option<Vec<String>>,
     leaves: usize,
@@ -32,7 +35,7 @@ struct Args {
     bg: BgPattern,
 }
 
-const USAGE: &str = "usage: canary_figures [--fig 7a|8|9|10a] [--placements 5] [--seed 1] \
+const USAGE: &str = "usage: canary_figures [--fig 7a|8|9|10a] [--placements 5] [--first-placement 0] [--seed 1] \
 [--points a,b,c] [--leaves 32 (as many hosts per leaf and spines: 1024 hosts)] [--algos ring,st1,st4,canary] \
 [--window blocks|st=B,canary=B (default st=64,canary=512)] [--timeout ns] [--buffer bytes] \
 [--unicast adaptive|static] [--out-buf bytes] [--hol on|off] [--bg perm|uniform]";
@@ -41,6 +44,7 @@ fn args() -> Args {
     let mut a = Args {
         fig: "7a".into(),
         placements: 5,
+        first_placement: 0,
         seed: 1,
         points: None,
         leaves: 32,
@@ -64,6 +68,7 @@ fn args() -> Args {
             }
             "--fig" => a.fig = val,
             "--placements" => a.placements = val.parse().expect("--placements N"),
+            "--first-placement" => a.first_placement = val.parse().expect("--first-placement P"),
             "--seed" => a.seed = val.parse().expect("--seed S"),
             "--points" => a.points = Some(val.split(',').map(String::from).collect()),
             "--leaves" => a.leaves = val.parse().expect("--leaves N"),
@@ -239,7 +244,7 @@ fn main() {
     net.hol = a.hol;
     net.bg_pattern = a.bg;
     println!(
-        "# fig {} | {} leaves x {} hosts, {} spines, {} Gb/s, {} ns/hop, {} KiB credits/link, canary window {} ns, blocks in flight per member {} (static trees) {} (canary), background/ring up-ports {}, up-port rule reads {}, {}, background destinations {} | placements {} seed {}",
+        "# fig {} | {} leaves x {} hosts, {} spines, {} Gb/s, {} ns/hop, {} KiB credits/link, canary window {} ns, blocks in flight per member {} (static trees) {} (canary), background/ring up-ports {}, up-port rule reads {}, {}, background destinations {} | placements {} from {} seed {}",
         a.fig,
         net.leaves,
         net.hosts_per_leaf,
@@ -265,6 +270,7 @@ fn main() {
             BgPattern::Uniform => "uniform per message",
         },
         a.placements,
+        a.first_placement,
         a.seed
     );
     let mut speed = Speed {
@@ -328,7 +334,7 @@ fn main() {
         for &algo in &algos {
             let mut vals = Vec::new();
             let (mut restarts, mut coll, mut failed_jobs, mut hol) = (0, 0, 0, (0, 0));
-            for p in 0..a.placements {
+            for p in a.first_placement..a.first_placement + a.placements {
                 let sc = scenario(
                     &net,
                     algo,
@@ -353,6 +359,7 @@ fn main() {
                 };
                 vals.push(v);
             }
+            let each: Vec<String> = vals.iter().map(|v| format!("{v:.1}")).collect();
             let (lo, med, hi) = stats(vals);
             medians.push((algo, med));
             let hol = if net.hol {
@@ -364,6 +371,11 @@ fn main() {
                 String::new()
             };
             println!("{label} | {algo} | {lo:.1} / {med:.1} / {hi:.1} | {restarts}, {coll}, {failed_jobs}{hol}");
+            println!(
+                "#   per placement, from placement {}: {}",
+                a.first_placement,
+                each.join(", ")
+            );
             if std::env::var("CANARY_STATS").is_ok() {
                 let sc = scenario(
                     &net,
