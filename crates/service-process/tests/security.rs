@@ -165,7 +165,9 @@ fn posts_that_never_complete_are_bounded() {
 
 /// Collectives a job opens and never completes are bounded per job as well
 /// (`--max-instances-per-job`, checked at every new post from a per-job count): past the limit
-/// its posts are refused with an error that names the limit, and its instances go with it.
+/// its posts are refused with an error that names the limit, another job at the same time
+/// has its own count, and a job's instances (and its count) go with it, so that a later job
+/// again gets the whole limit.
 #[test]
 fn collectives_a_job_leaves_open_are_bounded() {
     let set = SpSet::start_with(
@@ -175,26 +177,44 @@ fn collectives_a_job_leaves_open_are_bounded() {
         Layout::Block,
         &["--max-instances-per-job=300", "--max-posts-per-rank=100000"],
     );
-    let out = attack_at_sp0(
-        &set,
-        "flood-posts",
-        2,
-        &[
-            ("POSTS", "2000".into()),
+    // Each run a job of its own (what `attack_at_sp0` does, made here: the set stays here).
+    let vars = || {
+        vec![
+            ("SOCK", socket_of(&set, 0)),
+            (
+                "CRED",
+                JobCredential::issue(&set.key, new_job(), my_uid(), 2).encode(),
+            ),
+            ("POSTS", "2000".to_string()),
             ("SOCK1", socket_of(&set, 1)),
             ("OTHER_SP", "1".into()),
-        ],
-    );
-    let refused: u64 = out[0].strip_prefix("REFUSED ").unwrap().parse().unwrap();
-    assert_eq!(refused, 1700, "{out:?}");
-    assert!(
-        out[1].contains("the job has 300 collectives open on SP 0 (limit 300"),
-        "{out:?}"
-    );
+        ]
+    };
+    let flood = |vars: Vec<(&str, String)>| attack("flood-posts", &vars, None);
+    let check = |out: Vec<String>| {
+        let refused: u64 = out[0].strip_prefix("REFUSED ").unwrap().parse().unwrap();
+        assert_eq!(refused, 1700, "{out:?}");
+        assert!(
+            out[1].contains("the job has 300 collectives open on SP 0 (limit 300"),
+            "{out:?}"
+        );
+    };
+    // Two jobs at once (each holds its 300 until its attacker leaves, half a second after
+    // its last post), then a third once both are gone.
+    let (va, vb) = (vars(), vars());
+    let (a, b) = std::thread::scope(|s| {
+        let a = s.spawn(|| flood(va));
+        let b = s.spawn(|| flood(vb));
+        (a.join().unwrap(), b.join().unwrap())
+    });
+    check(a);
+    check(b);
+    std::thread::sleep(Duration::from_millis(500));
+    check(flood(vars()));
     std::thread::sleep(Duration::from_millis(500));
     let s = query(&set, 0);
     assert_eq!(s["instances_at_exit"], 0, "{s}");
-    assert_eq!(s["posts_refused"], 1700, "{s}");
+    assert_eq!(s["posts_refused"], 3 * 1700, "{s}");
     let mut set = set;
     let stats = set.stop_and_stats();
     assert_eq!(stats[0]["jobs_at_exit"], 0);

@@ -18,7 +18,9 @@ pub(super) struct Instances {
 }
 
 /// Where an instance was found: good for [`Instances::at`] and [`Instances::at_mut`] while
-/// the instance lives (a slot reused by another instance is told apart by its key).
+/// the instance lives (a slot reused by another instance is told apart by its key; an
+/// instance of the same key made again after this one went may sit in another slot, which
+/// this one does not find: look the key up again after anything that can make instances).
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Slot(usize);
 
@@ -97,6 +99,8 @@ impl Instances {
             if *n == 0 {
                 self.by_job.remove(&job);
             }
+        } else {
+            debug_assert!(false, "an instance of job {job} went, none was counted");
         }
     }
 
