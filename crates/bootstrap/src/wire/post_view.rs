@@ -356,18 +356,24 @@ struct In<'a> {
     at: usize,
 }
 
-fn bad(what: &str) -> FrameError {
-    FrameError::Decode(format!("a post: {what}"))
+/// Why a post did not decode: a `&'static str` the size of two registers, so that every
+/// integer's `Result` comes back in registers (a `FrameError`, with its `String`, is returned
+/// through memory; the message is made once, by [`decode_post`]).
+#[derive(Clone, Copy, Debug)]
+struct Bad(&'static str);
+
+fn bad(what: &'static str) -> Bad {
+    Bad(what)
 }
 
 impl In<'_> {
-    fn byte(&mut self) -> Result<u8, FrameError> {
+    fn byte(&mut self) -> Result<u8, Bad> {
         let b = *self.buf.get(self.at).ok_or_else(|| bad("ends early"))?;
         self.at += 1;
         Ok(b)
     }
 
-    fn take<const N: usize>(&mut self) -> Result<[u8; N], FrameError> {
+    fn take<const N: usize>(&mut self) -> Result<[u8; N], Bad> {
         let b = self
             .buf
             .get(self.at..self.at + N)
@@ -378,7 +384,7 @@ impl In<'_> {
 
     /// bincode's variable-length integer (any of its spellings of a value, as bincode reads
     /// them: a marker need not be the shortest).
-    fn u64(&mut self) -> Result<u64, FrameError> {
+    fn u64(&mut self) -> Result<u64, Bad> {
         Ok(match self.byte()? {
             b @ 0..=250 => b as u64,
             251 => u16::from_le_bytes(self.take()?) as u64,
@@ -388,11 +394,11 @@ impl In<'_> {
         })
     }
 
-    fn u32(&mut self) -> Result<u32, FrameError> {
+    fn u32(&mut self) -> Result<u32, Bad> {
         u32::try_from(self.u64()?).map_err(|_| bad("a 32-bit integer out of range"))
     }
 
-    fn bool(&mut self) -> Result<bool, FrameError> {
+    fn bool(&mut self) -> Result<bool, Bad> {
         match self.byte()? {
             0 => Ok(false),
             1 => Ok(true),
@@ -401,7 +407,7 @@ impl In<'_> {
     }
 
     /// An `Option`'s tag: whether a value follows.
-    fn some(&mut self) -> Result<bool, FrameError> {
+    fn some(&mut self) -> Result<bool, Bad> {
         match self.byte()? {
             0 => Ok(false),
             1 => Ok(true),
@@ -411,7 +417,7 @@ impl In<'_> {
 
     /// A sequence's length, no more than its elements of at least `min` bytes each could
     /// fill of what is left (so that a hostile length allocates nothing it cannot fill).
-    fn len(&mut self, min: usize) -> Result<usize, FrameError> {
+    fn len(&mut self, min: usize) -> Result<usize, Bad> {
         let n = self.u64()?;
         let left = (self.buf.len() - self.at) / min;
         if n > left as u64 {
@@ -422,7 +428,7 @@ impl In<'_> {
 
     // The lists are filled by a plain loop: collecting an iterator of `Result`s costs about
     // a third more per element here.
-    fn u32s(&mut self) -> Result<Vec<u32>, FrameError> {
+    fn u32s(&mut self) -> Result<Vec<u32>, Bad> {
         let n = self.len(1)?;
         let mut v = Vec::with_capacity(n);
         for _ in 0..n {
@@ -431,7 +437,7 @@ impl In<'_> {
         Ok(v)
     }
 
-    fn u64s(&mut self) -> Result<Vec<u64>, FrameError> {
+    fn u64s(&mut self) -> Result<Vec<u64>, Bad> {
         let n = self.len(1)?;
         let mut v = Vec::with_capacity(n);
         for _ in 0..n {
@@ -440,7 +446,7 @@ impl In<'_> {
         Ok(v)
     }
 
-    fn bytes(&mut self) -> Result<Vec<u8>, FrameError> {
+    fn bytes(&mut self) -> Result<Vec<u8>, Bad> {
         let n = self.len(1)?;
         let b = self.buf[self.at..self.at + n].to_vec();
         self.at += n;
@@ -448,7 +454,7 @@ impl In<'_> {
     }
 
     /// A fieldless enum's variant index below `n`.
-    fn variant(&mut self, n: u32) -> Result<u32, FrameError> {
+    fn variant(&mut self, n: u32) -> Result<u32, Bad> {
         let v = self.u32()?;
         if v >= n {
             return Err(bad("an unknown variant"));
@@ -456,7 +462,7 @@ impl In<'_> {
         Ok(v)
     }
 
-    fn grant(&mut self) -> Result<Grant, FrameError> {
+    fn grant(&mut self) -> Result<Grant, Bad> {
         let region = self.u64()?;
         let generation = self.u32()?;
         let addr = self.u64()?;
@@ -484,7 +490,7 @@ impl In<'_> {
 }
 
 /// The variant of index `i` among `all` (a fieldless enum's every variant), by its index.
-fn by_index<T: Copy>(all: &[T], index: impl Fn(T) -> u32, i: u32) -> Result<T, FrameError> {
+fn by_index<T: Copy>(all: &[T], index: impl Fn(T) -> u32, i: u32) -> Result<T, Bad> {
     all.iter()
         .copied()
         .find(|&v| index(v) == i)
@@ -497,6 +503,10 @@ fn by_index<T: Copy>(all: &[T], index: impl Fn(T) -> u32, i: u32) -> Result<T, F
 /// bounds it (the frame reader at `MAX_FRAME_BYTES`, the ring at its entry), and a list is
 /// never longer than the bytes left, so what it allocates is bounded by the payload.
 pub fn decode_post(payload: &[u8]) -> Result<PostDesc, FrameError> {
+    read_post(payload).map_err(|Bad(what)| FrameError::Decode(format!("a post: {what}")))
+}
+
+fn read_post(payload: &[u8]) -> Result<PostDesc, Bad> {
     let mut i = In {
         buf: payload,
         at: 0,
