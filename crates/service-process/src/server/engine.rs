@@ -14,37 +14,45 @@ impl Server {
         kind: CollKind,
         len: Option<u64>,
     ) -> &mut Instance {
-        if !self.instances.contains_key(&ck) {
-            let cfg = self.kind_cfg.for_message(len);
-            let mut inst = Instance {
-                sm: drivers::new(kind, ck, self.me, &cfg),
-                posted: HashMap::new(),
-                shape: None,
-                local_ranks: None,
-                refused: None,
-                holds: Vec::new(),
-                arenas: Vec::new(),
-                first_copy_ns: 0,
-                last_copy_ns: 0,
-                copies_done: 0,
-            };
-            // What the instance holds of its family's resources for its life (the staged
-            // family's staging slots). Instances exist only for jobs with a rank connected
-            // here (a peer's message for another job is refused), so the job's uid is known.
-            let uid = self.jobs.get(&ck.job).map(|j| j.uid);
-            if let Err(why) = self
-                .resources
-                .admit(kind.facts().family, ck, uid, cfg.staged.slots)
-            {
-                // Client-caused: one job holding its share must not flood the log.
-                let line = format!("{why}; the collective {ck:?} fails");
-                self.client_warn(|| line);
-                inst.sm.abort(now_ns(self.start), Status::Aborted);
-                inst.refused = Some(why);
-            }
-            self.instances.insert(ck, inst);
+        let slot = match self.instances.slot(&ck) {
+            Some(slot) => slot,
+            None => self.new_instance(ck, kind, len),
+        };
+        self.instances
+            .at_mut(slot, &ck)
+            .expect("found or made above")
+    }
+
+    /// Makes the instance of `ck` (see [`Self::instance`]).
+    fn new_instance(&mut self, ck: CollKey, kind: CollKind, len: Option<u64>) -> Slot {
+        let cfg = self.kind_cfg.for_message(len);
+        let mut inst = Instance {
+            sm: drivers::new(kind, ck, self.me, &cfg),
+            posted: HashMap::new(),
+            shape: None,
+            local_ranks: None,
+            refused: None,
+            holds: Vec::new(),
+            arenas: Vec::new(),
+            first_copy_ns: 0,
+            last_copy_ns: 0,
+            copies_done: 0,
+        };
+        // What the instance holds of its family's resources for its life (the staged
+        // family's staging slots). Instances exist only for jobs with a rank connected
+        // here (a peer's message for another job is refused), so the job's uid is known.
+        let uid = self.jobs.get(&ck.job).map(|j| j.uid);
+        if let Err(why) = self
+            .resources
+            .admit(kind.facts().family, ck, uid, cfg.staged.slots)
+        {
+            // Client-caused: one job holding its share must not flood the log.
+            let line = format!("{why}; the collective {ck:?} fails");
+            self.client_warn(|| line);
+            inst.sm.abort(now_ns(self.start), Status::Aborted);
+            inst.refused = Some(why);
         }
-        self.instances.get_mut(&ck).expect("just inserted")
+        self.instances.insert(ck, inst)
     }
 
     pub(super) fn on_peer_msg(&mut self, key: usize, msg: SpToSp) {

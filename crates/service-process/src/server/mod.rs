@@ -36,6 +36,7 @@ mod copies;
 mod engine;
 mod hosts;
 mod instances;
+use instances::Slot;
 mod jobs;
 mod post;
 mod resources;
