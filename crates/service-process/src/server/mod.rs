@@ -66,9 +66,9 @@ use slab::Slab;
 use std::collections::{HashMap, HashSet};
 
 /// A map or set whose keys this SP or the kernel chooses (tickets, connection serials, SP
-/// numbers of the cluster file, uids): hashed with foldhash, about three times cheaper per
-/// lookup than std's SipHash on this path, and seeded per map, which is enough where no host
-/// picks the keys. A map whose keys a host or its launcher chooses (collective keys, job ids,
+/// numbers of the cluster file, uids): hashed with foldhash, cheaper per lookup than std's
+/// SipHash (not measured alone; the split as a whole in docs/BENCHMARKS.md O), and seeded
+/// per map, which is enough where no host picks the keys. A map whose keys a host or its launcher chooses (collective keys, job ids,
 /// world ranks, comm ranks) keeps std's keyed SipHash: a host that could make its keys
 /// collide would slow every job this SP serves (foldhash does not claim to resist an
 /// attacker that watches the SP's timing or order; SipHash's key is meant to).
